@@ -1,0 +1,83 @@
+"""The unit of a schedule: one compute action of one pipeline rank.
+
+A schedule is data: for every pipeline rank, the ordered list of :class:`Action`. The
+simulator, the drawing code, the communication planner and the executor all read that list,
+so what is drawn and timed is exactly what runs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, List, Sequence, Tuple
+
+#: Forward.
+F = "F"
+#: Backward for the inputs only; the weight gradient is deferred to a later ``W``.
+B = "B"
+#: Full backward: input and weight gradients together.
+BW = "BW"
+#: A deferred weight gradient of an earlier ``B``.
+W = "W"
+OPS = (F, B, BW, W)
+
+
+@dataclass(frozen=True)
+class Action:
+    """One compute action.
+
+    ``dir`` is the direction of the micro-batch's pipeline: 0 for micro-batches that enter at
+    pipeline rank 0, 1 for those that enter at rank pp-1 (DualPipe). For DualPipeV, 0 is the
+    chunk holding stages 0..pp-1 and 1 the chunk holding stages pp..2pp-1 (the way back up the
+    "V"); a micro-batch passes through both. ``mb`` counts micro-batches within a direction
+    from 0 (for DualPipeV both chunks use the same index). ``stage`` is the model stage index
+    along the micro-batch's route. ``overlap`` marks an F that runs as one unit with the
+    backward that follows it on the same rank (DeepSeek's overlapped F&B).
+    """
+
+    op: str
+    dir: int
+    mb: int
+    stage: int
+    overlap: bool = False
+
+    @property
+    def is_backward(self) -> bool:
+        return self.op in (B, BW)
+
+    def to_json(self) -> dict:
+        d = {"op": self.op, "dir": self.dir, "mb": self.mb, "stage": self.stage}
+        if self.overlap:
+            d["overlap"] = True
+        return d
+
+    @staticmethod
+    def from_json(d: dict) -> "Action":
+        return Action(d["op"], int(d["dir"]), int(d["mb"]), int(d["stage"]), bool(d.get("overlap", False)))
+
+    def __str__(self) -> str:
+        # Short form in the spirit of torch.distributed.pipelining: "F0.3" is the forward of
+        # micro-batch 3 of direction 0; a trailing "+" marks an F fused with the next backward.
+        return f"{self.op}{self.dir}.{self.mb}{'+' if self.overlap else ''}"
+
+
+RankActions = Tuple[Action, ...]
+
+
+def parse_action(text: str, stage: int) -> Action:
+    """Inverse of ``str(action)`` given the stage (the short form leaves it out)."""
+    overlap = text.endswith("+")
+    body = text[:-1] if overlap else text
+    op = "BW" if body.startswith("BW") else body[0]
+    d, mb = body[len(op):].split(".")
+    return Action(op, int(d), int(mb), stage, overlap)
+
+
+def format_grid(ranks: Sequence[Iterable[Action]], mark: Tuple[int, int] | None = None) -> str:
+    """Rank-by-step text grid; ``mark=(rank, index)`` brackets one action (used in errors)."""
+    lines: List[str] = []
+    for r, acts in enumerate(ranks):
+        cells = []
+        for i, a in enumerate(acts):
+            s = str(a)
+            cells.append(f"[{s}]" if mark == (r, i) else s)
+        lines.append(f"rank {r:>2}: " + " ".join(cells))
+    return "\n".join(lines)

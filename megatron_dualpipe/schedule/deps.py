@@ -1,0 +1,44 @@
+"""The one dependency rule: what an action waits for.
+
+Used by the simulator, by the schedule validator and (through the communication planner) by
+the executor, so the three can never disagree about when an action is ready.
+
+* F(d, mb, s) waits for the F of the previous stage on the micro-batch's route.
+* B or BW(d, mb, s) waits for its own F and for the backward (B or BW) of the next stage.
+* W(d, mb, s) waits for its own B.
+"""
+from __future__ import annotations
+
+from typing import List, Tuple
+
+from .actions import B, BW, F, W, Action
+from .layout import Layout
+
+#: A completion event: ("F" | "B" | "W", dir, mb, stage). B and BW both complete "B".
+Event = Tuple[str, int, int, int]
+
+
+def event_of(a: Action) -> Event:
+    """The event an action completes."""
+    kind = "B" if a.op in (B, BW) else a.op
+    return (kind, a.dir, a.mb, a.stage)
+
+
+def waits_for(layout: Layout, a: Action) -> List[Event]:
+    """Events this action needs before it can start."""
+    if a.op == F:
+        prev = layout.prev_hop(a.dir, a.stage)
+        return [] if prev is None else [(F, prev[0], a.mb, prev[1])]
+    if a.op in (B, BW):
+        deps: List[Event] = [(F, a.dir, a.mb, a.stage)]
+        nxt = layout.next_hop(a.dir, a.stage)
+        if nxt is not None:
+            deps.append(("B", nxt[0], a.mb, nxt[1]))
+        return deps
+    if a.op == W:
+        return [("B", a.dir, a.mb, a.stage)]
+    raise ValueError(f"unknown op {a.op!r}")
+
+
+def event_rank(layout: Layout, e: Event) -> int:
+    return layout.rank_of(e[1], e[3])

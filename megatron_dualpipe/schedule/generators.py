@@ -1,0 +1,242 @@
+"""Pure generators: (schedule name, pp, M) -> the ordered actions of every pipeline rank.
+
+No torch, no processes: the lists can be tested, simulated and drawn anywhere.
+
+DualPipe and DualPipeV share one generator, :func:`_dualpipe_rank`, which follows DeepSeek's
+reference ``step()`` loop by loop (the eight ``# Step k`` headers below are the reference's).
+The two schedules differ only in four numbers and in how the reference's "phase" maps to a
+direction, which :class:`_Recorder` handles.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Tuple
+
+from .actions import B, BW, F, W, Action, RankActions
+from .layout import BIDIRECTIONAL, UNIDIRECTIONAL, V_SHAPE, Layout
+
+SCHEDULES = ("1f1b", "zb-h1", "dualpipe", "dualpipev")
+
+
+class ScheduleError(ValueError):
+    """A schedule cannot be built for these arguments; the message says what would work."""
+
+
+@dataclass(frozen=True)
+class Schedule:
+    name: str
+    pp: int
+    microbatches: int
+    layout: Layout
+    ranks: Tuple[RankActions, ...]
+
+    def to_json(self) -> dict:
+        return {
+            "schedule": self.name,
+            "pp": self.pp,
+            "microbatches": self.microbatches,
+            "ranks": [[a.to_json() for a in acts] for acts in self.ranks],
+        }
+
+    def microbatches_per_direction(self) -> Dict[int, int]:
+        counts: Dict[int, int] = {}
+        for acts in self.ranks:
+            for a in acts:
+                if a.op == F:
+                    counts[a.dir] = max(counts.get(a.dir, 0), a.mb + 1)
+        return counts
+
+
+def layout_for(name: str, pp: int) -> Layout:
+    kind = {"1f1b": UNIDIRECTIONAL, "zb-h1": UNIDIRECTIONAL, "dualpipe": BIDIRECTIONAL, "dualpipev": V_SHAPE}[name]
+    return Layout(kind, pp)
+
+
+def validate(name: str, pp: int, microbatches: int) -> None:
+    """Raise :class:`ScheduleError` naming what would work. Padding is the executor's job."""
+    if name not in SCHEDULES:
+        raise ScheduleError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
+    if not isinstance(pp, int) or pp < 1:
+        raise ScheduleError(f"pipeline size must be a positive integer, got {pp!r}")
+    if not isinstance(microbatches, int) or microbatches < 1:
+        raise ScheduleError(f"number of micro-batches must be a positive integer, got {microbatches!r}")
+    if name == "dualpipe":
+        if pp < 2 or pp % 2:
+            raise ScheduleError(
+                f"dualpipe needs an even pipeline size >= 2, got pp={pp}; use pp={max(2, pp + pp % 2)} or dualpipev")
+        if microbatches < 2 * pp or microbatches % 2:
+            need = max(2 * pp, microbatches + microbatches % 2)
+            raise ScheduleError(
+                f"dualpipe needs an even number of micro-batches >= 2*pp={2 * pp}, got {microbatches}; "
+                f"use {need} (the executor pads with fake micro-batches when pp <= M)")
+    if name == "dualpipev" and microbatches < 2 * pp:
+        raise ScheduleError(
+            f"dualpipev needs at least 2*pp={2 * pp} micro-batches, got {microbatches}; use {2 * pp} "
+            f"(the executor pads with fake micro-batches when pp <= M)")
+
+
+def build_schedule(name: str, pp: int, microbatches: int) -> Schedule:
+    validate(name, pp, microbatches)
+    layout = layout_for(name, pp)
+    build: Callable[[Layout, int, int], List[Action]] = _BUILDERS[name]
+    ranks = tuple(tuple(build(layout, microbatches, r)) for r in range(pp))
+    return Schedule(name, pp, microbatches, layout, ranks)
+
+
+# ---------------------------------------------------------------------------------------------
+# 1F1B and ZB-H1
+# ---------------------------------------------------------------------------------------------
+
+def _one_f_one_b_rank(layout: Layout, m: int, rank: int, zero_bubble: bool = False) -> List[Action]:
+    """Megatron's non-interleaved 1F1B; with ``zero_bubble``, ZB-H1.
+
+    Warm-up runs pp-1-rank forwards; the steady state alternates F and backward; the cool-down
+    runs the remaining backwards. ZB-H1 splits each backward into B and W and lets rank r keep
+    r weight gradients pending, so the last ranks fill their cool-down idle time with W
+    (the Zero Bubble paper's handcrafted ZB-H1, same peak activations as 1F1B).
+    """
+    stage = rank
+    warmup = min(layout.pp - 1 - rank, m)
+    acts: List[Action] = [Action(F, 0, i, stage) for i in range(warmup)]
+    pending_w: deque = deque()
+    bwd_op = B if zero_bubble else BW
+
+    def backward(i: int) -> None:
+        acts.append(Action(bwd_op, 0, i, stage))
+        if zero_bubble:
+            pending_w.append(i)
+            if len(pending_w) > rank:
+                acts.append(Action(W, 0, pending_w.popleft(), stage))
+
+    for i in range(m - warmup):
+        acts.append(Action(F, 0, warmup + i, stage))
+        backward(i)
+    for i in range(m - warmup, m):
+        backward(i)
+    while pending_w:
+        acts.append(Action(W, 0, pending_w.popleft(), stage))
+    return acts
+
+
+def _zb_h1_rank(layout: Layout, m: int, rank: int) -> List[Action]:
+    return _one_f_one_b_rank(layout, m, rank, zero_bubble=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# DualPipe and DualPipeV
+# ---------------------------------------------------------------------------------------------
+
+class _Recorder:
+    """Records the reference's compute calls as actions.
+
+    The reference speaks of "phases": phase p of a rank in the second half of DualPipe is
+    direction 1-p (``phase ^= is_in_second_half``); in DualPipeV the phase is the direction.
+    Micro-batches are numbered per direction in the order the rank meets them, and deferred
+    weight gradients are popped first-in first-out, as the reference's WeightGradStore does.
+    """
+
+    def __init__(self, layout: Layout, rank: int, flip: bool):
+        self.layout, self.rank, self.flip = layout, rank, flip
+        self.acts: List[Action] = []
+        self.next_f = [0, 0]
+        self.next_b = [0, 0]
+        self.deferred: deque = deque()
+
+    def _dir(self, phase: int) -> int:
+        return phase ^ int(self.flip)
+
+    def _stage(self, d: int) -> int:
+        return self.layout.stage_on(self.rank, d)
+
+    def forward(self, phase: int, overlap: bool = False) -> None:
+        d = self._dir(phase)
+        self.acts.append(Action(F, d, self.next_f[d], self._stage(d), overlap))
+        self.next_f[d] += 1
+
+    def backward(self, phase: int, zero_bubble: bool = False) -> None:
+        d = self._dir(phase)
+        a = Action(B if zero_bubble else BW, d, self.next_b[d], self._stage(d))
+        self.next_b[d] += 1
+        self.acts.append(a)
+        if zero_bubble:
+            self.deferred.append(a)
+
+    def forward_backward(self, phase_f: int, phase_b: int) -> None:
+        self.forward(phase_f, overlap=True)
+        self.backward(phase_b)
+
+    def weight(self) -> None:
+        b = self.deferred.popleft()
+        self.acts.append(Action(W, b.dir, b.mb, b.stage))
+
+
+def _dualpipe_steps(rec: _Recorder, n: int, r: int, chunks: int, middle: bool) -> None:
+    """DeepSeek's ``step()``: ``n`` ranks per half, half-rank ``r``, ``chunks`` per direction.
+
+    For DualPipe n = pp/2, r = min(rank, pp-1-rank), chunks = M/2 and ``middle`` is a rank next
+    to the fold; for DualPipeV n = pp, r = rank, chunks = M and ``middle`` is the last rank.
+    """
+    # Step 1: nF0
+    for _ in range((n - r - 1) * 2):
+        rec.forward(0)
+    # Step 2: nF0F1
+    for _ in range(r + 1):
+        rec.forward(0)
+        rec.forward(1)
+    # Step 3: nB1W1F1 (Use zero bubble)
+    for _ in range(n - r - 1):
+        rec.backward(1, zero_bubble=True)
+        rec.weight()
+        rec.forward(1)
+    # Step 4 (Main step): nF0B1F1B0
+    for i in range(chunks - 2 * n + r + 1):
+        if i == 0 and middle:
+            # The reference does not overlap these two, to shorten the bubble at the fold.
+            rec.forward(0)
+            rec.backward(1)
+        else:
+            rec.forward_backward(0, 1)
+        rec.forward_backward(1, 0)
+    # Step 5: nB1F1B0
+    for _ in range(n - r - 1):
+        rec.backward(1)
+        rec.forward_backward(1, 0)
+    # Step 6: nB1B0 (The second half of the chunks use zero bubble)
+    steps = r + 1
+    zero_bubble = False
+    for i in range(steps):
+        if i == steps // 2 and r % 2 == 1:
+            zero_bubble = True
+        rec.backward(1, zero_bubble)
+        if i == steps // 2 and r % 2 == 0:
+            zero_bubble = True
+        rec.backward(0, zero_bubble)
+    # Step 7: nWB0 (Use zero bubble)
+    for _ in range(n - r - 1):
+        rec.weight()
+        rec.backward(0, zero_bubble=True)
+    # Step 8: nW
+    for _ in range(r + 1):
+        rec.weight()
+    assert not rec.deferred, "every deferred weight gradient must have run"
+
+
+def _dualpipe_rank(layout: Layout, m: int, rank: int) -> List[Action]:
+    pp = layout.pp
+    if layout.kind == BIDIRECTIONAL:
+        n, r, chunks = pp // 2, min(rank, pp - 1 - rank), m // 2
+        rec = _Recorder(layout, rank, flip=rank >= pp // 2)
+    else:
+        n, r, chunks = pp, rank, m
+        rec = _Recorder(layout, rank, flip=False)
+    _dualpipe_steps(rec, n, r, chunks, middle=(r == n - 1))
+    return rec.acts
+
+
+_BUILDERS: Dict[str, Callable[[Layout, int, int], List[Action]]] = {
+    "1f1b": _one_f_one_b_rank,
+    "zb-h1": _zb_h1_rank,
+    "dualpipe": _dualpipe_rank,
+    "dualpipev": _dualpipe_rank,
+}

@@ -1,0 +1,82 @@
+"""Where each model stage lives, and the route a micro-batch takes through the stages.
+
+Three layouts cover the schedules we build:
+
+* ``unidirectional`` (1F1B, ZB-H1): stage s of direction 0 on rank s.
+* ``bidirectional`` (DualPipe): direction 0 has stage s on rank s; direction 1 has stage s on
+  rank pp-1-s. Every rank therefore holds two stages: s=i for direction 0 and s=pp-1-i for
+  direction 1 (model[0] and model[1] of the Megatron integration).
+* ``v`` (DualPipeV): one micro-batch route of 2*pp stages folded into a V. Stages 0..pp-1
+  (direction 0) run down the ranks, stage s on rank s; stages pp..2pp-1 (direction 1) run back
+  up, stage s on rank 2*pp-1-s. The turn at rank pp-1 stays on one rank.
+
+The dependency rule (``deps``), the simulator and the communication planner ask only this
+module where a stage is and which stage comes before or after it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+UNIDIRECTIONAL = "unidirectional"
+BIDIRECTIONAL = "bidirectional"
+V_SHAPE = "v"
+
+Hop = Tuple[int, int]  # (dir, stage)
+
+
+@dataclass(frozen=True)
+class Layout:
+    kind: str
+    pp: int
+
+    @property
+    def directions(self) -> Tuple[int, ...]:
+        return (0, 1) if self.kind != UNIDIRECTIONAL else (0,)
+
+    @property
+    def entry_directions(self) -> Tuple[int, ...]:
+        """Directions whose micro-batches are read from data (DualPipeV has one route)."""
+        return (0, 1) if self.kind == BIDIRECTIONAL else (0,)
+
+    def stages(self, d: int) -> range:
+        if self.kind == V_SHAPE and d == 1:
+            return range(self.pp, 2 * self.pp)
+        return range(self.pp)
+
+    def rank_of(self, d: int, stage: int) -> int:
+        if self.kind == BIDIRECTIONAL and d == 1:
+            return self.pp - 1 - stage
+        if self.kind == V_SHAPE and d == 1:
+            return 2 * self.pp - 1 - stage
+        return stage
+
+    def stage_on(self, rank: int, d: int) -> int:
+        """The stage of direction ``d`` held by ``rank``."""
+        if self.kind == BIDIRECTIONAL and d == 1:
+            return self.pp - 1 - rank
+        if self.kind == V_SHAPE and d == 1:
+            return 2 * self.pp - 1 - rank
+        return rank
+
+    def next_hop(self, d: int, stage: int) -> Optional[Hop]:
+        """The stage after (d, stage) on the micro-batch's route, or None at the loss."""
+        if self.kind == V_SHAPE:
+            if d == 0:
+                return (0, stage + 1) if stage + 1 < self.pp else (1, self.pp)
+            return (1, stage + 1) if stage + 1 < 2 * self.pp else None
+        return (d, stage + 1) if stage + 1 < self.pp else None
+
+    def prev_hop(self, d: int, stage: int) -> Optional[Hop]:
+        """The stage before (d, stage), or None where the micro-batch is read from data."""
+        if self.kind == V_SHAPE:
+            if d == 1:
+                return (1, stage - 1) if stage > self.pp else (0, self.pp - 1)
+            return (0, stage - 1) if stage > 0 else None
+        return (d, stage - 1) if stage > 0 else None
+
+    def is_first(self, d: int, stage: int) -> bool:
+        return self.prev_hop(d, stage) is None
+
+    def is_last(self, d: int, stage: int) -> bool:
+        return self.next_hop(d, stage) is None
