@@ -1,0 +1,281 @@
+"""The communication pass: which tensors each rank sends and receives around each action.
+
+Compute-only schedules come from ``generators``; this pass adds the point-to-point traffic
+that the executor carries out, and checks it before anything runs:
+
+* Before each execution unit (one action, or an overlapped F with its backward) a rank posts
+  ONE batch: the sends produced by its previous unit, and the receives its unit needs. The
+  executor turns each batch into one ``batch_isend_irecv``, as DeepSeek's reference does.
+* Where that would deadlock (two ranks each sending to the other before either receives), the
+  planner moves the receive earlier, into the batch the receiving rank is blocked in: that is
+  the prefetching DeepSeek's reference does by hand (``_recv_forward`` ahead of its use).
+* Between two ranks, messages in one direction are matched in posting order (NCCL matches
+  point-to-point operations in order; tensors of one shape cannot be told apart). The
+  checker proves that, for every ordered pair of ranks, the sender's order equals the
+  receiver's order, and that the batches complete under the strictest semantics (a batch
+  finishes only when all its operations have been matched), so the plan cannot deadlock on
+  NCCL or gloo.
+
+A transfer's label says what it carries: ``("act" | "grad", dir, mb, stage)``, where ``stage``
+is the stage that consumes it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Sequence, Tuple
+
+from .actions import F, Action
+from .layout import Layout
+from .simulate import units
+
+Label = Tuple[str, int, int, int]
+
+
+@dataclass(frozen=True)
+class Transfer:
+    peer: int
+    label: Label
+
+
+@dataclass
+class Batch:
+    """Operations posted together before unit ``unit`` (``unit == len(units)``: the final flush)."""
+
+    unit: int
+    sends: List[Transfer] = field(default_factory=list)
+    recvs: List[Transfer] = field(default_factory=list)
+
+
+@dataclass
+class RankPlan:
+    units: List[Tuple[int, ...]]
+    batches: List[Batch]
+
+
+class CommPlanError(RuntimeError):
+    pass
+
+
+def needs(layout: Layout, rank: int, a: Action) -> List[Transfer]:
+    """What ``a`` must receive from another rank before it runs."""
+    if a.op == F:
+        prev = layout.prev_hop(a.dir, a.stage)
+        if prev is not None and layout.rank_of(*prev) != rank:
+            return [Transfer(layout.rank_of(*prev), ("act", a.dir, a.mb, a.stage))]
+    elif a.is_backward:
+        nxt = layout.next_hop(a.dir, a.stage)
+        if nxt is not None and layout.rank_of(*nxt) != rank:
+            return [Transfer(layout.rank_of(*nxt), ("grad", a.dir, a.mb, a.stage))]
+    return []
+
+
+def produces(layout: Layout, rank: int, a: Action) -> List[Transfer]:
+    """What ``a`` sends to another rank after it runs."""
+    if a.op == F:
+        nxt = layout.next_hop(a.dir, a.stage)
+        if nxt is not None and layout.rank_of(*nxt) != rank:
+            return [Transfer(layout.rank_of(*nxt), ("act", nxt[0], a.mb, nxt[1]))]
+    elif a.is_backward:
+        prev = layout.prev_hop(a.dir, a.stage)
+        if prev is not None and layout.rank_of(*prev) != rank:
+            return [Transfer(layout.rank_of(*prev), ("grad", prev[0], a.mb, prev[1]))]
+    return []
+
+
+def plan(layout: Layout, ranks: Sequence[Sequence[Action]]) -> List[RankPlan]:
+    """Plan every rank and check the plan (raises :class:`CommPlanError`).
+
+    A receive is posted no later than the unit that needs it, and the receives of one channel
+    are posted in the order the peer sends them; where the peer sends a message earlier than
+    this rank needs it, the receive is posted early (prefetched) to keep that order.
+    """
+    unit_lists = [units(acts) for acts in ranks]
+    sends_after: List[List[List[Transfer]]] = []
+    need_unit: List[Dict[Label, int]] = []
+    channel_order: Dict[Tuple[int, int], List[Label]] = {}
+    for r, (acts, us) in enumerate(zip(ranks, unit_lists)):
+        sends_after.append([[t for i in u for t in produces(layout, r, acts[i])] for u in us])
+        need_unit.append({t.label: k for k, u in enumerate(us) for i in u for t in needs(layout, r, acts[i])})
+        for per_unit in sends_after[-1]:
+            for t in per_unit:
+                channel_order.setdefault((r, t.peer), []).append(t.label)
+
+    post_unit: List[Dict[int, List[Transfer]]] = [dict() for _ in ranks]
+    for (src, dst), labels in sorted(channel_order.items()):
+        latest = len(unit_lists[dst])
+        slots = []
+        for label in reversed(labels):
+            if label not in need_unit[dst]:
+                raise CommPlanError(f"rank {src} sends {label} to rank {dst}, which never uses it")
+            latest = min(latest, need_unit[dst][label])
+            slots.append((latest, label))
+        for k, label in reversed(slots):
+            post_unit[dst].setdefault(k, []).append(Transfer(src, label))
+
+    plans = []
+    for r, us in enumerate(unit_lists):
+        batches = []
+        for k in range(len(us) + 1):
+            sends = sends_after[r][k - 1] if k > 0 else []
+            recvs = post_unit[r].get(k, [])
+            if sends or recvs:
+                batches.append(Batch(k, list(sends), list(recvs)))
+        plans.append(RankPlan(us, batches))
+    _prefetch_where_needed(plans)
+    check(plans)
+    return plans
+
+
+def _prefetch_where_needed(plans: List[RankPlan]) -> None:
+    """Run the batches under strict semantics; when every rank is blocked, pull the receive
+    that matches a blocked send into the receiver's current batch (with any earlier receives
+    on the same channel, to keep the channel's order)."""
+    n = len(plans)
+    at = [0] * n
+    while True:
+        progress = True
+        while progress:
+            progress = False
+            state = _Matching(plans, at)
+            for r in range(n):
+                if at[r] < len(plans[r].batches) and state.batch_done(r):
+                    at[r] += 1
+                    progress = True
+        if all(at[r] >= len(plans[r].batches) for r in range(n)):
+            return
+        state = _Matching(plans, at)
+        pulled = False
+        for r in range(n):
+            if at[r] >= len(plans[r].batches):
+                continue
+            for t in plans[r].batches[at[r]].sends:
+                q = t.peer
+                if at[q] >= len(plans[q].batches):
+                    continue
+                target = plans[q].batches[at[q]]
+                # find the receives on channel (r -> q) not yet posted, in order, up to this one
+                moved = []
+                for b in plans[q].batches[at[q] + 1:]:
+                    for x in list(b.recvs):
+                        if x.peer == r and not state.recv_posted(q, x):
+                            moved.append((b, x))
+                            if x.label == t.label:
+                                break
+                    else:
+                        continue
+                    break
+                if moved and moved[-1][1].label == t.label:
+                    for b, x in moved:
+                        b.recvs.remove(x)
+                        target.recvs.append(x)
+                    pulled = True
+                    break
+            if pulled:
+                break
+        if not pulled:
+            return  # a true cycle; check() reports it
+
+
+class _Matching:
+    """Which operations are posted, given the batch each rank is blocked in."""
+
+    def __init__(self, plans: Sequence[RankPlan], at: Sequence[int]):
+        self.plans = plans
+        self.sends: Dict[Tuple[int, int], List[Label]] = {}
+        self.recvs: Dict[Tuple[int, int], List[Label]] = {}
+        for r, p in enumerate(plans):
+            for b in p.batches[: at[r] + 1]:
+                for t in b.sends:
+                    self.sends.setdefault((r, t.peer), []).append(t.label)
+                for t in b.recvs:
+                    self.recvs.setdefault((t.peer, r), []).append(t.label)
+        self.at = at
+
+    def recv_posted(self, q: int, t: Transfer) -> bool:
+        return t.label in self.recvs.get((t.peer, q), [])
+
+    def batch_done(self, r: int) -> bool:
+        b = self.plans[r].batches[self.at[r]]
+        for t in b.sends:
+            if t.label not in self.recvs.get((r, t.peer), []):
+                return False
+        for t in b.recvs:
+            if t.label not in self.sends.get((t.peer, r), []):
+                return False
+        return True
+
+
+def check(plans: Sequence[RankPlan]) -> None:
+    sent: Dict[Tuple[int, int], List[Label]] = {}
+    received: Dict[Tuple[int, int], List[Label]] = {}
+    for r, p in enumerate(plans):
+        for b in p.batches:
+            for t in b.sends:
+                sent.setdefault((r, t.peer), []).append(t.label)
+            for t in b.recvs:
+                received.setdefault((t.peer, r), []).append(t.label)
+    for channel in sorted(set(sent) | set(received)):
+        s, rcv = sent.get(channel, []), received.get(channel, [])
+        if s != rcv:
+            i = next((i for i, (x, y) in enumerate(zip(s, rcv)) if x != y), min(len(s), len(rcv)))
+            raise CommPlanError(
+                f"rank {channel[0]} -> rank {channel[1]}: message {i} is sent as "
+                f"{s[i] if i < len(s) else 'nothing'} but received as {rcv[i] if i < len(rcv) else 'nothing'}")
+    _check_progress(plans)
+
+
+def _check_progress(plans: Sequence[RankPlan]) -> None:
+    """Batches complete only when every operation in them is matched (NCCL group semantics)."""
+    n = len(plans)
+    at = [0] * n                       # index of the batch each rank is blocked in
+    posted_s: Dict[Tuple[int, int], int] = {}  # how many sends on a channel have been posted
+    posted_r: Dict[Tuple[int, int], int] = {}
+    order_s: List[List[List[Tuple[Tuple[int, int], int]]]] = []  # per rank, per batch, (channel, index)
+    order_r: List[List[List[Tuple[Tuple[int, int], int]]]] = []
+    count_s: Dict[Tuple[int, int], int] = {}
+    count_r: Dict[Tuple[int, int], int] = {}
+    for r, p in enumerate(plans):
+        order_s.append([])
+        order_r.append([])
+        for b in p.batches:
+            ss, rr = [], []
+            for t in b.sends:
+                ch = (r, t.peer)
+                ss.append((ch, count_s.get(ch, 0)))
+                count_s[ch] = count_s.get(ch, 0) + 1
+            for t in b.recvs:
+                ch = (t.peer, r)
+                rr.append((ch, count_r.get(ch, 0)))
+                count_r[ch] = count_r.get(ch, 0) + 1
+            order_s[-1].append(ss)
+            order_r[-1].append(rr)
+
+    def post(r: int) -> None:
+        if at[r] < len(plans[r].batches):
+            for ch, i in order_s[r][at[r]]:
+                posted_s[ch] = max(posted_s.get(ch, 0), i + 1)
+            for ch, i in order_r[r][at[r]]:
+                posted_r[ch] = max(posted_r.get(ch, 0), i + 1)
+
+    for r in range(n):
+        post(r)
+    progress = True
+    while progress:
+        progress = False
+        for r in range(n):
+            if at[r] >= len(plans[r].batches):
+                continue
+            ok = all(posted_r.get(ch, 0) > i for ch, i in order_s[r][at[r]]) and \
+                all(posted_s.get(ch, 0) > i for ch, i in order_r[r][at[r]])
+            if ok:
+                at[r] += 1
+                post(r)
+                progress = True
+    stuck = [r for r in range(n) if at[r] < len(plans[r].batches)]
+    if stuck:
+        parts = []
+        for r in stuck:
+            b = plans[r].batches[at[r]]
+            parts.append(f"rank {r} before unit {b.unit}: sends {[(t.peer, t.label) for t in b.sends]} "
+                         f"recvs {[(t.peer, t.label) for t in b.recvs]}")
+        raise CommPlanError("communication plan deadlocks: " + "; ".join(parts))

@@ -1,0 +1,28 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron-dualpipe",
+    version="0.1.0",
+    description="DeepSeek's DualPipe and DualPipeV pipeline schedules for Megatron-LM",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megatron_dualpipe", "megatron_dualpipe.*"]),
+    include_package_data=True,
+    package_data={"megatron_dualpipe": ["py.typed"]},
+    install_requires=[
+        # Install torch first with the build your machines need (CPU: torch==2.13.0); this
+        # range is satisfied by it and pulls nothing more.
+        "torch>=2.4",
+        "megatron-core>=0.16.1,<0.17",
+        "numpy",
+        "matplotlib",
+    ],
+    extras_require={
+        # GPU users: transformer-engine gives the fused kernels and delay_wgrad_compute.
+        # apex is built from NVIDIA's source (see README); it is never required.
+        "gpu": ["transformer-engine[pytorch]"],
+        "test": ["pytest>=7", "pytest-xdist", "pytest-timeout"],
+    },
+    entry_points={"console_scripts": ["megatron-dualpipe=megatron_dualpipe.cli:main"]},
+)
