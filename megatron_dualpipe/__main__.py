@@ -1,0 +1,7 @@
+"""``python -m megatron_dualpipe``: the ``megatron-dualpipe`` command line."""
+import sys
+
+from .cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())
