@@ -1,0 +1,277 @@
+"""``--pipeline-schedule`` and friends for Megatron-LM's argument parser.
+
+Flags (added to every ``megatron.training.arguments.parse_args`` parser once :func:`install` ran):
+
+``--pipeline-schedule {1f1b,dualpipe,dualpipev}``
+    ``1f1b`` (default) keeps Megatron's own schedule selection untouched (1F1B, or interleaved
+    1F1B when a virtual pipeline is configured). ``dualpipe`` is DeepSeek's bidirectional
+    DualPipe (two model copies per rank, ``pp`` even); ``dualpipev`` is the "cut-in-half" V
+    variant (two chunks of ``num_layers / (2*pp)`` layers per rank).
+``--dualpipe-zero-bubble`` / ``--no-dualpipe-zero-bubble``
+    Split backward into input-grad (B) and weight-grad (W) steps to fill bubbles (default on).
+``--dualpipe-p2p-timeout SECONDS``
+    Timeout of one schedule step's batched P2P exchange (default: the process group's timeout).
+
+How the flags reach Megatron (see :func:`install`): ``parse_args`` (``arguments.py``) looks up
+the module global ``add_megatron_arguments`` at call time, so wrapping that attribute adds the
+flags to the parser no matter which ``extra_args_provider`` the script passes
+(``pretrain_gpt.py`` passes its own). The DualPipe checks run right after Megatron's
+``validate_args``, wrapped both as ``megatron.training.arguments.validate_args`` and as the
+by-name import ``megatron.training.initialize.validate_args`` (which is what
+``initialize_megatron`` calls), and after ``initialize.validate_yaml`` for ``--yaml-cfg`` runs.
+They need the values ``validate_args`` derives (``data_parallel_size``,
+``virtual_pipeline_model_parallel_size``).
+
+With ``--pipeline-schedule 1f1b`` the only difference to stock Megatron is that ``args`` carries
+the three extra attributes; no check runs and no value is changed.
+"""
+
+import functools
+
+PIPELINE_SCHEDULES = ("1f1b", "dualpipe", "dualpipev")
+DUALPIPE_SCHEDULES = ("dualpipe", "dualpipev")
+
+_GROUP_TITLE = "DualPipe pipeline schedule (megatron_dualpipe)"
+
+
+class DualPipeArgumentError(ValueError):
+    """An argument combination the DualPipe schedules cannot run."""
+
+
+def add_dualpipe_arguments(parser):
+    """Add the DualPipe flags to an ``argparse`` parser and return it (idempotent)."""
+    if any("--pipeline-schedule" in a.option_strings for a in parser._actions):
+        return parser
+    group = parser.add_argument_group(title=_GROUP_TITLE)
+    group.add_argument(
+        "--pipeline-schedule",
+        type=str,
+        default="1f1b",
+        choices=PIPELINE_SCHEDULES,
+        help="Pipeline schedule. 1f1b: Megatron's own (1F1B, or interleaved 1F1B with a "
+        "virtual pipeline). dualpipe: DeepSeek DualPipe, bidirectional, two model copies per "
+        "rank, needs an even pipeline size. dualpipev: DualPipeV, two V-shaped chunks per rank.",
+    )
+    group.add_argument(
+        "--dualpipe-zero-bubble",
+        action="store_true",
+        dest="dualpipe_zero_bubble",
+        default=True,
+        help="Split backward into input-grad and deferred weight-grad steps (default).",
+    )
+    group.add_argument(
+        "--no-dualpipe-zero-bubble",
+        action="store_false",
+        dest="dualpipe_zero_bubble",
+        help="Run the full backward (input and weight grads) in one step.",
+    )
+    group.add_argument(
+        "--dualpipe-p2p-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="Timeout in seconds for one DualPipe step's batched P2P exchange "
+        "(default: the process group timeout, --distributed-timeout-minutes).",
+    )
+    return parser
+
+
+def num_microbatches(args) -> int:
+    """Micro-batches per global batch and data-parallel rank, as Megatron computes it."""
+    dp = getattr(args, "data_parallel_size", None) or 1
+    return args.global_batch_size // (args.micro_batch_size * dp)
+
+
+def dualpipe_problems(args):
+    """Return a list of messages, one per violated constraint (empty if fine or 1f1b).
+
+    ``args`` must already have been through Megatron's ``validate_args``.
+    """
+    schedule = getattr(args, "pipeline_schedule", "1f1b")
+    if schedule not in DUALPIPE_SCHEDULES:
+        return []
+    problems = []
+    flag = f"--pipeline-schedule {schedule}"
+    pp = args.pipeline_model_parallel_size
+
+    def bad(msg):
+        problems.append(f"{flag}: {msg}")
+
+    # Pipeline size.
+    if pp < 2:
+        bad(
+            f"needs --pipeline-model-parallel-size >= 2 (got {pp}); increase it or use "
+            "--pipeline-schedule 1f1b"
+        )
+    elif schedule == "dualpipe" and pp % 2 != 0:
+        bad(
+            f"needs an even --pipeline-model-parallel-size (got {pp}): ranks i and pp-1-i hold "
+            "mirrored copies of the same stages; change --pipeline-model-parallel-size or use "
+            "--pipeline-schedule dualpipev"
+        )
+
+    # Layer layout.
+    if (
+        getattr(args, "num_layers_per_virtual_pipeline_stage", None) is not None
+        or getattr(args, "num_virtual_stages_per_pipeline_rank", None) is not None
+    ):
+        bad(
+            "cannot be combined with a virtual pipeline; remove "
+            "--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank "
+            f"({schedule} already places two chunks on every rank)"
+        )
+    if getattr(args, "pipeline_model_parallel_layout", None) is not None:
+        bad("does not support --pipeline-model-parallel-layout; remove it")
+    if (
+        getattr(args, "decoder_first_pipeline_num_layers", None) is not None
+        or getattr(args, "decoder_last_pipeline_num_layers", None) is not None
+    ):
+        bad(
+            "needs evenly split stages; remove --decoder-first-pipeline-num-layers / "
+            "--decoder-last-pipeline-num-layers"
+        )
+    if getattr(args, "account_for_embedding_in_pipeline_split", False) or getattr(
+        args, "account_for_loss_in_pipeline_split", False
+    ):
+        bad(
+            "needs evenly split stages; remove --account-for-embedding-in-pipeline-split / "
+            "--account-for-loss-in-pipeline-split"
+        )
+    num_layers = getattr(args, "num_layers", None)
+    if num_layers is not None and pp >= 1:
+        divisor = pp if schedule == "dualpipe" else 2 * pp
+        if num_layers % divisor != 0:
+            what = "pipeline size" if schedule == "dualpipe" else "2 * pipeline size"
+            bad(
+                f"--num-layers ({num_layers}) must be divisible by the {what} ({divisor}); "
+                "change --num-layers or --pipeline-model-parallel-size"
+            )
+
+    # Micro-batches.
+    if pp >= 2:
+        dp = getattr(args, "data_parallel_size", None) or 1
+        m = num_microbatches(args)
+        if m < pp:
+            bad(
+                f"needs at least pipeline-size ({pp}) micro-batches per step, got {m} = "
+                f"--global-batch-size {args.global_batch_size} // (--micro-batch-size "
+                f"{args.micro_batch_size} * data-parallel size {dp}); increase "
+                "--global-batch-size or decrease --micro-batch-size"
+            )
+        rampup = getattr(args, "rampup_batch_size", None)
+        if rampup:
+            start = int(rampup[0])
+            m0 = start // (args.micro_batch_size * dp)
+            if m0 < pp:
+                bad(
+                    f"--rampup-batch-size starts at global batch {start}, i.e. {m0} "
+                    f"micro-batches, fewer than the pipeline size ({pp}); raise its start value"
+                )
+
+    # Gradient reduction / zero bubble.
+    if getattr(args, "dualpipe_zero_bubble", True) and getattr(args, "overlap_grad_reduce", False):
+        bad(
+            "with zero-bubble weight-grad steps cannot use --overlap-grad-reduce (DDP's "
+            "grad-ready hooks fire before the deferred weight grads exist); remove "
+            "--overlap-grad-reduce or pass --no-dualpipe-zero-bubble"
+        )
+    if getattr(args, "use_torch_fsdp2", False) or getattr(args, "use_megatron_fsdp", False):
+        bad("does not support FSDP; remove --use-torch-fsdp2 / --use-megatron-fsdp")
+
+    # Features wired to a single pipeline direction.
+    if getattr(args, "mtp_num_layers", None):
+        bad(
+            "does not support multi-token prediction (MTP is tied to the last pipeline stage); "
+            "remove --mtp-num-layers"
+        )
+    if getattr(args, "cuda_graph_impl", "none") not in (None, "none"):
+        bad("does not support CUDA graphs; use --cuda-graph-impl none")
+    if getattr(args, "overlap_moe_expert_parallel_comm", False):
+        bad(
+            "does not support --overlap-moe-expert-parallel-comm (Megatron's combined 1F1B); "
+            "remove it"
+        )
+    if getattr(args, "iterations_to_skip", None):
+        bad(
+            "does not support --iterations-to-skip (the skip path assumes one data iterator); "
+            "remove it"
+        )
+    if getattr(args, "sft", False):
+        bad("does not support --sft (packed variable-length sequences) yet; remove --sft")
+    if getattr(args, "hybrid_context_parallel", False):
+        bad("does not support --hybrid-context-parallel; remove it")
+
+    timeout = getattr(args, "dualpipe_p2p_timeout", None)
+    if timeout is not None and not timeout > 0:
+        bad(f"--dualpipe-p2p-timeout must be a positive number of seconds (got {timeout})")
+    return problems
+
+
+def validate_dualpipe_args(args):
+    """Raise :class:`DualPipeArgumentError` listing every problem; return ``args`` otherwise."""
+    problems = dualpipe_problems(args)
+    if problems:
+        raise DualPipeArgumentError(
+            "invalid arguments for the DualPipe schedule:\n  - " + "\n  - ".join(problems)
+        )
+    return args
+
+
+# ------------------------------------------------------------------------------------------
+# Installation into megatron.training
+# ------------------------------------------------------------------------------------------
+
+_MARK = "_megatron_dualpipe_wrapped"
+
+
+def _wrap_add_megatron_arguments(orig):
+    @functools.wraps(orig)
+    def add_megatron_arguments(parser):
+        parser = orig(parser)
+        return add_dualpipe_arguments(parser)
+
+    setattr(add_megatron_arguments, _MARK, orig)
+    return add_megatron_arguments
+
+
+def _wrap_validate(orig):
+    @functools.wraps(orig)
+    def validate(args, *a, **kw):
+        result = orig(args, *a, **kw)
+        validate_dualpipe_args(result if result is not None else args)
+        return result
+
+    setattr(validate, _MARK, orig)
+    return validate
+
+
+def install():
+    """Patch ``megatron.training`` so its parser knows the flags and its validation checks them.
+
+    Idempotent. Must run before ``pretrain()`` (i.e. before ``initialize_megatron``).
+    """
+    import megatron.training.arguments as margs
+    import megatron.training.initialize as minit
+
+    if not hasattr(margs.add_megatron_arguments, _MARK):
+        margs.add_megatron_arguments = _wrap_add_megatron_arguments(margs.add_megatron_arguments)
+    for mod, name in ((margs, "validate_args"), (minit, "validate_args"), (minit, "validate_yaml")):
+        fn = getattr(mod, name, None)
+        if fn is not None and not hasattr(fn, _MARK):
+            setattr(mod, name, _wrap_validate(fn))
+
+
+def uninstall():
+    """Undo :func:`install` (for tests)."""
+    import megatron.training.arguments as margs
+    import megatron.training.initialize as minit
+
+    for mod, name in (
+        (margs, "add_megatron_arguments"),
+        (margs, "validate_args"),
+        (minit, "validate_args"),
+        (minit, "validate_yaml"),
+    ):
+        fn = getattr(mod, name, None)
+        if fn is not None and hasattr(fn, _MARK):
+            setattr(mod, name, getattr(fn, _MARK))

@@ -1,0 +1,136 @@
+"""A placeholder ``triton`` package for machines where triton is not installed.
+
+``megatron.training.initialize`` imports
+``megatron.core.transformer.custom_layers.batch_invariant_kernels`` at module level, and that
+module does ``import triton`` / ``import triton.language as tl`` and decorates kernels with
+``@triton.jit`` at import time. Without triton (e.g. a CPU-only torch wheel, which does not
+depend on it) ``pretrain_gpt.py`` cannot even be imported.
+
+:func:`preimport_triton_users` imports those modules with a stub in ``sys.modules`` -- *only*
+when no real triton can be found, and only for the duration of that import. The stub lets such modules import (decorators, ``tl.constexpr`` annotations and
+``triton.Config`` work), but launching or calling anything raises ``RuntimeError`` naming the
+missing package, so nothing silently runs without the real kernels. Megatron only launches these
+kernels with ``--batch-invariant-mode``, which needs a GPU anyway.
+"""
+
+import contextlib
+import importlib
+import importlib.util
+import sys
+import types
+
+_MESSAGE = (
+    "triton is not installed; megatron_dualpipe registered a placeholder 'triton' module so "
+    "that Megatron-LM can be imported. '{what}' needs the real package: pip install triton "
+    "(and a GPU)."
+)
+
+
+class _Placeholder:
+    """Stands in for any triton object: survives import-time use, fails when really used."""
+
+    def __init__(self, name):
+        self._name = name
+
+    def __repr__(self):
+        return f"<triton placeholder {self._name}>"
+
+    def __getattr__(self, item):
+        if item.startswith("__"):
+            raise AttributeError(item)
+        return _Placeholder(f"{self._name}.{item}")
+
+    def __getitem__(self, item):  # kernel[grid](...)
+        raise RuntimeError(_MESSAGE.format(what=f"{self._name}[...]"))
+
+    def __call__(self, *args, **kwargs):
+        raise RuntimeError(_MESSAGE.format(what=f"{self._name}(...)"))
+
+
+def _decorator_factory(name):
+    """``@triton.jit``, ``@triton.jit(...)``, ``@triton.autotune(...)``, ``@triton.heuristics(...)``."""
+
+    def deco(fn=None, **kwargs):
+        if callable(fn) and not kwargs:
+            return _Placeholder(f"{name}({getattr(fn, '__name__', 'fn')})")
+        return lambda f: _Placeholder(f"{name}({getattr(f, '__name__', 'fn')})")
+
+    return deco
+
+
+class _StubModule(types.ModuleType):
+    def __getattr__(self, item):
+        if item.startswith("__"):
+            raise AttributeError(item)
+        return _Placeholder(f"{self.__name__}.{item}")
+
+
+def _make_module(name):
+    mod = _StubModule(name)
+    mod.__file__ = __file__
+    mod.__path__ = []  # behave like a package so submodule imports resolve via sys.modules
+    mod.__megatron_dualpipe_stub__ = True
+    return mod
+
+
+def is_stub(module) -> bool:
+    return bool(getattr(module, "__megatron_dualpipe_stub__", False))
+
+
+def triton_available() -> bool:
+    if "triton" in sys.modules:
+        return not is_stub(sys.modules["triton"])
+    return importlib.util.find_spec("triton") is not None
+
+
+def _stub_modules():
+    root = _make_module("triton")
+    root.__version__ = "0.0.0+megatron_dualpipe.stub"
+    for deco in ("jit", "autotune", "heuristics"):
+        setattr(root, deco, _decorator_factory(f"triton.{deco}"))
+    root.Config = lambda *a, **k: _Placeholder("triton.Config()")
+    mods = {"triton": root}
+    for sub in ("language", "language.extra", "language.extra.libdevice", "runtime", "tools"):
+        mod = _make_module(f"triton.{sub}")
+        mods[f"triton.{sub}"] = mod
+        parent_name, _, leaf = f"triton.{sub}".rpartition(".")
+        setattr(mods[parent_name], leaf, mod)
+    return mods
+
+
+@contextlib.contextmanager
+def placeholder_triton():
+    """While active, ``import triton`` yields the stub (only if no real triton exists).
+
+    The stub is removed from ``sys.modules`` on exit, so code imported later (including torch's
+    own ``has_triton_package()`` checks, which decide torch.compile backends) still sees that
+    triton is missing; only the modules imported inside the block keep references to it.
+    """
+    if triton_available():
+        yield False
+        return
+    mods = _stub_modules()
+    sys.modules.update(mods)
+    try:
+        yield True
+    finally:
+        for name, mod in mods.items():
+            if sys.modules.get(name) is mod:
+                del sys.modules[name]
+
+
+# Megatron modules that import triton unconditionally at module level and sit on the
+# ``pretrain_gpt.py`` import path (``megatron/training/initialize.py`` imports the first one).
+TRITON_IMPORTERS = ("megatron.core.transformer.custom_layers.batch_invariant_kernels",)
+
+
+def preimport_triton_users() -> bool:
+    """Import :data:`TRITON_IMPORTERS` under :func:`placeholder_triton`. True if the stub was used."""
+    # Import torch's compiler stack and megatron.core first, without the stub: torch._dynamo /
+    # torch._inductor probe ``import triton`` and must keep seeing the truth.
+    importlib.import_module("torch._dynamo")
+    importlib.import_module("megatron.core")
+    with placeholder_triton() as used:
+        for name in TRITON_IMPORTERS:
+            importlib.import_module(name)
+    return used
