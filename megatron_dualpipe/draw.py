@@ -26,7 +26,7 @@ COLORS: Dict[Tuple[str, int], str] = {
 }
 #: Text colour per direction (white reads better on the strong shades).
 TEXT = {0: "#ffffff", 1: "#222222"}
-OP_NAMES = {F: "forward", B: "backward (input)", BW: "backward (full)", W: "backward (weight)"}
+OP_NAMES = {F: "forward", B: "input backward", BW: "full backward", W: "weight backward"}
 
 # Geometry (pixels) for the SVG; the PNG uses the same proportions in inches.
 _UNIT = 18.0      # width of one unit of simulated time
@@ -113,7 +113,7 @@ def to_svg(schedule, result: SimResult) -> str:
     width = _LEFT + span * _UNIT + 20
     rows_h = pp * (_ROW + _GAP)
     legend = legend_entries(schedule)
-    legend_top = _TOP + rows_h + 28
+    legend_top = _TOP + rows_h + 36
     per_line = 4
     legend_h = ((len(legend) + per_line - 1) // per_line) * 20 + 24
     height = legend_top + legend_h
@@ -161,7 +161,7 @@ def to_svg(schedule, result: SimResult) -> str:
                 f'h{-(fw - 2):.2f} Z" fill="none" stroke="#111111" stroke-width="2.2"/>')
     out.extend(fused_outlines)  # on top of every cell, so neighbours cannot hide them
     # Legend.
-    entries = legend + [("fused F&B unit (overlapped)", "")]
+    entries = legend + [("fused F&B unit", "")]
     for k, (label, colour) in enumerate(entries):
         lx = _LEFT + (k % per_line) * 250
         ly = legend_top + (k // per_line) * 20
@@ -232,7 +232,7 @@ def to_png(schedule, result: SimResult, path, dpi: int = 110) -> None:
     handles = [Patch(facecolor=col, edgecolor="white", label=lab) for lab, col in legend_entries(schedule)]
     if fused:
         handles.append(Patch(facecolor="white", edgecolor="#111111", linewidth=1.8,
-                             label="fused F&B unit (overlapped)"))
+                             label="fused F&B unit"))
     ncol = min(len(handles), 5)
     legend_in = 0.25 + 0.2 * ((len(handles) + ncol - 1) // ncol)
     fig.legend(handles=handles, loc="lower center", ncol=ncol, frameon=False, fontsize=8)
