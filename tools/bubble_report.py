@@ -66,8 +66,8 @@ def report() -> str:
             "setting `w = f = b/2` (with `fb = f+b` or `fb = 2.5`). With `w = 0.5` the simulated bubble is "
             "smaller than the formula by a constant 1 (0.5 for DualPipe pp=4) that does not grow with pp: "
             "the per-stage term `fb+b-3w` holds, only the warm-up/cool-down end effect differs. "
-            "`tests/test_simulate.py` prints more settings (`pytest -q -s`); with `fb > f+b` or `w > f` "
-            "the simulated bubble exceeds the formula.",
+            "`tests/test_simulate.py` prints more settings (`pytest -q -s`); other settings differ in "
+            "either direction (larger, growing with pp, for example when `fb > f+b`, `w > f` or `f = 2w`).",
             "* DualPipeV on pp ranks times exactly like ranks 0..pp-1 of DualPipe on 2*pp ranks "
             "(DeepSeek's \"cut-in-half\" DualPipe).",
             "* Peak activations: DualPipe `pp+1` (DeepSeek's table), DualPipeV `2pp+1` chunks "
