@@ -64,15 +64,12 @@ R2. The module-global name ``torch`` of the modules in :data:`TORCH_VIEW_MODULES
       ``'cuda'``.  # TODO(move to cpu_compat)
     * ``megatron.core.optimizer.grad_scaler``: loss-scale tensors on ``'cuda'`` (fp16 only).
       # TODO(move to cpu_compat)
-    * ``megatron.core.utils``: ``get_model_config``-adjacent helpers: the
-      ``device="cuda"`` L2-norm helper and ``check_param_hashes_across_dp_replicas``.
-      # TODO(move to cpu_compat)
+    * ``megatron.core.utils``: ``local_multi_tensor_l2_norm`` (the no-APEX fallback that
+      ``get_grad_norm_fp32`` uses for the grad norm) returns a ``device="cuda"`` tensor;
+      ``check_param_hashes_across_dp_replicas``. # TODO(move to cpu_compat)
     * ``megatron.core.tensor_parallel.layers`` / ``megatron.core.tensor_parallel.mappings``:
       sequence-parallel all-gather / reduce-scatter outputs on ``current_device()`` (TP>1
       only). # TODO(move to cpu_compat)
-    * ``megatron.core.transformer.module`` and ``megatron.core.models.gpt.gpt_model``:
-      ``current_device()`` allocations in the fp16 wrapper / inference paths.
-      # TODO(move to cpu_compat)
 R3. ``Tensor.cuda`` and ``nn.Module.cuda`` return their receiver (already on the CPU) *only while*
     one of these functions runs (restored in ``finally``; the torch globals are untouched
     otherwise): ``megatron.training.training.get_model`` (``model_module.cuda(...)``),
@@ -133,8 +130,6 @@ TORCH_VIEW_MODULES = (
     "megatron.core.utils",
     "megatron.core.tensor_parallel.layers",
     "megatron.core.tensor_parallel.mappings",
-    "megatron.core.transformer.module",
-    "megatron.core.models.gpt.gpt_model",
 )
 
 #: Argument switches turned off in CPU mode (R6).

@@ -1,0 +1,304 @@
+"""Megatron-LM (``megatron.training`` / ``pretrain_gpt.py``) integration tests.
+
+They need a Megatron-LM checkout at tag ``core_v0.16.1``: set ``MEGATRON_LM_PATH`` to its
+directory (the one holding ``pretrain_gpt.py``). Without it every test here is skipped.
+Megatron-LM's training code also imports ``six``, ``regex``, ``yaml`` (pyyaml) and ``pydantic``,
+and building its dataset helper needs ``pybind11`` and a C++ compiler.
+
+Everything Megatron-related runs in subprocesses, so this pytest process never imports
+``megatron.training`` nor gets the CPU redirections installed.
+"""
+
+import importlib.util
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MEGATRON_LM_PATH = os.environ.get("MEGATRON_LM_PATH")
+SKIP_MESSAGE = "set MEGATRON_LM_PATH to a Megatron-LM checkout at tag core_v0.16.1"
+
+pytestmark = pytest.mark.skipif(
+    not MEGATRON_LM_PATH or not os.path.isfile(os.path.join(MEGATRON_LM_PATH, "pretrain_gpt.py")),
+    reason=SKIP_MESSAGE,
+)
+
+_REQUIRED = {"six": "six", "regex": "regex", "yaml": "pyyaml", "pydantic": "pydantic"}
+
+
+def _require_training_deps(extra=()):
+    missing = [pkg for mod, pkg in list(_REQUIRED.items()) + list(extra) if importlib.util.find_spec(mod) is None]
+    if missing:
+        pytest.skip(f"Megatron-LM's training code needs: pip install {' '.join(missing)}")
+
+
+def _env(**extra):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (REPO_ROOT, MEGATRON_LM_PATH, env.get("PYTHONPATH")) if p
+    )
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    env.update(extra)
+    return env
+
+
+# ------------------------------------------------------------------------------------------
+# Arguments: parse_args + validate_args of the real Megatron-LM, in one subprocess
+# ------------------------------------------------------------------------------------------
+
+BASE = [
+    "--num-layers", "8", "--hidden-size", "64", "--num-attention-heads", "4",
+    "--seq-length", "64", "--max-position-embeddings", "64",
+    "--micro-batch-size", "2", "--global-batch-size", "16",
+    "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
+    "--transformer-impl", "local", "--no-persist-layer-norm",
+    "--no-gradient-accumulation-fusion", "--distributed-backend", "gloo",
+    "--use-cpu-initialization", "--train-iters", "5", "--lr", "1e-3",
+    "--pipeline-model-parallel-size", "4",
+]  # fmt: skip
+
+
+def _set(argv, flag, value):
+    """Replace ``flag``'s value in argv (or append it)."""
+    argv = list(argv)
+    if flag in argv:
+        argv[argv.index(flag) + 1] = value
+    else:
+        argv += [flag, value]
+    return argv
+
+
+# name -> (world size, argv, expected: None = accepted, else substrings of the error message)
+CASES = {
+    "default_is_1f1b": (4, BASE, None),
+    "dualpipe_ok": (4, BASE + ["--pipeline-schedule", "dualpipe"], None),
+    "dualpipev_ok": (4, BASE + ["--pipeline-schedule", "dualpipev"], None),
+    "dualpipe_no_zero_bubble_overlap_ok": (
+        4,
+        BASE + ["--pipeline-schedule", "dualpipe", "--no-dualpipe-zero-bubble", "--overlap-grad-reduce"],
+        None,
+    ),
+    "dualpipe_timeout_ok": (4, BASE + ["--pipeline-schedule", "dualpipe", "--dualpipe-p2p-timeout", "30"], None),
+    "1f1b_odd_pp_overlap_untouched": (
+        3,
+        _set(_set(BASE, "--pipeline-model-parallel-size", "3"), "--num-layers", "6")
+        + ["--overlap-grad-reduce", "--mtp-num-layers", "1", "--position-embedding-type", "rope"],
+        None,
+    ),
+    "dualpipe_odd_pp": (
+        3,
+        _set(_set(BASE, "--pipeline-model-parallel-size", "3"), "--num-layers", "6")
+        + ["--pipeline-schedule", "dualpipe"],
+        ["even --pipeline-model-parallel-size", "(got 3)"],
+    ),
+    "dualpipe_pp1": (
+        1,
+        _set(BASE, "--pipeline-model-parallel-size", "1") + ["--pipeline-schedule", "dualpipe"],
+        ["--pipeline-model-parallel-size >= 2"],
+    ),
+    "dualpipev_pp1": (
+        1,
+        _set(BASE, "--pipeline-model-parallel-size", "1") + ["--pipeline-schedule", "dualpipev"],
+        ["--pipeline-model-parallel-size >= 2"],
+    ),
+    "dualpipe_vpp_layers": (
+        4,
+        BASE + ["--pipeline-schedule", "dualpipe", "--num-layers-per-virtual-pipeline-stage", "1"],
+        ["--num-layers-per-virtual-pipeline-stage"],
+    ),
+    "dualpipev_vpp_stages": (
+        4,
+        BASE + ["--pipeline-schedule", "dualpipev", "--num-virtual-stages-per-pipeline-rank", "2"],
+        ["--num-virtual-stages-per-pipeline-rank"],
+    ),
+    "dualpipe_too_few_microbatches": (
+        4,
+        _set(BASE, "--global-batch-size", "4") + ["--pipeline-schedule", "dualpipe"],
+        ["micro-batches", "got 2", "--global-batch-size", "--micro-batch-size"],
+    ),
+    "dualpipe_zero_bubble_overlap_grad_reduce": (
+        4,
+        BASE + ["--pipeline-schedule", "dualpipe", "--overlap-grad-reduce"],
+        ["--overlap-grad-reduce", "--no-dualpipe-zero-bubble"],
+    ),
+    "dualpipe_mtp": (
+        4,
+        BASE
+        + ["--pipeline-schedule", "dualpipe", "--mtp-num-layers", "1"]
+        + ["--position-embedding-type", "rope"],
+        ["--mtp-num-layers"],
+    ),
+    "dualpipe_layout": (
+        4,
+        BASE + ["--pipeline-schedule", "dualpipe", "--pipeline-model-parallel-layout", "Ett|tt|tt|ttL"],
+        ["--pipeline-model-parallel-layout"],
+    ),
+    "dualpipev_layers_not_divisible": (
+        4,
+        _set(BASE, "--num-layers", "12") + ["--pipeline-schedule", "dualpipev"],
+        ["--num-layers (12)", "2 * pipeline size (8)"],
+    ),
+    "dualpipe_bad_timeout": (
+        4,
+        BASE + ["--pipeline-schedule", "dualpipe", "--dualpipe-p2p-timeout", "0"],
+        ["--dualpipe-p2p-timeout"],
+    ),
+    "dualpipe_uneven_stages": (
+        4,
+        _set(BASE, "--num-layers", "10")
+        + ["--pipeline-schedule", "dualpipe", "--decoder-first-pipeline-num-layers", "4"],
+        ["--decoder-first-pipeline-num-layers"],
+    ),
+}
+
+_ARGS_SCRIPT = textwrap.dedent(
+    r"""
+    import contextlib, io, json, os, sys, traceback
+    cases = json.loads(sys.argv[1])
+    from megatron_dualpipe.megatron_lm import arguments, triton_stub
+    triton_stub.preimport_triton_users()
+    import megatron.training.arguments as margs
+    import megatron.training.initialize as minit
+
+    def run(world, argv, installed):
+        if installed:
+            arguments.install()
+        else:
+            arguments.uninstall()
+        os.environ["WORLD_SIZE"] = str(world)
+        os.environ["RANK"] = "0"
+        sys.argv = ["pretrain_gpt.py"] + argv
+        with contextlib.redirect_stdout(io.StringIO()):
+            args = margs.parse_args()
+            minit.validate_args(args, {"tokenizer_type": "GPT2BPETokenizer"})
+        return args
+
+    out = {}
+    for name, (world, argv) in cases.items():
+        try:
+            args = run(world, argv, True)
+            out[name] = {"ok": True, "schedule": args.pipeline_schedule,
+                         "zero_bubble": args.dualpipe_zero_bubble,
+                         "timeout": args.dualpipe_p2p_timeout}
+        except BaseException as e:
+            out[name] = {"ok": False, "type": type(e).__name__, "msg": str(e),
+                         "tb": traceback.format_exc()[-2000:]}
+    # 1f1b must leave Megatron's own parsing/validation result unchanged.
+    def plain(ns):
+        return {k: repr(v) for k, v in sorted(vars(ns).items())}
+    stock = plain(run(4, cases["default_is_1f1b"][1], False))
+    patched = plain(run(4, cases["default_is_1f1b"][1], True))
+    extra = sorted(set(patched) - set(stock))
+    diff = sorted(k for k in stock if stock[k] != patched.get(k))
+    out["__1f1b_identity__"] = {"extra": extra, "diff": diff}
+    print("@@RESULT@@" + json.dumps(out))
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def arg_results():
+    _require_training_deps()
+    payload = json.dumps({name: [w, argv] for name, (w, argv, _) in CASES.items()})
+    proc = subprocess.run(
+        [sys.executable, "-c", _ARGS_SCRIPT, payload],
+        env=_env(),
+        cwd=MEGATRON_LM_PATH,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    marker = [l for l in proc.stdout.splitlines() if l.startswith("@@RESULT@@")]
+    assert proc.returncode == 0 and marker, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return json.loads(marker[-1][len("@@RESULT@@"):])
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_pipeline_schedule_arguments(arg_results, name):
+    expected = CASES[name][2]
+    res = arg_results[name]
+    if expected is None:
+        assert res["ok"], res
+        return
+    assert not res["ok"], f"{name} was accepted"
+    assert res["type"] == "DualPipeArgumentError", res["tb"]
+    for fragment in expected:
+        assert fragment in res["msg"], (fragment, res["msg"])
+
+
+def test_argument_defaults(arg_results):
+    assert arg_results["default_is_1f1b"] == {
+        "ok": True, "schedule": "1f1b", "zero_bubble": True, "timeout": None
+    }
+    assert arg_results["dualpipe_no_zero_bubble_overlap_ok"]["zero_bubble"] is False
+    assert arg_results["dualpipe_timeout_ok"]["timeout"] == 30.0
+
+
+def test_1f1b_leaves_megatron_args_unchanged(arg_results):
+    res = arg_results["__1f1b_identity__"]
+    assert res["extra"] == ["dualpipe_p2p_timeout", "dualpipe_zero_bubble", "pipeline_schedule"]
+    assert res["diff"] == []
+
+
+# ------------------------------------------------------------------------------------------
+# pretrain_gpt.py, unmodified, on CPU: torchrun + launcher, pp=4, Megatron's 1F1B
+# ------------------------------------------------------------------------------------------
+
+_LOSS_RE = re.compile(r"iteration\s+(\d+)/\s*(\d+) \|.*?lm loss: (\S+) \|")
+
+
+def parse_lm_losses(log: str):
+    """``{iteration: lm loss}`` from Megatron's ``training_log`` lines."""
+    return {int(m.group(1)): float(m.group(3)) for m in _LOSS_RE.finditer(log)}
+
+
+def test_parse_lm_losses():
+    line = (
+        " [2026-11-21 23:19:52.319262] iteration        1/       5 | consumed samples:    16 | "
+        "learning rate: 1.000000E-03 | global batch size:    16 | lm loss: 5.568037E+00 | "
+        "loss scale: 1.0 | grad norm: 1.863 |"
+    )
+    losses = parse_lm_losses(line + "\n" + line.replace("1/", "2/").replace("5.568037E+00", "NAN"))
+    assert sorted(losses) == [1, 2]
+    assert losses[1] == 5.568037 and math.isnan(losses[2])
+
+
+def test_pretrain_gpt_cpu_pp4_1f1b(tmp_path):
+    try:
+        import torch
+    except ImportError:  # pragma: no cover
+        pytest.skip("needs torch")
+    if torch.cuda.is_available():
+        pytest.skip("this test exercises the CPU mode (no CUDA device must be visible)")
+    _require_training_deps(extra=[("pybind11", "pybind11")])
+    if shutil.which("make") is None or shutil.which("g++") is None and shutil.which("c++") is None:
+        pytest.skip("building Megatron's dataset helper needs make and a C++ compiler")
+    iters = 3
+    argv = _set(BASE, "--train-iters", str(iters)) + [
+        "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "1000",
+        "--min-lr", "1e-4", "--lr-decay-style", "constant", "--seed", "1234",
+    ]  # fmt: skip
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+        "-m", "megatron_dualpipe.launch", os.path.join(MEGATRON_LM_PATH, "pretrain_gpt.py"),
+    ] + argv  # fmt: skip
+    proc = subprocess.run(
+        cmd, env=_env(), cwd=str(tmp_path), capture_output=True, text=True, timeout=240
+    )
+    log = proc.stdout + proc.stderr
+    (tmp_path / "pretrain_gpt.log").write_text(log)
+    assert proc.returncode == 0, log[-6000:]
+    losses = parse_lm_losses(log)
+    assert sorted(losses) == list(range(1, iters + 1)), log[-6000:]
+    for it, loss in losses.items():
+        assert math.isfinite(loss), (it, loss)
+        assert 0.0 < loss < 20.0, (it, loss)
+    assert "megatron_dualpipe CPU mode" in log
