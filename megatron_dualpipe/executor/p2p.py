@@ -1,0 +1,55 @@
+"""Batched point-to-point communication with a deadline.
+
+One call of :meth:`P2P.exchange` is one ``batch_isend_irecv`` of a plan batch. Every wait has
+a timeout; when it expires the error names this rank, the peers and what was being waited for,
+so a stuck or dead peer never hangs the job silently.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+from typing import Callable, List, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_TIMEOUT_S = float(os.environ.get("MEGATRON_DUALPIPE_P2P_TIMEOUT", "600"))
+
+
+class P2PTimeoutError(RuntimeError):
+    pass
+
+
+class P2P:
+    """Sends and receives between pipeline ranks of one pipeline group.
+
+    ``global_ranks[i]`` is the global rank of pipeline rank ``i``; peers are given as pipeline
+    ranks. ``describe`` turns a transfer's label into words for error messages.
+    """
+
+    def __init__(self, group, global_ranks: Sequence[int], my_pp_rank: int, timeout_s: float = DEFAULT_TIMEOUT_S):
+        self.group = group
+        self.global_ranks = list(global_ranks)
+        self.rank = my_pp_rank
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.timeout_s = timeout_s
+
+    def exchange(self, sends: List[Tuple[int, torch.Tensor, object]], recvs: List[Tuple[int, torch.Tensor, object]],
+                 where: str, describe: Callable[[object], str] = str) -> None:
+        """Post all ``sends`` and ``recvs`` ((peer pp rank, tensor, label)) as one batch and wait."""
+        if not sends and not recvs:
+            return
+        ops = [dist.P2POp(dist.isend, t, self.global_ranks[p], self.group) for p, t, _ in sends]
+        ops += [dist.P2POp(dist.irecv, t, self.global_ranks[p], self.group) for p, t, _ in recvs]
+        try:
+            reqs = dist.batch_isend_irecv(ops)
+            for req in reqs:
+                if not req.wait(self.timeout):
+                    raise RuntimeError("wait returned False")
+        except RuntimeError as e:
+            waits = [f"receive of {describe(l)} from pipeline rank {p} (global {self.global_ranks[p]})" for p, _, l in recvs]
+            waits += [f"send of {describe(l)} to pipeline rank {p} (global {self.global_ranks[p]})" for p, _, l in sends]
+            raise P2PTimeoutError(
+                f"pipeline rank {self.rank} (global {dist.get_rank()}) {where}: point-to-point batch did not "
+                f"complete within {self.timeout_s:g} s (set MEGATRON_DUALPIPE_P2P_TIMEOUT or --dualpipe-p2p-timeout "
+                f"to wait longer); it waited for: " + "; ".join(waits) + f". Underlying error: {e}") from e
