@@ -302,3 +302,18 @@ def test_pretrain_gpt_cpu_pp4_1f1b(tmp_path):
         assert math.isfinite(loss), (it, loss)
         assert 0.0 < loss < 20.0, (it, loss)
     assert "megatron_dualpipe CPU mode" in log
+
+
+def test_patch_applies():
+    if shutil.which("git") is None:
+        pytest.skip("needs git")
+    patch = os.path.join(REPO_ROOT, "patches", "megatron-lm-core_v0.16.1.patch")
+    proc = subprocess.run(
+        ["git", "apply", "--check", "--reverse", patch], cwd=MEGATRON_LM_PATH, capture_output=True, text=True
+    )
+    if proc.returncode == 0:
+        return  # already applied
+    proc = subprocess.run(
+        ["git", "apply", "--check", patch], cwd=MEGATRON_LM_PATH, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr
