@@ -1,0 +1,450 @@
+"""Zero-bubble weight-gradient splitting (B/W) for megatron-core's local linear layers.
+
+A DualPipe "B" step computes only input gradients; its weight gradients are recorded and computed
+later by a "W" step. Usage, once per process::
+
+    wgrad.install()                      # patch megatron-core once (reversible: uninstall())
+    store = wgrad.WeightGradStore()      # one per executor; passed around, never global
+
+    with store.deferring((chunk, mb)):   # B step: input grads now, weight grads recorded
+        backward_step(...)
+    ...
+    store.run((chunk, mb))               # W step, for any recorded key, in any order
+    ...
+    store.assert_empty()                 # end of the iteration: nothing may be left over
+
+What is deferred
+    Every backward through ``LinearWithGradAccumulationAndAsyncCommunication`` (megatron-core's
+    ``tensor_parallel/layers.py``), i.e. the weight gradient of every ``ColumnParallelLinear`` and
+    ``RowParallelLinear``: with ``get_gpt_layer_local_spec`` that is ``linear_qkv``,
+    ``linear_proj``, ``linear_fc1``, ``linear_fc2``, the output layer, and, for MoE with
+    ``moe_grouped_gemm=False``, the ``SequentialMLP`` experts (they are ``MLP`` modules made of the
+    same two classes) and the shared experts. Not deferred (computed in B as usual, cheap or out of
+    reach): biases (see below), norms, embeddings, the router, frozen weights
+    (``linear_with_frozen_weight``), the legacy ``GroupedMLP`` (``moe_grouped_gemm=True`` with the
+    local spec: its ``gg.ops.gmm`` has no split backward), and Transformer Engine modules (they
+    have their own ``delay_wgrad_compute``: see ``run_te_backward_dw``). ``find_undeferred_weights``
+    lists the linear-like modules of a model whose weight gradients will *not* be deferred.
+
+Bias gradients stay in B: a column sum of the output gradient is cheap, and keeping it in B leaves
+the bias parameter's autograd path (and DDP hook) exactly as without deferral.
+
+How it hooks into megatron-core
+    ``install()`` replaces the static ``backward`` of
+    ``LinearWithGradAccumulationAndAsyncCommunication`` once. PyTorch looks that method up on the
+    class when a node runs, so graphs built before ``install()`` are covered too. The replacement
+    reads one module-level slot: the store (and key) of the ``deferring()`` block in force.
+    Without one (or for the output layer's own ``defer_embedding_wgrad_compute`` buffer) it calls
+    megatron-core's original backward unchanged, so outside ``deferring()`` nothing differs.
+    The slot is the one process-wide piece of state, and deliberately not thread-local: on a GPU
+    the autograd engine runs backward nodes on its per-device worker threads, which do not see the
+    caller's thread-locals. Hence only one ``deferring()`` block may be open at a time per process
+    (checked).
+
+    In B, the replacement does what megatron-core's backward does except the weight-gradient GEMM:
+    input gradient, the async TP all-reduce (``allreduce_dgrad``) or the sequence-parallel
+    reduce-scatter, the bias gradient; it returns ``None`` as the weight's gradient and records a
+    closure holding the (2-D, contiguous) output gradient and the input.
+
+    In W (``store.run(key)``), each closure computes the weight gradient and hands it on exactly
+    as the original backward would have:
+
+    - without ``gradient_accumulation_fusion``: it feeds ``grad_output.T @ input`` to the weight's
+      own gradient accumulator via ``torch.autograd.backward(weight, grad)``. So ``param.grad`` is
+      set or accumulated by PyTorch's ``AccumulateGrad``, and every hook on that accumulator runs,
+      including megatron DDP's backward post-hook, which adds ``param.grad`` into
+      ``param.main_grad`` and clears ``param.grad``. ``main_grad`` ends up the same as without
+      deferral.
+    - with ``gradient_accumulation_fusion``: it accumulates into ``weight.main_grad`` (APEX's
+      ``wgrad_gemm_accum_fp32/fp16`` when importable, else ``main_grad += grad_output.T @ input``),
+      then, if the weight has ``grad_added_to_main_grad`` (i.e. it is DDP-managed), sets it and
+      feeds the same dummy gradient megatron-core feeds, so the DDP hook runs and skips the add.
+
+    In B the weight's accumulator still runs (with no gradient), so DDP's hook fires once in B as
+    a no-op (``param.grad`` is None) and once in W. With ``overlap_grad_reduce=True`` its
+    ``param.grad is not None`` assertion fails in B: the bucket's grad-ready accounting would
+    need moving to W (as the TE path does). Use ``overlap_grad_reduce=False`` with deferral, or
+    call ``check_ddp_compatible(model)`` up front.
+
+Tensor parallelism
+    tp > 1 without sequence parallelism needs nothing extra (the closure keeps the local input).
+    With sequence parallelism B all-gathers the input into a buffer of its own (not megatron's
+    shared global buffer, which the next layer reuses) and the closure keeps it until W: W needs
+    no collective, at the cost of tp x the layer's input shard in memory per pending W. Only the
+    tp=1, no-sequence-parallel, no-fusion path is exercised on this machine.
+
+Caveats
+    - A closure keeps ``grad_output`` and the input alive until W; nothing may modify them in place
+      in between (megatron-core does not). PyTorch's gradient buffers do not: they only accumulate
+      in place into a tensor whose storage nobody else references.
+    - W runs on the caller's current stream, outside the autocast state of B (megatron-core trains
+      without autocast). If W runs on another CUDA stream than B, the caller must order them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Dict, Hashable, Iterator, List, Optional
+
+import torch
+
+__all__ = [
+    "WeightGradStore",
+    "install",
+    "uninstall",
+    "is_installed",
+    "installed",
+    "find_undeferred_weights",
+    "check_ddp_compatible",
+    "offers_te_backward_dw",
+    "run_te_backward_dw",
+]
+
+
+class _Active:
+    """The one hook point between ``WeightGradStore.deferring`` and the patched backward."""
+
+    __slots__ = ("sink", "key", "store")
+
+    def __init__(self) -> None:
+        self.sink: Optional[List[Callable[[], None]]] = None
+        self.key: Hashable = None
+        self.store: Optional["WeightGradStore"] = None
+
+
+_ACTIVE = _Active()
+
+
+class _Patch:
+    """What ``install()`` replaced, so that ``uninstall()`` can put it back."""
+
+    __slots__ = ("cls", "original", "original_fn", "deferred")
+
+    def __init__(self) -> None:
+        self.cls: Any = None
+        self.original: Any = None  # the original staticmethod object
+        self.original_fn: Any = None  # its function
+        self.deferred: Any = None  # megatron's custom_bwd(_deferred_backward)
+
+
+_PATCH = _Patch()
+
+# Bound at install() from megatron-core, so the hot path does no imports or attribute lookups
+# through megatron modules.
+_mc: Dict[str, Any] = {}
+
+
+class WeightGradStore:
+    """Deferred weight-gradient work, keyed (e.g. by ``(chunk, mb)``), not a FIFO.
+
+    An instance is passed to whoever runs B and W steps; there is no class-level state.
+    """
+
+    def __init__(self) -> None:
+        self._pending: Dict[Hashable, List[Callable[[], None]]] = {}
+
+    @contextlib.contextmanager
+    def deferring(self, key: Hashable) -> Iterator[None]:
+        """While active, backward passes through megatron-core's local linears record their
+        weight-gradient work under ``key`` instead of doing it.
+
+        Entering registers ``key`` even if no linear is traversed, so ``run(key)`` is always valid
+        after a B step. Entering again with a pending key appends to it. Blocks do not nest and at
+        most one is open per process (the patched backward reads a process-wide slot).
+        """
+        if _PATCH.cls is None:
+            raise RuntimeError(
+                "megatron_dualpipe.wgrad is not installed: call wgrad.install() once before "
+                "WeightGradStore.deferring()"
+            )
+        if _ACTIVE.sink is not None:
+            raise RuntimeError(
+                f"cannot defer weight gradients under key {key!r}: a deferring() block for key "
+                f"{_ACTIVE.key!r} is already open (blocks do not nest; one per process)"
+            )
+        sink = self._pending.setdefault(key, [])
+        _ACTIVE.sink, _ACTIVE.key, _ACTIVE.store = sink, key, self
+        try:
+            yield
+        finally:
+            _ACTIVE.sink, _ACTIVE.key, _ACTIVE.store = None, None, None
+
+    def record(self, key: Hashable, fn: Callable[[], None]) -> None:
+        """Add a weight-gradient closure under ``key`` (e.g. a TE ``backward_dw`` call)."""
+        self._pending.setdefault(key, []).append(fn)
+
+    def run(self, key: Hashable) -> int:
+        """Run (and forget) every closure recorded under ``key``, in recording order.
+
+        Returns how many ran. Raises ``KeyError`` naming the pending keys if ``key`` has nothing
+        recorded (never deferred, or already run).
+        """
+        fns = self._pending.pop(key, None)
+        if fns is None:
+            raise KeyError(
+                f"no deferred weight gradients under key {key!r} (never deferred, or already "
+                f"run); pending keys: {self.pending()!r}"
+            )
+        for fn in fns:
+            fn()
+        return len(fns)
+
+    def pending(self) -> List[Hashable]:
+        """Keys with recorded, not yet run, weight-gradient work (in first-recorded order)."""
+        return list(self._pending)
+
+    def assert_empty(self) -> None:
+        """Raise ``RuntimeError`` naming every leftover key (with its closure count)."""
+        if self._pending:
+            leftovers = ", ".join(f"{k!r} ({len(v)} closures)" for k, v in self._pending.items())
+            raise RuntimeError(
+                f"WeightGradStore has {len(self._pending)} key(s) whose weight gradients were "
+                f"never computed (W step missing): {leftovers}"
+            )
+
+    def clear(self) -> None:
+        """Drop all pending work (e.g. after a failed iteration), freeing the kept tensors."""
+        self._pending.clear()
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def __repr__(self) -> str:
+        return f"WeightGradStore(pending={self.pending()!r})"
+
+
+# ----------------------------------------------------------------------------------------------
+# The patched backward
+
+
+def _backward(ctx, grad_output):
+    """Replacement for ``LinearWithGradAccumulationAndAsyncCommunication.backward``."""
+    sink = _ACTIVE.sink
+    if sink is None or ctx.grad_output_buffer is not None:
+        return _PATCH.original_fn(ctx, grad_output)
+    return _PATCH.deferred(ctx, grad_output, sink)
+
+
+def _deferred_backward(ctx, grad_output, sink):
+    """megatron-core's backward minus the weight-gradient GEMM, which goes to ``sink``.
+
+    Mirrors ``tensor_parallel/layers.py`` 0.16.1 lines 495-626 (wgrad_compute=True path).
+    """
+    input, weight = ctx.saved_tensors
+    main_grad = ctx.main_grad
+    tp_group = ctx.tp_group
+    if ctx.gradient_accumulation_fusion:
+        if main_grad is None:
+            raise RuntimeError(
+                "gradient_accumulation_fusion is on but the weight had no main_grad at forward"
+            )
+        weight.main_grad = main_grad
+
+    handle = None
+    if ctx.sequence_parallel:
+        dim_size = list(input.size())
+        dim_size[0] = dim_size[0] * tp_group.size()
+        # Own buffer (not get_global_memory_buffer()): it is kept until W.
+        total_input = torch.empty(dim_size, dtype=input.dtype, device=input.device)
+        handle = _mc["all_gather"](total_input, input, group=tp_group, async_op=True)
+    else:
+        total_input = input
+
+    grad_input = grad_output.matmul(weight)
+
+    if handle is not None:
+        handle.wait()
+    grad_output, total_input = _mc["prepare"](grad_output, total_input)
+
+    if ctx.allreduce_dgrad:
+        handle = torch.distributed.all_reduce(grad_input, group=tp_group, async_op=True)
+    if ctx.sequence_parallel:
+        assert not ctx.allreduce_dgrad
+        sub_grad_input = torch.empty(
+            list(input.size()), dtype=input.dtype, device=grad_input.device, requires_grad=False
+        )
+        handle = _mc["reduce_scatter"](sub_grad_input, grad_input, group=tp_group, async_op=True)
+
+    grad_bias = grad_output.sum(dim=0) if ctx.use_bias else None
+    sink.append(
+        _WeightGrad(weight, grad_output, total_input, main_grad, ctx.gradient_accumulation_fusion)
+    )
+
+    if ctx.sequence_parallel:
+        handle.wait()
+        return (sub_grad_input, None, grad_bias, None, None, None, None, None, None)
+    if ctx.allreduce_dgrad:
+        handle.wait()
+    return grad_input, None, grad_bias, None, None, None, None, None, None
+
+
+class _WeightGrad:
+    """One deferred weight-gradient GEMM and its hand-off; called by ``WeightGradStore.run``."""
+
+    __slots__ = ("weight", "grad_output", "total_input", "main_grad", "fusion")
+
+    def __init__(self, weight, grad_output, total_input, main_grad, fusion):
+        self.weight = weight
+        self.grad_output = grad_output
+        self.total_input = total_input
+        self.main_grad = main_grad
+        self.fusion = fusion
+
+    def __call__(self) -> None:
+        weight, grad_output, total_input = self.weight, self.grad_output, self.total_input
+        self.grad_output = self.total_input = None  # free as soon as this returns
+        if not self.fusion:
+            # AccumulateGrad (+ its hooks, e.g. DDP's main_grad add) as in the undeferred backward.
+            torch.autograd.backward(weight, grad_output.t().matmul(total_input))
+            return
+
+        weight.main_grad = self.main_grad
+        if hasattr(weight, "__fsdp_param__"):
+            weight.main_grad = weight.get_main_grad()
+            torch.matmul(grad_output.t(), total_input, out=weight.main_grad)
+        else:
+            _accumulate_wgrad(total_input, grad_output, weight.main_grad)
+        if hasattr(weight, "grad_added_to_main_grad"):
+            shape = weight.main_grad.shape
+            device = weight.main_grad.device
+            if getattr(weight, "zero_out_wgrad", False):
+                dummy = torch.zeros(shape, dtype=total_input.dtype, device=device)
+            else:
+                dummy = torch.empty(shape, dtype=total_input.dtype, device=device)
+            weight.grad_added_to_main_grad = True
+            torch.autograd.backward(weight, dummy)
+        # else: the original returned None for the weight, and its accumulator already ran in B.
+
+
+def _accumulate_wgrad(total_input, grad_output, main_grad) -> None:
+    kernel = _mc.get("fused_wgrad")
+    if kernel is not None and main_grad.is_cuda:
+        if main_grad.dtype == torch.float32:
+            kernel.wgrad_gemm_accum_fp32(total_input, grad_output, main_grad)
+            return
+        if main_grad.dtype in (torch.float16, torch.bfloat16):
+            kernel.wgrad_gemm_accum_fp16(total_input, grad_output, main_grad)
+            return
+        raise RuntimeError("Unsupported gradient type for gradient accumulation fusion")
+    main_grad.add_(grad_output.t().matmul(total_input))
+
+
+# ----------------------------------------------------------------------------------------------
+# install / uninstall
+
+
+def install() -> None:
+    """Patch megatron-core's local linear backward (idempotent). Cheap; call once per process."""
+    if _PATCH.cls is not None:
+        return
+    from megatron.core import utils as mc_utils
+    from megatron.core.tensor_parallel import layers
+
+    cls = layers.LinearWithGradAccumulationAndAsyncCommunication
+    original = cls.__dict__["backward"]
+    if not isinstance(original, staticmethod):
+        raise RuntimeError(f"unexpected {cls.__name__}.backward: {original!r}")
+    _mc["prepare"] = mc_utils.prepare_input_tensors_for_wgrad_compute
+    _mc["all_gather"] = layers.dist_all_gather_func
+    _mc["reduce_scatter"] = layers.dist_reduce_scatter_func
+    _mc["fused_wgrad"] = getattr(layers, "fused_weight_gradient_mlp_cuda", None)
+    # Same autocast handling as megatron-core's own backward.
+    _PATCH.deferred = layers.custom_bwd(_deferred_backward)
+    _PATCH.original = original
+    _PATCH.original_fn = original.__func__
+    _PATCH.cls = cls
+    cls.backward = staticmethod(_backward)
+
+
+def uninstall() -> None:
+    """Restore megatron-core's backward (idempotent). Refused inside a ``deferring()`` block."""
+    if _PATCH.cls is None:
+        return
+    if _ACTIVE.sink is not None:
+        raise RuntimeError(f"cannot uninstall inside deferring({_ACTIVE.key!r})")
+    _PATCH.cls.backward = _PATCH.original
+    _PATCH.cls = _PATCH.original = _PATCH.original_fn = _PATCH.deferred = None
+    _mc.clear()
+
+
+def is_installed() -> bool:
+    return _PATCH.cls is not None
+
+
+@contextlib.contextmanager
+def installed() -> Iterator[None]:
+    """``install()`` for the block; uninstalls on exit only if it was not installed before."""
+    was = is_installed()
+    install()
+    try:
+        yield
+    finally:
+        if not was:
+            uninstall()
+
+
+# ----------------------------------------------------------------------------------------------
+# Checks
+
+
+def find_undeferred_weights(model: torch.nn.Module) -> List[str]:
+    """Names of trainable modules whose weight GEMMs the store will *not* defer.
+
+    Reports the legacy ``GroupedMLP`` (grouped GEMM) and Transformer Engine modules (use
+    ``run_te_backward_dw``). Norms, embeddings and routers are not reported: they stay in B by
+    design. Call once when building the executor, not per step.
+    """
+    from megatron.core.transformer.moe.experts import GroupedMLP
+
+    found = []
+    for name, module in model.named_modules():
+        if isinstance(module, GroupedMLP):
+            found.append(f"{name} (GroupedMLP: grouped GEMM)")
+        elif type(module).__module__.startswith(("transformer_engine", "megatron.core.extensions")):
+            if any(p.requires_grad for p in module.parameters(recurse=False)):
+                found.append(f"{name} ({type(module).__name__}: Transformer Engine)")
+    return found
+
+
+def check_ddp_compatible(model: torch.nn.Module) -> None:
+    """Raise if ``model`` is megatron DDP with ``overlap_grad_reduce`` (see module docstring)."""
+    ddp_config = getattr(model, "ddp_config", None)
+    if ddp_config is not None and getattr(ddp_config, "overlap_grad_reduce", False):
+        raise ValueError(
+            "deferred local weight gradients need DistributedDataParallelConfig("
+            "overlap_grad_reduce=False): DDP's grad-ready hook would fire in B, before W "
+            "computed the gradient"
+        )
+
+
+# ----------------------------------------------------------------------------------------------
+# Transformer Engine path (GPU only; cannot run on this machine)
+
+
+def offers_te_backward_dw(model_chunk: torch.nn.Module) -> bool:
+    """True if ``model_chunk`` was built with ``config.delay_wgrad_compute`` (TE modules).
+
+    Under the local spec ``Attention.backward_dw`` raises (``RowParallelLinear`` has no
+    ``backward_dw``), so only a TE-built chunk qualifies. Pass the unwrapped model (GPTModel).
+    """
+    config = getattr(model_chunk, "config", None)
+    return bool(getattr(config, "delay_wgrad_compute", False)) and hasattr(model_chunk, "decoder")
+
+
+def run_te_backward_dw(model_chunk: torch.nn.Module) -> None:
+    """W step for a TE-built chunk: ``backward_dw()`` of each layer, last layer first.
+
+    UNTESTED HERE (needs Transformer Engine and a GPU). Per layer it calls ``mlp.backward_dw()``
+    (MoE: routed, then shared experts) and then ``self_attention.backward_dw()``, as
+    megatron-core's ``TransformerLayerSchedulePlan`` does. TE queues deferred contexts FIFO per
+    module, so for one chunk the W steps must run in the same order as its B steps; record it as
+    ``store.record(key, functools.partial(run_te_backward_dw, chunk))`` only if the executor keeps
+    that order. MTP layers and the output layer are not covered.
+    """
+    for layer in reversed(model_chunk.decoder.layers):
+        mlp = layer.mlp
+        if getattr(layer, "is_moe_layer", False):
+            mlp.backward_dw(routed_experts=True, shared_experts=True)
+        else:
+            mlp.backward_dw()
+        layer.self_attention.backward_dw()
