@@ -198,6 +198,11 @@ def dualpipe_problems(args):
         )
     if getattr(args, "sft", False):
         bad("does not support --sft (packed variable-length sequences) yet; remove --sft")
+    if getattr(args, "perform_rl_step", False):
+        bad(
+            "does not support --perform-rl-step (RL builds a separate inference model through "
+            "get_model and drives its own train loop); remove it or use --pipeline-schedule 1f1b"
+        )
     if getattr(args, "hybrid_context_parallel", False):
         bad("does not support --hybrid-context-parallel; remove it")
 
