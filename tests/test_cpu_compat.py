@@ -1,0 +1,293 @@
+"""megatron-core runs on CPU/gloo with `cpu_compat.enable_cpu_mode()`.
+
+Each test spawns fresh processes (gloo on 127.0.0.1) so that megatron-core's global state never
+leaks between tests. The pipeline test runs megatron-core's *own* 1F1B schedule and compares it
+with a plain single-process loop over the full model, which makes it an independent reference
+for our executor's tests.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_dualpipe import cpu_compat
+from megatron_dualpipe.testing import megatron_env as me
+
+pytestmark = pytest.mark.skipif(
+    torch.cuda.is_available(), reason="CPU-mode tests; on a GPU machine cpu_compat is inert"
+)
+
+SEQ, MBS, VOCAB, M = 16, 2, 64, 4
+RTOL = 1e-5
+
+
+# ----------------------------------------------------------------------------------------------
+# Data, loss and forward step shared by all workers
+
+
+def make_batches(n: int, seed: int = 7):
+    gen = torch.Generator().manual_seed(seed)
+    batches = []
+    for _ in range(n):
+        tokens = torch.randint(0, VOCAB, (MBS, SEQ + 1), generator=gen)
+        loss_mask = torch.ones(MBS, SEQ)
+        loss_mask[:, -3:] = 0.0  # masked tail: the per-token average must honour the mask
+        batches.append(
+            dict(
+                tokens=tokens[:, :-1].contiguous(),
+                labels=tokens[:, 1:].contiguous(),
+                position_ids=torch.arange(SEQ).unsqueeze(0).expand(MBS, -1).contiguous(),
+                loss_mask=loss_mask,
+            )
+        )
+    return batches
+
+
+def loss_func(loss_mask, output_tensor):
+    losses = output_tensor.float().reshape(-1)
+    mask = loss_mask.reshape(-1)
+    loss = torch.sum(losses * mask) / mask.sum()
+    return loss, {"lm loss": loss.detach().clone()}
+
+
+def forward_step(data_iterator, model):
+    b = next(data_iterator)
+    output = model(b["tokens"], b["position_ids"], None, labels=b["labels"])
+    return output, functools.partial(loss_func, b["loss_mask"])
+
+
+def reference_run(model, batches):
+    """Plain loop: per micro-batch loss / M, backward. Returns the per-micro-batch losses."""
+    losses = []
+    for b in batches:
+        out = model(b["tokens"], b["position_ids"], None, labels=b["labels"])
+        loss, _ = loss_func(b["loss_mask"], out)
+        (loss / len(batches)).backward()
+        losses.append(loss.detach().clone())
+    return losses
+
+
+def grads(model):
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_close(name, got, want, rtol=RTOL):
+    got, want = np.asarray(got, dtype=np.float64), np.asarray(want, dtype=np.float64)
+    assert got.shape == want.shape, f"{name}: shape {got.shape} != {want.shape}"
+    diff = float(np.max(np.abs(got - want))) if got.size else 0.0
+    scale = max(float(np.max(np.abs(want))) if want.size else 0.0, 1e-12)
+    print(f"  {name:70s} max|diff| = {diff:.3e}  (rel {diff / scale:.3e})")
+    assert diff <= rtol * scale, f"{name}: max|diff| {diff:.3e} > {rtol} * {scale:.3e}"
+
+
+# ----------------------------------------------------------------------------------------------
+# Workers (module level so that spawn can import them)
+
+
+def _dense_single_worker(rank, world_size, port):
+    me.init_distributed_cpu(rank, world_size, port)
+    try:
+        assert cpu_compat.cpu_mode_active()
+        config = me.tiny_gpt_config(num_layers=2)
+        batches = make_batches(2)
+        runs = []
+        for _ in range(2):
+            me.seed_all(1234)
+            model = me.build_tiny_gpt(config, share_embeddings_and_output_weights=True)
+            losses = reference_run(model, batches)
+            runs.append((losses, grads(model), [n for n, _ in model.named_parameters()]))
+        # Manual recomputation of the loss from the logits.
+        b = batches[0]
+        with torch.no_grad():
+            logits = model(b["tokens"], b["position_ids"], None)  # [b, s, v]
+            per_token = torch.nn.functional.cross_entropy(
+                logits.float().reshape(-1, VOCAB), b["labels"].reshape(-1), reduction="none"
+            )
+            manual = (per_token * b["loss_mask"].reshape(-1)).sum() / b["loss_mask"].sum()
+        return runs, manual
+    finally:
+        me.destroy_distributed()
+
+
+def _full_model_worker(rank, world_size, port, num_layers, tied, moe_kwargs):
+    """pp=1 reference: initial state dict, per-micro-batch losses, gradients."""
+    me.init_distributed_cpu(rank, world_size, port)
+    try:
+        config = me.tiny_gpt_config(num_layers=num_layers, **moe_kwargs)
+        model = me.build_tiny_gpt(config, share_embeddings_and_output_weights=tied)
+        state = {k: v.clone() for k, v in model.state_dict().items() if "_extra_state" not in k}
+        losses = reference_run(model, make_batches(M))
+        return state, losses, grads(model)
+    finally:
+        me.destroy_distributed()
+
+
+def _pipeline_worker(rank, world_size, port, num_layers, tied, full_state):
+    """Megatron-core's 1F1B (`get_forward_backward_func()`) over pp=world_size stages."""
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    me.init_distributed_cpu(rank, world_size, port, pp=world_size)
+    try:
+        config = me.tiny_gpt_config(num_layers=num_layers)
+        model = me.build_tiny_gpt(config, share_embeddings_and_output_weights=tied)
+        # With tied embeddings the last stage's output weight was zero-filled and then
+        # all-reduced from the first stage at construction (the `Tensor.cuda` redirection).
+        tied_copy = None
+        if tied and (model.pre_process or model.post_process):
+            tied_copy = model.shared_embedding_or_output_weight().detach().clone()
+        full_state = {k: torch.from_numpy(v) for k, v in full_state.items()}
+        me.load_stage_from_full(model, full_state)
+        func = get_forward_backward_func()
+        assert func.__name__ == "forward_backward_pipelining_without_interleaving"
+        out = func(
+            forward_step_func=forward_step,
+            data_iterator=iter(make_batches(M)),
+            model=[model],
+            num_microbatches=M,
+            seq_length=SEQ,
+            micro_batch_size=MBS,
+            forward_only=False,
+        )
+        losses = [d["lm loss"] for d in out] if parallel_state.is_pipeline_last_stage() else None
+        return losses, me.stage_grads_as_full(model, full_state), tied_copy
+    finally:
+        me.destroy_distributed()
+
+
+def _moe_ep_worker(rank, world_size, port, dispatcher, full_state):
+    """MoE with expert parallelism ep=world_size (dp=world_size): rank r runs micro-batch r."""
+    me.init_distributed_cpu(rank, world_size, port, ep=world_size)
+    try:
+        config = me.tiny_gpt_config(
+            num_layers=2, num_moe_experts=4, moe_token_dispatcher_type=dispatcher
+        )
+        model = me.build_tiny_gpt(config)
+        own = model.state_dict()
+        per_rank = config.num_moe_experts // world_size
+        full_state = {k: torch.from_numpy(v) for k, v in full_state.items()}
+        with torch.no_grad():
+            for key, tensor in own.items():
+                if "_extra_state" not in key:
+                    tensor.copy_(full_state[_global_expert_key(key, rank * per_rank)])
+        b = make_batches(world_size, seed=11)[rank]
+        out = model(b["tokens"], b["position_ids"], None, labels=b["labels"])
+        loss, _ = loss_func(b["loss_mask"], out)
+        loss.backward()
+        return loss.detach(), {
+            _global_expert_key(n, rank * per_rank): g for n, g in grads(model).items()
+        }
+    finally:
+        me.destroy_distributed()
+
+
+def _moe_reference_worker(rank, world_size, port, dispatcher, n_data):
+    """ep=1 reference for `_moe_ep_worker`: per-micro-batch losses and gradients."""
+    me.init_distributed_cpu(rank, world_size, port)
+    try:
+        config = me.tiny_gpt_config(
+            num_layers=2, num_moe_experts=4, moe_token_dispatcher_type=dispatcher
+        )
+        model = me.build_tiny_gpt(config)
+        state = {k: v.clone() for k, v in model.state_dict().items() if "_extra_state" not in k}
+        results = []
+        for b in make_batches(n_data, seed=11):
+            model.zero_grad(set_to_none=True)
+            out = model(b["tokens"], b["position_ids"], None, labels=b["labels"])
+            loss, _ = loss_func(b["loss_mask"], out)
+            loss.backward()
+            results.append((loss.detach(), grads(model)))
+        return state, results
+    finally:
+        me.destroy_distributed()
+
+
+def _global_expert_key(key, expert_offset):
+    marker = ".local_experts."
+    if marker not in key:
+        return key
+    head, tail = key.split(marker, 1)
+    index, rest = tail.split(".", 1)
+    return f"{head}{marker}{int(index) + expert_offset}.{rest}"
+
+
+# ----------------------------------------------------------------------------------------------
+# Tests
+
+
+def test_redirections_are_listed_in_the_docstring():
+    doc = cpu_compat.__doc__.replace("``", "")
+    for target, reason in cpu_compat.REDIRECTIONS:
+        assert reason
+        if target.endswith(".torch"):  # "module.torch": the module is named in the docstring
+            assert target[: -len(".torch")] in doc, target
+        else:  # Class.attribute is named in the docstring
+            assert ".".join(target.rsplit(".", 2)[-2:]) in doc, target
+
+
+def test_dense_gpt_forward_backward_single_process():
+    (runs, manual), = me.run_workers(_dense_single_worker, world_size=1)
+    (losses_a, grads_a, names), (losses_b, grads_b, _) = runs
+    assert all(np.isfinite(l) for l in losses_a)
+    np.testing.assert_array_equal(np.array(losses_a), np.array(losses_b))  # deterministic
+    assert set(grads_a) == set(names), "every parameter gets a gradient"
+    for name, g in grads_a.items():
+        assert np.all(np.isfinite(g)), name
+        assert np.any(g != 0), f"zero gradient for {name}"
+        np.testing.assert_array_equal(g, grads_b[name])
+    assert_close("loss vs cross-entropy of the logits", losses_a[0], manual)
+
+
+@pytest.mark.parametrize(
+    "pp,num_layers,tied", [(2, 4, False), (2, 4, True), (4, 4, False)], ids=["pp2", "pp2-tied", "pp4"]
+)
+def test_megatron_1f1b_matches_single_process(pp, num_layers, tied):
+    ((state, ref_losses, ref_grads),) = me.run_workers(
+        _full_model_worker, world_size=1, args=(num_layers, tied, {})
+    )
+    results = me.run_workers(_pipeline_worker, world_size=pp, args=(num_layers, tied, state))
+    print(f"\npp={pp} tied={tied}: megatron 1F1B vs single-process loop")
+    last_losses = results[-1][0]
+    assert all(r[0] is None for r in results[:-1])
+    assert_close("per-micro-batch loss", np.array(last_losses), np.array(ref_losses))
+    pipe_grads = {}
+    for _, stage_grads, _ in results:
+        for key, g in stage_grads.items():
+            pipe_grads[key] = pipe_grads[key] + g if key in pipe_grads else g
+    assert set(pipe_grads) == set(ref_grads)
+    for key in sorted(ref_grads):
+        assert_close(key, pipe_grads[key], ref_grads[key])
+    if tied:
+        np.testing.assert_array_equal(results[0][2], results[-1][2])
+
+
+def test_moe_allgather_single_process():
+    ((state, results),) = me.run_workers(
+        _moe_reference_worker, world_size=1, args=("allgather", 2)
+    )
+    for loss, g in results:
+        assert np.isfinite(loss)
+        experts = [k for k in g if ".local_experts." in k]
+        assert len(experts) > 0 and all(np.all(np.isfinite(v)) for v in g.values())
+        assert any(np.any(g[k] != 0) for k in experts)
+
+
+@pytest.mark.parametrize("dispatcher", ["allgather", "alltoall"])
+def test_moe_expert_parallel_matches_single_process(dispatcher):
+    ep = 2
+    ((state, ref),) = me.run_workers(_moe_reference_worker, world_size=1, args=(dispatcher, ep))
+    results = me.run_workers(_moe_ep_worker, world_size=ep, args=(dispatcher, state))
+    print(f"\nMoE {dispatcher} ep={ep} vs single process")
+    for rank, (loss, rank_grads) in enumerate(results):
+        assert_close(f"rank {rank} loss", loss, ref[rank][0])
+        for key, g in sorted(rank_grads.items()):
+            if ".local_experts." in key:
+                # an expert receives tokens from every rank: its gradient sums both losses
+                want = sum(r[1][key] for r in ref)
+            else:
+                want = ref[rank][1][key]
+            assert_close(f"rank {rank} {key}", g, want)
