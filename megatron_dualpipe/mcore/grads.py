@@ -1,0 +1,222 @@
+"""Gradient finalize for the two model chunks of DualPipe / DualPipeV.
+
+DualPipe keeps every stage twice (``model[0]`` on its home rank i, ``model[1]`` on rank
+pp-1-i), and each copy receives the gradient of the micro-batches of its own direction. The
+logical gradient is their sum: `allreduce_bd_grads`. With tied word embeddings the embedding
+(stage 0) and the output weight (stage pp-1, or 2pp-1 for DualPipeV) are one logical
+parameter; after the bd sum every rank that holds both an embedding copy and an output copy
+(ranks 0 and pp-1 for DualPipe, rank 0 for DualPipeV) sets both to their sum:
+`fold_tied_embedding_grads`. That replaces megatron's embedding-group all-reduce, which with
+two chunks picks the wrong chunk (``model[-1]`` on the last pipeline rank is the mirrored
+stage-0 copy, not the output layer) and is therefore switched off in `finalize_dualpipe_grads`.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Callable, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .model import BIDIRECTIONAL, V_SHAPE, _bd_position, _flat_collective, chunk_info, unwrap_chunk
+
+__all__ = ["allreduce_bd_grads", "fold_tied_embedding_grads", "finalize_dualpipe_grads"]
+
+
+class _NoEmbeddingGroup:
+    """Stands in for ``pg_collection.embd`` so that megatron's finalize skips the word-embedding
+    all-reduce: ``get_pg_size`` of it is 1.
+
+    ``embd=None`` does not work in megatron-core 0.16.1: ``_allreduce_word_embedding_grads``
+    then falls back to ``parallel_state.get_embedding_group()`` and, on the ranks of a 2-rank
+    embedding group, asserts ``pp_group is None``. Never used for communication.
+    """
+
+    def size(self) -> int:
+        return 1
+
+    def rank(self) -> int:
+        return 0
+
+    def __repr__(self) -> str:
+        return "<no embedding group (DualPipe folds tied embeddings itself)>"
+
+
+NO_EMBEDDING_GROUP = _NoEmbeddingGroup()
+
+
+def _layout(model: Sequence[torch.nn.Module]) -> str:
+    info = chunk_info(model[0]) if len(model) else None
+    return info["layout"] if info is not None else BIDIRECTIONAL
+
+
+def _grad_slot(param: torch.nn.Parameter) -> torch.Tensor:
+    """The tensor holding ``param``'s gradient: ``main_grad`` (Megatron DDP) when present, else
+    ``param.grad``; a missing ``param.grad`` is replaced by zeros (and assigned)."""
+    g = getattr(param, "main_grad", None)
+    if g is not None:
+        return g
+    if param.grad is None:
+        param.grad = torch.zeros_like(param)
+    return param.grad
+
+
+def _trainable(chunk: torch.nn.Module) -> List[torch.nn.Parameter]:
+    return [p for p in unwrap_chunk(chunk).parameters() if p.requires_grad]
+
+
+def allreduce_bd_grads(model: Sequence[torch.nn.Module]) -> None:
+    """Sum the gradients of the two copies of each stage over the bd pair (DualPipe).
+
+    On pipeline rank i the pair holds stages i (``model[0]`` here, ``model[1]`` on the partner)
+    and pp-1-i. Both partners reduce the two stages in stage order, min(i, pp-1-i) first, each
+    as one all-reduce(SUM) per dtype over the flattened gradients of the chunk's trainable
+    parameters in ``parameters()`` order (identical on both copies). Uses ``param.main_grad``
+    when present (Megatron DDP buffers) and ``param.grad`` otherwise; a parameter without a
+    gradient contributes zeros and gets a zero ``.grad`` assigned, so both partners always
+    reduce equal sizes. On the middle rank of an odd pipeline the two copies are summed
+    locally. A no-op for DualPipeV (its chunks are different stages).
+
+    With Megatron DDP, ``overlap_grad_reduce`` must be off: this runs before
+    ``finish_grad_sync`` and rewrites the buffers that an overlapped reduction would already be
+    sending.
+    """
+    if _layout(model) == V_SHAPE:
+        return
+    if len(model) != 2:
+        raise ValueError(f"allreduce_bd_grads needs [model_dir0, model_dir1], got {len(model)} chunks")
+    for chunk in model:
+        ddp_config = getattr(chunk, "ddp_config", None)
+        if ddp_config is not None and getattr(ddp_config, "overlap_grad_reduce", False):
+            raise ValueError("DualPipe's bd gradient reduction needs overlap_grad_reduce=False")
+    i, pp, me, mirror, bd_group = _bd_position()
+    with torch.no_grad():
+        if mirror == me:
+            for a, b in zip(_trainable(model[0]), _trainable(model[1])):
+                ga, gb = _grad_slot(a), _grad_slot(b)
+                ga.add_(gb)
+                gb.copy_(ga)
+            return
+        for stage in sorted({i, pp - 1 - i}):
+            chunk = model[0] if stage == i else model[1]
+            grads = [_grad_slot(p) for p in _trainable(chunk)]
+            _flat_collective(grads, lambda flat: dist.all_reduce(flat, group=bd_group))
+
+
+def _tied_copies(model: Sequence[torch.nn.Module]):
+    """This rank's copies of the tied word embedding: (embedding weights, output weights),
+    distinct parameters only (a chunk that is both first and last shares one parameter)."""
+    emb, out = [], []
+    for chunk in model:
+        m = unwrap_chunk(chunk)
+        if not getattr(m, "share_embeddings_and_output_weights", False):
+            continue
+        if getattr(m, "pre_process", False):
+            emb.append(m.embedding.word_embeddings.weight)
+        if getattr(m, "post_process", False) and not getattr(m, "pre_process", False):
+            w = m.output_layer.weight
+            if w is not None:
+                out.append(w)
+    return emb, out
+
+
+def fold_tied_embedding_grads(model: Sequence[torch.nn.Module]) -> None:
+    """Tied embeddings: where a rank holds an embedding copy and a separate output-weight copy
+    (DualPipe: ranks 0 and pp-1; DualPipeV: rank 0), set both gradients to their sum.
+
+    Run it after `allreduce_bd_grads` (then the embedding copy already holds both directions'
+    embedding gradient and the output copy both directions' output gradient, so the sum is the
+    gradient of the logical tied parameter on both ranks). Local, no communication. Does
+    nothing for untied models or ranks without both copies.
+    """
+    emb, out = _tied_copies(model)
+    if not emb or not out:
+        return
+    if len(emb) != 1 or len(out) != 1:
+        raise RuntimeError(
+            f"unexpected tied-embedding copies on this rank: {len(emb)} embeddings, {len(out)} outputs"
+        )
+    with torch.no_grad():
+        ge, go = _grad_slot(emb[0]), _grad_slot(out[0])
+        ge.add_(go)
+        go.copy_(ge)
+
+
+def _is_wrapped(chunk: torch.nn.Module) -> bool:
+    return hasattr(chunk, "finish_grad_sync")
+
+
+def finalize_dualpipe_grads(
+    model: Sequence[torch.nn.Module],
+    num_tokens: Optional[torch.Tensor],
+    *,
+    finalize_func: Optional[Callable] = None,
+    pg_collection=None,
+    force_all_reduce: Optional[bool] = False,
+) -> Optional[torch.Tensor]:
+    """Finalize gradients of ``[model_dir0, model_dir1]``: the DualPipe replacement of
+    ``config.finalize_model_grads_func``. In order:
+
+    1. `allreduce_bd_grads` (bd pairs; skipped for DualPipeV);
+    2. `fold_tied_embedding_grads` (local);
+    3. if ``num_tokens`` is a tensor: all-reduce(SUM) over the pipeline group
+       (``pg_collection.pp`` or parallel_state's). Each rank passes the tokens of the
+       micro-batches whose loss it computed (its last stages: rank pp-1 for direction 0 and
+       rank 0 for direction 1 in DualPipe, rank 0 in DualPipeV, zero elsewhere), so every rank
+       gets the total. Megatron's finalize then broadcasts it from the last pipeline rank (same
+       value) and all-reduces it over data parallel;
+    4. ``finalize_func(model, num_tokens, pg_collection=pgc, force_all_reduce=...)`` with ``pgc``
+       a copy of ``pg_collection`` (default: the ``parallel_state`` groups) whose ``embd`` is a
+       size-1 placeholder (`NO_EMBEDDING_GROUP`; ``None`` would make megatron fall back to
+       ``parallel_state``'s embedding group) and whose ``pos_embd`` is None, so megatron's word-
+       and position-embedding all-reduces are skipped (steps 1-2 did that work; the position
+       embedding lives on stage 0, whose two copies are a bd pair).
+
+    Collective order on every rank: bd all-reduce(s) [bd group], tokens all-reduce [pp group],
+    then megatron's: ``finish_grad_sync`` per chunk (DP all-reduce / reduce-scatter), TP
+    reductions of sequence-parallel / qk-layernorm grads, token broadcast [pp] and all-reduce
+    [DP]. The bd reduction therefore runs before the data-parallel one; both are sums over
+    disjoint rank sets, so the order does not change the result.
+
+    ``finalize_func=None`` means megatron-core's ``finalize_model_grads`` when the chunks are
+    wrapped (Megatron DDP: they have ``finish_grad_sync``). For unwrapped chunks (plain
+    ``GPTModel``, as in tests) megatron's finalize cannot run (it calls
+    ``model_chunk.finish_grad_sync()``, and ``scale_gradients`` for per-token loss), so step 4
+    is skipped; that is only allowed without data/context parallelism and with tp == 1
+    (else ValueError), and gradients are then *not* divided by ``num_tokens``. Returns the
+    summed ``num_tokens`` (or None).
+    """
+    from megatron.core import parallel_state
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.utils import get_pg_size
+
+    allreduce_bd_grads(model)
+    fold_tied_embedding_grads(model)
+
+    pp_group = pg_collection.pp if pg_collection is not None else parallel_state.get_pipeline_model_parallel_group()
+    if isinstance(num_tokens, torch.Tensor):
+        dist.all_reduce(num_tokens, group=pp_group)
+
+    if finalize_func is None:
+        if all(_is_wrapped(c) for c in model):
+            from megatron.core.distributed import finalize_model_grads as finalize_func
+        else:
+            if pg_collection is not None:
+                dp_cp, tp = pg_collection.dp_cp, pg_collection.tp
+            else:
+                dp_cp = parallel_state.get_data_parallel_group(with_context_parallel=True)
+                tp = parallel_state.get_tensor_model_parallel_group()
+            if get_pg_size(dp_cp) > 1 or get_pg_size(tp) > 1:
+                raise ValueError(
+                    "finalize_dualpipe_grads: the chunks are not wrapped in Megatron DDP, so "
+                    "megatron's finalize_model_grads cannot run, but data/context or tensor "
+                    "parallelism needs it: wrap the chunks (build_two_direction_model(wrap=...)) "
+                    "or pass finalize_func"
+                )
+            return num_tokens
+
+    pgc = copy.copy(pg_collection) if pg_collection is not None else ProcessGroupCollection.use_mpu_process_groups()
+    pgc.embd = NO_EMBEDDING_GROUP
+    pgc.pos_embd = None
+    finalize_func(model, num_tokens, pg_collection=pgc, force_all_reduce=force_all_reduce)
+    return num_tokens

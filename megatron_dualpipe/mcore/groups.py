@@ -1,0 +1,211 @@
+"""Process groups for DualPipe on top of megatron-core's ``parallel_state``.
+
+Two kinds of groups are built per pipeline group ``[r_0, ..., r_{pp-1}]`` (global ranks in
+pipeline order):
+
+* **bd groups** ("bidirectional" pairs): ``{r_i, r_{pp-1-i}}`` for ``i < pp // 2``. Rank ``r_i``
+  holds stage ``i`` of direction 0 in ``model[0]`` and its partner ``r_{pp-1-i}`` holds the
+  mirrored copy of the same stage in ``model[1]``; the pair broadcasts parameters once after
+  construction and all-reduces gradients every iteration. With an odd ``pp`` the middle rank
+  ``r_{(pp-1)/2}`` is its own partner: it holds both copies of its stage, **no group is built**
+  for it, ``get_bd_group()`` returns None there and ``get_bd_mirror_rank()`` returns the rank
+  itself; callers (``model.broadcast_mirrors``, ``grads.allreduce_bd_grads``) then copy/sum
+  locally. (Megatron's DualPipe schedule itself needs an even pp; DualPipeV does not use bd
+  groups at all because its two chunks are different stages.)
+* **reversed pipeline group**: the same ranks in reverse order, created with
+  ``torch.distributed.new_group(reversed(ranks), sort_ranks=False)`` so that
+  ``group.rank() == pp-1-i`` on pipeline rank ``i`` (checked at build time; torch 2.13 keeps the
+  order; torch versions that always sort the ranks are reported with a clear error). It is
+  passed as ``pg_collection.pp`` when ``model[1]`` is built, which makes megatron-core compute
+  the layer offset, ``pre_process``/``post_process`` and the tied-embedding setup of the
+  mirrored stage. It is meant for construction-time rank queries; all communication of the
+  schedule uses the physical pipeline group.
+
+``torch.distributed.new_group`` is collective over the whole world: every rank calls it for
+every group, in the same order, even for groups it is not a member of. The pipeline groups are
+therefore enumerated identically on every rank by all-gathering each rank's pipeline-group
+ranks over the default group and sorting the distinct lists.
+
+The result is kept in one module-level registry object (``_REGISTRY``), for the same reason
+megatron-core's ``parallel_state`` keeps its groups in module globals: process groups are
+per-process singletons created once, collectively, and looked up from many places (model
+building, finalize, checkpointing) that should not have to pass them around.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+import torch.distributed as dist
+
+__all__ = [
+    "build_bd_groups",
+    "bd_groups_initialized",
+    "destroy_bd_groups",
+    "get_bd_group",
+    "get_bd_mirror_rank",
+    "get_bd_ranks",
+    "get_reversed_pp_group",
+    "get_pp_global_ranks",
+]
+
+
+@dataclass
+class _BDRegistry:
+    """This rank's view of the groups built by `build_bd_groups`."""
+
+    initialized: bool = False
+    pp_ranks: List[int] = field(default_factory=list)  # this rank's pipeline group, in order
+    bd_group: Optional[object] = None  # None on the middle rank of an odd pipeline
+    bd_ranks: List[int] = field(default_factory=list)  # [r_i, r_{pp-1-i}] sorted by pp rank
+    mirror_rank: Optional[int] = None
+    reversed_pp_group: Optional[object] = None
+
+
+_REGISTRY = _BDRegistry()
+
+
+class BDGroupsNotInitializedError(RuntimeError):
+    """Raised by the accessors when `build_bd_groups` has not run (or was destroyed)."""
+
+
+def _require() -> _BDRegistry:
+    if not _REGISTRY.initialized:
+        raise BDGroupsNotInitializedError(
+            "DualPipe bd groups are not initialized: call "
+            "megatron_dualpipe.mcore.groups.build_bd_groups() after "
+            "parallel_state.initialize_model_parallel(...)"
+        )
+    return _REGISTRY
+
+
+def _all_pipeline_groups(pp_ranks: List[int]) -> List[List[int]]:
+    """Every pipeline group of the world, in the same order on every rank."""
+    world = dist.get_world_size()
+    gathered: List[Optional[List[int]]] = [None] * world
+    dist.all_gather_object(gathered, list(pp_ranks))
+    distinct = sorted({tuple(g) for g in gathered})
+    covered = sorted(r for g in distinct for r in g)
+    if covered != list(range(world)):
+        raise RuntimeError(
+            f"pipeline groups do not partition the world (world size {world}): {distinct}"
+        )
+    return [list(g) for g in distinct]
+
+
+def build_bd_groups(*, timeout=None, backend=None) -> None:
+    """Create the bd groups and the reversed pipeline groups (collective over all ranks).
+
+    Call once, on every rank, after ``parallel_state.initialize_model_parallel(...)`` and before
+    ``model.build_two_direction_model``. ``timeout`` / ``backend`` are passed to
+    ``torch.distributed.new_group`` (defaults: the default group's). Calling it again without
+    `destroy_bd_groups` raises.
+    """
+    from megatron.core import parallel_state
+
+    if _REGISTRY.initialized:
+        raise RuntimeError("DualPipe bd groups are already initialized (destroy_bd_groups() first)")
+    if not parallel_state.model_parallel_is_initialized():
+        raise RuntimeError(
+            "build_bd_groups() needs megatron-core's parallel groups: call "
+            "parallel_state.initialize_model_parallel(...) first"
+        )
+    pp_group = parallel_state.get_pipeline_model_parallel_group()
+    if isinstance(pp_group, list):
+        raise NotImplementedError(
+            "this rank belongs to several pipeline groups (heterogeneous encoder/decoder "
+            "pipelines); DualPipe supports one pipeline group per rank"
+        )
+    my_ranks = dist.get_process_group_ranks(pp_group)
+    me = dist.get_rank()
+    pp = len(my_ranks)
+    kwargs = dict(timeout=timeout, backend=backend)
+
+    reg = _BDRegistry(pp_ranks=list(my_ranks))
+    for ranks in _all_pipeline_groups(my_ranks):
+        if len(ranks) != pp:
+            raise RuntimeError(f"pipeline groups of different sizes: {ranks} vs {my_ranks}")
+        # Reversed pipeline group: group rank pp-1-i on pipeline rank i.
+        rev = dist.new_group(
+            list(reversed(ranks)),
+            sort_ranks=False,
+            use_local_synchronization=False,
+            group_desc="DUALPIPE_REVERSED_PIPELINE_GROUP",
+            **kwargs,
+        )
+        if me in ranks:
+            reg.reversed_pp_group = rev
+        # bd pairs, outermost first.
+        for i in range(pp // 2):
+            pair = [ranks[i], ranks[pp - 1 - i]]
+            g = dist.new_group(
+                pair,
+                use_local_synchronization=False,
+                group_desc="DUALPIPE_BD_GROUP",
+                **kwargs,
+            )
+            if me in pair:
+                reg.bd_group = g
+                reg.bd_ranks = pair
+                reg.mirror_rank = pair[1] if me == pair[0] else pair[0]
+    if reg.mirror_rank is None:  # odd pp: the middle rank mirrors itself
+        reg.mirror_rank = me
+        reg.bd_ranks = [me]
+
+    i = my_ranks.index(me)
+    got = reg.reversed_pp_group.rank()
+    if got != pp - 1 - i or dist.get_process_group_ranks(reg.reversed_pp_group) != list(
+        reversed(my_ranks)
+    ):
+        raise RuntimeError(
+            f"torch.distributed.new_group(sort_ranks=False) did not keep the rank order "
+            f"(pipeline rank {i} got group rank {got}, expected {pp - 1 - i}); this torch "
+            f"version cannot build the reversed pipeline group"
+        )
+    reg.initialized = True
+    globals()["_REGISTRY"] = reg
+
+
+def bd_groups_initialized() -> bool:
+    """True between `build_bd_groups` and `destroy_bd_groups`."""
+    return _REGISTRY.initialized
+
+
+def destroy_bd_groups() -> None:
+    """Forget the groups of `build_bd_groups` (local, no communication).
+
+    Like megatron-core's ``destroy_model_parallel``, this only drops the references; the
+    communicators are released with ``torch.distributed.destroy_process_group()``. Harmless when
+    nothing was built.
+    """
+    global _REGISTRY
+    _REGISTRY = _BDRegistry()
+
+
+def get_bd_group():
+    """This rank's bd group (2 ranks), or None on the middle rank of an odd pipeline."""
+    return _require().bd_group
+
+
+def get_bd_mirror_rank() -> int:
+    """Global rank of the partner: pipeline rank pp-1-i of this rank's pipeline group.
+
+    Equals this rank's own global rank on the middle rank of an odd pipeline.
+    """
+    return _require().mirror_rank
+
+
+def get_bd_ranks() -> List[int]:
+    """Global ranks of this rank's bd pair, ordered by pipeline rank (one rank in the middle
+    of an odd pipeline)."""
+    return list(_require().bd_ranks)
+
+
+def get_reversed_pp_group():
+    """This rank's pipeline group with reversed rank order (group rank pp-1-i on rank i)."""
+    return _require().reversed_pp_group
+
+
+def get_pp_global_ranks() -> List[int]:
+    """Global ranks of this rank's (physical) pipeline group, in pipeline order."""
+    return list(_require().pp_ranks)

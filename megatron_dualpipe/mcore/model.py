@@ -1,0 +1,369 @@
+"""Build the two model chunks of a DualPipe / DualPipeV rank with megatron-core.
+
+On pipeline rank ``i`` of ``pp`` (see ``megatron_dualpipe.schedule.layout``):
+
+* ``layout_kind="bidirectional"`` (DualPipe): ``model[0]`` is stage ``i`` of direction 0 and
+  ``model[1]`` is the *mirrored copy* of stage ``pp-1-i`` (direction 1 runs from rank ``pp-1``
+  down to rank 0). Every stage exists twice, once as ``model[0]`` on its home rank ``s`` and
+  once as ``model[1]`` on rank ``pp-1-s``; the copies start equal (`broadcast_mirrors`) and
+  are kept equal by summing their gradients (``grads.allreduce_bd_grads``).
+* ``layout_kind="v"`` (DualPipeV): one route of ``2*pp`` stages; ``model[0]`` is stage ``i``
+  and ``model[1]`` is stage ``2*pp-1-i``. There are no copies, so no broadcast and no
+  ``shared`` marks.
+
+How megatron-core is made to build the right layers for ``model[1]``: megatron-core 0.16.1
+derives the layer offset, the number of layers, ``pre_process``/``post_process`` checks and
+the tied-embedding setup from ``pg_collection.pp`` (``get_pg_rank``). ``model[1]`` is built
+with a copy of the ``ProcessGroupCollection`` whose ``pp`` is the *reversed* pipeline group of
+``groups.build_bd_groups`` (group rank ``pp-1-i`` on rank ``i``):
+
+* DualPipe: the reversed rank ``pp-1-i`` is exactly the mirrored stage; ``vp_stage=None``.
+* DualPipeV: the ``2*pp`` stages are megatron's interleaved layout with two virtual stages:
+  stage ``s < pp`` is (vp_stage 0, pp rank ``s``) and stage ``2*pp-1-i`` is (vp_stage 1,
+  pp rank ``pp-1-i``), i.e. vp_stage 1 on the reversed group. The chunks are therefore built
+  with ``vp_stage=0`` (physical group) and ``vp_stage=1`` (reversed group) and **the model
+  config must have** ``virtual_pipeline_model_parallel_size=2`` (use `dualpipev_config` to make
+  one). megatron-core's ``parallel_state`` must *not* be initialised with a virtual pipeline:
+  only the config carries it.
+
+While ``model[1]`` is built, ``parallel_state.get_pipeline_model_parallel_rank()`` (the rank
+override ``_MPU_PIPELINE_MODEL_PARALLEL_RANK``) returns ``pp-1-i`` and the pipeline's global
+rank list is reversed, for provider code that still asks ``parallel_state`` (e.g. megatron's
+``gpt_builder`` slicing MoE / heterogeneous layer specs via ``get_gpt_decoder_block_spec``
+without ``pp_rank``). Both are restored afterwards.
+
+Embedding group: ``model[1]`` gets ``pg_collection.embd = None``, so megatron's constructor
+all-reduce that initialises a tied output weight from the embedding is skipped for it (with
+the reversed group it would be skipped anyway; None makes that independent of the ranks'
+first/last positions). For DualPipe ``model[0]`` keeps the physical embedding group: rank
+``pp-1``'s ``model[0]`` output weight is initialised from rank 0's embedding as usual, and
+`broadcast_mirrors` copies both into the ``model[1]`` copies. For DualPipeV the embedding and
+the (tied) output layer are both on rank 0, so both chunks get ``embd=None`` and the output
+weight is copied locally from the embedding after construction.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections import OrderedDict
+from typing import Callable, Iterator, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from . import groups
+
+__all__ = [
+    "build_two_direction_model",
+    "broadcast_mirrors",
+    "mark_mirror_shared",
+    "dualpipev_config",
+    "unwrap_chunk",
+    "chunk_info",
+    "BIDIRECTIONAL",
+    "V_SHAPE",
+]
+
+BIDIRECTIONAL = "bidirectional"
+V_SHAPE = "v"
+
+# Attributes set on every chunk (and on its wrapper) by build_two_direction_model.
+_INFO_ATTR = "dualpipe_chunk_info"
+
+
+def unwrap_chunk(chunk: torch.nn.Module) -> torch.nn.Module:
+    """The innermost module of a chunk wrapped in DDP / Float16Module (``.module`` chain)."""
+    while isinstance(getattr(chunk, "module", None), torch.nn.Module):
+        chunk = chunk.module
+    return chunk
+
+
+def chunk_info(chunk: torch.nn.Module) -> Optional[dict]:
+    """``{"layout", "direction", "stage", "num_stages"}`` recorded by `build_two_direction_model`,
+    looked up through wrappers; None for chunks built elsewhere."""
+    while chunk is not None:
+        info = getattr(chunk, _INFO_ATTR, None)
+        if info is not None:
+            return info
+        inner = getattr(chunk, "module", None)
+        chunk = inner if isinstance(inner, torch.nn.Module) else None
+    return None
+
+
+def dualpipev_config(config):
+    """A copy of a ``TransformerConfig`` with ``virtual_pipeline_model_parallel_size=2``, as
+    DualPipeV chunks must be built with (see the module docstring). ``num_layers`` must be
+    divisible by ``2 * pipeline_model_parallel_size``."""
+    import dataclasses
+
+    return dataclasses.replace(config, virtual_pipeline_model_parallel_size=2)
+
+
+@contextlib.contextmanager
+def _mirror_parallel_state(rev_rank: int, rev_ranks: Sequence[int]) -> Iterator[None]:
+    """parallel_state answers rank queries for the reversed pipeline group inside the block."""
+    from megatron.core import parallel_state as ps
+
+    saved_rank = ps._MPU_PIPELINE_MODEL_PARALLEL_RANK
+    saved_ranks = ps._PIPELINE_GLOBAL_RANKS
+    ps._MPU_PIPELINE_MODEL_PARALLEL_RANK = rev_rank
+    ps._PIPELINE_GLOBAL_RANKS = list(rev_ranks)
+    try:
+        yield
+    finally:
+        ps._MPU_PIPELINE_MODEL_PARALLEL_RANK = saved_rank
+        ps._PIPELINE_GLOBAL_RANKS = saved_ranks
+
+
+def _expected_first_layer(config, stage: int, num_stages: int) -> Optional[int]:
+    """1-based global number of the stage's first layer for an even split, or None when the
+    config uses an uneven split (then nothing is checked)."""
+    if (
+        getattr(config, "pipeline_model_parallel_layout", None) is not None
+        or getattr(config, "num_layers_in_first_pipeline_stage", None) is not None
+        or getattr(config, "num_layers_in_last_pipeline_stage", None) is not None
+        or getattr(config, "account_for_embedding_in_pipeline_split", False)
+        or getattr(config, "account_for_loss_in_pipeline_split", False)
+    ):
+        return None
+    if config.num_layers % num_stages:
+        return None
+    return stage * (config.num_layers // num_stages) + 1
+
+
+def _check_chunk(chunk, kind: str, direction: int, stage: int, num_stages: int) -> None:
+    config = chunk.config
+    vp = config.virtual_pipeline_model_parallel_size
+    if kind == V_SHAPE and vp != 2:
+        raise ValueError(
+            "DualPipeV chunks must be built with a config whose "
+            f"virtual_pipeline_model_parallel_size is 2 (got {vp}); build it with "
+            "megatron_dualpipe.mcore.model.dualpipev_config(config)"
+        )
+    if kind == BIDIRECTIONAL and vp is not None and vp > 1:
+        raise ValueError(
+            f"DualPipe chunks must be built without a virtual pipeline (config has "
+            f"virtual_pipeline_model_parallel_size={vp})"
+        )
+    decoder = getattr(chunk, "decoder", None)
+    layers = getattr(decoder, "layers", None)
+    expected = _expected_first_layer(config, stage, num_stages)
+    if layers is not None and len(layers) and expected is not None:
+        got = layers[0].layer_number
+        if got != expected:
+            raise RuntimeError(
+                f"model[{direction}] should hold stage {stage} of {num_stages} (first layer "
+                f"{expected}) but megatron-core built layers from {got}: does the model "
+                "provider pass pg_collection and vp_stage through to GPTModel?"
+            )
+
+
+def build_two_direction_model(
+    model_provider: Callable[..., torch.nn.Module],
+    *,
+    layout_kind: str = BIDIRECTIONAL,
+    wrap: Optional[Callable[[torch.nn.Module], torch.nn.Module]] = None,
+    pg_collection=None,
+) -> List[torch.nn.Module]:
+    """Build ``[model_dir0, model_dir1]`` for this rank (collective over all ranks).
+
+    ``model_provider`` is called twice, always with keyword arguments only::
+
+        model_provider(pre_process=bool, post_process=bool, pg_collection=ProcessGroupCollection,
+                       vp_stage=Optional[int])
+
+    first for ``model[0]`` (on every rank), then for ``model[1]`` (on every rank), so that
+    constructor collectives match across ranks. It must pass ``pg_collection`` and
+    ``vp_stage`` through to ``GPTModel`` (megatron's own providers do). The arguments:
+
+    =============  =================================  ==================================
+    layout_kind    model[0]                           model[1]
+    =============  =================================  ==================================
+    bidirectional  stage i: pp = physical group,      stage pp-1-i: pp = reversed group,
+                   pre = (i == 0), post = (i == pp-1) pre = (i == pp-1), post = (i == 0),
+                   vp_stage None                      embd None, vp_stage None
+    v              stage i: pp = physical group,      stage 2pp-1-i: pp = reversed group,
+                   embd None, pre = (i == 0),         embd None, pre = False,
+                   post = False, vp_stage 0           post = (i == 0), vp_stage 1
+    =============  =================================  ==================================
+
+    (``pg_collection`` defaults to ``ProcessGroupCollection.use_mpu_process_groups()``; pass one
+    to override the base collection.) For ``"v"`` the provider's config must have
+    ``virtual_pipeline_model_parallel_size=2`` (`dualpipev_config`).
+
+    Then, for DualPipe: `broadcast_mirrors` (model[0] on rank i -> model[1] on rank pp-1-i) and
+    `mark_mirror_shared` on ``model[1]``; for DualPipeV with tied embeddings: the output weight
+    on rank 0 is set to the embedding. Finally ``wrap(chunk)`` (e.g. Megatron DDP) is applied
+    to each chunk, model[0] first. Each chunk (and its wrapper) gets a
+    ``dualpipe_chunk_info`` dict (`chunk_info`) that `grads` uses.
+
+    Needs `groups.build_bd_groups()` to have run.
+    """
+    from megatron.core.pipeline_parallel.utils import is_pp_first_stage, is_pp_last_stage
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    if layout_kind not in (BIDIRECTIONAL, V_SHAPE):
+        raise ValueError(f"layout_kind must be {BIDIRECTIONAL!r} or {V_SHAPE!r}, got {layout_kind!r}")
+    rev_group = groups.get_reversed_pp_group()
+    pp_ranks = groups.get_pp_global_ranks()
+    pp = len(pp_ranks)
+    i = pp_ranks.index(dist.get_rank())
+    if layout_kind == V_SHAPE and pp < 2:
+        raise NotImplementedError("DualPipeV needs a pipeline of at least 2 ranks")
+
+    base = pg_collection if pg_collection is not None else ProcessGroupCollection.use_mpu_process_groups()
+    pg0 = copy.copy(base)
+    pg1 = copy.copy(base)
+    pg1.pp = rev_group
+    pg1.embd = None
+    if layout_kind == BIDIRECTIONAL:
+        num_stages = pp
+        stages = (i, pp - 1 - i)
+        kwargs0 = dict(pre_process=is_pp_first_stage(pg0.pp), post_process=is_pp_last_stage(pg0.pp), vp_stage=None)
+        kwargs1 = dict(pre_process=is_pp_first_stage(rev_group), post_process=is_pp_last_stage(rev_group), vp_stage=None)
+    else:
+        num_stages = 2 * pp
+        stages = (i, 2 * pp - 1 - i)
+        pg0.embd = None
+        kwargs0 = dict(pre_process=is_pp_first_stage(pg0.pp), post_process=False, vp_stage=0)
+        kwargs1 = dict(pre_process=False, post_process=is_pp_last_stage(rev_group), vp_stage=1)
+
+    model0 = model_provider(pg_collection=pg0, **kwargs0)
+    with _mirror_parallel_state(pp - 1 - i, list(reversed(pp_ranks))):
+        model1 = model_provider(pg_collection=pg1, **kwargs1)
+    model = [model0, model1]
+    for d, (chunk, stage) in enumerate(zip(model, stages)):
+        _check_chunk(unwrap_chunk(chunk), layout_kind, d, stage, num_stages)
+        setattr(chunk, _INFO_ATTR, dict(layout=layout_kind, direction=d, stage=stage, num_stages=num_stages))
+
+    if layout_kind == BIDIRECTIONAL:
+        broadcast_mirrors(model)
+        mark_mirror_shared(model[1])
+    else:
+        _tie_v_output_weight(model)
+
+    if wrap is not None:
+        wrapped = []
+        for chunk in model:
+            w = wrap(chunk)
+            if w is not chunk:
+                setattr(w, _INFO_ATTR, chunk_info(chunk))
+            wrapped.append(w)
+        model = wrapped
+    return model
+
+
+def _tie_v_output_weight(model: Sequence[torch.nn.Module]) -> None:
+    """DualPipeV, tied embeddings: on the rank holding stage 0 (embedding) and stage 2pp-1
+    (output layer) set the output weight to the embedding (megatron zero-fills it and, with
+    ``embd=None``, does not all-reduce)."""
+    m0, m1 = unwrap_chunk(model[0]), unwrap_chunk(model[1])
+    if not getattr(m1, "share_embeddings_and_output_weights", False):
+        return
+    if not (m0.pre_process and m1.post_process):
+        return
+    emb = m0.embedding.word_embeddings.weight
+    out = m1.output_layer.weight
+    with torch.no_grad():
+        out.copy_(emb)
+    # Megatron sets these when pp > 1 (post_process and not pre_process); make sure.
+    out.shared = True
+    out.shared_embedding = True
+
+
+def _named_params(chunk: torch.nn.Module) -> "OrderedDict[str, torch.nn.Parameter]":
+    return OrderedDict(unwrap_chunk(chunk).named_parameters())
+
+
+def _signature(params: "OrderedDict[str, torch.nn.Parameter]"):
+    return [(n, tuple(p.shape), str(p.dtype)) for n, p in params.items()]
+
+
+def _by_dtype(tensors: Sequence[torch.Tensor]):
+    """Indices of `tensors` grouped by dtype, in order of first appearance (deterministic)."""
+    buckets: "OrderedDict[torch.dtype, List[int]]" = OrderedDict()
+    for k, t in enumerate(tensors):
+        buckets.setdefault(t.dtype, []).append(k)
+    return buckets
+
+
+def _flat_collective(tensors: Sequence[torch.Tensor], op: Callable[[torch.Tensor], None]) -> None:
+    """Run `op` on one flat buffer per dtype and copy the result back into `tensors`."""
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    for idx in _by_dtype(tensors).values():
+        group = [tensors[k] for k in idx]
+        flat = _flatten_dense_tensors(group)
+        op(flat)
+        for t, synced in zip(group, _unflatten_dense_tensors(flat, group)):
+            t.copy_(synced)
+
+
+def _bd_position():
+    """(pipeline index i, pp, this global rank, partner global rank, bd group)."""
+    pp_ranks = groups.get_pp_global_ranks()
+    me = dist.get_rank()
+    return pp_ranks.index(me), len(pp_ranks), me, groups.get_bd_mirror_rank(), groups.get_bd_group()
+
+
+def _require_bidirectional(model: Sequence[torch.nn.Module], what: str) -> None:
+    if len(model) != 2:
+        raise ValueError(f"{what} needs the two chunks [model_dir0, model_dir1], got {len(model)}")
+    info = chunk_info(model[0])
+    if info is not None and info["layout"] != BIDIRECTIONAL:
+        raise ValueError(f"{what} is for DualPipe's mirrored copies; layout is {info['layout']!r}")
+
+
+def broadcast_mirrors(model: Sequence[torch.nn.Module]) -> None:
+    """Copy every parameter of ``model[0]`` on pipeline rank i into ``model[1]`` on rank pp-1-i.
+
+    Collective within each bd pair. Both partners walk the pair's two stages in stage order
+    (stage min(i, pp-1-i) first); for each stage the home rank (``model[0]``) is the source and
+    the partner's ``model[1]`` receives, one broadcast per dtype of the flattened parameters in
+    ``named_parameters`` order. Before that, the partners exchange the (name, shape, dtype)
+    lists of each stage and raise if they differ (instead of hanging or mixing tensors up). On
+    the middle rank of an odd pipeline the copy is local. Only parameters are copied, not
+    buffers.
+    """
+    _require_bidirectional(model, "broadcast_mirrors")
+    i, pp, me, mirror, bd_group = _bd_position()
+    if mirror == me:
+        p0, p1 = _named_params(model[0]), _named_params(model[1])
+        if _signature(p0) != _signature(p1):
+            raise RuntimeError("model[0] and model[1] on the middle rank have different parameters")
+        with torch.no_grad():
+            for a, b in zip(p0.values(), p1.values()):
+                b.copy_(a)
+        return
+    for stage in sorted({i, pp - 1 - i}):
+        mine = stage == i
+        chunk = model[0] if mine else model[1]
+        src = me if mine else mirror
+        params = _named_params(chunk)
+        sigs: List[Optional[list]] = [None, None]
+        dist.all_gather_object(sigs, _signature(params), group=bd_group)
+        if sigs[0] != sigs[1]:
+            diff = [x for x in zip(*sigs) if x[0] != x[1]][:3]
+            raise RuntimeError(
+                f"stage {stage}: the copies on ranks {groups.get_bd_ranks()} have different "
+                f"parameters (first differences: {diff}; lengths {len(sigs[0])}, {len(sigs[1])})"
+            )
+        tensors = [p.data for p in params.values()]
+        with torch.no_grad():
+            _flat_collective(tensors, lambda flat: dist.broadcast(flat, src=src, group=bd_group))
+
+
+def mark_mirror_shared(chunk: torch.nn.Module) -> None:
+    """Set ``param.shared = True`` on every parameter of the mirrored copy ``model[1]``.
+
+    megatron-core counts a parameter in the gradient norm and zero count only if
+    ``param_is_not_shared(param)`` (``not getattr(param, 'shared', False)``,
+    ``transformer/module.py``; used by ``MegatronOptimizer.get_main_grads_for_grad_norm`` and
+    ``clip_grads.count_zeros_fp32``), and the optimizers copy ``shared`` onto their main
+    params when they are constructed, so this must run before ``get_megatron_optimizer``.
+    Megatron-LM's ``calc_params_l2_norm`` (``--log-params-norm``) skips shared params too, but
+    asserts that expert params (``allreduce=False``) are not shared: with MoE and
+    ``--log-params-norm`` this mark trips that assert.
+    """
+    for p in unwrap_chunk(chunk).parameters():
+        p.shared = True
