@@ -88,7 +88,7 @@ class MegatronStageCompute:
 
     def backward(self, a: Action, output_grad):
         input_tensor, output = self.saved.pop((a.dir, a.mb, a.stage))
-        defer = self.wgrad_store.deferring((a.dir, a.mb, a.stage)) if (a.op == B and self.wgrad_store) \
+        defer = self.wgrad_store.deferring((a.dir, a.mb, a.stage)) if (a.op == B and self.wgrad_store is not None) \
             else contextlib.nullcontext()
         with defer:
             return schedules.backward_step(input_tensor, output, output_grad, self.model_type, self.config)
