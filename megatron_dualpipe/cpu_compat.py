@@ -5,7 +5,8 @@
 without CUDA it applies the redirections below once (idempotent) and returns True.
 
 Every redirection, and why it is needed (found by running tiny GPT / MoE models forward and
-backward, and megatron-core's own 1F1B schedule with pp=2 and pp=4 on gloo):
+backward, megatron-core's own 1F1B schedule with pp=2 and pp=4, and megatron DDP with
+``finalize_model_grads`` on gloo):
 
 1. ``megatron.core.tensor_parallel.random.CudaRNGStatesTracker`` is replaced by a subclass that
    keeps the named RNG states of the CPU default generator (``torch.default_generator``).
@@ -46,6 +47,14 @@ backward, and megatron-core's own 1F1B schedule with pp=2 and pp=4 on gloo):
      ``device="cuda"``.
    - ``megatron.core.transformer.moe.token_dispatcher``: ``MoEAlltoAllTokenDispatcher`` creates a
      ``torch.cuda.Stream()`` for device-to-host copies and switches to it.
+   - ``megatron.core.distributed.param_and_grad_buffer``: megatron DDP's parameter and gradient
+     buffers are allocated on ``torch.cuda.current_device()`` (and a ``device="cuda"`` warm-up
+     tensor); the bucket groups wait on ``torch.cuda.default_stream()``.
+   - ``megatron.core.distributed.distributed_data_parallel``: DDP creates a
+     ``torch.cuda.Stream`` for overlapped grad reduction; ``torch.cuda.synchronize`` /
+     ``empty_cache`` in its buffer free/allocate helpers.
+   The view also gives ``torch.cuda.default_stream()`` (the CPU stand-in) and a no-op
+   ``torch.cuda.empty_cache()``.
 
 5. ``megatron.core.transformer.moe.moe_utils.te_general_gemm`` is set to None when it is not
    defined. ``RouterGatingLinearFunction`` (every MoE router's gating, 0.16.1) tests
@@ -65,7 +74,8 @@ Not redirected (not needed by the paths above): ``MoEAuxLossAutoScaler.set_loss_
 schedules call it with a tensor on the output's device, which is the CPU here; only
 ``megatron.training`` uses ``device=cuda``), ``torch.autocast("cuda")`` in ``forward_step``
 (only with ``config.enable_autocast``), grouped-gemm experts, shared-expert overlap streams,
-``megatron.training`` (initialize, DDP buffers, optimizers).
+``megatron.training`` (initialize, optimizers, timers: see
+``megatron_dualpipe.megatron_lm.cpu_training``).
 
 ``REDIRECTIONS`` holds the same list as ``(target, reason)`` pairs.
 """
@@ -112,6 +122,16 @@ _TORCH_VIEW_MODULES: Tuple[Tuple[str, str], ...] = (
     (
         "megatron.core.transformer.moe.token_dispatcher",
         "MoEAlltoAllTokenDispatcher creates torch.cuda.Stream() for D2H copies and uses it",
+    ),
+    (
+        "megatron.core.distributed.param_and_grad_buffer",
+        "DDP param/grad buffers on torch.cuda.current_device(); warm-up tensor on \"cuda\"; "
+        "communication-stream waits on torch.cuda.default_stream()",
+    ),
+    (
+        "megatron.core.distributed.distributed_data_parallel",
+        "DDP creates a torch.cuda.Stream for grad-reduce overlap; synchronize/empty_cache in "
+        "the buffer free/allocate helpers",
     ),
 )
 
@@ -383,6 +403,14 @@ class _CpuCudaView:
     @staticmethod
     def current_stream(device=None):
         return _CPU_STREAM
+
+    @staticmethod
+    def default_stream(device=None):
+        return _CPU_STREAM
+
+    @staticmethod
+    def empty_cache():
+        pass
 
     @staticmethod
     def stream(stream):

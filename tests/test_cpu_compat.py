@@ -206,6 +206,37 @@ def _moe_reference_worker(rank, world_size, port, dispatcher, n_data):
         me.destroy_distributed()
 
 
+def _ddp_worker(rank, world_size, port, overlap_grad_reduce):
+    """Megatron DDP (dp=world_size) + finalize_model_grads vs a plain model on all the data."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+
+    me.init_distributed_cpu(rank, world_size, port)
+    try:
+        config = me.tiny_gpt_config(num_layers=2)
+        batches = make_batches(world_size, seed=5)
+        me.seed_all(1234)
+        plain = me.build_tiny_gpt(config, share_embeddings_and_output_weights=True)
+        for b in batches:  # reference: the average over all ranks' micro-batches
+            out = plain(b["tokens"], b["position_ids"], None, labels=b["labels"])
+            (loss_func(b["loss_mask"], out)[0] / world_size).backward()
+        me.seed_all(1234)
+        model = DistributedDataParallel(
+            config=config,
+            ddp_config=DistributedDataParallelConfig(overlap_grad_reduce=overlap_grad_reduce),
+            module=me.build_tiny_gpt(config, share_embeddings_and_output_weights=True),
+        )
+        model.zero_grad_buffer()
+        b = batches[rank]
+        out = model(b["tokens"], b["position_ids"], None, labels=b["labels"])
+        loss_func(b["loss_mask"], out)[0].backward()
+        finalize_model_grads([model])
+        got = {n: p.main_grad.detach().clone() for n, p in model.module.named_parameters()}
+        return got, grads(plain)
+    finally:
+        me.destroy_distributed()
+
+
 def _global_expert_key(key, expert_offset):
     marker = ".local_experts."
     if marker not in key:
@@ -291,3 +322,21 @@ def test_moe_expert_parallel_matches_single_process(dispatcher):
             else:
                 want = ref[rank][1][key]
             assert_close(f"rank {rank} {key}", g, want)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_megatron_ddp_finalize_grads_matches_single_process(overlap):
+    results = me.run_workers(_ddp_worker, world_size=2, args=(overlap,))
+    print(f"\nmegatron DDP dp=2 overlap_grad_reduce={overlap} vs plain model on all data")
+    for rank, (got, want) in enumerate(results):
+        assert set(got) == set(want)
+        for key in sorted(want):
+            assert_close(f"rank {rank} {key}", got[key], want[key])
+
+
+def test_enable_cpu_mode_is_inert_when_cuda_is_available(monkeypatch):
+    if cpu_compat.cpu_mode_active():
+        pytest.skip("CPU mode already active in this process")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert cpu_compat.enable_cpu_mode() is False
+    assert not cpu_compat.cpu_mode_active()
