@@ -60,7 +60,7 @@ def forward_step(data_iterator, model):
     return output, functools.partial(loss_func, mask)
 
 
-def _reference_worker(rank, world, port, tied, n):
+def _reference_worker(rank, world, port, tied, n, seed=7):
     me.init_distributed_cpu(rank, world, port)
     try:
         config = me.tiny_gpt_config(num_layers=LAYERS)
@@ -68,7 +68,7 @@ def _reference_worker(rank, world, port, tied, n):
                                   max_sequence_length=SEQ)
         state = {k: v.clone() for k, v in model.state_dict().items() if "_extra_state" not in k}
         losses, per_mb = [], []
-        for b in make_batches(n):
+        for b in make_batches(n, seed):
             model.zero_grad()
             out = model(b["tokens"], b["position_ids"], None, labels=b["labels"])
             loss, _ = loss_func(b["loss_mask"], out)
@@ -80,73 +80,123 @@ def _reference_worker(rank, world, port, tied, n):
         me.destroy_distributed()
 
 
-def _provider(tied):
+def _provider(tied, v_layout=False):
     def provider(pre_process, post_process, pg_collection=None, vp_stage=None):
         config = me.tiny_gpt_config(num_layers=LAYERS)
+        if v_layout:
+            from megatron_dualpipe.mcore.model import dualpipev_config
+            config = dualpipev_config(config)
         return me.build_tiny_gpt(config, pre_process=pre_process, post_process=post_process,
                                  share_embeddings_and_output_weights=tied, vocab_size=VOCAB,
                                  max_sequence_length=SEQ, pg_collection=pg_collection, vp_stage=vp_stage)
     return provider
 
 
-def _pipeline_worker(rank, world, port, schedule, tied, full_state, runs):
-    """`runs`: list of (M, zero_bubble, forward_only). Returns per run: losses, grads."""
+def _pipeline_worker(rank, world, port, schedule, tied, full_state, runs, dp=1):
+    """`runs`: list of (M, zero_bubble, forward_only[, schedule]). Returns per run: losses, grads.
+
+    A run may name another schedule: ``1f1b`` / ``zb-h1`` run model[0] alone through the same
+    executor. With ``dp`` > 1 the chunks are wrapped in megatron-core DDP and finalized by
+    megatron-core's ``finalize_model_grads``; data-parallel replica j reads batches seeded 7+j."""
     from megatron.core import parallel_state as ps
     from megatron_dualpipe.mcore.forward_backward import forward_backward_dualpipe
     from megatron_dualpipe.mcore.groups import build_bd_groups
     from megatron_dualpipe.mcore.model import broadcast_mirrors, build_two_direction_model
 
-    me.init_distributed_cpu(rank, world, port, pp=world)
+    pp = world // dp
+    me.init_distributed_cpu(rank, world, port, pp=pp)
     try:
         build_bd_groups()
         layout = "v" if schedule == "dualpipev" else "bidirectional"
-        model = build_two_direction_model(_provider(tied), layout_kind=layout)
+        model = build_two_direction_model(_provider(tied, layout == "v"), layout_kind=layout)
         full = {k: torch.from_numpy(v) for k, v in full_state.items()}
-        me.load_stage_from_full(model[0], full)
-        broadcast_mirrors(model)
-        for chunk in model:
-            chunk.config.finalize_model_grads_func = lambda *a, **k: None  # plain modules: no DDP to finish
-        results = []
-        for m, zero_bubble, forward_only in runs:
+        if layout == "v":  # two different stages per rank: load both
+            me.load_stage_from_full(model[0], full)
+            me.load_stage_from_full(model[1], full)
+        else:  # load one copy; the broadcast gives the mirror its partner's weights
+            me.load_stage_from_full(model[0], full)
+            broadcast_mirrors(model)
+        if dp > 1:
+            model = _wrap_ddp(model)
+        else:
             for chunk in model:
-                chunk.zero_grad()
-            source = iter(make_batches(m))
+                chunk.config.finalize_model_grads_func = lambda *a, **k: None  # plain modules: no DDP
+        dp_rank = ps.get_data_parallel_rank()
+        pp_rank = ps.get_pipeline_model_parallel_rank()
+        results = []
+        for run in runs:
+            m, zero_bubble, forward_only = run[:3]
+            name = run[3] if len(run) > 3 else schedule
+            chunks = model if name in ("dualpipe", "dualpipev") else model[:1]
+            for chunk in model:
+                chunk.zero_grad_buffer() if dp > 1 else chunk.zero_grad()
+            source = iter(make_batches(m, seed=7 + dp_rank))
             ctx = torch.no_grad() if forward_only else torch.enable_grad()
             with ctx:
                 out = forward_backward_dualpipe(
-                    forward_step_func=forward_step, data_iterator=source, model=model, num_microbatches=m,
-                    seq_length=SEQ, micro_batch_size=MBS, forward_only=forward_only, schedule=schedule,
+                    forward_step_func=forward_step, data_iterator=source, model=chunks, num_microbatches=m,
+                    seq_length=SEQ, micro_batch_size=MBS, forward_only=forward_only, schedule=name,
                     zero_bubble=zero_bubble, p2p_timeout=60)
-            losses = [d["lm loss"].item() for d in out] if rank == world - 1 else None
+            losses = [d["lm loss"].item() for d in out] if pp_rank == pp - 1 else None
             leftover = sum(1 for _ in source)  # what the schedule did not read
-            grads = [me.stage_grads_as_full(chunk, full) for chunk in model] if not forward_only else None
-            results.append({"losses": losses, "grads": grads, "unread": leftover})
+            grads = [_grads_as_full(chunk, full) for chunk in chunks] if not forward_only else None
+            results.append({"losses": losses, "grads": grads, "unread": leftover, "dp": dp_rank, "pp": pp_rank})
         return results
     finally:
         me.destroy_distributed()
 
 
-def _check(label, results, ref_losses, ref_per_mb, runs, world):
+def _wrap_ddp(model):
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    ddp_config = DistributedDataParallelConfig(overlap_grad_reduce=False, use_distributed_optimizer=False)
+    wrapped = [DistributedDataParallel(chunk.config, ddp_config, chunk) for chunk in model]
+    for chunk in wrapped:
+        chunk.config.finalize_model_grads_func = finalize_model_grads
+    return wrapped
+
+
+def _grads_as_full(chunk, full):
+    """Gradients keyed by the full model's names (``main_grad`` under DDP)."""
+    inner = getattr(chunk, "module", chunk)
+    offset = me._layer_offset(inner)
+    out = {}
+    for name, p in inner.named_parameters():
+        g = getattr(p, "main_grad", None)
+        g = p.grad if g is None else g
+        if g is not None:
+            out[me._full_key(name, offset, full)] = g.detach().clone()
+    return out
+
+
+def _check(label, results, refs, runs, world, dp=1):
+    """``refs``: per data-parallel replica, (losses, per-micro-batch grads)."""
     worst = {}
-    for i, (m, zb, fo) in enumerate(runs):
-        tag = f"{label} M={m} zero_bubble={zb} forward_only={fo}"
-        losses = results[world - 1][i]["losses"]
-        assert losses is not None and len(losses) == m, f"{tag}: last rank returned {losses}"
-        dl = max(abs(a - b) for a, b in zip(losses, ref_losses[:m]))
-        assert dl <= RTOL * max(abs(x) for x in ref_losses[:m]), f"{tag}: losses {losses} vs {ref_losses[:m]}"
-        # Ranks that read data (the first and last stages) read exactly M micro-batches; others none.
-        for r in range(world):
-            reads_data = r in (0, world - 1)
-            assert results[r][i]["unread"] == (0 if reads_data else m), \
-                f"{tag}: rank {r} left {results[r][i]['unread']} of {m} micro-batches unread"
+    pp = world // dp
+    by_pos = {(r[0]["dp"], r[0]["pp"]): r for r in results}
+    for i, run in enumerate(runs):
+        m, zb, fo = run[:3]
+        tag = f"{label} {run[3] if len(run) > 3 else ''} M={m} zero_bubble={zb} forward_only={fo}"
+        dl = 0.0
+        for j in range(dp):
+            ref_losses = refs[j][0]
+            losses = by_pos[(j, pp - 1)][i]["losses"]
+            assert losses is not None and len(losses) == m, f"{tag}: last rank returned {losses}"
+            dl = max(dl, max(abs(a - b) for a, b in zip(losses, ref_losses[:m])))
+            assert dl <= RTOL * max(abs(x) for x in ref_losses[:m]), f"{tag}: losses {losses} vs {ref_losses[:m]}"
+            # Ranks that read data (first and last stages) read exactly M micro-batches; others none.
+            for r in range(pp):
+                reads_data = r in (0, pp - 1)
+                unread = by_pos[(j, r)][i]["unread"]
+                assert unread == (0 if reads_data else m), f"{tag}: rank {r} left {unread} of {m} unread"
         if fo:
             print(f"  {tag}: max|loss diff| {dl:.2e}")
             continue
         dg, scale = 0.0, 0.0
-        for r in range(world):
-            for chunk_grads in results[r][i]["grads"]:
+        for res in results:
+            for chunk_grads in res[i]["grads"]:
                 for key, g in chunk_grads.items():
-                    want = sum(np.asarray(ref_per_mb[k][key], dtype=np.float64) for k in range(m)) / m
+                    want = sum(np.asarray(refs[j][1][k][key], dtype=np.float64) for j in range(dp)
+                               for k in range(m)) / (m * dp)
                     dg = max(dg, float(np.max(np.abs(np.asarray(g, dtype=np.float64) - want))))
                     scale = max(scale, float(np.max(np.abs(want))))
         print(f"  {tag}: max|loss diff| {dl:.2e}  max|grad diff| {dg:.2e} (rel {dg / scale:.2e})")
@@ -155,19 +205,46 @@ def _check(label, results, ref_losses, ref_per_mb, runs, world):
     return worst
 
 
-CASES = {
-    # pp: runs of (M, zero_bubble, forward_only): M in {pp, pp+1, 2pp, 2pp+3, 3pp}
-    2: [(2, True, False), (3, True, False), (4, True, False), (7, True, False), (6, False, False), (5, True, True)],
-    4: [(4, True, False), (5, True, False), (8, True, False), (11, True, False), (12, False, False), (6, True, True)],
-}
+def _runs(pp, zero_bubble_off_at=4):
+    """M in {pp, pp+1, 2pp, 2pp+3, 3pp}; one of them without zero bubble; one forward-only."""
+    ms = [pp, pp + 1, 2 * pp, 2 * pp + 3, 3 * pp]
+    return [(m, i != zero_bubble_off_at, False) for i, m in enumerate(ms)] + [(pp + 2, True, True)]
 
 
-@pytest.mark.parametrize("pp", sorted(CASES))
+def _references(tied, n, dp=1):
+    refs = []
+    for j in range(dp):
+        [(state, losses, per_mb)] = me.run_workers(_reference_worker, 1, args=(tied, n, 7 + j), timeout=120)
+        refs.append((losses, per_mb))
+    return state, refs
+
+
+def _run_and_check(schedule, pp, tied, runs, dp=1):
+    n = max(r[0] for r in runs)
+    state, refs = _references(tied, n, dp)
+    results = me.run_workers(_pipeline_worker, pp * dp, args=(schedule, tied, state, runs, dp), timeout=400)
+    label = f"{schedule} pp={pp} dp={dp} tied={tied}"
+    print(f"\n{label}:")
+    _check(label, results, refs, runs, pp * dp, dp)
+
+
+@pytest.mark.parametrize("pp", [2, 4])
 @pytest.mark.parametrize("tied", [True, False])
 def test_dualpipe_equals_single_process(pp, tied):
-    runs = CASES[pp]
-    n = max(m for m, _, _ in runs)
-    [(state, ref_losses, ref_per_mb)] = me.run_workers(_reference_worker, 1, args=(tied, n), timeout=120)
-    results = me.run_workers(_pipeline_worker, pp, args=("dualpipe", tied, state, runs), timeout=300)
-    print(f"\ndualpipe pp={pp} tied={tied}:")
-    _check(f"dualpipe pp={pp} tied={tied}", results, ref_losses, ref_per_mb, runs, pp)
+    runs = _runs(pp)
+    if not tied:  # the same executor running 1F1B and ZB-H1 orders on model[0] alone
+        runs += [(pp + 1, True, False, "1f1b"), (2 * pp, True, False, "zb-h1")]
+    _run_and_check("dualpipe", pp, tied, runs)
+
+
+def test_dualpipe_pp8_equals_single_process():
+    _run_and_check("dualpipe", 8, True, _runs(8))
+
+
+def test_dualpipe_pp4_dp2_ddp_equals_single_process():
+    _run_and_check("dualpipe", 4, True, [(4, True, False), (11, True, False), (8, False, False)], dp=2)
+
+
+@pytest.mark.parametrize("pp", [2, 4])
+def test_dualpipev_equals_single_process(pp):
+    _run_and_check("dualpipev", pp, True, _runs(pp))
