@@ -2,11 +2,13 @@
 
 Flags (added to every ``megatron.training.arguments.parse_args`` parser once :func:`install` ran):
 
-``--pipeline-schedule {1f1b,dualpipe,dualpipev}``
+``--pipeline-schedule {1f1b,dualpipe,dualpipev,executor-1f1b}``
     ``1f1b`` (default) keeps Megatron's own schedule selection untouched (1F1B, or interleaved
     1F1B when a virtual pipeline is configured). ``dualpipe`` is DeepSeek's bidirectional
     DualPipe (two model copies per rank, ``pp`` even); ``dualpipev`` is the "cut-in-half" V
-    variant (two chunks of ``num_layers / (2*pp)`` layers per rank).
+    variant (two chunks of ``num_layers / (2*pp)`` layers per rank). ``executor-1f1b`` runs
+    the 1F1B order on megatron_dualpipe's executor (one chunk per rank, same model and
+    checkpoints as ``1f1b``): for comparing schedules on equal terms.
 ``--dualpipe-zero-bubble`` / ``--no-dualpipe-zero-bubble``
     Split backward into input-grad (B) and weight-grad (W) steps to fill bubbles (default on).
 ``--dualpipe-p2p-timeout SECONDS``
@@ -28,7 +30,8 @@ the three extra attributes; no check runs and no value is changed.
 
 import functools
 
-PIPELINE_SCHEDULES = ("1f1b", "dualpipe", "dualpipev")
+PIPELINE_SCHEDULES = ("1f1b", "dualpipe", "dualpipev", "executor-1f1b")
+EXECUTOR_SCHEDULES = ("dualpipe", "dualpipev", "executor-1f1b")
 DUALPIPE_SCHEDULES = ("dualpipe", "dualpipev")
 
 _GROUP_TITLE = "DualPipe pipeline schedule (megatron_dualpipe)"
@@ -50,7 +53,8 @@ def add_dualpipe_arguments(parser):
         choices=PIPELINE_SCHEDULES,
         help="Pipeline schedule. 1f1b: Megatron's own (1F1B, or interleaved 1F1B with a "
         "virtual pipeline). dualpipe: DeepSeek DualPipe, bidirectional, two model copies per "
-        "rank, needs an even pipeline size. dualpipev: DualPipeV, two V-shaped chunks per rank.",
+        "rank, needs an even pipeline size. dualpipev: DualPipeV, two V-shaped chunks per rank. "
+        "executor-1f1b: 1F1B order run by megatron_dualpipe's executor (for comparisons).",
     )
     group.add_argument(
         "--dualpipe-zero-bubble",
@@ -88,7 +92,7 @@ def dualpipe_problems(args):
     ``args`` must already have been through Megatron's ``validate_args``.
     """
     schedule = getattr(args, "pipeline_schedule", "1f1b")
-    if schedule not in DUALPIPE_SCHEDULES:
+    if schedule not in EXECUTOR_SCHEDULES:
         return []
     problems = []
     flag = f"--pipeline-schedule {schedule}"
@@ -96,6 +100,9 @@ def dualpipe_problems(args):
 
     def bad(msg):
         problems.append(f"{flag}: {msg}")
+
+    if schedule == "executor-1f1b":
+        return _executor_1f1b_problems(args, bad, problems)
 
     # Pipeline size.
     if pp < 2:
@@ -206,6 +213,28 @@ def dualpipe_problems(args):
     if getattr(args, "hybrid_context_parallel", False):
         bad("does not support --hybrid-context-parallel; remove it")
 
+    timeout = getattr(args, "dualpipe_p2p_timeout", None)
+    if timeout is not None and not timeout > 0:
+        bad(f"--dualpipe-p2p-timeout must be a positive number of seconds (got {timeout})")
+    return problems
+
+
+def _executor_1f1b_problems(args, bad, problems):
+    """The executor's 1F1B: one chunk per rank, Megatron's model, batched P2P of its own."""
+    if args.pipeline_model_parallel_size < 2:
+        bad("needs --pipeline-model-parallel-size >= 2; use --pipeline-schedule 1f1b")
+    if (
+        getattr(args, "num_layers_per_virtual_pipeline_stage", None) is not None
+        or getattr(args, "num_virtual_stages_per_pipeline_rank", None) is not None
+    ):
+        bad(
+            "runs one model chunk per rank; remove --num-layers-per-virtual-pipeline-stage / "
+            "--num-virtual-stages-per-pipeline-rank or use --pipeline-schedule 1f1b"
+        )
+    if getattr(args, "overlap_p2p_comm", False):
+        bad("batches its own P2P; remove --overlap-p2p-communication")
+    if getattr(args, "variable_seq_lengths", False):
+        bad("needs fixed shapes between micro-batches; remove --variable-seq-lengths")
     timeout = getattr(args, "dualpipe_p2p_timeout", None)
     if timeout is not None and not timeout > 0:
         bad(f"--dualpipe-p2p-timeout must be a positive number of seconds (got {timeout})")

@@ -12,9 +12,11 @@ What it installs, in order (each step idempotent):
 2. ``dataset_helpers.install()`` -- build Megatron's dataset C++ helper for the running
    interpreter.
 3. ``arguments.install()`` -- ``--pipeline-schedule`` & co. and their validation.
-4. ``_guard_unwired_schedules()`` -- until the DualPipe executor and its model / data /
-   finalize hooks are wired in, ``--pipeline-schedule dualpipe|dualpipev`` stops at
-   ``get_model`` with a clear error instead of silently training with 1F1B.
+4. ``training_hooks.install()`` -- the schedule wiring: ``get_model`` builds the two chunks
+   for ``dualpipe`` / ``dualpipev``, ``get_forward_backward_func`` returns the executor for
+   every schedule but ``1f1b``, and ``save_checkpoint`` / ``load_checkpoint`` keep DualPipe
+   checkpoints interchangeable with 1F1B ones (:mod:`.checkpoint_hooks`). ``1f1b`` passes
+   straight through to Megatron.
 5. ``cpu_training.enable()`` -- only when ``torch.cuda.is_available()`` is False (or
    ``cpu=True``): the redirections that let Megatron-LM's training loop run on CPU with gloo.
 """
@@ -30,7 +32,9 @@ def install(cpu=None):
         _INSTALLED["triton_stub"] = triton_stub.preimport_triton_users()
         dataset_helpers.install()
         arguments.install()
-        _guard_unwired_schedules()
+        from . import training_hooks
+
+        training_hooks.install()
         _INSTALLED["base"] = True
 
     import torch
@@ -44,35 +48,3 @@ def install(cpu=None):
         _INSTALLED["cpu"] = True
     return dict(_INSTALLED)
 
-
-def _guard_unwired_schedules():
-    """Wrap ``megatron.training.training.get_model`` (called by ``setup_model_and_optimizer``
-    through the module global) to refuse DualPipe schedules while they are not wired in.
-
-    TODO(integration): replace with the real hooks -- ``get_model`` (two chunks),
-    ``build_train_valid_test_data_iterators`` (two iterators), ``get_forward_backward_func``
-    (``megatron_dualpipe.executor.forward_backward_dualpipe``), and finalize.
-    """
-    import functools
-
-    import megatron.training.training as mtraining
-
-    orig = mtraining.get_model
-    if getattr(orig, "_megatron_dualpipe_guard", False):
-        return
-
-    @functools.wraps(orig)
-    def get_model(*args, **kwargs):
-        from megatron.training import get_args
-
-        schedule = getattr(get_args(), "pipeline_schedule", "1f1b")
-        if schedule != "1f1b":
-            raise NotImplementedError(
-                f"--pipeline-schedule {schedule}: the DualPipe executor is not wired into "
-                "Megatron-LM's training loop yet (megatron_dualpipe.megatron_lm); use "
-                "--pipeline-schedule 1f1b"
-            )
-        return orig(*args, **kwargs)
-
-    get_model._megatron_dualpipe_guard = True
-    mtraining.get_model = get_model

@@ -1,0 +1,175 @@
+"""Wire ``--pipeline-schedule dualpipe|dualpipev|executor-1f1b`` into ``megatron.training``.
+
+:func:`install` replaces two module globals of ``megatron.training.training`` (both are looked
+up at call time by ``setup_model_and_optimizer``, ``train`` and ``evaluate``) and, through
+:mod:`.checkpoint_hooks`, its by-name imports of ``save_checkpoint`` / ``load_checkpoint``.
+With ``--pipeline-schedule 1f1b`` (the default) every wrapper calls the original with the same
+arguments and returns its result: Megatron behaves exactly as without the plugin.
+
+``get_model`` (DualPipe / DualPipeV)
+    1. ``groups.build_bd_groups()`` once (collective; the first ``get_model`` call is right
+       after ``initialize_megatron`` on every rank, in the same order);
+    2. Megatron's own ``get_model`` runs with a provider that returns *both* chunks, built by
+       ``mcore.model.build_two_direction_model`` (stage ``i`` and its mirror ``pp-1-i`` for
+       DualPipe, stages ``i`` and ``2pp-1-i`` for DualPipeV), with one shared
+       ``TransformerConfig``. The provider returns them as a list, which stock ``get_model``
+       accepts (``if not isinstance(model, list)``), so everything after the build is
+       Megatron's code, unchanged: tensor-parallel default attributes, the parameter count,
+       device placement, ``Float16Module`` for fp16/bf16, the ``DistributedDataParallelConfig``
+       from ``args``, DDP per chunk (bucketing off for chunk 1, as with a virtual pipeline),
+       and ``broadcast_params`` with ``--data-parallel-random-init``.
+       ``build_two_direction_model`` broadcasts the mirrors and marks ``model[1]`` ``shared``
+       before it returns, i.e. long before ``get_megatron_optimizer`` runs.
+``get_forward_backward_func``
+    ``1f1b`` -> Megatron's own (unchanged); otherwise
+    ``mcore.forward_backward.get_forward_backward_func(schedule, zero_bubble=...,
+    p2p_timeout=...)``, whose function finalizes gradients through
+    ``config.finalize_model_grads_func`` (Megatron's ``finalize_model_grads``, set by
+    ``train()``) -- for two chunks via ``grads.finalize_dualpipe_grads`` after the bd
+    all-reduce -- and returns the loss dicts of both directions on the last pipeline rank,
+    where ``train_step`` / ``evaluate`` read them.
+Data
+    Nothing to hook: the non-virtual-pipeline branch of ``pretrain()`` builds one iterator per
+    rank, and the executor splits it into the two directions itself (``mcore.data``).
+"""
+
+import functools
+
+EXECUTOR_ONLY = ("executor-1f1b",)
+TWO_CHUNK = ("dualpipe", "dualpipev")
+
+_MARK = "_megatron_dualpipe_training_hook"
+
+
+def schedule_of(args) -> str:
+    return getattr(args, "pipeline_schedule", "1f1b") or "1f1b"
+
+
+def forward_backward_options(args) -> dict:
+    """Keyword options of the dispatcher taken from the parsed arguments."""
+    opts = {"zero_bubble": bool(getattr(args, "dualpipe_zero_bubble", True))}
+    timeout = getattr(args, "dualpipe_p2p_timeout", None)
+    if timeout is None:
+        minutes = getattr(args, "distributed_timeout_minutes", None)
+        timeout = float(minutes) * 60.0 if minutes else None
+    if timeout is not None:
+        opts["p2p_timeout"] = float(timeout)
+    return opts
+
+
+class _Chunks(list):
+    """The two chunks, as the one "model" stock ``get_model`` receives from the provider (a list
+    subclass so that ``model.model_type = ...`` works; stock code then treats it as its list)."""
+
+
+def _two_chunk_provider(model_provider_func, schedule, model_type, config):
+    """A provider with stock ``get_model``'s calling convention that builds both chunks."""
+    from megatron.core.utils import get_model_config
+    from megatron.training import get_args
+
+    from ..mcore.model import BIDIRECTIONAL, V_SHAPE, build_two_direction_model, dualpipev_config
+
+    args = get_args()
+    layout = BIDIRECTIONAL if schedule == "dualpipe" else V_SHAPE
+
+    def provider(pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None):
+        shared = {"config": config}
+        if layout == V_SHAPE:
+            if shared["config"] is None:
+                shared["config"] = _default_config(args)
+            shared["config"] = dualpipev_config(shared["config"])
+
+        def one_chunk(**kw):
+            chunk = model_provider_func(config=shared["config"], **kw)
+            chunk.model_type = model_type
+            if shared["config"] is None:  # the second chunk gets the first one's config object
+                shared["config"] = get_model_config(chunk)
+            if getattr(args, "use_cpu_initialization", False):
+                # Stock get_model places the chunks next (model_module.cuda(current_device())),
+                # after our provider returns; the mirror broadcast inside
+                # build_two_direction_model must already see them on the communication device.
+                # Same call, through the same module-global ``torch`` as stock get_model.
+                import megatron.training.training as mtraining
+
+                chunk.cuda(mtraining.torch.cuda.current_device())
+            return chunk
+
+        return _Chunks(build_two_direction_model(one_chunk, layout_kind=layout, pg_collection=pg_collection))
+
+    return provider
+
+
+def _default_config(args):
+    """The TransformerConfig Megatron-LM's GPT builder would make (DualPipeV needs it up front)."""
+    if getattr(args, "yaml_cfg", None) is not None:
+        from megatron.training.yaml_arguments import core_transformer_config_from_yaml
+
+        return core_transformer_config_from_yaml(args, "language_model")
+    from megatron.training.arguments import core_transformer_config_from_args
+
+    return core_transformer_config_from_args(args)
+
+
+def _wrap_get_model(orig):
+    if getattr(orig, _MARK, False):
+        return orig
+
+    @functools.wraps(orig)
+    def get_model(model_provider_func, model_type=None, wrap_with_ddp=True, config=None, pg_collection=None):
+        from megatron.core.enums import ModelType
+        from megatron.training import get_args
+
+        if model_type is None:
+            model_type = ModelType.encoder_or_decoder
+        args = get_args()
+        schedule = schedule_of(args)
+        if schedule not in TWO_CHUNK:
+            return orig(model_provider_func, model_type, wrap_with_ddp, config=config, pg_collection=pg_collection)
+        if getattr(args, "init_model_with_meta_device", False):
+            raise NotImplementedError(
+                f"--pipeline-schedule {schedule}: --init-model-with-meta-device is not supported (the mirrored "
+                "copies are broadcast right after construction); remove it")
+        from ..mcore import groups
+
+        if not groups.bd_groups_initialized():
+            groups.build_bd_groups()
+        provider = _two_chunk_provider(model_provider_func, schedule, model_type, config)
+        model = orig(provider, model_type, wrap_with_ddp, config=config, pg_collection=pg_collection)
+        model = list(model)
+        if len(model) != 2:
+            raise RuntimeError(f"--pipeline-schedule {schedule}: expected 2 model chunks, got {len(model)}")
+        return model
+
+    setattr(get_model, _MARK, True)
+    return get_model
+
+
+def _wrap_get_forward_backward_func(orig):
+    if getattr(orig, _MARK, False):
+        return orig
+
+    @functools.wraps(orig)
+    def get_forward_backward_func(*a, **kw):
+        from megatron.training import get_args
+
+        args = get_args()
+        schedule = schedule_of(args)
+        if schedule == "1f1b":
+            return orig(*a, **kw)
+        from ..mcore.forward_backward import get_forward_backward_func as dispatch
+
+        return dispatch(schedule, **forward_backward_options(args))
+
+    setattr(get_forward_backward_func, _MARK, True)
+    return get_forward_backward_func
+
+
+def install():
+    """Patch ``megatron.training.training`` (idempotent)."""
+    import megatron.training.training as mtraining
+
+    from . import checkpoint_hooks
+
+    mtraining.get_model = _wrap_get_model(mtraining.get_model)
+    mtraining.get_forward_backward_func = _wrap_get_forward_backward_func(mtraining.get_forward_backward_func)
+    checkpoint_hooks.install()
