@@ -248,3 +248,91 @@ def test_dualpipe_pp4_dp2_ddp_equals_single_process():
 @pytest.mark.parametrize("pp", [2, 4])
 def test_dualpipev_equals_single_process(pp):
     _run_and_check("dualpipev", pp, True, _runs(pp))
+
+
+# ---------------------------------------------------------------------------------------------
+# Several optimizer steps: the copies stay bit-identical and track the reference model.
+
+STEPS, LR, STEP_M = 3, 0.5, 6
+
+
+def _reference_training_worker(rank, world, port, tied):
+    me.init_distributed_cpu(rank, world, port)
+    try:
+        model = me.build_tiny_gpt(me.tiny_gpt_config(num_layers=LAYERS), share_embeddings_and_output_weights=tied,
+                                  vocab_size=VOCAB, max_sequence_length=SEQ)
+        state = {k: v.clone() for k, v in model.state_dict().items() if "_extra_state" not in k}
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        losses = []
+        for step in range(STEPS):
+            opt.zero_grad()
+            for b in make_batches(STEP_M, seed=100 + step):
+                out = model(b["tokens"], b["position_ids"], None, labels=b["labels"])
+                loss, _ = loss_func(b["loss_mask"], out)
+                (loss / STEP_M).backward()
+                losses.append(loss.item())
+            opt.step()
+        return state, losses, {k: p.detach().clone() for k, p in model.named_parameters()}
+    finally:
+        me.destroy_distributed()
+
+
+def _training_worker(rank, world, port, tied, full_state):
+    from megatron_dualpipe.mcore.forward_backward import forward_backward_dualpipe
+    from megatron_dualpipe.mcore.groups import build_bd_groups
+    from megatron_dualpipe.mcore.model import broadcast_mirrors, build_two_direction_model
+
+    me.init_distributed_cpu(rank, world, port, pp=world)
+    try:
+        build_bd_groups()
+        model = build_two_direction_model(_provider(tied))
+        full = {k: torch.from_numpy(v) for k, v in full_state.items()}
+        me.load_stage_from_full(model[0], full)
+        broadcast_mirrors(model)
+        for chunk in model:
+            chunk.config.finalize_model_grads_func = lambda *a, **k: None
+        opt = torch.optim.SGD([p for chunk in model for p in chunk.parameters()], lr=LR)
+        losses = []
+        for step in range(STEPS):
+            opt.zero_grad()
+            out = forward_backward_dualpipe(
+                forward_step_func=forward_step, data_iterator=iter(make_batches(STEP_M, seed=100 + step)),
+                model=model, num_microbatches=STEP_M, seq_length=SEQ, micro_batch_size=MBS, p2p_timeout=60)
+            losses += [d["lm loss"].item() for d in out]
+            opt.step()
+        params = []
+        for chunk in model:
+            offset = me._layer_offset(chunk)
+            params.append({me._full_key(n, offset, full): p.detach().clone() for n, p in chunk.named_parameters()})
+        return losses, params
+    finally:
+        me.destroy_distributed()
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_training_steps_keep_copies_identical_and_match_reference(tied):
+    pp = 4
+    [(state, ref_losses, ref_params)] = me.run_workers(_reference_training_worker, 1, args=(tied,), timeout=120)
+    results = me.run_workers(_training_worker, pp, args=(tied, state), timeout=300)
+    losses = results[pp - 1][0]
+    dl = max(abs(a - b) for a, b in zip(losses, ref_losses))
+    print(f"\ndualpipe pp={pp} tied={tied}, {STEPS} SGD steps of {STEP_M} micro-batches: "
+          f"max|loss diff| {dl:.2e} over {len(losses)} micro-batch losses")
+    assert len(losses) == len(ref_losses) and dl <= RTOL * max(map(abs, ref_losses))
+    # Copy on rank r (model[1]) and its partner's model[0] on rank pp-1-r: bit for bit.
+    for r in range(pp):
+        mirror, original = results[r][1][1], results[pp - 1 - r][1][0]
+        assert mirror.keys() == original.keys()
+        for k in mirror:
+            assert np.array_equal(mirror[k], original[k]), f"rank {r} model[1] {k} differs from its partner's"
+    # Tied: the embedding's copies (embedding on one stage, output layer on the other) agree exactly.
+    dp_, scale = 0.0, 0.0
+    for r in range(pp):
+        for chunk in results[r][1]:
+            for k, v in chunk.items():
+                want = np.asarray(ref_params[k], dtype=np.float64)
+                dp_ = max(dp_, float(np.max(np.abs(np.asarray(v, dtype=np.float64) - want))))
+                scale = max(scale, float(np.max(np.abs(want))))
+    print(f"  parameters after {STEPS} steps: max|diff| vs reference {dp_:.2e} (rel {dp_ / scale:.2e}); "
+          f"mirrors bit-identical to their partners")
+    assert dp_ <= RTOL * scale
