@@ -85,7 +85,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
-from typing import Optional, Tuple
+from typing import Tuple
 
 import torch
 
