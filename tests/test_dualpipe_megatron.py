@@ -60,10 +60,19 @@ def forward_step(data_iterator, model):
     return output, functools.partial(loss_func, mask)
 
 
-def _reference_worker(rank, world, port, tied, n, seed=7):
+MOE = dict(num_moe_experts=4, moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-2)
+
+
+def _config(moe):
+    return me.tiny_gpt_config(num_layers=LAYERS, **(MOE if moe else {}))
+
+
+def _reference_worker(rank, world, port, tied, n, seed=7, moe=False):
+    """With MoE the router's aux loss backpropagates with megatron's global scale, left at 1
+    here: gradient k is unscaled like the main loss, and the expected mean divides both by M."""
     me.init_distributed_cpu(rank, world, port)
     try:
-        config = me.tiny_gpt_config(num_layers=LAYERS)
+        config = _config(moe)
         model = me.build_tiny_gpt(config, share_embeddings_and_output_weights=tied, vocab_size=VOCAB,
                                   max_sequence_length=SEQ)
         state = {k: v.clone() for k, v in model.state_dict().items() if "_extra_state" not in k}
@@ -80,9 +89,9 @@ def _reference_worker(rank, world, port, tied, n, seed=7):
         me.destroy_distributed()
 
 
-def _provider(tied, v_layout=False):
+def _provider(tied, v_layout=False, moe=False):
     def provider(pre_process, post_process, pg_collection=None, vp_stage=None):
-        config = me.tiny_gpt_config(num_layers=LAYERS)
+        config = _config(moe)
         if v_layout:
             from megatron_dualpipe.mcore.model import dualpipev_config
             config = dualpipev_config(config)
@@ -92,7 +101,7 @@ def _provider(tied, v_layout=False):
     return provider
 
 
-def _pipeline_worker(rank, world, port, schedule, tied, full_state, runs, dp=1):
+def _pipeline_worker(rank, world, port, schedule, tied, full_state, runs, dp=1, moe=False):
     """`runs`: list of (M, zero_bubble, forward_only[, schedule]). Returns per run: losses, grads.
 
     A run may name another schedule: ``1f1b`` / ``zb-h1`` run model[0] alone through the same
@@ -108,7 +117,7 @@ def _pipeline_worker(rank, world, port, schedule, tied, full_state, runs, dp=1):
     try:
         build_bd_groups()
         layout = "v" if schedule == "dualpipev" else "bidirectional"
-        model = build_two_direction_model(_provider(tied, layout == "v"), layout_kind=layout)
+        model = build_two_direction_model(_provider(tied, layout == "v", moe), layout_kind=layout)
         full = {k: torch.from_numpy(v) for k, v in full_state.items()}
         if layout == "v":  # two different stages per rank: load both
             me.load_stage_from_full(model[0], full)
@@ -211,19 +220,19 @@ def _runs(pp, zero_bubble_off_at=4):
     return [(m, i != zero_bubble_off_at, False) for i, m in enumerate(ms)] + [(pp + 2, True, True)]
 
 
-def _references(tied, n, dp=1):
+def _references(tied, n, dp=1, moe=False):
     refs = []
     for j in range(dp):
-        [(state, losses, per_mb)] = me.run_workers(_reference_worker, 1, args=(tied, n, 7 + j), timeout=120)
+        [(state, losses, per_mb)] = me.run_workers(_reference_worker, 1, args=(tied, n, 7 + j, moe), timeout=120)
         refs.append((losses, per_mb))
     return state, refs
 
 
-def _run_and_check(schedule, pp, tied, runs, dp=1):
+def _run_and_check(schedule, pp, tied, runs, dp=1, moe=False):
     n = max(r[0] for r in runs)
-    state, refs = _references(tied, n, dp)
-    results = me.run_workers(_pipeline_worker, pp * dp, args=(schedule, tied, state, runs, dp), timeout=400)
-    label = f"{schedule} pp={pp} dp={dp} tied={tied}"
+    state, refs = _references(tied, n, dp, moe)
+    results = me.run_workers(_pipeline_worker, pp * dp, args=(schedule, tied, state, runs, dp, moe), timeout=400)
+    label = f"{schedule} pp={pp} dp={dp} tied={tied}{' moe' if moe else ''}"
     print(f"\n{label}:")
     _check(label, results, refs, runs, pp * dp, dp)
 
@@ -243,6 +252,13 @@ def test_dualpipe_pp8_equals_single_process():
 
 def test_dualpipe_pp4_dp2_ddp_equals_single_process():
     _run_and_check("dualpipe", 4, True, [(4, True, False), (11, True, False), (8, False, False)], dp=2)
+
+
+@pytest.mark.parametrize("schedule", ["dualpipe", "dualpipev"])
+def test_moe_with_aux_loss_equals_single_process(schedule):
+    """MoE (SequentialMLP experts, allgather dispatcher, aux loss on): fake micro-batches add no
+    aux loss, and the aux loss is scaled by the real number of micro-batches."""
+    _run_and_check(schedule, 2, False, [(3, True, False), (4, True, False), (5, False, False)], moe=True)
 
 
 @pytest.mark.parametrize("pp", [2, 4])
