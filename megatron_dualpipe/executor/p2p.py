@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import time
 from typing import Callable, List, Sequence, Tuple
 
 import torch
@@ -17,7 +18,7 @@ DEFAULT_TIMEOUT_S = float(os.environ.get("MEGATRON_DUALPIPE_P2P_TIMEOUT", "600")
 
 
 class P2PTimeoutError(RuntimeError):
-    pass
+    """A P2P batch did not complete in time, or failed because a peer went away."""
 
 
 class P2P:
@@ -41,15 +42,25 @@ class P2P:
             return
         ops = [dist.P2POp(dist.isend, t, self.global_ranks[p], self.group) for p, t, _ in sends]
         ops += [dist.P2POp(dist.irecv, t, self.global_ranks[p], self.group) for p, t, _ in recvs]
+        start = time.monotonic()
         try:
             reqs = dist.batch_isend_irecv(ops)
             for req in reqs:
-                if not req.wait(self.timeout):
+                # One deadline for the whole batch (not timeout_s per request); gloo honours it.
+                # At least 1 ms: a zero timeout means "the process group's default" to gloo.
+                left = max(start + self.timeout_s - time.monotonic(), 1e-3)
+                if not req.wait(datetime.timedelta(seconds=left)):
                     raise RuntimeError("wait returned False")
         except RuntimeError as e:
+            elapsed = time.monotonic() - start
             waits = [f"receive of {describe(l)} from pipeline rank {p} (global {self.global_ranks[p]})" for p, _, l in recvs]
             waits += [f"send of {describe(l)} to pipeline rank {p} (global {self.global_ranks[p]})" for p, _, l in sends]
+            if elapsed >= 0.99 * self.timeout_s:
+                what = (f"did not complete within {self.timeout_s:g} s (set MEGATRON_DUALPIPE_P2P_TIMEOUT or "
+                        f"--dualpipe-p2p-timeout to wait longer)")
+            else:
+                what = (f"failed after {elapsed:.1f} s, before the {self.timeout_s:g} s timeout: a peer probably "
+                        f"exited or crashed, look at its log")
             raise P2PTimeoutError(
-                f"pipeline rank {self.rank} (global {dist.get_rank()}) {where}: point-to-point batch did not "
-                f"complete within {self.timeout_s:g} s (set MEGATRON_DUALPIPE_P2P_TIMEOUT or --dualpipe-p2p-timeout "
-                f"to wait longer); it waited for: " + "; ".join(waits) + f". Underlying error: {e}") from e
+                f"pipeline rank {self.rank} (global {dist.get_rank()}) {where}: point-to-point batch {what}; "
+                f"it waited for: " + "; ".join(waits) + f". Underlying error: {e}") from e

@@ -69,6 +69,24 @@ def describe(label: Label) -> str:
     return f"{what} of micro-batch {mb} of direction {d} for stage {stage}"
 
 
+def check_sendable(rank: int, a: Action, what: str, t: torch.Tensor, spec: TensorSpec) -> None:
+    """Every tensor passed between stages must have ``spec``'s shape and dtype: the receiver's
+    buffer is allocated from ``spec`` (gloo silently accepts a smaller message, leaving the tail of
+    the buffer uninitialised, and aborts the receiving process on a larger one)."""
+    if tuple(t.shape) == tuple(spec.shape) and t.dtype == spec.dtype:
+        return
+    if tuple(t.shape) != tuple(spec.shape):
+        fix = ("all micro-batches must have seq_length x micro_batch_size; set --seq-length/--micro-batch-size "
+               "or pad the data")
+    else:
+        fix = "set config.pipeline_dtype (--bf16/--fp16) to the dtype the model computes in"
+    op = "forward" if a.op == F else "backward"
+    raise ValueError(f"pipeline rank {rank}: action {a} ({op} of micro-batch {a.mb} of direction {a.dir} at stage "
+                     f"{a.stage}) produced {what} of shape {tuple(t.shape)} and dtype {t.dtype}, "
+                     f"but the pipeline passes tensors of shape {tuple(spec.shape)} and dtype {spec.dtype} "
+                     f"(seq_length x micro_batch_size x hidden): {fix}")
+
+
 def run_rank(program: Program, rank: int, compute: StageCompute, p2p: P2P, spec: TensorSpec) -> None:
     """Run this rank's actions; raises on timeout with the action it was about to run."""
     layout = program.schedule.layout
@@ -116,6 +134,8 @@ def run_rank(program: Program, rank: int, compute: StageCompute, p2p: P2P, spec:
                 out = zeros() if fake else compute.forward(a, inp)
                 nxt = layout.next_hop(a.dir, a.stage)
                 if nxt is not None:
+                    if not fake:
+                        check_sendable(rank, a, "an activation", out, spec)
                     if layout.rank_of(*nxt) == rank:
                         local[("act", nxt[0], a.mb, nxt[1])] = out if fake else out.detach().requires_grad_()
                         if not fake:
@@ -139,6 +159,8 @@ def run_rank(program: Program, rank: int, compute: StageCompute, p2p: P2P, spec:
                     if g is None:
                         raise RuntimeError(f"pipeline rank {rank}: backward {a} produced no input gradient to send "
                                            f"to stage {prev[1]}; does the stage's input require grad?")
+                    if not fake:
+                        check_sendable(rank, a, "an input gradient", g, spec)
                     if layout.rank_of(*prev) == rank:
                         local[("grad", prev[0], a.mb, prev[1])] = g
                     else:
