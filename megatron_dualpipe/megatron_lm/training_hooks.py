@@ -138,6 +138,10 @@ def _wrap_get_model(orig):
         model = list(model)
         if len(model) != 2:
             raise RuntimeError(f"--pipeline-schedule {schedule}: expected 2 model chunks, got {len(model)}")
+        if schedule == "dualpipe":
+            from .checkpoint_hooks import mark_mirror_replicas
+
+            mark_mirror_replicas(model[1])  # torch_dist: the mirror is a non-main replica
         return model
 
     setattr(get_model, _MARK, True)
