@@ -133,9 +133,11 @@ def validate(schedule: str, model: Sequence[torch.nn.Module], num_microbatches: 
         raise DualPipeConfigError(
             f"{schedule} needs {chunks} model chunk(s) per rank, got {len(model)}: build the model with "
             f"megatron_dualpipe.mcore.model.build_two_direction_model" if chunks == 2 else
-            f"{schedule} runs one model chunk per rank, got {len(model)}")
+            f"{schedule} runs one model chunk per rank, got {len(model)}: pass a single model (no virtual "
+            f"pipeline), or use --pipeline-schedule dualpipe/dualpipev")
     if adjust_tensor_shapes_fn is not None:
-        raise DualPipeConfigError(f"{schedule} does not support adjust_tensor_shapes_fn (ModelOpt distillation)")
+        raise DualPipeConfigError(f"{schedule} does not support adjust_tensor_shapes_fn (ModelOpt distillation): run "
+                                  f"distillation with --pipeline-schedule 1f1b, or pass adjust_tensor_shapes_fn=None")
     if getattr(config, "variable_seq_lengths", False):
         raise DualPipeConfigError(f"{schedule} needs fixed shapes between micro-batches: turn off "
                                   f"variable_seq_lengths (every micro-batch must be seq_length x micro_batch_size)")
@@ -145,7 +147,8 @@ def validate(schedule: str, model: Sequence[torch.nn.Module], num_microbatches: 
         raise DualPipeConfigError(f"{schedule} with deferred weight gradients cannot overlap the gradient "
                                   f"reduction: remove --overlap-grad-reduce or pass --no-dualpipe-zero-bubble")
     if num_microbatches < 1:
-        raise DualPipeConfigError(f"need at least one micro-batch, got {num_microbatches}")
+        raise DualPipeConfigError(f"need at least one micro-batch per iteration, got {num_microbatches}: raise "
+                                  f"--global-batch-size")
     try:
         return padded_microbatches(schedule, pp, num_microbatches, forward_only)
     except ValueError as e:
@@ -177,13 +180,14 @@ def forward_backward_dualpipe(
     model = list(model) if isinstance(model, (list, tuple)) else [model]
     if p2p_communicator is not None or pg_collection is not None:
         raise DualPipeConfigError(f"{schedule} uses megatron-core's parallel_state groups; custom "
-                                  f"p2p_communicator / pg_collection are not supported yet")
+                                  f"p2p_communicator / pg_collection are not supported yet: pass p2p_communicator=None "
+                                  f"and pg_collection=None, or use --pipeline-schedule 1f1b")
     config = get_model_config(model[0])
     padded = validate(schedule, model, num_microbatches, forward_only, adjust_tensor_shapes_fn, config, zero_bubble)
     if isinstance(data_iterator, (list, tuple)):
         if len(data_iterator) != 1:
             raise DualPipeConfigError(f"{schedule} reads both directions from one data iterator; got a list of "
-                                      f"{len(data_iterator)}")
+                                      f"{len(data_iterator)}: pass one iterator (or a list of one)")
         data_iterator = data_iterator[0]
 
     pp_group = parallel_state.get_pipeline_model_parallel_group()
@@ -207,9 +211,6 @@ def forward_backward_dualpipe(
         source=MicrobatchSource(data_iterator), real=num_microbatches, real_per_dir=real_per_dir, config=config,
         forward_only=forward_only, collect_non_loss_data=collect_non_loss_data, first_val_step=first_val_step,
         global_ranks=global_ranks, wgrad_store=wgrad_store)
-    if wgrad_store is None and not forward_only:
-        # Without a store a B must run as a full backward: deferring nothing is still correct.
-        pass
     shape = schedules.get_tensor_shapes(
         seq_length=seq_length, micro_batch_size=micro_batch_size, decoder_seq_length=decoder_seq_length,
         config=config, tp_group=parallel_state.get_tensor_model_parallel_group(),
@@ -271,15 +272,13 @@ def _losses_on_last_rank(loss_store, layout: Layout, rank: int, global_ranks, gr
     finish on rank 0. They are shipped to rank pp-1 as tensors (a small header of keys and
     shapes first), in global micro-batch order: direction 0, then direction 1.
     """
-    pp = layout.pp
-    last = pp - 1
-    owners = {d: layout.rank_of(d, layout.stages(d)[-1]) for d in layout.entry_directions}
-    if layout.kind == "v":
-        owners = {0: layout.rank_of(1, 2 * pp - 1)}
-        loss_store = [loss_store[1]]
+    last = layout.pp - 1
     result: List[Any] = []
-    for d, owner in sorted(owners.items()):
-        entries = loss_store[d]
+    for d in layout.directions:
+        final = layout.stages(d)[-1]
+        if not layout.is_last(d, final):
+            continue  # DualPipeV's first chunk: its micro-batches go on up the V
+        owner, entries = layout.rank_of(d, final), loss_store[d]
         if owner == last:
             if rank == last:
                 result.extend(entries)
