@@ -303,31 +303,28 @@ def run_workers(
     pass tensors *to* workers as numpy arrays too); raises with the worker's
     traceback if any rank fails. `fn` must be importable (a module-level function).
 
-    `start_method` defaults to "fork" where available (children inherit the already imported
-    torch and megatron-core, which saves ~10 s of imports per process on a small machine) unless
-    this process has initialized torch.distributed or CUDA; then "spawn". With "fork" the
-    modules in `preimport` are imported here first, once, so that the children inherit them
-    (megatron-core takes ~8 s to import on 2 cores); pass `preimport=()` for workers that do
-    not use megatron-core.
+    `start_method` defaults to "forkserver" where available: a clean server process imports
+    the modules in `preimport` once (megatron-core takes ~8 s to import on 2 cores) and forks
+    every worker from there. Forking the test process itself is not safe: once it has used
+    gloo (some tests run a 1-rank process group in-process), a forked child can crash inside
+    ``initialize_model_parallel`` (seen as a segmentation fault under pytest-xdist).
     """
     import multiprocessing
 
     import torch.multiprocessing as mp
 
     if start_method is None:
-        forkable = "fork" in multiprocessing.get_all_start_methods()
-        dirty = dist.is_initialized() or torch.cuda.is_initialized()
-        start_method = "fork" if forkable and not dirty else "spawn"
-    # One intra-op thread per worker when workers outnumber cores. It also keeps a forked child
-    # out of OpenMP parallel regions, which can hang after a fork from a parent that used them.
-    threads = max(1, (os.cpu_count() or 1) // world_size)
-    if start_method == "fork":
-        threads = 1
-    if start_method == "fork":
+        start_method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+    # One intra-op thread per worker: workers outnumber cores, and a forked child must stay out
+    # of OpenMP parallel regions, which can hang after a fork from a parent that used them.
+    threads = 1
+    ctx = mp.get_context(start_method)
+    if start_method == "forkserver":
+        ctx.set_forkserver_preload(list(preimport))
+    elif start_method == "fork":
         for name in preimport:
             importlib.import_module(name)
     port = free_port()
-    ctx = mp.get_context(start_method)
     queue = ctx.SimpleQueue()
     procs = [
         ctx.Process(target=_worker_entry, args=(rank, fn, world_size, port, tuple(args), queue, threads))
