@@ -118,53 +118,49 @@ def run_rank(program: Program, rank: int, compute: StageCompute, p2p: P2P, spec:
     def zeros() -> torch.Tensor:
         return torch.zeros(spec.shape, dtype=spec.dtype, device=spec.device)
 
+    def take(kind: str, a: Action, source) -> Optional[torch.Tensor]:
+        """What ``a`` receives from the neighbouring stage ``source`` (None: data or loss)."""
+        if source is None:
+            return None
+        box = local if layout.rank_of(*source) == rank else inbox
+        return box.pop((kind, a.dir, a.mb, a.stage))
+
+    def hand_on(kind: str, a: Action, dest, tensor: torch.Tensor, fake: bool) -> None:
+        """Pass ``a``'s result to the neighbouring stage ``dest``: queue it for the next batch,
+        or, on the same rank (DualPipeV's turn), hand it over directly."""
+        if not fake:
+            check_sendable(rank, a, "an activation" if kind == "act" else "an input gradient", tensor, spec)
+        key = (kind, dest[0], a.mb, dest[1])
+        if layout.rank_of(*dest) != rank:
+            outbox[key] = (a, tensor)
+        elif kind == "act" and not fake:
+            local[key] = tensor.detach().requires_grad_()
+            compute.release(a, tensor)
+        else:
+            local[key] = tensor
+
     for k, unit in enumerate(rp.units):
         flush(k, f"before action {k} ({acts[unit[0]]})")
         for i in unit:
             a = acts[i]
             fake = compute.is_fake(a)
+            prev, nxt = layout.prev_hop(a.dir, a.stage), layout.next_hop(a.dir, a.stage)
             if a.op == F:
-                prev = layout.prev_hop(a.dir, a.stage)
-                if prev is None:
-                    inp = None
-                elif layout.rank_of(*prev) == rank:
-                    inp = local.pop(("act", a.dir, a.mb, a.stage))
-                else:
-                    inp = inbox.pop(("act", a.dir, a.mb, a.stage))
+                inp = take("act", a, prev)
                 out = zeros() if fake else compute.forward(a, inp)
-                nxt = layout.next_hop(a.dir, a.stage)
                 if nxt is not None:
-                    if not fake:
-                        check_sendable(rank, a, "an activation", out, spec)
-                    if layout.rank_of(*nxt) == rank:
-                        local[("act", nxt[0], a.mb, nxt[1])] = out if fake else out.detach().requires_grad_()
-                        if not fake:
-                            compute.release(a, out)
-                    else:
-                        outbox[("act", nxt[0], a.mb, nxt[1])] = (a, out)
+                    hand_on("act", a, nxt, out, fake)
             elif a.op == W:
                 if not fake:
                     compute.weight(a)
             else:
-                nxt = layout.next_hop(a.dir, a.stage)
-                if nxt is None:
-                    grad = None
-                elif layout.rank_of(*nxt) == rank:
-                    grad = local.pop(("grad", a.dir, a.mb, a.stage))
-                else:
-                    grad = inbox.pop(("grad", a.dir, a.mb, a.stage))
+                grad = take("grad", a, nxt)
                 g = zeros() if fake else compute.backward(a, grad)
-                prev = layout.prev_hop(a.dir, a.stage)
                 if prev is not None:
                     if g is None:
                         raise RuntimeError(f"pipeline rank {rank}: backward {a} produced no input gradient to send "
                                            f"to stage {prev[1]}; does the stage's input require grad?")
-                    if not fake:
-                        check_sendable(rank, a, "an input gradient", g, spec)
-                    if layout.rank_of(*prev) == rank:
-                        local[("grad", prev[0], a.mb, prev[1])] = g
-                    else:
-                        outbox[("grad", prev[0], a.mb, prev[1])] = (a, g)
+                    hand_on("grad", a, prev, g, fake)
     flush(len(rp.units), "after its last action")
     leftovers = list(inbox) + list(outbox) + list(local)
     if leftovers:
