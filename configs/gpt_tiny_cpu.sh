@@ -1,0 +1,13 @@
+# Tiny GPT for the CPU smoke run (4 processes, gloo, mock data). Not a real model.
+# Sourced by scripts/pretrain_gpt_dualpipe.sh and scripts/cpu_smoke.sh.
+PP=${PP:-4}; TP=${TP:-1}; EP=${EP:-1}
+MICRO_BATCH=${MICRO_BATCH:-2}; GLOBAL_BATCH=${GLOBAL_BATCH:-16}   # M = 16/(2*dp) = 8 = 2*pp at dp=1
+NUM_LAYERS=8                                                       # divisible by pp and by 2*pp (dualpipev)
+MODEL_ARGS=(
+  --num-layers $NUM_LAYERS --hidden-size 64 --num-attention-heads 4 --seq-length 64
+  --max-position-embeddings 64 --vocab-size 128 --tokenizer-type NullTokenizer --mock-data
+  --transformer-impl local --no-persist-layer-norm --no-gradient-accumulation-fusion
+  --use-cpu-initialization --distributed-backend gloo
+  --lr 1e-3 --min-lr 1e-4 --lr-decay-style constant --train-iters 10 --log-interval 1
+  --eval-iters 0 --eval-interval 1000
+)
