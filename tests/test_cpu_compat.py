@@ -30,28 +30,10 @@ RTOL = 1e-5
 
 
 def make_batches(n: int, seed: int = 7):
-    gen = torch.Generator().manual_seed(seed)
-    batches = []
-    for _ in range(n):
-        tokens = torch.randint(0, VOCAB, (MBS, SEQ + 1), generator=gen)
-        loss_mask = torch.ones(MBS, SEQ)
-        loss_mask[:, -3:] = 0.0  # masked tail: the per-token average must honour the mask
-        batches.append(
-            dict(
-                tokens=tokens[:, :-1].contiguous(),
-                labels=tokens[:, 1:].contiguous(),
-                position_ids=torch.arange(SEQ).unsqueeze(0).expand(MBS, -1).contiguous(),
-                loss_mask=loss_mask,
-            )
-        )
-    return batches
+    return me.make_gpt_batches(n, vocab=VOCAB, seq=SEQ, mbs=MBS, seed=seed)
 
 
-def loss_func(loss_mask, output_tensor):
-    losses = output_tensor.float().reshape(-1)
-    mask = loss_mask.reshape(-1)
-    loss = torch.sum(losses * mask) / mask.sum()
-    return loss, {"lm loss": loss.detach().clone()}
+loss_func = me.masked_loss_func
 
 
 def forward_step(data_iterator, model):

@@ -193,6 +193,32 @@ def build_tiny_gpt(
     )
 
 
+def make_gpt_batches(n: int, *, vocab: int, seq: int, mbs: int, seed: int = 7) -> List[Dict[str, torch.Tensor]]:
+    """``n`` random micro-batches (tokens, labels, position ids, loss mask), the same for a seed.
+
+    The last three positions of every sample are masked out, so a per-token average that
+    ignored the mask would not match.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    batches = []
+    for _ in range(n):
+        tokens = torch.randint(0, vocab, (mbs, seq + 1), generator=gen)
+        loss_mask = torch.ones(mbs, seq)
+        loss_mask[:, -3:] = 0.0
+        batches.append(dict(tokens=tokens[:, :-1].contiguous(), labels=tokens[:, 1:].contiguous(),
+                            position_ids=torch.arange(seq).unsqueeze(0).expand(mbs, -1).contiguous(),
+                            loss_mask=loss_mask))
+    return batches
+
+
+def masked_loss_func(loss_mask, output_tensor):
+    """Megatron's 2-tuple loss contract: the masked mean of the per-token losses, and its report."""
+    losses = output_tensor.float().reshape(-1)
+    mask = loss_mask.reshape(-1)
+    loss = torch.sum(losses * mask) / mask.sum()
+    return loss, {"lm loss": loss.detach().clone()}
+
+
 def stage_layer_key(key: str, layer_offset: int) -> str:
     """Map a stage model's state-dict key to the full (pp=1) model's key.
 
