@@ -11,7 +11,8 @@ end, both loss series side by side with their largest difference.
 The data is a learnable synthetic language: each sample is an arithmetic sequence of tokens
 modulo the vocabulary (random start and stride), so the loss falls within a few dozen steps.
 Embeddings are untied here because megatron-core's 1F1B reference needs megatron DDP for the
-tied-embedding all-reduce; DualPipe itself supports tied embeddings (see the tests).
+tied-embedding all-reduce; DualPipe itself supports tied embeddings (see the tests). The 1F1B
+run gets the DualPipe run's initial weights, gathered by global layer number.
 """
 from __future__ import annotations
 
@@ -99,6 +100,41 @@ def gpt_provider(args, v_layout):
     return provider
 
 
+def _layer_offset(chunk) -> int:
+    layers = chunk.decoder.layers
+    return layers[0].layer_number - 1 if len(layers) else 0
+
+
+def _global_key(key: str, offset: int) -> str:
+    prefix = "decoder.layers."
+    if not key.startswith(prefix):
+        return key
+    index, rest = key[len(prefix):].split(".", 1)
+    return f"{prefix}{int(index) + offset}.{rest}"
+
+
+def gather_full_state(model):
+    """Every rank's copy of the whole model's weights, keyed by global layer numbers (tiny
+    model: all_gather_object is fine), so the 1F1B run can start from the same weights."""
+    mine = {}
+    for chunk in model:
+        offset = _layer_offset(chunk)
+        for k, v in chunk.state_dict().items():
+            if isinstance(v, torch.Tensor):
+                mine[_global_key(k, offset)] = v.detach().cpu().clone()
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return {k: v for part in everyone for k, v in part.items()}
+
+
+def load_full_state(stage, full):
+    offset = _layer_offset(stage)
+    with torch.no_grad():
+        for k, v in stage.state_dict().items():
+            if isinstance(v, torch.Tensor):
+                v.copy_(full[_global_key(k, offset)])
+
+
 def train(args, name, model, fb_func, log):
     """Run ``args.iters`` iterations; return the per-iteration mean lm loss (last rank)."""
     params = [p for chunk in model for p in chunk.parameters()]
@@ -157,21 +193,14 @@ def main(argv=None):
         broadcast_mirrors(model)
     for chunk in model:
         chunk.config.finalize_model_grads_func = lambda *a, **k: None  # pp only, untied: nothing else to reduce
-    initial = [{k: v.detach().clone() for k, v in chunk.state_dict().items() if isinstance(v, torch.Tensor)}
-               for chunk in model]
+    initial = gather_full_state(model)
     dual = train(args, args.schedule, model, get_forward_backward_func(args.schedule), log)
     if args.no_compare:
         return
-    # 1F1B over the same stages: DualPipe's model[0] is stage i on rank i (DualPipeV: one
-    # chunk per rank would split the layers differently, so build the 1F1B stage afresh).
-    if v_layout:
-        stage = gpt_provider(args, False)(pre_process=rank == 0, post_process=last)
-        log(" (DualPipeV holds 2 chunks per rank; the 1F1B run uses a freshly initialised model, so its "
-            "losses differ from the start)")
-    else:
-        stage = model[0]
-        stage.load_state_dict(initial[0], strict=False)
-        stage.config.finalize_model_grads_func = None
+    # 1F1B over the same initial weights: stage i of pp holds layers [i*L/pp, (i+1)*L/pp).
+    stage = gpt_provider(args, False)(pre_process=rank == 0, post_process=last)
+    load_full_state(stage, initial)
+    stage.config.finalize_model_grads_func = None
     one = train(args, "1f1b", [stage], megatron_fb_func(), log)
     if last:
         print("\n iteration | " + f"{args.schedule:>12} | {'1f1b':>12} | difference")
