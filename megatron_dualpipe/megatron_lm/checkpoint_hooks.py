@@ -291,8 +291,11 @@ def sync_mirrors(model, optimizer) -> None:
 
 def mark_mirror_replicas(chunk) -> None:
     """torch_dist: make every ShardedTensor / ShardedObject of ``chunk.sharded_state_dict(...)``
-    a non-main replica (``replica_id`` -> ``(1, *replica_id)``), by wrapping the method of this
-    instance. Idempotent."""
+    a non-main replica (``replica_id`` -> ``(1, *replica_id)``), by wrapping the method of the
+    innermost module (Megatron's save/load call ``unwrap_model`` first). Idempotent."""
+    from ..mcore.model import unwrap_chunk
+
+    chunk = unwrap_chunk(chunk)  # Megatron's checkpointing calls unwrap_model(model) first
     if getattr(chunk, "_megatron_dualpipe_mirror_replica", False):
         return
     orig = chunk.sharded_state_dict

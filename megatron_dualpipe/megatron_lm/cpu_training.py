@@ -130,6 +130,8 @@ TORCH_VIEW_MODULES = (
     "megatron.core.utils",
     "megatron.core.tensor_parallel.layers",
     "megatron.core.tensor_parallel.mappings",
+    # --ckpt-format torch_dist writer: torch.cuda.synchronize() before copying tensors to host.
+    "megatron.core.dist_checkpointing.strategies.filesystem_async",
 )
 
 #: Argument switches turned off in CPU mode (R6).
