@@ -129,80 +129,83 @@ def plan(layout: Layout, ranks: Sequence[Sequence[Action]]) -> List[RankPlan]:
 def _prefetch_where_needed(plans: List[RankPlan]) -> None:
     """Run the batches under strict semantics; when every rank is blocked, pull the receive
     that matches a blocked send into the receiver's current batch (with any earlier receives
-    on the same channel, to keep the channel's order)."""
+    on the same channel, to keep the channel's order).
+
+    Incremental: every transfer has its index on its channel, and a channel's state is how
+    many of its sends and receives have been posted, so a step costs the size of one batch.
+    """
     n = len(plans)
+    index: Dict[Tuple[Tuple[int, int], Label], int] = {}
+    counts: Dict[Tuple[int, int], int] = {}
+    for r, p in enumerate(plans):
+        for b in p.batches:
+            for t in b.sends:
+                ch = (r, t.peer)
+                index[(ch, t.label)] = counts.get(ch, 0)
+                counts[ch] = counts.get(ch, 0) + 1
+    where: List[Dict[Tuple[Tuple[int, int], int], Batch]] = [dict() for _ in plans]
+    for q, p in enumerate(plans):
+        for b in p.batches:
+            for t in b.recvs:
+                ch = (t.peer, q)
+                if (ch, t.label) not in index:
+                    raise CommPlanError(f"rank {q} receives {t.label} from rank {t.peer}, which never sends it")
+                where[q][(ch, index[(ch, t.label)])] = b
+    sent: Dict[Tuple[int, int], int] = {}      # sends posted per channel (a prefix of its order)
+    received: Dict[Tuple[int, int], int] = {}  # receives posted per channel
     at = [0] * n
+
+    def post(r: int) -> None:
+        if at[r] < len(plans[r].batches):
+            b = plans[r].batches[at[r]]
+            for t in b.sends:
+                ch = (r, t.peer)
+                sent[ch] = max(sent.get(ch, 0), index[(ch, t.label)] + 1)
+            for t in b.recvs:
+                ch = (t.peer, r)
+                received[ch] = max(received.get(ch, 0), index[(ch, t.label)] + 1)
+
+    def done(r: int) -> bool:
+        b = plans[r].batches[at[r]]
+        return all(received.get((r, t.peer), 0) > index[((r, t.peer), t.label)] for t in b.sends) and \
+            all(sent.get((t.peer, r), 0) > index[((t.peer, r), t.label)] for t in b.recvs)
+
+    for r in range(n):
+        post(r)
     while True:
         progress = True
         while progress:
             progress = False
-            state = _Matching(plans, at)
             for r in range(n):
-                if at[r] < len(plans[r].batches) and state.batch_done(r):
+                while at[r] < len(plans[r].batches) and done(r):
                     at[r] += 1
+                    post(r)
                     progress = True
         if all(at[r] >= len(plans[r].batches) for r in range(n)):
             return
-        state = _Matching(plans, at)
         pulled = False
         for r in range(n):
             if at[r] >= len(plans[r].batches):
                 continue
             for t in plans[r].batches[at[r]].sends:
-                q = t.peer
-                if at[q] >= len(plans[q].batches):
+                q, ch = t.peer, (r, t.peer)
+                i = index[(ch, t.label)]
+                if received.get(ch, 0) > i or at[q] >= len(plans[q].batches):
                     continue
                 target = plans[q].batches[at[q]]
-                # find the receives on channel (r -> q) not yet posted, in order, up to this one
-                moved = []
-                for b in plans[q].batches[at[q] + 1:]:
-                    for x in list(b.recvs):
-                        if x.peer == r and not state.recv_posted(q, x):
-                            moved.append((b, x))
-                            if x.label == t.label:
-                                break
-                    else:
-                        continue
-                    break
-                if moved and moved[-1][1].label == t.label:
-                    for b, x in moved:
-                        b.recvs.remove(x)
-                        target.recvs.append(x)
-                    pulled = True
-                    break
+                for j in range(received.get(ch, 0), i + 1):
+                    b = where[q].pop((ch, j))
+                    x = next(x for x in b.recvs if x.peer == r and index[(ch, x.label)] == j)
+                    b.recvs.remove(x)
+                    target.recvs.append(x)
+                    where[q][(ch, j)] = target
+                received[ch] = i + 1
+                pulled = True
+                break
             if pulled:
                 break
         if not pulled:
             return  # a true cycle; check() reports it
-
-
-class _Matching:
-    """Which operations are posted, given the batch each rank is blocked in."""
-
-    def __init__(self, plans: Sequence[RankPlan], at: Sequence[int]):
-        self.plans = plans
-        self.sends: Dict[Tuple[int, int], List[Label]] = {}
-        self.recvs: Dict[Tuple[int, int], List[Label]] = {}
-        for r, p in enumerate(plans):
-            for b in p.batches[: at[r] + 1]:
-                for t in b.sends:
-                    self.sends.setdefault((r, t.peer), []).append(t.label)
-                for t in b.recvs:
-                    self.recvs.setdefault((t.peer, r), []).append(t.label)
-        self.at = at
-
-    def recv_posted(self, q: int, t: Transfer) -> bool:
-        return t.label in self.recvs.get((t.peer, q), [])
-
-    def batch_done(self, r: int) -> bool:
-        b = self.plans[r].batches[self.at[r]]
-        for t in b.sends:
-            if t.label not in self.recvs.get((r, t.peer), []):
-                return False
-        for t in b.recvs:
-            if t.label not in self.sends.get((t.peer, r), []):
-                return False
-        return True
 
 
 def check(plans: Sequence[RankPlan]) -> None:
