@@ -360,6 +360,9 @@ class _CpuEvent:
     def query(self):
         return True
 
+    def elapsed_time(self, other):
+        return 0.0
+
 
 class _CpuStream:
     """Inert stand-in for `torch.cuda.Stream`: the CPU has one in-order stream."""

@@ -33,6 +33,9 @@ from .direction import direction_of
 
 log = logging.getLogger("megatron_dualpipe")
 
+#: Padding configurations already reported (the log line is printed once, not every iteration).
+_PADDING_REPORTED: set = set()
+
 #: Schedules this executor runs; Megatron's own 1F1B stays the default of the dispatcher.
 EXECUTOR_SCHEDULES = ("dualpipe", "dualpipev", "1f1b", "zb-h1")
 
@@ -197,9 +200,12 @@ def forward_backward_dualpipe(
     program = compile_program(schedule, pp, padded, forward_only)
     layout = program.schedule.layout
     real_per_dir = split_microbatches(schedule, num_microbatches)
-    if padded != num_microbatches:
-        log.info("%s: padded %d micro-batches with %d fake micro-batch(es) to %d (pp=%d)",
-                 schedule, num_microbatches, padded - num_microbatches, padded, pp)
+    if padded != num_microbatches and (schedule, pp, num_microbatches, forward_only) not in _PADDING_REPORTED:
+        _PADDING_REPORTED.add((schedule, pp, num_microbatches, forward_only))
+        if dist.get_rank() == 0:
+            log.warning("megatron-dualpipe: %s with pp=%d needs %d micro-batches, got %d: added %d fake "
+                        "micro-batch(es) (no data, no compute, zero loss and gradient)%s", schedule, pp, padded,
+                        num_microbatches, padded - num_microbatches, " in evaluation" if forward_only else "")
 
     wgrad_store = None
     if zero_bubble and not forward_only and any(a.op == B for a in program.actions[rank]):

@@ -111,6 +111,8 @@ import importlib
 
 import torch
 
+from .. import cpu_compat
+
 _CPU = torch.device("cpu")
 
 #: Modules whose global ``torch`` is replaced by the view (R2).
@@ -170,47 +172,8 @@ def _cpu_if_cuda(device):
 # ------------------------------------------------------------------------------------------
 
 
-class _CpuEvent:
-    def __init__(self, *args, **kwargs):
-        pass
-
-    def record(self, stream=None):
-        pass
-
-    def wait(self, stream=None):
-        pass
-
-    def synchronize(self):
-        pass
-
-    def query(self):
-        return True
-
-    def elapsed_time(self, other):
-        return 0.0
-
-
-class _CpuStream:
-    def __init__(self, *args, **kwargs):
-        pass
-
-    def wait_stream(self, stream):
-        pass
-
-    def wait_event(self, event):
-        pass
-
-    def record_event(self, event=None):
-        return event if event is not None else _CpuEvent()
-
-    def synchronize(self):
-        pass
-
-    def query(self):
-        return True
-
-
-_CPU_STREAM = _CpuStream()
+# The inert stream and event stand-ins are cpu_compat's (one in-order CPU "stream").
+_CpuEvent, _CpuStream, _CPU_STREAM = cpu_compat._CpuEvent, cpu_compat._CpuStream, cpu_compat._CPU_STREAM
 
 
 class _NoNvtx:
