@@ -64,8 +64,12 @@ def _require_deps():
         pytest.skip(f"Megatron-LM's training code needs: pip install {' '.join(missing)}")
 
 
-def run_pretrain(schedule, *extra, timeout=600):
-    """torchrun pretrain_gpt.py (4 ranks) through the launcher; returns {iteration: lm loss}."""
+VAL_RE = re.compile(r"validation loss at iteration (\d+)( on \w+ set)? \| lm loss value: ([0-9.E+-]+)")
+
+
+def run_pretrain(schedule, *extra, timeout=600, evaluation=False):
+    """torchrun pretrain_gpt.py (4 ranks) through the launcher; returns {iteration: lm loss}
+    (with ``evaluation``, {"iteration (set)": validation lm loss} as well)."""
     _require_deps()
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO_ROOT, env.get("PYTHONPATH")) if p)
@@ -81,6 +85,11 @@ def run_pretrain(schedule, *extra, timeout=600):
     losses = {int(i): float(v) for i, v in LOSS_RE.findall(out)}
     assert losses, f"no 'lm loss' lines in the output:\n{out[-3000:]}"
     print(f"\n{schedule:14s} {' '.join(extra)[:80]}: " + ", ".join(f"{i}: {v:.6f}" for i, v in sorted(losses.items())))
+    if evaluation:
+        val = {f"{i}{where}": float(v) for i, where, v in VAL_RE.findall(out)}
+        assert val, f"no validation loss lines in the output:\n{out[-3000:]}"
+        print(f"{schedule:14s} evaluation: " + ", ".join(f"{k}: {v:.6f}" for k, v in val.items()))
+        return losses, val
     return losses
 
 
@@ -94,6 +103,15 @@ def test_dualpipe_executor_1f1b_and_megatron_1f1b_losses_equal():
     ref = run_pretrain("1f1b")
     assert_close(run_pretrain("executor-1f1b"), ref, "executor-1f1b vs 1f1b")
     assert_close(run_pretrain("dualpipe"), ref, "dualpipe (zero bubble) vs 1f1b")
+
+
+def test_evaluation_losses_equal():
+    """Evaluation runs the schedule forward-only (8 micro-batches, both directions)."""
+    args = ("--train-iters", "4", "--eval-iters", "2", "--eval-interval", "2")
+    ref_train, ref_val = run_pretrain("1f1b", *args, evaluation=True)
+    train, val = run_pretrain("dualpipe", *args, evaluation=True)
+    assert_close(train, ref_train, "dualpipe vs 1f1b training")
+    assert_close(val, ref_val, "dualpipe vs 1f1b validation/test")
 
 
 def test_moe_dualpipe_equals_1f1b():
