@@ -333,12 +333,19 @@ def test_microbatch_of_another_shape(tmp_path):
 # 3. A stalled peer
 # ---------------------------------------------------------------------------------------------
 
-def _stall_worker(rank, world, port, flag_dir):
-    """Rank 1 builds its model and then never enters the schedule: it waits for rank 0's flag
-    (at most 30 s) and exits. Rank 0 runs the schedule with p2p_timeout=TIMEOUT_S."""
+def _stall_worker(rank, world, port, flag_dir, joins_first_collective=True):
+    """Rank 1 builds its model and then never runs the schedule's P2P (with
+    ``joins_first_collective`` it takes part in the executor's first all-reduce on the pipeline
+    group, then stalls): it waits for rank 0's flag (at most 30 s) and exits. Rank 0 runs the
+    schedule with p2p_timeout=TIMEOUT_S."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
     me.init_distributed_cpu(rank, world, port, pp=world, timeout_minutes=1)
     model = _build()
     if rank == 1:
+        if joins_first_collective:
+            dist.all_reduce(torch.zeros(1), group=parallel_state.get_pipeline_model_parallel_group())
         return ("stalled", _wait_for(os.path.join(flag_dir, "rank0"), 30))
     with CommCounter() as counter:
         t0 = time.monotonic()
@@ -372,6 +379,18 @@ def test_stalled_peer_times_out_with_a_clear_message(tmp_path):
     # gloo's Work.wait(timeout) honours the timeout: the error comes after ~TIMEOUT_S (plus the
     # first forwards), not after the process group's own 1-minute timeout.
     assert TIMEOUT_S - 0.1 <= elapsed < TIMEOUT_S + 10, f"timed out after {elapsed:.2f} s"
+
+
+def test_peer_that_never_enters_the_schedule_times_out_in_the_first_collective(tmp_path):
+    r0, r1 = me.run_workers(_stall_worker, 2, args=(str(tmp_path), False), timeout=60)
+    kind, msg, elapsed, _ = r0
+    print(f"\nrank 0 after {elapsed:.2f} s: {kind}: {msg}")
+    assert r1 == ("stalled", True), r1
+    assert kind == "P2PTimeoutError", r0
+    for part in ("pipeline rank 0 (global 0) before its first point-to-point batch",
+                 "all-reduce on the pipeline group (global ranks [0, 1])", "has not entered the schedule"):
+        assert part in msg, f"{part!r} not in {msg!r}"
+    assert elapsed < TIMEOUT_S + 10, f"timed out after {elapsed:.2f} s"
 
 
 def _dead_peer_worker(rank, world, port):

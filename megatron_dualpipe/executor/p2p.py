@@ -35,6 +35,24 @@ class P2P:
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.timeout_s = timeout_s
 
+    def first_collective(self, device) -> None:
+        """One all-reduce on the pipeline group before its first batched P2P, with the same
+        deadline: with NCCL, a group's first collective must involve all its ranks
+        (``batch_isend_irecv``'s documented rule), and DualPipe's first batches involve only some.
+        Call it once per group, on every rank of the group."""
+        start = time.monotonic()
+        try:
+            work = dist.all_reduce(torch.zeros(1, device=device), group=self.group, async_op=True)
+            if not work.wait(self.timeout):
+                raise RuntimeError("wait returned False")
+        except RuntimeError as e:
+            elapsed = time.monotonic() - start
+            raise P2PTimeoutError(
+                f"pipeline rank {self.rank} (global {dist.get_rank()}) before its first point-to-point batch: the "
+                f"all-reduce on the pipeline group (global ranks {self.global_ranks}) did not complete "
+                f"({elapsed:.1f} s, timeout {self.timeout_s:g} s): a pipeline rank has not entered the schedule, or "
+                f"exited; look at the other ranks' logs. Underlying error: {e}") from e
+
     def exchange(self, sends: List[Tuple[int, torch.Tensor, object]], recvs: List[Tuple[int, torch.Tensor, object]],
                  where: str, describe: Callable[[object], str] = str) -> None:
         """Post all ``sends`` and ``recvs`` ((peer pp rank, tensor, label)) as one batch and wait."""

@@ -224,6 +224,9 @@ def forward_backward_dualpipe(
     device = next(model[0].parameters()).device
     spec = TensorSpec(tuple(shape), config.pipeline_dtype, device)
     p2p = P2P(pp_group, global_ranks, rank, timeout_s=p2p_timeout)
+    if id(pp_group) not in _GROUPS_USED:
+        p2p.first_collective(device)
+        _GROUPS_USED.add(id(pp_group))
 
     if config.timers is not None:
         config.timers("forward-backward", log_level=1).start(barrier=config.barrier_with_L1_time)
@@ -254,6 +257,10 @@ def forward_backward_dualpipe(
     if config.timers is not None:
         config.timers("forward-backward").stop()
     return losses
+
+
+#: Pipeline groups that have had their first collective (see ``P2P.first_collective``).
+_GROUPS_USED: set = set()
 
 
 @contextlib.contextmanager
