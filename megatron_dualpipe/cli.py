@@ -263,6 +263,25 @@ def _report(s, costs, result) -> str:
     return "\n".join(lines)
 
 
+def _configure_patch(p):
+    p.add_argument("path", help="root of a Megatron-LM checkout at tag core_v0.16.1")
+    p.add_argument("--check", action="store_true", help="say what would change, change nothing")
+    p.add_argument("--revert", action="store_true", help="remove the hook")
+
+
+def _run_patch(args) -> int:
+    from .megatron_lm.patching import PatchError, apply
+    try:
+        print(apply(args.path, revert=args.revert, check=args.check))
+    except PatchError as e:
+        raise CliError(str(e)) from None
+    return 0
+
+
+register("patch", "add the 3-line megatron-dualpipe hook to Megatron-LM's pretrain_gpt.py (or --revert it)",
+         _configure_patch, _run_patch)
+
+
 register("simulate", "simulate a schedule with hypothetical costs; print bubbles, draw the timeline",
          _configure_simulate, _run_simulate)
 

@@ -1,0 +1,117 @@
+"""``megatron-dualpipe patch PATH``: add (or remove) the 3-line hook in Megatron-LM's pretrain_gpt.py.
+
+The hook makes ``pretrain_gpt.py`` install the plugin itself, so ``torchrun pretrain_gpt.py
+--pipeline-schedule dualpipe ...`` works without the launcher. It is the same change as
+``patches/megatron-lm-core_v0.16.1.patch`` (a test keeps the two equal), applied in Python so that
+it needs neither git nor patch, checks the checkout first, is idempotent, and never leaves a
+half-written file (the new text is written beside the old and renamed over it).
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from typing import Optional
+
+TAG = "core_v0.16.1"
+CORE_VERSION = "0.16.1"
+#: The line the hook goes after (the first ``import torch`` of pretrain_gpt.py at the tag).
+ANCHOR = "import torch\n"
+HOOK = (
+    "import importlib.util  # megatron-dualpipe (optional): --pipeline-schedule {1f1b,dualpipe,dualpipev}\n",
+    'if importlib.util.find_spec("megatron_dualpipe") is not None:\n',
+    "    import megatron_dualpipe.megatron_lm.install as _dualpipe; _dualpipe.install()\n",
+)
+MARKER = "megatron_dualpipe.megatron_lm.install"
+
+
+class PatchError(ValueError):
+    """The checkout cannot be patched as asked; the message says why and what to do."""
+
+
+@dataclass
+class Checkout:
+    path: str
+    script: str
+    version: Optional[str]
+    git_tag: Optional[str]
+    state: str  # "clean", "applied"
+
+
+def _core_version(path: str) -> Optional[str]:
+    info = os.path.join(path, "megatron", "core", "package_info.py")
+    try:
+        text = open(info, encoding="utf-8").read()
+    except OSError:
+        return None
+    parts = [re.search(rf"^{k}\s*=\s*(\d+)", text, re.M) for k in ("MAJOR", "MINOR", "PATCH")]
+    return ".".join(m.group(1) for m in parts) if all(parts) else None
+
+
+def _git_tag(path: str) -> Optional[str]:
+    try:
+        out = subprocess.run(["git", "-C", path, "describe", "--tags", "--exact-match"], capture_output=True,
+                             text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+def inspect(path: str, require_tag: bool = True) -> Checkout:
+    script = os.path.join(path, "pretrain_gpt.py")
+    if not os.path.isfile(script):
+        raise PatchError(f"no pretrain_gpt.py in {path}: give the root of a Megatron-LM checkout at tag {TAG}")
+    version, tag = _core_version(path), _git_tag(path)
+    if require_tag and version != CORE_VERSION:
+        found = f"megatron-core {version}" if version else "no megatron/core/package_info.py"
+        raise PatchError(f"{path} is not Megatron-LM {TAG} (found {found}{f', git tag {tag}' if tag else ''}): "
+                         f"check out {TAG} (git -C {path} checkout {TAG}), or run the unmodified script through "
+                         f"python -m megatron_dualpipe.launch")
+    lines = open(script, encoding="utf-8").read().splitlines(keepends=True)
+    hooked = [i for i, line in enumerate(lines) if MARKER in line]
+    if hooked:
+        i = hooked[0] - 2
+        if i < 0 or tuple(lines[i:i + 3]) != HOOK:
+            raise PatchError(f"{script} contains a modified megatron-dualpipe hook (line {hooked[0] + 1}): "
+                             f"remove it by hand, then run this command again")
+        return Checkout(path, script, version, tag, "applied")
+    if ANCHOR not in lines:
+        raise PatchError(f"{script} has no line {ANCHOR.strip()!r} to put the hook after: is it {TAG}'s?")
+    return Checkout(path, script, version, tag, "clean")
+
+
+def _write_atomically(path: str, text: str) -> None:
+    mode = os.stat(path).st_mode
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".pretrain_gpt.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def apply(path: str, *, revert: bool = False, check: bool = False) -> str:
+    """Apply (or revert) the hook; with ``check`` change nothing. Returns what was (or would be) done."""
+    co = inspect(path)
+    lines = open(co.script, encoding="utf-8").read().splitlines(keepends=True)
+    if not revert:
+        if co.state == "applied":
+            return f"already applied to {co.script}; nothing to do"
+        if check:
+            return f"would add the megatron-dualpipe hook ({len(HOOK)} lines) to {co.script}"
+        at = lines.index(ANCHOR) + 1
+        _write_atomically(co.script, "".join(lines[:at] + list(HOOK) + lines[at:]))
+        return f"added the megatron-dualpipe hook ({len(HOOK)} lines) to {co.script}"
+    if co.state == "clean":
+        return f"not applied to {co.script}; nothing to revert"
+    if check:
+        return f"would remove the megatron-dualpipe hook from {co.script}"
+    i = next(i for i, line in enumerate(lines) if MARKER in line) - 2
+    _write_atomically(co.script, "".join(lines[:i] + lines[i + len(HOOK):]))
+    return f"removed the megatron-dualpipe hook from {co.script}"
