@@ -64,6 +64,7 @@ def _require_deps():
         pytest.skip(f"Megatron-LM's training code needs: pip install {' '.join(missing)}")
 
 
+LAST_OUTPUT = [""]  # the most recent run's output, for checks beyond the losses
 VAL_RE = re.compile(r"validation loss at iteration (\d+)( on \w+ set)? \| lm loss value: ([0-9.E+-]+)")
 
 
@@ -81,6 +82,7 @@ def run_pretrain(schedule, *extra, timeout=600, evaluation=False):
            *TINY, "--pipeline-schedule", schedule, *extra]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     out = proc.stdout + proc.stderr
+    LAST_OUTPUT[0] = out
     assert proc.returncode == 0, f"{schedule} {' '.join(extra)} failed:\n{out[-6000:]}"
     losses = {int(i): float(v) for i, v in LOSS_RE.findall(out)}
     assert losses, f"no 'lm loss' lines in the output:\n{out[-3000:]}"
@@ -99,10 +101,22 @@ def assert_close(a, b, what):
         assert abs(a[i] - b[i]) <= RTOL * abs(b[i]), f"{what}: iteration {i}: {a[i]} vs {b[i]}"
 
 
+CHUNKS_RE = re.compile(r"\[megatron-dualpipe\] (\w+) pipeline rank (\d+): (.*)")
+
+
 def test_dualpipe_executor_1f1b_and_megatron_1f1b_losses_equal():
     ref = run_pretrain("1f1b")
     assert_close(run_pretrain("executor-1f1b"), ref, "executor-1f1b vs 1f1b")
     assert_close(run_pretrain("dualpipe"), ref, "dualpipe (zero bubble) vs 1f1b")
+    # The hooked get_model built stage i and stage pp-1-i on every rank (8 layers, pp=4).
+    chunks = {int(r): text for s, r, text in CHUNKS_RE.findall(LAST_OUTPUT[0]) if s == "dualpipe"}
+    print("\n" + "\n".join(f"rank {r}: {t}" for r, t in sorted(chunks.items())))
+    assert chunks == {
+        0: "model[0] stage 0/4 layers 1-2 +embedding; model[1] stage 3/4 layers 7-8 +output",
+        1: "model[0] stage 1/4 layers 3-4; model[1] stage 2/4 layers 5-6",
+        2: "model[0] stage 2/4 layers 5-6; model[1] stage 1/4 layers 3-4",
+        3: "model[0] stage 3/4 layers 7-8 +output; model[1] stage 0/4 layers 1-2 +embedding",
+    }
 
 
 def test_evaluation_losses_equal():

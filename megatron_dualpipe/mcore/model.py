@@ -90,6 +90,21 @@ def chunk_info(chunk: torch.nn.Module) -> Optional[dict]:
     return None
 
 
+def describe_chunks(model: Sequence[torch.nn.Module]) -> str:
+    """One line saying which stage, layers and ends each chunk of this rank holds, e.g.
+    ``model[0] stage 0/4 layers 1-2 +embedding; model[1] stage 3/4 layers 7-8 +output``."""
+    parts = []
+    for c, chunk in enumerate(model):
+        info, inner = chunk_info(chunk), unwrap_chunk(chunk)
+        layers = [layer.layer_number for layer in getattr(getattr(inner, "decoder", None), "layers", [])]
+        where = f"stage {info['stage']}/{info['num_stages']} " if info else ""
+        span = f"layers {layers[0]}-{layers[-1]}" if layers else "no layers"
+        ends = (" +embedding" if getattr(inner, "pre_process", False) else "") + \
+            (" +output" if getattr(inner, "post_process", False) else "")
+        parts.append(f"model[{c}] {where}{span}{ends}")
+    return "; ".join(parts)
+
+
 def dualpipev_config(config):
     """A copy of a ``TransformerConfig`` with ``virtual_pipeline_model_parallel_size=2``, as
     DualPipeV chunks must be built with (see the module docstring). ``num_layers`` must be

@@ -142,6 +142,13 @@ def _wrap_get_model(orig):
             from .checkpoint_hooks import mark_mirror_replicas
 
             mark_mirror_replicas(model[1])  # torch_dist: the mirror is a non-main replica
+        from megatron.core import parallel_state
+
+        from ..mcore.model import describe_chunks
+
+        if parallel_state.get_data_parallel_rank() == 0 and parallel_state.get_tensor_model_parallel_rank() == 0:
+            print(f"[megatron-dualpipe] {schedule} pipeline rank {parallel_state.get_pipeline_model_parallel_rank()}: "
+                  f"{describe_chunks(model)}", flush=True)
         return model
 
     setattr(get_model, _MARK, True)
