@@ -23,6 +23,9 @@ setup(
         # apex is built from NVIDIA's source (see README); it is never required.
         "gpu": ["transformer-engine[pytorch]"],
         "test": ["pytest>=7", "pytest-xdist", "pytest-timeout"],
+        # What Megatron-LM's training code (megatron/training, pretrain_gpt.py) imports beyond
+        # megatron-core: needed to run pretrain_gpt.py with the plugin, and by its tests.
+        "megatron-lm": ["six", "regex", "pyyaml", "pydantic", "pybind11"],
     },
     entry_points={"console_scripts": ["megatron-dualpipe=megatron_dualpipe.cli:main"]},
 )

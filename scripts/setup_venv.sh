@@ -12,4 +12,4 @@ fi
 if ! "$VENV/bin/python" -c "import torch" >/dev/null 2>&1; then
   "$VENV/bin/python" -m pip install -q "torch==${TORCH_VERSION:-2.13.0}"
 fi
-"$VENV/bin/python" -m pip install -q -e ".[test]"
+"$VENV/bin/python" -m pip install -q -e ".[test,megatron-lm]"
