@@ -35,14 +35,17 @@ copy's) and only the home copy is written; at load every replica reads the store
 from the model's sharded tensors and inherits the marks. After the load :func:`sync_mirrors` runs
 as well (a no-op in value).
 
-DualPipeV has no mirrors: its two chunks are different stages of a 2*pp-stage split, so its
-torch-format files (keys ``model0``/``model1``, Megatron's own multi-chunk layout) cannot be
-resumed under another schedule. Megatron itself would silently skip a chunk whose key is
-missing, so a DualPipeV load of a torch-format file without ``model0``/``model1`` is refused
-with a message. (torch_dist reshards by global keys; DualPipeV chunks carry vp_stage 0/1 keys,
-not verified here.)
+DualPipeV has no mirrors: its two chunks are different stages of a 2*pp-stage split. In
+``--ckpt-format torch`` its files hold Megatron's own two-chunk layout (``model0``/``model1``, the
+optimizer of both) plus ``model``, the weights of 1F1B's stage ``i`` (two V-stages, gathered from
+the ranks holding them), so 1F1B and DualPipe read them; a DualPipeV load of a one-chunk file cuts
+its ``model`` into V-stages and sends them to their ranks (:mod:`.dualpipev_checkpoint`). Optimizer
+state does not cross between the two layouts: such a load needs ``--no-load-optim`` and is
+refused with that message otherwise. (torch_dist reshards by global keys; DualPipeV chunks carry
+vp_stage 0/1 keys, not verified here.)
 """
 
+import contextlib
 import functools
 
 _MARK = "_megatron_dualpipe_ckpt_hook"
@@ -466,6 +469,9 @@ def _wrap_save(orig):
         from megatron.training import get_args
 
         args = get_args()
+        if _schedule(args) == "dualpipev" and args.ckpt_format == "torch":
+            with _dualpipev_state_dict_with_one_chunk(model):
+                return orig(iteration, model, optimizer, *a, **kw)
         if _schedule(args) != "dualpipe" or args.ckpt_format != "torch":
             return orig(iteration, model, optimizer, *a, **kw)
         if not args.no_save_optim and optimizer is not None:
@@ -501,9 +507,9 @@ def _disk_format(args, load_arg):
         return args.ckpt_format
 
 
-def _check_dualpipev_torch_checkpoint(args, load_arg):
-    """DualPipeV + torch format: Megatron silently skips chunks whose ``model%d`` key is missing,
-    so refuse a checkpoint that was not written by a two-chunk (DualPipeV) run."""
+def _peek_torch_checkpoint(args, load_arg):
+    """(top-level keys, schedule that wrote it) of this rank's torch-format file that
+    load_checkpoint will read, or None when there is none (memory-mapped, tensors not read)."""
     import os
 
     import torch
@@ -513,20 +519,97 @@ def _check_dualpipev_torch_checkpoint(args, load_arg):
     load_dir = getattr(args, load_arg, None)
     tracker = mckpt.get_checkpoint_tracker_filename(load_dir) if load_dir else None
     if not tracker or not os.path.isfile(tracker):
-        return
+        return None
     iteration, release = mckpt.read_metadata(tracker)
     if getattr(args, "ckpt_step", None):
         iteration = args.ckpt_step
     name = mckpt.get_checkpoint_name(load_dir, iteration, release)
     if not os.path.isfile(name):
-        return
+        return None
     sd = torch.load(name, map_location="cpu", weights_only=False, mmap=True)
-    if "model0" not in sd or "model1" not in sd:
-        saved = getattr(sd.get("args"), "pipeline_schedule", "1f1b")
+    return set(sd), getattr(sd.get("args"), "pipeline_schedule", "1f1b") or "1f1b"
+
+
+def _loads_optimizer(args, optimizer) -> bool:
+    return optimizer is not None and not args.no_load_optim and not args.finetune
+
+
+def _check_cross_layout_optimizer(args, load_arg, optimizer, schedule, peek) -> bool:
+    """True if this load has to remap DualPipeV <-> 1F1B layers; refuses, before anything is
+    read, to load optimizer state across the two layouts (it is per stage and not remapped)."""
+    if peek is None:
+        return False
+    keys, saved = peek
+    two_chunk_file = "model0" in keys and "model1" in keys
+    crosses = (schedule == "dualpipev") != (saved == "dualpipev") or (schedule == "dualpipev" and not two_chunk_file)
+    if crosses and _loads_optimizer(args, optimizer):
         raise NotImplementedError(
-            f"--pipeline-schedule dualpipev cannot resume {name} (written by --pipeline-schedule {saved}) in "
-            "--ckpt-format torch: DualPipeV splits the layers into 2*pp stages, so its per-rank files hold "
-            "different layers; convert through --ckpt-format torch_dist (which reshards by global keys)")
+            f"--pipeline-schedule {schedule} can load the weights of this --ckpt-format torch checkpoint (written by "
+            f"--pipeline-schedule {saved}), remapped to its stages, but not its optimizer state, which is laid out per "
+            "stage: pass --no-load-optim (or --finetune)")
+    return schedule == "dualpipev" and not two_chunk_file
+
+
+@contextlib.contextmanager
+def _dualpipev_state_dict_from_one_chunk(model):
+    """Within the block, the state dict Megatron's load reads from this rank's file gets
+    ``model0``/``model1`` cut out of its 1F1B-layout ``model`` (collective, `dualpipev_checkpoint`)."""
+    import megatron.training.checkpointing as mckpt
+
+    from . import dualpipev_checkpoint as dvc
+
+    orig = mckpt._load_base_checkpoint
+    me, pp, n = _dualpipev_geometry(model)
+
+    @functools.wraps(orig)
+    def load_base(*a, **kw):
+        result = orig(*a, **kw)
+        sd = result[0]
+        if not kw.get("rank0", False) and sd is not None and "model" in sd and "model0" not in sd:
+            sd["model0"], sd["model1"] = dvc.scatter_one_chunk_state_dict(sd.pop("model"), me, pp, n)
+        return result
+
+    mckpt._load_base_checkpoint = load_base
+    try:
+        yield
+    finally:
+        mckpt._load_base_checkpoint = orig
+
+
+@contextlib.contextmanager
+def _dualpipev_state_dict_with_one_chunk(model):
+    """Within the block, the state dict Megatron's save writes also holds ``model``: 1F1B stage
+    ``i``'s weights (gathered from the V-stages first, collectively, on every rank)."""
+    import megatron.training.checkpointing as mckpt
+
+    from . import dualpipev_checkpoint as dvc
+
+    me, pp, n = _dualpipev_geometry(model)
+    one_chunk = dvc.gather_one_chunk_state_dict(model, me, pp, n)
+    orig = mckpt.generate_state_dict
+
+    @functools.wraps(orig)
+    def generate(*a, **kw):
+        sd = orig(*a, **kw)
+        sd["model"] = one_chunk
+        return sd
+
+    mckpt.generate_state_dict = generate
+    try:
+        yield
+    finally:
+        mckpt.generate_state_dict = orig
+
+
+def _dualpipev_geometry(model):
+    """(pipeline rank, pp, layers per V-stage) of a DualPipeV model."""
+    from megatron.core import parallel_state
+
+    from ..mcore.model import unwrap_chunk
+
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    return (parallel_state.get_pipeline_model_parallel_rank(), pp,
+            unwrap_chunk(model[0]).config.num_layers // (2 * pp))
 
 
 def _wrap_load(orig):
@@ -539,11 +622,13 @@ def _wrap_load(orig):
 
         args = get_args()
         schedule = _schedule(args)
-        if schedule == "dualpipev" and _disk_format(args, load_arg) == "torch":
-            _check_dualpipev_torch_checkpoint(args, load_arg)
+        fmt = _disk_format(args, load_arg)
+        peek = _peek_torch_checkpoint(args, load_arg) if fmt == "torch" else None
+        if _check_cross_layout_optimizer(args, load_arg, optimizer, schedule, peek):
+            with _dualpipev_state_dict_from_one_chunk(ddp_model):
+                return orig(ddp_model, optimizer, opt_param_scheduler, load_arg, strict, **kw)
         if schedule != "dualpipe":
             return orig(ddp_model, optimizer, opt_param_scheduler, load_arg, strict, **kw)
-        fmt = _disk_format(args, load_arg)
         if fmt == "torch":
             view = optimizer
             if optimizer is not None:
