@@ -119,7 +119,7 @@ def test_svg_has_one_rect_per_action_for_every_schedule(tmp_path):
 
 BAD = [
     (["schedule", "--schedule", "nope", "--pp", "4", "--microbatches", "8"], "unknown schedule"),
-    (["schedule", "--schedule", "dualpipe", "--pp", "3", "--microbatches", "8"], "pp=4"),
+    (["schedule", "--schedule", "dualpipe", "--pp", "3", "--microbatches", "8"], "--pp to 4"),
     (["schedule", "--schedule", "dualpipe", "--pp", "4", "--microbatches", "6"], "use 8"),
     (["simulate", "--schedule", "dualpipev", "--pp", "4", "--microbatches", "7"], "use 8"),
     (["schedule", "--schedule", "1f1b", "--pp", "0", "--microbatches", "8"], "pipeline size"),
