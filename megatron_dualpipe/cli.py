@@ -265,5 +265,11 @@ register("simulate", "simulate a schedule with hypothetical costs; print bubbles
          _configure_simulate, _run_simulate)
 
 
+from .cpu import command as _cpu_mode  # noqa: E402  (standard library only until it runs)
+
+register("cpu-mode", "list every CPU-mode redirection and whether it is active (--enable: try it here)",
+         _cpu_mode.configure, _cpu_mode.run)
+
+
 if __name__ == "__main__":  # pragma: no cover
     _exit_main()
