@@ -285,6 +285,9 @@ register("patch", "add the 3-line megatron-dualpipe hook to Megatron-LM's pretra
 register("simulate", "simulate a schedule with hypothetical costs; print bubbles, draw the timeline",
          _configure_simulate, _run_simulate)
 
+from . import bench as _bench  # noqa: E402 - argparse only; the benchmark imports torch when run
+register("bench", _bench.HELP, _bench.configure, _bench.run)
+
 
 if __name__ == "__main__":  # pragma: no cover
     _exit_main()

@@ -36,6 +36,23 @@ class StageCompute(Protocol):
     def release(self, a: Action, output: torch.Tensor) -> None:
         """The output of ``a`` has been sent: its storage may be freed (keep the autograd node)."""
 
+    def forward_backward(self, f_action: Action, b_action: Action, input_tensor: Optional[torch.Tensor],
+                         output_grad: Optional[torch.Tensor]) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """Run a fused F&B unit (``f_action`` has ``overlap=True``, ``b_action`` is the backward
+        after it); return (F's output, B's input gradient)."""
+
+
+class StageComputeBase:
+    """Defaults a :class:`StageCompute` can inherit. A compute that can overlap one
+    micro-batch's forward with another's backward (DeepSeek's ``overlapped_forward_backward``)
+    overrides :meth:`forward_backward`; the runner never knows how a unit overlaps."""
+
+    def forward_backward(self, f_action: Action, b_action: Action, input_tensor: Optional[torch.Tensor],
+                         output_grad: Optional[torch.Tensor]) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """The fused unit without overlap: the forward, then the backward."""
+        output = self.forward(f_action, input_tensor)
+        return output, self.backward(b_action, output_grad)
+
 
 @dataclass(frozen=True)
 class TensorSpec:
