@@ -25,7 +25,7 @@ from megatron.core.pipeline_parallel import schedules
 from megatron.core.utils import get_model_config, get_model_type
 
 from ..executor.p2p import DEFAULT_TIMEOUT_S, P2P
-from ..executor.runner import TensorSpec, compile_program, run_rank
+from ..executor.runner import StageComputeBase, TensorSpec, compile_program, run_rank
 from ..schedule import B, Action
 from ..schedule.layout import Layout
 from .data import MicrobatchSource, global_index, padded_microbatches, split_microbatches
@@ -44,7 +44,7 @@ class DualPipeConfigError(ValueError):
     """A configuration DualPipe cannot run, found before any communication."""
 
 
-class MegatronStageCompute:
+class MegatronStageCompute(StageComputeBase):
     """What F, B, BW and W mean for this rank's Megatron model chunks.
 
     Chunk ``d`` of ``model`` serves direction ``d`` (single-direction schedules use chunk 0).
