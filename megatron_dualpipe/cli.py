@@ -287,6 +287,8 @@ register("simulate", "simulate a schedule with hypothetical costs; print bubbles
 
 from . import bench as _bench  # noqa: E402 - argparse only; the benchmark imports torch when run
 register("bench", _bench.HELP, _bench.configure, _bench.run)
+from . import timeline as _timeline  # noqa: E402 - standard library until run
+register("trace", _timeline.HELP, _timeline.configure, _timeline.run)
 
 
 if __name__ == "__main__":  # pragma: no cover

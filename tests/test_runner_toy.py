@@ -199,3 +199,30 @@ def test_sent_activations_are_released_while_the_schedule_runs():
           f"(of {m}); at most {r0['peak_in_flight']} P2P buffers in flight")
     assert r0["released"] == m and r0["unreleased"] == 0
     assert r0["peak_unreleased"] <= m // 2
+
+
+def env_trace_worker(rank, world, port, name, m, trace_dir):
+    from megatron_dualpipe.executor.trace import ENV_DIR
+    os.environ[ENV_DIR] = trace_dir
+    return worker(rank, world, port, name, m, False)
+
+
+def test_trace_recorded_from_the_environment(tmp_path):
+    """MEGATRON_DUALPIPE_TRACE=DIR alone records every run_rank call: one line per rank with
+    every unit's wait, start and end, in order; the run itself is unchanged."""
+    import json
+
+    name, pp, m = "dualpipev", 2, 4
+    results = run_workers(env_trace_worker, pp, args=(name, m, str(tmp_path)), timeout=90)
+    ref_losses, _ = reference(name, pp, m)
+    losses = {g: v for res in results for g, v in res["losses"].items()}
+    assert max(abs(losses[g] - ref_losses[g]) for g in range(m)) < 1e-6
+    acts = compile_program(name, pp, m, False).actions
+    for r in range(pp):
+        [line] = (tmp_path / f"rank{r:05d}.jsonl").read_text().splitlines()
+        rec = json.loads(line)
+        assert (rec["schedule"], rec["pp"], rec["microbatches"], rec["rank"]) == (name, pp, m, r)
+        assert [tuple(u[0]) for u in rec["units"]] == units(acts[r])
+        times = [t for u in rec["units"] for t in u[1:]]
+        print(f"\nrank {r}: {len(rec['units'])} units over {times[-1] * 1e3:.1f} ms")
+        assert times == sorted(times)  # waited <= started <= ended <= next unit's wait

@@ -62,6 +62,9 @@ def configure(p: argparse.ArgumentParser) -> None:
                         "ScheduleZBVZeroBubble on the same stages")
     p.add_argument("--timeout", type=float, default=120.0, help="P2P timeout in seconds (default 120)")
     p.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
+    p.add_argument("--trace", metavar="DIR", default=None,
+                   help="record the timed iterations of the project's runs into DIR/SCHEDULE_ppP_mM/ "
+                        "(draw them with: megatron-dualpipe trace DIR/SCHEDULE_ppP_mM --png t.png)")
 
 
 def _config(args, pps: List[int]):
@@ -93,7 +96,8 @@ def _config(args, pps: List[int]):
     return BenchConfig(schedules=tuple(args.schedule), microbatches=per_pp,
                        costs=StageCosts(args.f, args.b, args.w, args.fb), mode=args.compute,
                        matmul_size=args.matmul_size, shape=shape, iters=args.iters, warmup=args.warmup,
-                       peers=tuple(TORCH_SCHEDULES) if args.peer == "torch" else (), timeout_s=args.timeout)
+                       peers=tuple(TORCH_SCHEDULES) if args.peer == "torch" else (), timeout_s=args.timeout,
+                       trace_dir=os.path.abspath(args.trace) if args.trace else None)
 
 
 def run(args) -> int:

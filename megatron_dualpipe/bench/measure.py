@@ -6,6 +6,7 @@ slowest rank's; rank 0 combines the ranks' figures in :mod:`.report`.
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
@@ -15,6 +16,7 @@ import torch.distributed as dist
 
 from ..executor.p2p import P2P
 from ..executor.runner import TensorSpec, compile_program, run_rank
+from ..executor.trace import TraceRecorder
 from .synthetic import Spender, StageCosts, SyntheticCompute, synchronize
 
 
@@ -30,6 +32,7 @@ class BenchConfig:
     warmup: int = 2
     peers: Tuple[str, ...] = ()
     timeout_s: float = 120.0
+    trace_dir: Optional[str] = None
 
 
 @dataclass
@@ -108,11 +111,12 @@ def run_project(cfg: BenchConfig, rank: int, world: int, device, spender: Spende
     spec = TensorSpec(tuple(cfg.shape), torch.float32, device)
     p2p = TimedP2P(P2P(None, list(range(world)), rank, timeout_s=cfg.timeout_s))
     out = RankRun(actions=len(program.actions[rank]))
+    recorder = TraceRecorder(os.path.join(cfg.trace_dir, f"{name}_pp{world}_m{m}")) if cfg.trace_dir else None
 
     def one(timed: bool) -> None:
         compute = SyntheticCompute(cfg.costs, spender, cfg.shape)
         spender.busy_s, p2p.seconds = 0.0, 0.0
-        stats = run_rank(program, rank, compute, p2p, spec)
+        stats = run_rank(program, rank, compute, p2p, spec, trace=recorder if timed else None)
         if timed:
             out.compute_s.append(spender.busy_s)
             out.p2p_s.append(p2p.seconds)
