@@ -264,6 +264,11 @@ register("patch", "add the 3-line megatron-dualpipe hook to Megatron-LM's pretra
 register("simulate", "simulate a schedule with hypothetical costs; print bubbles, draw the timeline",
          _configure_simulate, _run_simulate)
 
+from . import bench as _bench  # noqa: E402 - argparse only; the benchmark imports torch when run
+register("bench", _bench.HELP, _bench.configure, _bench.run)
+from . import timeline as _timeline  # noqa: E402 - standard library until run
+register("trace", _timeline.HELP, _timeline.configure, _timeline.run)
+
 
 from .cpu import command as _cpu_mode  # noqa: E402  (standard library only until it runs)
 
