@@ -48,11 +48,13 @@ vp_stage 0/1 keys, not verified here.)
 import contextlib
 import functools
 
+from ..schedule import registry
+from .training_hooks import schedule_of
+
 _MARK = "_megatron_dualpipe_ckpt_hook"
 
 
-def _schedule(args):
-    return getattr(args, "pipeline_schedule", "1f1b") or "1f1b"
+_schedule = schedule_of
 
 
 # ------------------------------------------------------------------------------------------
@@ -469,10 +471,10 @@ def _wrap_save(orig):
         from megatron.training import get_args
 
         args = get_args()
-        if _schedule(args) == "dualpipev" and args.ckpt_format == "torch":
+        if _schedule(args) == registry.DUALPIPEV and args.ckpt_format == "torch":
             with _dualpipev_state_dict_with_one_chunk(model):
                 return orig(iteration, model, optimizer, *a, **kw)
-        if _schedule(args) != "dualpipe" or args.ckpt_format != "torch":
+        if _schedule(args) != registry.DUALPIPE or args.ckpt_format != "torch":
             return orig(iteration, model, optimizer, *a, **kw)
         if not args.no_save_optim and optimizer is not None:
             for o in inner_optimizers(optimizer):
@@ -527,7 +529,7 @@ def _peek_torch_checkpoint(args, load_arg):
     if not os.path.isfile(name):
         return None
     sd = torch.load(name, map_location="cpu", weights_only=False, mmap=True)
-    return set(sd), getattr(sd.get("args"), "pipeline_schedule", "1f1b") or "1f1b"
+    return set(sd), getattr(sd.get("args"), "pipeline_schedule", registry.DEFAULT) or registry.DEFAULT
 
 
 def _loads_optimizer(args, optimizer) -> bool:
@@ -541,13 +543,13 @@ def _check_cross_layout_optimizer(args, load_arg, optimizer, schedule, peek) -> 
         return False
     keys, saved = peek
     two_chunk_file = "model0" in keys and "model1" in keys
-    crosses = (schedule == "dualpipev") != (saved == "dualpipev") or (schedule == "dualpipev" and not two_chunk_file)
+    crosses = (schedule == registry.DUALPIPEV) != (saved == registry.DUALPIPEV) or (schedule == registry.DUALPIPEV and not two_chunk_file)
     if crosses and _loads_optimizer(args, optimizer):
         raise NotImplementedError(
             f"--pipeline-schedule {schedule} can load the weights of this --ckpt-format torch checkpoint (written by "
             f"--pipeline-schedule {saved}), remapped to its stages, but not its optimizer state, which is laid out per "
             "stage: pass --no-load-optim (or --finetune)")
-    return schedule == "dualpipev" and not two_chunk_file
+    return schedule == registry.DUALPIPEV and not two_chunk_file
 
 
 @contextlib.contextmanager
@@ -627,7 +629,7 @@ def _wrap_load(orig):
         if _check_cross_layout_optimizer(args, load_arg, optimizer, schedule, peek):
             with _dualpipev_state_dict_from_one_chunk(ddp_model):
                 return orig(ddp_model, optimizer, opt_param_scheduler, load_arg, strict, **kw)
-        if schedule != "dualpipe":
+        if schedule != registry.DUALPIPE:
             return orig(ddp_model, optimizer, opt_param_scheduler, load_arg, strict, **kw)
         if fmt == "torch":
             view = optimizer
