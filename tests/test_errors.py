@@ -104,13 +104,6 @@ def _bad_calls(pp):
         base.update(kw)
         return base
 
-    def no_sync():
-        import contextlib
-        return contextlib.nullcontext()
-
-    with_no_sync = [Chunk(), Chunk()]
-    for c in with_no_sync:
-        c.config.no_sync_func = no_sync  # what DDP with --overlap-grad-reduce sets
     vp = (lambda: ps.set_virtual_pipeline_model_parallel_world_size(2),
           lambda: ps.set_virtual_pipeline_model_parallel_world_size(None))
     if pp % 2:
@@ -123,7 +116,9 @@ def _bad_calls(pp):
         ("variable_seq_lengths", call(model=[Chunk(variable_seq_lengths=True), Chunk(variable_seq_lengths=True)]),
          None, None),
         ("overlap_p2p_comm", call(model=[Chunk(overlap_p2p_comm=True), Chunk(overlap_p2p_comm=True)]), None, None),
-        ("zero_bubble_with_overlap_grad_reduce", call(model=with_no_sync), None, None),
+        ("partial_recompute_per_microbatch", call(model=[Chunk(num_microbatches_with_partial_activation_checkpoints=1),
+                                                         Chunk(num_microbatches_with_partial_activation_checkpoints=1)]),
+         None, None),
         ("one_chunk_for_dualpipe", call(model=[Chunk()]), None, None),
         ("three_chunks_for_dualpipev", call(model=[Chunk(), Chunk(), Chunk()], schedule="dualpipev"), None, None),
         ("two_chunks_for_zb_h1", call(schedule="zb-h1"), None, None),
@@ -182,7 +177,7 @@ EXPECTED = {
     "adjust_tensor_shapes_fn": ["adjust_tensor_shapes_fn"],
     "variable_seq_lengths": ["variable_seq_lengths", "turn off", "seq_length x micro_batch_size"],
     "overlap_p2p_comm": ["--overlap-p2p-communication", "turn off"],
-    "zero_bubble_with_overlap_grad_reduce": ["--overlap-grad-reduce", "--no-dualpipe-zero-bubble"],
+    "partial_recompute_per_microbatch": ["num_microbatches_with_partial_activation_checkpoints", "set it to None"],
     "one_chunk_for_dualpipe": ["2 model chunks", "got 1", "build_two_direction_model"],
     "three_chunks_for_dualpipev": ["2 model chunks", "got 3", "build_two_direction_model"],
     "two_chunks_for_zb_h1": ["one model chunk", "got 2"],

@@ -125,11 +125,9 @@ CASES = {
         _set(BASE, "--global-batch-size", "4") + ["--pipeline-schedule", "dualpipe"],
         ["micro-batches", "got 2", "--global-batch-size", "--micro-batch-size"],
     ),
-    "dualpipe_zero_bubble_overlap_grad_reduce": (
-        4,
-        BASE + ["--pipeline-schedule", "dualpipe", "--overlap-grad-reduce"],
-        ["--overlap-grad-reduce", "--no-dualpipe-zero-bubble"],
-    ),
+    "dualpipe_zero_bubble_overlap_grad_reduce_ok": (
+        4, BASE + ["--pipeline-schedule", "dualpipe", "--overlap-grad-reduce", "--use-distributed-optimizer",
+                   "--overlap-param-gather"], None),
     "dualpipe_mtp": (
         4,
         BASE

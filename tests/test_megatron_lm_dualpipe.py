@@ -125,17 +125,20 @@ def test_torch_checkpoint_switches_schedules(tmp_path):
 def test_resume_without_optimizer_state_and_dualpipev_across_1f1b(tmp_path):
     """--no-load-optim: fresh Adam state on both copies; must match 1f1b doing the same. The same
     checkpoint (1F1B's layout, written by dualpipe) starts dualpipev from 1F1B's weights, remapped to
-    its V-stages; dualpipev's own checkpoint (written at iteration 5) is read by 1f1b and gives what
-    1f1b's own checkpoint of the same point gives (iteration 6)."""
+    its V-stages (with --overlap-grad-reduce and the tied embedding folded on rank 0); dualpipev's
+    own checkpoint (written at iteration 5) is read by 1f1b and gives what 1f1b's own checkpoint of
+    the same point gives (iteration 6)."""
     ckpt, f1_ckpt, dv_ckpt = (str(tmp_path / n) for n in ("ck", "f1", "dv"))
     run_pretrain("dualpipe", "--ckpt-format", "torch", "--save-interval", "3", "--exit-interval", "3",
                  "--save", ckpt)
     resume = ("--ckpt-format", "torch", "--load", ckpt, "--no-load-optim")
     a = run_pretrain("dualpipe", *resume)
     b = run_pretrain("1f1b", *resume, "--save", f1_ckpt)  # saved at the end: iteration 5
-    v = run_pretrain("dualpipev", *resume, "--save", dv_ckpt)
+    # --overlap-grad-reduce: rank 0 folds the tied embedding of its two chunks before their data-
+    # parallel reductions start (the fold used to edit main_grad under an in-flight reduction).
+    v = run_pretrain("dualpipev", *resume, "--save", dv_ckpt, "--overlap-grad-reduce")
     assert_close(a, b, "dualpipe vs 1f1b after --no-load-optim resume")
-    assert_close(v, b, "dualpipev from 1f1b's weights (remapped to V-stages) vs 1f1b")
+    assert_close(v, b, "dualpipev (--overlap-grad-reduce) from 1f1b's weights (remapped to V-stages) vs 1f1b")
     cont = ("--ckpt-format", "torch", "--no-load-optim", "--train-iters", "6")
     assert_close(run_pretrain("1f1b", *cont, "--load", dv_ckpt), run_pretrain("1f1b", *cont, "--load", f1_ckpt),
                  "1f1b from dualpipev's checkpoint vs 1f1b from its own")

@@ -9,44 +9,57 @@ Options that do not change the mathematics are grouped into one run each, to kee
 """
 import pytest
 
-from megatron_lm_runs import HAVE_MEGATRON_LM, MOE, SKIP_MESSAGE, assert_metrics_close, launch, run_pretrain
+from megatron_lm_runs import HAVE_MEGATRON_LM, MOE, SKIP_MESSAGE, assert_metrics_close, launch, metrics, run_pretrain
 
 pytestmark = pytest.mark.skipif(not HAVE_MEGATRON_LM, reason=SKIP_MESSAGE)
 
 ITERS = ("--train-iters", "3")
 
+DUALPIPE = (("dualpipe", ()),)
+
+# name -> (arguments of every run, [(schedule, extra arguments)] compared with 1f1b on the same arguments)
 CASES = {
-    "untied, full recompute, per-token loss, decoupled lr": (
+    # The bd sums start per chunk as soon as its last W is done; with --overlap-grad-reduce the
+    # data-parallel reduction of each chunk (Megatron's grad_sync_func) follows its bd sum.
+    "untied, full recompute, per-token loss, decoupled lr, overlap-grad-reduce": ((
         "--untie-embeddings-and-output-weights", "--recompute-granularity", "full", "--recompute-method", "uniform",
         "--recompute-num-layers", "1", "--calculate-per-token-loss", "--decoupled-lr", "3e-3",
-        "--log-params-norm", "--log-num-zeros-in-grad"),
-    "MoE aux-loss-free (expert bias), selective recompute": (
+        "--log-params-norm", "--log-num-zeros-in-grad", "--overlap-grad-reduce"), DUALPIPE),
+    "MoE aux-loss-free (expert bias), selective recompute": ((
         *MOE, "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
         "--moe-router-bias-update-rate", "0.05", "--moe-router-load-balancing-type", "none",
-        "--recompute-granularity", "selective", "--log-params-norm"),
+        "--recompute-granularity", "selective", "--log-params-norm"), DUALPIPE),
+    "overlap-grad-reduce, pp=2 x dp=2, no zero bubble": (
+        ("--overlap-grad-reduce", "--pipeline-model-parallel-size", "2"),
+        (("dualpipe", ("--no-dualpipe-zero-bubble",)),)),
 }
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_option_dualpipe_equals_1f1b(name):
-    args = (*CASES[name], *ITERS)
-    ref = run_pretrain("1f1b", *args, with_metrics=True)
-    got = run_pretrain("dualpipe", *args, with_metrics=True)
-    worst = assert_metrics_close(got, ref, f"{name}: dualpipe vs 1f1b")
-    assert "lm loss" in worst
+    args, variants = CASES[name]
+    ref = run_pretrain("1f1b", *args, *ITERS, with_metrics=True)
+    for schedule, extra in variants:
+        got = run_pretrain(schedule, *args, *extra, *ITERS, with_metrics=True)
+        worst = assert_metrics_close(got, ref, f"{name}: {schedule} {' '.join(extra)} vs 1f1b".replace("  ", " "))
+        assert "lm loss" in worst
 
 
-def test_distributed_optimizer_load_without_optimizer_state(tmp_path):
-    """--use-distributed-optimizer + --load used to fail on every DualPipe load (the mirror sync
-    did not know the distributed optimizer): an empty load directory, and a checkpoint resumed
-    with --no-load-optim, against 1f1b doing the same."""
+def test_distributed_optimizer(tmp_path):
+    """The distributed optimizer: trained with --overlap-grad-reduce --overlap-param-gather (and an
+    empty --load directory) against 1f1b without them; --load used to fail on every DualPipe load
+    (the mirror sync did not know the distributed optimizer): a checkpoint resumed with
+    --no-load-optim, against 1f1b doing the same."""
     dist_opt = ("--use-distributed-optimizer", "--ckpt-format", "torch")
     rc, out = launch("1f1b", *dist_opt, *ITERS, "--save", str(tmp_path / "ck"), "--save-interval", "2")
     if rc != 0 and "Wrapped parameters must be one of torch.cuda" in out:
         pytest.skip("Megatron's distributed optimizer does not run on CPU without the CPU mode's support for it")
     assert rc == 0, out[-6000:]
     (tmp_path / "empty").mkdir()
-    run_pretrain("dualpipe", *dist_opt, *ITERS, "--load", str(tmp_path / "empty"))
+    overlapped = run_pretrain("dualpipe", *dist_opt, *ITERS, "--overlap-grad-reduce", "--overlap-param-gather",
+                              "--load", str(tmp_path / "empty"), with_metrics=True)
+    assert_metrics_close(overlapped, metrics(out), "distributed optimizer, --overlap-grad-reduce "
+                                                   "--overlap-param-gather, empty --load: dualpipe vs 1f1b")
     resume = (*dist_opt, "--load", str(tmp_path / "ck"), "--no-load-optim", "--ckpt-step", "2", "--train-iters", "4")
     assert_metrics_close(run_pretrain("dualpipe", *resume, with_metrics=True),
                          run_pretrain("1f1b", *resume, with_metrics=True),

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from . import groups
 
-__all__ = ["BDPosition", "StageCopy", "position", "stage_copies", "flat_collective", "broadcast_home_to_mirror",
+__all__ = ["BDPosition", "StageCopy", "position", "stage_copies", "dtype_groups", "flat_collective", "broadcast_home_to_mirror",
            "sum_copies", "check_same_structure"]
 
 TensorsOf = Callable[[torch.nn.Module], List[torch.Tensor]]
@@ -70,7 +70,7 @@ def stage_copies(pos: Optional[BDPosition] = None) -> List[StageCopy]:
     return [StageCopy(s, 0, pos.me) if s == i else StageCopy(s, 1, pos.partner) for s in sorted({i, mirror_stage})]
 
 
-def _by_dtype(tensors: Sequence[torch.Tensor]) -> "OrderedDict[torch.dtype, List[int]]":
+def dtype_groups(tensors: Sequence[torch.Tensor]) -> "OrderedDict[torch.dtype, List[int]]":
     """Indices of `tensors` grouped by dtype, in order of first appearance (deterministic)."""
     buckets: "OrderedDict[torch.dtype, List[int]]" = OrderedDict()
     for k, t in enumerate(tensors):
@@ -82,7 +82,7 @@ def flat_collective(tensors: Sequence[torch.Tensor], op: Callable[[torch.Tensor]
     """Run `op` on one flat buffer per dtype and copy the result back into `tensors`."""
     from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-    for idx in _by_dtype(tensors).values():
+    for idx in dtype_groups(tensors).values():
         group = [tensors[k] for k in idx]
         flat = _flatten_dense_tensors(group)
         op(flat)

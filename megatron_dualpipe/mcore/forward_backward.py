@@ -14,12 +14,14 @@ docstring of ``megatron.core.pipeline_parallel.get_forward_backward_func``):
 * every micro-batch runs through ``schedules.forward_step`` / ``backward_step``, so loss scaling
   by the number of micro-batches, MoE aux-loss scaling and ``calculate_per_token_loss`` behave
   as in Megatron;
-* ``config.no_sync_func`` holds data-parallel reduction off until the last weight gradient;
-  ``config.grad_sync_func`` is then called per chunk; ``config.timers("forward-backward")``
-  times the call;
-* the two copies of each stage are always summed over the bd pair (DualPipe itself needs it);
-  then, if set, ``config.finalize_model_grads_func`` runs (for two chunks through
-  ``grads.finalize_dualpipe_grads``, which also folds tied embeddings);
+* ``config.no_sync_func`` holds data-parallel reduction off while the schedule runs; each
+  chunk's gradient reduction starts as soon as its last weight gradient is done
+  (``grads.GradReduction``): the two copies of a DualPipe stage are summed over the bd pair
+  (always: DualPipe itself needs it), tied embeddings folded, then ``config.grad_sync_func``
+  (Megatron's data-parallel reduction under ``--overlap-grad-reduce``) is called for the chunk;
+  ``config.timers("forward-backward")`` times the call;
+* then, if set, ``config.finalize_model_grads_func`` runs (for two chunks through
+  ``grads.finalize_dualpipe_grads``);
 * returns the loss entries of ALL real micro-batches, both directions, in global order, on the
   last pipeline rank (``[]`` elsewhere), which is where Megatron's training loop reads them.
 
@@ -44,6 +46,7 @@ from ..executor.p2p import DEFAULT_TIMEOUT_S, P2P
 from ..executor.runner import Program, TensorSpec, compile_program, run_rank
 from ..schedule import B, registry
 from .data import MicrobatchSource
+from .grads import GradReduction, finalize_dualpipe_grads
 from .loss_gather import gather_losses_on_last_rank
 from .stage_compute import MegatronStageCompute
 from .validation import DualPipeConfigError, check_call
@@ -128,12 +131,14 @@ class ExecutorSchedule:
             data_iterator = data_iterator[0]
         it = self._plan(model, config, num_microbatches, padded, forward_only,
                         (seq_length, micro_batch_size, decoder_seq_length))
+        wgrad_store = self._wgrad_store(it, forward_only)
+        reduction = None if forward_only else self._grad_reduction(it, model, config, num_microbatches, wgrad_store)
         compute = MegatronStageCompute(
             spec=self.spec, model=model, layout=it.program.schedule.layout, rank=it.rank,
             forward_step_func=forward_step_func, source=MicrobatchSource(data_iterator), real=num_microbatches,
             config=config, forward_only=forward_only, collect_non_loss_data=collect_non_loss_data,
-            first_val_step=first_val_step, global_ranks=it.global_ranks,
-            wgrad_store=self._wgrad_store(it, forward_only))
+            first_val_step=first_val_step, global_ranks=it.global_ranks, wgrad_store=wgrad_store,
+            grad_reduction=reduction)
         with _timer(config):
             self._run(it, compute, config, model, forward_only)
             losses = gather_losses_on_last_rank(compute.loss_store, it.program.schedule.layout, it.rank,
@@ -171,6 +176,12 @@ class ExecutorSchedule:
                         "micro-batch(es) (no data, no compute, zero loss and gradient)%s", self.spec.name, pp,
                         padded, real, padded - real, " in evaluation" if forward_only else "")
 
+    def _grad_reduction(self, it: _Iteration, model, config, real: int, wgrad_store) -> GradReduction:
+        pp = len(it.global_ranks)
+        return GradReduction(model, config, actions=it.program.actions[it.rank],
+                             partner_actions=it.program.actions[pp - 1 - it.rank],
+                             is_fake=lambda a: self.spec.is_fake(real, a.dir, a.mb), deferring=wgrad_store is not None)
+
     def _wgrad_store(self, it: _Iteration, forward_only: bool):
         if self._wgrad is None or forward_only or not any(a.op == B for a in it.program.actions[it.rank]):
             return None
@@ -178,15 +189,16 @@ class ExecutorSchedule:
 
     # -- run ---------------------------------------------------------------------------------------
     def _run(self, it: _Iteration, compute: MegatronStageCompute, config, model, forward_only: bool) -> None:
-        """The schedule with data-parallel reduction held off, then Megatron's per-chunk grad sync."""
-        with _no_sync(config, model, forward_only):
+        """The schedule with data-parallel reduction held off (each chunk's reduction is started by
+        the GradReduction as soon as its gradients are final), then the rest of the reduction."""
+        reduction = compute.grad_reduction
+        with _no_sync(config, model, forward_only), \
+                (reduction.during_schedule() if reduction is not None else contextlib.nullcontext()):
             run_rank(it.program, it.rank, compute, it.p2p, it.tensor_spec)
         if compute.wgrad_store is not None:
             compute.wgrad_store.assert_empty()
-        if not forward_only and config.grad_sync_func is not None:
-            funcs = config.grad_sync_func if isinstance(config.grad_sync_func, list) else [config.grad_sync_func]
-            for f, chunk in zip(funcs * len(model) if len(funcs) == 1 else funcs, model):
-                f(chunk.parameters())
+        if reduction is not None:
+            reduction.finish()
 
 
 #: Pipeline groups that have had their first collective (see ``P2P.first_collective``).
@@ -227,17 +239,14 @@ def _no_sync(config, model, forward_only: bool):
 
 
 def _finalize(model, config, total_num_tokens, device, force_all_reduce) -> None:
-    """Sum the bd copies (always, for two chunks), then Megatron's finalize if configured."""
-    from .grads import allreduce_bd_grads, finalize_dualpipe_grads
-
+    """Megatron's finalize, if configured (the GradReduction has summed the bd copies already)."""
     finalize = config.finalize_model_grads_func
     if finalize is None:
-        if len(model) == 2:
-            allreduce_bd_grads(model)
         return
     tokens = total_num_tokens if total_num_tokens is not None else torch.zeros([], dtype=torch.int, device=device)
     tokens = tokens.to(device) if config.calculate_per_token_loss else None
     if len(model) == 2:
-        finalize_dualpipe_grads(model, tokens, finalize_func=finalize, force_all_reduce=force_all_reduce)
+        finalize_dualpipe_grads(model, tokens, finalize_func=finalize, force_all_reduce=force_all_reduce,
+                                copies_summed=True)
     else:
         finalize(model, tokens, force_all_reduce=force_all_reduce)

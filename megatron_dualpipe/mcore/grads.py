@@ -12,7 +12,9 @@ stage-0 copy, not the output layer) and is therefore switched off in `finalize_d
 """
 from __future__ import annotations
 
+import contextlib
 import copy
+import weakref
 from typing import Callable, List, Optional, Sequence
 
 import torch
@@ -21,7 +23,7 @@ import torch.distributed as dist
 from . import bd_pairs
 from .model import BIDIRECTIONAL, V_SHAPE, chunk_info, unwrap_chunk
 
-__all__ = ["allreduce_bd_grads", "allreduce_bd_router_token_counts", "fold_tied_embedding_grads",
+__all__ = ["GradReduction", "allreduce_bd_grads", "allreduce_bd_router_token_counts", "fold_tied_embedding_grads",
            "finalize_dualpipe_grads"]
 
 
@@ -79,18 +81,14 @@ def allreduce_bd_grads(model: Sequence[torch.nn.Module]) -> None:
     reduce equal sizes. On the middle rank of an odd pipeline the two copies are summed
     locally. A no-op for DualPipeV (its chunks are different stages).
 
-    With Megatron DDP, ``overlap_grad_reduce`` must be off: this runs before
-    ``finish_grad_sync`` and rewrites the buffers that an overlapped reduction would already be
-    sending.
+    Synchronous; run it before any data-parallel reduction of the chunks has started. The
+    executor's schedules use `GradReduction` instead, which starts the same sums chunk by chunk
+    while the schedule runs.
     """
     if _layout(model) == V_SHAPE:
         return
     if len(model) != 2:
         raise ValueError(f"allreduce_bd_grads needs [model_dir0, model_dir1], got {len(model)} chunks")
-    for chunk in model:
-        ddp_config = getattr(chunk, "ddp_config", None)
-        if ddp_config is not None and getattr(ddp_config, "overlap_grad_reduce", False):
-            raise ValueError("DualPipe's bd gradient reduction needs overlap_grad_reduce=False")
     bd_pairs.sum_copies(model, lambda chunk: [_grad_slot(p) for p in _trainable(chunk)])
 
 
@@ -166,6 +164,7 @@ def finalize_dualpipe_grads(
     finalize_func: Optional[Callable] = None,
     pg_collection=None,
     force_all_reduce: Optional[bool] = False,
+    copies_summed: bool = False,
 ) -> Optional[torch.Tensor]:
     """Finalize gradients of ``[model_dir0, model_dir1]``: the DualPipe replacement of
     ``config.finalize_model_grads_func``. In order:
@@ -185,6 +184,8 @@ def finalize_dualpipe_grads(
        and position-embedding all-reduces are skipped (steps 1-2 did that work; the position
        embedding lives on stage 0, whose two copies are a bd pair).
 
+    ``copies_summed=True`` skips steps 1-2 (a `GradReduction` did them during the schedule).
+
     Collective order on every rank: bd all-reduce(s) [bd group], tokens all-reduce [pp group],
     then megatron's: ``finish_grad_sync`` per chunk (DP all-reduce / reduce-scatter), TP
     reductions of sequence-parallel / qk-layernorm grads, token broadcast [pp] and all-reduce
@@ -203,8 +204,9 @@ def finalize_dualpipe_grads(
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.utils import get_model_config, get_pg_size
 
-    allreduce_bd_grads(model)
-    fold_tied_embedding_grads(model)
+    if not copies_summed:
+        allreduce_bd_grads(model)
+        fold_tied_embedding_grads(model)
 
     pp_group = pg_collection.pp if pg_collection is not None else parallel_state.get_pipeline_model_parallel_group()
     if isinstance(num_tokens, torch.Tensor):
@@ -235,3 +237,278 @@ def finalize_dualpipe_grads(
     pgc.pos_embd = None
     finalize_func(model, num_tokens, pg_collection=pgc, force_all_reduce=force_all_reduce)
     return num_tokens
+
+
+# ------------------------------------------------------------------------------------------
+# The reduction of one iteration, started chunk by chunk while the schedule runs
+# ------------------------------------------------------------------------------------------
+
+
+class GradReduction:
+    """One iteration's gradient reduction for an executor schedule, started per chunk as soon as
+    the chunk's gradients are final on this rank, while the rest of the schedule runs.
+
+    The stage compute tells it every backward / weight-gradient action it ran (`after_action`);
+    after the chunk's last one (its last real ``W``, or ``B``/``BW`` without deferred weight
+    gradients):
+
+    1. ``--defer-embedding-wgrad-compute``: Megatron's deferred output-layer weight gradients of the
+       chunk are computed (``schedules.finish_embedding_wgrad_compute``), as 1F1B does at its end;
+    2. DualPipe: the chunk is summed with its partner's copy of the stage over the bd pair: one
+       asynchronous all-reduce per Megatron DDP grad buffer, in place (no copy of the gradients;
+       both copies have the same buffer layout, checked once per model before the first
+       schedule), or of the flattened ``param.grad`` for chunks without DDP. Both partners issue
+       the pair's two sums in the same order: the order in which their chunks finish when the
+       schedule makes it the same on both ranks (DualPipe's symmetry), else the lower rank's
+       order, holding a finished chunk back until the one before it is done;
+    3. once its sum is in, the chunk's data-parallel reduction starts (``config.grad_sync_func``,
+       Megatron DDP's ``start_grad_sync`` under ``--overlap-grad-reduce``), in the order the chunks
+       finished (the same on every data-parallel peer, so their collectives pair up). On an
+       accelerator the sum is waited at once (a stream-ordered wait: the host does not block);
+       on the CPU it is picked up when seen complete. A chunk holding a tied-embedding copy on a
+       rank that holds both copies waits for `finish`, where the fold (with a finalize function,
+       whose embedding all-reduce it replaces) needs both sums.
+
+    `finish` (after the schedule) completes the rest: every sum waited, tied embeddings folded,
+    the remaining data-parallel reductions started. Megatron's finalize then waits for them as
+    after its own 1F1B (``finish_grad_sync``); see ``finalize_dualpipe_grads(copies_summed=True)``.
+
+    While the schedule runs (`during_schedule`), Megatron DDP's backward hooks only accumulate
+    into ``main_grad``: they dispatch nothing (the schedule holds ``no_sync``), and
+    ``overlap_grad_reduce`` is off in the DDP config so that a backward whose weight gradient is
+    deferred (zero bubble) does not trip DDP's ``param.grad is not None`` assertion.
+    """
+
+    def __init__(self, model: Sequence[torch.nn.Module], config, *, actions, partner_actions,
+                 is_fake: Callable, deferring: bool):
+        from .bd_pairs import position
+
+        self.model, self.config = list(model), config
+        grad_ops = ("BW", "W") if deferring else ("B", "BW")
+        self._last = _last_grad_actions(actions, is_fake, grad_ops)
+        n = len(self.model)
+        bidirectional = _layout(self.model) == BIDIRECTIONAL and n == 2
+        self._pos = position() if bidirectional else None
+        self._local_sum = bidirectional and self._pos.is_middle  # odd pipeline: both copies here
+        self._bd = bidirectional and not self._local_sum
+        self._order = self._issue_order(actions, partner_actions, is_fake, grad_ops) if self._bd else list(range(n))
+        if self._bd and all(_is_wrapped(c) for c in self.model):
+            _check_buffer_layouts(self.model)
+        self._dp_start = _dp_start_functions(config, self.model)
+        # The fold replaces Megatron's embedding-group all-reduce, a step of its finalize: without a
+        # finalize function neither happens (as with megatron-core's own 1F1B).
+        emb, out = _tied_copies(self.model)
+        fold = bool(emb) and bool(out) and config.finalize_model_grads_func is not None
+        self._fold = fold
+        self._held = {c for c in range(n) if self._local_sum or (fold and _holds_tied_copy(self.model[c]))}
+        self._done: List[int] = []  # chunks whose gradients are final, in that order
+        self._issued: List[int] = []  # chunks whose bd sums were issued
+        self._pending: List[tuple] = []  # (chunk, handles, copy-back) of bd sums not seen complete
+        self._summed: set = set()
+        self._dp_started: set = set()
+        for chunk in self.model:
+            _clear_deferred_output_wgrads(config, chunk)
+
+    def _issue_order(self, actions, partner_actions, is_fake, grad_ops) -> List[int]:
+        """This rank's chunks in the order both partners issue their stages' bd sums."""
+        stage_of = [chunk_info(c)["stage"] for c in self.model]  # the partner: same stages, chunks swapped
+        mine = [stage_of[c] for c in _completion_order(actions, is_fake, grad_ops)]
+        theirs = [stage_of[1 - c] for c in _completion_order(partner_actions, is_fake, grad_ops)]
+        if mine != theirs and self._pos.index > self._pos.pp - 1 - self._pos.index:
+            mine = theirs
+        return [stage_of.index(s) for s in mine]
+
+    # -- during the schedule ---------------------------------------------------------------------
+    @contextlib.contextmanager
+    def during_schedule(self):
+        configs = {id(c.ddp_config): c.ddp_config for c in self.model if getattr(c, "ddp_config", None) is not None}
+        saved = {k: cfg.overlap_grad_reduce for k, cfg in configs.items()}
+        for cfg in configs.values():
+            cfg.overlap_grad_reduce = False
+        try:
+            yield
+        finally:
+            for k, cfg in configs.items():
+                cfg.overlap_grad_reduce = saved[k]
+
+    def after_action(self, a) -> None:
+        """Called by the stage compute after each backward / weight-gradient action it ran."""
+        if self._last.get(a.dir) == (a.op, a.mb, a.stage):
+            self._chunk_done(a.dir)
+
+    def _chunk_done(self, c: int) -> None:
+        if c in self._done:
+            return
+        self._done.append(c)
+        _finish_deferred_output_wgrads(self.config, self.model[c])
+        if not self._bd:
+            self._summed.add(c)
+        for nxt in self._order if self._bd else ():
+            if nxt in self._issued:
+                continue
+            if nxt not in self._done:
+                break
+            self._issue_sum(nxt)
+        self._collect(block=False)
+
+    def _issue_sum(self, c: int) -> None:
+        self._issued.append(c)
+        chunk, group = self.model[c], self._pos.group
+        if _is_wrapped(chunk):
+            handles = [dist.all_reduce(buf.grad_data, group=group, async_op=True) for buf in _grad_buffers(chunk)]
+            self._pending.append((c, handles, None))
+        else:
+            from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+            grads = [_grad_slot(p) for p in _trainable(chunk)]
+            for idx in bd_pairs.dtype_groups(grads).values():
+                tensors = [grads[k] for k in idx]
+                flat = _flatten_dense_tensors(tensors)
+                handle = dist.all_reduce(flat, group=group, async_op=True)
+
+                def copy_back(flat=flat, tensors=tensors):
+                    for t, summed in zip(tensors, _unflatten_dense_tensors(flat, tensors)):
+                        t.copy_(summed)
+                self._pending.append((c, [handle], copy_back))
+        if not any(e[0] == c for e in self._pending):
+            self._pending.append((c, [], None))  # nothing to sum
+        if _on_accelerator(chunk):
+            self._collect(block=True)  # waits only order the streams
+
+    def _collect(self, block: bool) -> None:
+        """Take in the bd sums that are complete (all with ``block``), then start the
+        data-parallel reductions that may start, in the order the chunks finished."""
+        still, finished = [], []
+        for entry in self._pending:
+            c, handles, copy_back = entry
+            if block or all(h.is_completed() for h in handles):
+                for h in handles:
+                    h.wait()
+                if copy_back is not None:
+                    with torch.no_grad():
+                        copy_back()
+                finished.append(c)
+            else:
+                still.append(entry)
+        self._pending = still
+        self._summed.update(c for c in finished if not any(e[0] == c for e in still))
+        for c in self._done:
+            if c in self._dp_started or c in self._held:
+                continue
+            if c not in self._summed:
+                break
+            self._start_dp(c)
+
+    def _start_dp(self, c: int) -> None:
+        self._dp_started.add(c)
+        if self._dp_start[c] is not None:
+            self._dp_start[c](self.model[c].parameters())
+
+    # -- after the schedule -------------------------------------------------------------------------
+    def finish(self) -> None:
+        """Complete the reduction: every chunk done, every sum waited, tied embeddings folded, every
+        data-parallel reduction started."""
+        for c in range(len(self.model)):
+            self._chunk_done(c)
+        self._collect(block=True)
+        if self._local_sum:
+            allreduce_bd_grads(self.model)  # the middle rank of an odd pipeline sums locally
+        if self._fold:
+            fold_tied_embedding_grads(self.model)
+        self._held = set()
+        self._collect(block=True)
+
+
+def _last_grad_actions(actions, is_fake: Callable, grad_ops) -> dict:
+    """{chunk: (op, mb, stage)} of the last real gradient action of each chunk (direction)."""
+    last = {}
+    for a in actions:
+        if a.op in grad_ops and not is_fake(a):
+            last[a.dir] = (a.op, a.mb, a.stage)
+    return last
+
+
+def _completion_order(actions, is_fake: Callable, grad_ops) -> List[int]:
+    """The chunks of a rank in the order their last real gradient action runs."""
+    last = {}
+    for k, a in enumerate(actions):
+        if a.op in grad_ops and not is_fake(a):
+            last[a.dir] = k
+    return sorted(last, key=last.get) + [c for c in (0, 1) if c not in last]
+
+
+def _dp_start_functions(config, model) -> list:
+    """Per chunk: what starts its data-parallel reduction early (``config.grad_sync_func``,
+    which Megatron-LM sets with --overlap-grad-reduce), or None (reduced in finalize)."""
+    funcs = config.grad_sync_func
+    if funcs is None:
+        return [None] * len(model)
+    funcs = funcs if isinstance(funcs, list) else [funcs]
+    return funcs * len(model) if len(funcs) == 1 else list(funcs)
+
+
+def _holds_tied_copy(chunk) -> bool:
+    m = unwrap_chunk(chunk)
+    return bool(getattr(m, "share_embeddings_and_output_weights", False)) and \
+        bool(getattr(m, "pre_process", False) or getattr(m, "post_process", False))
+
+
+def _grad_buffers(chunk) -> list:
+    """Megatron DDP's contiguous gradient buffers of a chunk (dense, then expert-parallel)."""
+    return list(getattr(chunk, "buffers", [])) + list(getattr(chunk, "expert_parallel_buffers", []))
+
+
+def _on_accelerator(chunk) -> bool:
+    p = next(iter(unwrap_chunk(chunk).parameters()), None)
+    return p is not None and p.device.type != "cpu"
+
+
+_CHECKED_LAYOUTS: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def _check_buffer_layouts(model) -> None:
+    """Once per model: the two copies of each stage must have the same DDP buffer layout (dtype,
+    size and bucket sizes of every buffer), or the in-place bd sums would add unrelated
+    gradients. Collective over the bd pair (both partners reach it at their first bd sum)."""
+    if model[0] in _CHECKED_LAYOUTS:
+        return
+
+    def layout(chunk):
+        return [(str(b.grad_dtype), b.grad_data.numel(), [bk.grad_data.numel() for bk in b.buckets])
+                for b in _grad_buffers(chunk)]
+
+    for copy_ in bd_pairs.stage_copies():
+        bd_pairs.check_same_structure(
+            layout(model[copy_.chunk]),
+            f"DDP gradient buffers of stage {copy_.stage} (the copies must be bucketed alike: wrap both chunks "
+            f"with the same DistributedDataParallelConfig and disable_bucketing=True, as Megatron-LM's get_model "
+            f"does under --pipeline-schedule dualpipe)")
+    _CHECKED_LAYOUTS.add(model[0])
+
+
+def _output_layer_module(config, chunk):
+    """The GPT module whose output layer defers its weight gradients, or None."""
+    if not getattr(config, "defer_embedding_wgrad_compute", False):
+        return None
+    m = unwrap_chunk(chunk)
+    return m if getattr(m, "post_process", False) and getattr(m, "embedding_activation_buffer", None) is not None \
+        else None
+
+
+def _clear_deferred_output_wgrads(config, chunk) -> None:
+    """``--defer-embedding-wgrad-compute``: no stray activations from an earlier (evaluation) run."""
+    m = _output_layer_module(config, chunk)
+    if m is not None:
+        m.embedding_activation_buffer.clear()
+        m.grad_output_buffer.clear()
+
+
+def _finish_deferred_output_wgrads(config, chunk) -> None:
+    """``--defer-embedding-wgrad-compute``: the output layer's weight gradients, deferred by its
+    backward to the end of the chunk's micro-batches (Megatron's own drain, as its 1F1B calls)."""
+    m = _output_layer_module(config, chunk)
+    if m is not None:
+        from megatron.core import parallel_state
+        from megatron.core.pipeline_parallel import schedules
+
+        schedules.finish_embedding_wgrad_compute(config, m, True, parallel_state.get_tensor_model_parallel_group())

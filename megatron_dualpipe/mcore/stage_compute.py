@@ -32,12 +32,14 @@ class MegatronStageCompute(StageComputeBase):
 
     def __init__(self, *, spec: ScheduleSpec, model: Sequence[torch.nn.Module], layout: Layout, rank: int,
                  forward_step_func: Callable, source: MicrobatchSource, real: int, config, forward_only: bool,
-                 collect_non_loss_data: bool, first_val_step, global_ranks, wgrad_store=None):
+                 collect_non_loss_data: bool, first_val_step, global_ranks, wgrad_store=None,
+                 grad_reduction=None):
         self.spec, self.model, self.layout, self.rank = spec, model, layout, rank
         self.forward_step_func, self.source, self.real = forward_step_func, source, real
         self.config, self.forward_only, self.collect_non_loss_data = config, forward_only, collect_non_loss_data
         self.first_val_step, self.global_ranks = first_val_step, global_ranks
         self.wgrad_store = wgrad_store
+        self.grad_reduction = grad_reduction  # told of every gradient action (grads.GradReduction)
         self.cp_size = parallel_state.get_context_parallel_world_size()
         self.model_type = get_model_type(model[0])
         self.saved: Dict[tuple, tuple] = {}
@@ -69,12 +71,35 @@ class MegatronStageCompute(StageComputeBase):
         input_tensor, output = self.saved.pop((a.dir, a.mb, a.stage))
         defer = self.wgrad_store.deferring((a.dir, a.mb, a.stage)) if (a.op == B and self.wgrad_store is not None) \
             else contextlib.nullcontext()
-        with defer:
-            return schedules.backward_step(input_tensor, output, output_grad, self.model_type, self.config)
+        with defer, _plain_backward_if_not_freed(self.config, output):
+            input_grad = schedules.backward_step(input_tensor, output, output_grad, self.model_type, self.config)
+        if self.grad_reduction is not None:
+            self.grad_reduction.after_action(a)
+        return input_grad
 
     def weight(self, a: Action) -> None:
         if self.wgrad_store is not None:
             self.wgrad_store.run((a.dir, a.mb, a.stage))
+        if self.grad_reduction is not None:
+            self.grad_reduction.after_action(a)
 
     def release(self, a: Action, output) -> None:
         schedules.deallocate_output_tensor(output, self.config.deallocate_pipeline_outputs)
+
+
+@contextlib.contextmanager
+def _plain_backward_if_not_freed(config, output):
+    """Megatron's ``backward_step`` runs ``custom_backward`` on a pseudo-freed output (``.data``
+    replaced by one element once its send completed, ``deallocate_output_tensor``) and asserts
+    that it was freed. The executor frees it when it sees the send complete, which can be just
+    after the gradient for it arrived; then the output is still whole and the same backward runs
+    through ``torch.autograd.backward`` (same gradients; the memory is freed a moment later)."""
+    out = output[0] if isinstance(output, (list, tuple)) else output
+    if not (config.deallocate_pipeline_outputs and isinstance(out, torch.Tensor) and out.numel() != 1):
+        yield
+        return
+    config.deallocate_pipeline_outputs = False
+    try:
+        yield
+    finally:
+        config.deallocate_pipeline_outputs = True

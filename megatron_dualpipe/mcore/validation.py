@@ -42,11 +42,13 @@ def check_call(spec: ScheduleSpec, *, model: Sequence[torch.nn.Module], num_micr
     if getattr(config, "variable_seq_lengths", False):
         raise DualPipeConfigError(f"{name} needs fixed shapes between micro-batches: turn off "
                                   f"variable_seq_lengths (every micro-batch must be seq_length x micro_batch_size)")
+    if getattr(config, "num_microbatches_with_partial_activation_checkpoints", None) is not None:
+        raise DualPipeConfigError(
+            f"{name} does not support num_microbatches_with_partial_activation_checkpoints (Megatron's 1F1B picks, "
+            f"per micro-batch, which ones recompute, from its own window of outstanding backwards): set it to None "
+            f"and recompute every micro-batch alike (recompute_granularity / recompute_num_layers)")
     if getattr(config, "overlap_p2p_comm", False):
         raise DualPipeConfigError(f"{name} batches its own P2P: turn off --overlap-p2p-communication")
-    if zero_bubble and not forward_only and config.no_sync_func is not None:
-        raise DualPipeConfigError(f"{name} with deferred weight gradients cannot overlap the gradient "
-                                  f"reduction: remove --overlap-grad-reduce or pass --no-dualpipe-zero-bubble")
     if isinstance(data_iterator, (list, tuple)) and len(data_iterator) != 1:
         raise DualPipeConfigError(f"{name} reads both directions from one data iterator; got a list of "
                                   f"{len(data_iterator)}: pass one iterator (or a list of one)")

@@ -254,24 +254,12 @@ def dualpipe_problems(args):
                     f"micro-batches, fewer than the pipeline size ({pp}); raise its start value"
                 )
 
-    # Gradient reduction / zero bubble.
-    _zero_bubble_problems(spec, args, bad)
     problems.extend(refused_option_problems(args, schedule))
 
     timeout = getattr(args, "dualpipe_p2p_timeout", None)
     if timeout is not None and not timeout > 0:
         bad(f"--dualpipe-p2p-timeout must be a positive number of seconds (got {timeout})")
     return problems
-
-
-def _zero_bubble_problems(spec, args, bad):
-    if spec.defers_weight_grads and getattr(args, "dualpipe_zero_bubble", True) and \
-            getattr(args, "overlap_grad_reduce", False):
-        bad(
-            "with zero-bubble weight-grad steps cannot use --overlap-grad-reduce (DDP's "
-            "grad-ready hooks fire before the deferred weight grads exist); remove "
-            "--overlap-grad-reduce or pass --no-dualpipe-zero-bubble"
-        )
 
 
 def _one_chunk_problems(spec, args, bad, problems):
@@ -288,7 +276,6 @@ def _one_chunk_problems(spec, args, bad, problems):
         )
     if getattr(args, "overlap_p2p_comm", False):
         bad("batches its own P2P; remove --overlap-p2p-communication")
-    _zero_bubble_problems(spec, args, bad)
     if getattr(args, "variable_seq_lengths", False):
         bad("needs fixed shapes between micro-batches; remove --variable-seq-lengths")
     problems.extend(refused_option_problems(args, spec.name))

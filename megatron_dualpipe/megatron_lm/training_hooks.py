@@ -135,6 +135,28 @@ def parameter_count_line(line: str, chunks) -> str:
 
 
 @contextlib.contextmanager
+def _unbucketed_ddp(module):
+    """Within the block, ``module.DDP`` (what stock ``get_model`` wraps each chunk in) builds every
+    chunk with ``disable_bucketing=True``. Stock DDP buckets only the first chunk on pipeline rank 0,
+    so with --overlap-grad-reduce stage 0's home copy would be bucketed and its mirror (rank
+    pp-1's model[1]) not; DualPipe sums the two copies in place, buffer by buffer, which needs the
+    same layout on both. (A chunk's gradients are final all at once, after its last W, so buckets
+    would not let its reduction start earlier.)"""
+    orig = module.DDP
+
+    class UnbucketedDDP(orig):
+        def __init__(self, *args, **kwargs):
+            kwargs["disable_bucketing"] = True
+            super().__init__(*args, **kwargs)
+
+    module.DDP = UnbucketedDDP
+    try:
+        yield
+    finally:
+        module.DDP = orig
+
+
+@contextlib.contextmanager
 def _parameter_count_rewritten(module, built):
     """Within the block, ``print`` in ``module``'s globals rewrites Megatron's parameter-count
     line (`parameter_count_line`) and passes every other call to the builtin unchanged."""
@@ -195,7 +217,8 @@ def _wrap_get_model(orig):
 
         built = {}
         provider = _two_chunk_provider(model_provider_func, schedule, model_type, config, built)
-        with _parameter_count_rewritten(mtraining, built):
+        with _parameter_count_rewritten(mtraining, built), \
+                (_unbucketed_ddp(mtraining) if schedule == registry.DUALPIPE else contextlib.nullcontext()):
             model = orig(provider, model_type, wrap_with_ddp, config=config, pg_collection=pg_collection)
         model = list(model)
         if len(model) != 2:
