@@ -88,7 +88,7 @@ def _provider(tied, v_layout=False, moe=False):
     return provider
 
 
-def _pipeline_worker(rank, world, port, schedule, tied, full_state, runs, dp=1, moe=False):
+def _pipeline_worker(rank, world, port, schedule, tied, full_state, runs, dp=1, moe=False, overlap=False):
     """`runs`: list of (M, zero_bubble, forward_only[, schedule]). Returns per run: losses, grads.
 
     A run may name another schedule: ``1f1b`` / ``zb-h1`` run model[0] alone through the same
@@ -113,7 +113,7 @@ def _pipeline_worker(rank, world, port, schedule, tied, full_state, runs, dp=1, 
             me.load_stage_from_full(model[0], full)
             broadcast_mirrors(model)
         if dp > 1:
-            model = _wrap_ddp(model)
+            model = _wrap_ddp(model, overlap)
         else:
             for chunk in model:
                 chunk.config.finalize_model_grads_func = lambda *a, **k: None  # plain modules: no DDP
@@ -142,12 +142,18 @@ def _pipeline_worker(rank, world, port, schedule, tied, full_state, runs, dp=1, 
         me.destroy_distributed()
 
 
-def _wrap_ddp(model):
+def _wrap_ddp(model, overlap=False):
+    """Megatron DDP per chunk, finalized by megatron-core's finalize_model_grads; with ``overlap``
+    as Megatron-LM's train() sets it up for --overlap-grad-reduce (no_sync_func, grad_sync_func),
+    every chunk unbucketed as its get_model does under DualPipe."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-    ddp_config = DistributedDataParallelConfig(overlap_grad_reduce=False, use_distributed_optimizer=False)
-    wrapped = [DistributedDataParallel(chunk.config, ddp_config, chunk) for chunk in model]
+    ddp_config = DistributedDataParallelConfig(overlap_grad_reduce=overlap, use_distributed_optimizer=False)
+    wrapped = [DistributedDataParallel(chunk.config, ddp_config, chunk, disable_bucketing=overlap) for chunk in model]
     for chunk in wrapped:
         chunk.config.finalize_model_grads_func = finalize_model_grads
+        if overlap:
+            chunk.config.no_sync_func = [c.no_sync for c in wrapped]
+            chunk.config.grad_sync_func = [c.start_grad_sync for c in wrapped]
     return wrapped
 
 
@@ -215,11 +221,12 @@ def _references(tied, n, dp=1, moe=False):
     return state, refs
 
 
-def _run_and_check(schedule, pp, tied, runs, dp=1, moe=False):
+def _run_and_check(schedule, pp, tied, runs, dp=1, moe=False, overlap=False):
     n = max(r[0] for r in runs)
     state, refs = _references(tied, n, dp, moe)
-    results = me.run_workers(_pipeline_worker, pp * dp, args=(schedule, tied, state, runs, dp, moe), timeout=400)
-    label = f"{schedule} pp={pp} dp={dp} tied={tied}{' moe' if moe else ''}"
+    results = me.run_workers(_pipeline_worker, pp * dp, args=(schedule, tied, state, runs, dp, moe, overlap),
+                             timeout=400)
+    label = f"{schedule} pp={pp} dp={dp} tied={tied}{' moe' if moe else ''}{' overlap_grad_reduce' if overlap else ''}"
     print(f"\n{label}:")
     _check(label, results, refs, runs, pp * dp, dp)
 
@@ -239,6 +246,15 @@ def test_dualpipe_pp8_equals_single_process():
 
 def test_dualpipe_pp4_dp2_ddp_equals_single_process():
     _run_and_check("dualpipe", 4, True, [(4, True, False), (11, True, False), (8, False, False)], dp=2)
+
+
+@pytest.mark.parametrize("schedule", ["dualpipe", "dualpipev"])
+def test_overlap_grad_reduce_pp2_dp2_ddp_equals_single_process(schedule):
+    """--overlap-grad-reduce as Megatron-LM sets it up: each chunk's bd sum starts after its last W
+    and its data-parallel reduction (grad_sync_func) after that sum; tied embeddings folded first.
+    M=3 pads unevenly, so the two partners finish their chunks in different orders (DualPipe: the
+    bd sums are issued in the lower rank's order)."""
+    _run_and_check(schedule, 2, True, [(3, True, False), (4, True, False), (5, False, False)], dp=2, overlap=True)
 
 
 @pytest.mark.parametrize("schedule", ["dualpipe", "dualpipev"])
