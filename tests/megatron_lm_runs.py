@@ -50,11 +50,12 @@ def require_deps():
         pytest.skip(f"Megatron-LM's training code needs: pip install {' '.join(missing)}")
 
 
-def launch(schedule, *extra, timeout=600):
+def launch(schedule, *extra, timeout=600, env_extra=None, pythonpath=()):
     """torchrun pretrain_gpt.py (4 ranks) through the launcher; returns (returncode, output)."""
     require_deps()
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO_ROOT, env.get("PYTHONPATH")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO_ROOT, *pythonpath, env.get("PYTHONPATH")) if p)
+    env.update(env_extra or {})
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")

@@ -7,6 +7,9 @@ losses) must agree to what its print resolves; the largest difference per metric
 Options that do not change the mathematics are grouped into one run each, to keep the number of
 ``torchrun`` launches (~20 s each on 2 cores) small.
 """
+import os
+import re
+
 import pytest
 
 from megatron_lm_runs import HAVE_MEGATRON_LM, MOE, SKIP_MESSAGE, assert_metrics_close, launch, metrics, run_pretrain
@@ -64,3 +67,29 @@ def test_distributed_optimizer(tmp_path):
     assert_metrics_close(run_pretrain("dualpipe", *resume, with_metrics=True),
                          run_pretrain("1f1b", *resume, with_metrics=True),
                          "distributed optimizer, --load --no-load-optim: dualpipe vs 1f1b")
+
+
+FAULT_HOOKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fault_hooks")
+UNEXPECTED_RE = re.compile(r"Unexpected result nan on rank (\d+) at iteration #(\d+) invocation #\d+ \(message='([^']+)'\)")
+
+
+def test_nan_in_one_microbatch_is_caught_as_under_1f1b(tmp_path):
+    """--check-for-nan-in-loss-and-grad (on by default, with Megatron's rerun state machine): a NaN
+    in the loss of the last micro-batch of iteration 3 (direction 1 under DualPipe, so its loss is
+    computed on pipeline rank 0, not pp-1) is caught in iteration 3 with the same messages as under
+    1f1b: the rank computing that loss finds the NaN loss, every other rank the NaN gradients; the
+    step is rerun (the data iterator rewound and replayed through the executor), and the job saves
+    a checkpoint and stops."""
+    found = {}
+    for schedule, loss_rank in (("1f1b", 3), ("dualpipe", 0)):
+        rc, out = launch(schedule, "--train-iters", "4", "--ckpt-format", "torch", "--save", str(tmp_path / schedule), "--save-interval", "100",
+                         env_extra={"MEGATRON_DUALPIPE_TEST_NAN": "3,7"}, pythonpath=(FAULT_HOOKS,))
+        reports = {(int(r), int(it), msg) for r, it, msg in UNEXPECTED_RE.findall(out)}
+        print(f"\n{schedule}: exit code {rc}; " + "; ".join(f"rank {r} iteration {it}: {m}" for r, it, m in sorted(reports)))
+        assert rc != 0 and "Saving a checkpoint and exiting now" in out, out[-4000:]
+        by_rank = {r: (it, m) for r, it, m in reports}
+        assert sorted(by_rank) == [0, 1, 2, 3], reports
+        assert by_rank[loss_rank] == (3, "found NaN in local forward loss calculation"), reports
+        assert all(it == 3 and "found NaN in local grad norm" in m for r, (it, m) in by_rank.items() if r != loss_rank)
+        found[schedule] = {m for _, m in by_rank.values()}
+    assert found["dualpipe"] == found["1f1b"]
