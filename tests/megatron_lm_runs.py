@@ -50,8 +50,8 @@ def require_deps():
         pytest.skip(f"Megatron-LM's training code needs: pip install {' '.join(missing)}")
 
 
-def launch(schedule, *extra, timeout=600, env_extra=None, pythonpath=()):
-    """torchrun pretrain_gpt.py (4 ranks) through the launcher; returns (returncode, output)."""
+def command(schedule, *extra, env_extra=None, pythonpath=(), torchrun_args=()):
+    """(argv, environment) of a torchrun of pretrain_gpt.py (4 ranks) through the launcher."""
     require_deps()
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO_ROOT, *pythonpath, env.get("PYTHONPATH")) if p)
@@ -60,8 +60,14 @@ def launch(schedule, *extra, timeout=600, env_extra=None, pythonpath=()):
     env.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     cmd = [torchrun if os.path.exists(torchrun) else "torchrun", "--standalone", "--nproc-per-node", "4",
-           "-m", "megatron_dualpipe.launch", os.path.join(MEGATRON_LM_PATH, "pretrain_gpt.py"),
+           *torchrun_args, "-m", "megatron_dualpipe.launch", os.path.join(MEGATRON_LM_PATH, "pretrain_gpt.py"),
            *TINY, "--pipeline-schedule", schedule, *extra]
+    return cmd, env
+
+
+def launch(schedule, *extra, timeout=600, env_extra=None, pythonpath=()):
+    """torchrun pretrain_gpt.py (4 ranks) through the launcher; returns (returncode, output)."""
+    cmd, env = command(schedule, *extra, env_extra=env_extra, pythonpath=pythonpath)
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     out = proc.stdout + proc.stderr
     LAST_OUTPUT[0] = out
