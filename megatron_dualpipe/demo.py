@@ -25,10 +25,13 @@ import time
 import torch
 import torch.distributed as dist
 
+from megatron_dualpipe.schedule import registry
+from megatron_dualpipe.schedule.layout import V_SHAPE
+
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--schedule", default="dualpipe", choices=("dualpipe", "dualpipev"))
+    p.add_argument("--schedule", default=registry.DUALPIPE, choices=registry.names(chunks_per_rank=2))
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--microbatches", type=int, default=16, help="micro-batches per iteration (global batch)")
     p.add_argument("--micro-batch-size", type=int, default=2)
@@ -159,8 +162,8 @@ def train(args, name, model, fb_func, log):
 
 def main(argv=None):
     args = parse_args(argv)
-    from megatron_dualpipe import cpu_compat
-    cpu = cpu_compat.enable_cpu_mode()
+    from megatron_dualpipe import cpu as cpu_mode
+    cpu = cpu_mode.enable()
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     if world < 2:
         raise SystemExit("run with torchrun --nproc-per-node 4 (pp = number of processes, at least 2)")
@@ -184,11 +187,11 @@ def main(argv=None):
         if last:
             print(msg, flush=True)
 
-    v_layout = args.schedule == "dualpipev"
+    v_layout = registry.get(args.schedule).layout_kind == V_SHAPE
     log(f"megatron-dualpipe demo: {args.schedule} vs megatron-core 1F1B, pp={world}, {args.num_layers} layers, "
         f"hidden {args.hidden_size}, {args.microbatches} micro-batches x {args.micro_batch_size} x {args.seq_length} "
         f"tokens per iteration, {'CPU/gloo' if cpu else 'GPU/NCCL'}")
-    model = build_two_direction_model(gpt_provider(args, v_layout), layout_kind="v" if v_layout else "bidirectional")
+    model = build_two_direction_model(gpt_provider(args, v_layout), layout_kind=registry.get(args.schedule).layout_kind)
     if not v_layout:
         broadcast_mirrors(model)
     for chunk in model:
@@ -201,9 +204,9 @@ def main(argv=None):
     stage = gpt_provider(args, False)(pre_process=rank == 0, post_process=last)
     load_full_state(stage, initial)
     stage.config.finalize_model_grads_func = None
-    one = train(args, "1f1b", [stage], megatron_fb_func(), log)
+    one = train(args, registry.ONE_F_ONE_B, [stage], megatron_fb_func(), log)
     if last:
-        print("\n iteration | " + f"{args.schedule:>12} | {'1f1b':>12} | difference")
+        print("\n iteration | " + f"{args.schedule:>12} | {registry.ONE_F_ONE_B:>12} | difference")
         for i, (a, b) in enumerate(zip(dual, one)):
             print(f" {i + 1:>9} | {a:12.6f} | {b:12.6f} | {abs(a - b):.2e}")
         print(f" max |{args.schedule} - 1f1b| over {len(dual)} iterations: {max(abs(a - b) for a, b in zip(dual, one)):.3e}")

@@ -23,7 +23,7 @@ import time
 import pytest
 import torch
 
-from megatron_dualpipe.testing import megatron_env as me
+from harness import megatron_env as me
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-mode tests")
 
@@ -177,18 +177,18 @@ def _config_errors_worker(rank, world, port, caller):
 EXPECTED = {
     "odd_pipeline_size": ["even pipeline size", "got 3", "--pipeline-model-parallel-size", "dualpipev"],
     "virtual_pipeline": ["virtual pipeline", "--num-layers-per-virtual-pipeline-stage"],
-    "too_few_microbatches": ["at least pp=2 micro-batches", "got 1", "--global-batch-size to at least 2"],
+    "too_few_microbatches": ["at least 2 micro-batches", "pp=2", "got 1", "--global-batch-size to at least 2"],
     "zero_microbatches": ["at least one micro-batch", "got 0"],
     "adjust_tensor_shapes_fn": ["adjust_tensor_shapes_fn"],
     "variable_seq_lengths": ["variable_seq_lengths", "turn off", "seq_length x micro_batch_size"],
     "overlap_p2p_comm": ["--overlap-p2p-communication", "turn off"],
     "zero_bubble_with_overlap_grad_reduce": ["--overlap-grad-reduce", "--no-dualpipe-zero-bubble"],
-    "one_chunk_for_dualpipe": ["2 model chunk(s)", "got 1", "build_two_direction_model"],
-    "three_chunks_for_dualpipev": ["2 model chunk(s)", "got 3", "build_two_direction_model"],
+    "one_chunk_for_dualpipe": ["2 model chunks", "got 1", "build_two_direction_model"],
+    "three_chunks_for_dualpipev": ["2 model chunks", "got 3", "build_two_direction_model"],
     "two_chunks_for_zb_h1": ["one model chunk", "got 2"],
     "p2p_communicator": ["p2p_communicator"],
     "data_iterator_list": ["one data iterator", "list of 2"],
-    "unknown_schedule": ["'dual-pipe'", "choose 1f1b, dualpipe, dualpipev"],
+    "unknown_schedule": ["'dual-pipe'", "1f1b, executor-1f1b, zb-h1, dualpipe, dualpipev"],
 }
 # A fix is named: an imperative after a colon ("...: remove --x", "...: raise --y", ...).
 FIX = re.compile(r":\s*(?:[^:]*\b)?(remove|turn off|raise|set|change|use|build|choose|pass|run)\b", re.I)

@@ -19,7 +19,7 @@ import torch
 
 from ..schedule import F, W, Action, build_schedule
 from ..schedule.comm import Label, RankPlan, plan
-from ..schedule.generators import Schedule
+from ..schedule.registry import Schedule
 from .p2p import P2P
 from .trace import TraceRecorder, trace_from_env
 

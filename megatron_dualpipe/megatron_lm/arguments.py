@@ -2,13 +2,14 @@
 
 Flags (added to every ``megatron.training.arguments.parse_args`` parser once :func:`install` ran):
 
-``--pipeline-schedule {1f1b,dualpipe,dualpipev,executor-1f1b}``
-    ``1f1b`` (default) keeps Megatron's own schedule selection untouched (1F1B, or interleaved
-    1F1B when a virtual pipeline is configured). ``dualpipe`` is DeepSeek's bidirectional
-    DualPipe (two model copies per rank, ``pp`` even); ``dualpipev`` is the "cut-in-half" V
-    variant (two chunks of ``num_layers / (2*pp)`` layers per rank). ``executor-1f1b`` runs
-    the 1F1B order on megatron_dualpipe's executor (one chunk per rank, same model and
-    checkpoints as ``1f1b``): for comparing schedules on equal terms.
+``--pipeline-schedule NAME``
+    One of the registry's schedules (``megatron_dualpipe.schedule.registry``). ``1f1b``
+    (default) keeps Megatron's own schedule selection untouched (1F1B, or interleaved 1F1B when
+    a virtual pipeline is configured). ``dualpipe`` is DeepSeek's bidirectional DualPipe (two
+    model copies per rank, ``pp`` even); ``dualpipev`` is the "cut-in-half" V variant (two
+    chunks of ``num_layers / (2*pp)`` layers per rank). ``executor-1f1b`` and ``zb-h1`` run
+    the 1F1B and ZB-H1 orders on megatron_dualpipe's executor (one chunk per rank, same model
+    and checkpoints as ``1f1b``): for comparing schedules on equal terms.
 ``--dualpipe-zero-bubble`` / ``--no-dualpipe-zero-bubble``
     Split backward into input-grad (B) and weight-grad (W) steps to fill bubbles (default on).
 ``--dualpipe-p2p-timeout SECONDS``
@@ -29,10 +30,10 @@ the three extra attributes; no check runs and no value is changed.
 """
 
 import functools
+from dataclasses import dataclass
+from typing import Any, Callable, List, Optional, Tuple
 
-PIPELINE_SCHEDULES = ("1f1b", "dualpipe", "dualpipev", "executor-1f1b")
-EXECUTOR_SCHEDULES = ("dualpipe", "dualpipev", "executor-1f1b")
-DUALPIPE_SCHEDULES = ("dualpipe", "dualpipev")
+from ..schedule import registry
 
 _GROUP_TITLE = "DualPipe pipeline schedule (megatron_dualpipe)"
 
@@ -49,12 +50,9 @@ def add_dualpipe_arguments(parser):
     group.add_argument(
         "--pipeline-schedule",
         type=str,
-        default="1f1b",
-        choices=PIPELINE_SCHEDULES,
-        help="Pipeline schedule. 1f1b: Megatron's own (1F1B, or interleaved 1F1B with a "
-        "virtual pipeline). dualpipe: DeepSeek DualPipe, bidirectional, two model copies per "
-        "rank, needs an even pipeline size. dualpipev: DualPipeV, two V-shaped chunks per rank. "
-        "executor-1f1b: 1F1B order run by megatron_dualpipe's executor (for comparisons).",
+        default=registry.DEFAULT,
+        choices=registry.NAMES,
+        help="Pipeline schedule. " + "; ".join(f"{s.name}: {s.summary}" for s in registry.SPECS.values()) + ".",
     )
     group.add_argument(
         "--dualpipe-zero-bubble",
@@ -86,13 +84,97 @@ def num_microbatches(args) -> int:
     return args.global_batch_size // (args.micro_batch_size * dp)
 
 
+@dataclass(frozen=True)
+class RefusedOption:
+    """A Megatron-LM option that an executor schedule cannot honour, with the reason and the fix.
+
+    ``flags`` is what the user typed (and must change), ``dest`` the ``args`` attribute it sets,
+    ``is_set(value)`` whether that value turns the feature on. The table below is the one place
+    these refusals live: ``dualpipe_problems`` reads it, docs/megatron-options.md lists it and
+    tests/test_megatron_lm.py checks every entry's message.
+    """
+
+    flags: str
+    dest: str
+    why: str
+    schedules: Tuple[str, ...] = registry.names(chunks_per_rank=2)
+    is_set: Callable[[Any], bool] = bool
+    fix: Optional[str] = None
+
+    def message(self) -> str:
+        return f"does not support {self.flags} ({self.why}); {self.fix or 'remove ' + self.flags}"
+
+
+def _not_none(value) -> bool:
+    return value not in (None, "none")
+
+
+def _has_global_aux_loss(value) -> bool:
+    return "global_aux_loss" in (value if isinstance(value, (list, tuple)) else [value])
+
+
+#: Schedules run by the executor; schedules whose two chunks are mirrored copies of one stage.
+_EXECUTOR = registry.names(runs_on=registry.EXECUTOR)
+_MIRRORED = (registry.DUALPIPE,)
+
+REFUSED_OPTIONS: Tuple[RefusedOption, ...] = (
+    RefusedOption("--use-torch-fsdp2", "use_torch_fsdp2", "FSDP shards the chunks' parameters itself"),
+    RefusedOption("--use-megatron-fsdp", "use_megatron_fsdp", "FSDP shards the chunks' parameters itself"),
+    RefusedOption("--mtp-num-layers", "mtp_num_layers",
+                  "multi-token prediction is tied to the last pipeline stage of one direction"),
+    RefusedOption("--cuda-graph-impl / --enable-cuda-graph / --external-cuda-graph", "cuda_graph_impl",
+                  "a captured graph replays one fixed order of forwards and backwards",
+                  is_set=_not_none, fix="use --cuda-graph-impl none"),
+    RefusedOption("--overlap-moe-expert-parallel-comm", "overlap_moe_expert_parallel_comm",
+                  "Megatron's combined 1F1B; --delay-wgrad-compute needs it too"),
+    RefusedOption("--iterations-to-skip", "iterations_to_skip", "the skip path assumes one data iterator"),
+    RefusedOption("--sft", "sft", "packed variable-length sequences need variable P2P shapes"),
+    RefusedOption("--perform-rl-step", "perform_rl_step",
+                  "RL builds a separate inference model through get_model and drives its own train loop",
+                  fix="remove --perform-rl-step or use --pipeline-schedule 1f1b"),
+    RefusedOption("--hybrid-context-parallel", "hybrid_context_parallel",
+                  "micro-batches of different lengths need variable P2P shapes"),
+    RefusedOption("--moe-router-load-balancing-type global_aux_loss", "moe_router_load_balancing_type",
+                  "its loss for micro-batch k averages the token counts of micro-batches 1..k in 1F1B order, "
+                  "and DualPipe's two copies of a stage each see only one direction's micro-batches",
+                  schedules=_MIRRORED, is_set=_has_global_aux_loss,
+                  fix="use aux_loss or seq_aux_loss, or --pipeline-schedule dualpipev"),
+    RefusedOption("--qk-clip", "qk_clip",
+                  "each copy of a stage would clip its weights by the largest attention logit of its own "
+                  "direction's micro-batches, so the copies would drift apart", schedules=_MIRRORED),
+    RefusedOption("--moe-enable-routing-replay", "moe_enable_routing_replay",
+                  "its process-wide list of routers would hold both copies of every MoE layer",
+                  schedules=_MIRRORED),
+    RefusedOption("--save-dgrads-interval", "save_dgrads_interval",
+                  "it records the input gradients of 'the last micro-batch', which depends on the schedule's order",
+                  is_set=lambda v: v is not None),
+    RefusedOption("--use-ring-exchange-p2p", "use_ring_exchange_p2p",
+                  "the executor posts its own batched point-to-point operations",
+                  schedules=_EXECUTOR),
+    RefusedOption("--fine-grained-activation-offloading", "fine_grained_activation_offloading",
+                  "its offload handlers are advanced and reset by Megatron's own schedules",
+                  schedules=_EXECUTOR),
+    RefusedOption("--inprocess-restart", "inprocess_restart",
+                  "a restart inside the process would rebuild the process groups but not DualPipe's bd groups"),
+    RefusedOption("--moe-use-upcycling", "moe_use_upcycling",
+                  "upcycling loads a dense one-chunk model and converts it in place"),
+)
+
+
+def refused_option_problems(args, schedule: str) -> List[str]:
+    """Messages for the options of `REFUSED_OPTIONS` that are on in ``args`` and refused for ``schedule``."""
+    return [f"--pipeline-schedule {schedule}: {opt.message()}" for opt in REFUSED_OPTIONS
+            if schedule in opt.schedules and opt.is_set(getattr(args, opt.dest, None))]
+
+
 def dualpipe_problems(args):
     """Return a list of messages, one per violated constraint (empty if fine or 1f1b).
 
     ``args`` must already have been through Megatron's ``validate_args``.
     """
-    schedule = getattr(args, "pipeline_schedule", "1f1b")
-    if schedule not in EXECUTOR_SCHEDULES:
+    schedule = getattr(args, "pipeline_schedule", registry.DEFAULT)
+    spec = registry.get(schedule)
+    if spec.runs_on != registry.EXECUTOR:
         return []
     problems = []
     flag = f"--pipeline-schedule {schedule}"
@@ -101,21 +183,17 @@ def dualpipe_problems(args):
     def bad(msg):
         problems.append(f"{flag}: {msg}")
 
-    if schedule == "executor-1f1b":
-        return _executor_1f1b_problems(args, bad, problems)
+    if spec.chunks_per_rank == 1:
+        return _one_chunk_problems(spec, args, bad, problems)
 
     # Pipeline size.
     if pp < 2:
         bad(
             f"needs --pipeline-model-parallel-size >= 2 (got {pp}); increase it or use "
-            "--pipeline-schedule 1f1b"
+            f"--pipeline-schedule {registry.DEFAULT}"
         )
-    elif schedule == "dualpipe" and pp % 2 != 0:
-        bad(
-            f"needs an even --pipeline-model-parallel-size (got {pp}): ranks i and pp-1-i hold "
-            "mirrored copies of the same stages; change --pipeline-model-parallel-size or use "
-            "--pipeline-schedule dualpipev"
-        )
+    elif spec.pp_problem(pp, flag="--pipeline-model-parallel-size"):
+        bad(spec.pp_problem(pp, flag="--pipeline-model-parallel-size"))
 
     # Layer layout.
     if (
@@ -146,9 +224,9 @@ def dualpipe_problems(args):
         )
     num_layers = getattr(args, "num_layers", None)
     if num_layers is not None and pp >= 1:
-        divisor = pp if schedule == "dualpipe" else 2 * pp
+        divisor = spec.model_stages(pp)
         if num_layers % divisor != 0:
-            what = "pipeline size" if schedule == "dualpipe" else "2 * pipeline size"
+            what = "pipeline size" if divisor == pp else f"{divisor // pp} * pipeline size"
             bad(
                 f"--num-layers ({num_layers}) must be divisible by the {what} ({divisor}); "
                 "change --num-layers or --pipeline-model-parallel-size"
@@ -158,9 +236,10 @@ def dualpipe_problems(args):
     if pp >= 2:
         dp = getattr(args, "data_parallel_size", None) or 1
         m = num_microbatches(args)
-        if m < pp:
+        least = spec.min_real_microbatches(pp)
+        if m < least:
             bad(
-                f"needs at least pipeline-size ({pp}) micro-batches per step, got {m} = "
+                f"needs at least {least} micro-batches per step with pipeline size {pp}, got {m} = "
                 f"--global-batch-size {args.global_batch_size} // (--micro-batch-size "
                 f"{args.micro_batch_size} * data-parallel size {dp}); increase "
                 "--global-batch-size or decrease --micro-batch-size"
@@ -169,49 +248,15 @@ def dualpipe_problems(args):
         if rampup:
             start = int(rampup[0])
             m0 = start // (args.micro_batch_size * dp)
-            if m0 < pp:
+            if m0 < spec.min_real_microbatches(pp):
                 bad(
                     f"--rampup-batch-size starts at global batch {start}, i.e. {m0} "
                     f"micro-batches, fewer than the pipeline size ({pp}); raise its start value"
                 )
 
     # Gradient reduction / zero bubble.
-    if getattr(args, "dualpipe_zero_bubble", True) and getattr(args, "overlap_grad_reduce", False):
-        bad(
-            "with zero-bubble weight-grad steps cannot use --overlap-grad-reduce (DDP's "
-            "grad-ready hooks fire before the deferred weight grads exist); remove "
-            "--overlap-grad-reduce or pass --no-dualpipe-zero-bubble"
-        )
-    if getattr(args, "use_torch_fsdp2", False) or getattr(args, "use_megatron_fsdp", False):
-        bad("does not support FSDP; remove --use-torch-fsdp2 / --use-megatron-fsdp")
-
-    # Features wired to a single pipeline direction.
-    if getattr(args, "mtp_num_layers", None):
-        bad(
-            "does not support multi-token prediction (MTP is tied to the last pipeline stage); "
-            "remove --mtp-num-layers"
-        )
-    if getattr(args, "cuda_graph_impl", "none") not in (None, "none"):
-        bad("does not support CUDA graphs; use --cuda-graph-impl none")
-    if getattr(args, "overlap_moe_expert_parallel_comm", False):
-        bad(
-            "does not support --overlap-moe-expert-parallel-comm (Megatron's combined 1F1B); "
-            "remove it"
-        )
-    if getattr(args, "iterations_to_skip", None):
-        bad(
-            "does not support --iterations-to-skip (the skip path assumes one data iterator); "
-            "remove it"
-        )
-    if getattr(args, "sft", False):
-        bad("does not support --sft (packed variable-length sequences) yet; remove --sft")
-    if getattr(args, "perform_rl_step", False):
-        bad(
-            "does not support --perform-rl-step (RL builds a separate inference model through "
-            "get_model and drives its own train loop); remove it or use --pipeline-schedule 1f1b"
-        )
-    if getattr(args, "hybrid_context_parallel", False):
-        bad("does not support --hybrid-context-parallel; remove it")
+    _zero_bubble_problems(spec, args, bad)
+    problems.extend(refused_option_problems(args, schedule))
 
     timeout = getattr(args, "dualpipe_p2p_timeout", None)
     if timeout is not None and not timeout > 0:
@@ -219,22 +264,34 @@ def dualpipe_problems(args):
     return problems
 
 
-def _executor_1f1b_problems(args, bad, problems):
-    """The executor's 1F1B: one chunk per rank, Megatron's model, batched P2P of its own."""
+def _zero_bubble_problems(spec, args, bad):
+    if spec.defers_weight_grads and getattr(args, "dualpipe_zero_bubble", True) and \
+            getattr(args, "overlap_grad_reduce", False):
+        bad(
+            "with zero-bubble weight-grad steps cannot use --overlap-grad-reduce (DDP's "
+            "grad-ready hooks fire before the deferred weight grads exist); remove "
+            "--overlap-grad-reduce or pass --no-dualpipe-zero-bubble"
+        )
+
+
+def _one_chunk_problems(spec, args, bad, problems):
+    """The executor's 1F1B and ZB-H1: one chunk per rank, Megatron's model, batched P2P of its own."""
     if args.pipeline_model_parallel_size < 2:
-        bad("needs --pipeline-model-parallel-size >= 2; use --pipeline-schedule 1f1b")
+        bad(f"needs --pipeline-model-parallel-size >= 2; use --pipeline-schedule {registry.DEFAULT}")
     if (
         getattr(args, "num_layers_per_virtual_pipeline_stage", None) is not None
         or getattr(args, "num_virtual_stages_per_pipeline_rank", None) is not None
     ):
         bad(
             "runs one model chunk per rank; remove --num-layers-per-virtual-pipeline-stage / "
-            "--num-virtual-stages-per-pipeline-rank or use --pipeline-schedule 1f1b"
+            f"--num-virtual-stages-per-pipeline-rank or use --pipeline-schedule {registry.DEFAULT}"
         )
     if getattr(args, "overlap_p2p_comm", False):
         bad("batches its own P2P; remove --overlap-p2p-communication")
+    _zero_bubble_problems(spec, args, bad)
     if getattr(args, "variable_seq_lengths", False):
         bad("needs fixed shapes between micro-batches; remove --variable-seq-lengths")
+    problems.extend(refused_option_problems(args, spec.name))
     timeout = getattr(args, "dualpipe_p2p_timeout", None)
     if timeout is not None and not timeout > 0:
         bad(f"--dualpipe-p2p-timeout must be a positive number of seconds (got {timeout})")

@@ -81,15 +81,6 @@ def units(acts: Sequence[Action]) -> List[Tuple[int, ...]]:
     return out
 
 
-def parse_action(text: str, stage: int) -> Action:
-    """Inverse of ``str(action)`` given the stage (the short form leaves it out)."""
-    overlap = text.endswith("+")
-    body = text[:-1] if overlap else text
-    op = "BW" if body.startswith("BW") else body[0]
-    d, mb = body[len(op):].split(".")
-    return Action(op, int(d), int(mb), stage, overlap)
-
-
 def format_grid(ranks: Sequence[Iterable[Action]], mark: Tuple[int, int] | None = None) -> str:
     """Rank-by-step text grid; ``mark=(rank, index)`` brackets one action (used in errors)."""
     lines: List[str] = []
