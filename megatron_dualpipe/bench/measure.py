@@ -125,7 +125,8 @@ def run_project(cfg: BenchConfig, rank: int, world: int, device, spender: Spende
 
     def one(timed: bool) -> None:
         compute = SyntheticCompute(cfg.costs, spender, cfg.shape)
-        spender.busy_s, p2p.seconds = 0.0, 0.0
+        spender.start_iteration()
+        p2p.seconds = 0.0
         # trace= only when recording: the benchmark also runs executors from before it existed
         stats = run_rank(program, rank, compute, p2p, spec, **({"trace": recorder} if recorder and timed else {}))
         if timed:
@@ -147,7 +148,7 @@ def run_torch(cfg: BenchConfig, rank: int, world: int, device, spender: Spender,
     out = RankRun()
 
     def one(timed: bool) -> None:
-        spender.busy_s = 0.0
+        spender.start_iteration()
         step()
         if timed:
             out.compute_s.append(spender.busy_s)
