@@ -26,12 +26,14 @@ from xml.sax.saxutils import escape
 from .schedule.actions import B, BW, F, W, Action
 from .schedule.simulate import SimResult, units
 
-#: Fill colour per (op, dir): Okabe-Ito hues; direction 1 a light tint of the same hue (and hatched).
+#: Fill colour per (op, dir): Okabe-Ito hues; direction 1 a lighter tint of the same hue (and
+#: hatched). The tints (30-60% white) keep the four ops >= 13 CIELAB units apart under normal
+#: vision and the three dichromacies, and >= 18 from their own strong shade (tests/test_draw.py).
 COLORS: Dict[Tuple[str, int], str] = {
-    (F, 0): "#e69f00", (F, 1): "#f2cf7f",
-    (BW, 0): "#009e73", (BW, 1): "#7fceb9",
-    (B, 0): "#0072b2", (B, 1): "#7fb8d8",
-    (W, 0): "#cc79a7", (W, 1): "#e5bcd3",
+    (F, 0): "#e69f00", (F, 1): "#eebc4c",
+    (BW, 0): "#009e73", (BW, 1): "#66c5ab",
+    (B, 0): "#0072b2", (B, 1): "#4c9cc9",
+    (W, 0): "#cc79a7", (W, 1): "#ebc9dc",
 }
 #: Directions drawn hatched (the shape tells the direction, not only the shade).
 HATCHED = frozenset({1})
