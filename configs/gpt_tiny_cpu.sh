@@ -1,5 +1,6 @@
 # Tiny GPT for the CPU smoke run (4 processes, gloo, mock data). Not a real model.
 # Sourced by scripts/pretrain_gpt_dualpipe.sh and scripts/cpu_smoke.sh.
+# Minimum GPUs: 4 (Megatron needs a multiple of TP*PP*CP = 1*4*1 with the defaults below).
 PP=${PP:-4}; TP=${TP:-1}; EP=${EP:-1}
 MICRO_BATCH=${MICRO_BATCH:-2}; GLOBAL_BATCH=${GLOBAL_BATCH:-16}   # M = 16/(2*dp) = 8 = 2*pp at dp=1
 NUM_LAYERS=8                                                       # divisible by pp and by 2*pp (dualpipev)
