@@ -24,6 +24,8 @@ import sys
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence
 
+from . import data_prep
+
 PROG = "megatron-dualpipe"
 EXIT_USAGE = 2
 
@@ -284,6 +286,7 @@ register("patch", "add the 3-line megatron-dualpipe hook to Megatron-LM's pretra
 
 register("simulate", "simulate a schedule with hypothetical costs; print bubbles, draw the timeline",
          _configure_simulate, _run_simulate)
+register("prepare-data", data_prep.HELP, data_prep.configure, data_prep.run)
 
 
 if __name__ == "__main__":  # pragma: no cover
