@@ -34,6 +34,7 @@ _ROW = 24.0       # row height
 _GAP = 4.0        # vertical gap between rows
 _LEFT = 64.0      # room for the rank labels
 _TOP = 48.0       # room for the title
+_CHAR_PX = 7.0    # widest average character width of the 11 px legend font
 
 
 def title(schedule, result: SimResult) -> str:
@@ -112,12 +113,13 @@ def to_svg(schedule, result: SimResult) -> str:
     span = max(result.makespan, 1e-9)
     width = _LEFT + span * _UNIT + 20
     rows_h = pp * (_ROW + _GAP)
-    legend = legend_entries(schedule)
+    entries = legend_entries(schedule) + [("fused F&B unit", "")]
     legend_top = _TOP + rows_h + 36
-    per_line = 4
-    legend_h = ((len(legend) + per_line - 1) // per_line) * 20 + 24
+    per_line = min(4, len(entries))
+    column = _legend_column_width(label for label, _ in entries)
+    legend_h = ((len(entries) + per_line - 1) // per_line) * 20 + 24
     height = legend_top + legend_h
-    width = max(width, 250 * min(per_line, len(legend) + 1) + _LEFT)
+    width = max(width, column * per_line + _LEFT)
     font = "font-family=\"DejaVu Sans, Helvetica, Arial, sans-serif\""
     out: List[str] = [
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="{height:.0f}" '
@@ -161,9 +163,8 @@ def to_svg(schedule, result: SimResult) -> str:
                 f'h{-(fw - 2):.2f} Z" fill="none" stroke="#111111" stroke-width="2.2"/>')
     out.extend(fused_outlines)  # on top of every cell, so neighbours cannot hide them
     # Legend.
-    entries = legend + [("fused F&B unit", "")]
     for k, (label, colour) in enumerate(entries):
-        lx = _LEFT + (k % per_line) * 250
+        lx = _LEFT + (k % per_line) * column
         ly = legend_top + (k // per_line) * 20
         if colour:
             out.append(f'<rect class="legend" x="{lx:.1f}" y="{ly:.1f}" width="16" height="12" '
@@ -171,9 +172,15 @@ def to_svg(schedule, result: SimResult) -> str:
         else:
             out.append(f'<path class="legend" d="M{lx + 1:.1f},{ly + 1:.1f} h14 v10 h-14 Z" fill="none" '
                        f'stroke="#111111" stroke-width="2.2"/>')
-        out.append(f'<text x="{lx + 22:.1f}" y="{ly + 10:.1f}" font-size="11" {font}>{escape(label)}</text>')
+        out.append(f'<text class="legend" x="{lx + 22:.1f}" y="{ly + 10:.1f}" font-size="11" {font}>{escape(label)}</text>')
     out.append("</svg>")
     return "\n".join(out) + "\n"
+
+
+def _legend_column_width(labels) -> float:
+    """Pixels for one legend column: the swatch, and the longest label at 11 px (at most
+    :data:`_CHAR_PX` per character, a bound for DejaVu Sans and Helvetica)."""
+    return 22 + _CHAR_PX * max(len(label) for label in labels) + 16
 
 
 def _tick_step(span: float) -> float:
@@ -189,17 +196,27 @@ def _tick_step(span: float) -> float:
 
 def to_png(schedule, result: SimResult, path, dpi: int = 110) -> None:
     """Render the timeline with matplotlib (imported here, Agg backend) to ``path``."""
-    import matplotlib
+    from .plotting import agg_pyplot
 
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
+    fig = png_figure(schedule, result, dpi)
+    try:
+        fig.savefig(path, format="png")
+    finally:
+        agg_pyplot().close(fig)
+
+
+def png_figure(schedule, result: SimResult, dpi: int = 110):
+    """The matplotlib figure :func:`to_png` saves: legend and labels inside it at any size."""
     from matplotlib.patches import Patch, Rectangle
 
+    from .plotting import agg_pyplot, legend_below
+
+    plt = agg_pyplot()
     pp = schedule.pp
     span = max(result.makespan, 1e-9)
     unit_in = 0.17  # inches per unit of simulated time
     width = max(8.0, min(60.0, 1.0 + span * unit_in))
-    height = 1.5 + 0.36 * pp + 0.5
+    height = 1.5 + 0.36 * pp
     fig, ax = plt.subplots(figsize=(width, height), dpi=dpi)
     per_unit = (width - 1.0) / span  # inches per time unit after the width cap
     label_size = 8 if per_unit >= 0.15 else (6 if per_unit >= 0.09 else 4)
@@ -212,7 +229,7 @@ def to_png(schedule, result: SimResult, path, dpi: int = 110) -> None:
         ax.add_patch(Rectangle((x0, y), x1 - x0, row, facecolor=COLORS[(a.op, a.dir)],
                                edgecolor="white", linewidth=0.6))
         ax.text((x0 + x1) / 2, y + row / 2, _label(a), ha="center", va="center",
-                fontsize=label_size, color=TEXT[a.dir])
+                fontsize=label_size, color=TEXT[a.dir], clip_on=True)
         if c.fused and c.half == 0:
             fused.append((c.start, c.end, y))
     for s, e, y in fused:
@@ -233,11 +250,5 @@ def to_png(schedule, result: SimResult, path, dpi: int = 110) -> None:
     if fused:
         handles.append(Patch(facecolor="white", edgecolor="#111111", linewidth=1.8,
                              label="fused F&B unit"))
-    ncol = min(len(handles), 5)
-    legend_in = 0.25 + 0.2 * ((len(handles) + ncol - 1) // ncol)
-    fig.legend(handles=handles, loc="lower center", ncol=ncol, frameon=False, fontsize=8)
-    fig.tight_layout(rect=(0, legend_in / height, 1, 1))
-    try:
-        fig.savefig(path, format="png")
-    finally:
-        plt.close(fig)
+    legend_below(fig, handles)
+    return fig
