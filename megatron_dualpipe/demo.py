@@ -399,6 +399,12 @@ class Trainer:
         return loss
 
 
+def _home(path: str) -> str:
+    """``path`` with the home directory written as ``~`` (summaries get committed as examples)."""
+    home = os.path.expanduser("~")
+    return "~" + path[len(home):] if home not in ("", "/") and path.startswith(home + os.sep) else path
+
+
 def write_reports(args, data: PreparedData, pp: int, device: str, dual, one) -> None:
     """loss.png and summary.md in ``args.out`` (last rank)."""
     from .report import summary_markdown, write_loss_png
@@ -416,7 +422,7 @@ def write_reports(args, data: PreparedData, pp: int, device: str, dual, one) -> 
     data_lines = [f"{data.source}: {data.documents} documents, {data.tokens:,} tokens",
                   f"split {args.split}: " + ", ".join(f"{n} {'-' if c is None else c}"
                                                      for n, c in zip(SPLIT_NAMES, counts)) + " documents",
-                  f"megatron-core GPTDataset over `{data.prefix}`, tokenizer `{data.tokenizer_dir}`"]
+                  f"megatron-core GPTDataset over `{_home(data.prefix)}`, tokenizer `{_home(data.tokenizer_dir)}`"]
     picture = f"{args.schedule}_pp{pp}_m"
     pictures = ["loss.png"] + sorted(f for f in os.listdir(args.out) if f.startswith(picture) and f.endswith(".png"))
     with open(os.path.join(args.out, "summary.md"), "w", encoding="utf-8") as fh:
