@@ -89,9 +89,9 @@ def _exit_main() -> None:
 # ---------------------------------------------------------------------------------------------
 
 def _add_schedule_args(p: argparse.ArgumentParser) -> None:
-    from .schedule import SCHEDULES
+    from .schedule.registry import NAMES
 
-    p.add_argument("--schedule", required=True, metavar="NAME", help=f"one of {', '.join(SCHEDULES)}")
+    p.add_argument("--schedule", required=True, metavar="NAME", help=f"one of {', '.join(NAMES)}")
     p.add_argument("--pp", required=True, type=int, metavar="P", help="pipeline-parallel size (ranks)")
     p.add_argument("--microbatches", "-m", required=True, type=int, metavar="M",
                    help="micro-batches per step (dualpipe: both directions together)")
@@ -156,31 +156,6 @@ register("schedule", "print the per-rank action lists of a schedule", _configure
 # simulate
 # ---------------------------------------------------------------------------------------------
 
-FORMULAS = {
-    "1f1b": "(pp-1)(f+b)",
-    "zb-h1": "(pp-1)(f+b-2w)",
-    "dualpipe": "(pp/2-1)(fb+b-3w)",
-    "dualpipev": "(S/2-1)(fb+b-3w), S=2pp chunk stages",
-}
-
-
-def formula_bubble(name: str, pp: int, costs) -> Optional[float]:
-    """Closed-form bubble of a schedule (DeepSeek's / the Zero Bubble paper's table), or None.
-
-    DualPipeV's costs are per chunk (half a stage): (S/2-1)(fb+b-3w) with S = 2*pp.
-    """
-    f, b, w, fb = costs.f, costs.b, costs.w, costs.fused
-    if name == "1f1b":
-        return (pp - 1) * (f + b)
-    if name == "zb-h1":
-        return (pp - 1) * (f + b - 2 * w)
-    if name == "dualpipe":
-        return None if pp % 2 else (pp / 2 - 1) * (fb + b - 3 * w)
-    if name == "dualpipev":
-        return (2 * pp / 2 - 1) * (fb + b - 3 * w)
-    return None
-
-
 def _configure_simulate(p: argparse.ArgumentParser) -> None:
     _add_schedule_args(p)
     g = p.add_argument_group("costs (hypothetical time units; dualpipev: per chunk)")
@@ -243,6 +218,8 @@ def _fmt(x: Optional[float]) -> str:
 
 
 def _report(s, costs, result) -> str:
+    from .schedule.registry import SPECS, distinct_orders
+
     lines: List[str] = []
     lines.append(f"{s.name}: pp={s.pp} M={s.microbatches}  costs f={_fmt(costs.f)} b={_fmt(costs.b)} "
                  f"w={_fmt(costs.w)} fb={_fmt(costs.fused)} p2p={_fmt(costs.p2p)}")
@@ -256,8 +233,10 @@ def _report(s, costs, result) -> str:
     lines.append("")
     lines.append("closed-form bubbles for these costs (simulated max bubble "
                  f"{_fmt(sim)}{', p2p latency not in the formulas' if costs.p2p else ''}):")
-    for name, text in FORMULAS.items():
-        val = formula_bubble(name, s.pp, costs)
+    for name in distinct_orders():
+        spec = SPECS[name]
+        text = spec.bubble_formula
+        val = spec.formula_bubble(s.pp, costs)
         mark = ""
         if name == s.name and val is not None:
             mark = f"   <- this schedule; simulated - formula = {_fmt(sim - val)}"
@@ -287,6 +266,17 @@ register("patch", "add the 3-line megatron-dualpipe hook to Megatron-LM's pretra
 register("simulate", "simulate a schedule with hypothetical costs; print bubbles, draw the timeline",
          _configure_simulate, _run_simulate)
 register("prepare-data", data_prep.HELP, data_prep.configure, data_prep.run)
+
+from . import bench as _bench  # noqa: E402 - argparse only; the benchmark imports torch when run
+register("bench", _bench.HELP, _bench.configure, _bench.run)
+from . import timeline as _timeline  # noqa: E402 - standard library until run
+register("trace", _timeline.HELP, _timeline.configure, _timeline.run)
+
+
+from .cpu import command as _cpu_mode  # noqa: E402  (standard library only until it runs)
+
+register("cpu-mode", "list every CPU-mode redirection and whether it is active (--enable: try it here)",
+         _cpu_mode.configure, _cpu_mode.run)
 
 
 if __name__ == "__main__":  # pragma: no cover

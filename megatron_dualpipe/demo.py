@@ -29,10 +29,12 @@ run gets the DualPipe run's initial weights, gathered by global layer number.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import math
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -40,8 +42,11 @@ from typing import Dict, Iterator, List, Optional
 
 from .data_prep import DataError, PreparedData, Progress, add_data_arguments, check_split, default_cache_dir
 from .data_prep import SPLIT_NAMES, describe_indexed, documents_per_split, prepare_from_args, split_weights
+from .schedule import registry
+from .schedule.layout import V_SHAPE
 
-SCHEDULES = ("dualpipe", "dualpipev")
+#: The schedules the main job compares with 1F1B: those holding two model chunks per rank.
+SCHEDULES = registry.names(chunks_per_rank=2)
 HEADS = 4
 
 
@@ -72,9 +77,9 @@ def _count(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     prog = os.environ.get("MEGATRON_DUALPIPE_PROG", "python -m megatron_dualpipe.demo")
     p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0],
-                                usage=f"{prog} [--schedule dualpipe|dualpipev] [--iters N] [--text PATH ...] "
+                                usage=f"{prog} [--schedule {'|'.join(SCHEDULES)}] [--iters N] [--text PATH ...] "
                                       f"[more options: --help]")
-    p.add_argument("--schedule", default="dualpipe", choices=SCHEDULES)
+    p.add_argument("--schedule", default=registry.DUALPIPE, choices=SCHEDULES)
     p.add_argument("--nproc", type=_positive_int, default=4, help="processes = pipeline stages (default 4)")
     p.add_argument("--iters", type=_positive_int, default=30, help="training iterations per schedule (default 30)")
     p.add_argument("--microbatches", type=_positive_int, default=16, help="micro-batches per iteration (default 16)")
@@ -98,17 +103,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_args(args) -> Optional[str]:
     """The first problem with the arguments, as one sentence naming the fix; None if none."""
-    n, name = args.nproc, args.schedule
+    n, spec = args.nproc, registry.get(args.schedule)
     if n < 2:
         return f"--nproc {n}: a pipeline needs at least 2 processes"
-    if name == "dualpipe" and n % 2:
-        return f"dualpipe needs an even number of processes, got --nproc {n}: use --nproc {n + 1} or --schedule dualpipev"
-    per = 2 * n if name == "dualpipev" else n
-    if args.num_layers % per:
-        return (f"{name} with --nproc {n} needs --num-layers divisible by {per}, got {args.num_layers}: "
-                f"use --num-layers {math.ceil(args.num_layers / per) * per}")
-    if args.microbatches < n:
-        return f"{name} needs at least --nproc={n} micro-batches per iteration: use --microbatches {n} or more"
+    problem = spec.pp_problem(n, flag="--nproc")
+    if problem:
+        return problem
+    stages = spec.model_stages(n)
+    if args.num_layers % stages:
+        return (f"{spec.name} with --nproc {n} cuts the model into {stages} stages, so --num-layers must be a "
+                f"multiple of {stages}, got {args.num_layers}: use --num-layers {math.ceil(args.num_layers / stages) * stages}")
+    least = spec.min_real_microbatches(n)
+    if args.microbatches < least:
+        return (f"{spec.name} with --nproc {n} needs at least {least} micro-batches per iteration: use "
+                f"--microbatches {least} or more")
     if args.hidden_size % HEADS:
         return (f"--hidden-size {args.hidden_size} is not divisible by the {HEADS} attention heads: "
                 f"use --hidden-size {math.ceil(args.hidden_size / HEADS) * HEADS}")
@@ -167,12 +175,10 @@ def resolve_data(args) -> PreparedData:
 def draw_schedule(args) -> Optional[str]:
     """The simulated timeline of the schedule the workers run (unit costs); its path."""
     from .draw import to_png
-    from .mcore.data import padded_microbatches
-    from .schedule import build_schedule
     from .schedule.simulate import Costs, simulate
 
-    m = padded_microbatches(args.schedule, args.nproc, args.microbatches)
-    schedule = build_schedule(args.schedule, args.nproc, m)
+    m = registry.get(args.schedule).padded_microbatches(args.nproc, args.microbatches)
+    schedule = registry.build_schedule(args.schedule, args.nproc, m)
     path = os.path.join(args.out, f"{args.schedule}_pp{args.nproc}_m{m}.png")
     to_png(schedule, simulate(schedule.layout, schedule.ranks, Costs()), path)
     return path
@@ -351,8 +357,9 @@ class Trainer:
                        num_microbatches=a.microbatches, seq_length=a.seq_length, micro_batch_size=a.micro_batch_size,
                        forward_only=forward_only)
 
-    def train(self, name, model, fb_func):
-        """``args.iters`` iterations with Adam; the :class:`RunResult` (losses on the last rank)."""
+    def train(self, name, model, fb_func, record_into: Optional[str] = None):
+        """``args.iters`` iterations with Adam; the :class:`RunResult` (losses on the last rank).
+        With ``record_into``, the executor records the last iteration's timeline there."""
         import torch
 
         from .report import RunResult
@@ -364,7 +371,8 @@ class Trainer:
         for it in range(a.iters):
             t0 = time.perf_counter()
             opt.zero_grad()
-            out = self._run(fb_func, model, self.train_ds, it, forward_only=False)
+            with _recording(record_into if it == a.iters - 1 else None):
+                out = self._run(fb_func, model, self.train_ds, it, forward_only=False)
             opt.step()
             ms = (time.perf_counter() - t0) * 1000
             result.iteration_ms.append(ms)
@@ -405,6 +413,26 @@ def _home(path: str) -> str:
     return "~" + path[len(home):] if home not in ("", "/") and path.startswith(home + os.sep) else path
 
 
+@contextlib.contextmanager
+def _recording(directory: Optional[str]):
+    """Switch the executor's timeline recorder on (``MEGATRON_DUALPIPE_TRACE``) for the calls
+    inside, when ``directory`` is given."""
+    from .executor.trace import ENV_DIR
+
+    if directory is None:
+        yield
+        return
+    before = os.environ.get(ENV_DIR)
+    os.environ[ENV_DIR] = directory
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(ENV_DIR, None)
+        else:
+            os.environ[ENV_DIR] = before
+
+
 def write_reports(args, data: PreparedData, pp: int, device: str, dual, one) -> None:
     """loss.png and summary.md in ``args.out`` (last rank)."""
     from .report import summary_markdown, write_loss_png
@@ -424,7 +452,8 @@ def write_reports(args, data: PreparedData, pp: int, device: str, dual, one) -> 
                                                      for n, c in zip(SPLIT_NAMES, counts)) + " documents",
                   f"megatron-core GPTDataset over `{_home(data.prefix)}`, tokenizer `{_home(data.tokenizer_dir)}`"]
     picture = f"{args.schedule}_pp{pp}_m"
-    pictures = ["loss.png"] + sorted(f for f in os.listdir(args.out) if f.startswith(picture) and f.endswith(".png"))
+    pictures = ["loss.png"] + [f for f in ("timeline.png",) if os.path.isfile(os.path.join(args.out, f))]
+    pictures += sorted(f for f in os.listdir(args.out) if f.startswith(picture) and f.endswith(".png"))
     with open(os.path.join(args.out, "summary.md"), "w", encoding="utf-8") as fh:
         fh.write(summary_markdown(dual, one, settings, data_lines, pictures))
 
@@ -436,9 +465,9 @@ def worker(args) -> int:
     import torch
     import torch.distributed as dist
 
-    from megatron_dualpipe import cpu_compat
+    from megatron_dualpipe import cpu as cpu_mode
 
-    cpu = cpu_compat.enable_cpu_mode()
+    cpu = cpu_mode.enable()
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     if not cpu:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -451,7 +480,7 @@ def worker(args) -> int:
     from megatron_dualpipe.mcore.forward_backward import get_forward_backward_func
     from megatron_dualpipe.mcore.groups import build_bd_groups
     from megatron_dualpipe.mcore.model import broadcast_mirrors, build_two_direction_model
-    from megatron_dualpipe.report import loss_table, max_difference, validation_lines
+    from megatron_dualpipe.report import loss_table, max_difference, validation_lines, write_measured_timeline
 
     args.nproc = world
     last = rank == world - 1
@@ -477,22 +506,30 @@ def worker(args) -> int:
     if cpu:
         log(f" {SUMMARY}")
 
-    v_layout = args.schedule == "dualpipev"
+    spec = registry.get(args.schedule)
+    v_layout = spec.layout_kind == V_SHAPE
     provider = gpt_provider(args, data.vocab_size, v_layout)
-    model = build_two_direction_model(provider, layout_kind="v" if v_layout else "bidirectional")
+    model = build_two_direction_model(provider, layout_kind=spec.layout_kind)
     if not v_layout:
         broadcast_mirrors(model)
     for chunk in model:
         chunk.config.finalize_model_grads_func = lambda *a, **k: None  # pp only, untied: nothing else to reduce
     initial = gather_full_state(model)
     trainer = Trainer(args, train_ds, valid_ds, log)
-    dual = trainer.train(args.schedule, model, get_forward_backward_func(args.schedule))
+    records = os.path.join(args.out, "trace_records")
+    if rank == 0:
+        shutil.rmtree(records, ignore_errors=True)  # the recorder appends: start from nothing
+    dist.barrier()
+    dual = trainer.train(args.schedule, model, get_forward_backward_func(args.schedule), record_into=records)
+    dist.barrier()  # every rank's recording is written
+    if last:
+        write_measured_timeline(records, args.out)
     if not args.no_compare:
         # 1F1B over the same initial weights: stage i of pp holds layers [i*L/pp, (i+1)*L/pp).
         stage = gpt_provider(args, data.vocab_size, False)(pre_process=rank == 0, post_process=last)
         load_full_state(stage, initial)
         stage.config.finalize_model_grads_func = None
-        one = trainer.train("1f1b", [stage], megatron_fb_func())
+        one = trainer.train(registry.ONE_F_ONE_B, [stage], megatron_fb_func())
         if last:
             print("\n" + "\n".join(loss_table(dual, one)))
             print(f" max |{dual.name} - 1f1b| over {len(dual.losses)} iterations: {max_difference(dual, one):.3e}")

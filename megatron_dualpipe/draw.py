@@ -196,59 +196,98 @@ def _tick_step(span: float) -> float:
 
 def to_png(schedule, result: SimResult, path, dpi: int = 110) -> None:
     """Render the timeline with matplotlib (imported here, Agg backend) to ``path``."""
+    _save(png_figure(schedule, result, dpi), path)
+
+
+def png_figure(schedule, result: SimResult, dpi: int = 110):
+    """The matplotlib figure :func:`to_png` saves: legend and labels inside it at any size."""
+    from .plotting import agg_pyplot, legend_below
+
+    span = max(result.makespan, 1e-9)
+    width = max(8.0, min(60.0, 1.0 + span * 0.17))  # 0.17 inch per unit of simulated time
+    fig, ax = agg_pyplot().subplots(figsize=(width, 1.5 + 0.36 * schedule.pp), dpi=dpi)
+    _draw_timeline(ax, schedule, result, _label_size(width, span))
+    ax.set_xlim(0, span)
+    ax.set_xlabel("simulated time")
+    ax.set_title(title(schedule, result), fontsize=11, loc="left")
+    legend_below(fig, _legend_handles(schedule))
+    return fig
+
+
+# ---------------------------------------------------------------------------------------------
+# Two timelines of one schedule, one above the other (a measured run and its simulation)
+# ---------------------------------------------------------------------------------------------
+
+def to_png_stacked(schedule, panels: Sequence[Tuple[str, SimResult]], path, time_label: str = "ms",
+                   dpi: int = 110) -> None:
+    """Draw ``panels`` ((title, timeline) pairs over the same schedule, e.g. a measured run and
+    its simulation) one above the other on one time axis, with the colours, labels and fused
+    outlines of :func:`to_png`; matplotlib is imported here."""
+    _save(stacked_figure(schedule, panels, time_label, dpi), path)
+
+
+def stacked_figure(schedule, panels: Sequence[Tuple[str, SimResult]], time_label: str = "ms", dpi: int = 110):
+    """The figure :func:`to_png_stacked` saves: legend and labels inside it at any size."""
+    from .plotting import agg_pyplot, legend_below
+
+    span = max(max(r.makespan for _, r in panels), 1e-9)
+    width = 16.0
+    fig, axes = agg_pyplot().subplots(len(panels), 1, figsize=(width, len(panels) * (1.0 + 0.36 * schedule.pp)),
+                                      dpi=dpi, sharex=True, squeeze=False)
+    for ax, (heading, result) in zip(axes[:, 0], panels):
+        _draw_timeline(ax, schedule, result, _label_size(width, span))
+        ax.set_xlim(0, span)
+        ax.set_title(heading, fontsize=10, loc="left")
+    axes[-1, 0].set_xlabel(time_label)
+    legend_below(fig, _legend_handles(schedule))
+    return fig
+
+
+def _save(fig, path) -> None:
     from .plotting import agg_pyplot
 
-    fig = png_figure(schedule, result, dpi)
     try:
         fig.savefig(path, format="png")
     finally:
         agg_pyplot().close(fig)
 
 
-def png_figure(schedule, result: SimResult, dpi: int = 110):
-    """The matplotlib figure :func:`to_png` saves: legend and labels inside it at any size."""
-    from matplotlib.patches import Patch, Rectangle
+def _label_size(width_in: float, span: float) -> int:
+    """Font size of the micro-batch numbers for the inches one unit of time gets."""
+    per_unit = (width_in - 1.0) / span
+    return 8 if per_unit >= 0.15 else (6 if per_unit >= 0.09 else 4)
 
-    from .plotting import agg_pyplot, legend_below
 
-    plt = agg_pyplot()
+def _legend_handles(schedule) -> list:
+    from matplotlib.patches import Patch
+
+    handles = [Patch(facecolor=col, edgecolor="white", label=lab) for lab, col in legend_entries(schedule)]
+    if any(a.overlap for acts in schedule.ranks for a in acts):
+        handles.append(Patch(facecolor="white", edgecolor="#111111", linewidth=1.8, label="fused F&B unit"))
+    return handles
+
+
+def _draw_timeline(ax, schedule, result: SimResult, label_size: int) -> None:
+    """One timeline on ``ax``: a row per rank, a cell per action, thick outlines on fused units."""
+    from matplotlib.patches import Rectangle
+
     pp = schedule.pp
-    span = max(result.makespan, 1e-9)
-    unit_in = 0.17  # inches per unit of simulated time
-    width = max(8.0, min(60.0, 1.0 + span * unit_in))
-    height = 1.5 + 0.36 * pp
-    fig, ax = plt.subplots(figsize=(width, height), dpi=dpi)
-    per_unit = (width - 1.0) / span  # inches per time unit after the width cap
-    label_size = 8 if per_unit >= 0.15 else (6 if per_unit >= 0.09 else 4)
     row, gap = 1.0, 0.14
-    fused: List[Tuple[float, float, float]] = []
     for c in cells(schedule, result):
-        a = c.action
         x0, x1 = c.span
         y = (pp - 1 - c.rank) * (row + gap)
-        ax.add_patch(Rectangle((x0, y), x1 - x0, row, facecolor=COLORS[(a.op, a.dir)],
+        ax.add_patch(Rectangle((x0, y), x1 - x0, row, facecolor=COLORS[(c.action.op, c.action.dir)],
                                edgecolor="white", linewidth=0.6))
-        ax.text((x0 + x1) / 2, y + row / 2, _label(a), ha="center", va="center",
-                fontsize=label_size, color=TEXT[a.dir], clip_on=True)
+        ax.text((x0 + x1) / 2, y + row / 2, _label(c.action), ha="center", va="center", fontsize=label_size,
+                color=TEXT[c.action.dir], clip_on=True)
         if c.fused and c.half == 0:
-            fused.append((c.start, c.end, y))
-    for s, e, y in fused:
-        ax.add_patch(Rectangle((s, y), e - s, row, facecolor="none", edgecolor="#111111", linewidth=1.8,
-                               zorder=3))
-    ax.set_xlim(0, span)
+            ax.add_patch(Rectangle((c.start, y), c.end - c.start, row, facecolor="none", edgecolor="#111111",
+                                   linewidth=1.8, zorder=3))
     ax.set_ylim(-gap, pp * (row + gap))
     ax.set_yticks([(pp - 1 - r) * (row + gap) + row / 2 for r in range(pp)])
     ax.set_yticklabels([f"rank {r}" for r in range(pp)])
-    ax.set_xlabel("simulated time")
     ax.tick_params(axis="y", length=0)
     for side in ("top", "right", "left"):
         ax.spines[side].set_visible(False)
     ax.grid(axis="x", color="#e4e4e4", linewidth=0.6)
     ax.set_axisbelow(True)
-    ax.set_title(title(schedule, result), fontsize=11, loc="left")
-    handles = [Patch(facecolor=col, edgecolor="white", label=lab) for lab, col in legend_entries(schedule)]
-    if fused:
-        handles.append(Patch(facecolor="white", edgecolor="#111111", linewidth=1.8,
-                             label="fused F&B unit"))
-    legend_below(fig, handles)
-    return fig

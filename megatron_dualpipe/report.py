@@ -5,7 +5,6 @@ training anything. matplotlib is imported only by :func:`loss_figure`.
 """
 from __future__ import annotations
 
-import importlib.util
 import os
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence
@@ -112,24 +111,23 @@ def write_loss_png(path: str, a: RunResult, b: RunResult, title: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Measured timeline (out/timeline.png + out/trace.json): THE PLACE FOR THE EXECUTOR'S RECORDER.
-#
-# Issue 8 adds a recorder to the executor: each action's start and end per rank, off by default.
-# When `megatron_dualpipe.executor.recorder` exists, the main job should switch it on for one
-# DualPipe training iteration, gather the records on the last rank and write, next to loss.png,
-# `timeline.png` (the measured timeline drawn like the simulated one) and `trace.json` (Chrome /
-# Perfetto). Until then the job writes neither and summary.md says so.
+# Measured timeline: timeline.png + trace.json from the executor's recording of one iteration
 # ---------------------------------------------------------------------------------------------
 
 MEASURED_TIMELINE_FILES = ("timeline.png", "trace.json")
 
 
-def recorder_available() -> bool:
-    """True once the executor's recorder (issue 8) is part of the package."""
-    try:
-        return importlib.util.find_spec("megatron_dualpipe.executor.recorder") is not None
-    except ImportError:
-        return False
+def write_measured_timeline(records_dir: str, out_dir: str) -> None:
+    """``timeline.png`` (the measured iteration above its simulation with the measured median
+    costs) and ``trace.json`` (Chrome / Perfetto) in ``out_dir``, from the executor's recording
+    (``MEGATRON_DUALPIPE_TRACE``) in ``records_dir``; prints measured against simulated time.
+    The same as ``megatron-dualpipe trace records_dir --png ... --json ...``."""
+    import argparse
+
+    from . import timeline
+
+    png, trace = (os.path.join(out_dir, f) for f in MEASURED_TIMELINE_FILES)
+    timeline.run(argparse.Namespace(directory=records_dir, png=png, json=trace, iteration=None, global_rank=None))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -155,7 +153,4 @@ def summary_markdown(a: RunResult, b: RunResult, settings: Sequence[str], data: 
         out.append(f"Validation losses differ by {abs(a.valid_loss - b.valid_loss):.3e}.")
     out += ["", "```"] + loss_table(a, b, head_and_tail(n)) + ["```", "", "## Pictures", ""]
     out += [f"![{os.path.splitext(p)[0]}]({p})" for p in pictures]
-    if not recorder_available():
-        out += ["", "The measured timeline of an iteration (`timeline.png`, `trace.json`) is written once the "
-                "executor records its actions (issue 8)."]
     return "\n".join(out) + "\n"

@@ -119,7 +119,7 @@ def test_svg_has_one_rect_per_action_for_every_schedule(tmp_path):
 
 BAD = [
     (["schedule", "--schedule", "nope", "--pp", "4", "--microbatches", "8"], "unknown schedule"),
-    (["schedule", "--schedule", "dualpipe", "--pp", "3", "--microbatches", "8"], "pp=4"),
+    (["schedule", "--schedule", "dualpipe", "--pp", "3", "--microbatches", "8"], "--pp to 4"),
     (["schedule", "--schedule", "dualpipe", "--pp", "4", "--microbatches", "6"], "use 8"),
     (["simulate", "--schedule", "dualpipev", "--pp", "4", "--microbatches", "7"], "use 8"),
     (["schedule", "--schedule", "1f1b", "--pp", "0", "--microbatches", "8"], "pipeline size"),
@@ -172,3 +172,33 @@ def test_python_dash_m(tmp_path):
                        cwd=tmp_path, timeout=60)
     assert p.returncode == 2
     assert p.stderr.startswith("megatron-dualpipe: error: ") and p.stderr.count("\n") == 1
+
+
+def test_cpu_mode_lists_every_redirection(capsys):
+    from megatron_dualpipe import cpu
+
+    code, out, err = run(capsys, "cpu-mode", "--json")
+    assert code == 0 and err == ""
+    doc = json.loads(out)
+    listed = [(r["part"], r["target"]) for r in doc["redirections"]]
+    want = [(part, r.target) for part in cpu.PARTS for r in cpu.redirections(part)]
+    print(f"\ncpu-mode lists {len(listed)} redirections: "
+          + ", ".join(f"{p}: {sum(1 for q, _ in listed if q == p)}" for p in cpu.PARTS))
+    assert listed == want and all(r["why"] for r in doc["redirections"])
+    code, out, _ = run(capsys, "cpu-mode")
+    assert code == 0 and all(target in out for _, target in want)
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="CPU mode is never active next to a GPU")
+def test_cpu_mode_enable_switches_on_and_back_off():
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-m", "megatron_dualpipe", "cpu-mode", "--enable", "--json"],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(proc.stdout)
+    states = {r["part"]: set() for r in doc["redirections"]}
+    for r in doc["redirections"]:
+        states[r["part"]].add(r["state"])
+    print(f"\ncpu-mode --enable: {states}; restore mismatches: {doc['restore_mismatches']}")
+    assert states == {"megatron-core": {"active"}, "megatron-lm": {"inactive"}}
+    assert doc["restore_mismatches"] == []

@@ -2,7 +2,20 @@
 between the directions, and the padding to a schedule's micro-batch count."""
 import pytest
 
-from megatron_dualpipe.mcore.data import MicrobatchSource, global_index, padded_microbatches, split_microbatches
+from megatron_dualpipe.mcore.data import MicrobatchSource
+from megatron_dualpipe.schedule.registry import get
+
+
+def split_microbatches(schedule, m):
+    return get(schedule).split(m)
+
+
+def global_index(schedule, m, d, mb):
+    return get(schedule).global_index(m, d, mb)
+
+
+def padded_microbatches(schedule, pp, m, forward_only=False):
+    return get(schedule).padded_microbatches(pp, m, forward_only)
 
 
 class CountingIterator:
@@ -58,7 +71,7 @@ def test_source_past_the_end_raises_stop_iteration():
         src.get(1)
 
 
-@pytest.mark.parametrize("schedule", ["dualpipe", "dualpipev", "1f1b", "zb-h1"])
+@pytest.mark.parametrize("schedule", ["dualpipe", "dualpipev", "1f1b", "executor-1f1b", "zb-h1"])
 @pytest.mark.parametrize("m", range(1, 14))
 def test_split_and_global_index_cover_every_microbatch_once(schedule, m):
     per_dir = split_microbatches(schedule, m)
@@ -103,14 +116,14 @@ def test_too_few_microbatches_names_the_smallest_m(schedule, pp):
             padded_microbatches(schedule, pp, m)
         msg = str(e.value)
         print(f"\n{schedule} pp={pp} M={m}: {msg}")
-        assert f"at least pp={pp} micro-batches" in msg and f"got {m}" in msg
+        assert f"at least {pp} micro-batches" in msg and f"got {m}" in msg
         assert "--global-batch-size" in msg  # the fix
     # Evaluation (forward only) pads freely.
     for m in range(1, pp):
         assert padded_microbatches(schedule, pp, m, forward_only=True) == 2 * pp
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+@pytest.mark.parametrize("schedule", ["1f1b", "executor-1f1b", "zb-h1"])
 def test_single_direction_schedules_are_not_padded(schedule):
     for m in range(1, 9):
         assert padded_microbatches(schedule, 4, m) == m

@@ -229,7 +229,7 @@ def _run_and_check(schedule, pp, tied, runs, dp=1, moe=False):
 def test_dualpipe_equals_single_process(pp, tied):
     runs = _runs(pp)
     if not tied:  # the same executor running 1F1B and ZB-H1 orders on model[0] alone
-        runs += [(pp + 1, True, False, "1f1b"), (2 * pp, True, False, "zb-h1")]
+        runs += [(pp + 1, True, False, "executor-1f1b"), (2 * pp, True, False, "zb-h1")]
     _run_and_check("dualpipe", pp, tied, runs)
 
 

@@ -177,18 +177,18 @@ def _config_errors_worker(rank, world, port, caller):
 EXPECTED = {
     "odd_pipeline_size": ["even pipeline size", "got 3", "--pipeline-model-parallel-size", "dualpipev"],
     "virtual_pipeline": ["virtual pipeline", "--num-layers-per-virtual-pipeline-stage"],
-    "too_few_microbatches": ["at least pp=2 micro-batches", "got 1", "--global-batch-size to at least 2"],
+    "too_few_microbatches": ["at least 2 micro-batches", "pp=2", "got 1", "--global-batch-size to at least 2"],
     "zero_microbatches": ["at least one micro-batch", "got 0"],
     "adjust_tensor_shapes_fn": ["adjust_tensor_shapes_fn"],
     "variable_seq_lengths": ["variable_seq_lengths", "turn off", "seq_length x micro_batch_size"],
     "overlap_p2p_comm": ["--overlap-p2p-communication", "turn off"],
     "zero_bubble_with_overlap_grad_reduce": ["--overlap-grad-reduce", "--no-dualpipe-zero-bubble"],
-    "one_chunk_for_dualpipe": ["2 model chunk(s)", "got 1", "build_two_direction_model"],
-    "three_chunks_for_dualpipev": ["2 model chunk(s)", "got 3", "build_two_direction_model"],
+    "one_chunk_for_dualpipe": ["2 model chunks", "got 1", "build_two_direction_model"],
+    "three_chunks_for_dualpipev": ["2 model chunks", "got 3", "build_two_direction_model"],
     "two_chunks_for_zb_h1": ["one model chunk", "got 2"],
     "p2p_communicator": ["p2p_communicator"],
     "data_iterator_list": ["one data iterator", "list of 2"],
-    "unknown_schedule": ["'dual-pipe'", "choose 1f1b, dualpipe, dualpipev"],
+    "unknown_schedule": ["'dual-pipe'", "1f1b, executor-1f1b, zb-h1, dualpipe, dualpipev"],
 }
 # A fix is named: an imperative after a colon ("...: remove --x", "...: raise --y", ...).
 FIX = re.compile(r":\s*(?:[^:]*\b)?(remove|turn off|raise|set|change|use|build|choose|pass|run)\b", re.I)
@@ -308,7 +308,7 @@ def _shape_worker(rank, world, port, flag_dir):
 
 
 def test_microbatch_of_another_shape(tmp_path):
-    from megatron_dualpipe.executor.runner import describe
+    from megatron_dualpipe.schedule.comm import describe
 
     t0 = time.monotonic()
     r0, r1 = me.run_workers(_shape_worker, 2, args=(str(tmp_path),), timeout=60)
@@ -359,7 +359,8 @@ def _stall_worker(rank, world, port, flag_dir, joins_first_collective=True):
 
 
 def test_stalled_peer_times_out_with_a_clear_message(tmp_path):
-    from megatron_dualpipe.executor.runner import compile_program, describe
+    from megatron_dualpipe.executor.runner import compile_program
+    from megatron_dualpipe.schedule.comm import describe
 
     t0 = time.monotonic()
     r0, r1 = me.run_workers(_stall_worker, 2, args=(str(tmp_path),), timeout=60)
@@ -406,11 +407,12 @@ def _dead_peer_worker(rank, world, port):
     if rank == 1:
         time.sleep(0.5)
         return "exited"  # the process ends without sending: its sockets close
-    p2p = P2P(dist.group.WORLD, [0, 1], 0, timeout_s=20)
+    p2p = P2P(dist.group.WORLD, [0, 1], 0, timeout_s=20, describe=lambda l: f"activation of micro-batch {l[2]}")
     t0 = time.monotonic()
     try:
-        p2p.exchange([], [(1, torch.empty(4), ("act", 0, 0, 1))], "before action 0 (F0.0)",
-                     lambda l: f"activation of micro-batch {l[2]}")
+        label = ("act", 0, 0, 1)
+        p2p.post([], [(1, torch.empty(4), label)], "before action 0 (F0.0)")
+        p2p.receive(label, "before action 0 (F0.0)")
         return None, None, time.monotonic() - t0
     except Exception as e:  # noqa: BLE001
         return type(e).__name__, str(e), time.monotonic() - t0

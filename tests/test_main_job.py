@@ -1,7 +1,9 @@
 """The main job (``python -m megatron_dualpipe.demo``): arguments checked before any process
 starts, and a tiny end-to-end run on text through megatron-core's GPTDataset in which DualPipe
 and megatron-core's own 1F1B, started from the same weights on the same batches, give the same
-losses (training and validation), with its pictures and summary written and listed."""
+losses (training and validation), with its pictures, the measured timeline of one DualPipe
+iteration (PNG and Perfetto trace) and the summary written and listed."""
+import json
 import os
 import re
 import subprocess
@@ -23,7 +25,7 @@ def run_demo(*argv, cwd, timeout=600):
 
 BAD = [
     (["--schedule", "foo"], "invalid choice: 'foo'"),
-    (["--nproc", "3"], "use --nproc 4 or --schedule dualpipev"),
+    (["--nproc", "3"], "set --nproc to 4, or use dualpipev"),
     (["--schedule", "dualpipev", "--num-layers", "6"], "use --num-layers 8"),
     (["--microbatches", "2"], "use --microbatches 4"),
     (["--iters", "0"], "positive integer"),
@@ -90,11 +92,15 @@ def test_tiny_main_job_dualpipe_equals_1f1b_and_writes_its_pictures(tmp_path):
 
     out = tmp_path / "out"
     listed = r.stdout.split("files written:")[1]
-    for name in ("loss.png", "dualpipe_pp2_m4.png", "summary.md"):
+    for name in ("loss.png", "timeline.png", "trace.json", "dualpipe_pp2_m4.png", "summary.md"):
         path = out / name
         assert path.stat().st_size > 0 and os.path.join("out", name) in listed, name
-    for name in ("loss.png", "dualpipe_pp2_m4.png"):
+    for name in ("loss.png", "timeline.png", "dualpipe_pp2_m4.png"):
         assert (out / name).read_bytes()[:8] == PNG
+    trace = json.loads((out / "trace.json").read_text(encoding="utf-8"))
+    slices = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["pid"] == 0 and e["name"] != "wait"]
+    assert {e["tid"] for e in slices} == {0, 1} and len(slices) >= 2 * 4  # measured: both ranks, every F
+    assert "measured" in r.stdout and "simulated" in r.stdout
     summary = (out / "summary.md").read_text(encoding="utf-8")
-    assert "![loss](loss.png)" in summary and "| dualpipe |" in summary and "| 1f1b |" in summary
+    assert "![loss](loss.png)" in summary and "![timeline](timeline.png)" in summary and "| dualpipe |" in summary and "| 1f1b |" in summary
     assert "data" in listed and "text_document.bin" in listed  # built on this first run, and listed

@@ -253,24 +253,10 @@ def _dp_worker(rank, world_size, port):
         config = tiny_gpt_config(num_layers=8)
         model = M.build_two_direction_model(_provider(config, True))
         out["chunks"] = [_chunk_summary(c) for c in model]
-        try:
-            # Test-only: cpu_compat does not cover megatron DDP (grad buffers are allocated on
-            # torch.cuda.current_device()); give its two modules the CPU view of torch.
-            import importlib
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-            from megatron_dualpipe import cpu_compat
-
-            if cpu_compat.cpu_mode_active():
-                for name in ("megatron.core.distributed.param_and_grad_buffer",
-                             "megatron.core.distributed.distributed_data_parallel"):
-                    importlib.import_module(name).torch = cpu_compat._CpuTorchView()
-            from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-
-            ddp_config = DistributedDataParallelConfig(overlap_grad_reduce=False, use_distributed_optimizer=False)
-            wrapped = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=c) for c in model]
-        except Exception as e:  # DDP buffers on CPU not supported: report, test skips
-            out["ddp_error"] = f"{type(e).__name__}: {e}"
-            return out
+        ddp_config = DistributedDataParallelConfig(overlap_grad_reduce=False, use_distributed_optimizer=False)
+        wrapped = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=c) for c in model]
         for c in wrapped:
             c.zero_grad_buffer()
         for d, c in enumerate(wrapped):
@@ -466,9 +452,6 @@ def test_dualpipev_chunks_and_grads(which, request):
 
 
 def test_ddp_stock_finalize_dp2(dp2pp2):
-    out0 = dp2pp2[0]
-    if "ddp_error" in out0:
-        pytest.skip(f"megatron DDP does not build on this CPU setup: {out0['ddp_error']}")
     pp, dp = 2, 2
     # global rank r: dp index r % 2? pipeline groups [0,2], [1,3]: pp rank = r // 2
     for r, out in enumerate(dp2pp2):

@@ -97,7 +97,7 @@ CASES = {
         3,
         _set(_set(BASE, "--pipeline-model-parallel-size", "3"), "--num-layers", "6")
         + ["--pipeline-schedule", "dualpipe"],
-        ["even --pipeline-model-parallel-size", "(got 3)"],
+        ["even pipeline size", "set --pipeline-model-parallel-size to 4", "got 3"],
     ),
     "dualpipe_pp1": (
         1,

@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-from megatron_dualpipe.draw import _CHAR_PX, png_figure, to_png, to_svg  # noqa: E402
+from megatron_dualpipe.draw import _CHAR_PX, png_figure, stacked_figure, to_png, to_svg  # noqa: E402
 from megatron_dualpipe.plotting import agg_pyplot, outside_figure  # noqa: E402
 from megatron_dualpipe.report import RunResult, loss_figure, write_loss_png  # noqa: E402
 from megatron_dualpipe.schedule import build_schedule  # noqa: E402
@@ -73,6 +73,19 @@ def test_loss_png_keeps_legend_and_labels_inside(tmp_path, n, noise):
     path = tmp_path / "loss.png"
     write_loss_png(str(path), a, b, "title")
     assert path.read_bytes()[:8] == PNG and path.stat().st_size > 10_000
+
+
+def test_measured_over_simulated_png_keeps_legend_and_labels_inside():
+    """The stacked drawing of ``megatron-dualpipe trace`` and the main job's timeline.png."""
+    for name, pp, m in (("dualpipe", 4, 16), ("dualpipev", 2, 4), ("dualpipe", 8, 20)):
+        s = build_schedule(name, pp, m)
+        panels = [("measured", simulate(s.layout, s.ranks, Costs(f=1.2, b=2.1, w=0.9))),
+                  ("simulated", simulate(s.layout, s.ranks, Costs()))]
+        fig = stacked_figure(s, panels)
+        try:
+            assert outside_figure(fig) == [], (name, pp, m)
+        finally:
+            agg_pyplot().close(fig)
 
 
 def test_timeline_png_is_written(tmp_path):

@@ -13,8 +13,7 @@ simulator and the closed forms differ.
 """
 import pytest
 
-from megatron_dualpipe.cli import formula_bubble
-from megatron_dualpipe.schedule import build_schedule
+from megatron_dualpipe.schedule import build_schedule, get
 from megatron_dualpipe.schedule.actions import BW, F, Action
 from megatron_dualpipe.schedule.layout import UNIDIRECTIONAL, Layout
 from megatron_dualpipe.schedule.simulate import Costs, DeadlockError, simulate
@@ -89,7 +88,7 @@ def test_dualpipev_bubble_is_exact_in_chunk_costs(pp):
             s_stages = 2 * pp
             want = (s_stages / 2 - 1) * (costs.fused + costs.b - 3 * costs.w)
             assert _bubble("dualpipev", pp, m, costs) == pytest.approx(want), (costs, m)
-            assert want == pytest.approx(formula_bubble("dualpipev", pp, costs))
+            assert want == pytest.approx(get("dualpipev").formula_bubble(pp, costs))
 
 
 def test_dualpipe_and_dualpipev_other_costs_table():
@@ -97,7 +96,7 @@ def test_dualpipe_and_dualpipev_other_costs_table():
     for costs in DP_OTHER:
         for name, pp in (("dualpipe", 4), ("dualpipe", 8), ("dualpipe", 16), ("dualpipev", 4), ("dualpipev", 8)):
             sim = _bubble(name, pp, 2 * pp, costs)
-            form = formula_bubble(name, pp, costs)
+            form = get(name).formula_bubble(pp, costs)
             rows.append((name, costs.f, costs.b, costs.w, costs.fused, pp, sim, form, sim - form))
             # The bubble does not depend on M once the schedule is full.
             assert _bubble(name, pp, 2 * pp + 2, costs) == pytest.approx(sim)

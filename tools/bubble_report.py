@@ -14,8 +14,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_dualpipe.cli import FORMULAS, formula_bubble  # noqa: E402
-from megatron_dualpipe.schedule import SCHEDULES, build_schedule  # noqa: E402
+from megatron_dualpipe.schedule import build_schedule, get  # noqa: E402
+from megatron_dualpipe.schedule.registry import SPECS, distinct_orders  # noqa: E402
 from megatron_dualpipe.schedule.simulate import Costs, simulate  # noqa: E402
 
 PPS = (4, 8, 16)
@@ -32,13 +32,13 @@ def microbatches(pp: int) -> int:
 
 def rows():
     for costs in COSTS:
-        for name in SCHEDULES:
+        for name in distinct_orders():
             for pp in PPS:
                 m = microbatches(pp)
                 s = build_schedule(name, pp, m)
                 res = simulate(s.layout, s.ranks, costs)
                 sim = max(res.bubble)
-                form = formula_bubble(name, pp, costs)
+                form = get(name).formula_bubble(pp, costs)
                 yield costs, name, pp, m, res.makespan, sim, form, max(res.peak_activations)
 
 
@@ -50,7 +50,7 @@ def report() -> str:
            "chunk (half a stage). Bubble = makespan - busy time, maximum over ranks; peak activations = "
            "most forwards whose backward has not run yet on one rank, maximum over ranks (chunks for "
            "DualPipeV). M = 4*pp micro-batches (DualPipe: both directions together).", "",
-           "Closed forms: " + "; ".join(f"{k} `{v}`" for k, v in FORMULAS.items()) + ".", "",
+           "Closed forms: " + "; ".join(f"{k} `{v.bubble_formula}`" for k, v in SPECS.items() if k in distinct_orders()) + ".", "",
            "| costs (f, b, w, fb) | schedule | pp | M | makespan | simulated bubble | formula | difference | peak activations |",
            "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for costs, name, pp, m, mk, sim, form, peak in rows():

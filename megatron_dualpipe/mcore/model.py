@@ -64,8 +64,7 @@ __all__ = [
     "V_SHAPE",
 ]
 
-BIDIRECTIONAL = "bidirectional"
-V_SHAPE = "v"
+from ..schedule.layout import BIDIRECTIONAL, V_SHAPE  # noqa: E402 - re-exported: the layouts' one definition
 
 # Attributes set on every chunk (and on its wrapper) by build_two_direction_model.
 _INFO_ATTR = "dualpipe_chunk_info"

@@ -2,13 +2,14 @@
 
 Flags (added to every ``megatron.training.arguments.parse_args`` parser once :func:`install` ran):
 
-``--pipeline-schedule {1f1b,dualpipe,dualpipev,executor-1f1b}``
-    ``1f1b`` (default) keeps Megatron's own schedule selection untouched (1F1B, or interleaved
-    1F1B when a virtual pipeline is configured). ``dualpipe`` is DeepSeek's bidirectional
-    DualPipe (two model copies per rank, ``pp`` even); ``dualpipev`` is the "cut-in-half" V
-    variant (two chunks of ``num_layers / (2*pp)`` layers per rank). ``executor-1f1b`` runs
-    the 1F1B order on megatron_dualpipe's executor (one chunk per rank, same model and
-    checkpoints as ``1f1b``): for comparing schedules on equal terms.
+``--pipeline-schedule NAME``
+    One of the registry's schedules (``megatron_dualpipe.schedule.registry``). ``1f1b``
+    (default) keeps Megatron's own schedule selection untouched (1F1B, or interleaved 1F1B when
+    a virtual pipeline is configured). ``dualpipe`` is DeepSeek's bidirectional DualPipe (two
+    model copies per rank, ``pp`` even); ``dualpipev`` is the "cut-in-half" V variant (two
+    chunks of ``num_layers / (2*pp)`` layers per rank). ``executor-1f1b`` and ``zb-h1`` run
+    the 1F1B and ZB-H1 orders on megatron_dualpipe's executor (one chunk per rank, same model
+    and checkpoints as ``1f1b``): for comparing schedules on equal terms.
 ``--dualpipe-zero-bubble`` / ``--no-dualpipe-zero-bubble``
     Split backward into input-grad (B) and weight-grad (W) steps to fill bubbles (default on).
 ``--dualpipe-p2p-timeout SECONDS``
@@ -30,9 +31,7 @@ the three extra attributes; no check runs and no value is changed.
 
 import functools
 
-PIPELINE_SCHEDULES = ("1f1b", "dualpipe", "dualpipev", "executor-1f1b")
-EXECUTOR_SCHEDULES = ("dualpipe", "dualpipev", "executor-1f1b")
-DUALPIPE_SCHEDULES = ("dualpipe", "dualpipev")
+from ..schedule import registry
 
 _GROUP_TITLE = "DualPipe pipeline schedule (megatron_dualpipe)"
 
@@ -49,12 +48,9 @@ def add_dualpipe_arguments(parser):
     group.add_argument(
         "--pipeline-schedule",
         type=str,
-        default="1f1b",
-        choices=PIPELINE_SCHEDULES,
-        help="Pipeline schedule. 1f1b: Megatron's own (1F1B, or interleaved 1F1B with a "
-        "virtual pipeline). dualpipe: DeepSeek DualPipe, bidirectional, two model copies per "
-        "rank, needs an even pipeline size. dualpipev: DualPipeV, two V-shaped chunks per rank. "
-        "executor-1f1b: 1F1B order run by megatron_dualpipe's executor (for comparisons).",
+        default=registry.DEFAULT,
+        choices=registry.NAMES,
+        help="Pipeline schedule. " + "; ".join(f"{s.name}: {s.summary}" for s in registry.SPECS.values()) + ".",
     )
     group.add_argument(
         "--dualpipe-zero-bubble",
@@ -91,8 +87,9 @@ def dualpipe_problems(args):
 
     ``args`` must already have been through Megatron's ``validate_args``.
     """
-    schedule = getattr(args, "pipeline_schedule", "1f1b")
-    if schedule not in EXECUTOR_SCHEDULES:
+    schedule = getattr(args, "pipeline_schedule", registry.DEFAULT)
+    spec = registry.get(schedule)
+    if spec.runs_on != registry.EXECUTOR:
         return []
     problems = []
     flag = f"--pipeline-schedule {schedule}"
@@ -101,21 +98,17 @@ def dualpipe_problems(args):
     def bad(msg):
         problems.append(f"{flag}: {msg}")
 
-    if schedule == "executor-1f1b":
-        return _executor_1f1b_problems(args, bad, problems)
+    if spec.chunks_per_rank == 1:
+        return _one_chunk_problems(spec, args, bad, problems)
 
     # Pipeline size.
     if pp < 2:
         bad(
             f"needs --pipeline-model-parallel-size >= 2 (got {pp}); increase it or use "
-            "--pipeline-schedule 1f1b"
+            f"--pipeline-schedule {registry.DEFAULT}"
         )
-    elif schedule == "dualpipe" and pp % 2 != 0:
-        bad(
-            f"needs an even --pipeline-model-parallel-size (got {pp}): ranks i and pp-1-i hold "
-            "mirrored copies of the same stages; change --pipeline-model-parallel-size or use "
-            "--pipeline-schedule dualpipev"
-        )
+    elif spec.pp_problem(pp, flag="--pipeline-model-parallel-size"):
+        bad(spec.pp_problem(pp, flag="--pipeline-model-parallel-size"))
 
     # Layer layout.
     if (
@@ -146,9 +139,9 @@ def dualpipe_problems(args):
         )
     num_layers = getattr(args, "num_layers", None)
     if num_layers is not None and pp >= 1:
-        divisor = pp if schedule == "dualpipe" else 2 * pp
+        divisor = spec.model_stages(pp)
         if num_layers % divisor != 0:
-            what = "pipeline size" if schedule == "dualpipe" else "2 * pipeline size"
+            what = "pipeline size" if divisor == pp else f"{divisor // pp} * pipeline size"
             bad(
                 f"--num-layers ({num_layers}) must be divisible by the {what} ({divisor}); "
                 "change --num-layers or --pipeline-model-parallel-size"
@@ -158,9 +151,10 @@ def dualpipe_problems(args):
     if pp >= 2:
         dp = getattr(args, "data_parallel_size", None) or 1
         m = num_microbatches(args)
-        if m < pp:
+        least = spec.min_real_microbatches(pp)
+        if m < least:
             bad(
-                f"needs at least pipeline-size ({pp}) micro-batches per step, got {m} = "
+                f"needs at least {least} micro-batches per step with pipeline size {pp}, got {m} = "
                 f"--global-batch-size {args.global_batch_size} // (--micro-batch-size "
                 f"{args.micro_batch_size} * data-parallel size {dp}); increase "
                 "--global-batch-size or decrease --micro-batch-size"
@@ -169,19 +163,14 @@ def dualpipe_problems(args):
         if rampup:
             start = int(rampup[0])
             m0 = start // (args.micro_batch_size * dp)
-            if m0 < pp:
+            if m0 < spec.min_real_microbatches(pp):
                 bad(
                     f"--rampup-batch-size starts at global batch {start}, i.e. {m0} "
                     f"micro-batches, fewer than the pipeline size ({pp}); raise its start value"
                 )
 
     # Gradient reduction / zero bubble.
-    if getattr(args, "dualpipe_zero_bubble", True) and getattr(args, "overlap_grad_reduce", False):
-        bad(
-            "with zero-bubble weight-grad steps cannot use --overlap-grad-reduce (DDP's "
-            "grad-ready hooks fire before the deferred weight grads exist); remove "
-            "--overlap-grad-reduce or pass --no-dualpipe-zero-bubble"
-        )
+    _zero_bubble_problems(spec, args, bad)
     if getattr(args, "use_torch_fsdp2", False) or getattr(args, "use_megatron_fsdp", False):
         bad("does not support FSDP; remove --use-torch-fsdp2 / --use-megatron-fsdp")
 
@@ -219,20 +208,31 @@ def dualpipe_problems(args):
     return problems
 
 
-def _executor_1f1b_problems(args, bad, problems):
-    """The executor's 1F1B: one chunk per rank, Megatron's model, batched P2P of its own."""
+def _zero_bubble_problems(spec, args, bad):
+    if spec.defers_weight_grads and getattr(args, "dualpipe_zero_bubble", True) and \
+            getattr(args, "overlap_grad_reduce", False):
+        bad(
+            "with zero-bubble weight-grad steps cannot use --overlap-grad-reduce (DDP's "
+            "grad-ready hooks fire before the deferred weight grads exist); remove "
+            "--overlap-grad-reduce or pass --no-dualpipe-zero-bubble"
+        )
+
+
+def _one_chunk_problems(spec, args, bad, problems):
+    """The executor's 1F1B and ZB-H1: one chunk per rank, Megatron's model, batched P2P of its own."""
     if args.pipeline_model_parallel_size < 2:
-        bad("needs --pipeline-model-parallel-size >= 2; use --pipeline-schedule 1f1b")
+        bad(f"needs --pipeline-model-parallel-size >= 2; use --pipeline-schedule {registry.DEFAULT}")
     if (
         getattr(args, "num_layers_per_virtual_pipeline_stage", None) is not None
         or getattr(args, "num_virtual_stages_per_pipeline_rank", None) is not None
     ):
         bad(
             "runs one model chunk per rank; remove --num-layers-per-virtual-pipeline-stage / "
-            "--num-virtual-stages-per-pipeline-rank or use --pipeline-schedule 1f1b"
+            f"--num-virtual-stages-per-pipeline-rank or use --pipeline-schedule {registry.DEFAULT}"
         )
     if getattr(args, "overlap_p2p_comm", False):
         bad("batches its own P2P; remove --overlap-p2p-communication")
+    _zero_bubble_problems(spec, args, bad)
     if getattr(args, "variable_seq_lengths", False):
         bad("needs fixed shapes between micro-batches; remove --variable-seq-lengths")
     timeout = getattr(args, "dualpipe_p2p_timeout", None)

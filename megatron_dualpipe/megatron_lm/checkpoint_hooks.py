@@ -42,11 +42,15 @@ not verified here.)
 
 import functools
 
+from ..schedule import registry
+from ..schedule.layout import BIDIRECTIONAL, V_SHAPE
+from .training_hooks import schedule_of
+
 _MARK = "_megatron_dualpipe_ckpt_hook"
 
 
-def _schedule(args):
-    return getattr(args, "pipeline_schedule", "1f1b") or "1f1b"
+def _layout_kind(args) -> str:
+    return registry.get(schedule_of(args)).layout_kind
 
 
 # ------------------------------------------------------------------------------------------
@@ -352,7 +356,7 @@ def _wrap_save(orig):
         from megatron.training import get_args
 
         args = get_args()
-        if _schedule(args) != "dualpipe" or args.ckpt_format != "torch":
+        if _layout_kind(args) != BIDIRECTIONAL or args.ckpt_format != "torch":
             return orig(iteration, model, optimizer, *a, **kw)
         if not args.no_save_optim and optimizer is not None:
             _refuse_distributed_optimizer(args, "saving")
@@ -409,7 +413,7 @@ def _check_dualpipev_torch_checkpoint(args, load_arg):
         return
     sd = torch.load(name, map_location="cpu", weights_only=False, mmap=True)
     if "model0" not in sd or "model1" not in sd:
-        saved = getattr(sd.get("args"), "pipeline_schedule", "1f1b")
+        saved = getattr(sd.get("args"), "pipeline_schedule", registry.DEFAULT)
         raise NotImplementedError(
             f"--pipeline-schedule dualpipev cannot resume {name} (written by --pipeline-schedule {saved}) in "
             "--ckpt-format torch: DualPipeV splits the layers into 2*pp stages, so its per-rank files hold "
@@ -425,10 +429,10 @@ def _wrap_load(orig):
         from megatron.training import get_args
 
         args = get_args()
-        schedule = _schedule(args)
-        if schedule == "dualpipev" and _disk_format(args, load_arg) == "torch":
+        layout_kind = _layout_kind(args)
+        if layout_kind == V_SHAPE and _disk_format(args, load_arg) == "torch":
             _check_dualpipev_torch_checkpoint(args, load_arg)
-        if schedule != "dualpipe":
+        if layout_kind != BIDIRECTIONAL:
             return orig(ddp_model, optimizer, opt_param_scheduler, load_arg, strict, **kw)
         fmt = _disk_format(args, load_arg)
         if fmt == "torch":

@@ -1,4 +1,4 @@
-"""Wire ``--pipeline-schedule dualpipe|dualpipev|executor-1f1b`` into ``megatron.training``.
+"""Wire ``--pipeline-schedule`` (the executor's schedules) into ``megatron.training``.
 
 :func:`install` replaces two module globals of ``megatron.training.training`` (both are looked
 up at call time by ``setup_model_and_optimizer``, ``train`` and ``evaluate``) and, through
@@ -35,14 +35,14 @@ Data
 
 import functools
 
-EXECUTOR_ONLY = ("executor-1f1b",)
-TWO_CHUNK = ("dualpipe", "dualpipev")
+from ..schedule import registry
+from ..schedule.layout import BIDIRECTIONAL
 
 _MARK = "_megatron_dualpipe_training_hook"
 
 
 def schedule_of(args) -> str:
-    return getattr(args, "pipeline_schedule", "1f1b") or "1f1b"
+    return getattr(args, "pipeline_schedule", None) or registry.DEFAULT
 
 
 def forward_backward_options(args) -> dict:
@@ -67,10 +67,10 @@ def _two_chunk_provider(model_provider_func, schedule, model_type, config):
     from megatron.core.utils import get_model_config
     from megatron.training import get_args
 
-    from ..mcore.model import BIDIRECTIONAL, V_SHAPE, build_two_direction_model, dualpipev_config
+    from ..mcore.model import V_SHAPE, build_two_direction_model, dualpipev_config
 
     args = get_args()
-    layout = BIDIRECTIONAL if schedule == "dualpipe" else V_SHAPE
+    layout = registry.get(schedule).layout_kind
 
     def provider(pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None):
         shared = {"config": config}
@@ -123,7 +123,7 @@ def _wrap_get_model(orig):
             model_type = ModelType.encoder_or_decoder
         args = get_args()
         schedule = schedule_of(args)
-        if schedule not in TWO_CHUNK:
+        if registry.get(schedule).chunks_per_rank != 2:
             return orig(model_provider_func, model_type, wrap_with_ddp, config=config, pg_collection=pg_collection)
         if getattr(args, "init_model_with_meta_device", False):
             raise NotImplementedError(
@@ -138,7 +138,7 @@ def _wrap_get_model(orig):
         model = list(model)
         if len(model) != 2:
             raise RuntimeError(f"--pipeline-schedule {schedule}: expected 2 model chunks, got {len(model)}")
-        if schedule == "dualpipe":
+        if registry.get(schedule).layout_kind == BIDIRECTIONAL:
             from .checkpoint_hooks import mark_mirror_replicas
 
             mark_mirror_replicas(model[1])  # torch_dist: the mirror is a non-main replica
@@ -165,7 +165,7 @@ def _wrap_get_forward_backward_func(orig):
 
         args = get_args()
         schedule = schedule_of(args)
-        if schedule == "1f1b":
+        if registry.get(schedule).runs_on == registry.MEGATRON:
             return orig(*a, **kw)
         from ..mcore.forward_backward import get_forward_backward_func as dispatch
 

@@ -1,7 +1,8 @@
-"""Schedules as data: pure, standard-library-only generators, dependency rule and simulator."""
+"""Schedules as data: pure, standard-library-only registry, generators, dependency rule and simulator."""
 from .actions import B, BW, F, W, Action, format_grid
-from .generators import SCHEDULES, Schedule, ScheduleError, build_schedule, validate
 from .layout import Layout
+from .registry import NAMES as SCHEDULES
+from .registry import Schedule, ScheduleError, ScheduleSpec, build_schedule, get, validate
 
-__all__ = ["Action", "F", "B", "BW", "W", "format_grid", "SCHEDULES", "Schedule", "ScheduleError",
-           "build_schedule", "validate", "Layout"]
+__all__ = ["Action", "F", "B", "BW", "W", "format_grid", "SCHEDULES", "Schedule", "ScheduleError", "ScheduleSpec",
+           "build_schedule", "get", "validate", "Layout"]

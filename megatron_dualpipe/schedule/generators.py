@@ -1,8 +1,9 @@
-"""Pure generators: (schedule name, pp, M) -> the ordered actions of every pipeline rank.
+"""Pure generators: (layout, M, rank) -> the ordered actions of one pipeline rank.
 
-No torch, no processes: the lists can be tested, simulated and drawn anywhere.
+No torch, no processes: the lists can be tested, simulated and drawn anywhere. Which schedule
+uses which generator, and the rules on pp and M, are in :mod:`.registry`.
 
-DualPipe and DualPipeV share one generator, :func:`_dualpipe_rank`, which follows DeepSeek's
+DualPipe and DualPipeV share one generator, :func:`dualpipe_rank`, which follows DeepSeek's
 reference ``step()`` loop by loop (the eight ``# Step k`` headers below are the reference's).
 The two schedules differ only in four numbers and in how the reference's "phase" maps to a
 direction, which :class:`_Recorder` handles.
@@ -10,85 +11,16 @@ direction, which :class:`_Recorder` handles.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
-from typing import Callable, Dict, List, Tuple
+from typing import List
 
-from .actions import B, BW, F, W, Action, RankActions
-from .layout import BIDIRECTIONAL, UNIDIRECTIONAL, V_SHAPE, Layout
-
-SCHEDULES = ("1f1b", "zb-h1", "dualpipe", "dualpipev")
-
-
-class ScheduleError(ValueError):
-    """A schedule cannot be built for these arguments; the message says what would work."""
-
-
-@dataclass(frozen=True)
-class Schedule:
-    name: str
-    pp: int
-    microbatches: int
-    layout: Layout
-    ranks: Tuple[RankActions, ...]
-
-    def to_json(self) -> dict:
-        return {
-            "schedule": self.name,
-            "pp": self.pp,
-            "microbatches": self.microbatches,
-            "ranks": [[a.to_json() for a in acts] for acts in self.ranks],
-        }
-
-    def microbatches_per_direction(self) -> Dict[int, int]:
-        counts: Dict[int, int] = {}
-        for acts in self.ranks:
-            for a in acts:
-                if a.op == F:
-                    counts[a.dir] = max(counts.get(a.dir, 0), a.mb + 1)
-        return counts
-
-
-def layout_for(name: str, pp: int) -> Layout:
-    kind = {"1f1b": UNIDIRECTIONAL, "zb-h1": UNIDIRECTIONAL, "dualpipe": BIDIRECTIONAL, "dualpipev": V_SHAPE}[name]
-    return Layout(kind, pp)
-
-
-def validate(name: str, pp: int, microbatches: int) -> None:
-    """Raise :class:`ScheduleError` naming what would work. Padding is the executor's job."""
-    if name not in SCHEDULES:
-        raise ScheduleError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
-    if not isinstance(pp, int) or pp < 1:
-        raise ScheduleError(f"pipeline size must be a positive integer, got {pp!r}")
-    if not isinstance(microbatches, int) or microbatches < 1:
-        raise ScheduleError(f"number of micro-batches must be a positive integer, got {microbatches!r}")
-    if name == "dualpipe":
-        if pp < 2 or pp % 2:
-            raise ScheduleError(
-                f"dualpipe needs an even pipeline size >= 2, got pp={pp}; use pp={max(2, pp + pp % 2)} or dualpipev")
-        if microbatches < 2 * pp or microbatches % 2:
-            need = max(2 * pp, microbatches + microbatches % 2)
-            raise ScheduleError(
-                f"dualpipe needs an even number of micro-batches >= 2*pp={2 * pp}, got {microbatches}; "
-                f"use {need} (the executor pads with fake micro-batches when pp <= M)")
-    if name == "dualpipev" and microbatches < 2 * pp:
-        raise ScheduleError(
-            f"dualpipev needs at least 2*pp={2 * pp} micro-batches, got {microbatches}; use {2 * pp} "
-            f"(the executor pads with fake micro-batches when pp <= M)")
-
-
-def build_schedule(name: str, pp: int, microbatches: int) -> Schedule:
-    validate(name, pp, microbatches)
-    layout = layout_for(name, pp)
-    build: Callable[[Layout, int, int], List[Action]] = _BUILDERS[name]
-    ranks = tuple(tuple(build(layout, microbatches, r)) for r in range(pp))
-    return Schedule(name, pp, microbatches, layout, ranks)
-
+from .actions import B, BW, F, W, Action
+from .layout import BIDIRECTIONAL, Layout
 
 # ---------------------------------------------------------------------------------------------
 # 1F1B and ZB-H1
 # ---------------------------------------------------------------------------------------------
 
-def _one_f_one_b_rank(layout: Layout, m: int, rank: int, zero_bubble: bool = False) -> List[Action]:
+def one_f_one_b_rank(layout: Layout, m: int, rank: int, zero_bubble: bool = False) -> List[Action]:
     """Megatron's non-interleaved 1F1B; with ``zero_bubble``, ZB-H1.
 
     Warm-up runs pp-1-rank forwards; the steady state alternates F and backward; the cool-down
@@ -119,8 +51,8 @@ def _one_f_one_b_rank(layout: Layout, m: int, rank: int, zero_bubble: bool = Fal
     return acts
 
 
-def _zb_h1_rank(layout: Layout, m: int, rank: int) -> List[Action]:
-    return _one_f_one_b_rank(layout, m, rank, zero_bubble=True)
+def zb_h1_rank(layout: Layout, m: int, rank: int) -> List[Action]:
+    return one_f_one_b_rank(layout, m, rank, zero_bubble=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -171,11 +103,13 @@ class _Recorder:
         self.acts.append(Action(W, b.dir, b.mb, b.stage))
 
 
-def _dualpipe_steps(rec: _Recorder, n: int, r: int, chunks: int, middle: bool) -> None:
-    """DeepSeek's ``step()``: ``n`` ranks per half, half-rank ``r``, ``chunks`` per direction.
+def _dualpipe_steps(rec: _Recorder, n: int, r: int, per_direction: int, middle: bool) -> None:
+    """DeepSeek's ``step()``: ``n`` ranks per half, half-rank ``r``, ``per_direction``
+    micro-batches per direction (the reference calls them "chunks").
 
-    For DualPipe n = pp/2, r = min(rank, pp-1-rank), chunks = M/2 and ``middle`` is a rank next
-    to the fold; for DualPipeV n = pp, r = rank, chunks = M and ``middle`` is the last rank.
+    For DualPipe n = pp/2, r = min(rank, pp-1-rank), per_direction = M/2 and ``middle`` is a
+    rank next to the fold; for DualPipeV n = pp, r = rank, per_direction = M and ``middle`` is
+    the last rank.
     """
     # Step 1: nF0
     for _ in range((n - r - 1) * 2):
@@ -190,7 +124,7 @@ def _dualpipe_steps(rec: _Recorder, n: int, r: int, chunks: int, middle: bool) -
         rec.weight()
         rec.forward(1)
     # Step 4 (Main step): nF0B1F1B0
-    for i in range(chunks - 2 * n + r + 1):
+    for i in range(per_direction - 2 * n + r + 1):
         if i == 0 and middle:
             # The reference does not overlap these two, to shorten the bubble at the fold.
             rec.forward(0)
@@ -222,21 +156,14 @@ def _dualpipe_steps(rec: _Recorder, n: int, r: int, chunks: int, middle: bool) -
     assert not rec.deferred, "every deferred weight gradient must have run"
 
 
-def _dualpipe_rank(layout: Layout, m: int, rank: int) -> List[Action]:
+def dualpipe_rank(layout: Layout, m: int, rank: int) -> List[Action]:
     pp = layout.pp
     if layout.kind == BIDIRECTIONAL:
-        n, r, chunks = pp // 2, min(rank, pp - 1 - rank), m // 2
+        n, r, per_direction = pp // 2, min(rank, pp - 1 - rank), m // 2
         rec = _Recorder(layout, rank, flip=rank >= pp // 2)
     else:
-        n, r, chunks = pp, rank, m
+        n, r, per_direction = pp, rank, m
         rec = _Recorder(layout, rank, flip=False)
-    _dualpipe_steps(rec, n, r, chunks, middle=(r == n - 1))
+    _dualpipe_steps(rec, n, r, per_direction, middle=(r == n - 1))
     return rec.acts
 
-
-_BUILDERS: Dict[str, Callable[[Layout, int, int], List[Action]]] = {
-    "1f1b": _one_f_one_b_rank,
-    "zb-h1": _zb_h1_rank,
-    "dualpipe": _dualpipe_rank,
-    "dualpipev": _dualpipe_rank,
-}

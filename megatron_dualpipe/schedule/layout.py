@@ -34,11 +34,6 @@ class Layout:
     def directions(self) -> Tuple[int, ...]:
         return (0, 1) if self.kind != UNIDIRECTIONAL else (0,)
 
-    @property
-    def entry_directions(self) -> Tuple[int, ...]:
-        """Directions whose micro-batches are read from data (DualPipeV has one route)."""
-        return (0, 1) if self.kind == BIDIRECTIONAL else (0,)
-
     def stages(self, d: int) -> range:
         if self.kind == V_SHAPE and d == 1:
             return range(self.pp, 2 * self.pp)

@@ -12,7 +12,7 @@ Typical multi-process test::
 
     run_workers(worker, world_size=2)
 
-`init_distributed_cpu` calls `cpu_compat.enable_cpu_mode()`, which does nothing on a GPU machine.
+`init_distributed_cpu` calls `megatron_dualpipe.cpu.enable()`, which does nothing on a GPU machine.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_dualpipe import cpu_compat
+from megatron_dualpipe import cpu as cpu_mode
 
 
 def free_port() -> int:
@@ -56,18 +56,18 @@ def init_distributed_cpu(
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    cpu_compat.enable_cpu_mode()
+    cpu = cpu_mode.enable()
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     import datetime
 
     dist.init_process_group(
-        backend="gloo" if cpu_compat.cpu_mode_active() else "nccl",
+        backend="gloo" if cpu else "nccl",
         rank=rank,
         world_size=world_size,
         timeout=datetime.timedelta(minutes=timeout_minutes),
     )
-    if not cpu_compat.cpu_mode_active():
+    if not cpu:
         torch.cuda.set_device(rank % torch.cuda.device_count())
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp,

@@ -1,0 +1,80 @@
+"""What F, B, BW and W mean for this rank's megatron-core model chunks.
+
+The runner (``executor.runner``) calls these methods in schedule order; this class turns them
+into megatron-core's own ``schedules.forward_step`` / ``backward_step``, so loss scaling, MoE
+aux-loss scaling and ``calculate_per_token_loss`` behave exactly as in Megatron.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.pipeline_parallel import schedules
+from megatron.core.utils import get_model_type
+
+from ..executor.runner import StageComputeBase
+from ..schedule import B, Action
+from ..schedule.layout import Layout
+from ..schedule.registry import ScheduleSpec
+from .data import MicrobatchSource
+from .direction import direction_of
+
+
+class MegatronStageCompute(StageComputeBase):
+    """Chunk ``d`` of ``model`` serves direction ``d`` (single-direction schedules use chunk 0).
+
+    Saved activations and deferred weight gradients are keyed by (direction, micro-batch,
+    stage), never by order. ``loss_store[d]`` collects direction ``d``'s loss entries where its
+    last stage runs; ``total_num_tokens`` sums what ``forward_step`` reports.
+    """
+
+    def __init__(self, *, spec: ScheduleSpec, model: Sequence[torch.nn.Module], layout: Layout, rank: int,
+                 forward_step_func: Callable, source: MicrobatchSource, real: int, config, forward_only: bool,
+                 collect_non_loss_data: bool, first_val_step, global_ranks, wgrad_store=None):
+        self.spec, self.model, self.layout, self.rank = spec, model, layout, rank
+        self.forward_step_func, self.source, self.real = forward_step_func, source, real
+        self.config, self.forward_only, self.collect_non_loss_data = config, forward_only, collect_non_loss_data
+        self.first_val_step, self.global_ranks = first_val_step, global_ranks
+        self.wgrad_store = wgrad_store
+        self.cp_size = parallel_state.get_context_parallel_world_size()
+        self.model_type = get_model_type(model[0])
+        self.saved: Dict[tuple, tuple] = {}
+        self.loss_store: List[List[Any]] = [[] for _ in layout.directions]
+        self.total_num_tokens: Optional[torch.Tensor] = None
+        self.first_forward_done = [False] * len(model)
+
+    def is_fake(self, a: Action) -> bool:
+        return self.spec.is_fake(self.real, a.dir, a.mb)
+
+    def forward(self, a: Action, input_tensor):
+        chunk = a.dir
+        is_first_mb = schedules.check_first_val_step(self.first_val_step, self.forward_only,
+                                                     not self.first_forward_done[chunk])
+        self.first_forward_done[chunk] = True
+        g = self.spec.global_index(self.real, a.dir, a.mb)
+        with direction_of(self.layout, self.rank, a.dir, self.global_ranks):
+            output, num_tokens = schedules.forward_step(
+                self.forward_step_func, self.source.view(g), self.model[chunk], self.real, input_tensor,
+                self.loss_store[a.dir], self.config, self.cp_size,
+                collect_non_loss_data=self.collect_non_loss_data, is_first_microbatch=is_first_mb,
+                current_microbatch=g, is_last_stage=self.layout.is_last(a.dir, a.stage))
+        self.total_num_tokens = num_tokens if self.total_num_tokens is None else self.total_num_tokens + num_tokens
+        if not self.forward_only:
+            self.saved[(a.dir, a.mb, a.stage)] = (input_tensor, output)
+        return output
+
+    def backward(self, a: Action, output_grad):
+        input_tensor, output = self.saved.pop((a.dir, a.mb, a.stage))
+        defer = self.wgrad_store.deferring((a.dir, a.mb, a.stage)) if (a.op == B and self.wgrad_store is not None) \
+            else contextlib.nullcontext()
+        with defer:
+            return schedules.backward_step(input_tensor, output, output_grad, self.model_type, self.config)
+
+    def weight(self, a: Action) -> None:
+        if self.wgrad_store is not None:
+            self.wgrad_store.run((a.dir, a.mb, a.stage))
+
+    def release(self, a: Action, output) -> None:
+        schedules.deallocate_output_tensor(output, self.config.deallocate_pipeline_outputs)

@@ -1,0 +1,284 @@
+"""The schedule registry: every fact about a schedule, in one place.
+
+A schedule is one :class:`ScheduleSpec`: its name, which layout its stages use, how many model
+chunks a rank holds, what pipeline sizes and micro-batch counts it runs, how a short batch is
+padded with fake micro-batches, its closed-form bubble, its action-order generator, and who
+runs it (Megatron itself, or this project's executor). The command line, the data split, the
+megatron-core validation, the Megatron-LM argument checks, the dispatcher and the docs'
+tables all read these entries; adding a schedule is one entry plus its generator.
+
+Names, one meaning each:
+
+* ``1f1b`` is Megatron's own schedule: megatron-core runs it (``runs_on == MEGATRON``). Its
+  action order is the 1F1B order, so the simulator and the drawings can show it.
+* ``executor-1f1b`` is the same 1F1B order run by this project's executor, for comparing
+  schedules on equal terms (same model, same checkpoints as ``1f1b``).
+* ``zb-h1``, ``dualpipe``, ``dualpipev`` run on the executor.
+
+"Micro-batches" (``M``, ``microbatches``) always count the whole iteration, both directions
+together; ``chunks`` are model pieces on a rank (1, or 2 for the two-direction schedules).
+
+Standard library only, like the rest of ``schedule``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Tuple
+
+from .actions import Action, RankActions
+from .generators import dualpipe_rank, one_f_one_b_rank, zb_h1_rank
+from .layout import BIDIRECTIONAL, UNIDIRECTIONAL, V_SHAPE, Layout
+
+#: The names, for code that means one schedule in particular.
+ONE_F_ONE_B = "1f1b"
+EXECUTOR_1F1B = "executor-1f1b"
+ZB_H1 = "zb-h1"
+DUALPIPE = "dualpipe"
+DUALPIPEV = "dualpipev"
+
+#: ``ScheduleSpec.runs_on``: megatron-core's own schedule function runs it.
+MEGATRON = "megatron"
+#: ``ScheduleSpec.runs_on``: this project's executor runs it (``megatron_dualpipe.executor``).
+EXECUTOR = "executor"
+
+
+class ScheduleError(ValueError):
+    """A schedule cannot be built for these arguments; the message says what would work."""
+
+
+Bubble = Callable[[int, float, float, float, float], float]  # (pp, f, b, w, fb) -> bubble
+
+
+@dataclass(frozen=True)
+class ScheduleSpec:
+    """What a schedule is. Methods answer the questions every caller used to answer itself."""
+
+    name: str
+    #: One line for ``--help`` texts and tables.
+    summary: str
+    #: ``layout.UNIDIRECTIONAL`` / ``BIDIRECTIONAL`` / ``V_SHAPE``.
+    layout_kind: str
+    #: Action order of one rank: ``(layout, microbatches, rank) -> [Action]``.
+    generator: Callable[[Layout, int, int], List[Action]]
+    #: ``MEGATRON`` or ``EXECUTOR``.
+    runs_on: str
+    #: The closed-form bubble (DeepSeek's / the Zero Bubble paper's table), as text and as a function.
+    bubble_formula: str
+    bubble: Bubble
+    #: The pipeline size must be a multiple of this (DualPipe pairs rank i with pp-1-i).
+    pp_multiple: int = 1
+    #: The order needs at least ``min_microbatches_per_rank * pp`` micro-batches (and one)...
+    min_microbatches_per_rank: int = 0
+    #: ... and a multiple of this many (DualPipe: both directions equally).
+    microbatch_multiple: int = 1
+    #: With fewer than the order needs, training pads with fake micro-batches down to this many
+    #: real ones per pipeline rank (more padding than that would waste most of the pipeline).
+    min_real_microbatches_per_rank: int = 0
+    #: The costs the simulator and the formula take are per model chunk (DualPipeV: half a stage).
+    costs_per_chunk: bool = False
+    #: The order splits backwards into B and a later W (zero bubble; ``--no-dualpipe-zero-bubble``
+    #: runs each B as a full backward and each W as nothing).
+    defers_weight_grads: bool = True
+
+    # -- layout ------------------------------------------------------------------------------
+    def layout(self, pp: int) -> Layout:
+        return Layout(self.layout_kind, pp)
+
+    @property
+    def chunks_per_rank(self) -> int:
+        """Model chunks each pipeline rank holds (Megatron's ``model`` list length)."""
+        return 1 if self.layout_kind == UNIDIRECTIONAL else 2
+
+    def model_stages(self, pp: int) -> int:
+        """Stages the model is cut into: the layer count must divide by it."""
+        return 2 * pp if self.layout_kind == V_SHAPE else pp
+
+    @property
+    def data_directions(self) -> int:
+        """How many directions read micro-batches from data (DualPipe: both ends of the pipe)."""
+        return 2 if self.layout_kind == BIDIRECTIONAL else 1
+
+    # -- rules -------------------------------------------------------------------------------
+    def pp_problem(self, pp: int, flag: str = "--pp") -> Optional[str]:
+        """Why this schedule cannot run on ``pp`` ranks (naming ``flag`` and the fix), or None."""
+        if pp >= 1 and pp % self.pp_multiple == 0:
+            return None
+        good = max(self.pp_multiple, pp + (-pp) % self.pp_multiple)
+        what = "an even pipeline size >= 2" if self.pp_multiple == 2 else f"a multiple of {self.pp_multiple}"
+        why = " (ranks i and pp-1-i hold mirrored copies of the same stages)" if self.layout_kind == BIDIRECTIONAL \
+            else ""
+        alternative = f", or use {V_SCHEDULE}" if self.layout_kind == BIDIRECTIONAL else ""
+        return f"{self.name} needs {what}{why}, got {pp}: set {flag} to {good}{alternative}"
+
+    def min_microbatches(self, pp: int) -> int:
+        """Fewest micro-batches the order itself needs (after padding)."""
+        return max(1, self.min_microbatches_per_rank * pp)
+
+    def min_real_microbatches(self, pp: int, forward_only: bool = False) -> int:
+        """Fewest real micro-batches accepted; evaluation (forward only) pads freely."""
+        return 1 if forward_only else max(1, self.min_real_microbatches_per_rank * pp)
+
+    def microbatch_problem(self, pp: int, microbatches: int) -> Optional[str]:
+        """Why the order cannot be built for ``microbatches`` (after padding), or None."""
+        need = self.min_microbatches(pp)
+        if microbatches >= need and microbatches % self.microbatch_multiple == 0:
+            return None
+        good = max(need, microbatches + (-microbatches) % self.microbatch_multiple)
+        even = "an even number of " if self.microbatch_multiple == 2 else ""
+        least = f" >= {self.min_microbatches_per_rank}*pp={need}" if self.min_microbatches_per_rank > 1 else ""
+        return (f"{self.name} needs {even}micro-batches{least}, got {microbatches}: use {good} (the executor pads "
+                f"a short batch with fake micro-batches when it has at least "
+                f"{self.min_real_microbatches(pp)} real ones)")
+
+    def padded_microbatches(self, pp: int, real: int, forward_only: bool = False) -> int:
+        """How many micro-batches run (real plus fake, no compute) for ``real`` real ones.
+
+        Raises :class:`ScheduleError` when ``real`` is below :meth:`min_real_microbatches`."""
+        least = self.min_real_microbatches(pp, forward_only)
+        if real < least:
+            raise ScheduleError(
+                f"{self.name} needs at least {least} micro-batches per iteration with pp={pp}, got {real}: raise "
+                f"--global-batch-size to at least {least} x micro-batch-size x data-parallel size (with fewer "
+                f"than {self.min_microbatches(pp)} the executor pads with fake micro-batches)")
+        return max(self.min_microbatches(pp), real + (-real) % self.microbatch_multiple)
+
+    def formula_bubble(self, pp: int, costs) -> Optional[float]:
+        """The closed-form bubble for ``costs`` (a ``simulate.Costs``), None where pp is invalid."""
+        if self.pp_problem(pp):
+            return None
+        return self.bubble(pp, costs.f, costs.b, costs.w, costs.fused)
+
+    # -- data --------------------------------------------------------------------------------
+    def split(self, real: int) -> List[int]:
+        """Real micro-batches per data direction: DualPipe gives direction 0 the first half
+        (rounded up) of the global batch and direction 1 the rest."""
+        if self.data_directions == 1:
+            return [real]
+        first = (real + 1) // 2
+        return [first, real - first]
+
+    def global_index(self, real: int, d: int, mb: int) -> int:
+        """The global batch's index of micro-batch ``mb`` of direction ``d``."""
+        return mb if self.data_directions == 1 or d == 0 else (real + 1) // 2 + mb
+
+    def is_fake(self, real: int, d: int, mb: int) -> bool:
+        """Whether micro-batch ``mb`` of direction ``d`` is padding (no data, no compute)."""
+        return mb >= self.split(real)[d if self.data_directions > 1 else 0]
+
+
+def _bubble_1f1b(pp, f, b, w, fb):
+    return (pp - 1) * (f + b)
+
+
+def _bubble_zb_h1(pp, f, b, w, fb):
+    return (pp - 1) * (f + b - 2 * w)
+
+
+def _bubble_dualpipe(pp, f, b, w, fb):
+    return (pp / 2 - 1) * (fb + b - 3 * w)
+
+
+def _bubble_dualpipev(pp, f, b, w, fb):
+    return (2 * pp / 2 - 1) * (fb + b - 3 * w)
+
+
+_ONE_F_ONE_B = dict(layout_kind=UNIDIRECTIONAL, generator=one_f_one_b_rank, bubble_formula="(pp-1)(f+b)",
+                    bubble=_bubble_1f1b, defers_weight_grads=False)
+
+SPECS: Dict[str, ScheduleSpec] = {s.name: s for s in (
+    ScheduleSpec(ONE_F_ONE_B, "Megatron's own schedule (1F1B; interleaved 1F1B with a virtual pipeline)",
+                 runs_on=MEGATRON, **_ONE_F_ONE_B),
+    ScheduleSpec(EXECUTOR_1F1B, "the 1F1B order run by megatron_dualpipe's executor (for comparisons)",
+                 runs_on=EXECUTOR, **_ONE_F_ONE_B),
+    ScheduleSpec(ZB_H1, "ZB-H1: 1F1B with deferred weight gradients filling the cool-down",
+                 UNIDIRECTIONAL, zb_h1_rank, EXECUTOR, "(pp-1)(f+b-2w)", _bubble_zb_h1),
+    ScheduleSpec(DUALPIPE, "DeepSeek's DualPipe: bidirectional, a mirrored copy of stage pp-1-i on rank i",
+                 BIDIRECTIONAL, dualpipe_rank, EXECUTOR, "(pp/2-1)(fb+b-3w)", _bubble_dualpipe,
+                 pp_multiple=2, min_microbatches_per_rank=2, microbatch_multiple=2, min_real_microbatches_per_rank=1),
+    ScheduleSpec(DUALPIPEV, "DualPipeV: DualPipe cut in half, two V-shaped chunks of half a stage per rank",
+                 V_SHAPE, dualpipe_rank, EXECUTOR, "(S/2-1)(fb+b-3w), S=2pp chunk stages", _bubble_dualpipev,
+                 min_microbatches_per_rank=2, min_real_microbatches_per_rank=1, costs_per_chunk=True),
+)}
+
+#: The schedule that replaces DualPipe where the pipeline size is odd.
+V_SCHEDULE = DUALPIPEV
+
+#: Every schedule name, in the order tables list them.
+NAMES: Tuple[str, ...] = tuple(SPECS)
+#: The default of ``--pipeline-schedule``: Megatron's own.
+DEFAULT = ONE_F_ONE_B
+
+
+def names(runs_on: Optional[str] = None, chunks_per_rank: Optional[int] = None) -> Tuple[str, ...]:
+    """Schedule names, optionally only those run by ``runs_on`` or holding ``chunks_per_rank`` chunks."""
+    return tuple(n for n, s in SPECS.items()
+                 if (runs_on is None or s.runs_on == runs_on)
+                 and (chunks_per_rank is None or s.chunks_per_rank == chunks_per_rank))
+
+
+def distinct_orders() -> Tuple[str, ...]:
+    """One name per distinct action order (``executor-1f1b`` runs ``1f1b``'s): for tables."""
+    seen, out = set(), []
+    for n, s in SPECS.items():
+        if (s.generator, s.layout_kind) not in seen:
+            seen.add((s.generator, s.layout_kind))
+            out.append(n)
+    return tuple(out)
+
+
+def get(name: str) -> ScheduleSpec:
+    try:
+        return SPECS[name]
+    except KeyError:
+        raise ScheduleError(f"unknown schedule {name!r}; choose one of {', '.join(NAMES)}") from None
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The built order: every pipeline rank's actions for ``microbatches`` micro-batches."""
+
+    name: str
+    pp: int
+    microbatches: int
+    layout: Layout
+    ranks: Tuple[RankActions, ...]
+
+    @property
+    def spec(self) -> ScheduleSpec:
+        return SPECS[self.name]
+
+    def to_json(self) -> dict:
+        return {
+            "schedule": self.name,
+            "pp": self.pp,
+            "microbatches": self.microbatches,
+            "ranks": [[a.to_json() for a in acts] for acts in self.ranks],
+        }
+
+    def microbatches_per_direction(self) -> Dict[int, int]:
+        counts: Dict[int, int] = {}
+        for acts in self.ranks:
+            for a in acts:
+                counts[a.dir] = max(counts.get(a.dir, 0), a.mb + 1)
+        return counts
+
+
+def validate(name: str, pp: int, microbatches: int) -> ScheduleSpec:
+    """Raise :class:`ScheduleError` naming what would work; return the spec. Padding is the
+    executor's job: this checks the order itself."""
+    spec = get(name)
+    if not isinstance(pp, int) or pp < 1:
+        raise ScheduleError(f"pipeline size must be a positive integer, got {pp!r}")
+    if not isinstance(microbatches, int) or microbatches < 1:
+        raise ScheduleError(f"number of micro-batches must be a positive integer, got {microbatches!r}")
+    problem = spec.pp_problem(pp) or spec.microbatch_problem(pp, microbatches)
+    if problem:
+        raise ScheduleError(problem)
+    return spec
+
+
+def build_schedule(name: str, pp: int, microbatches: int) -> Schedule:
+    spec = validate(name, pp, microbatches)
+    layout = spec.layout(pp)
+    ranks = tuple(tuple(spec.generator(layout, microbatches, r)) for r in range(pp))
+    return Schedule(name, pp, microbatches, layout, ranks)
