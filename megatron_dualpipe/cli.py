@@ -22,6 +22,8 @@ import sys
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence
 
+from . import data_prep
+
 PROG = "megatron-dualpipe"
 EXIT_USAGE = 2
 
@@ -207,6 +209,7 @@ register("patch", "add the 3-line megatron-dualpipe hook to Megatron-LM's pretra
          _configure_patch, _run_patch)
 
 
+register("prepare-data", data_prep.HELP, data_prep.configure, data_prep.run)
 
 from . import bench as _bench  # noqa: E402 - argparse only; the benchmark imports torch when run
 register("bench", _bench.HELP, _bench.configure, _bench.run)

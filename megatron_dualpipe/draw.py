@@ -56,6 +56,7 @@ _ROW = 24.0       # row height
 _GAP = 4.0        # vertical gap between rows
 _LEFT = 64.0      # room for the rank labels
 _TOP = 62.0       # room for the title and the key line
+_CHAR_PX = 7.0    # widest average character width of the 11 px legend font
 
 
 def title(schedule, result: SimResult) -> str:
@@ -263,15 +264,16 @@ def to_svg(schedule, result: SimResult, fake: Fake = None) -> str:
     rows_h = len(fr.rows) * (_ROW + _GAP)
     legend = legend_entries(schedule)
     legend_top = _TOP + rows_h + 36
-    per_line = 4
     has_fused = any(a.overlap for acts in schedule.ranks for a in acts)
     extra = [("fused F&B unit", "fused")] if has_fused else []
     if fake is not None:
         extra.append(("fake micro-batch (padding, no compute)", "fake"))
     n_entries = len(legend) + len(extra)
+    per_line = min(4, n_entries)
+    column = _legend_column_width([lab for lab, _ in legend] + [lab for lab, _ in extra])
     legend_h = ((n_entries + per_line - 1) // per_line) * 20 + 24
     height = legend_top + legend_h
-    width = max(_LEFT + fr.width * px + 20, 250 * min(per_line, n_entries) + _LEFT)
+    width = max(_LEFT + fr.width * px + 20, column * per_line + _LEFT)
     font = "font-family=\"DejaVu Sans, Helvetica, Arial, sans-serif\""
     out: List[str] = [
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="{height:.0f}" '
@@ -335,7 +337,7 @@ def to_svg(schedule, result: SimResult, fake: Fake = None) -> str:
     items = [(lab, col, None) for lab, col in legend] + [(lab, "", kind) for lab, kind in extra]
     fill_of = {COLORS[(op, d)]: _svg_fill(op, d) for op in (F, BW, B, W) for d in (0, 1)}
     for k, (label, colour, kind) in enumerate(items):
-        lx = _LEFT + (k % per_line) * 250
+        lx = _LEFT + (k % per_line) * column
         ly = legend_top + (k // per_line) * 20
         if kind == "fused":
             out.append(f'<path class="legend" d="M{lx + 1:.1f},{ly + 1:.1f} h14 v10 h-14 Z" fill="none" '
@@ -343,7 +345,8 @@ def to_svg(schedule, result: SimResult, fake: Fake = None) -> str:
         else:
             out.append(f'<rect class="legend" x="{lx:.1f}" y="{ly:.1f}" width="16" height="12" '
                        f'fill="{FAKE if kind == "fake" else fill_of[colour]}"/>')
-        out.append(f'<text x="{lx + 22:.1f}" y="{ly + 10:.1f}" font-size="11" {font}>{escape(label)}</text>')
+        out.append(f'<text class="legend" x="{lx + 22:.1f}" y="{ly + 10:.1f}" font-size="11" {font}>'
+                   f'{escape(label)}</text>')
     out.append("</svg>")
     return "\n".join(out) + "\n"
 
@@ -351,6 +354,12 @@ def to_svg(schedule, result: SimResult, fake: Fake = None) -> str:
 # ---------------------------------------------------------------------------------------------
 # PNG
 # ---------------------------------------------------------------------------------------------
+
+def _legend_column_width(labels) -> float:
+    """Pixels for one SVG legend column: the swatch, and the longest label at 11 px (at most
+    :data:`_CHAR_PX` per character, a bound for DejaVu Sans and Helvetica)."""
+    return 22 + _CHAR_PX * max(len(label) for label in labels) + 16
+
 
 def _hatch_kwargs(d: int, op: str) -> dict:
     """matplotlib keyword arguments for a hatched cell (``hatchcolor`` where matplotlib has it)."""
@@ -368,12 +377,17 @@ def _box(x0: float, x1: float, y: float, h: float):
 
 def to_png(schedule, result: SimResult, path, dpi: int = 110, fake: Fake = None) -> None:
     """Render the timeline with matplotlib (imported here, Agg backend) to ``path``."""
-    import matplotlib
+    _save(png_figure(schedule, result, dpi, fake), path)
 
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
+
+def png_figure(schedule, result: SimResult, dpi: int = 110, fake: Fake = None):
+    """The matplotlib figure :func:`to_png` saves: legend and labels inside it at any size."""
     from matplotlib.collections import PolyCollection
     from matplotlib.patches import Patch
+
+    from .plotting import agg_pyplot, legend_below
+
+    plt = agg_pyplot()
 
     fr = frame(schedule, result)
     n_rows = len(fr.rows)
@@ -440,14 +454,17 @@ def to_png(schedule, result: SimResult, path, dpi: int = 110, fake: Fake = None)
         handles.append(Patch(facecolor="white", edgecolor="#111111", linewidth=1.8, label="fused F&B unit"))
     if fake is not None:
         handles.append(Patch(facecolor=FAKE, edgecolor="none", label="fake micro-batch (padding, no compute)"))
-    ncol = min(len(handles), 5)
-    legend_in = 0.25 + 0.2 * ((len(handles) + ncol - 1) // ncol)
-    fig.legend(handles=handles, loc="lower center", ncol=ncol, frameon=False, fontsize=8)
-    fig.tight_layout(rect=(0, legend_in / height, 1, 1))
+    legend_below(fig, handles)
+    return fig
+
+
+def _save(fig, path) -> None:
+    from .plotting import agg_pyplot
+
     try:
         fig.savefig(path, format="png")
     finally:
-        plt.close(fig)
+        agg_pyplot().close(fig)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -459,17 +476,19 @@ def to_png_stacked(schedule, panels: Sequence[Tuple[str, SimResult]], path, time
     """Draw ``panels`` ((title, timeline) pairs over the same schedule, e.g. a measured run and
     its simulation) one above the other on one time axis, with the colours, labels and fused
     outlines of :func:`to_png`; matplotlib is imported here."""
-    import matplotlib
+    _save(stacked_figure(schedule, panels, time_label, dpi), path)
 
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
+
+def stacked_figure(schedule, panels: Sequence[Tuple[str, SimResult]], time_label: str = "ms", dpi: int = 110):
+    """The figure :func:`to_png_stacked` saves: legend and labels inside it at any size."""
     from matplotlib.patches import Patch
 
-    pp = schedule.pp
+    from .plotting import agg_pyplot, legend_below
+
     span = max(max(r.makespan for _, r in panels), 1e-9)
     width = 16.0
-    fig, axes = plt.subplots(len(panels), 1, figsize=(width, len(panels) * (1.0 + 0.36 * pp) + 0.8), dpi=dpi,
-                             sharex=True, squeeze=False)
+    fig, axes = agg_pyplot().subplots(len(panels), 1, figsize=(width, len(panels) * (1.0 + 0.36 * schedule.pp)),
+                                      dpi=dpi, sharex=True, squeeze=False)
     per_unit = (width - 1.0) / span
     label_size = 8 if per_unit >= 0.15 else (6 if per_unit >= 0.09 else 4)
     for ax, (heading, result) in zip(axes[:, 0], panels):
@@ -481,13 +500,8 @@ def to_png_stacked(schedule, panels: Sequence[Tuple[str, SimResult]], path, time
                for (lab, col), (op, d) in zip(legend_entries(schedule), _legend_keys(schedule))]
     if any(a.overlap for acts in schedule.ranks for a in acts):
         handles.append(Patch(facecolor="white", edgecolor="#111111", linewidth=1.8, label="fused F&B unit"))
-    ncol = min(len(handles), 5)
-    fig.legend(handles=handles, loc="lower center", ncol=ncol, frameon=False, fontsize=8)
-    fig.tight_layout(rect=(0, 0.9 / fig.get_figheight(), 1, 1))
-    try:
-        fig.savefig(path, format="png")
-    finally:
-        plt.close(fig)
+    legend_below(fig, handles)
+    return fig
 
 
 def _draw_timeline(ax, schedule, result: SimResult, label_size: int) -> None:
