@@ -63,6 +63,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peer", choices=("torch",), default=None,
                    help="also run torch.distributed.pipelining's Schedule1F1B, ScheduleDualPipeV and "
                         "ScheduleZBVZeroBubble on the same stages")
+    p.add_argument("--channel-groups", action="store_true",
+                   help="carry each channel (a direction between two ranks) on its own two-rank process group "
+                        "(own NCCL stream) instead of batches on the pipeline group")
     p.add_argument("--timeout", type=float, default=120.0, help="P2P timeout in seconds (default 120)")
     p.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
     p.add_argument("--trace", metavar="DIR", default=None,
@@ -100,7 +103,8 @@ def _config(args, pps: List[int]):
                        costs=StageCosts(args.f, args.b, args.w, args.fb), mode=args.compute,
                        matmul_size=args.matmul_size, shape=shape, iters=args.iters, warmup=args.warmup,
                        peers=tuple(TORCH_SCHEDULES) if args.peer == "torch" else (), timeout_s=args.timeout,
-                       trace_dir=os.path.abspath(args.trace) if args.trace else None)
+                       trace_dir=os.path.abspath(args.trace) if args.trace else None,
+                       per_channel=args.channel_groups)
 
 
 def run(args) -> int:
