@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # CPU smoke run of Megatron-LM's pretrain_gpt.py with DualPipe: one machine, 4 processes, gloo,
 # mock data, the tiny config. Needs MEGATRON_LM_PATH (a checkout at core_v0.16.1) and the
-# Megatron-LM training dependencies (pip install six regex pyyaml pydantic pybind11).
+# Megatron-LM training dependencies (pip install -e ".[megatron-lm]"; the launcher checks them first).
 set -euo pipefail
 here="$(cd "$(dirname "$0")/.." && pwd)"
 export CONFIG=${CONFIG:-gpt_tiny_cpu} NNODES=1 NODE_RANK=0 GPUS_PER_NODE=${GPUS_PER_NODE:-4}
