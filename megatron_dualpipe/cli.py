@@ -187,7 +187,6 @@ register("simulate", "simulate a schedule with hypothetical costs; compare every
 register("advise", _advise.HELP, _advise.configure, _advise.run)
 
 
-
 def _configure_patch(p):
     p.add_argument("path", help="root of a Megatron-LM checkout at tag core_v0.16.1")
     p.add_argument("--check", action="store_true", help="say what would change, change nothing")
@@ -206,7 +205,16 @@ def _run_patch(args) -> int:
 register("patch", "add the 3-line megatron-dualpipe hook to Megatron-LM's pretrain_gpt.py (or --revert it)",
          _configure_patch, _run_patch)
 
+from . import bench as _bench  # noqa: E402 - argparse only; the benchmark imports torch when run
+register("bench", _bench.HELP, _bench.configure, _bench.run)
+from . import timeline as _timeline  # noqa: E402 - standard library until run
+register("trace", _timeline.HELP, _timeline.configure, _timeline.run)
 
+
+from .cpu import command as _cpu_mode  # noqa: E402  (standard library only until it runs)
+
+register("cpu-mode", "list every CPU-mode redirection and whether it is active (--enable: try it here)",
+         _cpu_mode.configure, _cpu_mode.run)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -162,8 +162,8 @@ def train(args, name, model, fb_func, log):
 
 def main(argv=None):
     args = parse_args(argv)
-    from megatron_dualpipe import cpu_compat
-    cpu = cpu_compat.enable_cpu_mode()
+    from megatron_dualpipe import cpu as cpu_mode
+    cpu = cpu_mode.enable()
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     if world < 2:
         raise SystemExit("run with torchrun --nproc-per-node 4 (pp = number of processes, at least 2)")

@@ -449,3 +449,68 @@ def to_png(schedule, result: SimResult, path, dpi: int = 110, fake: Fake = None)
     finally:
         plt.close(fig)
 
+
+# ---------------------------------------------------------------------------------------------
+# Two timelines of one schedule, one above the other (a measured run and its simulation)
+# ---------------------------------------------------------------------------------------------
+
+def to_png_stacked(schedule, panels: Sequence[Tuple[str, SimResult]], path, time_label: str = "ms",
+                   dpi: int = 110) -> None:
+    """Draw ``panels`` ((title, timeline) pairs over the same schedule, e.g. a measured run and
+    its simulation) one above the other on one time axis, with the colours, labels and fused
+    outlines of :func:`to_png`; matplotlib is imported here."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    pp = schedule.pp
+    span = max(max(r.makespan for _, r in panels), 1e-9)
+    width = 16.0
+    fig, axes = plt.subplots(len(panels), 1, figsize=(width, len(panels) * (1.0 + 0.36 * pp) + 0.8), dpi=dpi,
+                             sharex=True, squeeze=False)
+    per_unit = (width - 1.0) / span
+    label_size = 8 if per_unit >= 0.15 else (6 if per_unit >= 0.09 else 4)
+    for ax, (heading, result) in zip(axes[:, 0], panels):
+        _draw_timeline(ax, schedule, result, label_size)
+        ax.set_xlim(0, span)
+        ax.set_title(heading, fontsize=10, loc="left")
+    axes[-1, 0].set_xlabel(time_label)
+    handles = [Patch(facecolor=col, edgecolor="white", label=lab, **_hatch_kwargs(d, op))
+               for (lab, col), (op, d) in zip(legend_entries(schedule), _legend_keys(schedule))]
+    if any(a.overlap for acts in schedule.ranks for a in acts):
+        handles.append(Patch(facecolor="white", edgecolor="#111111", linewidth=1.8, label="fused F&B unit"))
+    ncol = min(len(handles), 5)
+    fig.legend(handles=handles, loc="lower center", ncol=ncol, frameon=False, fontsize=8)
+    fig.tight_layout(rect=(0, 0.9 / fig.get_figheight(), 1, 1))
+    try:
+        fig.savefig(path, format="png")
+    finally:
+        plt.close(fig)
+
+
+def _draw_timeline(ax, schedule, result: SimResult, label_size: int) -> None:
+    """One timeline on ``ax``: a row per rank, a cell per action, thick outlines on fused units."""
+    from matplotlib.patches import Rectangle
+
+    pp = schedule.pp
+    row, gap = 1.0, 0.14
+    for c in cells(schedule, result):
+        x0, x1 = c.span
+        y = (pp - 1 - c.rank) * (row + gap)
+        ax.add_patch(Rectangle((x0, y), x1 - x0, row, facecolor=COLORS[(c.action.op, c.action.dir)],
+                               edgecolor="white", linewidth=0.6, **_hatch_kwargs(c.action.dir, c.action.op)))
+        ax.text((x0 + x1) / 2, y + row / 2, _label(c.action), ha="center", va="center", fontsize=label_size,
+                color=TEXT[c.action.dir], clip_on=True)
+        if c.fused and c.half == 0:
+            ax.add_patch(Rectangle((c.start, y), c.end - c.start, row, facecolor="none", edgecolor="#111111",
+                                   linewidth=1.8, zorder=3))
+    ax.set_ylim(-gap, pp * (row + gap))
+    ax.set_yticks([(pp - 1 - r) * (row + gap) + row / 2 for r in range(pp)])
+    ax.set_yticklabels([f"rank {r}" for r in range(pp)])
+    ax.tick_params(axis="y", length=0)
+    for side in ("top", "right", "left"):
+        ax.spines[side].set_visible(False)
+    ax.grid(axis="x", color="#e4e4e4", linewidth=0.6)
+    ax.set_axisbelow(True)

@@ -174,3 +174,18 @@ def test_python_dash_m(tmp_path):
                        cwd=tmp_path, timeout=60)
     assert p.returncode == 2
     assert p.stderr.startswith("megatron-dualpipe: error: ") and p.stderr.count("\n") == 1
+
+
+def test_cpu_mode_lists_every_redirection(capsys):
+    from megatron_dualpipe import cpu
+
+    code, out, err = run(capsys, "cpu-mode", "--json")
+    assert code == 0 and err == ""
+    doc = json.loads(out)
+    listed = [(r["part"], r["target"]) for r in doc["redirections"]]
+    want = [(part, r.target) for part in cpu.PARTS for r in cpu.redirections(part)]
+    print(f"\ncpu-mode lists {len(listed)} redirections: "
+          + ", ".join(f"{p}: {sum(1 for q, _ in listed if q == p)}" for p in cpu.PARTS))
+    assert listed == want and all(r["why"] for r in doc["redirections"])
+    code, out, _ = run(capsys, "cpu-mode")
+    assert code == 0 and all(target in out for _, target in want)

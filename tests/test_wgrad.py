@@ -378,8 +378,9 @@ def test_fusion_path_accumulates_into_main_grad():
 
 
 def _cpu_mode():
-    cpu_compat = pytest.importorskip("megatron_dualpipe.cpu_compat")
-    cpu_compat.enable_cpu_mode()
+    from megatron_dualpipe import cpu
+
+    cpu.enable()
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     model_parallel_cuda_manual_seed(1234, force_reset_rng=True)

@@ -14,6 +14,7 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import schedules
 from megatron.core.utils import get_model_type
 
+from ..executor.runner import StageComputeBase
 from ..schedule import B, Action
 from ..schedule.layout import Layout
 from ..schedule.registry import ScheduleSpec
@@ -21,7 +22,7 @@ from .data import MicrobatchSource
 from .direction import direction_of
 
 
-class MegatronStageCompute:
+class MegatronStageCompute(StageComputeBase):
     """Chunk ``d`` of ``model`` serves direction ``d`` (single-direction schedules use chunk 0).
 
     Saved activations and deferred weight gradients are keyed by (direction, micro-batch,

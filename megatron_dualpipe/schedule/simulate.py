@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from .actions import B, BW, F, W, Action, format_grid
+from .actions import B, BW, F, W, Action, format_grid, units
 from .deps import Event, event_of, event_rank, waits_for
 from .layout import Layout
 
@@ -115,22 +115,6 @@ class SimResult:
     def to_json(self) -> dict:
         return {"makespan": self.makespan, "bubble": self.bubble, "peak_activations": self.peak_activations,
                 "busy": self.busy}
-
-
-def units(acts: Sequence[Action]) -> List[Tuple[int, ...]]:
-    """Group a rank's list into execution units: an overlapped F with its following backward."""
-    out: List[Tuple[int, ...]] = []
-    i = 0
-    while i < len(acts):
-        if acts[i].overlap:
-            if i + 1 >= len(acts) or not acts[i + 1].is_backward:
-                raise ValueError(f"action {i} ({acts[i]}) is marked overlap but no backward follows it")
-            out.append((i, i + 1))
-            i += 2
-        else:
-            out.append((i,))
-            i += 1
-    return out
 
 
 def simulate(layout: Layout, ranks: Sequence[Sequence[Action]], costs: Costs = Costs(),
