@@ -1,8 +1,14 @@
+import runpy
+
 from setuptools import find_packages, setup
+
+# One list for the extra and the launcher's preflight (megatron_dualpipe/megatron_lm/requirements.py).
+MEGATRON_LM = runpy.run_path("megatron_dualpipe/megatron_lm/requirements.py")
+VERSION = runpy.run_path("megatron_dualpipe/__init__.py")["__version__"]
 
 setup(
     name="megatron-dualpipe",
-    version="0.1.0",
+    version=VERSION,
     description="DeepSeek's DualPipe and DualPipeV pipeline schedules for Megatron-LM",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
@@ -26,9 +32,9 @@ setup(
         "gpu": ["transformer-engine[pytorch]"],
         "test": ["pytest>=7", "pytest-xdist", "pytest-timeout"],
         # What Megatron-LM's training code (megatron/training, pretrain_gpt.py) imports beyond
-        # megatron-core: needed to run pretrain_gpt.py with the plugin, and by its tests;
-        # transformers for --tokenizer-type HuggingFaceTokenizer (prepare-data's tokenizer directory).
-        "megatron-lm": ["six", "regex", "pyyaml", "pydantic", "pybind11", "transformers"],
+        # megatron-core: needed to run pretrain_gpt.py with the plugin, and by its tests; transformers
+        # for --tokenizer-type HuggingFaceTokenizer (prepare-data's tokenizer directory).
+        MEGATRON_LM["EXTRA"]: sorted(MEGATRON_LM["PACKAGES"].values()) + ["transformers"],
     },
     entry_points={"console_scripts": ["megatron-dualpipe=megatron_dualpipe.cli:main"]},
 )

@@ -27,7 +27,7 @@ def bench_run(tmp_path_factory):
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         code = main(["bench", "--pp", str(PP), "-m", "2pp", "--f", "2", "--b", "4", "--w", "2", "--iters", "1",
-                     "--warmup", "0", "--schedule", "1f1b", "dualpipe", "dualpipev", "--peer", "torch",
+                     "--warmup", "0", "--schedule", "executor-1f1b", "dualpipe", "dualpipev", "--peer", "torch",
                      "--json", "--trace", str(trace_dir)])
     assert code == 0
     return json.loads(out.getvalue()), trace_dir
@@ -37,9 +37,9 @@ def test_bench_reports_every_schedule_against_the_simulator(bench_run):
     doc, _ = bench_run
     rows = {(r["runner"], r["schedule"]): r for r in doc["rows"]}
     print("\n" + "\n".join(f"{k}: {v['median_ms']:.1f} ms, sim {v['sim_ms']}, x{v['ratio']}" for k, v in rows.items()))
-    assert set(rows) == {("project", "1f1b"), ("project", "dualpipe"), ("project", "dualpipev"),
+    assert set(rows) == {("project", "executor-1f1b"), ("project", "dualpipe"), ("project", "dualpipev"),
                          ("torch", "torch-1f1b"), ("torch", "torch-dualpipev"), ("torch", "torch-zbv")}
-    for name in ("1f1b", "dualpipe", "dualpipev"):
+    for name in ("executor-1f1b", "dualpipe", "dualpipev"):
         s = build_schedule(name, PP, M)
         sim = simulate(s.layout, s.ranks, Costs(f=2, b=4, w=2))
         row = rows[("project", name)]
@@ -48,7 +48,7 @@ def test_bench_reports_every_schedule_against_the_simulator(bench_run):
         assert row["peak_activations"] == sim.peak_activations  # the executor runs the plan's order
         assert row["median_ms"] > 0 and len(row["p2p_ms"]) == PP
     pairs = {(p["project"], p["torch"]) for p in doc["project_over_torch"]}
-    assert pairs == {("1f1b", "torch-1f1b"), ("dualpipev", "torch-dualpipev"), ("dualpipev", "torch-zbv")}
+    assert pairs == {("executor-1f1b", "torch-1f1b"), ("dualpipev", "torch-dualpipev"), ("dualpipev", "torch-zbv")}
     assert doc["p2p_latency_ms"][str(PP)] > 0
 
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from megatron_dualpipe import cpu as cpu_mode
-from megatron_dualpipe.testing import megatron_env as me
+from harness import megatron_env as me
 
 pytestmark = pytest.mark.skipif(
     torch.cuda.is_available(), reason="CPU-mode tests; on a GPU machine CPU mode is never active"
@@ -407,6 +407,32 @@ def test_enable_disable_restores_every_megatron_lm_attribute():
     lines = [line for line in proc.stdout.splitlines() if line.startswith("REPORT")]
     assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
     check_enable_disable_report(json.loads(lines[-1][len("REPORT"):]), ["megatron-core", "megatron-lm"])
+
+
+def _cli_worker(rank, world_size, port):
+    import contextlib
+    import io
+
+    from megatron_dualpipe.cli import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(["cpu-mode", "--enable", "--json"])
+    return code, out.getvalue()
+
+
+def test_cli_cpu_mode_enable_switches_on_and_back_off():
+    """`megatron-dualpipe cpu-mode --enable` in a fresh process: all active, then all restored."""
+    import json
+
+    [(code, out)] = me.run_workers(_cli_worker, world_size=1)
+    doc = json.loads(out)
+    states = {r["part"]: set() for r in doc["redirections"]}
+    for r in doc["redirections"]:
+        states[r["part"]].add(r["state"])
+    print(f"\ncpu-mode --enable: {states}; restore mismatches: {doc['restore_mismatches']}")
+    assert code == 0 and doc["restore_mismatches"] == []
+    assert states == {"megatron-core": {"active"}, "megatron-lm": {"inactive"}}
 
 
 def test_every_redirection_says_why():

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from megatron_dualpipe.testing.megatron_env import run_workers
+from harness.megatron_env import run_workers
 
 VOCAB = 64
 SEED = 1234
@@ -21,7 +21,7 @@ SEED = 1234
 def _provider(config, tied, seen_pp_ranks=None):
     from megatron.core import parallel_state
 
-    from megatron_dualpipe.testing.megatron_env import build_tiny_gpt
+    from harness.megatron_env import build_tiny_gpt
 
     def provider(*, pre_process, post_process, pg_collection=None, vp_stage=None):
         if seen_pp_ranks is not None:  # what parallel_state says while this chunk is built
@@ -45,7 +45,7 @@ def _full_state_dict(tied, num_layers):
 
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    from megatron_dualpipe.testing.megatron_env import build_tiny_gpt, seed_all, tiny_gpt_config
+    from harness.megatron_env import build_tiny_gpt, seed_all, tiny_gpt_config
 
     seed_all(SEED)
     pgc = copy.copy(ProcessGroupCollection.use_mpu_process_groups())
@@ -103,7 +103,7 @@ def _worker(rank, world_size, port, pp, num_layers):
     from megatron_dualpipe.mcore import grads as G
     from megatron_dualpipe.mcore import groups
     from megatron_dualpipe.mcore import model as M
-    from megatron_dualpipe.testing.megatron_env import (
+    from harness.megatron_env import (
         _full_key,
         destroy_distributed,
         init_distributed_cpu,
@@ -237,7 +237,7 @@ def _dp_worker(rank, world_size, port):
     from megatron_dualpipe.mcore import grads as G
     from megatron_dualpipe.mcore import groups
     from megatron_dualpipe.mcore import model as M
-    from megatron_dualpipe.testing.megatron_env import destroy_distributed, init_distributed_cpu, seed_all, tiny_gpt_config
+    from harness.megatron_env import destroy_distributed, init_distributed_cpu, seed_all, tiny_gpt_config
 
     init_distributed_cpu(rank, world_size, port, pp=2)
     out = {}

@@ -5,7 +5,10 @@ pipeline is compared with a single process that runs every micro-batch through a
 and accumulates gradients: losses and per-stage gradients must match.
 """
 import datetime
+import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -15,7 +18,8 @@ from megatron_dualpipe.executor.p2p import P2P
 from megatron_dualpipe.executor.runner import StageComputeBase, TensorSpec, compile_program, run_rank
 from megatron_dualpipe.executor.trace import TraceRecorder
 from megatron_dualpipe.schedule.actions import units
-from megatron_dualpipe.testing.megatron_env import run_workers
+
+from harness.workers import run_workers
 
 H, MBS = 8, 3
 
@@ -226,3 +230,24 @@ def test_trace_recorded_from_the_environment(tmp_path):
         times = [t for u in rec["units"] for t in u[1:]]
         print(f"\nrank {r}: {len(rec['units'])} units over {times[-1] * 1e3:.1f} ms")
         assert times == sorted(times)  # waited <= started <= ended <= next unit's wait
+
+
+def _megatron_modules(rank=0, world=1, port=0):
+    return sorted(m for m in sys.modules if m == "megatron" or m.startswith("megatron."))
+
+
+def test_toy_tests_never_import_megatron_core():
+    """This file and its workers need torch only: megatron-core is imported nowhere (fresh process)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    script = ("import json, test_runner_toy as t\n"
+              "from harness.workers import run_workers\n"
+              "print('MODULES' + json.dumps({'parent': t._megatron_modules(), "
+              "'workers': run_workers(t._megatron_modules, 2)}))\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(here), here]))
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("MODULES")]
+    assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-2000:]
+    found = json.loads(lines[-1][len("MODULES"):])
+    print(f"\nmegatron modules imported: test process {len(found['parent'])}, "
+          f"workers {[len(w) for w in found['workers']]}")
+    assert found == {"parent": [], "workers": [[], []]}

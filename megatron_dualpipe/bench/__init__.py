@@ -21,8 +21,11 @@ import json
 import os
 from typing import Dict, List, Tuple
 
+from ..schedule import registry
+
 HELP = "time the executor on synthetic stages against the simulator (and torch's schedules)"
-SCHEDULE_NAMES = ("1f1b", "zb-h1", "dualpipe", "dualpipev")
+#: The schedules the executor runs (the registry's); ``executor-1f1b`` is the 1F1B order.
+SCHEDULE_NAMES = registry.names(runs_on=registry.EXECUTOR)
 
 
 def _microbatches(text: str):

@@ -11,13 +11,14 @@ from typing import Callable, Dict, Tuple
 
 import torch
 
+from ..schedule import registry
 from .synthetic import Spender, StageCosts, SyntheticStage, weight_runner
 
 #: bench name -> (torch class name, project schedule with the same stages and costs)
 TORCH_SCHEDULES: Dict[str, Tuple[str, str]] = {
-    "torch-1f1b": ("Schedule1F1B", "1f1b"),
-    "torch-dualpipev": ("ScheduleDualPipeV", "dualpipev"),
-    "torch-zbv": ("ScheduleZBVZeroBubble", "dualpipev"),
+    "torch-1f1b": ("Schedule1F1B", registry.EXECUTOR_1F1B),
+    "torch-dualpipev": ("ScheduleDualPipeV", registry.DUALPIPEV),
+    "torch-zbv": ("ScheduleZBVZeroBubble", registry.DUALPIPEV),
 }
 
 
