@@ -100,6 +100,15 @@ def clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled
 
 
 # Modules whose global ``torch`` becomes the CPU view, with the CUDA sites that need it.
+def get_cuda_rng_state(device="cuda", clone=False, graph_safe=False):
+    """The CPU generator's state: on CPU it is the generator the RNG tracker's "CUDA" states live in."""
+    return torch.get_rng_state()
+
+
+def set_cuda_rng_state(new_state, device=-1, graph_safe=False):
+    torch.set_rng_state(new_state)
+
+
 _VIEWS = (
     ("megatron.core.pipeline_parallel.schedules",
      'total_num_tokens = torch.zeros(..., device="cuda") in every forward_backward_* function'),
@@ -172,4 +181,11 @@ REDIRECTIONS = (
             "and scales the same grads by the same max_norm / (total_norm + 1e-6)"),
     replace("megatron.core.optimizer.optimizer", _CLIP, clip_grad_by_total_norm_fp32,
             "the by-name import that MegatronOptimizer.step calls (--clip-grad > 0)"),
+    # Activation recompute (--recompute-granularity full / selective): CheckpointFunction saves and
+    # restores the CUDA RNG state around the recomputed forward.
+    replace(_RANDOM, "_get_cuda_rng_state", get_cuda_rng_state,
+            "activation recompute saves the CUDA RNG state (torch.cuda.random.get_rng_state); on CPU "
+            "that is the CPU generator, where the tracker's states live"),
+    replace(_RANDOM, "_set_cuda_rng_state", set_cuda_rng_state,
+            "and restores it for the recomputed forward"),
 ) + tuple(torch_view(module, why) for module, why in _VIEWS)
