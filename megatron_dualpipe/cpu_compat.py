@@ -53,8 +53,19 @@ backward, megatron-core's own 1F1B schedule with pp=2 and pp=4, and megatron DDP
    - ``megatron.core.distributed.distributed_data_parallel``: DDP creates a
      ``torch.cuda.Stream`` for overlapped grad reduction; ``torch.cuda.synchronize`` /
      ``empty_cache`` in its buffer free/allocate helpers.
-   The view also gives ``torch.cuda.default_stream()`` (the CPU stand-in) and a no-op
-   ``torch.cuda.empty_cache()``.
+   - the combined forward-backward step (``--overlap-moe-expert-parallel-comm``, used by
+     ``megatron_dualpipe.mcore.overlap``):
+     ``megatron.core.pipeline_parallel.utils`` (``set_streams`` makes a compute and a
+     communication stream; every ``ScheduleNode`` runs in ``torch.cuda.stream(...)`` between
+     NVTX ranges),
+     ``megatron.core.models.common.model_chunk_schedule_plan`` (a ``torch.cuda.Event`` per
+     plan, NVTX ranges per layer),
+     ``megatron.core.models.gpt.fine_grained_callables`` (``torch.cuda.current_stream()``,
+     ``torch.cuda.nvtx.range``),
+     ``megatron.core.pipeline_parallel.combined_1f1b`` (the loss node on
+     ``torch.cuda.current_stream()``).
+   The view also gives ``torch.cuda.default_stream()`` (the CPU stand-in), a no-op
+   ``torch.cuda.empty_cache()`` and no-op NVTX ranges (``torch.cuda.nvtx`` raises on a CPU build).
 
 5. ``megatron.core.transformer.moe.moe_utils.te_general_gemm`` is set to None when it is not
    defined. ``RouterGatingLinearFunction`` (every MoE router's gating, 0.16.1) tests
@@ -69,6 +80,11 @@ backward, megatron-core's own 1F1B schedule with pp=2 and pp=4, and megatron DDP
    ``torch.distributed.all_to_all_single`` rejects them (``TypeError: all_to_all_single():
    incompatible function arguments``). Replaced by a version that also turns CPU tensors into
    numpy arrays when ``as_numpy=True``.
+
+7. ``megatron.core.pipeline_parallel.combined_1f1b.combined_forward_backward_step`` is wrapped
+   so that ``torch.Tensor.record_stream`` does nothing for CPU tensors *for the duration of that
+   call only* (the schedule nodes and the MoE combine call it to keep memory alive across CUDA
+   streams; the CPU backend has no such op and raises ``NotImplementedError``).
 
 Not redirected (not needed by the paths above): ``MoEAuxLossAutoScaler.set_loss_scale`` (the
 schedules call it with a tensor on the output's device, which is the CPU here; only
@@ -129,6 +145,23 @@ _TORCH_VIEW_MODULES: Tuple[Tuple[str, str], ...] = (
         "communication-stream waits on torch.cuda.default_stream()",
     ),
     (
+        "megatron.core.pipeline_parallel.utils",
+        "combined step: set_streams() makes CUDA streams; ScheduleNode runs in torch.cuda.stream() "
+        "between NVTX ranges",
+    ),
+    (
+        "megatron.core.models.common.model_chunk_schedule_plan",
+        "combined step: torch.cuda.Event per schedule plan, current_stream(), NVTX ranges per layer",
+    ),
+    (
+        "megatron.core.models.gpt.fine_grained_callables",
+        "combined step: record_stream(torch.cuda.current_stream()), torch.cuda.nvtx.range for wgrad",
+    ),
+    (
+        "megatron.core.pipeline_parallel.combined_1f1b",
+        "combined step: the loss node runs on torch.cuda.current_stream()",
+    ),
+    (
         "megatron.core.distributed.distributed_data_parallel",
         "DDP creates a torch.cuda.Stream for grad-reduce overlap; synchronize/empty_cache in "
         "the buffer free/allocate helpers",
@@ -155,6 +188,11 @@ REDIRECTIONS: Tuple[Tuple[str, str], ...] = (
         "megatron.core.transformer.moe.token_dispatcher.maybe_move_tensor_to_cpu",
         "only converts CUDA tensors, so alltoall split sizes stay tensors on the CPU and "
         "all_to_all_single rejects them; CPU tensors are turned into numpy when as_numpy=True",
+    ),
+    (
+        "megatron.core.pipeline_parallel.combined_1f1b.combined_forward_backward_step",
+        "schedule nodes call Tensor.record_stream, which the CPU backend lacks (NotImplementedError); "
+        "a no-op for CPU tensors during this call only",
     ),
     (
         "megatron.core.transformer.moe.moe_utils.te_general_gemm",
@@ -187,6 +225,7 @@ def enable_cpu_mode() -> bool:
     _patch_tied_embedding_setup()
     _define_missing_te_general_gemm()
     _patch_dispatcher_split_sizes()
+    _patch_combined_step_record_stream()
     view = _CpuTorchView()
     for name, _ in _TORCH_VIEW_MODULES:
         module = importlib.import_module(name)
@@ -327,6 +366,35 @@ def _patch_dispatcher_split_sizes() -> None:
 
 
 # --------------------------------------------------------------------------------------------
+# 7. Tensor.record_stream inside the combined forward-backward step
+
+
+def _patch_combined_step_record_stream() -> None:
+    from megatron.core.pipeline_parallel import combined_1f1b
+
+    original = combined_1f1b.combined_forward_backward_step
+
+    @functools.wraps(original)
+    def combined_forward_backward_step(*args, **kwargs):
+        saved = torch.Tensor.record_stream
+        torch.Tensor.record_stream = _record_stream_unless_cpu
+        try:
+            return original(*args, **kwargs)
+        finally:
+            torch.Tensor.record_stream = saved
+
+    combined_1f1b.combined_forward_backward_step = combined_forward_backward_step
+
+
+_RECORD_STREAM = torch.Tensor.record_stream
+
+
+def _record_stream_unless_cpu(self, stream):
+    if self.device.type != "cpu":
+        _RECORD_STREAM(self, stream)
+
+
+# --------------------------------------------------------------------------------------------
 # 4. A view of `torch` for selected megatron-core modules
 
 _CPU = torch.device("cpu")
@@ -389,11 +457,28 @@ class _CpuStream:
 _CPU_STREAM = _CpuStream()
 
 
+class _NoNvtx:
+    """`torch.cuda.nvtx` without NVTX: ranges are no-ops."""
+
+    @staticmethod
+    def range_push(msg):
+        pass
+
+    @staticmethod
+    def range_pop():
+        pass
+
+    @staticmethod
+    def range(msg, *args, **kwargs):
+        return contextlib.nullcontext()
+
+
 class _CpuCudaView:
     """`torch.cuda` with the device, stream and synchronize calls redirected to the CPU."""
 
     Stream = _CpuStream
     Event = _CpuEvent
+    nvtx = _NoNvtx
 
     @staticmethod
     def current_device():

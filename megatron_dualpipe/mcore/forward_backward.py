@@ -45,6 +45,7 @@ from ..executor.runner import Program, TensorSpec, compile_program, run_rank
 from ..schedule import B, registry
 from .data import MicrobatchSource
 from .loss_gather import gather_losses_on_last_rank
+from .overlap import OverlappedStageCompute, offers_combined_step
 from .stage_compute import MegatronStageCompute
 from .validation import DualPipeConfigError, check_call
 
@@ -131,7 +132,8 @@ class ExecutorSchedule:
         it = self._plan(model, config, num_microbatches, padded, forward_only,
                         (seq_length, micro_batch_size, decoder_seq_length))
         store = self._wgrad_store(it, forward_only)
-        compute = MegatronStageCompute(
+        # Through megatron-core's combined step when the model offers it (mcore.overlap).
+        compute = (OverlappedStageCompute if offers_combined_step(config, forward_only) else MegatronStageCompute)(
             spec=self.spec, model=model, layout=it.program.schedule.layout, rank=it.rank,
             forward_step_func=forward_step_func, source=MicrobatchSource(data_iterator), real=num_microbatches,
             config=config, forward_only=forward_only, collect_non_loss_data=collect_non_loss_data,

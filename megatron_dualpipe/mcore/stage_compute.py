@@ -21,6 +21,7 @@ from ..schedule.registry import ScheduleSpec
 from ..wgrad import offers_te_backward_dw, run_te_backward_dw
 from .data import MicrobatchSource
 from .direction import direction_of
+from .model import unwrap_chunk
 
 
 class MegatronStageCompute:
@@ -48,7 +49,7 @@ class MegatronStageCompute:
         self.config, self.forward_only, self.collect_non_loss_data = config, forward_only, collect_non_loss_data
         self.first_val_step, self.global_ranks = first_val_step, global_ranks
         self.wgrad_store, self.audit = wgrad_store, audit
-        self.unwrapped = [_unwrap(chunk) for chunk in model]
+        self.unwrapped = [unwrap_chunk(chunk) for chunk in model]
         self.te_backward_dw = [offers_te_backward_dw(chunk) for chunk in self.unwrapped]
         self.cp_size = parallel_state.get_context_parallel_world_size()
         self.model_type = get_model_type(model[0])
@@ -61,35 +62,51 @@ class MegatronStageCompute:
         return self.spec.is_fake(self.real, a.dir, a.mb)
 
     def forward(self, a: Action, input_tensor):
-        chunk = a.dir
-        is_first_mb = schedules.check_first_val_step(self.first_val_step, self.forward_only,
-                                                     not self.first_forward_done[chunk])
-        self.first_forward_done[chunk] = True
-        g = self.spec.global_index(self.real, a.dir, a.mb)
+        g, is_first_mb = self._begin_forward(a)
         with direction_of(self.layout, self.rank, a.dir, self.global_ranks):
             output, num_tokens = schedules.forward_step(
-                self.forward_step_func, self.source.view(g), self.model[chunk], self.real, input_tensor,
+                self.forward_step_func, self.source.view(g), self.model[a.dir], self.real, input_tensor,
                 self.loss_store[a.dir], self.config, self.cp_size,
                 collect_non_loss_data=self.collect_non_loss_data, is_first_microbatch=is_first_mb,
                 current_microbatch=g, is_last_stage=self.layout.is_last(a.dir, a.stage))
-        self.total_num_tokens = num_tokens if self.total_num_tokens is None else self.total_num_tokens + num_tokens
-        if not self.forward_only:
-            self.saved[(a.dir, a.mb, a.stage)] = (input_tensor, output)
+        self._end_forward(a, input_tensor, output, num_tokens)
         return output
 
     def backward(self, a: Action, output_grad):
-        key = (a.dir, a.mb, a.stage)
-        input_tensor, output = self.saved.pop(key)
-        deferring = a.op == B and self.wgrad_store is not None
+        input_tensor, output = self.saved.pop((a.dir, a.mb, a.stage))
         with contextlib.ExitStack() as stack:
-            if deferring:
-                stack.enter_context(self.wgrad_store.deferring(key))
-                if self.audit is not None and self.audit.wants(a.dir):
-                    stack.enter_context(self.audit.watching(a.dir, f"stage {a.stage}", self.unwrapped[a.dir]))
+            deferring = self._defer_weight_grads(a, stack)
             input_grad = schedules.backward_step(input_tensor, output, output_grad, self.model_type, self.config)
         if self.te_backward_dw[a.dir]:
-            self._te_backward_dw(a.dir, key if deferring else None)
+            self._te_backward_dw(a.dir, (a.dir, a.mb, a.stage) if deferring else None)
         return input_grad
+
+    def forward_backward(self, f_action: Action, b_action: Action, input_tensor, output_grad):
+        """A fused F&B unit (the runner's hook): here the forward, then the backward (no overlap;
+        ``mcore.overlap.OverlappedStageCompute`` runs both through megatron-core's combined step)."""
+        return self.forward(f_action, input_tensor), self.backward(b_action, output_grad)
+
+    # -- shared by the subclasses ---------------------------------------------------------------
+    def _begin_forward(self, a: Action):
+        """The global micro-batch index of ``a`` and whether it is its chunk's first forward."""
+        is_first_mb = schedules.check_first_val_step(self.first_val_step, self.forward_only,
+                                                     not self.first_forward_done[a.dir])
+        self.first_forward_done[a.dir] = True
+        return self.spec.global_index(self.real, a.dir, a.mb), is_first_mb
+
+    def _end_forward(self, a: Action, input_tensor, output, num_tokens) -> None:
+        self.total_num_tokens = num_tokens if self.total_num_tokens is None else self.total_num_tokens + num_tokens
+        if not self.forward_only:
+            self.saved[(a.dir, a.mb, a.stage)] = (input_tensor, output)
+
+    def _defer_weight_grads(self, a: Action, stack: contextlib.ExitStack) -> bool:
+        """For a B action: enter the store's ``deferring`` block (and the audit's watch) on ``stack``."""
+        if a.op != B or self.wgrad_store is None:
+            return False
+        stack.enter_context(self.wgrad_store.deferring((a.dir, a.mb, a.stage)))
+        if self.audit is not None and self.audit.wants(a.dir):
+            stack.enter_context(self.audit.watching(a.dir, f"stage {a.stage}", self.unwrapped[a.dir]))
+        return True
 
     def _te_backward_dw(self, chunk: int, key) -> None:
         """TE left this backward's weight gradients queued: W computes them (``key``), or now."""
@@ -105,9 +122,3 @@ class MegatronStageCompute:
     def release(self, a: Action, output) -> None:
         schedules.deallocate_output_tensor(output, self.config.deallocate_pipeline_outputs)
 
-
-def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
-    """The model inside megatron's DDP / Float16Module wrappers."""
-    while hasattr(chunk, "module"):
-        chunk = chunk.module
-    return chunk
