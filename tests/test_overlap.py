@@ -417,3 +417,27 @@ def test_dualpipe_overlapped_units_equal_f_then_b_and_single_process():
 def test_dualpipev_overlapped_units_equal_f_then_b_and_single_process():
     results = _run("dualpipev", RUNS)
     _check_order(results, RUNS)
+
+
+def test_enable_combined_step_adapter_and_dualpipev_config_keep_the_flags():
+    """megatron-core refuses the flag with pp=2 and no virtual pipeline; the adapter refuses what the
+    combined step cannot run, naming the flag, and sets it on a config megatron-core built;
+    ``dualpipev_config`` (vpp=2) keeps it."""
+    from megatron.core.transformer import TransformerConfig
+    from megatron_dualpipe.mcore.model import dualpipev_config
+    from megatron_dualpipe.mcore.overlap import COMBINED_STEP_FLAGS, enable_combined_step
+
+    base = dict(num_layers=4, hidden_size=32, num_attention_heads=4, num_moe_experts=4, use_cpu_initialization=True,
+                pipeline_model_parallel_size=2, pipeline_dtype=torch.float32, moe_token_dispatcher_type="alltoall")
+    with pytest.raises(AssertionError, match="virtual_pipeline_model_parallel_size must be specified"):
+        TransformerConfig(**base, expert_model_parallel_size=2, overlap_moe_expert_parallel_comm=True, bf16=True)
+    with pytest.raises(ValueError) as refused:
+        enable_combined_step(TransformerConfig(**{**base, "moe_token_dispatcher_type": "allgather"}))
+    print(f"\n{refused.value}")
+    assert str(refused.value).startswith("--overlap-moe-expert-parallel-comm with DualPipe: it overlaps the "
+                                         "expert-parallel all-to-all: set --expert-model-parallel-size > 1")
+    assert "alltoall or flex" in str(refused.value)
+    config = enable_combined_step(TransformerConfig(**base, expert_model_parallel_size=2))
+    v = dualpipev_config(config)
+    assert [getattr(config, f) for f in COMBINED_STEP_FLAGS] == [True, False]
+    assert [getattr(v, f) for f in COMBINED_STEP_FLAGS] == [True, False] and v.virtual_pipeline_model_parallel_size == 2

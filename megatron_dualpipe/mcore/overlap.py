@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 from typing import Iterator, List, Optional
 
 from megatron.core.pipeline_parallel import combined_1f1b, schedules
@@ -68,7 +69,14 @@ from .direction import direction_of
 from .stage_compute import MegatronStageCompute
 from .validation import DualPipeConfigError
 
-__all__ = ["OverlappedStageCompute", "combined_step_problems", "enable_combined_step", "offers_combined_step"]
+log = logging.getLogger("megatron_dualpipe")
+
+__all__ = ["COMBINED_STEP_FLAGS", "OverlappedStageCompute", "combined_step_problems", "enable_combined_step",
+           "offers_combined_step"]
+
+#: The config flags megatron-core's ``TransformerConfig`` checks against a virtual pipeline;
+#: :func:`enable_combined_step` sets them after its checks.
+COMBINED_STEP_FLAGS = ("overlap_moe_expert_parallel_comm", "delay_wgrad_compute")
 
 
 def offers_combined_step(config, forward_only: bool = False) -> bool:
@@ -78,11 +86,14 @@ def offers_combined_step(config, forward_only: bool = False) -> bool:
 
 def combined_step_problems(config) -> List[str]:
     """What megatron-core's combined step needs besides the virtual pipeline (its
-    ``TransformerConfig`` checks, minus pp/vpp and bf16/fp16: see the module docstring)."""
+    ``TransformerConfig`` checks, minus pp/vpp and bf16/fp16: see the module docstring).
+
+    ``config`` is a ``TransformerConfig`` or Megatron-LM's ``args`` (same names, but
+    ``num_experts`` for ``num_moe_experts``)."""
     problems = []
     if (getattr(config, "expert_model_parallel_size", 1) or 1) <= 1:
         problems.append("it overlaps the expert-parallel all-to-all: set --expert-model-parallel-size > 1")
-    if getattr(config, "num_moe_experts", None) is None:
+    if getattr(config, "num_moe_experts", getattr(config, "num_experts", None)) is None:
         problems.append("it needs an MoE model: set --num-experts")
     if getattr(config, "moe_token_dispatcher_type", None) not in ("alltoall", "flex"):
         problems.append("it needs --moe-token-dispatcher-type alltoall or flex, got "
@@ -134,10 +145,17 @@ class OverlappedStageCompute(MegatronStageCompute):
     """:class:`MegatronStageCompute` whose F, B, BW and fused F&B units all run through
     megatron-core's ``combined_forward_backward_step`` (see the module docstring)."""
 
+    #: Whether this process has said once that the combined step is in use.
+    announced = False
+
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         _check_forward_step_func(self.forward_step_func)
         pp_utils.set_streams()  # once per process: the compute and communication streams
+        if not OverlappedStageCompute.announced:
+            OverlappedStageCompute.announced = True
+            log.info("megatron-dualpipe: %s pipeline rank %d: fused F&B units run through megatron-core's combined "
+                     "step (--overlap-moe-expert-parallel-comm)", self.spec.name, self.rank)
 
     def forward(self, a: Action, input_tensor):
         return self._combined(a, input_tensor, None, None)[0]

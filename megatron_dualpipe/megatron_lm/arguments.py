@@ -183,10 +183,12 @@ def dualpipe_problems(args):
     if getattr(args, "cuda_graph_impl", "none") not in (None, "none"):
         bad("does not support CUDA graphs; use --cuda-graph-impl none")
     if getattr(args, "overlap_moe_expert_parallel_comm", False):
-        bad(
-            "does not support --overlap-moe-expert-parallel-comm (Megatron's combined 1F1B); "
-            "remove it"
-        )
+        # Fused F&B units through megatron-core's combined step (mcore.overlap); no virtual
+        # pipeline needed (training_hooks adapts the config).
+        from ..mcore.overlap import combined_step_problems
+
+        for problem in combined_step_problems(args):
+            bad(f"--overlap-moe-expert-parallel-comm: {problem}")
     if getattr(args, "iterations_to_skip", None):
         bad(
             "does not support --iterations-to-skip (the skip path assumes one data iterator); "
@@ -232,6 +234,9 @@ def _one_chunk_problems(spec, args, bad, problems):
         )
     if getattr(args, "overlap_p2p_comm", False):
         bad("batches its own P2P; remove --overlap-p2p-communication")
+    if getattr(args, "overlap_moe_expert_parallel_comm", False):
+        bad("has no fused F&B units to overlap; remove --overlap-moe-expert-parallel-comm (or use a two-chunk "
+            "schedule: " + ", ".join(registry.names(chunks_per_rank=2)) + ")")
     _zero_bubble_problems(spec, args, bad)
     if getattr(args, "variable_seq_lengths", False):
         bad("needs fixed shapes between micro-batches; remove --variable-seq-lengths")

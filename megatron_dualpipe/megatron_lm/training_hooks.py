@@ -28,6 +28,15 @@ arguments and returns its result: Megatron behaves exactly as without the plugin
     ``train()``) -- for two chunks via ``grads.finalize_dualpipe_grads`` after the bd
     all-reduce -- and returns the loss dicts of both directions on the last pipeline rank,
     where ``train_step`` / ``evaluate`` read them.
+``megatron.training.arguments.core_transformer_config_from_args`` (``--overlap-moe-expert-parallel-comm``)
+    megatron-core's ``TransformerConfig`` refuses the flag with a pipeline but no virtual
+    pipeline, and ``pretrain_gpt.py`` builds a config from ``args`` on every ``get_batch``. With
+    an executor schedule the wrapper builds the config with the flag (and
+    ``--delay-wgrad-compute``) off and turns them on afterwards through
+    ``mcore.overlap.enable_combined_step``: the fused units come from DualPipe, not from a
+    virtual pipeline. ``args`` keeps the flag (``pretrain_gpt.forward_step`` asserts it before
+    returning a schedule plan). ``pretrain_gpt.py`` and ``gpt_builders.py`` import the function
+    by name, after ``install()`` (launcher or patch hook), so they get the wrapper.
 Data
     Nothing to hook: the non-virtual-pipeline branch of ``pretrain()`` builds one iterator per
     rank, and the executor splits it into the two directions itself (``mcore.data``).
@@ -175,12 +184,39 @@ def _wrap_get_forward_backward_func(orig):
     return get_forward_backward_func
 
 
+def _wrap_config_from_args(orig):
+    if getattr(orig, _MARK, False):
+        return orig
+
+    @functools.wraps(orig)
+    def core_transformer_config_from_args(args, *a, **kw):
+        if not getattr(args, "overlap_moe_expert_parallel_comm", False) or \
+                registry.get(schedule_of(args)).runs_on != registry.EXECUTOR:
+            return orig(args, *a, **kw)
+        from ..mcore.overlap import COMBINED_STEP_FLAGS, enable_combined_step
+
+        flags = {name: getattr(args, name, False) for name in COMBINED_STEP_FLAGS}
+        try:
+            for name in flags:
+                setattr(args, name, False)
+            config = orig(args, *a, **kw)
+        finally:
+            for name, value in flags.items():
+                setattr(args, name, value)
+        return enable_combined_step(config, delay_wgrad_compute=flags["delay_wgrad_compute"])
+
+    setattr(core_transformer_config_from_args, _MARK, True)
+    return core_transformer_config_from_args
+
+
 def install():
     """Patch ``megatron.training.training`` (idempotent)."""
+    import megatron.training.arguments as margs
     import megatron.training.training as mtraining
 
     from . import checkpoint_hooks
 
+    margs.core_transformer_config_from_args = _wrap_config_from_args(margs.core_transformer_config_from_args)
     mtraining.get_model = _wrap_get_model(mtraining.get_model)
     mtraining.get_forward_backward_func = _wrap_get_forward_backward_func(mtraining.get_forward_backward_func)
     checkpoint_hooks.install()
