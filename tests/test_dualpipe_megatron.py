@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_dualpipe.testing import megatron_env as me
+from harness import megatron_env as me
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-mode tests")
 

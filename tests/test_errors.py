@@ -23,7 +23,7 @@ import time
 import pytest
 import torch
 
-from megatron_dualpipe.testing import megatron_env as me
+from harness import megatron_env as me
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-mode tests")
 
@@ -308,7 +308,7 @@ def _shape_worker(rank, world, port, flag_dir):
 
 
 def test_microbatch_of_another_shape(tmp_path):
-    from megatron_dualpipe.executor.runner import describe
+    from megatron_dualpipe.schedule.comm import describe
 
     t0 = time.monotonic()
     r0, r1 = me.run_workers(_shape_worker, 2, args=(str(tmp_path),), timeout=60)
@@ -359,7 +359,8 @@ def _stall_worker(rank, world, port, flag_dir, joins_first_collective=True):
 
 
 def test_stalled_peer_times_out_with_a_clear_message(tmp_path):
-    from megatron_dualpipe.executor.runner import compile_program, describe
+    from megatron_dualpipe.executor.runner import compile_program
+    from megatron_dualpipe.schedule.comm import describe
 
     t0 = time.monotonic()
     r0, r1 = me.run_workers(_stall_worker, 2, args=(str(tmp_path),), timeout=60)
@@ -406,11 +407,12 @@ def _dead_peer_worker(rank, world, port):
     if rank == 1:
         time.sleep(0.5)
         return "exited"  # the process ends without sending: its sockets close
-    p2p = P2P(dist.group.WORLD, [0, 1], 0, timeout_s=20)
+    p2p = P2P(dist.group.WORLD, [0, 1], 0, timeout_s=20, describe=lambda l: f"activation of micro-batch {l[2]}")
     t0 = time.monotonic()
     try:
-        p2p.exchange([], [(1, torch.empty(4), ("act", 0, 0, 1))], "before action 0 (F0.0)",
-                     lambda l: f"activation of micro-batch {l[2]}")
+        label = ("act", 0, 0, 1)
+        p2p.post([], [(1, torch.empty(4), label)], "before action 0 (F0.0)")
+        p2p.receive(label, "before action 0 (F0.0)")
         return None, None, time.monotonic() - t0
     except Exception as e:  # noqa: BLE001
         return type(e).__name__, str(e), time.monotonic() - t0

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from megatron_dualpipe.testing.megatron_env import run_workers
+from harness.megatron_env import run_workers
 
 VOCAB = 64
 SEED = 1234
@@ -21,7 +21,7 @@ SEED = 1234
 def _provider(config, tied, seen_pp_ranks=None):
     from megatron.core import parallel_state
 
-    from megatron_dualpipe.testing.megatron_env import build_tiny_gpt
+    from harness.megatron_env import build_tiny_gpt
 
     def provider(*, pre_process, post_process, pg_collection=None, vp_stage=None):
         if seen_pp_ranks is not None:  # what parallel_state says while this chunk is built
@@ -45,7 +45,7 @@ def _full_state_dict(tied, num_layers):
 
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    from megatron_dualpipe.testing.megatron_env import build_tiny_gpt, seed_all, tiny_gpt_config
+    from harness.megatron_env import build_tiny_gpt, seed_all, tiny_gpt_config
 
     seed_all(SEED)
     pgc = copy.copy(ProcessGroupCollection.use_mpu_process_groups())
@@ -103,7 +103,7 @@ def _worker(rank, world_size, port, pp, num_layers):
     from megatron_dualpipe.mcore import grads as G
     from megatron_dualpipe.mcore import groups
     from megatron_dualpipe.mcore import model as M
-    from megatron_dualpipe.testing.megatron_env import (
+    from harness.megatron_env import (
         _full_key,
         destroy_distributed,
         init_distributed_cpu,
@@ -237,7 +237,7 @@ def _dp_worker(rank, world_size, port):
     from megatron_dualpipe.mcore import grads as G
     from megatron_dualpipe.mcore import groups
     from megatron_dualpipe.mcore import model as M
-    from megatron_dualpipe.testing.megatron_env import destroy_distributed, init_distributed_cpu, seed_all, tiny_gpt_config
+    from harness.megatron_env import destroy_distributed, init_distributed_cpu, seed_all, tiny_gpt_config
 
     init_distributed_cpu(rank, world_size, port, pp=2)
     out = {}
@@ -253,24 +253,10 @@ def _dp_worker(rank, world_size, port):
         config = tiny_gpt_config(num_layers=8)
         model = M.build_two_direction_model(_provider(config, True))
         out["chunks"] = [_chunk_summary(c) for c in model]
-        try:
-            # Test-only: cpu_compat does not cover megatron DDP (grad buffers are allocated on
-            # torch.cuda.current_device()); give its two modules the CPU view of torch.
-            import importlib
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-            from megatron_dualpipe import cpu_compat
-
-            if cpu_compat.cpu_mode_active():
-                for name in ("megatron.core.distributed.param_and_grad_buffer",
-                             "megatron.core.distributed.distributed_data_parallel"):
-                    importlib.import_module(name).torch = cpu_compat._CpuTorchView()
-            from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-
-            ddp_config = DistributedDataParallelConfig(overlap_grad_reduce=False, use_distributed_optimizer=False)
-            wrapped = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=c) for c in model]
-        except Exception as e:  # DDP buffers on CPU not supported: report, test skips
-            out["ddp_error"] = f"{type(e).__name__}: {e}"
-            return out
+        ddp_config = DistributedDataParallelConfig(overlap_grad_reduce=False, use_distributed_optimizer=False)
+        wrapped = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=c) for c in model]
         for c in wrapped:
             c.zero_grad_buffer()
         for d, c in enumerate(wrapped):
@@ -466,9 +452,6 @@ def test_dualpipev_chunks_and_grads(which, request):
 
 
 def test_ddp_stock_finalize_dp2(dp2pp2):
-    out0 = dp2pp2[0]
-    if "ddp_error" in out0:
-        pytest.skip(f"megatron DDP does not build on this CPU setup: {out0['ddp_error']}")
     pp, dp = 2, 2
     # global rank r: dp index r % 2? pipeline groups [0,2], [1,3]: pp rank = r // 2
     for r, out in enumerate(dp2pp2):

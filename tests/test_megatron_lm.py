@@ -80,7 +80,8 @@ def _set(argv, flag, value):
     return argv
 
 
-# name -> (world size, argv, expected: None = accepted, else substrings of the error message)
+# name -> (world size, argv, expected: None = accepted, else substrings of the error message[,
+#          {args attribute: value} set after Megatron's validation, before the DualPipe checks])
 CASES = {
     "default_is_1f1b": (4, BASE, None),
     "dualpipe_ok": (4, BASE + ["--pipeline-schedule", "dualpipe"], None),
@@ -101,7 +102,7 @@ CASES = {
         3,
         _set(_set(BASE, "--pipeline-model-parallel-size", "3"), "--num-layers", "6")
         + ["--pipeline-schedule", "dualpipe"],
-        ["even --pipeline-model-parallel-size", "(got 3)"],
+        ["even pipeline size", "set --pipeline-model-parallel-size to 4", "got 3"],
     ),
     "dualpipe_pp1": (
         1,
@@ -163,12 +164,6 @@ CASES = {
         + ["--pipeline-schedule", "dualpipev", "--overlap-moe-expert-parallel-comm"],
         ["--moe-token-dispatcher-type alltoall or flex"],
     ),
-    "executor_1f1b_overlap_moe": (
-        4,
-        _set(BASE, "--pipeline-model-parallel-size", "2") + MOE_EP2 + ["--pipeline-schedule", "executor-1f1b",
-                                                                       "--overlap-moe-expert-parallel-comm"],
-        ["no fused F&B units", "dualpipe"],
-    ),
     "dualpipev_layers_not_divisible": (
         4,
         _set(BASE, "--num-layers", "12") + ["--pipeline-schedule", "dualpipev"],
@@ -187,6 +182,40 @@ CASES = {
     ),
 }
 
+MOE_ARGS = ["--num-experts", "4", "--moe-router-topk", "2", "--disable-bias-linear"]
+
+# Every entry of megatron_lm.arguments.REFUSED_OPTIONS, as a user would type it. ``argv`` cases go
+# through Megatron's own parse_args + validate_args; options that Megatron's own validation refuses
+# on a machine without Transformer Engine / CUDA come as ``{attribute: value}`` set on the
+# validated args of BASE before the DualPipe checks run (name -> (schedule, argv, overrides)).
+REFUSED_CASES = {
+    "--use-torch-fsdp2": ("dualpipe", [], {"use_torch_fsdp2": True}),
+    "--use-megatron-fsdp": ("dualpipev", [], {"use_megatron_fsdp": True}),
+    "--mtp-num-layers": ("dualpipe", ["--mtp-num-layers", "1", "--position-embedding-type", "rope"], None),
+    "--cuda-graph-impl / --enable-cuda-graph / --external-cuda-graph": ("dualpipe", [], {"cuda_graph_impl": "local"}),
+    "--overlap-moe-expert-parallel-comm": ("executor-1f1b", [], {"overlap_moe_expert_parallel_comm": True}),
+    "--iterations-to-skip": ("dualpipe", ["--iterations-to-skip", "2"], None),
+    "--sft": ("dualpipe", [], {"sft": True}),
+    "--perform-rl-step": ("dualpipev", [], {"perform_rl_step": True}),
+    "--hybrid-context-parallel": ("dualpipe", [], {"hybrid_context_parallel": True}),
+    "--moe-router-load-balancing-type global_aux_loss": (
+        "dualpipe", MOE_ARGS + ["--moe-router-load-balancing-type", "global_aux_loss", "--moe-aux-loss-coeff", "0.01"],
+        None),
+    "--qk-clip": ("dualpipe", [], {"qk_clip": True}),
+    "--moe-enable-routing-replay": ("dualpipe", MOE_ARGS + ["--moe-enable-routing-replay"], None),
+    "--save-dgrads-interval": ("dualpipev", ["--save-dgrads-interval", "2"], None),
+    "--use-ring-exchange-p2p": ("executor-1f1b", ["--use-ring-exchange-p2p"], None),
+    "--fine-grained-activation-offloading": ("dualpipe", [], {"fine_grained_activation_offloading": True}),
+    "--inprocess-restart": ("dualpipe", ["--inprocess-restart"], None),
+    "--moe-use-upcycling": ("dualpipe", [], {"moe_use_upcycling": True}),
+}
+
+for _flag, (_schedule, _argv, _over) in REFUSED_CASES.items():
+    CASES["refused " + _flag] = (4, BASE + ["--pipeline-schedule", _schedule] + _argv, ["does not support " + _flag], _over)
+CASES["global_aux_loss_dualpipev_ok"] = (
+    4, BASE + ["--pipeline-schedule", "dualpipev"] + REFUSED_CASES["--moe-router-load-balancing-type global_aux_loss"][1],
+    None)
+
 _ARGS_SCRIPT = textwrap.dedent(
     r"""
     import contextlib, io, json, os, sys, traceback
@@ -196,7 +225,7 @@ _ARGS_SCRIPT = textwrap.dedent(
     import megatron.training.arguments as margs
     import megatron.training.initialize as minit
 
-    def run(world, argv, installed):
+    def run(world, argv, installed, overrides=None):
         if installed:
             arguments.install()
         else:
@@ -204,15 +233,22 @@ _ARGS_SCRIPT = textwrap.dedent(
         os.environ["WORLD_SIZE"] = str(world)
         os.environ["RANK"] = "0"
         sys.argv = ["pretrain_gpt.py"] + argv
+        validate = minit.validate_args
+        if overrides:  # Megatron's own checks, then the option, then DualPipe's checks
+            validate = getattr(validate, "_megatron_dualpipe_wrapped", validate)
         with contextlib.redirect_stdout(io.StringIO()):
             args = margs.parse_args()
-            minit.validate_args(args, {"tokenizer_type": "GPT2BPETokenizer"})
+            validate(args, {"tokenizer_type": "GPT2BPETokenizer"})
+        if overrides:
+            for key, value in overrides.items():
+                setattr(args, key, value)
+            arguments.validate_dualpipe_args(args)
         return args
 
     out = {}
-    for name, (world, argv) in cases.items():
+    for name, (world, argv, overrides) in cases.items():
         try:
-            args = run(world, argv, True)
+            args = run(world, argv, True, overrides)
             out[name] = {"ok": True, "schedule": args.pipeline_schedule,
                          "zero_bubble": args.dualpipe_zero_bubble,
                          "timeout": args.dualpipe_p2p_timeout}
@@ -235,7 +271,7 @@ _ARGS_SCRIPT = textwrap.dedent(
 @pytest.fixture(scope="module")
 def arg_results():
     _require_training_deps()
-    payload = json.dumps({name: [w, argv] for name, (w, argv, _) in CASES.items()})
+    payload = json.dumps({name: [case[0], case[1], case[3] if len(case) > 3 else None] for name, case in CASES.items()})
     proc = subprocess.run(
         [sys.executable, "-c", _ARGS_SCRIPT, payload],
         env=_env(),
@@ -260,6 +296,14 @@ def test_pipeline_schedule_arguments(arg_results, name):
     assert res["type"] == "DualPipeArgumentError", res["tb"]
     for fragment in expected:
         assert fragment in res["msg"], (fragment, res["msg"])
+
+
+def test_every_refused_option_has_a_case():
+    sys.path.insert(0, REPO_ROOT)
+    from megatron_dualpipe.megatron_lm.arguments import REFUSED_OPTIONS
+
+    assert sorted(opt.flags for opt in REFUSED_OPTIONS) == sorted(REFUSED_CASES)
+    print("\nrefused: " + ", ".join(opt.flags for opt in REFUSED_OPTIONS))
 
 
 def test_argument_defaults(arg_results):

@@ -104,9 +104,10 @@ def assert_close(a, b, what):
 CHUNKS_RE = re.compile(r"\[megatron-dualpipe\] (\w+) pipeline rank (\d+): (.*)")
 
 
-def test_dualpipe_executor_1f1b_and_megatron_1f1b_losses_equal():
+def test_dualpipe_zb_h1_executor_1f1b_and_megatron_1f1b_losses_equal():
     ref = run_pretrain("1f1b")
     assert_close(run_pretrain("executor-1f1b"), ref, "executor-1f1b vs 1f1b")
+    assert_close(run_pretrain("zb-h1"), ref, "zb-h1 (executor, zero bubble) vs 1f1b")
     assert_close(run_pretrain("dualpipe"), ref, "dualpipe (zero bubble) vs 1f1b")
     # The hooked get_model built stage i and stage pp-1-i on every rank (8 layers, pp=4).
     chunks = {int(r): text for s, r, text in CHUNKS_RE.findall(LAST_OUTPUT[0]) if s == "dualpipe"}

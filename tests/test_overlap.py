@@ -8,21 +8,19 @@ micro-batches: loss_k / M, backward): losses on the last rank, and every gradien
 received). The same worker also runs the plain F-then-B path on the same weights and data, and
 the two are compared directly. Zero bubble on and off; one M with fake micro-batches.
 
-Until the executor's runner calls the stage compute's ``forward_backward`` hook for fused units
-(another branch adds it), ``_FusedUnitsThroughHook`` drives the hook from today's runner (which
-calls F then B): it holds a fused unit's F back, hands F and B to the hook together, and fills a
-placeholder for F's output, which the runner sends only before the next unit.
+The runner hands each fused unit (an F marked ``overlap`` and the backward after it, both real) to
+the stage compute's ``forward_backward`` hook; with the combined step on, that is one
+``combined_forward_backward_step`` call; with it off, the default F then B.
 """
 from __future__ import annotations
 
 import functools
-import inspect
 
 import numpy as np
 import pytest
 import torch
 
-from megatron_dualpipe.testing import megatron_env as me
+from harness import megatron_env as me
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-mode tests")
 
@@ -54,78 +52,25 @@ def _config():
 
 
 # ---------------------------------------------------------------------------------------------
-# Test-only driver of the fused-unit hook
-
-
-class _FusedUnitsThroughHook:
-    """Wraps a stage compute for a runner that calls F then B for a fused unit (see the module
-    docstring); with a runner that calls ``forward_backward`` itself it is not used."""
-
-    def __init__(self, compute, actions, spec):
-        self.compute, self.spec = compute, spec
-        self.after = {a: actions[i + 1] for i, a in enumerate(actions[:-1])}
-        self.pending = None
-        self.filled = {}  # id(placeholder) -> (action, real output)
-        self.release_asked = set()
-        self.fused_units = 0
-
-    def __getattr__(self, name):
-        return getattr(self.compute, name)
-
-    def forward(self, a, input_tensor):
-        b = self.after.get(a)
-        if not (a.overlap and b is not None and b.is_backward and not self.compute.is_fake(b)):
-            return self.compute.forward(a, input_tensor)
-        placeholder = torch.zeros(self.spec.shape, dtype=self.spec.dtype, device=self.spec.device)
-        self.pending = (a, input_tensor, placeholder)
-        return placeholder
-
-    def backward(self, a, output_grad):
-        if self.pending is None:
-            return self.compute.backward(a, output_grad)
-        fa, input_tensor, placeholder = self.pending
-        self.pending = None
-        output, input_grad = self.compute.forward_backward(fa, a, input_tensor, output_grad)
-        self.fused_units += 1
-        if output.shape == placeholder.shape:
-            placeholder.copy_(output.detach())
-        self.filled[id(placeholder)] = (fa, output)
-        if id(placeholder) in self.release_asked:
-            self.compute.release(fa, output)
-        return input_grad
-
-    def release(self, a, output):
-        if id(output) in self.filled:
-            self.compute.release(*self.filled[id(output)])
-        elif self.pending is not None and output is self.pending[2]:
-            self.release_asked.add(id(output))  # DualPipeV's local hand-over, before the fill
-        else:
-            self.compute.release(a, output)
-
-
-def _runner_calls_the_hook() -> bool:
-    from megatron_dualpipe.executor import runner
-
-    return "forward_backward" in inspect.getsource(runner.run_rank)
+# How many fused units the runner handed to the stage compute's hook
 
 
 @functools.lru_cache(maxsize=None)
-def _install_hook_driver():
-    """Wrap the stage compute the executor hands to today's runner (worker processes only)."""
-    from megatron_dualpipe.mcore import forward_backward as fb
+def _count_fused_units():
+    """counter[0]: calls of ``forward_backward`` (the runner's fused-unit hook) on any stage compute."""
+    from megatron_dualpipe.mcore.overlap import OverlappedStageCompute
+    from megatron_dualpipe.mcore.stage_compute import MegatronStageCompute
 
-    if _runner_calls_the_hook():
-        return None
-    real_run_rank = fb.run_rank
-    drivers = []
+    counter = [0]
+    for cls in (MegatronStageCompute, OverlappedStageCompute):
+        hook = cls.forward_backward
 
-    def run_rank(program, rank, compute, p2p, spec):
-        driver = _FusedUnitsThroughHook(compute, program.actions[rank], spec)
-        drivers.append(driver)
-        return real_run_rank(program, rank, driver, p2p, spec)
+        def counted(self, *args, _hook=hook, **kwargs):
+            counter[0] += 1
+            return _hook(self, *args, **kwargs)
 
-    fb.run_rank = run_rank
-    return drivers
+        cls.forward_backward = counted
+    return counter
 
 
 # ---------------------------------------------------------------------------------------------
@@ -266,7 +211,7 @@ def _pipeline_worker(rank, world, port, schedule, full_state, runs):
             _load(chunk, full, ep_rank)  # both chunks from the full model (the mirror too)
             chunk.config.finalize_model_grads_func = lambda *a, **k: None
             enable_combined_step(chunk.config)
-        drivers = _install_hook_driver()
+        fused_units = _count_fused_units()
         order_log = _install_order_log()
         deferred = _count_deferred_weight_grads()
         warnings = _capture_warnings()
@@ -275,15 +220,14 @@ def _pipeline_worker(rank, world, port, schedule, full_state, runs):
             for chunk in model:
                 chunk.zero_grad()
                 chunk.config.overlap_moe_expert_parallel_comm = overlap
-            if drivers is not None:
-                drivers.clear()
+            fused_units[0] = 0
             order_log.update(on=overlap and not order_log.get("done"), events=[])
             deferred[0] = 0
             out = forward_backward_dualpipe(
                 forward_step_func=forward_step, data_iterator=iter(make_batches(m, seed=7 + dp_rank)), model=model,
                 num_microbatches=m, seq_length=SEQ, micro_batch_size=MBS, schedule=schedule,
                 zero_bubble=zero_bubble, p2p_timeout=120)
-            fused = drivers[0].fused_units if drivers else None
+            fused = fused_units[0]
             results.append({
                 "dp": dp_rank, "pp": pp_rank, "fused": fused,
                 "losses": [d["lm loss"].item() for d in out] if pp_rank == PP - 1 else None,

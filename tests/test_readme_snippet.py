@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_dualpipe.testing import megatron_env as me
+from harness import megatron_env as me
 
 from test_dualpipe_megatron import LAYERS, MBS, SEQ, VOCAB, forward_step, make_batches
 

@@ -187,12 +187,14 @@ def test_overlap_section_of_the_bubble_report():
     report = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(report)
     assert report.fused_cost(Costs(1, 2, 1), 0.5) == 2.5 and report.fused_cost(Costs(3, 2, 1), 1) == 3
-    rows = []
+    rows, table_rows = [], list(report.overlap_rows())
     for r in report.OVERLAP_RATIOS:
         fb = report.fused_cost(report.STAGE, r)
         for name in report.OVERLAP_SCHEDULES:
             pp = 8
-            costs = report.costs_for(name, report.STAGE, fb)
+            spec = get(name)
+            k = pp / spec.model_stages(pp)  # DualPipeV's chunks are half a stage
+            costs = Costs(f=k * report.STAGE.f, b=k * report.STAGE.b, w=k * report.STAGE.w, fb=k * fb)
             s = build_schedule(name, pp, 4 * pp)
             res = simulate(s.layout, s.ranks, costs)
             for rank, acts in enumerate(s.ranks):
@@ -200,6 +202,8 @@ def test_overlap_section_of_the_bubble_report():
                 want = sum(costs.of(a) for a in acts) - fused * (costs.f + costs.b - costs.fused)
                 assert res.busy[rank] == pytest.approx(want), (r, name, rank)
                 assert res.makespan == pytest.approx(res.busy[rank] + res.bubble[rank])
+            table = {row[3].name: row[3] for row in table_rows if row[0] == r and row[2] == pp}
+            assert table[name].makespan == pytest.approx(res.makespan) and table[name].bubble == max(res.bubble)
             rows.append((r, name, res.makespan, max(res.bubble)))
     by = {(r, n): mk for r, n, mk, _ in rows}
     assert by[(0.0, "1f1b")] == by[(1.0, "1f1b")]

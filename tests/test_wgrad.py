@@ -378,8 +378,9 @@ def test_fusion_path_accumulates_into_main_grad():
 
 
 def _cpu_mode():
-    cpu_compat = pytest.importorskip("megatron_dualpipe.cpu_compat")
-    cpu_compat.enable_cpu_mode()
+    from megatron_dualpipe import cpu
+
+    cpu.enable()
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     model_parallel_cuda_manual_seed(1234, force_reset_rng=True)
@@ -699,7 +700,7 @@ def test_executor_logs_once_how_much_w_holds(caplog):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron_dualpipe.mcore.forward_backward import forward_backward_dualpipe
-    from megatron_dualpipe.testing import megatron_env as me
+    from harness import megatron_env as me
 
     config = _tiny_transformer_config()
     torch.manual_seed(13)

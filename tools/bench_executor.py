@@ -19,10 +19,11 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))  # the test harness
 
 from megatron_dualpipe.executor.p2p import P2P  # noqa: E402
 from megatron_dualpipe.executor.runner import TensorSpec, compile_program, run_rank  # noqa: E402
-from megatron_dualpipe.testing.megatron_env import run_workers  # noqa: E402
+from harness.workers import run_workers  # noqa: E402
 
 SCHEDULES = ("1f1b", "zb-h1", "dualpipe", "dualpipev")
 

@@ -1,39 +1,109 @@
-"""Batched point-to-point communication with a deadline.
+"""Point-to-point communication that waits only for what the next action needs.
 
-One call of :meth:`P2P.exchange` is one ``batch_isend_irecv`` of a plan batch. Every wait has
-a timeout; when it expires the error names this rank, the peers and what was being waited for,
-so a stuck or dead peer never hangs the job silently.
+The runner posts each planned batch with :meth:`P2P.post` (one ``batch_isend_irecv``) and does
+not wait for it. A receive is waited by :meth:`P2P.receive` right before the action that
+consumes it; a send is never waited on the compute path: :meth:`P2P.reap` releases the buffers
+of the sends that have completed (so memory stays bounded), and :meth:`P2P.finish` waits for
+the rest at the end of the iteration.
+
+How "waited" and "completed" are known depends on where the tensors live:
+
+* On the host (gloo, CPU tensors) ``work.wait(timeout)`` blocks until the data is there, and is
+  the deadline. A gloo send completes only when the receiver has posted the matching receive,
+  and its ``is_completed()`` stays False until someone waits, so one thread per peer waits on
+  that peer's sends in order and marks them done.
+* On an accelerator (NCCL) ``work.wait()`` makes the current stream wait and returns at once;
+  the host never blocks. A watchdog thread polls ``is_completed()`` of every outstanding
+  operation, marks completed sends, and enforces the deadlines (``wait(timeout)`` would block
+  the host there): a timeout is logged at once, naming rank, peer and action, raised by the
+  next P2P call of the runner, and the process group is aborted so that a host blocked on the
+  stream (a ``.item()``) gets an error instead of hanging.
+
+Deadlines: a send must complete within ``timeout_s`` of being posted; a receive within
+``timeout_s`` of the moment the action that consumes it starts waiting. Every error names this
+rank, the peer, the tensor and the action.
 """
 from __future__ import annotations
 
 import datetime
+import logging
 import os
+import queue
+import threading
 import time
-from typing import Callable, List, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
+from ..schedule.comm import describe as describe_label
+
 DEFAULT_TIMEOUT_S = float(os.environ.get("MEGATRON_DUALPIPE_P2P_TIMEOUT", "600"))
+#: How often the accelerator watchdog looks at the outstanding operations.
+WATCHDOG_POLL_S = 0.005
+
+log = logging.getLogger("megatron_dualpipe")
+
+#: (peer pipeline rank, tensor, label) of a receive; a send adds a callback run once it completed.
+Recv = Tuple[int, torch.Tensor, object]
+Send = Tuple[int, torch.Tensor, object, Optional[Callable[[], None]]]
 
 
 class P2PTimeoutError(RuntimeError):
-    """A P2P batch did not complete in time, or failed because a peer went away."""
+    """A send or receive did not complete in time, or failed because a peer went away."""
+
+
+@dataclass(eq=False)
+class _Op:
+    """One posted send or receive."""
+
+    send: bool
+    peer: int
+    label: object
+    tensor: torch.Tensor
+    work: object
+    posted: float
+    where: str                             # the action before which it was posted
+    on_done: Optional[Callable[[], None]] = None
+    deadline: Optional[float] = None       # set once something depends on it
+    needed_by: Optional[str] = None        # the action that waits for a receive
+    done: bool = False                     # set by a waiter thread or the watchdog
+    done_event: Optional[threading.Event] = None
+    error: Optional[BaseException] = None  # from a waiter thread
 
 
 class P2P:
-    """Sends and receives between pipeline ranks of one pipeline group.
+    """Sends and receives between the ranks of one pipeline group, for one iteration.
 
-    ``global_ranks[i]`` is the global rank of pipeline rank ``i``; peers are given as pipeline
-    ranks. ``describe`` turns a transfer's label into words for error messages.
+    ``global_ranks[i]`` is the global rank of pipeline rank ``i``; peers are pipeline ranks.
+    ``describe`` turns a label into words for error messages. ``host_waits`` chooses the waiting
+    discipline (None: from the device of the first tensor posted, the host for CPU tensors).
+    ``peak_in_flight`` is the most receives and unfinished sends held at once.
     """
 
-    def __init__(self, group, global_ranks: Sequence[int], my_pp_rank: int, timeout_s: float = DEFAULT_TIMEOUT_S):
+    def __init__(self, group, global_ranks: Sequence[int], my_pp_rank: int, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 describe: Callable[[object], str] = describe_label, host_waits: Optional[bool] = None):
         self.group = group
         self.global_ranks = list(global_ranks)
         self.rank = my_pp_rank
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.timeout_s = timeout_s
+        self.describe = describe
+        self.host_waits = host_waits
+        self.peak_in_flight = 0
+        self._recvs: Dict[object, _Op] = {}
+        self._sends: List[_Op] = []
+        self._waiters: Dict[int, "queue.SimpleQueue[Optional[_Op]]"] = {}  # host: one thread per peer
+        self._tracked: List[_Op] = []  # accelerator: what the watchdog watches
+        self._lock = threading.Lock()
+        self._watchdog: Optional[threading.Thread] = None
+        self._stop = threading.Event()
+        self._failure: Optional[P2PTimeoutError] = None  # found by the watchdog
+
+    # -----------------------------------------------------------------------------------------
+    # The runner's calls
+    # -----------------------------------------------------------------------------------------
 
     def first_collective(self, device) -> None:
         """One all-reduce on the pipeline group before its first batched P2P, with the same
@@ -53,32 +123,198 @@ class P2P:
                 f"({elapsed:.1f} s, timeout {self.timeout_s:g} s): a pipeline rank has not entered the schedule, or "
                 f"exited; look at the other ranks' logs. Underlying error: {e}") from e
 
-    def exchange(self, sends: List[Tuple[int, torch.Tensor, object]], recvs: List[Tuple[int, torch.Tensor, object]],
-                 where: str, describe: Callable[[object], str] = str) -> None:
-        """Post all ``sends`` and ``recvs`` ((peer pp rank, tensor, label)) as one batch and wait."""
+    def post(self, sends: Sequence[Send], recvs: Sequence[Recv], where: str) -> None:
+        """Post one planned batch as one ``batch_isend_irecv``; wait for nothing."""
         if not sends and not recvs:
             return
-        ops = [dist.P2POp(dist.isend, t, self.global_ranks[p], self.group) for p, t, _ in sends]
+        self._raise_failure()
+        ops = [dist.P2POp(dist.isend, t, self.global_ranks[p], self.group) for p, t, _, _ in sends]
         ops += [dist.P2POp(dist.irecv, t, self.global_ranks[p], self.group) for p, t, _ in recvs]
-        start = time.monotonic()
+        if self.host_waits is None:
+            self.host_waits = ops[0].tensor.device.type == "cpu"
+        now = time.monotonic()
         try:
-            reqs = dist.batch_isend_irecv(ops)
-            for req in reqs:
-                # One deadline for the whole batch (not timeout_s per request); gloo honours it.
-                # At least 1 ms: a zero timeout means "the process group's default" to gloo.
-                left = max(start + self.timeout_s - time.monotonic(), 1e-3)
-                if not req.wait(datetime.timedelta(seconds=left)):
-                    raise RuntimeError("wait returned False")
+            works = dist.batch_isend_irecv(ops)
         except RuntimeError as e:
-            elapsed = time.monotonic() - start
-            waits = [f"receive of {describe(l)} from pipeline rank {p} (global {self.global_ranks[p]})" for p, _, l in recvs]
-            waits += [f"send of {describe(l)} to pipeline rank {p} (global {self.global_ranks[p]})" for p, _, l in sends]
-            if elapsed >= 0.99 * self.timeout_s:
-                what = (f"did not complete within {self.timeout_s:g} s (set MEGATRON_DUALPIPE_P2P_TIMEOUT or "
-                        f"--dualpipe-p2p-timeout to wait longer)")
+            raise P2PTimeoutError(f"pipeline rank {self.rank} (global {dist.get_rank()}) {where}: posting a "
+                                  f"point-to-point batch failed: a peer probably exited or crashed, look at its log. "
+                                  f"Underlying error: {e}") from e
+        if len(works) == 1 and len(ops) > 1:  # a coalescing backend (NCCL): one work for the batch
+            works = works * len(ops)
+        for (p, t, label, on_done), w in zip(sends, works):
+            op = _Op(True, p, label, t, w, now, where, on_done, deadline=now + self.timeout_s)
+            self._sends.append(op)
+            self._track_send(op)
+        for (p, t, label), w in zip(recvs, works[len(sends):]):
+            self._recvs[label] = _Op(False, p, label, t, w, now, where)
+        self.peak_in_flight = max(self.peak_in_flight, len(self._sends) + len(self._recvs))
+
+    def receive(self, label, where: str) -> torch.Tensor:
+        """Wait for the receive of ``label`` (on an accelerator: make the stream wait) and
+        return its buffer. ``where`` names the action that needs it."""
+        self._raise_failure()
+        op = self._recvs[label]
+        start = time.monotonic()
+        op.deadline, op.needed_by = start + self.timeout_s, where
+        if self.host_waits:
+            try:
+                if not op.work.wait(self.timeout):
+                    raise RuntimeError("wait returned False")
+            except RuntimeError as e:
+                raise self._error(op, where, time.monotonic() - start, e) from e
+        else:
+            self._watch_op(op)
+            op.work.wait()
+        del self._recvs[label]
+        return op.tensor
+
+    def reap(self) -> None:
+        """Release the buffers of the sends that have completed; raise if one failed or is
+        past its deadline."""
+        self._raise_failure()
+        if not self._sends:
+            return
+        now = time.monotonic()
+        keep = []
+        for op in self._sends:
+            if op.done:
+                self._complete(op)
+            elif now > op.deadline:
+                raise self._error(op, "while computing", now - op.posted, None)
             else:
-                what = (f"failed after {elapsed:.1f} s, before the {self.timeout_s:g} s timeout: a peer probably "
-                        f"exited or crashed, look at its log")
-            raise P2PTimeoutError(
-                f"pipeline rank {self.rank} (global {dist.get_rank()}) {where}: point-to-point batch {what}; "
-                f"it waited for: " + "; ".join(waits) + f". Underlying error: {e}") from e
+                keep.append(op)
+        self._sends = keep
+
+    def finish(self, where: str) -> None:
+        """End of the iteration: every send completes (on an accelerator: the stream waits for
+        it, the watchdog keeps its deadline) and its buffer is released; helpers stop."""
+        try:
+            self._raise_failure()
+            if self._recvs:
+                left = ", ".join(self.describe(label) for label in self._recvs)
+                raise RuntimeError(f"pipeline rank {self.rank}: receives posted but never consumed: {left}")
+            for op in self._sends:
+                while self.host_waits and not op.done:
+                    now = time.monotonic()
+                    if now > op.deadline:
+                        raise self._error(op, where, now - op.posted, None)
+                    op.done_event.wait(min(op.deadline - now, 0.5))
+                self._complete(op)
+            self._sends = []
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Stop the helper threads once their operations are done (a waiter blocked on a dead
+        peer exits with the process)."""
+        self._stop.set()
+        for q in self._waiters.values():
+            q.put(None)
+        self._waiters = {}
+
+    # -----------------------------------------------------------------------------------------
+    # Completion of sends
+    # -----------------------------------------------------------------------------------------
+
+    def _track_send(self, op: _Op) -> None:
+        if not self.host_waits:
+            self._watch_op(op)
+            return
+        if op.peer not in self._waiters:
+            q: "queue.SimpleQueue[Optional[_Op]]" = queue.SimpleQueue()
+            threading.Thread(target=_wait_sends, args=(q,), daemon=True, name=f"p2p-sends-to-{op.peer}").start()
+            self._waiters[op.peer] = q
+        op.done_event = threading.Event()
+        self._waiters[op.peer].put(op)
+
+    def _complete(self, op: _Op) -> None:
+        if op.error is not None:
+            raise self._error(op, "after sending", time.monotonic() - op.posted, op.error)
+        if not self.host_waits:
+            op.work.wait()  # the stream waits for the send before the buffer can be reused
+        if op.on_done is not None:
+            op.on_done()
+
+    # -----------------------------------------------------------------------------------------
+    # Accelerator watchdog
+    # -----------------------------------------------------------------------------------------
+
+    def _watch_op(self, op: _Op) -> None:
+        with self._lock:
+            self._tracked.append(op)
+        if self._watchdog is None:
+            self._watchdog = threading.Thread(target=self._watch, daemon=True, name="p2p-watchdog")
+            self._watchdog.start()
+
+    def _watch(self) -> None:
+        """Mark completed operations done; on a missed deadline log, keep the error for the
+        runner and abort the group. Ends when stopped and nothing is left to watch."""
+        while True:
+            time.sleep(WATCHDOG_POLL_S)
+            with self._lock:
+                ops = list(self._tracked)
+            if not ops and self._stop.is_set():
+                return
+            now = time.monotonic()
+            finished = set()
+            for op in ops:
+                if op.work.is_completed():
+                    op.done = True
+                    finished.add(id(op))
+                elif now > op.deadline:
+                    self._failure = self._error(op, op.needed_by or op.where, now - op.deadline + self.timeout_s, None)
+                    log.error("megatron-dualpipe: %s", self._failure)
+                    self._abort()
+                    return
+            with self._lock:
+                self._tracked = [op for op in self._tracked if id(op) not in finished]
+
+    def _abort(self) -> None:
+        """Make a host blocked on the stream see an error instead of hanging (best effort)."""
+        try:
+            from torch.distributed.distributed_c10d import _abort_process_group
+            _abort_process_group(self.group)
+        except Exception as e:  # noqa: BLE001 - the error is already logged and will be raised
+            log.error("megatron-dualpipe: could not abort the pipeline group after the timeout: %s", e)
+
+    def _raise_failure(self) -> None:
+        if self._failure is not None:
+            raise self._failure
+
+    # -----------------------------------------------------------------------------------------
+    # Errors
+    # -----------------------------------------------------------------------------------------
+
+    def _what(self, op: _Op) -> str:
+        peer = f"pipeline rank {op.peer} (global {self.global_ranks[op.peer]})"
+        return f"{'send' if op.send else 'receive'} of {self.describe(op.label)} {'to' if op.send else 'from'} {peer}"
+
+    def _error(self, op: _Op, where: str, elapsed: float, cause: Optional[BaseException]) -> P2PTimeoutError:
+        if cause is None or elapsed >= 0.99 * self.timeout_s:
+            what = (f"did not complete within {self.timeout_s:g} s (set MEGATRON_DUALPIPE_P2P_TIMEOUT or "
+                    f"--dualpipe-p2p-timeout to wait longer)")
+        else:
+            what = (f"failed after {elapsed:.1f} s, before the {self.timeout_s:g} s timeout: a peer probably "
+                    f"exited or crashed, look at its log")
+        others = [o for o in self._sends + list(self._recvs.values())
+                  if o is not op and (not o.done or o.error is not None)]
+        pending = "; ".join(f"{self._what(o)} (posted {o.where})" for o in others)
+        return P2PTimeoutError(
+            f"pipeline rank {self.rank} (global {dist.get_rank()}) {where}: the {self._what(op)} (posted {op.where}) "
+            f"{what}" + (f"; still unfinished: {pending}" if pending else "")
+            + (f". Underlying error: {cause}" if cause is not None else ""))
+
+
+def _wait_sends(q) -> None:
+    """A host waiter thread: the sends to one peer complete in posting order; wait for each
+    (``is_completed()`` of a gloo send stays False until someone waits)."""
+    while True:
+        op = q.get()
+        if op is None:
+            return
+        try:
+            op.work.wait()
+        except BaseException as e:  # noqa: BLE001 - handed to the runner's thread
+            op.error = e
+        op.done = True
+        op.done_event.set()

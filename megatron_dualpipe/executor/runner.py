@@ -1,14 +1,17 @@
 """Interpret one rank's schedule: the actions, in order, with the planned batches of P2P.
 
 The runner knows nothing about Megatron: a :class:`StageCompute` says what a forward, a
-backward and a deferred weight gradient are for this rank's model chunks. It owns the
-tensors in flight: receive buffers, outputs waiting to be sent, and the local hand-over at the
-turn of DualPipeV's "V" (stage pp-1 to stage pp on the last rank).
+backward, a deferred weight gradient and a fused F&B unit are for this rank's model chunks.
+Nor does it re-derive the pipeline's rule: the communication plan says which tensor each action
+takes and hands on, and from or to which rank. The runner owns the tensors in flight: receive
+buffers, outputs waiting to be sent, and the local hand-over at the turn of DualPipeV's "V"
+(stage pp-1 to stage pp on the last rank).
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Protocol, Sequence, Tuple
 
@@ -18,6 +21,7 @@ from ..schedule import F, W, Action, build_schedule
 from ..schedule.comm import Label, RankPlan, plan
 from ..schedule.registry import Schedule
 from .p2p import P2P
+from .trace import TraceRecorder, trace_from_env
 
 
 class StageCompute(Protocol):
@@ -35,6 +39,23 @@ class StageCompute(Protocol):
 
     def release(self, a: Action, output: torch.Tensor) -> None:
         """The output of ``a`` has been sent: its storage may be freed (keep the autograd node)."""
+
+    def forward_backward(self, f_action: Action, b_action: Action, input_tensor: Optional[torch.Tensor],
+                         output_grad: Optional[torch.Tensor]) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """Run a fused F&B unit (``f_action`` has ``overlap=True``, ``b_action`` is the backward
+        after it); return (F's output, B's input gradient)."""
+
+
+class StageComputeBase:
+    """Defaults a :class:`StageCompute` can inherit. A compute that can overlap one
+    micro-batch's forward with another's backward (DeepSeek's ``overlapped_forward_backward``)
+    overrides :meth:`forward_backward`; the runner never knows how a unit overlaps."""
+
+    def forward_backward(self, f_action: Action, b_action: Action, input_tensor: Optional[torch.Tensor],
+                         output_grad: Optional[torch.Tensor]) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """The fused unit without overlap: the forward, then the backward."""
+        output = self.forward(f_action, input_tensor)
+        return output, self.backward(b_action, output_grad)
 
 
 @dataclass(frozen=True)
@@ -63,12 +84,6 @@ def compile_program(name: str, pp: int, microbatches: int, forward_only: bool) -
     return Program(sched, acts, tuple(plan(sched.layout, acts)))
 
 
-def describe(label: Label) -> str:
-    kind, d, mb, stage = label
-    what = "activation" if kind == "act" else "gradient"
-    return f"{what} of micro-batch {mb} of direction {d} for stage {stage}"
-
-
 def check_sendable(rank: int, a: Action, what: str, t: torch.Tensor, spec: TensorSpec) -> None:
     """Every tensor passed between stages must have ``spec``'s shape and dtype: the receiver's
     buffer is allocated from ``spec`` (gloo silently accepts a smaller message, leaving the tail of
@@ -87,81 +102,112 @@ def check_sendable(rank: int, a: Action, what: str, t: torch.Tensor, spec: Tenso
                      f"(seq_length x micro_batch_size x hidden): {fix}")
 
 
-def run_rank(program: Program, rank: int, compute: StageCompute, p2p: P2P, spec: TensorSpec) -> None:
-    """Run this rank's actions; raises on timeout with the action it was about to run."""
-    layout = program.schedule.layout
+@dataclass
+class RunStats:
+    """Cheap figures of one ``run_rank`` call."""
+
+    peak_in_flight: int = 0  # most receive buffers and unfinished sends held at once
+
+
+def run_rank(program: Program, rank: int, compute: StageCompute, p2p: P2P, spec: TensorSpec,
+             trace: Optional[TraceRecorder] = None) -> RunStats:
+    """Run this rank's actions; raises on timeout naming the action that waited.
+
+    Each planned batch is posted, not waited; a receive is waited right before the action that
+    consumes it, and the sends complete in the background (see :mod:`.p2p`). ``trace`` (or the
+    ``MEGATRON_DUALPIPE_TRACE`` directory) records when each action ran.
+    """
     acts = program.actions[rank]
     rp = program.plans[rank]
-    inbox: Dict[Label, torch.Tensor] = {}
+    local: Dict[Label, torch.Tensor] = {}
     outbox: Dict[Label, Tuple[Action, torch.Tensor]] = {}
-    local: Dict[Tuple[str, int, int, int], torch.Tensor] = {}
     batches = rp.batches
     bi = 0
+    recorder = trace if trace is not None else trace_from_env()
+    recording = recorder.begin(program, rank, p2p.global_ranks) if recorder is not None else None
 
-    def flush(upto_unit: int, where: str) -> None:
+    def post(upto_unit: int, where: str) -> None:
         nonlocal bi
         while bi < len(batches) and batches[bi].unit <= upto_unit:
             b = batches[bi]
-            sends = [(t.peer, outbox[t.label][1], t.label) for t in b.sends]
-            recvs = []
-            for t in b.recvs:
-                buf = torch.empty(spec.shape, dtype=spec.dtype, device=spec.device, requires_grad=t.label[0] == "act")
-                inbox[t.label] = buf
-                recvs.append((t.peer, buf, t.label))
-            p2p.exchange(sends, recvs, where, describe)
+            sends = []
             for t in b.sends:
                 a, out = outbox.pop(t.label)
-                if a.op == F and not compute.is_fake(a):
-                    compute.release(a, out)
+                release = functools.partial(compute.release, a, out) if a.op == F and not compute.is_fake(a) else None
+                sends.append((t.peer, out, t.label, release))
+            recvs = [(t.peer, torch.empty(spec.shape, dtype=spec.dtype, device=spec.device,
+                                          requires_grad=t.label[0] == "act"), t.label) for t in b.recvs]
+            p2p.post(sends, recvs, where)
             bi += 1
 
     def zeros() -> torch.Tensor:
         return torch.zeros(spec.shape, dtype=spec.dtype, device=spec.device)
 
-    def take(kind: str, a: Action, source) -> Optional[torch.Tensor]:
-        """What ``a`` receives from the neighbouring stage ``source`` (None: data or loss)."""
-        if source is None:
+    def take(i: int) -> Optional[torch.Tensor]:
+        """The tensor action ``i`` receives from the neighbouring stage (None: data or loss)."""
+        hands = rp.inputs[i]
+        if not hands:
             return None
-        box = local if layout.rank_of(*source) == rank else inbox
-        return box.pop((kind, a.dir, a.mb, a.stage))
+        if len(hands) > 1:
+            raise NotImplementedError(f"pipeline rank {rank}: action {acts[i]} takes {len(hands)} tensors; "
+                                      f"a stage compute takes one")
+        (src, label), = hands
+        return local.pop(label) if src == rank else p2p.receive(label, f"before action {i} ({acts[i]})")
 
-    def hand_on(kind: str, a: Action, dest, tensor: torch.Tensor, fake: bool) -> None:
-        """Pass ``a``'s result to the neighbouring stage ``dest``: queue it for the next batch,
-        or, on the same rank (DualPipeV's turn), hand it over directly."""
-        if not fake:
-            check_sendable(rank, a, "an activation" if kind == "act" else "an input gradient", tensor, spec)
-        key = (kind, dest[0], a.mb, dest[1])
-        if layout.rank_of(*dest) != rank:
-            outbox[key] = (a, tensor)
-        elif kind == "act" and not fake:
-            local[key] = tensor.detach().requires_grad_()
-            compute.release(a, tensor)
-        else:
-            local[key] = tensor
-
-    for k, unit in enumerate(rp.units):
-        flush(k, f"before action {k} ({acts[unit[0]]})")
-        for i in unit:
-            a = acts[i]
-            fake = compute.is_fake(a)
-            prev, nxt = layout.prev_hop(a.dir, a.stage), layout.next_hop(a.dir, a.stage)
-            if a.op == F:
-                inp = take("act", a, prev)
-                out = zeros() if fake else compute.forward(a, inp)
-                if nxt is not None:
-                    hand_on("act", a, nxt, out, fake)
-            elif a.op == W:
-                if not fake:
-                    compute.weight(a)
+    def hand_on(i: int, tensor: Optional[torch.Tensor], fake: bool) -> None:
+        """Pass action ``i``'s result to the stages that wait for it: queue it for the next
+        batch, or, on the same rank (DualPipeV's turn), hand it over directly."""
+        a = acts[i]
+        for dst, label in rp.outputs[i]:
+            if tensor is None:
+                raise RuntimeError(f"pipeline rank {rank}: backward {a} produced no input gradient to send to "
+                                   f"stage {label[3]}; does the stage's input require grad?")
+            if not fake:
+                check_sendable(rank, a, "an activation" if a.op == F else "an input gradient", tensor, spec)
+            if dst != rank:
+                outbox[label] = (a, tensor)
+            elif a.op == F and not fake:
+                local[label] = tensor.detach().requires_grad_()
+                compute.release(a, tensor)
             else:
-                grad = take("grad", a, nxt)
-                g = zeros() if fake else compute.backward(a, grad)
-                if prev is not None:
-                    if g is None:
-                        raise RuntimeError(f"pipeline rank {rank}: backward {a} produced no input gradient to send "
-                                           f"to stage {prev[1]}; does the stage's input require grad?")
-                    hand_on("grad", a, prev, g, fake)
-    flush(len(rp.units), "after its last action")
-    leftovers = list(inbox) + list(outbox) + list(local)
+                local[label] = tensor
+
+    def run_one(i: int, inp: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        a = acts[i]
+        if compute.is_fake(a):
+            return None if a.op == W else zeros()
+        if a.op == F:
+            return compute.forward(a, inp)
+        if a.op == W:
+            compute.weight(a)
+            return None
+        return compute.backward(a, inp)
+
+    # A compute written before forward_backward existed runs fused units as F then B.
+    forward_backward = getattr(compute, "forward_backward", None) or \
+        functools.partial(StageComputeBase.forward_backward, compute)
+    try:
+        for k, unit in enumerate(rp.units):
+            post(k, f"before action {unit[0]} ({acts[unit[0]]})")
+            p2p.reap()
+            waited = time.perf_counter() if recording else 0.0
+            inputs = [take(i) for i in unit]
+            started = time.perf_counter() if recording else 0.0
+            if len(unit) == 2 and not any(compute.is_fake(acts[i]) for i in unit):
+                results = forward_backward(acts[unit[0]], acts[unit[1]], *inputs)
+            else:
+                results = [run_one(i, x) for i, x in zip(unit, inputs)]
+            for i, r in zip(unit, results):
+                hand_on(i, r, compute.is_fake(acts[i]))
+            if recording:
+                recording.unit(unit, waited, started, time.perf_counter())
+        post(len(rp.units), "after its last action")
+        p2p.finish("after its last action")
+    finally:
+        p2p.close()
+    leftovers = list(outbox) + list(local)
     if leftovers:
         raise RuntimeError(f"pipeline rank {rank}: tensors left over after the schedule: {leftovers}")
+    if recording:
+        recording.end()
+    return RunStats(peak_in_flight=p2p.peak_in_flight)

@@ -96,7 +96,6 @@ class _Iteration:
     group: Any
     p2p: P2P
     tensor_spec: TensorSpec
-    padded: int
 
 
 class ExecutorSchedule:
@@ -164,8 +163,8 @@ class ExecutorSchedule:
         device = next(model[0].parameters()).device
         p2p = P2P(group, global_ranks, rank, timeout_s=self.p2p_timeout)
         _first_collective_once(p2p, group, device)
-        return _Iteration(program, rank, global_ranks, group, p2p, TensorSpec(tuple(shape), config.pipeline_dtype,
-                                                                              device), padded)
+        tensor_spec = TensorSpec(tuple(shape), config.pipeline_dtype, device)
+        return _Iteration(program, rank, global_ranks, group, p2p, tensor_spec)
 
     def _report_padding(self, pp: int, real: int, padded: int, forward_only: bool) -> None:
         key = (pp, real, forward_only)

@@ -18,9 +18,11 @@ from typing import Callable, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .model import BIDIRECTIONAL, V_SHAPE, _bd_position, _flat_collective, chunk_info, unwrap_chunk
+from . import bd_pairs
+from .model import BIDIRECTIONAL, V_SHAPE, chunk_info, unwrap_chunk
 
-__all__ = ["allreduce_bd_grads", "fold_tied_embedding_grads", "finalize_dualpipe_grads"]
+__all__ = ["allreduce_bd_grads", "allreduce_bd_router_token_counts", "fold_tied_embedding_grads",
+           "finalize_dualpipe_grads"]
 
 
 class _NoEmbeddingGroup:
@@ -89,18 +91,29 @@ def allreduce_bd_grads(model: Sequence[torch.nn.Module]) -> None:
         ddp_config = getattr(chunk, "ddp_config", None)
         if ddp_config is not None and getattr(ddp_config, "overlap_grad_reduce", False):
             raise ValueError("DualPipe's bd gradient reduction needs overlap_grad_reduce=False")
-    i, pp, me, mirror, bd_group = _bd_position()
-    with torch.no_grad():
-        if mirror == me:
-            for a, b in zip(_trainable(model[0]), _trainable(model[1])):
-                ga, gb = _grad_slot(a), _grad_slot(b)
-                ga.add_(gb)
-                gb.copy_(ga)
-            return
-        for stage in sorted({i, pp - 1 - i}):
-            chunk = model[0] if stage == i else model[1]
-            grads = [_grad_slot(p) for p in _trainable(chunk)]
-            _flat_collective(grads, lambda flat: dist.all_reduce(flat, group=bd_group))
+    bd_pairs.sum_copies(model, lambda chunk: [_grad_slot(p) for p in _trainable(chunk)])
+
+
+def _router_token_counts(chunk: torch.nn.Module) -> List[torch.Tensor]:
+    """The ``local_tokens_per_expert`` counters of the chunk's MoE routers with an expert bias,
+    in module order (the order Megatron's ``_update_router_expert_bias`` stacks them)."""
+    return [m.local_tokens_per_expert for m in unwrap_chunk(chunk).modules()
+            if getattr(m, "expert_bias", None) is not None and getattr(m, "local_tokens_per_expert", None) is not None]
+
+
+def allreduce_bd_router_token_counts(model: Sequence[torch.nn.Module]) -> None:
+    """``--moe-router-enable-expert-bias`` (aux-loss-free balancing), DualPipe: sum each MoE
+    router's token counts over the two copies of its stage.
+
+    Each copy counts the tokens of its own direction's micro-batches; Megatron's finalize then
+    moves ``expert_bias`` by the sign of (mean count - count), all-reduced over TP x CP x DP. With
+    the counts summed first, both copies see the whole global batch, as 1F1B's one copy does,
+    and make the same update, so they keep routing alike. A no-op for DualPipeV and without
+    expert-bias routers.
+    """
+    if _layout(model) == V_SHAPE or not any(_router_token_counts(c) for c in model):
+        return
+    bd_pairs.sum_copies(model, _router_token_counts)
 
 
 def _tied_copies(model: Sequence[torch.nn.Module]):
@@ -188,7 +201,7 @@ def finalize_dualpipe_grads(
     """
     from megatron.core import parallel_state
     from megatron.core.process_groups_config import ProcessGroupCollection
-    from megatron.core.utils import get_pg_size
+    from megatron.core.utils import get_model_config, get_pg_size
 
     allreduce_bd_grads(model)
     fold_tied_embedding_grads(model)
@@ -215,6 +228,8 @@ def finalize_dualpipe_grads(
                 )
             return num_tokens
 
+    if getattr(get_model_config(model[0]), "moe_router_enable_expert_bias", False):
+        allreduce_bd_router_token_counts(model)  # before Megatron's finalize moves expert_bias
     pgc = copy.copy(pg_collection) if pg_collection is not None else ProcessGroupCollection.use_mpu_process_groups()
     pgc.embd = NO_EMBEDDING_GROUP
     pgc.pos_embd = None

@@ -51,7 +51,7 @@ from typing import Callable, Iterator, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from . import groups
+from . import bd_pairs, groups
 
 __all__ = [
     "build_two_direction_model",
@@ -300,33 +300,6 @@ def _signature(params: "OrderedDict[str, torch.nn.Parameter]"):
     return [(n, tuple(p.shape), str(p.dtype)) for n, p in params.items()]
 
 
-def _by_dtype(tensors: Sequence[torch.Tensor]):
-    """Indices of `tensors` grouped by dtype, in order of first appearance (deterministic)."""
-    buckets: "OrderedDict[torch.dtype, List[int]]" = OrderedDict()
-    for k, t in enumerate(tensors):
-        buckets.setdefault(t.dtype, []).append(k)
-    return buckets
-
-
-def _flat_collective(tensors: Sequence[torch.Tensor], op: Callable[[torch.Tensor], None]) -> None:
-    """Run `op` on one flat buffer per dtype and copy the result back into `tensors`."""
-    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-
-    for idx in _by_dtype(tensors).values():
-        group = [tensors[k] for k in idx]
-        flat = _flatten_dense_tensors(group)
-        op(flat)
-        for t, synced in zip(group, _unflatten_dense_tensors(flat, group)):
-            t.copy_(synced)
-
-
-def _bd_position():
-    """(pipeline index i, pp, this global rank, partner global rank, bd group)."""
-    pp_ranks = groups.get_pp_global_ranks()
-    me = dist.get_rank()
-    return pp_ranks.index(me), len(pp_ranks), me, groups.get_bd_mirror_rank(), groups.get_bd_group()
-
-
 def _require_bidirectional(model: Sequence[torch.nn.Module], what: str) -> None:
     if len(model) != 2:
         raise ValueError(f"{what} needs the two chunks [model_dir0, model_dir1], got {len(model)}")
@@ -347,31 +320,8 @@ def broadcast_mirrors(model: Sequence[torch.nn.Module]) -> None:
     buffers.
     """
     _require_bidirectional(model, "broadcast_mirrors")
-    i, pp, me, mirror, bd_group = _bd_position()
-    if mirror == me:
-        p0, p1 = _named_params(model[0]), _named_params(model[1])
-        if _signature(p0) != _signature(p1):
-            raise RuntimeError("model[0] and model[1] on the middle rank have different parameters")
-        with torch.no_grad():
-            for a, b in zip(p0.values(), p1.values()):
-                b.copy_(a)
-        return
-    for stage in sorted({i, pp - 1 - i}):
-        mine = stage == i
-        chunk = model[0] if mine else model[1]
-        src = me if mine else mirror
-        params = _named_params(chunk)
-        sigs: List[Optional[list]] = [None, None]
-        dist.all_gather_object(sigs, _signature(params), group=bd_group)
-        if sigs[0] != sigs[1]:
-            diff = [x for x in zip(*sigs) if x[0] != x[1]][:3]
-            raise RuntimeError(
-                f"stage {stage}: the copies on ranks {groups.get_bd_ranks()} have different "
-                f"parameters (first differences: {diff}; lengths {len(sigs[0])}, {len(sigs[1])})"
-            )
-        tensors = [p.data for p in params.values()]
-        with torch.no_grad():
-            _flat_collective(tensors, lambda flat: dist.broadcast(flat, src=src, group=bd_group))
+    bd_pairs.broadcast_home_to_mirror(model, lambda chunk: [p.data for p in _named_params(chunk).values()],
+                                      "parameters", signature_of=lambda chunk: _signature(_named_params(chunk)))
 
 
 def mark_mirror_shared(chunk: torch.nn.Module) -> None:

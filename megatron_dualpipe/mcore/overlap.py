@@ -86,7 +86,8 @@ def offers_combined_step(config, forward_only: bool = False) -> bool:
 
 def combined_step_problems(config) -> List[str]:
     """What megatron-core's combined step needs besides the virtual pipeline (its
-    ``TransformerConfig`` checks, minus pp/vpp and bf16/fp16: see the module docstring).
+    ``TransformerConfig`` checks, minus pp/vpp and bf16/fp16: see the module docstring; MTP and
+    CUDA graphs, which it also restricts, DualPipe refuses anyway).
 
     ``config`` is a ``TransformerConfig`` or Megatron-LM's ``args`` (same names, but
     ``num_experts`` for ``num_moe_experts``)."""
@@ -104,10 +105,6 @@ def combined_step_problems(config) -> List[str]:
                         "--recompute-method / --recompute-num-layers")
     if getattr(config, "moe_shared_expert_overlap", False):
         problems.append("it cannot be combined with --moe-shared-expert-overlap: remove it")
-    if getattr(config, "mtp_num_layers", None):
-        problems.append("DualPipe does not support MTP: remove --mtp-num-layers")
-    if getattr(config, "cuda_graph_impl", "none") not in (None, "none"):
-        problems.append("DualPipe does not support CUDA graphs: use --cuda-graph-impl none")
     return problems
 
 

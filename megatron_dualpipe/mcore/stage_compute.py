@@ -15,6 +15,7 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import schedules
 from megatron.core.utils import get_model_type
 
+from ..executor.runner import StageComputeBase
 from ..schedule import B, Action
 from ..schedule.layout import Layout
 from ..schedule.registry import ScheduleSpec
@@ -24,7 +25,7 @@ from .direction import direction_of
 from .model import unwrap_chunk
 
 
-class MegatronStageCompute:
+class MegatronStageCompute(StageComputeBase):
     """Chunk ``d`` of ``model`` serves direction ``d`` (single-direction schedules use chunk 0).
 
     Saved activations and deferred weight gradients are keyed by (direction, micro-batch,
@@ -80,11 +81,6 @@ class MegatronStageCompute:
         if self.te_backward_dw[a.dir]:
             self._te_backward_dw(a.dir, (a.dir, a.mb, a.stage) if deferring else None)
         return input_grad
-
-    def forward_backward(self, f_action: Action, b_action: Action, input_tensor, output_grad):
-        """A fused F&B unit (the runner's hook): here the forward, then the backward (no overlap;
-        ``mcore.overlap.OverlappedStageCompute`` runs both through megatron-core's combined step)."""
-        return self.forward(f_action, input_tensor), self.backward(b_action, output_grad)
 
     # -- shared by the subclasses ---------------------------------------------------------------
     def _begin_forward(self, a: Action):

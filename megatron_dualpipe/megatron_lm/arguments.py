@@ -30,6 +30,8 @@ the three extra attributes; no check runs and no value is changed.
 """
 
 import functools
+from dataclasses import dataclass
+from typing import Any, Callable, List, Optional, Tuple
 
 from ..schedule import registry
 
@@ -80,6 +82,91 @@ def num_microbatches(args) -> int:
     """Micro-batches per global batch and data-parallel rank, as Megatron computes it."""
     dp = getattr(args, "data_parallel_size", None) or 1
     return args.global_batch_size // (args.micro_batch_size * dp)
+
+
+@dataclass(frozen=True)
+class RefusedOption:
+    """A Megatron-LM option that an executor schedule cannot honour, with the reason and the fix.
+
+    ``flags`` is what the user typed (and must change), ``dest`` the ``args`` attribute it sets,
+    ``is_set(value)`` whether that value turns the feature on. The table below is the one place
+    these refusals live: ``dualpipe_problems`` reads it, docs/megatron-options.md lists it and
+    tests/test_megatron_lm.py checks every entry's message.
+    """
+
+    flags: str
+    dest: str
+    why: str
+    schedules: Tuple[str, ...] = registry.names(chunks_per_rank=2)
+    is_set: Callable[[Any], bool] = bool
+    fix: Optional[str] = None
+
+    def message(self) -> str:
+        return f"does not support {self.flags} ({self.why}); {self.fix or 'remove ' + self.flags}"
+
+
+def _not_none(value) -> bool:
+    return value not in (None, "none")
+
+
+def _has_global_aux_loss(value) -> bool:
+    return "global_aux_loss" in (value if isinstance(value, (list, tuple)) else [value])
+
+
+#: Schedules run by the executor; schedules whose two chunks are mirrored copies of one stage.
+_EXECUTOR = registry.names(runs_on=registry.EXECUTOR)
+_MIRRORED = (registry.DUALPIPE,)
+
+REFUSED_OPTIONS: Tuple[RefusedOption, ...] = (
+    RefusedOption("--use-torch-fsdp2", "use_torch_fsdp2", "FSDP shards the chunks' parameters itself"),
+    RefusedOption("--use-megatron-fsdp", "use_megatron_fsdp", "FSDP shards the chunks' parameters itself"),
+    RefusedOption("--mtp-num-layers", "mtp_num_layers",
+                  "multi-token prediction is tied to the last pipeline stage of one direction"),
+    RefusedOption("--cuda-graph-impl / --enable-cuda-graph / --external-cuda-graph", "cuda_graph_impl",
+                  "a captured graph replays one fixed order of forwards and backwards",
+                  is_set=_not_none, fix="use --cuda-graph-impl none"),
+    RefusedOption("--overlap-moe-expert-parallel-comm", "overlap_moe_expert_parallel_comm",
+                  "a one-chunk order has no fused F&B units to overlap; --delay-wgrad-compute needs it too",
+                  schedules=registry.names(runs_on=registry.EXECUTOR, chunks_per_rank=1),
+                  fix="remove it, or use --pipeline-schedule " + " or ".join(registry.names(chunks_per_rank=2))),
+    RefusedOption("--iterations-to-skip", "iterations_to_skip", "the skip path assumes one data iterator"),
+    RefusedOption("--sft", "sft", "packed variable-length sequences need variable P2P shapes"),
+    RefusedOption("--perform-rl-step", "perform_rl_step",
+                  "RL builds a separate inference model through get_model and drives its own train loop",
+                  fix="remove --perform-rl-step or use --pipeline-schedule 1f1b"),
+    RefusedOption("--hybrid-context-parallel", "hybrid_context_parallel",
+                  "micro-batches of different lengths need variable P2P shapes"),
+    RefusedOption("--moe-router-load-balancing-type global_aux_loss", "moe_router_load_balancing_type",
+                  "its loss for micro-batch k averages the token counts of micro-batches 1..k in 1F1B order, "
+                  "and DualPipe's two copies of a stage each see only one direction's micro-batches",
+                  schedules=_MIRRORED, is_set=_has_global_aux_loss,
+                  fix="use aux_loss or seq_aux_loss, or --pipeline-schedule dualpipev"),
+    RefusedOption("--qk-clip", "qk_clip",
+                  "each copy of a stage would clip its weights by the largest attention logit of its own "
+                  "direction's micro-batches, so the copies would drift apart", schedules=_MIRRORED),
+    RefusedOption("--moe-enable-routing-replay", "moe_enable_routing_replay",
+                  "its process-wide list of routers would hold both copies of every MoE layer",
+                  schedules=_MIRRORED),
+    RefusedOption("--save-dgrads-interval", "save_dgrads_interval",
+                  "it records the input gradients of 'the last micro-batch', which depends on the schedule's order",
+                  is_set=lambda v: v is not None),
+    RefusedOption("--use-ring-exchange-p2p", "use_ring_exchange_p2p",
+                  "the executor posts its own batched point-to-point operations",
+                  schedules=_EXECUTOR),
+    RefusedOption("--fine-grained-activation-offloading", "fine_grained_activation_offloading",
+                  "its offload handlers are advanced and reset by Megatron's own schedules",
+                  schedules=_EXECUTOR),
+    RefusedOption("--inprocess-restart", "inprocess_restart",
+                  "a restart inside the process would rebuild the process groups but not DualPipe's bd groups"),
+    RefusedOption("--moe-use-upcycling", "moe_use_upcycling",
+                  "upcycling loads a dense one-chunk model and converts it in place"),
+)
+
+
+def refused_option_problems(args, schedule: str) -> List[str]:
+    """Messages for the options of `REFUSED_OPTIONS` that are on in ``args`` and refused for ``schedule``."""
+    return [f"--pipeline-schedule {schedule}: {opt.message()}" for opt in REFUSED_OPTIONS
+            if schedule in opt.schedules and opt.is_set(getattr(args, opt.dest, None))]
 
 
 def dualpipe_problems(args):
@@ -171,17 +258,7 @@ def dualpipe_problems(args):
 
     # Gradient reduction / zero bubble.
     _zero_bubble_problems(spec, args, bad)
-    if getattr(args, "use_torch_fsdp2", False) or getattr(args, "use_megatron_fsdp", False):
-        bad("does not support FSDP; remove --use-torch-fsdp2 / --use-megatron-fsdp")
-
-    # Features wired to a single pipeline direction.
-    if getattr(args, "mtp_num_layers", None):
-        bad(
-            "does not support multi-token prediction (MTP is tied to the last pipeline stage); "
-            "remove --mtp-num-layers"
-        )
-    if getattr(args, "cuda_graph_impl", "none") not in (None, "none"):
-        bad("does not support CUDA graphs; use --cuda-graph-impl none")
+    problems.extend(refused_option_problems(args, schedule))
     if getattr(args, "overlap_moe_expert_parallel_comm", False):
         # Fused F&B units through megatron-core's combined step (mcore.overlap); no virtual
         # pipeline needed (training_hooks adapts the config).
@@ -189,20 +266,6 @@ def dualpipe_problems(args):
 
         for problem in combined_step_problems(args):
             bad(f"--overlap-moe-expert-parallel-comm: {problem}")
-    if getattr(args, "iterations_to_skip", None):
-        bad(
-            "does not support --iterations-to-skip (the skip path assumes one data iterator); "
-            "remove it"
-        )
-    if getattr(args, "sft", False):
-        bad("does not support --sft (packed variable-length sequences) yet; remove --sft")
-    if getattr(args, "perform_rl_step", False):
-        bad(
-            "does not support --perform-rl-step (RL builds a separate inference model through "
-            "get_model and drives its own train loop); remove it or use --pipeline-schedule 1f1b"
-        )
-    if getattr(args, "hybrid_context_parallel", False):
-        bad("does not support --hybrid-context-parallel; remove it")
 
     timeout = getattr(args, "dualpipe_p2p_timeout", None)
     if timeout is not None and not timeout > 0:
@@ -234,12 +297,10 @@ def _one_chunk_problems(spec, args, bad, problems):
         )
     if getattr(args, "overlap_p2p_comm", False):
         bad("batches its own P2P; remove --overlap-p2p-communication")
-    if getattr(args, "overlap_moe_expert_parallel_comm", False):
-        bad("has no fused F&B units to overlap; remove --overlap-moe-expert-parallel-comm (or use a two-chunk "
-            "schedule: " + ", ".join(registry.names(chunks_per_rank=2)) + ")")
     _zero_bubble_problems(spec, args, bad)
     if getattr(args, "variable_seq_lengths", False):
         bad("needs fixed shapes between micro-batches; remove --variable-seq-lengths")
+    problems.extend(refused_option_problems(args, spec.name))
     timeout = getattr(args, "dualpipe_p2p_timeout", None)
     if timeout is not None and not timeout > 0:
         bad(f"--dualpipe-p2p-timeout must be a positive number of seconds (got {timeout})")

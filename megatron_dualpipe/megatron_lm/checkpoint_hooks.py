@@ -18,10 +18,13 @@ Legacy ``--ckpt-format torch`` (one file per (tp, pp) rank, keys ``model`` and `
   parameters and optimizer state on rank ``i`` into ``model[1]`` on rank ``pp-1-i``. After
   that, the mirror is bit-identical to its home copy in parameters *and* optimizer state, as it
   is in an uninterrupted DualPipe run (both copies always receive the same summed gradient).
-* Supported optimizers: Megatron's ``FP32Optimizer`` and ``Float16OptimizerWithFloat16Params``
-  (and a ``ChainedOptimizer`` of them, e.g. dense + expert parameters). The distributed optimizer
-  saves its state in its own per-DP-rank file layout for this format: refused with a message
-  (use ``--ckpt-format torch_dist``, or ``--no-save-optim`` / ``--no-load-optim``).
+* Supported optimizers: Megatron's ``FP32Optimizer``, ``Float16OptimizerWithFloat16Params`` and
+  ``DistributedOptimizer`` (and a ``ChainedOptimizer`` of them, e.g. dense + expert parameters).
+  The distributed optimizer's ``state_dict()`` holds no per-parameter state and is the same for
+  one and two chunks; its per-parameter state (``distrib_optim.pt``, gathered on data-parallel
+  rank 0, one entry per grad buffer) is written for ``model[0]``'s buffers only, renumbered as a
+  one-chunk run numbers them, and read back into them (the mirror's buffers get placeholders
+  that ``sync_mirrors`` overwrites with its partner's shards).
 
 ``--ckpt-format torch_dist``: keys are global (layer numbers, shard offsets), and ``model[1]`` is
 built with the reversed pipeline group, so its keys are those of the stage it mirrors. Each of
@@ -32,25 +35,26 @@ copy's) and only the home copy is written; at load every replica reads the store
 from the model's sharded tensors and inherits the marks. After the load :func:`sync_mirrors` runs
 as well (a no-op in value).
 
-DualPipeV has no mirrors: its two chunks are different stages of a 2*pp-stage split, so its
-torch-format files (keys ``model0``/``model1``, Megatron's own multi-chunk layout) cannot be
-resumed under another schedule. Megatron itself would silently skip a chunk whose key is
-missing, so a DualPipeV load of a torch-format file without ``model0``/``model1`` is refused
-with a message. (torch_dist reshards by global keys; DualPipeV chunks carry vp_stage 0/1 keys,
-not verified here.)
+DualPipeV has no mirrors: its two chunks are different stages of a 2*pp-stage split. In
+``--ckpt-format torch`` its files hold Megatron's own two-chunk layout (``model0``/``model1``, the
+optimizer of both) plus ``model``, the weights of 1F1B's stage ``i`` (two V-stages, gathered from
+the ranks holding them), so 1F1B and DualPipe read them; a DualPipeV load of a one-chunk file cuts
+its ``model`` into V-stages and sends them to their ranks (:mod:`.dualpipev_checkpoint`). Optimizer
+state does not cross between the two layouts: such a load needs ``--no-load-optim`` and is
+refused with that message otherwise. (torch_dist reshards by global keys; DualPipeV chunks carry
+vp_stage 0/1 keys, not verified here.)
 """
 
+import contextlib
 import functools
 
 from ..schedule import registry
-from ..schedule.layout import BIDIRECTIONAL, V_SHAPE
 from .training_hooks import schedule_of
 
 _MARK = "_megatron_dualpipe_ckpt_hook"
 
 
-def _layout_kind(args) -> str:
-    return registry.get(schedule_of(args)).layout_kind
+_schedule = schedule_of
 
 
 # ------------------------------------------------------------------------------------------
@@ -68,6 +72,8 @@ def inner_optimizers(optimizer):
 def _kind(opt) -> str:
     from megatron.core.optimizer.optimizer import FP32Optimizer, Float16OptimizerWithFloat16Params
 
+    if is_distributed_optimizer(opt):
+        return "distributed"
     if isinstance(opt, Float16OptimizerWithFloat16Params):
         return "fp16"
     if isinstance(opt, FP32Optimizer):
@@ -220,19 +226,94 @@ class _OneChunkOptimizerView:
         return getattr(self._optimizer, name)
 
     def state_dict(self):
-        sds = [filter_state_dict(o, o.state_dict(), self._keep_ids) for o in self._inner]
+        sds = [o.state_dict() if is_distributed_optimizer(o) else filter_state_dict(o, o.state_dict(), self._keep_ids)
+               for o in self._inner]
         return sds[0] if len(sds) == 1 else sds
 
     def load_state_dict(self, state_dict):
+        def expand(o, sd):
+            return sd if is_distributed_optimizer(o) else expand_state_dict(o, sd, self._keep_ids)
+
         if len(self._inner) == 1:
-            self._optimizer.load_state_dict(expand_state_dict(self._inner[0], state_dict, self._keep_ids))
+            self._optimizer.load_state_dict(expand(self._inner[0], state_dict))
             return
         if isinstance(state_dict, dict):
             state_dict = [v for _, v in sorted(state_dict.items())]
         if len(state_dict) != len(self._inner):
             raise RuntimeError(f"expected {len(self._inner)} optimizer state dicts, got {len(state_dict)}")
-        self._optimizer.load_state_dict([expand_state_dict(o, s, self._keep_ids)
-                                         for o, s in zip(self._inner, state_dict)])
+        self._optimizer.load_state_dict([expand(o, s) for o, s in zip(self._inner, state_dict)])
+
+    # The distributed optimizer's per-parameter state (--ckpt-format torch: distrib_optim.pt,
+    # written on data-parallel rank 0), as ChainedOptimizer.save/load_parameter_state lay it out.
+
+    def save_parameter_state(self, filename):
+        import torch
+
+        states = [filter_parameter_state(o, o.get_parameter_state_dp_zero(), self._keep_ids) for o in self._inner]
+        if self._inner[0].data_parallel_group.rank() == 0:
+            torch.save(states[0] if len(states) == 1 else states, filename)
+
+    def load_parameter_state(self, filename, *, update_legacy_format=False):
+        import torch
+
+        if update_legacy_format:
+            raise NotImplementedError("--pipeline-schedule dualpipe cannot convert a legacy distributed-optimizer "
+                                      "checkpoint; convert it under --pipeline-schedule 1f1b first")
+        rank0 = self._inner[0].data_parallel_group.rank() == 0
+        states = torch.load(filename) if rank0 else None
+        if rank0 and len(self._inner) == 1:
+            states = [states]
+        for k, o in enumerate(self._inner):
+            o.load_parameter_state_from_dp_zero(
+                expand_parameter_state(o, states[k], self._keep_ids) if rank0 else None)
+
+
+def _home_buffers(opt, keep_ids):
+    """Indices of the distributed optimizer's grad buffers that belong to model[0] (a buffer
+    holds the parameters of one chunk: DDP builds them per chunk)."""
+    home = []
+    for k, buf in enumerate(opt.buffers):
+        ids = {id(p) for p in buf.params}
+        if ids <= keep_ids:
+            home.append(k)
+        elif ids & keep_ids:
+            raise RuntimeError("a distributed-optimizer buffer holds parameters of both model chunks")
+    return home
+
+
+def filter_parameter_state(opt, state, keep_ids):
+    """``get_parameter_state_dp_zero()`` restricted to model[0]'s buffers, renumbered from 0 as a
+    one-chunk optimizer numbers them (None off data-parallel rank 0)."""
+    if state is None:
+        return None
+    out = {k: v for k, v in state.items() if not isinstance(k, int)}
+    for new, old in enumerate(_home_buffers(opt, keep_ids)):
+        out[new] = state[old]
+    return out
+
+
+def expand_parameter_state(opt, state, keep_ids):
+    """Inverse of `filter_parameter_state`: a one-chunk parameter state -> this optimizer's
+    buffers; the mirror's buffers get zero placeholders (`sync_mirrors` fills them)."""
+    import torch
+
+    home = _home_buffers(opt, keep_ids)
+    saved = sorted(k for k in state if isinstance(k, int))
+    if len(saved) != len(home):
+        raise ValueError(f"the checkpoint's distributed-optimizer state has {len(saved)} buffers, this rank's "
+                         f"model[0] has {len(home)}: it was saved for a different model or pipeline split; "
+                         "resume with --no-load-optim")
+    out = {k: v for k, v in state.items() if not isinstance(k, int)}
+    from_file = dict(zip(home, saved))
+    for k, buf in enumerate(opt.buffers):
+        if k in from_file:
+            out[k] = state[from_file[k]]
+            continue
+        n = buf.numel_unpadded
+        out[k] = {dtype: dict({key: torch.zeros((n,), dtype=torch.float32) for key in ("param", "exp_avg", "exp_avg_sq")},
+                              numel_unpadded=n)
+                  for dtype in opt.gbuf_ranges[k]}
+    return out
 
 
 def _model0_ids(model):
@@ -247,50 +328,92 @@ def _model0_ids(model):
 
 
 def sync_mirrors(model, optimizer) -> None:
-    """Home copy -> mirror, over each bd pair: parameters (``broadcast_mirrors``), then for every
-    optimizer: fp32 main parameters and the optimizer state tensors, parameter by parameter in
-    ``named_parameters`` order, stage min(i, pp-1-i) first. Collective within each bd pair."""
-    import torch
-    import torch.distributed as dist
-
-    from ..mcore import groups
-    from ..mcore.model import _flat_collective, broadcast_mirrors, unwrap_chunk
+    """Home copy -> mirror, over each bd pair (`bd_pairs.broadcast_home_to_mirror`, stage
+    min(i, pp-1-i) first, structure checked): the parameters (``broadcast_mirrors``), the
+    persistent buffers (e.g. a MoE router's ``expert_bias``, which the checkpoint restores only
+    in the home copy), then for every optimizer the state behind each parameter in
+    ``named_parameters`` order: the fp32 main parameter (when it is not the parameter itself)
+    and the optimizer state tensors. For the distributed optimizer that is this data-parallel
+    rank's shard of each (the partners have the same data-parallel rank and, with identical
+    buffer layouts, the same shard ranges; a layout that differs is reported by the structure
+    check)."""
+    from ..mcore import bd_pairs
+    from ..mcore.model import broadcast_mirrors
 
     broadcast_mirrors(model)
-    pp_ranks = groups.get_pp_global_ranks()
-    me = dist.get_rank()
-    i, pp = pp_ranks.index(me), len(pp_ranks)
-    mirror, bd_group = groups.get_bd_mirror_rank(), groups.get_bd_group()
-    if mirror == me:
-        raise NotImplementedError("sync_mirrors: DualPipe needs an even pipeline size")
+    bd_pairs.broadcast_home_to_mirror(model, persistent_buffers, "persistent buffers")
     for opt in inner_optimizers(optimizer):
         if getattr(opt, "is_stub_optimizer", False) or opt.optimizer is None:
             continue
-        mains = {id(p): p for g in opt.optimizer.param_groups for p in g["params"]}
-        to_model = _main_to_model(opt)
-        model_to_main = {id(model_p): mains[main_id] for main_id, model_p in to_model.items()}
-        for stage in sorted({i, pp - 1 - i}):
-            chunk = model[0] if stage == i else model[1]
-            src = me if stage == i else mirror
-            tensors = []
-            for _, p in unwrap_chunk(chunk).named_parameters():
-                main = model_to_main.get(id(p))
-                if main is None:
-                    continue
-                if main is not p:
-                    tensors.append(main.data)
-                st = opt.optimizer.state.get(main, {})
-                tensors.extend(st[k] for k in sorted(st) if torch.is_tensor(st[k]))
-            sig = [(tuple(t.shape), str(t.dtype)) for t in tensors]
-            sigs = [None, None]
-            dist.all_gather_object(sigs, sig, group=bd_group)
-            if sigs[0] != sigs[1]:
-                raise RuntimeError(
-                    f"stage {stage}: the optimizer state of the two copies on ranks {groups.get_bd_ranks()} "
-                    f"differs in structure ({len(sigs[0])} vs {len(sigs[1])} tensors)")
-            if tensors:
-                with torch.no_grad():
-                    _flat_collective(tensors, lambda flat: dist.broadcast(flat, src=src, group=bd_group))
+        if is_distributed_optimizer(opt):
+            _sync_distributed_optimizer_state(model, opt)
+            continue
+        state_of = _param_state_getter(opt)
+        bd_pairs.broadcast_home_to_mirror(
+            model, lambda chunk: [t for _, p in _named_params(chunk) for t in state_of(p)], "optimizer state")
+
+
+def _sync_distributed_optimizer_state(model, opt) -> None:
+    """The distributed optimizer keeps, per parameter with a shard on this data-parallel rank,
+    the main parameter shard and its state (Megatron's ``_get/_set_main_param_and_optimizer_states``;
+    the getter may return copies, e.g. with the precision-aware optimizer, so the received values
+    are written back through the setter)."""
+    import torch
+
+    from ..mcore import bd_pairs
+
+    fetched = {}
+
+    def tensors_of(chunk):
+        out = []
+        for _, p in _named_params(chunk):
+            if p in opt.model_param_group_index_map:  # else: no shard of it on this data-parallel rank
+                st = opt._get_main_param_and_optimizer_states(p)
+                fetched[p] = st
+                out.extend(st[k] for k in sorted(st) if torch.is_tensor(st[k]))
+        return out
+
+    bd_pairs.broadcast_home_to_mirror(model, tensors_of, "distributed optimizer state")
+    with torch.no_grad():
+        for p, st in fetched.items():
+            opt._set_main_param_and_optimizer_states(p, st)
+
+
+def _named_params(chunk):
+    from ..mcore.model import unwrap_chunk
+
+    return list(unwrap_chunk(chunk).named_parameters())
+
+
+def persistent_buffers(chunk):
+    """The chunk's floating-point buffers that its state dict saves, in module order."""
+    from ..mcore.model import unwrap_chunk
+
+    return [b for m in unwrap_chunk(chunk).modules() for name, b in m._buffers.items()
+            if b is not None and name not in m._non_persistent_buffers_set and b.is_floating_point()]
+
+
+def _param_state_getter(opt):
+    """``param -> [tensors]`` for Megatron's (non-distributed) optimizers: the fp32 main
+    parameter when it is not the parameter itself, then the optimizer state tensors by key."""
+    import torch
+
+    mains = {id(p): p for g in opt.optimizer.param_groups for p in g["params"]}
+    model_to_main = {id(model_p): mains[main_id] for main_id, model_p in _main_to_model(opt).items()}
+
+    def of(p):
+        main = model_to_main.get(id(p))
+        if main is None:
+            return []
+        st = opt.optimizer.state.get(main, {})
+        return ([main.data] if main is not p else []) + [st[k] for k in sorted(st) if torch.is_tensor(st[k])]
+    return of
+
+
+def is_distributed_optimizer(opt) -> bool:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    return isinstance(opt, DistributedOptimizer)
 
 
 def mark_mirror_replicas(chunk) -> None:
@@ -339,14 +462,6 @@ def _non_main(replica_id):
 # ------------------------------------------------------------------------------------------
 
 
-def _refuse_distributed_optimizer(args, what):
-    if getattr(args, "use_distributed_optimizer", False):
-        raise NotImplementedError(
-            f"--pipeline-schedule dualpipe: {what} of the distributed optimizer's state in --ckpt-format torch "
-            "is not supported; use --ckpt-format torch_dist, or pass "
-            f"{'--no-save-optim' if what == 'saving' else '--no-load-optim'}")
-
-
 def _wrap_save(orig):
     if getattr(orig, _MARK, False):
         return orig
@@ -356,10 +471,12 @@ def _wrap_save(orig):
         from megatron.training import get_args
 
         args = get_args()
-        if _layout_kind(args) != BIDIRECTIONAL or args.ckpt_format != "torch":
+        if _schedule(args) == registry.DUALPIPEV and args.ckpt_format == "torch":
+            with _dualpipev_state_dict_with_one_chunk(model):
+                return orig(iteration, model, optimizer, *a, **kw)
+        if _schedule(args) != registry.DUALPIPE or args.ckpt_format != "torch":
             return orig(iteration, model, optimizer, *a, **kw)
         if not args.no_save_optim and optimizer is not None:
-            _refuse_distributed_optimizer(args, "saving")
             for o in inner_optimizers(optimizer):
                 if not getattr(o, "is_stub_optimizer", False):
                     _kind(o)  # refuses unsupported optimizers before anything is written
@@ -392,9 +509,9 @@ def _disk_format(args, load_arg):
         return args.ckpt_format
 
 
-def _check_dualpipev_torch_checkpoint(args, load_arg):
-    """DualPipeV + torch format: Megatron silently skips chunks whose ``model%d`` key is missing,
-    so refuse a checkpoint that was not written by a two-chunk (DualPipeV) run."""
+def _peek_torch_checkpoint(args, load_arg):
+    """(top-level keys, schedule that wrote it) of this rank's torch-format file that
+    load_checkpoint will read, or None when there is none (memory-mapped, tensors not read)."""
     import os
 
     import torch
@@ -404,20 +521,97 @@ def _check_dualpipev_torch_checkpoint(args, load_arg):
     load_dir = getattr(args, load_arg, None)
     tracker = mckpt.get_checkpoint_tracker_filename(load_dir) if load_dir else None
     if not tracker or not os.path.isfile(tracker):
-        return
+        return None
     iteration, release = mckpt.read_metadata(tracker)
     if getattr(args, "ckpt_step", None):
         iteration = args.ckpt_step
     name = mckpt.get_checkpoint_name(load_dir, iteration, release)
     if not os.path.isfile(name):
-        return
+        return None
     sd = torch.load(name, map_location="cpu", weights_only=False, mmap=True)
-    if "model0" not in sd or "model1" not in sd:
-        saved = getattr(sd.get("args"), "pipeline_schedule", registry.DEFAULT)
+    return set(sd), getattr(sd.get("args"), "pipeline_schedule", registry.DEFAULT) or registry.DEFAULT
+
+
+def _loads_optimizer(args, optimizer) -> bool:
+    return optimizer is not None and not args.no_load_optim and not args.finetune
+
+
+def _check_cross_layout_optimizer(args, load_arg, optimizer, schedule, peek) -> bool:
+    """True if this load has to remap DualPipeV <-> 1F1B layers; refuses, before anything is
+    read, to load optimizer state across the two layouts (it is per stage and not remapped)."""
+    if peek is None:
+        return False
+    keys, saved = peek
+    two_chunk_file = "model0" in keys and "model1" in keys
+    crosses = (schedule == registry.DUALPIPEV) != (saved == registry.DUALPIPEV) or (schedule == registry.DUALPIPEV and not two_chunk_file)
+    if crosses and _loads_optimizer(args, optimizer):
         raise NotImplementedError(
-            f"--pipeline-schedule dualpipev cannot resume {name} (written by --pipeline-schedule {saved}) in "
-            "--ckpt-format torch: DualPipeV splits the layers into 2*pp stages, so its per-rank files hold "
-            "different layers; convert through --ckpt-format torch_dist (which reshards by global keys)")
+            f"--pipeline-schedule {schedule} can load the weights of this --ckpt-format torch checkpoint (written by "
+            f"--pipeline-schedule {saved}), remapped to its stages, but not its optimizer state, which is laid out per "
+            "stage: pass --no-load-optim (or --finetune)")
+    return schedule == registry.DUALPIPEV and not two_chunk_file
+
+
+@contextlib.contextmanager
+def _dualpipev_state_dict_from_one_chunk(model):
+    """Within the block, the state dict Megatron's load reads from this rank's file gets
+    ``model0``/``model1`` cut out of its 1F1B-layout ``model`` (collective, `dualpipev_checkpoint`)."""
+    import megatron.training.checkpointing as mckpt
+
+    from . import dualpipev_checkpoint as dvc
+
+    orig = mckpt._load_base_checkpoint
+    me, pp, n = _dualpipev_geometry(model)
+
+    @functools.wraps(orig)
+    def load_base(*a, **kw):
+        result = orig(*a, **kw)
+        sd = result[0]
+        if not kw.get("rank0", False) and sd is not None and "model" in sd and "model0" not in sd:
+            sd["model0"], sd["model1"] = dvc.scatter_one_chunk_state_dict(sd.pop("model"), me, pp, n)
+        return result
+
+    mckpt._load_base_checkpoint = load_base
+    try:
+        yield
+    finally:
+        mckpt._load_base_checkpoint = orig
+
+
+@contextlib.contextmanager
+def _dualpipev_state_dict_with_one_chunk(model):
+    """Within the block, the state dict Megatron's save writes also holds ``model``: 1F1B stage
+    ``i``'s weights (gathered from the V-stages first, collectively, on every rank)."""
+    import megatron.training.checkpointing as mckpt
+
+    from . import dualpipev_checkpoint as dvc
+
+    me, pp, n = _dualpipev_geometry(model)
+    one_chunk = dvc.gather_one_chunk_state_dict(model, me, pp, n)
+    orig = mckpt.generate_state_dict
+
+    @functools.wraps(orig)
+    def generate(*a, **kw):
+        sd = orig(*a, **kw)
+        sd["model"] = one_chunk
+        return sd
+
+    mckpt.generate_state_dict = generate
+    try:
+        yield
+    finally:
+        mckpt.generate_state_dict = orig
+
+
+def _dualpipev_geometry(model):
+    """(pipeline rank, pp, layers per V-stage) of a DualPipeV model."""
+    from megatron.core import parallel_state
+
+    from ..mcore.model import unwrap_chunk
+
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    return (parallel_state.get_pipeline_model_parallel_rank(), pp,
+            unwrap_chunk(model[0]).config.num_layers // (2 * pp))
 
 
 def _wrap_load(orig):
@@ -429,18 +623,17 @@ def _wrap_load(orig):
         from megatron.training import get_args
 
         args = get_args()
-        layout_kind = _layout_kind(args)
-        if layout_kind == V_SHAPE and _disk_format(args, load_arg) == "torch":
-            _check_dualpipev_torch_checkpoint(args, load_arg)
-        if layout_kind != BIDIRECTIONAL:
-            return orig(ddp_model, optimizer, opt_param_scheduler, load_arg, strict, **kw)
+        schedule = _schedule(args)
         fmt = _disk_format(args, load_arg)
+        peek = _peek_torch_checkpoint(args, load_arg) if fmt == "torch" else None
+        if _check_cross_layout_optimizer(args, load_arg, optimizer, schedule, peek):
+            with _dualpipev_state_dict_from_one_chunk(ddp_model):
+                return orig(ddp_model, optimizer, opt_param_scheduler, load_arg, strict, **kw)
+        if schedule != registry.DUALPIPE:
+            return orig(ddp_model, optimizer, opt_param_scheduler, load_arg, strict, **kw)
         if fmt == "torch":
-            load_optim = optimizer is not None and not args.no_load_optim and not args.finetune
             view = optimizer
             if optimizer is not None:
-                if load_optim:
-                    _refuse_distributed_optimizer(args, "loading")
                 view = _OneChunkOptimizerView(optimizer, _model0_ids(ddp_model))
             result = orig(list(ddp_model)[:1], view, opt_param_scheduler, load_arg, strict, **kw)
         else:

@@ -17,15 +17,17 @@ What it installs, in order (each step idempotent):
    every schedule but ``1f1b``, and ``save_checkpoint`` / ``load_checkpoint`` keep DualPipe
    checkpoints interchangeable with 1F1B ones (:mod:`.checkpoint_hooks`). ``1f1b`` passes
    straight through to Megatron.
-5. ``cpu_training.enable()`` -- only when ``torch.cuda.is_available()`` is False (or
-   ``cpu=True``): the redirections that let Megatron-LM's training loop run on CPU with gloo.
+5. ``megatron_dualpipe.cpu.enable(megatron_lm=True)`` -- only when ``torch.cuda.is_available()``
+   is False: the redirections that let megatron-core and Megatron-LM's training loop run on CPU
+   with gloo (``megatron-dualpipe cpu-mode`` lists them). ``cpu=True`` requires it (an error on a
+   machine with CUDA), ``cpu=False`` skips it.
 """
 
 _INSTALLED = {}
 
 
 def install(cpu=None):
-    """Install the plugin's patches. ``cpu=None`` decides from ``torch.cuda.is_available()``."""
+    """Install the plugin's patches. ``cpu=None``: CPU mode exactly when CUDA is not available."""
     from . import arguments, dataset_helpers, triton_stub
 
     if "base" not in _INSTALLED:
@@ -37,14 +39,10 @@ def install(cpu=None):
         training_hooks.install()
         _INSTALLED["base"] = True
 
-    import torch
+    if cpu is not False and "cpu" not in _INSTALLED:
+        from .. import cpu as cpu_mode
 
-    if cpu is None:
-        cpu = not torch.cuda.is_available()
-    if cpu and "cpu" not in _INSTALLED:
-        from . import cpu_training
-
-        cpu_training.enable()
-        _INSTALLED["cpu"] = True
+        if cpu_mode.enable(megatron_lm=True, force=cpu is True):
+            _INSTALLED["cpu"] = True
     return dict(_INSTALLED)
 

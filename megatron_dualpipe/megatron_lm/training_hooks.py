@@ -28,6 +28,17 @@ arguments and returns its result: Megatron behaves exactly as without the plugin
     ``train()``) -- for two chunks via ``grads.finalize_dualpipe_grads`` after the bd
     all-reduce -- and returns the loss dicts of both directions on the last pipeline rank,
     where ``train_step`` / ``evaluate`` read them.
+``calc_params_l2_norm`` (``--log-params-norm``, DualPipe)
+    gets ``model[:1]``: ``model[1]`` holds only mirrored copies, each counted once already
+    through its home rank's ``model[0]``. (Megatron's function skips parameters marked
+    ``shared`` but asserts that expert parameters are not, so the whole two-chunk model trips
+    that assert with MoE.)
+The parameter count
+    Stock ``get_model`` prints `` > number of parameters on (tensor, pipeline) model parallel
+    rank (t, p): N`` summed over the chunks it was given. Under DualPipe the line keeps its
+    prefix, and says the logical count (this rank's home stage, what 1F1B prints; summed over
+    the pipeline every stage is counted once) and, separately, the physical count with the
+    mirrored copy; under DualPipeV it names the two stages (nothing is duplicated).
 ``megatron.training.arguments.core_transformer_config_from_args`` (``--overlap-moe-expert-parallel-comm``)
     megatron-core's ``TransformerConfig`` refuses the flag with a pipeline but no virtual
     pipeline, and ``pretrain_gpt.py`` builds a config from ``args`` on every ``get_batch``. With
@@ -42,6 +53,7 @@ Data
     rank, and the executor splits it into the two directions itself (``mcore.data``).
 """
 
+import contextlib
 import functools
 
 from ..schedule import registry
@@ -71,8 +83,9 @@ class _Chunks(list):
     subclass so that ``model.model_type = ...`` works; stock code then treats it as its list)."""
 
 
-def _two_chunk_provider(model_provider_func, schedule, model_type, config):
-    """A provider with stock ``get_model``'s calling convention that builds both chunks."""
+def _two_chunk_provider(model_provider_func, schedule, model_type, config, built=None):
+    """A provider with stock ``get_model``'s calling convention that builds both chunks (and
+    puts them in the dict ``built`` under "chunks", for the parameter-count line)."""
     from megatron.core.utils import get_model_config
     from megatron.training import get_args
 
@@ -103,9 +116,54 @@ def _two_chunk_provider(model_provider_func, schedule, model_type, config):
                 chunk.cuda(mtraining.torch.cuda.current_device())
             return chunk
 
-        return _Chunks(build_two_direction_model(one_chunk, layout_kind=layout, pg_collection=pg_collection))
+        chunks = _Chunks(build_two_direction_model(one_chunk, layout_kind=layout, pg_collection=pg_collection))
+        if built is not None:
+            built["chunks"] = list(chunks)
+        return chunks
 
     return provider
+
+
+PARAMETER_COUNT_PREFIX = " > number of parameters on (tensor, pipeline) model parallel rank"
+
+
+def parameter_count_line(line: str, chunks) -> str:
+    """Megatron's parameter-count line for a two-chunk rank: logical and physical counts."""
+    from ..mcore.model import chunk_info
+
+    if not line.startswith(PARAMETER_COUNT_PREFIX) or len(chunks) != 2:
+        return line
+    head = line.rsplit(":", 1)[0]
+    counts = [sum(p.nelement() for p in c.parameters()) for c in chunks]
+    infos = [chunk_info(c) or {} for c in chunks]
+    stages = [info.get("stage") for info in infos]
+    if infos[0].get("layout") == "bidirectional":
+        return (f"{head}: {counts[0]} (logical: stage {stages[0]}; physical on this rank, with the mirrored "
+                f"copy of stage {stages[1]}: {counts[0] + counts[1]})")
+    return f"{head}: {counts[0] + counts[1]} (stages {stages[0]} and {stages[1]}: {counts[0]} + {counts[1]})"
+
+
+@contextlib.contextmanager
+def _parameter_count_rewritten(module, built):
+    """Within the block, ``print`` in ``module``'s globals rewrites Megatron's parameter-count
+    line (`parameter_count_line`) and passes every other call to the builtin unchanged."""
+    import builtins
+
+    had, saved = "print" in vars(module), vars(module).get("print")
+
+    def print_(*args, **kwargs):
+        if len(args) == 1 and isinstance(args[0], str) and "chunks" in built:
+            args = (parameter_count_line(args[0], built["chunks"]),)
+        return builtins.print(*args, **kwargs)
+
+    module.print = print_
+    try:
+        yield
+    finally:
+        if had:
+            module.print = saved
+        else:
+            del module.print
 
 
 def _default_config(args):
@@ -142,8 +200,12 @@ def _wrap_get_model(orig):
 
         if not groups.bd_groups_initialized():
             groups.build_bd_groups()
-        provider = _two_chunk_provider(model_provider_func, schedule, model_type, config)
-        model = orig(provider, model_type, wrap_with_ddp, config=config, pg_collection=pg_collection)
+        import megatron.training.training as mtraining
+
+        built = {}
+        provider = _two_chunk_provider(model_provider_func, schedule, model_type, config, built)
+        with _parameter_count_rewritten(mtraining, built):
+            model = orig(provider, model_type, wrap_with_ddp, config=config, pg_collection=pg_collection)
         model = list(model)
         if len(model) != 2:
             raise RuntimeError(f"--pipeline-schedule {schedule}: expected 2 model chunks, got {len(model)}")
@@ -209,6 +271,22 @@ def _wrap_config_from_args(orig):
     return core_transformer_config_from_args
 
 
+def _wrap_calc_params_l2_norm(orig):
+    if getattr(orig, _MARK, False):
+        return orig
+
+    @functools.wraps(orig)
+    def calc_params_l2_norm(model, *a, **kw):
+        from megatron.training import get_args
+
+        if registry.get(schedule_of(get_args())).layout_kind == BIDIRECTIONAL and isinstance(model, list) and len(model) == 2:
+            model = model[:1]  # model[1] is the mirror: every parameter is counted on its home rank
+        return orig(model, *a, **kw)
+
+    setattr(calc_params_l2_norm, _MARK, True)
+    return calc_params_l2_norm
+
+
 def install():
     """Patch ``megatron.training.training`` (idempotent)."""
     import megatron.training.arguments as margs
@@ -218,5 +296,6 @@ def install():
 
     margs.core_transformer_config_from_args = _wrap_config_from_args(margs.core_transformer_config_from_args)
     mtraining.get_model = _wrap_get_model(mtraining.get_model)
+    mtraining.calc_params_l2_norm = _wrap_calc_params_l2_norm(mtraining.calc_params_l2_norm)
     mtraining.get_forward_backward_func = _wrap_get_forward_backward_func(mtraining.get_forward_backward_func)
     checkpoint_hooks.install()

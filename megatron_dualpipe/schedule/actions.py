@@ -62,6 +62,25 @@ class Action:
 RankActions = Tuple[Action, ...]
 
 
+def units(acts: Sequence[Action]) -> List[Tuple[int, ...]]:
+    """Group a rank's list into execution units: an overlapped F with its following backward
+    is one unit, every other action is one. The simulator times units, the planner puts one
+    batch of P2P before each, the executor runs them (a fused unit in one
+    ``forward_backward`` call)."""
+    out: List[Tuple[int, ...]] = []
+    i = 0
+    while i < len(acts):
+        if acts[i].overlap:
+            if i + 1 >= len(acts) or not acts[i + 1].is_backward:
+                raise ValueError(f"action {i} ({acts[i]}) is marked overlap but no backward follows it")
+            out.append((i, i + 1))
+            i += 2
+        else:
+            out.append((i,))
+            i += 1
+    return out
+
+
 def format_grid(ranks: Sequence[Iterable[Action]], mark: Tuple[int, int] | None = None) -> str:
     """Rank-by-step text grid; ``mark=(rank, index)`` brackets one action (used in errors)."""
     lines: List[str] = []

@@ -24,11 +24,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Sequence, Tuple
 
-from .actions import F, Action
+from .actions import F, Action, units
+from .deps import Event, event_of, event_rank, hands_over, waits_for
 from .layout import Layout
-from .simulate import units
 
+#: What a transfer carries: ("act" | "grad", dir, mb, stage of the action that consumes it).
 Label = Tuple[str, int, int, int]
+#: One end of a hand-over: (the other rank, the label). The other rank may be this rank
+#: (DualPipeV's turn at rank pp-1), where the executor hands the tensor over without P2P.
+Hand = Tuple[int, Label]
 
 
 @dataclass(frozen=True)
@@ -48,38 +52,55 @@ class Batch:
 
 @dataclass
 class RankPlan:
+    """One rank's plan. ``inputs[i]`` / ``outputs[i]``: the tensors action ``i`` takes and hands
+    on, with the rank at the other end; the executor reads only these and the batches."""
+
     units: List[Tuple[int, ...]]
     batches: List[Batch]
+    inputs: List[Tuple[Hand, ...]] = field(default_factory=list)
+    outputs: List[Tuple[Hand, ...]] = field(default_factory=list)
 
 
 class CommPlanError(RuntimeError):
     pass
 
 
-def needs(layout: Layout, rank: int, a: Action) -> List[Transfer]:
-    """What ``a`` must receive from another rank before it runs."""
-    if a.op == F:
-        prev = layout.prev_hop(a.dir, a.stage)
-        if prev is not None and layout.rank_of(*prev) != rank:
-            return [Transfer(layout.rank_of(*prev), ("act", a.dir, a.mb, a.stage))]
-    elif a.is_backward:
-        nxt = layout.next_hop(a.dir, a.stage)
-        if nxt is not None and layout.rank_of(*nxt) != rank:
-            return [Transfer(layout.rank_of(*nxt), ("grad", a.dir, a.mb, a.stage))]
-    return []
+def label_of(a: Action) -> Label:
+    """The label of the tensor ``a`` receives: an activation for an F, a gradient otherwise."""
+    return ("act" if a.op == F else "grad", a.dir, a.mb, a.stage)
 
 
-def produces(layout: Layout, rank: int, a: Action) -> List[Transfer]:
-    """What ``a`` sends to another rank after it runs."""
-    if a.op == F:
-        nxt = layout.next_hop(a.dir, a.stage)
-        if nxt is not None and layout.rank_of(*nxt) != rank:
-            return [Transfer(layout.rank_of(*nxt), ("act", nxt[0], a.mb, nxt[1]))]
-    elif a.is_backward:
-        prev = layout.prev_hop(a.dir, a.stage)
-        if prev is not None and layout.rank_of(*prev) != rank:
-            return [Transfer(layout.rank_of(*prev), ("grad", prev[0], a.mb, prev[1]))]
-    return []
+def describe(label: Label) -> str:
+    """A label in words, for error messages."""
+    kind, d, mb, stage = label
+    what = "activation" if kind == "act" else "gradient"
+    return f"{what} of micro-batch {mb} of direction {d} for stage {stage}"
+
+
+def hand_overs(layout: Layout, ranks: Sequence[Sequence[Action]]) -> Tuple[List[List[Tuple[Hand, ...]]],
+                                                                          List[List[Tuple[Hand, ...]]]]:
+    """Per rank and action: the tensors it takes and hands on, from ``deps.waits_for`` (the one
+    rule): every dependency on another stage's event is a tensor handed from the rank of that
+    event to the rank of the action that waits."""
+    where: Dict[Event, Tuple[int, int]] = {}
+    for r, acts in enumerate(ranks):
+        for i, a in enumerate(acts):
+            where[event_of(a)] = (r, i)
+    inputs: List[List[List[Hand]]] = [[[] for _ in acts] for acts in ranks]
+    outputs: List[List[List[Hand]]] = [[[] for _ in acts] for acts in ranks]
+    for r, acts in enumerate(ranks):
+        for i, a in enumerate(acts):
+            for e in waits_for(layout, a):
+                if not hands_over(a, e):
+                    continue
+                if e not in where:
+                    raise CommPlanError(f"rank {r} action {i} ({a}) waits for {e}, which no rank runs "
+                                        f"(expected on rank {event_rank(layout, e)})")
+                src, j = where[e]
+                inputs[r][i].append((src, label_of(a)))
+                outputs[src][j].append((r, label_of(a)))
+    return ([[tuple(h) for h in per_rank] for per_rank in inputs],
+            [[tuple(h) for h in per_rank] for per_rank in outputs])
 
 
 def plan(layout: Layout, ranks: Sequence[Sequence[Action]]) -> List[RankPlan]:
@@ -93,9 +114,11 @@ def plan(layout: Layout, ranks: Sequence[Sequence[Action]]) -> List[RankPlan]:
     sends_after: List[List[List[Transfer]]] = []
     need_unit: List[Dict[Label, int]] = []
     channel_order: Dict[Tuple[int, int], List[Label]] = {}
-    for r, (acts, us) in enumerate(zip(ranks, unit_lists)):
-        sends_after.append([[t for i in u for t in produces(layout, r, acts[i])] for u in us])
-        need_unit.append({t.label: k for k, u in enumerate(us) for i in u for t in needs(layout, r, acts[i])})
+    inputs, outputs = hand_overs(layout, ranks)
+    for r, us in enumerate(unit_lists):
+        sends_after.append([[Transfer(dst, label) for i in u for dst, label in outputs[r][i] if dst != r]
+                            for u in us])
+        need_unit.append({label: k for k, u in enumerate(us) for i in u for src, label in inputs[r][i] if src != r})
         for per_unit in sends_after[-1]:
             for t in per_unit:
                 channel_order.setdefault((r, t.peer), []).append(t.label)
@@ -120,7 +143,7 @@ def plan(layout: Layout, ranks: Sequence[Sequence[Action]]) -> List[RankPlan]:
             recvs = post_unit[r].get(k, [])
             if sends or recvs:
                 batches.append(Batch(k, list(sends), list(recvs)))
-        plans.append(RankPlan(us, batches))
+        plans.append(RankPlan(us, batches, inputs[r], outputs[r]))
     _prefetch_where_needed(plans)
     check(plans)
     return plans

@@ -1,11 +1,17 @@
 """The one dependency rule: what an action waits for.
 
-Used by the simulator, by the schedule validator and (through the communication planner) by
-the executor, so the three can never disagree about when an action is ready.
+Used by the simulator, by the schedule validator and by the communication planner, whose plan
+is all the executor reads (which tensor each action receives and hands on, from which rank),
+so the three can never disagree about when an action is ready.
 
 * F(d, mb, s) waits for the F of the previous stage on the micro-batch's route.
 * B or BW(d, mb, s) waits for its own F and for the backward (B or BW) of the next stage.
 * W(d, mb, s) waits for its own B.
+
+A dependency on another stage hands a tensor over (:func:`hands_over`): the activation of the
+previous stage to an F, the output gradient of the next stage to a backward. A dependency on
+the action's own stage is state kept inside the stage (saved activations, a deferred weight
+gradient).
 """
 from __future__ import annotations
 
@@ -38,6 +44,11 @@ def waits_for(layout: Layout, a: Action) -> List[Event]:
     if a.op == W:
         return [("B", a.dir, a.mb, a.stage)]
     raise ValueError(f"unknown op {a.op!r}")
+
+
+def hands_over(a: Action, e: Event) -> bool:
+    """Whether ``e``, an event ``a`` waits for, hands ``a`` a tensor (it is another stage's)."""
+    return (e[1], e[3]) != (a.dir, a.stage)
 
 
 def event_rank(layout: Layout, e: Event) -> int:

@@ -1,5 +1,5 @@
 """Single-machine megatron-core environment for tests: gloo process group, model-parallel groups,
-seeds, and a tiny GPT model.
+seeds, a tiny GPT model, and :func:`run_workers` with megatron-core preloaded in the workers.
 
 Typical multi-process test::
 
@@ -12,28 +12,37 @@ Typical multi-process test::
 
     run_workers(worker, world_size=2)
 
-`init_distributed_cpu` calls `cpu_compat.enable_cpu_mode()`, which does nothing on a GPU machine.
+`init_distributed_cpu` calls `megatron_dualpipe.cpu.enable()`, which does nothing on a GPU machine.
 """
 
 from __future__ import annotations
 
-import importlib
 import os
-import socket
-import traceback
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from megatron_dualpipe import cpu_compat
+from megatron_dualpipe import cpu as cpu_mode
+
+from . import workers
+from .workers import free_port, to_numpy  # noqa: F401  (tests reach them through this module)
+
+#: What the workers of megatron-core tests import before forking (once per forkserver).
+MEGATRON_PRELOAD = workers.TORCH_PRELOAD + (
+    "megatron.core.parallel_state",
+    "megatron.core.models.gpt",
+    "megatron.core.models.gpt.gpt_layer_specs",
+    "megatron.core.pipeline_parallel",
+    "megatron.core.distributed",
+)
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def run_workers(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (), timeout: float = 120.0,
+                **kwargs: Any) -> List[Any]:
+    """:func:`harness.workers.run_workers` with megatron-core preloaded in the worker processes."""
+    kwargs.setdefault("preimport", MEGATRON_PRELOAD)
+    return workers.run_workers(fn, world_size, args=args, timeout=timeout, **kwargs)
 
 
 def init_distributed_cpu(
@@ -56,18 +65,18 @@ def init_distributed_cpu(
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    cpu_compat.enable_cpu_mode()
+    cpu = cpu_mode.enable()
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     import datetime
 
     dist.init_process_group(
-        backend="gloo" if cpu_compat.cpu_mode_active() else "nccl",
+        backend="gloo" if cpu else "nccl",
         rank=rank,
         world_size=world_size,
         timeout=datetime.timedelta(minutes=timeout_minutes),
     )
-    if not cpu_compat.cpu_mode_active():
+    if not cpu:
         torch.cuda.set_device(rank % torch.cuda.device_count())
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp,
@@ -286,108 +295,3 @@ def stage_grads_as_full(stage_model, full_keys) -> Dict[str, torch.Tensor]:
     }
 
 
-def to_numpy(obj: Any) -> Any:
-    """Tensors (also inside dicts, lists, tuples) as numpy arrays, for passing between processes."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu().numpy()
-    if isinstance(obj, dict):
-        return {k: to_numpy(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(to_numpy(v) for v in obj)
-    return obj
-
-
-def _worker_entry(rank, fn, world_size, port, args, queue, num_threads):
-    try:
-        torch.set_num_threads(num_threads)
-        queue.put((rank, "ok", to_numpy(fn(rank, world_size, port, *args))))
-    except BaseException:  # report any failure to the parent, including assertion errors
-        queue.put((rank, "error", traceback.format_exc()))
-        raise
-
-
-_PREIMPORT = (
-    "megatron.core.parallel_state",
-    "megatron.core.models.gpt",
-    "megatron.core.models.gpt.gpt_layer_specs",
-    "megatron.core.pipeline_parallel",
-    "megatron.core.distributed",
-)
-
-
-def run_workers(
-    fn: Callable[..., Any],
-    world_size: int,
-    args: Sequence[Any] = (),
-    timeout: float = 120.0,
-    start_method: Optional[str] = None,
-    preimport: Sequence[str] = _PREIMPORT,
-) -> List[Any]:
-    """Run `fn(rank, world_size, port, *args)` in `world_size` spawned processes.
-
-    Returns the per-rank return values, with tensors turned into numpy arrays (`to_numpy`;
-    pass tensors *to* workers as numpy arrays too); raises with the worker's
-    traceback if any rank fails. `fn` must be importable (a module-level function).
-
-    `start_method` defaults to "forkserver" where available: a clean server process imports
-    the modules in `preimport` once (megatron-core takes ~8 s to import on 2 cores) and forks
-    every worker from there. Forking the test process itself is not safe: once it has used
-    gloo (some tests run a 1-rank process group in-process), a forked child can crash inside
-    ``initialize_model_parallel`` (seen as a segmentation fault under pytest-xdist).
-    """
-    import multiprocessing
-
-    import torch.multiprocessing as mp
-
-    if start_method is None:
-        start_method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
-    # One intra-op thread per worker: workers outnumber cores, and a forked child must stay out
-    # of OpenMP parallel regions, which can hang after a fork from a parent that used them.
-    threads = 1
-    ctx = mp.get_context(start_method)
-    if start_method == "forkserver":
-        ctx.set_forkserver_preload(list(preimport))
-    elif start_method == "fork":
-        for name in preimport:
-            importlib.import_module(name)
-    port = free_port()
-    queue = ctx.SimpleQueue()
-    procs = [
-        ctx.Process(target=_worker_entry, args=(rank, fn, world_size, port, tuple(args), queue, threads))
-        for rank in range(world_size)
-    ]
-    for p in procs:
-        p.start()
-    results: Dict[int, Any] = {}
-    errors = []
-    import time
-
-    deadline = time.monotonic() + timeout
-    while len(results) + len(errors) < world_size:
-        if queue.empty():
-            if time.monotonic() > deadline or (
-                all(not p.is_alive() for p in procs) and queue.empty()
-            ):
-                break
-            time.sleep(0.05)
-            continue
-        rank, status, payload = queue.get()
-        if status == "ok":
-            results[rank] = payload
-        else:
-            errors.append(f"rank {rank}:\n{payload}")
-            break
-    for p in procs:
-        p.join(timeout=5 if not errors else 1)
-    for p in procs:
-        if p.is_alive():
-            p.terminate()
-            p.join()
-    if errors:
-        raise RuntimeError("worker failed:\n" + "\n".join(errors))
-    if len(results) < world_size:
-        raise RuntimeError(
-            f"workers timed out or died; got results from ranks {sorted(results)}, exit codes "
-            f"{[p.exitcode for p in procs]}"
-        )
-    return [results[r] for r in range(world_size)]

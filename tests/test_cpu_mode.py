@@ -1,4 +1,4 @@
-"""megatron-core runs on CPU/gloo with `cpu_compat.enable_cpu_mode()`.
+"""megatron-core runs on CPU/gloo with `megatron_dualpipe.cpu.enable()`, and `disable()` undoes it.
 
 Each test spawns fresh processes (gloo on 127.0.0.1) so that megatron-core's global state never
 leaks between tests. The pipeline test runs megatron-core's *own* 1F1B schedule and compares it
@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_dualpipe import cpu_compat
-from megatron_dualpipe.testing import megatron_env as me
+from megatron_dualpipe import cpu as cpu_mode
+from harness import megatron_env as me
 
 pytestmark = pytest.mark.skipif(
-    torch.cuda.is_available(), reason="CPU-mode tests; on a GPU machine cpu_compat is inert"
+    torch.cuda.is_available(), reason="CPU-mode tests; on a GPU machine CPU mode is never active"
 )
 
 SEQ, MBS, VOCAB, M = 16, 2, 64, 4
@@ -73,7 +73,7 @@ def assert_close(name, got, want, rtol=RTOL):
 def _dense_single_worker(rank, world_size, port):
     me.init_distributed_cpu(rank, world_size, port)
     try:
-        assert cpu_compat.cpu_mode_active()
+        assert cpu_mode.active()
         config = me.tiny_gpt_config(num_layers=2)
         batches = make_batches(2)
         runs = []
@@ -232,16 +232,6 @@ def _global_expert_key(key, expert_offset):
 # Tests
 
 
-def test_redirections_are_listed_in_the_docstring():
-    doc = cpu_compat.__doc__.replace("``", "")
-    for target, reason in cpu_compat.REDIRECTIONS:
-        assert reason
-        if target.endswith(".torch"):  # "module.torch": the module is named in the docstring
-            assert target[: -len(".torch")] in doc, target
-        else:  # Class.attribute is named in the docstring
-            assert ".".join(target.rsplit(".", 2)[-2:]) in doc, target
-
-
 def test_dense_gpt_forward_backward_single_process():
     (runs, manual), = me.run_workers(_dense_single_worker, world_size=1)
     (losses_a, grads_a, names), (losses_b, grads_b, _) = runs
@@ -316,9 +306,146 @@ def test_megatron_ddp_finalize_grads_matches_single_process(overlap):
             assert_close(f"rank {rank} {key}", got[key], want[key])
 
 
-def test_enable_cpu_mode_is_inert_when_cuda_is_available(monkeypatch):
-    if cpu_compat.cpu_mode_active():
-        pytest.skip("CPU mode already active in this process")
+# ----------------------------------------------------------------------------------------------
+# enable / disable: exactly the listed attributes change, and every one gets its object back
+
+
+def _megatron_attributes():
+    """{"module.name": object} for every megatron module's globals and the attributes of the
+    classes it defines ("module.Class.name")."""
+    import sys
+
+    snap = {}
+    for modname, module in list(sys.modules.items()):
+        if module is None or not (modname == "megatron" or modname.startswith("megatron.")):
+            continue
+        for key, value in list(vars(module).items()):
+            snap[f"{modname}.{key}"] = value
+            if isinstance(value, type) and value.__module__ == modname and value.__qualname__ == key:
+                for attr, obj in list(vars(value).items()):
+                    snap[f"{modname}.{key}.{attr}"] = obj
+    return snap
+
+
+def _differ(a, b, replaced=()):
+    """Keys whose objects differ, leaving out the attributes *of* a replaced object."""
+    missing = object()
+    inside = tuple(t + "." for t in replaced)
+    return sorted(k for k in set(a) | set(b) if a.get(k, missing) is not b.get(k, missing)
+                  and not k.startswith(inside))
+
+
+def enable_disable_report(megatron_lm):
+    """Enable twice, disable once; what changed in every megatron module at each step."""
+    import importlib
+
+    parts = [p for p in cpu_mode.PARTS if megatron_lm or p == "megatron-core"]
+    listed = [r for p in parts for r in cpu_mode.redirections(p)]
+    for r in listed:
+        importlib.import_module(r.module)
+    assert not cpu_mode.active()
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    get_cuda_rng_tracker()  # a tracker built before CPU mode (of the CUDA class)
+    torch_methods = (torch.Tensor.cuda, torch.nn.Module.cuda)
+    before = _megatron_attributes()
+    assert cpu_mode.enable(megatron_lm=megatron_lm) is True
+    during = _megatron_attributes()
+    assert cpu_mode.enable(megatron_lm=megatron_lm) is True  # idempotent: nothing changes again
+    again = _megatron_attributes()
+    states = {r.target: state for _, r, state in cpu_mode.status()}
+    cpu_mode.disable()
+    after = _megatron_attributes()
+    return dict(
+        listed=sorted(r.target for r in listed), changed=_differ(before, during, [r.target for r in listed]),
+        changed_again=_differ(during, again), not_restored=_differ(before, after),
+        states=states, active_after=cpu_mode.active(),
+        torch_methods_same=(torch.Tensor.cuda, torch.nn.Module.cuda) == torch_methods,
+    )
+
+
+def _enable_disable_worker(rank, world_size, port):
+    return enable_disable_report(megatron_lm=False)
+
+
+def check_enable_disable_report(report, parts):
+    listed, changed = report["listed"], report["changed"]
+    print(f"\n{len(listed)} redirections listed ({', '.join(parts)}); {len(changed)} attributes changed "
+          f"by enable(); {len(report['not_restored'])} differ from the original object after disable()")
+    assert changed == listed, f"changed but not listed: {sorted(set(changed) - set(listed))}; " \
+                              f"listed but unchanged: {sorted(set(listed) - set(changed))}"
+    assert report["changed_again"] == [], report["changed_again"]
+    assert report["not_restored"] == [], report["not_restored"]
+    assert {report["states"][t] for t in listed} == {"active"}, report["states"]
+    assert not report["active_after"] and report["torch_methods_same"]
+
+
+def test_enable_disable_restores_every_megatron_core_attribute():
+    [report] = me.run_workers(_enable_disable_worker, world_size=1)
+    check_enable_disable_report(report, ["megatron-core"])
+
+
+def test_enable_disable_restores_every_megatron_lm_attribute():
+    import json
+    import os
+    import subprocess
+    import sys
+
+    path = os.environ.get("MEGATRON_LM_PATH")
+    if not path or not os.path.isfile(os.path.join(path, "pretrain_gpt.py")):
+        pytest.skip("set MEGATRON_LM_PATH to a Megatron-LM checkout at tag core_v0.16.1")
+    for mod in ("six", "regex", "yaml", "pydantic"):
+        pytest.importorskip(mod, reason="Megatron-LM's training code needs six regex pyyaml pydantic")
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([path, os.path.dirname(here), here]))
+    script = ("import json, test_cpu_mode\n"
+              "from megatron_dualpipe.megatron_lm import triton_stub\n"
+              "triton_stub.preimport_triton_users()\n"
+              "import megatron.training.training\n"
+              "print('REPORT' + json.dumps(test_cpu_mode.enable_disable_report(megatron_lm=True)))\n")
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("REPORT")]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
+    check_enable_disable_report(json.loads(lines[-1][len("REPORT"):]), ["megatron-core", "megatron-lm"])
+
+
+def _cli_worker(rank, world_size, port):
+    import contextlib
+    import io
+
+    from megatron_dualpipe.cli import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(["cpu-mode", "--enable", "--json"])
+    return code, out.getvalue()
+
+
+def test_cli_cpu_mode_enable_switches_on_and_back_off():
+    """`megatron-dualpipe cpu-mode --enable` in a fresh process: all active, then all restored."""
+    import json
+
+    [(code, out)] = me.run_workers(_cli_worker, world_size=1)
+    doc = json.loads(out)
+    states = {r["part"]: set() for r in doc["redirections"]}
+    for r in doc["redirections"]:
+        states[r["part"]].add(r["state"])
+    print(f"\ncpu-mode --enable: {states}; restore mismatches: {doc['restore_mismatches']}")
+    assert code == 0 and doc["restore_mismatches"] == []
+    assert states == {"megatron-core": {"active"}, "megatron-lm": {"inactive"}}
+
+
+def test_every_redirection_says_why():
+    for part in cpu_mode.PARTS:
+        for r in cpu_mode.redirections(part):
+            assert len(r.why) > 15, r.target
+    targets = [r.target for part in cpu_mode.PARTS for r in cpu_mode.redirections(part)]
+    assert len(targets) == len(set(targets)), "a target is listed twice"
+
+
+def test_never_active_next_to_a_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert cpu_compat.enable_cpu_mode() is False
-    assert not cpu_compat.cpu_mode_active()
+    assert cpu_mode.enable() is False
+    assert cpu_mode.enable(megatron_lm=True) is False
+    with pytest.raises(RuntimeError, match="forced on a machine where CUDA is available"):
+        cpu_mode.enable(force=True)

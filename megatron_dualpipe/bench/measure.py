@@ -1,0 +1,158 @@
+"""What every rank of the benchmark does: time the executor (and torch's schedules) on the
+synthetic stages, and the latency of one point-to-point message.
+
+Per iteration, every rank enters a barrier, then times its own run. The iteration time is the
+slowest rank's; rank 0 combines the ranks' figures in :mod:`.report`.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from ..executor.p2p import P2P
+from ..executor.runner import TensorSpec, compile_program, run_rank
+from ..executor.trace import TraceRecorder
+from .synthetic import Spender, StageCosts, SyntheticCompute, synchronize
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    schedules: Tuple[str, ...]
+    microbatches: Dict[int, Tuple[int, ...]]  # pp -> M values
+    costs: StageCosts
+    mode: str = "sleep"
+    matmul_size: int = 1024
+    shape: Tuple[int, int] = (8, 1024)
+    iters: int = 5
+    warmup: int = 2
+    peers: Tuple[str, ...] = ()
+    timeout_s: float = 120.0
+    trace_dir: Optional[str] = None
+
+
+@dataclass
+class RankRun:
+    """One rank's figures for one (schedule, M), one entry per timed iteration."""
+
+    wall_s: List[float] = field(default_factory=list)
+    compute_s: List[float] = field(default_factory=list)
+    p2p_s: List[float] = field(default_factory=list)
+    peak_live: int = 0
+    peak_in_flight: Optional[int] = None
+    actions: int = 0
+
+
+class TimedP2P:
+    """Wraps the executor's :class:`P2P` and adds up the time spent in its methods (posting
+    and waiting), whatever the protocol calls them."""
+
+    def __init__(self, inner: P2P):
+        self.inner = inner
+        self.seconds = 0.0
+
+    def __getattr__(self, name):
+        attr = getattr(self.inner, name)
+        if not callable(attr):
+            return attr
+
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return attr(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - t0
+
+        return timed
+
+
+def p2p_latency_ms(rank: int, device, shape, rounds: int = 100) -> Optional[float]:
+    """Half the round-trip time of one tensor between ranks 0 and 1 (None on a single rank)."""
+    if dist.get_world_size() < 2:
+        return None
+    buf = torch.zeros(shape, device=device)
+    out = None
+    if rank in (0, 1):
+        peer = 1 - rank
+        for k in range(rounds + 10):
+            if k == 10:
+                synchronize(device)
+                t0 = time.perf_counter()
+            if rank == 0:
+                dist.isend(buf, peer).wait()
+                dist.irecv(buf, peer).wait()
+            else:
+                dist.irecv(buf, peer).wait()
+                dist.isend(buf, peer).wait()
+        synchronize(device)
+        out = (time.perf_counter() - t0) / rounds / 2 * 1e3
+    dist.barrier()
+    return out
+
+
+def _time_iterations(cfg: BenchConfig, device, one_iteration) -> List[float]:
+    walls = []
+    for it in range(cfg.warmup + cfg.iters):
+        dist.barrier()
+        t0 = time.perf_counter()
+        one_iteration(it >= cfg.warmup)
+        synchronize(device)
+        if it >= cfg.warmup:
+            walls.append(time.perf_counter() - t0)
+    return walls
+
+
+def run_project(cfg: BenchConfig, rank: int, world: int, device, spender: Spender, name: str, m: int) -> RankRun:
+    program = compile_program(name, world, m, False)
+    spec = TensorSpec(tuple(cfg.shape), torch.float32, device)
+    p2p = TimedP2P(P2P(None, list(range(world)), rank, timeout_s=cfg.timeout_s))
+    out = RankRun(actions=len(program.actions[rank]))
+    recorder = TraceRecorder(os.path.join(cfg.trace_dir, f"{name}_pp{world}_m{m}")) if cfg.trace_dir else None
+
+    def one(timed: bool) -> None:
+        compute = SyntheticCompute(cfg.costs, spender, cfg.shape)
+        spender.busy_s, p2p.seconds = 0.0, 0.0
+        stats = run_rank(program, rank, compute, p2p, spec, trace=recorder if timed else None)
+        if timed:
+            out.compute_s.append(spender.busy_s)
+            out.p2p_s.append(p2p.seconds)
+            out.peak_live = max(out.peak_live, compute.peak_live)
+            in_flight = getattr(stats, "peak_in_flight", None)
+            if in_flight is not None:
+                out.peak_in_flight = max(out.peak_in_flight or 0, in_flight)
+
+    out.wall_s = _time_iterations(cfg, device, one)
+    return out
+
+
+def run_torch(cfg: BenchConfig, rank: int, world: int, device, spender: Spender, name: str, m: int) -> RankRun:
+    from .torch_peer import build_step
+
+    step = build_step(name, rank, world, m, cfg.costs, spender, cfg.shape)
+    out = RankRun()
+
+    def one(timed: bool) -> None:
+        spender.busy_s = 0.0
+        step()
+        if timed:
+            out.compute_s.append(spender.busy_s)
+
+    out.wall_s = _time_iterations(cfg, device, one)
+    return out
+
+
+def worker(rank: int, world: int, device, cfg: BenchConfig) -> dict:
+    """One rank's figures: latency, and a :class:`RankRun` per (runner, schedule, M)."""
+    spender = Spender(cfg.mode, device, cfg.matmul_size)
+    result = {"latency_ms": p2p_latency_ms(rank, device, cfg.shape), "runs": {},
+              "matmuls_per_ms": spender.per_ms, "device": str(device), "backend": dist.get_backend()}
+    for m in cfg.microbatches[world]:
+        for name in cfg.schedules:
+            result["runs"][("project", name, m)] = run_project(cfg, rank, world, device, spender, name, m)
+        for name in cfg.peers:
+            result["runs"][("torch", name, m)] = run_torch(cfg, rank, world, device, spender, name, m)
+    return result

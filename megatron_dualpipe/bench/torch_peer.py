@@ -1,0 +1,52 @@
+"""The same synthetic stages under ``torch.distributed.pipelining``'s own schedules.
+
+``torch-1f1b`` is ``Schedule1F1B`` (one stage per rank, pp stages, the project's ``1f1b``
+counterpart); ``torch-dualpipev`` (``ScheduleDualPipeV``) and ``torch-zbv``
+(``ScheduleZBVZeroBubble``) hold stages ``rank`` and ``2pp-1-rank`` (2pp stages, the project's
+``dualpipev`` counterpart). Every stage spends the same F, B and W as the project's stages.
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, Tuple
+
+import torch
+
+from ..schedule import registry
+from .synthetic import Spender, StageCosts, SyntheticStage, weight_runner
+
+#: bench name -> (torch class name, project schedule with the same stages and costs)
+TORCH_SCHEDULES: Dict[str, Tuple[str, str]] = {
+    "torch-1f1b": ("Schedule1F1B", registry.EXECUTOR_1F1B),
+    "torch-dualpipev": ("ScheduleDualPipeV", registry.DUALPIPEV),
+    "torch-zbv": ("ScheduleZBVZeroBubble", registry.DUALPIPEV),
+}
+
+
+def build_step(name: str, rank: int, pp: int, m: int, costs: StageCosts, spender: Spender,
+               shape: Tuple[int, int]) -> Callable[[], None]:
+    """Build this rank's stages and schedule; return a function running one iteration."""
+    from torch.distributed import pipelining
+
+    cls_name, _ = TORCH_SCHEDULES[name]
+    v_shape = cls_name != "Schedule1F1B"
+    num_stages = 2 * pp if v_shape else pp
+    indices = [rank, 2 * pp - 1 - rank] if v_shape else [rank]
+    mbs, hidden = shape
+    device = spender.device
+    stages = []
+    for s in indices:
+        module = SyntheticStage(costs, spender, hidden)
+        stages.append(pipelining.PipelineStage(module, s, num_stages, device, dw_builder=weight_runner(module)))
+    loss_fn = lambda out, target: out.float().mean()  # noqa: E731 - costs nothing, as in the project
+    cls = getattr(pipelining, cls_name)
+    schedule = cls(stages if v_shape else stages[0], n_microbatches=m, loss_fn=loss_fn)
+    has_first = 0 in indices
+    has_last = num_stages - 1 in indices
+    x = torch.zeros(m * mbs, hidden, device=device)
+    target = torch.zeros(m * mbs, hidden, device=device)
+
+    def step() -> None:
+        args = (x,) if has_first else ()
+        schedule.step(*args, target=target if has_last else None)
+
+    return step

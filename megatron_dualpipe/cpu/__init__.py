@@ -1,0 +1,130 @@
+"""CPU mode: run megatron-core and Megatron-LM's training loop on a machine without a GPU.
+
+Megatron assumes CUDA in many places (``device="cuda"`` tensors, ``torch.cuda`` streams and RNG,
+``tensor.cuda()``, CUDA type checks). CPU mode redirects each of those places, and nothing else,
+so that the tests, the CPU demo and ``pretrain_gpt.py`` with gloo run on a CPU-only machine.
+
+* One list of redirections, each a module attribute, its replacement and the reason:
+  :data:`.mcore.REDIRECTIONS` (megatron-core) and :data:`.megatron_lm.REDIRECTIONS` (Megatron-LM's
+  training code). ``megatron-dualpipe cpu-mode`` prints them and whether each is active.
+* One stand-in for ``torch`` (:mod:`.torch_view`), given to the modules that need it.
+* :func:`enable` applies them only when ``torch.cuda.is_available()`` is False: product code may
+  call it unconditionally, and CPU mode is never active next to a GPU (forcing it there is an
+  error). It is idempotent; ``enable(megatron_lm=True)`` adds the Megatron-LM list.
+* :func:`disable` puts back every replaced attribute, the very object that was there.
+
+torch itself is touched only inside the calls wrapped by :func:`.torch_view.scoped_cuda_identity`
+(``Tensor.cuda`` / ``Module.cuda``, restored when the call returns).
+
+This module imports only the standard library; torch and Megatron are imported on :func:`enable`.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Dict, List, Tuple
+
+from .redirection import Applied, Redirection, apply, current, restore
+
+__all__ = ["enable", "disable", "active", "parts", "redirections", "status", "Redirection", "PARTS"]
+
+#: The parts of CPU mode, in the order they are applied: name -> module holding its list.
+PARTS = {"megatron-core": "megatron_dualpipe.cpu.mcore",
+         "megatron-lm": "megatron_dualpipe.cpu.megatron_lm"}
+
+_APPLIED: Dict[str, List[Applied]] = {}  # part -> what was applied, in order
+_NOT_NEEDED: Dict[str, List[Redirection]] = {}  # part -> only-if-missing ones that were present
+
+
+def redirections(part: str) -> Tuple[Redirection, ...]:
+    """The redirections of one part (see :data:`PARTS`)."""
+    import importlib
+
+    return importlib.import_module(PARTS[part]).REDIRECTIONS
+
+
+def enable(*, megatron_lm: bool = False, force: bool = False) -> bool:
+    """Switch CPU mode on (megatron-core; with ``megatron_lm`` also Megatron-LM's training code).
+
+    Returns False and changes nothing when CUDA is available, True when CPU mode is active.
+    ``force=True`` says the caller requires CPU mode: with CUDA available that raises instead.
+    """
+    import torch
+
+    if torch.cuda.is_available():
+        if force:
+            raise RuntimeError(
+                "megatron_dualpipe CPU mode was forced on a machine where CUDA is available. It "
+                "redirects Megatron's CUDA calls to the CPU and is never switched on next to a GPU: "
+                "drop the request (e.g. megatron_lm.install.install(cpu=True) -> install())."
+            )
+        return False
+    wanted = ["megatron-core"] + (["megatron-lm"] if megatron_lm else [])
+    for part in wanted:
+        if part not in _APPLIED:
+            _enable_part(part)
+    return True
+
+
+def _enable_part(part: str) -> None:
+    applied: List[Applied] = []
+    not_needed: List[Redirection] = []
+    try:
+        for r in redirections(part):
+            done = apply(r)
+            if done is None:
+                not_needed.append(r)
+            else:
+                applied.append(done)
+    except BaseException:
+        for done in reversed(applied):  # never leave a part half-applied
+            restore(done)
+        raise
+    _APPLIED[part], _NOT_NEEDED[part] = applied, not_needed
+
+
+def disable() -> None:
+    """Undo :func:`enable`: every replaced attribute gets back the object that was there.
+
+    Warns (and still restores) when someone else replaced one of our replacements meanwhile.
+    """
+    overwritten = []
+    for part in reversed(list(_APPLIED)):
+        for done in reversed(_APPLIED.pop(part)):
+            if not restore(done):
+                overwritten.append(done.redirection.target)
+        _NOT_NEEDED.pop(part, None)
+    if overwritten:
+        warnings.warn("megatron_dualpipe CPU mode: restored attributes that had been replaced "
+                      "again after CPU mode patched them: " + ", ".join(overwritten), stacklevel=2)
+
+
+def active() -> bool:
+    """True while CPU mode is on in this process."""
+    return bool(_APPLIED)
+
+
+def parts() -> Tuple[str, ...]:
+    """The parts that are on, in the order they were applied."""
+    return tuple(_APPLIED)
+
+
+def status() -> List[Tuple[str, Redirection, str]]:
+    """(part, redirection, state) for every redirection; state is one of ``active``,
+    ``inactive``, ``not needed`` (an only-if-missing target that exists) or ``replaced by
+    someone else``."""
+    rows = []
+    for part in PARTS:
+        applied = {a.redirection.target: a for a in _APPLIED.get(part, ())}
+        skipped = {r.target for r in _NOT_NEEDED.get(part, ())}
+        for r in redirections(part):
+            if r.target in skipped:
+                state = "not needed"
+            elif r.target not in applied:
+                state = "inactive"
+            elif current(applied[r.target].owner, applied[r.target].name) is applied[r.target].replacement:
+                state = "active"
+            else:
+                state = "replaced by someone else"
+            rows.append((part, r, state))
+    return rows

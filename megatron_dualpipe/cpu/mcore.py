@@ -1,0 +1,190 @@
+"""CPU redirections for megatron-core 0.16.1 (local layer spec, no Transformer Engine, no apex).
+
+Found by running tiny GPT / MoE models forward and backward, megatron-core's own 1F1B with
+pp = 2 and 4, megatron DDP with ``finalize_model_grads``, its optimizers and the ``torch_dist``
+checkpoint writer on gloo. :data:`REDIRECTIONS` is the list, each with its reason; the
+replacement functions are below it.
+
+Not redirected (not needed by those paths): ``torch.autocast("cuda")`` in ``forward_step``
+(only with ``config.enable_autocast``), grouped-gemm experts, shared-expert overlap streams.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from .redirection import define_if_missing, replace, torch_view, wrap
+from .torch_view import scoped_cuda_identity, scoped_record_stream_noop
+
+_RANDOM = "megatron.core.tensor_parallel.random"
+_CLIP = "clip_grad_by_total_norm_fp32"
+
+
+def _cpu_rng_tracker_class(original):
+    """``CudaRNGStatesTracker`` whose named states are CPU default-generator states."""
+    from megatron.core.tensor_parallel import random as mc_random
+
+    default_name = mc_random._MODEL_PARALLEL_RNG_TRACKER_NAME
+
+    class CpuRNGStatesTracker(original):
+        def add(self, name, seed):
+            self._is_initialized = True
+            if seed in self.seeds_:
+                raise Exception(f"seed {seed} already exists")
+            self.seeds_.add(seed)
+            if name in self.states_:
+                raise Exception(f"rng state {name} already exists")
+            gen = torch.default_generator
+            orig = gen.get_state()
+            gen.manual_seed(seed)
+            self.states_[name] = gen.get_state()
+            gen.set_state(orig)
+
+        @contextlib.contextmanager
+        def fork(self, name=default_name):
+            if name not in self.states_:
+                raise Exception(f"rng state {name} is not added")
+            gen = torch.default_generator
+            orig_state = gen.get_state()
+            orig_name = self._current_state_name
+            if orig_name != "default-rng":
+                self.states_[orig_name] = orig_state
+            gen.set_state(self.states_[name])
+            self._current_state_name = name
+            try:
+                yield
+            finally:
+                if self._current_state_name != name:
+                    raise Exception(
+                        f"current state name {self._current_state_name} is not the same as "
+                        f"the desired state name {name}."
+                    )
+                self.states_[name] = gen.get_state()
+                if orig_name != "default-rng":
+                    orig_state = self.states_[orig_name]
+                gen.set_state(orig_state)
+                self._current_state_name = orig_name
+
+    CpuRNGStatesTracker.__qualname__ = CpuRNGStatesTracker.__name__
+    return CpuRNGStatesTracker
+
+
+def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+    """megatron-core's helper, also for CPU tensors: split sizes become numpy when asked."""
+    if torch.is_tensor(tensor):
+        tensor = tensor.detach().to("cpu")
+        if as_numpy:
+            return tensor.numpy().copy()
+    return tensor
+
+
+def clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled_grad=False):
+    """megatron-core's ``clip_grad_by_total_norm_fp32`` checking the dtype, not the CUDA type."""
+    from megatron.core.utils import to_local_if_dtensor
+
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    grads = []
+    for param in parameters:
+        grad = getattr(param, "decoupled_grad", None) if use_decoupled_grad else param.grad
+        if grad is None:
+            continue
+        allowed = (torch.float32, torch.bfloat16) if use_decoupled_grad else (torch.float32,)
+        assert grad.dtype in allowed, f"expected an fp32 gradient, got {grad.dtype}"
+        grads.append(to_local_if_dtensor(grad).detach())
+    clip_coeff = max_norm / (total_norm + 1.0e-6)
+    if clip_coeff < 1.0 and grads:
+        torch._foreach_mul_(grads, clip_coeff)
+
+
+# Modules whose global ``torch`` becomes the CPU view, with the CUDA sites that need it.
+_VIEWS = (
+    ("megatron.core.pipeline_parallel.schedules",
+     'total_num_tokens = torch.zeros(..., device="cuda") in every forward_backward_* function'),
+    ("megatron.core.pipeline_parallel.p2p_communication",
+     "receive buffers on torch.cuda.current_device(); torch.cuda.synchronize() after batched P2P"),
+    ("megatron.core.tensor_parallel.mappings",
+     "all-gather / reduce-scatter outputs on torch.cuda.current_device() (MoE token dispatch "
+     "with ep > 1; tensor / sequence parallel regions with tp > 1)"),
+    ("megatron.core.tensor_parallel.layers",
+     "sequence-parallel all-gather buffers on torch.cuda.current_device() (tp > 1)"),
+    ("megatron.core.transformer.utils",
+     'get_default_causal_mask / sliding-window mask: torch.ones(..., device="cuda") (the local '
+     "softmax uses it when the attention mask is None)"),
+    ("megatron.core.transformer.moe.router",
+     "router weights moved to torch.cuda.current_device() in gating(); expert-bias buffers"),
+    ("megatron.core.transformer.moe.moe_utils",
+     'aux-loss logging tracker allocates torch.zeros(..., device="cuda")'),
+    ("megatron.core.transformer.moe.token_dispatcher",
+     "the alltoall dispatcher creates a torch.cuda.Stream() for device-to-host copies"),
+    ("megatron.core.distributed.param_and_grad_buffer",
+     'DDP param/grad buffers on torch.cuda.current_device(); warm-up tensor on "cuda"; '
+     "communication-stream waits on torch.cuda.default_stream()"),
+    ("megatron.core.distributed.distributed_data_parallel",
+     "a torch.cuda.Stream for grad-reduce overlap; synchronize / empty_cache in the buffer "
+     "free / allocate helpers"),
+    ("megatron.core.utils",
+     "GlobalMemoryBuffer.get_tensor (DotProductAttention's matmul buffer) allocates on "
+     'torch.cuda.current_device(); local_multi_tensor_l2_norm returns a device="cuda" tensor '
+     "(the grad norm without apex); check_param_hashes_across_dp_replicas"),
+    ("megatron.core.timers",
+     "torch.cuda.synchronize() in Timer.start/stop (barrier timers); the all-gather buffer of "
+     "timer values"),
+    ("megatron.core.rerun_state_machine",
+     "result-validation tensors on 'cuda' and the CUDA RNG state it saves"),
+    ("megatron.core.optimizer.optimizer",
+     "FP32Optimizer._scale and the mixed-precision found_inf / _scale_one buffers are "
+     "device='cuda' tensors"),
+    ("megatron.core.optimizer.clip_grads",
+     "grad-norm and zero-count accumulators on 'cuda'"),
+    ("megatron.core.optimizer.grad_scaler",
+     "loss-scale tensors on 'cuda' (fp16)"),
+    ("megatron.core.dist_checkpointing.strategies.filesystem_async",
+     "the torch_dist writer calls torch.cuda.synchronize() before copying tensors to host"),
+    # The combined forward-backward step (--overlap-moe-expert-parallel-comm, mcore.overlap).
+    ("megatron.core.pipeline_parallel.utils",
+     "combined step: set_streams() makes a compute and a communication torch.cuda.Stream; every "
+     "ScheduleNode runs in torch.cuda.stream(...) between NVTX ranges"),
+    ("megatron.core.models.common.model_chunk_schedule_plan",
+     "combined step: a torch.cuda.Event per schedule plan, current_stream(), NVTX ranges per layer"),
+    ("megatron.core.models.gpt.fine_grained_callables",
+     "combined step: record_stream(torch.cuda.current_stream()) in the MoE combine, "
+     "torch.cuda.nvtx.range around weight gradients"),
+    ("megatron.core.pipeline_parallel.combined_1f1b",
+     "combined step: the loss node runs on torch.cuda.current_stream()"),
+)  # fmt: skip
+
+#: Every megatron-core redirection, in the order it is applied.
+REDIRECTIONS = (
+    wrap(_RANDOM, "CudaRNGStatesTracker", _cpu_rng_tracker_class,
+         "add()/fork() use torch.cuda RNG state; a subclass keeps the named states of the CPU "
+         "generator (model_parallel_cuda_manual_seed and get_cuda_rng_tracker().fork() work)"),
+    replace(_RANDOM, "_CUDA_RNG_STATE_TRACKER", None,
+            "a tracker built before CPU mode is of the CUDA class: dropped, so that the next "
+            "get_cuda_rng_tracker() builds the CPU one"),
+    replace(_RANDOM, "_CUDA_RNG_STATE_TRACKER_INITIALIZED", False,
+            "goes with the dropped tracker"),
+    wrap("megatron.core.models.common.language_module.language_module",
+         "LanguageModule.setup_embeddings_and_output_layer", scoped_cuda_identity,
+         "weight.data.cuda() for tied embeddings with pp > 1; Tensor.cuda / Module.cuda are the "
+         "identity during this call only"),
+    define_if_missing("megatron.core.transformer.moe.moe_utils", "te_general_gemm", None,
+                      "RouterGatingLinearFunction (every MoE router) tests `te_general_gemm is not "
+                      "None`, but the name is bound only when Transformer Engine imports "
+                      "(NameError without TE)"),
+    replace("megatron.core.transformer.moe.token_dispatcher", "maybe_move_tensor_to_cpu",
+            maybe_move_tensor_to_cpu,
+            "converts only CUDA tensors, so the alltoall split sizes stay tensors on the CPU and "
+            "all_to_all_single rejects them; CPU tensors become numpy when as_numpy=True"),
+    replace("megatron.core.optimizer.clip_grads", _CLIP, clip_grad_by_total_norm_fp32,
+            "asserts grad.type() == 'torch.cuda.FloatTensor'; the replacement checks the dtype "
+            "and scales the same grads by the same max_norm / (total_norm + 1e-6)"),
+    replace("megatron.core.optimizer.optimizer", _CLIP, clip_grad_by_total_norm_fp32,
+            "the by-name import that MegatronOptimizer.step calls (--clip-grad > 0)"),
+    wrap("megatron.core.pipeline_parallel.combined_1f1b", "combined_forward_backward_step",
+         scoped_record_stream_noop,
+         "its schedule nodes and the MoE combine call Tensor.record_stream, which the CPU backend "
+         "lacks (NotImplementedError); a no-op for CPU tensors during this call only"),
+) + tuple(torch_view(module, why) for module, why in _VIEWS)

@@ -1,0 +1,106 @@
+"""CPU redirections for Megatron-LM's training loop (``pretrain()`` in ``megatron/training``).
+
+With these and the megatron-core ones (:mod:`.mcore`), the *unmodified* ``pretrain_gpt.py`` of
+Megatron-LM ``core_v0.16.1`` trains on CPU with ``--distributed-backend gloo``: meant for tests
+and debugging of the plugin (tiny models, ``--transformer-impl local``), not for speed.
+:data:`REDIRECTIONS` is the list, each with its reason.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from .redirection import replace, torch_view, wrap
+from .torch_view import scoped_cuda_identity
+
+_TRAINING = "megatron.training.training"
+_INITIALIZE = "megatron.training.initialize"
+_UTILS = "megatron.training.utils"
+
+#: Argument switches turned off in CPU mode: they need CUDA / apex kernels or run
+#: ``torch.compile`` (Megatron's ``jit_fuser``), which would compile C++ with inductor on every
+#: rank. The unfused paths compute the same functions.
+FUSION_FLAGS = (
+    "bias_gelu_fusion", "bias_swiglu_fusion", "bias_dropout_fusion", "masked_softmax_fusion",
+    "apply_rope_fusion", "cross_entropy_loss_fusion", "gradient_accumulation_fusion",
+)  # fmt: skip
+
+
+def disable_fusions(args):
+    """Turn the :data:`FUSION_FLAGS` off; returns the names that were on (printed on rank 0)."""
+    changed = [f for f in FUSION_FLAGS if getattr(args, f, False)]
+    for f in changed:
+        setattr(args, f, False)
+    if changed and getattr(args, "rank", 0) == 0:
+        print("megatron_dualpipe CPU mode: no CUDA, turning off fused kernels: " + ", ".join(changed),
+              flush=True)
+    return changed
+
+
+def _validate_then_disable_fusions(validate_args):
+    @functools.wraps(validate_args)
+    def validate(args, *a, **kw):
+        result = validate_args(args, *a, **kw)
+        disable_fusions(result if result is not None else args)
+        return result
+
+    return validate
+
+
+def _allow_no_cuda(initialize_megatron):
+    @functools.wraps(initialize_megatron)
+    def initialize(*args, **kwargs):
+        kwargs["allow_no_cuda"] = True
+        return initialize_megatron(*args, **kwargs)
+
+    return initialize
+
+
+def _do_nothing(*args, **kwargs):
+    return None
+
+
+# Modules whose global ``torch`` becomes the CPU view, with the CUDA sites on the pretrain path.
+_VIEWS = (
+    (_TRAINING,
+     "start-time MIN all-reduces of device='cuda' tensors in pretrain; "
+     "model_module.cuda(torch.cuda.current_device()) and the DDP-init side stream in get_model; "
+     "empty_cache in train_step; loss accumulators and memory_stats in training_log; the "
+     "do_train/do_valid/do_test broadcast; eval_iters tensors"),
+    (_UTILS,
+     "get_batch_on_this_tp_rank receive buffers on current_device(); "
+     "reduce_max_stat_across_model_parallel_group, logical_and_across_model_parallel_group, "
+     "report_memory, calc_params_l2_norm"),
+    (_INITIALIZE,
+     "device_count() == 1 makes _initialize_distributed build the model-parallel groups and "
+     "_set_random_seed seed the RNG tracker; set_device; "
+     "MoEAuxLossAutoScaler.set_loss_scale(torch.ones(1, device=current_device()))"),
+    ("megatron.training.checkpointing",
+     "iteration all-reduce and the torch.cuda RNG state in the checkpoint (--save / --load)"),
+)  # fmt: skip
+
+#: Every Megatron-LM redirection, in the order it is applied (after :mod:`.mcore`'s).
+REDIRECTIONS = (
+    wrap(_TRAINING, "initialize_megatron", _allow_no_cuda,
+         "asserts torch.cuda.is_available() ('Megatron requires CUDA.') unless allow_no_cuda=True, "
+         "which pretrain() does not pass"),
+    *(torch_view(module, why) for module, why in _VIEWS),
+    wrap(_TRAINING, "get_model", scoped_cuda_identity,
+         "model_module.cuda(...): Tensor.cuda / Module.cuda are the identity during this call only"),
+    wrap(_TRAINING, "evaluate", scoped_cuda_identity,
+         "torch.tensor(...).cuda() loss accumulators (identity during this call only)"),
+    wrap(_UTILS, "get_batch_on_this_tp_rank", scoped_cuda_identity,
+         "data[...].cuda(non_blocking=True) (identity during this call only)"),
+    wrap(_TRAINING, "get_batch_on_this_tp_rank", scoped_cuda_identity,
+         "the same function imported by name (pretrain_gpt.py imports it by name at import time, "
+         "which is why the launcher enables CPU mode before running the script)"),
+    replace(_INITIALIZE, "_warmup_jit_function", _do_nothing,
+            'allocates its warm-up inputs with device="cuda" to pre-compile the fused kernels, '
+            "which CPU mode turns off"),
+    replace("megatron.legacy.fused_kernels", "load", _do_nothing,
+            "at this tag it only runs nvcc -V and creates a build directory; loads no kernel"),
+    wrap("megatron.training.arguments", "validate_args", _validate_then_disable_fusions,
+         "after validation, the fused-kernel switches are turned off: " + ", ".join(FUSION_FLAGS)),
+    wrap(_INITIALIZE, "validate_args", _validate_then_disable_fusions,
+         "the by-name copy that initialize_megatron calls"),
+)  # fmt: skip

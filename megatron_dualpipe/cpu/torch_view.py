@@ -1,0 +1,264 @@
+"""The one stand-in for ``torch`` that CPU mode gives to Megatron's modules.
+
+:data:`TORCH_VIEW` replaces the module-global name ``torch`` of the modules listed in
+:mod:`.mcore` and :mod:`.megatron_lm`. It is the real ``torch`` except for:
+
+* ``torch.cuda``: one virtual device that is the CPU. ``current_device()`` is
+  ``torch.device("cpu")``; ``device_count()`` is 1 (Megatron-LM's initialization builds the
+  model-parallel groups and seeds the RNG tracker only when it sees a device);
+  ``set_device`` / ``synchronize`` / ``empty_cache`` / memory-statistics calls do nothing or
+  return 0; ``Stream`` / ``Event`` / ``stream()`` / ``current_stream()`` / ``default_stream()``
+  are inert (the CPU runs everything in order on one "stream", so every wait is already
+  satisfied); ``nvtx`` ranges do nothing; the RNG-state calls use the CPU generator.
+  ``is_available()`` stays False: the view is honest about the hardware.
+* ``torch.device``: a CUDA device (``"cuda"``, ``"cuda:3"``, ``("cuda", 0)``) becomes the CPU;
+  ``isinstance(x, torch.device)`` keeps working.
+* the tensor factories (:data:`FACTORIES`): a CUDA ``device=`` (string, ``torch.device`` or an
+  int ordinal) becomes the CPU.
+
+Tensor and module *methods* (``tensor.cuda()``, ``module.cuda()``) cannot be reached through a
+module's ``torch`` name; :func:`scoped_cuda_identity` makes them return their receiver for the
+duration of one call, and :func:`scoped_record_stream_noop` makes ``tensor.record_stream()`` (which
+the CPU backend lacks) do nothing for CPU tensors during one call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+
+__all__ = ["TORCH_VIEW", "TorchView", "cpu_if_cuda", "scoped_cuda_identity", "scoped_record_stream_noop", "FACTORIES"]
+
+CPU = torch.device("cpu")
+
+#: torch functions whose ``device=`` keyword is mapped from CUDA to the CPU.
+FACTORIES = (
+    "tensor", "zeros", "ones", "empty", "full", "rand", "randn", "randint", "arange",
+    "zeros_like", "ones_like", "empty_like", "full_like", "as_tensor",
+)  # fmt: skip
+
+
+def cpu_if_cuda(device):
+    """``device`` with any CUDA device (a bare int is a CUDA ordinal) replaced by the CPU."""
+    if isinstance(device, bool) or device is None:
+        return device
+    if isinstance(device, int):
+        return CPU
+    if isinstance(device, str):
+        return CPU if device.split(":", 1)[0] == "cuda" else device
+    if isinstance(device, torch.device):
+        return CPU if device.type == "cuda" else device
+    return device
+
+
+class CpuEvent:
+    """Inert ``torch.cuda.Event``: work on the CPU is complete when the call returns."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, stream=None):
+        pass
+
+    def wait(self, stream=None):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+    def elapsed_time(self, other):
+        return 0.0
+
+
+class CpuStream:
+    """Inert ``torch.cuda.Stream``: the CPU has one in-order stream."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, stream):
+        pass
+
+    def wait_event(self, event):
+        pass
+
+    def record_event(self, event=None):
+        return event if event is not None else CpuEvent()
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+
+CPU_STREAM = CpuStream()
+
+
+class _NoNvtx:
+    @staticmethod
+    def range_push(msg):
+        pass
+
+    @staticmethod
+    def range_pop():
+        pass
+
+    @staticmethod
+    def range(msg, *args, **kwargs):
+        return contextlib.nullcontext()
+
+    @staticmethod
+    def mark(msg):
+        pass
+
+
+def _zero(*args, **kwargs):
+    return 0
+
+
+def _noop(*args, **kwargs):
+    return None
+
+
+class CpuCuda:
+    """``torch.cuda`` for one virtual device that is the CPU; other names are the real ones."""
+
+    Stream = CpuStream
+    Event = CpuEvent
+    nvtx = _NoNvtx()
+
+    is_available = staticmethod(lambda: False)
+    device_count = staticmethod(lambda: 1)
+    current_device = staticmethod(lambda: CPU)
+    set_device = staticmethod(_noop)
+    synchronize = staticmethod(_noop)
+    empty_cache = staticmethod(_noop)
+    reset_peak_memory_stats = staticmethod(_noop)
+    reset_max_memory_allocated = staticmethod(_noop)
+    ipc_collect = staticmethod(_noop)
+    set_stream = staticmethod(_noop)
+    memory_allocated = staticmethod(_zero)
+    max_memory_allocated = staticmethod(_zero)
+    memory_reserved = staticmethod(_zero)
+    max_memory_reserved = staticmethod(_zero)
+    device_memory_used = staticmethod(_zero)
+    memory_stats = staticmethod(lambda *a, **k: {})
+    mem_get_info = staticmethod(lambda *a, **k: (0, 0))
+    current_stream = staticmethod(lambda device=None: CPU_STREAM)
+    default_stream = staticmethod(lambda device=None: CPU_STREAM)
+    stream = staticmethod(lambda s=None: contextlib.nullcontext())
+    get_rng_state = staticmethod(lambda device=None: torch.get_rng_state())
+    set_rng_state = staticmethod(lambda state, device=None: torch.set_rng_state(state))
+    manual_seed = staticmethod(lambda seed: torch.manual_seed(seed))
+    manual_seed_all = staticmethod(lambda seed: torch.manual_seed(seed))
+
+    def __getattr__(self, name):
+        return getattr(torch.cuda, name)
+
+    def __repr__(self):
+        return "<torch.cuda stand-in: one virtual device = the CPU (megatron_dualpipe.cpu)>"
+
+
+class _DeviceMeta(type):
+    def __instancecheck__(cls, obj):
+        return isinstance(obj, torch.device)
+
+    def __subclasscheck__(cls, sub):
+        return issubclass(sub, torch.device)
+
+    def __call__(cls, *args, **kwargs):
+        dev = torch.device(*args, **kwargs)
+        return CPU if dev.type == "cuda" else dev
+
+
+class CpuDevice(metaclass=_DeviceMeta):
+    """``torch.device`` that maps CUDA devices to the CPU."""
+
+
+def _factory(fn):
+    @functools.wraps(fn)
+    def factory(*args, **kwargs):
+        if "device" in kwargs:
+            kwargs["device"] = cpu_if_cuda(kwargs["device"])
+        return fn(*args, **kwargs)
+
+    return factory
+
+
+class TorchView:
+    """The real ``torch`` except for ``cuda``, ``device`` and the factories in :data:`FACTORIES`."""
+
+    def __init__(self):
+        self.cuda = CpuCuda()
+        self.device = CpuDevice
+        for name in FACTORIES:
+            setattr(self, name, _factory(getattr(torch, name)))
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    def __repr__(self):
+        return "<torch with CUDA redirected to the CPU (megatron_dualpipe.cpu.torch_view)>"
+
+
+#: The single instance every redirected module sees as ``torch``.
+TORCH_VIEW = TorchView()
+
+
+def _tensor_cuda(self, device=None, non_blocking=False, memory_format=torch.preserve_format):
+    return self
+
+
+def _module_cuda(self, device=None):
+    return self
+
+
+@contextlib.contextmanager
+def cuda_methods_are_identity():
+    """``Tensor.cuda`` and ``nn.Module.cuda`` return their receiver inside the block only."""
+    saved = torch.Tensor.cuda, torch.nn.Module.cuda
+    torch.Tensor.cuda, torch.nn.Module.cuda = _tensor_cuda, _module_cuda
+    try:
+        yield
+    finally:
+        torch.Tensor.cuda, torch.nn.Module.cuda = saved
+
+
+def scoped_cuda_identity(fn):
+    """``fn`` run with :func:`cuda_methods_are_identity` (torch's globals restored afterwards)."""
+
+    @functools.wraps(fn)
+    def with_cuda_identity(*args, **kwargs):
+        with cuda_methods_are_identity():
+            return fn(*args, **kwargs)
+
+    return with_cuda_identity
+
+
+_RECORD_STREAM = torch.Tensor.record_stream
+
+
+def _record_stream_unless_cpu(self, stream):
+    if self.device.type != "cpu":
+        _RECORD_STREAM(self, stream)
+
+
+def scoped_record_stream_noop(fn):
+    """``fn`` run with ``Tensor.record_stream`` a no-op for CPU tensors (restored afterwards)."""
+
+    @functools.wraps(fn)
+    def without_record_stream(*args, **kwargs):
+        saved = torch.Tensor.record_stream
+        torch.Tensor.record_stream = _record_stream_unless_cpu
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            torch.Tensor.record_stream = saved
+
+    return without_record_stream

@@ -1,0 +1,151 @@
+"""The walk over a bd pair: the one place that knows which chunk holds which stage copy.
+
+Under DualPipe, pipeline rank ``i`` and its partner ``pp-1-i`` (the bd pair, see `groups`) hold
+the same two stages: stage ``i`` is ``model[0]`` on rank ``i`` (its home copy) and ``model[1]``
+on rank ``pp-1-i`` (its mirror); stage ``pp-1-i`` the other way round. Everything that must keep
+the two copies of a stage equal walks the pair's two stages the same way, in stage order
+(stage ``min(i, pp-1-i)`` first) on both ranks, so that the collectives pair up:
+
+* `broadcast_home_to_mirror` -- home copy -> mirror (parameters after construction, parameters,
+  main parameters and optimizer state after a checkpoint load);
+* `sum_copies` -- both copies := their sum (weight gradients, MoE router token counts).
+
+Each takes a function ``tensors_of(chunk) -> list of tensors`` that lists the tensors of one
+copy in an order both copies share (e.g. ``named_parameters`` order); the tensors are flattened
+per dtype into one buffer per collective (`flat_collective`). On the middle rank of an odd
+pipeline (its own partner) the copy / sum is local.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from . import groups
+
+__all__ = ["BDPosition", "StageCopy", "position", "stage_copies", "flat_collective", "broadcast_home_to_mirror",
+           "sum_copies", "check_same_structure"]
+
+TensorsOf = Callable[[torch.nn.Module], List[torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class BDPosition:
+    """Where this rank sits in its pipeline and bd pair."""
+
+    index: int  # pipeline rank i
+    pp: int
+    me: int  # global rank
+    partner: int  # global rank of pipeline rank pp-1-i (== me on the middle rank of an odd pipeline)
+    group: Optional[object]  # the bd group (None on the middle rank)
+
+    @property
+    def is_middle(self) -> bool:
+        return self.partner == self.me
+
+
+@dataclass(frozen=True)
+class StageCopy:
+    """One of the pair's two stages, as seen from this rank."""
+
+    stage: int
+    chunk: int  # 0: the home copy is here (model[0]); 1: the mirror is here (model[1])
+    src: int  # global rank of the home copy
+
+
+def position() -> BDPosition:
+    """This rank's `BDPosition` (needs `groups.build_bd_groups`)."""
+    pp_ranks = groups.get_pp_global_ranks()
+    me = dist.get_rank()
+    return BDPosition(pp_ranks.index(me), len(pp_ranks), me, groups.get_bd_mirror_rank(), groups.get_bd_group())
+
+
+def stage_copies(pos: Optional[BDPosition] = None) -> List[StageCopy]:
+    """The pair's two stages in the order both partners walk them: stage min(i, pp-1-i) first."""
+    pos = pos or position()
+    i, mirror_stage = pos.index, pos.pp - 1 - pos.index
+    return [StageCopy(s, 0, pos.me) if s == i else StageCopy(s, 1, pos.partner) for s in sorted({i, mirror_stage})]
+
+
+def _by_dtype(tensors: Sequence[torch.Tensor]) -> "OrderedDict[torch.dtype, List[int]]":
+    """Indices of `tensors` grouped by dtype, in order of first appearance (deterministic)."""
+    buckets: "OrderedDict[torch.dtype, List[int]]" = OrderedDict()
+    for k, t in enumerate(tensors):
+        buckets.setdefault(t.dtype, []).append(k)
+    return buckets
+
+
+def flat_collective(tensors: Sequence[torch.Tensor], op: Callable[[torch.Tensor], None]) -> None:
+    """Run `op` on one flat buffer per dtype and copy the result back into `tensors`."""
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    for idx in _by_dtype(tensors).values():
+        group = [tensors[k] for k in idx]
+        flat = _flatten_dense_tensors(group)
+        op(flat)
+        for t, synced in zip(group, _unflatten_dense_tensors(flat, group)):
+            t.copy_(synced)
+
+
+def check_same_structure(signature: list, what: str, pos: Optional[BDPosition] = None) -> None:
+    """Exchange ``signature`` (any picklable list) with the partner; raise naming both ranks if
+    they differ (instead of hanging or mixing tensors up in the collective that follows)."""
+    pos = pos or position()
+    if pos.is_middle:
+        return
+    sigs: List[Optional[list]] = [None, None]
+    dist.all_gather_object(sigs, signature, group=pos.group)
+    if sigs[0] != sigs[1]:
+        diff = [x for x in zip(*sigs) if x[0] != x[1]][:3]
+        raise RuntimeError(
+            f"{what}: the two copies on ranks {groups.get_bd_ranks()} differ in structure (first differences: "
+            f"{diff}; lengths {len(sigs[0])}, {len(sigs[1])})")
+
+
+def _shapes(tensors: Sequence[torch.Tensor]) -> list:
+    return [(tuple(t.shape), str(t.dtype)) for t in tensors]
+
+
+def broadcast_home_to_mirror(model: Sequence[torch.nn.Module], tensors_of: TensorsOf, what: str,
+                             signature_of: Optional[Callable[[torch.nn.Module], list]] = None) -> None:
+    """Copy ``tensors_of(model[0])`` on every rank into ``tensors_of(model[1])`` on its partner.
+
+    Collective within each bd pair. For each stage both partners first exchange the structure
+    (``signature_of(chunk)``, default: shapes and dtypes of its tensors) and raise if it differs.
+    """
+    pos = position()
+    with torch.no_grad():
+        if pos.is_middle:
+            src, dst = tensors_of(model[0]), tensors_of(model[1])
+            if _shapes(src) != _shapes(dst):
+                raise RuntimeError(f"{what}: model[0] and model[1] on the middle rank differ in structure")
+            for a, b in zip(src, dst):
+                b.copy_(a)
+            return
+        for copy in stage_copies(pos):
+            chunk = model[copy.chunk]
+            tensors = tensors_of(chunk)
+            check_same_structure(signature_of(chunk) if signature_of else _shapes(tensors),
+                                 f"{what} of stage {copy.stage}", pos)
+            if tensors:
+                flat_collective(tensors, lambda flat: dist.broadcast(flat, src=copy.src, group=pos.group))
+
+
+def sum_copies(model: Sequence[torch.nn.Module], tensors_of: TensorsOf) -> None:
+    """Set ``tensors_of(chunk)`` of both copies of each stage to their sum (all-reduce over the bd
+    pair, one per dtype and stage; local on the middle rank). No structure check: the callers run
+    it every iteration on structures `broadcast_home_to_mirror` has checked."""
+    pos = position()
+    with torch.no_grad():
+        if pos.is_middle:
+            for a, b in zip(tensors_of(model[0]), tensors_of(model[1])):
+                a.add_(b)
+                b.copy_(a)
+            return
+        for copy in stage_copies(pos):
+            tensors = tensors_of(model[copy.chunk])
+            if tensors:
+                flat_collective(tensors, lambda flat: dist.all_reduce(flat, group=pos.group))

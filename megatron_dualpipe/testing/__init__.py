@@ -1,1 +1,0 @@
-"""Helpers for tests that run megatron-core on one machine (CPU/gloo or GPUs)."""

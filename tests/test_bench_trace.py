@@ -1,0 +1,76 @@
+"""``megatron-dualpipe bench`` and ``megatron-dualpipe trace`` end to end, on tiny costs.
+
+No figure is asserted (speed is what the benchmark prints, not what a test checks): the bench
+must run the project's schedules and torch's on gloo processes and report, per schedule, the
+simulator's makespan for the same costs and the simulator's peak activations next to the
+counted ones; the recorded timed iterations must turn into a Perfetto trace holding every
+execution unit of every rank, and into the stacked PNG.
+"""
+import json
+
+import pytest
+
+from megatron_dualpipe.cli import main
+from megatron_dualpipe.schedule import build_schedule
+from megatron_dualpipe.schedule.actions import units
+from megatron_dualpipe.schedule.simulate import Costs, simulate
+
+PP, M = 2, 4
+
+
+@pytest.fixture(scope="module")
+def bench_run(tmp_path_factory):
+    import contextlib
+    import io
+
+    trace_dir = tmp_path_factory.mktemp("trace")
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(["bench", "--pp", str(PP), "-m", "2pp", "--f", "2", "--b", "4", "--w", "2", "--iters", "1",
+                     "--warmup", "0", "--schedule", "executor-1f1b", "dualpipe", "dualpipev", "--peer", "torch",
+                     "--json", "--trace", str(trace_dir)])
+    assert code == 0
+    return json.loads(out.getvalue()), trace_dir
+
+
+def test_bench_reports_every_schedule_against_the_simulator(bench_run):
+    doc, _ = bench_run
+    rows = {(r["runner"], r["schedule"]): r for r in doc["rows"]}
+    print("\n" + "\n".join(f"{k}: {v['median_ms']:.1f} ms, sim {v['sim_ms']}, x{v['ratio']}" for k, v in rows.items()))
+    assert set(rows) == {("project", "executor-1f1b"), ("project", "dualpipe"), ("project", "dualpipev"),
+                         ("torch", "torch-1f1b"), ("torch", "torch-dualpipev"), ("torch", "torch-zbv")}
+    for name in ("executor-1f1b", "dualpipe", "dualpipev"):
+        s = build_schedule(name, PP, M)
+        sim = simulate(s.layout, s.ranks, Costs(f=2, b=4, w=2))
+        row = rows[("project", name)]
+        assert row["sim_ms"] == pytest.approx(sim.makespan)
+        assert row["sim_peak_activations"] == sim.peak_activations
+        assert row["peak_activations"] == sim.peak_activations  # the executor runs the plan's order
+        assert row["median_ms"] > 0 and len(row["p2p_ms"]) == PP
+    pairs = {(p["project"], p["torch"]) for p in doc["project_over_torch"]}
+    assert pairs == {("executor-1f1b", "torch-1f1b"), ("dualpipev", "torch-dualpipev"), ("dualpipev", "torch-zbv")}
+    assert doc["p2p_latency_ms"][str(PP)] > 0
+
+
+def test_trace_of_a_recorded_run(bench_run, tmp_path, capsys):
+    _, trace_dir = bench_run
+    png, trace = tmp_path / "t.png", tmp_path / "t.json"
+    code = main(["trace", str(trace_dir / f"dualpipe_pp{PP}_m{M}"), "--png", str(png), "--json", str(trace)])
+    out, err = capsys.readouterr()
+    print(f"\n{out}")
+    assert code == 0, err
+    assert png.stat().st_size > 1000
+    events = json.load(open(trace))["traceEvents"]
+    s = build_schedule("dualpipe", PP, M)
+    for pid in (0, 1):  # measured, simulated
+        slices = [e for e in events if e["ph"] == "X" and e["pid"] == pid and e["name"] != "wait"]
+        assert len(slices) == sum(len(units(acts)) for acts in s.ranks)
+        for r in range(PP):
+            mine = sorted((e["ts"], e["ts"] + e["dur"]) for e in slices if e["tid"] == r)
+            assert all(a[1] <= b[0] + 1e-3 for a, b in zip(mine, mine[1:])), "a rank runs one unit at a time"
+    assert "measured" in out and "simulated" in out
+
+
+def test_trace_of_an_empty_directory_names_the_fix(tmp_path, capsys):
+    assert main(["trace", str(tmp_path)]) == 2
+    assert "MEGATRON_DUALPIPE_TRACE=" in capsys.readouterr().err

@@ -1,0 +1,129 @@
+"""The P2P layer's waiting discipline, on fake communication works (no processes).
+
+* Accelerator discipline (NCCL): a receive only makes the stream wait (``work.wait()`` without a
+  timeout, the host never blocks); a send's buffer is released once the watchdog has seen
+  ``is_completed()``; a receive past its deadline is reported by the watchdog, naming rank,
+  peer and action, logged at once, and raised by the runner's next P2P call.
+* Host discipline (gloo): a thread per peer waits for the sends in order; a send's buffer is
+  released at the first ``reap`` after its send completed, never before.
+"""
+import logging
+import threading
+import time
+
+import pytest
+import torch
+
+from megatron_dualpipe.executor import p2p as p2p_mod
+from megatron_dualpipe.executor.p2p import P2P, P2PTimeoutError
+from megatron_dualpipe.schedule.comm import describe
+
+
+class FakeWork:
+    def __init__(self):
+        self.finished = threading.Event()
+        self.wait_args = []
+
+    def is_completed(self):
+        return self.finished.is_set()
+
+    def wait(self, *args):
+        self.wait_args.append(args)
+        if args:  # the host discipline passes a timeout: block like gloo
+            return self.finished.wait(args[0].total_seconds())
+        if threading.current_thread() is not threading.main_thread():
+            self.finished.wait()  # a host waiter thread
+        return True  # the runner's thread: a stream wait returns at once
+
+
+@pytest.fixture
+def fake_dist(monkeypatch):
+    works = []
+
+    def batch(ops):
+        new = [FakeWork() for _ in ops]
+        works.extend(new)
+        return new
+
+    monkeypatch.setattr(p2p_mod.dist, "P2POp", lambda op, t, peer, group: type("Op", (), {"tensor": t})())
+    monkeypatch.setattr(p2p_mod.dist, "batch_isend_irecv", batch)
+    monkeypatch.setattr(p2p_mod.dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(p2p_mod, "WATCHDOG_POLL_S", 0.002)
+    return works
+
+
+def _until(cond, seconds=5.0):
+    end = time.monotonic() + seconds
+    while not cond() and time.monotonic() < end:
+        time.sleep(0.005)
+    return cond()
+
+
+ACT, GRAD = ("act", 0, 1, 1), ("grad", 1, 0, 0)
+
+
+def test_accelerator_discipline_never_blocks_and_releases_completed_sends(fake_dist):
+    p2p = P2P(None, [0, 1], 0, timeout_s=30, host_waits=False)
+    released = []
+    p2p.post([(1, torch.zeros(2), ACT, lambda: released.append(ACT))], [(1, torch.zeros(2), GRAD)],
+             "before action 2 (F0.1)")
+    send, recv = fake_dist
+    t0 = time.monotonic()
+    p2p.receive(GRAD, "before action 3 (B1.0)")
+    assert time.monotonic() - t0 < 1.0 and recv.wait_args == [()]  # a stream wait, no timeout
+    p2p.reap()
+    assert released == []  # the send has not completed
+    send.finished.set()
+    assert _until(lambda: p2p._sends[0].done)  # the watchdog saw is_completed()
+    p2p.reap()
+    print(f"\nreleased {released}; send waits {send.wait_args}")
+    assert released == [ACT] and send.wait_args == [()]
+    recv.finished.set()
+    p2p.finish("after its last action")
+    assert _until(lambda: not p2p._watchdog.is_alive())  # stops once everything it watched completed
+
+
+def test_accelerator_watchdog_reports_a_late_receive(fake_dist, monkeypatch, caplog):
+    aborted = []
+    monkeypatch.setattr(P2P, "_abort", lambda self: aborted.append(True))
+    p2p = P2P(None, [0, 5], 0, timeout_s=0.3, host_waits=False)
+    p2p.post([], [(1, torch.zeros(2), GRAD)], "before action 2 (F0.1)")
+    with caplog.at_level(logging.ERROR, logger="megatron_dualpipe"):
+        p2p.receive(GRAD, "before action 3 (B1.0)")  # returns: the stream waits, the host goes on
+        assert _until(lambda: aborted)
+    with pytest.raises(P2PTimeoutError) as e:
+        p2p.reap()
+    msg = str(e.value)
+    print(f"\n{msg}")
+    for part in ("pipeline rank 0 (global 0) before action 3 (B1.0)",
+                 f"receive of {describe(GRAD)} from pipeline rank 1 (global 5)", "within 0.3 s",
+                 "MEGATRON_DUALPIPE_P2P_TIMEOUT"):
+        assert part in msg
+    assert any("within 0.3 s" in r.getMessage() for r in caplog.records)  # logged when found
+
+
+def test_host_discipline_releases_a_send_after_it_completed(fake_dist):
+    p2p = P2P(None, [0, 1], 0, timeout_s=30)
+    released = []
+    p2p.post([(1, torch.zeros(2), ACT, lambda: released.append(ACT))], [], "before action 2 (F0.1)")
+    assert p2p.host_waits  # CPU tensors: the host waits
+    (send,) = fake_dist
+    p2p.reap()
+    assert released == []
+    send.finished.set()
+    assert _until(lambda: p2p._sends[0].done)  # the peer's waiter thread saw it complete
+    p2p.reap()
+    assert released == [ACT]
+    p2p.finish("after its last action")
+
+
+def test_host_discipline_finish_names_a_send_that_never_completes(fake_dist):
+    p2p = P2P(None, [0, 1], 0, timeout_s=0.3)
+    p2p.post([(1, torch.zeros(2), ACT, None)], [], "before action 2 (F0.1)")
+    with pytest.raises(P2PTimeoutError) as e:
+        p2p.finish("after its last action")
+    msg = str(e.value)
+    print(f"\n{msg}")
+    for part in ("pipeline rank 0 (global 0) after its last action",
+                 f"send of {describe(ACT)} to pipeline rank 1", "posted before action 2 (F0.1)", "within 0.3 s"):
+        assert part in msg
