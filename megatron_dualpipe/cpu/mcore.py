@@ -16,7 +16,7 @@ import contextlib
 import torch
 
 from .redirection import define_if_missing, replace, torch_view, wrap
-from .torch_view import scoped_cuda_identity
+from .torch_view import scoped_cuda_identity, scoped_record_stream_noop
 
 _RANDOM = "megatron.core.tensor_parallel.random"
 _CLIP = "clip_grad_by_total_norm_fp32"
@@ -152,6 +152,17 @@ _VIEWS = (
      "loss-scale tensors on 'cuda' (fp16)"),
     ("megatron.core.dist_checkpointing.strategies.filesystem_async",
      "the torch_dist writer calls torch.cuda.synchronize() before copying tensors to host"),
+    # The combined forward-backward step (--overlap-moe-expert-parallel-comm, mcore.overlap).
+    ("megatron.core.pipeline_parallel.utils",
+     "combined step: set_streams() makes a compute and a communication torch.cuda.Stream; every "
+     "ScheduleNode runs in torch.cuda.stream(...) between NVTX ranges"),
+    ("megatron.core.models.common.model_chunk_schedule_plan",
+     "combined step: a torch.cuda.Event per schedule plan, current_stream(), NVTX ranges per layer"),
+    ("megatron.core.models.gpt.fine_grained_callables",
+     "combined step: record_stream(torch.cuda.current_stream()) in the MoE combine, "
+     "torch.cuda.nvtx.range around weight gradients"),
+    ("megatron.core.pipeline_parallel.combined_1f1b",
+     "combined step: the loss node runs on torch.cuda.current_stream()"),
 )  # fmt: skip
 
 #: Every megatron-core redirection, in the order it is applied.
@@ -188,4 +199,8 @@ REDIRECTIONS = (
             "that is the CPU generator, where the tracker's states live"),
     replace(_RANDOM, "_set_cuda_rng_state", set_cuda_rng_state,
             "and restores it for the recomputed forward"),
+    wrap("megatron.core.pipeline_parallel.combined_1f1b", "combined_forward_backward_step",
+         scoped_record_stream_noop,
+         "its schedule nodes and the MoE combine call Tensor.record_stream, which the CPU backend "
+         "lacks (NotImplementedError); a no-op for CPU tensors during this call only"),
 ) + tuple(torch_view(module, why) for module, why in _VIEWS)

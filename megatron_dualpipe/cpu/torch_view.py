@@ -18,7 +18,8 @@
 
 Tensor and module *methods* (``tensor.cuda()``, ``module.cuda()``) cannot be reached through a
 module's ``torch`` name; :func:`scoped_cuda_identity` makes them return their receiver for the
-duration of one call.
+duration of one call, and :func:`scoped_record_stream_noop` makes ``tensor.record_stream()`` (which
+the CPU backend lacks) do nothing for CPU tensors during one call.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import functools
 
 import torch
 
-__all__ = ["TORCH_VIEW", "TorchView", "cpu_if_cuda", "scoped_cuda_identity", "FACTORIES"]
+__all__ = ["TORCH_VIEW", "TorchView", "cpu_if_cuda", "scoped_cuda_identity", "scoped_record_stream_noop", "FACTORIES"]
 
 CPU = torch.device("cpu")
 
@@ -238,3 +239,26 @@ def scoped_cuda_identity(fn):
             return fn(*args, **kwargs)
 
     return with_cuda_identity
+
+
+_RECORD_STREAM = torch.Tensor.record_stream
+
+
+def _record_stream_unless_cpu(self, stream):
+    if self.device.type != "cpu":
+        _RECORD_STREAM(self, stream)
+
+
+def scoped_record_stream_noop(fn):
+    """``fn`` run with ``Tensor.record_stream`` a no-op for CPU tensors (restored afterwards)."""
+
+    @functools.wraps(fn)
+    def without_record_stream(*args, **kwargs):
+        saved = torch.Tensor.record_stream
+        torch.Tensor.record_stream = _record_stream_unless_cpu
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            torch.Tensor.record_stream = saved
+
+    return without_record_stream
