@@ -20,8 +20,9 @@
 Tensor and module *methods* cannot be reached through a module's ``torch`` name: for the
 duration of one wrapped call, :func:`scoped_cuda_identity` makes ``tensor.cuda()`` and
 ``module.cuda()`` return their receiver, and :func:`scoped_cuda_type_names` makes
-``tensor.type()`` name a CPU tensor's CUDA type (Megatron's optimizers sort parameters by it)., and :func:`scoped_record_stream_noop` makes ``tensor.record_stream()`` (which the CPU
-backend lacks) do nothing for CPU tensors during one call.
+``tensor.type()`` name a CPU tensor's CUDA type (Megatron's optimizers sort parameters by it),
+and :func:`scoped_record_stream_noop` makes ``tensor.record_stream()`` (which the CPU backend
+lacks) do nothing for CPU tensors.
 """
 
 from __future__ import annotations
