@@ -81,6 +81,8 @@ class ToyCompute(StageComputeBase):
 
     def backward(self, a, grad):
         inp, out = self.saved.pop((a.dir, a.mb, a.stage))
+        # Megatron's custom_backward asserts the same: a sent output is released before its backward.
+        assert id(out) not in self.unreleased, f"{a}: the output of its forward was not released yet"
         params = list(self.mods[(a.dir, a.stage)].parameters())
         if a.op == "BW":
             engine_backward(out, grad)

@@ -211,15 +211,32 @@ class P2P:
                 left = ", ".join(self.describe(label) for label in self._recvs)
                 raise RuntimeError(f"pipeline rank {self.rank}: receives posted but never consumed: {left}")
             for op in self._sends:
-                while self.host_waits and not op.done:
-                    now = time.monotonic()
-                    if now > op.deadline:
-                        raise self._error(op, where, now - op.posted, None)
-                    op.done_event.wait(min(op.deadline - now, 0.5))
+                self._await_send(op, where)
                 self._complete(op)
             self._sends = []
         finally:
             self.close()
+
+    def complete_send(self, label, where: str) -> None:
+        """The buffer of the send of ``label`` is needed now (Megatron's backward requires the
+        forward's output to have been released): complete that send, release it. Nothing to do
+        if it was released already. Its receiver has it by then in every schedule (the gradient
+        this rank is about to use came back through it), so this waits for bookkeeping only."""
+        for k, op in enumerate(self._sends):
+            if op.label == label:
+                self._await_send(op, where)
+                self._complete(op)
+                del self._sends[k]
+                return
+
+    def _await_send(self, op: _Op, where: str) -> None:
+        """Host: block until the peer's waiter saw the send complete, within its deadline.
+        Accelerator: nothing (``_complete`` makes the stream wait)."""
+        while self.host_waits and not op.done:
+            now = time.monotonic()
+            if now > op.deadline:
+                raise self._error(op, where, now - op.posted, None)
+            op.done_event.wait(min(op.deadline - now, 0.5))
 
     def close(self) -> None:
         """Stop the helper threads once their operations are done (a waiter blocked on a dead
