@@ -287,9 +287,6 @@ def scoped_cuda_identity(fn):
     return _scoped(cuda_methods_are_identity, fn)
 
 
-    return with_cuda_identity
-
-
 _RECORD_STREAM = torch.Tensor.record_stream
 
 
@@ -298,19 +295,14 @@ def _record_stream_unless_cpu(self, stream):
         _RECORD_STREAM(self, stream)
 
 
+def record_stream_is_noop_on_cpu():
+    """``Tensor.record_stream`` (which the CPU backend lacks) does nothing for CPU tensors inside the block."""
+    return _torch_methods([(torch.Tensor, "record_stream", _record_stream_unless_cpu)])
+
+
 def scoped_record_stream_noop(fn):
-    """``fn`` run with ``Tensor.record_stream`` a no-op for CPU tensors (restored afterwards)."""
-
-    @functools.wraps(fn)
-    def without_record_stream(*args, **kwargs):
-        saved = torch.Tensor.record_stream
-        torch.Tensor.record_stream = _record_stream_unless_cpu
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            torch.Tensor.record_stream = saved
-
-    return without_record_stream
+    """``fn`` run with :func:`record_stream_is_noop_on_cpu` (torch's globals restored afterwards)."""
+    return _scoped(record_stream_is_noop_on_cpu, fn)
 
 
 def scoped_cuda_type_names(fn):
