@@ -66,8 +66,7 @@ def pick(records: Sequence[dict], call: Optional[int] = None, global_rank: Optio
 
 def measured(ranks: Sequence[dict]):
     """(schedule, timeline in ms, waits per rank as (start, end) in ms) of one iteration."""
-    from .schedule import Action, build_schedule
-    from .schedule.registry import Schedule
+    from .schedule import Action, Schedule, build_schedule
     from .schedule.simulate import RankTimeline, SimResult
 
     first = ranks[0]

@@ -73,6 +73,10 @@ def configure(p: argparse.ArgumentParser) -> None:
                         "(draw them with: megatron-dualpipe trace DIR/SCHEDULE_ppP_mM --png t.png)")
 
 
+#: Longest cost of one action (ms) the benchmark accepts: a minute.
+MAX_COST_MS = 60_000.0
+
+
 def _config(args, pps: List[int]):
     from ..schedule import build_schedule
     from ..schedule.simulate import Costs
@@ -81,6 +85,10 @@ def _config(args, pps: List[int]):
     from .torch_peer import TORCH_SCHEDULES
 
     Costs(f=args.f, b=args.b, w=args.w, fb=args.fb)  # validates, naming the flag
+    longest = max(args.f, args.b, args.fb or 0.0)
+    if longest > MAX_COST_MS:  # the stages really spend these milliseconds
+        raise ValueError(f"bench costs are milliseconds each stage really spends: at most {MAX_COST_MS:g} per "
+                         f"action, got {longest:g}")
     if args.iters < 1 or args.warmup < 0:
         raise ValueError(f"--iters must be >= 1 and --warmup >= 0, got {args.iters} and {args.warmup}")
     try:
