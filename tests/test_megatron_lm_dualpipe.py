@@ -132,8 +132,9 @@ def test_resume_without_optimizer_state_and_dualpipev_across_1f1b(tmp_path):
                  "--save", ckpt)
     resume = ("--ckpt-format", "torch", "--load", ckpt, "--no-load-optim")
     a = run_pretrain("dualpipe", *resume)
-    b = run_pretrain("1f1b", *resume, "--save", f1_ckpt)  # saved at the end: iteration 5
-    v = run_pretrain("dualpipev", *resume, "--save", dv_ckpt)
+    # Megatron-LM requires --save-interval with --save; 5 saves at the last iteration only.
+    b = run_pretrain("1f1b", *resume, "--save", f1_ckpt, "--save-interval", "5")
+    v = run_pretrain("dualpipev", *resume, "--save", dv_ckpt, "--save-interval", "5")
     assert_close(a, b, "dualpipe vs 1f1b after --no-load-optim resume")
     assert_close(v, b, "dualpipev from 1f1b's weights (remapped to V-stages) vs 1f1b")
     cont = ("--ckpt-format", "torch", "--no-load-optim", "--train-iters", "6")

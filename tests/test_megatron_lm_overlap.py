@@ -1,6 +1,6 @@
 """Megatron-LM's ``pretrain_gpt.py`` with ``--overlap-moe-expert-parallel-comm`` and DualPipe(V), on CPU.
 
-Needs ``MEGATRON_LM_PATH`` (see ``test_megatron_lm_dualpipe.py``, whose runner this reuses). The
+Needs ``MEGATRON_LM_PATH`` (see ``test_megatron_lm_dualpipe.py``; the runner is ``megatron_lm_runs``). The
 tiny MoE (4 experts, top-2, alltoall) with expert parallel 2 and pp 2 on 4 gloo processes:
 megatron-core's ``TransformerConfig`` alone refuses the flag with pp > 1 and no virtual pipeline,
 and ``pretrain_gpt.py`` builds a config on every ``get_batch``; the plugin's config adapter lets
@@ -11,9 +11,9 @@ left out to keep the suite short; ``tests/test_overlap.py`` covers it on megatro
 """
 import pytest
 
-from test_megatron_lm_dualpipe import LAST_OUTPUT, MOE, SKIP_MESSAGE, assert_close, run_pretrain  # noqa: F401
+from megatron_lm_runs import HAVE_MEGATRON_LM, LAST_OUTPUT, MOE, SKIP_MESSAGE, assert_close, run_pretrain
 
-pytestmark = pytest.mark.skipif(not __import__("test_megatron_lm_dualpipe").MEGATRON_LM_PATH, reason=SKIP_MESSAGE)
+pytestmark = pytest.mark.skipif(not HAVE_MEGATRON_LM, reason=SKIP_MESSAGE)
 
 EP2 = [*MOE, "--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2", "--train-iters", "3"]
 OVERLAP = "--overlap-moe-expert-parallel-comm"
