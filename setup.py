@@ -1,8 +1,14 @@
+import runpy
+
 from setuptools import find_packages, setup
+
+# One list for the extra and the launcher's preflight (megatron_dualpipe/megatron_lm/requirements.py).
+MEGATRON_LM = runpy.run_path("megatron_dualpipe/megatron_lm/requirements.py")
+VERSION = runpy.run_path("megatron_dualpipe/__init__.py")["__version__"]
 
 setup(
     name="megatron-dualpipe",
-    version="0.1.0",
+    version=VERSION,
     description="DeepSeek's DualPipe and DualPipeV pipeline schedules for Megatron-LM",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
@@ -17,6 +23,8 @@ setup(
         "megatron-core>=0.16.1,<0.17",
         "numpy",
         "matplotlib",
+        # prepare-data and the main job: byte-level BPE training and tokenizing (Rust wheels, no torch).
+        "tokenizers>=0.15",
     ],
     extras_require={
         # GPU users: transformer-engine gives the fused kernels and delay_wgrad_compute.
@@ -24,8 +32,9 @@ setup(
         "gpu": ["transformer-engine[pytorch]"],
         "test": ["pytest>=7", "pytest-xdist", "pytest-timeout"],
         # What Megatron-LM's training code (megatron/training, pretrain_gpt.py) imports beyond
-        # megatron-core: needed to run pretrain_gpt.py with the plugin, and by its tests.
-        "megatron-lm": ["six", "regex", "pyyaml", "pydantic", "pybind11"],
+        # megatron-core: needed to run pretrain_gpt.py with the plugin, and by its tests; transformers
+        # for --tokenizer-type HuggingFaceTokenizer (prepare-data's tokenizer directory).
+        MEGATRON_LM["EXTRA"]: sorted(MEGATRON_LM["PACKAGES"].values()) + ["transformers"],
     },
     entry_points={"console_scripts": ["megatron-dualpipe=megatron_dualpipe.cli:main"]},
 )

@@ -13,16 +13,19 @@ that adds its arguments, a ``run(args) -> int`` function, and one :func:`registe
     register("train", "train a model with a DualPipe schedule", _configure_train, _run_train)
 
 Every bad argument ends with one line on stderr, ``megatron-dualpipe: error: ...``, and exit
-status 2: raise :class:`CliError` (or ``ScheduleError`` / ``ValueError``) from ``run``.
+status 2: raise :class:`CliError` (or ``ScheduleError`` / ``ValueError``) from ``run``. Ctrl-C
+(130), a closed pipe (141, silent), an ``OSError`` such as a permission error (1) and an
+``OverflowError`` (2) end in one line too; ``tests/test_no_traceback.py`` runs every registered
+command with bad input.
 """
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import sys
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, Optional, Sequence
+
+from . import data_prep
 
 PROG = "megatron-dualpipe"
 EXIT_USAGE = 2
@@ -57,7 +60,10 @@ def register(name: str, help: str, configure: Callable[[argparse.ArgumentParser]
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
     parser = _Parser(prog=PROG, description="DeepSeek's DualPipe pipeline schedules for Megatron-LM.")
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for cmd in COMMANDS.values():
         p = sub.add_parser(cmd.name, help=cmd.help, description=cmd.help)
@@ -65,17 +71,58 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: Exit status after Ctrl-C (128 + SIGINT, as a shell reports it).
+EXIT_INTERRUPTED = 130
+#: Exit status when the reader of our output went away (128 + SIGPIPE).
+EXIT_BROKEN_PIPE = 141
+#: Exit status for a failure that is not a usage error (a file that cannot be written, ...).
+EXIT_FAILURE = 1
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = build_parser()
+    """Run one command. A user's mistake or an interruption ends in one line on stderr and a
+    non-zero status, never a traceback; only a bug in this package shows one."""
     try:
+        parser = build_parser()
         args = parser.parse_args(None if argv is None else list(argv))
         if not args.command:
             raise CliError(f"choose a command: {', '.join(COMMANDS)} (see {PROG} --help)")
-        return int(COMMANDS[args.command].run(args) or 0)
+        status = int(COMMANDS[args.command].run(args) or 0)
+        sys.stdout.flush()  # a closed pipe shows up here, inside the handlers below
+        return status
     except (CliError, ValueError) as e:  # ScheduleError is a ValueError
-        msg = " ".join(str(e).split()) or type(e).__name__
-        print(f"{PROG}: error: {msg}", file=sys.stderr)
-        return EXIT_USAGE
+        return _fail(str(e) or type(e).__name__, EXIT_USAGE)
+    except KeyboardInterrupt:
+        return _fail("interrupted", EXIT_INTERRUPTED)
+    except BrokenPipeError:
+        _silence_stdout()
+        return EXIT_BROKEN_PIPE
+    except OverflowError as e:
+        return _fail(f"a number is too large ({e}): use smaller values or units", EXIT_USAGE)
+    except MemoryError:
+        return _fail("out of memory: use a smaller pipeline or fewer micro-batches", EXIT_FAILURE)
+    except OSError as e:  # e.g. PermissionError, disk full
+        where = f"{e.filename}: " if e.filename else ""
+        return _fail(f"{where}{e.strerror or e}", EXIT_FAILURE)
+
+
+def _fail(message: str, status: int) -> int:
+    try:
+        print(f"{PROG}: error: {' '.join(message.split())}", file=sys.stderr)
+    except OSError:
+        pass
+    return status
+
+
+def _silence_stdout() -> None:
+    """After a broken pipe, point stdout at /dev/null so the interpreter's final flush is quiet."""
+    import os
+
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
 
 
 def _exit_main() -> None:
@@ -95,10 +142,21 @@ def _add_schedule_args(p: argparse.ArgumentParser) -> None:
                    help="micro-batches per step (dualpipe: both directions together)")
 
 
-def _build(args):
-    from .schedule import build_schedule
+def _add_cost_args(p: argparse.ArgumentParser, title: str, defaults: bool = True) -> None:
+    """--f --b --w --fb --p2p: the simulator's cost model (``schedule.simulate.Costs``)."""
+    g = p.add_argument_group(title)
+    for flag, default, text in (("--f", 1.0, "forward"), ("--b", 2.0, "full backward, input + weight grads"),
+                                ("--w", 1.0, "weight-grad part of the backward")):
+        g.add_argument(flag, type=float, default=default if defaults else None, required=not defaults,
+                       help=f"{text}" + (f" (default {default:g})" if defaults else ""))
+    g.add_argument("--fb", type=float, default=None, help="fused F&B unit (default f+b)")
+    g.add_argument("--p2p", type=float, default=0.0, help="latency of a send between ranks (default 0)")
 
-    return build_schedule(args.schedule, args.pp, args.microbatches)
+
+def _costs(args):
+    from .schedule.simulate import Costs
+
+    return Costs(f=args.f, b=args.b, w=args.w, fb=args.fb, p2p=args.p2p)  # checks its values
 
 
 def _write(path: str, data, binary: bool = False) -> None:
@@ -123,123 +181,15 @@ def _check_writable(path: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# schedule
+# Commands (those in their own modules: one line each)
 # ---------------------------------------------------------------------------------------------
+from . import advise as _advise, cli_schedule as _cli_schedule  # noqa: E402
 
-def _configure_schedule(p: argparse.ArgumentParser) -> None:
-    _add_schedule_args(p)
-    p.add_argument("--json", action="store_true", help="print the per-rank action lists as JSON")
-
-
-def _run_schedule(args) -> int:
-    from .schedule import format_grid
-
-    s = _build(args)
-    if args.json:
-        print(json.dumps(s.to_json()))
-        return 0
-    per_dir = s.microbatches_per_direction()
-    print(f"{s.name}: pp={s.pp} M={s.microbatches} ({s.layout.kind} layout, micro-batches per direction: "
-          + ", ".join(f"dir {d}: {n}" for d, n in sorted(per_dir.items())) + ")")
-    print("F forward, B input-grad backward, BW full backward, W deferred weight grad; "
-          "F0.3 = direction 0 micro-batch 3; '+' = F fused with the backward after it")
-    print(format_grid(s.ranks))
-    return 0
-
-
-register("schedule", "print the per-rank action lists of a schedule", _configure_schedule, _run_schedule)
-
-
-# ---------------------------------------------------------------------------------------------
-# simulate
-# ---------------------------------------------------------------------------------------------
-
-def _configure_simulate(p: argparse.ArgumentParser) -> None:
-    _add_schedule_args(p)
-    g = p.add_argument_group("costs (hypothetical time units; dualpipev: per chunk)")
-    g.add_argument("--f", type=float, default=1.0, help="forward (default 1)")
-    g.add_argument("--b", type=float, default=2.0, help="full backward, input + weight grads (default 2)")
-    g.add_argument("--w", type=float, default=1.0, help="weight-grad part of the backward (default 1)")
-    g.add_argument("--fb", type=float, default=None, help="fused F&B unit (default f+b)")
-    g.add_argument("--p2p", type=float, default=0.0, help="latency of a send between ranks (default 0)")
-    p.add_argument("--json", action="store_true", help="print makespan, bubble, peak_activations, busy as JSON")
-    p.add_argument("--png", metavar="FILE", help="draw the timeline to a PNG (needs matplotlib)")
-    p.add_argument("--svg", metavar="FILE", help="draw the timeline to an SVG")
-
-
-def _costs(args):
-    from .schedule.simulate import Costs
-
-    for name in ("f", "b", "w", "fb", "p2p"):
-        v = getattr(args, name)
-        if v is not None and not math.isfinite(v):
-            raise CliError(f"cost --{name} must be a finite number, got {v}")
-    return Costs(f=args.f, b=args.b, w=args.w, fb=args.fb, p2p=args.p2p)
-
-
-def _run_simulate(args) -> int:
-    from .schedule.simulate import DeadlockError, simulate
-
-    costs = _costs(args)
-    s = _build(args)
-    for path in (args.png, args.svg):
-        if path:
-            _check_writable(path)
-    try:
-        result = simulate(s.layout, s.ranks, costs)
-    except DeadlockError as e:  # cannot happen for built schedules; keep the promise of one line
-        raise CliError(" ".join(line.strip() for line in str(e).splitlines()[:2])) from None
-    if args.svg:
-        from .draw import to_svg
-
-        _write(args.svg, to_svg(s, result))
-    if args.png:
-        from .draw import to_png
-
-        try:
-            to_png(s, result, args.png)
-        except ImportError:
-            raise CliError("--png needs matplotlib: pip install matplotlib") from None
-        except OSError as e:
-            raise CliError(f"cannot write {args.png}: {e.strerror or e}") from None
-    if args.json:
-        print(json.dumps(result.to_json()))
-        return 0
-    print(_report(s, costs, result))
-    return 0
-
-
-def _fmt(x: Optional[float]) -> str:
-    if x is None:
-        return "n/a"
-    return f"{x:.3f}".rstrip("0").rstrip(".") if x != int(x) else str(int(x))
-
-
-def _report(s, costs, result) -> str:
-    from .schedule.registry import SPECS, distinct_orders
-
-    lines: List[str] = []
-    lines.append(f"{s.name}: pp={s.pp} M={s.microbatches}  costs f={_fmt(costs.f)} b={_fmt(costs.b)} "
-                 f"w={_fmt(costs.w)} fb={_fmt(costs.fused)} p2p={_fmt(costs.p2p)}")
-    lines.append(f"makespan {_fmt(result.makespan)}")
-    lines.append("")
-    lines.append(f"{'rank':>4}  {'busy':>10}  {'bubble':>10}  {'peak activations':>16}")
-    for r, tl in enumerate(result.ranks):
-        lines.append(f"{r:>4}  {_fmt(tl.busy):>10}  {_fmt(result.makespan - tl.busy):>10}  "
-                     f"{tl.peak_activations:>16}")
-    sim = max(result.bubble)
-    lines.append("")
-    lines.append("closed-form bubbles for these costs (simulated max bubble "
-                 f"{_fmt(sim)}{', p2p latency not in the formulas' if costs.p2p else ''}):")
-    for name in distinct_orders():
-        spec = SPECS[name]
-        text = spec.bubble_formula
-        val = spec.formula_bubble(s.pp, costs)
-        mark = ""
-        if name == s.name and val is not None:
-            mark = f"   <- this schedule; simulated - formula = {_fmt(sim - val)}"
-        lines.append(f"  {name:<10} {text:<38} = {_fmt(val)}{mark}")
-    return "\n".join(lines)
+register("schedule", "print the per-rank action lists of a schedule", _cli_schedule.configure_schedule,
+         _cli_schedule.run_schedule)
+register("simulate", "simulate a schedule with hypothetical costs; compare every schedule on the same model, "
+         "draw the timeline", _cli_schedule.configure_simulate, _cli_schedule.run_simulate)
+register("advise", _advise.HELP, _advise.configure, _advise.run)
 
 
 def _configure_patch(p):
@@ -261,8 +211,7 @@ register("patch", "add the 3-line megatron-dualpipe hook to Megatron-LM's pretra
          _configure_patch, _run_patch)
 
 
-register("simulate", "simulate a schedule with hypothetical costs; print bubbles, draw the timeline",
-         _configure_simulate, _run_simulate)
+register("prepare-data", data_prep.HELP, data_prep.configure, data_prep.run)
 
 from . import bench as _bench  # noqa: E402 - argparse only; the benchmark imports torch when run
 register("bench", _bench.HELP, _bench.configure, _bench.run)

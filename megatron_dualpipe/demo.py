@@ -1,70 +1,267 @@
-"""The main job on one machine: train a small megatron-core GPT with DualPipe, then with 1F1B.
+"""The main job: train a small megatron-core GPT on text with DualPipe, then with 1F1B.
 
-    torchrun --nproc-per-node 4 -m megatron_dualpipe.demo [--iters 30] [--schedule dualpipe]
+    python -m megatron_dualpipe.demo [--schedule dualpipe] [--iters 30] [--text PATH ...]
+    bash scripts/run_main.sh [the same arguments]     # makes .venv first
 
-Four processes form a pp=4 pipeline (gloo and the CPU mode without a GPU; NCCL with GPUs).
-The same initial weights and the same synthetic batches are trained twice: first with the
-chosen DualPipe schedule through ``forward_backward_dualpipe``, then with megatron-core's own
-1F1B (``get_forward_backward_func()``). The last rank prints Megatron-style lines and, at the
-end, both loss series side by side with their largest difference.
+Started like this, the module is the *launcher*, one process that
 
-The data is a learnable synthetic language: each sample is an arithmetic sequence of tokens
-modulo the vocabulary (random start and stride), so the loss falls within a few dozen steps.
-Embeddings are untied here because megatron-core's 1F1B reference needs megatron DDP for the
+1. checks every argument, so that a mistake costs one usage message before anything starts;
+2. prepares the data (``megatron-dualpipe prepare-data``: Python's own help texts unless
+   ``--text`` or ``--data-path`` says otherwise; cached, so only the first run tokenizes);
+3. draws the schedule's simulated timeline (``out/<schedule>_pp<P>_m<M>.png``);
+4. starts ``torchrun`` with ``--nproc`` *workers* (this module again, ``LOCAL_RANK`` set);
+5. lists the files written.
+
+The workers form a pp=nproc pipeline (gloo and the CPU mode without a GPU; NCCL with GPUs) and
+read megatron-core's ``GPTDataset`` built by ``BlendedMegatronDatasetBuilder`` over the indexed
+dataset, as ``pretrain_gpt.py`` does (:mod:`megatron_dualpipe.gpt_data`). The same initial
+weights are trained on the same batches twice: first with the chosen DualPipe schedule through
+``forward_backward_dualpipe``, then with megatron-core's own 1F1B
+(``get_forward_backward_func()``); each run ends with the loss on held-out validation batches.
+The executor records the last DualPipe training iteration (``MEGATRON_DUALPIPE_TRACE``, raw records
+in ``out/trace_records/``). The last rank prints Megatron-style progress lines, the measured
+against the simulated iteration time, both loss series side by side with their largest
+difference, and writes ``out/loss.png``, ``out/timeline.png`` (the measured iteration above its
+simulation), ``out/trace.json`` (Perfetto) and ``out/summary.md`` (:mod:`megatron_dualpipe.report`).
+
+Embeddings are untied because megatron-core's 1F1B reference needs megatron DDP for the
 tied-embedding all-reduce; DualPipe itself supports tied embeddings (see the tests). The 1F1B
 run gets the DualPipe run's initial weights, gathered by global layer number.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
-import functools
+import math
 import os
+import shlex
+import shutil
+import subprocess
+import sys
 import time
+from typing import Dict, Iterator, List, Optional
 
-import torch
-import torch.distributed as dist
+from .data_prep import DataError, PreparedData, Progress, add_data_arguments, check_split, default_cache_dir
+from .data_prep import SPLIT_NAMES, describe_indexed, documents_per_split, prepare_from_args, split_weights
+from .schedule import registry
+from .schedule.layout import V_SHAPE
 
-from megatron_dualpipe.schedule import registry
-from megatron_dualpipe.schedule.layout import V_SHAPE
+#: The schedules the main job compares with 1F1B: those holding two model chunks per rank.
+SCHEDULES = registry.names(chunks_per_rank=2)
+HEADS = 4
+#: Training iterations at the end of the DualPipe run whose timelines the executor records; the
+#: least disturbed (fastest) one is drawn, as benchmarks take the minimum of repeated runs.
+RECORDED_ITERATIONS = 5
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--schedule", default=registry.DUALPIPE, choices=registry.names(chunks_per_rank=2))
-    p.add_argument("--iters", type=int, default=30)
-    p.add_argument("--microbatches", type=int, default=16, help="micro-batches per iteration (global batch)")
-    p.add_argument("--micro-batch-size", type=int, default=2)
-    p.add_argument("--seq-length", type=int, default=64)
-    p.add_argument("--num-layers", type=int, default=8)
-    p.add_argument("--hidden-size", type=int, default=64)
-    p.add_argument("--vocab-size", type=int, default=128)
+# ---------------------------------------------------------------------------------------------
+# Arguments
+# ---------------------------------------------------------------------------------------------
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+    return value
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    prog = os.environ.get("MEGATRON_DUALPIPE_PROG", "python -m megatron_dualpipe.demo")
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0],
+                                usage=f"{prog} [--schedule {'|'.join(SCHEDULES)}] [--iters N] [--text PATH ...] "
+                                      f"[more options: --help]")
+    p.add_argument("--schedule", default=registry.DUALPIPE, choices=SCHEDULES)
+    p.add_argument("--nproc", type=_positive_int, default=4, help="processes = pipeline stages (default 4)")
+    p.add_argument("--iters", type=_positive_int, default=30, help="training iterations per schedule (default 30)")
+    p.add_argument("--microbatches", type=_positive_int, default=16, help="micro-batches per iteration (default 16)")
+    p.add_argument("--micro-batch-size", type=_positive_int, default=2)
+    p.add_argument("--seq-length", type=_positive_int, default=64)
+    p.add_argument("--num-layers", type=_positive_int, default=8)
+    p.add_argument("--hidden-size", type=_positive_int, default=64)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--eval-iters", type=_count, default=2,
+                   help="validation batches (of --microbatches micro-batches) after training (default 2)")
     p.add_argument("--no-compare", action="store_true", help="skip the 1F1B run")
-    return p.parse_args(argv)
+    p.add_argument("--out", default="out", metavar="DIR", help="where the pictures and summary go (default out)")
+    p.add_argument("--master-port", type=_positive_int, default=None, help="default: a free port")
+    g = p.add_argument_group("data (default: Python's help texts, tokenized on the first run and cached)")
+    add_data_arguments(g, text_flag="--text")
+    g.add_argument("--data-path", metavar="PREFIX", help="a Megatron indexed dataset (PREFIX.bin/.idx) instead of "
+                   "--text; needs --tokenizer unless prepare-data wrote it")
+    return p
 
 
-def synthetic_batches(args, iteration):
-    """The iteration's micro-batches, identical on every rank (seeded by iteration)."""
-    g = torch.Generator().manual_seed(10_000 + iteration)
-    out = []
-    for _ in range(args.microbatches):
-        start = torch.randint(0, args.vocab_size, (args.micro_batch_size, 1), generator=g)
-        stride = torch.randint(1, 8, (args.micro_batch_size, 1), generator=g)
-        seq = (start + stride * torch.arange(args.seq_length + 1)) % args.vocab_size
-        out.append(dict(tokens=seq[:, :-1].contiguous(), labels=seq[:, 1:].contiguous(),
-                        position_ids=torch.arange(args.seq_length).expand(args.micro_batch_size, -1).contiguous()))
+def check_args(args) -> Optional[str]:
+    """The first problem with the arguments, as one sentence naming the fix; None if none."""
+    n, spec = args.nproc, registry.get(args.schedule)
+    if n < 2:
+        return f"--nproc {n}: a pipeline needs at least 2 processes"
+    problem = spec.pp_problem(n, flag="--nproc")
+    if problem:
+        return problem
+    stages = spec.model_stages(n)
+    if args.num_layers % stages:
+        return (f"{spec.name} with --nproc {n} cuts the model into {stages} stages, so --num-layers must be a "
+                f"multiple of {stages}, got {args.num_layers}: use --num-layers {math.ceil(args.num_layers / stages) * stages}")
+    least = spec.min_real_microbatches(n)
+    if args.microbatches < least:
+        return (f"{spec.name} with --nproc {n} needs at least {least} micro-batches per iteration: use "
+                f"--microbatches {least} or more")
+    if args.hidden_size % HEADS:
+        return (f"--hidden-size {args.hidden_size} is not divisible by the {HEADS} attention heads: "
+                f"use --hidden-size {math.ceil(args.hidden_size / HEADS) * HEADS}")
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        return f"--lr must be a positive number, got {args.lr}"
+    if args.text and args.data_path:
+        return "give --text (to prepare) or --data-path (already prepared), not both"
+    try:
+        no_validation = split_weights(args.split)[1] == 0
+    except DataError as e:
+        return str(e)
+    if args.eval_iters and no_validation:
+        return (f"--split {args.split} has no validation split for --eval-iters {args.eval_iters}: give it a "
+                f"weight (e.g. --split 90,10,0) or use --eval-iters 0")
+    return None
+
+
+#: Launcher-only options, not passed to the workers (torchrun would also take ``--nproc`` for an
+#: abbreviation of its ``--nproc-per-node``, and ``--master-port`` as its own).
+LAUNCHER_ONLY = ("help", "nproc", "master_port")
+
+
+def to_argv(parser: argparse.ArgumentParser, args) -> List[str]:
+    """Command-line arguments that parse back to ``args``, launcher-only options left out (how
+    the launcher briefs the workers)."""
+    out: List[str] = []
+    for action in parser._actions:
+        if not action.option_strings or action.dest in LAUNCHER_ONLY:
+            continue
+        value = getattr(args, action.dest)
+        flag = action.option_strings[-1]
+        if action.nargs == 0:
+            out += [flag] if value else []
+        elif isinstance(value, list):
+            out += [flag, *map(str, value)] if value else []
+        elif value is not None:
+            out += [flag, str(value)]
     return out
 
 
-def loss_func(output_tensor):
-    loss = output_tensor.float().mean()
+# ---------------------------------------------------------------------------------------------
+# Launcher
+# ---------------------------------------------------------------------------------------------
+
+def resolve_data(args) -> PreparedData:
+    """The prepared data the workers will read (built now on a cache miss), split checked."""
+    progress = Progress()
+    if args.data_path:
+        data = describe_indexed(args.data_path, args.tokenizer, args.eod_token)
+        check_split(args.split, data.documents)
+    else:
+        data, _ = prepare_from_args(args, progress)
+    return data
+
+
+def draw_schedule(args) -> Optional[str]:
+    """The simulated timeline of the schedule the workers run (unit costs); its path."""
+    from .draw import to_png
+    from .schedule.simulate import Costs, simulate
+
+    m = registry.get(args.schedule).padded_microbatches(args.nproc, args.microbatches)
+    schedule = registry.build_schedule(args.schedule, args.nproc, m)
+    path = os.path.join(args.out, f"{args.schedule}_pp{args.nproc}_m{m}.png")
+    to_png(schedule, simulate(schedule.layout, schedule.ranks, Costs()), path)
+    return path
+
+
+def written_since(paths: List[str], started: float) -> List[str]:
+    """Files under ``paths`` (files or directories) modified at or after ``started``."""
+    found = []
+    for root in paths:
+        walk = [(root, [], [""])] if os.path.isfile(root) else os.walk(root)
+        for folder, _dirs, files in walk:
+            for f in files:
+                full = os.path.join(folder, f) if f else folder
+                if os.path.getmtime(full) >= started - 1:
+                    found.append(full)
+    return sorted(found)
+
+
+def launch(parser: argparse.ArgumentParser, args) -> int:
+    problem = check_args(args)
+    if problem:
+        parser.error(problem)
+    started = time.time()
+    try:
+        data = resolve_data(args)
+    except DataError as e:
+        parser.error(str(e))
+    try:
+        os.makedirs(args.out, exist_ok=True)
+    except OSError as e:
+        parser.error(f"cannot create --out {args.out}: {e.strerror or e}")
+    draw_schedule(args)
+    worker = argparse.Namespace(**vars(args))
+    worker.text, worker.data_path = [], data.prefix
+    worker.tokenizer = args.tokenizer if args.data_path else None
+    worker.cache_dir = args.cache_dir or default_cache_dir()
+    rendezvous = ["--master-port", str(args.master_port)] if args.master_port else ["--standalone"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc), *rendezvous,
+           "-m", "megatron_dualpipe.demo", *to_argv(parser, worker)]
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")             # torchrun warns when it has to set it
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")  # tokenizers warns about forking after use
+    print(f"starting {args.nproc} processes: torchrun {shlex.join(cmd[3:])}", flush=True)
+    try:
+        code = subprocess.call(cmd, env=env)
+    except KeyboardInterrupt:
+        print(f"{parser.prog}: interrupted", file=sys.stderr)
+        return 130
+    if code != 0:
+        print(f"{parser.prog}: error: the training processes failed (exit status {code}); the failing "
+              f"rank's message is above", file=sys.stderr)
+        return code
+    roots = [args.out] + ([] if data.cached else [os.path.dirname(data.prefix)])
+    print("\nfiles written:")
+    for path in written_since(roots, started):
+        print(f"  {path} ({_size(os.path.getsize(path))})")
+    return 0
+
+
+def _size(n: int) -> str:
+    return f"{n} B" if n < 1024 else f"{n / 1024:,.0f} KB" if n < 1024 ** 2 else f"{n / 1024 ** 2:,.1f} MB"
+
+
+# ---------------------------------------------------------------------------------------------
+# Workers
+# ---------------------------------------------------------------------------------------------
+
+def loss_func(loss_mask, output_tensor):
+    """pretrain_gpt's loss: the mean of the per-token losses where the mask is 1."""
+    mask = loss_mask.reshape(-1).float()
+    loss = (output_tensor.float().reshape(-1) * mask).sum() / mask.sum().clamp(min=1)
     return loss, {"lm loss": loss.detach().clone()}
 
 
 def forward_step(data_iterator, model):
     """pretrain_gpt-style: only the first and the last stage read the batch."""
+    import functools
+
     from megatron.core import parallel_state as ps
     first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
     b = next(data_iterator) if (first or last) else None
@@ -72,14 +269,16 @@ def forward_step(data_iterator, model):
     tokens = b["tokens"].to(device) if first else None
     position_ids = b["position_ids"].to(device) if first else None
     labels = b["labels"].to(device) if last else None
-    return model(tokens, position_ids, None, labels=labels), loss_func
+    loss_mask = b["loss_mask"].to(device) if last else None
+    return model(tokens, position_ids, None, labels=labels), functools.partial(loss_func, loss_mask)
 
 
 def model_config(args, v_layout):
+    import torch
     from megatron.core import parallel_state as ps
     from megatron.core.transformer import TransformerConfig
     config = TransformerConfig(
-        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=4,
+        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=HEADS,
         ffn_hidden_size=4 * args.hidden_size, use_cpu_initialization=True, params_dtype=torch.float32,
         pipeline_dtype=torch.float32, hidden_dropout=0.0, attention_dropout=0.0, bias_activation_fusion=False,
         bias_dropout_fusion=False, masked_softmax_fusion=False, gradient_accumulation_fusion=False,
@@ -91,13 +290,13 @@ def model_config(args, v_layout):
     return config
 
 
-def gpt_provider(args, v_layout):
+def gpt_provider(args, vocab_size, v_layout):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     def provider(pre_process, post_process, pg_collection=None, vp_stage=None):
         kwargs = {} if pg_collection is None else {"pg_collection": pg_collection}
-        return GPTModel(model_config(args, v_layout), get_gpt_layer_local_spec(), vocab_size=args.vocab_size,
+        return GPTModel(model_config(args, v_layout), get_gpt_layer_local_spec(), vocab_size=vocab_size,
                         max_sequence_length=args.seq_length, pre_process=pre_process, post_process=post_process,
                         share_embeddings_and_output_weights=False, vp_stage=vp_stage, **kwargs)
     return provider
@@ -119,6 +318,8 @@ def _global_key(key: str, offset: int) -> str:
 def gather_full_state(model):
     """Every rank's copy of the whole model's weights, keyed by global layer numbers (tiny
     model: all_gather_object is fine), so the 1F1B run can start from the same weights."""
+    import torch
+    import torch.distributed as dist
     mine = {}
     for chunk in model:
         offset = _layer_offset(chunk)
@@ -131,6 +332,7 @@ def gather_full_state(model):
 
 
 def load_full_state(stage, full):
+    import torch
     offset = _layer_offset(stage)
     with torch.no_grad():
         for k, v in stage.state_dict().items():
@@ -138,81 +340,225 @@ def load_full_state(stage, full):
                 v.copy_(full[_global_key(k, offset)])
 
 
-def train(args, name, model, fb_func, log):
-    """Run ``args.iters`` iterations; return the per-iteration mean lm loss (last rank)."""
-    params = [p for chunk in model for p in chunk.parameters()]
-    opt = torch.optim.Adam(params, lr=args.lr)
-    losses = []
-    for it in range(args.iters):
-        t0 = time.perf_counter()
-        opt.zero_grad()
-        out = fb_func(forward_step_func=forward_step, data_iterator=iter(synthetic_batches(args, it)),
-                      model=model, num_microbatches=args.microbatches, seq_length=args.seq_length,
-                      micro_batch_size=args.micro_batch_size, forward_only=False)
-        opt.step()
-        ms = (time.perf_counter() - t0) * 1000
-        if out:
-            loss = torch.stack([d["lm loss"] for d in out]).mean().item()
-            losses.append(loss)
-            log(f" [{name}] iteration {it + 1:>5}/{args.iters:>5} | consumed samples: "
-                f"{(it + 1) * args.microbatches * args.micro_batch_size:>7} | elapsed time per iteration (ms): "
-                f"{ms:8.1f} | learning rate: {args.lr:.3E} | lm loss: {loss:.6E} | micro-batches: {len(out)}")
-    return losses
+class Trainer:
+    """Trains and evaluates one model with one ``forward_backward_func`` on the shared batches."""
+
+    def __init__(self, args, train_ds, valid_ds, log):
+        self.args, self.train_ds, self.valid_ds, self.log = args, train_ds, valid_ds, log
+        self.samples_per_iteration = args.microbatches * args.micro_batch_size
+        self.tokens_per_iteration = self.samples_per_iteration * args.seq_length
+
+    def batches(self, dataset, iteration: int) -> Iterator[Dict]:
+        """The iteration's micro-batches, read lazily (middle stages read none)."""
+        from .gpt_data import micro_batches
+
+        for g in range(self.args.microbatches):
+            first = iteration * self.samples_per_iteration + g * self.args.micro_batch_size
+            yield micro_batches(dataset, first, 1, self.args.micro_batch_size)[0]
+
+    def _run(self, fb_func, model, dataset, iteration, forward_only):
+        a = self.args
+        return fb_func(forward_step_func=forward_step, data_iterator=self.batches(dataset, iteration), model=model,
+                       num_microbatches=a.microbatches, seq_length=a.seq_length, micro_batch_size=a.micro_batch_size,
+                       forward_only=forward_only)
+
+    def train(self, name, model, fb_func, record_into: Optional[str] = None):
+        """``args.iters`` iterations with Adam; the :class:`RunResult` (losses on the last rank).
+        With ``record_into``, the executor records the timelines of the last
+        :data:`RECORDED_ITERATIONS` iterations there."""
+        import torch
+
+        from .report import RunResult
+
+        a = self.args
+        opt = torch.optim.Adam([p for chunk in model for p in chunk.parameters()], lr=a.lr)
+        result = RunResult(name, [])
+        t_start = time.perf_counter()
+        for it in range(a.iters):
+            t0 = time.perf_counter()
+            opt.zero_grad()
+            with _recording(record_into if it >= a.iters - RECORDED_ITERATIONS else None):
+                out = self._run(fb_func, model, self.train_ds, it, forward_only=False)
+            opt.step()
+            ms = (time.perf_counter() - t0) * 1000
+            result.iteration_ms.append(ms)
+            if out:
+                loss = torch.stack([d["lm loss"] for d in out]).mean().item()
+                result.losses.append(loss)
+                self.log(f" [{name}] iteration {it + 1:>5}/{a.iters:>5} | consumed samples: "
+                         f"{(it + 1) * self.samples_per_iteration:>7} | elapsed time per iteration (ms): {ms:7.1f} | "
+                         f"tokens per second: {self.tokens_per_iteration / ms * 1000:8.0f} | learning rate: "
+                         f"{a.lr:.3E} | lm loss: {loss:.6E} |")
+        result.seconds = time.perf_counter() - t_start
+        result.tokens_per_second = a.iters * self.tokens_per_iteration / result.seconds
+        result.valid_loss = self.validate(name, model, fb_func)
+        return result
+
+    def validate(self, name, model, fb_func) -> Optional[float]:
+        """Mean lm loss over ``args.eval_iters`` held-out batches (forward only; last rank)."""
+        import torch
+
+        if not self.args.eval_iters or self.valid_ds is None:
+            return None
+        losses = []
+        with torch.no_grad():
+            for k in range(self.args.eval_iters):
+                out = self._run(fb_func, model, self.valid_ds, k, forward_only=True)
+                losses += [d["lm loss"] for d in out or []]
+        if not losses:
+            return None
+        loss = torch.stack(losses).mean().item()
+        self.log(f" [{name}] validation loss at iteration {self.args.iters} on {len(losses)} held-out micro-batches "
+                 f"| lm loss value: {loss:.6E} | lm loss PPL: {math.exp(min(loss, 50)):.6E} |")
+        return loss
 
 
-def main(argv=None):
-    args = parse_args(argv)
+def _home(path: str) -> str:
+    """``path`` with the home directory written as ``~`` (summaries get committed as examples)."""
+    home = os.path.expanduser("~")
+    return "~" + path[len(home):] if home not in ("", "/") and path.startswith(home + os.sep) else path
+
+
+@contextlib.contextmanager
+def _recording(directory: Optional[str]):
+    """Switch the executor's timeline recorder on (``MEGATRON_DUALPIPE_TRACE``) for the calls
+    inside, when ``directory`` is given."""
+    from .executor.trace import ENV_DIR
+
+    if directory is None:
+        yield
+        return
+    before = os.environ.get(ENV_DIR)
+    os.environ[ENV_DIR] = directory
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(ENV_DIR, None)
+        else:
+            os.environ[ENV_DIR] = before
+
+
+def write_reports(args, data: PreparedData, pp: int, device: str, dual, one) -> None:
+    """loss.png and summary.md in ``args.out`` (last rank)."""
+    from .report import summary_markdown, write_loss_png
+
+    title = (f"{dual.name} vs 1f1b, pp={pp}, {args.num_layers} layers, hidden {args.hidden_size}, "
+             f"{args.microbatches}x{args.micro_batch_size}x{args.seq_length} tokens per iteration")
+    write_loss_png(os.path.join(args.out, "loss.png"), dual, one, title)
+    counts = documents_per_split(args.split, data.documents)
+    settings = [f"{dual.name} against megatron-core's 1F1B from the same initial weights, pp={pp} ({device})",
+                f"GPT: {args.num_layers} layers, hidden {args.hidden_size}, {HEADS} heads, vocabulary "
+                f"{data.vocab_size}, local layer spec, fp32, dropout off, untied embeddings",
+                f"{args.iters} iterations of {args.microbatches} micro-batches x {args.micro_batch_size} x "
+                f"{args.seq_length} tokens, Adam lr {args.lr:g}, seed {args.seed}",
+                f"validation: {args.eval_iters} batches of {args.microbatches} micro-batches after training"]
+    data_lines = [f"{data.source}: {data.documents} documents, {data.tokens:,} tokens",
+                  f"split {args.split}: " + ", ".join(f"{n} {'-' if c is None else c}"
+                                                     for n, c in zip(SPLIT_NAMES, counts)) + " documents",
+                  f"megatron-core GPTDataset over `{_home(data.prefix)}`, tokenizer `{_home(data.tokenizer_dir)}`"]
+    picture = f"{args.schedule}_pp{pp}_m"
+    pictures = ["loss.png"] + [f for f in ("timeline.png",) if os.path.isfile(os.path.join(args.out, f))]
+    pictures += sorted(f for f in os.listdir(args.out) if f.startswith(picture) and f.endswith(".png"))
+    with open(os.path.join(args.out, "summary.md"), "w", encoding="utf-8") as fh:
+        fh.write(summary_markdown(dual, one, settings, data_lines, pictures))
+
+
+def worker(args) -> int:
+    from .quiet import SUMMARY, silence_known_warnings
+
+    silence_known_warnings()
+    import torch
+    import torch.distributed as dist
+
     from megatron_dualpipe import cpu as cpu_mode
+
     cpu = cpu_mode.enable()
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    if world < 2:
-        raise SystemExit("run with torchrun --nproc-per-node 4 (pp = number of processes, at least 2)")
     if not cpu:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("gloo" if cpu else "nccl", timeout=datetime.timedelta(minutes=5))
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func as megatron_fb_func
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from megatron_dualpipe.gpt_data import build_datasets
     from megatron_dualpipe.mcore.forward_backward import get_forward_backward_func
     from megatron_dualpipe.mcore.groups import build_bd_groups
     from megatron_dualpipe.mcore.model import broadcast_mirrors, build_two_direction_model
+    from megatron_dualpipe.report import loss_table, max_difference, validation_lines, write_measured_timeline
 
-    ps.initialize_model_parallel(pipeline_model_parallel_size=world)
-    build_bd_groups()
-    torch.manual_seed(args.seed)
-    model_parallel_cuda_manual_seed(args.seed)
+    args.nproc = world
     last = rank == world - 1
 
     def log(msg):
         if last:
             print(msg, flush=True)
 
-    v_layout = registry.get(args.schedule).layout_kind == V_SHAPE
-    log(f"megatron-dualpipe demo: {args.schedule} vs megatron-core 1F1B, pp={world}, {args.num_layers} layers, "
-        f"hidden {args.hidden_size}, {args.microbatches} micro-batches x {args.micro_batch_size} x {args.seq_length} "
-        f"tokens per iteration, {'CPU/gloo' if cpu else 'GPU/NCCL'}")
-    model = build_two_direction_model(gpt_provider(args, v_layout), layout_kind=registry.get(args.schedule).layout_kind)
+    data = describe_indexed(args.data_path, args.tokenizer, args.eod_token)
+    samples = args.microbatches * args.micro_batch_size
+    train_ds, valid_ds = build_datasets(data, args.seq_length, args.split, args.iters * samples,
+                                        args.eval_iters * samples, args.seed,
+                                        os.path.join(args.cache_dir or default_cache_dir(), "gpt_dataset_indices"))
+    ps.initialize_model_parallel(pipeline_model_parallel_size=world)
+    build_bd_groups()
+    torch.manual_seed(args.seed)
+    model_parallel_cuda_manual_seed(args.seed)
+    device = "CPU/gloo" if cpu else "GPU/NCCL"
+    log(f"megatron-dualpipe main job: {args.schedule} vs megatron-core 1F1B, pp={world}, {args.num_layers} layers, "
+        f"hidden {args.hidden_size}, vocabulary {data.vocab_size}, {args.microbatches} micro-batches x "
+        f"{args.micro_batch_size} x {args.seq_length} tokens per iteration, {device}")
+    log(f" data: {data.source}, {data.documents} documents, {data.tokens:,} tokens, through megatron-core's GPTDataset")
+    if cpu:
+        log(f" {SUMMARY}")
+
+    spec = registry.get(args.schedule)
+    v_layout = spec.layout_kind == V_SHAPE
+    provider = gpt_provider(args, data.vocab_size, v_layout)
+    model = build_two_direction_model(provider, layout_kind=spec.layout_kind)
     if not v_layout:
         broadcast_mirrors(model)
     for chunk in model:
         chunk.config.finalize_model_grads_func = lambda *a, **k: None  # pp only, untied: nothing else to reduce
     initial = gather_full_state(model)
-    dual = train(args, args.schedule, model, get_forward_backward_func(args.schedule), log)
-    if args.no_compare:
-        return
-    # 1F1B over the same initial weights: stage i of pp holds layers [i*L/pp, (i+1)*L/pp).
-    stage = gpt_provider(args, False)(pre_process=rank == 0, post_process=last)
-    load_full_state(stage, initial)
-    stage.config.finalize_model_grads_func = None
-    one = train(args, registry.ONE_F_ONE_B, [stage], megatron_fb_func(), log)
+    trainer = Trainer(args, train_ds, valid_ds, log)
+    records = os.path.join(args.out, "trace_records")
+    if rank == 0:
+        shutil.rmtree(records, ignore_errors=True)  # the recorder appends: start from nothing
+    dist.barrier()
+    dual = trainer.train(args.schedule, model, get_forward_backward_func(args.schedule), record_into=records)
+    dist.barrier()  # every rank's recording is written
     if last:
-        print("\n iteration | " + f"{args.schedule:>12} | {registry.ONE_F_ONE_B:>12} | difference")
-        for i, (a, b) in enumerate(zip(dual, one)):
-            print(f" {i + 1:>9} | {a:12.6f} | {b:12.6f} | {abs(a - b):.2e}")
-        print(f" max |{args.schedule} - 1f1b| over {len(dual)} iterations: {max(abs(a - b) for a, b in zip(dual, one)):.3e}")
+        write_measured_timeline(records, args.out)
+    if not args.no_compare:
+        # 1F1B over the same initial weights: stage i of pp holds layers [i*L/pp, (i+1)*L/pp).
+        stage = gpt_provider(args, data.vocab_size, False)(pre_process=rank == 0, post_process=last)
+        load_full_state(stage, initial)
+        stage.config.finalize_model_grads_func = None
+        one = trainer.train(registry.ONE_F_ONE_B, [stage], megatron_fb_func())
+        if last:
+            print("\n" + "\n".join(loss_table(dual, one)))
+            print(f" max |{dual.name} - 1f1b| over {len(dual.losses)} iterations: {max_difference(dual, one):.3e}")
+            for line in validation_lines(dual, one):
+                print(line)
+            print(f" training time: {dual.name} {dual.seconds:.1f} s ({dual.tokens_per_second:,.0f} tokens/s), "
+                  f"1f1b {one.seconds:.1f} s ({one.tokens_per_second:,.0f} tokens/s)", flush=True)
+            write_reports(args, data, world, device, dual, one)
     ps.destroy_model_parallel()
     dist.destroy_process_group()
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if "LOCAL_RANK" in os.environ:  # started by torchrun
+        if not args.data_path:
+            parser.error("the workers need --data-path: start the job with python -m megatron_dualpipe.demo "
+                         "(it prepares the data and starts torchrun)")
+        return worker(args)
+    return launch(parser, args)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,45 +1,77 @@
 """Draw a simulated schedule the way DeepSeek's DualPipe figure does.
 
 One row per pipeline rank, one cell per action placed at its simulated start and end times
-and labelled with its micro-batch number. Colours tell the op (F, B, BW, W) and, within an
-op, the direction: direction 0 in a strong shade, direction 1 in a light shade of the same
-hue. A fused F&B unit (an F with ``overlap=True`` and the backward after it, which the
-simulator runs as one unit) is one cell split in two halves, outlined with a thick border.
+and labelled with its micro-batch number. The colour tells the op (F, B, BW, W) from the
+Okabe-Ito palette, whose hues stay apart for the common colour-vision deficiencies; the
+second direction (DualPipeV: chunk 1) is a light tint of the same hue *and* hatched, so the
+direction reads without colour too. A fused F&B unit (an F with ``overlap=True`` and the
+backward after it, which the simulator runs as one unit) is one cell split in two halves,
+outlined with a thick border. Fake micro-batches (padding) are thin grey marks: they run no
+compute.
+
+Size: a picture shows at most :data:`MAX_ROWS` ranks (the first and last halves when there
+are more) and about :data:`MAX_UNITS_PER_ROW` units per rank (the start and the end of the
+run with the repeating steady state cut out), and says so under the title, so any schedule
+the command line accepts renders in seconds, stays legible, and its SVG stays a few MB.
 
 :func:`to_svg` is written by hand and needs nothing; :func:`to_png` imports matplotlib only
 when called.
 """
 from __future__ import annotations
 
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 from xml.sax.saxutils import escape
 
 from .schedule.actions import B, BW, F, W, Action
-from .schedule.simulate import SimResult
+from .schedule.simulate import SimResult, units
 
-#: Fill colour per (op, dir); direction 0 strong, direction 1 light.
+#: Fill colour per (op, dir): Okabe-Ito hues; direction 1 a lighter tint of the same hue (and
+#: hatched). The tints (30-60% white) keep the four ops >= 13 CIELAB units apart under normal
+#: vision and the three dichromacies, and >= 18 from their own strong shade (tests/test_draw.py).
 COLORS: Dict[Tuple[str, int], str] = {
-    (F, 0): "#f28e2b", (F, 1): "#ffcc8f",
-    (BW, 0): "#3f9e4d", (BW, 1): "#a9dc9f",
-    (B, 0): "#3c78b5", (B, 1): "#a7c8ec",
-    (W, 0): "#8e5aa8", (W, 1): "#d7bde6",
+    (F, 0): "#e69f00", (F, 1): "#eebc4c",
+    (BW, 0): "#009e73", (BW, 1): "#66c5ab",
+    (B, 0): "#0072b2", (B, 1): "#4c9cc9",
+    (W, 0): "#cc79a7", (W, 1): "#ebc9dc",
 }
-#: Text colour per direction (white reads better on the strong shades).
-TEXT = {0: "#ffffff", 1: "#222222"}
+#: Directions drawn hatched (the shape tells the direction, not only the shade).
+HATCHED = frozenset({1})
+#: Text colour per direction (dark text reads on every fill above).
+TEXT = {0: "#111111", 1: "#111111"}
+#: Fake micro-batches (padding).
+FAKE = "#9a9a9a"
 OP_NAMES = {F: "forward", B: "input backward", BW: "full backward", W: "weight backward"}
 
+#: At most this many rank rows are drawn (the first and the last half of the ranks beyond it).
+MAX_ROWS = 32
+#: About this many units (actions, fused pairs) are drawn per row; beyond it the middle of the
+#: run (the steady state, which repeats) is cut out.
+MAX_UNITS_PER_ROW = 120
+
 # Geometry (pixels) for the SVG; the PNG uses the same proportions in inches.
-_UNIT = 18.0      # width of one unit of simulated time
+_UNIT_PX = 27.0   # width of an average unit of the busiest rank
+_MAX_W = 6000.0   # widest drawing area
 _ROW = 24.0       # row height
 _GAP = 4.0        # vertical gap between rows
 _LEFT = 64.0      # room for the rank labels
-_TOP = 48.0       # room for the title
+_TOP = 62.0       # room for the title and the key line
+_CHAR_PX = 7.0    # widest average character width of the 11 px legend font
 
 
 def title(schedule, result: SimResult) -> str:
     bub = result.bubble
     return (f"{schedule.name}  pp={schedule.pp}  M={schedule.microbatches}  "
             f"makespan={_num(result.makespan)}  bubble max={_num(max(bub))} min={_num(min(bub))}")
+
+
+def key(schedule) -> str:
+    """The line under the title naming what the two shades mean, in the layout's words."""
+    layout = schedule.layout
+    dirs = sorted({a.dir for acts in schedule.ranks for a in acts})
+    if len(dirs) < 2:
+        return ""
+    return f"{layout.dir_label(0)}: solid;  {layout.dir_label(1)}: light, hatched"
 
 
 def _num(x: float) -> str:
@@ -82,20 +114,16 @@ def cells(schedule, result: SimResult) -> Iterator[_Cell]:
 
 def legend_entries(schedule) -> List[Tuple[str, str]]:
     """(label, colour) for the op/direction pairs the schedule uses, in a fixed order."""
+    keys = _legend_keys(schedule)
+    multi = len({d for _, d in keys}) > 1
+    word = schedule.layout.dir_word
+    return [(f"{op} {OP_NAMES[op]}" + (f", {word} {d}" if multi else ""), COLORS[(op, d)]) for op, d in keys]
+
+
+def _legend_keys(schedule) -> List[Tuple[str, int]]:
+    """The (op, dir) pairs the schedule uses, in the legend's order."""
     used = {(a.op, a.dir) for acts in schedule.ranks for a in acts}
-    multi = len({d for _, d in used}) > 1
-    kind = getattr(schedule.layout, "kind", "")
-    where = {0: "dir 0", 1: "dir 1"}
-    if kind == "bidirectional":
-        where = {0: "dir 0 (from rank 0)", 1: f"dir 1 (from rank {schedule.pp - 1})"}
-    elif kind == "v":
-        where = {0: "chunk 0 (down)", 1: "chunk 1 (up)"}
-    out = []
-    for op in (F, BW, B, W):
-        for d in (0, 1):
-            if (op, d) in used:
-                out.append((f"{op} {OP_NAMES[op]}" + (f", {where[d]}" if multi else ""), COLORS[(op, d)]))
-    return out
+    return [(op, d) for op in (F, BW, B, W) for d in (0, 1) if (op, d) in used]
 
 
 def _label(a: Action) -> str:
@@ -103,144 +131,340 @@ def _label(a: Action) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
+# What part of a large schedule is drawn
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class Frame:
+    """The ranks and time ranges a picture shows, and where they go.
+
+    ``rows`` lists the rank of each drawn row (``None``: a row saying which ranks are left
+    out); ``segments`` the simulated time ranges drawn left to right, ``gap`` time units apart
+    (a cut-out steady state). :meth:`x` maps a time inside a segment to the drawn axis."""
+
+    rows: List[Optional[int]]
+    segments: List[Tuple[float, float]]
+    gap: float
+    note: str
+    avg_unit: float
+
+    @property
+    def width(self) -> float:
+        return sum(e - s for s, e in self.segments) + self.gap * (len(self.segments) - 1)
+
+    def row_of(self, rank: int) -> Optional[int]:
+        try:
+            return self.rows.index(rank)
+        except ValueError:
+            return None
+
+    def offsets(self) -> List[float]:
+        """Drawn position of each segment's start."""
+        out, at = [], 0.0
+        for s, e in self.segments:
+            out.append(at)
+            at += e - s + self.gap
+        return out
+
+    def clip(self, t0: float, t1: float) -> List[Tuple[float, float]]:
+        """The drawn spans of [t0, t1]: one per segment it overlaps (zero-width spans kept)."""
+        out = []
+        for (s, e), off in zip(self.segments, self.offsets()):
+            a, b = max(t0, s), min(t1, e)
+            if a < b or (a == b and s <= t0 <= e):
+                out.append((off + a - s, off + b - s))
+        return out
+
+
+def frame(schedule, result: SimResult) -> Frame:
+    """All of a small schedule; the ends of a large one (see :data:`MAX_ROWS`, :data:`MAX_UNITS_PER_ROW`)."""
+    pp, span = schedule.pp, max(result.makespan, 1e-9)
+    notes = []
+    if pp <= MAX_ROWS:
+        rows: List[Optional[int]] = list(range(pp))
+    else:
+        half = MAX_ROWS // 2
+        rows = list(range(half)) + [None] + list(range(pp - half, pp))
+        notes.append(f"ranks {half}-{pp - half - 1} of {pp} not drawn")
+    drawn = [r for r in rows if r is not None]
+    per_rank = max(len(units(schedule.ranks[r])) for r in drawn)
+    busiest = max(result.ranks[r].busy for r in drawn)
+    avg = busiest / per_rank if busiest > 0 else span / per_rank
+    segments, gap = [(0.0, span)], 0.0
+    if per_rank > MAX_UNITS_PER_ROW:
+        keep = span * (MAX_UNITS_PER_ROW / 2) / per_rank
+        segments, gap = [(0.0, keep), (span - keep, span)], 3 * avg
+        notes.append(f"time {_num(keep)}-{_num(span - keep)} of {_num(span)} cut out (the steady state repeats; "
+                     f"fewer micro-batches draw it all)")
+    return Frame(rows, segments, gap, "; ".join(notes), avg)
+
+
+def _ticks(frame: Frame, per_segment: int) -> List[Tuple[float, float]]:
+    """(drawn position, time) of the axis ticks, ``per_segment`` or fewer in each segment."""
+    out = []
+    for (s, e), off in zip(frame.segments, frame.offsets()):
+        step = _tick_step((e - s) / per_segment)
+        t = step * -(-s // step)
+        while t <= e + 1e-9:
+            out.append((off + t - s, t))
+            t += step
+    return out
+
+
+def _tick_step(raw: float) -> float:
+    """The smallest 1-2-5 step not below ``raw``."""
+    mag = 1.0
+    while mag * 10 <= raw:
+        mag *= 10
+    while mag > raw and mag > 1e-9:
+        mag /= 10
+    for m in (1, 2, 5, 10):
+        if m * mag >= raw:
+            return m * mag
+    return 10 * mag
+
+
+Fake = Optional[Callable[[Action], bool]]
+
+
+def _label_size(chars: int, width: float, sizes: Sequence[int]) -> int:
+    """The largest font size (same unit as ``width``: px or points) whose label fits the cell, or 0."""
+    for size in sizes:
+        if chars * 0.62 * size + 2 <= width:
+            return size
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
 # SVG
 # ---------------------------------------------------------------------------------------------
 
-def to_svg(schedule, result: SimResult) -> str:
-    """The timeline as a standalone SVG document (one ``<rect class="action">`` per action)."""
-    pp = schedule.pp
-    span = max(result.makespan, 1e-9)
-    width = _LEFT + span * _UNIT + 20
-    rows_h = pp * (_ROW + _GAP)
+def _svg_patterns() -> List[str]:
+    """One hatch pattern per op for the hatched direction: the light tint crossed by the strong hue."""
+    out = ["<defs>"]
+    for op in (F, BW, B, W):
+        for d in HATCHED:
+            out.append(f'<pattern id="hatch-{op}-{d}" patternUnits="userSpaceOnUse" width="6" height="6" '
+                       f'patternTransform="rotate(45)"><rect width="6" height="6" fill="{COLORS[(op, d)]}"/>'
+                       f'<line x1="0" y1="0" x2="0" y2="6" stroke="{COLORS[(op, 0)]}" stroke-width="2"/></pattern>')
+    out.append("</defs>")
+    return out
+
+
+def _svg_fill(op: str, d: int) -> str:
+    return f"url(#hatch-{op}-{d})" if d in HATCHED else COLORS[(op, d)]
+
+
+def to_svg(schedule, result: SimResult, fake: Fake = None) -> str:
+    """The timeline as a standalone SVG document (one ``<rect class="action">`` per drawn action).
+
+    ``fake(action)`` marks padding micro-batches (drawn as thin grey marks)."""
+    fr = frame(schedule, result)
+    px = min(_UNIT_PX / max(fr.avg_unit, 1e-12), _MAX_W / max(fr.width, 1e-12))
+    rows_h = len(fr.rows) * (_ROW + _GAP)
     legend = legend_entries(schedule)
     legend_top = _TOP + rows_h + 36
-    per_line = 4
-    legend_h = ((len(legend) + per_line - 1) // per_line) * 20 + 24
+    has_fused = any(a.overlap for acts in schedule.ranks for a in acts)
+    extra = [("fused F&B unit", "fused")] if has_fused else []
+    if fake is not None:
+        extra.append(("fake micro-batch (padding, no compute)", "fake"))
+    n_entries = len(legend) + len(extra)
+    per_line = min(4, n_entries)
+    column = _legend_column_width([lab for lab, _ in legend] + [lab for lab, _ in extra])
+    legend_h = ((n_entries + per_line - 1) // per_line) * 20 + 24
     height = legend_top + legend_h
-    width = max(width, 250 * min(per_line, len(legend) + 1) + _LEFT)
+    width = max(_LEFT + fr.width * px + 20, column * per_line + _LEFT)
     font = "font-family=\"DejaVu Sans, Helvetica, Arial, sans-serif\""
     out: List[str] = [
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="{height:.0f}" '
         f'viewBox="0 0 {width:.1f} {height:.1f}">',
+        *_svg_patterns(),
         f'<rect class="background" x="0" y="0" width="{width:.1f}" height="{height:.1f}" fill="#ffffff"/>',
         f'<text x="{_LEFT:.1f}" y="22" font-size="15" font-weight="bold" {font}>{escape(title(schedule, result))}</text>',
     ]
-    # Time axis: a light grid line and tick label every few units.
-    step = _tick_step(span)
-    t = 0.0
-    while t <= span + 1e-9:
-        x = _LEFT + t * _UNIT
+    sub = "; ".join(x for x in (key(schedule), fr.note) if x)
+    if sub:
+        out.append(f'<text class="note" x="{_LEFT:.1f}" y="40" font-size="11" fill="#444444" {font}>'
+                   f'{escape(sub)}</text>')
+    for x_t, t in _ticks(fr, max(2, int(fr.width * px / 45) // len(fr.segments))):
+        x = _LEFT + x_t * px
         out.append(f'<line x1="{x:.1f}" y1="{_TOP - 4:.1f}" x2="{x:.1f}" y2="{_TOP + rows_h:.1f}" '
                    f'stroke="#e4e4e4" stroke-width="1"/>')
         out.append(f'<text x="{x:.1f}" y="{_TOP + rows_h + 14:.1f}" font-size="10" text-anchor="middle" '
                    f'fill="#666666" {font}>{_num(t)}</text>')
-        t += step
-    for r in range(pp):
-        y = _TOP + r * (_ROW + _GAP)
+    if len(fr.segments) > 1:
+        gx = _LEFT + (fr.segments[0][1] - fr.segments[0][0]) * px
+        out.append(f'<rect class="cut" x="{gx:.1f}" y="{_TOP - 4:.1f}" width="{fr.gap * px:.1f}" '
+                   f'height="{rows_h + 4:.1f}" fill="#f0f0f0"/>')
+        out.append(f'<text x="{gx + fr.gap * px / 2:.1f}" y="{_TOP + rows_h / 2:.1f}" font-size="14" '
+                   f'text-anchor="middle" fill="#666666" {font}>...</text>')
+    for i, r in enumerate(fr.rows):
+        y = _TOP + i * (_ROW + _GAP)
+        text = f"rank {r}" if r is not None else "..."
         out.append(f'<text x="{_LEFT - 8:.1f}" y="{y + _ROW / 2 + 4:.1f}" font-size="12" text-anchor="end" '
-                   f'{font}>rank {r}</text>')
+                   f'{font}>{text}</text>')
     fused_outlines: List[str] = []
     for c in cells(schedule, result):
+        row = fr.row_of(c.rank)
+        if row is None:
+            continue
         a = c.action
-        x0, x1 = c.span
-        y = _TOP + c.rank * (_ROW + _GAP)
-        x, w = _LEFT + x0 * _UNIT, max((x1 - x0) * _UNIT, 0.5)
-        tip = f"rank {c.rank} #{c.index}: {a} stage {a.stage} [{_num(c.start)}, {_num(c.end)})"
-        out.append(
-            f'<rect class="action" data-rank="{c.rank}" data-index="{c.index}" data-op="{a.op}" '
-            f'data-dir="{a.dir}" data-mb="{a.mb}" data-stage="{a.stage}" x="{x:.2f}" y="{y:.2f}" '
-            f'width="{w:.2f}" height="{_ROW:.2f}" fill="{COLORS[(a.op, a.dir)]}" stroke="#ffffff" '
-            f'stroke-width="0.8"><title>{escape(tip)}</title></rect>')
-        size = 11 if w >= 16 else 9
-        out.append(f'<text x="{x + w / 2:.2f}" y="{y + _ROW / 2 + 4:.2f}" font-size="{size}" '
-                   f'text-anchor="middle" fill="{TEXT[a.dir]}" {font}>{_label(a)}</text>')
+        y = _TOP + row * (_ROW + _GAP)
+        is_fake = fake is not None and fake(a)
+        for x0, x1 in fr.clip(*c.span):
+            x, w = _LEFT + x0 * px, max((x1 - x0) * px, 0.5)
+            tip = f"rank {c.rank} #{c.index}: {a} stage {a.stage} [{_num(c.start)}, {_num(c.end)})" + \
+                (" fake" if is_fake else "")
+            fill = FAKE if is_fake else _svg_fill(a.op, a.dir)
+            mark = ' data-fake="1"' if is_fake else ""
+            out.append(
+                f'<rect class="action" data-rank="{c.rank}" data-index="{c.index}" data-op="{a.op}" '
+                f'data-dir="{a.dir}" data-mb="{a.mb}" data-stage="{a.stage}"{mark} '
+                f'x="{x:.2f}" y="{y:.2f}" width="{w:.2f}" height="{_ROW:.2f}" fill="{fill}" stroke="#ffffff" '
+                f'stroke-width="0.8"><title>{escape(tip)}</title></rect>')
+            size = _label_size(len(_label(a)), w, (11, 9))
+            if size and not is_fake:
+                out.append(f'<text x="{x + w / 2:.2f}" y="{y + _ROW / 2 + 4:.2f}" font-size="{size}" '
+                           f'text-anchor="middle" fill="{TEXT[a.dir]}" {font}>{_label(a)}</text>')
         if c.fused and c.half == 0:
-            fx, fw = _LEFT + c.start * _UNIT, (c.end - c.start) * _UNIT
-            fused_outlines.append(
-                f'<path class="fused" d="M{fx + 1:.2f},{y + 1:.2f} h{fw - 2:.2f} v{_ROW - 2:.2f} '
-                f'h{-(fw - 2):.2f} Z" fill="none" stroke="#111111" stroke-width="2.2"/>')
+            for x0, x1 in fr.clip(c.start, c.end):
+                fx, fw = _LEFT + x0 * px, (x1 - x0) * px
+                fused_outlines.append(
+                    f'<path class="fused" d="M{fx + 1:.2f},{y + 1:.2f} h{fw - 2:.2f} v{_ROW - 2:.2f} '
+                    f'h{-(fw - 2):.2f} Z" fill="none" stroke="#111111" stroke-width="2.2"/>')
     out.extend(fused_outlines)  # on top of every cell, so neighbours cannot hide them
     # Legend.
-    entries = legend + [("fused F&B unit", "")]
-    for k, (label, colour) in enumerate(entries):
-        lx = _LEFT + (k % per_line) * 250
+    items = [(lab, col, None) for lab, col in legend] + [(lab, "", kind) for lab, kind in extra]
+    fill_of = {COLORS[(op, d)]: _svg_fill(op, d) for op in (F, BW, B, W) for d in (0, 1)}
+    for k, (label, colour, kind) in enumerate(items):
+        lx = _LEFT + (k % per_line) * column
         ly = legend_top + (k // per_line) * 20
-        if colour:
-            out.append(f'<rect class="legend" x="{lx:.1f}" y="{ly:.1f}" width="16" height="12" '
-                       f'fill="{colour}"/>')
-        else:
+        if kind == "fused":
             out.append(f'<path class="legend" d="M{lx + 1:.1f},{ly + 1:.1f} h14 v10 h-14 Z" fill="none" '
                        f'stroke="#111111" stroke-width="2.2"/>')
-        out.append(f'<text x="{lx + 22:.1f}" y="{ly + 10:.1f}" font-size="11" {font}>{escape(label)}</text>')
+        else:
+            out.append(f'<rect class="legend" x="{lx:.1f}" y="{ly:.1f}" width="16" height="12" '
+                       f'fill="{FAKE if kind == "fake" else fill_of[colour]}"/>')
+        out.append(f'<text class="legend" x="{lx + 22:.1f}" y="{ly + 10:.1f}" font-size="11" {font}>'
+                   f'{escape(label)}</text>')
     out.append("</svg>")
     return "\n".join(out) + "\n"
-
-
-def _tick_step(span: float) -> float:
-    for step in (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000):
-        if span / step <= 40:
-            return float(step)
-    return float(10 ** len(str(int(span))))
 
 
 # ---------------------------------------------------------------------------------------------
 # PNG
 # ---------------------------------------------------------------------------------------------
 
-def to_png(schedule, result: SimResult, path, dpi: int = 110) -> None:
-    """Render the timeline with matplotlib (imported here, Agg backend) to ``path``."""
+def _legend_column_width(labels) -> float:
+    """Pixels for one SVG legend column: the swatch, and the longest label at 11 px (at most
+    :data:`_CHAR_PX` per character, a bound for DejaVu Sans and Helvetica)."""
+    return 22 + _CHAR_PX * max(len(label) for label in labels) + 16
+
+
+def _hatch_kwargs(d: int, op: str) -> dict:
+    """matplotlib keyword arguments for a hatched cell (``hatchcolor`` where matplotlib has it)."""
+    if d not in HATCHED:
+        return {}
     import matplotlib
 
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch, Rectangle
+    major, minor = (int(x) for x in matplotlib.__version__.split(".")[:2])
+    return {"hatch": "///", **({"hatchcolor": COLORS[(op, 0)]} if (major, minor) >= (3, 10) else {})}
 
-    pp = schedule.pp
-    span = max(result.makespan, 1e-9)
-    unit_in = 0.17  # inches per unit of simulated time
-    width = max(8.0, min(60.0, 1.0 + span * unit_in))
-    height = 1.5 + 0.36 * pp + 0.5
+
+def _box(x0: float, x1: float, y: float, h: float):
+    return ((x0, y), (x1, y), (x1, y + h), (x0, y + h))
+
+
+def to_png(schedule, result: SimResult, path, dpi: int = 110, fake: Fake = None) -> None:
+    """Render the timeline with matplotlib (imported here, Agg backend) to ``path``."""
+    _save(png_figure(schedule, result, dpi, fake), path)
+
+
+def png_figure(schedule, result: SimResult, dpi: int = 110, fake: Fake = None):
+    """The matplotlib figure :func:`to_png` saves: legend and labels inside it at any size."""
+    from matplotlib.collections import PolyCollection
+    from matplotlib.patches import Patch
+
+    from .plotting import agg_pyplot, legend_below
+
+    plt = agg_pyplot()
+
+    fr = frame(schedule, result)
+    n_rows = len(fr.rows)
+    unit_in = _UNIT_PX / 106.0  # inches per average unit (0.255: 0.17 per time unit at f=1, b=2)
+    width = max(8.0, min(60.0, 1.0 + fr.width / max(fr.avg_unit, 1e-12) * unit_in))
+    height = 1.8 + 0.36 * n_rows + 0.5
     fig, ax = plt.subplots(figsize=(width, height), dpi=dpi)
-    per_unit = (width - 1.0) / span  # inches per time unit after the width cap
-    label_size = 8 if per_unit >= 0.15 else (6 if per_unit >= 0.09 else 4)
+    points_per_time = (width - 1.2) * 72 / max(fr.width, 1e-12)
     row, gap = 1.0, 0.14
-    fused: List[Tuple[float, float, float]] = []
+    # One collection per fill (not a patch per cell) and labels kept out of tight_layout: a
+    # few thousand cells then render in seconds.
+    groups: Dict[object, List] = {}
     for c in cells(schedule, result):
+        i = fr.row_of(c.rank)
+        if i is None:
+            continue
         a = c.action
-        x0, x1 = c.span
-        y = (pp - 1 - c.rank) * (row + gap)
-        ax.add_patch(Rectangle((x0, y), x1 - x0, row, facecolor=COLORS[(a.op, a.dir)],
-                               edgecolor="white", linewidth=0.6))
-        ax.text((x0 + x1) / 2, y + row / 2, _label(a), ha="center", va="center",
-                fontsize=label_size, color=TEXT[a.dir])
+        y = (n_rows - 1 - i) * (row + gap)
+        is_fake = fake is not None and fake(a)
+        for x0, x1 in fr.clip(*c.span):
+            if is_fake:
+                groups.setdefault("fake", []).append(_box(x0, max(x1, x0 + fr.avg_unit * 0.05), y, row))
+                continue
+            groups.setdefault((a.op, a.dir), []).append(_box(x0, x1, y, row))
+            size = _label_size(len(_label(a)), (x1 - x0) * points_per_time, (8, 6))
+            if size:
+                ax.text((x0 + x1) / 2, y + row / 2, _label(a), ha="center", va="center",
+                        fontsize=size, color=TEXT[a.dir]).set_in_layout(False)
         if c.fused and c.half == 0:
-            fused.append((c.start, c.end, y))
-    for s, e, y in fused:
-        ax.add_patch(Rectangle((s, y), e - s, row, facecolor="none", edgecolor="#111111", linewidth=1.8,
-                               zorder=3))
-    ax.set_xlim(0, span)
-    ax.set_ylim(-gap, pp * (row + gap))
-    ax.set_yticks([(pp - 1 - r) * (row + gap) + row / 2 for r in range(pp)])
-    ax.set_yticklabels([f"rank {r}" for r in range(pp)])
+            groups.setdefault("fused", []).extend(_box(x0, x1, y, row) for x0, x1 in fr.clip(c.start, c.end))
+    for k, rects in groups.items():
+        if k == "fake":
+            style = dict(facecolor=FAKE, edgecolor="none")
+        elif k == "fused":
+            style = dict(facecolor="none", edgecolor="#111111", linewidth=1.8, zorder=3)
+        else:
+            style = dict(facecolor=COLORS[k], edgecolor="white", linewidth=0.6, **_hatch_kwargs(k[1], k[0]))
+        coll = PolyCollection(rects, **style)
+        coll.set_in_layout(False)
+        ax.add_collection(coll)
+    fused = groups.get("fused")
+    if len(fr.segments) > 1:
+        gx = fr.segments[0][1] - fr.segments[0][0]
+        ax.axvspan(gx, gx + fr.gap, color="#f0f0f0", zorder=0)
+        ax.text(gx + fr.gap / 2, n_rows * (row + gap) / 2, "...", ha="center", va="center", color="#666666")
+    ax.set_xlim(0, fr.width)
+    ax.set_ylim(-gap, n_rows * (row + gap))
+    ax.set_yticks([(n_rows - 1 - i) * (row + gap) + row / 2 for i in range(n_rows)])
+    ax.set_yticklabels([f"rank {r}" if r is not None else "..." for r in fr.rows])
+    ticks = _ticks(fr, max(2, int(width * 4) // len(fr.segments)))
+    ax.set_xticks([x for x, _ in ticks])
+    ax.set_xticklabels([_num(t) for _, t in ticks])
     ax.set_xlabel("simulated time")
     ax.tick_params(axis="y", length=0)
     for side in ("top", "right", "left"):
         ax.spines[side].set_visible(False)
     ax.grid(axis="x", color="#e4e4e4", linewidth=0.6)
     ax.set_axisbelow(True)
-    ax.set_title(title(schedule, result), fontsize=11, loc="left")
-    handles = [Patch(facecolor=col, edgecolor="white", label=lab) for lab, col in legend_entries(schedule)]
+    sub = "\n".join(x for x in (key(schedule), fr.note) if x)
+    ax.set_title(title(schedule, result) + ("\n" + sub if sub else ""), fontsize=11, loc="left")
+    handles = [Patch(facecolor=col, edgecolor="white", label=lab, **_hatch_kwargs(d, op))
+               for (lab, col), (op, d) in zip(legend_entries(schedule), _legend_keys(schedule))]
     if fused:
-        handles.append(Patch(facecolor="white", edgecolor="#111111", linewidth=1.8,
-                             label="fused F&B unit"))
-    ncol = min(len(handles), 5)
-    legend_in = 0.25 + 0.2 * ((len(handles) + ncol - 1) // ncol)
-    fig.legend(handles=handles, loc="lower center", ncol=ncol, frameon=False, fontsize=8)
-    fig.tight_layout(rect=(0, legend_in / height, 1, 1))
+        handles.append(Patch(facecolor="white", edgecolor="#111111", linewidth=1.8, label="fused F&B unit"))
+    if fake is not None:
+        handles.append(Patch(facecolor=FAKE, edgecolor="none", label="fake micro-batch (padding, no compute)"))
+    legend_below(fig, handles)
+    return fig
+
+
+def _save(fig, path) -> None:
+    from .plotting import agg_pyplot
+
     try:
         fig.savefig(path, format="png")
     finally:
-        plt.close(fig)
+        agg_pyplot().close(fig)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -252,17 +476,19 @@ def to_png_stacked(schedule, panels: Sequence[Tuple[str, SimResult]], path, time
     """Draw ``panels`` ((title, timeline) pairs over the same schedule, e.g. a measured run and
     its simulation) one above the other on one time axis, with the colours, labels and fused
     outlines of :func:`to_png`; matplotlib is imported here."""
-    import matplotlib
+    _save(stacked_figure(schedule, panels, time_label, dpi), path)
 
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
+
+def stacked_figure(schedule, panels: Sequence[Tuple[str, SimResult]], time_label: str = "ms", dpi: int = 110):
+    """The figure :func:`to_png_stacked` saves: legend and labels inside it at any size."""
     from matplotlib.patches import Patch
 
-    pp = schedule.pp
+    from .plotting import agg_pyplot, legend_below
+
     span = max(max(r.makespan for _, r in panels), 1e-9)
     width = 16.0
-    fig, axes = plt.subplots(len(panels), 1, figsize=(width, len(panels) * (1.0 + 0.36 * pp) + 0.8), dpi=dpi,
-                             sharex=True, squeeze=False)
+    fig, axes = agg_pyplot().subplots(len(panels), 1, figsize=(width, len(panels) * (1.0 + 0.36 * schedule.pp)),
+                                      dpi=dpi, sharex=True, squeeze=False)
     per_unit = (width - 1.0) / span
     label_size = 8 if per_unit >= 0.15 else (6 if per_unit >= 0.09 else 4)
     for ax, (heading, result) in zip(axes[:, 0], panels):
@@ -270,16 +496,12 @@ def to_png_stacked(schedule, panels: Sequence[Tuple[str, SimResult]], path, time
         ax.set_xlim(0, span)
         ax.set_title(heading, fontsize=10, loc="left")
     axes[-1, 0].set_xlabel(time_label)
-    handles = [Patch(facecolor=col, edgecolor="white", label=lab) for lab, col in legend_entries(schedule)]
+    handles = [Patch(facecolor=col, edgecolor="white", label=lab, **_hatch_kwargs(d, op))
+               for (lab, col), (op, d) in zip(legend_entries(schedule), _legend_keys(schedule))]
     if any(a.overlap for acts in schedule.ranks for a in acts):
         handles.append(Patch(facecolor="white", edgecolor="#111111", linewidth=1.8, label="fused F&B unit"))
-    ncol = min(len(handles), 5)
-    fig.legend(handles=handles, loc="lower center", ncol=ncol, frameon=False, fontsize=8)
-    fig.tight_layout(rect=(0, 0.9 / fig.get_figheight(), 1, 1))
-    try:
-        fig.savefig(path, format="png")
-    finally:
-        plt.close(fig)
+    legend_below(fig, handles)
+    return fig
 
 
 def _draw_timeline(ax, schedule, result: SimResult, label_size: int) -> None:
@@ -292,7 +514,7 @@ def _draw_timeline(ax, schedule, result: SimResult, label_size: int) -> None:
         x0, x1 = c.span
         y = (pp - 1 - c.rank) * (row + gap)
         ax.add_patch(Rectangle((x0, y), x1 - x0, row, facecolor=COLORS[(c.action.op, c.action.dir)],
-                               edgecolor="white", linewidth=0.6))
+                               edgecolor="white", linewidth=0.6, **_hatch_kwargs(c.action.dir, c.action.op)))
         ax.text((x0 + x1) / 2, y + row / 2, _label(c.action), ha="center", va="center", fontsize=label_size,
                 color=TEXT[c.action.dir], clip_on=True)
         if c.fused and c.half == 0:

@@ -5,30 +5,62 @@ Usage::
     torchrun --nproc-per-node 4 -m megatron_dualpipe.launch /path/to/Megatron-LM/pretrain_gpt.py \\
         --pipeline-model-parallel-size 4 --pipeline-schedule dualpipe ...
 
+    python -m megatron_dualpipe.launch --check /path/to/Megatron-LM/pretrain_gpt.py   # preflight only
+
 The script runs unmodified: this module puts the script's directory (the Megatron-LM checkout)
 first on ``sys.path`` -- exactly where ``python pretrain_gpt.py`` would put it, so
 ``megatron.*`` resolves to that checkout rather than to an installed ``megatron-core`` wheel --,
 calls :func:`megatron_dualpipe.megatron_lm.install.install` (argument extension, environment
 fixes, and CPU-mode redirections when no GPU is present), then executes the script with
 ``runpy.run_path(..., run_name="__main__")`` and the remaining command-line arguments.
+
+Before any of that, a preflight refuses (one line, exit status 2) what would fail later: a
+missing script, a checkout that is not Megatron-LM ``core_v0.16.1`` (the one version the
+plugin's hooks are written for; ``MEGATRON_DUALPIPE_SKIP_VERSION_CHECK=1`` tries anyway), and
+missing training dependencies (named, with the pip command).
 """
 
 import os
 import runpy
 import sys
 
-USAGE = "usage: python -m megatron_dualpipe.launch /path/to/Megatron-LM/pretrain_gpt.py [ARGS...]"
+USAGE = "usage: python -m megatron_dualpipe.launch [--check] /path/to/Megatron-LM/pretrain_gpt.py [ARGS...]"
+SKIP_VERSION = "MEGATRON_DUALPIPE_SKIP_VERSION_CHECK"
+
+
+def preflight(script):
+    """Why ``script`` cannot run with the plugin (one line naming the fix), or None."""
+    from megatron_dualpipe.megatron_lm import patching, requirements
+
+    if not os.path.isfile(script):
+        return f"no such script: {script}"
+    root = os.path.dirname(os.path.abspath(script))
+    if os.environ.get(SKIP_VERSION) != "1":
+        version = patching.core_version(root)
+        if version != patching.CORE_VERSION:
+            found = f"megatron-core {version}" if version else "no megatron/core/package_info.py"
+            return (f"{root} is not Megatron-LM {patching.TAG} (found {found}): megatron-dualpipe's hooks are "
+                    f"written for that tag only; check it out (git -C {root} checkout {patching.TAG}), or set "
+                    f"{SKIP_VERSION}=1 to try anyway")
+    return requirements.problem()
 
 
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
+    check = bool(argv) and argv[0] == "--check"
+    if check:
+        argv = argv[1:]
     if not argv or argv[0] in ("-h", "--help") and len(argv) == 1:
         print(USAGE, file=sys.stderr)
         return 2
     script = os.path.abspath(argv[0])
-    if not os.path.isfile(script):
-        print(f"{USAGE}\nno such script: {argv[0]}", file=sys.stderr)
+    problem = preflight(script)
+    if problem:
+        print(f"megatron_dualpipe.launch: error: {problem}", file=sys.stderr)
         return 2
+    if check:
+        print(f"megatron_dualpipe.launch: {script} can run with megatron-dualpipe")
+        return 0
     script_dir = os.path.dirname(script)
     if script_dir in sys.path:
         sys.path.remove(script_dir)

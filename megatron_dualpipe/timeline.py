@@ -9,7 +9,8 @@ pipeline holding the lowest global rank), aligns the ranks on their wall clocks,
 * ``--json FILE``: a Chrome / Perfetto trace (open it in https://ui.perfetto.dev): process
   "measured" with a track per rank, a slice per action (a fused F&B unit is one slice) and a
   "wait" slice where the rank waited for its input; process "simulated" with the same schedule
-  simulated with the costs measured in this iteration (medians per op, P2P latency 0);
+  simulated with the costs measured in this iteration (per op, the slowest rank's median; P2P
+  latency 0);
 * ``--png FILE``: the simulator's drawing (``megatron_dualpipe.draw``) of both, one above the other.
 
 It prints the measured and simulated iteration time, their ratio and the costs it used.
@@ -65,8 +66,7 @@ def pick(records: Sequence[dict], call: Optional[int] = None, global_rank: Optio
 
 def measured(ranks: Sequence[dict]):
     """(schedule, timeline in ms, waits per rank as (start, end) in ms) of one iteration."""
-    from .schedule import Action, build_schedule
-    from .schedule.registry import Schedule
+    from .schedule import Action, Schedule, build_schedule
     from .schedule.simulate import RankTimeline, SimResult
 
     first = ranks[0]
@@ -93,22 +93,26 @@ def measured(ranks: Sequence[dict]):
 
 
 def estimated_costs(schedule, result):
-    """Median measured duration per op (ms): F, full backward, W, fused unit."""
+    """Per op (F, full backward, W, fused unit), the largest of the ranks' median durations
+    (ms): the simulator takes one cost per op, and the slowest stage sets the pipeline's pace."""
     from .schedule.actions import B, BW, F, W, units
     from .schedule.simulate import Costs
 
-    spans: Dict[str, List[float]] = {}
+    per_rank: List[Dict[str, float]] = []
     for acts, tl in zip(schedule.ranks, result.ranks):
+        spans: Dict[str, List[float]] = {}
         for u in units(acts):
             key = "FB" if len(u) == 2 else acts[u[0]].op
             spans.setdefault(key, []).append(tl.ends[u[0]] - tl.starts[u[0]])
+        per_rank.append({k: statistics.median(v) for k, v in spans.items()})
 
-    def med(key: str) -> Optional[float]:
-        return statistics.median(spans[key]) if key in spans else None
+    def slowest(key: str) -> Optional[float]:
+        found = [m[key] for m in per_rank if key in m]
+        return max(found) if found else None
 
-    f, w = med(F) or 0.0, med(W) or 0.0
-    b = med(BW) if med(BW) is not None else ((med(B) or 0.0) + w if B in spans else 0.0)
-    return Costs(f=f, b=max(b, w), w=w, fb=med("FB"))
+    f, w, bw, b_only = slowest(F) or 0.0, slowest(W) or 0.0, slowest(BW), slowest(B)
+    b = bw if bw is not None else (b_only + w if b_only is not None else 0.0)
+    return Costs(f=f, b=max(b, w), w=w, fb=slowest("FB"))
 
 
 def chrome_trace(schedule, panels: Sequence[Tuple[str, object]], waits: Sequence[Sequence[Tuple[float, float]]]) -> dict:
@@ -154,7 +158,8 @@ def run(args) -> int:
     cost_text = f"f={costs.f:.2f} b={costs.b:.2f} w={costs.w:.2f}{fb} ms"
     panels = [(f"measured: {schedule.name} pp={schedule.pp} M={schedule.microbatches}, iteration "
                f"{ranks[0]['call']}, {real.makespan:.1f} ms", real),
-              (f"simulated with the measured medians ({cost_text}, p2p 0): {sim.makespan:.1f} ms", sim)]
+              (f"simulated with the measured costs (per op the slowest rank's median: {cost_text}, p2p 0): "
+               f"{sim.makespan:.1f} ms", sim)]
     if args.json:
         with open(args.json, "w", encoding="utf-8") as fh:
             json.dump(chrome_trace(schedule, [("measured", real), ("simulated", sim)], waits), fh)

@@ -23,8 +23,11 @@ What is deferred
     reach): biases (see below), norms, embeddings, the router, frozen weights
     (``linear_with_frozen_weight``), the legacy ``GroupedMLP`` (``moe_grouped_gemm=True`` with the
     local spec: its ``gg.ops.gmm`` has no split backward), and Transformer Engine modules (they
-    have their own ``delay_wgrad_compute``: see ``run_te_backward_dw``). ``find_undeferred_weights``
-    lists the linear-like modules of a model whose weight gradients will *not* be deferred.
+    have their own ``delay_wgrad_compute``: a chunk built with it defers through
+    ``run_te_backward_dw``, which ``mcore.stage_compute`` records under the B's key).
+    ``find_undeferred_weights`` lists the linear-like modules of a model whose weight gradients
+    the local patch will *not* defer; ``DeferralAudit`` finds, whatever the layer kind, the weight
+    tensors that actually got their gradient in B (the executor logs it once).
 
 Bias gradients stay in B: a column sum of the output gradient is cheap, and keeping it in B leaves
 the bias parameter's autograd path (and DDP hook) exactly as without deferral.
@@ -84,7 +87,7 @@ Caveats
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Dict, Hashable, Iterator, List, Optional
+from typing import Any, Callable, Dict, Hashable, Iterator, List, Optional, Set, Tuple
 
 import torch
 
@@ -98,6 +101,7 @@ __all__ = [
     "check_ddp_compatible",
     "offers_te_backward_dw",
     "run_te_backward_dw",
+    "DeferralAudit",
 ]
 
 
@@ -434,12 +438,15 @@ def offers_te_backward_dw(model_chunk: torch.nn.Module) -> bool:
 def run_te_backward_dw(model_chunk: torch.nn.Module) -> None:
     """W step for a TE-built chunk: ``backward_dw()`` of each layer, last layer first.
 
-    UNTESTED HERE (needs Transformer Engine and a GPU). Per layer it calls ``mlp.backward_dw()``
-    (MoE: routed, then shared experts) and then ``self_attention.backward_dw()``, as
-    megatron-core's ``TransformerLayerSchedulePlan`` does. TE queues deferred contexts FIFO per
-    module, so for one chunk the W steps must run in the same order as its B steps; record it as
-    ``store.record(key, functools.partial(run_te_backward_dw, chunk))`` only if the executor keeps
-    that order. MTP layers and the output layer are not covered.
+    Per layer it calls ``mlp.backward_dw()`` (MoE: routed, then shared experts) and then
+    ``self_attention.backward_dw()``, as megatron-core's ``TransformerLayerSchedulePlan`` does.
+    TE queues deferred contexts first-in first-out per module, so one call computes the weight
+    gradients of the chunk's oldest backward that is still pending: ``mcore.stage_compute``
+    records one call per B (run by its W) and makes one right after each BW, so every backward
+    is matched by exactly one call and the summed gradients are complete after the last W.
+    Tested on CPU with a fake TE layer (``tests/test_wgrad.py``); real TE kernels need a GPU. MTP
+    layers and the output layer (a local ``ColumnParallelLinear``, deferred by the patch) are
+    not covered here.
     """
     for layer in reversed(model_chunk.decoder.layers):
         mlp = layer.mlp
@@ -448,3 +455,90 @@ def run_te_backward_dw(model_chunk: torch.nn.Module) -> None:
         else:
             mlp.backward_dw()
         layer.self_attention.backward_dw()
+
+
+# ----------------------------------------------------------------------------------------------
+# What W actually holds, whatever the layer kind
+
+
+class DeferralAudit:
+    """Which weight tensors a B step computed the gradient of itself instead of leaving it to W.
+
+    The splitter defers megatron-core's local linears and, through ``backward_dw``, Transformer
+    Engine layers built with ``delay_wgrad_compute``; any other layer (a plain
+    ``torch.nn.Linear``, a custom GEMM, TE without ``delay_wgrad_compute``) computes its weight
+    gradient in B, and zero bubble is then partly inactive without any error. The executor
+    watches the first B of each model chunk once (a gradient hook per weight tensor, removed
+    right after) and logs :meth:`report`.
+
+    A *weight tensor* is a trainable parameter with two or more dimensions, except embedding
+    tables and MoE routers (a cheap scatter and a tiny GEMM that stay in B by design); biases and
+    norms (1-D) do not count. A weight tensor whose gradient reaches it during B is *not
+    deferred*; every other weight tensor of the chunk is work that W holds.
+    """
+
+    def __init__(self) -> None:
+        self._seen: Dict[Hashable, Tuple[str, Dict[str, int], Set[str]]] = {}
+
+    def wants(self, chunk: Hashable) -> bool:
+        """True until a B of ``chunk`` has been watched."""
+        return chunk not in self._seen
+
+    @contextlib.contextmanager
+    def watching(self, chunk: Hashable, label: str, module: torch.nn.Module) -> Iterator[None]:
+        """Around one B of ``chunk`` (``module`` unwrapped): record which weight tensors get a
+        gradient in it."""
+        weights = _weight_tensors(module)
+        in_b: Set[str] = set()
+
+        def hook(name: str) -> Callable:
+            def got(grad):
+                if grad is not None:
+                    in_b.add(name)
+            return got
+
+        handles = [p.register_hook(hook(n)) for n, p in weights.items()]
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+        self._seen[chunk] = (label, {n: p.numel() for n, p in weights.items()}, in_b)
+
+    def report(self, limit: int = 8) -> Optional[str]:
+        """None if every watched weight tensor was deferred; else one line saying how much W holds."""
+        total = held = total_el = held_el = 0
+        missing: List[Tuple[str, int]] = []
+        for label, sizes, in_b in self._seen.values():
+            for name, n in sizes.items():
+                total, total_el = total + 1, total_el + n
+                if name in in_b:
+                    missing.append((f"{label}: {name}", n))
+                else:
+                    held, held_el = held + 1, held_el + n
+        if not missing:
+            return None
+        shown = ", ".join(f"{name} ({n} elements)" for name, n in missing[:limit])
+        more = f" and {len(missing) - limit} more" if len(missing) > limit else ""
+        return (f"zero bubble partly inactive: W holds the weight gradients of {held} of {total} weight "
+                f"tensors ({100.0 * held_el / max(total_el, 1):.0f}% of weight elements); not deferred "
+                f"(computed in B): {shown}{more}. Only megatron-core's local ColumnParallelLinear/"
+                f"RowParallelLinear and Transformer Engine layers built with delay_wgrad_compute defer "
+                f"their weight gradients")
+
+
+#: Module kinds whose weights stay in B by design (matched in the class name).
+_KEPT_IN_B = ("Embedding", "Router")
+
+
+def _weight_tensors(module: torch.nn.Module) -> Dict[str, torch.nn.Parameter]:
+    out: Dict[str, torch.nn.Parameter] = {}
+    seen: Set[int] = set()
+    for mod_name, mod in module.named_modules():
+        if any(kind in type(mod).__name__ for kind in _KEPT_IN_B):
+            continue
+        for p_name, p in mod.named_parameters(recurse=False):
+            if p.requires_grad and p.dim() >= 2 and id(p) not in seen:
+                seen.add(id(p))
+                out[f"{mod_name}.{p_name}" if mod_name else p_name] = p
+    return out

@@ -9,11 +9,22 @@
 # Variables: MEGATRON_LM_PATH (a Megatron-LM checkout at core_v0.16.1), CONFIG (a name in
 # configs/ or a path), DATA_PATH (unless the config uses --mock-data), SCHEDULE (dualpipe,
 # dualpipev or 1f1b; default dualpipe), NNODES (1), NODE_RANK (0), MASTER_ADDR (localhost, required
-# when NNODES > 1), MASTER_PORT (6000), GPUS_PER_NODE (8), TORCHRUN (torchrun), DRY_RUN=1 to only
-# print the command. PP, TP, EP, MICRO_BATCH, GLOBAL_BATCH override the config's values.
+# when NNODES > 1), MASTER_PORT (6000), GPUS_PER_NODE (8), TORCHRUN (torchrun), PYTHON (the python
+# next to TORCHRUN, else python3), DRY_RUN=1 to only print the command. PP, TP, EP, CP, ETP (expert
+# tensor parallel, default TP), MICRO_BATCH, GLOBAL_BATCH override the config's values.
+#
+# Everything torchrun or Megatron would refuse is refused here first, with the fix: numbers that are
+# not positive integers, a world size that is not a multiple of TP*PP*CP and of ETP*EP*PP (the
+# message names the nearest valid GPU count; each config states its minimum), the batch split,
+# DualPipe's rules, a missing DATA_PATH, and (through `python -m megatron_dualpipe.launch --check`)
+# a checkout that is not core_v0.16.1 or missing training dependencies.
 set -euo pipefail
 here="$(cd "$(dirname "$0")/.." && pwd)"
 die() { echo "pretrain_gpt_dualpipe.sh: error: $*" >&2; exit 2; }
+trap 'echo; die "interrupted"' INT
+# A positive integer of at most 9 digits (bash arithmetic then neither fails nor overflows).
+is_count() { [[ "$1" =~ ^[1-9][0-9]{0,8}$ ]]; }
+gcd() { local a=$1 b=$2 t; while [ "$b" -ne 0 ]; do t=$((a % b)); a=$b; b=$t; done; echo "$a"; }
 
 : "${MEGATRON_LM_PATH:?set MEGATRON_LM_PATH to a Megatron-LM checkout at tag core_v0.16.1}"
 [ -f "$MEGATRON_LM_PATH/pretrain_gpt.py" ] || die "no pretrain_gpt.py in MEGATRON_LM_PATH=$MEGATRON_LM_PATH"
@@ -26,7 +37,12 @@ source "$config_file"
 
 SCHEDULE=${SCHEDULE:-dualpipe}
 NNODES=${NNODES:-1}; NODE_RANK=${NODE_RANK:-0}; GPUS_PER_NODE=${GPUS_PER_NODE:-8}
-MASTER_PORT=${MASTER_PORT:-6000}
+MASTER_PORT=${MASTER_PORT:-6000}; CP=${CP:-1}; etp_set=${ETP:+1}; ETP=${ETP:-$TP}
+for v in PP TP EP CP ETP MICRO_BATCH GLOBAL_BATCH NUM_LAYERS NNODES GPUS_PER_NODE MASTER_PORT; do
+  is_count "${!v:-}" || die "$v=${!v:-} must be a positive integer"
+done
+[[ "$NODE_RANK" =~ ^(0|[1-9][0-9]{0,8})$ ]] || die "NODE_RANK=$NODE_RANK must be an integer >= 0"
+[ "$MASTER_PORT" -le 65535 ] || die "MASTER_PORT=$MASTER_PORT must be at most 65535"
 if [ "$NNODES" -gt 1 ] && [ -z "${MASTER_ADDR:-}" ]; then
   die "NNODES=$NNODES: set MASTER_ADDR to the address of the node with NODE_RANK=0"
 fi
@@ -35,8 +51,24 @@ MASTER_ADDR=${MASTER_ADDR:-localhost}
 
 case "$SCHEDULE" in dualpipe|dualpipev|1f1b) ;; *) die "SCHEDULE=$SCHEDULE: use dualpipe, dualpipev or 1f1b";; esac
 world=$((NNODES * GPUS_PER_NODE))
-[ $((world % (PP * TP))) -eq 0 ] || die "$world GPUs are not a multiple of PP*TP=$((PP * TP)): change PP, TP or GPUS_PER_NODE"
-dp=$((world / (PP * TP)))
+# Megatron's rules for the world size: a multiple of TP*PP*CP (dense layers) and of ETP*EP*PP (experts).
+dense=$((TP * PP * CP)); expert=$((ETP * EP * PP))
+min_gpus=$((dense / $(gcd "$dense" "$expert") * expert))
+if [ $((world % min_gpus)) -ne 0 ]; then
+  below=$((world / min_gpus * min_gpus)); above=$((below + min_gpus))
+  nearest=$above; [ "$below" -gt 0 ] && [ $((world - below)) -le $((above - world)) ] && nearest=$below
+  how="GPUS_PER_NODE=$GPUS_PER_NODE with NNODES=$((nearest / GPUS_PER_NODE))"
+  [ $((nearest % GPUS_PER_NODE)) -eq 0 ] || how="e.g. GPUS_PER_NODE=$nearest with NNODES=1"
+  die "$world GPUs (NNODES=$NNODES x GPUS_PER_NODE=$GPUS_PER_NODE): Megatron needs a multiple of TP*PP*CP=$dense and of ETP*EP*PP=$expert, i.e. of $min_gpus; the nearest valid count is $nearest ($how), or change PP, TP, EP, CP, ETP"
+fi
+experts=""
+for ((i = 0; i < ${#MODEL_ARGS[@]} - 1; i++)); do
+  [ "${MODEL_ARGS[i]}" = --num-experts ] && experts=${MODEL_ARGS[i + 1]}
+done
+if [ -n "$experts" ] && [ $((experts % EP)) -ne 0 ]; then
+  die "EP=$EP does not divide the config's $experts experts: use an EP that divides $experts"
+fi
+dp=$((world / dense))
 [ $((GLOBAL_BATCH % (MICRO_BATCH * dp))) -eq 0 ] || die "GLOBAL_BATCH=$GLOBAL_BATCH is not a multiple of MICRO_BATCH*DP=$((MICRO_BATCH * dp))"
 m=$((GLOBAL_BATCH / (MICRO_BATCH * dp)))
 if [ "$SCHEDULE" = dualpipe ]; then
@@ -53,8 +85,23 @@ fi
 data_args=()
 if [[ " ${MODEL_ARGS[*]} " != *" --mock-data "* ]]; then
   : "${DATA_PATH:?set DATA_PATH to the Megatron-preprocessed data prefix (or use a config with --mock-data)}"
-  data_args=(--data-path "$DATA_PATH")
+  # DATA_PATH is a prefix, or a blend "weight prefix weight prefix ...": each prefix needs .bin and .idx.
+  read -r -a data_words <<< "$DATA_PATH"
+  for p in "${data_words[@]}"; do
+    [[ "$p" =~ ^[0-9.eE+-]+$ ]] && continue
+    [ -f "$p.bin" ] && [ -f "$p.idx" ] || die "DATA_PATH: no $p.bin and $p.idx (give the prefix that tools/preprocess_data.py wrote, without .bin/.idx)"
+  done
+  data_args=(--data-path "${data_words[@]}")
 fi
+
+if [ -z "${PYTHON:-}" ]; then
+  tr=$(command -v "${TORCHRUN:-torchrun}" || true)
+  PYTHON=python3; [ -n "$tr" ] && [ -x "$(dirname "$tr")/python" ] && PYTHON="$(dirname "$tr")/python"
+fi
+command -v "$PYTHON" >/dev/null || die "PYTHON=$PYTHON not found: set PYTHON to the interpreter of the training environment"
+# The launcher's preflight: Megatron-LM at core_v0.16.1, training dependencies present.
+PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -m megatron_dualpipe.launch --check "$MEGATRON_LM_PATH/pretrain_gpt.py" >/dev/null \
+  || exit 2  # the launcher said why, in one line
 
 cmd=(
   "${TORCHRUN:-torchrun}" --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$GPUS_PER_NODE"
@@ -62,11 +109,12 @@ cmd=(
   -m megatron_dualpipe.launch "$MEGATRON_LM_PATH/pretrain_gpt.py"
   "${MODEL_ARGS[@]}" "${data_args[@]}"
   --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP" --expert-model-parallel-size "$EP"
+  --context-parallel-size "$CP" ${etp_set:+--expert-tensor-parallel-size "$ETP"}
   --micro-batch-size "$MICRO_BATCH" --global-batch-size "$GLOBAL_BATCH"
   --pipeline-schedule "$SCHEDULE"
   "$@"
 )
-echo "# $SCHEDULE: $world processes, PP=$PP TP=$TP EP=$EP DP=$dp, $m micro-batches per iteration"
+echo "# $SCHEDULE: $world processes (minimum $min_gpus), PP=$PP TP=$TP EP=$EP CP=$CP DP=$dp, $m micro-batches per iteration"
 printf '%q ' "${cmd[@]}"; echo
 [ "${DRY_RUN:-0}" = 1 ] && exit 0
 export PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}"

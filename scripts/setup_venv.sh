@@ -7,9 +7,16 @@ VENV=${VENV:-.venv}
 PYTHON=${PYTHON:-python3}
 if [ ! -x "$VENV/bin/python" ]; then
   "$PYTHON" -m venv "$VENV"
+  "$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
 fi
-"$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
-if ! "$VENV/bin/python" -c "import torch" >/dev/null 2>&1; then
+if ! "$VENV/bin/python" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('torch') is None)"; then
   "$VENV/bin/python" -m pip install -q "torch==${TORCH_VERSION:-2.13.0}"
 fi
-"$VENV/bin/python" -m pip install -q -e ".[test,megatron-lm]"
+# Install the package when setup.py changed since the last install (the stamp holds its hash), so
+# that later runs start at once and print nothing.
+stamp="$VENV/.megatron-dualpipe-setup-py"
+want=$(sha256sum setup.py | cut -d' ' -f1)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  "$VENV/bin/python" -m pip install -q -e ".[test,megatron-lm]"
+  echo "$want" > "$stamp"
+fi

@@ -50,8 +50,8 @@ def require_deps():
         pytest.skip(f"Megatron-LM's training code needs: pip install {' '.join(missing)}")
 
 
-def command(schedule, *extra, env_extra=None, pythonpath=(), torchrun_args=()):
-    """(argv, environment) of a torchrun of pretrain_gpt.py (4 ranks) through the launcher."""
+def command(schedule, *extra, env_extra=None, pythonpath=(), torchrun_args=(), nproc=4):
+    """(argv, environment) of a torchrun of pretrain_gpt.py (``nproc`` ranks) through the launcher."""
     require_deps()
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO_ROOT, *pythonpath, env.get("PYTHONPATH")) if p)
@@ -59,15 +59,15 @@ def command(schedule, *extra, env_extra=None, pythonpath=(), torchrun_args=()):
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    cmd = [torchrun if os.path.exists(torchrun) else "torchrun", "--standalone", "--nproc-per-node", "4",
+    cmd = [torchrun if os.path.exists(torchrun) else "torchrun", "--standalone", "--nproc-per-node", str(nproc),
            *torchrun_args, "-m", "megatron_dualpipe.launch", os.path.join(MEGATRON_LM_PATH, "pretrain_gpt.py"),
            *TINY, "--pipeline-schedule", schedule, *extra]
     return cmd, env
 
 
-def launch(schedule, *extra, timeout=600, env_extra=None, pythonpath=()):
-    """torchrun pretrain_gpt.py (4 ranks) through the launcher; returns (returncode, output)."""
-    cmd, env = command(schedule, *extra, env_extra=env_extra, pythonpath=pythonpath)
+def launch(schedule, *extra, timeout=600, env_extra=None, pythonpath=(), nproc=4):
+    """torchrun pretrain_gpt.py (``nproc`` ranks) through the launcher; returns (returncode, output)."""
+    cmd, env = command(schedule, *extra, env_extra=env_extra, pythonpath=pythonpath, nproc=nproc)
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     out = proc.stdout + proc.stderr
     LAST_OUTPUT[0] = out
@@ -87,10 +87,10 @@ def metrics(out):
     return result
 
 
-def run_pretrain(schedule, *extra, timeout=600, evaluation=False, with_metrics=False):
+def run_pretrain(schedule, *extra, timeout=600, evaluation=False, with_metrics=False, nproc=4):
     """Run and return {iteration: lm loss} (with ``evaluation``, {"iteration (set)": validation
     lm loss} as well; with ``with_metrics``, {iteration: {metric: printed value}} instead)."""
-    rc, out = launch(schedule, *extra, timeout=timeout)
+    rc, out = launch(schedule, *extra, timeout=timeout, nproc=nproc)
     assert rc == 0, f"{schedule} {' '.join(extra)} failed:\n{out[-6000:]}"
     losses = {int(i): float(v) for i, v in LOSS_RE.findall(out)}
     assert losses, f"no 'lm loss' lines in the output:\n{out[-3000:]}"

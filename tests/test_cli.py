@@ -65,7 +65,8 @@ def test_simulate_json(capsys):
     code, out, err = run(capsys, "simulate", "--schedule", "1f1b", "--pp", "4", "--microbatches", "8", "--json")
     assert code == 0 and err == ""
     doc = json.loads(out)
-    assert set(doc) == {"makespan", "bubble", "peak_activations", "busy"}
+    assert {"makespan", "bubble", "peak_activations", "busy", "same_model"} <= set(doc)
+    assert (doc["schedule"], doc["pp"], doc["microbatches"], doc["real_microbatches"]) == ("1f1b", 4, 8, 8)
     assert doc["bubble"] == [9.0] * 4  # (pp-1)(f+b)
     assert doc["peak_activations"] == [4, 3, 2, 1]
     assert doc["busy"] == [24.0] * 4
@@ -78,7 +79,7 @@ def test_simulate_costs_and_text(capsys):
     assert code == 0
     assert "makespan" in out and "peak activations" in out
     assert "(pp/2-1)(fb+b-3w)" in out and "(pp-1)(f+b-2w)" in out and "(pp-1)(f+b)" in out
-    assert "simulated - formula = 0" in out
+    assert "dualpipe: simulated bubble - closed form = 0" in out
     code, out2, _ = run(capsys, "simulate", "--schedule", "dualpipe", "--pp", "8", "--microbatches", "16",
                         "--p2p", "0.25", "--json")
     assert json.loads(out2)["makespan"] > 0
@@ -120,8 +121,9 @@ def test_svg_has_one_rect_per_action_for_every_schedule(tmp_path):
 BAD = [
     (["schedule", "--schedule", "nope", "--pp", "4", "--microbatches", "8"], "unknown schedule"),
     (["schedule", "--schedule", "dualpipe", "--pp", "3", "--microbatches", "8"], "--pp to 4"),
-    (["schedule", "--schedule", "dualpipe", "--pp", "4", "--microbatches", "6"], "use 8"),
-    (["simulate", "--schedule", "dualpipev", "--pp", "4", "--microbatches", "7"], "use 8"),
+    (["schedule", "--schedule", "dualpipe", "--pp", "4", "--microbatches", "6", "--no-pad"], "use 8"),
+    (["simulate", "--schedule", "dualpipev", "--pp", "4", "--microbatches", "7", "--no-pad"], "use 8"),
+    (["schedule", "--schedule", "dualpipe", "--pp", "4", "--microbatches", "3"], "at least 4"),
     (["schedule", "--schedule", "1f1b", "--pp", "0", "--microbatches", "8"], "pipeline size"),
     (["schedule", "--schedule", "1f1b", "--pp", "4", "--microbatches", "0"], "micro-batches"),
     (["schedule", "--schedule", "1f1b", "--pp", "four", "--microbatches", "8"], "--pp"),
@@ -187,3 +189,11 @@ def test_cpu_mode_lists_every_redirection(capsys):
     assert listed == want and all(r["why"] for r in doc["redirections"])
     code, out, _ = run(capsys, "cpu-mode")
     assert code == 0 and all(target in out for _, target in want)
+
+
+@pytest.mark.parametrize("name", __import__("megatron_dualpipe.schedule.registry", fromlist=["NAMES"]).NAMES)
+def test_simulate_compares_every_schedule_with_this_one_marked(capsys, name):
+    code, out, err = run(capsys, "simulate", "--schedule", name, "--pp", "4", "--microbatches", "8")
+    assert code == 0, err
+    marked = [line for line in out.splitlines() if line.endswith("<- this schedule")]
+    assert len(marked) == 1 and marked[0].split()[0] == name

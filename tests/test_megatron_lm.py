@@ -66,6 +66,10 @@ BASE = [
 ]  # fmt: skip
 
 
+MOE_EP2 = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-token-dispatcher-type", "alltoall",
+           "--disable-bias-linear", "--expert-model-parallel-size", "2"]
+
+
 def _set(argv, flag, value):
     """Replace ``flag``'s value in argv (or append it)."""
     argv = list(argv)
@@ -140,6 +144,24 @@ CASES = {
         BASE + ["--pipeline-schedule", "dualpipe", "--pipeline-model-parallel-layout", "Ett|tt|tt|ttL"],
         ["--pipeline-model-parallel-layout"],
     ),
+    "dualpipe_overlap_moe_ok": (
+        4,
+        _set(BASE, "--pipeline-model-parallel-size", "2") + MOE_EP2 + ["--pipeline-schedule", "dualpipe",
+                                                                       "--overlap-moe-expert-parallel-comm"],
+        None,
+    ),
+    "dualpipe_overlap_moe_needs_ep": (
+        4,
+        BASE + MOE_EP2[:-2] + ["--pipeline-schedule", "dualpipe", "--overlap-moe-expert-parallel-comm"],
+        ["--overlap-moe-expert-parallel-comm", "--expert-model-parallel-size > 1"],
+    ),
+    "dualpipev_overlap_moe_allgather": (
+        4,
+        _set(_set(BASE, "--pipeline-model-parallel-size", "2"), "--num-layers", "8")
+        + _set(MOE_EP2, "--moe-token-dispatcher-type", "allgather")
+        + ["--pipeline-schedule", "dualpipev", "--overlap-moe-expert-parallel-comm"],
+        ["--moe-token-dispatcher-type alltoall or flex"],
+    ),
     "dualpipev_layers_not_divisible": (
         4,
         _set(BASE, "--num-layers", "12") + ["--pipeline-schedule", "dualpipev"],
@@ -169,7 +191,7 @@ REFUSED_CASES = {
     "--use-megatron-fsdp": ("dualpipev", [], {"use_megatron_fsdp": True}),
     "--mtp-num-layers": ("dualpipe", ["--mtp-num-layers", "1", "--position-embedding-type", "rope"], None),
     "--cuda-graph-impl / --enable-cuda-graph / --external-cuda-graph": ("dualpipe", [], {"cuda_graph_impl": "local"}),
-    "--overlap-moe-expert-parallel-comm": ("dualpipe", [], {"overlap_moe_expert_parallel_comm": True}),
+    "--overlap-moe-expert-parallel-comm": ("executor-1f1b", [], {"overlap_moe_expert_parallel_comm": True}),
     "--iterations-to-skip": ("dualpipe", ["--iterations-to-skip", "2"], None),
     "--sft": ("dualpipe", [], {"sft": True}),
     "--perform-rl-step": ("dualpipev", [], {"perform_rl_step": True}),

@@ -133,10 +133,11 @@ def test_resume_without_optimizer_state_and_dualpipev_across_1f1b(tmp_path):
                  "--save", ckpt)
     resume = ("--ckpt-format", "torch", "--load", ckpt, "--no-load-optim")
     a = run_pretrain("dualpipe", *resume)
-    b = run_pretrain("1f1b", *resume, "--save", f1_ckpt)  # saved at the end: iteration 5
+    # Megatron-LM requires --save-interval with --save; 5 saves at the last iteration only.
+    b = run_pretrain("1f1b", *resume, "--save", f1_ckpt, "--save-interval", "5")
     # --overlap-grad-reduce: rank 0 folds the tied embedding of its two chunks before their data-
     # parallel reductions start (the fold used to edit main_grad under an in-flight reduction).
-    v = run_pretrain("dualpipev", *resume, "--save", dv_ckpt, "--overlap-grad-reduce")
+    v = run_pretrain("dualpipev", *resume, "--save", dv_ckpt, "--save-interval", "5", "--overlap-grad-reduce")
     assert_close(a, b, "dualpipe vs 1f1b after --no-load-optim resume")
     assert_close(v, b, "dualpipev (--overlap-grad-reduce) from 1f1b's weights (remapped to V-stages) vs 1f1b")
     cont = ("--ckpt-format", "torch", "--no-load-optim", "--train-iters", "6")

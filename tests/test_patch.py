@@ -89,3 +89,45 @@ def test_real_checkout_copy(tmp_path):
     subprocess.run(["git", "apply", "--check", "-R", str(PATCH_FILE)], cwd=root, check=True)
     print(apply(str(root), revert=True))
     assert (root / "pretrain_gpt.py").read_bytes() == original and "".join(HOOK) in patched
+
+
+def test_revert_works_on_a_wrong_tag_and_the_message_names_no_launcher(tmp_path):
+    root = make_checkout(tmp_path)
+    apply(str(root))
+    (root / "megatron" / "core" / "package_info.py").write_text("MAJOR = 0\nMINOR = 17\nPATCH = 0\n")
+    with pytest.raises(PatchError) as e:
+        apply(str(root), check=True)
+    print(f"\n{e.value}")
+    assert "found megatron-core 0.17.0" in str(e.value) and "launch" not in str(e.value)
+    assert "would remove" in apply(str(root), revert=True, check=True)
+    assert "removed" in apply(str(root), revert=True)
+    assert "megatron_dualpipe" not in (root / "pretrain_gpt.py").read_text()
+
+
+def test_read_only_checkout_is_refused_by_check_and_by_the_run(tmp_path, monkeypatch, capsys):
+    """As root every file is writable, so the read-only case is simulated through os.access."""
+    import megatron_dualpipe.megatron_lm.patching as patching
+
+    root = make_checkout(tmp_path)
+    before = (root / "pretrain_gpt.py").read_bytes()
+    monkeypatch.setattr(patching.os, "access", lambda path, mode: False)
+    for argv in (["patch", str(root), "--check"], ["patch", str(root)]):
+        assert main(argv) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and err.count("\n") == 1 and "is not writable" in err and "Traceback" not in err
+    assert (root / "pretrain_gpt.py").read_bytes() == before
+
+
+def test_a_failed_write_is_one_line_and_leaves_the_file(tmp_path, monkeypatch, capsys):
+    import megatron_dualpipe.megatron_lm.patching as patching
+
+    def refuse(*a, **k):
+        raise PermissionError(13, "Permission denied")
+
+    root = make_checkout(tmp_path)
+    before = (root / "pretrain_gpt.py").read_bytes()
+    monkeypatch.setattr(patching.tempfile, "mkstemp", refuse)
+    assert main(["patch", str(root)]) == 2
+    out, err = capsys.readouterr()
+    assert err.count("\n") == 1 and "Permission denied" in err and "git apply" in err
+    assert (root / "pretrain_gpt.py").read_bytes() == before and not list(root.glob(".pretrain_gpt.*"))

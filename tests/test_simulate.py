@@ -173,3 +173,40 @@ def test_costs_validation():
                            ({"p2p": -0.5}, "--p2p"), ({"fb": -1}, "--fb")):
         with pytest.raises(ValueError, match=needle):
             Costs(**kwargs)
+
+
+def test_overlap_section_of_the_bubble_report():
+    """tools/bubble_report.py's overlap table: every rank's busy time is its actions' costs minus
+    what each fused unit saves (``f + b - fb``), counted here from the action lists; the makespan
+    is busy time plus bubble; 1F1B (no fused units) does not change with r."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parent.parent / "tools" / "bubble_report.py"
+    spec = importlib.util.spec_from_file_location("bubble_report", path)
+    report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(report)
+    assert report.fused_cost(Costs(1, 2, 1), 0.5) == 2.5 and report.fused_cost(Costs(3, 2, 1), 1) == 3
+    rows, table_rows = [], list(report.overlap_rows())
+    for r in report.OVERLAP_RATIOS:
+        fb = report.fused_cost(report.STAGE, r)
+        for name in report.OVERLAP_SCHEDULES:
+            pp = 8
+            spec = get(name)
+            k = pp / spec.model_stages(pp)  # DualPipeV's chunks are half a stage
+            costs = Costs(f=k * report.STAGE.f, b=k * report.STAGE.b, w=k * report.STAGE.w, fb=k * fb)
+            s = build_schedule(name, pp, 4 * pp)
+            res = simulate(s.layout, s.ranks, costs)
+            for rank, acts in enumerate(s.ranks):
+                fused = sum(1 for a in acts if a.overlap)
+                want = sum(costs.of(a) for a in acts) - fused * (costs.f + costs.b - costs.fused)
+                assert res.busy[rank] == pytest.approx(want), (r, name, rank)
+                assert res.makespan == pytest.approx(res.busy[rank] + res.bubble[rank])
+            table = {row[3].name: row[3] for row in table_rows if row[0] == r and row[2] == pp}
+            assert table[name].makespan == pytest.approx(res.makespan) and table[name].bubble == max(res.bubble)
+            rows.append((r, name, res.makespan, max(res.bubble)))
+    by = {(r, n): mk for r, n, mk, _ in rows}
+    assert by[(0.0, "1f1b")] == by[(1.0, "1f1b")]
+    assert by[(1.0, "dualpipe")] < by[(0.5, "dualpipe")] < by[(0.0, "dualpipe")]
+    _table("overlap ratio r -> makespan at pp=8, M=32 (per-stage f=1 b=2 w=1)",
+           ["r", "schedule", "makespan", "bubble"], rows)

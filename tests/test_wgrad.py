@@ -529,3 +529,211 @@ def test_tp_communication_paths_on_a_size_1_group(allreduce_dgrad, sequence_para
     store.run(0)
     assert (w.grad - w_ref.grad).abs().max().item() <= TOL
     assert (b.grad - b_ref.grad).abs().max().item() <= TOL
+
+
+# ----------------------------------------------------------------------------------------------
+# Transformer Engine's delay_wgrad_compute path (a fake TE layer: TE needs a GPU) and the audit of
+# what W holds
+
+
+class _QueuedWgradLinear(torch.autograd.Function):
+    """Like TE's linear with ``delay_wgrad_compute``: backward returns the input gradient only and
+    queues what the weight gradient needs, first-in first-out, until ``backward_dw()``."""
+
+    @staticmethod
+    def forward(ctx, x, weight, queue):
+        ctx.save_for_backward(x, weight)
+        ctx.queue = queue
+        return x.matmul(weight.t())
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        ctx.queue.append((grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])))
+        return grad.matmul(weight), None, None
+
+
+class _FakeTELinear(torch.nn.Module):
+    def __init__(self, name, hidden, calls):
+        super().__init__()
+        self.name, self.calls, self.queue = name, calls, []
+        self.weight = torch.nn.Parameter(torch.randn(hidden, hidden) / hidden ** 0.5)
+
+    def forward(self, x):
+        return _QueuedWgradLinear.apply(x, self.weight, self.queue)
+
+    def backward_dw(self, **_):
+        grad, x = self.queue.pop(0)
+        self.calls.append(self.name)
+        torch.autograd.backward(self.weight, grad.t().matmul(x))
+
+
+class _FakeTELayer(torch.nn.Module):
+    def __init__(self, i, hidden, calls):
+        super().__init__()
+        self.self_attention = _FakeTELinear(f"layer{i}.attn", hidden, calls)
+        self.mlp = _FakeTELinear(f"layer{i}.mlp", hidden, calls)
+
+    def forward(self, x):
+        return self.mlp(torch.tanh(self.self_attention(x)))
+
+
+class _FakeTEChunk(torch.nn.Module):
+    """What ``offers_te_backward_dw`` and ``run_te_backward_dw`` look at: ``config`` with
+    ``delay_wgrad_compute`` and ``decoder.layers`` whose attention and MLP offer ``backward_dw``."""
+
+    def __init__(self, hidden=8, layers=2, extra_plain_linear=False):
+        super().__init__()
+        from megatron.core.transformer.enums import ModelType
+
+        self.calls = []
+        self.config = _tiny_transformer_config()
+        self.config.delay_wgrad_compute = True  # set after __post_init__: it asks for the combined step
+        self.model_type = ModelType.encoder_or_decoder
+        self.decoder = torch.nn.Module()
+        self.decoder.layers = torch.nn.ModuleList(_FakeTELayer(i, hidden, self.calls) for i in range(layers))
+        self.plain = torch.nn.Linear(hidden, hidden) if extra_plain_linear else None
+
+    def forward(self, x):
+        for layer in self.decoder.layers:
+            x = layer(x)
+        return self.plain(x) if self.plain is not None else x
+
+
+def _stage_compute(chunk, store, audit=None):
+    from megatron_dualpipe.mcore.stage_compute import MegatronStageCompute
+    from megatron_dualpipe.schedule import registry
+
+    spec = registry.get("zb-h1")
+    return MegatronStageCompute(spec=spec, model=[chunk], layout=spec.layout(1), rank=0, forward_step_func=None,
+                                source=None, real=3, config=chunk.config, forward_only=False,
+                                collect_non_loss_data=False, first_val_step=None, global_ranks=[0],
+                                wgrad_store=store, audit=audit)
+
+
+def test_te_backward_dw_is_deferred_to_w_and_run_at_once_after_bw():
+    """B records the chunk's backward_dw() under its key; W runs it; BW runs it at once. Gradients
+    equal plain autograd on the same weights (TE pops FIFO, so BW may compute an earlier B's
+    weight gradient: the sum is the same)."""
+    from megatron_dualpipe.schedule import B, BW, W, Action
+
+    torch.manual_seed(11)
+    chunk = _FakeTEChunk()
+    assert wgrad.offers_te_backward_dw(chunk)
+    ref = {n: torch.zeros_like(p) for n, p in chunk.named_parameters()}
+    xs = _inputs(n_mb=3, s=3, b=2, h=8, seed=11)
+    grads_out = _inputs(n_mb=3, s=3, b=2, h=8, seed=12)
+    for x, g in zip(xs, grads_out):  # the reference: autograd through the same weights, no queue
+        w = {n: p.detach().clone().requires_grad_(True) for n, p in chunk.named_parameters()}
+        h = x
+        for i in range(2):
+            h = torch.tanh(h @ w[f"decoder.layers.{i}.self_attention.weight"].t())
+            h = h @ w[f"decoder.layers.{i}.mlp.weight"].t()
+        h.backward(g)
+        for n in ref:
+            ref[n] += w[n].grad
+
+    store = wgrad.WeightGradStore()
+    compute = _stage_compute(chunk, store)
+    assert compute.te_backward_dw == [True]
+    for mb, x in enumerate(xs):
+        x = x.clone().requires_grad_(True)
+        compute.saved[(0, mb, 0)] = (x, chunk(x))
+    compute.backward(Action(B, 0, 0, 0), grads_out[0])
+    compute.backward(Action(B, 0, 1, 0), grads_out[1])
+    assert chunk.calls == [] and all(p.grad is None for p in chunk.parameters()), "B computed weight gradients"
+    assert store.pending() == [(0, 0, 0), (0, 1, 0)]
+    compute.backward(Action(BW, 0, 2, 0), grads_out[2])
+    order = ["layer1.mlp", "layer1.attn", "layer0.mlp", "layer0.attn"]
+    assert chunk.calls == order, chunk.calls
+    compute.weight(Action(W, 0, 1, 0))
+    compute.weight(Action(W, 0, 0, 0))
+    store.assert_empty()
+    assert chunk.calls == order * 3
+    diff = max((p.grad - ref[n]).abs().max().item() for n, p in chunk.named_parameters())
+    print(f"fake TE chunk (delay_wgrad_compute), B B BW W W: max |grad diff| vs autograd {diff:.3e}")
+    assert diff <= TOL
+
+
+def test_audit_reports_the_weights_b_kept():
+    """A plain torch.nn.Linear next to TE-style deferring layers: the audit names it and counts
+    what W holds (4 of 5 weight tensors; 256 of 320 weight elements = 80%; its bias is not a
+    weight tensor)."""
+    from megatron_dualpipe.schedule import B, Action
+
+    torch.manual_seed(12)
+    for plain, expected in ((False, None), (True, (
+            "zero bubble partly inactive: W holds the weight gradients of 4 of 5 weight tensors (80% of weight "
+            "elements); not deferred (computed in B): stage 0: plain.weight (64 elements)"))):
+        chunk = _FakeTEChunk(extra_plain_linear=plain)
+        audit = wgrad.DeferralAudit()
+        compute = _stage_compute(chunk, wgrad.WeightGradStore(), audit)
+        for mb in range(2):
+            x = torch.randn(3, 2, 8, requires_grad=True)
+            compute.saved[(0, mb, 0)] = (x, chunk(x))
+            assert audit.wants(0) == (mb == 0)
+            compute.backward(Action(B, 0, mb, 0), torch.ones(3, 2, 8))
+        report = audit.report()
+        print(f"audit (plain linear: {plain}): {report}")
+        assert report is None if expected is None else report.startswith(expected), report
+
+
+class _PlainFc2(torch.nn.Module):
+    """A layer the splitter does not know, in the place of an MLP's ``linear_fc2``."""
+
+    def __init__(self, n_in, n_out):
+        super().__init__()
+        self.linear = torch.nn.Linear(n_in, n_out)
+
+    def forward(self, x):
+        return self.linear(x), None
+
+
+def test_executor_logs_once_how_much_w_holds(caplog):
+    """megatron-core GPTModel (local spec, 2 layers, untied output layer) with layer 0's
+    ``linear_fc2`` replaced by a plain torch.nn.Linear, run by the executor (ZB-H1, pp=1): the
+    first iteration logs what W holds, computed here from the model's own parameters; the second
+    logs nothing."""
+    import logging
+
+    _cpu_mode()
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron_dualpipe.mcore.forward_backward import forward_backward_dualpipe
+    from harness import megatron_env as me
+
+    config = _tiny_transformer_config()
+    torch.manual_seed(13)
+    model = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=32, max_sequence_length=8,
+                     share_embeddings_and_output_weights=False)
+    model.decoder.layers[0].mlp.linear_fc2 = _PlainFc2(config.ffn_hidden_size, config.hidden_size)
+    config.finalize_model_grads_func = None
+
+    def forward_step(data_iterator, model):
+        import functools
+        b = next(data_iterator)
+        out = model(b["tokens"], b["position_ids"], None, labels=b["labels"])
+        return out, functools.partial(me.masked_loss_func, b["loss_mask"])
+
+    # Independently: every >=2-D parameter outside the embeddings is a weight tensor.
+    weights = {n: p.numel() for n, p in model.named_parameters() if p.dim() >= 2 and "embedding" not in n}
+    kept = "decoder.layers.0.mlp.linear_fc2.linear.weight"
+    held_el = sum(n for k, n in weights.items() if k != kept)
+    expected = (f"zero bubble partly inactive: W holds the weight gradients of {len(weights) - 1} of {len(weights)} "
+                f"weight tensors ({100 * held_el / sum(weights.values()):.0f}% of weight elements); not deferred "
+                f"(computed in B): stage 0: {kept} ({weights[kept]} elements)")
+    assert expected.startswith("zero bubble partly inactive: W holds the weight gradients of 8 of 9 weight tensors "
+                               "(89% of weight elements)")
+    messages = []
+    for _ in range(2):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="megatron_dualpipe"):
+            forward_backward_dualpipe(forward_step_func=forward_step,
+                                      data_iterator=iter(me.make_gpt_batches(3, vocab=32, seq=8, mbs=2)),
+                                      model=[model], num_microbatches=3, seq_length=8, micro_batch_size=2,
+                                      schedule="zb-h1", p2p_timeout=60)
+        messages.append([r.getMessage() for r in caplog.records if "zero bubble" in r.getMessage()])
+    print(f"iteration 1: {messages[0]}\niteration 2: {messages[1]}")
+    assert len(messages[0]) == 1 and expected in messages[0][0], messages[0]
+    assert messages[0][0].startswith("megatron-dualpipe: zb-h1 pipeline rank 0: ")
+    assert messages[1] == []

@@ -1,10 +1,11 @@
 """Simulated pipeline bubbles against the closed-form formulas, as a markdown report.
 
-    PYTHONPATH=. python tools/bubble_report.py > docs/bubbles.md
-    PYTHONPATH=. python tools/bubble_report.py --figures docs   # also draws docs/dualpipe_pp8_m20.{png,svg}
+    PYTHONPATH=. python tools/gen_docs.py          # writes docs/bubbles.md and its figure (all generated docs)
+    PYTHONPATH=. python tools/bubble_report.py     # prints the report only
 
-Costs are hypothetical time units (no measurement); for DualPipeV they are per chunk (half a
-stage). Bubble = makespan - busy time of a rank, maximum over ranks.
+Costs are hypothetical time units (no measurement); in the first table they are per action,
+so DualPipeV's are per chunk (half a stage); the second table puts every schedule on the same
+model (``schedule.compare``). Bubble = makespan - busy time of a rank, maximum over ranks.
 """
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_dualpipe.schedule import build_schedule, get  # noqa: E402
-from megatron_dualpipe.schedule.registry import SPECS, distinct_orders  # noqa: E402
+from megatron_dualpipe.schedule.compare import compare  # noqa: E402
+from megatron_dualpipe.schedule.registry import DUALPIPE, DUALPIPEV, ONE_F_ONE_B, SPECS, distinct_orders  # noqa: E402
 from megatron_dualpipe.schedule.simulate import Costs, simulate  # noqa: E402
 
 PPS = (4, 8, 16)
@@ -42,9 +44,98 @@ def rows():
                 yield costs, name, pp, m, res.makespan, sim, form, max(res.peak_activations)
 
 
+#: Stage costs of the same-model table: twice the first setting's, so DualPipeV's chunks cost f=1 b=2 w=1 fb=3.
+SAME_MODEL = Costs(f=2, b=4, w=2, fb=6)
+
+
+def same_model_rows():
+    for pp in PPS:
+        for row in compare(pp, microbatches(pp), SAME_MODEL):
+            yield pp, row
+
+
+def same_model() -> list:
+    c = SAME_MODEL
+    out = ["## The same model under each schedule", "",
+           "The table above gives every schedule the same costs *per action*. For one model that is not a fair "
+           "race: 1F1B, ZB-H1 and DualPipe run a whole stage (1/pp of the model) per action, DualPipeV a chunk of "
+           "half a stage. Below, every schedule runs the same model whose stage costs "
+           f"f={_n(c.f)}, b={_n(c.b)}, w={_n(c.w)}, fb={_n(c.fused)} (DualPipeV's chunks: half of each), as "
+           "`megatron-dualpipe simulate` and `advise` compare them. Peak activations are in stages' worth of one "
+           "micro-batch (a DualPipeV chunk counts half); parameters are stages' worth per rank (DualPipe holds a "
+           "mirrored copy).", "",
+           "| pp | M | schedule | makespan | bubble | peak activations (stages) | parameters (stages per rank) |",
+           "|---:|---:|---|---:|---:|---:|---:|"]
+    for pp, r in same_model_rows():
+        out.append(f"| {pp} | {r.microbatches} | {r.name} | {_n(r.makespan)} | {_n(r.bubble)} | "
+                   f"{_n(r.peak_activations)} | {_n(r.parameter_copies)} |")
+    return out + [""]
+
+
+# -- What an overlapped F&B unit buys -------------------------------------------------------------
+
+#: Stage costs of the overlap section (DeepSeek's setting w = f = b/2); fb is set per overlap ratio.
+STAGE = Costs(f=1, b=2, w=1)
+OVERLAP_RATIOS = (0.0, 0.5, 1.0)
+OVERLAP_PPS = (8, 16, 32)
+OVERLAP_SCHEDULES = (ONE_F_ONE_B, DUALPIPE, DUALPIPEV)
+
+
+def fused_cost(stage: Costs, r: float) -> float:
+    """A fused F&B unit when a fraction ``r`` of the shorter of F and B hides behind the other."""
+    return stage.f + stage.b - r * min(stage.f, stage.b)
+
+
+def overlap_rows():
+    """(r, fb, pp, compare.Row, fused units on rank 0, makespan / 1F1B's) on the same model."""
+    for r in OVERLAP_RATIOS:
+        fb = fused_cost(STAGE, r)
+        for pp in OVERLAP_PPS:
+            rows = compare(pp, microbatches(pp), Costs(f=STAGE.f, b=STAGE.b, w=STAGE.w, fb=fb), OVERLAP_SCHEDULES)
+            base = rows[0].makespan
+            for row in rows:
+                fused = sum(1 for a in build_schedule(row.name, pp, row.microbatches).ranks[0] if a.overlap)
+                yield r, fb, pp, row, fused, row.makespan / base
+
+
+def overlap_section() -> list:
+    f, b, w = (_n(x) for x in (STAGE.f, STAGE.b, STAGE.w))
+    out = ["## What an overlapped F&B unit buys", "",
+           f"The same model (stage costs f={f}, b={b}, w={w}; DualPipeV's chunks: half of each, as in the table "
+           "above). A fused F&B unit runs one direction's forward with the other direction's backward; if a "
+           "fraction r of the shorter of the two hides behind the other (MoE all-to-all behind compute, on a GPU: "
+           "`--overlap-moe-expert-parallel-comm`), it costs `fb = f + b - r*min(f, b)` per stage: r=0 is F then B, "
+           "r=1 hides F entirely. 1F1B has no fused units (megatron-core overlaps only in its interleaved combined "
+           "1F1B, with a virtual pipeline; not modelled), so r changes nothing for it. The simulator takes the F&B "
+           "cost separately (`Costs.fb`; `megatron-dualpipe simulate --fb`), so a measured fused-unit time can "
+           "replace the hypothetical one. M = 4*pp; fused units counted on rank 0.", "",
+           "| r | fb (per stage) | pp | M | schedule | makespan | bubble | closed form | fused units | "
+           "makespan / 1F1B |",
+           "|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|"]
+    rows = list(overlap_rows())
+    for r, fb, pp, row, fused, rel in rows:
+        out.append(f"| {_n(r)} | {_n(fb)} | {pp} | {row.microbatches} | {row.name} | {_n(row.makespan)} | "
+                   f"{_n(row.bubble)} | {_n(row.formula)} | {fused} | {rel:.3f} |")
+    rel = {(r, row.name, pp): x for r, _, pp, row, _, x in rows}
+    exact = all(row.bubble == row.formula for _, _, _, row, _, _ in rows)
+    pp, lo, hi = OVERLAP_PPS[-1], OVERLAP_RATIOS[0], OVERLAP_RATIOS[-1]
+    out += ["", "Reading the table:", "",
+            f"* The overlap shortens every fused unit, not only the bubble: DualPipe fuses most of its steady "
+            f"state, so at pp={pp} its iteration takes {rel[(lo, DUALPIPE, pp)]:.2f} of 1F1B's with r={_n(lo)} "
+            f"(bubble only) and {rel[(hi, DUALPIPE, pp)]:.2f} with r={_n(hi)}; DualPipeV "
+            f"{rel[(lo, DUALPIPEV, pp)]:.2f} and {rel[(hi, DUALPIPEV, pp)]:.2f}.",
+            "* DualPipeV, with the same work per iteration, has nearly DualPipe's bubble (`pp-1` chunk stages of "
+            "half cost against DualPipe's `pp/2-1` full ones) and holds half of DualPipe's parameters per rank.",
+            "* The simulated bubble equals the closed form in every row." if exact else
+            "* The simulated bubble differs from the closed form in some rows (see the columns).",
+            "* Hypothetical costs: what r a real MoE model reaches depends on how much all-to-all there is to "
+            "hide (GPU only: on the CPU the combined step runs its sub-steps in order and overlaps nothing).", ""]
+    return out
+
+
 def report() -> str:
     out = ["# Pipeline bubbles: simulator vs closed forms", "",
-           "Generated by `PYTHONPATH=. python tools/bubble_report.py --figures docs > docs/bubbles.md`.", "",
+           "Generated by `PYTHONPATH=. python tools/gen_docs.py` (checked by `tests/test_docs.py`).", "",
            "Hypothetical costs (no timing): `f` forward, `b` full backward, `w` its weight-gradient part "
            "(an input-only B costs `b-w`), `fb` one fused F&B unit, no p2p latency. DualPipeV costs are per "
            "chunk (half a stage). Bubble = makespan - busy time, maximum over ranks; peak activations = "
@@ -71,28 +162,34 @@ def report() -> str:
             "* DualPipeV on pp ranks times exactly like ranks 0..pp-1 of DualPipe on 2*pp ranks "
             "(DeepSeek's \"cut-in-half\" DualPipe).",
             "* Peak activations: DualPipe `pp+1` (DeepSeek's table), DualPipeV `2pp+1` chunks "
-            "(= pp+1/2 stages), 1F1B and ZB-H1 `pp`.", "",
+            "(= pp+1/2 stages), 1F1B and ZB-H1 `pp`.",
+            "* The rows above compare DualPipeV at per-chunk costs with 1F1B at the same costs per stage "
+            "(at pp=4 with fb=2.5: 4.5 against 9). On one model 1F1B's stage costs twice a chunk, so its bubble "
+            "is twice that, 18: see the next table.", "",
+            *same_model(),
+            *overlap_section(),
             "![DualPipe pp=8 M=20](dualpipe_pp8_m20.png)", "",
             "`docs/dualpipe_pp8_m20.png` / `.svg`: DualPipe, pp=8, M=20, costs f=1 b=2 w=1 fb=3 (drawn with "
             "`megatron-dualpipe simulate --schedule dualpipe --pp 8 --microbatches 20 --fb 3 --png ... --svg ...`). "
-            "Strong shades: direction 0 (enters at rank 0); light shades: direction 1 (enters at rank 7); "
+            "Colours tell the op (Okabe-Ito palette, readable with the common colour-vision deficiencies); "
+            "solid: direction 0 (enters at rank 0); light and hatched: direction 1 (enters at rank 7); "
             "thick outline: a fused F&B unit.", ""]
     return "\n".join(out)
 
 
+FIGURE = "dualpipe_pp8_m20"
+
+
+def figure():
+    """The schedule and simulation drawn in docs/dualpipe_pp8_m20.{png,svg}."""
+    s = build_schedule(DUALPIPE, 8, 20)
+    return s, simulate(s.layout, s.ranks, Costs(f=1, b=2, w=1, fb=3))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--figures", metavar="DIR", help="also draw DIR/dualpipe_pp8_m20.png and .svg")
-    args = ap.parse_args(argv)
+    ap.parse_args(argv)
     print(report())
-    if args.figures:
-        from megatron_dualpipe.draw import to_png, to_svg
-
-        s = build_schedule("dualpipe", 8, 20)
-        res = simulate(s.layout, s.ranks, Costs(f=1, b=2, w=1, fb=3))
-        to_png(s, res, os.path.join(args.figures, "dualpipe_pp8_m20.png"))
-        with open(os.path.join(args.figures, "dualpipe_pp8_m20.svg"), "w", encoding="utf-8") as fh:
-            fh.write(to_svg(s, res))
     return 0
 
 

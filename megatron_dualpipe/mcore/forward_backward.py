@@ -48,6 +48,7 @@ from ..schedule import B, registry
 from .data import MicrobatchSource
 from .grads import GradReduction, finalize_dualpipe_grads
 from .loss_gather import gather_losses_on_last_rank
+from .overlap import OverlappedStageCompute, offers_combined_step
 from .stage_compute import MegatronStageCompute
 from .validation import DualPipeConfigError, check_call
 
@@ -107,6 +108,7 @@ class ExecutorSchedule:
                  p2p_timeout: float = DEFAULT_TIMEOUT_S):
         self.spec, self.zero_bubble, self.p2p_timeout = spec, zero_bubble, p2p_timeout
         self._padding_reported: set = set()
+        self._audited = False
         self._wgrad = None
         if zero_bubble and spec.defers_weight_grads:
             # Process-wide and idempotent: megatron-core's local linear backward learns to defer its
@@ -131,16 +133,18 @@ class ExecutorSchedule:
             data_iterator = data_iterator[0]
         it = self._plan(model, config, num_microbatches, padded, forward_only,
                         (seq_length, micro_batch_size, decoder_seq_length))
-        wgrad_store = self._wgrad_store(it, forward_only)
-        reduction = None if forward_only else self._grad_reduction(it, model, config, num_microbatches, wgrad_store)
-        compute = MegatronStageCompute(
+        store = self._wgrad_store(it, forward_only)
+        reduction = None if forward_only else self._grad_reduction(it, model, config, num_microbatches, store)
+        # Through megatron-core's combined step when the model offers it (mcore.overlap).
+        compute = (OverlappedStageCompute if offers_combined_step(config, forward_only) else MegatronStageCompute)(
             spec=self.spec, model=model, layout=it.program.schedule.layout, rank=it.rank,
             forward_step_func=forward_step_func, source=MicrobatchSource(data_iterator), real=num_microbatches,
             config=config, forward_only=forward_only, collect_non_loss_data=collect_non_loss_data,
-            first_val_step=first_val_step, global_ranks=it.global_ranks, wgrad_store=wgrad_store,
-            grad_reduction=reduction)
+            first_val_step=first_val_step, global_ranks=it.global_ranks, grad_reduction=reduction,
+            wgrad_store=store, audit=self._wgrad.DeferralAudit() if store is not None and not self._audited else None)
         with _timer(config):
             self._run(it, compute, config, model, forward_only)
+            self._report_deferral(compute.audit, it.rank)
             losses = gather_losses_on_last_rank(compute.loss_store, it.program.schedule.layout, it.rank,
                                                 it.global_ranks, it.group, it.tensor_spec.device)
             if not forward_only:
@@ -181,6 +185,15 @@ class ExecutorSchedule:
         return GradReduction(model, config, actions=it.program.actions[it.rank],
                              partner_actions=it.program.actions[pp - 1 - it.rank],
                              is_fake=lambda a: self.spec.is_fake(real, a.dir, a.mb), deferring=wgrad_store is not None)
+
+    def _report_deferral(self, audit, rank: int) -> None:
+        """Once per process: say how much weight-gradient work W holds if B kept some."""
+        if audit is None:
+            return
+        self._audited = True
+        message = audit.report()
+        if message:
+            log.warning("megatron-dualpipe: %s pipeline rank %d: %s", self.spec.name, rank, message)
 
     def _wgrad_store(self, it: _Iteration, forward_only: bool):
         if self._wgrad is None or forward_only or not any(a.op == B for a in it.program.actions[it.rank]):

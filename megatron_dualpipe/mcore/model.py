@@ -107,10 +107,17 @@ def describe_chunks(model: Sequence[torch.nn.Module]) -> str:
 def dualpipev_config(config):
     """A copy of a ``TransformerConfig`` with ``virtual_pipeline_model_parallel_size=2``, as
     DualPipeV chunks must be built with (see the module docstring). ``num_layers`` must be
-    divisible by ``2 * pipeline_model_parallel_size``."""
+    divisible by ``2 * pipeline_model_parallel_size``. The combined step's flags
+    (``mcore.overlap.enable_combined_step``) are carried over, not checked again."""
     import dataclasses
 
-    return dataclasses.replace(config, virtual_pipeline_model_parallel_size=2)
+    from .overlap import COMBINED_STEP_FLAGS
+
+    flags = {name: getattr(config, name, False) for name in COMBINED_STEP_FLAGS}
+    copy_ = dataclasses.replace(config, virtual_pipeline_model_parallel_size=2, **{name: False for name in flags})
+    for name, value in flags.items():
+        setattr(copy_, name, value)
+    return copy_
 
 
 @contextlib.contextmanager

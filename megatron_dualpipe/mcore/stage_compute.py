@@ -7,6 +7,7 @@ aux-loss scaling and ``calculate_per_token_loss`` behave exactly as in Megatron.
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
@@ -18,8 +19,10 @@ from ..executor.runner import StageComputeBase
 from ..schedule import B, Action
 from ..schedule.layout import Layout
 from ..schedule.registry import ScheduleSpec
+from ..wgrad import offers_te_backward_dw, run_te_backward_dw
 from .data import MicrobatchSource
 from .direction import direction_of
+from .model import unwrap_chunk
 
 
 class MegatronStageCompute(StageComputeBase):
@@ -28,18 +31,29 @@ class MegatronStageCompute(StageComputeBase):
     Saved activations and deferred weight gradients are keyed by (direction, micro-batch,
     stage), never by order. ``loss_store[d]`` collects direction ``d``'s loss entries where its
     last stage runs; ``total_num_tokens`` sums what ``forward_step`` reports.
+
+    Weight gradients: under a B action (``wgrad_store`` set) megatron-core's local linears defer
+    theirs through ``wgrad.WeightGradStore.deferring``; a chunk built with Transformer Engine and
+    ``config.delay_wgrad_compute`` has TE defer its own, and B records the chunk's
+    ``backward_dw()`` under the same key, so the W action runs both. TE queues the deferred work
+    first-in first-out per module, and every backward of such a chunk (B or BW) leaves one entry:
+    a BW therefore calls ``backward_dw()`` at once, and W pops the entries of a chunk's Bs in the
+    order they ran (the schedules pop W first-in first-out too). ``audit`` (a
+    ``wgrad.DeferralAudit``) watches the first B of each chunk.
     """
 
     def __init__(self, *, spec: ScheduleSpec, model: Sequence[torch.nn.Module], layout: Layout, rank: int,
                  forward_step_func: Callable, source: MicrobatchSource, real: int, config, forward_only: bool,
-                 collect_non_loss_data: bool, first_val_step, global_ranks, wgrad_store=None,
+                 collect_non_loss_data: bool, first_val_step, global_ranks, wgrad_store=None, audit=None,
                  grad_reduction=None):
         self.spec, self.model, self.layout, self.rank = spec, model, layout, rank
         self.forward_step_func, self.source, self.real = forward_step_func, source, real
         self.config, self.forward_only, self.collect_non_loss_data = config, forward_only, collect_non_loss_data
         self.first_val_step, self.global_ranks = first_val_step, global_ranks
-        self.wgrad_store = wgrad_store
+        self.wgrad_store, self.audit = wgrad_store, audit
         self.grad_reduction = grad_reduction  # told of every gradient action (grads.GradReduction)
+        self.unwrapped = [unwrap_chunk(chunk) for chunk in model]
+        self.te_backward_dw = [offers_te_backward_dw(chunk) for chunk in self.unwrapped]
         self.cp_size = parallel_state.get_context_parallel_world_size()
         self.model_type = get_model_type(model[0])
         self.saved: Dict[tuple, tuple] = {}
@@ -51,55 +65,64 @@ class MegatronStageCompute(StageComputeBase):
         return self.spec.is_fake(self.real, a.dir, a.mb)
 
     def forward(self, a: Action, input_tensor):
-        chunk = a.dir
-        is_first_mb = schedules.check_first_val_step(self.first_val_step, self.forward_only,
-                                                     not self.first_forward_done[chunk])
-        self.first_forward_done[chunk] = True
-        g = self.spec.global_index(self.real, a.dir, a.mb)
+        g, is_first_mb = self._begin_forward(a)
         with direction_of(self.layout, self.rank, a.dir, self.global_ranks):
             output, num_tokens = schedules.forward_step(
-                self.forward_step_func, self.source.view(g), self.model[chunk], self.real, input_tensor,
+                self.forward_step_func, self.source.view(g), self.model[a.dir], self.real, input_tensor,
                 self.loss_store[a.dir], self.config, self.cp_size,
                 collect_non_loss_data=self.collect_non_loss_data, is_first_microbatch=is_first_mb,
                 current_microbatch=g, is_last_stage=self.layout.is_last(a.dir, a.stage))
-        self.total_num_tokens = num_tokens if self.total_num_tokens is None else self.total_num_tokens + num_tokens
-        if not self.forward_only:
-            self.saved[(a.dir, a.mb, a.stage)] = (input_tensor, output)
+        self._end_forward(a, input_tensor, output, num_tokens)
         return output
 
     def backward(self, a: Action, output_grad):
         input_tensor, output = self.saved.pop((a.dir, a.mb, a.stage))
-        defer = self.wgrad_store.deferring((a.dir, a.mb, a.stage)) if (a.op == B and self.wgrad_store is not None) \
-            else contextlib.nullcontext()
-        with defer, _plain_backward_if_not_freed(self.config, output):
+        with contextlib.ExitStack() as stack:
+            deferring = self._defer_weight_grads(a, stack)
             input_grad = schedules.backward_step(input_tensor, output, output_grad, self.model_type, self.config)
+        if self.te_backward_dw[a.dir]:
+            self._te_backward_dw(a.dir, (a.dir, a.mb, a.stage) if deferring else None)
+        self._gradient_done(a)
+        return input_grad
+
+    # -- shared by the subclasses ---------------------------------------------------------------
+    def _begin_forward(self, a: Action):
+        """The global micro-batch index of ``a`` and whether it is its chunk's first forward."""
+        is_first_mb = schedules.check_first_val_step(self.first_val_step, self.forward_only,
+                                                     not self.first_forward_done[a.dir])
+        self.first_forward_done[a.dir] = True
+        return self.spec.global_index(self.real, a.dir, a.mb), is_first_mb
+
+    def _end_forward(self, a: Action, input_tensor, output, num_tokens) -> None:
+        self.total_num_tokens = num_tokens if self.total_num_tokens is None else self.total_num_tokens + num_tokens
+        if not self.forward_only:
+            self.saved[(a.dir, a.mb, a.stage)] = (input_tensor, output)
+
+    def _defer_weight_grads(self, a: Action, stack: contextlib.ExitStack) -> bool:
+        """For a B action: enter the store's ``deferring`` block (and the audit's watch) on ``stack``."""
+        if a.op != B or self.wgrad_store is None:
+            return False
+        stack.enter_context(self.wgrad_store.deferring((a.dir, a.mb, a.stage)))
+        if self.audit is not None and self.audit.wants(a.dir):
+            stack.enter_context(self.audit.watching(a.dir, f"stage {a.stage}", self.unwrapped[a.dir]))
+        return True
+
+    def _te_backward_dw(self, chunk: int, key) -> None:
+        """TE left this backward's weight gradients queued: W computes them (``key``), or now."""
+        if key is None:
+            run_te_backward_dw(self.unwrapped[chunk])
+        else:
+            self.wgrad_store.record(key, functools.partial(run_te_backward_dw, self.unwrapped[chunk]))
+
+    def _gradient_done(self, a: Action) -> None:
+        """After a B / BW / W: the gradient reduction starts a chunk's sums once its last one ran."""
         if self.grad_reduction is not None:
             self.grad_reduction.after_action(a)
-        return input_grad
 
     def weight(self, a: Action) -> None:
         if self.wgrad_store is not None:
             self.wgrad_store.run((a.dir, a.mb, a.stage))
-        if self.grad_reduction is not None:
-            self.grad_reduction.after_action(a)
+        self._gradient_done(a)
 
     def release(self, a: Action, output) -> None:
         schedules.deallocate_output_tensor(output, self.config.deallocate_pipeline_outputs)
-
-
-@contextlib.contextmanager
-def _plain_backward_if_not_freed(config, output):
-    """Megatron's ``backward_step`` runs ``custom_backward`` on a pseudo-freed output (``.data``
-    replaced by one element once its send completed, ``deallocate_output_tensor``) and asserts
-    that it was freed. The executor frees it when it sees the send complete, which can be just
-    after the gradient for it arrived; then the output is still whole and the same backward runs
-    through ``torch.autograd.backward`` (same gradients; the memory is freed a moment later)."""
-    out = output[0] if isinstance(output, (list, tuple)) else output
-    if not (config.deallocate_pipeline_outputs and isinstance(out, torch.Tensor) and out.numel() != 1):
-        yield
-        return
-    config.deallocate_pipeline_outputs = False
-    try:
-        yield
-    finally:
-        config.deallocate_pipeline_outputs = True

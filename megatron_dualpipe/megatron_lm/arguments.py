@@ -126,7 +126,9 @@ REFUSED_OPTIONS: Tuple[RefusedOption, ...] = (
                   "a captured graph replays one fixed order of forwards and backwards",
                   is_set=_not_none, fix="use --cuda-graph-impl none"),
     RefusedOption("--overlap-moe-expert-parallel-comm", "overlap_moe_expert_parallel_comm",
-                  "Megatron's combined 1F1B; --delay-wgrad-compute needs it too"),
+                  "a one-chunk order has no fused F&B units to overlap; --delay-wgrad-compute needs it too",
+                  schedules=registry.names(runs_on=registry.EXECUTOR, chunks_per_rank=1),
+                  fix="remove it, or use --pipeline-schedule " + " or ".join(registry.names(chunks_per_rank=2))),
     RefusedOption("--iterations-to-skip", "iterations_to_skip", "the skip path assumes one data iterator"),
     RefusedOption("--sft", "sft", "packed variable-length sequences need variable P2P shapes"),
     RefusedOption("--perform-rl-step", "perform_rl_step",
@@ -255,6 +257,13 @@ def dualpipe_problems(args):
                 )
 
     problems.extend(refused_option_problems(args, schedule))
+    if getattr(args, "overlap_moe_expert_parallel_comm", False):
+        # Fused F&B units through megatron-core's combined step (mcore.overlap); no virtual
+        # pipeline needed (training_hooks adapts the config).
+        from ..mcore.overlap import combined_step_problems
+
+        for problem in combined_step_problems(args):
+            bad(f"--overlap-moe-expert-parallel-comm: {problem}")
 
     timeout = getattr(args, "dualpipe_p2p_timeout", None)
     if timeout is not None and not timeout > 0:

@@ -40,7 +40,8 @@ class Checkout:
     state: str  # "clean", "applied"
 
 
-def _core_version(path: str) -> Optional[str]:
+def core_version(path: str) -> Optional[str]:
+    """The megatron-core version of the checkout at ``path`` (from package_info.py), or None."""
     info = os.path.join(path, "megatron", "core", "package_info.py")
     try:
         text = open(info, encoding="utf-8").read()
@@ -63,12 +64,12 @@ def inspect(path: str, require_tag: bool = True) -> Checkout:
     script = os.path.join(path, "pretrain_gpt.py")
     if not os.path.isfile(script):
         raise PatchError(f"no pretrain_gpt.py in {path}: give the root of a Megatron-LM checkout at tag {TAG}")
-    version, tag = _core_version(path), _git_tag(path)
+    version, tag = core_version(path), _git_tag(path)
     if require_tag and version != CORE_VERSION:
         found = f"megatron-core {version}" if version else "no megatron/core/package_info.py"
         raise PatchError(f"{path} is not Megatron-LM {TAG} (found {found}{f', git tag {tag}' if tag else ''}): "
-                         f"check out {TAG} (git -C {path} checkout {TAG}), or run the unmodified script through "
-                         f"python -m megatron_dualpipe.launch")
+                         f"megatron-dualpipe's hooks are written for that tag only; check it out "
+                         f"(git -C {path} checkout {TAG}) and run this command again")
     lines = open(script, encoding="utf-8").read().splitlines(keepends=True)
     hooked = [i for i, line in enumerate(lines) if MARKER in line]
     if hooked:
@@ -82,7 +83,28 @@ def inspect(path: str, require_tag: bool = True) -> Checkout:
     return Checkout(path, script, version, tag, "clean")
 
 
+def _writable_problem(script: str) -> Optional[str]:
+    """Why the hook cannot be written (the new text goes beside ``script``, then over it), or None."""
+    folder = os.path.dirname(os.path.abspath(script))
+    for what in (folder, script):
+        if not os.access(what, os.W_OK):
+            return _cannot_write(script, f"{what} is not writable")
+    return None
+
+
+def _cannot_write(script: str, why: str) -> str:
+    return (f"cannot change {script}: {why}; run this as a user who can write the checkout, or apply "
+            f"patches/megatron-lm-{TAG}.patch (git apply) as one")
+
+
 def _write_atomically(path: str, text: str) -> None:
+    try:
+        _replace(path, text)
+    except OSError as e:
+        raise PatchError(_cannot_write(path, e.strerror or str(e))) from None
+
+
+def _replace(path: str, text: str) -> None:
     mode = os.stat(path).st_mode
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".pretrain_gpt.", suffix=".tmp")
     try:
@@ -97,12 +119,18 @@ def _write_atomically(path: str, text: str) -> None:
 
 
 def apply(path: str, *, revert: bool = False, check: bool = False) -> str:
-    """Apply (or revert) the hook; with ``check`` change nothing. Returns what was (or would be) done."""
-    co = inspect(path)
+    """Apply (or revert) the hook; with ``check`` change nothing. Returns what was (or would be) done.
+
+    Reverting works on any version (a hook left in a checkout that moved to another tag can be
+    removed); ``check`` fails where the real run would, e.g. on a read-only checkout."""
+    co = inspect(path, require_tag=not revert)
     lines = open(co.script, encoding="utf-8").read().splitlines(keepends=True)
     if not revert:
         if co.state == "applied":
             return f"already applied to {co.script}; nothing to do"
+        problem = _writable_problem(co.script)
+        if problem:
+            raise PatchError(problem)
         if check:
             return f"would add the megatron-dualpipe hook ({len(HOOK)} lines) to {co.script}"
         at = lines.index(ANCHOR) + 1
@@ -110,6 +138,9 @@ def apply(path: str, *, revert: bool = False, check: bool = False) -> str:
         return f"added the megatron-dualpipe hook ({len(HOOK)} lines) to {co.script}"
     if co.state == "clean":
         return f"not applied to {co.script}; nothing to revert"
+    problem = _writable_problem(co.script)
+    if problem:
+        raise PatchError(problem)
     if check:
         return f"would remove the megatron-dualpipe hook from {co.script}"
     i = next(i for i, line in enumerate(lines) if MARKER in line) - 2

@@ -39,6 +39,15 @@ The parameter count
     prefix, and says the logical count (this rank's home stage, what 1F1B prints; summed over
     the pipeline every stage is counted once) and, separately, the physical count with the
     mirrored copy; under DualPipeV it names the two stages (nothing is duplicated).
+``megatron.training.arguments.core_transformer_config_from_args`` (``--overlap-moe-expert-parallel-comm``)
+    megatron-core's ``TransformerConfig`` refuses the flag with a pipeline but no virtual
+    pipeline, and ``pretrain_gpt.py`` builds a config from ``args`` on every ``get_batch``. With
+    an executor schedule the wrapper builds the config with the flag (and
+    ``--delay-wgrad-compute``) off and turns them on afterwards through
+    ``mcore.overlap.enable_combined_step``: the fused units come from DualPipe, not from a
+    virtual pipeline. ``args`` keeps the flag (``pretrain_gpt.forward_step`` asserts it before
+    returning a schedule plan). ``pretrain_gpt.py`` and ``gpt_builders.py`` import the function
+    by name, after ``install()`` (launcher or patch hook), so they get the wrapper.
 Data
     Nothing to hook: the non-virtual-pipeline branch of ``pretrain()`` builds one iterator per
     rank, and the executor splits it into the two directions itself (``mcore.data``).
@@ -260,6 +269,31 @@ def _wrap_get_forward_backward_func(orig):
     return get_forward_backward_func
 
 
+def _wrap_config_from_args(orig):
+    if getattr(orig, _MARK, False):
+        return orig
+
+    @functools.wraps(orig)
+    def core_transformer_config_from_args(args, *a, **kw):
+        if not getattr(args, "overlap_moe_expert_parallel_comm", False) or \
+                registry.get(schedule_of(args)).runs_on != registry.EXECUTOR:
+            return orig(args, *a, **kw)
+        from ..mcore.overlap import COMBINED_STEP_FLAGS, enable_combined_step
+
+        flags = {name: getattr(args, name, False) for name in COMBINED_STEP_FLAGS}
+        try:
+            for name in flags:
+                setattr(args, name, False)
+            config = orig(args, *a, **kw)
+        finally:
+            for name, value in flags.items():
+                setattr(args, name, value)
+        return enable_combined_step(config, delay_wgrad_compute=flags["delay_wgrad_compute"])
+
+    setattr(core_transformer_config_from_args, _MARK, True)
+    return core_transformer_config_from_args
+
+
 def _wrap_calc_params_l2_norm(orig):
     if getattr(orig, _MARK, False):
         return orig
@@ -278,10 +312,12 @@ def _wrap_calc_params_l2_norm(orig):
 
 def install():
     """Patch ``megatron.training.training`` (idempotent)."""
+    import megatron.training.arguments as margs
     import megatron.training.training as mtraining
 
     from . import checkpoint_hooks
 
+    margs.core_transformer_config_from_args = _wrap_config_from_args(margs.core_transformer_config_from_args)
     mtraining.get_model = _wrap_get_model(mtraining.get_model)
     mtraining.calc_params_l2_norm = _wrap_calc_params_l2_norm(mtraining.calc_params_l2_norm)
     mtraining.get_forward_backward_func = _wrap_get_forward_backward_func(mtraining.get_forward_backward_func)

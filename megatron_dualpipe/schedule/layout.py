@@ -34,6 +34,21 @@ class Layout:
     def directions(self) -> Tuple[int, ...]:
         return (0, 1) if self.kind != UNIDIRECTIONAL else (0,)
 
+    @property
+    def dir_word(self) -> str:
+        """What ``Action.dir`` names in this layout: a direction, or (DualPipeV) a model chunk."""
+        return "chunk" if self.kind == V_SHAPE else "direction"
+
+    def dir_label(self, d: int) -> str:
+        """The one name of ``dir`` value ``d``, used by every text and picture."""
+        if self.kind == V_SHAPE:
+            first = self.stages(d)
+            way = "down the ranks" if d == 0 else "back up"
+            return f"chunk {d} (stages {first[0]}-{first[-1]}, {way})"
+        if self.kind == BIDIRECTIONAL:
+            return f"direction {d} (enters at rank {0 if d == 0 else self.pp - 1})"
+        return f"direction {d}"
+
     def stages(self, d: int) -> range:
         if self.kind == V_SHAPE and d == 1:
             return range(self.pp, 2 * self.pp)

@@ -9,8 +9,10 @@ and what each waits for.
 """
 from __future__ import annotations
 
+import heapq
+import math
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from .actions import B, BW, F, W, Action, format_grid, units
 from .deps import Event, event_of, event_rank, waits_for
@@ -33,6 +35,10 @@ class Costs:
     p2p: float = 0.0
 
     def __post_init__(self):
+        for name in ("f", "b", "w", "fb", "p2p"):
+            v = getattr(self, name)
+            if v is not None and not math.isfinite(v):
+                raise ValueError(f"cost --{name} must be a finite number, got {v}")
         for name in ("f", "b", "w", "p2p"):
             if getattr(self, name) < 0:
                 raise ValueError(f"cost --{name} must be >= 0, got {getattr(self, name)}")
@@ -47,6 +53,37 @@ class Costs:
 
     def of(self, a: Action) -> float:
         return {F: self.f, BW: self.b, B: self.b - self.w, W: self.w}[a.op]
+
+    def unit(self, acts: Sequence[Action]) -> float:
+        """The cost of one execution unit: one action, or a fused F&B pair (``fused``)."""
+        return self.fused if len(acts) == 2 else self.of(acts[0])
+
+    def holds_memory(self, a: Action) -> bool:
+        """Whether ``a`` keeps activations (or weight-gradient state) alive: every real action."""
+        return True
+
+    def scaled(self, k: float) -> "Costs":
+        """The compute costs times ``k`` (a model piece ``k`` times as large); ``p2p`` unchanged."""
+        return Costs(self.f * k, self.b * k, self.w * k, None if self.fb is None else self.fb * k, self.p2p)
+
+
+@dataclass(frozen=True)
+class PaddedCosts(Costs):
+    """Costs of a padded schedule: fake micro-batches (``is_fake(action)``) compute nothing, as
+    in the executor, so they cost 0 (their sends still pay ``p2p``)."""
+
+    is_fake: Callable[[Action], bool] = lambda a: False
+
+    @staticmethod
+    def wrap(costs: Costs, is_fake: Callable[[Action], bool]) -> "PaddedCosts":
+        return PaddedCosts(costs.f, costs.b, costs.w, costs.fb, costs.p2p, is_fake)
+
+    def holds_memory(self, a: Action) -> bool:
+        return not self.is_fake(a)
+
+    def unit(self, acts: Sequence[Action]) -> float:
+        real = [a for a in acts if not self.is_fake(a)]
+        return super().unit(acts) if len(real) == len(acts) else sum(self.of(a) for a in real)
 
 
 @dataclass
@@ -80,7 +117,16 @@ class SimResult:
                 "busy": self.busy}
 
 
-def simulate(layout: Layout, ranks: Sequence[Sequence[Action]], costs: Costs = Costs()) -> SimResult:
+def simulate(layout: Layout, ranks: Sequence[Sequence[Action]], costs: Costs = Costs(),
+             progress: Optional[Callable[[int, int], None]] = None) -> SimResult:
+    """Time every rank's list; ``progress(done, total)`` is called every few thousand units.
+
+    Event-driven: a rank's next unit enters a heap keyed by (start time, rank) as soon as
+    every event it waits for has finished (its start is then fixed), and a finished event
+    wakes only the ranks waiting for it. Popping the heap runs the ready unit that starts
+    earliest, lowest rank first on ties: O(units log pp), the same order a full scan of the
+    ranks at every step would pick.
+    """
     pp = len(ranks)
     plans = [units(acts) for acts in ranks]
     pos = [0] * pp
@@ -89,39 +135,45 @@ def simulate(layout: Layout, ranks: Sequence[Sequence[Action]], costs: Costs = C
     timelines = [RankTimeline(starts=[0.0] * len(a), ends=[0.0] * len(a)) for a in ranks]
     live = [0] * pp
     wstate = [0] * pp
+    ready: List[Tuple[float, int]] = []
+    waiting: Dict[Event, List[int]] = {}
 
-    remaining = sum(len(p) for p in plans)
+    def examine(r: int) -> None:
+        """Queue rank r's next unit if it can start, else wait for the first missing event."""
+        if pos[r] >= len(plans[r]):
+            return
+        unit = plans[r][pos[r]]
+        start = free_at[r]
+        for i in unit:
+            for e in waits_for(layout, ranks[r][i]):
+                if e in done:
+                    t, er = done[e]
+                    start = max(start, t + (costs.p2p if er != r else 0.0))
+                elif not any(event_of(ranks[r][j]) == e for j in unit if j < i):
+                    waiting.setdefault(e, []).append(r)
+                    return
+        heapq.heappush(ready, (start, r))
+
+    for r in range(pp):
+        examine(r)
+    total = sum(len(p) for p in plans)
+    remaining = total
     while remaining:
-        # Among ranks whose next unit is ready, run the one that can start earliest. A unit's
-        # readiness depends only on finished events, so this order is a valid event order.
-        best = None
-        for r in range(pp):
-            if pos[r] >= len(plans[r]):
-                continue
-            unit = plans[r][pos[r]]
-            start = free_at[r]
-            ready = True
-            for i in unit:
-                for e in waits_for(layout, ranks[r][i]):
-                    if e in done:
-                        t, er = done[e]
-                        start = max(start, t + (costs.p2p if er != r else 0.0))
-                    elif not any(event_of(ranks[r][j]) == e for j in unit if j < i):
-                        ready = False
-                        break
-                if not ready:
-                    break
-            if ready and (best is None or start < best[0]):
-                best = (start, r, unit)
-        if best is None:
+        if not ready:
             raise DeadlockError(_deadlock_message(layout, ranks, plans, pos, done))
-        start, r, unit = best
-        cost = costs.fused if len(unit) == 2 else costs.of(ranks[r][unit[0]])
+        start, r = heapq.heappop(ready)
+        unit = plans[r][pos[r]]
+        cost = costs.unit([ranks[r][i] for i in unit])
         end = start + cost
+        woken: List[int] = []
         for i in unit:
             a = ranks[r][i]
             timelines[r].starts[i], timelines[r].ends[i] = start, end
-            done[event_of(a)] = (end, r)
+            e = event_of(a)
+            done[e] = (end, r)
+            woken.extend(waiting.pop(e, ()))
+            if not costs.holds_memory(a):
+                continue
             if a.op == F:
                 live[r] += 1
             elif a.is_backward:
@@ -136,7 +188,13 @@ def simulate(layout: Layout, ranks: Sequence[Sequence[Action]], costs: Costs = C
         free_at[r] = end
         pos[r] += 1
         remaining -= 1
-    return SimResult(max(free_at), timelines)
+        examine(r)
+        for w in woken:
+            if w != r:
+                examine(w)
+        if progress is not None and remaining % 4096 == 0:
+            progress(total - remaining, total)
+    return SimResult(max(free_at, default=0.0), timelines)
 
 
 def _deadlock_message(layout, ranks, plans, pos, done) -> str:

@@ -1,0 +1,288 @@
+"""Which schedule to use for a model: ``megatron-dualpipe advise`` and :func:`advise`.
+
+Give what one pipeline stage of the model costs per micro-batch when 1F1B runs it (forward
+``f``, full backward ``b``, its weight-gradient part ``w``, optionally a fused F&B unit
+``fb``), how much memory one micro-batch's activations take on a stage, and how much one
+stage's parameters take with their gradients and optimizer state. :func:`advise` simulates
+every schedule on that model (``schedule.compare``: DualPipeV runs chunks of half a stage at
+half the costs) for each micro-batch count, and picks the fastest that fits the memory limit;
+within 1% of the fastest it prefers less memory, then Megatron's own 1F1B. The reason names
+the numbers: makespan, bubble, peak activations and parameter memory against 1F1B.
+
+The Megatron-LM integration can call it once with the first iteration's measured costs::
+
+    from megatron_dualpipe.advise import advise
+    from megatron_dualpipe.schedule.simulate import Costs
+
+    advice = advise(pp=8, microbatches=[32], costs=Costs(f=12.0, b=25.0, w=11.0),
+                    activation_memory=1.2, parameter_memory=9.5, memory_limit=80)
+    print(advice.format())        # or log advice.to_json()
+
+Standard library only (the simulator's layer), so it imports in milliseconds.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence
+
+from .schedule.compare import Row, align, compare, fmt
+from .schedule.registry import ONE_F_ONE_B, distinct_orders, get
+from .schedule.simulate import Costs
+
+HELP = "which schedule to use for measured stage costs and memory (bubble, activations, parameters per schedule)"
+#: Schedules within this fraction of the fastest count as equally fast.
+TIE = 0.01
+
+
+@dataclass(frozen=True)
+class Option:
+    """One schedule at one micro-batch count, with its memory."""
+
+    row: Row
+    activation_memory: float = 0.0
+    weight_grad_memory: float = 0.0
+    parameter_memory: float = 0.0
+    fits: bool = True
+
+    @property
+    def memory(self) -> float:
+        return self.activation_memory + self.weight_grad_memory + self.parameter_memory
+
+    def to_json(self) -> dict:
+        d = self.row.to_json()
+        if not self.row.problem:
+            d.update(activation_memory=self.activation_memory, weight_grad_memory=self.weight_grad_memory,
+                     parameter_memory=self.parameter_memory, memory=self.memory, fits=self.fits)
+        return d
+
+
+@dataclass(frozen=True)
+class Choice:
+    microbatches: int
+    options: List[Option]
+    best: Optional[str]
+    reason: str
+
+    def to_json(self) -> dict:
+        return {"microbatches": self.microbatches, "best": self.best, "reason": self.reason,
+                "options": [o.to_json() for o in self.options]}
+
+
+@dataclass(frozen=True)
+class Advice:
+    pp: int
+    costs: Costs
+    activation_memory: float
+    parameter_memory: float
+    weight_grad_memory: float
+    memory_limit: Optional[float]
+    choices: List[Choice] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        c = self.costs
+        return {"pp": self.pp, "stage_costs": {"f": c.f, "b": c.b, "w": c.w, "fb": c.fused, "p2p": c.p2p},
+                "activation_memory": self.activation_memory, "parameter_memory": self.parameter_memory,
+                "weight_grad_memory": self.weight_grad_memory, "memory_limit": self.memory_limit,
+                "choices": [ch.to_json() for ch in self.choices]}
+
+    def format(self) -> str:
+        return "\n".join(_format(self))
+
+
+def _check(name: str, value: Optional[float]) -> None:
+    if value is not None and (not math.isfinite(value) or value < 0):
+        raise ValueError(f"{name} must be a finite number >= 0, got {value}")
+
+
+def advise(pp: int, microbatches: Sequence[int], costs: Costs, activation_memory: float,
+           parameter_memory: float, memory_limit: Optional[float] = None, weight_grad_memory: float = 0.0,
+           names: Optional[Sequence[str]] = None) -> Advice:
+    """Simulate every schedule (or ``names``) on the model and choose one per micro-batch count.
+
+    ``costs``: one stage's costs per micro-batch under 1F1B. ``activation_memory``: one
+    micro-batch's activations on one stage. ``parameter_memory``: one stage's parameters with
+    their gradients and optimizer state. ``weight_grad_memory``: what one deferred weight
+    gradient keeps alive on a stage until its W runs (0: not counted). ``memory_limit``: per
+    rank, any unit as long as the memories use it too (None: no limit)."""
+    for name, v in (("activation memory", activation_memory), ("parameter memory", parameter_memory),
+                    ("weight-gradient memory", weight_grad_memory), ("memory limit", memory_limit)):
+        _check(name, v)
+    if not microbatches:
+        raise ValueError("give at least one micro-batch count")
+    choices = []
+    for m in microbatches:
+        options = []
+        for row in compare(pp, m, costs, names or distinct_orders()):
+            if row.problem:
+                options.append(Option(row, fits=False))
+                continue
+            act = row.peak_activations * activation_memory
+            wgrad = row.peak_weight_grad_states * weight_grad_memory
+            par = row.parameter_copies * parameter_memory
+            fits = memory_limit is None or act + wgrad + par <= memory_limit
+            options.append(Option(row, act, wgrad, par, fits))
+        best, reason = _choose(options, memory_limit)
+        choices.append(Choice(m, options, best, reason))
+    return Advice(pp, costs, activation_memory, parameter_memory, weight_grad_memory, memory_limit, choices)
+
+
+def _pct(a: float, b: float) -> str:
+    return f"{100 * (b - a) / b:.1f}%" if b > 0 else "0%"
+
+
+def _choose(options: List[Option], limit: Optional[float]):
+    runnable = [o for o in options if not o.row.problem]
+    if not runnable:
+        return None, "no schedule can run: " + "; ".join(o.row.problem for o in options)
+    fitting = [o for o in runnable if o.fits]
+    if not fitting:
+        least = min(runnable, key=lambda o: o.memory)
+        return None, (f"no schedule fits the memory limit {fmt(limit)}: the least memory is {least.row.name}'s "
+                      f"{fmt(least.memory)}; use a larger pp, recomputation, or a smaller micro-batch")
+    fastest = min(o.row.makespan for o in fitting)
+    order = {n: i for i, n in enumerate(distinct_orders())}
+    near = [o for o in fitting if o.row.makespan <= fastest * (1 + TIE)]
+    best = min(near, key=lambda o: (o.memory, order.get(o.row.name, len(order))))
+    r = best.row
+    base = next((o for o in runnable if o.row.name == ONE_F_ONE_B), None)
+    parts = [f"makespan {fmt(r.makespan)}, bubble {fmt(r.bubble)}"]
+    if base is not None and best is not base:
+        parts.append(f"{_pct(r.makespan, base.row.makespan)} shorter than {ONE_F_ONE_B}'s {fmt(base.row.makespan)} "
+                     f"(bubble {fmt(base.row.bubble)})")
+    memory = (f"peak memory {fmt(best.memory)} = activations {fmt(best.activation_memory)} + parameters "
+              f"{fmt(best.parameter_memory)}"
+              + (f" + pending W {fmt(best.weight_grad_memory)}" if best.weight_grad_memory else ""))
+    if base is not None and best is not base:
+        extra = best.memory - base.memory
+        memory += f" ({'+' if extra >= 0 else ''}{fmt(extra)} against {ONE_F_ONE_B})"
+    parts.append(memory)
+    quicker = [o for o in near if o.row.makespan < r.makespan]
+    if quicker:
+        q = min(quicker, key=lambda o: o.row.makespan)
+        parts.append(f"{q.row.name} is only {_pct(q.row.makespan, r.makespan)} faster ({fmt(q.row.makespan)}) and "
+                     f"needs {fmt(q.memory - best.memory)} more memory")
+    elif best is base and len(fitting) > 1:
+        nxt = min((o for o in fitting if o is not best), key=lambda o: o.row.makespan)
+        parts.append(f"no schedule that fits is more than {100 * TIE:g}% faster (next: {nxt.row.name}, "
+                     f"{fmt(nxt.row.makespan)}), and {ONE_F_ONE_B} is Megatron's own")
+    faster = [o for o in runnable if not o.fits and o.row.makespan < r.makespan]
+    if faster:
+        f = min(faster, key=lambda o: o.row.makespan)
+        parts.append(f"{f.row.name} would be {_pct(f.row.makespan, r.makespan)} faster but needs {fmt(f.memory)}, "
+                     f"over the limit {fmt(limit)}")
+    return best.row.name, f"{best.row.name}: " + "; ".join(parts)
+
+
+def _format(a: Advice) -> List[str]:
+    c = a.costs
+    out = [f"pp={a.pp}, one stage per micro-batch: f={fmt(c.f)} b={fmt(c.b)} w={fmt(c.w)} fb={fmt(c.fused)} "
+           f"p2p={fmt(c.p2p)} (DualPipeV runs chunks of half a stage at half these costs)",
+           f"memory: activations {fmt(a.activation_memory)} per micro-batch per stage, parameters "
+           f"{fmt(a.parameter_memory)} per stage copy (with gradients and optimizer state)"
+           + (f", pending W {fmt(a.weight_grad_memory)} each" if a.weight_grad_memory else
+              " (pending weight gradients not counted: --weight-grad-memory)")
+           + (f"; limit {fmt(a.memory_limit)} per rank" if a.memory_limit is not None else "; no memory limit")]
+    head = ("schedule", "M", "makespan", "bubble", "bubble %", "peak act.", "act. mem", "params", "param mem",
+            "memory", "fits")
+    for ch in a.choices:
+        out.append("")
+        out.append(f"M={ch.microbatches}: " + (f"use {ch.reason}" if ch.best else ch.reason))
+        table = [head]
+        for o in ch.options:
+            r = o.row
+            if r.problem:
+                table.append((r.name, "cannot run: " + r.problem))
+                continue
+            table.append((r.name, str(r.microbatches), fmt(r.makespan), fmt(r.bubble),
+                          f"{100 * r.bubble / r.makespan:.1f}" if r.makespan else "0", fmt(r.peak_activations),
+                          fmt(o.activation_memory), fmt(r.parameter_copies), fmt(o.parameter_memory), fmt(o.memory),
+                          "yes" if o.fits else "no") + (("<- best",) if r.name == ch.best else ()))
+        out.extend("  " + line for line in align(table, left=(0, 11)))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------------------------
+
+#: Most micro-batch counts one command compares.
+MAX_COUNTS = 16
+
+
+def parse_counts(text: str) -> List[int]:
+    """``16`` | ``8,12,16`` | ``8:64`` (8, 16, 32, 64: doubling) | ``8:64:8`` (step 8)."""
+    from .cli import CliError
+
+    try:
+        if ":" in text:
+            parts = [int(x) for x in text.split(":")]
+            if len(parts) not in (2, 3) or parts[0] < 1 or parts[1] < parts[0] or (len(parts) == 3 and parts[2] < 1):
+                raise ValueError
+            lo, hi = parts[0], parts[1]
+            if len(parts) == 3:
+                counts = list(range(lo, hi + 1, parts[2]))
+            else:
+                counts, m = [], lo
+                while m < hi:
+                    counts.append(m)
+                    m *= 2
+                counts.append(hi)
+        else:
+            counts = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise CliError(f"--microbatches {text!r}: give a count (16), a list (8,12,16), a doubling range (8:64) "
+                       f"or a range with a step (8:64:8), all positive") from None
+    if any(m < 1 for m in counts):
+        raise CliError(f"--microbatches {text!r}: counts must be positive")
+    if len(counts) > MAX_COUNTS:
+        raise CliError(f"--microbatches {text!r} gives {len(counts)} counts, more than {MAX_COUNTS}: use a larger step")
+    return sorted(set(counts))
+
+
+def configure(p) -> None:
+    from .cli import _add_cost_args
+
+    p.add_argument("--pp", required=True, type=int, metavar="P", help="pipeline-parallel size (ranks)")
+    p.add_argument("--microbatches", "-m", required=True, metavar="RANGE",
+                   help="micro-batches per iteration: 16, 8,12,16, 8:64 (doubling) or 8:64:8")
+    _add_cost_args(p, "measured costs of one pipeline stage per micro-batch, as 1F1B runs it (any time unit)",
+                   defaults=False)
+    g = p.add_argument_group("memory per rank (any unit, the same for all)")
+    g.add_argument("--activation-memory", type=float, required=True, metavar="X",
+                   help="activations of one micro-batch on one stage")
+    g.add_argument("--parameter-memory", type=float, required=True, metavar="X",
+                   help="one stage's parameters with their gradients and optimizer state")
+    g.add_argument("--weight-grad-memory", type=float, default=0.0, metavar="X",
+                   help="what one deferred weight gradient keeps alive until its W runs (default 0: not counted)")
+    g.add_argument("--memory-limit", type=float, default=None, metavar="X", help="memory per rank (default: none)")
+    p.add_argument("--schedules", metavar="NAMES", help="comma-separated subset (default: one per distinct order: "
+                   + ", ".join(distinct_orders()) + ")")
+    p.add_argument("--json", action="store_true", help="print the advice as JSON")
+
+
+def run(args) -> int:
+    import json
+
+    from .cli import CliError, _costs
+    from .cli_schedule import MAX_FORWARDS
+    from .progress import Progress
+
+    if args.pp < 1:
+        raise CliError(f"--pp must be a positive integer, got {args.pp}")
+    counts = parse_counts(args.microbatches)
+    names = [get(n).name for n in args.schedules.split(",")] if args.schedules else list(distinct_orders())
+    costs = _costs(args)
+    biggest = max(get(n).model_stages(args.pp) * max(counts) for n in names)
+    if biggest > MAX_FORWARDS:
+        raise CliError(f"pp={args.pp} with M={max(counts)} simulates {biggest} forward actions, more than the limit "
+                       f"of {MAX_FORWARDS}: the bubble and peak memory stop changing once M >= 2*pp, so use "
+                       f"smaller micro-batch counts")
+    with Progress(f"advise pp={args.pp}") as prog:
+        prog.phase(f"simulating {len(names)} schedules x {len(counts)} micro-batch counts")
+        advice = advise(args.pp, counts, costs, args.activation_memory, args.parameter_memory, args.memory_limit,
+                        args.weight_grad_memory, names)
+    if any(not math.isfinite(o.row.makespan) for ch in advice.choices for o in ch.options):
+        raise CliError("the costs are too large: the simulated time overflows; use smaller values or units")
+    print(json.dumps(advice.to_json()) if args.json else advice.format())
+    return 0

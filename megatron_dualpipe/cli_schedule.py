@@ -1,0 +1,240 @@
+"""``megatron-dualpipe schedule`` and ``simulate``: build a schedule, print it, time it, draw it.
+
+Both build what the executor runs: a micro-batch count the order cannot take on its own
+(DualPipe: odd, or below 2*pp) is padded with fake micro-batches, as in training, unless
+``--no-pad``. Sizes are bounded (:data:`MAX_FORWARDS`) so that every accepted command ends in
+seconds, with progress on stderr past a second.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from typing import List, Optional
+
+from .cli import CliError, _add_cost_args, _add_schedule_args, _check_writable, _costs, _write
+from .progress import Progress
+from .schedule.compare import fmt, table
+
+#: Largest schedule built: forward actions (micro-batches x model stages, fakes included). At
+#: this size the simulator takes a few seconds; a larger M only lengthens the steady state,
+#: while the bubble and the peak memory stop changing once M >= 2*pp.
+MAX_FORWARDS = 65536
+
+
+def _add_pad_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--pad", dest="pad", action="store_true", default=True,
+                   help="run a micro-batch count the order cannot take (DualPipe: odd, or below 2*pp) padded "
+                        "with fake micro-batches, as training does (default)")
+    p.add_argument("--no-pad", dest="pad", action="store_false", help="refuse such counts instead")
+
+
+def build(args, progress: Optional[Progress] = None):
+    """The (padded) schedule for ``args``, refusing sizes past :data:`MAX_FORWARDS` before building."""
+    from .schedule.compare import Padded
+    from .schedule.registry import ScheduleError, build_schedule, get
+
+    spec = get(args.schedule)
+    pp, m = args.pp, args.microbatches
+    if pp < 1:
+        raise CliError(f"pipeline size --pp must be a positive integer, got {pp}")
+    if m < 1:
+        raise CliError(f"number of micro-batches --microbatches must be a positive integer, got {m}")
+    problem = spec.pp_problem(pp)
+    if problem:
+        raise ScheduleError(problem)
+    if args.pad:
+        least = spec.min_real_microbatches(pp)
+        if m < least:
+            raise CliError(f"{spec.name} needs at least {least} micro-batches with pp={pp} (with fewer, "
+                           f"padding would fill most of the pipeline with fakes), got {m}: set --microbatches "
+                           f"to {least} or more")
+        run = spec.padded_microbatches(pp, m)
+    else:
+        problem = spec.microbatch_problem(pp, m)
+        if problem:
+            raise ScheduleError(problem + " (or drop --no-pad)")
+        run = m
+    forwards = spec.model_stages(pp) * run
+    if forwards > MAX_FORWARDS:
+        fit = MAX_FORWARDS // spec.model_stages(pp)
+        raise CliError(f"{spec.name} pp={pp} M={m} has {forwards} forward actions (M x {spec.model_stages(pp)} "
+                       f"model stages), more than the limit of {MAX_FORWARDS}: the bubble and peak memory stop "
+                       f"changing once M >= 2*pp, so use --microbatches {fit} or fewer"
+                       + ("" if fit >= spec.min_microbatches(pp) else " with a smaller --pp"))
+    if progress:
+        progress.phase(f"building {run} micro-batches x {pp} ranks")
+    return Padded(build_schedule(spec.name, pp, run), m)
+
+
+def _per_dir(s) -> str:
+    counts = s.microbatches_per_direction()
+    if len(counts) == 1:
+        return f"{counts[0]} micro-batches"
+    return ", ".join(f"{s.layout.dir_word} {d}: {n}" for d, n in sorted(counts.items()))
+
+
+def _padding_note(padded) -> str:
+    if not padded.fake_count:
+        return ""
+    return (f"{padded.real} micro-batches run as {padded.schedule.microbatches}: {padded.fake_count} fake "
+            f"(padding, as in training: no data, no compute; --no-pad refuses instead)")
+
+
+# ---------------------------------------------------------------------------------------------
+# schedule
+# ---------------------------------------------------------------------------------------------
+
+def configure_schedule(p: argparse.ArgumentParser) -> None:
+    _add_schedule_args(p)
+    _add_pad_args(p)
+    p.add_argument("--json", action="store_true", help="print the per-rank action lists as JSON")
+
+
+def run_schedule(args) -> int:
+    from .schedule import format_grid
+
+    with Progress(f"schedule {args.schedule} pp={args.pp} M={args.microbatches}") as prog:
+        padded = build(args, prog)
+        s = padded.schedule
+        if args.json:
+            doc = s.to_json()
+            if padded.fake_count:
+                doc["real_microbatches"] = padded.real
+            print(json.dumps(doc))
+            return 0
+        prog.phase("formatting")
+        text = format_grid(s.ranks)
+    layout = s.layout
+    print(f"{s.name}: pp={s.pp} M={s.microbatches} ({layout.kind} layout; {_per_dir(s)})")
+    note = _padding_note(padded)
+    if note:
+        print(note)
+    two = len(layout.directions) > 1
+    print("F forward, B input-grad backward, BW full backward, W deferred weight grad; "
+          f"F0.3 = {layout.dir_word + ' 0, ' if two else ''}micro-batch 3; '+' = F fused with the backward after it"
+          + (f"; {layout.dir_word}s: " + ", ".join(layout.dir_label(d) for d in layout.directions) if two else ""))
+    print(text)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# simulate
+# ---------------------------------------------------------------------------------------------
+
+def configure_simulate(p: argparse.ArgumentParser) -> None:
+    _add_schedule_args(p)
+    _add_pad_args(p)
+    _add_cost_args(p, "costs (hypothetical time units; dualpipev: per chunk, half a stage)")
+    p.add_argument("--json", action="store_true",
+                   help="print makespan, bubble, peak_activations, busy and the same-model comparison as JSON")
+    p.add_argument("--png", metavar="FILE", help="draw the timeline to a PNG (needs matplotlib)")
+    p.add_argument("--svg", metavar="FILE", help="draw the timeline to an SVG")
+
+
+#: The comparison simulates every schedule on the same model when their forward actions
+#: together stay under this (otherwise it is skipped with a note).
+COMPARE_BUDGET = 3 * MAX_FORWARDS
+
+
+def run_simulate(args) -> int:
+    import sys
+
+    from .schedule.compare import compare, orders_with, stage_fraction
+    from .schedule.registry import get
+    from .schedule.simulate import DeadlockError, simulate
+
+    costs = _costs(args)
+    for flag, path in (("--png", args.png), ("--svg", args.svg)):
+        if path is not None:
+            if not path.strip():
+                raise CliError(f"{flag} needs a file name, got an empty one")
+            _check_writable(path)
+    with Progress(f"simulate {args.schedule} pp={args.pp} M={args.microbatches}") as prog:
+        padded = build(args, prog)
+        s = padded.schedule
+        prog.phase("simulating")
+        try:
+            result = simulate(s.layout, s.ranks, padded.costs(costs), prog.update)
+        except DeadlockError as e:  # cannot happen for built schedules; keep the promise of one line
+            raise CliError(" ".join(line.strip() for line in str(e).splitlines()[:2])) from None
+        if not math.isfinite(result.makespan):
+            raise CliError(f"the costs are too large: the simulated time overflows ({result.makespan}); "
+                           f"use smaller values or units")
+        stage = costs.scaled(1 / stage_fraction(s.spec, s.pp))
+        names = orders_with(s.name)
+        work = sum(get(n).model_stages(s.pp) * get(n).padded_microbatches(s.pp, padded.real)
+                   for n in names if not get(n).pp_problem(s.pp)
+                   and padded.real >= get(n).min_real_microbatches(s.pp))
+        rows = None
+        if work <= COMPARE_BUDGET:
+            prog.phase("simulating every schedule on the same model")
+            rows = compare(s.pp, padded.real, stage, names, known={s.name: (padded, result)})
+        drawn = []
+        fake = padded.is_fake if padded.fake_count else None
+        if args.svg:
+            from .draw import to_svg
+
+            prog.phase(f"drawing {args.svg}")
+            _write(args.svg, to_svg(s, result, fake=fake))
+            drawn.append(args.svg)
+        if args.png:
+            try:
+                from .draw import to_png
+
+                prog.phase(f"drawing {args.png}")
+                to_png(s, result, args.png, fake=fake)
+            except ImportError:
+                raise CliError("--png needs matplotlib: pip install matplotlib") from None
+            except OSError as e:
+                raise CliError(f"cannot write {args.png}: {e.strerror or e}") from None
+            drawn.append(args.png)
+    if drawn:
+        from .draw import frame
+
+        note = frame(s, result).note
+        print(f"wrote {' and '.join(drawn)}" + (f" ({note})" if note else ""), file=sys.stderr)
+    if args.json:
+        doc = dict(result.to_json(), schedule=s.name, pp=s.pp, microbatches=s.microbatches,
+                   real_microbatches=padded.real,
+                   same_model=None if rows is None else [r.to_json() for r in rows])
+        print(json.dumps(doc))
+        return 0
+    print(_report(padded, costs, result, rows, stage, work))
+    return 0
+
+
+def _report(padded, costs, result, rows, stage, work) -> str:
+    s = padded.schedule
+    spec = s.spec
+    per = "per chunk (half a stage)" if spec.costs_per_chunk else "per stage"
+    unit = s.layout.dir_word + "s" if spec.costs_per_chunk else "micro-batches"
+    lines: List[str] = [f"{s.name}: pp={s.pp} M={s.microbatches} ({_per_dir(s)})"]
+    note = _padding_note(padded)
+    if note:
+        lines.append(note)
+    lines.append(f"costs {per}: f={fmt(costs.f)} b={fmt(costs.b)} w={fmt(costs.w)} fb={fmt(costs.fused)} "
+                 f"p2p={fmt(costs.p2p)}")
+    lines.append(f"makespan {fmt(result.makespan)}")
+    lines.append("")
+    head = f"peak activations ({unit})" if spec.costs_per_chunk else "peak activations"
+    lines.append(f"{'rank':>4}  {'busy':>10}  {'bubble':>10}  {head:>16}")
+    for r, tl in enumerate(result.ranks):
+        lines.append(f"{r:>4}  {fmt(tl.busy):>10}  {fmt(result.makespan - tl.busy):>10}  "
+                     f"{tl.peak_activations:>{len(head)}}")
+    lines.append("")
+    if rows is None:
+        lines.append(f"(the same-model comparison is skipped: it would simulate {work} forward actions, more than "
+                     f"{COMPARE_BUDGET}; use fewer micro-batches)")
+        return "\n".join(lines)
+    lines.append(f"the same model under every schedule, {padded.real} micro-batches, costs per stage f={fmt(stage.f)} "
+                 f"b={fmt(stage.b)} w={fmt(stage.w)} fb={fmt(stage.fused)}: 1F1B, ZB-H1 and DualPipe run a stage per "
+                 f"action, DualPipeV a chunk of half a stage at half these costs"
+                 + ("; p2p latency is not in the closed forms" if costs.p2p else "") + ":")
+    lines.extend("  " + line for line in table(rows, mark=s.name))
+    mine = next(r for r in rows if r.name == s.name)
+    if padded.fake_count:
+        lines.append("(padded runs: the closed forms assume full pipelines, no fake micro-batches)")
+    elif mine.formula is not None:
+        lines.append(f"{s.name}: simulated bubble - closed form = {fmt(mine.bubble - mine.formula)}")
+    return "\n".join(lines)

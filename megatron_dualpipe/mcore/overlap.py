@@ -1,0 +1,201 @@
+"""Fused F&B units through megatron-core's combined forward-backward step.
+
+DualPipe's point on a GPU: in a fused unit one direction's forward runs together with the other
+direction's backward, so that the MoE expert-parallel all-to-all of one hides behind the other's
+compute. megatron-core 0.16.1 already has that machinery for its interleaved 1F1B
+(``--overlap-moe-expert-parallel-comm``): ``pipeline_parallel.combined_1f1b.
+combined_forward_backward_step`` takes a forward model chunk and a *different* backward model
+chunk, and ``models.common.model_chunk_schedule_plan.TransformerModelChunkSchedulePlan.run``
+interleaves them layer by layer (forward of layer ``k`` with backward of layer ``L-1-k``; per
+layer: combine-backward, attention-forward, MLP-backward, dispatch-forward, MLP weight
+gradient, dispatch-backward, MLP-forward, combine-forward, attention-backward, attention weight
+gradient; the dispatch and combine run on a communication stream). This module runs DualPipe's
+units through it; it adds no scheduling of its own.
+
+:class:`OverlappedStageCompute` is the stage compute when the model offers the combined step
+(``config.overlap_moe_expert_parallel_comm``; the MoE layers need the alltoall or flex
+dispatcher and expert parallelism, which megatron-core checks): every forward and backward of the
+iteration goes through ``combined_forward_backward_step`` (the backward needs the schedule plan
+its forward left on the output tensor), a lone F with no backward model, a lone B/BW with no
+forward model, a fused unit (the runner's ``forward_backward`` hook) with both. Everything else
+(loss scaling, MoE aux-loss scale, ``calculate_per_token_loss``, token counts) is megatron-core's
+own ``forward_step_calc_loss``, as in ``schedules.forward_step``.
+
+What holds inside the combined step, for both chunks and every layout:
+
+* the forward's direction: ``parallel_state`` answers for the forward's stage while the user's
+  ``forward_step_func`` runs (``direction.direction_of``, as in a plain F);
+* the loss is computed where the forward's *direction* ends, not where the physical pipeline
+  ends: the combined step asks ``parallel_state.is_pipeline_last_stage()``, which is wrong for
+  DualPipeV's direction 0 on the last rank (its stage ``pp-1`` is the turn of the V, not the
+  end) and for DualPipe's direction 1. For the duration of the call,
+  ``schedules.forward_step_calc_loss`` (looked up by the combined step at call time) receives
+  ``is_last_stage`` from the layout and the context-parallel size, exactly as the executor's
+  plain forward passes them;
+* the embedding: each chunk was built with its own ``pre_process``/``post_process``
+  (``mcore.model``), which is what the schedule plan's pre- and post-process nodes read;
+* zero bubble: a B action runs inside ``WeightGradStore.deferring`` (local linears defer their
+  weight gradients to W); fused units carry full backwards (BW), as in DeepSeek's reference.
+
+The pp/vpp assertion: megatron-core's ``TransformerConfig`` refuses
+``overlap_moe_expert_parallel_comm`` with ``pipeline_model_parallel_size > 1`` unless a virtual
+pipeline is configured, because its only combined path with pipelining is the interleaved one.
+DualPipe supplies the fused units itself, so :func:`enable_combined_step` sets the flag on a
+config that megatron-core has already checked, after checking the remaining requirements of the
+combined step itself (an adapter: megatron-core is not modified). DualPipeV's chunks are built
+with ``virtual_pipeline_model_parallel_size=2`` (``mcore.model.dualpipev_config``) and pass the
+assertion as they are. megatron-core also asks for bf16/fp16; the adapter does not: the combined
+step calls the unwrapped ``GPTModel`` (bypassing ``Float16Module``'s casts) and its only
+dtype-specific step is the fp16-to-fp32 cast of the loss, which is the identity in fp32 (the CPU
+proof runs in fp32).
+
+Not covered: Transformer Engine with ``delay_wgrad_compute`` computes its weight gradients inside
+the combined step (the schedule plan calls ``backward_dw`` itself), so with it B actions keep the
+TE weight gradients in B; MTP; CUDA graphs. On the CPU the sub-steps run in order on one stream:
+the order and the numbers are verified there, the overlap itself only exists on a GPU.
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+from typing import Iterator, List, Optional
+
+from megatron.core.pipeline_parallel import combined_1f1b, schedules
+from megatron.core.pipeline_parallel import utils as pp_utils
+
+from ..schedule import Action
+from .direction import direction_of
+from .stage_compute import MegatronStageCompute
+from .validation import DualPipeConfigError
+
+log = logging.getLogger("megatron_dualpipe")
+
+__all__ = ["COMBINED_STEP_FLAGS", "OverlappedStageCompute", "combined_step_problems", "enable_combined_step",
+           "offers_combined_step"]
+
+#: The config flags megatron-core's ``TransformerConfig`` checks against a virtual pipeline;
+#: :func:`enable_combined_step` sets them after its checks.
+COMBINED_STEP_FLAGS = ("overlap_moe_expert_parallel_comm", "delay_wgrad_compute")
+
+
+def offers_combined_step(config, forward_only: bool = False) -> bool:
+    """Whether an iteration runs through megatron-core's combined step (evaluation never does)."""
+    return bool(getattr(config, "overlap_moe_expert_parallel_comm", False)) and not forward_only
+
+
+def combined_step_problems(config) -> List[str]:
+    """What megatron-core's combined step needs besides the virtual pipeline (its
+    ``TransformerConfig`` checks, minus pp/vpp and bf16/fp16: see the module docstring; MTP and
+    CUDA graphs, which it also restricts, DualPipe refuses anyway).
+
+    ``config`` is a ``TransformerConfig`` or Megatron-LM's ``args`` (same names, but
+    ``num_experts`` for ``num_moe_experts``)."""
+    problems = []
+    if (getattr(config, "expert_model_parallel_size", 1) or 1) <= 1:
+        problems.append("it overlaps the expert-parallel all-to-all: set --expert-model-parallel-size > 1")
+    if getattr(config, "num_moe_experts", getattr(config, "num_experts", None)) is None:
+        problems.append("it needs an MoE model: set --num-experts")
+    if getattr(config, "moe_token_dispatcher_type", None) not in ("alltoall", "flex"):
+        problems.append("it needs --moe-token-dispatcher-type alltoall or flex, got "
+                        f"{getattr(config, 'moe_token_dispatcher_type', None)!r}")
+    if getattr(config, "recompute_granularity", None) == "full" or getattr(config, "recompute_method", None) \
+            or getattr(config, "recompute_num_layers", None):
+        problems.append("it cannot recompute full layers: remove --recompute-granularity full / "
+                        "--recompute-method / --recompute-num-layers")
+    if getattr(config, "moe_shared_expert_overlap", False):
+        problems.append("it cannot be combined with --moe-shared-expert-overlap: remove it")
+    return problems
+
+
+def enable_combined_step(config, delay_wgrad_compute: bool = False):
+    """Turn on ``overlap_moe_expert_parallel_comm`` (and optionally ``delay_wgrad_compute``) on a
+    ``TransformerConfig`` that megatron-core has built and checked; returns it.
+
+    Raises :class:`DualPipeConfigError` listing what the combined step needs. Call it before the
+    model is built (the chunks share the config object)."""
+    problems = combined_step_problems(config)
+    if problems:
+        raise DualPipeConfigError("--overlap-moe-expert-parallel-comm with DualPipe: " + "; ".join(problems))
+    config.overlap_moe_expert_parallel_comm = True
+    config.delay_wgrad_compute = bool(delay_wgrad_compute)
+    return config
+
+
+@contextlib.contextmanager
+def _loss_where(is_last_stage: bool, cp_size: int) -> Iterator[None]:
+    """Inside the combined step, ``forward_step_calc_loss`` is told where the direction ends."""
+    original = schedules.forward_step_calc_loss
+
+    def forward_step_calc_loss(*args, **kwargs):
+        kwargs["cp_group_size"], kwargs["is_last_stage"] = cp_size, is_last_stage
+        return original(*args, **kwargs)
+
+    schedules.forward_step_calc_loss = forward_step_calc_loss
+    try:
+        yield
+    finally:
+        schedules.forward_step_calc_loss = original
+
+
+class OverlappedStageCompute(MegatronStageCompute):
+    """:class:`MegatronStageCompute` whose F, B, BW and fused F&B units all run through
+    megatron-core's ``combined_forward_backward_step`` (see the module docstring)."""
+
+    #: Whether this process has said once that the combined step is in use.
+    announced = False
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        _check_forward_step_func(self.forward_step_func)
+        pp_utils.set_streams()  # once per process: the compute and communication streams
+        if not OverlappedStageCompute.announced:
+            OverlappedStageCompute.announced = True
+            log.info("megatron-dualpipe: %s pipeline rank %d: fused F&B units run through megatron-core's combined "
+                     "step (--overlap-moe-expert-parallel-comm)", self.spec.name, self.rank)
+
+    def forward(self, a: Action, input_tensor):
+        return self._combined(a, input_tensor, None, None)[0]
+
+    def backward(self, a: Action, output_grad):
+        return self._combined(None, None, a, output_grad)[1]
+
+    def forward_backward(self, f_action: Action, b_action: Action, input_tensor, output_grad):
+        """One direction's forward and the other's backward in one combined step."""
+        return self._combined(f_action, input_tensor, b_action, output_grad)
+
+    def _combined(self, fa: Optional[Action], input_tensor, ba: Optional[Action], output_grad):
+        f_model = b_model = b_input = b_output = data = None
+        g, is_first_mb, store = None, False, []
+        with contextlib.ExitStack() as stack:
+            if fa is not None:
+                g, is_first_mb = self._begin_forward(fa)
+                f_model, data, store = self.model[fa.dir], self.source.view(g), self.loss_store[fa.dir]
+                stack.enter_context(direction_of(self.layout, self.rank, fa.dir, self.global_ranks))
+                stack.enter_context(_loss_where(self.layout.is_last(fa.dir, fa.stage), self.cp_size))
+            if ba is not None:
+                b_model = self.model[ba.dir]
+                b_input, b_output = self.saved.pop((ba.dir, ba.mb, ba.stage))
+                self._defer_weight_grads(ba, stack)
+            output, num_tokens, input_grad = combined_1f1b.combined_forward_backward_step(
+                self.forward_step_func, data, f_model, self.real, input_tensor, store, b_model, b_input, b_output,
+                output_grad, self.config, collect_non_loss_data=self.collect_non_loss_data,
+                is_first_microbatch=is_first_mb, current_microbatch=g)
+        if fa is not None:
+            self._end_forward(fa, input_tensor, output, num_tokens)
+        if ba is not None:
+            self._gradient_done(ba)
+        return output, input_grad
+
+
+def _check_forward_step_func(func) -> None:
+    try:
+        params = inspect.signature(func).parameters
+    except (TypeError, ValueError):
+        return
+    if "return_schedule_plan" in params or any(p.kind == p.VAR_KEYWORD for p in params.values()):
+        return
+    raise DualPipeConfigError(
+        "--overlap-moe-expert-parallel-comm needs a forward_step_func(data_iterator, model, "
+        "return_schedule_plan=False) that returns (model.build_schedule_plan(...), loss_func) when "
+        "return_schedule_plan is True, as Megatron-LM's pretrain_gpt.forward_step does")

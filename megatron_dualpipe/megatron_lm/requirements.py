@@ -1,0 +1,37 @@
+"""What Megatron-LM's training code needs beyond torch and megatron-core, and a check for it.
+
+``pretrain_gpt.py`` and ``megatron/training`` import these unconditionally (``pybind11``
+builds the dataset helper when training starts). ``setup.py`` reads :data:`PACKAGES` for the
+``megatron-lm`` install extra, so the extra and the launcher's preflight cannot disagree.
+
+Standard library only, and no relative imports: ``setup.py`` runs this file on its own.
+"""
+import importlib.util
+import sys
+
+#: import name -> pip package.
+PACKAGES = {"six": "six", "regex": "regex", "yaml": "pyyaml", "pydantic": "pydantic", "pybind11": "pybind11"}
+#: Install command for all of them, from a checkout of this project.
+EXTRA = "megatron-lm"
+
+
+def _importable(module):
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def missing():
+    """The pip packages of :data:`PACKAGES` whose module this interpreter cannot import."""
+    return [pip for module, pip in PACKAGES.items() if not _importable(module)]
+
+
+def problem():
+    """One line naming what is missing and the command that installs it, or None."""
+    lacking = missing()
+    if not lacking:
+        return None
+    return (f"Megatron-LM's training code needs {', '.join(lacking)}, missing from {sys.executable}: "
+            f"{sys.executable} -m pip install {' '.join(lacking)} "
+            f"(or pip install -e '.[{EXTRA}]' from the megatron-dualpipe checkout)")

@@ -1,0 +1,72 @@
+"""Progress on stderr for command-line work that may take more than a second.
+
+Nothing is printed for work that ends within :data:`QUIET_SECONDS`, so quick commands stay
+quiet. Past that, a background thread reports the current phase (and its fraction when the
+work reports one) once a second: rewriting one line on a terminal, one line every few seconds
+otherwise. The work itself needs no change beyond naming its phases::
+
+    with Progress("simulate dualpipe pp=64 M=1024") as p:
+        p.phase("building the schedule")
+        s = build_schedule(...)
+        p.phase("simulating")
+        simulate(..., progress=p.update)
+"""
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from typing import Optional, TextIO
+
+#: Work shorter than this prints nothing.
+QUIET_SECONDS = 1.0
+
+
+class Progress:
+    def __init__(self, what: str, stream: Optional[TextIO] = None, interval: Optional[float] = None):
+        self.what = what
+        self.stream = stream if stream is not None else sys.stderr
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.interval = interval if interval is not None else (1.0 if self.tty else 5.0)
+        self._phase = ""
+        self._fraction: Optional[float] = None
+        self._start = time.monotonic()
+        self._stop = threading.Event()
+        self._printed = False
+        self._thread = threading.Thread(target=self._tick, name="progress", daemon=True)
+
+    def __enter__(self) -> "Progress":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        if self._printed and self.tty:
+            self._write("\r\033[K")
+
+    def phase(self, name: str) -> None:
+        self._phase, self._fraction = name, None
+
+    def update(self, done: int, total: int) -> None:
+        self._fraction = done / total if total else None
+
+    def line(self) -> str:
+        frac = "" if self._fraction is None else f" {100 * self._fraction:.0f}%"
+        return f"{self.what}: {self._phase}{frac} ({time.monotonic() - self._start:.0f} s)"
+
+    def _tick(self) -> None:
+        if self._stop.wait(QUIET_SECONDS):
+            return
+        while True:
+            self._write(("\r\033[K" + self.line()) if self.tty else self.line() + "\n")
+            self._printed = True
+            if self._stop.wait(self.interval):
+                return
+
+    def _write(self, text: str) -> None:
+        try:
+            self.stream.write(text)
+            self.stream.flush()
+        except (OSError, ValueError):  # stderr closed or gone: progress is optional
+            pass

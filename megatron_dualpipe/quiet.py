@@ -1,0 +1,33 @@
+"""Silence the warnings megatron-core prints on every run without Transformer Engine or Apex.
+
+On a CPU machine (and on any machine without those optional packages) each process prints
+seven of them at import and model build -- 28 lines for a 4-process run before the first
+iteration -- and none asks the user to do anything: megatron-core falls back to its local
+layers and torch's optimizers, which is what the CPU mode wants. :func:`silence_known_warnings`
+filters exactly those messages (matched by their beginning) and nothing else; callers print
+one line instead (:data:`SUMMARY`).
+"""
+from __future__ import annotations
+
+import re
+import warnings
+
+#: Beginnings of the known harmless messages, and why each is harmless.
+KNOWN_WARNINGS = (
+    ("Transformer Engine and Apex are not installed",
+     "megatron-core falls back to its local fused-op implementations and torch's optimizers"),
+    ("Apex is not installed. Falling back to Torch Norm",
+     "the local layer spec uses torch's LayerNorm"),
+    ("full scope is deprecated",
+     "raised by TransformerConfig's own default cuda_graph_scope; CUDA graphs are off"),
+)
+
+#: The one line printed in place of the silenced warnings.
+SUMMARY = ("no Transformer Engine / Apex: megatron-core's local layers and torch's optimizers "
+           "(their fallback warnings are silenced)")
+
+
+def silence_known_warnings() -> None:
+    """Ignore the :data:`KNOWN_WARNINGS` in this process (idempotent)."""
+    for start, _why in KNOWN_WARNINGS:
+        warnings.filterwarnings("ignore", message=re.escape(start))

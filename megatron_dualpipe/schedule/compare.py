@@ -1,0 +1,164 @@
+"""One model under every schedule: what each would cost, from the simulator.
+
+Costs here are per *stage* of a pp-stage pipeline: one rank's share of the model under 1F1B,
+ZB-H1 and DualPipe. DualPipeV cuts the same model into 2*pp chunks of half a stage, so it
+runs at half those costs per chunk, and its activation counts (in chunks) are halved to
+stages. Comparing the schedules at the same per-chunk costs instead would make 1F1B's stage
+as cheap as half a stage.
+
+A short batch runs padded, as the executor runs it (``ScheduleSpec.padded_microbatches``):
+fake micro-batches compute nothing and cost nothing (``PaddedCosts``).
+
+Standard library only, like the rest of ``schedule``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+from .actions import Action
+from .registry import Schedule, ScheduleError, ScheduleSpec, build_schedule, distinct_orders, get
+from .simulate import Costs, PaddedCosts, SimResult, simulate
+
+
+def stage_fraction(spec: ScheduleSpec, pp: int) -> float:
+    """How much of one pipeline stage a model chunk of ``spec`` is (DualPipeV: 1/2)."""
+    return pp / spec.model_stages(pp)
+
+
+def parameter_copies(spec: ScheduleSpec, pp: int) -> float:
+    """Stages' worth of parameters (and their gradients and optimizer state) one rank holds:
+    DualPipe 2 (a stage and its partner's mirror), every other schedule 1."""
+    return spec.chunks_per_rank * stage_fraction(spec, pp)
+
+
+@dataclass(frozen=True)
+class Padded:
+    """A schedule built for ``real`` micro-batches, padded with fakes where the order needs more."""
+
+    schedule: Schedule
+    real: int
+
+    @property
+    def fake_count(self) -> int:
+        return self.schedule.microbatches - self.real
+
+    def is_fake(self, a: Action) -> bool:
+        return self.schedule.spec.is_fake(self.real, a.dir, a.mb)
+
+    def costs(self, costs: Costs) -> Costs:
+        """``costs`` with the fake micro-batches free (unchanged when nothing is padded)."""
+        return PaddedCosts.wrap(costs, self.is_fake) if self.fake_count else costs
+
+
+def build_padded(name: str, pp: int, real: int) -> Padded:
+    """The schedule the executor runs for ``real`` micro-batches (:class:`ScheduleError` if none)."""
+    spec = get(name)
+    problem = spec.pp_problem(pp)
+    if problem:
+        raise ScheduleError(problem)
+    return Padded(build_schedule(name, pp, spec.padded_microbatches(pp, real)), real)
+
+
+@dataclass(frozen=True)
+class Row:
+    """One schedule on the model: numbers, or ``problem`` saying why it cannot run."""
+
+    name: str
+    problem: Optional[str] = None
+    microbatches: int = 0          # run, fakes included
+    costs: Optional[Costs] = None  # as simulated: per stage, or per chunk (DualPipeV)
+    makespan: float = 0.0
+    bubble: float = 0.0            # maximum over ranks
+    formula: Optional[float] = None
+    peak_activations: float = 0.0  # stages' worth of one micro-batch's activations, maximum over ranks
+    peak_weight_grad_states: float = 0.0  # deferred weight gradients pending (stages' worth)
+    parameter_copies: float = 0.0  # stages' worth of parameters per rank
+
+    def to_json(self) -> dict:
+        if self.problem:
+            return {"schedule": self.name, "problem": self.problem}
+        return {"schedule": self.name, "microbatches": self.microbatches, "makespan": self.makespan,
+                "bubble": self.bubble, "formula_bubble": self.formula, "peak_activations": self.peak_activations,
+                "peak_weight_grad_states": self.peak_weight_grad_states,
+                "parameter_copies": self.parameter_copies,
+                "costs": {"f": self.costs.f, "b": self.costs.b, "w": self.costs.w, "fb": self.costs.fused,
+                          "p2p": self.costs.p2p}}
+
+
+Progress = Optional[Callable[[int, int], None]]
+#: name -> (the padded schedule, its simulation), for schedules a caller has simulated already.
+Known = Dict[str, Tuple[Padded, SimResult]]
+
+
+def run(name: str, pp: int, real: int, stage_costs: Costs, progress: Progress = None,
+        known: Optional[Known] = None) -> Row:
+    """Simulate ``name`` on the model whose stages cost ``stage_costs``."""
+    spec = get(name)
+    frac = stage_fraction(spec, pp)
+    costs = stage_costs.scaled(frac)
+    if known and name in known:
+        padded, res = known[name]
+    else:
+        try:
+            padded = build_padded(name, pp, real)
+        except ScheduleError as e:
+            return Row(name, problem=str(e))
+        s = padded.schedule
+        res = simulate(s.layout, s.ranks, padded.costs(costs), progress)
+    return Row(name, None, padded.schedule.microbatches, costs, res.makespan, max(res.bubble),
+               spec.formula_bubble(pp, costs), max(res.peak_activations) * frac,
+               max(t.peak_weight_grad_states for t in res.ranks) * frac, parameter_copies(spec, pp))
+
+
+def orders_with(name: str) -> List[str]:
+    """One schedule per distinct order, ``name`` standing for its own order (``executor-1f1b``
+    for ``1f1b``)."""
+    mine = get(name)
+    return [name if (get(n).generator, get(n).layout_kind) == (mine.generator, mine.layout_kind) else n
+            for n in distinct_orders()]
+
+
+def compare(pp: int, real: int, stage_costs: Costs, names: Optional[Sequence[str]] = None,
+            known: Optional[Known] = None) -> List[Row]:
+    """Every schedule (one per distinct order unless ``names``) on the same model."""
+    return [run(n, pp, real, stage_costs, known=known) for n in (names or distinct_orders())]
+
+
+def fmt(x: Optional[float]) -> str:
+    """A number as short as it can be said: 3, 2.5, 0.333, n/a, inf."""
+    if x is None:
+        return "n/a"
+    if not math.isfinite(x):
+        return str(x)
+    return str(int(x)) if x == int(x) else f"{x:.3f}".rstrip("0").rstrip(".")
+
+
+def table(rows: Sequence[Row], mark: Optional[str] = None) -> List[str]:
+    """Rows of :func:`compare` as an aligned text table; ``mark`` flags one schedule."""
+    cells: List[Sequence[str]] = [("schedule", "M", "makespan", "bubble", "closed form", "peak act.", "params"),
+                                  ("", "", "", "", "(its own costs)", "(stages)", "(stages/rank)")]
+    for r in rows:
+        if r.problem:
+            cells.append((r.name, "cannot run: " + r.problem))
+            continue
+        cells.append((r.name, str(r.microbatches), fmt(r.makespan), fmt(r.bubble),
+                      f"{get(r.name).bubble_formula} = {fmt(r.formula)}", fmt(r.peak_activations),
+                      fmt(r.parameter_copies)) + (("<- this schedule",) if r.name == mark else ()))
+    return align(cells, left=(0, 4, 7))
+
+
+def align(rows: Sequence[Sequence[str]], left: Sequence[int] = (0,)) -> List[str]:
+    """Text columns, right-aligned but for ``left``; a row of two cells (a name and a sentence)
+    is printed as it is."""
+    full = [r for r in rows if len(r) > 2]
+    widths = [max(len(r[i]) for r in full if i < len(r)) for i in range(max(len(r) for r in full))]
+    out = []
+    for r in rows:
+        if len(r) == 2:
+            out.append(f"{r[0]:<{widths[0]}}  {r[1]}")
+        else:
+            out.append("  ".join(c.ljust(widths[i]) if i in left else c.rjust(widths[i])
+                                 for i, c in enumerate(r)).rstrip())
+    return out
