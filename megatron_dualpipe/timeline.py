@@ -92,19 +92,25 @@ def measured(ranks: Sequence[dict]):
     return schedule, SimResult(makespan, timelines), waits
 
 
-def estimated_costs(schedule, result):
-    """Per op (F, full backward, W, fused unit), the largest of the ranks' median durations
-    (ms): the simulator takes one cost per op, and the slowest stage sets the pipeline's pace."""
-    from .schedule.actions import B, BW, F, W, units
-    from .schedule.simulate import Costs
+def op_medians(record: dict) -> Dict[str, float]:
+    """One rank's recorded call: per op (``F``, ``B``, ``W``, ``BW``; ``FB`` for a fused unit)
+    the median duration in ms of its units."""
+    from .schedule import Action
 
-    per_rank: List[Dict[str, float]] = []
-    for acts, tl in zip(schedule.ranks, result.ranks):
-        spans: Dict[str, List[float]] = {}
-        for u in units(acts):
-            key = "FB" if len(u) == 2 else acts[u[0]].op
-            spans.setdefault(key, []).append(tl.ends[u[0]] - tl.starts[u[0]])
-        per_rank.append({k: statistics.median(v) for k, v in spans.items()})
+    ops = [Action.from_json(a).op for a in record["actions"]]
+    spans: Dict[str, List[float]] = {}
+    for indices, _, started, ended in record["units"]:
+        key = "FB" if len(indices) == 2 else ops[indices[0]]
+        spans.setdefault(key, []).append((ended - started) * 1e3)
+    return {k: statistics.median(v) for k, v in spans.items()}
+
+
+def slowest_costs(per_rank: Sequence[Dict[str, float]]):
+    """The simulator's costs from the ranks' :func:`op_medians`: per op the largest (the simulator
+    takes one cost per op, and the slowest stage sets the pipeline's pace); a full backward is
+    ``BW``, or ``B`` + ``W`` when the schedule split it."""
+    from .schedule.actions import B, BW, F, W
+    from .schedule.simulate import Costs
 
     def slowest(key: str) -> Optional[float]:
         found = [m[key] for m in per_rank if key in m]
@@ -152,7 +158,7 @@ def run(args) -> int:
 
     ranks = pick(load(args.directory), args.iteration, args.global_rank)
     schedule, real, waits = measured(ranks)
-    costs = estimated_costs(schedule, real)
+    costs = slowest_costs([op_medians(r) for r in ranks])
     sim = simulate(schedule.layout, schedule.ranks, costs)
     fb = "" if costs.fb is None else f" fb={costs.fb:.2f}"
     cost_text = f"f={costs.f:.2f} b={costs.b:.2f} w={costs.w:.2f}{fb} ms"

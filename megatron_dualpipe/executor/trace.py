@@ -7,7 +7,8 @@ iteration). Each rank appends one JSON line per recorded ``run_rank`` call to
 unit the seconds (from the call's wall-clock start) at which it began waiting for its inputs,
 started computing and ended. Recording costs three clock reads per unit and one file write per
 iteration. ``megatron-dualpipe trace DIR`` turns the files into a Perfetto trace and a picture
-(:mod:`megatron_dualpipe.timeline`). Standard library only.
+(:mod:`megatron_dualpipe.timeline`). :class:`KeptRecorder` keeps the records in memory instead
+(the live advice measures an iteration with it). Standard library only.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import functools
 import json
 import os
 import time
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 ENV_DIR = "MEGATRON_DUALPIPE_TRACE"
 ENV_EVERY = "MEGATRON_DUALPIPE_TRACE_EVERY"
@@ -37,14 +38,33 @@ class TraceRecorder:
         self.calls += 1
         if call % self.every:
             return None
-        return IterationRecord(self.directory, call, program, rank, list(global_ranks))
+        return IterationRecord(call, program, rank, list(global_ranks), self._write)
+
+    def _write(self, line: dict) -> None:
+        path = os.path.join(self.directory, f"rank{line['global_rank']:05d}.jsonl")
+        with open(path, "a", encoding="utf-8") as fh:
+            fh.write(json.dumps(line, separators=(",", ":")) + "\n")
+
+
+class KeptRecorder:
+    """Records every ``run_rank`` call it is given into :attr:`records` (same dicts as the files),
+    with the ``perf_counter`` time each call's unit times count from in :attr:`origins`."""
+
+    def __init__(self):
+        self.records: List[dict] = []
+        self.origins: List[float] = []
+
+    def begin(self, program, rank: int, global_ranks: Sequence[int]) -> "IterationRecord":
+        record = IterationRecord(len(self.origins), program, rank, list(global_ranks), self.records.append)
+        self.origins.append(record.start)
+        return record
 
 
 class IterationRecord:
-    """One rank's timings of one ``run_rank`` call; :meth:`end` writes them."""
+    """One rank's timings of one ``run_rank`` call; :meth:`end` hands them to ``sink``."""
 
-    def __init__(self, directory: str, call: int, program, rank: int, global_ranks: List[int]):
-        self.directory, self.call, self.program, self.rank = directory, call, program, rank
+    def __init__(self, call: int, program, rank: int, global_ranks: List[int], sink: Callable[[dict], None]):
+        self.call, self.program, self.rank, self.sink = call, program, rank, sink
         self.global_ranks = global_ranks
         self.wall_start = time.time()
         self.start = time.perf_counter()
@@ -64,8 +84,7 @@ class IterationRecord:
             "units": [[list(ix), round(w - self.start, 6), round(b - self.start, 6), round(e - self.start, 6)]
                       for ix, w, b, e in self.units],
         }
-        with open(os.path.join(self.directory, f"rank{g:05d}.jsonl"), "a", encoding="utf-8") as fh:
-            fh.write(json.dumps(line, separators=(",", ":")) + "\n")
+        self.sink(line)
 
 
 def trace_from_env() -> Optional[TraceRecorder]:

@@ -47,6 +47,7 @@ from ..executor.runner import Program, TensorSpec, compile_program, run_rank
 from ..schedule import B, registry
 from .data import MicrobatchSource
 from .grads import GradReduction, finalize_dualpipe_grads
+from .live_advice import LiveAdvice
 from .loss_gather import gather_losses_on_last_rank
 from .overlap import OverlappedStageCompute, offers_combined_step
 from .stage_compute import MegatronStageCompute
@@ -61,7 +62,9 @@ def get_forward_backward_func(schedule: str = registry.DEFAULT, **options) -> Ca
     """The ``forward_backward_func`` for a schedule name (see the module docstring).
 
     ``options`` (executor schedules only): ``zero_bubble`` (default True), ``p2p_timeout``
-    (seconds, default ``MEGATRON_DUALPIPE_P2P_TIMEOUT`` or 600).
+    (seconds, default ``MEGATRON_DUALPIPE_P2P_TIMEOUT`` or 600), ``advise`` (default False: log
+    ``megatron-dualpipe advise`` for the first training iteration's measured costs, see
+    :mod:`.live_advice`).
     """
     try:
         spec = registry.get(schedule)
@@ -74,15 +77,16 @@ def get_forward_backward_func(schedule: str = registry.DEFAULT, **options) -> Ca
 
 
 @functools.lru_cache(maxsize=None)
-def _executor_schedule(name: str, zero_bubble: bool = True, p2p_timeout: float = DEFAULT_TIMEOUT_S):
+def _executor_schedule(name: str, zero_bubble: bool = True, p2p_timeout: float = DEFAULT_TIMEOUT_S,
+                       advise: bool = False):
     """One instance per (schedule, options): Megatron-LM asks for the function every iteration."""
-    return ExecutorSchedule(registry.get(name), zero_bubble=zero_bubble, p2p_timeout=p2p_timeout)
+    return ExecutorSchedule(registry.get(name), zero_bubble=zero_bubble, p2p_timeout=p2p_timeout, advise=advise)
 
 
 def forward_backward_dualpipe(*, schedule: str = registry.DUALPIPE, zero_bubble: bool = True,
-                              p2p_timeout: float = DEFAULT_TIMEOUT_S, **kwargs):
+                              p2p_timeout: float = DEFAULT_TIMEOUT_S, advise: bool = False, **kwargs):
     """Run one iteration of an executor schedule: ``get_forward_backward_func(schedule, ...)(**kwargs)``."""
-    func = get_forward_backward_func(schedule, zero_bubble=zero_bubble, p2p_timeout=p2p_timeout)
+    func = get_forward_backward_func(schedule, zero_bubble=zero_bubble, p2p_timeout=p2p_timeout, advise=advise)
     if not isinstance(func, ExecutorSchedule):
         raise DualPipeConfigError(f"{schedule} is Megatron's own schedule: call megatron-core's "
                                   f"get_forward_backward_func() for it")
@@ -105,8 +109,9 @@ class ExecutorSchedule:
     """A ``forward_backward_func`` running ``spec``'s order on the executor."""
 
     def __init__(self, spec: registry.ScheduleSpec, *, zero_bubble: bool = True,
-                 p2p_timeout: float = DEFAULT_TIMEOUT_S):
+                 p2p_timeout: float = DEFAULT_TIMEOUT_S, advise: bool = False):
         self.spec, self.zero_bubble, self.p2p_timeout = spec, zero_bubble, p2p_timeout
+        self._advice = LiveAdvice() if advise else None
         self._padding_reported: set = set()
         self._audited = False
         self._wgrad = None
@@ -142,8 +147,14 @@ class ExecutorSchedule:
             config=config, forward_only=forward_only, collect_non_loss_data=collect_non_loss_data,
             first_val_step=first_val_step, global_ranks=it.global_ranks, grad_reduction=reduction,
             wgrad_store=store, audit=self._wgrad.DeferralAudit() if store is not None and not self._audited else None)
+        advice = self._advice if self._advice is not None and self._advice.wanted(forward_only) else None
         with _timer(config):
-            self._run(it, compute, config, model, forward_only)
+            with advice.measuring(model) if advice is not None else contextlib.nullcontext() as recorder:
+                self._run(it, compute, config, model, forward_only, recorder)
+            if advice is not None:
+                advice.report(spec_name=self.spec.name, pp=len(it.global_ranks), microbatches=num_microbatches,
+                              model=model, group=it.group, actions=it.program.actions[it.rank],
+                              is_fake=compute.is_fake, device=it.tensor_spec.device)
             self._report_deferral(compute.audit, it.rank)
             losses = gather_losses_on_last_rank(compute.loss_store, it.program.schedule.layout, it.rank,
                                                 it.global_ranks, it.group, it.tensor_spec.device)
@@ -201,13 +212,14 @@ class ExecutorSchedule:
         return self._wgrad.WeightGradStore()
 
     # -- run ---------------------------------------------------------------------------------------
-    def _run(self, it: _Iteration, compute: MegatronStageCompute, config, model, forward_only: bool) -> None:
+    def _run(self, it: _Iteration, compute: MegatronStageCompute, config, model, forward_only: bool,
+             recorder=None) -> None:
         """The schedule with data-parallel reduction held off (each chunk's reduction is started by
         the GradReduction as soon as its gradients are final), then the rest of the reduction."""
         reduction = compute.grad_reduction
         with _no_sync(config, model, forward_only), \
                 (reduction.during_schedule() if reduction is not None else contextlib.nullcontext()):
-            run_rank(it.program, it.rank, compute, it.p2p, it.tensor_spec)
+            run_rank(it.program, it.rank, compute, it.p2p, it.tensor_spec, trace=recorder)
         if compute.wgrad_store is not None:
             compute.wgrad_store.assert_empty()
         if reduction is not None:

@@ -75,6 +75,12 @@ def add_dualpipe_arguments(parser):
         help="Timeout in seconds for one DualPipe step's batched P2P exchange "
         "(default: the process group timeout, --distributed-timeout-minutes).",
     )
+    group.add_argument(
+        "--dualpipe-advise",
+        action="store_true",
+        help="After the first training iteration, log which schedule megatron-dualpipe advise chooses for "
+        "the stage costs and memory that iteration measured (executor schedules).",
+    )
     return parser
 
 
@@ -177,6 +183,9 @@ def dualpipe_problems(args):
     schedule = getattr(args, "pipeline_schedule", registry.DEFAULT)
     spec = registry.get(schedule)
     if spec.runs_on != registry.EXECUTOR:
+        if getattr(args, "dualpipe_advise", False):
+            return [f"--dualpipe-advise measures the executor's schedules, not Megatron's own {schedule}: use "
+                    f"--pipeline-schedule {registry.EXECUTOR_1F1B} (the same 1F1B order, timed) or remove it"]
         return []
     problems = []
     flag = f"--pipeline-schedule {schedule}"

@@ -68,7 +68,8 @@ def schedule_of(args) -> str:
 
 def forward_backward_options(args) -> dict:
     """Keyword options of the dispatcher taken from the parsed arguments."""
-    opts = {"zero_bubble": bool(getattr(args, "dualpipe_zero_bubble", True))}
+    opts = {"zero_bubble": bool(getattr(args, "dualpipe_zero_bubble", True)),
+            "advise": bool(getattr(args, "dualpipe_advise", False))}
     timeout = getattr(args, "dualpipe_p2p_timeout", None)
     if timeout is None:
         minutes = getattr(args, "distributed_timeout_minutes", None)
