@@ -28,7 +28,7 @@ def bench_run(tmp_path_factory):
     with contextlib.redirect_stdout(out):
         code = main(["bench", "--pp", str(PP), "-m", "2pp", "--f", "2", "--b", "4", "--w", "2", "--iters", "1",
                      "--warmup", "0", "--schedule", "executor-1f1b", "dualpipe", "dualpipev", "--peer", "torch",
-                     "--json", "--trace", str(trace_dir)])
+                     "--grad-mb", "1", "--json", "--trace", str(trace_dir)])
     assert code == 0
     return json.loads(out.getvalue()), trace_dir
 
@@ -47,6 +47,13 @@ def test_bench_reports_every_schedule_against_the_simulator(bench_run):
         assert row["sim_peak_activations"] == sim.peak_activations
         assert row["peak_activations"] == sim.peak_activations  # the executor runs the plan's order
         assert row["median_ms"] > 0 and len(row["p2p_ms"]) == PP
+    # --grad-mb: only DualPipe has two copies of a stage to sum; every rank reports what showed.
+    summed = {k for k, r in rows.items() if r.get("bd_exposed_ms")}
+    print("bd sums exposed/alone ms:", rows[("project", "dualpipe")]["bd_exposed_ms"],
+          rows[("project", "dualpipe")]["bd_alone_ms"])
+    assert summed == {("project", "dualpipe")}
+    assert len(rows[("project", "dualpipe")]["bd_exposed_ms"]) == PP
+    assert all(t > 0 for t in rows[("project", "dualpipe")]["bd_alone_ms"])
     pairs = {(p["project"], p["torch"]) for p in doc["project_over_torch"]}
     assert pairs == {("executor-1f1b", "torch-1f1b"), ("dualpipev", "torch-dualpipev"), ("dualpipev", "torch-zbv")}
     assert doc["p2p_latency_ms"][str(PP)] > 0

@@ -66,6 +66,10 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--channel-groups", action="store_true",
                    help="carry each channel (a direction between two ranks) on its own two-rank process group "
                         "(own NCCL stream) instead of batches on the pipeline group")
+    p.add_argument("--grad-mb", type=float, default=0.0, metavar="MIB",
+                   help="synthetic weight gradients per chunk that two-copy schedules (dualpipe) sum over the bd "
+                        "pair, started as each chunk finishes, as in training; reports the exposed part "
+                        "(default 0: none)")
     p.add_argument("--timeout", type=float, default=120.0, help="P2P timeout in seconds (default 120)")
     p.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
     p.add_argument("--trace", metavar="DIR", default=None,
@@ -89,6 +93,8 @@ def _config(args, pps: List[int]):
     if longest > MAX_COST_MS:  # the stages really spend these milliseconds
         raise ValueError(f"bench costs are milliseconds each stage really spends: at most {MAX_COST_MS:g} per "
                          f"action, got {longest:g}")
+    if not args.grad_mb >= 0 or args.grad_mb > 4096:
+        raise ValueError(f"--grad-mb must be between 0 and 4096 MiB, got {args.grad_mb:g}")
     if args.iters < 1 or args.warmup < 0:
         raise ValueError(f"--iters must be >= 1 and --warmup >= 0, got {args.iters} and {args.warmup}")
     try:
@@ -112,7 +118,7 @@ def _config(args, pps: List[int]):
                        matmul_size=args.matmul_size, shape=shape, iters=args.iters, warmup=args.warmup,
                        peers=tuple(TORCH_SCHEDULES) if args.peer == "torch" else (), timeout_s=args.timeout,
                        trace_dir=os.path.abspath(args.trace) if args.trace else None,
-                       per_channel=args.channel_groups)
+                       per_channel=args.channel_groups, grad_mb=args.grad_mb)
 
 
 def run(args) -> int:

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from ..executor.p2p import P2P
 from ..executor.runner import TensorSpec, compile_program, run_rank
 from ..executor.trace import TraceRecorder
+from .bd_sum import bd_sums_for
 from .synthetic import Spender, StageCosts, SyntheticCompute, synchronize
 
 
@@ -35,6 +36,7 @@ class BenchConfig:
     timeout_s: float = 120.0
     trace_dir: Optional[str] = None
     per_channel: bool = False
+    grad_mb: float = 0.0  # synthetic gradients per chunk summed over the bd pair (bench.bd_sum)
 
 
 @dataclass
@@ -47,6 +49,8 @@ class RankRun:
     peak_live: int = 0
     peak_in_flight: Optional[int] = None
     actions: int = 0
+    bd_exposed_s: List[float] = field(default_factory=list)  # per timed iteration (bench.bd_sum)
+    bd_alone_s: Optional[float] = None
 
 
 class TimedP2P:
@@ -122,13 +126,16 @@ def run_project(cfg: BenchConfig, rank: int, world: int, device, spender: Spende
     p2p = TimedP2P(P2P(None, list(range(world)), rank, timeout_s=cfg.timeout_s, **options))
     out = RankRun(actions=len(program.actions[rank]))
     recorder = TraceRecorder(os.path.join(cfg.trace_dir, f"{name}_pp{world}_m{m}")) if cfg.trace_dir else None
+    sums = bd_sums_for(program, rank, world, cfg.grad_mb, device)
 
     def one(timed: bool) -> None:
-        compute = SyntheticCompute(cfg.costs, spender, cfg.shape)
+        compute = SyntheticCompute(cfg.costs, spender, cfg.shape, on_grad=sums.after_action if sums else None)
         spender.start_iteration()
         p2p.seconds = 0.0
         # trace= only when recording: the benchmark also runs executors from before it existed
         stats = run_rank(program, rank, compute, p2p, spec, **({"trace": recorder} if recorder and timed else {}))
+        if sums is not None:
+            sums.finish(timed)
         if timed:
             out.compute_s.append(spender.busy_s)
             out.p2p_s.append(p2p.seconds)
@@ -138,6 +145,9 @@ def run_project(cfg: BenchConfig, rank: int, world: int, device, spender: Spende
                 out.peak_in_flight = max(out.peak_in_flight or 0, in_flight)
 
     out.wall_s = _time_iterations(cfg, device, one)
+    if sums is not None:
+        sums.time_alone()
+        out.bd_exposed_s, out.bd_alone_s = sums.exposed_s, sums.alone_s[0]
     return out
 
 

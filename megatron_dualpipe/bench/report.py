@@ -17,6 +17,9 @@ Definitions (per schedule, pp and M):
   the nominal costs, slowest rank; above 1 it inflates ``x sim`` for every schedule alike.
 * peak activations: forwards whose backward has not run yet, counted by the stage compute, against
   the simulator's count; "in flight" is the executor's receive buffers and unfinished sends.
+* bd sum (``--grad-mb``, two-copy schedules): per rank, the median time the iteration waited for
+  its stages' bd gradient sums after its last action (exposed), and what the same sums take when
+  only started after the schedule (alone) -- see :mod:`.bd_sum`.
 """
 from __future__ import annotations
 
@@ -48,6 +51,8 @@ class Row:
     peak_activations: List[int] = field(default_factory=list)
     sim_peak_activations: List[int] = field(default_factory=list)
     peak_in_flight: List[Optional[int]] = field(default_factory=list)
+    bd_exposed_ms: List[float] = field(default_factory=list)
+    bd_alone_ms: List[float] = field(default_factory=list)
 
     @property
     def ratio(self) -> Optional[float]:
@@ -93,11 +98,15 @@ def rows(cfg: BenchConfig, pp: int, ranks: Sequence[dict]) -> Tuple[Optional[flo
             row.sim_spent_ms = _sim(sim_name, pp, m, cfg.costs, latency or 0.0, row.spent_over_nominal).makespan
         if runner == "project":
             row.p2p_ms = [statistics.median(r.p2p_s) * 1e3 for r in runs]
-            row.overhead_ms_per_action = max(
-                statistics.median((w - c - p) / max(r.actions, 1) for w, c, p in zip(r.wall_s, r.compute_s, r.p2p_s))
+            row.overhead_ms_per_action = max(  # the exposed bd sums are reported apart
+                statistics.median((w - c - p - s) / max(r.actions, 1) for w, c, p, s in
+                                  zip(r.wall_s, r.compute_s, r.p2p_s, r.bd_exposed_s or [0.0] * len(r.wall_s)))
                 for r in runs) * 1e3
             row.peak_activations = [r.peak_live for r in runs]
             row.peak_in_flight = [r.peak_in_flight for r in runs]
+            if all(r.bd_exposed_s for r in runs):
+                row.bd_exposed_ms = [statistics.median(r.bd_exposed_s) * 1e3 for r in runs]
+                row.bd_alone_ms = [r.bd_alone_s * 1e3 for r in runs]
         out.append(row)
     return latency, out
 
@@ -144,6 +153,14 @@ def table(cfg: BenchConfig, latencies: Dict[int, Optional[float]], all_rows: Seq
                 f"{_f(r.overhead_ms_per_action, '.2f'):>7}  {_per_rank(r.p2p_ms, '.0f'):<22} "
                 f"{_per_rank(r.peak_activations) + ' (' + _per_rank(r.sim_peak_activations) + ')':<26} "
                 f"{_per_rank(r.peak_in_flight)}")
+    summed = [r for r in all_rows if r.bd_exposed_ms]
+    if summed:
+        lines.append("")
+        lines.append(f"bd gradient sums, {cfg.grad_mb:g} MiB per chunk, per rank: exposed after the last action "
+                     f"(median) / alone when started after the schedule, ms:")
+        for r in summed:
+            pairs = " ".join(f"{e:.1f}/{a:.1f}" for e, a in zip(r.bd_exposed_ms, r.bd_alone_ms))
+            lines.append(f"  pp={r.pp} M={r.microbatches} {r.schedule}: {pairs}")
     ratios = peer_ratios(all_rows)
     if ratios:
         lines.append("")

@@ -112,8 +112,9 @@ class SyntheticCompute(StageComputeBase):
     does (+1 at F, -1 at B or BW). With ``costs.fb`` a fused F&B unit costs ``fb`` (one
     ``forward_backward`` call); without it, F then B, as the default does."""
 
-    def __init__(self, costs: StageCosts, spender: Spender, shape, dtype=torch.float32):
+    def __init__(self, costs: StageCosts, spender: Spender, shape, dtype=torch.float32, on_grad=None):
         self.costs, self.spender = costs, spender
+        self.on_grad = on_grad or (lambda a: None)  # told of every gradient action (bench.bd_sum)
         self.out = torch.zeros(shape, dtype=dtype, device=spender.device)
         self.live = 0
         self.peak_live = 0
@@ -133,10 +134,12 @@ class SyntheticCompute(StageComputeBase):
     def backward(self, a: Action, output_grad):
         self.spender.spend(self.costs.backward(a))
         self.live -= 1
+        self.on_grad(a)
         return self.out.clone()
 
     def weight(self, a: Action) -> None:
         self.spender.spend(self.costs.w)
+        self.on_grad(a)
 
     def release(self, a: Action, output) -> None:
         pass
@@ -147,6 +150,7 @@ class SyntheticCompute(StageComputeBase):
         self.spender.spend(self.costs.fb)
         self._forwarded()
         self.live -= 1
+        self.on_grad(b_action)
         return self.out.clone(), self.out.clone()
 
 

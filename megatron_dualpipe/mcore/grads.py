@@ -20,6 +20,7 @@ from typing import Callable, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from ..schedule import grad_order
 from . import bd_pairs
 from .model import BIDIRECTIONAL, V_SHAPE, chunk_info, unwrap_chunk
 
@@ -284,14 +285,16 @@ class GradReduction:
         from .bd_pairs import position
 
         self.model, self.config = list(model), config
-        grad_ops = ("BW", "W") if deferring else ("B", "BW")
-        self._last = _last_grad_actions(actions, is_fake, grad_ops)
+        ops = grad_order.grad_ops(deferring)
+        self._last = grad_order.last_grad_actions(actions, is_fake, ops)
         n = len(self.model)
         bidirectional = _layout(self.model) == BIDIRECTIONAL and n == 2
         self._pos = position() if bidirectional else None
         self._local_sum = bidirectional and self._pos.is_middle  # odd pipeline: both copies here
         self._bd = bidirectional and not self._local_sum
-        self._order = self._issue_order(actions, partner_actions, is_fake, grad_ops) if self._bd else list(range(n))
+        self._order = grad_order.bd_sum_order(actions, partner_actions, is_fake, ops,
+                                              lower_rank=self._pos.index < self._pos.pp - 1 - self._pos.index) \
+            if self._bd else list(range(n))
         if self._bd and all(_is_wrapped(c) for c in self.model):
             _check_buffer_layouts(self.model)
         self._dp_start = _dp_start_functions(config, self.model)
@@ -308,15 +311,6 @@ class GradReduction:
         self._dp_started: set = set()
         for chunk in self.model:
             _clear_deferred_output_wgrads(config, chunk)
-
-    def _issue_order(self, actions, partner_actions, is_fake, grad_ops) -> List[int]:
-        """This rank's chunks in the order both partners issue their stages' bd sums."""
-        stage_of = [chunk_info(c)["stage"] for c in self.model]  # the partner: same stages, chunks swapped
-        mine = [stage_of[c] for c in _completion_order(actions, is_fake, grad_ops)]
-        theirs = [stage_of[1 - c] for c in _completion_order(partner_actions, is_fake, grad_ops)]
-        if mine != theirs and self._pos.index > self._pos.pp - 1 - self._pos.index:
-            mine = theirs
-        return [stage_of.index(s) for s in mine]
 
     # -- during the schedule ---------------------------------------------------------------------
     @contextlib.contextmanager
@@ -417,24 +411,6 @@ class GradReduction:
             fold_tied_embedding_grads(self.model)
         self._held = set()
         self._collect(block=True)
-
-
-def _last_grad_actions(actions, is_fake: Callable, grad_ops) -> dict:
-    """{chunk: (op, mb, stage)} of the last real gradient action of each chunk (direction)."""
-    last = {}
-    for a in actions:
-        if a.op in grad_ops and not is_fake(a):
-            last[a.dir] = (a.op, a.mb, a.stage)
-    return last
-
-
-def _completion_order(actions, is_fake: Callable, grad_ops) -> List[int]:
-    """The chunks of a rank in the order their last real gradient action runs."""
-    last = {}
-    for k, a in enumerate(actions):
-        if a.op in grad_ops and not is_fake(a):
-            last[a.dir] = k
-    return sorted(last, key=last.get) + [c for c in (0, 1) if c not in last]
 
 
 def _dp_start_functions(config, model) -> list:

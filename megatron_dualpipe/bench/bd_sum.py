@@ -1,0 +1,103 @@
+"""DualPipe's bd gradient sum in the benchmark (``--grad-mb``): how much of it an iteration shows.
+
+DualPipe keeps two copies of every stage (chunk c on rank r, chunk 1-c on rank pp-1-r); their
+weight gradients are summed over the pair every iteration, the cost that made DualPipe slower
+than 1F1B on 32 GPUs in seed 002. Training starts each chunk's sum asynchronously as soon as
+its last gradient action ran, in the order both partners agree on (``mcore.grads.GradReduction``
+with ``schedule.grad_order``), so that only what is still in flight when the schedule ends is
+exposed. Here every chunk of a bidirectional schedule holds ``--grad-mb`` MiB of synthetic
+gradients and its sum is started the same way; the iteration time includes waiting for the
+sums, and the benchmark reports, per rank, the *exposed* time (from the end of the rank's last
+action to its last sum's completion) beside the time the same two sums take *alone* when they
+are only started after the schedule (what an unoverlapped sum would add).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..schedule import W
+from ..schedule.grad_order import bd_sum_order, grad_ops, last_grad_actions
+from ..schedule.layout import BIDIRECTIONAL
+
+_PAIR_GROUPS: Dict[int, Dict[int, object]] = {}
+
+
+def pair_groups(world: int) -> Dict[int, object]:
+    """{rank: its bd pair's group} for every rank; built once per world size (every rank creates
+    every pair's group, in the same order, as ``new_group`` requires)."""
+    if world not in _PAIR_GROUPS:
+        groups = {}
+        for r in range(world // 2):
+            g = dist.new_group([r, world - 1 - r])
+            groups[r] = groups[world - 1 - r] = g
+        _PAIR_GROUPS[world] = groups
+    return _PAIR_GROUPS[world]
+
+
+class BdSums:
+    """One rank's synthetic bd sums for one (schedule, M); :meth:`after_action` is told of every
+    gradient action, :meth:`finish` waits for the sums at the end of the iteration."""
+
+    def __init__(self, program, rank: int, world: int, megabytes: float, device):
+        actions = program.actions[rank]
+        ops = grad_ops(any(a.op == W for a in actions))
+        never_fake = lambda a: False  # noqa: E731 -- the synthetic stages have no fake micro-batches
+        self._last = last_grad_actions(actions, never_fake, ops)
+        self._order = bd_sum_order(actions, program.actions[world - 1 - rank], never_fake, ops,
+                                   lower_rank=rank < world - 1 - rank)
+        self._group = pair_groups(world)[rank]
+        n = max(1, int(megabytes * (1 << 20)) // 4)
+        self._grads = [torch.zeros(n, dtype=torch.float32, device=device) for _ in range(2)]
+        self.exposed_s: List[float] = []
+        self.alone_s: List[float] = []
+        self._reset()
+
+    def _reset(self) -> None:
+        self._done: List[int] = []
+        self._handles: List[object] = []
+
+    def after_action(self, a) -> None:
+        if self._last.get(a.dir) != (a.op, a.mb, a.stage) or a.dir in self._done:
+            return
+        self._done.append(a.dir)
+        while len(self._handles) < 2 and self._order[len(self._handles)] in self._done:
+            c = self._order[len(self._handles)]
+            self._handles.append(dist.all_reduce(self._grads[c], group=self._group, async_op=True))
+
+    def finish(self, timed: bool) -> None:
+        """End of the iteration: issue what is left, wait for every sum; time what was exposed."""
+        t0 = time.perf_counter()
+        for c in (0, 1):
+            if c not in self._done:
+                self._done.append(c)
+        while len(self._handles) < 2:
+            self._handles.append(dist.all_reduce(self._grads[self._order[len(self._handles)]], group=self._group,
+                                                 async_op=True))
+        for h in self._handles:
+            h.wait()
+        if timed:
+            self.exposed_s.append(time.perf_counter() - t0)
+        self._reset()
+
+    def time_alone(self, rounds: int = 3) -> None:
+        """Both sums started only after the schedule (no overlap): median of ``rounds``."""
+        times = []
+        for _ in range(rounds):
+            dist.barrier(group=self._group)
+            t0 = time.perf_counter()
+            for h in [dist.all_reduce(self._grads[c], group=self._group, async_op=True) for c in self._order]:
+                h.wait()
+            times.append(time.perf_counter() - t0)
+        self.alone_s = [statistics.median(times)]
+
+
+def bd_sums_for(program, rank: int, world: int, megabytes: float, device) -> Optional[BdSums]:
+    """A :class:`BdSums` when the schedule keeps two copies of each stage and ``megabytes`` > 0."""
+    if megabytes <= 0 or program.schedule.layout.kind != BIDIRECTIONAL or world % 2:
+        return None
+    return BdSums(program, rank, world, megabytes, device)
