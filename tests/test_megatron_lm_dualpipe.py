@@ -38,16 +38,19 @@ from megatron_lm_runs import (HAVE_MEGATRON_LM, LAST_OUTPUT, MOE, SKIP_MESSAGE, 
 pytestmark = pytest.mark.skipif(not HAVE_MEGATRON_LM, reason=SKIP_MESSAGE)
 
 
-CHUNKS_RE = re.compile(r"\[megatron-dualpipe\] (\w+) pipeline rank (\d+): (.*)")
+_CHUNK = r"model\[\d\] stage \d/\d layers \d+-\d+(?: \+embedding)?(?: \+output)?"
+CHUNKS_RE = re.compile(rf"\[megatron-dualpipe\] (\w+) pipeline rank (\d+): ({_CHUNK}; {_CHUNK})")
 
 
-PARAMS_RE = re.compile(r" > number of parameters on \(tensor, pipeline\) model parallel rank \(0, (\d)\): (\d+)(.*)")
-PHYSICAL_RE = re.compile(r" \(logical: stage (\d); physical on this rank, with the mirrored copy of stage (\d): (\d+)\)")
+# One pattern for the whole line: four processes print at once, and print() writes the text and
+# its newline separately, so another rank's line can land between them.
+PARAMS_RE = re.compile(r" > number of parameters on \(tensor, pipeline\) model parallel rank \(0, (\d)\): (\d+)"
+                       r"(?: \(logical: stage (\d); physical on this rank, with the mirrored copy of stage (\d): (\d+)\))?")
 
 
 def test_dualpipe_zb_h1_executor_1f1b_and_megatron_1f1b_losses_equal():
     ref = run_pretrain("1f1b")
-    ref_params = {int(r): int(n) for r, n, _ in PARAMS_RE.findall(LAST_OUTPUT[0])}
+    ref_params = {int(r): int(n) for r, n, *_ in PARAMS_RE.findall(LAST_OUTPUT[0])}
     assert_close(run_pretrain("executor-1f1b"), ref, "executor-1f1b vs 1f1b")
     assert_close(run_pretrain("zb-h1"), ref, "zb-h1 (executor, zero bubble) vs 1f1b")
     assert_close(run_pretrain("dualpipe"), ref, "dualpipe (zero bubble) vs 1f1b")
@@ -62,13 +65,14 @@ def test_dualpipe_zb_h1_executor_1f1b_and_megatron_1f1b_losses_equal():
     }
     # Megatron's parameter-count line: the logical count is 1F1B's (each stage once), the
     # physical one adds the mirrored copy of stage pp-1-i.
-    lines = {int(r): (int(n), PHYSICAL_RE.fullmatch(rest)) for r, n, rest in PARAMS_RE.findall(LAST_OUTPUT[0])}
-    print("\n".join(f"rank {r}: 1f1b {ref_params[r]}, dualpipe logical {n}, physical {m.group(3)}"
-                    for r, (n, m) in sorted(lines.items())))
+    lines = {int(r): (int(n), stage, mirror, physical) for r, n, stage, mirror, physical
+             in PARAMS_RE.findall(LAST_OUTPUT[0])}
+    print("\n".join(f"rank {r}: 1f1b {ref_params[r]}, dualpipe logical {n}, physical {p or '(missing)'}"
+                    for r, (n, _, _, p) in sorted(lines.items())))
     assert sorted(lines) == sorted(ref_params) == [0, 1, 2, 3]
-    for r, (n, m) in lines.items():
-        assert n == ref_params[r] and m is not None and int(m.group(1)) == r and int(m.group(2)) == 3 - r
-        assert int(m.group(3)) == ref_params[r] + ref_params[3 - r]
+    for r, (n, stage, mirror, physical) in lines.items():
+        assert n == ref_params[r] and stage == str(r) and mirror == str(3 - r)
+        assert int(physical) == ref_params[r] + ref_params[3 - r]
 
 
 def test_evaluation_losses_equal_and_advice_logged_once():
