@@ -13,14 +13,17 @@ that adds its arguments, a ``run(args) -> int`` function, and one :func:`registe
     register("train", "train a model with a DualPipe schedule", _configure_train, _run_train)
 
 Every bad argument ends with one line on stderr, ``megatron-dualpipe: error: ...``, and exit
-status 2: raise :class:`CliError` (or ``ScheduleError`` / ``ValueError``) from ``run``.
+status 2: raise :class:`CliError` (or ``ScheduleError`` / ``ValueError``) from ``run``. Ctrl-C
+(130), a closed pipe (141, silent), an ``OSError`` such as a permission error (1) and an
+``OverflowError`` (2) end in one line too; ``tests/test_no_traceback.py`` runs every registered
+command with bad input.
 """
 from __future__ import annotations
 
 import argparse
 import sys
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, Optional, Sequence
 
 from . import data_prep
 
@@ -187,7 +190,6 @@ register("schedule", "print the per-rank action lists of a schedule", _cli_sched
 register("simulate", "simulate a schedule with hypothetical costs; compare every schedule on the same model, "
          "draw the timeline", _cli_schedule.configure_simulate, _cli_schedule.run_simulate)
 register("advise", _advise.HELP, _advise.configure, _advise.run)
-
 
 
 def _configure_patch(p):

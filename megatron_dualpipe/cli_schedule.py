@@ -140,8 +140,8 @@ COMPARE_BUDGET = 3 * MAX_FORWARDS
 def run_simulate(args) -> int:
     import sys
 
-    from .schedule.compare import compare, stage_fraction
-    from .schedule.registry import distinct_orders, get
+    from .schedule.compare import compare, orders_with, stage_fraction
+    from .schedule.registry import get
     from .schedule.simulate import DeadlockError, simulate
 
     costs = _costs(args)
@@ -162,13 +162,14 @@ def run_simulate(args) -> int:
             raise CliError(f"the costs are too large: the simulated time overflows ({result.makespan}); "
                            f"use smaller values or units")
         stage = costs.scaled(1 / stage_fraction(s.spec, s.pp))
+        names = orders_with(s.name)
         work = sum(get(n).model_stages(s.pp) * get(n).padded_microbatches(s.pp, padded.real)
-                   for n in distinct_orders() if not get(n).pp_problem(s.pp)
+                   for n in names if not get(n).pp_problem(s.pp)
                    and padded.real >= get(n).min_real_microbatches(s.pp))
         rows = None
         if work <= COMPARE_BUDGET:
             prog.phase("simulating every schedule on the same model")
-            rows = compare(s.pp, padded.real, stage, known={s.name: (padded, result)})
+            rows = compare(s.pp, padded.real, stage, names, known={s.name: (padded, result)})
         drawn = []
         fake = padded.is_fake if padded.fake_count else None
         if args.svg:

@@ -4,7 +4,7 @@
 # tokenizes Python's help texts (cached after the first run) and its data, tokenizer and split
 # arguments are passed on. With your own DATA_PATH, pass --tokenizer-type/--tokenizer-model/--split
 # yourself. Needs MEGATRON_LM_PATH (a checkout at core_v0.16.1) and Megatron-LM's training
-# dependencies (pip install -e ".[megatron-lm]"; scripts/setup_venv.sh installs them).
+# dependencies (pip install -e ".[megatron-lm]"; the launcher checks them first).
 set -euo pipefail
 here="$(cd "$(dirname "$0")/.." && pwd)"
 export CONFIG=${CONFIG:-gpt_tiny_cpu} NNODES=1 NODE_RANK=0 GPUS_PER_NODE=${GPUS_PER_NODE:-4}

@@ -189,3 +189,11 @@ def test_cpu_mode_lists_every_redirection(capsys):
     assert listed == want and all(r["why"] for r in doc["redirections"])
     code, out, _ = run(capsys, "cpu-mode")
     assert code == 0 and all(target in out for _, target in want)
+
+
+@pytest.mark.parametrize("name", __import__("megatron_dualpipe.schedule.registry", fromlist=["NAMES"]).NAMES)
+def test_simulate_compares_every_schedule_with_this_one_marked(capsys, name):
+    code, out, err = run(capsys, "simulate", "--schedule", name, "--pp", "4", "--microbatches", "8")
+    assert code == 0, err
+    marked = [line for line in out.splitlines() if line.endswith("<- this schedule")]
+    assert len(marked) == 1 and marked[0].split()[0] == name

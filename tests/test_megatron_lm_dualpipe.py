@@ -8,11 +8,17 @@ dropout masks), ~15-25 s each.
 What is shown (losses are printed; run with ``-s`` to see them):
 
 * per-iteration ``lm loss`` of ``dualpipe`` (zero bubble on), ``executor-1f1b`` (our executor,
-  1F1B order) and Megatron's own ``1f1b`` agree to 1e-5 relative; the same for a tiny MoE
-  (4 experts, top-2, alltoall dispatcher);
+  1F1B order) and Megatron's own ``1f1b`` agree to 1e-5 relative, and Megatron's parameter-count
+  line gives 1F1B's count plus, separately, the physical one with the mirror; a tiny MoE
+  (4 experts, top-2, alltoall dispatcher, aux loss, z-loss, expert bias) logs the same lm loss,
+  aux losses, grad norm and params norm;
 * a ``--ckpt-format torch`` checkpoint written at iteration 3 by ``dualpipe`` resumes under
   ``1f1b`` and one written by ``1f1b`` resumes under ``dualpipe``; iterations 4-5 after resume
-  equal the uninterrupted run's.
+  equal the uninterrupted run's; ``dualpipev`` starts from such a checkpoint (remapped to its
+  V-stages) with 1F1B's losses, and 1f1b reads the checkpoint dualpipev writes.
+
+More options (recompute, per-token loss, untied embeddings, aux-loss-free MoE, ...) are in
+``test_megatron_lm_options.py``.
 
 Megatron's logging quirk: ``training_log`` does not reset its loss accumulator after the first
 iteration a run executes (``should_reset = not is_first_iteration``), so the line logged for the
@@ -22,90 +28,26 @@ therefore recovers L5 = 2 * logged5 - logged4 for resumed runs (and compares the
 runs with each other as logged).
 """
 
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MEGATRON_LM_PATH = os.environ.get("MEGATRON_LM_PATH")
-SKIP_MESSAGE = "set MEGATRON_LM_PATH to a Megatron-LM checkout at tag core_v0.16.1 (pretrain_gpt.py runs)"
+from megatron_lm_runs import (HAVE_MEGATRON_LM, LAST_OUTPUT, MOE, SKIP_MESSAGE, assert_close,
+                              assert_metrics_close, run_pretrain)
 
-pytestmark = pytest.mark.skipif(
-    not MEGATRON_LM_PATH or not os.path.isfile(os.path.join(MEGATRON_LM_PATH or "", "pretrain_gpt.py")),
-    reason=SKIP_MESSAGE,
-)
-
-TINY = [
-    "--num-layers", "8", "--hidden-size", "64", "--num-attention-heads", "4",
-    "--seq-length", "64", "--max-position-embeddings", "64",
-    "--micro-batch-size", "2", "--global-batch-size", "16",
-    "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
-    "--transformer-impl", "local", "--no-persist-layer-norm", "--no-gradient-accumulation-fusion",
-    "--distributed-backend", "gloo", "--use-cpu-initialization", "--pipeline-model-parallel-size", "4",
-    "--train-iters", "5", "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "1000",
-    "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "constant", "--seed", "1234",
-    "--hidden-dropout", "0", "--attention-dropout", "0",
-]  # fmt: skip
-MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-token-dispatcher-type", "alltoall",
-       "--disable-bias-linear"]
-RTOL = 1e-5
-LOSS_RE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.E+-]+)")
-
-
-def _require_deps():
-    import importlib.util
-
-    missing = [p for m, p in (("six", "six"), ("regex", "regex"), ("yaml", "pyyaml"), ("pydantic", "pydantic"),
-                              ("pybind11", "pybind11")) if importlib.util.find_spec(m) is None]
-    if missing:
-        pytest.skip(f"Megatron-LM's training code needs: pip install {' '.join(missing)}")
-
-
-LAST_OUTPUT = [""]  # the most recent run's output, for checks beyond the losses
-VAL_RE = re.compile(r"validation loss at iteration (\d+)( on \w+ set)? \| lm loss value: ([0-9.E+-]+)")
-
-
-def run_pretrain(schedule, *extra, timeout=600, evaluation=False):
-    """torchrun pretrain_gpt.py (4 ranks) through the launcher; returns {iteration: lm loss}
-    (with ``evaluation``, {"iteration (set)": validation lm loss} as well)."""
-    _require_deps()
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO_ROOT, env.get("PYTHONPATH")) if p)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    cmd = [torchrun if os.path.exists(torchrun) else "torchrun", "--standalone", "--nproc-per-node", "4",
-           "-m", "megatron_dualpipe.launch", os.path.join(MEGATRON_LM_PATH, "pretrain_gpt.py"),
-           *TINY, "--pipeline-schedule", schedule, *extra]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    out = proc.stdout + proc.stderr
-    LAST_OUTPUT[0] = out
-    assert proc.returncode == 0, f"{schedule} {' '.join(extra)} failed:\n{out[-6000:]}"
-    losses = {int(i): float(v) for i, v in LOSS_RE.findall(out)}
-    assert losses, f"no 'lm loss' lines in the output:\n{out[-3000:]}"
-    print(f"\n{schedule:14s} {' '.join(extra)[:80]}: " + ", ".join(f"{i}: {v:.6f}" for i, v in sorted(losses.items())))
-    if evaluation:
-        val = {f"{i}{where}": float(v) for i, where, v in VAL_RE.findall(out)}
-        assert val, f"no validation loss lines in the output:\n{out[-3000:]}"
-        print(f"{schedule:14s} evaluation: " + ", ".join(f"{k}: {v:.6f}" for k, v in val.items()))
-        return losses, val
-    return losses
-
-
-def assert_close(a, b, what):
-    assert sorted(a) == sorted(b), (what, a, b)
-    for i in a:
-        assert abs(a[i] - b[i]) <= RTOL * abs(b[i]), f"{what}: iteration {i}: {a[i]} vs {b[i]}"
+pytestmark = pytest.mark.skipif(not HAVE_MEGATRON_LM, reason=SKIP_MESSAGE)
 
 
 CHUNKS_RE = re.compile(r"\[megatron-dualpipe\] (\w+) pipeline rank (\d+): (.*)")
 
 
+PARAMS_RE = re.compile(r" > number of parameters on \(tensor, pipeline\) model parallel rank \(0, (\d)\): (\d+)(.*)")
+PHYSICAL_RE = re.compile(r" \(logical: stage (\d); physical on this rank, with the mirrored copy of stage (\d): (\d+)\)")
+
+
 def test_dualpipe_zb_h1_executor_1f1b_and_megatron_1f1b_losses_equal():
     ref = run_pretrain("1f1b")
+    ref_params = {int(r): int(n) for r, n, _ in PARAMS_RE.findall(LAST_OUTPUT[0])}
     assert_close(run_pretrain("executor-1f1b"), ref, "executor-1f1b vs 1f1b")
     assert_close(run_pretrain("zb-h1"), ref, "zb-h1 (executor, zero bubble) vs 1f1b")
     assert_close(run_pretrain("dualpipe"), ref, "dualpipe (zero bubble) vs 1f1b")
@@ -118,6 +60,15 @@ def test_dualpipe_zb_h1_executor_1f1b_and_megatron_1f1b_losses_equal():
         2: "model[0] stage 2/4 layers 5-6; model[1] stage 1/4 layers 3-4",
         3: "model[0] stage 3/4 layers 7-8 +output; model[1] stage 0/4 layers 1-2 +embedding",
     }
+    # Megatron's parameter-count line: the logical count is 1F1B's (each stage once), the
+    # physical one adds the mirrored copy of stage pp-1-i.
+    lines = {int(r): (int(n), PHYSICAL_RE.fullmatch(rest)) for r, n, rest in PARAMS_RE.findall(LAST_OUTPUT[0])}
+    print("\n".join(f"rank {r}: 1f1b {ref_params[r]}, dualpipe logical {n}, physical {m.group(3)}"
+                    for r, (n, m) in sorted(lines.items())))
+    assert sorted(lines) == sorted(ref_params) == [0, 1, 2, 3]
+    for r, (n, m) in lines.items():
+        assert n == ref_params[r] and m is not None and int(m.group(1)) == r and int(m.group(2)) == 3 - r
+        assert int(m.group(3)) == ref_params[r] + ref_params[3 - r]
 
 
 def test_evaluation_losses_equal():
@@ -129,9 +80,21 @@ def test_evaluation_losses_equal():
     assert_close(val, ref_val, "dualpipe vs 1f1b validation/test")
 
 
-def test_moe_dualpipe_equals_1f1b():
-    ref = run_pretrain("1f1b", *MOE, "--train-iters", "3")
-    assert_close(run_pretrain("dualpipe", *MOE, "--train-iters", "3"), ref, "MoE dualpipe vs 1f1b")
+EXPERT_BIAS = ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+               "--moe-router-bias-update-rate", "0.05"]
+
+
+def test_moe_aux_loss_expert_bias_dualpipe_equals_1f1b():
+    """MoE with the aux loss, the z-loss and DeepSeek's expert-bias balancing (the bias moves by
+    0.05 per step, so routing changes within the run). The token counts that move expert_bias are
+    summed over the two copies of a stage (without that, lm loss differs from 1f1b by 1.3e-3 at
+    iteration 2). Also compares the logged aux losses, grad norm and --log-params-norm."""
+    args = (*MOE, *EXPERT_BIAS, "--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "1e-2",
+            "--moe-z-loss-coeff", "1e-3", "--log-params-norm", "--train-iters", "3")
+    ref = run_pretrain("1f1b", *args, with_metrics=True)
+    got = run_pretrain("dualpipe", *args, with_metrics=True)
+    worst = assert_metrics_close(got, ref, "MoE aux loss + expert bias: dualpipe vs 1f1b")
+    assert {"lm loss", "load_balancing_loss", "z_loss", "params norm", "grad norm"} <= set(worst)
 
 
 def _resumed_true_losses(logged):
@@ -159,11 +122,20 @@ def test_torch_checkpoint_switches_schedules(tmp_path):
         assert_close(_resumed_true_losses(logged), {4: full[4], 5: full[5]}, f"{what} vs uninterrupted")
 
 
-def test_dualpipe_resume_without_optimizer_state(tmp_path):
-    """--no-load-optim: fresh Adam state on both copies; must match 1f1b doing the same."""
-    ckpt = str(tmp_path / "ck")
+def test_resume_without_optimizer_state_and_dualpipev_across_1f1b(tmp_path):
+    """--no-load-optim: fresh Adam state on both copies; must match 1f1b doing the same. The same
+    checkpoint (1F1B's layout, written by dualpipe) starts dualpipev from 1F1B's weights, remapped to
+    its V-stages; dualpipev's own checkpoint (written at iteration 5) is read by 1f1b and gives what
+    1f1b's own checkpoint of the same point gives (iteration 6)."""
+    ckpt, f1_ckpt, dv_ckpt = (str(tmp_path / n) for n in ("ck", "f1", "dv"))
     run_pretrain("dualpipe", "--ckpt-format", "torch", "--save-interval", "3", "--exit-interval", "3",
                  "--save", ckpt)
-    a = run_pretrain("dualpipe", "--ckpt-format", "torch", "--load", ckpt, "--no-load-optim")
-    b = run_pretrain("1f1b", "--ckpt-format", "torch", "--load", ckpt, "--no-load-optim")
+    resume = ("--ckpt-format", "torch", "--load", ckpt, "--no-load-optim")
+    a = run_pretrain("dualpipe", *resume)
+    b = run_pretrain("1f1b", *resume, "--save", f1_ckpt)  # saved at the end: iteration 5
+    v = run_pretrain("dualpipev", *resume, "--save", dv_ckpt)
     assert_close(a, b, "dualpipe vs 1f1b after --no-load-optim resume")
+    assert_close(v, b, "dualpipev from 1f1b's weights (remapped to V-stages) vs 1f1b")
+    cont = ("--ckpt-format", "torch", "--no-load-optim", "--train-iters", "6")
+    assert_close(run_pretrain("1f1b", *cont, "--load", dv_ckpt), run_pretrain("1f1b", *cont, "--load", f1_ckpt),
+                 "1f1b from dualpipev's checkpoint vs 1f1b from its own")

@@ -43,6 +43,8 @@ BAD = [
     (ADV + ["--f", "1e308", "--b", "1e308", "--w", "0"], "too large"),
     (ADV[:2] + ["0"] + ADV[3:], "--pp"),
     (["advise", "--pp", "4", "-m", "8"], "required"),
+    (["bench", "--f", "1e308", "--b", "1e308"], "at most 60000"),
+    (["trace", "/no/such/dir"], "no rank*.jsonl files"),
     (["patch", "/no/such/checkout"], "no pretrain_gpt.py"),
     (["patch", "/etc/hostname"], "no pretrain_gpt.py"),
 ]
@@ -90,7 +92,9 @@ def test_a_closed_pipe_is_quiet(tmp_path):
     p = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, env=ENV, timeout=120)
     print(f"\n{p.stdout.strip()}")
     assert p.stdout.startswith("dualpipe: pp=16 M=1024")
-    assert err.read_text() == ""
+    lines = err.read_text().splitlines()  # progress lines only, if the machine was slow
+    assert all(line.startswith("schedule dualpipe pp=16 M=1024: ") for line in lines), lines
+    assert not any("Error" in line or "Traceback" in line for line in lines)
     assert p.stdout.strip().endswith("status 141")
 
 

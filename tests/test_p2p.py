@@ -127,3 +127,19 @@ def test_host_discipline_finish_names_a_send_that_never_completes(fake_dist):
     for part in ("pipeline rank 0 (global 0) after its last action",
                  f"send of {describe(ACT)} to pipeline rank 1", "posted before action 2 (F0.1)", "within 0.3 s"):
         assert part in msg
+
+
+def test_complete_send_releases_before_returning(fake_dist):
+    """Before a backward, the runner asks for its forward's output to be released (Megatron's
+    custom_backward asserts it): complete_send returns only once the send completed and its
+    buffer was released, however late the waiter thread notices."""
+    p2p = P2P(None, [0, 1], 0, timeout_s=30)
+    released = []
+    p2p.post([(1, torch.zeros(2), ACT, lambda: released.append(ACT))], [], "before action 2 (F0.1)")
+    (send,) = fake_dist
+    threading.Timer(0.2, send.finished.set).start()
+    p2p.complete_send(ACT, "before action 5 (B0.1)")
+    assert released == [ACT] and p2p._sends == []
+    p2p.complete_send(ACT, "before action 5 (B0.1)")  # already released: nothing to do
+    assert released == [ACT]
+    p2p.finish("after its last action")

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_dualpipe.executor.p2p import P2P
+from megatron_dualpipe.executor.p2p import P2P, channel_groups, channels_of
 from megatron_dualpipe.executor.runner import StageComputeBase, TensorSpec, compile_program, run_rank
 from megatron_dualpipe.executor.trace import TraceRecorder
 from megatron_dualpipe.schedule.actions import units
@@ -81,6 +81,8 @@ class ToyCompute(StageComputeBase):
 
     def backward(self, a, grad):
         inp, out = self.saved.pop((a.dir, a.mb, a.stage))
+        # Megatron's custom_backward asserts the same: a sent output is released before its backward.
+        assert id(out) not in self.unreleased, f"{a}: the output of its forward was not released yet"
         params = list(self.mods[(a.dir, a.stage)].parameters())
         if a.op == "BW":
             engine_backward(out, grad)
@@ -112,13 +114,14 @@ class FusedRecordingCompute(ToyCompute):
         return super().forward_backward(f_action, b_action, input_tensor, output_grad)
 
 
-def worker(rank, world, port, name, m, forward_only, trace_dir=None):
+def worker(rank, world, port, name, m, forward_only, trace_dir=None, per_channel=False):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
     try:
         prog = compile_program(name, world, m, forward_only)
         comp = FusedRecordingCompute(name, world, m, rank, prog.schedule.layout)
-        p2p = P2P(None, list(range(world)), rank, timeout_s=30)
+        groups = channel_groups(list(range(world)), channels_of(prog.plans)) if per_channel else None
+        p2p = P2P(None, list(range(world)), rank, timeout_s=30, channel_groups=groups)
         ctx = torch.no_grad() if forward_only else torch.enable_grad()
         with ctx:
             stats = run_rank(prog, rank, comp, p2p, TensorSpec((MBS, H), torch.float32, torch.device("cpu")),
@@ -147,10 +150,13 @@ def reference(name, pp, m):
     return losses, {s: {n: p.grad for n, p in mod.named_parameters()} for s, mod in enumerate(stages)}
 
 
-@pytest.mark.parametrize("name,pp,m", [("dualpipe", 2, 4), ("dualpipe", 4, 10), ("dualpipev", 2, 5),
-                                       ("dualpipev", 3, 6), ("1f1b", 3, 5), ("zb-h1", 4, 6)])
-def test_runner_matches_single_process(name, pp, m):
-    results = run_workers(worker, pp, args=(name, m, False), timeout=90)
+@pytest.mark.parametrize("name,pp,m,per_channel", [("dualpipe", 2, 4, False), ("dualpipe", 4, 10, False),
+                                                   ("dualpipev", 2, 5, False), ("dualpipev", 3, 6, False),
+                                                   ("1f1b", 3, 5, False), ("zb-h1", 4, 6, False),
+                                                   ("dualpipe", 4, 8, True), ("dualpipev", 3, 6, True)])
+def test_runner_matches_single_process(name, pp, m, per_channel):
+    """per_channel: every channel on its own two-rank group (P2P(channel_groups=...))."""
+    results = run_workers(worker, pp, args=(name, m, False, None, per_channel), timeout=90)
     ref_losses, ref_grads = reference(name, pp, m)
     losses = {g: v for r in results for g, v in r["losses"].items()}
     assert sorted(losses) == list(range(m))
@@ -164,7 +170,8 @@ def test_runner_matches_single_process(name, pp, m):
     for s, named in ref_grads.items():
         for n, g in named.items():
             worst_grad = max(worst_grad, (summed[(s, n)] - g).abs().max().item() / (g.abs().max().item() + 1e-12))
-    print(f"\n{name} pp={pp} M={m}: max |loss diff| {worst_loss:.2e}, max relative grad diff {worst_grad:.2e}")
+    print(f"\n{name} pp={pp} M={m}{' per channel' if per_channel else ''}: max |loss diff| {worst_loss:.2e}, "
+          f"max relative grad diff {worst_grad:.2e}")
     assert worst_loss < 1e-6 and worst_grad < 1e-5
 
 

@@ -50,6 +50,12 @@ def test_configs_exist():
     assert {"gpt_tiny_cpu", "gpt_345m", "gpt_8b", "moe_mixtral_8x7b", "moe_deepseek_v2_lite"} <= set(CONFIGS)
 
 
+def test_readme_states_each_configs_minimum():
+    readme = (ROOT / "README.md").read_text()
+    for config in CONFIGS:
+        assert f"`{config}` ({min_gpus(config)}" in readme, config
+
+
 @pytest.mark.parametrize("config", CONFIGS)
 @pytest.mark.parametrize("schedule", ["dualpipe", "dualpipev"])
 def test_every_config_is_accepted_at_its_minimum_and_composed(tmp_path, config, schedule):

@@ -63,11 +63,18 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peer", choices=("torch",), default=None,
                    help="also run torch.distributed.pipelining's Schedule1F1B, ScheduleDualPipeV and "
                         "ScheduleZBVZeroBubble on the same stages")
+    p.add_argument("--channel-groups", action="store_true",
+                   help="carry each channel (a direction between two ranks) on its own two-rank process group "
+                        "(own NCCL stream) instead of batches on the pipeline group")
     p.add_argument("--timeout", type=float, default=120.0, help="P2P timeout in seconds (default 120)")
     p.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
     p.add_argument("--trace", metavar="DIR", default=None,
                    help="record the timed iterations of the project's runs into DIR/SCHEDULE_ppP_mM/ "
                         "(draw them with: megatron-dualpipe trace DIR/SCHEDULE_ppP_mM --png t.png)")
+
+
+#: Longest cost of one action (ms) the benchmark accepts: a minute.
+MAX_COST_MS = 60_000.0
 
 
 def _config(args, pps: List[int]):
@@ -78,6 +85,10 @@ def _config(args, pps: List[int]):
     from .torch_peer import TORCH_SCHEDULES
 
     Costs(f=args.f, b=args.b, w=args.w, fb=args.fb)  # validates, naming the flag
+    longest = max(args.f, args.b, args.fb or 0.0)
+    if longest > MAX_COST_MS:  # the stages really spend these milliseconds
+        raise ValueError(f"bench costs are milliseconds each stage really spends: at most {MAX_COST_MS:g} per "
+                         f"action, got {longest:g}")
     if args.iters < 1 or args.warmup < 0:
         raise ValueError(f"--iters must be >= 1 and --warmup >= 0, got {args.iters} and {args.warmup}")
     try:
@@ -100,7 +111,8 @@ def _config(args, pps: List[int]):
                        costs=StageCosts(args.f, args.b, args.w, args.fb), mode=args.compute,
                        matmul_size=args.matmul_size, shape=shape, iters=args.iters, warmup=args.warmup,
                        peers=tuple(TORCH_SCHEDULES) if args.peer == "torch" else (), timeout_s=args.timeout,
-                       trace_dir=os.path.abspath(args.trace) if args.trace else None)
+                       trace_dir=os.path.abspath(args.trace) if args.trace else None,
+                       per_channel=args.channel_groups)
 
 
 def run(args) -> int:

@@ -7,6 +7,7 @@ slowest rank's; rank 0 combines the ranks' figures in :mod:`.report`.
 from __future__ import annotations
 
 import os
+import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
@@ -33,6 +34,7 @@ class BenchConfig:
     peers: Tuple[str, ...] = ()
     timeout_s: float = 120.0
     trace_dir: Optional[str] = None
+    per_channel: bool = False
 
 
 @dataclass
@@ -70,26 +72,29 @@ class TimedP2P:
         return timed
 
 
-def p2p_latency_ms(rank: int, device, shape, rounds: int = 100) -> Optional[float]:
-    """Half the round-trip time of one tensor between ranks 0 and 1 (None on a single rank)."""
+def p2p_latency_ms(rank: int, device, shape, rounds: int = 200) -> Optional[float]:
+    """Half the median round-trip time of one tensor between ranks 0 and 1 (None on a single
+    rank). The median, because a loaded machine makes some round trips much longer."""
     if dist.get_world_size() < 2:
         return None
     buf = torch.zeros(shape, device=device)
     out = None
     if rank in (0, 1):
         peer = 1 - rank
+        trips = []
         for k in range(rounds + 10):
-            if k == 10:
-                synchronize(device)
-                t0 = time.perf_counter()
+            synchronize(device)
+            t0 = time.perf_counter()
             if rank == 0:
                 dist.isend(buf, peer).wait()
                 dist.irecv(buf, peer).wait()
             else:
                 dist.irecv(buf, peer).wait()
                 dist.isend(buf, peer).wait()
-        synchronize(device)
-        out = (time.perf_counter() - t0) / rounds / 2 * 1e3
+            synchronize(device)
+            if k >= 10:
+                trips.append(time.perf_counter() - t0)
+        out = statistics.median(trips) / 2 * 1e3
     dist.barrier()
     return out
 
@@ -109,14 +114,21 @@ def _time_iterations(cfg: BenchConfig, device, one_iteration) -> List[float]:
 def run_project(cfg: BenchConfig, rank: int, world: int, device, spender: Spender, name: str, m: int) -> RankRun:
     program = compile_program(name, world, m, False)
     spec = TensorSpec(tuple(cfg.shape), torch.float32, device)
-    p2p = TimedP2P(P2P(None, list(range(world)), rank, timeout_s=cfg.timeout_s))
+    options = {}
+    if cfg.per_channel:
+        from ..executor.p2p import channel_groups, channels_of  # not in the executors before them
+
+        options["channel_groups"] = channel_groups(list(range(world)), channels_of(program.plans))
+    p2p = TimedP2P(P2P(None, list(range(world)), rank, timeout_s=cfg.timeout_s, **options))
     out = RankRun(actions=len(program.actions[rank]))
     recorder = TraceRecorder(os.path.join(cfg.trace_dir, f"{name}_pp{world}_m{m}")) if cfg.trace_dir else None
 
     def one(timed: bool) -> None:
         compute = SyntheticCompute(cfg.costs, spender, cfg.shape)
-        spender.busy_s, p2p.seconds = 0.0, 0.0
-        stats = run_rank(program, rank, compute, p2p, spec, trace=recorder if timed else None)
+        spender.start_iteration()
+        p2p.seconds = 0.0
+        # trace= only when recording: the benchmark also runs executors from before it existed
+        stats = run_rank(program, rank, compute, p2p, spec, **({"trace": recorder} if recorder and timed else {}))
         if timed:
             out.compute_s.append(spender.busy_s)
             out.p2p_s.append(p2p.seconds)
@@ -136,7 +148,7 @@ def run_torch(cfg: BenchConfig, rank: int, world: int, device, spender: Spender,
     out = RankRun()
 
     def one(timed: bool) -> None:
-        spender.busy_s = 0.0
+        spender.start_iteration()
         step()
         if timed:
             out.compute_s.append(spender.busy_s)

@@ -4,8 +4,11 @@ and JSON.
 Definitions (per schedule, pp and M):
 
 * measured: per iteration the slowest rank's time; median and range over the timed iterations.
-* simulated: the project simulator's makespan for the same costs, with ``p2p=0`` and with the
-  measured one-message latency added to every cross-rank dependency; ``x sim`` is their ratio.
+* simulated: the project simulator's makespan for the same costs. ``x sim``: measured over
+  simulated with ``p2p=0``; ``x +lat``: over simulated with the measured one-message latency on
+  every cross-rank dependency (the gloo part); ``x exec``: over simulated with that latency and
+  the costs as the stages really spent them (see "spent"): what remains is the executor's own
+  cost, and noise.
 * overhead/action: per rank, (iteration time - time in compute - time in P2P calls) / actions:
   the executor's own bookkeeping. The slowest rank's median is shown.
 * P2P ms: per rank, time inside the P2P layer's calls (posting and waiting, so it includes
@@ -38,6 +41,7 @@ class Row:
     max_ms: float
     sim_ms: Optional[float] = None        # simulated, p2p = 0
     sim_latency_ms: Optional[float] = None  # simulated, p2p = measured latency
+    sim_spent_ms: Optional[float] = None    # simulated, p2p = latency, costs as spent
     overhead_ms_per_action: Optional[float] = None
     spent_over_nominal: Optional[float] = None
     p2p_ms: List[float] = field(default_factory=list)
@@ -53,15 +57,20 @@ class Row:
     def ratio_latency(self) -> Optional[float]:
         return self.median_ms / self.sim_latency_ms if self.sim_latency_ms else None
 
+    @property
+    def ratio_executor(self) -> Optional[float]:
+        return self.median_ms / self.sim_spent_ms if self.sim_spent_ms else None
+
     def to_json(self) -> dict:
         d = asdict(self)
-        d.update(ratio=self.ratio, ratio_latency=self.ratio_latency)
+        d.update(ratio=self.ratio, ratio_latency=self.ratio_latency, ratio_executor=self.ratio_executor)
         return d
 
 
-def _sim(name: str, pp: int, m: int, costs, p2p: float):
+def _sim(name: str, pp: int, m: int, costs, p2p: float, scale: float = 1.0):
     s = build_schedule(name, pp, m)
-    return simulate(s.layout, s.ranks, Costs(f=costs.f, b=costs.b, w=costs.w, fb=costs.fb, p2p=p2p))
+    fb = None if costs.fb is None else costs.fb * scale
+    return simulate(s.layout, s.ranks, Costs(f=costs.f * scale, b=costs.b * scale, w=costs.w * scale, fb=fb, p2p=p2p))
 
 
 def rows(cfg: BenchConfig, pp: int, ranks: Sequence[dict]) -> Tuple[Optional[float], List[Row]]:
@@ -81,6 +90,7 @@ def rows(cfg: BenchConfig, pp: int, ranks: Sequence[dict]) -> Tuple[Optional[flo
             row.sim_peak_activations = list(sim0.peak_activations)
             row.spent_over_nominal = max(statistics.median(r.compute_s) * 1e3 / busy
                                          for r, busy in zip(runs, sim0.busy) if busy > 0)
+            row.sim_spent_ms = _sim(sim_name, pp, m, cfg.costs, latency or 0.0, row.spent_over_nominal).makespan
         if runner == "project":
             row.p2p_ms = [statistics.median(r.p2p_s) * 1e3 for r in runs]
             row.overhead_ms_per_action = max(
@@ -122,16 +132,16 @@ def table(cfg: BenchConfig, latencies: Dict[int, Optional[float]], all_rows: Seq
         lat = latencies.get(pp)
         lines.append("")
         lines.append(f"pp={pp}: one P2P message (rank 0 <-> 1, half a round trip) {_f(lat, '.2f')} ms")
-        head = (f"{'runner':<8} {'schedule':<16} {'M':>3} {'measured ms':>11} {'(min-max)':>15} {'sim p2p=0':>9} "
-                f"{'x sim':>6} {'sim +lat':>8} {'x sim':>6} {'spent':>5} {'ovh/act':>7}  {'P2P ms per rank':<22} "
+        head = (f"{'runner':<8} {'schedule':<16} {'M':>3} {'measured ms':>11} {'(min-max)':>13} {'sim ms':>7} "
+                f"{'x sim':>6} {'x +lat':>6} {'spent':>5} {'x exec':>6} {'ovh/act':>7}  {'P2P ms per rank':<22} "
                 f"{'peak act per rank (sim)':<26} in flight")
         lines.append(head)
         for r in (r for r in all_rows if r.pp == pp):
             lines.append(
                 f"{r.runner:<8} {r.schedule:<16} {r.microbatches:>3} {r.median_ms:>11.1f} "
-                f"{'(' + f'{r.min_ms:.0f}-{r.max_ms:.0f}' + ')':>15} {_f(r.sim_ms):>9} {_f(r.ratio, '.3f'):>6} "
-                f"{_f(r.sim_latency_ms):>8} {_f(r.ratio_latency, '.3f'):>6} {_f(r.spent_over_nominal, '.3f'):>5} {_f(r.overhead_ms_per_action, '.2f'):>7}  "
-                f"{_per_rank(r.p2p_ms, '.0f'):<22} "
+                f"{'(' + f'{r.min_ms:.0f}-{r.max_ms:.0f}' + ')':>13} {_f(r.sim_ms):>7} {_f(r.ratio, '.3f'):>6} "
+                f"{_f(r.ratio_latency, '.3f'):>6} {_f(r.spent_over_nominal, '.3f'):>5} {_f(r.ratio_executor, '.3f'):>6} "
+                f"{_f(r.overhead_ms_per_action, '.2f'):>7}  {_per_rank(r.p2p_ms, '.0f'):<22} "
                 f"{_per_rank(r.peak_activations) + ' (' + _per_rank(r.sim_peak_activations) + ')':<26} "
                 f"{_per_rank(r.peak_in_flight)}")
     ratios = peer_ratios(all_rows)

@@ -52,6 +52,7 @@ class Spender:
         self.busy_s = 0.0
         self.per_ms = 0.0
         self.slack_s = 5e-4
+        self.owed_ms = 0.0
         if mode == "matmul":
             self.a = torch.randn(size, size, device=device)
             self.b = torch.randn(size, size, device=device)
@@ -71,14 +72,24 @@ class Spender:
                 return n / (dt * 1e3)
             n *= 2
 
+    def start_iteration(self) -> None:
+        self.busy_s = 0.0
+        self.owed_ms = 0.0
+
     def spend(self, ms: float) -> None:
+        """Spend ``ms``. Sleeping, what earlier actions of the iteration overran is taken off
+        this one (never below half of it), so that a rank's compute adds up to its nominal
+        costs even when the machine wakes sleepers late: that lateness is other jobs' load,
+        not the schedule's."""
         t0 = time.perf_counter()
         if self.mode == "sleep":
-            self._sleep_until(t0 + ms / 1e3)
+            self._sleep_until(t0 + max(0.5 * ms, ms - self.owed_ms) / 1e3)
         else:
             for _ in range(round(ms * self.per_ms)):
                 torch.mm(self.a, self.b)
-        self.busy_s += time.perf_counter() - t0
+        took = time.perf_counter() - t0
+        self.busy_s += took
+        self.owed_ms += took * 1e3 - ms
 
     def _sleep_until(self, end: float) -> None:
         """Sleep to ``end``: a loaded machine wakes a sleeper late (here 1-2 ms on 20 ms), so

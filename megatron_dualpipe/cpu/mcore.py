@@ -12,14 +12,19 @@ Not redirected (not needed by those paths): ``torch.autocast("cuda")`` in ``forw
 from __future__ import annotations
 
 import contextlib
+import functools
+import multiprocessing
+import os
 
 import torch
 
 from .redirection import define_if_missing, replace, torch_view, wrap
-from .torch_view import scoped_cuda_identity, scoped_record_stream_noop
+from .torch_view import scoped_cuda_identity, scoped_cuda_type_names, scoped_record_stream_noop
 
 _RANDOM = "megatron.core.tensor_parallel.random"
 _CLIP = "clip_grad_by_total_norm_fp32"
+_ASYNC_WRITER = "megatron.core.dist_checkpointing.strategies.filesystem_async"
+_DIST_OPT = "megatron.core.optimizer.distrib_optimizer"
 
 
 def _cpu_rng_tracker_class(original):
@@ -99,7 +104,93 @@ def clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled
         torch._foreach_mul_(grads, clip_coeff)
 
 
+def _torch_norm_with_sequence_parallel(original_new):
+    """``WrappedTorchNorm`` that accepts sequence parallelism the way apex's ``FusedLayerNorm`` does:
+    the same torch norm, its parameters marked ``sequence_parallel`` so that
+    ``finalize_model_grads`` sums their gradients over the tensor-parallel group (each rank saw
+    only its slice of the sequence)."""
+
+    def __new__(cls, config, *args, **kwargs):
+        if not config.sequence_parallel:
+            return original_new(cls, config, *args, **kwargs)
+        config.sequence_parallel = False  # only for the torch norm's own assertion
+        try:
+            norm = original_new(cls, config, *args, **kwargs)
+        finally:
+            config.sequence_parallel = True
+        for param in norm.parameters():
+            param.sequence_parallel = True
+        return norm
+
+    return staticmethod(__new__)
+
+
+def _write_results_queue_without_spawn(original):
+    """``filesystem_async._get_write_results_queue`` with a fork-context Manager instead of spawn."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    def _get_write_results_queue():
+        if filesystem_async._results_queue is None:
+            filesystem_async._results_queue = multiprocessing.get_context("fork").Manager().Queue()
+        return filesystem_async._results_queue
+
+    return _get_write_results_queue
+
+
+def _optimizer_state_before_loading(sharded_state_dict):
+    """``DistributedOptimizer.sharded_state_dict`` that gives a torch optimizer (no apex / TE) its
+    state before building the load template, as Megatron does itself for ``fsdp_dtensor``."""
+    from megatron.core.optimizer import distrib_optimizer
+
+    @functools.wraps(sharded_state_dict)
+    def with_state(self, model_sharded_state_dict=None, is_loading=False, *args, **kwargs):
+        if is_loading and not distrib_optimizer.HAVE_APEX_OR_TE and len(self.optimizer.state) == 0:
+            self._init_optimizer_states_with_dummy_values()  # replaced by the loaded values
+        if model_sharded_state_dict is None:
+            model_sharded_state_dict = {}
+        return sharded_state_dict(self, model_sharded_state_dict, is_loading, *args, **kwargs)
+
+    return with_state
+
+
+def _load_with_the_checkpoint_step(load_state_dict):
+    """``DistributedOptimizer.load_state_dict`` under ``no_grad``, after which every parameter's
+    torch-optimizer ``step`` is its own tensor holding the checkpoint's step."""
+    from megatron.core.optimizer import distrib_optimizer
+
+    @functools.wraps(load_state_dict)
+    def load(self, state_dict):
+        with torch.no_grad():
+            result = load_state_dict(self, state_dict)
+        if not distrib_optimizer.HAVE_APEX_OR_TE:
+            (step,) = {group["step"] for group in state_dict["optimizer"]["param_groups"]}
+            for state in self.optimizer.state.values():
+                if "step" in state:
+                    state["step"] = torch.tensor(float(step), dtype=torch.float32)
+        return result
+
+    return load
+
+
+def process_memory() -> int:
+    """Resident memory of this process in bytes (``/proc/self/statm``; 0 where there is none)."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 # Modules whose global ``torch`` becomes the CPU view, with the CUDA sites that need it.
+def get_cuda_rng_state(device="cuda", clone=False, graph_safe=False):
+    """The CPU generator's state: on CPU it is the generator the RNG tracker's "CUDA" states live in."""
+    return torch.get_rng_state()
+
+
+def set_cuda_rng_state(new_state, device=-1, graph_safe=False):
+    torch.set_rng_state(new_state)
+
+
 _VIEWS = (
     ("megatron.core.pipeline_parallel.schedules",
      'total_num_tokens = torch.zeros(..., device="cuda") in every forward_backward_* function'),
@@ -141,7 +232,7 @@ _VIEWS = (
      "grad-norm and zero-count accumulators on 'cuda'"),
     ("megatron.core.optimizer.grad_scaler",
      "loss-scale tensors on 'cuda' (fp16)"),
-    ("megatron.core.dist_checkpointing.strategies.filesystem_async",
+    (_ASYNC_WRITER,
      "the torch_dist writer calls torch.cuda.synchronize() before copying tensors to host"),
     # The combined forward-backward step (--overlap-moe-expert-parallel-comm, mcore.overlap).
     ("megatron.core.pipeline_parallel.utils",
@@ -154,6 +245,11 @@ _VIEWS = (
      "torch.cuda.nvtx.range around weight gradients"),
     ("megatron.core.pipeline_parallel.combined_1f1b",
      "combined step: the loss node runs on torch.cuda.current_stream()"),
+    ("megatron.core.dist_checkpointing.strategies.state_dict_saver",
+     "torch_dist save: the reuse check and the failure all-reduce use device='cuda' / "
+     "current_device() tensors"),
+    ("megatron.core.dist_checkpointing.strategies.fully_parallel",
+     "fully parallel save / load (Megatron's default for torch_dist) synchronize the CUDA device"),
 )  # fmt: skip
 
 #: Every megatron-core redirection, in the order it is applied.
@@ -183,8 +279,52 @@ REDIRECTIONS = (
             "and scales the same grads by the same max_norm / (total_norm + 1e-6)"),
     replace("megatron.core.optimizer.optimizer", _CLIP, clip_grad_by_total_norm_fp32,
             "the by-name import that MegatronOptimizer.step calls (--clip-grad > 0)"),
+    # Activation recompute (--recompute-granularity full / selective): CheckpointFunction saves and
+    # restores the CUDA RNG state around the recomputed forward.
+    replace(_RANDOM, "_get_cuda_rng_state", get_cuda_rng_state,
+            "activation recompute saves the CUDA RNG state (torch.cuda.random.get_rng_state); on CPU "
+            "that is the CPU generator, where the tracker's states live"),
+    replace(_RANDOM, "_set_cuda_rng_state", set_cuda_rng_state,
+            "and restores it for the recomputed forward"),
     wrap("megatron.core.pipeline_parallel.combined_1f1b", "combined_forward_backward_step",
          scoped_record_stream_noop,
          "its schedule nodes and the MoE combine call Tensor.record_stream, which the CPU backend "
          "lacks (NotImplementedError); a no-op for CPU tensors during this call only"),
+    wrap("megatron.core.transformer.torch_norm", "WrappedTorchNorm.__new__", _torch_norm_with_sequence_parallel,
+         "the local spec's norm without apex asserts 'sequence parallel not supported by torch "
+         "LayerNorm'; with --sequence-parallel it is built as apex's FusedLayerNorm would be: "
+         "parameters marked sequence_parallel, gradients summed over the tensor-parallel group"),
+    wrap(_ASYNC_WRITER, "_get_write_results_queue", _write_results_queue_without_spawn,
+         "the torch_dist writer's results queue lives in a Manager started with the spawn "
+         "method, which re-runs the __main__ script in a new interpreter: under "
+         "megatron_dualpipe.launch that is pretrain_gpt.py without the plugin, so the Manager "
+         "dies (no triton on a CPU machine) and the save fails with EOFError. A fork-context "
+         "Manager runs no script"),
+    replace(_ASYNC_WRITER, "_process_memory", process_memory,
+            "the torch_dist writer processes call it before their try block; without psutil (not "
+            "a Megatron-LM dependency) it raises there, the writer dies before "
+            "count_queue.task_done() and the training process waits in count_queue.join() "
+            "forever (the torch_dist save hang); reads /proc/self/statm instead"),
+    wrap(_DIST_OPT, "DistributedOptimizer.sharded_state_dict", _optimizer_state_before_loading,
+         "loading a torch_dist checkpoint with --use-distributed-optimizer builds its template "
+         "from state_dict(), which, with torch's Adam (no apex / TE), asserts len(steps) == 1 "
+         "while the fresh optimizer has no state yet; dummy states are made first (the loaded "
+         "values replace them), as Megatron does for fsdp_dtensor"),
+    wrap(_DIST_OPT, "DistributedOptimizer.load_state_dict", _load_with_the_checkpoint_step,
+         "with torch's Adam (no apex / TE) and fp32 parameters: (a) it copies the loaded values "
+         "into main parameters that are views of the model's leaf parameters outside no_grad "
+         "('a view of a leaf Variable that requires grad is being used in an in-place "
+         "operation'); (b) it gives every parameter's state the same step tensor, which Adam "
+         "then increments once per parameter, and then overwrites that step with the load "
+         "template's (a LocalNonpersistentObject), so the bias correction after a resume is "
+         "wrong. Runs under no_grad; each state gets its own tensor with the checkpoint's step "
+         "(from the param groups)"),
+    wrap("megatron.core.optimizer.optimizer", "Float16OptimizerWithFloat16Params.__init__",
+         scoped_cuda_type_names,
+         "sorts parameters by param.type() in ('torch.cuda.HalfTensor', 'torch.cuda.BFloat16Tensor', "
+         "'torch.cuda.FloatTensor') and raises 'Wrapped parameters must be one of torch.cuda...' "
+         "otherwise (--bf16 / --fp16); tensor.type() names the CUDA type during this call only"),
+    wrap(_DIST_OPT, "DistributedOptimizer.__init__", scoped_cuda_type_names,
+         "the same param.type() sort for the sharded main parameters (--use-distributed-optimizer); "
+         "tensor.type() names the CUDA type during this call only"),
 ) + tuple(torch_view(module, why) for module, why in _VIEWS)

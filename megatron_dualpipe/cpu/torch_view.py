@@ -9,27 +9,32 @@
   ``set_device`` / ``synchronize`` / ``empty_cache`` / memory-statistics calls do nothing or
   return 0; ``Stream`` / ``Event`` / ``stream()`` / ``current_stream()`` / ``default_stream()``
   are inert (the CPU runs everything in order on one "stream", so every wait is already
-  satisfied); ``nvtx`` ranges do nothing; the RNG-state calls use the CPU generator.
+  satisfied); ``nvtx`` ranges do nothing; the RNG-state calls use the CPU generator;
+  ``get_device_properties()`` / ``get_device_capability()`` describe an architecture 0.0 device.
   ``is_available()`` stays False: the view is honest about the hardware.
 * ``torch.device``: a CUDA device (``"cuda"``, ``"cuda:3"``, ``("cuda", 0)``) becomes the CPU;
   ``isinstance(x, torch.device)`` keeps working.
 * the tensor factories (:data:`FACTORIES`): a CUDA ``device=`` (string, ``torch.device`` or an
   int ordinal) becomes the CPU.
 
-Tensor and module *methods* (``tensor.cuda()``, ``module.cuda()``) cannot be reached through a
-module's ``torch`` name; :func:`scoped_cuda_identity` makes them return their receiver for the
-duration of one call, and :func:`scoped_record_stream_noop` makes ``tensor.record_stream()`` (which
-the CPU backend lacks) do nothing for CPU tensors during one call.
+Tensor and module *methods* cannot be reached through a module's ``torch`` name: for the
+duration of one wrapped call, :func:`scoped_cuda_identity` makes ``tensor.cuda()`` and
+``module.cuda()`` return their receiver, and :func:`scoped_cuda_type_names` makes
+``tensor.type()`` name a CPU tensor's CUDA type (Megatron's optimizers sort parameters by it),
+and :func:`scoped_record_stream_noop` makes ``tensor.record_stream()`` (which the CPU backend
+lacks) do nothing for CPU tensors.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import types
 
 import torch
 
-__all__ = ["TORCH_VIEW", "TorchView", "cpu_if_cuda", "scoped_cuda_identity", "scoped_record_stream_noop", "FACTORIES"]
+__all__ = ["TORCH_VIEW", "TorchView", "cpu_if_cuda", "scoped_cuda_identity", "scoped_cuda_type_names",
+           "scoped_record_stream_noop", "FACTORIES"]
 
 CPU = torch.device("cpu")
 
@@ -99,6 +104,12 @@ class CpuStream:
 
 CPU_STREAM = CpuStream()
 
+#: What ``torch.cuda.get_device_properties()`` says about the virtual device: architecture 0.0
+#: (older than any GPU, so Megatron takes its pre-Hopper branches, e.g. the
+#: ``CUDA_DEVICE_MAX_CONNECTIONS=1`` check for tensor parallelism), no device memory.
+CPU_PROPERTIES = types.SimpleNamespace(name="cpu (megatron_dualpipe CPU mode)", major=0, minor=0,
+                                       total_memory=0, multi_processor_count=1)
+
 
 class _NoNvtx:
     @staticmethod
@@ -157,6 +168,9 @@ class CpuCuda:
     set_rng_state = staticmethod(lambda state, device=None: torch.set_rng_state(state))
     manual_seed = staticmethod(lambda seed: torch.manual_seed(seed))
     manual_seed_all = staticmethod(lambda seed: torch.manual_seed(seed))
+    get_device_properties = staticmethod(lambda device=None: CPU_PROPERTIES)
+    get_device_capability = staticmethod(lambda device=None: (CPU_PROPERTIES.major, CPU_PROPERTIES.minor))
+    get_device_name = staticmethod(lambda device=None: CPU_PROPERTIES.name)
 
     def __getattr__(self, name):
         return getattr(torch.cuda, name)
@@ -219,24 +233,59 @@ def _module_cuda(self, device=None):
     return self
 
 
+_TENSOR_TYPE = torch.Tensor.type
+
+
+def _tensor_type_as_cuda(self, dtype=None, non_blocking=False, **kwargs):
+    """``Tensor.type()``: a CPU tensor's type name as its CUDA counterpart's; conversions unchanged."""
+    if dtype is not None or kwargs:
+        return _TENSOR_TYPE(self, dtype, non_blocking, **kwargs)
+    name = _TENSOR_TYPE(self)
+    return "torch.cuda." + name[len("torch."):] if name.startswith("torch.") and not self.is_cuda else name
+
+
+_INHERITED = object()  # the method was not in the class's own dict (it came from a base class)
+
+
 @contextlib.contextmanager
-def cuda_methods_are_identity():
-    """``Tensor.cuda`` and ``nn.Module.cuda`` return their receiver inside the block only."""
-    saved = torch.Tensor.cuda, torch.nn.Module.cuda
-    torch.Tensor.cuda, torch.nn.Module.cuda = _tensor_cuda, _module_cuda
+def _torch_methods(owner_methods):
+    """Set ``owner.name = method`` for each ``(owner, name, method)`` inside the block only."""
+    saved = [(owner, name, vars(owner).get(name, _INHERITED)) for owner, name, _ in owner_methods]
+    for owner, name, method in owner_methods:
+        setattr(owner, name, method)
     try:
         yield
     finally:
-        torch.Tensor.cuda, torch.nn.Module.cuda = saved
+        for owner, name, method in saved:
+            if method is _INHERITED:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, method)
+
+
+def cuda_methods_are_identity():
+    """``Tensor.cuda`` and ``nn.Module.cuda`` return their receiver inside the block only."""
+    return _torch_methods([(torch.Tensor, "cuda", _tensor_cuda), (torch.nn.Module, "cuda", _module_cuda)])
+
+
+def type_names_are_cuda():
+    """``Tensor.type()`` names a CPU tensor's CUDA type ('torch.cuda.FloatTensor') inside the block."""
+    return _torch_methods([(torch.Tensor, "type", _tensor_type_as_cuda)])
+
+
+def _scoped(context, fn):
+    @functools.wraps(fn)
+    def scoped(*args, **kwargs):
+        with context():
+            return fn(*args, **kwargs)
+
+    return scoped
 
 
 def scoped_cuda_identity(fn):
     """``fn`` run with :func:`cuda_methods_are_identity` (torch's globals restored afterwards)."""
+    return _scoped(cuda_methods_are_identity, fn)
 
-    @functools.wraps(fn)
-    def with_cuda_identity(*args, **kwargs):
-        with cuda_methods_are_identity():
-            return fn(*args, **kwargs)
 
     return with_cuda_identity
 
@@ -262,3 +311,8 @@ def scoped_record_stream_noop(fn):
             torch.Tensor.record_stream = saved
 
     return without_record_stream
+
+
+def scoped_cuda_type_names(fn):
+    """``fn`` run with :func:`type_names_are_cuda` (torch's globals restored afterwards)."""
+    return _scoped(type_names_are_cuda, fn)

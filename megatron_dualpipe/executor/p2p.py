@@ -19,6 +19,12 @@ How "waited" and "completed" are known depends on where the tensors live:
   next P2P call of the runner, and the process group is aborted so that a host blocked on the
   stream (a ``.item()``) gets an error instead of hanging.
 
+Streams (NCCL): the operations of one communicator run on one stream in posting order, and a
+``batch_isend_irecv`` uses the group's communicator, so on the GPU a receive still completes
+only after the sends posted before it. :func:`channel_groups` gives each channel (a direction
+between two ranks) its own two-rank group, hence its own stream: then a receive waits only for
+its own channel. It is optional (one communicator per channel) and verified on gloo only.
+
 Deadlines: a send must complete within ``timeout_s`` of being posted; a receive within
 ``timeout_s`` of the moment the action that consumes it starts waiting. Every error names this
 rank, the peer, the tensor and the action.
@@ -32,7 +38,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -79,11 +85,13 @@ class P2P:
     ``global_ranks[i]`` is the global rank of pipeline rank ``i``; peers are pipeline ranks.
     ``describe`` turns a label into words for error messages. ``host_waits`` chooses the waiting
     discipline (None: from the device of the first tensor posted, the host for CPU tensors).
+    ``channel_groups`` (from :func:`channel_groups`) carries each channel on its own group.
     ``peak_in_flight`` is the most receives and unfinished sends held at once.
     """
 
     def __init__(self, group, global_ranks: Sequence[int], my_pp_rank: int, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 describe: Callable[[object], str] = describe_label, host_waits: Optional[bool] = None):
+                 describe: Callable[[object], str] = describe_label, host_waits: Optional[bool] = None,
+                 channel_groups: Optional[Mapping[Tuple[int, int], object]] = None):
         self.group = group
         self.global_ranks = list(global_ranks)
         self.rank = my_pp_rank
@@ -91,6 +99,7 @@ class P2P:
         self.timeout_s = timeout_s
         self.describe = describe
         self.host_waits = host_waits
+        self.channel_groups = channel_groups
         self.peak_in_flight = 0
         self._recvs: Dict[object, _Op] = {}
         self._sends: List[_Op] = []
@@ -124,23 +133,20 @@ class P2P:
                 f"exited; look at the other ranks' logs. Underlying error: {e}") from e
 
     def post(self, sends: Sequence[Send], recvs: Sequence[Recv], where: str) -> None:
-        """Post one planned batch as one ``batch_isend_irecv``; wait for nothing."""
+        """Post one planned batch, as one ``batch_isend_irecv`` on the pipeline group or, with
+        ``channel_groups``, as one operation per channel group; wait for nothing."""
         if not sends and not recvs:
             return
         self._raise_failure()
-        ops = [dist.P2POp(dist.isend, t, self.global_ranks[p], self.group) for p, t, _, _ in sends]
-        ops += [dist.P2POp(dist.irecv, t, self.global_ranks[p], self.group) for p, t, _ in recvs]
         if self.host_waits is None:
-            self.host_waits = ops[0].tensor.device.type == "cpu"
+            self.host_waits = (sends[0][1] if sends else recvs[0][1]).device.type == "cpu"
         now = time.monotonic()
         try:
-            works = dist.batch_isend_irecv(ops)
+            works = self._issue(sends, recvs)
         except RuntimeError as e:
             raise P2PTimeoutError(f"pipeline rank {self.rank} (global {dist.get_rank()}) {where}: posting a "
                                   f"point-to-point batch failed: a peer probably exited or crashed, look at its log. "
                                   f"Underlying error: {e}") from e
-        if len(works) == 1 and len(ops) > 1:  # a coalescing backend (NCCL): one work for the batch
-            works = works * len(ops)
         for (p, t, label, on_done), w in zip(sends, works):
             op = _Op(True, p, label, t, w, now, where, on_done, deadline=now + self.timeout_s)
             self._sends.append(op)
@@ -148,6 +154,17 @@ class P2P:
         for (p, t, label), w in zip(recvs, works[len(sends):]):
             self._recvs[label] = _Op(False, p, label, t, w, now, where)
         self.peak_in_flight = max(self.peak_in_flight, len(self._sends) + len(self._recvs))
+
+    def _issue(self, sends: Sequence[Send], recvs: Sequence[Recv]) -> list:
+        """The works of the sends then the receives, one per operation."""
+        g = self.global_ranks
+        if self.channel_groups is not None:
+            return ([dist.isend(t, g[p], group=self.channel_groups[(self.rank, p)]) for p, t, _, _ in sends]
+                    + [dist.irecv(t, g[p], group=self.channel_groups[(p, self.rank)]) for p, t, _ in recvs])
+        ops = [dist.P2POp(dist.isend, t, g[p], self.group) for p, t, _, _ in sends]
+        ops += [dist.P2POp(dist.irecv, t, g[p], self.group) for p, t, _ in recvs]
+        works = dist.batch_isend_irecv(ops)
+        return works * len(ops) if len(works) == 1 else works  # a coalescing backend: one work per batch
 
     def receive(self, label, where: str) -> torch.Tensor:
         """Wait for the receive of ``label`` (on an accelerator: make the stream wait) and
@@ -194,15 +211,32 @@ class P2P:
                 left = ", ".join(self.describe(label) for label in self._recvs)
                 raise RuntimeError(f"pipeline rank {self.rank}: receives posted but never consumed: {left}")
             for op in self._sends:
-                while self.host_waits and not op.done:
-                    now = time.monotonic()
-                    if now > op.deadline:
-                        raise self._error(op, where, now - op.posted, None)
-                    op.done_event.wait(min(op.deadline - now, 0.5))
+                self._await_send(op, where)
                 self._complete(op)
             self._sends = []
         finally:
             self.close()
+
+    def complete_send(self, label, where: str) -> None:
+        """The buffer of the send of ``label`` is needed now (Megatron's backward requires the
+        forward's output to have been released): complete that send, release it. Nothing to do
+        if it was released already. Its receiver has it by then in every schedule (the gradient
+        this rank is about to use came back through it), so this waits for bookkeeping only."""
+        for k, op in enumerate(self._sends):
+            if op.label == label:
+                self._await_send(op, where)
+                self._complete(op)
+                del self._sends[k]
+                return
+
+    def _await_send(self, op: _Op, where: str) -> None:
+        """Host: block until the peer's waiter saw the send complete, within its deadline.
+        Accelerator: nothing (``_complete`` makes the stream wait)."""
+        while self.host_waits and not op.done:
+            now = time.monotonic()
+            if now > op.deadline:
+                raise self._error(op, where, now - op.posted, None)
+            op.done_event.wait(min(op.deadline - now, 0.5))
 
     def close(self) -> None:
         """Stop the helper threads once their operations are done (a waiter blocked on a dead
@@ -303,6 +337,26 @@ class P2P:
             f"pipeline rank {self.rank} (global {dist.get_rank()}) {where}: the {self._what(op)} (posted {op.where}) "
             f"{what}" + (f"; still unfinished: {pending}" if pending else "")
             + (f". Underlying error: {cause}" if cause is not None else ""))
+
+
+def channels_of(plans) -> List[Tuple[int, int]]:
+    """The channels (sending, receiving pipeline rank) a program's plans use, sorted."""
+    return sorted({(r, t.peer) for r, p in enumerate(plans) for b in p.batches for t in b.sends})
+
+
+def channel_groups(global_ranks: Sequence[int], channels: Iterable[Tuple[int, int]]) -> Dict[Tuple[int, int], object]:
+    """One two-rank process group per channel (sending, receiving pipeline rank), for
+    ``P2P(channel_groups=...)``.
+
+    Why: NCCL runs the operations of one communicator on one stream, in posting order, and a
+    ``batch_isend_irecv`` uses the group's communicator, so a receive there completes only after
+    every send posted before it, which waits for its receiver: the waiting the protocol avoids
+    comes back on the GPU. With a group per direction of each pair of neighbours, each channel
+    is its own in-order stream and a receive waits only for its own channel. ``new_group`` is
+    collective: every rank of the default group calls this with the same arguments, in the same
+    order (with several pipelines, for each of them). Costs one communicator per channel.
+    """
+    return {(s, d): dist.new_group([global_ranks[s], global_ranks[d]]) for s, d in sorted(channels)}
 
 
 def _wait_sends(q) -> None:

@@ -121,6 +121,7 @@ def run_rank(program: Program, rank: int, compute: StageCompute, p2p: P2P, spec:
     rp = program.plans[rank]
     local: Dict[Label, torch.Tensor] = {}
     outbox: Dict[Label, Tuple[Action, torch.Tensor]] = {}
+    unreleased: Dict[Tuple[int, int, int], Label] = {}  # forward (dir, mb, stage) -> its output's send
     batches = rp.batches
     bi = 0
     recorder = trace if trace is not None else trace_from_env()
@@ -133,7 +134,10 @@ def run_rank(program: Program, rank: int, compute: StageCompute, p2p: P2P, spec:
             sends = []
             for t in b.sends:
                 a, out = outbox.pop(t.label)
-                release = functools.partial(compute.release, a, out) if a.op == F and not compute.is_fake(a) else None
+                release = None
+                if a.op == F and not compute.is_fake(a):
+                    release = functools.partial(compute.release, a, out)
+                    unreleased[(a.dir, a.mb, a.stage)] = t.label
                 sends.append((t.peer, out, t.label, release))
             recvs = [(t.peer, torch.empty(spec.shape, dtype=spec.dtype, device=spec.device,
                                           requires_grad=t.label[0] == "act"), t.label) for t in b.recvs]
@@ -172,6 +176,14 @@ def run_rank(program: Program, rank: int, compute: StageCompute, p2p: P2P, spec:
             else:
                 local[label] = tensor
 
+    def released_before_backward(i: int) -> None:
+        """A backward needs its forward's output released (Megatron's ``custom_backward``
+        asserts it): complete that output's send if the background has not yet."""
+        a = acts[i]
+        label = unreleased.pop((a.dir, a.mb, a.stage), None) if a.is_backward else None
+        if label is not None:
+            p2p.complete_send(label, f"before action {i} ({a})")
+
     def run_one(i: int, inp: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         a = acts[i]
         if compute.is_fake(a):
@@ -192,6 +204,8 @@ def run_rank(program: Program, rank: int, compute: StageCompute, p2p: P2P, spec:
             p2p.reap()
             waited = time.perf_counter() if recording else 0.0
             inputs = [take(i) for i in unit]
+            for i in unit:
+                released_before_backward(i)
             started = time.perf_counter() if recording else 0.0
             if len(unit) == 2 and not any(compute.is_fake(acts[i]) for i in unit):
                 results = forward_backward(acts[unit[0]], acts[unit[1]], *inputs)

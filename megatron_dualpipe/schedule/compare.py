@@ -112,6 +112,14 @@ def run(name: str, pp: int, real: int, stage_costs: Costs, progress: Progress = 
                max(t.peak_weight_grad_states for t in res.ranks) * frac, parameter_copies(spec, pp))
 
 
+def orders_with(name: str) -> List[str]:
+    """One schedule per distinct order, ``name`` standing for its own order (``executor-1f1b``
+    for ``1f1b``)."""
+    mine = get(name)
+    return [name if (get(n).generator, get(n).layout_kind) == (mine.generator, mine.layout_kind) else n
+            for n in distinct_orders()]
+
+
 def compare(pp: int, real: int, stage_costs: Costs, names: Optional[Sequence[str]] = None,
             known: Optional[Known] = None) -> List[Row]:
     """Every schedule (one per distinct order unless ``names``) on the same model."""

@@ -1,0 +1,133 @@
+"""Run Megatron-LM's own ``pretrain_gpt.py`` (torchrun, 4 gloo processes, through the launcher) and
+read what ``training_log`` prints: shared by the ``test_megatron_lm_*`` files.
+
+Needs a Megatron-LM checkout at tag ``core_v0.16.1`` in ``MEGATRON_LM_PATH`` (the test files skip
+without it). The tiny GPT of docs/megatron-lm-cpu.md, mock data, dropout off (the order in which a
+schedule runs micro-batches must not change the dropout masks).
+"""
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MEGATRON_LM_PATH = os.environ.get("MEGATRON_LM_PATH")
+SKIP_MESSAGE = "set MEGATRON_LM_PATH to a Megatron-LM checkout at tag core_v0.16.1 (pretrain_gpt.py runs)"
+HAVE_MEGATRON_LM = bool(MEGATRON_LM_PATH) and os.path.isfile(os.path.join(MEGATRON_LM_PATH or "", "pretrain_gpt.py"))
+
+TINY = [
+    "--num-layers", "8", "--hidden-size", "64", "--num-attention-heads", "4",
+    "--seq-length", "64", "--max-position-embeddings", "64",
+    "--micro-batch-size", "2", "--global-batch-size", "16",
+    "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
+    "--transformer-impl", "local", "--no-persist-layer-norm", "--no-gradient-accumulation-fusion",
+    "--distributed-backend", "gloo", "--use-cpu-initialization", "--pipeline-model-parallel-size", "4",
+    "--train-iters", "5", "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "1000",
+    "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "constant", "--seed", "1234",
+    "--hidden-dropout", "0", "--attention-dropout", "0",
+]  # fmt: skip
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-token-dispatcher-type", "alltoall",
+       "--disable-bias-linear"]
+RTOL = 1e-5
+LOSS_RE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.E+-]+)")
+ITERATION_LINE_RE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|(.*)")
+METRIC_RE = re.compile(r"\s*([a-z_ ]+[a-z_]): ([-+0-9.Ee]+|nan|inf)\s*$", re.I)
+#: Per-iteration values that depend on the schedule's timing or position, not on the numerics.
+NOT_NUMERICS = ("elapsed time per iteration (ms)", "learning rate", "consumed samples", "global batch size",
+                "number of skipped iterations", "number of nan iterations", "loss scale")
+VAL_RE = re.compile(r"validation loss at iteration (\d+)( on \w+ set)? \| lm loss value: ([0-9.E+-]+)")
+
+LAST_OUTPUT = [""]  # the most recent run's output, for checks beyond the losses
+
+
+def require_deps():
+    missing = [p for m, p in (("six", "six"), ("regex", "regex"), ("yaml", "pyyaml"), ("pydantic", "pydantic"),
+                              ("pybind11", "pybind11")) if importlib.util.find_spec(m) is None]
+    if missing:
+        pytest.skip(f"Megatron-LM's training code needs: pip install {' '.join(missing)}")
+
+
+def launch(schedule, *extra, timeout=600):
+    """torchrun pretrain_gpt.py (4 ranks) through the launcher; returns (returncode, output)."""
+    require_deps()
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO_ROOT, env.get("PYTHONPATH")) if p)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    cmd = [torchrun if os.path.exists(torchrun) else "torchrun", "--standalone", "--nproc-per-node", "4",
+           "-m", "megatron_dualpipe.launch", os.path.join(MEGATRON_LM_PATH, "pretrain_gpt.py"),
+           *TINY, "--pipeline-schedule", schedule, *extra]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    out = proc.stdout + proc.stderr
+    LAST_OUTPUT[0] = out
+    return proc.returncode, out
+
+
+def metrics(out):
+    """``{iteration: {name: printed value}}`` of every numeric field of the iteration lines."""
+    result = {}
+    for it, rest in ITERATION_LINE_RE.findall(out):
+        fields = {}
+        for part in rest.split("|"):
+            m = METRIC_RE.match(part)
+            if m and m.group(1).strip() not in NOT_NUMERICS:
+                fields[m.group(1).strip()] = m.group(2)
+        result[int(it)] = fields
+    return result
+
+
+def run_pretrain(schedule, *extra, timeout=600, evaluation=False, with_metrics=False):
+    """Run and return {iteration: lm loss} (with ``evaluation``, {"iteration (set)": validation
+    lm loss} as well; with ``with_metrics``, {iteration: {metric: printed value}} instead)."""
+    rc, out = launch(schedule, *extra, timeout=timeout)
+    assert rc == 0, f"{schedule} {' '.join(extra)} failed:\n{out[-6000:]}"
+    losses = {int(i): float(v) for i, v in LOSS_RE.findall(out)}
+    assert losses, f"no 'lm loss' lines in the output:\n{out[-3000:]}"
+    print(f"\n{schedule:14s} {' '.join(extra)[:100]}: " + ", ".join(f"{i}: {v:.6f}" for i, v in sorted(losses.items())))
+    if with_metrics:
+        return metrics(out)
+    if evaluation:
+        val = {f"{i}{where}": float(v) for i, where, v in VAL_RE.findall(out)}
+        assert val, f"no validation loss lines in the output:\n{out[-3000:]}"
+        print(f"{schedule:14s} evaluation: " + ", ".join(f"{k}: {v:.6f}" for k, v in val.items()))
+        return losses, val
+    return losses
+
+
+def assert_close(a, b, what):
+    """Per-iteration losses equal to RTOL; prints the largest difference."""
+    assert sorted(a) == sorted(b), (what, a, b)
+    worst = max((abs(a[i] - b[i]) for i in a), default=0.0)
+    print(f"{what}: max |difference| {worst:.3e} over iterations {sorted(a)}")
+    for i in a:
+        assert abs(a[i] - b[i]) <= RTOL * abs(b[i]), f"{what}: iteration {i}: {a[i]} vs {b[i]}"
+
+
+def _tolerance(printed: str, ref: float) -> float:
+    """What the print can resolve: the last printed digit for fixed-point values (``1.973``),
+    RTOL relative for E-notation values (``5.568256E+00``)."""
+    if "e" in printed.lower() or "." not in printed:
+        return RTOL * abs(ref)
+    return 1.01 * 10.0 ** -len(printed.split(".")[1])
+
+
+def assert_metrics_close(got, ref, what):
+    """Every metric both runs print equal within what its print resolves (`_tolerance`); prints
+    one line per metric with the largest difference. Returns {metric: max |difference|}."""
+    assert sorted(got) == sorted(ref), (what, sorted(got), sorted(ref))
+    names = sorted({n for it in ref for n in ref[it]})
+    worst = {}
+    for name in names:
+        diffs = []
+        for it in sorted(ref):
+            assert name in got[it], f"{what}: iteration {it} has no {name!r}: {got[it]}"
+            a, b = float(got[it][name]), float(ref[it][name])
+            diffs.append(abs(a - b))
+            assert abs(a - b) <= _tolerance(ref[it][name], b), f"{what}: iteration {it}: {name} {a} vs {b}"
+        worst[name] = max(diffs)
+        print(f"{what}: {name}: max |difference| {worst[name]:.3e} ({', '.join(ref[it][name] for it in sorted(ref))})")
+    return worst
