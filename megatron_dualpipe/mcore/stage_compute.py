@@ -75,11 +75,6 @@ class MegatronStageCompute(StageComputeBase):
 
     def backward(self, a: Action, output_grad):
         input_tensor, output = self.saved.pop((a.dir, a.mb, a.stage))
-        if output_grad is not None:
-            # The gradient of this output came back, so the next stage has received the output: free
-            # it now if the runner has not yet (it frees a sent buffer once its send is reaped, which
-            # may come later), as megatron-core's backward_step expects with deallocate_pipeline_outputs.
-            self.release(a, output)
         with contextlib.ExitStack() as stack:
             deferring = self._defer_weight_grads(a, stack)
             input_grad = schedules.backward_step(input_tensor, output, output_grad, self.model_type, self.config)
