@@ -215,11 +215,14 @@ def _pipeline_worker(rank, world, port, schedule, full_state, runs):
         order_log = _install_order_log()
         deferred = _count_deferred_weight_grads()
         warnings = _capture_warnings()
+        te = _stand_in_for_te()
         results = []
-        for m, zero_bubble, overlap in runs:
+        for m, zero_bubble, overlap, *delay in runs:
             for chunk in model:
                 chunk.zero_grad()
                 chunk.config.overlap_moe_expert_parallel_comm = overlap
+                chunk.config.delay_wgrad_compute = bool(delay and delay[0])
+            te.update(te_backward_dw=0, inline_dw=0)
             fused_units[0] = 0
             order_log.update(on=overlap and not order_log.get("done"), events=[])
             deferred[0] = 0
@@ -234,7 +237,7 @@ def _pipeline_worker(rank, world, port, schedule, full_state, runs):
                 "grads": [{_global_key(n, c, full, ep_rank): p.grad.clone()
                            for n, p in c.named_parameters() if p.grad is not None} for c in model],
                 "layers": [[layer.layer_number for layer in c.decoder.layers] for c in model],
-                "ends": [bool(c.post_process) for c in model], "deferred": deferred[0], "warnings": list(warnings),
+                "ends": [bool(c.post_process) for c in model], "deferred": deferred[0], "warnings": list(warnings), "te": dict(te),
                 "events": list(order_log["events"]) if order_log["on"] else None})
             order_log["done"] = order_log.get("done") or overlap
         return results
@@ -256,6 +259,35 @@ def _count_deferred_weight_grads():
 
     wgrad.WeightGradStore.run = counting_run
     return counter
+
+
+@functools.lru_cache(maxsize=None)
+def _stand_in_for_te():
+    """The local spec as a stand-in for Transformer Engine with ``delay_wgrad_compute``: every
+    ``backward_dw`` is a no-op (RowParallelLinear has none: added), the local linears compute their
+    weight gradients in autograd as usual. Counts the calls that matter: ``run_te_backward_dw``
+    (the W action's, recorded by a B) and schedule-plan nodes that run ``backward_dw`` inline."""
+    from megatron.core.models.gpt import fine_grained_callables as fgc
+    from megatron.core.tensor_parallel.layers import RowParallelLinear
+    from megatron_dualpipe.mcore import stage_compute
+
+    counts = {"te_backward_dw": 0, "inline_dw": 0}
+    RowParallelLinear.backward_dw = lambda self: None
+    run_te = stage_compute.run_te_backward_dw
+
+    def counted_run_te(chunk):
+        counts["te_backward_dw"] += 1
+        return run_te(chunk)
+
+    stage_compute.run_te_backward_dw = counted_run_te
+    node_dw = fgc.TransformerLayerNode.backward_dw
+
+    def counted_node_dw(self):
+        counts["inline_dw"] += int(bool(self.delay_wgrad_compute))
+        return node_dw(self)
+
+    fgc.TransformerLayerNode.backward_dw = counted_node_dw
+    return counts
 
 
 def _capture_warnings():
@@ -287,7 +319,7 @@ def _run(schedule, runs):
     results = me.run_workers(_pipeline_worker, PP * EP, args=(schedule, state, runs), timeout=600)
     print(f"\n{schedule} pp={PP} ep={EP} (alltoall), dp=2, vs single process and vs F-then-B:")
     by_run = {}
-    for i, (m, zb, overlap) in enumerate(runs):
+    for i, (m, zb, overlap, *delay) in enumerate(runs):
         dl = dg = scale = 0.0
         for res in results:
             r = res[i]
@@ -308,13 +340,15 @@ def _run(schedule, runs):
         assert dl <= RTOL * 5 and dg <= RTOL * scale, (m, zb, overlap, dl, dg, scale)
         # Each rank's few B actions at pp=2 may all be fake micro-batches when M is padded.
         assert (all(n > 0 for n in deferred) if m == 8 else any(deferred)) if zb else not any(deferred)
-        by_run[(m, zb, overlap)] = i
+        by_run[(m, zb, overlap, *delay)] = i
+        if delay and delay[0]:
+            _check_te_deferral(schedule, results, i, m, zb)
     # The audit watched the first iteration (combined step, zero bubble on): B kept no weight gradient.
     assert not [w for res in results for w in res[-1]["warnings"] if "zero bubble" in w]
     # The combined step against the F-then-B path on the same weights and data.
-    for (m, zb, overlap), i in by_run.items():
+    for (m, zb, overlap, *delay), i in by_run.items():
         j = by_run.get((m, zb, False))
-        if not overlap or j is None:
+        if not overlap or delay or j is None:
             continue
         d = 0.0
         for res in results:
@@ -326,6 +360,24 @@ def _run(schedule, runs):
         print(f"  M={m} zero_bubble={zb}: overlap vs F-then-B: max|diff| over losses and gradients {d:.2e}")
         assert d <= RTOL * 1e-1
     return results
+
+
+def _check_te_deferral(schedule, results, i, m, zb):
+    """With ``delay_wgrad_compute`` (the stand-in for TE) every B records one ``backward_dw()`` for
+    its W and the schedule plan runs none inline for it; fused units and BW run theirs inline
+    (2 per layer: MLP and attention). Counted from the rank's action list."""
+    from megatron_dualpipe.schedule import B, BW, build_schedule
+
+    for res in results:
+        r = res[i]
+        acts = build_schedule(schedule, PP, m).ranks[r["pp"]]
+        n_b, n_bw = sum(a.op == B for a in acts), sum(a.op == BW for a in acts)
+        layers = len(r["layers"][0])
+        want = {"te_backward_dw": n_b, "inline_dw": 2 * layers * (n_bw + (0 if zb else n_b))}
+        print(f"    rank pp={r['pp']} dp={r['dp']}: {n_b} B, {n_bw} BW, {layers} layers per chunk -> "
+              f"backward_dw recorded for W {r['te']['te_backward_dw']}, run inline by the plan "
+              f"{r['te']['inline_dw']} (expected {want})")
+        assert r["te"] == (want if zb else {"te_backward_dw": 0, "inline_dw": want["inline_dw"]}), (r["te"], want)
 
 
 def _check_order(results, runs):
@@ -349,8 +401,9 @@ def _check_order(results, runs):
     assert unit == want
 
 
-#: (M, zero bubble, overlap). The first run is the one the executor audits for undeferred weights.
-RUNS = [(8, True, True), (8, True, False), (8, False, True), (8, False, False), (5, True, True)]
+#: (M, zero bubble, overlap[, delay_wgrad_compute]). The first run is the one the executor audits for undeferred weights.
+RUNS = [(8, True, True), (8, True, False), (8, False, True), (8, False, False), (5, True, True),
+        (8, True, True, True)]  # the last with delay_wgrad_compute (TE's deferral, local stand-in)
 
 
 def test_dualpipe_overlapped_units_equal_f_then_b_and_single_process():

@@ -49,9 +49,14 @@ step calls the unwrapped ``GPTModel`` (bypassing ``Float16Module``'s casts) and 
 dtype-specific step is the fp16-to-fp32 cast of the loss, which is the identity in fp32 (the CPU
 proof runs in fp32).
 
-Not covered: Transformer Engine with ``delay_wgrad_compute`` computes its weight gradients inside
-the combined step (the schedule plan calls ``backward_dw`` itself), so with it B actions keep the
-TE weight gradients in B; MTP; CUDA graphs. On the CPU the sub-steps run in order on one stream:
+* Transformer Engine with ``delay_wgrad_compute``: the schedule plan calls each layer's
+  ``backward_dw()`` itself. For a B action its layer nodes are told not to
+  (``_no_inline_weight_grads``) and the chunk's ``backward_dw()`` is recorded for the W action, as
+  in the plain path; fused units and BW keep megatron-core's inline calls (full backwards). The
+  wiring is tested on CPU with the local spec standing in for TE (its ``backward_dw`` are no-ops);
+  the TE kernels need a GPU.
+
+Not covered: MTP; CUDA graphs. On the CPU the sub-steps run in order on one stream:
 the order and the numbers are verified there, the overlap itself only exists on a GPU.
 """
 from __future__ import annotations
@@ -108,8 +113,8 @@ def combined_step_problems(config) -> List[str]:
     return problems
 
 
-def enable_combined_step(config, delay_wgrad_compute: bool = False):
-    """Turn on ``overlap_moe_expert_parallel_comm`` (and optionally ``delay_wgrad_compute``) on a
+def enable_combined_step(config, delay_wgrad_compute: Optional[bool] = None):
+    """Turn on ``overlap_moe_expert_parallel_comm`` (and ``delay_wgrad_compute`` if given) on a
     ``TransformerConfig`` that megatron-core has built and checked; returns it.
 
     Raises :class:`DualPipeConfigError` listing what the combined step needs. Call it before the
@@ -118,7 +123,8 @@ def enable_combined_step(config, delay_wgrad_compute: bool = False):
     if problems:
         raise DualPipeConfigError("--overlap-moe-expert-parallel-comm with DualPipe: " + "; ".join(problems))
     config.overlap_moe_expert_parallel_comm = True
-    config.delay_wgrad_compute = bool(delay_wgrad_compute)
+    if delay_wgrad_compute is not None:
+        config.delay_wgrad_compute = bool(delay_wgrad_compute)
     return config
 
 
@@ -173,19 +179,33 @@ class OverlappedStageCompute(MegatronStageCompute):
                 f_model, data, store = self.model[fa.dir], self.source.view(g), self.loss_store[fa.dir]
                 stack.enter_context(direction_of(self.layout, self.rank, fa.dir, self.global_ranks))
                 stack.enter_context(_loss_where(self.layout.is_last(fa.dir, fa.stage), self.cp_size))
+            te_deferred = False
             if ba is not None:
                 b_model = self.model[ba.dir]
                 b_input, b_output = self.saved.pop((ba.dir, ba.mb, ba.stage))
-                self._defer_weight_grads(ba, stack)
+                te_deferred = self._defer_weight_grads(ba, stack) and self.te_backward_dw[ba.dir]
+                if te_deferred:
+                    _no_inline_weight_grads(b_output.schedule_plan)
             output, num_tokens, input_grad = combined_1f1b.combined_forward_backward_step(
                 self.forward_step_func, data, f_model, self.real, input_tensor, store, b_model, b_input, b_output,
                 output_grad, self.config, collect_non_loss_data=self.collect_non_loss_data,
                 is_first_microbatch=is_first_mb, current_microbatch=g)
+        if te_deferred:  # TE queued this B's weight gradients: its W runs backward_dw()
+            self._te_backward_dw(ba.dir, (ba.dir, ba.mb, ba.stage))
         if fa is not None:
             self._end_forward(fa, input_tensor, output, num_tokens)
         if ba is not None:
             self._gradient_done(ba)
         return output, input_grad
+
+
+def _no_inline_weight_grads(plan) -> None:
+    """The schedule plan's layer nodes skip their ``backward_dw()`` (a B action: W computes them)."""
+    for layer in plan._transformer_layers:
+        for name in ("attn", "moe_dispatch", "mlp", "moe_combine", "mtp_post_process"):
+            node = getattr(layer, name, None)
+            if hasattr(node, "delay_wgrad_compute"):
+                node.delay_wgrad_compute = False
 
 
 def _check_forward_step_func(func) -> None:

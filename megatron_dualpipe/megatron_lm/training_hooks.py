@@ -45,7 +45,9 @@ The parameter count
     an executor schedule the wrapper builds the config with the flag (and
     ``--delay-wgrad-compute``) off and turns them on afterwards through
     ``mcore.overlap.enable_combined_step``: the fused units come from DualPipe, not from a
-    virtual pipeline. ``args`` keeps the flag (``pretrain_gpt.forward_step`` asserts it before
+    virtual pipeline. ``--delay-wgrad-compute`` alone (refused by megatron-core without the
+    combined step, which is the only caller of ``backward_dw`` there) is let through the same
+    way: the executor's W actions call ``backward_dw``. ``args`` keeps the flag (``pretrain_gpt.forward_step`` asserts it before
     returning a schedule plan). ``pretrain_gpt.py`` and ``gpt_builders.py`` import the function
     by name, after ``install()`` (launcher or patch hook), so they get the wrapper.
 Data
@@ -276,12 +278,11 @@ def _wrap_config_from_args(orig):
 
     @functools.wraps(orig)
     def core_transformer_config_from_args(args, *a, **kw):
-        if not getattr(args, "overlap_moe_expert_parallel_comm", False) or \
-                registry.get(schedule_of(args)).runs_on != registry.EXECUTOR:
-            return orig(args, *a, **kw)
         from ..mcore.overlap import COMBINED_STEP_FLAGS, enable_combined_step
 
         flags = {name: getattr(args, name, False) for name in COMBINED_STEP_FLAGS}
+        if not any(flags.values()) or registry.get(schedule_of(args)).runs_on != registry.EXECUTOR:
+            return orig(args, *a, **kw)
         try:
             for name in flags:
                 setattr(args, name, False)
@@ -289,7 +290,11 @@ def _wrap_config_from_args(orig):
         finally:
             for name, value in flags.items():
                 setattr(args, name, value)
-        return enable_combined_step(config, delay_wgrad_compute=flags["delay_wgrad_compute"])
+        delay = flags["delay_wgrad_compute"]
+        if flags["overlap_moe_expert_parallel_comm"]:
+            return enable_combined_step(config, delay_wgrad_compute=delay)
+        config.delay_wgrad_compute = delay  # TE defers; the executor's W actions run backward_dw()
+        return config
 
     setattr(core_transformer_config_from_args, _MARK, True)
     return core_transformer_config_from_args
