@@ -304,6 +304,8 @@ class GradReduction:
         fold = bool(emb) and bool(out) and config.finalize_model_grads_func is not None
         self._fold = fold
         self._held = {c for c in range(n) if self._local_sum or (fold and _holds_tied_copy(self.model[c]))}
+        self._ddp_configs: dict = {}  # set while the schedule runs (during_schedule)
+        self._configured: dict = {}
         self._done: List[int] = []  # chunks whose gradients are final, in that order
         self._issued: List[int] = []  # chunks whose bd sums were issued
         self._pending: List[tuple] = []  # (chunk, handles, copy-back) of bd sums not seen complete
@@ -315,15 +317,37 @@ class GradReduction:
     # -- during the schedule ---------------------------------------------------------------------
     @contextlib.contextmanager
     def during_schedule(self):
-        configs = {id(c.ddp_config): c.ddp_config for c in self.model if getattr(c, "ddp_config", None) is not None}
-        saved = {k: cfg.overlap_grad_reduce for k, cfg in configs.items()}
-        for cfg in configs.values():
+        self._ddp_configs = {id(c.ddp_config): c.ddp_config for c in self.model
+                             if getattr(c, "ddp_config", None) is not None}
+        self._configured = {k: cfg.overlap_grad_reduce for k, cfg in self._ddp_configs.items()}
+        for cfg in self._ddp_configs.values():
             cfg.overlap_grad_reduce = False
         try:
             yield
         finally:
-            for k, cfg in configs.items():
-                cfg.overlap_grad_reduce = saved[k]
+            self._set_overlap(self._configured)
+            self._ddp_configs = {}
+
+    def _set_overlap(self, values: dict) -> None:
+        for k, cfg in self._ddp_configs.items():
+            cfg.overlap_grad_reduce = values[k]
+
+    @contextlib.contextmanager
+    def _as_configured(self):
+        """Megatron's ``start_grad_sync`` as the user configured it (during the schedule the flag is
+        off): asynchronous under ``--overlap-grad-reduce``, leaving the handle that its
+        ``finish_grad_sync`` waits for. Synchronous, it left no handle, and ``finish_grad_sync``
+        (still in its first-batch mode: the hooks never register a gradient) reduced the bucket a
+        second time: harmless for an averaging all-reduce, wrong for the distributed optimizer's
+        reduce-scatter."""
+        during = dict(self._configured) if self._ddp_configs else None
+        if during is not None:
+            self._set_overlap(during)
+        try:
+            yield
+        finally:
+            if during is not None:
+                self._set_overlap({k: False for k in during})
 
     def after_action(self, a) -> None:
         """Called by the stage compute after each backward / weight-gradient action it ran."""
@@ -396,7 +420,8 @@ class GradReduction:
     def _start_dp(self, c: int) -> None:
         self._dp_started.add(c)
         if self._dp_start[c] is not None:
-            self._dp_start[c](self.model[c].parameters())
+            with self._as_configured():
+                self._dp_start[c](self.model[c].parameters())
 
     # -- after the schedule -------------------------------------------------------------------------
     def finish(self) -> None:
