@@ -38,3 +38,35 @@ def test_mirror_marks_are_non_main_keep_their_length_and_survive_copies():
     assert isinstance(optimizer["state"][0]["exp_avg"], mapping.LocalNonpersistentObject)
     assert isinstance(home["embedding.word_embeddings.weight"], mapping.ShardedTensor)
     assert isinstance(optimizer["state"][1]["exp_avg"], mapping.ShardedTensor)
+
+
+class _FakeDistributedOptimizer:
+    """What the dp_reshardable load wrapper reads of Megatron's DistributedOptimizer: two buffers
+    (model[0]'s, then the mirror's), one bucket each, one parameter per bucket."""
+
+    def __init__(self, per_bucket_numel_unpadded):
+        self.per_bucket_numel_unpadded = per_bucket_numel_unpadded
+        self.buffers = [object(), object()]
+        self.loaded = None
+
+    def get_parameter_state_dp_reshardable(self):
+        return {k: {torch.float32: [[{"param": torch.full((2,), float(k)), "gbuf_local_start": 0, "gbuf_local_end": 2}]]}
+                for k in range(2)}
+
+    def load_parameter_state_from_dp_reshardable(self, state_dict):
+        self.loaded = state_dict
+
+
+def test_dp_reshardable_load_keeps_the_mirror_buffers_and_refuses_other_buckets():
+    opt = _FakeDistributedOptimizer([[6], [6]])
+    saved = {"per_bucket_numel_unpadded": [[6]], 0: {torch.float32: [[{"param": torch.ones(2), "padding": False}]]}}
+    tdm._home_load(opt, 1)(saved)
+    print(f"\nloaded buffers: {sorted(k for k in opt.loaded if isinstance(k, int))}; mirror's: {opt.loaded[1]}")
+    assert opt.loaded[0] is saved[0] and "per_bucket_numel_unpadded" not in opt.loaded
+    (mirror,) = opt.loaded[1][torch.float32][0]
+    assert mirror["padding"] is False and "gbuf_local_start" not in mirror and mirror["param"].tolist() == [1.0, 1.0]
+
+    bucketed = dict(saved, per_bucket_numel_unpadded=[[4, 2]])
+    with pytest.raises(RuntimeError, match="--dist-ckpt-optim-fully-reshardable.*--no-load-optim") as err:
+        tdm._home_load(_FakeDistributedOptimizer([[6], [6]]), 1)(bucketed)
+    print(f"refused: {err.value}")
