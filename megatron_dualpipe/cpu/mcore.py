@@ -355,6 +355,9 @@ REDIRECTIONS = (
          "with torch's Adam and fp32 parameters, are views of the model's leaf parameters ('a view "
          "of a leaf Variable that requires grad is being used in an in-place operation'); run under "
          "no_grad"),
+    wrap(_DIST_OPT, "DistributedOptimizer.get_parameter_state_dp_zero", scoped_cuda_identity,
+         "--dist-ckpt-optim-fully-reshardable gathers the state with use_gloo_comm=False: "
+         "send_tensor.cuda(); Tensor.cuda is the identity during this call only"),
     wrap(_DIST_OPT, "DistributedOptimizer._set_main_param_and_optimizer_states", _step_kept_when_not_given,
          "copies every state of torch's Adam, 'step' included, from the given tensors, but "
          "distrib_optim.pt (--ckpt-format torch) has no per-parameter step (KeyError: 'step'); the "
