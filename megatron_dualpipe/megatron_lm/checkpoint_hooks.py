@@ -442,7 +442,8 @@ def _wrap_save(orig):
             with _dualpipev_state_dict_with_one_chunk(model):
                 return orig(iteration, model, optimizer, *a, **kw)
         if _schedule(args) == registry.DUALPIPE and args.ckpt_format == "torch_dist":
-            with torch_dist_mirror.mirror_left_out(), _one_chunk_distributed_optimizer(model, optimizer):
+            with _generated_state_dict_edited(torch_dist_mirror.drop_mirror_entries), \
+                    _one_chunk_distributed_optimizer(model, optimizer):
                 return orig(iteration, model, optimizer, *a, **kw)
         if _schedule(args) != registry.DUALPIPE or args.ckpt_format != "torch":
             return orig(iteration, model, optimizer, *a, **kw)
@@ -552,18 +553,25 @@ def _dualpipev_state_dict_from_one_chunk(model):
 def _dualpipev_state_dict_with_one_chunk(model):
     """Within the block, the state dict Megatron's save writes also holds ``model``: 1F1B stage
     ``i``'s weights (gathered from the V-stages first, collectively, on every rank)."""
-    import megatron.training.checkpointing as mckpt
-
     from . import dualpipev_checkpoint as dvc
 
     me, pp, n = _dualpipev_geometry(model)
     one_chunk = dvc.gather_one_chunk_state_dict(model, me, pp, n)
+    with _generated_state_dict_edited(lambda sd: sd.__setitem__("model", one_chunk)):
+        yield
+
+
+@contextlib.contextmanager
+def _generated_state_dict_edited(edit):
+    """Within the block, ``edit(state_dict)`` runs on every state dict Megatron's save generates."""
+    import megatron.training.checkpointing as mckpt
+
     orig = mckpt.generate_state_dict
 
     @functools.wraps(orig)
     def generate(*a, **kw):
         sd = orig(*a, **kw)
-        sd["model"] = one_chunk
+        edit(sd)
         return sd
 
     mckpt.generate_state_dict = generate

@@ -10,8 +10,9 @@ reads the stage's stored shards like any other replica. At *save* it must not ta
   fully parallel save (``--ckpt-fully-parallel-save``, the default) re-assigns ``replica_id = 0``
   to *every* local shard with a chosen shard id, and with tied embeddings the mirror of the last
   stage holds ``embedding.word_embeddings.weight`` on the same rank as the home copy of stage 0
-  ("Invalid access pattern ... tensor([[2]])"). So :func:`mirror_left_out` replaces the mirror's
-  entries of the generated state dict by non-persistent placeholders before Megatron saves it;
+  ("Invalid access pattern ... tensor([[2]])"). So :func:`drop_mirror_entries` replaces the
+  mirror's entries of the generated state dict by non-persistent placeholders before Megatron
+  saves it (``checkpoint_hooks``);
 * the distributed optimizer's ``dp_reshardable`` state (Megatron's default) is keyed by grad
   buffer (``gbuf_idx_k``), not by parameter. DualPipe's buffers are model[0]'s (numbered as in a
   one-chunk run) followed by the mirror's; :func:`one_chunk_distributed_optimizer` presents only
@@ -91,26 +92,6 @@ def drop_mirror_entries(state_dict) -> int:
 
     dict_list_map_inplace(leave_out, state_dict)
     return dropped[0]
-
-
-@contextlib.contextmanager
-def mirror_left_out():
-    """Within the block, the state dict Megatron's ``save_checkpoint`` generates has no mirror entries."""
-    import megatron.training.checkpointing as mckpt
-
-    orig = mckpt.generate_state_dict
-
-    @functools.wraps(orig)
-    def generate(*a, **kw):
-        sd = orig(*a, **kw)
-        drop_mirror_entries(sd)
-        return sd
-
-    mckpt.generate_state_dict = generate
-    try:
-        yield
-    finally:
-        mckpt.generate_state_dict = orig
 
 
 # ------------------------------------------------------------------------------------------
