@@ -172,6 +172,34 @@ def _load_with_the_checkpoint_step(load_state_dict):
     return load
 
 
+def _under_no_grad(method):
+    """``method`` run under ``torch.no_grad()``."""
+
+    @functools.wraps(method)
+    def under_no_grad(*args, **kwargs):
+        with torch.no_grad():
+            return method(*args, **kwargs)
+
+    return under_no_grad
+
+
+def _step_kept_when_not_given(set_states):
+    """``DistributedOptimizer._set_main_param_and_optimizer_states`` that leaves torch Adam's
+    per-parameter ``step`` as it is when the given states have none (``distrib_optim.pt`` holds
+    param, exp_avg, exp_avg_sq; the step comes from the param groups, see the load wrapper)."""
+
+    @functools.wraps(set_states)
+    def set_main_param_and_optimizer_states(self, model_param, tensors):
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        main = self.optimizer.param_groups[group_index]["params"][group_order]
+        state = self.optimizer.state.get(main, {})
+        if "step" in state and "step" not in tensors:
+            tensors = dict(tensors, step=state["step"])
+        return set_states(self, model_param, tensors)
+
+    return set_main_param_and_optimizer_states
+
+
 def process_memory() -> int:
     """Resident memory of this process in bytes (``/proc/self/statm``; 0 where there is none)."""
     try:
@@ -228,6 +256,9 @@ _VIEWS = (
     ("megatron.core.optimizer.optimizer",
      "FP32Optimizer._scale and the mixed-precision found_inf / _scale_one buffers are "
      "device='cuda' tensors"),
+    (_DIST_OPT,
+     "load_state_dict allocates the fresh optimizer's dummy states on torch.cuda.current_device() "
+     "(--use-distributed-optimizer resumed from a --ckpt-format torch checkpoint)"),
     ("megatron.core.optimizer.clip_grads",
      "grad-norm and zero-count accumulators on 'cuda'"),
     ("megatron.core.optimizer.grad_scaler",
@@ -319,6 +350,18 @@ REDIRECTIONS = (
          "template's (a LocalNonpersistentObject), so the bias correction after a resume is "
          "wrong. Runs under no_grad; each state gets its own tensor with the checkpoint's step "
          "(from the param groups)"),
+    wrap(_DIST_OPT, "DistributedOptimizer.load_parameter_state_from_dp_zero", _under_no_grad,
+         "--ckpt-format torch (distrib_optim.pt): the same in-place copy into main parameters that, "
+         "with torch's Adam and fp32 parameters, are views of the model's leaf parameters ('a view "
+         "of a leaf Variable that requires grad is being used in an in-place operation'); run under "
+         "no_grad"),
+    wrap(_DIST_OPT, "DistributedOptimizer.get_parameter_state_dp_zero", scoped_cuda_identity,
+         "--dist-ckpt-optim-fully-reshardable gathers the state with use_gloo_comm=False: "
+         "send_tensor.cuda(); Tensor.cuda is the identity during this call only"),
+    wrap(_DIST_OPT, "DistributedOptimizer._set_main_param_and_optimizer_states", _step_kept_when_not_given,
+         "copies every state of torch's Adam, 'step' included, from the given tensors, but "
+         "distrib_optim.pt (--ckpt-format torch) has no per-parameter step (KeyError: 'step'); the "
+         "step the load already set from the param groups is kept"),
     wrap("megatron.core.optimizer.optimizer", "Float16OptimizerWithFloat16Params.__init__",
          scoped_cuda_type_names,
          "sorts parameters by param.type() in ('torch.cuda.HalfTensor', 'torch.cuda.BFloat16Tensor', "

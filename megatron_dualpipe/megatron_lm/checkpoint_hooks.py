@@ -27,13 +27,12 @@ Legacy ``--ckpt-format torch`` (one file per (tp, pp) rank, keys ``model`` and `
   that ``sync_mirrors`` overwrites with its partner's shards).
 
 ``--ckpt-format torch_dist``: keys are global (layer numbers, shard offsets), and ``model[1]`` is
-built with the reversed pipeline group, so its keys are those of the stage it mirrors. Each of
-``model[1]``'s sharded tensors and objects is marked a *non-main replica* (:func:`mark_mirror_replicas`:
-``replica_id`` gets a leading 1), so validation sees exactly one main replica per shard (the home
-copy's) and only the home copy is written; at load every replica reads the stored shard, so
-``model[1]`` loads its stage from the home copy's data. The optimizer's sharded state is derived
-from the model's sharded tensors and inherits the marks. After the load :func:`sync_mirrors` runs
-as well (a no-op in value).
+built with the reversed pipeline group, so its keys are those of the stage it mirrors: at load
+every replica reads the stored shard, so ``model[1]`` loads its stage from the home copy's data.
+At save the mirror's entries (and the optimizer state derived from them) are left out, and the
+distributed optimizer's buffer-keyed state holds model[0]'s buffers only (:mod:`.torch_dist_mirror`),
+so the files are a 1F1B run's. After the load :func:`sync_mirrors` copies parameters and optimizer
+state from each home copy to its mirror.
 
 DualPipeV has no mirrors: its two chunks are different stages of a 2*pp-stage split. In
 ``--ckpt-format torch`` its files hold Megatron's own two-chunk layout (``model0``/``model1``, the
@@ -49,6 +48,7 @@ import contextlib
 import functools
 
 from ..schedule import registry
+from . import torch_dist_mirror
 from .training_hooks import schedule_of
 
 _MARK = "_megatron_dualpipe_ckpt_hook"
@@ -416,50 +416,17 @@ def is_distributed_optimizer(opt) -> bool:
     return isinstance(opt, DistributedOptimizer)
 
 
-def mark_mirror_replicas(chunk) -> None:
-    """torch_dist: make every ShardedTensor / ShardedObject of ``chunk.sharded_state_dict(...)``
-    a non-main replica (``replica_id`` -> ``(1, *replica_id)``), by wrapping the method of the
-    innermost module (Megatron's save/load call ``unwrap_model`` first). Idempotent."""
-    from ..mcore.model import unwrap_chunk
-
-    chunk = unwrap_chunk(chunk)  # Megatron's checkpointing calls unwrap_model(model) first
-    if getattr(chunk, "_megatron_dualpipe_mirror_replica", False):
-        return
-    orig = chunk.sharded_state_dict
-
-    @functools.wraps(orig)
-    def sharded_state_dict(*a, **kw):
-        sd = orig(*a, **kw)
-        mark_non_main_replicas(sd)
-        return sd
-
-    chunk.sharded_state_dict = sharded_state_dict
-    chunk._megatron_dualpipe_mirror_replica = True
-
-
-def mark_non_main_replicas(sharded_state_dict) -> int:
-    """Set ``replica_id = (1, *replica_id)`` on every ShardedBase in the nested dict; returns the count."""
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import ShardedBase, ShardedTensorFactory
-
-    n = 0
-    for v in nested_values(sharded_state_dict):
-        if isinstance(v, ShardedTensorFactory):
-            v.replica_id = _non_main(v.replica_id)
-            n += 1
-        elif isinstance(v, ShardedBase) and hasattr(v, "replica_id"):
-            v.replica_id = _non_main(v.replica_id)
-            n += 1
-    return n
-
-
-def _non_main(replica_id):
-    return (1, *replica_id) if isinstance(replica_id, tuple) else (1, replica_id)
-
-
 # ------------------------------------------------------------------------------------------
 # save_checkpoint / load_checkpoint
 # ------------------------------------------------------------------------------------------
+
+
+def _one_chunk_distributed_optimizer(model, optimizer):
+    """torch_dist: the distributed optimizers' buffer-keyed state restricted to model[0]'s buffers."""
+    dist = [o for o in inner_optimizers(optimizer) if is_distributed_optimizer(o)]
+    if not dist:
+        return contextlib.nullcontext()
+    return torch_dist_mirror.one_chunk_distributed_optimizer(dist, _model0_ids(model))
 
 
 def _wrap_save(orig):
@@ -473,6 +440,10 @@ def _wrap_save(orig):
         args = get_args()
         if _schedule(args) == registry.DUALPIPEV and args.ckpt_format == "torch":
             with _dualpipev_state_dict_with_one_chunk(model):
+                return orig(iteration, model, optimizer, *a, **kw)
+        if _schedule(args) == registry.DUALPIPE and args.ckpt_format == "torch_dist":
+            with _generated_state_dict_edited(torch_dist_mirror.drop_mirror_entries), \
+                    _one_chunk_distributed_optimizer(model, optimizer):
                 return orig(iteration, model, optimizer, *a, **kw)
         if _schedule(args) != registry.DUALPIPE or args.ckpt_format != "torch":
             return orig(iteration, model, optimizer, *a, **kw)
@@ -582,18 +553,25 @@ def _dualpipev_state_dict_from_one_chunk(model):
 def _dualpipev_state_dict_with_one_chunk(model):
     """Within the block, the state dict Megatron's save writes also holds ``model``: 1F1B stage
     ``i``'s weights (gathered from the V-stages first, collectively, on every rank)."""
-    import megatron.training.checkpointing as mckpt
-
     from . import dualpipev_checkpoint as dvc
 
     me, pp, n = _dualpipev_geometry(model)
     one_chunk = dvc.gather_one_chunk_state_dict(model, me, pp, n)
+    with _generated_state_dict_edited(lambda sd: sd.__setitem__("model", one_chunk)):
+        yield
+
+
+@contextlib.contextmanager
+def _generated_state_dict_edited(edit):
+    """Within the block, ``edit(state_dict)`` runs on every state dict Megatron's save generates."""
+    import megatron.training.checkpointing as mckpt
+
     orig = mckpt.generate_state_dict
 
     @functools.wraps(orig)
     def generate(*a, **kw):
         sd = orig(*a, **kw)
-        sd["model"] = one_chunk
+        edit(sd)
         return sd
 
     mckpt.generate_state_dict = generate
@@ -637,7 +615,8 @@ def _wrap_load(orig):
                 view = _OneChunkOptimizerView(optimizer, _model0_ids(ddp_model))
             result = orig(list(ddp_model)[:1], view, opt_param_scheduler, load_arg, strict, **kw)
         else:
-            result = orig(ddp_model, optimizer, opt_param_scheduler, load_arg, strict, **kw)
+            with _one_chunk_distributed_optimizer(ddp_model, optimizer):
+                result = orig(ddp_model, optimizer, opt_param_scheduler, load_arg, strict, **kw)
         sync_mirrors(ddp_model, optimizer)
         return result
 

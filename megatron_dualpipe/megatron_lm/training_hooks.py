@@ -236,7 +236,7 @@ def _wrap_get_model(orig):
         if len(model) != 2:
             raise RuntimeError(f"--pipeline-schedule {schedule}: expected 2 model chunks, got {len(model)}")
         if registry.get(schedule).layout_kind == BIDIRECTIONAL:
-            from .checkpoint_hooks import mark_mirror_replicas
+            from .torch_dist_mirror import mark_mirror_replicas
 
             mark_mirror_replicas(model[1])  # torch_dist: the mirror is a non-main replica
         from megatron.core import parallel_state
