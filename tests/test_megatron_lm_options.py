@@ -130,10 +130,9 @@ def test_nan_in_one_microbatch_is_caught_as_under_1f1b(tmp_path):
 
 
 P2P_TIMEOUT = 60  # s; a dead peer is found when its connection closes (0.1-0.2 s here), not by the deadline
-P2P_ERROR_RE = re.compile(
-    r"P2PTimeoutError: pipeline rank (\d+) \(global (\d+)\) ([^:]*): the (send|receive) of (.*?) (?:to|from) "
-    r"pipeline rank (\d+) \(global (\d+)\) \(posted .*?\) (failed after ([0-9.]+) s, before the ([0-9.]+) s timeout"
-    r"|did not complete within)")
+P2P_ERROR_RE = re.compile(r"P2PTimeoutError: pipeline rank (\d+) \(global \d+\) (.*)")
+NAMED_PEER_RE = re.compile(r"(?:to|from) pipeline rank (\d+) \(global (\d+)\)")
+DEADLINE_MISSED = "did not complete within"
 
 
 def test_rank_killed_mid_iteration_restarts_and_continues_the_curve(tmp_path):
@@ -141,45 +140,53 @@ def test_rank_killed_mid_iteration_restarts_and_continues_the_curve(tmp_path):
     dualpipe run (pp=4) under ``torchrun --max-restarts 1``, with a checkpoint every 2 iterations.
 
     Observed: its pipeline neighbours (ranks 1 and 3) raise the executor's P2PTimeoutError naming
-    "pipeline rank 2 (global 2)", the action that waited and the tensor, 0.1-0.2 s after the kill
-    (gloo reports the closed connection; the --dualpipe-p2p-timeout deadline is not needed); rank 0
-    then names rank 1, which has gone. torchrun itself sends SIGTERM to the survivors as soon as its
-    monitor sees the dead worker (0.7 s after the kill with --monitor-interval 0.5), often before they
-    print; the test's child hook makes them ignore it in the first attempt so that what they do on
-    their own is what is checked. Asserted: every survivor stops with a P2PTimeoutError that names a
-    peer which has stopped (rank 2 for its neighbours), found before the deadline; torchrun restarts
-    the job, which loads the iteration-2 checkpoint, and iterations 3-5 equal the uninterrupted run's
-    (the second logged iteration of a resumed run is the mean of its first two: see
-    test_megatron_lm_dualpipe.py).
+    "pipeline rank 2 (global 2)", the action that waited and the tensor, 0.1-0.4 s after the kill
+    (gloo reports the closed connection; the --dualpipe-p2p-timeout deadline is for a peer that
+    hangs); rank 0, which talks to rank 1 only, names rank 1 once it has exited (4.5 s). torchrun
+    itself sends SIGTERM to the survivors as soon as its monitor sees the dead worker (0.7 s after
+    the kill with --monitor-interval 0.5), often before they print; the test's child hook makes them
+    ignore it in the first attempt, so that what they do on their own is checked. Asserted: both
+    neighbours stop with a P2PTimeoutError naming rank 2, found before the deadline; rank 0, if it
+    prints one, names rank 1; torchrun restarts the job, which loads the iteration-2 checkpoint,
+    and iterations 3-5 equal the uninterrupted run's (the second logged iteration of a resumed run
+    is the mean of its first two: see test_megatron_lm_dualpipe.py).
 
     ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: with torchrun's shared rendezvous store (the default
     since torch 2.5) the restarted workers read the previous attempt's gloo addresses and fail with
     "Gloo connectFullMesh failed ... Connection refused" (pytorch/pytorch#135712); a user restarting
     with torchrun needs it too.
     """
-    full = run_pretrain("dualpipe", "--ckpt-format", "torch", "--train-iters", "5")
+    # --num-workers 0: torchrun's SIGTERM also reaches the data loader's worker processes, and the
+    # loader's SIGCHLD handler would replace a survivor's P2P error by "DataLoader worker ... killed"
+    run = ("--ckpt-format", "torch", "--train-iters", "5", "--num-workers", "0")
+    full = run_pretrain("dualpipe", *run)
     ckpt = tmp_path / "ck"
-    cmd, env = command("dualpipe", "--ckpt-format", "torch", "--save-interval", "2", "--train-iters", "5",
+    cmd, env = command("dualpipe", *run, "--save-interval", "2",
                        "--save", str(ckpt), "--load", str(ckpt), "--dualpipe-p2p-timeout", str(P2P_TIMEOUT),
                        env_extra={"MEGATRON_DUALPIPE_TEST_SIGKILL": "2,4,3", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},
                        pythonpath=(CHILD_HOOKS,), torchrun_args=("--max-restarts", "1", "--monitor-interval", "0.5"))
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
-    out = proc.stdout + proc.stderr
+    # one pipe for both streams: the attempts' lines stay in order
+    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=1200)
+    out = proc.stdout
+    (tmp_path / "output.txt").write_text(out)
     assert proc.returncode == 0, out[-6000:]
     assert "[test-sigkill] rank 2 iteration 4 forward 3" in out, out[-4000:]
     assert re.search(r"failed \(exitcode: -9\) local_rank: 2 ", out), out[-4000:]  # torchrun saw the SIGKILL
 
     first_attempt = out[:out.index("loading checkpoint from")]
     errors = {}
-    for m in P2P_ERROR_RE.finditer(first_attempt):
-        rank, where, op, tensor, peer, elapsed = int(m[2]), m[3], m[4], m[5], int(m[7]), m[9]
-        errors[rank] = (peer, elapsed, f"{op} of {tensor} ({where})")
-        assert elapsed is not None, f"rank {rank} waited out the {P2P_TIMEOUT} s deadline: {m[0]}"
-        assert float(elapsed) < P2P_TIMEOUT
-    print("\nafter the SIGKILL of rank 2: " + "; ".join(
-        f"rank {r}: P2PTimeoutError naming pipeline rank {p} after {e} s, {what}" for r, (p, e, what) in sorted(errors.items())))
-    assert sorted(errors) == [0, 1, 3], first_attempt[-6000:]
-    assert errors[1][0] == 2 and errors[3][0] == 2 and errors[0][0] == 1, errors
+    for rank, message in P2P_ERROR_RE.findall(first_attempt):
+        errors.setdefault(int(rank), message)  # the first line of each rank's exception
+    named = {r: int(NAMED_PEER_RE.search(m)[2]) for r, m in errors.items() if NAMED_PEER_RE.search(m)}
+    print("\nafter the SIGKILL of rank 2: " + "; ".join(f"rank {r}: P2PTimeoutError {m[:400]}" for r, m in sorted(errors.items())))
+    # The neighbours find the dead peer through its closed connection, well before the deadline
+    # (a receive or send that was waiting for it, or the next batch they post to it).
+    for rank in (1, 3):
+        assert rank in errors, f"rank {rank} stopped without a P2P error:\n{first_attempt[-6000:]}"
+        assert named.get(rank) == 2 and DEADLINE_MISSED not in errors[rank], errors[rank]
+    # Rank 0 talks to rank 1 only: it stops once rank 1 has exited (4.5 s after the kill under load),
+    # naming rank 1; should rank 1 take longer than torchrun's 30 s grace to exit, torchrun SIGKILLs it.
+    assert named.get(0, 1) == 1, errors[0]
 
     # The restarted attempt: resumed from the iteration-2 checkpoint; logged 4 is (L3 + L4) / 2.
     restarted = out[out.index("loading checkpoint from"):]
