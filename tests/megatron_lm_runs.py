@@ -87,10 +87,11 @@ def metrics(out):
     return result
 
 
-def run_pretrain(schedule, *extra, timeout=600, evaluation=False, with_metrics=False, nproc=4):
+def run_pretrain(schedule, *extra, timeout=600, evaluation=False, with_metrics=False, nproc=4, **launch_options):
     """Run and return {iteration: lm loss} (with ``evaluation``, {"iteration (set)": validation
-    lm loss} as well; with ``with_metrics``, {iteration: {metric: printed value}} instead)."""
-    rc, out = launch(schedule, *extra, timeout=timeout, nproc=nproc)
+    lm loss} as well; with ``with_metrics``, {iteration: {metric: printed value}} instead).
+    ``launch_options``: ``env_extra`` / ``pythonpath`` of :func:`launch`."""
+    rc, out = launch(schedule, *extra, timeout=timeout, nproc=nproc, **launch_options)
     assert rc == 0, f"{schedule} {' '.join(extra)} failed:\n{out[-6000:]}"
     losses = {int(i): float(v) for i, v in LOSS_RE.findall(out)}
     assert losses, f"no 'lm loss' lines in the output:\n{out[-3000:]}"

@@ -217,6 +217,15 @@ CASES["global_aux_loss_dualpipev_ok"] = (
     4, BASE + ["--pipeline-schedule", "dualpipev"] + REFUSED_CASES["--moe-router-load-balancing-type global_aux_loss"][1],
     None)
 
+# Options that Megatron-LM's own validation stops before training on this machine, under 1f1b as
+# under DualPipe: name -> argv (run once per schedule, `test_fails_as_under_1f1b`).
+# --moe-grouped-gemm: validate_args asks torch.cuda.get_device_capability() (>= 8), and its
+# GroupedMLP needs the CUDA-only grouped_gemm package; Transformer Engine's TEGroupedMLP is GPU too.
+FAILS_AS_UNDER_1F1B = {
+    "--moe-grouped-gemm": _set(BASE, "--pipeline-model-parallel-size", "2") + MOE_EP2 + ["--moe-grouped-gemm"],
+}
+SAME_FAILURE_SCHEDULES = ("1f1b", "dualpipe", "dualpipev")
+
 _ARGS_SCRIPT = textwrap.dedent(
     r"""
     import contextlib, io, json, os, sys, traceback
@@ -272,7 +281,10 @@ _ARGS_SCRIPT = textwrap.dedent(
 @pytest.fixture(scope="module")
 def arg_results():
     _require_training_deps()
-    payload = json.dumps({name: [case[0], case[1], case[3] if len(case) > 3 else None] for name, case in CASES.items()})
+    cases = {name: [case[0], case[1], case[3] if len(case) > 3 else None] for name, case in CASES.items()}
+    cases.update({f"{flag} under {schedule}": [4, argv + ["--pipeline-schedule", schedule], None]
+                  for flag, argv in FAILS_AS_UNDER_1F1B.items() for schedule in SAME_FAILURE_SCHEDULES})
+    payload = json.dumps(cases)
     proc = subprocess.run(
         [sys.executable, "-c", _ARGS_SCRIPT, payload],
         env=_env(),
@@ -297,6 +309,18 @@ def test_pipeline_schedule_arguments(arg_results, name):
     assert res["type"] == "DualPipeArgumentError", res["tb"]
     for fragment in expected:
         assert fragment in res["msg"], (fragment, res["msg"])
+
+
+@pytest.mark.parametrize("flag", sorted(FAILS_AS_UNDER_1F1B))
+def test_fails_as_under_1f1b(arg_results, flag):
+    """Under DualPipe(V) the option stops before training exactly as under Megatron's own 1f1b
+    (on this CPU machine: Megatron's validate_args; on a GPU both are accepted)."""
+    results = {s: arg_results[f"{flag} under {s}"] for s in SAME_FAILURE_SCHEDULES}
+    outcome = {s: (r["ok"], r.get("type"), r.get("msg")) for s, r in results.items()}
+    print(f"\n{flag}: " + "; ".join(f"{s}: {'accepted' if ok else f'{t}: {m}'}" for s, (ok, t, m) in outcome.items()))
+    assert len(set(outcome.values())) == 1, outcome
+    if not results["1f1b"]["ok"] and flag == "--moe-grouped-gemm":
+        assert "get_device_capability" in results["1f1b"]["tb"], results["1f1b"]["tb"]
 
 
 def test_every_refused_option_has_a_case():

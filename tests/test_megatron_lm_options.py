@@ -1,6 +1,6 @@
 """Megatron-LM options under ``--pipeline-schedule dualpipe``, each against Megatron's own ``1f1b``
-through ``pretrain_gpt.py`` (CPU, 4 gloo ranks, pp=4, tiny GPT, dropout off, same seed, 3
-iterations): every metric ``training_log`` prints (lm loss, grad norm, params norm, zeros, MoE aux
+through ``pretrain_gpt.py`` (CPU, 4 gloo ranks, pp=4 unless the case sets pp=2 with data or expert
+parallel 2, tiny GPT, dropout off, same seed, 3 iterations): every metric ``training_log`` prints (lm loss, grad norm, params norm, zeros, MoE aux
 losses) must agree to what its print resolves; the largest difference per metric is printed
 (``pytest -s``). docs/megatron-options.md lists every option with its status and test.
 
@@ -9,13 +9,11 @@ Options that do not change the mathematics are grouped into one run each, to kee
 """
 import os
 import re
-import signal
 import subprocess
-import time
 
 import pytest
 
-from megatron_lm_runs import (HAVE_MEGATRON_LM, LOSS_RE, MOE, SKIP_MESSAGE, assert_metrics_close, command, launch,
+from megatron_lm_runs import (HAVE_MEGATRON_LM, LAST_OUTPUT, LOSS_RE, MOE, SKIP_MESSAGE, assert_metrics_close, command, launch,
                               metrics, run_pretrain)
 
 pytestmark = pytest.mark.skipif(not HAVE_MEGATRON_LM, reason=SKIP_MESSAGE)
@@ -23,6 +21,11 @@ pytestmark = pytest.mark.skipif(not HAVE_MEGATRON_LM, reason=SKIP_MESSAGE)
 ITERS = ("--train-iters", "3")
 
 DUALPIPE = (("dualpipe", ()),)
+MOE_EP2 = (*MOE, "--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2")
+CHILD_HOOKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "child_hooks")
+#: Every run prints each router's expert_bias after its update (tests/child_hooks).
+PRINT_EXPERT_BIAS = {"env_extra": {"MEGATRON_DUALPIPE_TEST_EXPERT_BIAS": "1"}, "pythonpath": (CHILD_HOOKS,)}
+EXPERT_BIAS_RE = re.compile(r"\[test-expert-bias\] iteration (\d+) layer (\d+): (\S+)")
 
 # name -> (arguments of every run, [(schedule, extra arguments)] compared with 1f1b on the same arguments)
 CASES = {
@@ -32,24 +35,52 @@ CASES = {
         "--untie-embeddings-and-output-weights", "--recompute-granularity", "full", "--recompute-method", "uniform",
         "--recompute-num-layers", "1", "--calculate-per-token-loss", "--decoupled-lr", "3e-3",
         "--log-params-norm", "--log-num-zeros-in-grad", "--overlap-grad-reduce"), DUALPIPE),
-    "MoE aux-loss-free (expert bias), selective recompute": ((
-        *MOE, "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+    # Expert parallel 2 (alltoall) x pp=2 on the 4 ranks: each copy of a MoE stage dispatches its
+    # tokens to both expert ranks. Aux-loss-free: the router token counts that move expert_bias
+    # are summed over the bd pair, and every copy's expert_bias is compared with 1f1b's (below).
+    "MoE EP2 x pp=2, aux-loss-free (expert bias), selective recompute": ((
+        *MOE_EP2, "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
         "--moe-router-bias-update-rate", "0.05", "--moe-router-load-balancing-type", "none",
         "--recompute-granularity", "selective", "--log-params-norm"), DUALPIPE),
+    "MoE EP2 x pp=2, aux loss, z-loss": ((
+        *MOE_EP2, "--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "1e-2",
+        "--moe-z-loss-coeff", "1e-3", "--log-params-norm"), DUALPIPE),
     "overlap-grad-reduce, pp=2 x dp=2, no zero bubble": (
         ("--overlap-grad-reduce", "--pipeline-model-parallel-size", "2"),
         (("dualpipe", ("--no-dualpipe-zero-bubble",)),)),
 }
 
 
+def expert_biases(out):
+    """{(iteration, layer): {expert_bias as printed by each copy}} of a run's output."""
+    found = {}
+    for it, layer, values in EXPERT_BIAS_RE.findall(out):
+        found.setdefault((int(it), int(layer)), set()).add(values)
+    return found
+
+
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_option_dualpipe_equals_1f1b(name):
+    """Every printed metric equal; where the routers carry an expert_bias, every copy of every
+    layer's bias (both DualPipe copies, on every expert-parallel rank) equals 1f1b's after each
+    iteration."""
     args, variants = CASES[name]
-    ref = run_pretrain("1f1b", *args, *ITERS, with_metrics=True)
+    ref = run_pretrain("1f1b", *args, *ITERS, with_metrics=True, **PRINT_EXPERT_BIAS)
+    ref_bias = expert_biases(LAST_OUTPUT[0])
     for schedule, extra in variants:
-        got = run_pretrain(schedule, *args, *extra, *ITERS, with_metrics=True)
-        worst = assert_metrics_close(got, ref, f"{name}: {schedule} {' '.join(extra)} vs 1f1b".replace("  ", " "))
+        got = run_pretrain(schedule, *args, *extra, *ITERS, with_metrics=True, **PRINT_EXPERT_BIAS)
+        what = f"{name}: {schedule} {' '.join(extra)} vs 1f1b".replace("  ", " ")
+        worst = assert_metrics_close(got, ref, what)
         assert "lm loss" in worst
+        bias = expert_biases(LAST_OUTPUT[0])
+        if ref_bias or bias:
+            last = max(it for it, _ in (ref_bias or bias))
+            print(f"{what}: expert_bias after iteration {last}: "
+                  + "; ".join(f"layer {layer}: {sorted(bias[(it, layer)])}" for it, layer in sorted(bias) if it == last))
+            assert sorted(bias) == sorted(ref_bias), (sorted(bias), sorted(ref_bias))
+            for key, values in sorted(ref_bias.items()):
+                assert len(values) == 1 and bias[key] == values, (key, bias[key], values)
+            assert any(set(v) - set("0.,-") for vs in bias.values() for v in vs), "expert_bias never moved"
 
 
 def test_distributed_optimizer(tmp_path):
@@ -73,7 +104,6 @@ def test_distributed_optimizer(tmp_path):
                          "distributed optimizer, --load --no-load-optim: dualpipe vs 1f1b")
 
 
-FAULT_HOOKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fault_hooks")
 UNEXPECTED_RE = re.compile(r"Unexpected result nan on rank (\d+) at iteration #(\d+) invocation #\d+ \(message='([^']+)'\)")
 
 
@@ -87,7 +117,7 @@ def test_nan_in_one_microbatch_is_caught_as_under_1f1b(tmp_path):
     found = {}
     for schedule, loss_rank in (("1f1b", 3), ("dualpipe", 0)):
         rc, out = launch(schedule, "--train-iters", "4", "--ckpt-format", "torch", "--save", str(tmp_path / schedule), "--save-interval", "100",
-                         env_extra={"MEGATRON_DUALPIPE_TEST_NAN": "3,7"}, pythonpath=(FAULT_HOOKS,))
+                         env_extra={"MEGATRON_DUALPIPE_TEST_NAN": "3,7"}, pythonpath=(CHILD_HOOKS,))
         reports = {(int(r), int(it), msg) for r, it, msg in UNEXPECTED_RE.findall(out)}
         print(f"\n{schedule}: exit code {rc}; " + "; ".join(f"rank {r} iteration {it}: {m}" for r, it, m in sorted(reports)))
         assert rc != 0 and "Saving a checkpoint and exiting now" in out, out[-4000:]
@@ -99,63 +129,73 @@ def test_nan_in_one_microbatch_is_caught_as_under_1f1b(tmp_path):
     assert found["dualpipe"] == found["1f1b"]
 
 
-def _worker_pid(parent: int, local_rank: int):
-    """The pid of torchrun's worker process with LOCAL_RANK=local_rank (a child of ``parent``)."""
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            if ppid != parent:
-                continue
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                env = f.read().split(b"\0")
-        except OSError:
-            continue
-        if f"LOCAL_RANK={local_rank}".encode() in env:
-            return int(entry)
-    return None
+P2P_TIMEOUT = 60  # s; a dead peer is found when its connection closes (0.1-0.2 s here), not by the deadline
+P2P_ERROR_RE = re.compile(r"P2PTimeoutError: pipeline rank (\d+) \(global \d+\) (.*)")
+NAMED_PEER_RE = re.compile(r"(?:to|from) pipeline rank (\d+) \(global (\d+)\)")
+DEADLINE_MISSED = "did not complete within"
 
 
 def test_rank_killed_mid_iteration_restarts_and_continues_the_curve(tmp_path):
-    """A rank SIGKILLed during iteration 4 of a dualpipe run under ``torchrun --max-restarts 1``
-    with a checkpoint every 2 iterations: the job does not hang, torchrun restarts it, it resumes
-    from the last checkpoint and its losses continue the uninterrupted run's curve."""
-    if not os.path.isdir("/proc"):
-        pytest.skip("finds the worker to kill through /proc")
-    ckpt = ("--ckpt-format", "torch", "--save-interval", "2", "--train-iters", "5")
-    full = run_pretrain("dualpipe", "--ckpt-format", "torch", "--train-iters", "5")
-    cmd, env = command("dualpipe", *ckpt, "--save", str(tmp_path / "ck"), "--load", str(tmp_path / "ck"),
-                       torchrun_args=("--max-restarts", "1", "--monitor-interval", "0.5"))
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines, killed = [], None
-    deadline = time.monotonic() + 900
-    try:
-        for line in proc.stdout:
-            lines.append(line)
-            if killed is None and re.search(r"iteration\s+3/\s*5 \|", line):
-                killed = _worker_pid(proc.pid, 2)
-                assert killed is not None, "no worker with LOCAL_RANK=2"
-                os.kill(killed, signal.SIGKILL)
-            assert time.monotonic() < deadline, "the job did not finish in time"
-        rc = proc.wait(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    out = "".join(lines)
-    assert killed is not None, out[-4000:]
-    assert rc == 0, out[-6000:]
-    # Losses logged after the restart: the iterations after the last checkpoint. Megatron logs the
-    # second iteration of a run as the mean of the first two (see test_megatron_lm_dualpipe.py).
-    runs = out.split("successfully saved checkpoint")
-    logged = [(int(i), float(v)) for i, v in LOSS_RE.findall(out)]
-    restart = max(k for k in range(1, len(logged)) if logged[k][0] <= logged[k - 1][0])
-    after = dict(logged[restart:])
-    first = min(after)
-    true = {i: (2 * v - after[i - 1] if i == first + 1 else v) for i, v in after.items()}
-    print(f"\nkilled local rank 2 (pid {killed}) after iteration 3; resumed at iteration {first}: "
-          + ", ".join(f"{i}: {v:.6f} (uninterrupted {full[i]:.6f})" for i, v in sorted(true.items())))
-    assert len(runs) >= 2 and first <= 5
+    """Rank 2 SIGKILLs itself at its third model-chunk forward of iteration 4 (mid-schedule) of a
+    dualpipe run (pp=4) under ``torchrun --max-restarts 1``, with a checkpoint every 2 iterations.
+
+    Observed: its pipeline neighbours (ranks 1 and 3) raise the executor's P2PTimeoutError naming
+    "pipeline rank 2 (global 2)", the action that waited and the tensor, 0.1-0.4 s after the kill
+    (gloo reports the closed connection; the --dualpipe-p2p-timeout deadline is for a peer that
+    hangs); rank 0, which talks to rank 1 only, names rank 1 once it has exited (4.5 s). torchrun
+    itself sends SIGTERM to the survivors as soon as its monitor sees the dead worker (0.7 s after
+    the kill with --monitor-interval 0.5), often before they print; the test's child hook makes them
+    ignore it in the first attempt, so that what they do on their own is checked. Asserted: both
+    neighbours stop with a P2PTimeoutError naming rank 2, found before the deadline; rank 0, if it
+    prints one, names rank 1; torchrun restarts the job, which loads the iteration-2 checkpoint,
+    and iterations 3-5 equal the uninterrupted run's (the second logged iteration of a resumed run
+    is the mean of its first two: see test_megatron_lm_dualpipe.py).
+
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: with torchrun's shared rendezvous store (the default
+    since torch 2.5) the restarted workers read the previous attempt's gloo addresses and fail with
+    "Gloo connectFullMesh failed ... Connection refused" (pytorch/pytorch#135712); a user restarting
+    with torchrun needs it too.
+    """
+    # --num-workers 0: torchrun's SIGTERM also reaches the data loader's worker processes, and the
+    # loader's SIGCHLD handler would replace a survivor's P2P error by "DataLoader worker ... killed"
+    run = ("--ckpt-format", "torch", "--train-iters", "5", "--num-workers", "0")
+    full = run_pretrain("dualpipe", *run)
+    ckpt = tmp_path / "ck"
+    cmd, env = command("dualpipe", *run, "--save-interval", "2",
+                       "--save", str(ckpt), "--load", str(ckpt), "--dualpipe-p2p-timeout", str(P2P_TIMEOUT),
+                       env_extra={"MEGATRON_DUALPIPE_TEST_SIGKILL": "2,4,3", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},
+                       pythonpath=(CHILD_HOOKS,), torchrun_args=("--max-restarts", "1", "--monitor-interval", "0.5"))
+    # one pipe for both streams: the attempts' lines stay in order
+    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=1200)
+    out = proc.stdout
+    (tmp_path / "output.txt").write_text(out)
+    assert proc.returncode == 0, out[-6000:]
+    assert "[test-sigkill] rank 2 iteration 4 forward 3" in out, out[-4000:]
+    assert re.search(r"failed \(exitcode: -9\) local_rank: 2 ", out), out[-4000:]  # torchrun saw the SIGKILL
+
+    first_attempt = out[:out.index("loading checkpoint from")]
+    errors = {}
+    for rank, message in P2P_ERROR_RE.findall(first_attempt):
+        errors.setdefault(int(rank), message)  # the first line of each rank's exception
+    named = {r: int(NAMED_PEER_RE.search(m)[2]) for r, m in errors.items() if NAMED_PEER_RE.search(m)}
+    print("\nafter the SIGKILL of rank 2: " + "; ".join(f"rank {r}: P2PTimeoutError {m[:400]}" for r, m in sorted(errors.items())))
+    # The neighbours find the dead peer through its closed connection, well before the deadline
+    # (a receive or send that was waiting for it, or the next batch they post to it).
+    for rank in (1, 3):
+        assert rank in errors, f"rank {rank} stopped without a P2P error:\n{first_attempt[-6000:]}"
+        assert named.get(rank) == 2 and DEADLINE_MISSED not in errors[rank], errors[rank]
+    # Rank 0 talks to rank 1 only: it stops once rank 1 has exited (4.5 s after the kill under load),
+    # naming rank 1; should rank 1 take longer than torchrun's 30 s grace to exit, torchrun SIGKILLs it.
+    assert named.get(0, 1) == 1, errors[0]
+
+    # The restarted attempt: resumed from the iteration-2 checkpoint; logged 4 is (L3 + L4) / 2.
+    restarted = out[out.index("loading checkpoint from"):]
+    assert re.search(r"successfully loaded checkpoint from .* at iteration 2", restarted), restarted[-4000:]
+    logged = {int(i): float(v) for i, v in LOSS_RE.findall(restarted)}
+    assert sorted(logged) == [3, 4, 5], logged
+    true = {3: logged[3], 4: 2 * logged[4] - logged[3], 5: logged[5]}
+    print("resumed at iteration 3: " + ", ".join(f"{i}: {v:.6f} (uninterrupted {full[i]:.6f})" for i, v in true.items()))
+    worst = max(abs(true[i] - full[i]) for i in true)
+    print(f"resumed vs uninterrupted: max |difference| {worst:.3e}")
     for i, v in true.items():
         assert abs(v - full[i]) <= 1e-5 * abs(full[i]), (i, v, full[i])

@@ -129,6 +129,24 @@ def test_host_discipline_finish_names_a_send_that_never_completes(fake_dist):
         assert part in msg
 
 
+def test_posting_to_a_dead_peer_names_the_batch(fake_dist, monkeypatch):
+    """gloo refuses to post to a peer whose connection has closed (a rank killed while this one was
+    computing): the error names every send and receive of the batch, hence the peer."""
+    def closed(ops):
+        raise RuntimeError("Connection closed by peer [127.0.0.1]:14225")
+    monkeypatch.setattr(p2p_mod.dist, "batch_isend_irecv", closed)
+    p2p = P2P(None, [0, 4, 5], 1, timeout_s=30)
+    with pytest.raises(P2PTimeoutError) as e:
+        p2p.post([(2, torch.zeros(2), ACT, None)], [(0, torch.zeros(2), GRAD)], "before action 3 (F0.1)")
+    msg = str(e.value)
+    print(f"\n{msg}")
+    for part in ("pipeline rank 1 (global 0) before action 3 (F0.1): posting the point-to-point batch",
+                 f"send of {describe(ACT)} to pipeline rank 2 (global 5)",
+                 f"receive of {describe(GRAD)} from pipeline rank 0 (global 0)", "a peer probably exited",
+                 "Connection closed by peer"):
+        assert part in msg
+
+
 def test_complete_send_releases_before_returning(fake_dist):
     """Before a backward, the runner asks for its forward's output to be released (Megatron's
     custom_backward asserts it): complete_send returns only once the send completed and its

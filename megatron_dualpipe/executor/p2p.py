@@ -144,9 +144,11 @@ class P2P:
         try:
             works = self._issue(sends, recvs)
         except RuntimeError as e:
-            raise P2PTimeoutError(f"pipeline rank {self.rank} (global {dist.get_rank()}) {where}: posting a "
-                                  f"point-to-point batch failed: a peer probably exited or crashed, look at its log. "
-                                  f"Underlying error: {e}") from e
+            batch = "; ".join([self._describe(True, p, label) for p, _, label, _ in sends]
+                              + [self._describe(False, p, label) for p, _, label in recvs])
+            raise P2PTimeoutError(f"pipeline rank {self.rank} (global {dist.get_rank()}) {where}: posting the "
+                                  f"point-to-point batch ({batch}) failed: a peer probably exited or crashed, look at "
+                                  f"its log. Underlying error: {e}") from e
         for (p, t, label, on_done), w in zip(sends, works):
             op = _Op(True, p, label, t, w, now, where, on_done, deadline=now + self.timeout_s)
             self._sends.append(op)
@@ -319,9 +321,12 @@ class P2P:
     # Errors
     # -----------------------------------------------------------------------------------------
 
+    def _describe(self, send: bool, peer: int, label) -> str:
+        where = f"pipeline rank {peer} (global {self.global_ranks[peer]})"
+        return f"{'send' if send else 'receive'} of {self.describe(label)} {'to' if send else 'from'} {where}"
+
     def _what(self, op: _Op) -> str:
-        peer = f"pipeline rank {op.peer} (global {self.global_ranks[op.peer]})"
-        return f"{'send' if op.send else 'receive'} of {self.describe(op.label)} {'to' if op.send else 'from'} {peer}"
+        return self._describe(op.send, op.peer, op.label)
 
     def _error(self, op: _Op, where: str, elapsed: float, cause: Optional[BaseException]) -> P2PTimeoutError:
         if cause is None or elapsed >= 0.99 * self.timeout_s:
