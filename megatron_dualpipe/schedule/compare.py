@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from .actions import Action
-from .registry import Schedule, ScheduleError, ScheduleSpec, build_schedule, distinct_orders, get
+from .registry import Schedule, ScheduleError, ScheduleSpec, build_schedule, distinct_orders
+from .registry import spec as get
 from .simulate import Costs, PaddedCosts, SimResult, simulate
 
 
