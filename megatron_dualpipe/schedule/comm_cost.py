@@ -150,25 +150,35 @@ class CommModel:
     message_bytes: float = 0.0
     distributed_optimizer: bool = False
     overlap_grad_reduce: bool = True
+    #: Measured links (``mcore.comm_probe``: the groups of a running job timed directly) take the
+    #: place of the ones the placement picks.
+    bd_link: Optional[Link] = None
+    dp_link: Optional[Link] = None
+    p2p_link: Optional[Link] = None
 
     def with_inter_bandwidth(self, gbps: float) -> "CommModel":
-        return replace(self, network=replace(self.network, inter=replace(self.network.inter, bandwidth=gbps)))
+        """The same job with ``gbps`` between nodes (measured links are taken as the inter-node ones)."""
+        links = {k: (None if v is None else replace(v, bandwidth=gbps))
+                 for k, v in (("bd_link", self.bd_link), ("dp_link", self.dp_link), ("p2p_link", self.p2p_link))}
+        return replace(self, network=replace(self.network, inter=replace(self.network.inter, bandwidth=gbps)), **links)
 
     def scaled_messages(self, k: float) -> "CommModel":
         return replace(self, message_bytes=self.message_bytes * k)
 
     def p2p(self, src: int, dst: int) -> float:
         """One message from pipeline rank ``src`` to ``dst``."""
-        return p2p_ms(self.message_bytes, self.network.link(self.placement.pp_ranks_cross_nodes(src, dst)))
+        link = self.p2p_link or self.network.link(self.placement.pp_ranks_cross_nodes(src, dst))
+        return p2p_ms(self.message_bytes, link)
 
     def bd_sum(self, rank: int, nbytes: float) -> float:
         partner = self.placement.pp - 1 - rank
         if partner == rank:
             return 0.0
-        return all_reduce_ms(nbytes, 2, self.network.link(self.placement.pp_ranks_cross_nodes(rank, partner)))
+        link = self.bd_link or self.network.link(self.placement.pp_ranks_cross_nodes(rank, partner))
+        return all_reduce_ms(nbytes, 2, link)
 
     def dp_reduce(self, rank: int, nbytes: float) -> float:
-        link = self.network.link(self.placement.dp_group_crosses_nodes(rank))
+        link = self.dp_link or self.network.link(self.placement.dp_group_crosses_nodes(rank))
         dp = self.placement.dp
         return reduce_scatter_ms(nbytes, dp, link) if self.distributed_optimizer else all_reduce_ms(nbytes, dp, link)
 
