@@ -23,7 +23,7 @@ Definitions (per schedule, pp and M):
 * predicted: what ``simulate``/``advise`` predict from the bench's own probes only, taken before
   any schedule runs: the simulated makespan with the measured one-message latency on every hop
   and the executor's own cost per unit (from a probe run of the 1F1B order at M=2pp with stages
-  that cost nothing: the per-unit cost that makes the simulation of that run match it),
+  sleeping 4/8/4 ms: the per-unit cost that makes the simulation of that run match it),
   plus the exposed gradient communication (``schedule.comm_cost``) with the bd sum's time from
   the probe of all pairs summing ``--grad-mb`` at once (the slowest rank's median). ``x pred``:
   measured over predicted.
@@ -38,7 +38,7 @@ from ..schedule import build_schedule
 from ..schedule.comm_cost import CommModel, Link, Network, Placement, grad_comm
 from ..schedule.registry import spec as schedule_spec
 from ..schedule.simulate import Costs, simulate
-from .measure import BenchConfig, RankRun
+from .measure import PROBE_COSTS, BenchConfig, RankRun
 from .torch_peer import SIMULATED_PEERS, TORCH_SCHEDULES
 
 
@@ -96,17 +96,19 @@ def _sim(name: str, pp: int, m: int, costs, p2p: float, scale: float = 1.0):
 
 
 def unit_overhead_ms(pp: int, latency: float, probe_iterations: Sequence[Sequence[float]]) -> float:
-    """The cost per unit that makes the simulated zero-cost 1F1B run (pp, M=2pp, ``latency`` per
-    hop) take the probe's time: the slowest rank per iteration, the median over iterations."""
+    """The cost per unit that makes the simulated probe run (1F1B, pp, M=2pp, stages of
+    ``PROBE_COSTS``, ``latency`` per hop) take the probe's time: the slowest rank per iteration,
+    the median over iterations."""
     from ..schedule.registry import EXECUTOR_1F1B
 
     if not probe_iterations or not probe_iterations[0]:
         return 0.0
     measured = statistics.median(max(r[i] for r in probe_iterations) for i in range(len(probe_iterations[0])))
     s = build_schedule(EXECUTOR_1F1B, pp, 2 * pp)
-    zero = Costs(f=0.0, b=0.0, w=0.0, p2p=latency)
-    base = simulate(s.layout, s.ranks, zero).makespan
-    per_unit = simulate(s.layout, s.ranks, zero, overhead=1.0).makespan - base
+    c = PROBE_COSTS
+    probe = Costs(f=c.f, b=c.b, w=c.w, p2p=latency)
+    base = simulate(s.layout, s.ranks, probe).makespan
+    per_unit = simulate(s.layout, s.ranks, probe, overhead=1.0).makespan - base
     return max(0.0, (measured - base) / per_unit) if per_unit > 0 else 0.0
 
 
@@ -197,7 +199,7 @@ def table(cfg: BenchConfig, latencies: Dict[int, Optional[float]], all_rows: Seq
         overheads, probes = {pp: first.unit_overhead_ms}, {pp: first.bd_probe_ms}
         lines.append("")
         lines.append(f"pp={pp}: one P2P message (rank 0 <-> 1, half a round trip) {_f(lat, '.2f')} ms; the executor's "
-                     f"own cost per unit (zero-cost probe) {_f(overheads.get(pp), '.2f')} ms"
+                     f"own cost per unit (probe) {_f(overheads.get(pp), '.2f')} ms"
                      + (f"; one bd sum of {cfg.grad_mb:g} MiB, all pairs at once, {_f(probes.get(pp), '.1f')} ms"
                         if probes.get(pp) else ""))
         head = (f"{'runner':<8} {'schedule':<16} {'M':>3} {'measured ms':>11} {'(min-max)':>13} {'sim ms':>7} "
