@@ -48,6 +48,14 @@ def test_seed_sign_flip(label, c, ahead):
     a = advise(d.pp, [c["m"]], d.costs, 1, 1, names=[ONE_F_ONE_B, DUALPIPE], comm=comm, tokens=d.tokens)
     print(f"  advise: {a.choices[0].reason}")
     assert a.choices[0].best == ahead
+    # The break-even bandwidth it prints: just below and above it, the two swap places.
+    even = a.choices[0].break_even
+    assert even.rival == other and even.bandwidth is not None
+
+    def lead(bw):
+        c2 = comm.with_inter_bandwidth(bw)
+        return run(ahead, d.pp, c["m"], d.costs, comm=c2).iteration - run(other, d.pp, c["m"], d.costs, comm=c2).iteration
+    assert (lead(even.bandwidth * 0.98) < 0) != (lead(even.bandwidth * 1.02) < 0)
 
 
 def test_bd_sums_start_when_both_copies_are_final():
