@@ -43,6 +43,7 @@ from megatron.core.pipeline_parallel import schedules
 from megatron.core.utils import get_model_config
 
 from ..executor.p2p import DEFAULT_TIMEOUT_S, P2P
+from ..executor.listeners import RunListener
 from ..executor.runner import Program, TensorSpec, compile_program, run_rank
 from ..schedule import B, registry
 from .data import MicrobatchSource
@@ -145,12 +146,11 @@ class ExecutorSchedule:
             spec=self.spec, model=model, layout=it.program.schedule.layout, rank=it.rank,
             forward_step_func=forward_step_func, source=MicrobatchSource(data_iterator), real=num_microbatches,
             config=config, forward_only=forward_only, collect_non_loss_data=collect_non_loss_data,
-            first_val_step=first_val_step, global_ranks=it.global_ranks, grad_reduction=reduction,
-            wgrad_store=store, audit=self._wgrad.DeferralAudit() if store is not None and not self._audited else None)
+            first_val_step=first_val_step, global_ranks=it.global_ranks, wgrad_store=store, audit=self._wgrad.DeferralAudit() if store is not None and not self._audited else None)
         advice = self._advice if self._advice is not None and self._advice.wanted(forward_only) else None
         with _timer(config):
             with advice.measuring(model) if advice is not None else contextlib.nullcontext() as recorder:
-                self._run(it, compute, config, model, forward_only, recorder)
+                self._run(it, compute, reduction, config, model, forward_only, recorder)
             if advice is not None:
                 advice.report(spec_name=self.spec.name, pp=len(it.global_ranks), microbatches=num_microbatches,
                               model=model, group=it.group, actions=it.program.actions[it.rank],
@@ -212,18 +212,27 @@ class ExecutorSchedule:
         return self._wgrad.WeightGradStore()
 
     # -- run ---------------------------------------------------------------------------------------
-    def _run(self, it: _Iteration, compute: MegatronStageCompute, config, model, forward_only: bool,
-             recorder=None) -> None:
+    def _run(self, it: _Iteration, compute: MegatronStageCompute, reduction: Optional[GradReduction], config,
+             model, forward_only: bool, recorder=None) -> None:
         """The schedule with data-parallel reduction held off (each chunk's reduction is started by
-        the GradReduction as soon as its gradients are final), then the rest of the reduction."""
-        reduction = compute.grad_reduction
+        the GradReduction, a listener of the run, as soon as its gradients are final), then the rest
+        of the reduction."""
+        listeners = () if reduction is None else (_ReductionListener(reduction),)
         with _no_sync(config, model, forward_only), \
                 (reduction.during_schedule() if reduction is not None else contextlib.nullcontext()):
-            run_rank(it.program, it.rank, compute, it.p2p, it.tensor_spec, trace=recorder)
+            run_rank(it.program, it.rank, compute, it.p2p, it.tensor_spec, trace=recorder, listeners=listeners)
         if compute.wgrad_store is not None:
             compute.wgrad_store.assert_empty()
         if reduction is not None:
             reduction.finish()
+
+
+class _ReductionListener(RunListener):
+    """Tells the gradient reduction of every action that ran: a chunk's sums start after its last
+    gradient action (its ``finish`` stays after the schedule, outside ``no_sync``)."""
+
+    def __init__(self, reduction: GradReduction):
+        self.on_action_end = reduction.after_action
 
 
 #: Pipeline groups that have had their first collective (see ``P2P.first_collective``).
