@@ -32,9 +32,6 @@ class NoCompute:
     def __init__(self, spec):
         self.out = torch.zeros(spec.shape)
 
-    def is_fake(self, a):
-        return False
-
     def forward(self, a, inp):
         return self.out.clone()
 

@@ -19,6 +19,7 @@ import torch
 
 from ..schedule import F, W, Action, build_schedule
 from ..schedule.comm import Label, RankPlan, plan
+from ..schedule.padding import Padded
 from ..schedule.registry import Schedule
 from .p2p import P2P
 from .listeners import RunListener, Unit
@@ -26,8 +27,8 @@ from .trace import TraceRecorder, trace_from_env
 
 
 class StageCompute(Protocol):
-    def is_fake(self, a: Action) -> bool:
-        """A padding micro-batch: the runner passes zeros of the right shape, no compute."""
+    """What the actions mean for a model. Padding actions (``Program.padding``) never reach it:
+    the runner passes zeros of the right shape instead."""
 
     def forward(self, a: Action, input_tensor: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         """Run F; return the tensor for the next stage (ignored at the loss stage)."""
@@ -70,19 +71,28 @@ class TensorSpec:
 
 @dataclass(frozen=True)
 class Program:
+    """One iteration's checked schedule: each rank's actions and communication plan, and which
+    actions are padding (fake micro-batches: no data, no compute) and the global index of the rest
+    (``padded``)."""
+
     schedule: Schedule
     actions: Tuple[Tuple[Action, ...], ...]
     plans: Tuple[RankPlan, ...]
+    padded: Padded
+    #: ``padding[rank][i]``: action ``i`` of ``rank`` is a fake micro-batch's.
+    padding: Tuple[Tuple[bool, ...], ...]
 
 
 @functools.lru_cache(maxsize=64)
-def compile_program(name: str, pp: int, microbatches: int, forward_only: bool) -> Program:
+def compile_program(name: str, pp: int, microbatches: int, forward_only: bool, real: Optional[int] = None) -> Program:
     """Build and check the schedule and its communication plan (cached: pure and reused
-    every iteration). ``forward_only`` keeps just the forwards, in the same order."""
+    every iteration). ``forward_only`` keeps just the forwards, in the same order; ``real``
+    (default ``microbatches``) of the micro-batches are real, the rest padding."""
     sched = build_schedule(name, pp, microbatches)
     acts = tuple(tuple(dataclasses.replace(a, overlap=False) for a in r if a.op == F) if forward_only else r
                  for r in sched.ranks)
-    return Program(sched, acts, tuple(plan(sched.layout, acts)))
+    padded = Padded(sched, microbatches if real is None else real)
+    return Program(sched, acts, tuple(plan(sched.layout, acts)), padded, tuple(padded.padding(r) for r in acts))
 
 
 def check_sendable(rank: int, a: Action, what: str, t: torch.Tensor, spec: TensorSpec) -> None:
@@ -136,7 +146,7 @@ class RankRun:
         self.actions, self.plan = program.actions[rank], program.plans[rank]
         self.rank, self.compute, self.p2p, self.spec = rank, compute, p2p, spec
         self.listeners = tuple(listeners)
-        self.padding = tuple(compute.is_fake(a) for a in self.actions)
+        self.padding = program.padding[rank]
         # A compute written before forward_backward existed runs fused units as F then B.
         self.forward_backward = getattr(compute, "forward_backward", None) or \
             functools.partial(StageComputeBase.forward_backward, compute)

@@ -140,7 +140,7 @@ class ExecutorSchedule:
         it = self._plan(model, config, num_microbatches, padded, forward_only,
                         (seq_length, micro_batch_size, decoder_seq_length))
         store = self._wgrad_store(it, forward_only)
-        reduction = None if forward_only else self._grad_reduction(it, model, config, num_microbatches, store)
+        reduction = None if forward_only else self._grad_reduction(it, model, config, store)
         # Through megatron-core's combined step when the model offers it (mcore.overlap).
         compute = (OverlappedStageCompute if offers_combined_step(config, forward_only) else MegatronStageCompute)(
             spec=self.spec, model=model, layout=it.program.schedule.layout, rank=it.rank,
@@ -154,7 +154,7 @@ class ExecutorSchedule:
             if advice is not None:
                 advice.report(spec_name=self.spec.name, pp=len(it.global_ranks), microbatches=num_microbatches,
                               model=model, group=it.group, actions=it.program.actions[it.rank],
-                              is_fake=compute.is_fake, device=it.tensor_spec.device)
+                              is_fake=it.program.padded.is_fake, device=it.tensor_spec.device)
             self._report_deferral(compute.audit, it.rank)
             losses = gather_losses_on_last_rank(compute.loss_store, it.program.schedule.layout, it.rank,
                                                 it.global_ranks, it.group, it.tensor_spec.device)
@@ -167,7 +167,7 @@ class ExecutorSchedule:
         group = parallel_state.get_pipeline_model_parallel_group()
         global_ranks = dist.get_process_group_ranks(group)
         rank = parallel_state.get_pipeline_model_parallel_rank()
-        program = compile_program(self.spec.name, len(global_ranks), padded, forward_only)
+        program = compile_program(self.spec.name, len(global_ranks), padded, forward_only, real)
         if padded != real:
             self._report_padding(len(global_ranks), real, padded, forward_only)
         seq_length, micro_batch_size, decoder_seq_length = shape_args
@@ -191,11 +191,11 @@ class ExecutorSchedule:
                         "micro-batch(es) (no data, no compute, zero loss and gradient)%s", self.spec.name, pp,
                         padded, real, padded - real, " in evaluation" if forward_only else "")
 
-    def _grad_reduction(self, it: _Iteration, model, config, real: int, wgrad_store) -> GradReduction:
-        pp = len(it.global_ranks)
-        return GradReduction(model, config, actions=it.program.actions[it.rank],
-                             partner_actions=it.program.actions[pp - 1 - it.rank],
-                             is_fake=lambda a: self.spec.is_fake(real, a.dir, a.mb), deferring=wgrad_store is not None)
+    def _grad_reduction(self, it: _Iteration, model, config, wgrad_store) -> GradReduction:
+        program = it.program
+        return GradReduction(model, config, actions=program.actions[it.rank],
+                             partner_actions=program.actions[program.schedule.layout.partner(it.rank)],
+                             is_fake=program.padded.is_fake, deferring=wgrad_store is not None)
 
     def _report_deferral(self, audit, rank: int) -> None:
         """Once per process: say how much weight-gradient work W holds if B kept some."""

@@ -59,9 +59,6 @@ class MegatronStageCompute(StageComputeBase):
         self.total_num_tokens: Optional[torch.Tensor] = None
         self.first_forward_done = [False] * len(model)
 
-    def is_fake(self, a: Action) -> bool:
-        return self.spec.is_fake(self.real, a.dir, a.mb)
-
     def forward(self, a: Action, input_tensor):
         g, is_first_mb = self._begin_forward(a)
         with direction_of(self.layout, self.rank, a.dir, self.global_ranks):
