@@ -29,7 +29,7 @@ from typing import Iterator
 
 from megatron.core import parallel_state as ps
 
-from ..schedule.layout import BIDIRECTIONAL, Layout
+from ..schedule.layout import Layout
 
 _NAMES = (
     "is_pipeline_first_stage",
@@ -54,7 +54,7 @@ def direction_of(layout: Layout, rank: int, d: int, global_ranks) -> Iterator[No
     pp = layout.pp
     next_rank = global_ranks[(rank - 1) % pp]
     prev_rank = global_ranks[(rank + 1) % pp]
-    logical_rank = pp - 1 - rank if layout.kind == BIDIRECTIONAL else rank
+    logical_rank = layout.partner(rank) if layout.mirrored else rank
     saved = {n: getattr(ps, n) for n in _NAMES}
     ps.is_pipeline_first_stage = lambda *a, **k: first
     ps.is_pipeline_last_stage = lambda *a, **k: last
