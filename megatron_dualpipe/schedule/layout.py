@@ -10,8 +10,10 @@ Three layouts cover the schedules we build:
   (direction 0) run down the ranks, stage s on rank s; stages pp..2pp-1 (direction 1) run back
   up, stage s on rank 2*pp-1-s. The turn at rank pp-1 stays on one rank.
 
-The dependency rule (``deps``), the simulator and the communication planner ask only this
-module where a stage is and which stage comes before or after it.
+The dependency rule (``deps``), the simulator, the communication planner and the Megatron glue
+ask only this module where a stage is (:meth:`Layout.rank_of`, :meth:`Layout.stages_on`), which
+stage comes before or after it, and whether stages have mirrored copies (:attr:`Layout.mirrored`,
+:meth:`Layout.partner`).
 """
 from __future__ import annotations
 
@@ -49,12 +51,38 @@ class Layout:
             return f"direction {d} (enters at rank {0 if d == 0 else self.pp - 1})"
         return f"direction {d}"
 
+    @property
+    def mirrored(self) -> bool:
+        """Whether every stage has two copies, one per direction (DualPipe: stage s on rank s and on
+        rank pp-1-s), whose gradients must be summed over the pair of ranks."""
+        return self.kind == BIDIRECTIONAL
+
+    def partner(self, rank: int) -> int:
+        """The rank whose stages are ``rank``'s in the other direction: pp-1-rank (DualPipe: the
+        rank holding the mirrored copies; the middle rank of an odd pipeline is its own)."""
+        return self.pp - 1 - rank
+
+    def stages_on(self, rank: int) -> Tuple[int, ...]:
+        """The stage of each direction held by ``rank``: chunk ``d`` of its model is stage
+        ``stages_on(rank)[d]`` (DualPipe (i, pp-1-i), DualPipeV (i, 2pp-1-i), 1F1B (i,))."""
+        return tuple(self.stage_on(rank, d) for d in self.directions)
+
+    def holder(self, stage: int) -> Tuple[int, int]:
+        """(rank, direction) holding ``stage`` of a layout where each stage exists once along the
+        route (unidirectional, V); DualPipe's stages have two holders: use :meth:`rank_of`."""
+        if self.mirrored:
+            raise ValueError(f"stage {stage} of a {self.kind} layout has a copy in each direction: "
+                             f"ask rank_of(direction, stage)")
+        d = 1 if self.kind == V_SHAPE and stage >= self.pp else 0
+        return self.rank_of(d, stage), d
+
     def stages(self, d: int) -> range:
         if self.kind == V_SHAPE and d == 1:
             return range(self.pp, 2 * self.pp)
         return range(self.pp)
 
     def rank_of(self, d: int, stage: int) -> int:
+        """The rank that owns ``stage`` of direction ``d``."""
         if self.kind == BIDIRECTIONAL and d == 1:
             return self.pp - 1 - stage
         if self.kind == V_SHAPE and d == 1:
@@ -63,11 +91,7 @@ class Layout:
 
     def stage_on(self, rank: int, d: int) -> int:
         """The stage of direction ``d`` held by ``rank``."""
-        if self.kind == BIDIRECTIONAL and d == 1:
-            return self.pp - 1 - rank
-        if self.kind == V_SHAPE and d == 1:
-            return 2 * self.pp - 1 - rank
-        return rank
+        return self.rank_of(d, rank)  # each layout's map is its own inverse
 
     def next_hop(self, d: int, stage: int) -> Optional[Hop]:
         """The stage after (d, stage) on the micro-batch's route, or None at the loss."""
