@@ -123,10 +123,11 @@ def descendants(pid: int) -> Set[int]:
 
 
 def _signal_all(pgid: int, pids: Set[int], sig: int) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except OSError:
-        pass
+    if pgid > 0:
+        try:
+            os.killpg(pgid, sig)
+        except OSError:
+            pass
     for pid in pids:
         try:
             os.kill(pid, sig)
@@ -147,6 +148,24 @@ def _alive(pid: int) -> bool:
         return stat[stat.rfind(b")") + 2:][:1] != b"Z"
     except OSError:
         return True
+
+
+def stop_descendants(grace: float = GRACE_SECONDS) -> None:
+    """Stop every process below this one (SIGTERM, SIGKILL after ``grace``): the safety net for
+    processes started other than through :func:`run` (multiprocessing's workers and forkserver)."""
+    family = descendants(os.getpid())
+    if not family:
+        return
+    _signal_all(-1, family, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while any(_alive(p) for p in family) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    _signal_all(-1, family | descendants(os.getpid()), signal.SIGKILL)
+    try:
+        while os.waitpid(-1, os.WNOHANG)[0]:  # reap our own children
+            pass
+    except ChildProcessError:
+        pass
 
 
 def stop(proc: subprocess.Popen, grace: float = GRACE_SECONDS) -> None:
@@ -201,6 +220,23 @@ class _Relay(threading.Thread):
                 pass
 
 
+def _reader_closed(stream) -> bool:
+    """Whether ``stream`` is a pipe whose reader has gone (``| head`` has read its lines): a
+    pipe's write end then polls as an error, before anything is written to it."""
+    import select
+    import stat
+
+    try:
+        fd = stream.fileno()
+        if not stat.S_ISFIFO(os.fstat(fd).st_mode) or not hasattr(select, "poll"):
+            return False
+        poller = select.poll()
+        poller.register(fd, 0)  # POLLERR / POLLHUP are always reported
+        return any(ev & (select.POLLERR | select.POLLHUP) for _fd, ev in poller.poll(0))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def _binary(stream):
     return getattr(stream, "buffer", stream)
 
@@ -225,6 +261,8 @@ def run(cmd: Sequence[str], env: Optional[Mapping[str, str]] = None, cwd: Option
     try:
         while proc.poll() is None and not reader_gone.is_set():
             reader_gone.wait(0.1)
+            if _reader_closed(out_sink):
+                reader_gone.set()
         if reader_gone.is_set():
             raise BrokenPipeError("the reader of stdout went away")
     except BaseException:
@@ -262,8 +300,10 @@ def _to_devnull() -> None:
 
 
 def interrupted(prog: str) -> int:
-    """Print ``PROG: interrupted`` (one line), silence our output, return 130."""
+    """Stop what is left of the processes we started, print ``PROG: interrupted`` (one line),
+    silence our output, return 130."""
     _ignore_interrupts()
+    stop_descendants()
     try:
         sys.stdout.flush()
     except (OSError, ValueError):
@@ -277,8 +317,9 @@ def interrupted(prog: str) -> int:
 
 
 def reader_gone() -> int:
-    """Our stdout's reader went away: silence our output, return 141."""
+    """Our stdout's reader went away: stop the processes we started, silence our output, return 141."""
     _ignore_interrupts()
+    stop_descendants()
     _to_devnull()
     return EXIT_BROKEN_PIPE
 
