@@ -1,22 +1,65 @@
 #!/usr/bin/env bash
 # Create (or reuse) the project's virtual environment in .venv and install the package.
 # torch==2.13.0 is installed first so that pip takes the CPU build; megatron-core is pinned by setup.py.
+#
+# Each step that has work to do prints one line with the time it took on a 2-core machine
+# (cold pip cache); pip's own output goes to $VENV/setup.log and is shown only when a step fails.
+# A set-up venv prints nothing. Ctrl-C / SIGTERM stops pip and its build processes
+# (megatron_dualpipe/interrupts.py), prints one line and exits 130.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+here="$(cd "$(dirname "$0")/.." && pwd)"
+cd "$here"
 VENV=${VENV:-.venv}
 PYTHON=${PYTHON:-python3}
+log="$VENV/setup.log"
+prog="setup_venv.sh"
+child=""
+
+interrupted() {
+  trap '' INT TERM HUP
+  if [ -n "$child" ]; then kill -TERM "$child" 2>/dev/null || true; wait "$child" 2>/dev/null || true; fi
+  echo "$prog: interrupted" >&2
+  exit 130
+}
+trap interrupted INT TERM HUP
+
+# step N TEXT TIME CMD...: one progress line, then CMD through the interrupt helper (its own
+# process group, stopped on an interruption) in the background, so that a signal to this shell
+# is handled at once rather than when CMD ends.
+step() {
+  local n=$1 text=$2 took=$3; shift 3
+  echo "setup $n/3: $text (about $took)" >&2
+  echo "### $text: $*" >>"$log"
+  PYTHONPATH="$here" "$PYTHON" -m megatron_dualpipe.interrupts --prog "$prog" -- "$@" >>"$log" 2>&1 &
+  child=$!
+  local status=0
+  wait "$child" || status=$?
+  child=""
+  case "$status" in 130|143) interrupted;; esac  # the helper was interrupted along with this shell
+  if [ "$status" -ne 0 ]; then
+    tail -n 20 "$log" >&2
+    echo "$prog: error: '$text' failed (exit status $status); the whole output is in $log" >&2
+    exit 1
+  fi
+}
+
 if [ ! -x "$VENV/bin/python" ]; then
-  "$PYTHON" -m venv "$VENV"
-  "$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+  command -v "$PYTHON" >/dev/null || { echo "$prog: error: PYTHON=$PYTHON not found: set PYTHON to a Python >= 3.10" >&2; exit 2; }
+  mkdir -p "$VENV"
+  : >"$log"
+  step 1 "creating $VENV with the newest pip" "10 s" \
+    bash -c '"$1" -m venv "$2" && { "$2/bin/python" -m pip install -q --upgrade pip || true; }' _ "$PYTHON" "$VENV"
 fi
 if ! "$VENV/bin/python" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('torch') is None)"; then
-  "$VENV/bin/python" -m pip install -q "torch==${TORCH_VERSION:-2.13.0}"
+  step 2 "installing torch==${TORCH_VERSION:-2.13.0} (CPU build)" "1 min" \
+    "$VENV/bin/python" -m pip install -q "torch==${TORCH_VERSION:-2.13.0}"
 fi
 # Install the package when setup.py changed since the last install (the stamp holds its hash), so
 # that later runs start at once and print nothing.
 stamp="$VENV/.megatron-dualpipe-setup-py"
 want=$(sha256sum setup.py | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  "$VENV/bin/python" -m pip install -q -e ".[test,megatron-lm]"
+  step 3 "installing megatron-dualpipe with megatron-core 0.16.1 and the test tools" "1 min" \
+    "$VENV/bin/python" -m pip install -q -e ".[test,megatron-lm]"
   echo "$want" > "$stamp"
 fi
