@@ -223,6 +223,9 @@ from .cpu import command as _cpu_mode  # noqa: E402  (standard library only unti
 
 register("cpu-mode", "list every CPU-mode redirection and whether it is active (--enable: try it here)",
          _cpu_mode.configure, _cpu_mode.run)
+from .hooks import command as _hooks  # noqa: E402  (standard library only until it runs)
+
+register("hooks", _hooks.HELP, _hooks.configure, _hooks.run)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -342,27 +342,38 @@ def _accumulate_wgrad(total_input, grad_output, main_grad) -> None:
 # install / uninstall
 
 
-def install() -> None:
-    """Patch megatron-core's local linear backward (idempotent). Cheap; call once per process."""
-    if _PATCH.cls is not None:
-        return
+def deferrable_backward(original):
+    """The hooks manifest's replacement of ``LinearWithGradAccumulationAndAsyncCommunication.backward``
+    (``original``: the class's function): :func:`_backward`, which defers inside ``deferring()``
+    and runs the original otherwise. Binds what the hot path needs from megatron-core."""
     from megatron.core import utils as mc_utils
     from megatron.core.tensor_parallel import layers
 
     cls = layers.LinearWithGradAccumulationAndAsyncCommunication
-    original = cls.__dict__["backward"]
-    if not isinstance(original, staticmethod):
-        raise RuntimeError(f"unexpected {cls.__name__}.backward: {original!r}")
+    stored = cls.__dict__["backward"]
+    if not isinstance(stored, staticmethod):
+        raise RuntimeError(f"unexpected {cls.__name__}.backward: {stored!r}")
     _mc["prepare"] = mc_utils.prepare_input_tensors_for_wgrad_compute
     _mc["all_gather"] = layers.dist_all_gather_func
     _mc["reduce_scatter"] = layers.dist_reduce_scatter_func
     _mc["fused_wgrad"] = getattr(layers, "fused_weight_gradient_mlp_cuda", None)
     # Same autocast handling as megatron-core's own backward.
     _PATCH.deferred = layers.custom_bwd(_deferred_backward)
-    _PATCH.original = original
-    _PATCH.original_fn = original.__func__
+    _PATCH.original = stored
+    _PATCH.original_fn = stored.__func__
     _PATCH.cls = cls
-    cls.backward = staticmethod(_backward)
+    return staticmethod(_backward)
+
+
+_PART = "zero bubble"  # hooks/manifest.py
+
+
+def install() -> None:
+    """Patch megatron-core's local linear backward (idempotent; the ``zero bubble`` part of the
+    hooks manifest). Cheap; call once per process."""
+    from . import hooks
+
+    hooks.install([_PART])
 
 
 def uninstall() -> None:
@@ -371,7 +382,9 @@ def uninstall() -> None:
         return
     if _ACTIVE.sink is not None:
         raise RuntimeError(f"cannot uninstall inside deferring({_ACTIVE.key!r})")
-    _PATCH.cls.backward = _PATCH.original
+    from . import hooks
+
+    hooks.uninstall([_PART])
     _PATCH.cls = _PATCH.original = _PATCH.original_fn = _PATCH.deferred = None
     _mc.clear()
 
