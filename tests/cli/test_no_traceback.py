@@ -15,7 +15,7 @@ import pytest
 
 from megatron_dualpipe.cli import COMMANDS, main
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 ENV = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
 SIM = ["simulate", "--schedule", "dualpipe", "--pp", "4", "-m", "8"]
 ADV = ["advise", "--pp", "4", "-m", "8", "--f", "1", "--b", "2", "--w", "1", "--activation-memory", "1",

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "pretrain_gpt_dualpipe.sh"
 CONFIGS = sorted(p.stem for p in (ROOT / "configs").glob("*.sh"))
 
