@@ -37,11 +37,11 @@ import math
 import os
 import shlex
 import shutil
-import subprocess
 import sys
 import time
 from typing import Dict, Iterator, List, Optional
 
+from . import interrupts
 from .data_prep import DataError, PreparedData, Progress, add_data_arguments, check_split, default_cache_dir
 from .data_prep import SPLIT_NAMES, describe_indexed, documents_per_split, prepare_from_args, split_weights
 from .schedule import registry
@@ -227,11 +227,9 @@ def launch(parser: argparse.ArgumentParser, args) -> int:
     env.setdefault("OMP_NUM_THREADS", "1")             # torchrun warns when it has to set it
     env.setdefault("TOKENIZERS_PARALLELISM", "false")  # tokenizers warns about forking after use
     print(f"starting {args.nproc} processes: torchrun {shlex.join(cmd[3:])}", flush=True)
-    try:
-        code = subprocess.call(cmd, env=env)
-    except KeyboardInterrupt:
-        print(f"{parser.prog}: interrupted", file=sys.stderr)
-        return 130
+    # torchrun and its ranks in a session of their own, all stopped (and silenced) on Ctrl-C,
+    # SIGTERM or a closed stdout before KeyboardInterrupt / BrokenPipeError reaches main().
+    code = interrupts.run(cmd, env=env)
     if code != 0:
         print(f"{parser.prog}: error: the training processes failed (exit status {code}); the failing "
               f"rank's message is above", file=sys.stderr)
@@ -556,8 +554,8 @@ def main(argv=None) -> int:
         if not args.data_path:
             parser.error("the workers need --data-path: start the job with python -m megatron_dualpipe.demo "
                          "(it prepares the data and starts torchrun)")
-        return worker(args)
-    return launch(parser, args)
+        return worker(args)  # the launcher stops the workers and drops their output on an interruption
+    return interrupts.guarded(lambda: launch(parser, args), parser.prog)
 
 
 if __name__ == "__main__":

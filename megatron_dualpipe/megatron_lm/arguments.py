@@ -317,57 +317,45 @@ def validate_dualpipe_args(args):
 # Installation into megatron.training
 # ------------------------------------------------------------------------------------------
 
-_MARK = "_megatron_dualpipe_wrapped"
+_PART = "megatron-lm arguments"  # hooks/manifest.py lists what install() patches
 
 
-def _wrap_add_megatron_arguments(orig):
+def wrap_add_megatron_arguments(orig):
+    """``add_megatron_arguments`` that also adds the DualPipe flags."""
+
     @functools.wraps(orig)
     def add_megatron_arguments(parser):
         parser = orig(parser)
         return add_dualpipe_arguments(parser)
 
-    setattr(add_megatron_arguments, _MARK, orig)
     return add_megatron_arguments
 
 
-def _wrap_validate(orig):
+def wrap_validate(orig):
+    """``validate_args`` (or ``validate_yaml``) followed by :func:`validate_dualpipe_args`."""
+
     @functools.wraps(orig)
     def validate(args, *a, **kw):
         result = orig(args, *a, **kw)
         validate_dualpipe_args(result if result is not None else args)
         return result
 
-    setattr(validate, _MARK, orig)
     return validate
 
 
 def install():
-    """Patch ``megatron.training`` so its parser knows the flags and its validation checks them.
+    """Patch ``megatron.training`` so its parser knows the flags and its validation checks them
+    (the ``megatron-lm arguments`` part of the hooks manifest).
 
     Idempotent. Must run before ``pretrain()`` (i.e. before ``initialize_megatron``).
     """
-    import megatron.training.arguments as margs
-    import megatron.training.initialize as minit
+    from .. import hooks
 
-    if not hasattr(margs.add_megatron_arguments, _MARK):
-        margs.add_megatron_arguments = _wrap_add_megatron_arguments(margs.add_megatron_arguments)
-    for mod, name in ((margs, "validate_args"), (minit, "validate_args"), (minit, "validate_yaml")):
-        fn = getattr(mod, name, None)
-        if fn is not None and not hasattr(fn, _MARK):
-            setattr(mod, name, _wrap_validate(fn))
+    hooks.install([_PART])
 
 
 def uninstall():
     """Undo :func:`install` (for tests)."""
-    import megatron.training.arguments as margs
-    import megatron.training.initialize as minit
+    from .. import hooks
 
-    for mod, name in (
-        (margs, "add_megatron_arguments"),
-        (margs, "validate_args"),
-        (minit, "validate_args"),
-        (minit, "validate_yaml"),
-    ):
-        fn = getattr(mod, name, None)
-        if fn is not None and hasattr(fn, _MARK):
-            setattr(mod, name, getattr(fn, _MARK))
+    hooks.uninstall([_PART])
