@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
-import sys
 import time
 
 HELP = "prove on this machine or cluster that DualPipe equals Megatron's 1F1B, does not hang, and how fast it is"
@@ -69,11 +68,13 @@ def _config(args):
     if not deadline > 0:
         raise ValueError(f"--deadline must be > 0 seconds, got {deadline:g}")
     os.makedirs(args.out, exist_ok=True)
-    command = "megatron-dualpipe selftest " + " ".join(shlex.quote(a) for a in sys.argv[2:]) if len(sys.argv) > 2 \
-        else "megatron-dualpipe selftest"
+    flags = [f"--nproc {world}"] + [f"--{k} {getattr(args, k)}" for k in ("tp", "ep") if getattr(args, k) != 1]
+    flags += [f"--{k}" for k in ("te", "fp8", "quick") if getattr(args, k)]
+    flags += [] if args.deadline is None else [f"--deadline {args.deadline:g}"]
+    command = " ".join(["megatron-dualpipe selftest", *flags, "--out", shlex.quote(args.out)])
     return SelftestConfig(world=world, tp=args.tp, ep=args.ep, te=args.te, fp8=args.fp8,
                           out=os.path.abspath(args.out), quick=args.quick, deadline_s=deadline, gpu=gpu,
-                          command=command.strip(), model_hidden=args.model_hidden, model_seq=args.model_seq,
+                          command=command, model_hidden=args.model_hidden, model_seq=args.model_seq,
                           model_layers_per_stage=args.model_layers_per_stage), torchrun
 
 

@@ -113,7 +113,8 @@ def run(ctx) -> dict:
 
 
 def _advise_activations(pp: int, m: int, per_forward: float) -> Dict[str, float]:
-    """``advise``'s activation memory (MiB, its busiest rank) per schedule for one micro-batch's bytes."""
+    """``advise``'s activation memory (MiB, its busiest rank) per schedule, given what one forward of
+    one 1F1B stage saves."""
     from ..advise import advise
     from ..schedule.simulate import Costs
 
@@ -131,6 +132,9 @@ def judge(ctx, payloads: List[dict]) -> StageResult:
     details = [f"M={m}; measured: peak live bytes autograd saved (distinct storages, parameters excluded); "
                f"predicted: simulated peak live activations of the rank x one forward of its larger chunk"]
     failures, numbers, parts = [], {}, []
+    # advise takes one micro-batch's activations on one stage as 1F1B runs it (a DualPipeV chunk: half)
+    stage_bytes = max(max(p["schedules"]["1f1b"]["per_forward"]) for p in pipeline)
+    advised = _advise_activations(pp, m, stage_bytes)
     for schedule, sim_name in SIMULATED.items():
         s = build_schedule(sim_name, pp, m)
         peaks = simulate(s.layout, s.ranks).peak_activations
@@ -147,8 +151,7 @@ def judge(ctx, payloads: List[dict]) -> StageResult:
                         f"{got['parameter_bytes'] / _MIB:.3f} MiB")
             if ratio > OVER:
                 failures.append(f"{schedule} rank {r} holds {ratio:.2f}x the predicted activations")
-        largest = max(max(p["schedules"][schedule]["per_forward"]) for p in pipeline)
-        adv = _advise_activations(pp, m, largest).get(sim_name)
+        adv = advised.get(sim_name)
         measured_max = max(p["schedules"][schedule]["saved_peak"] for p in pipeline) / _MIB
         details.append(f"{schedule}: busiest rank {measured_max:.3f} MiB; advise predicts "
                        f"{'-' if adv is None else f'{adv:.3f}'} MiB for its busiest rank")

@@ -65,6 +65,8 @@ def config_of(spec: ModelSpec, *, full: bool = False, combined: bool = False):
         overrides.update(fp8="hybrid", fp8_recipe="delayed")
     if spec.experts:
         overrides.update(num_moe_experts=spec.experts, moe_token_dispatcher_type="alltoall")
+    else:  # a dense model next to expert parallelism: its data-parallel replicas are just that
+        overrides["expert_model_parallel_size"] = 1
     config = tiny_gpt.tiny_gpt_config(num_layers=spec.layers, hidden_size=spec.hidden,
                                       num_attention_heads=spec.heads, **overrides)
     if spec.combined_step and combined:
