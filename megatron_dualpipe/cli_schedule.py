@@ -88,7 +88,7 @@ def _add_pad_args(p: argparse.ArgumentParser) -> None:
 
 def build(args, progress: Optional[Progress] = None):
     """The (padded) schedule for ``args``, refusing sizes past :data:`MAX_FORWARDS` before building."""
-    from .schedule.compare import Padded
+    from .schedule.padding import Padded
     from .schedule.registry import ScheduleError, build_schedule
     from .schedule.registry import spec as get
 

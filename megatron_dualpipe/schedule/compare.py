@@ -6,23 +6,22 @@ runs at half those costs per chunk, and its activation counts (in chunks) are ha
 stages. Comparing the schedules at the same per-chunk costs instead would make 1F1B's stage
 as cheap as half a stage.
 
-A short batch runs padded, as the executor runs it (``ScheduleSpec.padded_microbatches``):
-fake micro-batches compute nothing and cost nothing (``PaddedCosts``).
+A short batch runs padded, as the executor runs it (:mod:`.padding`): fake micro-batches
+compute nothing and cost nothing (``PaddedCosts``).
 
 Standard library only, like the rest of ``schedule``.
 """
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from .actions import Action
-from .registry import Schedule, ScheduleError, ScheduleSpec, build_schedule, distinct_orders
+from .padding import Padded, build_padded
+from .registry import ScheduleError, ScheduleSpec, distinct_orders
 from .registry import spec as get
 from .comm_cost import CommModel, GradComm, grad_comm
-from .simulate import Costs, PaddedCosts, SimResult, simulate
+from .simulate import Costs, SimResult, simulate
 
 
 def stage_fraction(spec: ScheduleSpec, pp: int) -> float:
@@ -34,35 +33,6 @@ def parameter_copies(spec: ScheduleSpec, pp: int) -> float:
     """Stages' worth of parameters (and their gradients and optimizer state) one rank holds:
     DualPipe 2 (a stage and its partner's mirror), every other schedule 1."""
     return spec.chunks_per_rank * stage_fraction(spec, pp)
-
-
-@dataclass(frozen=True)
-class Padded:
-    """A schedule built for ``real`` micro-batches, padded with fakes where the order needs more."""
-
-    schedule: Schedule
-    real: int
-
-    @property
-    def fake_count(self) -> int:
-        return self.schedule.microbatches - self.real
-
-    def is_fake(self, a: Action) -> bool:
-        return self.schedule.spec.is_fake(self.real, a.dir, a.mb)
-
-    def costs(self, costs: Costs) -> Costs:
-        """``costs`` with the fake micro-batches free (unchanged when nothing is padded)."""
-        return PaddedCosts.wrap(costs, self.is_fake) if self.fake_count else costs
-
-
-@functools.lru_cache(maxsize=256)
-def build_padded(name: str, pp: int, real: int) -> Padded:
-    """The schedule the executor runs for ``real`` micro-batches (:class:`ScheduleError` if none)."""
-    spec = get(name)
-    problem = spec.pp_problem(pp)
-    if problem:
-        raise ScheduleError(problem)
-    return Padded(build_schedule(name, pp, spec.padded_microbatches(pp, real)), real)
 
 
 @dataclass(frozen=True)

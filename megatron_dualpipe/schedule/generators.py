@@ -14,7 +14,7 @@ from collections import deque
 from typing import List
 
 from .actions import B, BW, F, W, Action
-from .layout import BIDIRECTIONAL, Layout
+from .layout import Layout
 
 # ---------------------------------------------------------------------------------------------
 # 1F1B and ZB-H1
@@ -219,8 +219,8 @@ def _dualpipe_steps(rec: _Recorder, n: int, r: int, per_direction: int, middle: 
 
 def dualpipe_rank(layout: Layout, m: int, rank: int) -> List[Action]:
     pp = layout.pp
-    if layout.kind == BIDIRECTIONAL:
-        n, r, per_direction = pp // 2, min(rank, pp - 1 - rank), m // 2
+    if layout.mirrored:
+        n, r, per_direction = pp // 2, min(rank, layout.partner(rank)), m // 2
         rec = _Recorder(layout, rank, flip=rank >= pp // 2)
     else:
         n, r, per_direction = pp, rank, m

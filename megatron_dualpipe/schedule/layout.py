@@ -13,8 +13,10 @@ Three layouts cover the schedules we build:
   chunks*pp stages wound round the ranks ``chunks`` times, Megatron's layer placement: stage s
   on rank s % pp, in model chunk (``dir``) s // pp. Rank r holds stages r, r+pp, r+2pp, ...
 
-The dependency rule (``deps``), the simulator and the communication planner ask only this
-module where a stage is and which stage comes before or after it.
+The dependency rule (``deps``), the simulator, the communication planner and the Megatron glue
+ask only this module where a stage is (:meth:`Layout.rank_of`, :meth:`Layout.stages_on`), which
+stage comes before or after it, and whether stages have mirrored copies (:attr:`Layout.mirrored`,
+:meth:`Layout.partner`).
 """
 from __future__ import annotations
 
@@ -59,6 +61,31 @@ class Layout:
             return f"direction {d} (enters at rank {0 if d == 0 else self.pp - 1})"
         return f"direction {d}"
 
+    @property
+    def mirrored(self) -> bool:
+        """Whether every stage has two copies, one per direction (DualPipe: stage s on rank s and on
+        rank pp-1-s), whose gradients must be summed over the pair of ranks."""
+        return self.kind == BIDIRECTIONAL
+
+    def partner(self, rank: int) -> int:
+        """The rank whose stages are ``rank``'s in the other direction: pp-1-rank (DualPipe: the
+        rank holding the mirrored copies; the middle rank of an odd pipeline is its own)."""
+        return self.pp - 1 - rank
+
+    def stages_on(self, rank: int) -> Tuple[int, ...]:
+        """The stage of each direction held by ``rank``: chunk ``d`` of its model is stage
+        ``stages_on(rank)[d]`` (DualPipe (i, pp-1-i), DualPipeV (i, 2pp-1-i), 1F1B (i,))."""
+        return tuple(self.stage_on(rank, d) for d in self.directions)
+
+    def holder(self, stage: int) -> Tuple[int, int]:
+        """(rank, direction) holding ``stage`` of a layout where each stage exists once along the
+        route (unidirectional, V); DualPipe's stages have two holders: use :meth:`rank_of`."""
+        if self.mirrored:
+            raise ValueError(f"stage {stage} of a {self.kind} layout has a copy in each direction: "
+                             f"ask rank_of(direction, stage)")
+        d = 1 if self.kind == V_SHAPE and stage >= self.pp else 0
+        return self.rank_of(d, stage), d
+
     def stages(self, d: int) -> range:
         if self.kind == INTERLEAVED:
             return range(d * self.pp, (d + 1) * self.pp)
@@ -67,6 +94,7 @@ class Layout:
         return range(self.pp)
 
     def rank_of(self, d: int, stage: int) -> int:
+        """The rank that owns ``stage`` of direction ``d``."""
         if self.kind == INTERLEAVED:
             return stage % self.pp
         if self.kind == BIDIRECTIONAL and d == 1:

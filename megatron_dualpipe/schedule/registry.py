@@ -116,9 +116,14 @@ class ScheduleSpec:
         return 2 * pp if self.layout_kind == V_SHAPE else pp
 
     @property
+    def mirrored(self) -> bool:
+        """Whether every stage has two copies, one per direction (``Layout.mirrored``: DualPipe)."""
+        return self.layout_kind == BIDIRECTIONAL
+
+    @property
     def data_directions(self) -> int:
         """How many directions read micro-batches from data (DualPipe: both ends of the pipe)."""
-        return 2 if self.layout_kind == BIDIRECTIONAL else 1
+        return 2 if self.mirrored else 1
 
     # -- rules -------------------------------------------------------------------------------
     def pp_problem(self, pp: int, flag: str = "--pp") -> Optional[str]:
