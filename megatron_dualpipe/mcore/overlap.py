@@ -64,17 +64,19 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
-from typing import Iterator, List, Optional
+from typing import List, Optional
 
-from megatron.core.pipeline_parallel import combined_1f1b, schedules
+from megatron.core.pipeline_parallel import combined_1f1b
 from megatron.core.pipeline_parallel import utils as pp_utils
 
+from .. import hooks
 from ..schedule import Action
 from .direction import direction_of
 from .stage_compute import MegatronStageCompute
 from .validation import DualPipeConfigError
 
 log = logging.getLogger("megatron_dualpipe")
+_CALC_LOSS = hooks.entry("scoped", "forward_step_calc_loss")
 
 __all__ = ["COMBINED_STEP_FLAGS", "OverlappedStageCompute", "combined_step_problems", "enable_combined_step",
            "offers_combined_step"]
@@ -128,20 +130,18 @@ def enable_combined_step(config, delay_wgrad_compute: Optional[bool] = None):
     return config
 
 
-@contextlib.contextmanager
-def _loss_where(is_last_stage: bool, cp_size: int) -> Iterator[None]:
-    """Inside the combined step, ``forward_step_calc_loss`` is told where the direction ends."""
-    original = schedules.forward_step_calc_loss
+def _loss_where(is_last_stage: bool, cp_size: int):
+    """Inside the combined step, ``forward_step_calc_loss`` is told where the direction ends
+    (a ``hooks.scoped`` swap of ``schedules.forward_step_calc_loss``, looked up at call time)."""
 
-    def forward_step_calc_loss(*args, **kwargs):
-        kwargs["cp_group_size"], kwargs["is_last_stage"] = cp_size, is_last_stage
-        return original(*args, **kwargs)
+    def told(original):
+        def forward_step_calc_loss(*args, **kwargs):
+            kwargs["cp_group_size"], kwargs["is_last_stage"] = cp_size, is_last_stage
+            return original(*args, **kwargs)
 
-    schedules.forward_step_calc_loss = forward_step_calc_loss
-    try:
-        yield
-    finally:
-        schedules.forward_step_calc_loss = original
+        return forward_step_calc_loss
+
+    return hooks.scoped(_CALC_LOSS.made_by(told))
 
 
 class OverlappedStageCompute(MegatronStageCompute):

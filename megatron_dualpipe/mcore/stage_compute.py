@@ -20,6 +20,7 @@ from ..schedule import B, Action
 from ..schedule.layout import Layout
 from ..schedule.registry import ScheduleSpec
 from ..wgrad import offers_te_backward_dw, run_te_backward_dw
+from . import compat
 from .data import MicrobatchSource
 from .direction import direction_of
 from .model import unwrap_chunk
@@ -74,7 +75,7 @@ class MegatronStageCompute(StageComputeBase):
         input_tensor, output = self.saved.pop((a.dir, a.mb, a.stage))
         with contextlib.ExitStack() as stack:
             deferring = self._defer_weight_grads(a, stack)
-            input_grad = schedules.backward_step(input_tensor, output, output_grad, self.model_type, self.config)
+            input_grad = compat.backward_step(input_tensor, output, output_grad, self.model_type, self.config)
         if self.te_backward_dw[a.dir]:
             self._te_backward_dw(a.dir, (a.dir, a.mb, a.stage) if deferring else None)
         return input_grad

@@ -12,6 +12,7 @@ import torch
 from megatron.core import parallel_state
 
 from ..schedule.registry import ScheduleError, ScheduleSpec
+from . import compat
 
 
 class DualPipeConfigError(ValueError):
@@ -47,6 +48,8 @@ def check_call(spec: ScheduleSpec, *, model: Sequence[torch.nn.Module], num_micr
             f"{name} does not support num_microbatches_with_partial_activation_checkpoints (Megatron's 1F1B picks, "
             f"per micro-batch, which ones recompute, from its own window of outstanding backwards): set it to None "
             f"and recompute every micro-batch alike (recompute_granularity / recompute_num_layers)")
+    for problem in compat.refused_config_problems(config):
+        raise DualPipeConfigError(f"{name}: {problem}")
     if getattr(config, "overlap_p2p_comm", False):
         raise DualPipeConfigError(f"{name} batches its own P2P: turn off --overlap-p2p-communication")
     if isinstance(data_iterator, (list, tuple)) and len(data_iterator) != 1:

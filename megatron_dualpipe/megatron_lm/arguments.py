@@ -78,8 +78,16 @@ def add_dualpipe_arguments(parser):
     group.add_argument(
         "--dualpipe-advise",
         action="store_true",
-        help="After the first training iteration, log which schedule megatron-dualpipe advise chooses for "
-        "the stage costs and memory that iteration measured (executor schedules).",
+        help="After the warm-up (--dualpipe-advise-warmup), log which schedule megatron-dualpipe advise chooses "
+        "for the stage costs and memory the next training iterations measured (executor schedules).",
+    )
+    group.add_argument(
+        "--dualpipe-advise-warmup",
+        type=int,
+        default=None,
+        metavar="N",
+        help="Training iterations --dualpipe-advise skips before measuring (default 3: their units carry "
+        "one-time costs).",
     )
     return parser
 
@@ -175,6 +183,23 @@ def refused_option_problems(args, schedule: str) -> List[str]:
             if schedule in opt.schedules and opt.is_set(getattr(args, opt.dest, None))]
 
 
+def advise_problems(args) -> List[str]:
+    """--dualpipe-advise-warmup: not negative, and leaving measured iterations within --train-iters."""
+    from megatron_dualpipe.mcore.live_advice import DEFAULT_WARMUP, MEASURED_ITERATIONS
+
+    warmup = getattr(args, "dualpipe_advise_warmup", None)
+    if warmup is not None and warmup < 0:
+        return [f"--dualpipe-advise-warmup must be >= 0, got {warmup}"]
+    iters = getattr(args, "train_iters", None)
+    needed = (DEFAULT_WARMUP if warmup is None else warmup) + MEASURED_ITERATIONS
+    if getattr(args, "dualpipe_advise", False) and iters is not None and iters < needed:
+        fit = iters - MEASURED_ITERATIONS
+        how = f"--dualpipe-advise-warmup {fit}" if fit >= 0 else f"--train-iters {needed}"
+        return [f"--dualpipe-advise measures {MEASURED_ITERATIONS} training iterations after a warm-up of "
+                f"{needed - MEASURED_ITERATIONS}, more than --train-iters {iters}: use {how}"]
+    return []
+
+
 def dualpipe_problems(args):
     """Return a list of messages, one per violated constraint (empty if fine or 1f1b).
 
@@ -187,7 +212,7 @@ def dualpipe_problems(args):
             return [f"--dualpipe-advise measures the executor's schedules, not Megatron's own {schedule}: use "
                     f"--pipeline-schedule {registry.EXECUTOR_1F1B} (the same 1F1B order, timed) or remove it"]
         return []
-    problems = []
+    problems = advise_problems(args)
     flag = f"--pipeline-schedule {schedule}"
     pp = args.pipeline_model_parallel_size
 
@@ -317,57 +342,45 @@ def validate_dualpipe_args(args):
 # Installation into megatron.training
 # ------------------------------------------------------------------------------------------
 
-_MARK = "_megatron_dualpipe_wrapped"
+_PART = "megatron-lm arguments"  # hooks/manifest.py lists what install() patches
 
 
-def _wrap_add_megatron_arguments(orig):
+def wrap_add_megatron_arguments(orig):
+    """``add_megatron_arguments`` that also adds the DualPipe flags."""
+
     @functools.wraps(orig)
     def add_megatron_arguments(parser):
         parser = orig(parser)
         return add_dualpipe_arguments(parser)
 
-    setattr(add_megatron_arguments, _MARK, orig)
     return add_megatron_arguments
 
 
-def _wrap_validate(orig):
+def wrap_validate(orig):
+    """``validate_args`` (or ``validate_yaml``) followed by :func:`validate_dualpipe_args`."""
+
     @functools.wraps(orig)
     def validate(args, *a, **kw):
         result = orig(args, *a, **kw)
         validate_dualpipe_args(result if result is not None else args)
         return result
 
-    setattr(validate, _MARK, orig)
     return validate
 
 
 def install():
-    """Patch ``megatron.training`` so its parser knows the flags and its validation checks them.
+    """Patch ``megatron.training`` so its parser knows the flags and its validation checks them
+    (the ``megatron-lm arguments`` part of the hooks manifest).
 
     Idempotent. Must run before ``pretrain()`` (i.e. before ``initialize_megatron``).
     """
-    import megatron.training.arguments as margs
-    import megatron.training.initialize as minit
+    from .. import hooks
 
-    if not hasattr(margs.add_megatron_arguments, _MARK):
-        margs.add_megatron_arguments = _wrap_add_megatron_arguments(margs.add_megatron_arguments)
-    for mod, name in ((margs, "validate_args"), (minit, "validate_args"), (minit, "validate_yaml")):
-        fn = getattr(mod, name, None)
-        if fn is not None and not hasattr(fn, _MARK):
-            setattr(mod, name, _wrap_validate(fn))
+    hooks.install([_PART])
 
 
 def uninstall():
     """Undo :func:`install` (for tests)."""
-    import megatron.training.arguments as margs
-    import megatron.training.initialize as minit
+    from .. import hooks
 
-    for mod, name in (
-        (margs, "add_megatron_arguments"),
-        (margs, "validate_args"),
-        (minit, "validate_args"),
-        (minit, "validate_yaml"),
-    ):
-        fn = getattr(mod, name, None)
-        if fn is not None and hasattr(fn, _MARK):
-            setattr(mod, name, getattr(fn, _MARK))
+    hooks.uninstall([_PART])

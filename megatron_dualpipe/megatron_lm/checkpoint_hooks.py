@@ -47,12 +47,10 @@ vp_stage 0/1 keys, not verified here.)
 import contextlib
 import functools
 
+from .. import hooks
 from ..schedule import registry
 from . import torch_dist_mirror
 from .training_hooks import schedule_of
-
-_MARK = "_megatron_dualpipe_ckpt_hook"
-
 
 _schedule = schedule_of
 
@@ -429,10 +427,7 @@ def _one_chunk_distributed_optimizer(model, optimizer):
     return torch_dist_mirror.one_chunk_distributed_optimizer(dist, _model0_ids(model))
 
 
-def _wrap_save(orig):
-    if getattr(orig, _MARK, False):
-        return orig
-
+def wrap_save(orig):
     @functools.wraps(orig)
     def save_checkpoint(iteration, model, optimizer, *a, **kw):
         from megatron.training import get_args
@@ -454,7 +449,6 @@ def _wrap_save(orig):
             optimizer = _OneChunkOptimizerView(optimizer, _model0_ids(model))
         return orig(iteration, list(model)[:1], optimizer, *a, **kw)
 
-    setattr(save_checkpoint, _MARK, True)
     return save_checkpoint
 
 
@@ -523,30 +517,25 @@ def _check_cross_layout_optimizer(args, load_arg, optimizer, schedule, peek) -> 
     return schedule == registry.DUALPIPEV and not two_chunk_file
 
 
-@contextlib.contextmanager
 def _dualpipev_state_dict_from_one_chunk(model):
     """Within the block, the state dict Megatron's load reads from this rank's file gets
     ``model0``/``model1`` cut out of its 1F1B-layout ``model`` (collective, `dualpipev_checkpoint`)."""
-    import megatron.training.checkpointing as mckpt
-
     from . import dualpipev_checkpoint as dvc
 
-    orig = mckpt._load_base_checkpoint
     me, pp, n = _dualpipev_geometry(model)
 
-    @functools.wraps(orig)
-    def load_base(*a, **kw):
-        result = orig(*a, **kw)
-        sd = result[0]
-        if not kw.get("rank0", False) and sd is not None and "model" in sd and "model0" not in sd:
-            sd["model0"], sd["model1"] = dvc.scatter_one_chunk_state_dict(sd.pop("model"), me, pp, n)
-        return result
+    def cut(orig):
+        @functools.wraps(orig)
+        def load_base(*a, **kw):
+            result = orig(*a, **kw)
+            sd = result[0]
+            if not kw.get("rank0", False) and sd is not None and "model" in sd and "model0" not in sd:
+                sd["model0"], sd["model1"] = dvc.scatter_one_chunk_state_dict(sd.pop("model"), me, pp, n)
+            return result
 
-    mckpt._load_base_checkpoint = load_base
-    try:
-        yield
-    finally:
-        mckpt._load_base_checkpoint = orig
+        return load_base
+
+    return hooks.scoped(hooks.entry("scoped", "_load_base_checkpoint").made_by(cut))
 
 
 @contextlib.contextmanager
@@ -561,24 +550,19 @@ def _dualpipev_state_dict_with_one_chunk(model):
         yield
 
 
-@contextlib.contextmanager
 def _generated_state_dict_edited(edit):
     """Within the block, ``edit(state_dict)`` runs on every state dict Megatron's save generates."""
-    import megatron.training.checkpointing as mckpt
 
-    orig = mckpt.generate_state_dict
+    def editing(orig):
+        @functools.wraps(orig)
+        def generate(*a, **kw):
+            sd = orig(*a, **kw)
+            edit(sd)
+            return sd
 
-    @functools.wraps(orig)
-    def generate(*a, **kw):
-        sd = orig(*a, **kw)
-        edit(sd)
-        return sd
+        return generate
 
-    mckpt.generate_state_dict = generate
-    try:
-        yield
-    finally:
-        mckpt.generate_state_dict = orig
+    return hooks.scoped(hooks.entry("scoped", "generate_state_dict").made_by(editing))
 
 
 def _dualpipev_geometry(model):
@@ -592,10 +576,7 @@ def _dualpipev_geometry(model):
             unwrap_chunk(model[0]).config.num_layers // (2 * pp))
 
 
-def _wrap_load(orig):
-    if getattr(orig, _MARK, False):
-        return orig
-
+def wrap_load(orig):
     @functools.wraps(orig)
     def load_checkpoint(ddp_model, optimizer, opt_param_scheduler, load_arg="load", strict=True, **kw):
         from megatron.training import get_args
@@ -620,13 +601,4 @@ def _wrap_load(orig):
         sync_mirrors(ddp_model, optimizer)
         return result
 
-    setattr(load_checkpoint, _MARK, True)
     return load_checkpoint
-
-
-def install():
-    """Patch ``megatron.training.training``'s by-name ``save_checkpoint`` / ``load_checkpoint``."""
-    import megatron.training.training as mtraining
-
-    mtraining.save_checkpoint = _wrap_save(mtraining.save_checkpoint)
-    mtraining.load_checkpoint = _wrap_load(mtraining.load_checkpoint)

@@ -22,8 +22,12 @@ reads the stage's stored shards like any other replica. At *save* it must not ta
   the bd pair.
 """
 
-import contextlib
 import functools
+
+from .. import hooks
+
+_SHARDED_STATE_DICT = hooks.entry("per object", "DistributedOptimizer.sharded_state_dict")
+_LOAD_RESHARDABLE = hooks.entry("per object", "DistributedOptimizer.load_parameter_state_from_dp_reshardable")
 
 
 class MirrorReplicaId(tuple):
@@ -47,18 +51,22 @@ def mark_mirror_replicas(chunk) -> None:
     ``unwrap_model`` first). Idempotent."""
     from ..mcore.model import unwrap_chunk
 
+    from ..hooks.mechanism import apply
+
     chunk = unwrap_chunk(chunk)
     if getattr(chunk, "_megatron_dualpipe_mirror_replica", False):
         return
-    orig = chunk.sharded_state_dict
 
-    @functools.wraps(orig)
-    def sharded_state_dict(*a, **kw):
-        sd = orig(*a, **kw)
-        mark_non_main_replicas(sd)
-        return sd
+    def marking(orig):
+        @functools.wraps(orig)
+        def sharded_state_dict(*a, **kw):
+            sd = orig(*a, **kw)
+            mark_non_main_replicas(sd)
+            return sd
 
-    chunk.sharded_state_dict = sharded_state_dict
+        return sharded_state_dict
+
+    apply(hooks.entry("per object", "GPTModel.sharded_state_dict").made_by(marking, on=chunk))
     chunk._megatron_dualpipe_mirror_replica = True
 
 
@@ -111,24 +119,19 @@ def home_buffer_count(opt, keep_ids) -> int:
     return len(home)
 
 
-@contextlib.contextmanager
 def one_chunk_distributed_optimizer(optimizers, keep_ids):
     """Within the block, each distributed optimizer's ``sharded_state_dict`` (dp_reshardable)
     holds model[0]'s buffers only, and its ``load_parameter_state_from_dp_reshardable`` keeps the
-    mirror's buffers as they are (``sync_mirrors`` fills them after the load)."""
-    patched = []
+    mirror's buffers as they are (``sync_mirrors`` fills them after the load). Per-object
+    ``hooks.scoped`` swaps: the class is not changed."""
+    swaps = []
     for opt in optimizers:
         n_home = home_buffer_count(opt, keep_ids)
         if n_home == len(opt.buffers):
             continue
-        patched.append(opt)
-        opt.sharded_state_dict = _home_sharded_state_dict(opt, n_home)
-        opt.load_parameter_state_from_dp_reshardable = _home_load(opt, n_home)
-    try:
-        yield
-    finally:
-        for opt in patched:
-            del opt.sharded_state_dict, opt.load_parameter_state_from_dp_reshardable
+        swaps += [_SHARDED_STATE_DICT.to(_home_sharded_state_dict(opt, n_home), on=opt),
+                  _LOAD_RESHARDABLE.to(_home_load(opt, n_home), on=opt)]
+    return hooks.scoped(*swaps)
 
 
 def _home_sharded_state_dict(opt, n_home):

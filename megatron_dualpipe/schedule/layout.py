@@ -9,6 +9,9 @@ Three layouts cover the schedules we build:
 * ``v`` (DualPipeV): one micro-batch route of 2*pp stages folded into a V. Stages 0..pp-1
   (direction 0) run down the ranks, stage s on rank s; stages pp..2pp-1 (direction 1) run back
   up, stage s on rank 2*pp-1-s. The turn at rank pp-1 stays on one rank.
+* ``interleaved`` (Megatron's interleaved 1F1B, virtual pipeline size ``chunks``): one route of
+  chunks*pp stages wound round the ranks ``chunks`` times, Megatron's layer placement: stage s
+  on rank s % pp, in model chunk (``dir``) s // pp. Rank r holds stages r, r+pp, r+2pp, ...
 
 The dependency rule (``deps``), the simulator, the communication planner and the Megatron glue
 ask only this module where a stage is (:meth:`Layout.rank_of`, :meth:`Layout.stages_on`), which
@@ -23,6 +26,7 @@ from typing import Optional, Tuple
 UNIDIRECTIONAL = "unidirectional"
 BIDIRECTIONAL = "bidirectional"
 V_SHAPE = "v"
+INTERLEAVED = "interleaved"
 
 Hop = Tuple[int, int]  # (dir, stage)
 
@@ -31,18 +35,24 @@ Hop = Tuple[int, int]  # (dir, stage)
 class Layout:
     kind: str
     pp: int
+    #: Model chunks per rank of the interleaved layout (Megatron's virtual pipeline size).
+    chunks: int = 1
 
     @property
     def directions(self) -> Tuple[int, ...]:
+        if self.kind == INTERLEAVED:
+            return tuple(range(self.chunks))
         return (0, 1) if self.kind != UNIDIRECTIONAL else (0,)
 
     @property
     def dir_word(self) -> str:
-        """What ``Action.dir`` names in this layout: a direction, or (DualPipeV) a model chunk."""
-        return "chunk" if self.kind == V_SHAPE else "direction"
+        """What ``Action.dir`` names in this layout: a direction, or (DualPipeV, interleaved) a model chunk."""
+        return "chunk" if self.kind in (V_SHAPE, INTERLEAVED) else "direction"
 
     def dir_label(self, d: int) -> str:
         """The one name of ``dir`` value ``d``, used by every text and picture."""
+        if self.kind == INTERLEAVED:
+            return f"chunk {d} (stages {d * self.pp}-{(d + 1) * self.pp - 1})"
         if self.kind == V_SHAPE:
             first = self.stages(d)
             way = "down the ranks" if d == 0 else "back up"
@@ -77,12 +87,16 @@ class Layout:
         return self.rank_of(d, stage), d
 
     def stages(self, d: int) -> range:
+        if self.kind == INTERLEAVED:
+            return range(d * self.pp, (d + 1) * self.pp)
         if self.kind == V_SHAPE and d == 1:
             return range(self.pp, 2 * self.pp)
         return range(self.pp)
 
     def rank_of(self, d: int, stage: int) -> int:
         """The rank that owns ``stage`` of direction ``d``."""
+        if self.kind == INTERLEAVED:
+            return stage % self.pp
         if self.kind == BIDIRECTIONAL and d == 1:
             return self.pp - 1 - stage
         if self.kind == V_SHAPE and d == 1:
@@ -91,10 +105,19 @@ class Layout:
 
     def stage_on(self, rank: int, d: int) -> int:
         """The stage of direction ``d`` held by ``rank``."""
-        return self.rank_of(d, rank)  # each layout's map is its own inverse
+        if self.kind == INTERLEAVED:
+            return d * self.pp + rank
+        if self.kind == BIDIRECTIONAL and d == 1:
+            return self.pp - 1 - rank
+        if self.kind == V_SHAPE and d == 1:
+            return 2 * self.pp - 1 - rank
+        return rank
 
     def next_hop(self, d: int, stage: int) -> Optional[Hop]:
         """The stage after (d, stage) on the micro-batch's route, or None at the loss."""
+        if self.kind == INTERLEAVED:
+            nxt = stage + 1
+            return (nxt // self.pp, nxt) if nxt < self.chunks * self.pp else None
         if self.kind == V_SHAPE:
             if d == 0:
                 return (0, stage + 1) if stage + 1 < self.pp else (1, self.pp)
@@ -103,6 +126,8 @@ class Layout:
 
     def prev_hop(self, d: int, stage: int) -> Optional[Hop]:
         """The stage before (d, stage), or None where the micro-batch is read from data."""
+        if self.kind == INTERLEAVED:
+            return ((stage - 1) // self.pp, stage - 1) if stage > 0 else None
         if self.kind == V_SHAPE:
             if d == 1:
                 return (1, stage - 1) if stage > self.pp else (0, self.pp - 1)

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 from .actions import Action
-from .registry import Schedule, ScheduleError, build_schedule, get
+from .registry import Schedule, ScheduleError, build_schedule
+from .registry import spec as get
 from .simulate import Costs, PaddedCosts
 
 
