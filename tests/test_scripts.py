@@ -228,3 +228,17 @@ def test_without_torchrun_on_path_the_python_that_has_torch_runs_it(tmp_path):
     print(f"\n{' '.join(argv[:3])}")
     assert argv[1:3] == ["-m", "torch.distributed.run"]
     assert argv[0] in (str(ROOT / ".venv" / "bin" / "python"), str(shim / "python3"))
+
+
+def test_gpu_extra_pins_transformer_engine_as_megatron_core_asks():
+    """setup.py's [gpu] extra takes the transformer-engine range of the megatron-core it pins
+    (Megatron-LM core_v0.16.1's pyproject.toml: < 2.12)."""
+    megatron = os.environ.get("MEGATRON_LM_PATH")
+    pyproject = pathlib.Path(megatron or "/nonexistent") / "pyproject.toml"
+    if not pyproject.is_file():
+        pytest.skip("MEGATRON_LM_PATH with pyproject.toml not set")
+    theirs = re.search(r'"transformer-engine\[[^\]]*\]([^"]+)"', pyproject.read_text()).group(1)
+    ours = re.search(r'"gpu": \["transformer-engine\[pytorch\]([^"]+)"\]', (ROOT / "setup.py").read_text()).group(1)
+    print(f"\nMegatron-LM asks {theirs}; setup.py [gpu] pins {ours}")
+    upper = lambda spec: re.search(r"<\s*([\d.]+)", spec).group(1).rstrip(".0")  # noqa: E731
+    assert upper(ours) == upper(theirs)
