@@ -74,7 +74,8 @@ def main(argv=None):
     script = os.path.abspath(argv[0])
     problem = preflight(script)
     found = [problem] if problem else []
-    if os.path.isfile(script):
+    wants_help = any(a in ("-h", "--help") for a in argv[1:])
+    if os.path.isfile(script) and (check or not problem) and not wants_help:
         found += argument_problems(script, argv[1:], check)
     for line in found:
         print(f"megatron_dualpipe.launch: error: {line}", file=sys.stderr)
