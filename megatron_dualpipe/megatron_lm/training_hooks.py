@@ -201,10 +201,6 @@ def wrap_get_model(orig):
         schedule = schedule_of(args)
         if registry.get(schedule).chunks_per_rank != 2:
             return orig(model_provider_func, model_type, wrap_with_ddp, config=config, pg_collection=pg_collection)
-        if getattr(args, "init_model_with_meta_device", False):
-            raise NotImplementedError(
-                f"--pipeline-schedule {schedule}: --init-model-with-meta-device is not supported (the mirrored "
-                "copies are broadcast right after construction); remove it")
         from ..mcore import groups
 
         if not groups.bd_groups_initialized():
