@@ -82,6 +82,11 @@ def add_dualpipe_arguments(parser):
     return parser
 
 
+def schedule_of(args) -> str:
+    """The ``--pipeline-schedule`` of ``args`` (the registry's default when it has none)."""
+    return getattr(args, "pipeline_schedule", None) or registry.DEFAULT
+
+
 def num_microbatches(args) -> int:
     """Micro-batches per global batch and data-parallel rank, as Megatron computes it."""
     dp = getattr(args, "data_parallel_size", None) or 1
