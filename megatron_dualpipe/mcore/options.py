@@ -133,9 +133,11 @@ _VP_FLAGS = "--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-
 REFUSED: Tuple[Refused, ...] = (
     # The pipeline's structure.
     Refused(_VP_FLAGS, "the schedule places its own chunks on every rank; a virtual pipeline would add more",
-            schedules=EXECUTOR, read=lambda source, side: _virtual_pipeline(source, side), fix=f"remove {_VP_FLAGS} or use --pipeline-schedule "
+            schedules=EXECUTOR, read=lambda source, side: _virtual_pipeline(source, side),
+            fix=f"remove {_VP_FLAGS} or use --pipeline-schedule "
             f"{registry.DEFAULT}", test="A `dualpipe_virtual_pipeline`; E `virtual_pipeline`"),
-    Refused("--pipeline-model-parallel-layout", "the stages must be an even split", arg="pipeline_model_parallel_layout",
+    Refused("--pipeline-model-parallel-layout", "the stages must be an even split",
+            arg="pipeline_model_parallel_layout",
             is_set=lambda v: v is not None),
     Refused("--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers",
             "the stages must be an even split", read=_either("decoder_first_pipeline_num_layers",
@@ -150,7 +152,8 @@ REFUSED: Tuple[Refused, ...] = (
             "turns it off itself without a virtual pipeline, which is refused)", test="E `overlap_p2p_comm`"),
     Refused("variable_seq_lengths", "micro-batches of different shapes; every micro-batch must be seq_length x "
             "micro_batch_size", config="variable_seq_lengths", schedules=EXECUTOR,
-            fix="turn off variable_seq_lengths (Megatron-LM's validate_args always does)", test="E `variable_seq_lengths`"),
+            fix="turn off variable_seq_lengths (Megatron-LM's validate_args always does)",
+            test="E `variable_seq_lengths`"),
     Refused("num_microbatches_with_partial_activation_checkpoints",
             "Megatron's 1F1B picks, per micro-batch, which ones recompute, from its own window of outstanding "
             "backwards", config="num_microbatches_with_partial_activation_checkpoints", schedules=EXECUTOR,
@@ -257,8 +260,8 @@ HANDLED: Tuple[Handled, ...] = (
             'equal on CPU',
             'D `test_dualpipe_zb_h1_executor_1f1b_and_megatron_1f1b_losses_equal`'),
     Handled('`--overlap-moe-expert-parallel-comm` (and `--delay-wgrad-compute`) with `dualpipe`, `dualpipev`',
-            "accepted: fused F&B units through megatron-core's combined step (`mcore/overlap.py`); its requirements "
-            "are refused below",
+            "accepted: fused F&B units through megatron-core's combined step (`mcore/overlap.py`); its "
+            'requirements are refused below',
             '`tests/test_megatron_lm_overlap.py`; `tests/test_overlap.py`'),
     Handled('`--no-dualpipe-zero-bubble`',
             'equal on CPU',
@@ -296,8 +299,11 @@ HANDLED: Tuple[Handled, ...] = (
     Handled('`--expert-model-parallel-size 2` (alltoall dispatcher, pp=2, 4 ranks)',
             'equal on CPU (lm loss, aux losses, grad norm, params norm; max difference 0)',
             'O `MoE EP2 x pp=2, ...` (both)'),
-    Handled('`--moe-router-enable-expert-bias` (aux loss, and aux-loss-free `--moe-router-load-balancing-type none`)',
-            "equal on CPU, pp=4 and EP2 x pp=2 (token counts summed over the bd pair; without it lm loss differs by 1.3e-3 at iteration 2); with EP2 every copy of every router's `expert_bias` (2 directions x 2 expert ranks) equals 1f1b's after each iteration",
+    Handled('`--moe-router-enable-expert-bias` (aux loss, and aux-loss-free `--moe-router-load-balancing-type '
+            'none`)',
+            'equal on CPU, pp=4 and EP2 x pp=2 (token counts summed over the bd pair; without it lm loss '
+            "differs by 1.3e-3 at iteration 2); with EP2 every copy of every router's `expert_bias` (2 "
+            "directions x 2 expert ranks) equals 1f1b's after each iteration",
             'D; O `MoE EP2 x pp=2, aux-loss-free ...`'),
     Handled('`--moe-per-layer-logging`',
             'the summed aux losses are equal on CPU; per-layer values go to tensorboard only',
@@ -307,8 +313,10 @@ HANDLED: Tuple[Handled, ...] = (
             'D `test_evaluation_losses_equal`'),
     Handled('`--ckpt-format torch` save / `--load` across 1f1b and dualpipe, `--no-load-optim`',
             'equal on CPU',
-            'D `test_torch_checkpoint_switches_schedules`, `test_resume_without_optimizer_state_and_dualpipev_across_1f1b`'),
-    Handled('`dualpipev` loads a 1f1b torch checkpoint (layers remapped to its V-stages), 1f1b loads a dualpipev one',
+            'D `test_torch_checkpoint_switches_schedules`, '
+            '`test_resume_without_optimizer_state_and_dualpipev_across_1f1b`'),
+    Handled('`dualpipev` loads a 1f1b torch checkpoint (layers remapped to its V-stages), 1f1b loads a '
+            'dualpipev one',
             'equal on CPU (weights; optimizer state across the layouts is refused: `--no-load-optim`)',
             'D `test_resume_without_optimizer_state_and_dualpipev_across_1f1b`'),
     Handled('`--moe-router-load-balancing-type global_aux_loss` with `dualpipev`',
@@ -316,42 +324,72 @@ HANDLED: Tuple[Handled, ...] = (
             'A `global_aux_loss_dualpipev_ok`'),
     Handled('`--use-distributed-optimizer` (dp=2), with `--overlap-grad-reduce --overlap-param-gather`',
             'equal on CPU (lm loss and grad norm, 4 iterations, pp=2 x dp=2)',
-            'C `test_distributed_optimizer_dualpipe_overlap_and_torch_format_across_schedules`; O `test_distributed_optimizer` (empty `--load`, `--no-load-optim`)'),
+            'C `test_distributed_optimizer_dualpipe_overlap_and_torch_format_across_schedules`; O '
+            '`test_distributed_optimizer` (empty `--load`, `--no-load-optim`)'),
     Handled('`dualpipev` with `--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather` (dp=2)',
-            "equal on CPU to dualpipev dp=1 (its own initialisation); the chunks' reduce-scatters start during the schedule (they were reduced twice before: lm loss 2.6e-4 off)",
+            "equal on CPU to dualpipev dp=1 (its own initialisation); the chunks' reduce-scatters start during "
+            'the schedule (they were reduced twice before: lm loss 2.6e-4 off)',
             'C `test_dualpipev_distributed_optimizer_overlap_equals_dualpipev_alone`'),
-    Handled('`--use-distributed-optimizer` with `--ckpt-format torch`, optimizer state across schedules (dualpipe -> 1f1b -> dualpipe, dp=2)',
-            "equal on CPU: the resumed curve is the uninterrupted one (`distrib_optim.pt` holds model[0]'s buffers as 1f1b lays it out; Megatron's own 1f1b needed three CPU-mode fixes to load it)",
+    Handled('`--use-distributed-optimizer` with `--ckpt-format torch`, optimizer state across schedules '
+            '(dualpipe -> 1f1b -> dualpipe, dp=2)',
+            "equal on CPU: the resumed curve is the uninterrupted one (`distrib_optim.pt` holds model[0]'s "
+            "buffers as 1f1b lays it out; Megatron's own 1f1b needed three CPU-mode fixes to load it)",
             'C `test_distributed_optimizer_dualpipe_overlap_and_torch_format_across_schedules`'),
-    Handled('`--ckpt-format torch_dist` with `--use-distributed-optimizer` (dp_reshardable), optimizer state across schedules (1f1b -> dualpipe -> 1f1b, dp=2)',
-            "equal on CPU; a dualpipe checkpoint has exactly 1f1b's keys (the mirror and its grad buffers are not written; loads sync them from the partner). A bucket layout that differs from 1f1b's (1f1b `--overlap-grad-reduce` with chunks > 40M parameters) is refused at load naming `--dist-ckpt-optim-fully-reshardable` / `--no-load-optim` (with `--dist-ckpt-optim-fully-reshardable`: equal on CPU by hand, both directions)",
-            'C `test_distributed_optimizer_trains_and_resumes_across_schedules`; the refusal: `tests/test_torch_dist_mirror.py`'),
-    Handled('`--ckpt-format torch_dist` without the distributed optimizer (1f1b dp=1 -> dualpipe dp=2 -> 1f1b dp=2)',
-            "equal on CPU (same keys as 1f1b's; the dp=2 save failed before: the fully parallel save made the mirror's tied output weight a main replica)",
+    Handled('`--ckpt-format torch_dist` with `--use-distributed-optimizer` (dp_reshardable), optimizer state '
+            'across schedules (1f1b -> dualpipe -> 1f1b, dp=2)',
+            "equal on CPU; a dualpipe checkpoint has exactly 1f1b's keys (the mirror and its grad buffers are "
+            "not written; loads sync them from the partner). A bucket layout that differs from 1f1b's (1f1b "
+            '`--overlap-grad-reduce` with chunks > 40M parameters) is refused at load naming '
+            '`--dist-ckpt-optim-fully-reshardable` / `--no-load-optim` (with '
+            '`--dist-ckpt-optim-fully-reshardable`: equal on CPU by hand, both directions)',
+            'C `test_distributed_optimizer_trains_and_resumes_across_schedules`; the refusal: '
+            '`tests/test_torch_dist_mirror.py`'),
+    Handled('`--ckpt-format torch_dist` without the distributed optimizer (1f1b dp=1 -> dualpipe dp=2 -> 1f1b '
+            'dp=2)',
+            "equal on CPU (same keys as 1f1b's; the dp=2 save failed before: the fully parallel save made the "
+            "mirror's tied output weight a main replica)",
             'C `test_torch_dist_without_distributed_optimizer_dp2_across_schedules`'),
     Handled('`--defer-embedding-wgrad-compute`, `--wgrad-deferral-limit`',
-            "GPU, not verified: Megatron's drain (`finish_embedding_wgrad_compute`) runs per chunk before its bd sum; it needs APEX's fused wgrad kernel (`--gradient-accumulation-fusion`)",
+            "GPU, not verified: Megatron's drain (`finish_embedding_wgrad_compute`) runs per chunk before its "
+            "bd sum; it needs APEX's fused wgrad kernel (`--gradient-accumulation-fusion`)",
             '—'),
-    Handled("`--transformer-impl transformer_engine` (zero bubble through TE's `delay_wgrad_compute` / `backward_dw`)",
+    Handled("`--transformer-impl transformer_engine` (zero bubble through TE's `delay_wgrad_compute` / "
+            '`backward_dw`)',
             'GPU, not verified',
             'M (a fake TE layer)'),
     Handled('`--moe-grouped-gemm`',
-            "cannot run on CPU: Megatron's own `validate_args` calls `torch.cuda.get_device_capability()` (needs >= 8) and stops with `Torch not compiled with CUDA enabled` under 1f1b, dualpipe and dualpipev alike; its `GroupedMLP` needs the CUDA-only `grouped_gemm` package (TE's `TEGroupedMLP`: GPU). On a GPU the legacy `GroupedMLP`'s weight GEMMs are not deferred by zero bubble (`wgrad.find_undeferred_weights` reports it)",
+            "cannot run on CPU: Megatron's own `validate_args` calls `torch.cuda.get_device_capability()` "
+            '(needs >= 8) and stops with `Torch not compiled with CUDA enabled` under 1f1b, dualpipe and '
+            "dualpipev alike; its `GroupedMLP` needs the CUDA-only `grouped_gemm` package (TE's `TEGroupedMLP`:"
+            " GPU). On a GPU the legacy `GroupedMLP`'s weight GEMMs are not deferred by zero bubble "
+            '(`wgrad.find_undeferred_weights` reports it)',
             'A `test_fails_as_under_1f1b`'),
-    Handled('`--tp-comm-overlap`, `--context-parallel-size` > 1, `--moe-shared-expert-overlap`, `--fp8-format` / `--fp8-param-gather` / `--first-last-layers-bf16`, `--log-max-attention-logit`, `--use-precision-aware-optimizer`, `--optimizer-cpu-offload`',
+    Handled('`--tp-comm-overlap`, `--context-parallel-size` > 1, `--moe-shared-expert-overlap`, `--fp8-format` '
+            '/ `--fp8-param-gather` / `--first-last-layers-bf16`, `--log-max-attention-logit`, '
+            '`--use-precision-aware-optimizer`, `--optimizer-cpu-offload`',
             'GPU, not verified (Transformer Engine / CUDA kernels)',
             '—'),
     Handled('`--bf16`',
             'equal on CPU (lm loss and grad norm bitwise equal to 1f1b `--bf16`)',
             'C `test_bf16`'),
     Handled('`--fp16` (dynamic loss scaling), `--tensor-model-parallel-size 2 --sequence-parallel`',
-            'equal on CPU (tested together: same loss scale and skipped iterations; lm loss within 1.9e-5 = 3.5e-6 relative, fp16 gradients summed in another order)',
+            'equal on CPU (tested together: same loss scale and skipped iterations; lm loss within 1.9e-5 = '
+            '3.5e-6 relative, fp16 gradients summed in another order)',
             'C `test_fp16_with_loss_scaling_tp2_sequence_parallel`'),
     Handled('`--check-for-nan-in-loss-and-grad` (default on; the rerun state machine)',
-            'a NaN in the loss of one micro-batch (direction 1, so on rank 0) is caught in the same iteration with the same messages as under 1f1b; the step rerun, the job saved and stopped',
+            'a NaN in the loss of one micro-batch (direction 1, so on rank 0) is caught in the same iteration '
+            'with the same messages as under 1f1b; the step rerun, the job saved and stopped',
             'O `test_nan_in_one_microbatch_is_caught_as_under_1f1b`'),
     Handled('a rank SIGKILLed mid-iteration under `torchrun --max-restarts 1`, `--save-interval`, `--load`',
-            "its pipeline neighbours stop with `P2PTimeoutError` naming it (0.1-0.2 s after the kill: gloo sees the closed connection; the `--dualpipe-p2p-timeout` deadline covers a peer that hangs instead), the others name the neighbour that stopped (torchrun itself SIGTERMs the survivors as soon as its monitor sees the dead worker, often before they print; the test has them ignore it to check what they do on their own); the restart resumes from the last checkpoint and continues the uninterrupted loss curve exactly. torchrun's restart with gloo needs `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` (with torchrun's shared store the restarted workers read the previous attempt's addresses: `Gloo connectFullMesh failed`, pytorch/pytorch#135712; not DualPipe-specific)",
+            'its pipeline neighbours stop with `P2PTimeoutError` naming it (0.1-0.2 s after the kill: gloo sees'
+            ' the closed connection; the `--dualpipe-p2p-timeout` deadline covers a peer that hangs instead), '
+            'the others name the neighbour that stopped (torchrun itself SIGTERMs the survivors as soon as its '
+            'monitor sees the dead worker, often before they print; the test has them ignore it to check what '
+            'they do on their own); the restart resumes from the last checkpoint and continues the '
+            "uninterrupted loss curve exactly. torchrun's restart with gloo needs "
+            "`TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` (with torchrun's shared store the restarted workers read "
+            "the previous attempt's addresses: `Gloo connectFullMesh failed`, pytorch/pytorch#135712; not "
+            'DualPipe-specific)',
             'O `test_rank_killed_mid_iteration_restarts_and_continues_the_curve`'),
     Handled('`--save-wgrads-interval`',
             'not verified (saves `model_chunk1`, the mirror, equal to its home copy after the bd sum)',
