@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Dict, Tuple
 
-from .mechanism import INSTANCE, SCOPED, Patch
+from .mechanism import INSTANCE, SCOPED, Patch, Versions
 
 _ARGS = "megatron.training.arguments"
 _INIT = "megatron.training.initialize"
@@ -66,6 +66,13 @@ DATASET_HELPER = (
     Patch("megatron.core.datasets.utils", "compile_helpers", _LM + "dataset_helpers:replace_compile_helpers",
           "builds Megatron's dataset C++ helper with the running interpreter's headers and pybind11 "
           "(Megatron's Makefile asks python3-config, which may be another Python)"),
+)
+
+PYTHON = (
+    Patch("typing", "override", _LM + "python_compat:typing_override",
+          "Megatron-LM core_v0.19.0's megatron/training/models/{gpt,hybrid}.py import typing.override (Python "
+          "3.12); on an older Python it is typing_extensions.override, as megatron-core itself uses",
+          versions=Versions("0.19"), only_if_missing=True),
 )
 
 # --- installed: megatron-core ------------------------------------------------------------------
@@ -128,6 +135,7 @@ INSTANCE_PATCHES = (
 
 #: part -> its entries. The installed parts in the order they are installed.
 PARTS: Dict[str, Tuple[Patch, ...]] = {
+    "python": PYTHON,
     "megatron-lm arguments": ARGUMENTS,
     "megatron-lm training": TRAINING,
     "megatron-lm dataset helper": DATASET_HELPER,
@@ -137,9 +145,9 @@ PARTS: Dict[str, Tuple[Patch, ...]] = {
 }
 
 #: The parts that ``hooks.install`` applies as a set.
-INSTALLED_PARTS = ("megatron-lm arguments", "megatron-lm training", "megatron-lm dataset helper", "zero bubble")
+INSTALLED_PARTS = ("python", "megatron-lm arguments", "megatron-lm training", "megatron-lm dataset helper", "zero bubble")
 #: What ``megatron_lm.install.install()`` installs.
-MEGATRON_LM_PARTS = ("megatron-lm arguments", "megatron-lm training", "megatron-lm dataset helper")
+MEGATRON_LM_PARTS = ("python", "megatron-lm arguments", "megatron-lm training", "megatron-lm dataset helper")
 
 
 def entry(part: str, attribute: str) -> Patch:
