@@ -108,9 +108,9 @@ REDIRECTIONS = (
                "report_memory, calc_params_l2_norm", _UNTIL_019),
     torch_view(_DIST_UTILS, "the model build moved here in 0.19 (pretrain_gpt.py builds through a config "
                "container): model_module.cuda(current_device()) and the DDP-init side stream in _ddp_wrap", _SINCE_019),
-    wrap(_DIST_UTILS, "prepare_existing_model_chunks_for_distributed_training", scoped_cuda_identity,
-         "model_module.cuda(...) (0.19's get_model): Tensor.cuda / Module.cuda are the identity during this call only",
-         _SINCE_019),
+    wrap("megatron.training.models.gpt", "unimodal_build_distributed_models", scoped_cuda_identity,
+         "model_module.cuda(...) (0.19's get_model, called by name from GPTModelBuilder): Tensor.cuda / "
+         "Module.cuda are the identity during this call only", _SINCE_019),
     wrap("megatron.training", "pretrain", _forward_step_without_cuda,
          "core_v0.19.0's pretrain_gpt.get_batch moves the batch with batch[key].cuda(non_blocking=True) itself: "
          "its forward_step runs with Tensor.cuda the identity (the name pretrain_gpt.py imports; the launcher "
