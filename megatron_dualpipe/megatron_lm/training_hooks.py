@@ -126,7 +126,9 @@ def _two_chunk_provider(model_provider_func, schedule, model_type, config, built
     return provider
 
 
-PARAMETER_COUNT_PREFIX = " > number of parameters on (tensor, pipeline) model parallel rank"
+#: Megatron's parameter-count line starts so: "(tensor, pipeline) model parallel rank" at
+#: core_v0.16.1, "(tensor, gtp_remat, pipeline) model parallel rank" at core_v0.19.0.
+PARAMETER_COUNT_PREFIX = " > number of parameters on (tensor, "
 
 
 def parameter_count_line(line: str, chunks) -> str:
