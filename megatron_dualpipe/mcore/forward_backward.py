@@ -33,6 +33,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import math
 import weakref
 from typing import Any, Callable, List, Optional
 
@@ -157,7 +158,8 @@ class ExecutorSchedule:
             if advice is not None:
                 advice.report(spec_name=self.spec.name, pp=len(it.global_ranks), microbatches=num_microbatches,
                               model=model, group=it.group, actions=it.program.actions[it.rank],
-                              is_fake=it.program.padded.is_fake, device=it.tensor_spec.device)
+                              is_fake=it.program.padded.is_fake, device=it.tensor_spec.device,
+                              message_bytes=math.prod(it.tensor_spec.shape) * it.tensor_spec.dtype.itemsize)
             self._report_deferral(compute.audit, it.rank)
             losses = gather_losses_on_last_rank(compute.loss_store, it.program.schedule.layout, it.rank,
                                                 it.global_ranks, it.group, it.tensor_spec.device)
