@@ -15,7 +15,7 @@ that adds its arguments, a ``run(args) -> int`` function, and one :func:`registe
 Every bad argument ends with one line on stderr, ``megatron-dualpipe: error: ...``, and exit
 status 2: raise :class:`CliError` (or ``ScheduleError`` / ``ValueError``) from ``run``. Ctrl-C
 (130), a closed pipe (141, silent), an ``OSError`` such as a permission error (1) and an
-``OverflowError`` (2) end in one line too; ``tests/test_no_traceback.py`` runs every registered
+``OverflowError`` (2) end in one line too; ``tests/cli/test_no_traceback.py`` runs every registered
 command with bad input.
 """
 from __future__ import annotations

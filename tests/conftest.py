@@ -22,6 +22,7 @@ folder, whatever pytest's import mode.
 """
 import os
 import sys
+import warnings
 
 import pytest
 
@@ -51,11 +52,16 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
+    astray = set()
     for item in items:
         rel = os.path.relpath(str(item.path), _HERE).split(os.sep)
         layer = rel[0] if len(rel) > 1 and rel[0] in LAYERS else None
         if layer is None:
+            astray.add(os.path.join(*rel))
             continue
         item.add_marker(getattr(pytest.mark, layer))
         if layer in SLOW:
             item.add_marker(pytest.mark.slow)
+    for path in sorted(astray):  # no layer marker: `-m LAYER` misses it
+        warnings.warn(pytest.PytestWarning(f"tests/{path} is in no layer folder: move it to one of "
+                                           f"tests/{{{','.join(LAYERS)}}} (tests/conftest.py)"))
