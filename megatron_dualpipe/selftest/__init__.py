@@ -43,8 +43,8 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="seconds any point-to-point wait may take (default 60; 20 with --quick)")
     g = p.add_argument_group("your model, for the speed stage's matrix-multiply stages (GPU)")
     g.add_argument("--model-hidden", type=int, default=4096, help="hidden size (default 4096)")
-    g.add_argument("--model-seq", type=int, default=4096, help="tokens per micro-batch (default 4096)")
-    g.add_argument("--model-layers-per-stage", type=int, default=4, help="transformer layers per stage (default 4)")
+    g.add_argument("--model-seq", type=int, default=2048, help="tokens per micro-batch (default 2048)")
+    g.add_argument("--model-layers-per-stage", type=int, default=2, help="transformer layers per stage (default 2)")
 
 
 def _config(args):
