@@ -57,8 +57,10 @@ class ModelSpec:
 def config_of(spec: ModelSpec, *, full: bool = False, combined: bool = False):
     """The ``TransformerConfig`` (``full``: of the pp=1 model; ``combined``: with the combined step
     on if the spec asks for it: only the executor's schedules run it)."""
+    # On a GPU the parameters are made on the device (as Megatron does): the chunks' constructors
+    # and the mirror broadcast then run on NCCL with CUDA tensors.
     overrides = dict(params_dtype=spec.torch_dtype, pipeline_dtype=spec.torch_dtype,
-                     bf16=spec.dtype == "bf16")
+                     bf16=spec.dtype == "bf16", use_cpu_initialization=not torch.cuda.is_available())
     if full:
         overrides["pipeline_model_parallel_size"] = 1
     if spec.fp8:
