@@ -178,14 +178,18 @@ def resolve_data(args) -> PreparedData:
 
 
 def draw_schedule(args) -> Optional[str]:
-    """The simulated timeline of the schedule the workers run (unit costs); its path."""
+    """The simulated timeline of the schedule the workers run (unit costs), and the same schedule
+    above megatron-core's 1F1B at the same scale (:func:`report.write_schedule_comparison`); the
+    first one's path."""
     from .draw import to_png
+    from .report import write_schedule_comparison
     from .schedule.simulate import Costs, simulate
 
     m = registry.get(args.schedule).padded_microbatches(args.nproc, args.microbatches)
     schedule = registry.build_schedule(args.schedule, args.nproc, m)
     path = os.path.join(args.out, f"{args.schedule}_pp{args.nproc}_m{m}.png")
     to_png(schedule, simulate(schedule.layout, schedule.ranks, Costs()), path)
+    write_schedule_comparison(args.out, args.schedule, args.nproc, args.microbatches)
     return path
 
 
@@ -439,7 +443,7 @@ def _recording(directory: Optional[str]):
 
 def write_reports(args, data: PreparedData, pp: int, device: str, dual, one) -> None:
     """loss.png and summary.md in ``args.out`` (last rank)."""
-    from .report import summary_markdown, write_loss_png
+    from .report import compare_file, simulated_pair, summary_markdown, write_loss_png
 
     title = (f"{dual.name} vs 1f1b, pp={pp}, {args.num_layers} layers, hidden {args.hidden_size}, "
              f"{args.microbatches}x{args.micro_batch_size}x{args.seq_length} tokens per iteration")
@@ -458,8 +462,11 @@ def write_reports(args, data: PreparedData, pp: int, device: str, dual, one) -> 
     picture = f"{args.schedule}_pp{pp}_m"
     pictures = ["loss.png"] + [f for f in ("timeline.png",) if os.path.isfile(os.path.join(args.out, f))]
     pictures += sorted(f for f in os.listdir(args.out) if f.startswith(picture) and f.endswith(".png"))
+    compared = compare_file(args.schedule, pp, args.microbatches)
+    pictures += [compared] if os.path.isfile(os.path.join(args.out, compared)) else []
+    _, makespans = simulated_pair(args.schedule, pp, args.microbatches)
     with open(os.path.join(args.out, "summary.md"), "w", encoding="utf-8") as fh:
-        fh.write(summary_markdown(dual, one, settings, data_lines, pictures))
+        fh.write(summary_markdown(dual, one, settings, data_lines, pictures, makespans))
 
 
 def worker(args) -> int:
@@ -484,7 +491,8 @@ def worker(args) -> int:
     from megatron_dualpipe.mcore.forward_backward import get_forward_backward_func
     from megatron_dualpipe.mcore.groups import build_bd_groups
     from megatron_dualpipe.mcore.model import broadcast_mirrors, build_two_direction_model
-    from megatron_dualpipe.report import loss_table, max_difference, validation_lines, write_measured_timeline
+    from megatron_dualpipe.report import comparison_lines, loss_table, max_difference, simulated_pair, validation_lines
+    from megatron_dualpipe.report import write_measured_timeline
 
     args.nproc = world
     last = rank == world - 1
@@ -541,6 +549,8 @@ def worker(args) -> int:
                 print(line)
             print(f" training time: {dual.name} {dual.seconds:.1f} s ({dual.tokens_per_second:,.0f} tokens/s), "
                   f"1f1b {one.seconds:.1f} s ({one.tokens_per_second:,.0f} tokens/s)", flush=True)
+            for line in comparison_lines(simulated_pair(args.schedule, world, args.microbatches)[1]):
+                print(line, flush=True)
             write_reports(args, data, world, device, dual, one)
     ps.destroy_model_parallel()
     dist.destroy_process_group()

@@ -61,3 +61,34 @@ def refused_config_problems(config) -> List[str]:
     """Messages for the :data:`REFUSED_CONFIG` fields that are on in ``config``."""
     return [f"{flag} is not supported by the executor schedules ({why}); remove it"
             for field, is_on, flag, why in REFUSED_CONFIG if is_on(getattr(config, field, None))]
+
+
+def transformer_layer_node_class():
+    """The schedule node class of one transformer layer's sub-module in the combined step (its
+    ``backward_dw`` runs a layer's deferred weight gradients): ``models.gpt.fine_grained_callables.
+    TransformerLayerNode`` at 0.16.x, moved to the model-agnostic ``models.common.utils`` in 0.19."""
+    from megatron.core.models.gpt import fine_grained_callables
+
+    found = getattr(fine_grained_callables, "TransformerLayerNode", None)
+    if found is None:
+        from megatron.core.models.common import utils
+
+        found = utils.TransformerLayerNode
+    return found
+
+
+#: The nodes of one layer's schedule plan (``TransformerLayerSchedulePlan``), under the names
+#: this project uses -> the attribute at 0.16.x and at 0.19: the attention node, ``attn``,
+#: became ``pre_dispatch_computation`` (attention -> layernorm -> router -> dispatch preprocess).
+LAYER_PLAN_NODES = {"attn": ("attn", "pre_dispatch_computation"), "moe_dispatch": ("moe_dispatch",),
+                    "mlp": ("mlp",), "moe_combine": ("moe_combine",), "mtp_post_process": ("mtp_post_process",)}
+
+
+def layer_plan_nodes(layer_plan) -> dict:
+    """``{name: node}`` of :data:`LAYER_PLAN_NODES` for one layer's schedule plan (a node the layer
+    does not have, e.g. the MoE ones of a dense layer, is None)."""
+    nodes = {}
+    for name, attributes in LAYER_PLAN_NODES.items():
+        nodes[name] = next((getattr(layer_plan, a) for a in attributes if getattr(layer_plan, a, None) is not None),
+                           None)
+    return nodes

@@ -33,6 +33,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import math
 import weakref
 from typing import Any, Callable, List, Optional
 
@@ -48,7 +49,7 @@ from ..executor.runner import Program, TensorSpec, compile_program, run_rank
 from ..schedule import B, registry
 from .data import MicrobatchSource
 from .grads import GradReduction, finalize_dualpipe_grads
-from .live_advice import LiveAdvice
+from .live_advice import DEFAULT_WARMUP as ADVISE_WARMUP, LiveAdvice
 from .loss_gather import gather_losses_on_last_rank
 from .overlap import OverlappedStageCompute, offers_combined_step
 from .stage_compute import MegatronStageCompute
@@ -64,8 +65,8 @@ def get_forward_backward_func(schedule: str = registry.DEFAULT, **options) -> Ca
 
     ``options`` (executor schedules only): ``zero_bubble`` (default True), ``p2p_timeout``
     (seconds, default ``MEGATRON_DUALPIPE_P2P_TIMEOUT`` or 600), ``advise`` (default False: log
-    ``megatron-dualpipe advise`` for the first training iteration's measured costs, see
-    :mod:`.live_advice`).
+    ``megatron-dualpipe advise`` for the costs measured after the warm-up, see
+    :mod:`.live_advice`), ``advise_warmup`` (training iterations skipped before measuring).
     """
     try:
         spec = registry.get(schedule)
@@ -79,15 +80,18 @@ def get_forward_backward_func(schedule: str = registry.DEFAULT, **options) -> Ca
 
 @functools.lru_cache(maxsize=None)
 def _executor_schedule(name: str, zero_bubble: bool = True, p2p_timeout: float = DEFAULT_TIMEOUT_S,
-                       advise: bool = False):
+                       advise: bool = False, advise_warmup: int = ADVISE_WARMUP):
     """One instance per (schedule, options): Megatron-LM asks for the function every iteration."""
-    return ExecutorSchedule(registry.get(name), zero_bubble=zero_bubble, p2p_timeout=p2p_timeout, advise=advise)
+    return ExecutorSchedule(registry.get(name), zero_bubble=zero_bubble, p2p_timeout=p2p_timeout, advise=advise,
+                            advise_warmup=advise_warmup)
 
 
 def forward_backward_dualpipe(*, schedule: str = registry.DUALPIPE, zero_bubble: bool = True,
-                              p2p_timeout: float = DEFAULT_TIMEOUT_S, advise: bool = False, **kwargs):
+                              p2p_timeout: float = DEFAULT_TIMEOUT_S, advise: bool = False,
+                              advise_warmup: int = ADVISE_WARMUP, **kwargs):
     """Run one iteration of an executor schedule: ``get_forward_backward_func(schedule, ...)(**kwargs)``."""
-    func = get_forward_backward_func(schedule, zero_bubble=zero_bubble, p2p_timeout=p2p_timeout, advise=advise)
+    func = get_forward_backward_func(schedule, zero_bubble=zero_bubble, p2p_timeout=p2p_timeout, advise=advise,
+                                     advise_warmup=advise_warmup)
     if not isinstance(func, ExecutorSchedule):
         raise DualPipeConfigError(f"{schedule} is Megatron's own schedule: call megatron-core's "
                                   f"get_forward_backward_func() for it")
@@ -110,9 +114,9 @@ class ExecutorSchedule:
     """A ``forward_backward_func`` running ``spec``'s order on the executor."""
 
     def __init__(self, spec: registry.ScheduleSpec, *, zero_bubble: bool = True,
-                 p2p_timeout: float = DEFAULT_TIMEOUT_S, advise: bool = False):
+                 p2p_timeout: float = DEFAULT_TIMEOUT_S, advise: bool = False, advise_warmup: int = ADVISE_WARMUP):
         self.spec, self.zero_bubble, self.p2p_timeout = spec, zero_bubble, p2p_timeout
-        self._advice = LiveAdvice() if advise else None
+        self._advice = LiveAdvice(warmup=advise_warmup) if advise else None
         self._padding_reported: set = set()
         self._audited = False
         self._wgrad = None
@@ -154,7 +158,8 @@ class ExecutorSchedule:
             if advice is not None:
                 advice.report(spec_name=self.spec.name, pp=len(it.global_ranks), microbatches=num_microbatches,
                               model=model, group=it.group, actions=it.program.actions[it.rank],
-                              is_fake=it.program.padded.is_fake, device=it.tensor_spec.device)
+                              is_fake=it.program.padded.is_fake, device=it.tensor_spec.device,
+                              message_bytes=math.prod(it.tensor_spec.shape) * it.tensor_spec.dtype.itemsize)
             self._report_deferral(compute.audit, it.rank)
             losses = gather_losses_on_last_rank(compute.loss_store, it.program.schedule.layout, it.rank,
                                                 it.global_ranks, it.group, it.tensor_spec.device)

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "pretrain_gpt_dualpipe.sh"
 CONFIGS = sorted(p.stem for p in (ROOT / "configs").glob("*.sh"))
 
@@ -228,3 +228,45 @@ def test_without_torchrun_on_path_the_python_that_has_torch_runs_it(tmp_path):
     print(f"\n{' '.join(argv[:3])}")
     assert argv[1:3] == ["-m", "torch.distributed.run"]
     assert argv[0] in (str(ROOT / ".venv" / "bin" / "python"), str(shim / "python3"))
+
+
+def test_gpu_extra_pins_transformer_engine_as_megatron_core_asks():
+    """setup.py's [gpu] extra takes the transformer-engine range of the megatron-core it pins
+    (Megatron-LM core_v0.16.1's pyproject.toml: < 2.12)."""
+    megatron = os.environ.get("MEGATRON_LM_PATH")
+    pyproject = pathlib.Path(megatron or "/nonexistent") / "pyproject.toml"
+    if not pyproject.is_file():
+        pytest.skip("MEGATRON_LM_PATH with pyproject.toml not set")
+    theirs = re.search(r'"transformer-engine\[[^\]]*\]([^"]+)"', pyproject.read_text()).group(1)
+    ours = re.search(r'"gpu": \["transformer-engine\[pytorch\]([^"]+)"\]', (ROOT / "setup.py").read_text()).group(1)
+    print(f"\nMegatron-LM asks {theirs}; setup.py [gpu] pins {ours}")
+    upper = lambda spec: re.search(r"<\s*([\d.]+)", spec).group(1).rstrip(".0")  # noqa: E731
+    assert upper(ours) == upper(theirs)
+
+
+def test_slurm_example_gives_each_node_its_rank_and_the_first_node_as_master(tmp_path):
+    """scripts/slurm_dualpipe.sbatch under a stand-in srun that runs its command once per node
+    (SLURM_NODEID 0 and 1) and a stand-in scontrol: both nodes compose their torchrun command."""
+    fake = fake_checkout(tmp_path / "Megatron-LM")
+    for ext in ("bin", "idx"):
+        (tmp_path / f"text_document.{ext}").write_text("")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text('#!/bin/bash\nshift\nfor n in 0 1; do SLURM_NODEID=$n "$@" || exit; done\n')
+    (bin_dir / "scontrol").write_text("#!/bin/bash\nprintf 'gpu-node-a\\ngpu-node-b\\n'\n")
+    for f in ("srun", "scontrol"):
+        (bin_dir / f).chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in ("NNODES", "MASTER_ADDR", "TORCHRUN")}
+    env.update(PATH=f"{bin_dir}:{env['PATH']}", DRY_RUN="1", MEGATRON_LM_PATH=str(fake),
+               DATA_PATH=str(tmp_path / "text_document"), TOKENIZER_ARGS="--tokenizer-type NullTokenizer --vocab-size 8",
+               CONFIG="gpt_8b", SLURM_NNODES="2", SLURM_GPUS_ON_NODE="8", SLURM_JOB_NODELIST="gpu-node-[a-b]",
+               SLURM_SUBMIT_DIR=str(ROOT), PYTHON=sys.executable)
+    r = subprocess.run(["bash", str(ROOT / "scripts" / "slurm_dualpipe.sbatch"), "--seed", "7"], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    commands = [shlex.split(line) for line in r.stdout.splitlines() if not line.startswith("#")]
+    print("\n" + "\n".join(" ".join(c[:14]) for c in commands))
+    assert [c[c.index("--node-rank") + 1] for c in commands] == ["0", "1"]
+    assert all(c[c.index("--master-addr") + 1] == "gpu-node-a" and c[c.index("--nnodes") + 1] == "2"
+               for c in commands)
+    assert all(c[-2:] == ["--seed", "7"] and "NullTokenizer" in c for c in commands)

@@ -14,7 +14,7 @@ from megatron_dualpipe.schedule import registry
 from megatron_dualpipe.schedule.actions import F
 from megatron_dualpipe.schedule.registry import ScheduleError, build_schedule
 
-PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "megatron_dualpipe"
+PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "megatron_dualpipe"
 
 
 def test_names_appear_only_in_the_registry():

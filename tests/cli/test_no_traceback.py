@@ -15,7 +15,7 @@ import pytest
 
 from megatron_dualpipe.cli import COMMANDS, main
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 ENV = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
 SIM = ["simulate", "--schedule", "dualpipe", "--pp", "4", "-m", "8"]
 ADV = ["advise", "--pp", "4", "-m", "8", "--f", "1", "--b", "2", "--w", "1", "--activation-memory", "1",
@@ -44,6 +44,12 @@ BAD = [
     (ADV[:2] + ["0"] + ADV[3:], "--pp"),
     (["advise", "--pp", "4", "-m", "8"], "required"),
     (["bench", "--f", "1e308", "--b", "1e308"], "at most 60000"),
+    (["bench", "--f", "1" * 200, "--b", "1" * 200], "at most 60000"),
+    (["bench", "--fb", "0.5"], "--fb 0.5 is cheaper than --f 20 alone"),
+    (["bench", "--pp", "64"], "--pp 64 starts 64 processes on this machine"),
+    (SIM + ["--fb", "0.5"], "--fb must be at least 1"),
+    (SIM + ["--png", "x.jpg"], "name it x.png"),
+    (["trace", "/no/such/dir", "--png", "t.jpeg"], "name it t.png"),
     (["trace", "/no/such/dir"], "no rank*.jsonl files"),
     (["patch", "/no/such/checkout"], "no pretrain_gpt.py"),
     (["patch", "/etc/hostname"], "no pretrain_gpt.py"),

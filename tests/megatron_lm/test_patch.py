@@ -10,7 +10,7 @@ import pytest
 from megatron_dualpipe.cli import main
 from megatron_dualpipe.megatron_lm.patching import HOOK, PatchError, apply
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 PATCH_FILE = ROOT / "patches" / "megatron-lm-core_v0.16.1.patch"
 CONTEXT = "from typing import List, Optional, Tuple\n\nimport torch\n\nfrom gpt_builders import gpt_builder\n" \
           "from megatron.core import parallel_state\n"
@@ -131,3 +131,20 @@ def test_a_failed_write_is_one_line_and_leaves_the_file(tmp_path, monkeypatch, c
     out, err = capsys.readouterr()
     assert err.count("\n") == 1 and "Permission denied" in err and "git apply" in err
     assert (root / "pretrain_gpt.py").read_bytes() == before and not list(root.glob(".pretrain_gpt.*"))
+
+
+def test_a_crlf_checkout_stays_crlf(tmp_path):
+    """A pretrain_gpt.py with Windows line endings (a checkout with core.autocrlf) keeps them: the
+    hook gets CRLF too, nothing else changes, and --revert gives back the same bytes."""
+    root = make_checkout(tmp_path)
+    script = root / "pretrain_gpt.py"
+    script.write_bytes(script.read_bytes().replace(b"\n", b"\r\n"))
+    original = script.read_bytes()
+    assert "added" in apply(str(root))
+    patched = script.read_bytes()
+    lf_only = patched.count(b"\n") - patched.count(b"\r\n")
+    crlf = patched.count(b"\r\n")
+    print(f"\n{crlf} CRLF lines, {lf_only} LF-only lines after patching")
+    assert lf_only == 0 and b"import torch\r\n" + "".join(HOOK).replace("\n", "\r\n").encode() in patched
+    assert "already applied" in apply(str(root))
+    assert "removed" in apply(str(root), revert=True) and script.read_bytes() == original

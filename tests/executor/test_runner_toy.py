@@ -272,11 +272,12 @@ def _megatron_modules(rank=0, world=1, port=0):
 def test_toy_tests_never_import_megatron_core():
     """This file and its workers need torch only: megatron-core is imported nowhere (fresh process)."""
     here = os.path.dirname(os.path.abspath(__file__))
+    tests = os.path.dirname(here)  # harness
     script = ("import json, test_runner_toy as t\n"
               "from harness.workers import run_workers\n"
               "print('MODULES' + json.dumps({'parent': t._megatron_modules(), "
               "'workers': run_workers(t._megatron_modules, 2)}))\n")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(here), here]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(tests), tests, here]))
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("MODULES")]
     assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-2000:]
