@@ -22,7 +22,7 @@ from . import tiny_gpt
 SEED = 1234
 #: Test-only fault injection: ``swap-microbatch`` makes the DualPipe runs of the equality stage
 #: read micro-batches 0 and 1 in swapped order on the last pipeline rank (a broken executor
-#: delivering the wrong micro-batch to a stage). ``tests/test_selftest.py`` checks that the
+#: delivering the wrong micro-batch to a stage). ``tests/apps/test_selftest.py`` checks that the
 #: selftest then FAILs with the loss difference; nothing else sets it.
 FAULT_ENV = "MEGATRON_DUALPIPE_SELFTEST_FAULT"
 SCHEDULES = ("1f1b", "dualpipe", "dualpipev")
