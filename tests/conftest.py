@@ -10,7 +10,7 @@ tests/cli          cli           the commands, pictures, docs and scripts (subpr
 tests/mcore        mcore         megatron-core in gloo processes, against single-process references
 tests/cpu          cpu           the CPU mode of megatron-core (and of Megatron-LM with its checkout)
 tests/megatron_lm  megatron_lm   Megatron-LM's pretrain_gpt.py (``MEGATRON_LM_PATH``): minutes per test
-tests/apps         apps          the main job end to end
+tests/apps         apps          the main job and the selftest end to end
 =================  ============  =====================================================================
 
 ``slow`` marks the folders that start megatron-core or Megatron-LM processes (mcore, cpu,
@@ -39,7 +39,7 @@ LAYERS = {
     "mcore": "megatron-core in gloo processes",
     "cpu": "the CPU mode",
     "megatron_lm": "Megatron-LM's pretrain_gpt.py (needs MEGATRON_LM_PATH)",
-    "apps": "the main job end to end",
+    "apps": "the main job and the selftest end to end",
 }
 #: Folders whose tests start megatron-core or Megatron-LM processes.
 SLOW = ("mcore", "cpu", "megatron_lm", "apps")

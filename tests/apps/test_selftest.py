@@ -28,7 +28,7 @@ from megatron_dualpipe.selftest.options import TOLERANCE
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU form of the selftest")
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _selftest(out: pathlib.Path, *flags: str, env=None, timeout: float = 900):
