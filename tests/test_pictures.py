@@ -188,7 +188,7 @@ DOCS = __import__("pathlib").Path(__file__).resolve().parents[1] / "docs"
 DOC_TIMELINES = {
     "dualpipe_pp8_m20.png": "megatron-dualpipe simulate --schedule dualpipe --pp 8 --microbatches 20 --fb 3 "
                             "--png docs/dualpipe_pp8_m20.png --svg docs/dualpipe_pp8_m20.svg",
-    "trace_dualpipe_pp4_bench.png": "megatron-dualpipe trace DIR/dualpipe_pp4_m8 --png docs/trace_dualpipe_pp4_bench.png",
+    "trace_dualpipe_pp4_bench.png": "megatron-dualpipe bench --pp 4 -m 8 --schedule dualpipe --trace DIR; megatron-dualpipe trace DIR/dualpipe_pp4_m8 --png docs/trace_dualpipe_pp4_bench.png",
     "run/timeline.png": "bash scripts/run_main.sh --out docs/run",
     "run/dualpipe_pp4_m16.png": "bash scripts/run_main.sh --out docs/run",
     "run/dualpipe_vs_1f1b_pp4_m16.png": "bash scripts/run_main.sh --out docs/run",
