@@ -239,10 +239,16 @@ from . import timeline as _timeline  # noqa: E402 - standard library until run
 register("trace", _timeline.HELP, _timeline.configure, _timeline.run)
 
 
+from . import selftest as _selftest  # noqa: E402 - argparse only until it runs
+register("selftest", _selftest.HELP, _selftest.configure, _selftest.run)
+
 from .cpu import command as _cpu_mode  # noqa: E402  (standard library only until it runs)
 
 register("cpu-mode", "list every CPU-mode redirection and whether it is active (--enable: try it here)",
          _cpu_mode.configure, _cpu_mode.run)
+from .hooks import command as _hooks  # noqa: E402  (standard library only until it runs)
+
+register("hooks", _hooks.HELP, _hooks.configure, _hooks.run)
 
 
 if __name__ == "__main__":  # pragma: no cover

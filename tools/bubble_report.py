@@ -15,16 +15,19 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_dualpipe.schedule import build_schedule, get  # noqa: E402
+from megatron_dualpipe.schedule import build_schedule  # noqa: E402
+from megatron_dualpipe.schedule.registry import spec as get  # noqa: E402
 from megatron_dualpipe.schedule.compare import compare  # noqa: E402
-from megatron_dualpipe.schedule.registry import DUALPIPE, DUALPIPEV, ONE_F_ONE_B, SPECS, distinct_orders  # noqa: E402
+from megatron_dualpipe.schedule.registry import DUALPIPE, DUALPIPEV, ONE_F_ONE_B, distinct_orders  # noqa: E402
 from megatron_dualpipe.schedule.simulate import Costs, simulate  # noqa: E402
 
 PPS = (4, 8, 16)
 COSTS = (Costs(f=1, b=2, w=1, fb=3), Costs(f=1, b=2, w=0.5, fb=2.5), Costs(f=1, b=2, w=1, fb=2.5))
 
 
-def _n(x: float) -> str:
+def _n(x) -> str:
+    if x is None:
+        return "-"
     return str(int(x)) if float(x).is_integer() else f"{x:g}"
 
 
@@ -141,12 +144,16 @@ def report() -> str:
            "chunk (half a stage). Bubble = makespan - busy time, maximum over ranks; peak activations = "
            "most forwards whose backward has not run yet on one rank, maximum over ranks (chunks for "
            "DualPipeV). M = 4*pp micro-batches (DualPipe: both directions together).", "",
-           "Closed forms: " + "; ".join(f"{k} `{v.bubble_formula}`" for k, v in SPECS.items() if k in distinct_orders()) + ".", "",
+           "Closed forms: " + "; ".join(f"{k} `{get(k).bubble_formula}`" for k in distinct_orders()) + ". Interleaved "
+           "1F1B (Megatron's virtual pipeline, v=2 chunks per rank, simulated only) is given the same costs per "
+           "chunk as the others per stage; with the EP all-to-all overlap every steady step is one fused unit "
+           "(`fb`).", "",
            "| costs (f, b, w, fb) | schedule | pp | M | makespan | simulated bubble | formula | difference | peak activations |",
            "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for costs, name, pp, m, mk, sim, form, peak in rows():
         c = f"{_n(costs.f)}, {_n(costs.b)}, {_n(costs.w)}, {_n(costs.fused)}"
-        out.append(f"| {c} | {name} | {pp} | {m} | {_n(mk)} | {_n(sim)} | {_n(form)} | {_n(sim - form)} | {peak} |")
+        diff = None if form is None else sim - form
+        out.append(f"| {c} | {name} | {pp} | {m} | {_n(mk)} | {_n(sim)} | {_n(form)} | {_n(diff)} | {peak} |")
     out += ["", "Observations:", "",
             "* 1F1B matches `(pp-1)(f+b)` exactly for every cost setting, and its peak activations are "
             "`pp - rank` on rank `rank`.",

@@ -33,6 +33,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import math
 import weakref
 from typing import Any, Callable, List, Optional
 
@@ -43,6 +44,7 @@ from megatron.core.pipeline_parallel import schedules
 from megatron.core.utils import get_model_config
 
 from ..executor.p2p import DEFAULT_TIMEOUT_S, P2P
+from ..executor.listeners import RunListener
 from ..executor.runner import Program, TensorSpec, compile_program, run_rank
 from ..schedule import B, registry
 from .data import MicrobatchSource
@@ -142,22 +144,22 @@ class ExecutorSchedule:
         it = self._plan(model, config, num_microbatches, padded, forward_only,
                         (seq_length, micro_batch_size, decoder_seq_length))
         store = self._wgrad_store(it, forward_only)
-        reduction = None if forward_only else self._grad_reduction(it, model, config, num_microbatches, store)
+        reduction = None if forward_only else self._grad_reduction(it, model, config, store)
         # Through megatron-core's combined step when the model offers it (mcore.overlap).
         compute = (OverlappedStageCompute if offers_combined_step(config, forward_only) else MegatronStageCompute)(
             spec=self.spec, model=model, layout=it.program.schedule.layout, rank=it.rank,
             forward_step_func=forward_step_func, source=MicrobatchSource(data_iterator), real=num_microbatches,
             config=config, forward_only=forward_only, collect_non_loss_data=collect_non_loss_data,
-            first_val_step=first_val_step, global_ranks=it.global_ranks, grad_reduction=reduction,
-            wgrad_store=store, audit=self._wgrad.DeferralAudit() if store is not None and not self._audited else None)
+            first_val_step=first_val_step, global_ranks=it.global_ranks, wgrad_store=store, audit=self._wgrad.DeferralAudit() if store is not None and not self._audited else None)
         advice = self._advice if self._advice is not None and self._advice.wanted(forward_only) else None
         with _timer(config):
             with advice.measuring(model) if advice is not None else contextlib.nullcontext() as recorder:
-                self._run(it, compute, config, model, forward_only, recorder)
+                self._run(it, compute, reduction, config, model, forward_only, recorder)
             if advice is not None:
                 advice.report(spec_name=self.spec.name, pp=len(it.global_ranks), microbatches=num_microbatches,
                               model=model, group=it.group, actions=it.program.actions[it.rank],
-                              is_fake=compute.is_fake, device=it.tensor_spec.device)
+                              is_fake=it.program.padded.is_fake, device=it.tensor_spec.device,
+                              message_bytes=math.prod(it.tensor_spec.shape) * it.tensor_spec.dtype.itemsize)
             self._report_deferral(compute.audit, it.rank)
             losses = gather_losses_on_last_rank(compute.loss_store, it.program.schedule.layout, it.rank,
                                                 it.global_ranks, it.group, it.tensor_spec.device)
@@ -170,7 +172,7 @@ class ExecutorSchedule:
         group = parallel_state.get_pipeline_model_parallel_group()
         global_ranks = dist.get_process_group_ranks(group)
         rank = parallel_state.get_pipeline_model_parallel_rank()
-        program = compile_program(self.spec.name, len(global_ranks), padded, forward_only)
+        program = compile_program(self.spec.name, len(global_ranks), padded, forward_only, real)
         if padded != real:
             self._report_padding(len(global_ranks), real, padded, forward_only)
         seq_length, micro_batch_size, decoder_seq_length = shape_args
@@ -194,11 +196,11 @@ class ExecutorSchedule:
                         "micro-batch(es) (no data, no compute, zero loss and gradient)%s", self.spec.name, pp,
                         padded, real, padded - real, " in evaluation" if forward_only else "")
 
-    def _grad_reduction(self, it: _Iteration, model, config, real: int, wgrad_store) -> GradReduction:
-        pp = len(it.global_ranks)
-        return GradReduction(model, config, actions=it.program.actions[it.rank],
-                             partner_actions=it.program.actions[pp - 1 - it.rank],
-                             is_fake=lambda a: self.spec.is_fake(real, a.dir, a.mb), deferring=wgrad_store is not None)
+    def _grad_reduction(self, it: _Iteration, model, config, wgrad_store) -> GradReduction:
+        program = it.program
+        return GradReduction(model, config, actions=program.actions[it.rank],
+                             partner_actions=program.actions[program.schedule.layout.partner(it.rank)],
+                             is_fake=program.padded.is_fake, deferring=wgrad_store is not None)
 
     def _report_deferral(self, audit, rank: int) -> None:
         """Once per process: say how much weight-gradient work W holds if B kept some."""
@@ -215,18 +217,27 @@ class ExecutorSchedule:
         return self._wgrad.WeightGradStore()
 
     # -- run ---------------------------------------------------------------------------------------
-    def _run(self, it: _Iteration, compute: MegatronStageCompute, config, model, forward_only: bool,
-             recorder=None) -> None:
+    def _run(self, it: _Iteration, compute: MegatronStageCompute, reduction: Optional[GradReduction], config,
+             model, forward_only: bool, recorder=None) -> None:
         """The schedule with data-parallel reduction held off (each chunk's reduction is started by
-        the GradReduction as soon as its gradients are final), then the rest of the reduction."""
-        reduction = compute.grad_reduction
+        the GradReduction, a listener of the run, as soon as its gradients are final), then the rest
+        of the reduction."""
+        listeners = () if reduction is None else (_ReductionListener(reduction),)
         with _no_sync(config, model, forward_only), \
                 (reduction.during_schedule() if reduction is not None else contextlib.nullcontext()):
-            run_rank(it.program, it.rank, compute, it.p2p, it.tensor_spec, trace=recorder)
+            run_rank(it.program, it.rank, compute, it.p2p, it.tensor_spec, trace=recorder, listeners=listeners)
         if compute.wgrad_store is not None:
             compute.wgrad_store.assert_empty()
         if reduction is not None:
             reduction.finish()
+
+
+class _ReductionListener(RunListener):
+    """Tells the gradient reduction of every action that ran: a chunk's sums start after its last
+    gradient action (its ``finish`` stays after the schedule, outside ``no_sync``)."""
+
+    def __init__(self, reduction: GradReduction):
+        self.on_action_end = reduction.after_action
 
 
 #: Pipeline groups that have had their first collective (see ``P2P.first_collective``).

@@ -2,21 +2,22 @@
 
 The hook makes ``pretrain_gpt.py`` install the plugin itself, so ``torchrun pretrain_gpt.py
 --pipeline-schedule dualpipe ...`` works without the launcher. It is the same change as
-``patches/megatron-lm-core_v0.16.1.patch`` (a test keeps the two equal), applied in Python so that
+``patches/megatron-lm-<tag>.patch`` for each tag of :data:`TAGS` (a test keeps them equal), applied in Python so that
 it needs neither git nor patch, checks the checkout first, is idempotent, and never leaves a
 half-written file (the new text is written beside the old and renamed over it).
 """
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import tempfile
 from dataclasses import dataclass
 from typing import Optional
 
-TAG = "core_v0.16.1"
-CORE_VERSION = "0.16.1"
+from .. import versions
+
+#: The Megatron-LM tags the hook is written for (one patch file each in patches/), oldest first.
+TAGS = tuple(versions.TAGS)
 #: The line the hook goes after (the first ``import torch`` of pretrain_gpt.py at the tag).
 ANCHOR = "import torch\n"
 HOOK = (
@@ -42,13 +43,17 @@ class Checkout:
 
 def core_version(path: str) -> Optional[str]:
     """The megatron-core version of the checkout at ``path`` (from package_info.py), or None."""
-    info = os.path.join(path, "megatron", "core", "package_info.py")
-    try:
-        text = open(info, encoding="utf-8").read()
-    except OSError:
+    return versions.checkout_core_version(path)
+
+
+def tag_problem(path: str, version: Optional[str], tag: Optional[str] = None) -> Optional[str]:
+    """Why the checkout at ``path`` (megatron-core ``version``) is not one of :data:`TAGS`, or None."""
+    if versions.tag_of(version) is not None:
         return None
-    parts = [re.search(rf"^{k}\s*=\s*(\d+)", text, re.M) for k in ("MAJOR", "MINOR", "PATCH")]
-    return ".".join(m.group(1) for m in parts) if all(parts) else None
+    found = f"megatron-core {version}" if version else "no megatron/core/package_info.py"
+    return (f"{path} is not one of the Megatron-LM tags megatron-dualpipe's hooks are written for, "
+            f"{' or '.join(TAGS)} (found {found}{f', git tag {tag}' if tag else ''}): check one out "
+            f"(git -C {path} checkout {TAGS[-1]})")
 
 
 def _git_tag(path: str) -> Optional[str]:
@@ -63,13 +68,12 @@ def _git_tag(path: str) -> Optional[str]:
 def inspect(path: str, require_tag: bool = True) -> Checkout:
     script = os.path.join(path, "pretrain_gpt.py")
     if not os.path.isfile(script):
-        raise PatchError(f"no pretrain_gpt.py in {path}: give the root of a Megatron-LM checkout at tag {TAG}")
+        raise PatchError(f"no pretrain_gpt.py in {path}: give the root of a Megatron-LM checkout at tag "
+                         f"{' or '.join(TAGS)}")
     version, tag = core_version(path), _git_tag(path)
-    if require_tag and version != CORE_VERSION:
-        found = f"megatron-core {version}" if version else "no megatron/core/package_info.py"
-        raise PatchError(f"{path} is not Megatron-LM {TAG} (found {found}{f', git tag {tag}' if tag else ''}): "
-                         f"megatron-dualpipe's hooks are written for that tag only; check it out "
-                         f"(git -C {path} checkout {TAG}) and run this command again")
+    problem = tag_problem(path, version, tag) if require_tag else None
+    if problem:
+        raise PatchError(problem + " and run this command again")
     lines = _read_lines(script)
     hooked = [i for i, line in enumerate(lines) if MARKER in line]
     if hooked:
@@ -79,7 +83,8 @@ def inspect(path: str, require_tag: bool = True) -> Checkout:
                              f"remove it by hand, then run this command again")
         return Checkout(path, script, version, tag, "applied")
     if _anchor_index(lines) is None:
-        raise PatchError(f"{script} has no line {ANCHOR.strip()!r} to put the hook after: is it {TAG}'s?")
+        raise PatchError(f"{script} has no line {ANCHOR.strip()!r} to put the hook after: is it from "
+                         f"{' or '.join(TAGS)}?")
     return Checkout(path, script, version, tag, "clean")
 
 
@@ -107,8 +112,9 @@ def _writable_problem(script: str) -> Optional[str]:
 
 
 def _cannot_write(script: str, why: str) -> str:
+    tag = versions.tag_of(core_version(os.path.dirname(os.path.abspath(script)))) or TAGS[-1]
     return (f"cannot change {script}: {why}; run this as a user who can write the checkout, or apply "
-            f"patches/megatron-lm-{TAG}.patch (git apply) as one")
+            f"patches/megatron-lm-{tag}.patch (git apply) as one")
 
 
 def _write_atomically(path: str, text: str) -> None:
