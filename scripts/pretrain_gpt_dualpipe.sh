@@ -6,7 +6,7 @@
 #   NNODES=2 NODE_RANK=0 MASTER_ADDR=node0 MASTER_PORT=6000 GPUS_PER_NODE=8 \
 #   bash scripts/pretrain_gpt_dualpipe.sh [extra pretrain_gpt.py arguments...]
 #
-# Variables: MEGATRON_LM_PATH (a Megatron-LM checkout at core_v0.16.1), CONFIG (a name in
+# Variables: MEGATRON_LM_PATH (a Megatron-LM checkout at core_v0.16.1 or core_v0.19.0), CONFIG (a name in
 # configs/ or a path), DATA_PATH (unless the config uses --mock-data), SCHEDULE (dualpipe,
 # dualpipev or 1f1b; default dualpipe), NNODES (1), NODE_RANK (0), MASTER_ADDR (localhost, required
 # when NNODES > 1), MASTER_PORT (6000), GPUS_PER_NODE (8), TORCHRUN (torchrun), PYTHON (the python
@@ -17,7 +17,7 @@
 # not positive integers, a world size that is not a multiple of TP*PP*CP and of ETP*EP*PP (the
 # message names the nearest valid GPU count; each config states its minimum), the batch split,
 # DualPipe's rules, a missing DATA_PATH, and (through `python -m megatron_dualpipe.launch --check`)
-# a checkout that is not core_v0.16.1 or missing training dependencies.
+# a checkout at neither tag or missing training dependencies.
 set -euo pipefail
 here="$(cd "$(dirname "$0")/.." && pwd)"
 die() { echo "pretrain_gpt_dualpipe.sh: error: $*" >&2; exit 2; }
@@ -26,7 +26,7 @@ trap 'echo; die "interrupted"' INT
 is_count() { [[ "$1" =~ ^[1-9][0-9]{0,8}$ ]]; }
 gcd() { local a=$1 b=$2 t; while [ "$b" -ne 0 ]; do t=$((a % b)); a=$b; b=$t; done; echo "$a"; }
 
-: "${MEGATRON_LM_PATH:?set MEGATRON_LM_PATH to a Megatron-LM checkout at tag core_v0.16.1}"
+: "${MEGATRON_LM_PATH:?set MEGATRON_LM_PATH to a Megatron-LM checkout at tag core_v0.16.1 or core_v0.19.0}"
 [ -f "$MEGATRON_LM_PATH/pretrain_gpt.py" ] || die "no pretrain_gpt.py in MEGATRON_LM_PATH=$MEGATRON_LM_PATH"
 : "${CONFIG:?set CONFIG to one of: $(cd "$here/configs" && ls *.sh | sed 's/\.sh$//' | tr '\n' ' ')}"
 config_file="$CONFIG"
@@ -99,7 +99,7 @@ if [ -z "${PYTHON:-}" ]; then
   PYTHON=python3; [ -n "$tr" ] && [ -x "$(dirname "$tr")/python" ] && PYTHON="$(dirname "$tr")/python"
 fi
 command -v "$PYTHON" >/dev/null || die "PYTHON=$PYTHON not found: set PYTHON to the interpreter of the training environment"
-# The launcher's preflight: Megatron-LM at core_v0.16.1, training dependencies present.
+# The launcher's preflight: Megatron-LM at core_v0.16.1 or core_v0.19.0, training dependencies present.
 PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -m megatron_dualpipe.launch --check "$MEGATRON_LM_PATH/pretrain_gpt.py" >/dev/null \
   || exit 2  # the launcher said why, in one line
 
