@@ -56,9 +56,9 @@ TRAINING = (
           "--log-params-norm under dualpipe: model[1] is the mirror, counted on its home rank"),
     Patch(_TRAINING, "get_forward_backward_func", _LM + "training_hooks:wrap_get_forward_backward_func",
           "every schedule but 1f1b returns the executor's forward_backward_func"),
-    Patch(_TRAINING, "save_checkpoint", _LM + "checkpoint_hooks:wrap_save",
+    Patch(_TRAINING, "save_checkpoint", _LM + "checkpoint.hooks:wrap_save",
           "dualpipe / dualpipev checkpoints hold 1F1B's layout (megatron_lm/checkpoint/)"),
-    Patch(_TRAINING, "load_checkpoint", _LM + "checkpoint_hooks:wrap_load",
+    Patch(_TRAINING, "load_checkpoint", _LM + "checkpoint.hooks:wrap_load",
           "loads 1F1B-layout checkpoints into both chunks, then copies home copies to mirrors"),
 )
 
@@ -139,9 +139,9 @@ SCOPED_PATCHES = (
     _scoped(_TRAINING, "print", "the parameter-count line says the logical and physical counts",
             "megatron_lm.training_hooks get_model (dualpipe, dualpipev)"),
     _scoped(_CKPT, "_load_base_checkpoint", "dualpipev loading a 1F1B-layout file: its model is cut into the "
-            "two V-stages", "megatron_lm.checkpoint_hooks (dualpipev load of a one-chunk torch file)"),
+            "two V-stages", "megatron_lm.checkpoint.megatron_io (dualpipev load of a one-chunk torch file)"),
     _scoped(_CKPT, "generate_state_dict", "dualpipe torch_dist: the mirror's entries are left out; dualpipev "
-            "torch: 1F1B stage i's weights are added as 'model'", "megatron_lm.checkpoint_hooks (save)"),
+            "torch: 1F1B stage i's weights are added as 'model'", "megatron_lm.checkpoint.megatron_io (save)"),
 )
 
 # --- per object ------------------------------------------------------------------------------
@@ -149,13 +149,14 @@ SCOPED_PATCHES = (
 INSTANCE_PATCHES = (
     Patch("megatron.core.models.gpt.gpt_model", "GPTModel.sharded_state_dict", None,
           "DualPipe's mirror chunk: every sharded entry is a non-main replica, so torch_dist never writes it",
-          kind=INSTANCE, where="megatron_lm.torch_dist_mirror.mark_mirror_replicas (model[1], for its life)"),
+          kind=INSTANCE,
+          where="megatron_lm.checkpoint.torch_dist_mirror.mark_mirror_replicas (model[1], for its life)"),
     Patch("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer.sharded_state_dict", None,
           "torch_dist under dualpipe: the dp_reshardable state holds model[0]'s grad buffers only (1F1B's keys)",
-          kind=INSTANCE, where="megatron_lm.torch_dist_mirror (one save / load)"),
+          kind=INSTANCE, where="megatron_lm.checkpoint.torch_dist_mirror (one save / load)"),
     Patch("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer.load_parameter_state_from_dp_reshardable",
           None, "the mirror's grad buffers keep their values; sync_mirrors fills them after the load",
-          kind=INSTANCE, where="megatron_lm.torch_dist_mirror (one load)"),
+          kind=INSTANCE, where="megatron_lm.checkpoint.torch_dist_mirror (one load)"),
 )
 
 #: part -> its entries. The installed parts in the order they are installed.
