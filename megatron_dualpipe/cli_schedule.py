@@ -180,6 +180,12 @@ def run_schedule(args) -> int:
 # simulate
 # ---------------------------------------------------------------------------------------------
 
+def _png_path(text: str) -> str:
+    from .cli import png_path
+
+    return png_path(text)
+
+
 def configure_simulate(p: argparse.ArgumentParser) -> None:
     _add_schedule_args(p)
     _add_pad_args(p)
@@ -187,7 +193,7 @@ def configure_simulate(p: argparse.ArgumentParser) -> None:
     add_comm_args(p)
     p.add_argument("--json", action="store_true",
                    help="print makespan, bubble, peak_activations, busy and the same-model comparison as JSON")
-    p.add_argument("--png", metavar="FILE", help="draw the timeline to a PNG (needs matplotlib)")
+    p.add_argument("--png", metavar="FILE.png", type=_png_path, help="draw the timeline to a PNG (needs matplotlib)")
     p.add_argument("--svg", metavar="FILE", help="draw the timeline to an SVG")
 
 

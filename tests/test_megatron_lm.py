@@ -185,7 +185,7 @@ CASES = {
 
 MOE_ARGS = ["--num-experts", "4", "--moe-router-topk", "2", "--disable-bias-linear"]
 
-# Every entry of megatron_lm.arguments.REFUSED_OPTIONS, as a user would type it. ``argv`` cases go
+# Every single-option rule of the options table checked on args (mcore/options.py), as a user would type it. ``argv`` cases go
 # through Megatron's own parse_args + validate_args; options that Megatron's own validation refuses
 # on a machine without Transformer Engine / CUDA come as ``{attribute: value}`` set on the
 # validated args of BASE before the DualPipe checks run (name -> (schedule, argv, overrides)).
@@ -209,6 +209,14 @@ REFUSED_CASES = {
     "--fine-grained-activation-offloading": ("dualpipe", [], {"fine_grained_activation_offloading": True}),
     "--inprocess-restart": ("dualpipe", ["--inprocess-restart"], None),
     "--moe-use-upcycling": ("dualpipe", [], {"moe_use_upcycling": True}),
+    "--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank": (
+        "executor-1f1b", ["--num-layers-per-virtual-pipeline-stage", "1"], None),
+    "--pipeline-model-parallel-layout": ("dualpipev", [], {"pipeline_model_parallel_layout": "Ett|tt|tt|ttL"}),
+    "--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers": (
+        "dualpipe", [], {"decoder_last_pipeline_num_layers": 2}),
+    "--account-for-embedding-in-pipeline-split / --account-for-loss-in-pipeline-split": (
+        "dualpipev", [], {"account_for_loss_in_pipeline_split": True}),
+    "--init-model-with-meta-device": ("dualpipe", ["--init-model-with-meta-device"], None),
 }
 
 for _flag, (_schedule, _argv, _over) in REFUSED_CASES.items():
@@ -245,7 +253,7 @@ _ARGS_SCRIPT = textwrap.dedent(
         sys.argv = ["pretrain_gpt.py"] + argv
         validate = minit.validate_args
         if overrides:  # Megatron's own checks, then the option, then DualPipe's checks
-            validate = getattr(validate, "_megatron_dualpipe_wrapped", validate)
+            validate = getattr(validate, "__wrapped__", validate)
         with contextlib.redirect_stdout(io.StringIO()):
             args = margs.parse_args()
             validate(args, {"tokenizer_type": "GPT2BPETokenizer"})
@@ -327,8 +335,8 @@ def test_every_refused_option_has_a_case():
     sys.path.insert(0, REPO_ROOT)
     from megatron_dualpipe.megatron_lm.arguments import REFUSED_OPTIONS
 
-    assert sorted(opt.flags for opt in REFUSED_OPTIONS) == sorted(REFUSED_CASES)
-    print("\nrefused: " + ", ".join(opt.flags for opt in REFUSED_OPTIONS))
+    assert sorted(opt.flag for opt in REFUSED_OPTIONS) == sorted(REFUSED_CASES)
+    print("\nrefused: " + ", ".join(opt.flag for opt in REFUSED_OPTIONS))
 
 
 def test_argument_defaults(arg_results):

@@ -70,7 +70,9 @@ from megatron.core.pipeline_parallel import combined_1f1b
 from megatron.core.pipeline_parallel import utils as pp_utils
 
 from .. import hooks
+from . import compat
 from ..schedule import Action
+from . import options
 from .direction import direction_of
 from .stage_compute import MegatronStageCompute
 from .validation import DualPipeConfigError
@@ -94,25 +96,9 @@ def offers_combined_step(config, forward_only: bool = False) -> bool:
 def combined_step_problems(config) -> List[str]:
     """What megatron-core's combined step needs besides the virtual pipeline (its
     ``TransformerConfig`` checks, minus pp/vpp and bf16/fp16: see the module docstring; MTP and
-    CUDA graphs, which it also restricts, DualPipe refuses anyway).
-
-    ``config`` is a ``TransformerConfig`` or Megatron-LM's ``args`` (same names, but
-    ``num_experts`` for ``num_moe_experts``)."""
-    problems = []
-    if (getattr(config, "expert_model_parallel_size", 1) or 1) <= 1:
-        problems.append("it overlaps the expert-parallel all-to-all: set --expert-model-parallel-size > 1")
-    if getattr(config, "num_moe_experts", getattr(config, "num_experts", None)) is None:
-        problems.append("it needs an MoE model: set --num-experts")
-    if getattr(config, "moe_token_dispatcher_type", None) not in ("alltoall", "flex"):
-        problems.append("it needs --moe-token-dispatcher-type alltoall or flex, got "
-                        f"{getattr(config, 'moe_token_dispatcher_type', None)!r}")
-    if getattr(config, "recompute_granularity", None) == "full" or getattr(config, "recompute_method", None) \
-            or getattr(config, "recompute_num_layers", None):
-        problems.append("it cannot recompute full layers: remove --recompute-granularity full / "
-                        "--recompute-method / --recompute-num-layers")
-    if getattr(config, "moe_shared_expert_overlap", False):
-        problems.append("it cannot be combined with --moe-shared-expert-overlap: remove it")
-    return problems
+    CUDA graphs, which it also restricts, DualPipe refuses anyway): the ``needs`` rules of the
+    options table (:mod:`.options`), read from a ``TransformerConfig``."""
+    return options.combined_step_problems(config, options.CONFIG)
 
 
 def enable_combined_step(config, delay_wgrad_compute: Optional[bool] = None):
@@ -200,8 +186,7 @@ class OverlappedStageCompute(MegatronStageCompute):
 def _no_inline_weight_grads(plan) -> None:
     """The schedule plan's layer nodes skip their ``backward_dw()`` (a B action: W computes them)."""
     for layer in plan._transformer_layers:
-        for name in ("attn", "moe_dispatch", "mlp", "moe_combine", "mtp_post_process"):
-            node = getattr(layer, name, None)
+        for node in compat.layer_plan_nodes(layer).values():
             if hasattr(node, "delay_wgrad_compute"):
                 node.delay_wgrad_compute = False
 

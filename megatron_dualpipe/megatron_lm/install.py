@@ -17,7 +17,7 @@ What it installs, in order (each step idempotent):
    * ``megatron-lm training`` -- the schedule wiring (:mod:`.training_hooks`): ``get_model`` builds the two chunks
    for ``dualpipe`` / ``dualpipev``, ``get_forward_backward_func`` returns the executor for
    every schedule but ``1f1b``, and ``save_checkpoint`` / ``load_checkpoint`` keep DualPipe
-     checkpoints interchangeable with 1F1B ones (:mod:`.checkpoint_hooks`). ``1f1b`` passes
+     checkpoints interchangeable with 1F1B ones (:mod:`.checkpoint`). ``1f1b`` passes
      straight through to Megatron;
    * ``megatron-lm dataset helper`` -- build Megatron's dataset C++ helper for the running
      interpreter (:mod:`.dataset_helpers`).

@@ -2,7 +2,7 @@
 
 :func:`install` replaces two module globals of ``megatron.training.training`` (both are looked
 up at call time by ``setup_model_and_optimizer``, ``train`` and ``evaluate``) and, through
-:mod:`.checkpoint_hooks`, its by-name imports of ``save_checkpoint`` / ``load_checkpoint``.
+:mod:`.checkpoint`, its by-name imports of ``save_checkpoint`` / ``load_checkpoint``.
 With ``--pipeline-schedule 1f1b`` (the default) every wrapper calls the original with the same
 arguments and returns its result: Megatron behaves exactly as without the plugin.
 
@@ -59,13 +59,10 @@ import functools
 
 from .. import hooks
 from ..schedule import registry
+from .arguments import schedule_of
 from ..schedule.layout import BIDIRECTIONAL
 
 _PART = "megatron-lm training"  # hooks/manifest.py lists what install() patches
-
-
-def schedule_of(args) -> str:
-    return getattr(args, "pipeline_schedule", None) or registry.DEFAULT
 
 
 def forward_backward_options(args) -> dict:
@@ -129,7 +126,9 @@ def _two_chunk_provider(model_provider_func, schedule, model_type, config, built
     return provider
 
 
-PARAMETER_COUNT_PREFIX = " > number of parameters on (tensor, pipeline) model parallel rank"
+#: Megatron's parameter-count line starts so: "(tensor, pipeline) model parallel rank" at
+#: core_v0.16.1, "(tensor, gtp_remat, pipeline) model parallel rank" at core_v0.19.0.
+PARAMETER_COUNT_PREFIX = " > number of parameters on (tensor, "
 
 
 def parameter_count_line(line: str, chunks) -> str:
@@ -203,10 +202,6 @@ def wrap_get_model(orig):
         schedule = schedule_of(args)
         if registry.get(schedule).chunks_per_rank != 2:
             return orig(model_provider_func, model_type, wrap_with_ddp, config=config, pg_collection=pg_collection)
-        if getattr(args, "init_model_with_meta_device", False):
-            raise NotImplementedError(
-                f"--pipeline-schedule {schedule}: --init-model-with-meta-device is not supported (the mirrored "
-                "copies are broadcast right after construction); remove it")
         from ..mcore import groups
 
         if not groups.bd_groups_initialized():
@@ -224,7 +219,7 @@ def wrap_get_model(orig):
         if len(model) != 2:
             raise RuntimeError(f"--pipeline-schedule {schedule}: expected 2 model chunks, got {len(model)}")
         if registry.get(schedule).layout_kind == BIDIRECTIONAL:
-            from .torch_dist_mirror import mark_mirror_replicas
+            from .checkpoint.torch_dist_mirror import mark_mirror_replicas
 
             mark_mirror_replicas(model[1])  # torch_dist: the mirror is a non-main replica
         from megatron.core import parallel_state

@@ -1,4 +1,4 @@
-"""DualPipe's mirror in a torch_dist state dict (megatron_lm/torch_dist_mirror.py), without a run:
+"""DualPipe's mirror in a torch_dist state dict (megatron_lm/checkpoint/torch_dist_mirror.py), without a run:
 marked non-main with Megatron's replica-id shape, still recognisable after Megatron copies a model
 entry into the optimizer's state (``dataclasses.replace``), and left out of what is saved."""
 import dataclasses
@@ -8,7 +8,7 @@ import torch
 
 mapping = pytest.importorskip("megatron.core.dist_checkpointing.mapping")
 
-from megatron_dualpipe.megatron_lm import torch_dist_mirror as tdm  # noqa: E402
+from megatron_dualpipe.megatron_lm.checkpoint import torch_dist_mirror as tdm  # noqa: E402
 
 
 def _tensor(key, replica_id):

@@ -12,19 +12,20 @@ reads the stage's stored shards like any other replica. At *save* it must not ta
   stage holds ``embedding.word_embeddings.weight`` on the same rank as the home copy of stage 0
   ("Invalid access pattern ... tensor([[2]])"). So :func:`drop_mirror_entries` replaces the
   mirror's entries of the generated state dict by non-persistent placeholders before Megatron
-  saves it (``checkpoint_hooks``);
+  saves it (``strategies``);
 * the distributed optimizer's ``dp_reshardable`` state (Megatron's default) is keyed by grad
   buffer (``gbuf_idx_k``), not by parameter. DualPipe's buffers are model[0]'s (numbered as in a
   one-chunk run) followed by the mirror's; :func:`one_chunk_distributed_optimizer` presents only
   model[0]'s buffers, so the files are those of a 1F1B run and a 1F1B checkpoint loads (before:
   "KeyError: ... gbuf_idx_1 ... not in state dict"). At load the mirror's buffers keep their
-  current values and ``checkpoint_hooks.sync_mirrors`` then copies the home copy's state over
+  current values and ``mirrors.sync_mirrors`` then copies the home copy's state over
   the bd pair.
 """
 
 import functools
 
-from .. import hooks
+from ... import hooks
+from .optimizers import home_buffers, inner_optimizers, is_distributed_optimizer, model0_ids
 
 _SHARDED_STATE_DICT = hooks.entry("per object", "DistributedOptimizer.sharded_state_dict")
 _LOAD_RESHARDABLE = hooks.entry("per object", "DistributedOptimizer.load_parameter_state_from_dp_reshardable")
@@ -49,9 +50,9 @@ def mark_mirror_replicas(chunk) -> None:
     """Make every ShardedTensor / ShardedObject / factory of ``chunk.sharded_state_dict(...)`` a
     mirror replica, by wrapping the method of the innermost module (Megatron's save/load call
     ``unwrap_model`` first). Idempotent."""
-    from ..mcore.model import unwrap_chunk
+    from ...mcore.model import unwrap_chunk
 
-    from ..hooks.mechanism import apply
+    from ...hooks.mechanism import apply
 
     chunk = unwrap_chunk(chunk)
     if getattr(chunk, "_megatron_dualpipe_mirror_replica", False):
@@ -110,13 +111,18 @@ def drop_mirror_entries(state_dict) -> int:
 def home_buffer_count(opt, keep_ids) -> int:
     """How many of ``opt``'s grad buffers are model[0]'s; they must come first (DDP numbers the
     buffers chunk by chunk), so that their indices are a one-chunk run's."""
-    from .checkpoint_hooks import _home_buffers
-
-    home = _home_buffers(opt, keep_ids)
+    home = home_buffers(opt, keep_ids)
     if home != list(range(len(home))):
         raise RuntimeError(f"--pipeline-schedule dualpipe: model[0]'s grad buffers are {home} of "
                            f"{len(opt.buffers)}, not the first ones; torch_dist cannot save them as a one-chunk run does")
     return len(home)
+
+
+def model0_distributed_optimizers(model, optimizer):
+    """Within the block, the distributed optimizers' buffer-keyed state is restricted to
+    model[0]'s buffers (:func:`one_chunk_distributed_optimizer`; nothing to do without one)."""
+    return one_chunk_distributed_optimizer([o for o in inner_optimizers(optimizer) if is_distributed_optimizer(o)],
+                                           model0_ids(model))
 
 
 def one_chunk_distributed_optimizer(optimizers, keep_ids):

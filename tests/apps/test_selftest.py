@@ -28,7 +28,7 @@ from megatron_dualpipe.selftest.options import TOLERANCE
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU form of the selftest")
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _selftest(out: pathlib.Path, *flags: str, env=None, timeout: float = 900):
@@ -108,3 +108,30 @@ def test_bad_settings_are_one_line_before_anything_starts(capsys, tmp_path, argv
     print(f"\nselftest {' '.join(argv)} -> {code}: {err.strip()}")
     assert code == 2 and err.count("\n") == 1 and needle in err and "Traceback" not in err
     assert not (tmp_path / "out").exists()
+
+
+def test_moe_over_expert_parallelism_and_the_overlap_timer_on_cpu(tmp_path):
+    """--ep 2: the MoE runs through the fused units (combined step) and equals 1F1B; the overlap
+    stage's node timer (CUDA events on a GPU, the host clock here) records the all-to-all nodes of
+    every fused unit, and reports SKIP here, where one stream hides nothing."""
+    code, stdout, report = _selftest(tmp_path, "--nproc", "4", "--ep", "2", "--deadline", "10")
+    assert code == 0, stdout
+    moe = _stage(report, "equality")["numbers"]["MoE"]
+    assert max(moe[s]["max_rel_grad_diff"] for s in ("dualpipe", "dualpipev")) <= TOLERANCE["fp32"]
+    overlap = _stage(report, "overlap")
+    assert overlap["status"] == "SKIP" and "not measurable on the CPU" in overlap["summary"]
+    ranks = overlap["numbers"]["ranks"]
+    assert sum(r["units"] for r in ranks) > 0
+    for r in ranks:  # every fused unit ran its layers' dispatch and combine, forward and backward
+        assert r["comm_nodes"] > 0 and r["comm_nodes"] % 4 == 0 and r["comm_ms"] > 0
+        assert r["hidden_ms"] <= 1e-6 * r["comm_ms"]  # one after another on the CPU
+
+
+def test_hidden_fraction_arithmetic():
+    from megatron_dualpipe.selftest.overlap import hidden_ms
+
+    compute = [(0.0, 4.0), (3.0, 6.0), (10.0, 12.0)]  # union: [0, 6] and [10, 12]
+    assert hidden_ms([(5.0, 11.0)], compute) == (2.0, 6.0)  # 5-6 and 10-11 inside
+    assert hidden_ms([(6.0, 10.0)], compute) == (0.0, 4.0)  # in the gap: nothing hidden
+    assert hidden_ms([(1.0, 2.0), (10.5, 11.5)], compute) == (2.0, 2.0)
+    assert hidden_ms([], compute) == (0.0, 0.0)

@@ -97,7 +97,7 @@ def route(pieces: Dict[int, Dict[str, object]], src_of: Callable[[int], int], de
 
 def gather_one_chunk_state_dict(model, me: int, pp: int, n: int) -> Dict[str, object]:
     """DualPipeV -> 1F1B: 1F1B stage ``me``'s weights, assembled from the V-stages (collective)."""
-    from ..mcore.model import chunk_info
+    from ...mcore.model import chunk_info
 
     pieces = {chunk_info(c)["stage"]: c.state_dict_for_save_checkpoint() for c in model}
     got = route(pieces, lambda v: v_stage_owner(v, pp)[0], lambda v: v // 2, pp)
@@ -109,3 +109,38 @@ def scatter_one_chunk_state_dict(sd: Dict[str, object], me: int, pp: int, n: int
     dicts of ``[model[0], model[1]]`` (V-stages ``me`` and ``2pp-1-me``). Collective."""
     got = route(split_stage(sd, me, n), lambda v: v // 2, lambda v: v_stage_owner(v, pp)[0], pp)
     return [got[me], got[2 * pp - 1 - me]]
+
+
+def geometry(model) -> Tuple[int, int, int]:
+    """(pipeline rank, pp, layers per V-stage) of a DualPipeV model."""
+    from megatron.core import parallel_state
+
+    from ...mcore.model import unwrap_chunk
+
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    return (parallel_state.get_pipeline_model_parallel_rank(), pp,
+            unwrap_chunk(model[0]).config.num_layers // (2 * pp))
+
+
+def one_chunk_model_added(model):
+    """Within the block, the state dict Megatron's save writes also holds ``model``: 1F1B stage
+    ``i``'s weights (gathered from the V-stages now, collectively, on every rank)."""
+    from .megatron_io import generated_state_dict_edited
+
+    me, pp, n = geometry(model)
+    one_chunk = gather_one_chunk_state_dict(model, me, pp, n)
+    return generated_state_dict_edited(lambda sd: sd.__setitem__("model", one_chunk))
+
+
+def cut_into_v_stages(model):
+    """Within the block, the state dict Megatron's load reads from this rank's file gets
+    ``model0``/``model1`` cut out of its 1F1B-layout ``model`` (collective)."""
+    from .megatron_io import loaded_state_dict_edited
+
+    me, pp, n = geometry(model)
+
+    def cut(sd):
+        if "model" in sd and "model0" not in sd:
+            sd["model0"], sd["model1"] = scatter_one_chunk_state_dict(sd.pop("model"), me, pp, n)
+
+    return loaded_state_dict_edited(cut)
