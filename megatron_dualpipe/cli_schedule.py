@@ -289,7 +289,9 @@ def _forwards(spec, pp: int, real: int) -> int:
 def _report(padded, costs, result, rows, stage, work, grad=None) -> str:
     s = padded.schedule
     spec = s.spec
-    per = "per chunk (half a stage)" if spec.costs_per_chunk else "per stage"
+    share = spec.model_stages(s.pp) // s.pp  # chunks per stage's worth of model
+    per = ("per chunk (half a stage)" if share == 2 else f"per chunk (1/{share} of a stage)") \
+        if spec.costs_per_chunk else "per stage"
     unit = s.layout.dir_word + "s" if spec.costs_per_chunk else "micro-batches"
     lines: List[str] = [f"{s.name}: pp={s.pp} M={s.microbatches} ({_per_dir(s)})"]
     note = _padding_note(padded)
