@@ -311,6 +311,7 @@ def arg_results():
     return json.loads(marker[-1][len("@@RESULT@@"):])
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_pipeline_schedule_arguments(arg_results, name):
     expected = CASES[name][2]
@@ -336,6 +337,7 @@ def test_fails_as_under_1f1b(arg_results, flag):
         assert "get_device_capability" in results["1f1b"]["tb"], results["1f1b"]["tb"]
 
 
+@pytest.mark.smoke
 def test_every_refused_option_has_a_case():
     sys.path.insert(0, REPO_ROOT)
     from megatron_dualpipe.megatron_lm.arguments import REFUSED_OPTIONS

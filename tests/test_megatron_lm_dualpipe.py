@@ -48,6 +48,7 @@ PARAMS_RE = re.compile(r" > number of parameters on \(tensor, pipeline\) model p
                        r"(?: \(logical: stage (\d); physical on this rank, with the mirrored copy of stage (\d): (\d+)\))?")
 
 
+@pytest.mark.smoke
 def test_dualpipe_zb_h1_executor_1f1b_and_megatron_1f1b_losses_equal():
     ref = run_pretrain("1f1b")
     ref_params = {int(r): int(n) for r, n, *_ in PARAMS_RE.findall(LAST_OUTPUT[0])}
