@@ -9,6 +9,7 @@ import pytest
 
 from megatron_dualpipe import versions
 
+pytestmark = pytest.mark.smoke
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
