@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The README's test command: set up .venv, then run the whole suite.
+# The README's test command: set up .venv, then run the whole suite. Arguments go to pytest: one tier
+# with `-m schedule` (markers per layer and `slow`: tests/conftest.py), the quick tiers with `-m "not slow"`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # MEGATRON_CORE=0.19.2: the suite on that megatron-core release, in its own environment (setup_venv.sh).

@@ -74,18 +74,32 @@ def inspect(path: str, require_tag: bool = True) -> Checkout:
     problem = tag_problem(path, version, tag) if require_tag else None
     if problem:
         raise PatchError(problem + " and run this command again")
-    lines = open(script, encoding="utf-8").read().splitlines(keepends=True)
+    lines = _read_lines(script)
     hooked = [i for i, line in enumerate(lines) if MARKER in line]
     if hooked:
         i = hooked[0] - 2
-        if i < 0 or tuple(lines[i:i + 3]) != HOOK:
+        if i < 0 or tuple(_bare(line) for line in lines[i:i + 3]) != tuple(_bare(h) for h in HOOK):
             raise PatchError(f"{script} contains a modified megatron-dualpipe hook (line {hooked[0] + 1}): "
                              f"remove it by hand, then run this command again")
         return Checkout(path, script, version, tag, "applied")
-    if ANCHOR not in lines:
+    if _anchor_index(lines) is None:
         raise PatchError(f"{script} has no line {ANCHOR.strip()!r} to put the hook after: is it from "
                          f"{' or '.join(TAGS)}?")
     return Checkout(path, script, version, tag, "clean")
+
+
+def _read_lines(script: str):
+    """The script's lines with their own line endings (a CRLF checkout stays CRLF when written back)."""
+    with open(script, encoding="utf-8", newline="") as f:
+        return f.read().splitlines(keepends=True)
+
+
+def _bare(line: str) -> str:
+    return line.rstrip("\r\n")
+
+
+def _anchor_index(lines) -> Optional[int]:
+    return next((i for i, line in enumerate(lines) if _bare(line) == _bare(ANCHOR)), None)
 
 
 def _writable_problem(script: str) -> Optional[str]:
@@ -114,7 +128,7 @@ def _replace(path: str, text: str) -> None:
     mode = os.stat(path).st_mode
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".pretrain_gpt.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
             f.write(text)
         os.chmod(tmp, mode)
         os.replace(tmp, path)
@@ -130,7 +144,7 @@ def apply(path: str, *, revert: bool = False, check: bool = False) -> str:
     Reverting works on any version (a hook left in a checkout that moved to another tag can be
     removed); ``check`` fails where the real run would, e.g. on a read-only checkout."""
     co = inspect(path, require_tag=not revert)
-    lines = open(co.script, encoding="utf-8").read().splitlines(keepends=True)
+    lines = _read_lines(co.script)
     if not revert:
         if co.state == "applied":
             return f"already applied to {co.script}; nothing to do"
@@ -139,8 +153,9 @@ def apply(path: str, *, revert: bool = False, check: bool = False) -> str:
             raise PatchError(problem)
         if check:
             return f"would add the megatron-dualpipe hook ({len(HOOK)} lines) to {co.script}"
-        at = lines.index(ANCHOR) + 1
-        _write_atomically(co.script, "".join(lines[:at] + list(HOOK) + lines[at:]))
+        at = _anchor_index(lines) + 1
+        eol = lines[at - 1][len(_bare(lines[at - 1])):] or "\n"  # the anchor line's own ending
+        _write_atomically(co.script, "".join(lines[:at] + [_bare(h) + eol for h in HOOK] + lines[at:]))
         return f"added the megatron-dualpipe hook ({len(HOOK)} lines) to {co.script}"
     if co.state == "clean":
         return f"not applied to {co.script}; nothing to revert"
