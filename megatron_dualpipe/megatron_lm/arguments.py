@@ -106,7 +106,7 @@ def num_microbatches(args) -> int:
 REFUSED_OPTIONS = options.args_rules()
 
 
-def advise_problems(args) -> List[str]:
+def advise_problems(args) -> list:
     """--dualpipe-advise-warmup: not negative, and leaving measured iterations within --train-iters."""
     from megatron_dualpipe.mcore.live_advice import DEFAULT_WARMUP, MEASURED_ITERATIONS
 
