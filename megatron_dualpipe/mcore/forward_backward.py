@@ -44,9 +44,11 @@ from megatron.core.utils import get_model_config
 
 from ..executor.p2p import DEFAULT_TIMEOUT_S, P2P
 from ..executor.runner import Program, TensorSpec, compile_program, run_rank
-from ..schedule import B, registry
+from ..executor import abort
+from ..schedule import B, iteration_plan, registry
 from .data import MicrobatchSource
-from .grads import GradReduction, finalize_dualpipe_grads
+from .finalize import finalize_dualpipe_grads
+from .grad_reduction import GradReduction
 from .live_advice import LiveAdvice
 from .loss_gather import gather_losses_on_last_rank
 from .overlap import OverlappedStageCompute, offers_combined_step
@@ -98,6 +100,7 @@ class _Iteration:
     """What one call runs: the checked program for this rank and the means to communicate."""
 
     program: Program
+    plan: iteration_plan.IterationPlan
     rank: int
     global_ranks: List[int]
     group: Any
@@ -138,6 +141,13 @@ class ExecutorSchedule:
             data_iterator = data_iterator[0]
         it = self._plan(model, config, num_microbatches, padded, forward_only,
                         (seq_length, micro_batch_size, decoder_seq_length))
+        with abort.signalling_failure():  # a rank that raises from here on stops its peers' waits
+            return self._iterate(it, model, config, forward_step_func, data_iterator, num_microbatches,
+                                 forward_only, collect_non_loss_data, first_val_step, force_all_reduce)
+
+    def _iterate(self, it: "_Iteration", model, config, forward_step_func, data_iterator, num_microbatches: int,
+                 forward_only: bool, collect_non_loss_data: bool, first_val_step, force_all_reduce):
+        """Run, gather the losses, finalize."""
         store = self._wgrad_store(it, forward_only)
         reduction = None if forward_only else self._grad_reduction(it, model, config, num_microbatches, store)
         # Through megatron-core's combined step when the model offers it (mcore.overlap).
@@ -157,7 +167,8 @@ class ExecutorSchedule:
                               is_fake=compute.is_fake, device=it.tensor_spec.device)
             self._report_deferral(compute.audit, it.rank)
             losses = gather_losses_on_last_rank(compute.loss_store, it.program.schedule.layout, it.rank,
-                                                it.global_ranks, it.group, it.tensor_spec.device)
+                                                it.global_ranks, it.group, it.tensor_spec.device,
+                                                timeout_s=self.p2p_timeout)
             if not forward_only:
                 _finalize(model, config, compute.total_num_tokens, it.tensor_spec.device, force_all_reduce)
         return losses
@@ -168,6 +179,9 @@ class ExecutorSchedule:
         global_ranks = dist.get_process_group_ranks(group)
         rank = parallel_state.get_pipeline_model_parallel_rank()
         program = compile_program(self.spec.name, len(global_ranks), padded, forward_only)
+        checked = _checked_iteration(self.spec.name, len(global_ranks), padded, real, self.zero_bubble,
+                                     config.grad_sync_func is not None, parallel_state.get_data_parallel_world_size(),
+                                     forward_only)
         if padded != real:
             self._report_padding(len(global_ranks), real, padded, forward_only)
         seq_length, micro_batch_size, decoder_seq_length = shape_args
@@ -179,7 +193,7 @@ class ExecutorSchedule:
         p2p = P2P(group, global_ranks, rank, timeout_s=self.p2p_timeout)
         _first_collective_once(p2p, group, device)
         tensor_spec = TensorSpec(tuple(shape), config.pipeline_dtype, device)
-        return _Iteration(program, rank, global_ranks, group, p2p, tensor_spec)
+        return _Iteration(program, checked, rank, global_ranks, group, p2p, tensor_spec)
 
     def _report_padding(self, pp: int, real: int, padded: int, forward_only: bool) -> None:
         key = (pp, real, forward_only)
@@ -192,10 +206,10 @@ class ExecutorSchedule:
                         padded, real, padded - real, " in evaluation" if forward_only else "")
 
     def _grad_reduction(self, it: _Iteration, model, config, real: int, wgrad_store) -> GradReduction:
-        pp = len(it.global_ranks)
-        return GradReduction(model, config, actions=it.program.actions[it.rank],
-                             partner_actions=it.program.actions[pp - 1 - it.rank],
-                             is_fake=lambda a: self.spec.is_fake(real, a.dir, a.mb), deferring=wgrad_store is not None)
+        actions = it.program.actions[it.rank]
+        last = iteration_plan.last_grad_action_index(actions, lambda a: self.spec.is_fake(real, a.dir, a.mb),
+                                                     iteration_plan.grad_ops(wgrad_store is not None))
+        return GradReduction(model, config, actions=actions, sum_points=it.plan.sum_points[it.rank], last_actions=last)
 
     def _report_deferral(self, audit, rank: int) -> None:
         """Once per process: say how much weight-gradient work W holds if B kept some."""
@@ -275,3 +289,14 @@ def _finalize(model, config, total_num_tokens, device, force_all_reduce) -> None
                                 copies_summed=True)
     else:
         finalize(model, tokens, force_all_reduce=force_all_reduce)
+
+
+@functools.lru_cache(maxsize=64)
+def _checked_iteration(name: str, pp: int, padded: int, real: int, zero_bubble: bool, overlap_grad_reduce: bool,
+                       dp: int, forward_only: bool) -> iteration_plan.IterationPlan:
+    """The iteration's whole communication, checked under NCCL stream semantics before anything
+    runs (raises ``IterationPlanError`` naming the cycle); its bd-sum points drive GradReduction."""
+    program = compile_program(name, pp, padded, forward_only)
+    return iteration_plan.plan_for(registry.get(name), pp, real, program.actions, program.plans,
+                                   zero_bubble=zero_bubble, overlap_grad_reduce=overlap_grad_reduce, dp=dp,
+                                   forward_only=forward_only)
