@@ -29,10 +29,17 @@ from torch.distributed import distributed_c10d as c10d
 from .streams import emulating_stream_waits
 
 _WRAPPED = ("all_reduce", "batch_isend_irecv", "isend", "irecv")
+#: What a collective returns inside ``_coalescing_manager`` (Megatron DDP's): the manager's
+#: handle is the work, waited where NCCL's would be.
+_ILLEGAL_WORK = getattr(c10d, "_IllegalWork", type(None))
 
 
 class EmulatedStreamDeadlock(RuntimeError):
     """An emulated stream wait did not end: on a GPU this rank's stream would wait forever."""
+
+
+#: What the emulation saw in this process: works it wrapped, stream waits (``wait()`` calls).
+STATS = {"works": 0, "stream_waits": 0}
 
 
 class EmulatedWork:
@@ -44,6 +51,7 @@ class EmulatedWork:
         self._works = works if isinstance(works, list) else [works]
         self.what, self.deadline_s = what, deadline_s
         self.issued = time.monotonic()
+        STATS["works"] += 1
         self._done = threading.Event()
         self._error = None
         threading.Thread(target=self._wait, daemon=True, name="emulated-nccl-work").start()
@@ -61,6 +69,7 @@ class EmulatedWork:
 
     def wait(self, timeout=None) -> bool:
         """The stream wait: nothing this rank issues later runs before the operation completed."""
+        STATS["stream_waits"] += 1
         if not self._done.wait(self.deadline_s):
             raise EmulatedStreamDeadlock(
                 f"global rank {dist.get_rank()}: the emulated stream waited {self.deadline_s:g} s for {self.what} "
@@ -100,7 +109,7 @@ def emulate_nccl(deadline_s: float = 20.0):
             what = _describe(name, args, kwargs)
             if isinstance(result, list):  # a batch: one work that completes with all its operations
                 return [EmulatedWork(list(result), what, deadline_s)] if result else result
-            if result is None or isinstance(result, EmulatedWork) or not hasattr(result, "wait"):
+            if result is None or isinstance(result, (EmulatedWork, _ILLEGAL_WORK)):  # inside a coalescing manager
                 return result
             return EmulatedWork(result, what, deadline_s)
         return wrapped

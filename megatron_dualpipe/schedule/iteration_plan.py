@@ -103,7 +103,7 @@ class Work:
 
     rank: int
     comm: str
-    what: str
+    what: object  # formatted (str()) only for an error message
     sends: List[Tuple[int, int, int]] = field(default_factory=list)  # P2P: (src, dst, index on the channel)
     recvs: List[Tuple[int, int, int]] = field(default_factory=list)
     group: Tuple[int, ...] = ()     # collective: its ranks
@@ -117,7 +117,7 @@ class Item:
 
     kind: str
     work: int = -1
-    text: str = ""
+    text: object = ""  # formatted (str()) only for an error message
 
 
 @dataclass
@@ -126,6 +126,37 @@ class IterationPlan:
     works: List[Work]
     items: List[List[Item]]
     sum_points: List[List[Tuple[int, int]]]   # per rank: (action index, chunk), issue order
+
+
+class _Where:
+    """'before action i (a)', formatted only for an error message."""
+
+    def __init__(self, i: int, a: Action):
+        self.i, self.a = i, a
+
+    def __str__(self) -> str:
+        return f"before action {self.i} ({self.a})"
+
+
+class _Text:
+    """A message formatted only when shown (the check builds thousands per plan); labels in words."""
+
+    def __init__(self, fmt: str, *args):
+        self.fmt, self.args = fmt, args
+
+    def __str__(self) -> str:
+        return self.fmt.format(*(describe(x) if isinstance(x, tuple) else x for x in self.args))
+
+
+class _BatchText:
+    def __init__(self, r: int, where, batch):
+        self.r, self.where, self.batch = r, where, batch
+
+    def __str__(self) -> str:
+        bt = self.batch
+        text = "; ".join([f"send {describe(t.label)} to rank {t.peer}" for t in bt.sends]
+                         + [f"receive {describe(t.label)} from rank {t.peer}" for t in bt.recvs])
+        return f"rank {self.r}'s P2P batch posted {self.where} [{text}]"
 
 
 class _Builder:
@@ -212,10 +243,7 @@ def build(layout: Layout, ranks: Sequence[Sequence[Action]], plans: Sequence[Ran
             nonlocal bi
             while bi < len(rp.batches) and rp.batches[bi].unit <= upto:
                 bt = rp.batches[bi]
-                text = "; ".join([f"send {describe(t.label)} to rank {t.peer}" for t in bt.sends]
-                                 + [f"receive {describe(t.label)} from rank {t.peer}" for t in bt.recvs])
-                k = b.p2p(r, "pp", f"rank {r}'s P2P batch posted {where} [{text}]",
-                          [t.peer for t in bt.sends], [t.peer for t in bt.recvs])
+                k = b.p2p(r, "pp", _BatchText(r, where, bt), [t.peer for t in bt.sends], [t.peer for t in bt.recvs])
                 for t in bt.sends:
                     send_batch[t.label] = k
                 for t in bt.recvs:
@@ -226,18 +254,18 @@ def build(layout: Layout, ranks: Sequence[Sequence[Action]], plans: Sequence[Ran
         sent_output: Dict[Tuple[int, int, int], tuple] = {}
         unit_list = units(acts)
         for u, unit in enumerate(unit_list):
-            where = f"before action {unit[0]} ({acts[unit[0]]})"
+            where = _Where(unit[0], acts[unit[0]])
             post_batches(u, where)
             for i in unit:
                 for src, label in rp.inputs[i]:
                     if src != r:
-                        b.wait(r, recv_batch[label], f"{where}: its input, the {describe(label)}")
+                        b.wait(r, recv_batch[label], _Text("{}: its input, the {}", where, label))
             for i in unit:
                 a = acts[i]
                 label = sent_output.pop((a.dir, a.mb, a.stage), None) if a.is_backward else None
                 if label is not None:
-                    b.wait(r, send_batch[label], f"{where}: the send of its forward's output, released first")
-            b.compute(r, f"unit {u} ({' + '.join(str(acts[i]) for i in unit)})")
+                    b.wait(r, send_batch[label], _Text("{}: the send of its forward's output, released first", where))
+            b.compute(r, "")
             for i in unit:
                 a = acts[i]
                 if a.op == F and not is_fake(a):
@@ -245,10 +273,10 @@ def build(layout: Layout, ranks: Sequence[Sequence[Action]], plans: Sequence[Ran
                         if dst != r:
                             sent_output[(a.dir, a.mb, a.stage)] = label
                 for c in at_point.get(i, ()):
-                    issue_sum(r, c, f"after action {i} ({a})")
+                    issue_sum(r, c, _Text("after action {} ({})", i, a))
         post_batches(len(unit_list), "after its last action")
         for label, k in sorted(send_batch.items()):
-            b.wait(r, k, f"at the end of the schedule: the send of the {describe(label)}")
+            b.wait(r, k, _Text("at the end of the schedule: the send of the {}", label))
         # GradReduction.finish: the sums the plan left to the end, then every sum waited.
         for i, c in points[r]:
             if c not in sum_works[r]:
@@ -303,7 +331,7 @@ def check(ip: IterationPlan) -> None:
         keys = {works[k].key for k in by_rank.values()}
         if len(keys) > 1 or set(by_rank) != set(group):
             raise IterationPlanError(f"collective {seq} on the {comm} communicator of ranks {list(group)} is not "
-                                     f"the same on every rank: " + "; ".join(works[k].what for k in by_rank.values()))
+                                     f"the same on every rank: " + "; ".join(str(works[k].what) for k in by_rank.values()))
     for s in send_of:
         if s not in recv_of:
             raise IterationPlanError(f"{works[send_of[s]].what}: message {s[2]} from rank {s[0]} to rank {s[1]} "
