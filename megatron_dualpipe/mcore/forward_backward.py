@@ -16,12 +16,12 @@ docstring of ``megatron.core.pipeline_parallel.get_forward_backward_func``):
   as in Megatron;
 * ``config.no_sync_func`` holds data-parallel reduction off while the schedule runs; each
   chunk's gradient reduction starts as soon as its last weight gradient is done
-  (``grads.GradReduction``): the two copies of a DualPipe stage are summed over the bd pair
+  (``grad_reduction.GradReduction``): the two copies of a DualPipe stage are summed over the bd pair
   (always: DualPipe itself needs it), tied embeddings folded, then ``config.grad_sync_func``
   (Megatron's data-parallel reduction under ``--overlap-grad-reduce``) is called for the chunk;
   ``config.timers("forward-backward")`` times the call;
 * then, if set, ``config.finalize_model_grads_func`` runs (for two chunks through
-  ``grads.finalize_dualpipe_grads``);
+  ``finalize.finalize_dualpipe_grads``);
 * returns the loss entries of ALL real micro-batches, both directions, in global order, on the
   last pipeline rank (``[]`` elsewhere), which is where Megatron's training loop reads them.
 

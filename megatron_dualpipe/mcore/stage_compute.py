@@ -51,7 +51,7 @@ class MegatronStageCompute(StageComputeBase):
         self.config, self.forward_only, self.collect_non_loss_data = config, forward_only, collect_non_loss_data
         self.first_val_step, self.global_ranks = first_val_step, global_ranks
         self.wgrad_store, self.audit = wgrad_store, audit
-        self.grad_reduction = grad_reduction  # told of every gradient action (grads.GradReduction)
+        self.grad_reduction = grad_reduction  # told of every gradient action (grad_reduction.GradReduction)
         self.unwrapped = [unwrap_chunk(chunk) for chunk in model]
         self.te_backward_dw = [offers_te_backward_dw(chunk) for chunk in self.unwrapped]
         self.cp_size = parallel_state.get_context_parallel_world_size()

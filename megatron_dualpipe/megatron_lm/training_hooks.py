@@ -25,7 +25,7 @@ arguments and returns its result: Megatron behaves exactly as without the plugin
     ``mcore.forward_backward.get_forward_backward_func(schedule, zero_bubble=...,
     p2p_timeout=...)``, whose function finalizes gradients through
     ``config.finalize_model_grads_func`` (Megatron's ``finalize_model_grads``, set by
-    ``train()``) -- for two chunks via ``grads.finalize_dualpipe_grads`` after the bd
+    ``train()``) -- for two chunks via ``finalize.finalize_dualpipe_grads`` after the bd
     all-reduce -- and returns the loss dicts of both directions on the last pipeline rank,
     where ``train_step`` / ``evaluate`` read them.
 ``calc_params_l2_norm`` (``--log-params-norm``, DualPipe)
