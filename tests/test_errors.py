@@ -244,18 +244,18 @@ def forward_step(data_iterator, model):
     return output, functools.partial(loss_func, b["loss_mask"] if last else None)
 
 
-def _provider(pre_process, post_process, pg_collection=None, vp_stage=None):
-    config = me.tiny_gpt_config(num_layers=LAYERS, hidden_size=HIDDEN)
+def _provider(pre_process, post_process, pg_collection=None, vp_stage=None, layers=LAYERS):
+    config = me.tiny_gpt_config(num_layers=layers, hidden_size=HIDDEN)
     return me.build_tiny_gpt(config, pre_process=pre_process, post_process=post_process, vocab_size=VOCAB,
                              max_sequence_length=SEQ, pg_collection=pg_collection, vp_stage=vp_stage)
 
 
-def _build():
+def _build(layers=LAYERS):
     from megatron_dualpipe.mcore.groups import build_bd_groups
     from megatron_dualpipe.mcore.model import build_two_direction_model
 
     build_bd_groups()
-    model = build_two_direction_model(_provider, layout_kind="bidirectional")
+    model = build_two_direction_model(functools.partial(_provider, layers=layers), layout_kind="bidirectional")
     for chunk in model:
         chunk.config.finalize_model_grads_func = lambda *a, **k: None
     return model
@@ -291,7 +291,7 @@ def _shape_worker(rank, world, port, flag_dir, peers_wait_s):
     so that they see its abort signal rather than a closed connection. Returns (kind, message,
     seconds in the call, wall-clock time of the error)."""
     me.init_distributed_cpu(rank, world, port, pp=world, timeout_minutes=1)
-    model = _build()
+    model = _build(layers=world)
     m = 2 * world
     t0 = time.monotonic()
     try:
