@@ -213,6 +213,14 @@ REFUSED_CASES = {
 
 for _flag, (_schedule, _argv, _over) in REFUSED_CASES.items():
     CASES["refused " + _flag] = (4, BASE + ["--pipeline-schedule", _schedule] + _argv, ["does not support " + _flag], _over)
+# FP8's delayed recipe: each copy of a DualPipe stage would keep its own amax history (issue 17).
+CASES["refused --fp8-recipe delayed"] = (4, BASE + ["--pipeline-schedule", "dualpipe"],
+                                         ["does not support --fp8-recipe delayed", "--fp8-recipe tensorwise"],
+                                         {"fp8": "e4m3", "fp8_recipe": "delayed"})
+CASES["fp8 tensorwise_dualpipe_ok"] = (4, BASE + ["--pipeline-schedule", "dualpipe"], None,
+                                       {"fp8": "e4m3", "fp8_recipe": "tensorwise"})
+CASES["fp8 delayed_dualpipev_ok"] = (4, BASE + ["--pipeline-schedule", "dualpipev"], None,
+                                     {"fp8": "e4m3", "fp8_recipe": "delayed"})
 CASES["global_aux_loss_dualpipev_ok"] = (
     4, BASE + ["--pipeline-schedule", "dualpipev"] + REFUSED_CASES["--moe-router-load-balancing-type global_aux_loss"][1],
     None)

@@ -47,6 +47,9 @@ def check_call(spec: ScheduleSpec, *, model: Sequence[torch.nn.Module], num_micr
             f"{name} does not support num_microbatches_with_partial_activation_checkpoints (Megatron's 1F1B picks, "
             f"per micro-batch, which ones recompute, from its own window of outstanding backwards): set it to None "
             f"and recompute every micro-batch alike (recompute_granularity / recompute_num_layers)")
+    problem = fp8_delayed_problem(spec, pp, getattr(config, "fp8", None), getattr(config, "fp8_recipe", None))
+    if problem:
+        raise DualPipeConfigError(f"{name} {problem}")
     if getattr(config, "overlap_p2p_comm", False):
         raise DualPipeConfigError(f"{name} batches its own P2P: turn off --overlap-p2p-communication")
     if isinstance(data_iterator, (list, tuple)) and len(data_iterator) != 1:
@@ -59,6 +62,20 @@ def check_call(spec: ScheduleSpec, *, model: Sequence[torch.nn.Module], num_micr
         return spec.padded_microbatches(pp, num_microbatches, forward_only)
     except ScheduleError as e:
         raise DualPipeConfigError(str(e)) from None
+
+
+def fp8_delayed_problem(spec: ScheduleSpec, pp: int, fp8, recipe) -> str:
+    """FP8 with the ``delayed`` recipe under a schedule with two copies of each stage: each copy
+    keeps its own amax history, of its own direction's micro-batches, so the copies quantise
+    with different scales and their weights drift apart. Refused (an amax reduction over the bd
+    pair would be needed); '' when fine."""
+    from ..schedule.layout import BIDIRECTIONAL
+
+    if not fp8 or getattr(recipe, "value", recipe) != "delayed" or spec.layout(max(pp, 2)).kind != BIDIRECTIONAL:
+        return ""
+    return ("does not support --fp8-recipe delayed (each copy of a stage would keep its own amax history of its own "
+            "direction's micro-batches, so the two copies would quantise with different scales and drift apart): use "
+            "--fp8-recipe tensorwise, blockwise or mxfp8, or --pipeline-schedule dualpipev")
 
 
 def _check_chunks(spec: ScheduleSpec, model: Sequence[torch.nn.Module]) -> None:

@@ -266,6 +266,11 @@ def dualpipe_problems(args):
                 )
 
     problems.extend(refused_option_problems(args, schedule))
+    from ..mcore.validation import fp8_delayed_problem  # the check the executor repeats at its first call
+
+    fp8 = fp8_delayed_problem(spec, pp, getattr(args, "fp8", None), getattr(args, "fp8_recipe", None))
+    if fp8:
+        bad(fp8)
     if getattr(args, "overlap_moe_expert_parallel_comm", False):
         # Fused F&B units through megatron-core's combined step (mcore.overlap); no virtual
         # pipeline needed (training_hooks adapts the config).
