@@ -29,7 +29,7 @@ from typing import Iterator
 
 from megatron.core import parallel_state as ps
 
-from ..schedule.layout import BIDIRECTIONAL, Layout
+from ..schedule.layout import BIDIRECTIONAL, V_SHAPE, Layout
 
 _NAMES = (
     "is_pipeline_first_stage",
@@ -44,10 +44,17 @@ _NAMES = (
 def direction_of(layout: Layout, rank: int, d: int, global_ranks) -> Iterator[None]:
     """Within the block, parallel_state answers for the stage of direction ``d`` on ``rank``.
 
-    Direction 0 of every layout is the physical pipeline, so nothing changes for it.
+    Direction 0 of every layout is the physical pipeline, so nothing changes for it, but for
+    DualPipeV's rank pp-1: its direction-0 stage (pp-1) is not the model's last, so there
+    ``is_pipeline_last_stage()`` answers False and the rank reads no labels (it never uses them;
+    the loss is computed on rank 0).
     """
     if d == 0:
-        yield
+        if layout.kind == V_SHAPE and rank == layout.pp - 1:
+            with _answering(is_pipeline_last_stage=lambda *a, **k: False):
+                yield
+        else:
+            yield
         return
     stage = layout.stage_on(rank, d)
     first, last = layout.is_first(d, stage), layout.is_last(d, stage)
@@ -55,12 +62,19 @@ def direction_of(layout: Layout, rank: int, d: int, global_ranks) -> Iterator[No
     next_rank = global_ranks[(rank - 1) % pp]
     prev_rank = global_ranks[(rank + 1) % pp]
     logical_rank = pp - 1 - rank if layout.kind == BIDIRECTIONAL else rank
-    saved = {n: getattr(ps, n) for n in _NAMES}
-    ps.is_pipeline_first_stage = lambda *a, **k: first
-    ps.is_pipeline_last_stage = lambda *a, **k: last
-    ps.get_pipeline_model_parallel_next_rank = lambda *a, **k: next_rank
-    ps.get_pipeline_model_parallel_prev_rank = lambda *a, **k: prev_rank
-    ps.get_pipeline_model_parallel_rank = lambda *a, **k: logical_rank
+    with _answering(is_pipeline_first_stage=lambda *a, **k: first, is_pipeline_last_stage=lambda *a, **k: last,
+                    get_pipeline_model_parallel_next_rank=lambda *a, **k: next_rank,
+                    get_pipeline_model_parallel_prev_rank=lambda *a, **k: prev_rank,
+                    get_pipeline_model_parallel_rank=lambda *a, **k: logical_rank):
+        yield
+
+
+@contextlib.contextmanager
+def _answering(**replacements) -> Iterator[None]:
+    """Replace some of `_NAMES` in ``parallel_state`` for the block."""
+    saved = {n: getattr(ps, n) for n in replacements}
+    for n, f in replacements.items():
+        setattr(ps, n, f)
     try:
         yield
     finally:

@@ -66,7 +66,8 @@ def get_forward_backward_func(schedule: str = registry.DEFAULT, **options) -> Ca
     ``options`` (executor schedules only): ``zero_bubble`` (default True), ``p2p_timeout``
     (seconds, default ``MEGATRON_DUALPIPE_P2P_TIMEOUT`` or 600), ``advise`` (default False: log
     ``megatron-dualpipe advise`` for the first training iteration's measured costs, see
-    :mod:`.live_advice`).
+    :mod:`.live_advice`), ``drift_check_every`` (default 0, off: every N-th training call first
+    checks that both copies of every stage are bit-identical, see :mod:`.drift`).
     """
     try:
         spec = registry.get(schedule)
@@ -80,15 +81,18 @@ def get_forward_backward_func(schedule: str = registry.DEFAULT, **options) -> Ca
 
 @functools.lru_cache(maxsize=None)
 def _executor_schedule(name: str, zero_bubble: bool = True, p2p_timeout: float = DEFAULT_TIMEOUT_S,
-                       advise: bool = False):
+                       advise: bool = False, drift_check_every: int = 0):
     """One instance per (schedule, options): Megatron-LM asks for the function every iteration."""
-    return ExecutorSchedule(registry.get(name), zero_bubble=zero_bubble, p2p_timeout=p2p_timeout, advise=advise)
+    return ExecutorSchedule(registry.get(name), zero_bubble=zero_bubble, p2p_timeout=p2p_timeout, advise=advise,
+                            drift_check_every=drift_check_every)
 
 
 def forward_backward_dualpipe(*, schedule: str = registry.DUALPIPE, zero_bubble: bool = True,
-                              p2p_timeout: float = DEFAULT_TIMEOUT_S, advise: bool = False, **kwargs):
+                              p2p_timeout: float = DEFAULT_TIMEOUT_S, advise: bool = False, drift_check_every: int = 0,
+                              **kwargs):
     """Run one iteration of an executor schedule: ``get_forward_backward_func(schedule, ...)(**kwargs)``."""
-    func = get_forward_backward_func(schedule, zero_bubble=zero_bubble, p2p_timeout=p2p_timeout, advise=advise)
+    func = get_forward_backward_func(schedule, zero_bubble=zero_bubble, p2p_timeout=p2p_timeout, advise=advise,
+                                     drift_check_every=drift_check_every)
     if not isinstance(func, ExecutorSchedule):
         raise DualPipeConfigError(f"{schedule} is Megatron's own schedule: call megatron-core's "
                                   f"get_forward_backward_func() for it")
@@ -112,8 +116,9 @@ class ExecutorSchedule:
     """A ``forward_backward_func`` running ``spec``'s order on the executor."""
 
     def __init__(self, spec: registry.ScheduleSpec, *, zero_bubble: bool = True,
-                 p2p_timeout: float = DEFAULT_TIMEOUT_S, advise: bool = False):
+                 p2p_timeout: float = DEFAULT_TIMEOUT_S, advise: bool = False, drift_check_every: int = 0):
         self.spec, self.zero_bubble, self.p2p_timeout = spec, zero_bubble, p2p_timeout
+        self.drift_check_every, self._training_calls = drift_check_every, 0
         self._advice = LiveAdvice() if advise else None
         self._padding_reported: set = set()
         self._audited = False
@@ -142,6 +147,7 @@ class ExecutorSchedule:
         it = self._plan(model, config, num_microbatches, padded, forward_only,
                         (seq_length, micro_batch_size, decoder_seq_length))
         with abort.signalling_failure():  # a rank that raises from here on stops its peers' waits
+            self._check_drift(model, forward_only)
             return self._iterate(it, model, config, forward_step_func, data_iterator, num_microbatches,
                                  forward_only, collect_non_loss_data, first_val_step, force_all_reduce)
 
@@ -172,6 +178,17 @@ class ExecutorSchedule:
             if not forward_only:
                 _finalize(model, config, compute.total_num_tokens, it.tensor_spec.device, force_all_reduce)
         return losses
+
+    def _check_drift(self, model, forward_only: bool) -> None:
+        """Every ``drift_check_every``-th training call, before it runs: both copies of every stage
+        bit-identical (``drift.check_copies_identical``)."""
+        if forward_only or not self.drift_check_every:
+            return
+        self._training_calls += 1
+        if (self._training_calls - 1) % self.drift_check_every == 0:
+            from .drift import check_copies_identical
+
+            check_copies_identical(model, timeout_s=self.p2p_timeout)
 
     # -- plan ------------------------------------------------------------------------------------
     def _plan(self, model, config, real: int, padded: int, forward_only: bool, shape_args) -> _Iteration:

@@ -81,6 +81,15 @@ def add_dualpipe_arguments(parser):
         help="After the first training iteration, log which schedule megatron-dualpipe advise chooses for "
         "the stage costs and memory that iteration measured (executor schedules).",
     )
+    group.add_argument(
+        "--dualpipe-drift-check-interval",
+        type=int,
+        default=0,
+        metavar="N",
+        help="dualpipe: every N training iterations, check that both copies of every stage are bit-identical "
+        "(a checksum per parameter over each bd pair; the error names the first parameter that differs). "
+        "0 (default): off.",
+    )
     return parser
 
 

@@ -71,7 +71,8 @@ def schedule_of(args) -> str:
 def forward_backward_options(args) -> dict:
     """Keyword options of the dispatcher taken from the parsed arguments."""
     opts = {"zero_bubble": bool(getattr(args, "dualpipe_zero_bubble", True)),
-            "advise": bool(getattr(args, "dualpipe_advise", False))}
+            "advise": bool(getattr(args, "dualpipe_advise", False)),
+            "drift_check_every": int(getattr(args, "dualpipe_drift_check_interval", 0) or 0)}
     timeout = getattr(args, "dualpipe_p2p_timeout", None)
     if timeout is None:
         minutes = getattr(args, "distributed_timeout_minutes", None)
