@@ -48,7 +48,7 @@ from ..executor import abort
 from ..schedule import B, iteration_plan, registry
 from .data import MicrobatchSource
 from .finalize import finalize_dualpipe_grads
-from .grad_reduction import GradReduction
+from .grad_reduction import GradReduction, clear_deferred_output_wgrads
 from .live_advice import LiveAdvice
 from .loss_gather import gather_losses_on_last_rank
 from .overlap import OverlappedStageCompute, offers_combined_step
@@ -167,6 +167,8 @@ class ExecutorSchedule:
         with _timer(config):
             with advice.measuring(model) if advice is not None else contextlib.nullcontext() as recorder:
                 self._run(it, compute, config, model, forward_only, recorder)
+            if forward_only:
+                clear_deferred_output_wgrads(config, model)  # evaluation: what its forwards deferred
             if advice is not None:
                 advice.report(spec_name=self.spec.name, pp=len(it.global_ranks), microbatches=num_microbatches,
                               model=model, group=it.group, actions=it.program.actions[it.rank],

@@ -42,7 +42,7 @@ from .finalize import (BD_SUM_TIMEOUT_S, _is_wrapped, _layout, _tied_copies, all
                        check_buffer_layouts, fold_tied_embedding_grads, sum_tensors)
 from .model import BIDIRECTIONAL, unwrap_chunk
 
-__all__ = ["GradReduction"]
+__all__ = ["GradReduction", "clear_deferred_output_wgrads"]
 
 
 @dataclass
@@ -94,8 +94,7 @@ class GradReduction:
                                     f"with global rank {pos.partner}"))
         self._ddp_configs: dict = {}  # set while the schedule runs (during_schedule)
         self._configured: dict = {}
-        for chunk in self.model:
-            _clear_deferred_output_wgrads(config, chunk)
+        clear_deferred_output_wgrads(config, self.model)
 
     # -- during the schedule ---------------------------------------------------------------------
     @contextlib.contextmanager
@@ -207,12 +206,16 @@ def _output_layer_module(config, chunk):
         else None
 
 
-def _clear_deferred_output_wgrads(config, chunk) -> None:
-    """``--defer-embedding-wgrad-compute``: no stray activations from an earlier (evaluation) run."""
-    m = _output_layer_module(config, chunk)
-    if m is not None:
-        m.embedding_activation_buffer.clear()
-        m.grad_output_buffer.clear()
+def clear_deferred_output_wgrads(config, model) -> None:
+    """``--defer-embedding-wgrad-compute``: empty the output layer's buffers of deferred activations
+    and output gradients. Before a training run (no stray activations of an earlier evaluation),
+    and after every evaluation run: its forwards append their activations too, and nothing
+    drains them, so they would grow through the evaluation."""
+    for chunk in model:
+        m = _output_layer_module(config, chunk)
+        if m is not None:
+            m.embedding_activation_buffer.clear()
+            m.grad_output_buffer.clear()
 
 
 def _finish_deferred_output_wgrads(config, chunk) -> None:
