@@ -7,20 +7,22 @@ With it, the failing rank writes its error into the default process group's stor
 P2P receives and sends, the bd sums, the loss gather) polls that key every :data:`POLL_S` and
 raises :class:`PeerFailedError` naming this rank, what it waited for, and the rank that failed.
 
-One key per job: an abort ends the job (``torch.distributed`` groups are unusable after a
-half-completed batch anyway).
+One key per job attempt: an abort ends the attempt (``torch.distributed`` groups are unusable
+after a half-completed batch anyway); a restarted attempt (torchrun ``--max-restarts``) starts clean.
 """
 from __future__ import annotations
 
 import contextlib
 import datetime
+import os
 import threading
 import time
 from typing import Optional, Type
 
 import torch.distributed as dist
 
-KEY = "megatron_dualpipe/abort"
+#: One key per job attempt: torchrun's shared rendezvous store outlives a restart, the abort must not.
+KEY = f"megatron_dualpipe/abort/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 #: How often a host wait looks at the deadline and the abort signal.
 POLL_S = 0.1
 
