@@ -5,6 +5,8 @@ from setuptools import find_packages, setup
 # One list for the extra and the launcher's preflight (megatron_dualpipe/megatron_lm/requirements.py).
 MEGATRON_LM = runpy.run_path("megatron_dualpipe/megatron_lm/requirements.py")
 VERSION = runpy.run_path("megatron_dualpipe/__init__.py")["__version__"]
+# The supported megatron-core range, one place (megatron_dualpipe/versions.py; import and preflight check it).
+MEGATRON_CORE = runpy.run_path("megatron_dualpipe/versions.py")["REQUIREMENT"]
 
 setup(
     name="megatron-dualpipe",
@@ -20,7 +22,7 @@ setup(
         # Install torch first with the build your machines need (CPU: torch==2.13.0); this
         # range is satisfied by it and pulls nothing more.
         "torch>=2.4",
-        "megatron-core>=0.16.1,<0.17",
+        MEGATRON_CORE,
         "numpy",
         "matplotlib",
         # prepare-data and the main job: byte-level BPE training and tokenizing (Rust wheels, no torch).
@@ -29,7 +31,9 @@ setup(
     extras_require={
         # GPU users: transformer-engine gives the fused kernels and delay_wgrad_compute.
         # apex is built from NVIDIA's source (see README); it is never required.
-        "gpu": ["transformer-engine[pytorch]"],
+        # The range megatron-core core_v0.16.1 asks for (its pyproject: >=2.9.0a0,<2.12.0); core_v0.19.0 is
+        # built against 2.17.1, so no range suits both: this follows the megatron-core pin above.
+        "gpu": ["transformer-engine[pytorch]>=2.9.0a0,<2.12"],
         "test": ["pytest>=7", "pytest-xdist", "pytest-timeout"],
         # What Megatron-LM's training code (megatron/training, pretrain_gpt.py) imports beyond
         # megatron-core: needed to run pretrain_gpt.py with the plugin, and by its tests; transformers

@@ -15,7 +15,7 @@ that adds its arguments, a ``run(args) -> int`` function, and one :func:`registe
 Every bad argument ends with one line on stderr, ``megatron-dualpipe: error: ...``, and exit
 status 2: raise :class:`CliError` (or ``ScheduleError`` / ``ValueError``) from ``run``. Ctrl-C
 (130), a closed pipe (141, silent), an ``OSError`` such as a permission error (1) and an
-``OverflowError`` (2) end in one line too; ``tests/test_no_traceback.py`` runs every registered
+``OverflowError`` (2) end in one line too; ``tests/cli/test_no_traceback.py`` runs every registered
 command with bad input.
 """
 from __future__ import annotations
@@ -71,10 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-#: Exit status after Ctrl-C (128 + SIGINT, as a shell reports it).
-EXIT_INTERRUPTED = 130
-#: Exit status when the reader of our output went away (128 + SIGPIPE).
-EXIT_BROKEN_PIPE = 141
+from .interrupts import EXIT_BROKEN_PIPE, EXIT_INTERRUPTED  # noqa: E402,F401 - 130 and 141, re-exported
 #: Exit status for a failure that is not a usage error (a file that cannot be written, ...).
 EXIT_FAILURE = 1
 
@@ -82,6 +79,9 @@ EXIT_FAILURE = 1
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run one command. A user's mistake or an interruption ends in one line on stderr and a
     non-zero status, never a traceback; only a bug in this package shows one."""
+    from . import interrupts
+
+    interrupts.install()  # SIGTERM and SIGHUP end a command as Ctrl-C does
     try:
         parser = build_parser()
         args = parser.parse_args(None if argv is None else list(argv))
@@ -93,10 +93,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (CliError, ValueError) as e:  # ScheduleError is a ValueError
         return _fail(str(e) or type(e).__name__, EXIT_USAGE)
     except KeyboardInterrupt:
-        return _fail("interrupted", EXIT_INTERRUPTED)
+        return interrupts.interrupted(PROG)  # one line; the command stopped what it started
     except BrokenPipeError:
-        _silence_stdout()
-        return EXIT_BROKEN_PIPE
+        return interrupts.reader_gone()
     except OverflowError as e:
         return _fail(f"a number is too large ({e}): use smaller values or units", EXIT_USAGE)
     except MemoryError:
@@ -112,17 +111,6 @@ def _fail(message: str, status: int) -> int:
     except OSError:
         pass
     return status
-
-
-def _silence_stdout() -> None:
-    """After a broken pipe, point stdout at /dev/null so the interpreter's final flush is quiet."""
-    import os
-
-    try:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-    except (OSError, ValueError):
-        pass
 
 
 def _exit_main() -> None:
@@ -153,10 +141,42 @@ def _add_cost_args(p: argparse.ArgumentParser, title: str, defaults: bool = True
     g.add_argument("--p2p", type=float, default=0.0, help="latency of a send between ranks (default 0)")
 
 
+def fused_cost_problem(f: float, b: float, w: float, fb) -> Optional[str]:
+    """Why ``fb`` cannot be a fused F&B unit's cost, or None: the unit runs a forward and an input
+    backward (``b - w``) together, so it costs at least the larger of the two (and at most both
+    in a row is what overlap saves from, so anything between is a real run's)."""
+    if fb is None:
+        return None
+    least = max(f, b - w)
+    if fb < least:
+        part = f"--f {f:g}" if f >= b - w else f"the input backward --b - --w = {b - w:g}"
+        return (f"--fb {fb:g} is cheaper than {part} alone: a fused F&B unit runs a forward and a backward "
+                f"together, so --fb must be at least {least:g} (--f + --b = {f + b:g} is the cost without overlap)")
+    return None
+
+
 def _costs(args):
     from .schedule.simulate import Costs
 
-    return Costs(f=args.f, b=args.b, w=args.w, fb=args.fb, p2p=args.p2p)  # checks its values
+    costs = Costs(f=args.f, b=args.b, w=args.w, fb=args.fb, p2p=args.p2p)  # checks its values
+    problem = fused_cost_problem(costs.f, costs.b, costs.w, costs.fb)
+    if problem:
+        raise CliError(problem)
+    return costs
+
+
+def png_path(text: str) -> str:
+    """An argparse type for ``--png FILE``: the picture is PNG whatever the name says, so a name
+    that says otherwise (``x.jpg``) is refused rather than written with PNG bytes."""
+    import os
+
+    if not text.strip():
+        raise argparse.ArgumentTypeError("--png needs a file name, got an empty one")
+    ext = os.path.splitext(text)[1].lower()
+    if ext != ".png":
+        stem = os.path.splitext(text)[0] if ext else text
+        raise argparse.ArgumentTypeError(f"{text!r}: the picture is written as PNG: name it {stem or 'timeline'}.png")
+    return text
 
 
 def _write(path: str, data, binary: bool = False) -> None:
@@ -219,10 +239,16 @@ from . import timeline as _timeline  # noqa: E402 - standard library until run
 register("trace", _timeline.HELP, _timeline.configure, _timeline.run)
 
 
+from . import selftest as _selftest  # noqa: E402 - argparse only until it runs
+register("selftest", _selftest.HELP, _selftest.configure, _selftest.run)
+
 from .cpu import command as _cpu_mode  # noqa: E402  (standard library only until it runs)
 
 register("cpu-mode", "list every CPU-mode redirection and whether it is active (--enable: try it here)",
          _cpu_mode.configure, _cpu_mode.run)
+from .hooks import command as _hooks  # noqa: E402  (standard library only until it runs)
+
+register("hooks", _hooks.HELP, _hooks.configure, _hooks.run)
 
 
 if __name__ == "__main__":  # pragma: no cover

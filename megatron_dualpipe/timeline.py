@@ -92,16 +92,17 @@ def measured(ranks: Sequence[dict]):
     return schedule, SimResult(makespan, timelines), waits
 
 
-def op_medians(record: dict) -> Dict[str, float]:
-    """One rank's recorded call: per op (``F``, ``B``, ``W``, ``BW``; ``FB`` for a fused unit)
-    the median duration in ms of its units."""
+def op_medians(record: dict, *more: dict) -> Dict[str, float]:
+    """One rank's recorded call (or several calls, pooled): per op (``F``, ``B``, ``W``, ``BW``;
+    ``FB`` for a fused unit) the median duration in ms of its units."""
     from .schedule import Action
 
-    ops = [Action.from_json(a).op for a in record["actions"]]
     spans: Dict[str, List[float]] = {}
-    for indices, _, started, ended in record["units"]:
-        key = "FB" if len(indices) == 2 else ops[indices[0]]
-        spans.setdefault(key, []).append((ended - started) * 1e3)
+    for rec in (record, *more):
+        ops = [Action.from_json(a).op for a in rec["actions"]]
+        for indices, _, started, ended in rec["units"]:
+            key = "FB" if len(indices) == 2 else ops[indices[0]]
+            spans.setdefault(key, []).append((ended - started) * 1e3)
     return {k: statistics.median(v) for k, v in spans.items()}
 
 
@@ -145,7 +146,10 @@ def chrome_trace(schedule, panels: Sequence[Tuple[str, object]], waits: Sequence
 
 def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("directory", help="the MEGATRON_DUALPIPE_TRACE directory")
-    p.add_argument("--png", metavar="FILE", help="measured and simulated timelines, one above the other")
+    from .cli import png_path
+
+    p.add_argument("--png", metavar="FILE.png", type=png_path,
+                   help="measured and simulated timelines, one above the other")
     p.add_argument("--json", metavar="FILE", help="Chrome / Perfetto trace of both")
     p.add_argument("--iteration", type=int, default=None,
                    help="which recorded run_rank call (default: the last one every rank recorded)")

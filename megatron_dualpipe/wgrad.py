@@ -224,7 +224,9 @@ class WeightGradStore:
 def _backward(ctx, grad_output):
     """Replacement for ``LinearWithGradAccumulationAndAsyncCommunication.backward``."""
     sink = _ACTIVE.sink
-    if sink is None or ctx.grad_output_buffer is not None:
+    # megatron-core 0.19's GTP (gtp_remat_size > 1) re-gathers and reduce-scatters the weight
+    # around the GEMMs: left to the original backward, like the grad_output_buffer path.
+    if sink is None or ctx.grad_output_buffer is not None or getattr(ctx, "gtp_remat_size", 1) > 1:
         return _PATCH.original_fn(ctx, grad_output)
     return _PATCH.deferred(ctx, grad_output, sink)
 
@@ -232,8 +234,11 @@ def _backward(ctx, grad_output):
 def _deferred_backward(ctx, grad_output, sink):
     """megatron-core's backward minus the weight-gradient GEMM, which goes to ``sink``.
 
-    Mirrors ``tensor_parallel/layers.py`` 0.16.1 lines 495-626 (wgrad_compute=True path).
+    Mirrors ``tensor_parallel/layers.py`` 0.16.1 lines 495-626 (wgrad_compute=True path; the
+    same at 0.19 apart from GTP, which :func:`_backward` leaves to the original). One gradient is
+    returned per forward input: 9 at 0.16.1, 10 at 0.19 (``gtp_remat_size`` was added).
     """
+    untouched = (None,) * (len(ctx.needs_input_grad) - 3)  # the non-tensor forward arguments
     input, weight = ctx.saved_tensors
     main_grad = ctx.main_grad
     tp_group = ctx.tp_group
@@ -276,10 +281,10 @@ def _deferred_backward(ctx, grad_output, sink):
 
     if ctx.sequence_parallel:
         handle.wait()
-        return (sub_grad_input, None, grad_bias, None, None, None, None, None, None)
+        return (sub_grad_input, None, grad_bias, *untouched)
     if ctx.allreduce_dgrad:
         handle.wait()
-    return grad_input, None, grad_bias, None, None, None, None, None, None
+    return (grad_input, None, grad_bias, *untouched)
 
 
 class _WeightGrad:
@@ -337,27 +342,38 @@ def _accumulate_wgrad(total_input, grad_output, main_grad) -> None:
 # install / uninstall
 
 
-def install() -> None:
-    """Patch megatron-core's local linear backward (idempotent). Cheap; call once per process."""
-    if _PATCH.cls is not None:
-        return
+def deferrable_backward(original):
+    """The hooks manifest's replacement of ``LinearWithGradAccumulationAndAsyncCommunication.backward``
+    (``original``: the class's function): :func:`_backward`, which defers inside ``deferring()``
+    and runs the original otherwise. Binds what the hot path needs from megatron-core."""
     from megatron.core import utils as mc_utils
     from megatron.core.tensor_parallel import layers
 
     cls = layers.LinearWithGradAccumulationAndAsyncCommunication
-    original = cls.__dict__["backward"]
-    if not isinstance(original, staticmethod):
-        raise RuntimeError(f"unexpected {cls.__name__}.backward: {original!r}")
+    stored = cls.__dict__["backward"]
+    if not isinstance(stored, staticmethod):
+        raise RuntimeError(f"unexpected {cls.__name__}.backward: {stored!r}")
     _mc["prepare"] = mc_utils.prepare_input_tensors_for_wgrad_compute
     _mc["all_gather"] = layers.dist_all_gather_func
     _mc["reduce_scatter"] = layers.dist_reduce_scatter_func
     _mc["fused_wgrad"] = getattr(layers, "fused_weight_gradient_mlp_cuda", None)
     # Same autocast handling as megatron-core's own backward.
     _PATCH.deferred = layers.custom_bwd(_deferred_backward)
-    _PATCH.original = original
-    _PATCH.original_fn = original.__func__
+    _PATCH.original = stored
+    _PATCH.original_fn = stored.__func__
     _PATCH.cls = cls
-    cls.backward = staticmethod(_backward)
+    return staticmethod(_backward)
+
+
+_PART = "zero bubble"  # hooks/manifest.py
+
+
+def install() -> None:
+    """Patch megatron-core's local linear backward (idempotent; the ``zero bubble`` part of the
+    hooks manifest). Cheap; call once per process."""
+    from . import hooks
+
+    hooks.install([_PART])
 
 
 def uninstall() -> None:
@@ -366,7 +382,9 @@ def uninstall() -> None:
         return
     if _ACTIVE.sink is not None:
         raise RuntimeError(f"cannot uninstall inside deferring({_ACTIVE.key!r})")
-    _PATCH.cls.backward = _PATCH.original
+    from . import hooks
+
+    hooks.uninstall([_PART])
     _PATCH.cls = _PATCH.original = _PATCH.original_fn = _PATCH.deferred = None
     _mc.clear()
 
@@ -398,11 +416,12 @@ def find_undeferred_weights(model: torch.nn.Module) -> List[str]:
     ``run_te_backward_dw``). Norms, embeddings and routers are not reported: they stay in B by
     design. Call once when building the executor, not per step.
     """
-    from megatron.core.transformer.moe.experts import GroupedMLP
+    from megatron.core.transformer.moe import experts
 
+    grouped_mlp = getattr(experts, "GroupedMLP", None)  # removed in megatron-core 0.19
     found = []
     for name, module in model.named_modules():
-        if isinstance(module, GroupedMLP):
+        if grouped_mlp is not None and isinstance(module, grouped_mlp):
             found.append(f"{name} (GroupedMLP: grouped GEMM)")
         elif type(module).__module__.startswith(("transformer_engine", "megatron.core.extensions")):
             if any(p.requires_grad for p in module.parameters(recurse=False)):
@@ -444,7 +463,7 @@ def run_te_backward_dw(model_chunk: torch.nn.Module) -> None:
     gradients of the chunk's oldest backward that is still pending: ``mcore.stage_compute``
     records one call per B (run by its W) and makes one right after each BW, so every backward
     is matched by exactly one call and the summed gradients are complete after the last W.
-    Tested on CPU with a fake TE layer (``tests/test_wgrad.py``); real TE kernels need a GPU. MTP
+    Tested on CPU with a fake TE layer (``tests/mcore/test_wgrad.py``); real TE kernels need a GPU. MTP
     layers and the output layer (a local ``ColumnParallelLinear``, deferred by the patch) are
     not covered here.
     """

@@ -185,7 +185,7 @@ CASES = {
 
 MOE_ARGS = ["--num-experts", "4", "--moe-router-topk", "2", "--disable-bias-linear"]
 
-# Every entry of megatron_lm.arguments.REFUSED_OPTIONS, as a user would type it. ``argv`` cases go
+# Every single-option rule of the options table checked on args (mcore/options.py), as a user would type it. ``argv`` cases go
 # through Megatron's own parse_args + validate_args; options that Megatron's own validation refuses
 # on a machine without Transformer Engine / CUDA come as ``{attribute: value}`` set on the
 # validated args of BASE before the DualPipe checks run (name -> (schedule, argv, overrides)).
@@ -209,14 +209,20 @@ REFUSED_CASES = {
     "--fine-grained-activation-offloading": ("dualpipe", [], {"fine_grained_activation_offloading": True}),
     "--inprocess-restart": ("dualpipe", ["--inprocess-restart"], None),
     "--moe-use-upcycling": ("dualpipe", [], {"moe_use_upcycling": True}),
+    "--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank": (
+        "executor-1f1b", ["--num-layers-per-virtual-pipeline-stage", "1"], None),
+    "--pipeline-model-parallel-layout": ("dualpipev", [], {"pipeline_model_parallel_layout": "Ett|tt|tt|ttL"}),
+    "--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers": (
+        "dualpipe", [], {"decoder_last_pipeline_num_layers": 2}),
+    "--account-for-embedding-in-pipeline-split / --account-for-loss-in-pipeline-split": (
+        "dualpipev", [], {"account_for_loss_in_pipeline_split": True}),
+    "--init-model-with-meta-device": ("dualpipe", ["--init-model-with-meta-device"], None),
+    "--fp8-recipe delayed": ("dualpipe", [], {"fp8": "e4m3", "fp8_recipe": "delayed"}),
 }
 
 for _flag, (_schedule, _argv, _over) in REFUSED_CASES.items():
     CASES["refused " + _flag] = (4, BASE + ["--pipeline-schedule", _schedule] + _argv, ["does not support " + _flag], _over)
-# FP8's delayed recipe: each copy of a DualPipe stage would keep its own amax history (issue 17).
-CASES["refused --fp8-recipe delayed"] = (4, BASE + ["--pipeline-schedule", "dualpipe"],
-                                         ["does not support --fp8-recipe delayed", "--fp8-recipe tensorwise"],
-                                         {"fp8": "e4m3", "fp8_recipe": "delayed"})
+# FP8's delayed recipe is refused for dualpipe only (each copy of a stage would keep its own amax history).
 CASES["fp8 tensorwise_dualpipe_ok"] = (4, BASE + ["--pipeline-schedule", "dualpipe"], None,
                                        {"fp8": "e4m3", "fp8_recipe": "tensorwise"})
 CASES["fp8 delayed_dualpipev_ok"] = (4, BASE + ["--pipeline-schedule", "dualpipev"], None,
@@ -253,7 +259,7 @@ _ARGS_SCRIPT = textwrap.dedent(
         sys.argv = ["pretrain_gpt.py"] + argv
         validate = minit.validate_args
         if overrides:  # Megatron's own checks, then the option, then DualPipe's checks
-            validate = getattr(validate, "_megatron_dualpipe_wrapped", validate)
+            validate = getattr(validate, "__wrapped__", validate)
         with contextlib.redirect_stdout(io.StringIO()):
             args = margs.parse_args()
             validate(args, {"tokenizer_type": "GPT2BPETokenizer"})
@@ -335,8 +341,8 @@ def test_every_refused_option_has_a_case():
     sys.path.insert(0, REPO_ROOT)
     from megatron_dualpipe.megatron_lm.arguments import REFUSED_OPTIONS
 
-    assert sorted(opt.flags for opt in REFUSED_OPTIONS) == sorted(REFUSED_CASES)
-    print("\nrefused: " + ", ".join(opt.flags for opt in REFUSED_OPTIONS))
+    assert sorted(opt.flag for opt in REFUSED_OPTIONS) == sorted(REFUSED_CASES)
+    print("\nrefused: " + ", ".join(opt.flag for opt in REFUSED_OPTIONS))
 
 
 def test_argument_defaults(arg_results):
@@ -349,8 +355,8 @@ def test_argument_defaults(arg_results):
 
 def test_1f1b_leaves_megatron_args_unchanged(arg_results):
     res = arg_results["__1f1b_identity__"]
-    assert res["extra"] == ["dualpipe_advise", "dualpipe_drift_check_interval", "dualpipe_p2p_timeout",
-                            "dualpipe_zero_bubble", "pipeline_schedule"]
+    assert res["extra"] == ["dualpipe_advise", "dualpipe_advise_warmup", "dualpipe_drift_check_interval",
+                            "dualpipe_p2p_timeout", "dualpipe_zero_bubble", "pipeline_schedule"]
     assert res["diff"] == []
 
 

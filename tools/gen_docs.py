@@ -1,10 +1,10 @@
 """Regenerate every generated table and figure under docs/, or check that they are current.
 
     PYTHONPATH=. python tools/gen_docs.py           # write them
-    PYTHONPATH=. python tools/gen_docs.py --check   # exit 1 naming the stale files (tests/test_docs.py)
+    PYTHONPATH=. python tools/gen_docs.py --check   # exit 1 naming the stale files (tests/cli/test_docs.py)
 
 Generated: docs/bubbles.md (tools/bubble_report.py) and its figure docs/dualpipe_pp8_m20.svg /
-.png. The check compares the markdown and the SVG (both made by this project's code alone); the
+.png; docs/megatron-options.md (tools/megatron_options_doc.py, from megatron_dualpipe/mcore/options.py). The check compares the markdown and the SVG (both made by this project's code alone); the
 PNG depends on the installed matplotlib and is rewritten, not compared. docs/benchmarks.md
 holds measured times and is not generated.
 """
@@ -19,6 +19,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 
 import bubble_report  # noqa: E402
+import megatron_options_doc  # noqa: E402
 
 from megatron_dualpipe.draw import to_png, to_svg  # noqa: E402
 
@@ -26,7 +27,8 @@ from megatron_dualpipe.draw import to_png, to_svg  # noqa: E402
 def generated() -> dict:
     """docs-relative path -> text, for every compared generated file."""
     s, res = bubble_report.figure()
-    return {"bubbles.md": bubble_report.report() + "\n", f"{bubble_report.FIGURE}.svg": to_svg(s, res)}
+    return {"bubbles.md": bubble_report.report() + "\n", f"{bubble_report.FIGURE}.svg": to_svg(s, res),
+            "megatron-options.md": megatron_options_doc.report()}
 
 
 def main(argv=None) -> int:

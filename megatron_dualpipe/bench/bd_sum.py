@@ -92,6 +92,25 @@ class BdSums:
         self.alone_s = [statistics.median(times)]
 
 
+def probe_ms(world: int, rank: int, megabytes: float, device, rounds: int = 7) -> Optional[float]:
+    """One bd sum of ``megabytes`` with every pair summing at once, as at the end of a DualPipe
+    iteration: the median over ``rounds`` (after two untimed), in ms; the caller takes the
+    slowest rank's. None when there are no pairs or no gradients."""
+    if megabytes <= 0 or world % 2 or world < 2:
+        return None
+    group = pair_groups(world)[rank]
+    grad = torch.zeros(max(1, int(megabytes * (1 << 20)) // 4), dtype=torch.float32, device=device)
+    times = []
+    for k in range(rounds + 2):
+        dist.barrier()
+        t0 = time.perf_counter()
+        issue_sum(0, [grad], group, in_place=True).wait()  # the one bd-sum implementation
+        synchronize(grad.device)
+        if k >= 2:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
 def bd_sums_for(program, rank: int, world: int, megabytes: float, device) -> Optional[BdSums]:
     """A :class:`BdSums` when the schedule keeps two copies of each stage and ``megabytes`` > 0."""
     if megabytes <= 0 or program.schedule.layout.kind != BIDIRECTIONAL or world % 2:

@@ -24,7 +24,8 @@ from __future__ import annotations
 import warnings
 from typing import Dict, List, Tuple
 
-from .redirection import Applied, Redirection, apply, current, restore
+from ..hooks.mechanism import PatchSet
+from .redirection import Redirection
 
 __all__ = ["enable", "disable", "active", "parts", "redirections", "status", "Redirection", "PARTS"]
 
@@ -32,8 +33,7 @@ __all__ = ["enable", "disable", "active", "parts", "redirections", "status", "Re
 PARTS = {"megatron-core": "megatron_dualpipe.cpu.mcore",
          "megatron-lm": "megatron_dualpipe.cpu.megatron_lm"}
 
-_APPLIED: Dict[str, List[Applied]] = {}  # part -> what was applied, in order
-_NOT_NEEDED: Dict[str, List[Redirection]] = {}  # part -> only-if-missing ones that were present
+_SETS: Dict[str, PatchSet] = {}  # part -> its installed set, in the order applied
 
 
 def redirections(part: str) -> Tuple[Redirection, ...]:
@@ -48,6 +48,7 @@ def enable(*, megatron_lm: bool = False, force: bool = False) -> bool:
 
     Returns False and changes nothing when CUDA is available, True when CPU mode is active.
     ``force=True`` says the caller requires CPU mode: with CUDA available that raises instead.
+    Redirections written for other megatron-core versions are skipped (``status`` says so).
     """
     import torch
 
@@ -61,26 +62,11 @@ def enable(*, megatron_lm: bool = False, force: bool = False) -> bool:
         return False
     wanted = ["megatron-core"] + (["megatron-lm"] if megatron_lm else [])
     for part in wanted:
-        if part not in _APPLIED:
-            _enable_part(part)
+        if part not in _SETS:
+            patches = PatchSet(f"cpu {part}", redirections(part))
+            patches.install()
+            _SETS[part] = patches
     return True
-
-
-def _enable_part(part: str) -> None:
-    applied: List[Applied] = []
-    not_needed: List[Redirection] = []
-    try:
-        for r in redirections(part):
-            done = apply(r)
-            if done is None:
-                not_needed.append(r)
-            else:
-                applied.append(done)
-    except BaseException:
-        for done in reversed(applied):  # never leave a part half-applied
-            restore(done)
-        raise
-    _APPLIED[part], _NOT_NEEDED[part] = applied, not_needed
 
 
 def disable() -> None:
@@ -89,11 +75,8 @@ def disable() -> None:
     Warns (and still restores) when someone else replaced one of our replacements meanwhile.
     """
     overwritten = []
-    for part in reversed(list(_APPLIED)):
-        for done in reversed(_APPLIED.pop(part)):
-            if not restore(done):
-                overwritten.append(done.redirection.target)
-        _NOT_NEEDED.pop(part, None)
+    for part in reversed(list(_SETS)):
+        overwritten += _SETS.pop(part).uninstall()
     if overwritten:
         warnings.warn("megatron_dualpipe CPU mode: restored attributes that had been replaced "
                       "again after CPU mode patched them: " + ", ".join(overwritten), stacklevel=2)
@@ -101,30 +84,20 @@ def disable() -> None:
 
 def active() -> bool:
     """True while CPU mode is on in this process."""
-    return bool(_APPLIED)
+    return bool(_SETS)
 
 
 def parts() -> Tuple[str, ...]:
     """The parts that are on, in the order they were applied."""
-    return tuple(_APPLIED)
+    return tuple(_SETS)
 
 
 def status() -> List[Tuple[str, Redirection, str]]:
     """(part, redirection, state) for every redirection; state is one of ``active``,
-    ``inactive``, ``not needed`` (an only-if-missing target that exists) or ``replaced by
-    someone else``."""
+    ``inactive``, ``not needed`` (an only-if-missing target that exists), ``not for
+    megatron-core X`` (written for other versions) or ``replaced by someone else``."""
     rows = []
     for part in PARTS:
-        applied = {a.redirection.target: a for a in _APPLIED.get(part, ())}
-        skipped = {r.target for r in _NOT_NEEDED.get(part, ())}
-        for r in redirections(part):
-            if r.target in skipped:
-                state = "not needed"
-            elif r.target not in applied:
-                state = "inactive"
-            elif current(applied[r.target].owner, applied[r.target].name) is applied[r.target].replacement:
-                state = "active"
-            else:
-                state = "replaced by someone else"
-            rows.append((part, r, state))
+        patches = _SETS.get(part) or PatchSet(f"cpu {part}", redirections(part))
+        rows += [(part, r, state) for r, state in patches.status()]
     return rows

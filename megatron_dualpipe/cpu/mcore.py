@@ -18,7 +18,7 @@ import os
 
 import torch
 
-from .redirection import define_if_missing, replace, torch_view, wrap
+from .redirection import Versions, define_if_missing, replace, torch_view, wrap
 from .torch_view import scoped_cuda_identity, scoped_cuda_type_names, scoped_record_stream_noop
 
 _RANDOM = "megatron.core.tensor_parallel.random"
@@ -370,4 +370,8 @@ REDIRECTIONS = (
     wrap(_DIST_OPT, "DistributedOptimizer.__init__", scoped_cuda_type_names,
          "the same param.type() sort for the sharded main parameters (--use-distributed-optimizer); "
          "tensor.type() names the CUDA type during this call only"),
-) + tuple(torch_view(module, why) for module, why in _VIEWS)
+) + tuple(torch_view(module, why) for module, why in _VIEWS) + (
+    torch_view("megatron.core.models.common.utils",
+               "combined step: TransformerLayerNode (moved here in 0.19) runs backward_dw in "
+               "torch.cuda.stream(self.stream)", Versions("0.19")),
+)

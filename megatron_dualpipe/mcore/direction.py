@@ -13,7 +13,8 @@ stage of that direction:
 * ``get_pipeline_model_parallel_rank`` (pp-1-i for DualPipe's direction 1; DualPipeV's
   second chunk has no pipeline rank of its own and keeps i)
 
-They are replaced as attributes of ``megatron.core.parallel_state`` and restored on exit, so
+They are replaced as attributes of ``megatron.core.parallel_state`` (through
+``megatron_dualpipe.hooks.scoped``: the entries are in the hooks manifest) and restored on exit, so
 callers that look them up through the module (``mpu.is_pipeline_first_stage()``, as Megatron-LM
 does) see the override. Code that imported one of them by name *before* the override
 (``from megatron.core.parallel_state import is_pipeline_last_stage``) keeps the original:
@@ -27,9 +28,9 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator
 
-from megatron.core import parallel_state as ps
+from ..schedule.layout import V_SHAPE, Layout
 
-from ..schedule.layout import BIDIRECTIONAL, V_SHAPE, Layout
+from .. import hooks
 
 _NAMES = (
     "is_pipeline_first_stage",
@@ -38,6 +39,11 @@ _NAMES = (
     "get_pipeline_model_parallel_prev_rank",
     "get_pipeline_model_parallel_rank",
 )
+_PATCHES = tuple(hooks.entry("scoped", name) for name in _NAMES)
+
+
+def _answer(value):
+    return lambda *a, **k: value
 
 
 @contextlib.contextmanager
@@ -51,32 +57,14 @@ def direction_of(layout: Layout, rank: int, d: int, global_ranks) -> Iterator[No
     """
     if d == 0:
         if layout.kind == V_SHAPE and rank == layout.pp - 1:
-            with _answering(is_pipeline_last_stage=lambda *a, **k: False):
+            with hooks.scoped(_PATCHES[1].to(_answer(False))):
                 yield
         else:
             yield
         return
     stage = layout.stage_on(rank, d)
-    first, last = layout.is_first(d, stage), layout.is_last(d, stage)
     pp = layout.pp
-    next_rank = global_ranks[(rank - 1) % pp]
-    prev_rank = global_ranks[(rank + 1) % pp]
-    logical_rank = pp - 1 - rank if layout.kind == BIDIRECTIONAL else rank
-    with _answering(is_pipeline_first_stage=lambda *a, **k: first, is_pipeline_last_stage=lambda *a, **k: last,
-                    get_pipeline_model_parallel_next_rank=lambda *a, **k: next_rank,
-                    get_pipeline_model_parallel_prev_rank=lambda *a, **k: prev_rank,
-                    get_pipeline_model_parallel_rank=lambda *a, **k: logical_rank):
+    answers = (layout.is_first(d, stage), layout.is_last(d, stage), global_ranks[(rank - 1) % pp],
+               global_ranks[(rank + 1) % pp], layout.partner(rank) if layout.mirrored else rank)
+    with hooks.scoped(*(patch.to(_answer(value)) for patch, value in zip(_PATCHES, answers))):
         yield
-
-
-@contextlib.contextmanager
-def _answering(**replacements) -> Iterator[None]:
-    """Replace some of `_NAMES` in ``parallel_state`` for the block."""
-    saved = {n: getattr(ps, n) for n in replacements}
-    for n, f in replacements.items():
-        setattr(ps, n, f)
-    try:
-        yield
-    finally:
-        for n, f in saved.items():
-            setattr(ps, n, f)

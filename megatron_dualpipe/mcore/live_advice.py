@@ -1,13 +1,21 @@
-"""``megatron-dualpipe advise`` from a real run: measure one training iteration, log the choice.
+"""``megatron-dualpipe advise`` from a real run: measure training iterations, log the choice.
 
 A user who already trains with an executor schedule (``--dualpipe-advise`` in Megatron-LM,
-``get_forward_backward_func(schedule, advise=True)`` in megatron-core) gets, once, at the end of
-the first training iteration, what :func:`megatron_dualpipe.advise.advise` says for the costs
-that iteration measured, on global rank 0's log. Nothing is guessed:
+``get_forward_backward_func(schedule, advise=True)`` in megatron-core) gets, once, what
+:func:`megatron_dualpipe.advise.advise` says for the costs measured in training iterations
+after the warm-up, on global rank 0's log. The first iterations are skipped
+(``advise_warmup``, ``--dualpipe-advise-warmup``, default :data:`DEFAULT_WARMUP`): they hold
+one-time costs (allocations, kernel selection, caches) in *every* unit -- a first iteration
+measured f=97.6 ms and b=28.5 ms, and a fused F&B cheaper than F alone --, which no median
+over its units removes. Then :data:`MEASURED_ITERATIONS` iterations are measured and pooled,
+and the log names them. Costs that no real run can have (a fused F&B unit cheaper than the
+larger of its forward and its backward) are not advised from: the log says why instead.
+Nothing is guessed:
 
 * stage costs: every rank's units are timed (the trace's in-memory recorder); per op the
-  median over the rank's units, then the largest over the pipeline ranks (one ``all_reduce``
-  of a few numbers over the pipeline group: the slowest stage sets the pace);
+  median over the rank's units of the measured iterations, then the largest over the pipeline
+  ranks (one ``all_reduce`` of a few numbers over the pipeline group: the slowest stage sets
+  the pace);
 * activation memory of one micro-batch on one stage: per forward unit of the rank (not fused
   with a backward), the bytes of the distinct storages autograd saved for backward while it
   ran (parameters excluded; nothing it saves is freed before its backward, so addresses are
@@ -15,10 +23,12 @@ that iteration measured, on global rank 0's log. Nothing is guessed:
 * parameter memory of one stage: its parameters, their fp32 gradients and Adam's two fp32
   moments (plus an fp32 master copy for 16-bit parameters), i.e. what Megatron's plain
   optimizer holds; the distributed optimizer shards the optimizer part over data parallel;
-* memory limit: the accelerator's total memory when there is one (none on the CPU).
+* memory limit: the accelerator's total memory when there is one (none on the CPU);
+* communication: the links of the job (P2P between pipeline neighbours, the bd pair, data
+  parallel) timed right after the iteration by :mod:`.comm_probe`, the gradient bytes of a stage
+  (its parameters' main-gradient bytes) and one P2P message's bytes: the advice then ranks the
+  schedules by the iteration, makespan plus exposed gradient communication.
 
-The first iteration includes one-time costs (allocations, kernel selection): the medians keep
-them out of the per-op costs as long as each op ran a few times.
 """
 from __future__ import annotations
 
@@ -40,19 +50,39 @@ _MB = float(1 << 20)
 _OPS = ("F", "B", "W", "BW", "FB")
 
 
-class LiveAdvice:
-    """Measures the first training call it is given (:meth:`measuring`), then logs the advice."""
+#: Training iterations skipped before measuring (their units all carry one-time costs).
+DEFAULT_WARMUP = 3
+#: Training iterations measured and pooled after the warm-up.
+MEASURED_ITERATIONS = 3
 
-    def __init__(self):
+
+class LiveAdvice:
+    """Skips ``warmup`` training calls, measures the next :data:`MEASURED_ITERATIONS`
+    (:meth:`measuring`), then logs the advice once (:meth:`report`)."""
+
+    def __init__(self, warmup: int = DEFAULT_WARMUP, measured: int = MEASURED_ITERATIONS):
+        if warmup < 0 or measured < 1:
+            raise ValueError(f"advise warm-up must be >= 0 and measured iterations >= 1, got {warmup}, {measured}")
+        self.warmup, self.measured = warmup, measured
         self.done = False
+        self.calls = 0  # training calls seen (the same on every rank: collectives stay matched)
+        self._records: List[dict] = []
+        self._measuring_now = False
 
     def wanted(self, forward_only: bool) -> bool:
         return not self.done and not forward_only
 
     @contextlib.contextmanager
-    def measuring(self, model: Sequence[torch.nn.Module]) -> Iterator[KeptRecorder]:
-        """Around ``run_rank``: yields the recorder to pass it, counts the saved activations."""
+    def measuring(self, model: Sequence[torch.nn.Module]) -> Iterator[Optional[KeptRecorder]]:
+        """Around ``run_rank``: yields the recorder to pass it (None during the warm-up, which is
+        not recorded) and, on the last measured call, counts the saved activations."""
+        self.calls += 1
+        self._measuring_now = self.calls > self.warmup
+        if not self._measuring_now:
+            yield None
+            return
         recorder = KeptRecorder()
+        last = self.calls == self.warmup + self.measured
         params = {p.data_ptr() for chunk in model for p in chunk.parameters()}
         self._packs: List[Tuple[float, int, int]] = []  # (perf_counter, storage address, bytes)
 
@@ -62,29 +92,64 @@ class LiveAdvice:
                 self._packs.append((time.perf_counter(), storage.data_ptr(), storage.nbytes()))
             return t
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if last else contextlib.nullcontext():
             yield recorder
         self._recorder = recorder
+        self._records += recorder.records[-1:]
+
+    def iterations(self) -> str:
+        first = self.warmup + 1
+        last = self.warmup + self.measured
+        return f"iteration{'s' if last > first else ''} {first}{f'-{last}' if last > first else ''}"
 
     def report(self, *, spec_name: str, pp: int, microbatches: int, model, group, actions, is_fake,
-               device: torch.device) -> None:
-        """All ranks of the pipeline call it after the measured call (one collective)."""
+               device: torch.device, message_bytes: float = 0.0) -> None:
+        """All ranks of the job call it after each training call; after the last measured one it
+        times the job's links (collectives on the pipeline, bd pair and data-parallel groups),
+        all-reduces the costs (one collective) and rank 0 logs the advice."""
         from ..timeline import op_medians
 
+        if not self._measuring_now or len(self._records) < self.measured:
+            return
         self.done = True
-        records = self._recorder.records
-        medians = op_medians(records[-1]) if records else {}
+        records = self._records
+        medians = op_medians(*records) if records else {}
         activation = _forward_saved_bytes(records[-1], self._recorder.origins[-1], self._packs, actions, is_fake) \
             if records else 0.0
         values = torch.tensor([medians.get(op, -1.0) for op in _OPS] + [activation], dtype=torch.float64,
                               device=device)
         dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
+        links = _links(spec_name, group, device)
         if dist.get_rank() != 0:
             return
         per_op = {op: v for op, v in zip(_OPS, values.tolist()) if v >= 0}
+        measured = (f"training {self.iterations()} of {spec_name}, the first {self.warmup} skipped as warm-up "
+                    f"(--dualpipe-advise-warmup)")
+        problem = cost_problem(per_op)
+        if problem:
+            log.warning("megatron-dualpipe: no advice from %s: %s", measured, problem)
+            return
+        comm = comm_model(links, pp, stage_grad_bytes(model[0]), message_bytes)
         message = advice_text(spec_name, pp, microbatches, per_op, values[-1].item(),
-                              stage_parameter_bytes(model[0]), memory_limit_bytes(device))
+                              stage_parameter_bytes(model[0]), memory_limit_bytes(device), measured=measured,
+                              comm=comm)
         log.info("megatron-dualpipe: %s", message)
+
+
+def cost_problem(per_op: Dict[str, float]) -> Optional[str]:
+    """Why measured per-op medians (ms) cannot be a real run's, or None: a fused F&B unit runs a
+    forward and a backward together, so it costs at least the larger of the two."""
+    fb = per_op.get("FB")
+    f = per_op.get("F")
+    b_key = "B" if "B" in per_op else "BW"
+    b = per_op.get(b_key)
+    if fb is None or f is None or b is None:
+        return None
+    if fb < max(f, b):
+        return (f"the fused F&B units measured {fb:.2f} ms, less than F ({f:.2f} ms) or {b_key} ({b:.2f} ms) alone, "
+                f"which a unit running both cannot be: the iterations were disturbed (warm-up, other work on the "
+                f"machine); raise --dualpipe-advise-warmup or measure on an otherwise idle machine")
+    return None
 
 
 def _forward_saved_bytes(record: dict, origin: float, packs, actions, is_fake) -> float:
@@ -100,8 +165,38 @@ def _forward_saved_bytes(record: dict, origin: float, packs, actions, is_fake) -
     return sum(per_unit) / len(per_unit) if per_unit else 0.0
 
 
+def _links(spec_name: str, group, device):
+    from ..schedule.layout import BIDIRECTIONAL
+    from ..schedule.registry import get
+    from .comm_probe import measure
+
+    return measure(group, device, get(spec_name).layout_kind == BIDIRECTIONAL)
+
+
+def comm_model(links, pp: int, grad_bytes: float, message_bytes: float):
+    """The communication model of the measured links (None when none was measured); a link not
+    measured (no bd pair, dp=1) is taken as the first measured one of bd, dp, P2P."""
+    from ..schedule.comm_cost import CommModel, Network, Placement
+
+    known = links.bd or links.dp or links.p2p
+    if known is None:
+        return None
+    return CommModel(Placement(pp, links.dp_size), Network(known, known), grad_bytes, message_bytes,
+                     bd_link=links.bd, dp_link=links.dp, p2p_link=links.p2p)
+
+
+def stage_grad_bytes(chunk: torch.nn.Module) -> float:
+    """Bytes of a stage's gradients as reduced: Megatron's ``main_grad`` where there is one."""
+    total = 0
+    for p in chunk.parameters():
+        g = getattr(p, "main_grad", None)
+        total += p.numel() * (g.element_size() if g is not None else 4)
+    return float(total)
+
+
 def advice_text(schedule: str, pp: int, microbatches: int, per_op: dict, activation_bytes: float,
-                parameter_bytes: float, limit_bytes: Optional[float]) -> str:
+                parameter_bytes: float, limit_bytes: Optional[float], measured: Optional[str] = None,
+                comm=None) -> str:
     """The advice for measured per-op costs (ms) and memory (bytes), as the log prints it."""
     from ..advise import advise
     from ..timeline import slowest_costs
@@ -109,9 +204,10 @@ def advice_text(schedule: str, pp: int, microbatches: int, per_op: dict, activat
     costs = slowest_costs([per_op])
     advice = advise(pp, [microbatches], costs, activation_memory=activation_bytes / _MB,
                     parameter_memory=parameter_bytes / _MB,
-                    memory_limit=None if limit_bytes is None else limit_bytes / _MB)
-    head = (f"advice from the first training iteration of {schedule} (pp={pp}, M={microbatches}; costs in ms: "
-            f"per op the slowest rank's median; memory in MiB per rank):")
+                    memory_limit=None if limit_bytes is None else limit_bytes / _MB, comm=comm)
+    where = measured or f"training iterations of {schedule}"
+    head = (f"advice for pp={pp}, M={microbatches} from {where}; costs in ms: per op the slowest rank's median; "
+            f"memory in MiB per rank:")
     return "\n".join([head, *advice.format().splitlines()])
 
 

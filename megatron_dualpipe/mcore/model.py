@@ -43,10 +43,9 @@ weight is copied locally from the embedding after construction.
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 from collections import OrderedDict
-from typing import Callable, Iterator, List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -120,20 +119,13 @@ def dualpipev_config(config):
     return copy_
 
 
-@contextlib.contextmanager
-def _mirror_parallel_state(rev_rank: int, rev_ranks: Sequence[int]) -> Iterator[None]:
-    """parallel_state answers rank queries for the reversed pipeline group inside the block."""
-    from megatron.core import parallel_state as ps
+def _mirror_parallel_state(rev_rank: int, rev_ranks: Sequence[int]):
+    """parallel_state answers rank queries for the reversed pipeline group inside the block
+    (a ``hooks.scoped`` block: the two entries are in the hooks manifest)."""
+    from .. import hooks
 
-    saved_rank = ps._MPU_PIPELINE_MODEL_PARALLEL_RANK
-    saved_ranks = ps._PIPELINE_GLOBAL_RANKS
-    ps._MPU_PIPELINE_MODEL_PARALLEL_RANK = rev_rank
-    ps._PIPELINE_GLOBAL_RANKS = list(rev_ranks)
-    try:
-        yield
-    finally:
-        ps._MPU_PIPELINE_MODEL_PARALLEL_RANK = saved_rank
-        ps._PIPELINE_GLOBAL_RANKS = saved_ranks
+    return hooks.scoped(hooks.entry("scoped", "_MPU_PIPELINE_MODEL_PARALLEL_RANK").to(rev_rank),
+                        hooks.entry("scoped", "_PIPELINE_GLOBAL_RANKS").to(list(rev_ranks)))
 
 
 def _expected_first_layer(config, stage: int, num_stages: int) -> Optional[int]:

@@ -64,17 +64,21 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
-from typing import Iterator, List, Optional
+from typing import List, Optional
 
-from megatron.core.pipeline_parallel import combined_1f1b, schedules
+from megatron.core.pipeline_parallel import combined_1f1b
 from megatron.core.pipeline_parallel import utils as pp_utils
 
+from .. import hooks
+from . import compat
 from ..schedule import Action
+from . import options
 from .direction import direction_of
 from .stage_compute import MegatronStageCompute
 from .validation import DualPipeConfigError
 
 log = logging.getLogger("megatron_dualpipe")
+_CALC_LOSS = hooks.entry("scoped", "forward_step_calc_loss")
 
 __all__ = ["COMBINED_STEP_FLAGS", "OverlappedStageCompute", "combined_step_problems", "enable_combined_step",
            "offers_combined_step"]
@@ -92,25 +96,9 @@ def offers_combined_step(config, forward_only: bool = False) -> bool:
 def combined_step_problems(config) -> List[str]:
     """What megatron-core's combined step needs besides the virtual pipeline (its
     ``TransformerConfig`` checks, minus pp/vpp and bf16/fp16: see the module docstring; MTP and
-    CUDA graphs, which it also restricts, DualPipe refuses anyway).
-
-    ``config`` is a ``TransformerConfig`` or Megatron-LM's ``args`` (same names, but
-    ``num_experts`` for ``num_moe_experts``)."""
-    problems = []
-    if (getattr(config, "expert_model_parallel_size", 1) or 1) <= 1:
-        problems.append("it overlaps the expert-parallel all-to-all: set --expert-model-parallel-size > 1")
-    if getattr(config, "num_moe_experts", getattr(config, "num_experts", None)) is None:
-        problems.append("it needs an MoE model: set --num-experts")
-    if getattr(config, "moe_token_dispatcher_type", None) not in ("alltoall", "flex"):
-        problems.append("it needs --moe-token-dispatcher-type alltoall or flex, got "
-                        f"{getattr(config, 'moe_token_dispatcher_type', None)!r}")
-    if getattr(config, "recompute_granularity", None) == "full" or getattr(config, "recompute_method", None) \
-            or getattr(config, "recompute_num_layers", None):
-        problems.append("it cannot recompute full layers: remove --recompute-granularity full / "
-                        "--recompute-method / --recompute-num-layers")
-    if getattr(config, "moe_shared_expert_overlap", False):
-        problems.append("it cannot be combined with --moe-shared-expert-overlap: remove it")
-    return problems
+    CUDA graphs, which it also restricts, DualPipe refuses anyway): the ``needs`` rules of the
+    options table (:mod:`.options`), read from a ``TransformerConfig``."""
+    return options.combined_step_problems(config, options.CONFIG)
 
 
 def enable_combined_step(config, delay_wgrad_compute: Optional[bool] = None):
@@ -128,20 +116,18 @@ def enable_combined_step(config, delay_wgrad_compute: Optional[bool] = None):
     return config
 
 
-@contextlib.contextmanager
-def _loss_where(is_last_stage: bool, cp_size: int) -> Iterator[None]:
-    """Inside the combined step, ``forward_step_calc_loss`` is told where the direction ends."""
-    original = schedules.forward_step_calc_loss
+def _loss_where(is_last_stage: bool, cp_size: int):
+    """Inside the combined step, ``forward_step_calc_loss`` is told where the direction ends
+    (a ``hooks.scoped`` swap of ``schedules.forward_step_calc_loss``, looked up at call time)."""
 
-    def forward_step_calc_loss(*args, **kwargs):
-        kwargs["cp_group_size"], kwargs["is_last_stage"] = cp_size, is_last_stage
-        return original(*args, **kwargs)
+    def told(original):
+        def forward_step_calc_loss(*args, **kwargs):
+            kwargs["cp_group_size"], kwargs["is_last_stage"] = cp_size, is_last_stage
+            return original(*args, **kwargs)
 
-    schedules.forward_step_calc_loss = forward_step_calc_loss
-    try:
-        yield
-    finally:
-        schedules.forward_step_calc_loss = original
+        return forward_step_calc_loss
+
+    return hooks.scoped(_CALC_LOSS.made_by(told))
 
 
 class OverlappedStageCompute(MegatronStageCompute):
@@ -194,16 +180,13 @@ class OverlappedStageCompute(MegatronStageCompute):
             self._te_backward_dw(ba.dir, (ba.dir, ba.mb, ba.stage))
         if fa is not None:
             self._end_forward(fa, input_tensor, output, num_tokens)
-        if ba is not None:
-            self._gradient_done(ba)
         return output, input_grad
 
 
 def _no_inline_weight_grads(plan) -> None:
     """The schedule plan's layer nodes skip their ``backward_dw()`` (a B action: W computes them)."""
     for layer in plan._transformer_layers:
-        for name in ("attn", "moe_dispatch", "mlp", "moe_combine", "mtp_post_process"):
-            node = getattr(layer, name, None)
+        for node in compat.layer_plan_nodes(layer).values():
             if hasattr(node, "delay_wgrad_compute"):
                 node.delay_wgrad_compute = False
 

@@ -2,7 +2,8 @@
 
 Every check raises :class:`DualPipeConfigError` naming the fix, on the rank that called, with no
 collective started: a bad configuration never leaves a peer waiting. The schedule's own rules
-(pipeline size, micro-batch counts, chunks per rank) come from the registry.
+(pipeline size, micro-batch counts, chunks per rank) come from the registry; the options it
+refuses from the one options table (:mod:`.options`), read from the model's ``TransformerConfig``.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 from megatron.core import parallel_state
 
 from ..schedule.registry import ScheduleError, ScheduleSpec
+from . import options
 
 
 class DualPipeConfigError(ValueError):
@@ -31,27 +33,13 @@ def check_call(spec: ScheduleSpec, *, model: Sequence[torch.nn.Module], num_micr
     problem = spec.pp_problem(pp, flag="--pipeline-model-parallel-size")
     if problem:
         raise DualPipeConfigError(problem)
-    vp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
-    if vp is not None and vp > 1:
-        raise DualPipeConfigError(f"{name} cannot be combined with a virtual pipeline (size {vp}): remove "
-                                  f"--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank")
+    refused = options.problems(config, name, options.CONFIG)
+    if refused:  # the options table, read from the TransformerConfig (as Megatron-LM's check reads args)
+        raise DualPipeConfigError(f"{name}: " + f"; {name}: ".join(refused))
     _check_chunks(spec, model)
     if adjust_tensor_shapes_fn is not None:
         raise DualPipeConfigError(f"{name} does not support adjust_tensor_shapes_fn (ModelOpt distillation): run "
                                   f"distillation with --pipeline-schedule 1f1b, or pass adjust_tensor_shapes_fn=None")
-    if getattr(config, "variable_seq_lengths", False):
-        raise DualPipeConfigError(f"{name} needs fixed shapes between micro-batches: turn off "
-                                  f"variable_seq_lengths (every micro-batch must be seq_length x micro_batch_size)")
-    if getattr(config, "num_microbatches_with_partial_activation_checkpoints", None) is not None:
-        raise DualPipeConfigError(
-            f"{name} does not support num_microbatches_with_partial_activation_checkpoints (Megatron's 1F1B picks, "
-            f"per micro-batch, which ones recompute, from its own window of outstanding backwards): set it to None "
-            f"and recompute every micro-batch alike (recompute_granularity / recompute_num_layers)")
-    problem = fp8_delayed_problem(spec, pp, getattr(config, "fp8", None), getattr(config, "fp8_recipe", None))
-    if problem:
-        raise DualPipeConfigError(f"{name} {problem}")
-    if getattr(config, "overlap_p2p_comm", False):
-        raise DualPipeConfigError(f"{name} batches its own P2P: turn off --overlap-p2p-communication")
     if isinstance(data_iterator, (list, tuple)) and len(data_iterator) != 1:
         raise DualPipeConfigError(f"{name} reads both directions from one data iterator; got a list of "
                                   f"{len(data_iterator)}: pass one iterator (or a list of one)")
@@ -62,20 +50,6 @@ def check_call(spec: ScheduleSpec, *, model: Sequence[torch.nn.Module], num_micr
         return spec.padded_microbatches(pp, num_microbatches, forward_only)
     except ScheduleError as e:
         raise DualPipeConfigError(str(e)) from None
-
-
-def fp8_delayed_problem(spec: ScheduleSpec, pp: int, fp8, recipe) -> str:
-    """FP8 with the ``delayed`` recipe under a schedule with two copies of each stage: each copy
-    keeps its own amax history, of its own direction's micro-batches, so the copies quantise
-    with different scales and their weights drift apart. Refused (an amax reduction over the bd
-    pair would be needed); '' when fine."""
-    from ..schedule.layout import BIDIRECTIONAL
-
-    if not fp8 or getattr(recipe, "value", recipe) != "delayed" or spec.layout(max(pp, 2)).kind != BIDIRECTIONAL:
-        return ""
-    return ("does not support --fp8-recipe delayed (each copy of a stage would keep its own amax history of its own "
-            "direction's micro-batches, so the two copies would quantise with different scales and drift apart): use "
-            "--fp8-recipe tensorwise, blockwise or mxfp8, or --pipeline-schedule dualpipev")
 
 
 def _check_chunks(spec: ScheduleSpec, model: Sequence[torch.nn.Module]) -> None:

@@ -30,9 +30,7 @@ the three extra attributes; no check runs and no value is changed.
 """
 
 import functools
-from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, Tuple
-
+from ..mcore import options
 from ..schedule import registry
 
 _GROUP_TITLE = "DualPipe pipeline schedule (megatron_dualpipe)"
@@ -78,8 +76,16 @@ def add_dualpipe_arguments(parser):
     group.add_argument(
         "--dualpipe-advise",
         action="store_true",
-        help="After the first training iteration, log which schedule megatron-dualpipe advise chooses for "
-        "the stage costs and memory that iteration measured (executor schedules).",
+        help="After the warm-up (--dualpipe-advise-warmup), log which schedule megatron-dualpipe advise chooses "
+        "for the stage costs and memory the next training iterations measured (executor schedules).",
+    )
+    group.add_argument(
+        "--dualpipe-advise-warmup",
+        type=int,
+        default=None,
+        metavar="N",
+        help="Training iterations --dualpipe-advise skips before measuring (default 3: their units carry "
+        "one-time costs).",
     )
     group.add_argument(
         "--dualpipe-drift-check-interval",
@@ -93,95 +99,36 @@ def add_dualpipe_arguments(parser):
     return parser
 
 
+def schedule_of(args) -> str:
+    """The ``--pipeline-schedule`` of ``args`` (the registry's default when it has none)."""
+    return getattr(args, "pipeline_schedule", None) or registry.DEFAULT
+
+
 def num_microbatches(args) -> int:
     """Micro-batches per global batch and data-parallel rank, as Megatron computes it."""
     dp = getattr(args, "data_parallel_size", None) or 1
     return args.global_batch_size // (args.micro_batch_size * dp)
 
 
-@dataclass(frozen=True)
-class RefusedOption:
-    """A Megatron-LM option that an executor schedule cannot honour, with the reason and the fix.
-
-    ``flags`` is what the user typed (and must change), ``dest`` the ``args`` attribute it sets,
-    ``is_set(value)`` whether that value turns the feature on. The table below is the one place
-    these refusals live: ``dualpipe_problems`` reads it, docs/megatron-options.md lists it and
-    tests/test_megatron_lm.py checks every entry's message.
-    """
-
-    flags: str
-    dest: str
-    why: str
-    schedules: Tuple[str, ...] = registry.names(chunks_per_rank=2)
-    is_set: Callable[[Any], bool] = bool
-    fix: Optional[str] = None
-
-    def message(self) -> str:
-        return f"does not support {self.flags} ({self.why}); {self.fix or 'remove ' + self.flags}"
+#: The single options refused on ``args`` (rules of the one options table, ``mcore/options.py``).
+REFUSED_OPTIONS = options.args_rules()
 
 
-def _not_none(value) -> bool:
-    return value not in (None, "none")
+def advise_problems(args) -> List[str]:
+    """--dualpipe-advise-warmup: not negative, and leaving measured iterations within --train-iters."""
+    from megatron_dualpipe.mcore.live_advice import DEFAULT_WARMUP, MEASURED_ITERATIONS
 
-
-def _has_global_aux_loss(value) -> bool:
-    return "global_aux_loss" in (value if isinstance(value, (list, tuple)) else [value])
-
-
-#: Schedules run by the executor; schedules whose two chunks are mirrored copies of one stage.
-_EXECUTOR = registry.names(runs_on=registry.EXECUTOR)
-_MIRRORED = (registry.DUALPIPE,)
-
-REFUSED_OPTIONS: Tuple[RefusedOption, ...] = (
-    RefusedOption("--use-torch-fsdp2", "use_torch_fsdp2", "FSDP shards the chunks' parameters itself"),
-    RefusedOption("--use-megatron-fsdp", "use_megatron_fsdp", "FSDP shards the chunks' parameters itself"),
-    RefusedOption("--mtp-num-layers", "mtp_num_layers",
-                  "multi-token prediction is tied to the last pipeline stage of one direction"),
-    RefusedOption("--cuda-graph-impl / --enable-cuda-graph / --external-cuda-graph", "cuda_graph_impl",
-                  "a captured graph replays one fixed order of forwards and backwards",
-                  is_set=_not_none, fix="use --cuda-graph-impl none"),
-    RefusedOption("--overlap-moe-expert-parallel-comm", "overlap_moe_expert_parallel_comm",
-                  "a one-chunk order has no fused F&B units to overlap; --delay-wgrad-compute needs it too",
-                  schedules=registry.names(runs_on=registry.EXECUTOR, chunks_per_rank=1),
-                  fix="remove it, or use --pipeline-schedule " + " or ".join(registry.names(chunks_per_rank=2))),
-    RefusedOption("--iterations-to-skip", "iterations_to_skip", "the skip path assumes one data iterator"),
-    RefusedOption("--sft", "sft", "packed variable-length sequences need variable P2P shapes"),
-    RefusedOption("--perform-rl-step", "perform_rl_step",
-                  "RL builds a separate inference model through get_model and drives its own train loop",
-                  fix="remove --perform-rl-step or use --pipeline-schedule 1f1b"),
-    RefusedOption("--hybrid-context-parallel", "hybrid_context_parallel",
-                  "micro-batches of different lengths need variable P2P shapes"),
-    RefusedOption("--moe-router-load-balancing-type global_aux_loss", "moe_router_load_balancing_type",
-                  "its loss for micro-batch k averages the token counts of micro-batches 1..k in 1F1B order, "
-                  "and DualPipe's two copies of a stage each see only one direction's micro-batches",
-                  schedules=_MIRRORED, is_set=_has_global_aux_loss,
-                  fix="use aux_loss or seq_aux_loss, or --pipeline-schedule dualpipev"),
-    RefusedOption("--qk-clip", "qk_clip",
-                  "each copy of a stage would clip its weights by the largest attention logit of its own "
-                  "direction's micro-batches, so the copies would drift apart", schedules=_MIRRORED),
-    RefusedOption("--moe-enable-routing-replay", "moe_enable_routing_replay",
-                  "its process-wide list of routers would hold both copies of every MoE layer",
-                  schedules=_MIRRORED),
-    RefusedOption("--save-dgrads-interval", "save_dgrads_interval",
-                  "it records the input gradients of 'the last micro-batch', which depends on the schedule's order",
-                  is_set=lambda v: v is not None),
-    RefusedOption("--use-ring-exchange-p2p", "use_ring_exchange_p2p",
-                  "the executor posts its own batched point-to-point operations",
-                  schedules=_EXECUTOR),
-    RefusedOption("--fine-grained-activation-offloading", "fine_grained_activation_offloading",
-                  "its offload handlers are advanced and reset by Megatron's own schedules",
-                  schedules=_EXECUTOR),
-    RefusedOption("--inprocess-restart", "inprocess_restart",
-                  "a restart inside the process would rebuild the process groups but not DualPipe's bd groups"),
-    RefusedOption("--moe-use-upcycling", "moe_use_upcycling",
-                  "upcycling loads a dense one-chunk model and converts it in place"),
-)
-
-
-def refused_option_problems(args, schedule: str) -> List[str]:
-    """Messages for the options of `REFUSED_OPTIONS` that are on in ``args`` and refused for ``schedule``."""
-    return [f"--pipeline-schedule {schedule}: {opt.message()}" for opt in REFUSED_OPTIONS
-            if schedule in opt.schedules and opt.is_set(getattr(args, opt.dest, None))]
+    warmup = getattr(args, "dualpipe_advise_warmup", None)
+    if warmup is not None and warmup < 0:
+        return [f"--dualpipe-advise-warmup must be >= 0, got {warmup}"]
+    iters = getattr(args, "train_iters", None)
+    needed = (DEFAULT_WARMUP if warmup is None else warmup) + MEASURED_ITERATIONS
+    if getattr(args, "dualpipe_advise", False) and iters is not None and iters < needed:
+        fit = iters - MEASURED_ITERATIONS
+        how = f"--dualpipe-advise-warmup {fit}" if fit >= 0 else f"--train-iters {needed}"
+        return [f"--dualpipe-advise measures {MEASURED_ITERATIONS} training iterations after a warm-up of "
+                f"{needed - MEASURED_ITERATIONS}, more than --train-iters {iters}: use {how}"]
+    return []
 
 
 def dualpipe_problems(args):
@@ -196,7 +143,7 @@ def dualpipe_problems(args):
             return [f"--dualpipe-advise measures the executor's schedules, not Megatron's own {schedule}: use "
                     f"--pipeline-schedule {registry.EXECUTOR_1F1B} (the same 1F1B order, timed) or remove it"]
         return []
-    problems = []
+    problems = advise_problems(args)
     flag = f"--pipeline-schedule {schedule}"
     pp = args.pipeline_model_parallel_size
 
@@ -215,33 +162,7 @@ def dualpipe_problems(args):
     elif spec.pp_problem(pp, flag="--pipeline-model-parallel-size"):
         bad(spec.pp_problem(pp, flag="--pipeline-model-parallel-size"))
 
-    # Layer layout.
-    if (
-        getattr(args, "num_layers_per_virtual_pipeline_stage", None) is not None
-        or getattr(args, "num_virtual_stages_per_pipeline_rank", None) is not None
-    ):
-        bad(
-            "cannot be combined with a virtual pipeline; remove "
-            "--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank "
-            f"({schedule} already places two chunks on every rank)"
-        )
-    if getattr(args, "pipeline_model_parallel_layout", None) is not None:
-        bad("does not support --pipeline-model-parallel-layout; remove it")
-    if (
-        getattr(args, "decoder_first_pipeline_num_layers", None) is not None
-        or getattr(args, "decoder_last_pipeline_num_layers", None) is not None
-    ):
-        bad(
-            "needs evenly split stages; remove --decoder-first-pipeline-num-layers / "
-            "--decoder-last-pipeline-num-layers"
-        )
-    if getattr(args, "account_for_embedding_in_pipeline_split", False) or getattr(
-        args, "account_for_loss_in_pipeline_split", False
-    ):
-        bad(
-            "needs evenly split stages; remove --account-for-embedding-in-pipeline-split / "
-            "--account-for-loss-in-pipeline-split"
-        )
+    # Layer count.
     num_layers = getattr(args, "num_layers", None)
     if num_layers is not None and pp >= 1:
         divisor = spec.model_stages(pp)
@@ -274,19 +195,10 @@ def dualpipe_problems(args):
                     f"micro-batches, fewer than the pipeline size ({pp}); raise its start value"
                 )
 
-    problems.extend(refused_option_problems(args, schedule))
-    from ..mcore.validation import fp8_delayed_problem  # the check the executor repeats at its first call
-
-    fp8 = fp8_delayed_problem(spec, pp, getattr(args, "fp8", None), getattr(args, "fp8_recipe", None))
-    if fp8:
-        bad(fp8)
-    if getattr(args, "overlap_moe_expert_parallel_comm", False):
-        # Fused F&B units through megatron-core's combined step (mcore.overlap); no virtual
-        # pipeline needed (training_hooks adapts the config).
-        from ..mcore.overlap import combined_step_problems
-
-        for problem in combined_step_problems(args):
-            bad(f"--overlap-moe-expert-parallel-comm: {problem}")
+    # Every option of the table (with --overlap-moe-expert-parallel-comm: what megatron-core's
+    # combined step needs; training_hooks adapts the config so that no virtual pipeline is needed).
+    for problem in options.problems(args, schedule, options.ARGS):
+        bad(problem)
 
     timeout = getattr(args, "dualpipe_p2p_timeout", None)
     if timeout is not None and not timeout > 0:
@@ -295,22 +207,13 @@ def dualpipe_problems(args):
 
 
 def _one_chunk_problems(spec, args, bad, problems):
-    """The executor's 1F1B and ZB-H1: one chunk per rank, Megatron's model, batched P2P of its own."""
+    """The executor's 1F1B and ZB-H1: one chunk per rank, Megatron's model, batched P2P of its own.
+    (``--overlap-p2p-communication`` and ``variable_seq_lengths`` are turned off by Megatron-LM's
+    ``validate_args`` itself without a virtual pipeline: the table checks them on the config.)"""
     if args.pipeline_model_parallel_size < 2:
         bad(f"needs --pipeline-model-parallel-size >= 2; use --pipeline-schedule {registry.DEFAULT}")
-    if (
-        getattr(args, "num_layers_per_virtual_pipeline_stage", None) is not None
-        or getattr(args, "num_virtual_stages_per_pipeline_rank", None) is not None
-    ):
-        bad(
-            "runs one model chunk per rank; remove --num-layers-per-virtual-pipeline-stage / "
-            f"--num-virtual-stages-per-pipeline-rank or use --pipeline-schedule {registry.DEFAULT}"
-        )
-    if getattr(args, "overlap_p2p_comm", False):
-        bad("batches its own P2P; remove --overlap-p2p-communication")
-    if getattr(args, "variable_seq_lengths", False):
-        bad("needs fixed shapes between micro-batches; remove --variable-seq-lengths")
-    problems.extend(refused_option_problems(args, spec.name))
+    for problem in options.problems(args, spec.name, options.ARGS):
+        bad(problem)
     timeout = getattr(args, "dualpipe_p2p_timeout", None)
     if timeout is not None and not timeout > 0:
         bad(f"--dualpipe-p2p-timeout must be a positive number of seconds (got {timeout})")
@@ -331,57 +234,45 @@ def validate_dualpipe_args(args):
 # Installation into megatron.training
 # ------------------------------------------------------------------------------------------
 
-_MARK = "_megatron_dualpipe_wrapped"
+_PART = "megatron-lm arguments"  # hooks/manifest.py lists what install() patches
 
 
-def _wrap_add_megatron_arguments(orig):
+def wrap_add_megatron_arguments(orig):
+    """``add_megatron_arguments`` that also adds the DualPipe flags."""
+
     @functools.wraps(orig)
     def add_megatron_arguments(parser):
         parser = orig(parser)
         return add_dualpipe_arguments(parser)
 
-    setattr(add_megatron_arguments, _MARK, orig)
     return add_megatron_arguments
 
 
-def _wrap_validate(orig):
+def wrap_validate(orig):
+    """``validate_args`` (or ``validate_yaml``) followed by :func:`validate_dualpipe_args`."""
+
     @functools.wraps(orig)
     def validate(args, *a, **kw):
         result = orig(args, *a, **kw)
         validate_dualpipe_args(result if result is not None else args)
         return result
 
-    setattr(validate, _MARK, orig)
     return validate
 
 
 def install():
-    """Patch ``megatron.training`` so its parser knows the flags and its validation checks them.
+    """Patch ``megatron.training`` so its parser knows the flags and its validation checks them
+    (the ``megatron-lm arguments`` part of the hooks manifest).
 
     Idempotent. Must run before ``pretrain()`` (i.e. before ``initialize_megatron``).
     """
-    import megatron.training.arguments as margs
-    import megatron.training.initialize as minit
+    from .. import hooks
 
-    if not hasattr(margs.add_megatron_arguments, _MARK):
-        margs.add_megatron_arguments = _wrap_add_megatron_arguments(margs.add_megatron_arguments)
-    for mod, name in ((margs, "validate_args"), (minit, "validate_args"), (minit, "validate_yaml")):
-        fn = getattr(mod, name, None)
-        if fn is not None and not hasattr(fn, _MARK):
-            setattr(mod, name, _wrap_validate(fn))
+    hooks.install([_PART])
 
 
 def uninstall():
     """Undo :func:`install` (for tests)."""
-    import megatron.training.arguments as margs
-    import megatron.training.initialize as minit
+    from .. import hooks
 
-    for mod, name in (
-        (margs, "add_megatron_arguments"),
-        (margs, "validate_args"),
-        (minit, "validate_args"),
-        (minit, "validate_yaml"),
-    ):
-        fn = getattr(mod, name, None)
-        if fn is not None and hasattr(fn, _MARK):
-            setattr(mod, name, getattr(fn, _MARK))
+    hooks.uninstall([_PART])

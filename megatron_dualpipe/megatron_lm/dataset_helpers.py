@@ -51,9 +51,13 @@ def compile_helpers():
         sys.exit(1)
 
 
-def install():
-    import megatron.core.datasets.utils as dutils
+def replace_compile_helpers(original):
+    """The hooks manifest's replacement for ``megatron.core.datasets.utils.compile_helpers``."""
+    return compile_helpers
 
-    if getattr(dutils.compile_helpers, "__module__", None) != __name__:
-        dutils._megatron_dualpipe_orig_compile_helpers = dutils.compile_helpers
-        dutils.compile_helpers = compile_helpers
+
+def install():
+    """Install the ``megatron-lm dataset helper`` part of the hooks manifest (idempotent)."""
+    from .. import hooks
+
+    hooks.install(["megatron-lm dataset helper"])

@@ -9,15 +9,19 @@ What it installs, in order (each step idempotent):
 
 1. ``triton_stub.preimport_triton_users()`` -- only if no real ``triton`` is installed: import the
    Megatron modules that ``import triton`` unconditionally, against a scoped placeholder.
-2. ``dataset_helpers.install()`` -- build Megatron's dataset C++ helper for the running
-   interpreter.
-3. ``arguments.install()`` -- ``--pipeline-schedule`` & co. and their validation.
-4. ``training_hooks.install()`` -- the schedule wiring: ``get_model`` builds the two chunks
+2. the Megatron-LM parts of the hooks manifest (``megatron_dualpipe.hooks``, listed by
+   ``megatron-dualpipe hooks``), as one set:
+
+   * ``megatron-lm arguments`` -- ``--pipeline-schedule`` & co. and their validation
+     (:mod:`.arguments`);
+   * ``megatron-lm training`` -- the schedule wiring (:mod:`.training_hooks`): ``get_model`` builds the two chunks
    for ``dualpipe`` / ``dualpipev``, ``get_forward_backward_func`` returns the executor for
    every schedule but ``1f1b``, and ``save_checkpoint`` / ``load_checkpoint`` keep DualPipe
-   checkpoints interchangeable with 1F1B ones (:mod:`.checkpoint_hooks`). ``1f1b`` passes
-   straight through to Megatron.
-5. ``megatron_dualpipe.cpu.enable(megatron_lm=True)`` -- only when ``torch.cuda.is_available()``
+     checkpoints interchangeable with 1F1B ones (:mod:`.checkpoint`). ``1f1b`` passes
+     straight through to Megatron;
+   * ``megatron-lm dataset helper`` -- build Megatron's dataset C++ helper for the running
+     interpreter (:mod:`.dataset_helpers`).
+3. ``megatron_dualpipe.cpu.enable(megatron_lm=True)`` -- only when ``torch.cuda.is_available()``
    is False: the redirections that let megatron-core and Megatron-LM's training loop run on CPU
    with gloo (``megatron-dualpipe cpu-mode`` lists them). ``cpu=True`` requires it (an error on a
    machine with CUDA), ``cpu=False`` skips it.
@@ -28,15 +32,13 @@ _INSTALLED = {}
 
 def install(cpu=None):
     """Install the plugin's patches. ``cpu=None``: CPU mode exactly when CUDA is not available."""
-    from . import arguments, dataset_helpers, triton_stub
+    from .. import hooks
+    from ..hooks.manifest import MEGATRON_LM_PARTS
+    from . import triton_stub
 
     if "base" not in _INSTALLED:
         _INSTALLED["triton_stub"] = triton_stub.preimport_triton_users()
-        dataset_helpers.install()
-        arguments.install()
-        from . import training_hooks
-
-        training_hooks.install()
+        hooks.install(MEGATRON_LM_PARTS)
         _INSTALLED["base"] = True
 
     if cpu is not False and "cpu" not in _INSTALLED:
@@ -46,3 +48,14 @@ def install(cpu=None):
             _INSTALLED["cpu"] = True
     return dict(_INSTALLED)
 
+
+def uninstall():
+    """Undo :func:`install` (CPU mode first, then the hooks): every patched attribute gets back
+    the very object it had. The triton placeholder modules stay imported."""
+    from .. import cpu as cpu_mode, hooks
+    from ..hooks.manifest import MEGATRON_LM_PARTS
+
+    if _INSTALLED.pop("cpu", False):
+        cpu_mode.disable()
+    if _INSTALLED.pop("base", False):
+        hooks.uninstall(MEGATRON_LM_PARTS)

@@ -2,7 +2,7 @@
 
 :func:`install` replaces two module globals of ``megatron.training.training`` (both are looked
 up at call time by ``setup_model_and_optimizer``, ``train`` and ``evaluate``) and, through
-:mod:`.checkpoint_hooks`, its by-name imports of ``save_checkpoint`` / ``load_checkpoint``.
+:mod:`.checkpoint`, its by-name imports of ``save_checkpoint`` / ``load_checkpoint``.
 With ``--pipeline-schedule 1f1b`` (the default) every wrapper calls the original with the same
 arguments and returns its result: Megatron behaves exactly as without the plugin.
 
@@ -55,17 +55,14 @@ Data
     rank, and the executor splits it into the two directions itself (``mcore.data``).
 """
 
-import contextlib
 import functools
 
+from .. import hooks
 from ..schedule import registry
+from .arguments import schedule_of
 from ..schedule.layout import BIDIRECTIONAL
 
-_MARK = "_megatron_dualpipe_training_hook"
-
-
-def schedule_of(args) -> str:
-    return getattr(args, "pipeline_schedule", None) or registry.DEFAULT
+_PART = "megatron-lm training"  # hooks/manifest.py lists what install() patches
 
 
 def forward_backward_options(args) -> dict:
@@ -73,6 +70,8 @@ def forward_backward_options(args) -> dict:
     opts = {"zero_bubble": bool(getattr(args, "dualpipe_zero_bubble", True)),
             "advise": bool(getattr(args, "dualpipe_advise", False)),
             "drift_check_every": int(getattr(args, "dualpipe_drift_check_interval", 0) or 0)}
+    if getattr(args, "dualpipe_advise_warmup", None) is not None:
+        opts["advise_warmup"] = int(args.dualpipe_advise_warmup)
     timeout = getattr(args, "dualpipe_p2p_timeout", None)
     if timeout is None:
         minutes = getattr(args, "distributed_timeout_minutes", None)
@@ -128,7 +127,9 @@ def _two_chunk_provider(model_provider_func, schedule, model_type, config, built
     return provider
 
 
-PARAMETER_COUNT_PREFIX = " > number of parameters on (tensor, pipeline) model parallel rank"
+#: Megatron's parameter-count line starts so: "(tensor, pipeline) model parallel rank" at
+#: core_v0.16.1, "(tensor, gtp_remat, pipeline) model parallel rank" at core_v0.19.0.
+PARAMETER_COUNT_PREFIX = " > number of parameters on (tensor, "
 
 
 def parameter_count_line(line: str, chunks) -> str:
@@ -147,7 +148,6 @@ def parameter_count_line(line: str, chunks) -> str:
     return f"{head}: {counts[0] + counts[1]} (stages {stages[0]} and {stages[1]}: {counts[0]} + {counts[1]})"
 
 
-@contextlib.contextmanager
 def _unbucketed_ddp(module):
     """Within the block, ``module.DDP`` (what stock ``get_model`` wraps each chunk in) builds every
     chunk with ``disable_bucketing=True``. Stock DDP buckets only the first chunk on pipeline rank 0,
@@ -155,41 +155,29 @@ def _unbucketed_ddp(module):
     pp-1's model[1]) not; DualPipe sums the two copies in place, buffer by buffer, which needs the
     same layout on both. (A chunk's gradients are final all at once, after its last W, so buckets
     would not let its reduction start earlier.)"""
-    orig = module.DDP
 
-    class UnbucketedDDP(orig):
-        def __init__(self, *args, **kwargs):
-            kwargs["disable_bucketing"] = True
-            super().__init__(*args, **kwargs)
+    def unbucketed(orig):
+        class UnbucketedDDP(orig):
+            def __init__(self, *args, **kwargs):
+                kwargs["disable_bucketing"] = True
+                super().__init__(*args, **kwargs)
 
-    module.DDP = UnbucketedDDP
-    try:
-        yield
-    finally:
-        module.DDP = orig
+        return UnbucketedDDP
+
+    return hooks.entry("scoped", "DDP").made_by(unbucketed, on=module)
 
 
-@contextlib.contextmanager
 def _parameter_count_rewritten(module, built):
     """Within the block, ``print`` in ``module``'s globals rewrites Megatron's parameter-count
     line (`parameter_count_line`) and passes every other call to the builtin unchanged."""
     import builtins
-
-    had, saved = "print" in vars(module), vars(module).get("print")
 
     def print_(*args, **kwargs):
         if len(args) == 1 and isinstance(args[0], str) and "chunks" in built:
             args = (parameter_count_line(args[0], built["chunks"]),)
         return builtins.print(*args, **kwargs)
 
-    module.print = print_
-    try:
-        yield
-    finally:
-        if had:
-            module.print = saved
-        else:
-            del module.print
+    return hooks.entry("scoped", "print").to(print_, on=module)
 
 
 def _default_config(args):
@@ -203,10 +191,7 @@ def _default_config(args):
     return core_transformer_config_from_args(args)
 
 
-def _wrap_get_model(orig):
-    if getattr(orig, _MARK, False):
-        return orig
-
+def wrap_get_model(orig):
     @functools.wraps(orig)
     def get_model(model_provider_func, model_type=None, wrap_with_ddp=True, config=None, pg_collection=None):
         from megatron.core.enums import ModelType
@@ -218,10 +203,6 @@ def _wrap_get_model(orig):
         schedule = schedule_of(args)
         if registry.get(schedule).chunks_per_rank != 2:
             return orig(model_provider_func, model_type, wrap_with_ddp, config=config, pg_collection=pg_collection)
-        if getattr(args, "init_model_with_meta_device", False):
-            raise NotImplementedError(
-                f"--pipeline-schedule {schedule}: --init-model-with-meta-device is not supported (the mirrored "
-                "copies are broadcast right after construction); remove it")
         from ..mcore import groups
 
         if not groups.bd_groups_initialized():
@@ -230,14 +211,16 @@ def _wrap_get_model(orig):
 
         built = {}
         provider = _two_chunk_provider(model_provider_func, schedule, model_type, config, built)
-        with _parameter_count_rewritten(mtraining, built), \
-                (_unbucketed_ddp(mtraining) if schedule == registry.DUALPIPE else contextlib.nullcontext()):
+        swaps = [_parameter_count_rewritten(mtraining, built)]
+        if schedule == registry.DUALPIPE:
+            swaps.append(_unbucketed_ddp(mtraining))
+        with hooks.scoped(*swaps):
             model = orig(provider, model_type, wrap_with_ddp, config=config, pg_collection=pg_collection)
         model = list(model)
         if len(model) != 2:
             raise RuntimeError(f"--pipeline-schedule {schedule}: expected 2 model chunks, got {len(model)}")
         if registry.get(schedule).layout_kind == BIDIRECTIONAL:
-            from .torch_dist_mirror import mark_mirror_replicas
+            from .checkpoint.torch_dist_mirror import mark_mirror_replicas
 
             mark_mirror_replicas(model[1])  # torch_dist: the mirror is a non-main replica
         from megatron.core import parallel_state
@@ -249,14 +232,10 @@ def _wrap_get_model(orig):
                   f"{describe_chunks(model)}", flush=True)
         return model
 
-    setattr(get_model, _MARK, True)
     return get_model
 
 
-def _wrap_get_forward_backward_func(orig):
-    if getattr(orig, _MARK, False):
-        return orig
-
+def wrap_get_forward_backward_func(orig):
     @functools.wraps(orig)
     def get_forward_backward_func(*a, **kw):
         from megatron.training import get_args
@@ -269,14 +248,10 @@ def _wrap_get_forward_backward_func(orig):
 
         return dispatch(schedule, **forward_backward_options(args))
 
-    setattr(get_forward_backward_func, _MARK, True)
     return get_forward_backward_func
 
 
-def _wrap_config_from_args(orig):
-    if getattr(orig, _MARK, False):
-        return orig
-
+def wrap_config_from_args(orig):
     @functools.wraps(orig)
     def core_transformer_config_from_args(args, *a, **kw):
         from ..mcore.overlap import COMBINED_STEP_FLAGS, enable_combined_step
@@ -297,14 +272,10 @@ def _wrap_config_from_args(orig):
         config.delay_wgrad_compute = delay  # TE defers; the executor's W actions run backward_dw()
         return config
 
-    setattr(core_transformer_config_from_args, _MARK, True)
     return core_transformer_config_from_args
 
 
-def _wrap_calc_params_l2_norm(orig):
-    if getattr(orig, _MARK, False):
-        return orig
-
+def wrap_calc_params_l2_norm(orig):
     @functools.wraps(orig)
     def calc_params_l2_norm(model, *a, **kw):
         from megatron.training import get_args
@@ -313,19 +284,10 @@ def _wrap_calc_params_l2_norm(orig):
             model = model[:1]  # model[1] is the mirror: every parameter is counted on its home rank
         return orig(model, *a, **kw)
 
-    setattr(calc_params_l2_norm, _MARK, True)
     return calc_params_l2_norm
 
 
 def install():
-    """Patch ``megatron.training.training`` (idempotent)."""
-    import megatron.training.arguments as margs
-    import megatron.training.training as mtraining
-
-    from . import checkpoint_hooks
-
-    margs.core_transformer_config_from_args = _wrap_config_from_args(margs.core_transformer_config_from_args)
-    mtraining.get_model = _wrap_get_model(mtraining.get_model)
-    mtraining.calc_params_l2_norm = _wrap_calc_params_l2_norm(mtraining.calc_params_l2_norm)
-    mtraining.get_forward_backward_func = _wrap_get_forward_backward_func(mtraining.get_forward_backward_func)
-    checkpoint_hooks.install()
+    """Patch ``megatron.training`` (the ``megatron-lm training`` part of the hooks manifest:
+    these wrappers and the checkpoint ones; idempotent)."""
+    hooks.install([_PART])

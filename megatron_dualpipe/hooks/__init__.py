@@ -1,0 +1,81 @@
+"""The one mechanism by which megatron-dualpipe changes Megatron, and the list of every change.
+
+* :mod:`.mechanism`: what a patch is (attribute, replacement, reason, megatron-core versions);
+  :class:`~.mechanism.PatchSet` installs and uninstalls patches as a set; :func:`scoped` swaps
+  attributes for the duration of one block. The CPU mode (:mod:`megatron_dualpipe.cpu`) uses it
+  for its redirections.
+* :mod:`.manifest`: every Megatron attribute the project changes, by part.
+* :func:`install` / :func:`uninstall` / :func:`status` here; ``megatron-dualpipe hooks`` prints the
+  manifest and what is active in this process.
+
+Standard library only until a patch is applied.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from . import manifest
+from .mechanism import INSTALLED, INSTANCE, SCOPED, Patch, PatchSet, active_scoped, megatron_core_version, scoped
+
+__all__ = ["install", "uninstall", "installed", "status", "scoped", "entry", "Patch", "PARTS"]
+
+PARTS = manifest.PARTS
+entry = manifest.entry
+
+_SETS: Dict[str, PatchSet] = {}  # installed part -> its set
+
+
+def install(parts: Sequence[str], version: Optional[str] = None) -> List[str]:
+    """Install the given parts of the manifest (in the given order; idempotent per part).
+    Returns the parts installed now."""
+    done = []
+    for part in parts:
+        if part in _SETS:
+            continue
+        if part not in manifest.INSTALLED_PARTS:
+            raise ValueError(f"{part!r} is not an installed part of the manifest: one of {manifest.INSTALLED_PARTS}")
+        patches = PatchSet(part, PARTS[part])
+        patches.install(version)
+        _SETS[part] = patches
+        done.append(part)
+    return done
+
+
+def uninstall(parts: Optional[Sequence[str]] = None) -> List[str]:
+    """Undo :func:`install` of ``parts`` (default: all), newest first; every patched attribute
+    gets back the very object it had. Returns the targets someone else had replaced again."""
+    overwritten: List[str] = []
+    for part in reversed(list(_SETS)):
+        if parts is None or part in parts:
+            overwritten += _SETS.pop(part).uninstall()
+    return overwritten
+
+
+def installed() -> Tuple[str, ...]:
+    """The installed parts, in order."""
+    return tuple(_SETS)
+
+
+def status() -> List[Tuple[str, Patch, str]]:
+    """(part, patch, state) for every entry of the manifest. Installed parts: as
+    :meth:`PatchSet.state`; scoped ones: ``scoped, active now (n)`` or ``scoped``; per-object
+    ones: ``per object``. A patch whose versions exclude the installed megatron-core says so."""
+    now = active_scoped()
+    version = megatron_core_version()
+    rows = []
+    for part, patches in PARTS.items():
+        for p in patches:
+            if p.kind == INSTALLED:
+                state = (_SETS[part] if part in _SETS else PatchSet(part, patches)).state(p)
+                if state == "inactive" and version not in p.versions:
+                    state = f"not for megatron-core {version} (applies to {p.versions})"
+            elif version not in p.versions:
+                state = f"not for megatron-core {version} (applies to {p.versions})"
+            elif p.kind == SCOPED:
+                state = f"scoped, active now ({now[p.target]})" if now.get(p.target) else "scoped"
+            else:
+                assert p.kind == INSTANCE
+                state = "per object"
+            rows.append((part, p, state))
+    return rows

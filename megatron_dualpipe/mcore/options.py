@@ -1,0 +1,407 @@
+"""The one table of Megatron options: for each, the schedules it is refused for and why, or the proof
+that it is handled.
+
+Read by both checks, from the same rules:
+
+* Megatron-LM's argument check (``megatron_lm.arguments.dualpipe_problems``), right after
+  ``validate_args``, from ``args`` (:func:`problems` with ``side=ARGS``);
+* megatron-core's call-time check (``mcore.validation.check_call``), from the model's
+  ``TransformerConfig`` (``side=CONFIG``), for users who call the schedule without Megatron-LM.
+
+A rule names the ``args`` attribute and the ``TransformerConfig`` attribute it reads (either may be
+absent: an option Megatron-LM turns off itself, such as ``overlap_p2p_comm`` without a virtual
+pipeline, is checked on the config only). ``docs/megatron-options.md`` is generated from
+:data:`REFUSED` and :data:`HANDLED` (``tools/gen_docs.py``; ``tests/test_docs.py`` checks it is
+current).
+
+Standard library only (the registry); the one rule that asks ``parallel_state`` imports it when read.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, List, Optional, Tuple
+
+from ..schedule import registry
+
+__all__ = ["ARGS", "CONFIG", "Refused", "Handled", "REFUSED", "HANDLED", "COMBINED_STEP", "problems",
+           "combined_step_problems", "args_rules"]
+
+ARGS, CONFIG = "args", "config"
+
+#: Schedule groups the rules name.
+EXECUTOR = registry.names(runs_on=registry.EXECUTOR)
+TWO_CHUNKS = registry.names(chunks_per_rank=2)
+ONE_CHUNK_EXECUTOR = registry.names(runs_on=registry.EXECUTOR, chunks_per_rank=1)
+MIRRORED = (registry.DUALPIPE,)
+
+#: The flag whose requirements the ``needs`` rules state.
+COMBINED_STEP = "--overlap-moe-expert-parallel-comm"
+
+
+@dataclass(frozen=True)
+class Refused:
+    """An option a schedule cannot honour: ``flag`` is what the user typed (and must change),
+    ``arg`` / ``config`` the attributes of Megatron-LM's ``args`` / a ``TransformerConfig`` that
+    hold it (None: not checked on that side), ``is_set(value)`` whether the value is the refused
+    one, ``why`` the problem it would cause and ``fix`` the change that avoids it. ``read``
+    (source, side) -> value replaces the attribute lookup where the value is not one attribute.
+    ``needs``: the rule states a requirement of that option and is checked only while it is on.
+    ``test``: where the refusal is tested."""
+
+    flag: str
+    why: str
+    arg: Optional[str] = None
+    config: Optional[str] = None
+    schedules: Tuple[str, ...] = TWO_CHUNKS
+    is_set: Callable[[Any], bool] = bool
+    fix: Optional[str] = None
+    read: Optional[Callable[[Any, str], Any]] = None
+    needs: Optional[str] = None
+    test: str = "A"
+    sides: Optional[Tuple[str, ...]] = None  # with ``read``: the sides it reads (default both)
+
+    def value(self, source, side: str):
+        if self.read is not None:
+            return self.read(source, side)
+        name = self.arg if side == ARGS else self.config
+        return getattr(source, name, None)
+
+    def applies(self, side: str) -> bool:
+        if self.read is not None:
+            return self.sides is None or side in self.sides
+        return (self.arg if side == ARGS else self.config) is not None
+
+    def message(self) -> str:
+        if self.needs:
+            return f"{self.why}: {self.fix}"
+        return f"does not support {self.flag} ({self.why}); {self.fix or 'remove ' + self.flag}"
+
+
+@dataclass(frozen=True)
+class Handled:
+    """An option that runs under the executor's schedules, with its status and the test that proves it."""
+
+    option: str
+    status: str
+    test: str
+
+
+def _not_none(value) -> bool:
+    return value not in (None, "none")
+
+
+def _has_global_aux_loss(value) -> bool:
+    return "global_aux_loss" in (value if isinstance(value, (list, tuple)) else [value])
+
+
+def _virtual_pipeline(source, side):
+    if side == ARGS:
+        return (getattr(source, "num_layers_per_virtual_pipeline_stage", None) is not None
+                or getattr(source, "num_virtual_stages_per_pipeline_rank", None) is not None)
+    # A TransformerConfig of DualPipeV's chunks says virtual_pipeline_model_parallel_size=2 by
+    # design (mcore.model.dualpipev_config): the process-wide setting is the one to ask.
+    from megatron.core import parallel_state
+
+    vp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    return vp is not None and vp > 1
+
+
+def _either(*names):
+    return lambda source, side: any(getattr(source, n, None) not in (None, False) for n in names)
+
+
+def _expert_parallel_of_one(source, side):
+    return (getattr(source, "expert_model_parallel_size", 1) or 1) <= 1
+
+
+def _no_experts(source, side):
+    return getattr(source, "num_experts" if side == ARGS else "num_moe_experts", None) is None
+
+
+def _dispatcher_not_all_to_all(source, side):
+    return getattr(source, "moe_token_dispatcher_type", None) not in ("alltoall", "flex")
+
+
+def _full_recompute(source, side):
+    return (getattr(source, "recompute_granularity", None) == "full" or bool(getattr(source, "recompute_method", None))
+            or bool(getattr(source, "recompute_num_layers", None)))
+
+
+def _fp8_delayed(source, side):
+    recipe = getattr(source, "fp8_recipe", None)
+    return bool(getattr(source, "fp8", None)) and getattr(recipe, "value", recipe) == "delayed"
+
+
+_VP_FLAGS = "--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank"
+
+#: Every refused option, in the order the checks report them.
+REFUSED: Tuple[Refused, ...] = (
+    # The pipeline's structure.
+    Refused(_VP_FLAGS, "the schedule places its own chunks on every rank; a virtual pipeline would add more",
+            schedules=EXECUTOR, read=lambda source, side: _virtual_pipeline(source, side),
+            fix=f"remove {_VP_FLAGS} or use --pipeline-schedule "
+            f"{registry.DEFAULT}", test="A `dualpipe_virtual_pipeline`; E `virtual_pipeline`"),
+    Refused("--pipeline-model-parallel-layout", "the stages must be an even split",
+            arg="pipeline_model_parallel_layout",
+            is_set=lambda v: v is not None),
+    Refused("--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers",
+            "the stages must be an even split", read=_either("decoder_first_pipeline_num_layers",
+                                                              "decoder_last_pipeline_num_layers"), sides=(ARGS,)),
+    Refused("--account-for-embedding-in-pipeline-split / --account-for-loss-in-pipeline-split",
+            "the stages must be an even split", read=_either("account_for_embedding_in_pipeline_split",
+                                                              "account_for_loss_in_pipeline_split")),
+    Refused("--init-model-with-meta-device", "the mirrored copies are broadcast right after construction",
+            arg="init_model_with_meta_device", config="init_model_with_meta_device"),
+    Refused("--overlap-p2p-communication", "the executor batches its own P2P", config="overlap_p2p_comm",
+            schedules=EXECUTOR, fix="turn off --overlap-p2p-communication (overlap_p2p_comm=False; Megatron-LM "
+            "turns it off itself without a virtual pipeline, which is refused)", test="E `overlap_p2p_comm`"),
+    Refused("variable_seq_lengths", "micro-batches of different shapes; every micro-batch must be seq_length x "
+            "micro_batch_size", config="variable_seq_lengths", schedules=EXECUTOR,
+            fix="turn off variable_seq_lengths (Megatron-LM's validate_args always does)",
+            test="E `variable_seq_lengths`"),
+    Refused("num_microbatches_with_partial_activation_checkpoints",
+            "Megatron's 1F1B picks, per micro-batch, which ones recompute, from its own window of outstanding "
+            "backwards", config="num_microbatches_with_partial_activation_checkpoints", schedules=EXECUTOR,
+            is_set=lambda v: v is not None, fix="set it to None and recompute every micro-batch alike "
+            "(recompute_granularity / recompute_num_layers); no Megatron-LM flag sets it",
+            test="E `partial_recompute_per_microbatch`"),
+    # Single options.
+    Refused("--use-torch-fsdp2", "FSDP shards the chunks' parameters itself", arg="use_torch_fsdp2"),
+    Refused("--use-megatron-fsdp", "FSDP shards the chunks' parameters itself", arg="use_megatron_fsdp"),
+    Refused("--mtp-num-layers", "multi-token prediction is tied to the last pipeline stage of one direction",
+            arg="mtp_num_layers", config="mtp_num_layers"),
+    Refused("--cuda-graph-impl / --enable-cuda-graph / --external-cuda-graph",
+            "a captured graph replays one fixed order of forwards and backwards", arg="cuda_graph_impl",
+            config="cuda_graph_impl", is_set=_not_none, fix="use --cuda-graph-impl none"),
+    Refused(COMBINED_STEP, "a one-chunk order has no fused F&B units to overlap; --delay-wgrad-compute needs it too",
+            arg="overlap_moe_expert_parallel_comm", config="overlap_moe_expert_parallel_comm",
+            schedules=ONE_CHUNK_EXECUTOR, fix="remove it, or use --pipeline-schedule " + " or ".join(TWO_CHUNKS)),
+    Refused("--iterations-to-skip", "the skip path assumes one data iterator", arg="iterations_to_skip"),
+    Refused("--sft", "packed variable-length sequences need variable P2P shapes", arg="sft"),
+    Refused("--perform-rl-step", "RL builds a separate inference model through get_model and drives its own train loop",
+            arg="perform_rl_step", fix="remove --perform-rl-step or use --pipeline-schedule 1f1b"),
+    Refused("--hybrid-context-parallel", "micro-batches of different lengths need variable P2P shapes",
+            arg="hybrid_context_parallel", config="hybrid_context_parallel"),
+    Refused("--moe-router-load-balancing-type global_aux_loss",
+            "its loss for micro-batch k averages the token counts of micro-batches 1..k in 1F1B order, and "
+            "DualPipe's two copies of a stage each see only one direction's micro-batches",
+            arg="moe_router_load_balancing_type", config="moe_router_load_balancing_type", schedules=MIRRORED,
+            is_set=_has_global_aux_loss, fix="use aux_loss or seq_aux_loss, or --pipeline-schedule dualpipev"),
+    Refused("--qk-clip", "each copy of a stage would clip its weights by the largest attention logit of its own "
+            "direction's micro-batches, so the copies would drift apart", arg="qk_clip", config="qk_clip",
+            schedules=MIRRORED),
+    Refused("--fp8-recipe delayed", "each copy of a stage would keep its own amax history of its own direction's "
+            "micro-batches, so the two copies would quantise with different scales and drift apart",
+            read=_fp8_delayed, schedules=MIRRORED,
+            fix="use --fp8-recipe tensorwise, blockwise or mxfp8, or --pipeline-schedule dualpipev",
+            test="A `refused --fp8-recipe delayed`; E `fp8_delayed_recipe`"),
+    Refused("--moe-enable-routing-replay", "its process-wide list of routers would hold both copies of every MoE layer",
+            arg="moe_enable_routing_replay", config="moe_enable_routing_replay", schedules=MIRRORED),
+    Refused("--save-dgrads-interval",
+            "it records the input gradients of 'the last micro-batch', which depends on the schedule's order",
+            arg="save_dgrads_interval", is_set=lambda v: v is not None),
+    Refused("--use-ring-exchange-p2p", "the executor posts its own batched point-to-point operations",
+            arg="use_ring_exchange_p2p", config="use_ring_exchange_p2p", schedules=EXECUTOR),
+    Refused("--fine-grained-activation-offloading", "its offload handlers are advanced and reset by Megatron's own "
+            "schedules", arg="fine_grained_activation_offloading", config="fine_grained_activation_offloading",
+            schedules=EXECUTOR),
+    Refused("--inprocess-restart", "a restart inside the process would rebuild the process groups but not DualPipe's "
+            "bd groups", arg="inprocess_restart"),
+    Refused("--moe-use-upcycling", "upcycling loads a dense one-chunk model and converts it in place",
+            arg="moe_use_upcycling"),
+    # What megatron-core's combined step needs besides a virtual pipeline (its TransformerConfig
+    # checks, minus pp/vpp and bf16/fp16: mcore.overlap; MTP and CUDA graphs are refused above).
+    Refused("--expert-model-parallel-size", "it overlaps the expert-parallel all-to-all",
+            read=_expert_parallel_of_one, fix="set --expert-model-parallel-size > 1", needs=COMBINED_STEP,
+            test="A `dualpipe_overlap_moe_needs_ep`"),
+    Refused("--num-experts", "it needs an MoE model", read=_no_experts, fix="set --num-experts", needs=COMBINED_STEP,
+            test="tests/test_overlap.py"),
+    Refused("--moe-token-dispatcher-type", "it needs --moe-token-dispatcher-type alltoall or flex",
+            read=_dispatcher_not_all_to_all, fix="set --moe-token-dispatcher-type alltoall", needs=COMBINED_STEP,
+            test="A `dualpipev_overlap_moe_allgather`; tests/test_overlap.py"),
+    Refused("--recompute-granularity full", "it cannot recompute full layers", read=_full_recompute,
+            fix="remove --recompute-granularity full / --recompute-method / --recompute-num-layers",
+            needs=COMBINED_STEP, test="—"),
+    Refused("--moe-shared-expert-overlap", "it cannot be combined with --moe-shared-expert-overlap",
+            arg="moe_shared_expert_overlap", config="moe_shared_expert_overlap", fix="remove it",
+            needs=COMBINED_STEP, test="—"),
+)
+
+
+def _combined_step_on(source, side) -> bool:
+    return bool(getattr(source, "overlap_moe_expert_parallel_comm", False))
+
+
+def problems(source, schedule: str, side: str) -> List[str]:
+    """Messages (without the schedule's name) for every rule of :data:`REFUSED` that ``source``
+    (``args`` for ``side=ARGS``, a ``TransformerConfig`` for ``side=CONFIG``) breaks under
+    ``schedule``. The combined step's requirements come as ``--overlap-moe-expert-parallel-comm:
+    ...`` and only while it is on."""
+    out = []
+    for rule in REFUSED:
+        if schedule not in rule.schedules or not rule.applies(side):
+            continue
+        if rule.needs:
+            if _combined_step_on(source, side) and rule.value(source, side):
+                out.append(f"{rule.needs}: {rule.message()}")
+        elif rule.is_set(rule.value(source, side)):
+            out.append(rule.message())
+    return out
+
+
+def combined_step_problems(source, side: str = CONFIG) -> List[str]:
+    """What megatron-core's combined step (``--overlap-moe-expert-parallel-comm``) needs that
+    ``source`` lacks, whether or not the flag is on yet (``mcore.overlap.enable_combined_step``)."""
+    return [rule.message() for rule in REFUSED if rule.needs == COMBINED_STEP and rule.value(source, side)]
+
+
+def args_rules() -> Tuple[Refused, ...]:
+    """The single-option rules checked on Megatron-LM's ``args`` (each has a refused case in
+    tests/test_megatron_lm.py)."""
+    return tuple(r for r in REFUSED if r.applies(ARGS) and not r.needs)
+
+
+#: Options that run, with what was compared and the test that compares it. Test files: ``A`` =
+#: tests/test_megatron_lm.py, ``D`` = tests/test_megatron_lm_dualpipe.py, ``O`` =
+#: tests/test_megatron_lm_options.py, ``C`` = tests/test_megatron_lm_cpu.py, ``M`` =
+#: tests/test_dualpipe_megatron.py, ``E`` = tests/test_errors.py.
+HANDLED: Tuple[Handled, ...] = (
+    Handled('(defaults: tied embeddings, zero bubble) `dualpipe`, `executor-1f1b`, `zb-h1`',
+            'equal on CPU',
+            'D `test_dualpipe_zb_h1_executor_1f1b_and_megatron_1f1b_losses_equal`'),
+    Handled('`--overlap-moe-expert-parallel-comm` (and `--delay-wgrad-compute`) with `dualpipe`, `dualpipev`',
+            "accepted: fused F&B units through megatron-core's combined step (`mcore/overlap.py`); its "
+            'requirements are refused below',
+            '`tests/test_megatron_lm_overlap.py`; `tests/test_overlap.py`'),
+    Handled('`--no-dualpipe-zero-bubble`',
+            'equal on CPU',
+            'O `overlap-grad-reduce, pp=2 x dp=2, no zero bubble`; M'),
+    Handled('`--untie-embeddings-and-output-weights`',
+            'equal on CPU',
+            'O `untied, full recompute, ...`'),
+    Handled('`--recompute-granularity full` (`--recompute-method uniform`, `--recompute-num-layers 1`)',
+            'equal on CPU',
+            'O `untied, full recompute, ...`'),
+    Handled('`--recompute-granularity selective`',
+            'equal on CPU',
+            'O `MoE aux-loss-free ...`'),
+    Handled('`--calculate-per-token-loss`',
+            'equal on CPU',
+            'O `untied, full recompute, ...`'),
+    Handled('`--decoupled-lr`',
+            'equal on CPU (both copies of the embedding / output layer get it)',
+            'O `untied, full recompute, ...`'),
+    Handled('`--log-params-norm`',
+            'equal on CPU (DualPipe counts `model[0]`; with MoE it asserted before)',
+            'O, D `test_moe_aux_loss_expert_bias_dualpipe_equals_1f1b`'),
+    Handled('`--log-num-zeros-in-grad`',
+            'equal on CPU',
+            'O `untied, full recompute, ...`'),
+    Handled('`--overlap-grad-reduce` (`--no-align-grad-reduce` works, without overlap)',
+            'equal on CPU: pp=4, and pp=2 x dp=2 (zero bubble on and off)',
+            'O; M `test_overlap_grad_reduce_pp2_dp2_ddp_equals_single_process`'),
+    Handled('`--overlap-grad-reduce` with `dualpipev` and tied embeddings',
+            "equal on CPU (from 1f1b's weights)",
+            'D `test_resume_without_optimizer_state_and_dualpipev_across_1f1b`; M'),
+    Handled('`--num-experts` (alltoall dispatcher), `--moe-aux-loss-coeff` (`aux_loss`), `--moe-z-loss-coeff`',
+            'equal on CPU, aux losses included: pp=4, and expert parallel 2 x pp=2',
+            'D `test_moe_aux_loss_expert_bias_dualpipe_equals_1f1b`; O `MoE EP2 x pp=2, aux loss, z-loss`'),
+    Handled('`--expert-model-parallel-size 2` (alltoall dispatcher, pp=2, 4 ranks)',
+            'equal on CPU (lm loss, aux losses, grad norm, params norm; max difference 0)',
+            'O `MoE EP2 x pp=2, ...` (both)'),
+    Handled('`--moe-router-enable-expert-bias` (aux loss, and aux-loss-free `--moe-router-load-balancing-type '
+            'none`)',
+            'equal on CPU, pp=4 and EP2 x pp=2 (token counts summed over the bd pair; without it lm loss '
+            "differs by 1.3e-3 at iteration 2); with EP2 every copy of every router's `expert_bias` (2 "
+            "directions x 2 expert ranks) equals 1f1b's after each iteration",
+            'D; O `MoE EP2 x pp=2, aux-loss-free ...`'),
+    Handled('`--moe-per-layer-logging`',
+            'the summed aux losses are equal on CPU; per-layer values go to tensorboard only',
+            'D'),
+    Handled('`--eval-iters`, `--eval-interval`',
+            'equal on CPU',
+            'D `test_evaluation_losses_equal`'),
+    Handled('`--ckpt-format torch` save / `--load` across 1f1b and dualpipe, `--no-load-optim`',
+            'equal on CPU',
+            'D `test_torch_checkpoint_switches_schedules`, '
+            '`test_resume_without_optimizer_state_and_dualpipev_across_1f1b`'),
+    Handled('`dualpipev` loads a 1f1b torch checkpoint (layers remapped to its V-stages), 1f1b loads a '
+            'dualpipev one',
+            'equal on CPU (weights; optimizer state across the layouts is refused: `--no-load-optim`)',
+            'D `test_resume_without_optimizer_state_and_dualpipev_across_1f1b`'),
+    Handled('`--moe-router-load-balancing-type global_aux_loss` with `dualpipev`',
+            'accepted (each chunk runs its micro-batches in order); not compared',
+            'A `global_aux_loss_dualpipev_ok`'),
+    Handled('`--use-distributed-optimizer` (dp=2), with `--overlap-grad-reduce --overlap-param-gather`',
+            'equal on CPU (lm loss and grad norm, 4 iterations, pp=2 x dp=2)',
+            'C `test_distributed_optimizer_dualpipe_overlap_and_torch_format_across_schedules`; O '
+            '`test_distributed_optimizer` (empty `--load`, `--no-load-optim`)'),
+    Handled('`dualpipev` with `--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather` (dp=2)',
+            "equal on CPU to dualpipev dp=1 (its own initialisation); the chunks' reduce-scatters start during "
+            'the schedule (they were reduced twice before: lm loss 2.6e-4 off)',
+            'C `test_dualpipev_distributed_optimizer_overlap_equals_dualpipev_alone`'),
+    Handled('`--use-distributed-optimizer` with `--ckpt-format torch`, optimizer state across schedules '
+            '(dualpipe -> 1f1b -> dualpipe, dp=2)',
+            "equal on CPU: the resumed curve is the uninterrupted one (`distrib_optim.pt` holds model[0]'s "
+            "buffers as 1f1b lays it out; Megatron's own 1f1b needed three CPU-mode fixes to load it)",
+            'C `test_distributed_optimizer_dualpipe_overlap_and_torch_format_across_schedules`'),
+    Handled('`--ckpt-format torch_dist` with `--use-distributed-optimizer` (dp_reshardable), optimizer state '
+            'across schedules (1f1b -> dualpipe -> 1f1b, dp=2)',
+            "equal on CPU; a dualpipe checkpoint has exactly 1f1b's keys (the mirror and its grad buffers are "
+            "not written; loads sync them from the partner). A bucket layout that differs from 1f1b's (1f1b "
+            '`--overlap-grad-reduce` with chunks > 40M parameters) is refused at load naming '
+            '`--dist-ckpt-optim-fully-reshardable` / `--no-load-optim` (with '
+            '`--dist-ckpt-optim-fully-reshardable`: equal on CPU by hand, both directions)',
+            'C `test_distributed_optimizer_trains_and_resumes_across_schedules`; the refusal: '
+            '`tests/test_torch_dist_mirror.py`'),
+    Handled('`--ckpt-format torch_dist` without the distributed optimizer (1f1b dp=1 -> dualpipe dp=2 -> 1f1b '
+            'dp=2)',
+            "equal on CPU (same keys as 1f1b's; the dp=2 save failed before: the fully parallel save made the "
+            "mirror's tied output weight a main replica)",
+            'C `test_torch_dist_without_distributed_optimizer_dp2_across_schedules`'),
+    Handled('`--defer-embedding-wgrad-compute`, `--wgrad-deferral-limit`',
+            "GPU, not verified: Megatron's drain (`finish_embedding_wgrad_compute`) runs per chunk before its "
+            "bd sum; it needs APEX's fused wgrad kernel (`--gradient-accumulation-fusion`)",
+            '—'),
+    Handled("`--transformer-impl transformer_engine` (zero bubble through TE's `delay_wgrad_compute` / "
+            '`backward_dw`)',
+            'GPU, not verified',
+            'M (a fake TE layer)'),
+    Handled('`--moe-grouped-gemm`',
+            "cannot run on CPU: Megatron's own `validate_args` calls `torch.cuda.get_device_capability()` "
+            '(needs >= 8) and stops with `Torch not compiled with CUDA enabled` under 1f1b, dualpipe and '
+            "dualpipev alike; its `GroupedMLP` needs the CUDA-only `grouped_gemm` package (TE's `TEGroupedMLP`:"
+            " GPU). On a GPU the legacy `GroupedMLP`'s weight GEMMs are not deferred by zero bubble "
+            '(`wgrad.find_undeferred_weights` reports it)',
+            'A `test_fails_as_under_1f1b`'),
+    Handled('`--tp-comm-overlap`, `--context-parallel-size` > 1, `--moe-shared-expert-overlap`, `--fp8-format` '
+            '/ `--fp8-param-gather` / `--first-last-layers-bf16`, `--log-max-attention-logit`, '
+            '`--use-precision-aware-optimizer`, `--optimizer-cpu-offload`',
+            'GPU, not verified (Transformer Engine / CUDA kernels)',
+            '—'),
+    Handled('`--bf16`',
+            'equal on CPU (lm loss and grad norm bitwise equal to 1f1b `--bf16`)',
+            'C `test_bf16`'),
+    Handled('`--fp16` (dynamic loss scaling), `--tensor-model-parallel-size 2 --sequence-parallel`',
+            'equal on CPU (tested together: same loss scale and skipped iterations; lm loss within 1.9e-5 = '
+            '3.5e-6 relative, fp16 gradients summed in another order)',
+            'C `test_fp16_with_loss_scaling_tp2_sequence_parallel`'),
+    Handled('`--check-for-nan-in-loss-and-grad` (default on; the rerun state machine)',
+            'a NaN in the loss of one micro-batch (direction 1, so on rank 0) is caught in the same iteration '
+            'with the same messages as under 1f1b; the step rerun, the job saved and stopped',
+            'O `test_nan_in_one_microbatch_is_caught_as_under_1f1b`'),
+    Handled('a rank SIGKILLed mid-iteration under `torchrun --max-restarts 1`, `--save-interval`, `--load`',
+            'its pipeline neighbours stop with `P2PTimeoutError` naming it (0.1-0.2 s after the kill: gloo sees'
+            ' the closed connection; the `--dualpipe-p2p-timeout` deadline covers a peer that hangs instead), '
+            'the others name the neighbour that stopped (torchrun itself SIGTERMs the survivors as soon as its '
+            'monitor sees the dead worker, often before they print; the test has them ignore it to check what '
+            'they do on their own); the restart resumes from the last checkpoint and continues the '
+            "uninterrupted loss curve exactly. torchrun's restart with gloo needs "
+            "`TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` (with torchrun's shared store the restarted workers read "
+            "the previous attempt's addresses: `Gloo connectFullMesh failed`, pytorch/pytorch#135712; not "
+            'DualPipe-specific)',
+            'O `test_rank_killed_mid_iteration_restarts_and_continues_the_curve`'),
+    Handled('`--save-wgrads-interval`',
+            'not verified (saves `model_chunk1`, the mirror, equal to its home copy after the bd sum)',
+            '—'),
+)

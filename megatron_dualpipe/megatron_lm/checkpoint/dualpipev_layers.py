@@ -1,0 +1,146 @@
+"""DualPipeV ``--ckpt-format torch`` checkpoints that 1F1B reads, and 1F1B checkpoints that DualPipeV reads.
+
+DualPipeV cuts the ``L`` layers into ``2*pp`` V-stages of ``n = L/(2pp)`` layers: pipeline rank
+``i`` holds V-stage ``i`` (``model[0]``) and V-stage ``2pp-1-i`` (``model[1]``). 1F1B's pipeline
+rank ``t`` holds stage ``t`` = layers ``[2nt, 2n(t+1))``, i.e. exactly V-stages ``2t`` and
+``2t+1``. So every 1F1B stage is two V-stages, and the weights map one to one by renaming the
+local layer index (``decoder.layers.{k}.``); the embedding goes with V-stage 0 / stage 0, the
+final layernorm and the output layer with V-stage ``2pp-1`` / stage ``pp-1``.
+
+Files (one per pipeline rank, as Megatron writes them):
+
+* **save** (DualPipeV): Megatron's own two-chunk file (``model0``, ``model1``, the optimizer of
+  both chunks, RNG, ...) gets one more key, ``model``: 1F1B stage ``i``'s weights, assembled from
+  the two V-stages it is made of (sent over the pipeline group by the ranks holding them). A 1F1B
+  run reads ``model`` and ignores ``model0``/``model1``; a DualPipeV run resumes from its own keys,
+  optimizer state included.
+* **load** (DualPipeV) of a file without ``model0``/``model1`` (written by 1F1B, executor-1f1b
+  or DualPipe, which save 1F1B's layout): each rank cuts its file's ``model`` into the two V-stages
+  and sends each to the rank holding it; ``model0``/``model1`` are built from what arrives. The
+  optimizer state is per 1F1B stage and is not remapped: such a load needs ``--no-load-optim``
+  (or ``--finetune``), else it is refused before anything is read.
+* A 1F1B (or DualPipe) run that loads a DualPipeV file reads ``model``; its ``optimizer`` key is
+  DualPipeV's, so that load needs ``--no-load-optim`` too (refused with a message otherwise).
+
+The exchange walks a fixed list of (source rank, destination rank) transfers in the same order on
+every rank, each a blocking ``send_object_list`` / ``recv_object_list`` of CPU tensors, so it
+cannot deadlock; ranks holding both pieces themselves copy locally.
+"""
+from __future__ import annotations
+
+import re
+from typing import Callable, Dict, List, Tuple
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
+
+
+def v_stage_owner(v: int, pp: int) -> Tuple[int, int]:
+    """(pipeline rank, chunk) holding V-stage ``v`` of ``2*pp``."""
+    return (v, 0) if v < pp else (2 * pp - 1 - v, 1)
+
+
+def split_stage(sd: Dict[str, object], t: int, n: int) -> Dict[int, Dict[str, object]]:
+    """1F1B stage ``t``'s state dict -> ``{v: V-stage v's state dict}`` for v in (2t, 2t+1)."""
+    out: Dict[int, Dict[str, object]] = {2 * t: {}, 2 * t + 1: {}}
+    for key, value in sd.items():
+        m = _LAYER.match(key)
+        if m:
+            k = int(m.group(1))
+            out[2 * t + k // n][f"decoder.layers.{k % n}.{m.group(2)}"] = value
+        else:  # the embedding begins the stage, the final norm and the output layer end it
+            out[2 * t if key.startswith("embedding.") else 2 * t + 1][key] = value
+    return out
+
+
+def join_stage(pieces: Dict[int, Dict[str, object]], t: int, n: int) -> Dict[str, object]:
+    """Inverse of `split_stage`: V-stages 2t and 2t+1 -> 1F1B stage ``t``'s state dict."""
+    sd: Dict[str, object] = {}
+    for v in (2 * t, 2 * t + 1):
+        for key, value in pieces[v].items():
+            m = _LAYER.match(key)
+            sd[f"decoder.layers.{(v - 2 * t) * n + int(m.group(1))}.{m.group(2)}" if m else key] = value
+    return sd
+
+
+def _cpu(sd):
+    import torch
+
+    return {k: (v.detach().cpu() if torch.is_tensor(v) else v) for k, v in sd.items()}
+
+
+def route(pieces: Dict[int, Dict[str, object]], src_of: Callable[[int], int], dest_of: Callable[[int], int],
+          pp: int) -> Dict[int, Dict[str, object]]:
+    """Move every V-stage's state dict from pipeline rank ``src_of(v)`` (which has it in
+    ``pieces``) to pipeline rank ``dest_of(v)``; return the pieces that arrive here. The
+    transfers are walked in V-stage order on every rank (blocking object send/recv over the
+    pipeline group, tensors on the CPU), so each waits only for ranks that have finished the
+    transfers before it. Collective over the pipeline group."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_pipeline_model_parallel_group()
+    ranks = dist.get_process_group_ranks(group)
+    me = ranks.index(dist.get_rank())
+    received: Dict[int, Dict[str, object]] = {}
+    for v in range(2 * pp):
+        src, dst = src_of(v), dest_of(v)
+        if src == dst == me:
+            received[v] = pieces[v]
+        elif src == me:
+            dist.send_object_list([_cpu(pieces[v])], dst=ranks[dst], group=group)
+        elif dst == me:
+            box = [None]
+            dist.recv_object_list(box, src=ranks[src], group=group)
+            received[v] = box[0]
+    return received
+
+
+def gather_one_chunk_state_dict(model, me: int, pp: int, n: int) -> Dict[str, object]:
+    """DualPipeV -> 1F1B: 1F1B stage ``me``'s weights, assembled from the V-stages (collective)."""
+    from ...mcore.model import chunk_info
+
+    pieces = {chunk_info(c)["stage"]: c.state_dict_for_save_checkpoint() for c in model}
+    got = route(pieces, lambda v: v_stage_owner(v, pp)[0], lambda v: v // 2, pp)
+    return join_stage(got, me, n)
+
+
+def scatter_one_chunk_state_dict(sd: Dict[str, object], me: int, pp: int, n: int) -> List[Dict[str, object]]:
+    """1F1B -> DualPipeV: this rank's stage ``me`` cut into V-stages and routed; returns the state
+    dicts of ``[model[0], model[1]]`` (V-stages ``me`` and ``2pp-1-me``). Collective."""
+    got = route(split_stage(sd, me, n), lambda v: v // 2, lambda v: v_stage_owner(v, pp)[0], pp)
+    return [got[me], got[2 * pp - 1 - me]]
+
+
+def geometry(model) -> Tuple[int, int, int]:
+    """(pipeline rank, pp, layers per V-stage) of a DualPipeV model."""
+    from megatron.core import parallel_state
+
+    from ...mcore.model import unwrap_chunk
+
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    return (parallel_state.get_pipeline_model_parallel_rank(), pp,
+            unwrap_chunk(model[0]).config.num_layers // (2 * pp))
+
+
+def one_chunk_model_added(model):
+    """Within the block, the state dict Megatron's save writes also holds ``model``: 1F1B stage
+    ``i``'s weights (gathered from the V-stages now, collectively, on every rank)."""
+    from .megatron_io import generated_state_dict_edited
+
+    me, pp, n = geometry(model)
+    one_chunk = gather_one_chunk_state_dict(model, me, pp, n)
+    return generated_state_dict_edited(lambda sd: sd.__setitem__("model", one_chunk))
+
+
+def cut_into_v_stages(model):
+    """Within the block, the state dict Megatron's load reads from this rank's file gets
+    ``model0``/``model1`` cut out of its 1F1B-layout ``model`` (collective)."""
+    from .megatron_io import loaded_state_dict_edited
+
+    me, pp, n = geometry(model)
+
+    def cut(sd):
+        if "model" in sd and "model0" not in sd:
+            sd["model0"], sd["model1"] = scatter_one_chunk_state_dict(sd.pop("model"), me, pp, n)
+
+    return loaded_state_dict_edited(cut)

@@ -1,0 +1,42 @@
+"""The two places of Megatron-LM's checkpointing that a strategy edits, each for one block.
+
+``generate_state_dict`` (what ``save_checkpoint`` writes) and ``_load_base_checkpoint`` (what
+``load_checkpoint`` read from the file) are looked up at call time in
+``megatron.training.checkpointing``; both swaps are ``hooks.scoped`` entries of the manifest.
+"""
+
+import functools
+
+from ... import hooks
+
+
+def generated_state_dict_edited(edit):
+    """Within the block, ``edit(state_dict)`` runs on every state dict Megatron's save generates."""
+
+    def editing(orig):
+        @functools.wraps(orig)
+        def generate(*a, **kw):
+            sd = orig(*a, **kw)
+            edit(sd)
+            return sd
+
+        return generate
+
+    return hooks.scoped(hooks.entry("scoped", "generate_state_dict").made_by(editing))
+
+
+def loaded_state_dict_edited(edit):
+    """Within the block, ``edit(state_dict)`` runs on the state dict Megatron's load read from this
+    rank's file (not on the rank-0 metadata reads, nor when there is none)."""
+
+    def editing(orig):
+        @functools.wraps(orig)
+        def load_base(*a, **kw):
+            result = orig(*a, **kw)
+            if not kw.get("rank0", False) and result[0] is not None:
+                edit(result[0])
+            return result
+
+        return load_base
+
+    return hooks.scoped(hooks.entry("scoped", "_load_base_checkpoint").made_by(editing))

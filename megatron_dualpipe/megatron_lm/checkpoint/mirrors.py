@@ -1,0 +1,80 @@
+"""After a DualPipe load: every mirror made equal to its home copy, optimizer state included."""
+
+from .optimizers import inner_optimizers, is_distributed_optimizer, main_to_model, named_params
+
+
+def sync_mirrors(model, optimizer) -> None:
+    """Home copy -> mirror, over each bd pair (`bd_pairs.broadcast_home_to_mirror`, stage
+    min(i, pp-1-i) first, structure checked): the parameters (``broadcast_mirrors``), the
+    persistent buffers (e.g. a MoE router's ``expert_bias``, which the checkpoint restores only
+    in the home copy), then for every optimizer the state behind each parameter in
+    ``named_parameters`` order: the fp32 main parameter (when it is not the parameter itself)
+    and the optimizer state tensors. For the distributed optimizer that is this data-parallel
+    rank's shard of each (the partners have the same data-parallel rank and, with identical
+    buffer layouts, the same shard ranges; a layout that differs is reported by the structure
+    check)."""
+    from ...mcore import bd_pairs
+    from ...mcore.model import broadcast_mirrors
+
+    broadcast_mirrors(model)
+    bd_pairs.broadcast_home_to_mirror(model, persistent_buffers, "persistent buffers")
+    for opt in inner_optimizers(optimizer):
+        if getattr(opt, "is_stub_optimizer", False) or opt.optimizer is None:
+            continue
+        if is_distributed_optimizer(opt):
+            _sync_distributed_optimizer_state(model, opt)
+            continue
+        state_of = _param_state_getter(opt)
+        bd_pairs.broadcast_home_to_mirror(
+            model, lambda chunk: [t for _, p in named_params(chunk) for t in state_of(p)], "optimizer state")
+
+
+def _sync_distributed_optimizer_state(model, opt) -> None:
+    """The distributed optimizer keeps, per parameter with a shard on this data-parallel rank,
+    the main parameter shard and its state (Megatron's ``_get/_set_main_param_and_optimizer_states``;
+    the getter may return copies, e.g. with the precision-aware optimizer, so the received values
+    are written back through the setter)."""
+    import torch
+
+    from ...mcore import bd_pairs
+
+    fetched = {}
+
+    def tensors_of(chunk):
+        out = []
+        for _, p in named_params(chunk):
+            if p in opt.model_param_group_index_map:  # else: no shard of it on this data-parallel rank
+                st = opt._get_main_param_and_optimizer_states(p)
+                fetched[p] = st
+                out.extend(st[k] for k in sorted(st) if torch.is_tensor(st[k]))
+        return out
+
+    bd_pairs.broadcast_home_to_mirror(model, tensors_of, "distributed optimizer state")
+    with torch.no_grad():
+        for p, st in fetched.items():
+            opt._set_main_param_and_optimizer_states(p, st)
+
+
+def persistent_buffers(chunk):
+    """The chunk's floating-point buffers that its state dict saves, in module order."""
+    from ...mcore.model import unwrap_chunk
+
+    return [b for m in unwrap_chunk(chunk).modules() for name, b in m._buffers.items()
+            if b is not None and name not in m._non_persistent_buffers_set and b.is_floating_point()]
+
+
+def _param_state_getter(opt):
+    """``param -> [tensors]`` for Megatron's (non-distributed) optimizers: the fp32 main
+    parameter when it is not the parameter itself, then the optimizer state tensors by key."""
+    import torch
+
+    mains = {id(p): p for g in opt.optimizer.param_groups for p in g["params"]}
+    model_to_main = {id(model_p): mains[main_id] for main_id, model_p in main_to_model(opt).items()}
+
+    def of(p):
+        main = model_to_main.get(id(p))
+        if main is None:
+            return []
+        st = opt.optimizer.state.get(main, {})
+        return ([main.data] if main is not p else []) + [st[k] for k in sorted(st) if torch.is_tensor(st[k])]
+    return of

@@ -1,0 +1,85 @@
+"""Which Megatron optimizer a checkpoint deals with, and which of its parameters and grad buffers
+are ``model[0]``'s (the chunk a one-chunk, 1F1B checkpoint holds)."""
+
+
+def inner_optimizers(optimizer):
+    """The megatron optimizers behind ``optimizer`` (the members of a ChainedOptimizer)."""
+    if optimizer is None:
+        return []
+    return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
+
+
+def is_distributed_optimizer(opt) -> bool:
+    """Whether ``opt`` is Megatron's ``DistributedOptimizer`` (its state is laid out per grad buffer)."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    return isinstance(opt, DistributedOptimizer)
+
+
+# ------------------------------------------------------------------------------------------
+# save_checkpoint / load_checkpoint
+# ------------------------------------------------------------------------------------------
+
+
+def kind(opt) -> str:
+    from megatron.core.optimizer.optimizer import FP32Optimizer, Float16OptimizerWithFloat16Params
+
+    if is_distributed_optimizer(opt):
+        return "distributed"
+    if isinstance(opt, Float16OptimizerWithFloat16Params):
+        return "fp16"
+    if isinstance(opt, FP32Optimizer):
+        return "fp32"
+    raise NotImplementedError(
+        f"--pipeline-schedule dualpipe with --ckpt-format torch: optimizer {type(opt).__name__} is not "
+        "supported (its state is saved in its own layout); use --ckpt-format torch_dist, or "
+        "--no-save-optim / --no-load-optim"
+    )
+
+
+def main_to_model(opt):
+    """{id(main param): model param} for the parameters this optimizer updates."""
+    if getattr(opt, "is_stub_optimizer", False) or opt.optimizer is None:
+        return {}
+    if kind(opt) == "fp32":
+        return {id(p): p for g in opt.optimizer.param_groups for p in g["params"]}
+    m = {}
+    for model_group, main_group in zip(opt.float16_groups, opt.fp32_from_float16_groups):
+        for model_p, main_p in zip(model_group, main_group):
+            m[id(main_p)] = model_p
+    for group in opt.fp32_from_fp32_groups:
+        for p in group:
+            m[id(p)] = p
+    return m
+
+
+def home_buffers(opt, keep_ids):
+    """Indices of the distributed optimizer's grad buffers that belong to model[0] (a buffer
+    holds the parameters of one chunk: DDP builds them per chunk)."""
+    home = []
+    for k, buf in enumerate(opt.buffers):
+        ids = {id(p) for p in buf.params}
+        if ids <= keep_ids:
+            home.append(k)
+        elif ids & keep_ids:
+            raise RuntimeError("a distributed-optimizer buffer holds parameters of both model chunks")
+    return home
+
+
+def model0_ids(model):
+    """ids of the parameters of ``model[0]`` (unwrapped)."""
+    from ...mcore.model import unwrap_chunk
+
+    return {id(p) for p in unwrap_chunk(model[0]).parameters()}
+
+
+# ------------------------------------------------------------------------------------------
+# Mirrors
+# ------------------------------------------------------------------------------------------
+
+
+def named_params(chunk):
+    """The chunk's (unwrapped) named parameters, in order."""
+    from ...mcore.model import unwrap_chunk
+
+    return list(unwrap_chunk(chunk).named_parameters())

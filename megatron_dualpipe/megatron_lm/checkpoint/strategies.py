@@ -1,0 +1,136 @@
+"""How each (schedule, checkpoint format) saves and loads: one function per cell of the table.
+
+Every schedule's checkpoint holds 1F1B's layout, so that any schedule resumes any other's:
+
+==============  ===========================================  ============================================
+schedule        ``--ckpt-format torch``                      ``torch_dist``
+==============  ===========================================  ============================================
+dualpipe        save ``model[0]`` and its optimizer state    save without the mirror's entries and grad
+                as 1F1B's one chunk; load them into           buffers; load (every replica reads its
+                ``model[0]``, then mirrors from home copies  stage's shards), then mirrors from home copies
+dualpipev       Megatron's two-chunk file plus ``model``,     as Megatron does (global keys)
+                1F1B stage ``i``; a one-chunk file is cut
+                into the V-stages at load
+others          as Megatron does                              as Megatron does
+==============  ===========================================  ============================================
+
+Before any torch-format load, optimizer state across the DualPipeV and 1F1B layouts is refused
+(:func:`refuse_optimizer_across_layouts`): it is laid out per stage and not remapped.
+"""
+
+from typing import Callable, Dict, Tuple
+
+from ...schedule import registry
+from . import dualpipev_layers, torch_dist_mirror
+from .megatron_io import generated_state_dict_edited
+from .mirrors import sync_mirrors
+from .one_chunk_optimizer import OneChunkOptimizerView
+from .optimizers import inner_optimizers, kind, model0_ids
+
+ANY_FORMAT = "*"
+
+
+# --- save: (orig, args, iteration, model, optimizer, *rest) -> what Megatron's save returns ----
+
+
+def save_as_is(orig, args, iteration, model, optimizer, *a, **kw):
+    return orig(iteration, model, optimizer, *a, **kw)
+
+
+def save_model0_as_one_chunk(orig, args, iteration, model, optimizer, *a, **kw):
+    """dualpipe, torch: the file 1F1B writes (``model[0]`` and its optimizer state, re-indexed)."""
+    if not args.no_save_optim and optimizer is not None:
+        for o in inner_optimizers(optimizer):
+            if not getattr(o, "is_stub_optimizer", False):
+                kind(o)  # refuses unsupported optimizers before anything is written
+        optimizer = OneChunkOptimizerView(optimizer, model0_ids(model))
+    return orig(iteration, list(model)[:1], optimizer, *a, **kw)
+
+
+def save_without_mirror(orig, args, iteration, model, optimizer, *a, **kw):
+    """dualpipe, torch_dist: 1F1B's keys (the mirror's entries and grad buffers are not written)."""
+    with generated_state_dict_edited(torch_dist_mirror.drop_mirror_entries), \
+            torch_dist_mirror.model0_distributed_optimizers(model, optimizer):
+        return orig(iteration, model, optimizer, *a, **kw)
+
+
+def save_with_one_chunk_model(orig, args, iteration, model, optimizer, *a, **kw):
+    """dualpipev, torch: Megatron's two-chunk file, plus ``model`` = 1F1B stage ``i`` (collective)."""
+    with dualpipev_layers.one_chunk_model_added(model):
+        return orig(iteration, model, optimizer, *a, **kw)
+
+
+SAVE: Dict[Tuple[str, str], Callable] = {
+    (registry.DUALPIPE, "torch"): save_model0_as_one_chunk,
+    (registry.DUALPIPE, "torch_dist"): save_without_mirror,
+    (registry.DUALPIPEV, "torch"): save_with_one_chunk_model,
+}
+
+
+# --- load: (orig, args, model, optimizer, file, *rest) -> what Megatron's load returns ----------
+# ``file`` is files.peek_torch_checkpoint's (keys, schedule that wrote it) for torch, else None.
+
+
+def load_as_is(orig, args, model, optimizer, file, *a, **kw):
+    return orig(model, optimizer, *a, **kw)
+
+
+def load_into_model0(orig, args, model, optimizer, file, *a, **kw):
+    """dualpipe, torch: 1F1B's file into ``model[0]`` and its optimizer state, then the mirrors."""
+    view = None if optimizer is None else OneChunkOptimizerView(optimizer, model0_ids(model))
+    result = orig(list(model)[:1], view, *a, **kw)
+    sync_mirrors(model, optimizer)
+    return result
+
+
+def load_then_sync_mirrors(orig, args, model, optimizer, file, *a, **kw):
+    """dualpipe, torch_dist: every replica reads its stage's shards (the distributed optimizer's
+    buffer-keyed state: model[0]'s buffers), then the mirrors are synced from the home copies."""
+    with torch_dist_mirror.model0_distributed_optimizers(model, optimizer):
+        result = orig(model, optimizer, *a, **kw)
+    sync_mirrors(model, optimizer)
+    return result
+
+
+def load_into_v_stages(orig, args, model, optimizer, file, *a, **kw):
+    """dualpipev, torch: its own two-chunk file as it is; a one-chunk file cut into the V-stages."""
+    if file is None or not one_chunk_file(file):
+        return orig(model, optimizer, *a, **kw)
+    with dualpipev_layers.cut_into_v_stages(model):
+        return orig(model, optimizer, *a, **kw)
+
+
+LOAD: Dict[Tuple[str, str], Callable] = {
+    (registry.DUALPIPE, "torch"): load_into_model0,
+    (registry.DUALPIPE, ANY_FORMAT): load_then_sync_mirrors,
+    (registry.DUALPIPEV, "torch"): load_into_v_stages,
+}
+
+
+def save_strategy(schedule: str, fmt: str) -> Callable:
+    return SAVE.get((schedule, fmt), save_as_is)
+
+
+def load_strategy(schedule: str, fmt: str) -> Callable:
+    return LOAD.get((schedule, fmt)) or LOAD.get((schedule, ANY_FORMAT)) or load_as_is
+
+
+def one_chunk_file(file) -> bool:
+    """A torch-format file in 1F1B's layout (``model``, no ``model0``/``model1``)."""
+    keys, _ = file
+    return not ("model0" in keys and "model1" in keys)
+
+
+def refuse_optimizer_across_layouts(args, optimizer, schedule: str, file) -> None:
+    """Optimizer state is per stage: a load that remaps DualPipeV <-> 1F1B layers cannot take it
+    (refused before anything is read, naming --no-load-optim)."""
+    if file is None or optimizer is None or args.no_load_optim or args.finetune:
+        return
+    _, saved = file
+    crosses = (schedule == registry.DUALPIPEV) != (saved == registry.DUALPIPEV) or (
+        schedule == registry.DUALPIPEV and one_chunk_file(file))
+    if crosses:
+        raise NotImplementedError(
+            f"--pipeline-schedule {schedule} can load the weights of this --ckpt-format torch checkpoint (written by "
+            f"--pipeline-schedule {saved}), remapped to its stages, but not its optimizer state, which is laid out per "
+            "stage: pass --no-load-optim (or --finetune)")

@@ -1,0 +1,186 @@
+"""``--ckpt-format torch_dist`` under ``--pipeline-schedule dualpipe``: the mirror is never written.
+
+DualPipe's ``model[1]`` on pipeline rank ``i`` is a copy of stage ``pp-1-i``. Its sharded state
+dict is built with the global keys of that stage (the reversed pipeline group), so at *load* it
+reads the stage's stored shards like any other replica. At *save* it must not take part:
+
+* every sharded tensor / object of the mirror carries a :class:`MirrorReplicaId` (non-main, and
+  recognisable after Megatron copies it into the optimizer's state, which keeps the model
+  parameter's ``replica_id``). Marking alone is not enough with data parallelism: Megatron's
+  fully parallel save (``--ckpt-fully-parallel-save``, the default) re-assigns ``replica_id = 0``
+  to *every* local shard with a chosen shard id, and with tied embeddings the mirror of the last
+  stage holds ``embedding.word_embeddings.weight`` on the same rank as the home copy of stage 0
+  ("Invalid access pattern ... tensor([[2]])"). So :func:`drop_mirror_entries` replaces the
+  mirror's entries of the generated state dict by non-persistent placeholders before Megatron
+  saves it (``strategies``);
+* the distributed optimizer's ``dp_reshardable`` state (Megatron's default) is keyed by grad
+  buffer (``gbuf_idx_k``), not by parameter. DualPipe's buffers are model[0]'s (numbered as in a
+  one-chunk run) followed by the mirror's; :func:`one_chunk_distributed_optimizer` presents only
+  model[0]'s buffers, so the files are those of a 1F1B run and a 1F1B checkpoint loads (before:
+  "KeyError: ... gbuf_idx_1 ... not in state dict"). At load the mirror's buffers keep their
+  current values and ``mirrors.sync_mirrors`` then copies the home copy's state over
+  the bd pair.
+"""
+
+import functools
+
+from ... import hooks
+from .optimizers import home_buffers, inner_optimizers, is_distributed_optimizer, model0_ids
+
+_SHARDED_STATE_DICT = hooks.entry("per object", "DistributedOptimizer.sharded_state_dict")
+_LOAD_RESHARDABLE = hooks.entry("per object", "DistributedOptimizer.load_parameter_state_from_dp_reshardable")
+
+
+class MirrorReplicaId(tuple):
+    """``replica_id`` of a sharded entry of DualPipe's mirror: non-main (first element >= 1), the
+    same length as the original (Megatron asserts 3-tuples in places), and recognisable by type."""
+
+
+def mirror_replica_id(replica_id) -> MirrorReplicaId:
+    if isinstance(replica_id, tuple):
+        return MirrorReplicaId((1 + replica_id[0], *replica_id[1:])) if replica_id else MirrorReplicaId((1,))
+    return MirrorReplicaId((1 + replica_id,))
+
+
+def is_mirror_entry(value) -> bool:
+    return isinstance(getattr(value, "replica_id", None), MirrorReplicaId)
+
+
+def mark_mirror_replicas(chunk) -> None:
+    """Make every ShardedTensor / ShardedObject / factory of ``chunk.sharded_state_dict(...)`` a
+    mirror replica, by wrapping the method of the innermost module (Megatron's save/load call
+    ``unwrap_model`` first). Idempotent."""
+    from ...mcore.model import unwrap_chunk
+
+    from ...hooks.mechanism import apply
+
+    chunk = unwrap_chunk(chunk)
+    if getattr(chunk, "_megatron_dualpipe_mirror_replica", False):
+        return
+
+    def marking(orig):
+        @functools.wraps(orig)
+        def sharded_state_dict(*a, **kw):
+            sd = orig(*a, **kw)
+            mark_non_main_replicas(sd)
+            return sd
+
+        return sharded_state_dict
+
+    apply(hooks.entry("per object", "GPTModel.sharded_state_dict").made_by(marking, on=chunk))
+    chunk._megatron_dualpipe_mirror_replica = True
+
+
+def mark_non_main_replicas(sharded_state_dict) -> int:
+    """Give every ShardedBase / ShardedTensorFactory in the nested dict a :class:`MirrorReplicaId`;
+    returns the count."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedBase, ShardedTensorFactory
+
+    n = 0
+    for v in nested_values(sharded_state_dict):
+        if isinstance(v, (ShardedBase, ShardedTensorFactory)) and hasattr(v, "replica_id"):
+            v.replica_id = mirror_replica_id(v.replica_id)
+            n += 1
+    return n
+
+
+def drop_mirror_entries(state_dict) -> int:
+    """Replace every mirror entry of a state dict about to be saved by a non-persistent
+    placeholder (not written); returns the count."""
+    from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
+    from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject
+
+    dropped = [0]
+
+    def leave_out(v):
+        if is_mirror_entry(v):
+            dropped[0] += 1
+            return LocalNonpersistentObject(None)
+        return v
+
+    dict_list_map_inplace(leave_out, state_dict)
+    return dropped[0]
+
+
+# ------------------------------------------------------------------------------------------
+# The distributed optimizer's dp_reshardable state: model[0]'s grad buffers only
+# ------------------------------------------------------------------------------------------
+
+
+def home_buffer_count(opt, keep_ids) -> int:
+    """How many of ``opt``'s grad buffers are model[0]'s; they must come first (DDP numbers the
+    buffers chunk by chunk), so that their indices are a one-chunk run's."""
+    home = home_buffers(opt, keep_ids)
+    if home != list(range(len(home))):
+        raise RuntimeError(f"--pipeline-schedule dualpipe: model[0]'s grad buffers are {home} of "
+                           f"{len(opt.buffers)}, not the first ones; torch_dist cannot save them as a one-chunk run does")
+    return len(home)
+
+
+def model0_distributed_optimizers(model, optimizer):
+    """Within the block, the distributed optimizers' buffer-keyed state is restricted to
+    model[0]'s buffers (:func:`one_chunk_distributed_optimizer`; nothing to do without one)."""
+    return one_chunk_distributed_optimizer([o for o in inner_optimizers(optimizer) if is_distributed_optimizer(o)],
+                                           model0_ids(model))
+
+
+def one_chunk_distributed_optimizer(optimizers, keep_ids):
+    """Within the block, each distributed optimizer's ``sharded_state_dict`` (dp_reshardable)
+    holds model[0]'s buffers only, and its ``load_parameter_state_from_dp_reshardable`` keeps the
+    mirror's buffers as they are (``sync_mirrors`` fills them after the load). Per-object
+    ``hooks.scoped`` swaps: the class is not changed."""
+    swaps = []
+    for opt in optimizers:
+        n_home = home_buffer_count(opt, keep_ids)
+        if n_home == len(opt.buffers):
+            continue
+        swaps += [_SHARDED_STATE_DICT.to(_home_sharded_state_dict(opt, n_home), on=opt),
+                  _LOAD_RESHARDABLE.to(_home_load(opt, n_home), on=opt)]
+    return hooks.scoped(*swaps)
+
+
+def _home_sharded_state_dict(opt, n_home):
+    orig = type(opt).sharded_state_dict.__get__(opt)
+
+    @functools.wraps(orig)
+    def sharded_state_dict(model_sharded_state_dict={}, is_loading=False, sharding_type=None, metadata=None):  # noqa: B006 - Megatron's signature
+        sd = orig(model_sharded_state_dict, is_loading, sharding_type, metadata)
+        if sd.get("param_state_sharding_type") == "dp_reshardable":
+            ps = sd["param_state"]
+            for k in [k for k in ps if isinstance(k, int) and k >= n_home]:
+                del ps[k]
+            for key in ("per_bucket_numel", "per_bucket_numel_unpadded"):
+                ps[key].data = ps[key].data[:n_home]
+        return sd
+
+    return sharded_state_dict
+
+
+def _home_load(opt, n_home):
+    orig = type(opt).load_parameter_state_from_dp_reshardable.__get__(opt)
+
+    @functools.wraps(orig)
+    def load_parameter_state_from_dp_reshardable(state_dict):
+        state_dict = dict(state_dict)
+        saved = state_dict.pop("per_bucket_numel_unpadded", None)
+        if saved is not None and list(saved) != list(opt.per_bucket_numel_unpadded[:n_home]):
+            raise RuntimeError(
+                f"the checkpoint's distributed-optimizer buckets hold {saved} elements, this rank's model[0] "
+                f"{opt.per_bucket_numel_unpadded[:n_home]} (DualPipe does not bucket its chunks; a 1f1b run with "
+                "--overlap-grad-reduce does): save it with --dist-ckpt-optim-fully-reshardable, or load with "
+                "--no-load-optim")
+        current = opt.get_parameter_state_dp_reshardable()
+        for k in range(n_home, len(opt.buffers)):
+            state_dict[k] = {dtype: [[_as_loaded(t) for t in bucket] for bucket in buckets]
+                             for dtype, buckets in current[k].items()}
+        return orig(state_dict)
+
+    return load_parameter_state_from_dp_reshardable
+
+
+def _as_loaded(tensors):
+    """One parameter's current state as ``load_parameter_state_from_dp_reshardable`` reads a loaded one."""
+    out = {k: v for k, v in tensors.items() if k not in ("gbuf_local_start", "gbuf_local_end")}
+    out["padding"] = False
+    return out

@@ -1,0 +1,101 @@
+"""``advise``: the choice follows the closed forms where they are exact and the memory limit, never
+a schedule its own model says is slower (within 1% the reason names the lighter one); the reason
+names the numbers; the table and the JSON carry every schedule, Megatron's interleaved 1F1B
+included."""
+import json
+
+import pytest
+
+from megatron_dualpipe.advise import TIE, advise, parse_counts
+from megatron_dualpipe.cli import main
+from megatron_dualpipe.cli import CliError
+from megatron_dualpipe.schedule.registry import (DUALPIPE, DUALPIPEV, INTERLEAVED_1F1B, INTERLEAVED_1F1B_A2A,
+                                                 ONE_F_ONE_B, ZB_H1)
+from megatron_dualpipe.schedule.simulate import Costs
+
+# DeepSeek's setting f = w = b/2, fb = f + b: every bubble equals its closed form, so makespans are
+# busy (M x (f + b) per rank) + bubble, computed here without the simulator.
+COSTS = Costs(f=1, b=2, w=1)
+
+
+def expected_makespan(name, pp, m):
+    f, b, w, fb = COSTS.f, COSTS.b, COSTS.w, COSTS.fused
+    bubble = {ONE_F_ONE_B: (pp - 1) * (f + b), ZB_H1: (pp - 1) * (f + b - 2 * w),
+              DUALPIPE: (pp / 2 - 1) * (fb + b - 3 * w), DUALPIPEV: (pp - 1) * (fb + b - 3 * w) / 2,
+              INTERLEAVED_1F1B: (pp - 1) * (f + b) / 2}[name]
+    return m * (f + b) + bubble
+
+
+@pytest.mark.parametrize("m", [16, 32])
+def test_choice_follows_the_closed_forms_and_is_never_slower(m):
+    pp = 8
+    names = [ONE_F_ONE_B, ZB_H1, DUALPIPE, DUALPIPEV, INTERLEAVED_1F1B]
+    a = advise(pp, [m], COSTS, activation_memory=1.0, parameter_memory=10.0, names=names)
+    ch = a.choices[0]
+    got = {o.row.name: o.row.makespan for o in ch.options}
+    want = {n: expected_makespan(n, pp, m) for n in got}
+    print(f"\nM={m}: {got}\n  {ch.reason}")
+    assert got == pytest.approx(want)
+    fastest = min(want, key=want.get)
+    assert ch.best == fastest == DUALPIPE
+    near = [n for n in want if n != fastest and want[n] <= want[fastest] * (1 + TIE)]
+    if not near:  # M=16: dualpipe 54 against 55: 1.8% faster
+        assert "21.7% shorter than 1f1b's 69" in ch.reason and "(+11 against 1f1b)" in ch.reason
+    else:  # M=32: dualpipe 102 against zb-h1 103, within 1%: still the faster, the lighter one named
+        assert set(near) == {ZB_H1, DUALPIPEV} and f"{ZB_H1} is within 1.0% (103) and needs 11 less memory" in ch.reason
+
+
+def test_memory_limit_excludes_the_mirror():
+    a = advise(8, [16], COSTS, activation_memory=1.0, parameter_memory=10.0, memory_limit=20)
+    ch = a.choices[0]
+    fits = {o.row.name: o.fits for o in ch.options}
+    print(f"\n{ch.reason}")
+    # interleaved 1F1B (v=2) keeps 11.5 stages' activations at pp=8, 12 with the EP overlap's extra forward
+    assert fits == {ONE_F_ONE_B: True, ZB_H1: True, DUALPIPE: False, DUALPIPEV: True, INTERLEAVED_1F1B: False,
+                    INTERLEAVED_1F1B_A2A: False}
+    assert ch.best == ZB_H1 and "dualpipe would be 1.8% faster but needs 29, over the limit 20" in ch.reason
+
+
+def test_nothing_fits():
+    ch = advise(4, [8], COSTS, activation_memory=5, parameter_memory=10, memory_limit=1).choices[0]
+    assert ch.best is None and "no schedule fits the memory limit 1" in ch.reason
+
+
+def test_1f1b_when_nothing_is_faster():
+    """With w = 0 nothing can be deferred and DualPipe's mirror buys nothing at large M: Megatron's own wins."""
+    ch = advise(4, [64], Costs(f=1, b=2, w=0), 1.0, 10.0, names=[ONE_F_ONE_B, ZB_H1]).choices[0]
+    assert ch.best == ONE_F_ONE_B and "Megatron's own" in ch.reason
+
+
+def test_odd_pp_lists_dualpipe_as_unable():
+    ch = advise(3, [6], COSTS, 1.0, 1.0).choices[0]
+    rows = {o.row.name: o.row for o in ch.options}
+    assert rows[DUALPIPE].problem and "even" in rows[DUALPIPE].problem and ch.best != DUALPIPE
+
+
+def test_counts():
+    assert parse_counts("16") == [16]
+    assert parse_counts("8,12,8") == [8, 12]
+    assert parse_counts("8:64") == [8, 16, 32, 64]
+    assert parse_counts("8:40") == [8, 16, 32, 40]
+    assert parse_counts("8:24:8") == [8, 16, 24]
+    for bad in ("8:4", "0", "a", "8:64:0", "1:2:3:4"):
+        with pytest.raises(CliError):
+            parse_counts(bad)
+
+
+def test_cli_table_and_json(capsys):
+    argv = ["advise", "--pp", "8", "-m", "16:32", "--f", "1", "--b", "2", "--w", "1", "--activation-memory", "1",
+            "--parameter-memory", "10", "--memory-limit", "25"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    with capsys.disabled():
+        print("\n" + out)
+    assert "M=16: use zb-h1" in out and "M=32: use zb-h1" in out and "<- best" in out
+    assert out.count("dualpipev") >= 2 and "(DualPipeV runs chunks of half a stage at half these costs)" in out
+    assert main(argv + ["--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [c["microbatches"] for c in doc["choices"]] == [16, 32] and doc["memory_limit"] == 25
+    opts = {o["schedule"]: o for o in doc["choices"][0]["options"]}
+    assert opts[DUALPIPE]["fits"] is False and opts[DUALPIPE]["parameter_memory"] == 20
+    assert opts[DUALPIPEV]["peak_activations"] == 8.5

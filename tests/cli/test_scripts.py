@@ -1,0 +1,272 @@
+"""The launch script composes the torchrun command and refuses bad set-ups before launching.
+
+Runs `scripts/pretrain_gpt_dualpipe.sh` with DRY_RUN=1 against a stand-in Megatron-LM folder
+(pretrain_gpt.py and megatron/core/package_info.py at 0.16.1) and a stand-in data prefix; every
+config in configs/ must pass at the minimum GPU count it states, and each missing or wrong setting
+must fail with one line naming the fix (never a bash error such as "unbound variable").
+"""
+import json
+import os
+import pathlib
+import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "scripts" / "pretrain_gpt_dualpipe.sh"
+CONFIGS = sorted(p.stem for p in (ROOT / "configs").glob("*.sh"))
+
+
+def fake_checkout(root, version=(0, 16, 1)):
+    (root / "megatron" / "core").mkdir(parents=True, exist_ok=True)
+    (root / "megatron" / "core" / "package_info.py").write_text("MAJOR = {}\nMINOR = {}\nPATCH = {}\n".format(*version))
+    (root / "pretrain_gpt.py").write_text("")
+    return root
+
+
+def min_gpus(config):
+    """The minimum GPU count the config states in its comments."""
+    return int(re.search(r"^# Minimum GPUs: (\d+)", (ROOT / "configs" / f"{config}.sh").read_text(), re.M).group(1))
+
+
+def run(tmp_path, tokenizer=True, extra=(), **env):
+    fake = fake_checkout(tmp_path / "Megatron-LM")
+    for ext in ("bin", "idx"):
+        (tmp_path / f"text_document.{ext}").write_text("")
+    full = {k: v for k, v in os.environ.items()
+            if k not in ("MASTER_ADDR", "NNODES", "PP", "TP", "EP", "CP", "ETP", "TORCHRUN", "PYTHON")}
+    full.update(DRY_RUN="1", MEGATRON_LM_PATH=str(fake), DATA_PATH=str(tmp_path / "text_document"),
+                PYTHON=sys.executable)
+    full.update({k: str(v) for k, v in env.items() if v is not None})
+    for k, v in env.items():
+        if v is None:
+            full.pop(k, None)
+    args = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "1024"] if tokenizer else []
+    return subprocess.run(["bash", str(SCRIPT), *args, *extra, "--seed", "7"], env=full, capture_output=True,
+                          text=True, timeout=60)
+
+
+def test_configs_exist():
+    assert {"gpt_tiny_cpu", "gpt_345m", "gpt_8b", "moe_mixtral_8x7b", "moe_deepseek_v2_lite"} <= set(CONFIGS)
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_each_config_says_which_tokenizer_to_pass(config):
+    """A config either sets a tokenizer (and names the files it needs) or says which to pass."""
+    text = (ROOT / "configs" / f"{config}.sh").read_text()
+    line = re.search(r"^# Tokenizer: (.*)$", text, re.M)
+    assert line and "--tokenizer" in text[line.start():line.start() + 300] or "--vocab-file" in line.group(1), config
+
+
+def test_readme_states_each_configs_minimum():
+    readme = (ROOT / "README.md").read_text()
+    for config in CONFIGS:
+        assert f"`{config}` ({min_gpus(config)}" in readme, config
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("schedule", ["dualpipe", "dualpipev"])
+def test_every_config_is_accepted_at_its_minimum_and_composed(tmp_path, config, schedule):
+    gpus = min(min_gpus(config), 8)
+    nodes = min_gpus(config) // gpus
+    r = run(tmp_path, CONFIG=config, SCHEDULE=schedule, NNODES=nodes, GPUS_PER_NODE=gpus, MASTER_ADDR="node0")
+    assert r.returncode == 0, r.stderr
+    header, command = r.stdout.strip().splitlines()[-2:]
+    print(f"\n{config} {schedule}: {header}")
+    argv = shlex.split(command)
+    last_m = max(i for i, a in enumerate(argv) if a == "-m")  # after "python -m torch.distributed.run" if any
+    assert argv[last_m + 1] == "megatron_dualpipe.launch"
+    assert argv[argv.index("--pipeline-schedule") + 1] == schedule
+    assert argv[argv.index("--nnodes") + 1] == str(nodes) and argv[-2:] == ["--seed", "7"]
+    pp = int(argv[argv.index("--pipeline-model-parallel-size") + 1])
+    layers = int(argv[argv.index("--num-layers") + 1])
+    assert layers % (2 * pp if schedule == "dualpipev" else pp) == 0 and (schedule != "dualpipe" or pp % 2 == 0)
+    assert f"(minimum {min_gpus(config)})" in header
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_below_the_stated_minimum_is_refused_naming_it(tmp_path, config):
+    """Megatron refuses a world size that is not a multiple of TP*PP*CP and of ETP*EP*PP; so does the script."""
+    least = min_gpus(config)
+    gpus = least // 2
+    r = run(tmp_path, CONFIG=config, NNODES=1, GPUS_PER_NODE=gpus)
+    print(f"\n{config} on {gpus} GPUs: {r.stderr.strip()}")
+    assert r.returncode == 2 and r.stdout == "" and r.stderr.count("\n") == 1
+    assert f"the nearest valid count is {least}" in r.stderr
+
+
+@pytest.mark.parametrize("env,expected", [
+    (dict(MEGATRON_LM_PATH=None, CONFIG="gpt_345m"), "set MEGATRON_LM_PATH"),
+    (dict(CONFIG=None), "set CONFIG to one of"),
+    (dict(CONFIG="nope"), "no config nope"),
+    (dict(CONFIG="gpt_345m", NNODES=2), "set MASTER_ADDR"),
+    (dict(CONFIG="gpt_345m", PP=3, GPUS_PER_NODE=3), "even PP"),
+    (dict(CONFIG="gpt_345m", SCHEDULE="dualpipev", PP=5, GPUS_PER_NODE=5), "divisible by 2*PP=10"),
+    (dict(CONFIG="gpt_345m", GLOBAL_BATCH=8), "raise GLOBAL_BATCH to 32"),
+    (dict(CONFIG="gpt_345m", DATA_PATH=None), "set DATA_PATH"),
+    (dict(CONFIG="gpt_345m", SCHEDULE="gpipe"), "use dualpipe, dualpipev or 1f1b"),
+    (dict(CONFIG="gpt_345m", GPUS_PER_NODE=6), "multiple of TP*PP*CP=4 and of ETP*EP*PP=4, i.e. of 4; the nearest "
+                                               "valid count is 4"),
+    (dict(CONFIG="moe_mixtral_8x7b"), "multiple of TP*PP*CP=8 and of ETP*EP*PP=64, i.e. of 64; the nearest valid "
+                                      "count is 64 (GPUS_PER_NODE=8 with NNODES=8)"),
+    (dict(CONFIG="moe_deepseek_v2_lite", GPUS_PER_NODE=8, NNODES=5, MASTER_ADDR="n0"), "nearest valid count is 32"),
+    (dict(CONFIG="moe_mixtral_8x7b", EP=3, PP=2, GPUS_PER_NODE=6), "EP=3 does not divide the config's 8 experts"),
+    (dict(CONFIG="gpt_345m", DATA_PATH="/no/such/prefix"), "no /no/such/prefix.bin or /no/such/prefix.idx"),
+    (dict(CONFIG="gpt_345m", PYTHON="/no/such/python"), "PYTHON=/no/such/python not found"),
+])
+def test_bad_setups_fail_early_with_the_fix(tmp_path, env, expected):
+    r = run(tmp_path, **env)
+    print(f"\n{env}: {r.stderr.strip()}")
+    assert r.returncode != 0 and expected in r.stderr and r.stdout == ""
+
+
+@pytest.mark.parametrize("var,value", [(v, x) for v in ("PP", "TP", "EP", "CP", "MICRO_BATCH", "GLOBAL_BATCH", "NNODES",
+                                                         "GPUS_PER_NODE", "MASTER_PORT")
+                                       for x in ("0", "abc", "-2", "1.5", "99999999999999999999")])
+def test_numbers_must_be_positive_integers(tmp_path, var, value):
+    r = run(tmp_path, CONFIG="gpt_345m", **{var: value})
+    assert r.returncode == 2 and r.stdout == "", r.stderr
+    assert r.stderr.count("\n") == 1 and "must be a positive integer" in r.stderr, r.stderr
+    for bash_error in ("unbound variable", "division by 0", "syntax error", "line "):
+        assert bash_error not in r.stderr
+
+
+def test_wrong_megatron_version_is_refused_before_torchrun(tmp_path):
+    old = fake_checkout(tmp_path / "Megatron-LM-0.15", version=(0, 15, 0))
+    r = run(tmp_path, CONFIG="gpt_345m", MEGATRON_LM_PATH=str(old))
+    print(f"\n{r.stderr.strip()}")
+    assert r.returncode == 2 and r.stdout == "" and r.stderr.count("\n") == 1
+    assert "is not Megatron-LM core_v0.16.1 (found megatron-core 0.15.0)" in r.stderr
+
+
+def test_blended_data_path_checks_every_prefix(tmp_path):
+    r = run(tmp_path, CONFIG="gpt_345m", DATA_PATH=f"0.7 {tmp_path / 'text_document'} 0.3 {tmp_path / 'other'}")
+    assert r.returncode == 2 and f"no {tmp_path / 'other'}.bin" in r.stderr
+    for ext in ("bin", "idx"):
+        (tmp_path / f"other.{ext}").write_text("")
+    r = run(tmp_path, CONFIG="gpt_345m", DATA_PATH=f"0.7 {tmp_path / 'text_document'} 0.3 {tmp_path / 'other'}")
+    assert r.returncode == 0, r.stderr
+    argv = shlex.split(r.stdout.strip().splitlines()[-1])
+    i = argv.index("--data-path")
+    assert argv[i + 1:i + 5] == ["0.7", str(tmp_path / "text_document"), "0.3", str(tmp_path / "other")]
+
+
+# ---------------------------------------------------------------------------------------------
+# Checked before torchrun (megatron_dualpipe/launch_checks.py through launch --check)
+# ---------------------------------------------------------------------------------------------
+
+def write_indexed(prefix, top_id):
+    """A Megatron indexed dataset header (.idx: magic, version, dtype code 8 = uint16) and a .bin
+    whose largest token id is ``top_id``."""
+    import struct
+
+    import numpy as np
+
+    pathlib.Path(f"{prefix}.idx").write_bytes(b"MMIDIDX\x00\x00" + struct.pack("<QB", 1, 8) + b"\x00" * 16)
+    np.arange(top_id + 1, dtype=np.uint16).tofile(f"{prefix}.bin")
+
+
+def gpt2_files(tmp_path, entries):
+    (tmp_path / "vocab.json").write_text(json.dumps({f"t{i}": i for i in range(entries)}))
+    (tmp_path / "merges.txt").write_text("#version: 0.2\n")
+    return ["--vocab-file", str(tmp_path / "vocab.json"), "--merge-file", str(tmp_path / "merges.txt")]
+
+
+@pytest.mark.parametrize("config,extra,expected", [
+    ("gpt_tiny_cpu", [], "no --tokenizer-type: Megatron-LM needs one"),
+    ("gpt_345m", [], "--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file"),
+    ("gpt_345m", ["--vocab-file", "/no/vocab.json", "--merge-file", "/no/merges.txt"],
+     "--vocab-file /no/vocab.json: no such file"),
+    ("gpt_tiny_cpu", ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", "./no/such/dir"],
+     "--tokenizer-model ./no/such/dir: no such file"),
+])
+def test_tokenizer_is_checked_before_torchrun(tmp_path, config, extra, expected):
+    r = run(tmp_path, tokenizer=False, extra=extra, CONFIG=config)
+    print(f"\n{config} {' '.join(extra)}: {r.stderr.strip()}")
+    assert r.returncode == 2 and r.stdout == "" and r.stderr.count("\n") == 1 and expected in r.stderr
+    assert r.stderr.startswith("pretrain_gpt_dualpipe.sh: error: ")
+
+
+def test_vocabulary_smaller_than_the_datas_token_ids_is_refused(tmp_path):
+    """The data holds ids up to 1023, the tokenizer has 581 entries: Megatron would fail with an
+    IndexError in the embedding 40 s in; the script refuses it first (and accepts 1024 entries)."""
+    write_indexed(tmp_path / "real_document", 1023)
+    small = tmp_path / "small"
+    small.mkdir()
+    data = str(tmp_path / "real_document")
+    r = run(tmp_path, tokenizer=False, extra=gpt2_files(small, 581), CONFIG="gpt_345m", DATA_PATH=data)
+    print(f"\n{r.stderr.strip()}")
+    assert r.returncode == 2 and r.stdout == "" and r.stderr.count("\n") == 1
+    assert "holds token id 1023 but the tokenizer has only 581 entries" in r.stderr
+    r = run(tmp_path, tokenizer=False, extra=gpt2_files(small, 1024), CONFIG="gpt_345m", DATA_PATH=data)
+    assert r.returncode == 0, r.stderr
+
+
+def test_a_python_without_torch_is_named(tmp_path):
+    """PYTHON (or torchrun's interpreter) that cannot import torch: refused before torchrun,
+    where `--check` used to say "can run"."""
+    venv = tmp_path / "bare"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    r = run(tmp_path, CONFIG="gpt_345m", PYTHON=str(venv / "bin" / "python"))
+    print(f"\n{r.stderr.strip()}")
+    assert r.returncode == 2 and r.stdout == ""
+    assert f"{venv / 'bin' / 'python'} cannot import torch" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_without_torchrun_on_path_the_python_that_has_torch_runs_it(tmp_path):
+    """No torchrun on PATH and no PYTHON: `python -m torch.distributed.run` with the interpreter
+    the preflight checked, not a bare `torchrun` that the shell cannot find."""
+    shim = tmp_path / "bin"
+    shim.mkdir()
+    (shim / "python3").symlink_to(sys.executable)
+    r = run(tmp_path, CONFIG="gpt_345m", PYTHON=None, TORCHRUN=None, PATH=f"{shim}:/usr/bin:/bin")
+    assert r.returncode == 0, r.stderr
+    argv = shlex.split(r.stdout.strip().splitlines()[-1])
+    print(f"\n{' '.join(argv[:3])}")
+    assert argv[1:3] == ["-m", "torch.distributed.run"]
+    assert argv[0] in (str(ROOT / ".venv" / "bin" / "python"), str(shim / "python3"))
+
+
+def test_gpu_extra_pins_transformer_engine_as_megatron_core_asks():
+    """setup.py's [gpu] extra takes the transformer-engine range of the megatron-core it pins
+    (Megatron-LM core_v0.16.1's pyproject.toml: < 2.12)."""
+    megatron = os.environ.get("MEGATRON_LM_PATH")
+    pyproject = pathlib.Path(megatron or "/nonexistent") / "pyproject.toml"
+    if not pyproject.is_file():
+        pytest.skip("MEGATRON_LM_PATH with pyproject.toml not set")
+    theirs = re.search(r'"transformer-engine\[[^\]]*\]([^"]+)"', pyproject.read_text()).group(1)
+    ours = re.search(r'"gpu": \["transformer-engine\[pytorch\]([^"]+)"\]', (ROOT / "setup.py").read_text()).group(1)
+    print(f"\nMegatron-LM asks {theirs}; setup.py [gpu] pins {ours}")
+    upper = lambda spec: re.search(r"<\s*([\d.]+)", spec).group(1).rstrip(".0")  # noqa: E731
+    assert upper(ours) == upper(theirs)
+
+
+def test_slurm_example_gives_each_node_its_rank_and_the_first_node_as_master(tmp_path):
+    """scripts/slurm_dualpipe.sbatch under a stand-in srun that runs its command once per node
+    (SLURM_NODEID 0 and 1) and a stand-in scontrol: both nodes compose their torchrun command."""
+    fake = fake_checkout(tmp_path / "Megatron-LM")
+    for ext in ("bin", "idx"):
+        (tmp_path / f"text_document.{ext}").write_text("")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text('#!/bin/bash\nshift\nfor n in 0 1; do SLURM_NODEID=$n "$@" || exit; done\n')
+    (bin_dir / "scontrol").write_text("#!/bin/bash\nprintf 'gpu-node-a\\ngpu-node-b\\n'\n")
+    for f in ("srun", "scontrol"):
+        (bin_dir / f).chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in ("NNODES", "MASTER_ADDR", "TORCHRUN")}
+    env.update(PATH=f"{bin_dir}:{env['PATH']}", DRY_RUN="1", MEGATRON_LM_PATH=str(fake),
+               DATA_PATH=str(tmp_path / "text_document"), TOKENIZER_ARGS="--tokenizer-type NullTokenizer --vocab-size 8",
+               CONFIG="gpt_8b", SLURM_NNODES="2", SLURM_GPUS_ON_NODE="8", SLURM_JOB_NODELIST="gpu-node-[a-b]",
+               SLURM_SUBMIT_DIR=str(ROOT), PYTHON=sys.executable)
+    r = subprocess.run(["bash", str(ROOT / "scripts" / "slurm_dualpipe.sbatch"), "--seed", "7"], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    commands = [shlex.split(line) for line in r.stdout.splitlines() if not line.startswith("#")]
+    print("\n" + "\n".join(" ".join(c[:14]) for c in commands))
+    assert [c[c.index("--node-rank") + 1] for c in commands] == ["0", "1"]
+    assert all(c[c.index("--master-addr") + 1] == "gpu-node-a" and c[c.index("--nnodes") + 1] == "2"
+               for c in commands)
+    assert all(c[-2:] == ["--seed", "7"] and "NullTokenizer" in c for c in commands)

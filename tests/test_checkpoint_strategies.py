@@ -1,0 +1,117 @@
+"""The checkpoint package (megatron_dualpipe/megatron_lm/checkpoint/): its (schedule, format) table,
+the refusal of optimizer state across the DualPipeV and 1F1B layouts, and its import shape (no
+private imports across its modules, no import circle among the Megatron-LM modules). Standard
+library only; the save / load runs themselves are tests/test_megatron_lm_cpu.py and
+tests/test_megatron_lm_dualpipe.py."""
+import ast
+import pathlib
+from types import SimpleNamespace
+
+import pytest
+
+from megatron_dualpipe.megatron_lm.checkpoint import strategies as st
+from megatron_dualpipe.schedule import registry
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+LM = ROOT / "megatron_dualpipe" / "megatron_lm"
+
+
+@pytest.mark.parametrize("schedule", registry.NAMES)
+@pytest.mark.parametrize("fmt", ["torch", "torch_dist", "fsdp_dtensor"])
+def test_every_schedule_and_format_has_one_strategy(schedule, fmt):
+    save, load = st.save_strategy(schedule, fmt), st.load_strategy(schedule, fmt)
+    print(f"\n{schedule:14s} {fmt:12s} save: {save.__name__:26s} load: {load.__name__}")
+    if schedule not in (registry.DUALPIPE, registry.DUALPIPEV):
+        assert (save, load) == (st.save_as_is, st.load_as_is)  # Megatron's own layout already
+    if schedule == registry.DUALPIPE:
+        assert load is not st.load_as_is  # the mirrors are always synced after a load
+
+
+def _calls(strategy, *, file=None):
+    seen = []
+
+    def orig(*a, **kw):
+        seen.append(a)
+        return "result"
+
+    args = SimpleNamespace(no_save_optim=True, no_load_optim=True, finetune=False)
+    if strategy.__name__.startswith("save"):
+        assert strategy(orig, args, 7, ["m0", "m1"], None, "extra") == "result"
+    else:
+        assert strategy(orig, args, ["m0", "m1"], None, file, "sched", "load", True) == "result"
+    return seen
+
+
+def test_pass_through_strategies_hand_megatron_the_same_arguments():
+    assert _calls(st.save_as_is) == [(7, ["m0", "m1"], None, "extra")]
+    assert _calls(st.load_as_is) == [(["m0", "m1"], None, "sched", "load", True)]
+    # dualpipev reading its own two-chunk file: as it is.
+    assert _calls(st.load_into_v_stages, file=({"model0", "model1", "model"}, registry.DUALPIPEV)) == \
+        [(["m0", "m1"], None, "sched", "load", True)]
+
+
+@pytest.mark.parametrize("schedule,saved,keys,refused", [
+    (registry.DUALPIPEV, registry.ONE_F_ONE_B, {"model"}, True),
+    (registry.ONE_F_ONE_B, registry.DUALPIPEV, {"model", "model0", "model1"}, True),
+    (registry.DUALPIPE, registry.DUALPIPEV, {"model", "model0", "model1"}, True),
+    (registry.DUALPIPEV, registry.DUALPIPEV, {"model", "model0", "model1"}, False),
+    (registry.DUALPIPE, registry.ONE_F_ONE_B, {"model"}, False),
+])
+def test_optimizer_state_across_layouts_is_refused_naming_no_load_optim(schedule, saved, keys, refused):
+    args = SimpleNamespace(no_load_optim=False, finetune=False)
+    if refused:
+        with pytest.raises(NotImplementedError, match="--no-load-optim") as err:
+            st.refuse_optimizer_across_layouts(args, object(), schedule, (keys, saved))
+        print(f"\n{err.value}")
+    else:
+        st.refuse_optimizer_across_layouts(args, object(), schedule, (keys, saved))
+    # without optimizer state the weights load (remapped where needed)
+    st.refuse_optimizer_across_layouts(SimpleNamespace(no_load_optim=True, finetune=False), object(), schedule,
+                                       (keys, saved))
+
+
+def _imports(path):
+    """(module imported relative to the megatron_lm package, names) for each import in ``path``."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    package = path.parent.relative_to(LM.parent).parts  # ("megatron_lm", ...) or ("megatron_lm", "checkpoint")
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = list(package[:len(package) - node.level + 1])
+            target = ".".join(base + ([node.module] if node.module else []))
+            yield target, [a.name for a in node.names]
+
+
+def test_no_private_imports_across_the_megatron_lm_modules():
+    private = [f"{p.relative_to(ROOT)}: from {t} import {n}" for p in LM.rglob("*.py") for t, names in _imports(p)
+               for n in names if n.startswith("_")]
+    print(f"\nprivate imports: {private}")
+    assert private == []
+
+
+def test_no_import_circle_among_the_megatron_lm_modules():
+    graph = {}
+    for p in LM.rglob("*.py"):
+        name = ".".join(p.relative_to(LM.parent).with_suffix("").parts).removesuffix(".__init__")
+        graph[name] = set()
+        for target, names in _imports(p):
+            for n in names:  # "from . import x" imports the module x
+                graph[name].add(f"{target}.{n}" if f"{target}.{n}".replace(".", "/") in _modules() else target)
+    graph = {k: {t for t in v if t in graph and t != k} for k, v in graph.items()}
+
+    def cycle_from(start, node, path):
+        for nxt in graph[node]:
+            if nxt == start:
+                return path + [nxt]
+            if nxt not in path:
+                found = cycle_from(start, nxt, path + [nxt])
+                if found:
+                    return found
+        return None
+
+    cycles = [c for c in (cycle_from(m, m, [m]) for m in graph) if c]
+    print(f"\n{len(graph)} modules; circles: {cycles}")
+    assert cycles == []
+
+
+def _modules():
+    return {".".join(p.relative_to(LM.parent).with_suffix("").parts).replace(".", "/") for p in LM.rglob("*.py")}

@@ -1,0 +1,50 @@
+"""docs/megatron-options.md: the options table of ``megatron_dualpipe/mcore/options.py`` as markdown.
+
+The prose around the tables is here; the rows are the table's (``tools/gen_docs.py`` writes the
+file, ``tests/test_docs.py`` checks it is current).
+"""
+from __future__ import annotations
+
+from megatron_dualpipe.mcore import options
+from megatron_dualpipe.schedule import registry
+
+INTRO = "# Megatron-LM options under `--pipeline-schedule dualpipe` / `dualpipev`\n\n<!-- Generated from megatron_dualpipe/mcore/options.py by tools/gen_docs.py: edit the table there. -->\n\nMegatron-LM `core_v0.16.1`, `megatron/training/arguments.py`, read for every option that changes\nwhat happens per micro-batch or per pipeline stage. Each is handled (and then compared with\nMegatron's own `1f1b` through `pretrain_gpt.py`), or refused by `validate_args` with a message\nthat names the flag to change. Every option lives in one table, `megatron_dualpipe/mcore/options.py`\n(`REFUSED`, `HANDLED`), read by Megatron-LM's argument check (`megatron_lm/arguments.py`, from\n`args`) and by megatron-core's call-time check (`mcore/validation.py`, from the model's\n`TransformerConfig`); `tests/test_megatron_lm.py` checks every refusal on `args`.\nOptions that act on whole iterations (optimizer, learning rate, logging, data) run Megatron's\nown code unchanged and are not listed.\n\nStatus:\n- **equal on CPU**: `pretrain_gpt.py` on CPU (4 gloo ranks, tiny GPT, dropout off, same seed),\n  every metric `training_log` prints (lm loss, grad norm, and where asked params norm, zeros,\n  MoE aux losses) equal to `1f1b`'s to what the print resolves (lm loss: 1e-5 relative; observed\n  differences 0 or a few 1e-7);\n- **refused**: `validate_args` stops before training with the message quoted (shortened);\n- **GPU, not verified**: handled in code, but no CPU path exists to run it here;\n- **CPU mode, not verified yet**: Megatron's own `1f1b` does not run it on CPU yet; the test\n  skips until the CPU mode (`megatron_dualpipe/cpu/`) runs it. Verified by hand with a local\n  stand-in where said.\n\nTest files: `A` = `tests/test_megatron_lm.py` (argument cases), `D` = `tests/test_megatron_lm_dualpipe.py`,\n`O` = `tests/test_megatron_lm_options.py`, `C` = `tests/test_megatron_lm_cpu.py`, `M` = `tests/test_dualpipe_megatron.py` (megatron-core\nlevel, against a single-process reference), `E` = `tests/test_errors.py`.\n\n"
+
+#: Refusals that are not one option of the table: the schedule's structure (registry rules,
+#: checked in megatron_lm/arguments.py and mcore/validation.py) and what Megatron refuses itself.
+NOT_OPTIONS = (
+    ("`--cpu-offloading-num-layers`", "(Megatron itself refuses it with pp > 1)", "—", "—"),
+    ("odd pp (dualpipe), `--num-layers` not divisible by pp (dualpipev: 2pp), fewer than pp micro-batches (also at "
+     "the start of `--rampup-batch-size`), non-positive `--dualpipe-p2p-timeout`", "as named",
+     "the schedule's structure (`schedule/registry.py`)", "A; E"),
+)
+
+GRADIENTS = "## How the gradient reduction overlaps the schedule\n\n`mcore/grad_reduction.py: GradReduction`. Each chunk's reduction starts as soon as the chunk's last\nreal weight gradient (`W`, or `B`/`BW` without zero bubble) is done on the rank: the deferred\noutput-layer weight gradients if any, then the bd sum with the partner's copy (asynchronous\nall-reduce of each Megatron DDP grad buffer in place; the two copies have the same layout\nbecause Megatron-LM's `get_model` builds every DualPipe chunk unbucketed, checked once), then,\nonce the sum is seen complete, Megatron's `grad_sync_func` for the chunk (`--overlap-grad-reduce`).\nNo sum is waited before the end of the schedule, on a GPU as on gloo (a stream wait there stalled\nevery later send, and with odd M the partner needed one of them: issue 17). Both partners issue\ntheir two sums in the same order, at the points the iteration plan gives\n(`schedule/iteration_plan.py`, checked under NCCL stream semantics before the run): the order\ntheir chunks finish, which DualPipe's symmetry makes equal unless uneven padding breaks it; then\nthe lower rank's order. Tied embeddings are folded after\nboth sums, so on the ranks holding both copies those chunks start their data-parallel reduction\nat the end of the schedule; elsewhere only the sum of the chunk that finishes last is exposed.\n"
+
+
+def _schedules(names) -> str:
+    if tuple(names) == registry.names(runs_on=registry.EXECUTOR):
+        return "all executor schedules"
+    return ", ".join(names)
+
+
+def _sides(rule) -> str:
+    return " and ".join(side for side in (options.ARGS, options.CONFIG) if rule.applies(side))
+
+
+def _test(rule) -> str:
+    return f"A `refused {rule.flag}`" if rule.test == "A" else rule.test
+
+
+def report() -> str:
+    lines = [INTRO.rstrip("\n"), "", "## Handled", "", "| option | status | test |", "|---|---|---|"]
+    lines += [f"| {h.option} | {h.status} | {h.test} |" for h in options.HANDLED]
+    lines += ["", "## Refused", "",
+              "Checked on: `args` by Megatron-LM's argument check, `config` by megatron-core's call-time check.",
+              "", "| option | schedules | why (the message names the fix) | checked on | test |", "|---|---|---|---|---|"]
+    for rule in options.REFUSED:
+        option = f"`{rule.flag}`" + (f" (what `{rule.needs}` needs)" if rule.needs else "")
+        why = rule.message() if rule.needs else f"{rule.why}; {rule.fix or 'remove ' + rule.flag}"
+        lines.append(f"| {option} | {_schedules(rule.schedules)} | {why} | {_sides(rule)} | {_test(rule)} |")
+    lines += [f"| {a} | {b} | {c} | | {d} |" for a, b, c, d in NOT_OPTIONS]
+    return "\n".join(lines) + "\n\n" + GRADIENTS
