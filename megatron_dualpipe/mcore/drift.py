@@ -67,11 +67,12 @@ def check_copies_identical(model: Sequence[torch.nn.Module], timeout_s: float = 
             theirs = _checksum_tensor(model[1 - copy_.chunk], device)
             other = pos.me
         else:
-            both = torch.zeros(2, *mine.shape, dtype=mine.dtype, device=device)
+            n = mine.shape[0]
+            both = torch.zeros(2 * n, 2, dtype=mine.dtype, device=device)  # the pair's lists, lower rank first
             work = dist.all_gather_into_tensor(both, mine, group=pos.group, async_op=True)
             abort.wait_work(work, timeout_s, f"global rank {pos.me}: the drift check of stage {copy_.stage} with "
                             f"global rank {pos.partner}", TimeoutError, on_host=True)
-            theirs = both[1] if pos.me < pos.partner else both[0]
+            theirs = both[n:] if pos.me < pos.partner else both[:n]
             other = pos.partner
         differ = (mine != theirs).any(dim=1).nonzero().flatten().tolist() if mine.numel() else []
         if differ:

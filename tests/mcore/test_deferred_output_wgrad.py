@@ -47,6 +47,12 @@ def _worker(rank, world, port, schedule):
                 m.output_layer.embedding_activation_buffer = m.embedding_activation_buffer
                 m.output_layer.grad_output_buffer = m.grad_output_buffer
                 buffers.append(m.embedding_activation_buffer)
+            # With the flag every local ColumnParallelLinear defers (Megatron pairs it with Transformer
+            # Engine's layers elsewhere): give the others a list of their own, not looked at.
+            for module in m.modules():
+                if module is not getattr(m, "output_layer", None) and \
+                        hasattr(module, "embedding_activation_buffer") and module.embedding_activation_buffer is None:
+                    module.embedding_activation_buffer = []
         after = []
         with torch.no_grad():
             for call in range(2):
