@@ -127,6 +127,11 @@ def _full_recompute(source, side):
             or bool(getattr(source, "recompute_num_layers", None)))
 
 
+def _fp8_delayed(source, side):
+    recipe = getattr(source, "fp8_recipe", None)
+    return bool(getattr(source, "fp8", None)) and getattr(recipe, "value", recipe) == "delayed"
+
+
 _VP_FLAGS = "--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank"
 
 #: Every refused option, in the order the checks report them.
@@ -195,6 +200,11 @@ REFUSED: Tuple[Refused, ...] = (
     Refused("--qk-clip", "each copy of a stage would clip its weights by the largest attention logit of its own "
             "direction's micro-batches, so the copies would drift apart", arg="qk_clip", config="qk_clip",
             schedules=MIRRORED),
+    Refused("--fp8-recipe delayed", "each copy of a stage would keep its own amax history of its own direction's "
+            "micro-batches, so the two copies would quantise with different scales and drift apart",
+            read=_fp8_delayed, schedules=MIRRORED,
+            fix="use --fp8-recipe tensorwise, blockwise or mxfp8, or --pipeline-schedule dualpipev",
+            test="A `refused --fp8-recipe delayed`; E `fp8_delayed_recipe`"),
     Refused("--moe-enable-routing-replay", "its process-wide list of routers would hold both copies of every MoE layer",
             arg="moe_enable_routing_replay", config="moe_enable_routing_replay", schedules=MIRRORED),
     Refused("--save-dgrads-interval",
