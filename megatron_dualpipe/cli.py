@@ -213,7 +213,7 @@ register("advise", _advise.HELP, _advise.configure, _advise.run)
 
 
 def _configure_patch(p):
-    p.add_argument("path", help="root of a Megatron-LM checkout at tag core_v0.16.1")
+    p.add_argument("path", help="root of a Megatron-LM checkout at tag core_v0.16.1 or core_v0.19.0")
     p.add_argument("--check", action="store_true", help="say what would change, change nothing")
     p.add_argument("--revert", action="store_true", help="remove the hook")
 

@@ -49,6 +49,9 @@ def pytest_configure(config):
     for name, what in LAYERS.items():
         config.addinivalue_line("markers", f"{name}: tests/{name}: {what}")
     config.addinivalue_line("markers", f"slow: starts megatron-core or Megatron-LM processes ({', '.join(SLOW)})")
+    config.addinivalue_line(
+        "markers", "smoke: the subset .ci/run also runs on the oldest supported Megatron (megatron-core 0.16.1, "
+                   "Megatron-LM core_v0.16.1); the whole suite runs on the newest")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -218,6 +218,9 @@ REFUSED_CASES = {
         "dualpipev", [], {"account_for_loss_in_pipeline_split": True}),
     "--init-model-with-meta-device": ("dualpipe", ["--init-model-with-meta-device"], None),
     "--fp8-recipe delayed": ("dualpipe", [], {"fp8": "e4m3", "fp8_recipe": "delayed"}),
+    # megatron-core 0.19's options (set on the validated args, so the case runs at both tags).
+    "--moe-paged-stash": ("executor-1f1b", [], {"moe_paged_stash": True}),
+    "--moe-expert-rank-capacity-factor": ("dualpipe", [], {"moe_expert_rank_capacity_factor": 1.5}),
 }
 
 for _flag, (_schedule, _argv, _over) in REFUSED_CASES.items():
@@ -244,8 +247,10 @@ _ARGS_SCRIPT = textwrap.dedent(
     r"""
     import contextlib, io, json, os, sys, traceback
     cases = json.loads(sys.argv[1])
+    from megatron_dualpipe import hooks
     from megatron_dualpipe.megatron_lm import arguments, triton_stub
     triton_stub.preimport_triton_users()
+    hooks.install(["python"])  # typing.override for core_v0.19.0 on Python 3.11
     import megatron.training.arguments as margs
     import megatron.training.initialize as minit
 
@@ -312,6 +317,7 @@ def arg_results():
     return json.loads(marker[-1][len("@@RESULT@@"):])
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_pipeline_schedule_arguments(arg_results, name):
     expected = CASES[name][2]
@@ -337,6 +343,7 @@ def test_fails_as_under_1f1b(arg_results, flag):
         assert "get_device_capability" in results["1f1b"]["tb"], results["1f1b"]["tb"]
 
 
+@pytest.mark.smoke
 def test_every_refused_option_has_a_case():
     sys.path.insert(0, REPO_ROOT)
     from megatron_dualpipe.megatron_lm.arguments import REFUSED_OPTIONS

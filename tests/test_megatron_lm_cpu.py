@@ -145,6 +145,7 @@ def test_distributed_optimizer_trains_and_resumes_across_schedules(reference, tm
                             "distributed optimizer, torch_dist, 1f1b -> dualpipe -> 1f1b")
 
 
+@pytest.mark.smoke
 def test_distributed_optimizer_dualpipe_overlap_and_torch_format_across_schedules(reference, tmp_path):
     """dualpipe with the distributed optimizer, --overlap-grad-reduce --overlap-param-gather (none
     changes the arithmetic) trains like 1f1b's reference and saves --ckpt-format torch

@@ -156,7 +156,7 @@ def run(args) -> int:
 
     for pp in pps:
         runs = sum(len(ms) for ms in [cfg.microbatches[pp]]) * len(cfg.schedules) * (1 + len(cfg.peers))
-        print(f"bench: pp={pp}: {'this rank of torchrun' if torchrun else f'starting {pp} processes'}, {runs} runs of "
+        print(f"bench: pp={pp}: {'this rank of torchrun' if torchrun else f'starting {pp} processes'}, {runs} run{'s' if runs != 1 else ''} of "
               f"{cfg.warmup} + {cfg.iters} iterations", file=sys.stderr, flush=True)
         if torchrun:
             ranks = launch.run_here(worker, (cfg,), timeout_s=cfg.timeout_s + 60)
@@ -172,6 +172,6 @@ def run(args) -> int:
         print(json.dumps(report.to_json(cfg, latencies, all_rows, env)))
     else:
         print(report.table(cfg, latencies, all_rows, env))
-        if any(r.schedule == "dualpipev" for r in all_rows):
+        if any(r.schedule == registry.DUALPIPEV for r in all_rows):
             print(f"\nnote: {V_NOTE}")
     return 0

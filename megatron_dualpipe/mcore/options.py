@@ -171,8 +171,18 @@ REFUSED: Tuple[Refused, ...] = (
     Refused("--mtp-num-layers", "multi-token prediction is tied to the last pipeline stage of one direction",
             arg="mtp_num_layers", config="mtp_num_layers"),
     Refused("--cuda-graph-impl / --enable-cuda-graph / --external-cuda-graph",
-            "a captured graph replays one fixed order of forwards and backwards", arg="cuda_graph_impl",
-            config="cuda_graph_impl", is_set=_not_none, fix="use --cuda-graph-impl none"),
+            "a captured graph replays one fixed order of forwards and backwards, and Megatron's own schedules "
+            "capture the local graphs at their end (create_cudagraphs; 'full_iteration' wraps Megatron's function "
+            "in FullCudaGraphWrapper at megatron-core 0.19)", arg="cuda_graph_impl",
+            config="cuda_graph_impl", schedules=EXECUTOR, is_set=_not_none, fix="use --cuda-graph-impl none"),
+    # megatron-core 0.19 (the attributes do not exist before: read as off).
+    Refused("--moe-paged-stash", "Megatron's own schedules reset the paged stash before the first micro-batch "
+            "(paged_stash_reset, megatron-core 0.19)", arg="moe_paged_stash", config="moe_paged_stash",
+            schedules=EXECUTOR),
+    Refused("--moe-expert-rank-capacity-factor", "Megatron-LM wraps the schedule in PagedStashRunner, which "
+            "replays an iteration whose expert ranks overflowed (megatron-core 0.19)",
+            arg="moe_expert_rank_capacity_factor", config="moe_expert_rank_capacity_factor", schedules=EXECUTOR,
+            is_set=lambda v: v is not None),
     Refused(COMBINED_STEP, "a one-chunk order has no fused F&B units to overlap; --delay-wgrad-compute needs it too",
             arg="overlap_moe_expert_parallel_comm", config="overlap_moe_expert_parallel_comm",
             schedules=ONE_CHUNK_EXECUTOR, fix="remove it, or use --pipeline-schedule " + " or ".join(TWO_CHUNKS)),

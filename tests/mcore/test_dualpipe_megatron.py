@@ -20,7 +20,7 @@ import torch
 
 from harness import megatron_env as me
 
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-mode tests")
+pytestmark = [pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-mode tests"), pytest.mark.smoke]
 
 SEQ, MBS, VOCAB, LAYERS = 16, 2, 64, 8
 RTOL = 1e-5

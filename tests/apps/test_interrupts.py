@@ -17,7 +17,7 @@ import uuid
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOKEN = "MEGATRON_DUALPIPE_TEST_TOKEN"
 
 
@@ -144,9 +144,10 @@ wait
 @pytest.mark.parametrize("sig,group", [(signal.SIGINT, True), (signal.SIGTERM, False)],
                          ids=["ctrl-c to the group", "SIGTERM to the pid"])
 def test_launch_script_stops_torchrun_and_its_ranks(tmp_path, sig, group):
-    from test_scripts import fake_checkout
-
-    fake = fake_checkout(tmp_path / "Megatron-LM")
+    fake = tmp_path / "Megatron-LM"  # a stand-in checkout at core_v0.16.1 (the launch script only inspects it)
+    (fake / "megatron" / "core").mkdir(parents=True)
+    (fake / "megatron" / "core" / "package_info.py").write_text("MAJOR = 0\nMINOR = 16\nPATCH = 1\n")
+    (fake / "pretrain_gpt.py").write_text("")
     for ext in ("bin", "idx"):
         (tmp_path / f"text_document.{ext}").write_text("")
     out = tmp_path / "out"
