@@ -5,6 +5,8 @@ from setuptools import find_packages, setup
 # One list for the extra and the launcher's preflight (megatron_dualpipe/megatron_lm/requirements.py).
 MEGATRON_LM = runpy.run_path("megatron_dualpipe/megatron_lm/requirements.py")
 VERSION = runpy.run_path("megatron_dualpipe/__init__.py")["__version__"]
+# The supported megatron-core range, one place (megatron_dualpipe/versions.py; import and preflight check it).
+MEGATRON_CORE = runpy.run_path("megatron_dualpipe/versions.py")["REQUIREMENT"]
 
 setup(
     name="megatron-dualpipe",
@@ -20,7 +22,7 @@ setup(
         # Install torch first with the build your machines need (CPU: torch==2.13.0); this
         # range is satisfied by it and pulls nothing more.
         "torch>=2.4",
-        "megatron-core>=0.16.1,<0.17",
+        MEGATRON_CORE,
         "numpy",
         "matplotlib",
         # prepare-data and the main job: byte-level BPE training and tokenizing (Rust wheels, no torch).

@@ -4,6 +4,8 @@
 # optimizer state of 1F1B per rank (345M/4*2 ~ 173M parameters per rank: ~2.8 GB in fp32 Adam
 # plus bf16 weights); DualPipeV holds 1x (two half-stages). Activations: pp+1 micro-batches in
 # flight per rank at peak (1F1B: pp on rank 0).
+# Tokenizer: GPT-2's BPE (set below): pass --vocab-file gpt2-vocab.json --merge-file gpt2-merges.txt
+#   after the script's variables (the launch script refuses to start without them).
 # Minimum GPUs: 4 (Megatron needs a multiple of TP*PP*CP = 1*4*1 with the defaults below).
 PP=${PP:-4}; TP=${TP:-1}; EP=${EP:-1}
 MICRO_BATCH=${MICRO_BATCH:-4}; GLOBAL_BATCH=${GLOBAL_BATCH:-256}  # M = 64/dp >= 2*pp for dp <= 8

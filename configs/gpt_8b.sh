@@ -3,6 +3,8 @@
 # Memory: DualPipe doubles the parameters per rank (8B/8*2 = 2B parameters per pp rank before
 # tp: with tp=2 ~1B per GPU, ~16 GB with bf16 weights, fp32 grads and the distributed optimizer
 # over dp); if that does not fit, use dualpipev (1x parameters) or more tp.
+# Tokenizer: none set (Llama-3's is a HuggingFace one): pass --tokenizer-type HuggingFaceTokenizer
+#   --tokenizer-model DIR (the launch script refuses to start without a tokenizer).
 # Minimum GPUs: 16 (Megatron needs a multiple of TP*PP*CP = 2*8*1 and of ETP*EP*PP = 2*1*8 with the defaults below).
 PP=${PP:-8}; TP=${TP:-2}; EP=${EP:-1}
 MICRO_BATCH=${MICRO_BATCH:-1}; GLOBAL_BATCH=${GLOBAL_BATCH:-512}   # M = 512/dp >= 2*pp for dp <= 32

@@ -2,6 +2,8 @@
 # Sourced by scripts/pretrain_gpt_dualpipe.sh and scripts/cpu_smoke.sh. The data and tokenizer
 # arguments come from `megatron-dualpipe prepare-data` (cpu_smoke.sh runs it: Python's help texts,
 # a byte-level BPE with vocabulary 1024, --split 90,10,0).
+# Tokenizer: none set: scripts/cpu_smoke.sh passes prepare-data's (--tokenizer-type HuggingFaceTokenizer
+#   --tokenizer-model DIR); with your own DATA_PATH pass the tokenizer it was made with.
 # Minimum GPUs: 4 (Megatron needs a multiple of TP*PP*CP = 1*4*1 with the defaults below).
 PP=${PP:-4}; TP=${TP:-1}; EP=${EP:-1}
 MICRO_BATCH=${MICRO_BATCH:-2}; GLOBAL_BATCH=${GLOBAL_BATCH:-16}   # M = 16/(2*dp) = 8 = 2*pp at dp=1

@@ -3,6 +3,8 @@
 # (24 % 4 == 0; dualpipev: 24 % 8 == 0); add --decoder-first-pipeline-num-layers only with 1f1b
 # (DualPipe needs equal stages: the two copies of a stage must have the same layers).
 # Memory: 64 experts / ep=8 = 8 experts per rank per stage; DualPipe doubles them.
+# Tokenizer: none set: pass --tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR (DeepSeek-V2's
+#   tokenizer directory; the launch script refuses to start without a tokenizer).
 # Minimum GPUs: 32 (Megatron needs a multiple of ETP*EP*PP = 1*8*4 with the defaults below).
 PP=${PP:-4}; TP=${TP:-1}; EP=${EP:-8}
 MICRO_BATCH=${MICRO_BATCH:-1}; GLOBAL_BATCH=${GLOBAL_BATCH:-256}

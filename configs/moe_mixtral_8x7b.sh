@@ -4,6 +4,8 @@
 # dualpipev here unless ep is large enough (each rank holds 2 stages x 8/ep experts).
 # Zero bubble defers the expert weight gradients only for SequentialMLP (--moe-grouped-gemm off);
 # with grouped GEMM or transformer-engine experts the W step computes nothing extra.
+# Tokenizer: none set: pass --tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR (Mixtral's
+#   tokenizer directory; the launch script refuses to start without a tokenizer).
 # Minimum GPUs: 64 (Megatron needs a multiple of ETP*EP*PP = 1*8*8 with the defaults below).
 PP=${PP:-8}; TP=${TP:-1}; EP=${EP:-8}
 MICRO_BATCH=${MICRO_BATCH:-1}; GLOBAL_BATCH=${GLOBAL_BATCH:-256}

@@ -26,8 +26,10 @@ import math
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence
 
+from .schedule.comm_cost import CommModel
 from .schedule.compare import Row, align, compare, fmt
-from .schedule.registry import ONE_F_ONE_B, distinct_orders, get
+from .schedule.registry import ONE_F_ONE_B, distinct_orders
+from .schedule.registry import spec as get
 from .schedule.simulate import Costs
 
 HELP = "which schedule to use for measured stage costs and memory (bubble, activations, parameters per schedule)"
@@ -58,14 +60,47 @@ class Option:
 
 
 @dataclass(frozen=True)
+class BreakEven:
+    """Where the pick stops being ahead of ``rival``: the inter-node bandwidth (GB/s) and the
+    micro-batch size (as a factor of the given one, and in tokens when they were given). None:
+    no crossing within a factor of 1000 either way."""
+
+    rival: str
+    bandwidth: Optional[float] = None
+    bandwidth_now: Optional[float] = None
+    scale: Optional[float] = None
+    tokens: Optional[float] = None
+
+    def to_json(self) -> dict:
+        return {"rival": self.rival, "inter_node_bandwidth": self.bandwidth, "inter_node_bandwidth_now":
+                self.bandwidth_now, "microbatch_scale": self.scale, "tokens_per_microbatch": self.tokens}
+
+    def text(self, best: str, tokens: Optional[float]) -> str:
+        parts = []
+        if self.bandwidth_now is not None:
+            parts.append(f"at {fmt(round(self.bandwidth, 3))} GB/s between nodes (now {fmt(self.bandwidth_now)})"
+                         if self.bandwidth is not None else
+                         f"at no inter-node bandwidth within 1000x of {fmt(self.bandwidth_now)} GB/s")
+        if self.scale is not None:
+            size = (f"{fmt(round(self.tokens))} tokens per micro-batch (now {fmt(tokens)})" if self.tokens is not None
+                    else f"{fmt(round(self.scale, 3))}x the micro-batch")
+            parts.append(f"at {size}")
+        else:
+            parts.append("at no micro-batch size within 1000x of this one")
+        return f"break-even with {self.rival}: " + "; ".join(parts)
+
+
+@dataclass(frozen=True)
 class Choice:
     microbatches: int
     options: List[Option]
     best: Optional[str]
     reason: str
+    break_even: Optional[BreakEven] = None
 
     def to_json(self) -> dict:
         return {"microbatches": self.microbatches, "best": self.best, "reason": self.reason,
+                "break_even": None if self.break_even is None else self.break_even.to_json(),
                 "options": [o.to_json() for o in self.options]}
 
 
@@ -78,10 +113,14 @@ class Advice:
     weight_grad_memory: float
     memory_limit: Optional[float]
     choices: List[Choice] = field(default_factory=list)
+    comm: Optional[CommModel] = None
+    tokens: Optional[float] = None
 
     def to_json(self) -> dict:
         c = self.costs
+        comm = None if self.comm is None else _comm_json(self.comm)
         return {"pp": self.pp, "stage_costs": {"f": c.f, "b": c.b, "w": c.w, "fb": c.fused, "p2p": c.p2p},
+                "communication": comm, "tokens_per_microbatch": self.tokens,
                 "activation_memory": self.activation_memory, "parameter_memory": self.parameter_memory,
                 "weight_grad_memory": self.weight_grad_memory, "memory_limit": self.memory_limit,
                 "choices": [ch.to_json() for ch in self.choices]}
@@ -95,25 +134,75 @@ def _check(name: str, value: Optional[float]) -> None:
         raise ValueError(f"{name} must be a finite number >= 0, got {value}")
 
 
+@dataclass(frozen=True)
+class DenseModel:
+    """A dense transformer's stage costs from its size, for what-if advice (the crossover table,
+    the seed's sign flip): forward 2 x parameters x tokens FLOPs, full backward twice that, of
+    which the weight gradient half; gradients of one stage in ``grad_dtype``; a P2P message is
+    one micro-batch's hidden states in bf16. ``tflops``: what one GPU sustains (peak x MFU)."""
+
+    params: float
+    hidden: int
+    tokens: int
+    pp: int
+    tflops: float
+    tp: int = 1
+    grad_dtype: str = "fp32"
+
+    @property
+    def stage_params(self) -> float:
+        return self.params / self.pp / self.tp
+
+    @property
+    def costs(self) -> Costs:
+        f = 2 * self.stage_params * self.tokens / (self.tflops * 1e12) * 1e3
+        return Costs(f=f, b=2 * f, w=f)
+
+    @property
+    def stage_grad_bytes(self) -> float:
+        from .schedule.comm_cost import DTYPE_BYTES
+
+        return self.stage_params * DTYPE_BYTES[self.grad_dtype]
+
+    @property
+    def message_bytes(self) -> float:
+        return self.tokens * self.hidden * 2 / self.tp
+
+
+def _comm_json(c: CommModel) -> dict:
+    p, n = c.placement, c.network
+    return {"dp": p.dp, "tp": p.tp, "gpus_per_node": p.gpus_per_node, "placement": "mirrored" if p.mirrored else
+            "megatron", "stage_grad_bytes": c.stage_grad_bytes, "message_bytes": c.message_bytes,
+            "intra_node": {"bandwidth_gbps": n.intra.bandwidth, "latency_ms": n.intra.latency},
+            "inter_node": {"bandwidth_gbps": n.inter.bandwidth, "latency_ms": n.inter.latency},
+            "distributed_optimizer": c.distributed_optimizer, "overlap_grad_reduce": c.overlap_grad_reduce}
+
+
 def advise(pp: int, microbatches: Sequence[int], costs: Costs, activation_memory: float,
            parameter_memory: float, memory_limit: Optional[float] = None, weight_grad_memory: float = 0.0,
-           names: Optional[Sequence[str]] = None) -> Advice:
+           names: Optional[Sequence[str]] = None, comm: Optional[CommModel] = None,
+           tokens: Optional[float] = None) -> Advice:
     """Simulate every schedule (or ``names``) on the model and choose one per micro-batch count.
 
     ``costs``: one stage's costs per micro-batch under 1F1B. ``activation_memory``: one
     micro-batch's activations on one stage. ``parameter_memory``: one stage's parameters with
     their gradients and optimizer state. ``weight_grad_memory``: what one deferred weight
     gradient keeps alive on a stage until its W runs (0: not counted). ``memory_limit``: per
-    rank, any unit as long as the memories use it too (None: no limit)."""
+    rank, any unit as long as the memories use it too (None: no limit). ``comm``: the
+    gradient communication and P2P links (``schedule.comm_cost``; costs then in ms): schedules
+    are ranked by the iteration (makespan plus exposed gradient communication), and the pick
+    gets its break-even bandwidth and micro-batch size (``tokens``: the tokens of one
+    micro-batch the costs are for)."""
     for name, v in (("activation memory", activation_memory), ("parameter memory", parameter_memory),
                     ("weight-gradient memory", weight_grad_memory), ("memory limit", memory_limit)):
         _check(name, v)
     if not microbatches:
         raise ValueError("give at least one micro-batch count")
     choices = []
+    names = list(names or distinct_orders())
     for m in microbatches:
         options = []
-        for row in compare(pp, m, costs, names or distinct_orders()):
+        for row in compare(pp, m, costs, names, comm=comm):
             if row.problem:
                 options.append(Option(row, fits=False))
                 continue
@@ -123,8 +212,64 @@ def advise(pp: int, microbatches: Sequence[int], costs: Costs, activation_memory
             fits = memory_limit is None or act + wgrad + par <= memory_limit
             options.append(Option(row, act, wgrad, par, fits))
         best, reason = _choose(options, memory_limit)
-        choices.append(Choice(m, options, best, reason))
-    return Advice(pp, costs, activation_memory, parameter_memory, weight_grad_memory, memory_limit, choices)
+        even = None
+        if best is not None and comm is not None:
+            even = _break_even(pp, m, costs, comm, options, best, tokens)
+            if even is not None:
+                reason += "; " + even.text(best, tokens)
+        choices.append(Choice(m, options, best, reason, even))
+    return Advice(pp, costs, activation_memory, parameter_memory, weight_grad_memory, memory_limit, choices, comm,
+                  tokens)
+
+
+def _iteration(name: str, pp: int, m: int, costs: Costs, comm: CommModel) -> float:
+    from .schedule.compare import run
+
+    return run(name, pp, m, costs, comm=comm).iteration
+
+
+def _crossing(diff, now: float) -> Optional[float]:
+    """The value nearest ``now`` (within a factor of 1000 either way) where ``diff`` changes sign,
+    by doubling away from ``now`` and then bisecting (geometrically); None if it never does."""
+    d0 = diff(now)
+    for direction in (0.5, 2.0):
+        lo, x = now, now
+        for _ in range(10):
+            x = lo * direction
+            if (diff(x) > 0) != (d0 > 0):
+                a, b = lo, x
+                for _ in range(16):
+                    mid = math.sqrt(a * b)
+                    if (diff(mid) > 0) == (d0 > 0):
+                        a = mid
+                    else:
+                        b = mid
+                return math.sqrt(a * b)
+            lo = x
+    return None
+
+
+def _break_even(pp, m, costs, comm, options, best, tokens) -> Optional[BreakEven]:
+    """Where ``best`` loses its lead over the next fastest schedule that fits."""
+    others = [o for o in options if not o.row.problem and o.fits and o.row.name != best]
+    if not others:
+        return None
+    rival = min(others, key=lambda o: o.row.iteration).row.name
+
+    def by_bandwidth(bw):
+        c = comm.with_inter_bandwidth(bw)
+        return _iteration(best, pp, m, costs, c) - _iteration(rival, pp, m, costs, c)
+
+    def by_size(k):
+        c = comm.scaled_messages(k)
+        return _iteration(best, pp, m, costs.scaled(k), c) - _iteration(rival, pp, m, costs.scaled(k), c)
+
+    now = comm.network.inter.bandwidth
+    uses_inter = comm.placement.world > comm.placement.gpus_per_node
+    bw = _crossing(by_bandwidth, now) if uses_inter else None
+    scale = _crossing(by_size, 1.0)
+    return BreakEven(rival, bw, now if uses_inter else None, scale,
+                     None if scale is None or tokens is None else scale * tokens)
 
 
 def _pct(a: float, b: float) -> str:
@@ -132,6 +277,9 @@ def _pct(a: float, b: float) -> str:
 
 
 def _choose(options: List[Option], limit: Optional[float]):
+    """The fastest schedule that fits (by the model's iteration time: never one it says is
+    slower); on an exact tie the one with less memory, then the table's order. The reason names
+    schedules within ``TIE`` that need less memory, and faster ones over the limit."""
     runnable = [o for o in options if not o.row.problem]
     if not runnable:
         return None, "no schedule can run: " + "; ".join(o.row.problem for o in options)
@@ -140,16 +288,17 @@ def _choose(options: List[Option], limit: Optional[float]):
         least = min(runnable, key=lambda o: o.memory)
         return None, (f"no schedule fits the memory limit {fmt(limit)}: the least memory is {least.row.name}'s "
                       f"{fmt(least.memory)}; use a larger pp, recomputation, or a smaller micro-batch")
-    fastest = min(o.row.makespan for o in fitting)
     order = {n: i for i, n in enumerate(distinct_orders())}
-    near = [o for o in fitting if o.row.makespan <= fastest * (1 + TIE)]
-    best = min(near, key=lambda o: (o.memory, order.get(o.row.name, len(order))))
+    best = min(fitting, key=lambda o: (o.row.iteration, o.memory, order.get(o.row.name, len(order))))
     r = best.row
+    comm = r.grad is not None
+    what = "iteration" if comm else "makespan"
     base = next((o for o in runnable if o.row.name == ONE_F_ONE_B), None)
-    parts = [f"makespan {fmt(r.makespan)}, bubble {fmt(r.bubble)}"]
+    parts = [f"{what} {fmt(r.iteration)}" + (f" = makespan {fmt(r.makespan)} + exposed gradient communication "
+                                              f"{fmt(r.exposed)}" if comm else "") + f", bubble {fmt(r.bubble)}"]
     if base is not None and best is not base:
-        parts.append(f"{_pct(r.makespan, base.row.makespan)} shorter than {ONE_F_ONE_B}'s {fmt(base.row.makespan)} "
-                     f"(bubble {fmt(base.row.bubble)})")
+        parts.append(f"{_pct(r.iteration, base.row.iteration)} shorter than {ONE_F_ONE_B}'s {fmt(base.row.iteration)}"
+                     + (f" (exposed {fmt(base.row.exposed)})" if comm else f" (bubble {fmt(base.row.bubble)})"))
     memory = (f"peak memory {fmt(best.memory)} = activations {fmt(best.activation_memory)} + parameters "
               f"{fmt(best.parameter_memory)}"
               + (f" + pending W {fmt(best.weight_grad_memory)}" if best.weight_grad_memory else ""))
@@ -157,19 +306,20 @@ def _choose(options: List[Option], limit: Optional[float]):
         extra = best.memory - base.memory
         memory += f" ({'+' if extra >= 0 else ''}{fmt(extra)} against {ONE_F_ONE_B})"
     parts.append(memory)
-    quicker = [o for o in near if o.row.makespan < r.makespan]
-    if quicker:
-        q = min(quicker, key=lambda o: o.row.makespan)
-        parts.append(f"{q.row.name} is only {_pct(q.row.makespan, r.makespan)} faster ({fmt(q.row.makespan)}) and "
-                     f"needs {fmt(q.memory - best.memory)} more memory")
+    lighter = [o for o in fitting if o is not best and o.row.iteration <= r.iteration * (1 + TIE)
+               and o.memory < best.memory]
+    if lighter:
+        q = min(lighter, key=lambda o: o.memory)
+        parts.append(f"{q.row.name} is within {_pct(r.iteration, q.row.iteration)} ({fmt(q.row.iteration)}) and needs "
+                     f"{fmt(best.memory - q.memory)} less memory")
     elif best is base and len(fitting) > 1:
-        nxt = min((o for o in fitting if o is not best), key=lambda o: o.row.makespan)
-        parts.append(f"no schedule that fits is more than {100 * TIE:g}% faster (next: {nxt.row.name}, "
-                     f"{fmt(nxt.row.makespan)}), and {ONE_F_ONE_B} is Megatron's own")
-    faster = [o for o in runnable if not o.fits and o.row.makespan < r.makespan]
+        nxt = min((o for o in fitting if o is not best), key=lambda o: o.row.iteration)
+        parts.append(f"nothing that fits is faster (next: {nxt.row.name}, {fmt(nxt.row.iteration)}), and "
+                     f"{ONE_F_ONE_B} is Megatron's own")
+    faster = [o for o in runnable if not o.fits and o.row.iteration < r.iteration]
     if faster:
-        f = min(faster, key=lambda o: o.row.makespan)
-        parts.append(f"{f.row.name} would be {_pct(f.row.makespan, r.makespan)} faster but needs {fmt(f.memory)}, "
+        f = min(faster, key=lambda o: o.row.iteration)
+        parts.append(f"{f.row.name} would be {_pct(f.row.iteration, r.iteration)} faster but needs {fmt(f.memory)}, "
                      f"over the limit {fmt(limit)}")
     return best.row.name, f"{best.row.name}: " + "; ".join(parts)
 
@@ -183,8 +333,18 @@ def _format(a: Advice) -> List[str]:
            + (f", pending W {fmt(a.weight_grad_memory)} each" if a.weight_grad_memory else
               " (pending weight gradients not counted: --weight-grad-memory)")
            + (f"; limit {fmt(a.memory_limit)} per rank" if a.memory_limit is not None else "; no memory limit")]
-    head = ("schedule", "M", "makespan", "bubble", "bubble %", "peak act.", "act. mem", "params", "param mem",
-            "memory", "fits")
+    comm = a.comm is not None
+    if comm:
+        p, n = a.comm.placement, a.comm.network
+        out.append(f"communication (ms): dp={p.dp} tp={p.tp}, {p.gpus_per_node} GPUs per node, "
+                   f"{'mirrored' if p.mirrored else 'Megatron'} placement; gradients {fmt(a.comm.stage_grad_bytes / 1e6)} "
+                   f"MB per stage, P2P messages {fmt(a.comm.message_bytes / 1e6)} MB; links: inside a node "
+                   f"{fmt(n.intra.bandwidth)} GB/s + {fmt(n.intra.latency)} ms, between nodes {fmt(n.inter.bandwidth)} "
+                   f"GB/s + {fmt(n.inter.latency)} ms; data-parallel "
+                   f"{'reduce-scatter' if a.comm.distributed_optimizer else 'all-reduce'}"
+                   + ("" if a.comm.overlap_grad_reduce else " after the schedule"))
+    head = ("schedule", "M", "makespan", "bubble", "bubble %") + (("exposed", "iteration") if comm else ()) + (
+        "peak act.", "act. mem", "params", "param mem", "memory", "fits")
     for ch in a.choices:
         out.append("")
         out.append(f"M={ch.microbatches}: " + (f"use {ch.reason}" if ch.best else ch.reason))
@@ -195,10 +355,12 @@ def _format(a: Advice) -> List[str]:
                 table.append((r.name, "cannot run: " + r.problem))
                 continue
             table.append((r.name, str(r.microbatches), fmt(r.makespan), fmt(r.bubble),
-                          f"{100 * r.bubble / r.makespan:.1f}" if r.makespan else "0", fmt(r.peak_activations),
+                          f"{100 * r.bubble / r.makespan:.1f}" if r.makespan else "0")
+                         + ((fmt(round(r.exposed, 3)), fmt(round(r.iteration, 3))) if comm else ())
+                         + (fmt(r.peak_activations),
                           fmt(o.activation_memory), fmt(r.parameter_copies), fmt(o.parameter_memory), fmt(o.memory),
                           "yes" if o.fits else "no") + (("<- best",) if r.name == ch.best else ()))
-        out.extend("  " + line for line in align(table, left=(0, 11)))
+        out.extend("  " + line for line in align(table, left=(0, len(head) - 1)))
     return out
 
 
@@ -242,6 +404,7 @@ def parse_counts(text: str) -> List[int]:
 
 def configure(p) -> None:
     from .cli import _add_cost_args
+    from .cli_schedule import add_comm_args
 
     p.add_argument("--pp", required=True, type=int, metavar="P", help="pipeline-parallel size (ranks)")
     p.add_argument("--microbatches", "-m", required=True, metavar="RANGE",
@@ -258,6 +421,11 @@ def configure(p) -> None:
     g.add_argument("--memory-limit", type=float, default=None, metavar="X", help="memory per rank (default: none)")
     p.add_argument("--schedules", metavar="NAMES", help="comma-separated subset (default: one per distinct order: "
                    + ", ".join(distinct_orders()) + ")")
+    p.add_argument("--virtual-pipeline", type=int, default=2, metavar="V",
+                   help="virtual pipeline size of the interleaved 1F1B incumbents (default 2)")
+    p.add_argument("--tokens", type=float, default=None, metavar="T",
+                   help="tokens of one micro-batch the costs are for: the break-even is then said in tokens")
+    add_comm_args(p)
     p.add_argument("--json", action="store_true", help="print the advice as JSON")
 
 
@@ -265,14 +433,21 @@ def run(args) -> int:
     import json
 
     from .cli import CliError, _costs
-    from .cli_schedule import MAX_FORWARDS
+    from .cli_schedule import MAX_FORWARDS, comm_from_args
     from .progress import Progress
+    from .schedule.registry import MODELLED_SPECS, interleaved_name
 
     if args.pp < 1:
         raise CliError(f"--pp must be a positive integer, got {args.pp}")
+    if args.virtual_pipeline < 2:
+        raise CliError(f"--virtual-pipeline must be >= 2, got {args.virtual_pipeline}")
+    if args.tokens is not None and not (math.isfinite(args.tokens) and args.tokens > 0):
+        raise CliError(f"--tokens must be a positive number, got {args.tokens}")
     counts = parse_counts(args.microbatches)
     names = [get(n).name for n in args.schedules.split(",")] if args.schedules else list(distinct_orders())
+    names = [interleaved_name(n, args.virtual_pipeline) if n in MODELLED_SPECS else n for n in names]
     costs = _costs(args)
+    comm = comm_from_args(args, args.pp)
     biggest = max(get(n).model_stages(args.pp) * max(counts) for n in names)
     if biggest > MAX_FORWARDS:
         raise CliError(f"pp={args.pp} with M={max(counts)} simulates {biggest} forward actions, more than the limit "
@@ -281,7 +456,7 @@ def run(args) -> int:
     with Progress(f"advise pp={args.pp}") as prog:
         prog.phase(f"simulating {len(names)} schedules x {len(counts)} micro-batch counts")
         advice = advise(args.pp, counts, costs, args.activation_memory, args.parameter_memory, args.memory_limit,
-                        args.weight_grad_memory, names)
+                        args.weight_grad_memory, names, comm, args.tokens)
     if any(not math.isfinite(o.row.makespan) for ch in advice.choices for o in ch.options):
         raise CliError("the costs are too large: the simulated time overflows; use smaller values or units")
     print(json.dumps(advice.to_json()) if args.json else advice.format())

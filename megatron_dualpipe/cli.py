@@ -71,10 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-#: Exit status after Ctrl-C (128 + SIGINT, as a shell reports it).
-EXIT_INTERRUPTED = 130
-#: Exit status when the reader of our output went away (128 + SIGPIPE).
-EXIT_BROKEN_PIPE = 141
+from .interrupts import EXIT_BROKEN_PIPE, EXIT_INTERRUPTED  # noqa: E402,F401 - 130 and 141, re-exported
 #: Exit status for a failure that is not a usage error (a file that cannot be written, ...).
 EXIT_FAILURE = 1
 
@@ -82,6 +79,9 @@ EXIT_FAILURE = 1
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run one command. A user's mistake or an interruption ends in one line on stderr and a
     non-zero status, never a traceback; only a bug in this package shows one."""
+    from . import interrupts
+
+    interrupts.install()  # SIGTERM and SIGHUP end a command as Ctrl-C does
     try:
         parser = build_parser()
         args = parser.parse_args(None if argv is None else list(argv))
@@ -93,10 +93,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (CliError, ValueError) as e:  # ScheduleError is a ValueError
         return _fail(str(e) or type(e).__name__, EXIT_USAGE)
     except KeyboardInterrupt:
-        return _fail("interrupted", EXIT_INTERRUPTED)
+        return interrupts.interrupted(PROG)  # one line; the command stopped what it started
     except BrokenPipeError:
-        _silence_stdout()
-        return EXIT_BROKEN_PIPE
+        return interrupts.reader_gone()
     except OverflowError as e:
         return _fail(f"a number is too large ({e}): use smaller values or units", EXIT_USAGE)
     except MemoryError:
@@ -112,17 +111,6 @@ def _fail(message: str, status: int) -> int:
     except OSError:
         pass
     return status
-
-
-def _silence_stdout() -> None:
-    """After a broken pipe, point stdout at /dev/null so the interpreter's final flush is quiet."""
-    import os
-
-    try:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-    except (OSError, ValueError):
-        pass
 
 
 def _exit_main() -> None:
@@ -218,6 +206,9 @@ register("bench", _bench.HELP, _bench.configure, _bench.run)
 from . import timeline as _timeline  # noqa: E402 - standard library until run
 register("trace", _timeline.HELP, _timeline.configure, _timeline.run)
 
+
+from . import selftest as _selftest  # noqa: E402 - argparse only until it runs
+register("selftest", _selftest.HELP, _selftest.configure, _selftest.run)
 
 from .cpu import command as _cpu_mode  # noqa: E402  (standard library only until it runs)
 

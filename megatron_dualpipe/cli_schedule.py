@@ -22,6 +22,56 @@ from .schedule.compare import fmt, table
 MAX_FORWARDS = 65536
 
 
+def add_comm_args(p: argparse.ArgumentParser) -> None:
+    """The gradient communication and P2P links (``schedule.comm_cost``); costs are then ms."""
+    g = p.add_argument_group("communication (with --stage-params or --message-bytes: costs are in ms; "
+                             "the iteration is the makespan plus the exposed gradient communication)")
+    g.add_argument("--stage-params", type=float, default=None, metavar="N",
+                   help="parameters of one pipeline stage on one rank (after tensor parallel)")
+    g.add_argument("--grad-dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
+                   help="gradient dtype of the reductions (default fp32, Megatron's main grads)")
+    g.add_argument("--message-bytes", type=float, default=None, metavar="BYTES",
+                   help="one P2P message: a micro-batch's activation (or its gradient) between stages")
+    g.add_argument("--dp", type=int, default=1, help="data-parallel size (default 1)")
+    g.add_argument("--tp", type=int, default=1, help="tensor-parallel size, for the rank placement (default 1)")
+    g.add_argument("--gpus-per-node", type=int, default=8, help="ranks per node (default 8)")
+    g.add_argument("--placement", choices=("megatron", "mirrored"), default="megatron",
+                   help="megatron: Megatron's rank order (tp, dp, pp); mirrored: pipeline ranks i and pp-1-i "
+                        "side by side (modelled)")
+    g.add_argument("--intra-bw", type=float, default=200.0, metavar="GB/s",
+                   help="bandwidth per rank inside a node (default 200)")
+    g.add_argument("--inter-bw", type=float, default=25.0, metavar="GB/s",
+                   help="bandwidth per rank between nodes (default 25)")
+    g.add_argument("--intra-latency", type=float, default=0.01, metavar="MS", help="default 0.01")
+    g.add_argument("--inter-latency", type=float, default=0.02, metavar="MS", help="default 0.02")
+    g.add_argument("--distributed-optimizer", action="store_true",
+                   help="the data-parallel reduction is a reduce-scatter (Megatron's distributed optimizer)")
+    g.add_argument("--no-overlap-grad-reduce", dest="overlap_grad_reduce", action="store_false",
+                   help="Megatron's own schedules reduce after the pipeline (no --overlap-grad-reduce)")
+
+
+def comm_from_args(args, pp: int):
+    """The :class:`~.schedule.comm_cost.CommModel` of ``args``, or None when neither gradients nor
+    messages were given (then P2P costs ``--p2p`` and gradients nothing)."""
+    from .schedule.comm_cost import DTYPE_BYTES, CommModel, Link, Network, Placement
+
+    if args.stage_params is None and args.message_bytes is None:
+        return None
+    for flag, v in (("--stage-params", args.stage_params), ("--message-bytes", args.message_bytes)):
+        if v is not None and not (math.isfinite(v) and v >= 0):
+            raise CliError(f"{flag} must be a finite number >= 0, got {v}")
+    for flag, v in (("--dp", args.dp), ("--tp", args.tp), ("--gpus-per-node", args.gpus_per_node)):
+        if v < 1:
+            raise CliError(f"{flag} must be a positive integer, got {v}")
+    try:
+        network = Network(Link(args.intra_bw, args.intra_latency), Link(args.inter_bw, args.inter_latency))
+    except ValueError as e:
+        raise CliError(f"--intra-bw/--inter-bw/--intra-latency/--inter-latency: {e}") from None
+    return CommModel(Placement(pp, args.dp, args.tp, args.gpus_per_node, args.placement == "mirrored"), network,
+                     (args.stage_params or 0.0) * DTYPE_BYTES[args.grad_dtype], args.message_bytes or 0.0,
+                     args.distributed_optimizer, args.overlap_grad_reduce)
+
+
 def _add_pad_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pad", dest="pad", action="store_true", default=True,
                    help="run a micro-batch count the order cannot take (DualPipe: odd, or below 2*pp) padded "
@@ -31,8 +81,9 @@ def _add_pad_args(p: argparse.ArgumentParser) -> None:
 
 def build(args, progress: Optional[Progress] = None):
     """The (padded) schedule for ``args``, refusing sizes past :data:`MAX_FORWARDS` before building."""
-    from .schedule.compare import Padded
-    from .schedule.registry import ScheduleError, build_schedule, get
+    from .schedule.padding import Padded
+    from .schedule.registry import ScheduleError, build_schedule
+    from .schedule.registry import spec as get
 
     spec = get(args.schedule)
     pp, m = args.pp, args.microbatches
@@ -126,6 +177,7 @@ def configure_simulate(p: argparse.ArgumentParser) -> None:
     _add_schedule_args(p)
     _add_pad_args(p)
     _add_cost_args(p, "costs (hypothetical time units; dualpipev: per chunk, half a stage)")
+    add_comm_args(p)
     p.add_argument("--json", action="store_true",
                    help="print makespan, bubble, peak_activations, busy and the same-model comparison as JSON")
     p.add_argument("--png", metavar="FILE", help="draw the timeline to a PNG (needs matplotlib)")
@@ -140,11 +192,13 @@ COMPARE_BUDGET = 3 * MAX_FORWARDS
 def run_simulate(args) -> int:
     import sys
 
+    from .schedule.comm_cost import grad_comm
     from .schedule.compare import compare, orders_with, stage_fraction
-    from .schedule.registry import get
+    from .schedule.registry import spec as get
     from .schedule.simulate import DeadlockError, simulate
 
     costs = _costs(args)
+    comm = comm_from_args(args, args.pp)
     for flag, path in (("--png", args.png), ("--svg", args.svg)):
         if path is not None:
             if not path.strip():
@@ -155,21 +209,21 @@ def run_simulate(args) -> int:
         s = padded.schedule
         prog.phase("simulating")
         try:
-            result = simulate(s.layout, s.ranks, padded.costs(costs), prog.update)
+            result = simulate(s.layout, s.ranks, padded.costs(costs), prog.update, p2p=comm.p2p if comm else None)
         except DeadlockError as e:  # cannot happen for built schedules; keep the promise of one line
             raise CliError(" ".join(line.strip() for line in str(e).splitlines()[:2])) from None
         if not math.isfinite(result.makespan):
             raise CliError(f"the costs are too large: the simulated time overflows ({result.makespan}); "
                            f"use smaller values or units")
+        grad = None if comm is None else grad_comm(s, result, comm, stage_fraction(s.spec, s.pp),
+                                                   s.spec.defers_weight_grads, padded.is_fake)
         stage = costs.scaled(1 / stage_fraction(s.spec, s.pp))
         names = orders_with(s.name)
-        work = sum(get(n).model_stages(s.pp) * get(n).padded_microbatches(s.pp, padded.real)
-                   for n in names if not get(n).pp_problem(s.pp)
-                   and padded.real >= get(n).min_real_microbatches(s.pp))
+        work = sum(_forwards(get(n), s.pp, padded.real) for n in names)
         rows = None
         if work <= COMPARE_BUDGET:
             prog.phase("simulating every schedule on the same model")
-            rows = compare(s.pp, padded.real, stage, names, known={s.name: (padded, result)})
+            rows = compare(s.pp, padded.real, stage, names, known={s.name: (padded, result)}, comm=comm)
         drawn = []
         fake = padded.is_fake if padded.fake_count else None
         if args.svg:
@@ -197,14 +251,29 @@ def run_simulate(args) -> int:
     if args.json:
         doc = dict(result.to_json(), schedule=s.name, pp=s.pp, microbatches=s.microbatches,
                    real_microbatches=padded.real,
+                   gradient_communication=None if grad is None else {
+                       "iteration": grad.iteration, "exposed_per_rank": grad.exposed,
+                       "bd_sum_per_rank": grad.bd_total, "dp_reduce_per_rank": grad.dp_total},
                    same_model=None if rows is None else [r.to_json() for r in rows])
         print(json.dumps(doc))
         return 0
-    print(_report(padded, costs, result, rows, stage, work))
+    print(_report(padded, costs, result, rows, stage, work, grad))
     return 0
 
 
-def _report(padded, costs, result, rows, stage, work) -> str:
+def _forwards(spec, pp: int, real: int) -> int:
+    """Forward actions ``spec`` simulates for ``real`` micro-batches (0 where it cannot run)."""
+    from .schedule.registry import ScheduleError
+
+    if spec.pp_problem(pp) or real < spec.min_real_microbatches(pp):
+        return 0
+    try:
+        return spec.model_stages(pp) * spec.padded_microbatches(pp, real)
+    except ScheduleError:
+        return 0
+
+
+def _report(padded, costs, result, rows, stage, work, grad=None) -> str:
     s = padded.schedule
     spec = s.spec
     per = "per chunk (half a stage)" if spec.costs_per_chunk else "per stage"
@@ -216,12 +285,18 @@ def _report(padded, costs, result, rows, stage, work) -> str:
     lines.append(f"costs {per}: f={fmt(costs.f)} b={fmt(costs.b)} w={fmt(costs.w)} fb={fmt(costs.fused)} "
                  f"p2p={fmt(costs.p2p)}")
     lines.append(f"makespan {fmt(result.makespan)}")
+    if grad is not None:
+        lines.append(f"iteration {fmt(round(grad.iteration, 3))} = makespan + exposed gradient communication "
+                     f"{fmt(round(grad.iteration - result.makespan, 3))} (largest over the ranks; ms)")
     lines.append("")
     head = f"peak activations ({unit})" if spec.costs_per_chunk else "peak activations"
-    lines.append(f"{'rank':>4}  {'busy':>10}  {'bubble':>10}  {head:>16}")
+    extra = f"  {'bd sum':>8}  {'dp reduce':>9}  {'exposed':>8}" if grad is not None else ""
+    lines.append(f"{'rank':>4}  {'busy':>10}  {'bubble':>10}  {head:>16}{extra}")
     for r, tl in enumerate(result.ranks):
+        more = (f"  {fmt(round(grad.bd_total[r], 3)):>8}  {fmt(round(grad.dp_total[r], 3)):>9}  "
+                f"{fmt(round(grad.exposed[r], 3)):>8}") if grad is not None else ""
         lines.append(f"{r:>4}  {fmt(tl.busy):>10}  {fmt(result.makespan - tl.busy):>10}  "
-                     f"{tl.peak_activations:>{len(head)}}")
+                     f"{tl.peak_activations:>{len(head)}}{more}")
     lines.append("")
     if rows is None:
         lines.append(f"(the same-model comparison is skipped: it would simulate {work} forward actions, more than "

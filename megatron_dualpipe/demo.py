@@ -37,11 +37,11 @@ import math
 import os
 import shlex
 import shutil
-import subprocess
 import sys
 import time
 from typing import Dict, Iterator, List, Optional
 
+from . import interrupts
 from .data_prep import DataError, PreparedData, Progress, add_data_arguments, check_split, default_cache_dir
 from .data_prep import SPLIT_NAMES, describe_indexed, documents_per_split, prepare_from_args, split_weights
 from .schedule import registry
@@ -178,14 +178,18 @@ def resolve_data(args) -> PreparedData:
 
 
 def draw_schedule(args) -> Optional[str]:
-    """The simulated timeline of the schedule the workers run (unit costs); its path."""
+    """The simulated timeline of the schedule the workers run (unit costs), and the same schedule
+    above megatron-core's 1F1B at the same scale (:func:`report.write_schedule_comparison`); the
+    first one's path."""
     from .draw import to_png
+    from .report import write_schedule_comparison
     from .schedule.simulate import Costs, simulate
 
     m = registry.get(args.schedule).padded_microbatches(args.nproc, args.microbatches)
     schedule = registry.build_schedule(args.schedule, args.nproc, m)
     path = os.path.join(args.out, f"{args.schedule}_pp{args.nproc}_m{m}.png")
     to_png(schedule, simulate(schedule.layout, schedule.ranks, Costs()), path)
+    write_schedule_comparison(args.out, args.schedule, args.nproc, args.microbatches)
     return path
 
 
@@ -227,11 +231,9 @@ def launch(parser: argparse.ArgumentParser, args) -> int:
     env.setdefault("OMP_NUM_THREADS", "1")             # torchrun warns when it has to set it
     env.setdefault("TOKENIZERS_PARALLELISM", "false")  # tokenizers warns about forking after use
     print(f"starting {args.nproc} processes: torchrun {shlex.join(cmd[3:])}", flush=True)
-    try:
-        code = subprocess.call(cmd, env=env)
-    except KeyboardInterrupt:
-        print(f"{parser.prog}: interrupted", file=sys.stderr)
-        return 130
+    # torchrun and its ranks in a session of their own, all stopped (and silenced) on Ctrl-C,
+    # SIGTERM or a closed stdout before KeyboardInterrupt / BrokenPipeError reaches main().
+    code = interrupts.run(cmd, env=env)
     if code != 0:
         print(f"{parser.prog}: error: the training processes failed (exit status {code}); the failing "
               f"rank's message is above", file=sys.stderr)
@@ -441,7 +443,7 @@ def _recording(directory: Optional[str]):
 
 def write_reports(args, data: PreparedData, pp: int, device: str, dual, one) -> None:
     """loss.png and summary.md in ``args.out`` (last rank)."""
-    from .report import summary_markdown, write_loss_png
+    from .report import compare_file, simulated_pair, summary_markdown, write_loss_png
 
     title = (f"{dual.name} vs 1f1b, pp={pp}, {args.num_layers} layers, hidden {args.hidden_size}, "
              f"{args.microbatches}x{args.micro_batch_size}x{args.seq_length} tokens per iteration")
@@ -460,8 +462,11 @@ def write_reports(args, data: PreparedData, pp: int, device: str, dual, one) -> 
     picture = f"{args.schedule}_pp{pp}_m"
     pictures = ["loss.png"] + [f for f in ("timeline.png",) if os.path.isfile(os.path.join(args.out, f))]
     pictures += sorted(f for f in os.listdir(args.out) if f.startswith(picture) and f.endswith(".png"))
+    compared = compare_file(args.schedule, pp, args.microbatches)
+    pictures += [compared] if os.path.isfile(os.path.join(args.out, compared)) else []
+    _, makespans = simulated_pair(args.schedule, pp, args.microbatches)
     with open(os.path.join(args.out, "summary.md"), "w", encoding="utf-8") as fh:
-        fh.write(summary_markdown(dual, one, settings, data_lines, pictures))
+        fh.write(summary_markdown(dual, one, settings, data_lines, pictures, makespans))
 
 
 def worker(args) -> int:
@@ -486,7 +491,8 @@ def worker(args) -> int:
     from megatron_dualpipe.mcore.forward_backward import get_forward_backward_func
     from megatron_dualpipe.mcore.groups import build_bd_groups
     from megatron_dualpipe.mcore.model import broadcast_mirrors, build_two_direction_model
-    from megatron_dualpipe.report import loss_table, max_difference, validation_lines, write_measured_timeline
+    from megatron_dualpipe.report import comparison_lines, loss_table, max_difference, simulated_pair, validation_lines
+    from megatron_dualpipe.report import write_measured_timeline
 
     args.nproc = world
     last = rank == world - 1
@@ -543,6 +549,8 @@ def worker(args) -> int:
                 print(line)
             print(f" training time: {dual.name} {dual.seconds:.1f} s ({dual.tokens_per_second:,.0f} tokens/s), "
                   f"1f1b {one.seconds:.1f} s ({one.tokens_per_second:,.0f} tokens/s)", flush=True)
+            for line in comparison_lines(simulated_pair(args.schedule, world, args.microbatches)[1]):
+                print(line, flush=True)
             write_reports(args, data, world, device, dual, one)
     ps.destroy_model_parallel()
     dist.destroy_process_group()
@@ -556,8 +564,8 @@ def main(argv=None) -> int:
         if not args.data_path:
             parser.error("the workers need --data-path: start the job with python -m megatron_dualpipe.demo "
                          "(it prepares the data and starts torchrun)")
-        return worker(args)
-    return launch(parser, args)
+        return worker(args)  # the launcher stops the workers and drops their output on an interruption
+    return interrupts.guarded(lambda: launch(parser, args), parser.prog)
 
 
 if __name__ == "__main__":

@@ -412,7 +412,7 @@ def png_figure(schedule, result: SimResult, dpi: int = 110, fake: Fake = None):
                 groups.setdefault("fake", []).append(_box(x0, max(x1, x0 + fr.avg_unit * 0.05), y, row))
                 continue
             groups.setdefault((a.op, a.dir), []).append(_box(x0, x1, y, row))
-            size = _label_size(len(_label(a)), (x1 - x0) * points_per_time, (8, 6))
+            size = _label_size(len(_label(a)), (x1 - x0) * points_per_time, LABEL_SIZES)
             if size:
                 ax.text((x0 + x1) / 2, y + row / 2, _label(a), ha="center", va="center",
                         fontsize=size, color=TEXT[a.dir]).set_in_layout(False)
@@ -468,44 +468,85 @@ def _save(fig, path) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Two timelines of one schedule, one above the other (a measured run and its simulation)
+# Timelines one above the other: a measured run and its simulation, or two schedules compared
 # ---------------------------------------------------------------------------------------------
+
+#: Label sizes (points) tried per cell, largest first; a cell too narrow for 5 pt gets none.
+LABEL_SIZES = (8, 7, 6, 5)
+#: Width of the drawing area of a stacked figure, in inches.
+STACKED_WIDTH = 16.0
+
 
 def to_png_stacked(schedule, panels: Sequence[Tuple[str, SimResult]], path, time_label: str = "ms",
                    dpi: int = 110) -> None:
     """Draw ``panels`` ((title, timeline) pairs over the same schedule, e.g. a measured run and
-    its simulation) one above the other on one time axis, with the colours, labels and fused
-    outlines of :func:`to_png`; matplotlib is imported here."""
+    its simulation) one above the other, each on a time axis that fits it, with the colours,
+    labels and fused outlines of :func:`to_png`; matplotlib is imported here."""
     _save(stacked_figure(schedule, panels, time_label, dpi), path)
 
 
 def stacked_figure(schedule, panels: Sequence[Tuple[str, SimResult]], time_label: str = "ms", dpi: int = 110):
-    """The figure :func:`to_png_stacked` saves: legend and labels inside it at any size."""
+    """The figure :func:`to_png_stacked` saves. Each panel gets its own time axis: a measured
+    iteration on a busy machine can take many times its simulation, which on a shared axis
+    would shrink to an unreadable strip; a note under the first title says so."""
+    return panels_figure([(h, schedule, r) for h, r in panels], shared_axis=False, time_label=time_label, dpi=dpi)
+
+
+def to_png_compared(panels: Sequence[Tuple[str, object, SimResult]], path, time_label: str = "time",
+                    dpi: int = 110) -> None:
+    """Draw different schedules' timelines ((title, schedule, timeline) triples) one above the
+    other on one time axis, so that their lengths compare at a glance."""
+    _save(panels_figure(panels, shared_axis=True, time_label=time_label, dpi=dpi), path)
+
+
+def scale_note(makespans: Sequence[float]) -> str:
+    """The note a figure with one time axis per panel carries when their lengths differ."""
+    longest, shortest = max(makespans), min(makespans)
+    if shortest <= 0 or longest / shortest < 1.2:
+        return ""
+    return (f"each panel has its own time axis, fitted to it: the longest is {longest / shortest:.1f}x "
+            f"the shortest")
+
+
+def panels_figure(panels: Sequence[Tuple[str, object, SimResult]], shared_axis: bool, time_label: str = "ms",
+                  dpi: int = 110):
+    """Timelines one above the other, each labelled with its heading; on one shared time axis
+    (``shared_axis``: lengths compare) or each on its own (details readable). Micro-batch labels
+    are sized to their cells (:data:`LABEL_SIZES`); legend and labels stay inside the figure."""
     from matplotlib.patches import Patch
 
     from .plotting import agg_pyplot, legend_below
 
-    span = max(max(r.makespan for _, r in panels), 1e-9)
-    width = 16.0
-    fig, axes = agg_pyplot().subplots(len(panels), 1, figsize=(width, len(panels) * (1.0 + 0.36 * schedule.pp)),
-                                      dpi=dpi, sharex=True, squeeze=False)
-    per_unit = (width - 1.0) / span
-    label_size = 8 if per_unit >= 0.15 else (6 if per_unit >= 0.09 else 4)
-    for ax, (heading, result) in zip(axes[:, 0], panels):
-        _draw_timeline(ax, schedule, result, label_size)
+    spans = [max(r.makespan, 1e-9) for _, _, r in panels]
+    heights = [1.0 + 0.36 * s.pp for _, s, _ in panels]
+    fig, axes = agg_pyplot().subplots(len(panels), 1, figsize=(STACKED_WIDTH, sum(heights)), dpi=dpi,
+                                      sharex=shared_axis, squeeze=False, gridspec_kw={"height_ratios": heights})
+    axes_points = (STACKED_WIDTH - 1.4) * 72  # drawing width left of the rank labels, in points
+    note = "" if shared_axis else scale_note(spans)
+    for i, (ax, (heading, schedule, result)) in enumerate(zip(axes[:, 0], panels)):
+        span = max(spans) if shared_axis else spans[i]
+        _draw_timeline(ax, schedule, result, points_per_time=axes_points / span)
         ax.set_xlim(0, span)
-        ax.set_title(heading, fontsize=10, loc="left")
+        ax.set_title(heading + (f"\n({note})" if note and i == 0 else ""), fontsize=10, loc="left")
+        if not shared_axis:
+            ax.set_xlabel(time_label, fontsize=8)
     axes[-1, 0].set_xlabel(time_label)
-    handles = [Patch(facecolor=col, edgecolor="white", label=lab, **_hatch_kwargs(d, op))
-               for (lab, col), (op, d) in zip(legend_entries(schedule), _legend_keys(schedule))]
-    if any(a.overlap for acts in schedule.ranks for a in acts):
+    handles, seen = [], set()
+    for _, schedule, _ in panels:
+        for (lab, col), (op, d) in zip(legend_entries(schedule), _legend_keys(schedule)):
+            if (op, d) not in seen:  # the same fill means the same thing in every panel
+                seen.add((op, d))
+                handles.append(Patch(facecolor=col, edgecolor="white", label=lab, **_hatch_kwargs(d, op)))
+    if any(a.overlap for _, s, _ in panels for acts in s.ranks for a in acts):
         handles.append(Patch(facecolor="white", edgecolor="#111111", linewidth=1.8, label="fused F&B unit"))
     legend_below(fig, handles)
     return fig
 
 
-def _draw_timeline(ax, schedule, result: SimResult, label_size: int) -> None:
-    """One timeline on ``ax``: a row per rank, a cell per action, thick outlines on fused units."""
+def _draw_timeline(ax, schedule, result: SimResult, points_per_time: float) -> None:
+    """One timeline on ``ax``: a row per rank, a cell per action (its micro-batch number in the
+    largest of :data:`LABEL_SIZES` that fits the cell's width, none if 5 pt does not), thick
+    outlines on fused units."""
     from matplotlib.patches import Rectangle
 
     pp = schedule.pp
@@ -515,8 +556,10 @@ def _draw_timeline(ax, schedule, result: SimResult, label_size: int) -> None:
         y = (pp - 1 - c.rank) * (row + gap)
         ax.add_patch(Rectangle((x0, y), x1 - x0, row, facecolor=COLORS[(c.action.op, c.action.dir)],
                                edgecolor="white", linewidth=0.6, **_hatch_kwargs(c.action.dir, c.action.op)))
-        ax.text((x0 + x1) / 2, y + row / 2, _label(c.action), ha="center", va="center", fontsize=label_size,
-                color=TEXT[c.action.dir], clip_on=True)
+        size = _label_size(len(_label(c.action)), (x1 - x0) * points_per_time, LABEL_SIZES)
+        if size:
+            ax.text((x0 + x1) / 2, y + row / 2, _label(c.action), ha="center", va="center", fontsize=size,
+                    color=TEXT[c.action.dir], clip_on=True)
         if c.fused and c.half == 0:
             ax.add_patch(Rectangle((c.start, y), c.end - c.start, row, facecolor="none", edgecolor="#111111",
                                    linewidth=1.8, zorder=3))

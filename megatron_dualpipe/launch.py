@@ -14,10 +14,13 @@ calls :func:`megatron_dualpipe.megatron_lm.install.install` (argument extension,
 fixes, and CPU-mode redirections when no GPU is present), then executes the script with
 ``runpy.run_path(..., run_name="__main__")`` and the remaining command-line arguments.
 
-Before any of that, a preflight refuses (one line, exit status 2) what would fail later: a
-missing script, a checkout that is not Megatron-LM ``core_v0.16.1`` (the one version the
-plugin's hooks are written for; ``MEGATRON_DUALPIPE_SKIP_VERSION_CHECK=1`` tries anyway), and
-missing training dependencies (named, with the pip command).
+Before any of that, a preflight refuses (one line per problem, exit status 2) what would fail
+later: a missing script, a checkout that is not Megatron-LM ``core_v0.16.1`` (the one version the
+plugin's hooks are written for; ``MEGATRON_DUALPIPE_SKIP_VERSION_CHECK=1`` tries anyway),
+missing training dependencies (named, with the pip command), and with ``--check`` the
+script's arguments as well (:mod:`megatron_dualpipe.launch_checks`: torch and torchrun importable
+here, the tokenizer, the data prefixes and the data's token ids against the vocabulary).
+``scripts/pretrain_gpt_dualpipe.sh`` runs ``--check`` with the arguments it is about to pass.
 """
 
 import os
@@ -45,6 +48,21 @@ def preflight(script):
     return requirements.problem()
 
 
+def argument_problems(script, argv, check: bool):
+    """The problems :mod:`.launch_checks` finds: with ``--check``, torch and torchrun here; for
+    ``pretrain_gpt.py`` (and any script with ``--check`` and arguments) its tokenizer and data
+    arguments. Under torchrun every rank checks the arguments, but only rank 0 reads the data's
+    token ids."""
+    from megatron_dualpipe import launch_checks
+
+    found = []
+    if check:
+        found += [p for p in [launch_checks.torch_problem()] if p]
+    if (check and argv) or os.path.basename(script) == "pretrain_gpt.py" and not check:
+        found += launch_checks.argument_problems(argv, scan=check or os.environ.get("RANK", "0") == "0")
+    return found
+
+
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     check = bool(argv) and argv[0] == "--check"
@@ -55,11 +73,17 @@ def main(argv=None):
         return 2
     script = os.path.abspath(argv[0])
     problem = preflight(script)
-    if problem:
-        print(f"megatron_dualpipe.launch: error: {problem}", file=sys.stderr)
+    found = [problem] if problem else []
+    if os.path.isfile(script):
+        found += argument_problems(script, argv[1:], check)
+    for line in found:
+        print(f"megatron_dualpipe.launch: error: {line}", file=sys.stderr)
+    if found:
         return 2
     if check:
-        print(f"megatron_dualpipe.launch: {script} can run with megatron-dualpipe")
+        with_args = " with these arguments" if argv[1:] else ""
+        print(f"megatron_dualpipe.launch: {script} can run with megatron-dualpipe{with_args} "
+              f"(Python {sys.executable})")
         return 0
     script_dir = os.path.dirname(script)
     if script_dir in sys.path:
@@ -75,4 +99,8 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--check":
+        from megatron_dualpipe import interrupts
+
+        sys.exit(interrupts.guarded(main, "megatron_dualpipe.launch"))
     sys.exit(main())

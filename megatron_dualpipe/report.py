@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 #: How many first and last rows of the loss table ``summary.md`` shows.
 SUMMARY_ROWS = 5
@@ -137,12 +137,64 @@ def write_measured_timeline(records_dir: str, out_dir: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# DualPipe against 1F1B, simulated on the same model at the same scale
+# ---------------------------------------------------------------------------------------------
+
+#: Why the main job's wall times do not show DualPipe's smaller bubbles (printed and in summary.md).
+WHY_NOT_WALL_TIME = ("CPU wall time does not show bubbles: the ranks share a few cores, so while one rank "
+                     "idles in a bubble another rank computes on its core and the job takes about its total "
+                     "compute over the cores, whatever the schedule; with a GPU per rank an idle rank's time "
+                     "is lost, which is what the simulated makespans compare.")
+
+
+def compare_file(name: str, pp: int, real: int) -> str:
+    return f"{name}_vs_1f1b_pp{pp}_m{real}.png"
+
+
+def simulated_pair(name: str, pp: int, real: int):
+    """``name`` and megatron-core's 1F1B on the same model (stage costs f=1, b=2, w=1; DualPipeV's
+    chunks half a stage; fake micro-batches free): [(heading, schedule, timeline)] and their makespans."""
+    from .schedule.compare import build_padded, stage_fraction
+    from .schedule.registry import ONE_F_ONE_B
+    from .schedule.simulate import Costs, simulate
+
+    panels, makespans = [], []
+    for n in (name, ONE_F_ONE_B):
+        padded = build_padded(n, pp, real)
+        s = padded.schedule
+        result = simulate(s.layout, s.ranks, padded.costs(Costs().scaled(stage_fraction(s.spec, pp))))
+        makespans.append((n, result.makespan))
+        panels.append((f"{n}: pp={pp}, {real} micro-batches, makespan {result.makespan:g} (forward = 1, "
+                       f"backward = 2 per stage)", s, result))
+    return panels, makespans
+
+
+def comparison_lines(makespans) -> List[str]:
+    """One line comparing the simulated makespans, one saying why the wall times do not."""
+    (a, ta), (b, tb) = makespans
+    return [f" simulated on the same model (forward 1, backward 2 per stage): {a} makespan {ta:g}, {b} {tb:g} "
+            f"({a} takes {ta / tb:.2f}x of {b}'s time)", f" {WHY_NOT_WALL_TIME}"]
+
+
+def write_schedule_comparison(out_dir: str, name: str, pp: int, real: int) -> str:
+    """``<name>_vs_1f1b_pp<P>_m<M>.png`` in ``out_dir``: the two simulated timelines one above
+    the other on one time axis, makespans in their titles; its path."""
+    from .draw import to_png_compared
+
+    panels, _ = simulated_pair(name, pp, real)
+    path = os.path.join(out_dir, compare_file(name, pp, real))
+    to_png_compared(panels, path, time_label="simulated time (forward = 1)")
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
 # summary.md
 # ---------------------------------------------------------------------------------------------
 
 def summary_markdown(a: RunResult, b: RunResult, settings: Sequence[str], data: Sequence[str],
-                     pictures: Sequence[str]) -> str:
-    """A short Markdown report: settings, data, results, the loss table's head and tail."""
+                     pictures: Sequence[str], simulated: Sequence[Tuple[str, float]] = ()) -> str:
+    """A short Markdown report: settings, data, results (with the simulated makespans of both
+    schedules and why wall time does not show them), the loss table's head and tail."""
     n = len(a.losses)
     out = ["# megatron-dualpipe main job", "", "## Set-up", ""]
     out += [f"- {line}" for line in settings]
@@ -157,6 +209,11 @@ def summary_markdown(a: RunResult, b: RunResult, settings: Sequence[str], data: 
     out += ["", f"Largest |{a.name} - {b.name}| training loss over {n} iterations: {max_difference(a, b):.3e}."]
     if a.valid_loss is not None and b.valid_loss is not None:
         out.append(f"Validation losses differ by {abs(a.valid_loss - b.valid_loss):.3e}.")
+    if simulated:
+        (sa, ta), (sb, tb) = simulated
+        out += ["", f"Simulated on the same model (forward 1, backward 2 per stage): {sa} makespan {ta:g}, "
+                f"{sb} {tb:g} ({sa} takes {ta / tb:.2f}x of {sb}'s time; the two timelines are drawn at the "
+                f"same scale below). {WHY_NOT_WALL_TIME}"]
     out += ["", "```"] + loss_table(a, b, head_and_tail(n)) + ["```", "", "## Pictures", ""]
     out += [f"![{os.path.splitext(p)[0]}]({p})" for p in pictures]
     return "\n".join(out) + "\n"

@@ -92,16 +92,17 @@ def measured(ranks: Sequence[dict]):
     return schedule, SimResult(makespan, timelines), waits
 
 
-def op_medians(record: dict) -> Dict[str, float]:
-    """One rank's recorded call: per op (``F``, ``B``, ``W``, ``BW``; ``FB`` for a fused unit)
-    the median duration in ms of its units."""
+def op_medians(record: dict, *more: dict) -> Dict[str, float]:
+    """One rank's recorded call (or several calls, pooled): per op (``F``, ``B``, ``W``, ``BW``;
+    ``FB`` for a fused unit) the median duration in ms of its units."""
     from .schedule import Action
 
-    ops = [Action.from_json(a).op for a in record["actions"]]
     spans: Dict[str, List[float]] = {}
-    for indices, _, started, ended in record["units"]:
-        key = "FB" if len(indices) == 2 else ops[indices[0]]
-        spans.setdefault(key, []).append((ended - started) * 1e3)
+    for rec in (record, *more):
+        ops = [Action.from_json(a).op for a in rec["actions"]]
+        for indices, _, started, ended in rec["units"]:
+            key = "FB" if len(indices) == 2 else ops[indices[0]]
+            spans.setdefault(key, []).append((ended - started) * 1e3)
     return {k: statistics.median(v) for k, v in spans.items()}
 
 

@@ -224,7 +224,9 @@ class WeightGradStore:
 def _backward(ctx, grad_output):
     """Replacement for ``LinearWithGradAccumulationAndAsyncCommunication.backward``."""
     sink = _ACTIVE.sink
-    if sink is None or ctx.grad_output_buffer is not None:
+    # megatron-core 0.19's GTP (gtp_remat_size > 1) re-gathers and reduce-scatters the weight
+    # around the GEMMs: left to the original backward, like the grad_output_buffer path.
+    if sink is None or ctx.grad_output_buffer is not None or getattr(ctx, "gtp_remat_size", 1) > 1:
         return _PATCH.original_fn(ctx, grad_output)
     return _PATCH.deferred(ctx, grad_output, sink)
 
@@ -232,8 +234,11 @@ def _backward(ctx, grad_output):
 def _deferred_backward(ctx, grad_output, sink):
     """megatron-core's backward minus the weight-gradient GEMM, which goes to ``sink``.
 
-    Mirrors ``tensor_parallel/layers.py`` 0.16.1 lines 495-626 (wgrad_compute=True path).
+    Mirrors ``tensor_parallel/layers.py`` 0.16.1 lines 495-626 (wgrad_compute=True path; the
+    same at 0.19 apart from GTP, which :func:`_backward` leaves to the original). One gradient is
+    returned per forward input: 9 at 0.16.1, 10 at 0.19 (``gtp_remat_size`` was added).
     """
+    untouched = (None,) * (len(ctx.needs_input_grad) - 3)  # the non-tensor forward arguments
     input, weight = ctx.saved_tensors
     main_grad = ctx.main_grad
     tp_group = ctx.tp_group
@@ -276,10 +281,10 @@ def _deferred_backward(ctx, grad_output, sink):
 
     if ctx.sequence_parallel:
         handle.wait()
-        return (sub_grad_input, None, grad_bias, None, None, None, None, None, None)
+        return (sub_grad_input, None, grad_bias, *untouched)
     if ctx.allreduce_dgrad:
         handle.wait()
-    return grad_input, None, grad_bias, None, None, None, None, None, None
+    return (grad_input, None, grad_bias, *untouched)
 
 
 class _WeightGrad:
@@ -411,11 +416,12 @@ def find_undeferred_weights(model: torch.nn.Module) -> List[str]:
     ``run_te_backward_dw``). Norms, embeddings and routers are not reported: they stay in B by
     design. Call once when building the executor, not per step.
     """
-    from megatron.core.transformer.moe.experts import GroupedMLP
+    from megatron.core.transformer.moe import experts
 
+    grouped_mlp = getattr(experts, "GroupedMLP", None)  # removed in megatron-core 0.19
     found = []
     for name, module in model.named_modules():
-        if isinstance(module, GroupedMLP):
+        if grouped_mlp is not None and isinstance(module, grouped_mlp):
             found.append(f"{name} (GroupedMLP: grouped GEMM)")
         elif type(module).__module__.startswith(("transformer_engine", "megatron.core.extensions")):
             if any(p.requires_grad for p in module.parameters(recurse=False)):

@@ -1,27 +1,35 @@
 #!/usr/bin/env bash
 # Launch Megatron-LM's pretrain_gpt.py with a DualPipe schedule on one or more nodes (torchrun).
 #
-# Run the same command on every node, with its own NODE_RANK:
+# Run the same command on every node, with its own NODE_RANK (the tokenizer arguments are
+# pretrain_gpt.py's; prepare-data prints them for its data):
 #   MEGATRON_LM_PATH=/path/Megatron-LM DATA_PATH=/data/my_text_document CONFIG=gpt_8b \
 #   NNODES=2 NODE_RANK=0 MASTER_ADDR=node0 MASTER_PORT=6000 GPUS_PER_NODE=8 \
-#   bash scripts/pretrain_gpt_dualpipe.sh [extra pretrain_gpt.py arguments...]
+#   bash scripts/pretrain_gpt_dualpipe.sh --tokenizer-type HuggingFaceTokenizer --tokenizer-model /data/tokenizer \
+#     [more pretrain_gpt.py arguments...]
+# SLURM and containers: scripts/slurm_dualpipe.sbatch, docs/multi-node.md.
 #
 # Variables: MEGATRON_LM_PATH (a Megatron-LM checkout at core_v0.16.1), CONFIG (a name in
 # configs/ or a path), DATA_PATH (unless the config uses --mock-data), SCHEDULE (dualpipe,
 # dualpipev or 1f1b; default dualpipe), NNODES (1), NODE_RANK (0), MASTER_ADDR (localhost, required
-# when NNODES > 1), MASTER_PORT (6000), GPUS_PER_NODE (8), TORCHRUN (torchrun), PYTHON (the python
-# next to TORCHRUN, else python3), DRY_RUN=1 to only print the command. PP, TP, EP, CP, ETP (expert
+# when NNODES > 1), MASTER_PORT (6000), GPUS_PER_NODE (8), TORCHRUN (torchrun where it is on PATH,
+# else "PYTHON -m torch.distributed.run"), PYTHON (the interpreter TORCHRUN runs, read from its
+# first line; without torchrun: this checkout's .venv, else python3), DRY_RUN=1 to only print the command. PP, TP, EP, CP, ETP (expert
 # tensor parallel, default TP), MICRO_BATCH, GLOBAL_BATCH override the config's values.
 #
 # Everything torchrun or Megatron would refuse is refused here first, with the fix: numbers that are
 # not positive integers, a world size that is not a multiple of TP*PP*CP and of ETP*EP*PP (the
 # message names the nearest valid GPU count; each config states its minimum), the batch split,
-# DualPipe's rules, a missing DATA_PATH, and (through `python -m megatron_dualpipe.launch --check`)
-# a checkout that is not core_v0.16.1 or missing training dependencies.
+# DualPipe's rules, a missing DATA_PATH, and (through `python -m megatron_dualpipe.launch --check`
+# with the arguments about to be passed, run by the Python that torchrun will run: one check,
+# megatron_dualpipe/launch_checks.py) a checkout that is not core_v0.16.1, missing training
+# dependencies, torch or torchrun missing from that Python, a missing or unloadable tokenizer,
+# data prefixes without .bin/.idx, and data whose token ids exceed the tokenizer's vocabulary.
+# Ctrl-C or SIGTERM stops torchrun and every rank (megatron_dualpipe/interrupts.py) in one line.
 set -euo pipefail
 here="$(cd "$(dirname "$0")/.." && pwd)"
 die() { echo "pretrain_gpt_dualpipe.sh: error: $*" >&2; exit 2; }
-trap 'echo; die "interrupted"' INT
+trap 'echo "pretrain_gpt_dualpipe.sh: interrupted" >&2; exit 130' INT TERM HUP
 # A positive integer of at most 9 digits (bash arithmetic then neither fails nor overflows).
 is_count() { [[ "$1" =~ ^[1-9][0-9]{0,8}$ ]]; }
 gcd() { local a=$1 b=$2 t; while [ "$b" -ne 0 ]; do t=$((a % b)); a=$b; b=$t; done; echo "$a"; }
@@ -85,28 +93,33 @@ fi
 data_args=()
 if [[ " ${MODEL_ARGS[*]} " != *" --mock-data "* ]]; then
   : "${DATA_PATH:?set DATA_PATH to the Megatron-preprocessed data prefix (or use a config with --mock-data)}"
-  # DATA_PATH is a prefix, or a blend "weight prefix weight prefix ...": each prefix needs .bin and .idx.
+  # DATA_PATH is a prefix, or a blend "weight prefix weight prefix ...": the preflight below checks each.
   read -r -a data_words <<< "$DATA_PATH"
-  for p in "${data_words[@]}"; do
-    [[ "$p" =~ ^[0-9.eE+-]+$ ]] && continue
-    [ -f "$p.bin" ] && [ -f "$p.idx" ] || die "DATA_PATH: no $p.bin and $p.idx (give the prefix that tools/preprocess_data.py wrote, without .bin/.idx)"
-  done
   data_args=(--data-path "${data_words[@]}")
 fi
 
-if [ -z "${PYTHON:-}" ]; then
-  tr=$(command -v "${TORCHRUN:-torchrun}" || true)
-  PYTHON=python3; [ -n "$tr" ] && [ -x "$(dirname "$tr")/python" ] && PYTHON="$(dirname "$tr")/python"
+# The Python that will run: torchrun's own interpreter (its first line) where torchrun is found;
+# without torchrun, python -m torch.distributed.run with this checkout's .venv or python3.
+torchrun_cmd=()
+torchrun_path=$(command -v "${TORCHRUN:-torchrun}" 2>/dev/null || true)
+if [ -n "$torchrun_path" ]; then
+  torchrun_cmd=("$torchrun_path")
+  if [ -z "${PYTHON:-}" ]; then
+    shebang=$(head -n 1 "$torchrun_path" 2>/dev/null | tr -d '\r' || true)
+    PYTHON=python3
+    if [[ "$shebang" == '#!'* ]] && [ -x "${shebang#\#!}" ]; then PYTHON="${shebang#\#!}"
+    elif [ -x "$(dirname "$torchrun_path")/python" ]; then PYTHON="$(dirname "$torchrun_path")/python"; fi
+  fi
+elif [ -n "${TORCHRUN:-}" ]; then
+  die "TORCHRUN=$TORCHRUN not found: set it to the torchrun of the training environment, or leave it unset to use PYTHON -m torch.distributed.run"
+else
+  if [ -z "${PYTHON:-}" ]; then PYTHON=python3; [ -x "$here/.venv/bin/python" ] && PYTHON="$here/.venv/bin/python"; fi
+  torchrun_cmd=("$PYTHON" -m torch.distributed.run)
 fi
 command -v "$PYTHON" >/dev/null || die "PYTHON=$PYTHON not found: set PYTHON to the interpreter of the training environment"
-# The launcher's preflight: Megatron-LM at core_v0.16.1, training dependencies present.
-PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -m megatron_dualpipe.launch --check "$MEGATRON_LM_PATH/pretrain_gpt.py" >/dev/null \
-  || exit 2  # the launcher said why, in one line
 
-cmd=(
-  "${TORCHRUN:-torchrun}" --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$GPUS_PER_NODE"
-  --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT"
-  -m megatron_dualpipe.launch "$MEGATRON_LM_PATH/pretrain_gpt.py"
+script=(
+  "$MEGATRON_LM_PATH/pretrain_gpt.py"
   "${MODEL_ARGS[@]}" "${data_args[@]}"
   --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP" --expert-model-parallel-size "$EP"
   --context-parallel-size "$CP" ${etp_set:+--expert-tensor-parallel-size "$ETP"}
@@ -114,8 +127,22 @@ cmd=(
   --pipeline-schedule "$SCHEDULE"
   "$@"
 )
+export PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}"
+# The launcher's preflight with the Python torchrun will run and the arguments it will get (one
+# line per problem, each naming the fix). Its output is kept until it ends, so that a Ctrl-C here
+# prints only the trap's line.
+if ! problems=$("$PYTHON" -m megatron_dualpipe.launch --check "${script[@]}" 2>&1 >/dev/null); then
+  printf '%s\n' "$problems" | sed 's/^megatron_dualpipe.launch: error: /pretrain_gpt_dualpipe.sh: error: /' >&2
+  exit 2
+fi
+
+cmd=(
+  "${torchrun_cmd[@]}" --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$GPUS_PER_NODE"
+  --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT"
+  -m megatron_dualpipe.launch "${script[@]}"
+)
 echo "# $SCHEDULE: $world processes (minimum $min_gpus), PP=$PP TP=$TP EP=$EP CP=$CP DP=$dp, $m micro-batches per iteration"
 printf '%q ' "${cmd[@]}"; echo
 [ "${DRY_RUN:-0}" = 1 ] && exit 0
-export PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}"
-exec "${cmd[@]}"
+# torchrun and every rank in a process group of their own: Ctrl-C / SIGTERM stops them all, one line.
+exec "$PYTHON" -m megatron_dualpipe.interrupts --prog pretrain_gpt_dualpipe.sh -- "${cmd[@]}"

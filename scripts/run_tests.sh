@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# The README's test command: set up .venv, then run the whole suite.
+# The README's test command: set up .venv, then run the whole suite. Arguments go to pytest: one tier
+# with `-m schedule` (markers per layer and `slow`: tests/conftest.py), the quick tiers with `-m "not slow"`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup_venv.sh
-exec .venv/bin/python -m pytest -q -n 2 --dist loadfile "$@" tests
+# MEGATRON_CORE=0.19.2: the suite on that megatron-core release, in its own environment (setup_venv.sh).
+VENV=${VENV:-.venv${MEGATRON_CORE:+-mcore${MEGATRON_CORE:-}}}
+VENV=$VENV bash scripts/setup_venv.sh
+exec "$VENV/bin/python" -m pytest -q -n 2 --dist loadfile "$@" tests

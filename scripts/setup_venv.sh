@@ -1,22 +1,89 @@
 #!/usr/bin/env bash
-# Create (or reuse) the project's virtual environment in .venv and install the package.
-# torch==2.13.0 is installed first so that pip takes the CPU build; megatron-core is pinned by setup.py.
+# Create (or reuse) the project's virtual environment and install the package.
+# torch==2.13.0 is installed first so that pip takes the CPU build; megatron-core is pinned by setup.py
+# (the supported range, megatron_dualpipe/versions.py).
+#
+# Variables:
+#   MEGATRON_CORE=0.19.2  another megatron-core release of the supported range, in its own environment
+#                         .venv-mcore0.19.2 (VENV overrides the name). megatron-core >= 0.17 declares
+#                         Requires-Python >= 3.12 but its code runs on 3.11: on an older Python it is installed
+#                         with --ignore-requires-python (see README, "Versions"). Its import needs triton
+#                         (megatron/core/transformer/moe/ops/paged_stash.py), which CUDA builds of torch bring and
+#                         the CPU build does not: installed when missing.
+#   VENV, PYTHON, TORCH_VERSION  where, with which interpreter, which torch.
+#
+# Each step that has work to do prints one line with the time it took on a 2-core machine
+# (cold pip cache); pip's own output goes to $VENV/setup.log and is shown only when a step fails.
+# A set-up venv prints nothing. Ctrl-C / SIGTERM stops pip and its build processes
+# (megatron_dualpipe/interrupts.py), prints one line and exits 130.
 set -euo pipefail
-cd "$(dirname "$0")/.."
-VENV=${VENV:-.venv}
+here="$(cd "$(dirname "$0")/.." && pwd)"
+cd "$here"
+MEGATRON_CORE=${MEGATRON_CORE:-}
+VENV=${VENV:-.venv${MEGATRON_CORE:+-mcore$MEGATRON_CORE}}
 PYTHON=${PYTHON:-python3}
+log="$VENV/setup.log"
+prog="setup_venv.sh"
+child=""
+
+interrupted() {
+  trap '' INT TERM HUP
+  if [ -n "$child" ]; then kill -TERM "$child" 2>/dev/null || true; wait "$child" 2>/dev/null || true; fi
+  echo "$prog: interrupted" >&2
+  exit 130
+}
+trap interrupted INT TERM HUP
+
+# step N TEXT TIME CMD...: one progress line, then CMD through the interrupt helper (its own
+# process group, stopped on an interruption) in the background, so that a signal to this shell
+# is handled at once rather than when CMD ends.
+step() {
+  local n=$1 text=$2 took=$3; shift 3
+  echo "setup $n/3: $text (about $took)" >&2
+  echo "### $text: $*" >>"$log"
+  PYTHONPATH="$here" "$PYTHON" -m megatron_dualpipe.interrupts --prog "$prog" -- "$@" >>"$log" 2>&1 &
+  child=$!
+  local status=0
+  wait "$child" || status=$?
+  child=""
+  case "$status" in 130|143) interrupted;; esac  # the helper was interrupted along with this shell
+  if [ "$status" -ne 0 ]; then
+    tail -n 20 "$log" >&2
+    echo "$prog: error: '$text' failed (exit status $status); the whole output is in $log" >&2
+    exit 1
+  fi
+}
+
 if [ ! -x "$VENV/bin/python" ]; then
-  "$PYTHON" -m venv "$VENV"
-  "$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+  command -v "$PYTHON" >/dev/null || { echo "$prog: error: PYTHON=$PYTHON not found: set PYTHON to a Python >= 3.10" >&2; exit 2; }
+  mkdir -p "$VENV"
+  : >"$log"
+  step 1 "creating $VENV with the newest pip" "10 s" \
+    bash -c '"$1" -m venv "$2" && { "$2/bin/python" -m pip install -q --upgrade pip || true; }' _ "$PYTHON" "$VENV"
 fi
-if ! "$VENV/bin/python" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('torch') is None)"; then
-  "$VENV/bin/python" -m pip install -q "torch==${TORCH_VERSION:-2.13.0}"
+has() { "$VENV/bin/python" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('$1') is None)"; }
+if ! has torch; then
+  step 2 "installing torch==${TORCH_VERSION:-2.13.0} (CPU build)" "1 min" \
+    "$VENV/bin/python" -m pip install -q "torch==${TORCH_VERSION:-2.13.0}"
+fi
+if [ -n "$MEGATRON_CORE" ]; then
+  have=$("$VENV/bin/python" -c "import importlib.metadata as m; print(m.version('megatron-core'))" 2>/dev/null || true)
+  if [ "$have" != "$MEGATRON_CORE" ]; then
+    # --no-build-isolation: its source build (where no wheel fits) uses the torch installed above.
+    step 2 "installing megatron-core==$MEGATRON_CORE (--ignore-requires-python on Python < 3.12)" "30 s" \
+      bash -c '"$1" -m pip install -q setuptools wheel pybind11 numpy && "$1" -m pip install -q --no-build-isolation --ignore-requires-python "megatron-core==$2"' _ "$VENV/bin/python" "$MEGATRON_CORE"
+  fi
+  if ! has triton && grep -qs "^import triton" "$("$VENV/bin/python" -c "import importlib.util as u; \
+      print(u.find_spec('megatron').submodule_search_locations[0])")/core/transformer/moe/ops/paged_stash.py"; then
+    step 2 "installing triton (megatron-core $MEGATRON_CORE imports it)" "1 min" "$VENV/bin/python" -m pip install -q triton
+  fi
 fi
 # Install the package when setup.py changed since the last install (the stamp holds its hash), so
 # that later runs start at once and print nothing.
 stamp="$VENV/.megatron-dualpipe-setup-py"
 want=$(sha256sum setup.py | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  "$VENV/bin/python" -m pip install -q -e ".[test,megatron-lm]"
+  step 3 "installing megatron-dualpipe with megatron-core ${MEGATRON_CORE:-0.16.1} and the test tools" "1 min" \
+    "$VENV/bin/python" -m pip install -q -e ".[test,megatron-lm]"
   echo "$want" > "$stamp"
 fi

@@ -1,7 +1,61 @@
-"""Makes ``tests/harness`` importable as ``harness`` whatever pytest's import mode."""
+"""The tests, laid out by the package's layers, one folder and one marker each.
+
+=================  ============  =====================================================================
+folder             marker        what it needs, how long it takes
+=================  ============  =====================================================================
+tests/schedule     schedule      the standard library only: seconds
+tests/executor     executor      torch, gloo processes on plain torch modules (no megatron-core)
+tests/bench        bench         the ``bench`` and ``trace`` commands on synthetic stages (gloo)
+tests/cli          cli           the commands, pictures, docs and scripts (subprocesses)
+tests/mcore        mcore         megatron-core in gloo processes, against single-process references
+tests/cpu          cpu           the CPU mode of megatron-core (and of Megatron-LM with its checkout)
+tests/megatron_lm  megatron_lm   Megatron-LM's pretrain_gpt.py (``MEGATRON_LM_PATH``): minutes per test
+tests/apps         apps          the main job end to end
+=================  ============  =====================================================================
+
+``slow`` marks the folders that start megatron-core or Megatron-LM processes (mcore, cpu,
+megatron_lm, apps). One tier: ``pytest tests/schedule`` (or ``scripts/run_tests.sh -m schedule``);
+the quick tiers: ``pytest -m "not slow" tests``.
+
+Also makes ``tests/harness`` importable as ``harness`` (and ``megatron_lm_runs``) from every
+folder, whatever pytest's import mode.
+"""
 import os
 import sys
+
+import pytest
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 if _HERE not in sys.path:
     sys.path.insert(0, _HERE)
+
+#: folder under tests/ -> (marker, description); the folder's tests carry the marker.
+LAYERS = {
+    "schedule": "the schedule layer: standard library only, seconds",
+    "executor": "the executor on plain torch modules (gloo processes, no megatron-core)",
+    "bench": "the bench and trace commands on synthetic stages",
+    "cli": "the commands, pictures, docs and scripts",
+    "mcore": "megatron-core in gloo processes",
+    "cpu": "the CPU mode",
+    "megatron_lm": "Megatron-LM's pretrain_gpt.py (needs MEGATRON_LM_PATH)",
+    "apps": "the main job end to end",
+}
+#: Folders whose tests start megatron-core or Megatron-LM processes.
+SLOW = ("mcore", "cpu", "megatron_lm", "apps")
+
+
+def pytest_configure(config):
+    for name, what in LAYERS.items():
+        config.addinivalue_line("markers", f"{name}: tests/{name}: {what}")
+    config.addinivalue_line("markers", f"slow: starts megatron-core or Megatron-LM processes ({', '.join(SLOW)})")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        rel = os.path.relpath(str(item.path), _HERE).split(os.sep)
+        layer = rel[0] if len(rel) > 1 and rel[0] in LAYERS else None
+        if layer is None:
+            continue
+        item.add_marker(getattr(pytest.mark, layer))
+        if layer in SLOW:
+            item.add_marker(pytest.mark.slow)

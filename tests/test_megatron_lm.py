@@ -217,6 +217,7 @@ REFUSED_CASES = {
     "--account-for-embedding-in-pipeline-split / --account-for-loss-in-pipeline-split": (
         "dualpipev", [], {"account_for_loss_in_pipeline_split": True}),
     "--init-model-with-meta-device": ("dualpipe", ["--init-model-with-meta-device"], None),
+    "--moe-paged-stash": ("executor-1f1b", [], {"moe_paged_stash": True}),
 }
 
 for _flag, (_schedule, _argv, _over) in REFUSED_CASES.items():

@@ -10,7 +10,6 @@ batched P2P per unit. Figures only; nothing is asserted.
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import sys
 import time
@@ -19,21 +18,17 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))  # the test harness
 
+from megatron_dualpipe.bench.launch import spawn  # noqa: E402
 from megatron_dualpipe.executor.p2p import P2P  # noqa: E402
 from megatron_dualpipe.executor.runner import TensorSpec, compile_program, run_rank  # noqa: E402
-from harness.workers import run_workers  # noqa: E402
 
 SCHEDULES = ("1f1b", "zb-h1", "dualpipe", "dualpipev")
 
 
 class NoCompute:
     def __init__(self, spec):
-        self.out = torch.zeros(spec.shape)
-
-    def is_fake(self, a):
-        return False
+        self.out = torch.zeros(spec.shape, device=spec.device)
 
     def forward(self, a, inp):
         return self.out.clone()
@@ -48,26 +43,22 @@ class NoCompute:
         pass
 
 
-def worker(rank, world, port, m, iters):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
-    try:
-        spec = TensorSpec((16, 2, 8), torch.float32, torch.device("cpu"))
-        out = {}
-        for name in SCHEDULES:
-            prog = compile_program(name, world, m, False)
-            p2p = P2P(None, list(range(world)), rank, timeout_s=60)
-            run_rank(prog, rank, NoCompute(spec), p2p, spec)  # warm-up
-            dist.barrier()
-            t0 = time.perf_counter()
-            for _ in range(iters):
-                run_rank(prog, rank, NoCompute(spec), p2p, spec)
-            dist.barrier()
-            out[name] = ((time.perf_counter() - t0) / iters, len(prog.actions[rank]),
-                         len(prog.plans[rank].batches))
-        return out
-    finally:
-        dist.destroy_process_group()
+def worker(rank, world, device, m, iters):
+    """One pipeline rank (``bench.launch`` has joined the process group)."""
+    spec = TensorSpec((16, 2, 8), torch.float32, device)
+    out = {}
+    for name in SCHEDULES:
+        prog = compile_program(name, world, m, False)
+        p2p = P2P(None, list(range(world)), rank, timeout_s=60)
+        run_rank(prog, rank, NoCompute(spec), p2p, spec)  # warm-up
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            run_rank(prog, rank, NoCompute(spec), p2p, spec)
+        dist.barrier()
+        out[name] = ((time.perf_counter() - t0) / iters, len(prog.actions[rank]),
+                     len(prog.plans[rank].batches))
+    return out
 
 
 def main(argv=None):
@@ -87,7 +78,7 @@ def main(argv=None):
             compile_program(name, pp, m, False)
             print(f"{name:>10} {pp:>3} {m:>4} {(time.perf_counter() - t0) * 1e3:9.1f}")
 
-    results = run_workers(worker, args.pp, args=(args.microbatches, args.iters), timeout=600, preimport=())
+    results = spawn(worker, args.pp, args=(args.microbatches, args.iters), timeout_s=600)
     print(f"\nexecutor overhead with a no-op model, pp={args.pp}, M={args.microbatches}, gloo on this machine "
           f"({os.cpu_count()} cores), mean over {args.iters} iterations, slowest rank:")
     print(f"{'schedule':>10} {'actions/rank':>13} {'P2P batches':>12} {'ms/iteration':>13} {'us/action':>10}")

@@ -15,7 +15,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_dualpipe.schedule import build_schedule, get  # noqa: E402
+from megatron_dualpipe.schedule import build_schedule  # noqa: E402
+from megatron_dualpipe.schedule.registry import spec as get  # noqa: E402
 from megatron_dualpipe.schedule.compare import compare  # noqa: E402
 from megatron_dualpipe.schedule.registry import DUALPIPE, DUALPIPEV, ONE_F_ONE_B, SPECS, distinct_orders  # noqa: E402
 from megatron_dualpipe.schedule.simulate import Costs, simulate  # noqa: E402

@@ -58,6 +58,11 @@ def run_here(fn: Callable[..., Any], args: Sequence[Any], timeout_s: float) -> O
 
 
 def _entry(rank: int, world: int, port: int, fn, args, timeout_s: float, queue) -> None:
+    import signal
+
+    # Ctrl-C reaches the whole process group: the parent stops the workers (spawn), so a worker
+    # ignores it rather than printing a KeyboardInterrupt traceback of its own.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     try:
         out = run_here(fn, args, timeout_s)
@@ -83,14 +88,14 @@ def spawn(fn: Callable[..., Any], world: int, args: Sequence[Any] = (), timeout_
     method = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
     ctx = mp.get_context(method)
     if method == "forkserver":
-        ctx.set_forkserver_preload(["torch", "torch.distributed"])
+        ctx.set_forkserver_preload(["megatron_dualpipe.bench.own_session", "torch", "torch.distributed"])
     q = ctx.Queue()
     port = _free_port()
     procs = [ctx.Process(target=_entry, args=(r, world, port, fn, tuple(args), timeout_s, q), daemon=True)
              for r in range(world)]
-    for p in procs:
-        p.start()
     try:
+        for p in procs:
+            p.start()
         try:
             status, payload = q.get(timeout=timeout_s)
         except queue_mod.Empty:
@@ -99,10 +104,16 @@ def spawn(fn: Callable[..., Any], world: int, args: Sequence[Any] = (), timeout_
         if status != "ok":
             raise RuntimeError(f"benchmark worker failed: {payload}")
         return payload
+    except BaseException:  # Ctrl-C, SIGTERM, a failure: stop everyone now, nothing written afterwards
+        for p in procs:
+            if p.pid is not None and p.is_alive():
+                p.kill()
+        raise
     finally:
         for p in procs:
-            p.join(timeout=10)
+            if p.pid is not None:
+                p.join(timeout=10)
         for p in procs:
-            if p.is_alive():
+            if p.pid is not None and p.is_alive():
                 p.terminate()
                 p.join()

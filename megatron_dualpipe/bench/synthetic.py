@@ -119,9 +119,6 @@ class SyntheticCompute(StageComputeBase):
         self.live = 0
         self.peak_live = 0
 
-    def is_fake(self, a: Action) -> bool:
-        return False
-
     def _forwarded(self) -> None:
         self.live += 1
         self.peak_live = max(self.peak_live, self.live)

@@ -19,14 +19,16 @@ import torch
 
 from ..schedule import F, W, Action, build_schedule
 from ..schedule.comm import Label, RankPlan, plan
+from ..schedule.padding import Padded
 from ..schedule.registry import Schedule
 from .p2p import P2P
+from .listeners import RunListener, Unit
 from .trace import TraceRecorder, trace_from_env
 
 
 class StageCompute(Protocol):
-    def is_fake(self, a: Action) -> bool:
-        """A padding micro-batch: the runner passes zeros of the right shape, no compute."""
+    """What the actions mean for a model. Padding actions (``Program.padding``) never reach it:
+    the runner passes zeros of the right shape instead."""
 
     def forward(self, a: Action, input_tensor: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         """Run F; return the tensor for the next stage (ignored at the loss stage)."""
@@ -69,19 +71,28 @@ class TensorSpec:
 
 @dataclass(frozen=True)
 class Program:
+    """One iteration's checked schedule: each rank's actions and communication plan, and which
+    actions are padding (fake micro-batches: no data, no compute) and the global index of the rest
+    (``padded``)."""
+
     schedule: Schedule
     actions: Tuple[Tuple[Action, ...], ...]
     plans: Tuple[RankPlan, ...]
+    padded: Padded
+    #: ``padding[rank][i]``: action ``i`` of ``rank`` is a fake micro-batch's.
+    padding: Tuple[Tuple[bool, ...], ...]
 
 
 @functools.lru_cache(maxsize=64)
-def compile_program(name: str, pp: int, microbatches: int, forward_only: bool) -> Program:
+def compile_program(name: str, pp: int, microbatches: int, forward_only: bool, real: Optional[int] = None) -> Program:
     """Build and check the schedule and its communication plan (cached: pure and reused
-    every iteration). ``forward_only`` keeps just the forwards, in the same order."""
+    every iteration). ``forward_only`` keeps just the forwards, in the same order; ``real``
+    (default ``microbatches``) of the micro-batches are real, the rest padding."""
     sched = build_schedule(name, pp, microbatches)
     acts = tuple(tuple(dataclasses.replace(a, overlap=False) for a in r if a.op == F) if forward_only else r
                  for r in sched.ranks)
-    return Program(sched, acts, tuple(plan(sched.layout, acts)))
+    padded = Padded(sched, microbatches if real is None else real)
+    return Program(sched, acts, tuple(plan(sched.layout, acts)), padded, tuple(padded.padding(r) for r in acts))
 
 
 def check_sendable(rank: int, a: Action, what: str, t: torch.Tensor, spec: TensorSpec) -> None:
@@ -110,118 +121,160 @@ class RunStats:
 
 
 def run_rank(program: Program, rank: int, compute: StageCompute, p2p: P2P, spec: TensorSpec,
-             trace: Optional[TraceRecorder] = None) -> RunStats:
+             trace: Optional[TraceRecorder] = None, listeners: Sequence[RunListener] = ()) -> RunStats:
     """Run this rank's actions; raises on timeout naming the action that waited.
 
     Each planned batch is posted, not waited; a receive is waited right before the action that
-    consumes it, and the sends complete in the background (see :mod:`.p2p`). ``trace`` (or the
+    consumes it, and the sends complete in the background (see :mod:`.p2p`). ``listeners`` are
+    told of every unit and action (:mod:`.listeners`); ``trace`` (or the
     ``MEGATRON_DUALPIPE_TRACE`` directory) records when each action ran.
     """
-    acts = program.actions[rank]
-    rp = program.plans[rank]
-    local: Dict[Label, torch.Tensor] = {}
-    outbox: Dict[Label, Tuple[Action, torch.Tensor]] = {}
-    unreleased: Dict[Tuple[int, int, int], Label] = {}  # forward (dir, mb, stage) -> its output's send
-    batches = rp.batches
-    bi = 0
     recorder = trace if trace is not None else trace_from_env()
     recording = recorder.begin(program, rank, p2p.global_ranks) if recorder is not None else None
+    if recording is not None:
+        listeners = (*listeners, recording)
+    return RankRun(program, rank, compute, p2p, spec, listeners).run()
 
-    def post(upto_unit: int, where: str) -> None:
-        nonlocal bi
-        while bi < len(batches) and batches[bi].unit <= upto_unit:
-            b = batches[bi]
-            sends = []
-            for t in b.sends:
-                a, out = outbox.pop(t.label)
-                release = None
-                if a.op == F and not compute.is_fake(a):
-                    release = functools.partial(compute.release, a, out)
-                    unreleased[(a.dir, a.mb, a.stage)] = t.label
-                sends.append((t.peer, out, t.label, release))
+
+class RankRun:
+    """One ``run_rank`` call. The runner owns the tensors in flight: ``local`` (handed over on this
+    rank at DualPipeV's turn), ``outbox`` (results waiting for their batch's send) and
+    ``unreleased`` (forward outputs being sent, whose storage a backward needs freed first)."""
+
+    def __init__(self, program: Program, rank: int, compute: StageCompute, p2p: P2P, spec: TensorSpec,
+                 listeners: Sequence[RunListener] = ()):
+        self.actions, self.plan = program.actions[rank], program.plans[rank]
+        self.rank, self.compute, self.p2p, self.spec = rank, compute, p2p, spec
+        self.listeners = tuple(listeners)
+        self.padding = program.padding[rank]
+        # A compute written before forward_backward existed runs fused units as F then B.
+        self.forward_backward = getattr(compute, "forward_backward", None) or \
+            functools.partial(StageComputeBase.forward_backward, compute)
+        self.local: Dict[Label, torch.Tensor] = {}
+        self.outbox: Dict[Label, Tuple[Action, torch.Tensor, bool]] = {}  # label -> (action, result, padding)
+        self.unreleased: Dict[Tuple[int, int, int], Label] = {}  # forward (dir, mb, stage) -> its output's send
+        self.next_batch = 0
+
+    def run(self) -> RunStats:
+        listeners, units = self.listeners, self.plan.units
+        try:
+            for k, unit in enumerate(units):
+                self.post_batches(k)
+                self.p2p.reap()
+                for listener in listeners:
+                    listener.on_unit_waiting(unit)
+                inputs = self.take_inputs(unit)
+                for listener in listeners:
+                    listener.on_unit_start(unit)
+                self.hand_on(unit, self.compute_unit(unit, inputs))
+                self.tell_end(unit)
+            self.post_batches(len(units))
+            self.p2p.finish("after its last action")
+        finally:
+            self.p2p.close()
+        self.check_nothing_left()
+        for listener in listeners:
+            listener.on_run_end()
+        return RunStats(peak_in_flight=self.p2p.peak_in_flight)
+
+    # -- the steps of one unit ------------------------------------------------------------------
+    def where(self, k: int) -> str:
+        """Where unit ``k`` stands, for errors."""
+        units = self.plan.units
+        if k >= len(units):
+            return "after its last action"
+        return f"before action {units[k][0]} ({self.actions[units[k][0]]})"
+
+    def post_batches(self, upto_unit: int) -> None:
+        """Post the planned batches up to unit ``upto_unit``: the results in the outbox, fresh
+        receive buffers."""
+        batches, spec = self.plan.batches, self.spec
+        while self.next_batch < len(batches) and batches[self.next_batch].unit <= upto_unit:
+            b = batches[self.next_batch]
+            sends = [self._send(t.peer, t.label) for t in b.sends]
             recvs = [(t.peer, torch.empty(spec.shape, dtype=spec.dtype, device=spec.device,
                                           requires_grad=t.label[0] == "act"), t.label) for t in b.recvs]
-            p2p.post(sends, recvs, where)
-            bi += 1
+            self.p2p.post(sends, recvs, self.where(upto_unit))
+            self.next_batch += 1
 
-    def zeros() -> torch.Tensor:
-        return torch.zeros(spec.shape, dtype=spec.dtype, device=spec.device)
+    def _send(self, peer: int, label: Label):
+        """One send of a batch; a real forward's output is released once sent."""
+        a, out, fake = self.outbox.pop(label)
+        release = None
+        if a.op == F and not fake:
+            release = functools.partial(self.compute.release, a, out)
+            self.unreleased[(a.dir, a.mb, a.stage)] = label
+        return peer, out, label, release
 
-    def take(i: int) -> Optional[torch.Tensor]:
+    def take_inputs(self, unit: Unit) -> List[Optional[torch.Tensor]]:
+        """The tensors the unit's actions receive (None: data or loss); a backward's forward output
+        is released first (Megatron's ``custom_backward`` asserts it)."""
+        inputs = [self.take(i) for i in unit]
+        for i in unit:
+            a = self.actions[i]
+            label = self.unreleased.pop((a.dir, a.mb, a.stage), None) if a.is_backward else None
+            if label is not None:
+                self.p2p.complete_send(label, f"before action {i} ({a})")
+        return inputs
+
+    def take(self, i: int) -> Optional[torch.Tensor]:
         """The tensor action ``i`` receives from the neighbouring stage (None: data or loss)."""
-        hands = rp.inputs[i]
+        hands = self.plan.inputs[i]
         if not hands:
             return None
         if len(hands) > 1:
-            raise NotImplementedError(f"pipeline rank {rank}: action {acts[i]} takes {len(hands)} tensors; "
-                                      f"a stage compute takes one")
+            raise NotImplementedError(f"pipeline rank {self.rank}: action {self.actions[i]} takes {len(hands)} "
+                                      f"tensors; a stage compute takes one")
         (src, label), = hands
-        return local.pop(label) if src == rank else p2p.receive(label, f"before action {i} ({acts[i]})")
+        if src == self.rank:
+            return self.local.pop(label)
+        return self.p2p.receive(label, f"before action {i} ({self.actions[i]})")
 
-    def hand_on(i: int, tensor: Optional[torch.Tensor], fake: bool) -> None:
-        """Pass action ``i``'s result to the stages that wait for it: queue it for the next
-        batch, or, on the same rank (DualPipeV's turn), hand it over directly."""
-        a = acts[i]
-        for dst, label in rp.outputs[i]:
-            if tensor is None:
-                raise RuntimeError(f"pipeline rank {rank}: backward {a} produced no input gradient to send to "
-                                   f"stage {label[3]}; does the stage's input require grad?")
-            if not fake:
-                check_sendable(rank, a, "an activation" if a.op == F else "an input gradient", tensor, spec)
-            if dst != rank:
-                outbox[label] = (a, tensor)
-            elif a.op == F and not fake:
-                local[label] = tensor.detach().requires_grad_()
-                compute.release(a, tensor)
-            else:
-                local[label] = tensor
+    def compute_unit(self, unit: Unit, inputs: List[Optional[torch.Tensor]]) -> Sequence[Optional[torch.Tensor]]:
+        """Run the unit: a fused F&B in one call, else each action (padding as zeros, no compute)."""
+        acts, padding = self.actions, self.padding
+        if len(unit) == 2 and not (padding[unit[0]] or padding[unit[1]]):
+            return self.forward_backward(acts[unit[0]], acts[unit[1]], *inputs)
+        return [self.compute_one(i, x) for i, x in zip(unit, inputs)]
 
-    def released_before_backward(i: int) -> None:
-        """A backward needs its forward's output released (Megatron's ``custom_backward``
-        asserts it): complete that output's send if the background has not yet."""
-        a = acts[i]
-        label = unreleased.pop((a.dir, a.mb, a.stage), None) if a.is_backward else None
-        if label is not None:
-            p2p.complete_send(label, f"before action {i} ({a})")
-
-    def run_one(i: int, inp: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-        a = acts[i]
-        if compute.is_fake(a):
-            return None if a.op == W else zeros()
+    def compute_one(self, i: int, inp: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        a = self.actions[i]
+        if self.padding[i]:
+            return None if a.op == W else torch.zeros(self.spec.shape, dtype=self.spec.dtype, device=self.spec.device)
         if a.op == F:
-            return compute.forward(a, inp)
+            return self.compute.forward(a, inp)
         if a.op == W:
-            compute.weight(a)
+            self.compute.weight(a)
             return None
-        return compute.backward(a, inp)
+        return self.compute.backward(a, inp)
 
-    # A compute written before forward_backward existed runs fused units as F then B.
-    forward_backward = getattr(compute, "forward_backward", None) or \
-        functools.partial(StageComputeBase.forward_backward, compute)
-    try:
-        for k, unit in enumerate(rp.units):
-            post(k, f"before action {unit[0]} ({acts[unit[0]]})")
-            p2p.reap()
-            waited = time.perf_counter() if recording else 0.0
-            inputs = [take(i) for i in unit]
+    def hand_on(self, unit: Unit, results: Sequence[Optional[torch.Tensor]]) -> None:
+        """Pass each action's result to the stages that wait for it: queue it for the next
+        batch, or, on the same rank (DualPipeV's turn), hand it over directly."""
+        for i, tensor in zip(unit, results):
+            a, fake = self.actions[i], self.padding[i]
+            for dst, label in self.plan.outputs[i]:
+                if tensor is None:
+                    raise RuntimeError(f"pipeline rank {self.rank}: backward {a} produced no input gradient to "
+                                       f"send to stage {label[3]}; does the stage's input require grad?")
+                if not fake:
+                    check_sendable(self.rank, a, "an activation" if a.op == F else "an input gradient", tensor,
+                                   self.spec)
+                if dst != self.rank:
+                    self.outbox[label] = (a, tensor, fake)
+                elif a.op == F and not fake:
+                    self.local[label] = tensor.detach().requires_grad_()
+                    self.compute.release(a, tensor)
+                else:
+                    self.local[label] = tensor
+
+    def tell_end(self, unit: Unit) -> None:
+        for listener in self.listeners:
             for i in unit:
-                released_before_backward(i)
-            started = time.perf_counter() if recording else 0.0
-            if len(unit) == 2 and not any(compute.is_fake(acts[i]) for i in unit):
-                results = forward_backward(acts[unit[0]], acts[unit[1]], *inputs)
-            else:
-                results = [run_one(i, x) for i, x in zip(unit, inputs)]
-            for i, r in zip(unit, results):
-                hand_on(i, r, compute.is_fake(acts[i]))
-            if recording:
-                recording.unit(unit, waited, started, time.perf_counter())
-        post(len(rp.units), "after its last action")
-        p2p.finish("after its last action")
-    finally:
-        p2p.close()
-    leftovers = list(outbox) + list(local)
-    if leftovers:
-        raise RuntimeError(f"pipeline rank {rank}: tensors left over after the schedule: {leftovers}")
-    if recording:
-        recording.end()
-    return RunStats(peak_in_flight=p2p.peak_in_flight)
+                listener.on_action_end(self.actions[i])
+            listener.on_unit_end(unit)
+
+    def check_nothing_left(self) -> None:
+        leftovers = list(self.outbox) + list(self.local)
+        if leftovers:
+            raise RuntimeError(f"pipeline rank {self.rank}: tensors left over after the schedule: {leftovers}")

@@ -18,6 +18,8 @@ import os
 import time
 from typing import Callable, List, Optional, Sequence, Tuple
 
+from .listeners import RunListener
+
 ENV_DIR = "MEGATRON_DUALPIPE_TRACE"
 ENV_EVERY = "MEGATRON_DUALPIPE_TRACE_EVERY"
 
@@ -60,8 +62,9 @@ class KeptRecorder:
         return record
 
 
-class IterationRecord:
-    """One rank's timings of one ``run_rank`` call; :meth:`end` hands them to ``sink``."""
+class IterationRecord(RunListener):
+    """One rank's timings of one ``run_rank`` call, recorded as a listener of the run; at its end
+    they go to ``sink``."""
 
     def __init__(self, call: int, program, rank: int, global_ranks: List[int], sink: Callable[[dict], None]):
         self.call, self.program, self.rank, self.sink = call, program, rank, sink
@@ -69,12 +72,18 @@ class IterationRecord:
         self.wall_start = time.time()
         self.start = time.perf_counter()
         self.units: List[Tuple[Tuple[int, ...], float, float, float]] = []
+        self._waited = self._started = 0.0
 
-    def unit(self, indices: Tuple[int, ...], waited: float, started: float, ended: float) -> None:
-        """``indices`` of one unit began waiting, computing and ended at these ``perf_counter`` times."""
-        self.units.append((indices, waited, started, ended))
+    def on_unit_waiting(self, unit: Tuple[int, ...]) -> None:
+        self._waited = time.perf_counter()
 
-    def end(self) -> None:
+    def on_unit_start(self, unit: Tuple[int, ...]) -> None:
+        self._started = time.perf_counter()
+
+    def on_unit_end(self, unit: Tuple[int, ...]) -> None:
+        self.units.append((unit, self._waited, self._started, time.perf_counter()))
+
+    def on_run_end(self) -> None:
         s = self.program.schedule
         g = self.global_ranks[self.rank] if self.rank < len(self.global_ranks) else self.rank
         line = {

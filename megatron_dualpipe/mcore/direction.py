@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator
 
-from ..schedule.layout import BIDIRECTIONAL, Layout
+from ..schedule.layout import Layout
 
 from .. import hooks
 
@@ -58,6 +58,6 @@ def direction_of(layout: Layout, rank: int, d: int, global_ranks) -> Iterator[No
     stage = layout.stage_on(rank, d)
     pp = layout.pp
     answers = (layout.is_first(d, stage), layout.is_last(d, stage), global_ranks[(rank - 1) % pp],
-               global_ranks[(rank + 1) % pp], pp - 1 - rank if layout.kind == BIDIRECTIONAL else rank)
+               global_ranks[(rank + 1) % pp], layout.partner(rank) if layout.mirrored else rank)
     with hooks.scoped(*(patch.to(_answer(value)) for patch, value in zip(_PATCHES, answers))):
         yield

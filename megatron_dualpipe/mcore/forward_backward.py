@@ -43,11 +43,12 @@ from megatron.core.pipeline_parallel import schedules
 from megatron.core.utils import get_model_config
 
 from ..executor.p2p import DEFAULT_TIMEOUT_S, P2P
+from ..executor.listeners import RunListener
 from ..executor.runner import Program, TensorSpec, compile_program, run_rank
 from ..schedule import B, registry
 from .data import MicrobatchSource
 from .grads import GradReduction, finalize_dualpipe_grads
-from .live_advice import LiveAdvice
+from .live_advice import DEFAULT_WARMUP as ADVISE_WARMUP, LiveAdvice
 from .loss_gather import gather_losses_on_last_rank
 from .overlap import OverlappedStageCompute, offers_combined_step
 from .stage_compute import MegatronStageCompute
@@ -63,8 +64,8 @@ def get_forward_backward_func(schedule: str = registry.DEFAULT, **options) -> Ca
 
     ``options`` (executor schedules only): ``zero_bubble`` (default True), ``p2p_timeout``
     (seconds, default ``MEGATRON_DUALPIPE_P2P_TIMEOUT`` or 600), ``advise`` (default False: log
-    ``megatron-dualpipe advise`` for the first training iteration's measured costs, see
-    :mod:`.live_advice`).
+    ``megatron-dualpipe advise`` for the costs measured after the warm-up, see
+    :mod:`.live_advice`), ``advise_warmup`` (training iterations skipped before measuring).
     """
     try:
         spec = registry.get(schedule)
@@ -78,15 +79,18 @@ def get_forward_backward_func(schedule: str = registry.DEFAULT, **options) -> Ca
 
 @functools.lru_cache(maxsize=None)
 def _executor_schedule(name: str, zero_bubble: bool = True, p2p_timeout: float = DEFAULT_TIMEOUT_S,
-                       advise: bool = False):
+                       advise: bool = False, advise_warmup: int = ADVISE_WARMUP):
     """One instance per (schedule, options): Megatron-LM asks for the function every iteration."""
-    return ExecutorSchedule(registry.get(name), zero_bubble=zero_bubble, p2p_timeout=p2p_timeout, advise=advise)
+    return ExecutorSchedule(registry.get(name), zero_bubble=zero_bubble, p2p_timeout=p2p_timeout, advise=advise,
+                            advise_warmup=advise_warmup)
 
 
 def forward_backward_dualpipe(*, schedule: str = registry.DUALPIPE, zero_bubble: bool = True,
-                              p2p_timeout: float = DEFAULT_TIMEOUT_S, advise: bool = False, **kwargs):
+                              p2p_timeout: float = DEFAULT_TIMEOUT_S, advise: bool = False,
+                              advise_warmup: int = ADVISE_WARMUP, **kwargs):
     """Run one iteration of an executor schedule: ``get_forward_backward_func(schedule, ...)(**kwargs)``."""
-    func = get_forward_backward_func(schedule, zero_bubble=zero_bubble, p2p_timeout=p2p_timeout, advise=advise)
+    func = get_forward_backward_func(schedule, zero_bubble=zero_bubble, p2p_timeout=p2p_timeout, advise=advise,
+                                     advise_warmup=advise_warmup)
     if not isinstance(func, ExecutorSchedule):
         raise DualPipeConfigError(f"{schedule} is Megatron's own schedule: call megatron-core's "
                                   f"get_forward_backward_func() for it")
@@ -109,9 +113,9 @@ class ExecutorSchedule:
     """A ``forward_backward_func`` running ``spec``'s order on the executor."""
 
     def __init__(self, spec: registry.ScheduleSpec, *, zero_bubble: bool = True,
-                 p2p_timeout: float = DEFAULT_TIMEOUT_S, advise: bool = False):
+                 p2p_timeout: float = DEFAULT_TIMEOUT_S, advise: bool = False, advise_warmup: int = ADVISE_WARMUP):
         self.spec, self.zero_bubble, self.p2p_timeout = spec, zero_bubble, p2p_timeout
-        self._advice = LiveAdvice() if advise else None
+        self._advice = LiveAdvice(warmup=advise_warmup) if advise else None
         self._padding_reported: set = set()
         self._audited = False
         self._wgrad = None
@@ -139,22 +143,21 @@ class ExecutorSchedule:
         it = self._plan(model, config, num_microbatches, padded, forward_only,
                         (seq_length, micro_batch_size, decoder_seq_length))
         store = self._wgrad_store(it, forward_only)
-        reduction = None if forward_only else self._grad_reduction(it, model, config, num_microbatches, store)
+        reduction = None if forward_only else self._grad_reduction(it, model, config, store)
         # Through megatron-core's combined step when the model offers it (mcore.overlap).
         compute = (OverlappedStageCompute if offers_combined_step(config, forward_only) else MegatronStageCompute)(
             spec=self.spec, model=model, layout=it.program.schedule.layout, rank=it.rank,
             forward_step_func=forward_step_func, source=MicrobatchSource(data_iterator), real=num_microbatches,
             config=config, forward_only=forward_only, collect_non_loss_data=collect_non_loss_data,
-            first_val_step=first_val_step, global_ranks=it.global_ranks, grad_reduction=reduction,
-            wgrad_store=store, audit=self._wgrad.DeferralAudit() if store is not None and not self._audited else None)
+            first_val_step=first_val_step, global_ranks=it.global_ranks, wgrad_store=store, audit=self._wgrad.DeferralAudit() if store is not None and not self._audited else None)
         advice = self._advice if self._advice is not None and self._advice.wanted(forward_only) else None
         with _timer(config):
             with advice.measuring(model) if advice is not None else contextlib.nullcontext() as recorder:
-                self._run(it, compute, config, model, forward_only, recorder)
+                self._run(it, compute, reduction, config, model, forward_only, recorder)
             if advice is not None:
                 advice.report(spec_name=self.spec.name, pp=len(it.global_ranks), microbatches=num_microbatches,
                               model=model, group=it.group, actions=it.program.actions[it.rank],
-                              is_fake=compute.is_fake, device=it.tensor_spec.device)
+                              is_fake=it.program.padded.is_fake, device=it.tensor_spec.device)
             self._report_deferral(compute.audit, it.rank)
             losses = gather_losses_on_last_rank(compute.loss_store, it.program.schedule.layout, it.rank,
                                                 it.global_ranks, it.group, it.tensor_spec.device)
@@ -167,7 +170,7 @@ class ExecutorSchedule:
         group = parallel_state.get_pipeline_model_parallel_group()
         global_ranks = dist.get_process_group_ranks(group)
         rank = parallel_state.get_pipeline_model_parallel_rank()
-        program = compile_program(self.spec.name, len(global_ranks), padded, forward_only)
+        program = compile_program(self.spec.name, len(global_ranks), padded, forward_only, real)
         if padded != real:
             self._report_padding(len(global_ranks), real, padded, forward_only)
         seq_length, micro_batch_size, decoder_seq_length = shape_args
@@ -191,11 +194,11 @@ class ExecutorSchedule:
                         "micro-batch(es) (no data, no compute, zero loss and gradient)%s", self.spec.name, pp,
                         padded, real, padded - real, " in evaluation" if forward_only else "")
 
-    def _grad_reduction(self, it: _Iteration, model, config, real: int, wgrad_store) -> GradReduction:
-        pp = len(it.global_ranks)
-        return GradReduction(model, config, actions=it.program.actions[it.rank],
-                             partner_actions=it.program.actions[pp - 1 - it.rank],
-                             is_fake=lambda a: self.spec.is_fake(real, a.dir, a.mb), deferring=wgrad_store is not None)
+    def _grad_reduction(self, it: _Iteration, model, config, wgrad_store) -> GradReduction:
+        program = it.program
+        return GradReduction(model, config, actions=program.actions[it.rank],
+                             partner_actions=program.actions[program.schedule.layout.partner(it.rank)],
+                             is_fake=program.padded.is_fake, deferring=wgrad_store is not None)
 
     def _report_deferral(self, audit, rank: int) -> None:
         """Once per process: say how much weight-gradient work W holds if B kept some."""
@@ -212,18 +215,27 @@ class ExecutorSchedule:
         return self._wgrad.WeightGradStore()
 
     # -- run ---------------------------------------------------------------------------------------
-    def _run(self, it: _Iteration, compute: MegatronStageCompute, config, model, forward_only: bool,
-             recorder=None) -> None:
+    def _run(self, it: _Iteration, compute: MegatronStageCompute, reduction: Optional[GradReduction], config,
+             model, forward_only: bool, recorder=None) -> None:
         """The schedule with data-parallel reduction held off (each chunk's reduction is started by
-        the GradReduction as soon as its gradients are final), then the rest of the reduction."""
-        reduction = compute.grad_reduction
+        the GradReduction, a listener of the run, as soon as its gradients are final), then the rest
+        of the reduction."""
+        listeners = () if reduction is None else (_ReductionListener(reduction),)
         with _no_sync(config, model, forward_only), \
                 (reduction.during_schedule() if reduction is not None else contextlib.nullcontext()):
-            run_rank(it.program, it.rank, compute, it.p2p, it.tensor_spec, trace=recorder)
+            run_rank(it.program, it.rank, compute, it.p2p, it.tensor_spec, trace=recorder, listeners=listeners)
         if compute.wgrad_store is not None:
             compute.wgrad_store.assert_empty()
         if reduction is not None:
             reduction.finish()
+
+
+class _ReductionListener(RunListener):
+    """Tells the gradient reduction of every action that ran: a chunk's sums start after its last
+    gradient action (its ``finish`` stays after the schedule, outside ``no_sync``)."""
+
+    def __init__(self, reduction: GradReduction):
+        self.on_action_end = reduction.after_action
 
 
 #: Pipeline groups that have had their first collective (see ``P2P.first_collective``).

@@ -1,13 +1,21 @@
-"""``megatron-dualpipe advise`` from a real run: measure one training iteration, log the choice.
+"""``megatron-dualpipe advise`` from a real run: measure training iterations, log the choice.
 
 A user who already trains with an executor schedule (``--dualpipe-advise`` in Megatron-LM,
-``get_forward_backward_func(schedule, advise=True)`` in megatron-core) gets, once, at the end of
-the first training iteration, what :func:`megatron_dualpipe.advise.advise` says for the costs
-that iteration measured, on global rank 0's log. Nothing is guessed:
+``get_forward_backward_func(schedule, advise=True)`` in megatron-core) gets, once, what
+:func:`megatron_dualpipe.advise.advise` says for the costs measured in training iterations
+after the warm-up, on global rank 0's log. The first iterations are skipped
+(``advise_warmup``, ``--dualpipe-advise-warmup``, default :data:`DEFAULT_WARMUP`): they hold
+one-time costs (allocations, kernel selection, caches) in *every* unit -- a first iteration
+measured f=97.6 ms and b=28.5 ms, and a fused F&B cheaper than F alone --, which no median
+over its units removes. Then :data:`MEASURED_ITERATIONS` iterations are measured and pooled,
+and the log names them. Costs that no real run can have (a fused F&B unit cheaper than the
+larger of its forward and its backward) are not advised from: the log says why instead.
+Nothing is guessed:
 
 * stage costs: every rank's units are timed (the trace's in-memory recorder); per op the
-  median over the rank's units, then the largest over the pipeline ranks (one ``all_reduce``
-  of a few numbers over the pipeline group: the slowest stage sets the pace);
+  median over the rank's units of the measured iterations, then the largest over the pipeline
+  ranks (one ``all_reduce`` of a few numbers over the pipeline group: the slowest stage sets
+  the pace);
 * activation memory of one micro-batch on one stage: per forward unit of the rank (not fused
   with a backward), the bytes of the distinct storages autograd saved for backward while it
   ran (parameters excluded; nothing it saves is freed before its backward, so addresses are
@@ -17,8 +25,6 @@ that iteration measured, on global rank 0's log. Nothing is guessed:
   optimizer holds; the distributed optimizer shards the optimizer part over data parallel;
 * memory limit: the accelerator's total memory when there is one (none on the CPU).
 
-The first iteration includes one-time costs (allocations, kernel selection): the medians keep
-them out of the per-op costs as long as each op ran a few times.
 """
 from __future__ import annotations
 
@@ -40,19 +46,39 @@ _MB = float(1 << 20)
 _OPS = ("F", "B", "W", "BW", "FB")
 
 
-class LiveAdvice:
-    """Measures the first training call it is given (:meth:`measuring`), then logs the advice."""
+#: Training iterations skipped before measuring (their units all carry one-time costs).
+DEFAULT_WARMUP = 3
+#: Training iterations measured and pooled after the warm-up.
+MEASURED_ITERATIONS = 3
 
-    def __init__(self):
+
+class LiveAdvice:
+    """Skips ``warmup`` training calls, measures the next :data:`MEASURED_ITERATIONS`
+    (:meth:`measuring`), then logs the advice once (:meth:`report`)."""
+
+    def __init__(self, warmup: int = DEFAULT_WARMUP, measured: int = MEASURED_ITERATIONS):
+        if warmup < 0 or measured < 1:
+            raise ValueError(f"advise warm-up must be >= 0 and measured iterations >= 1, got {warmup}, {measured}")
+        self.warmup, self.measured = warmup, measured
         self.done = False
+        self.calls = 0  # training calls seen (the same on every rank: collectives stay matched)
+        self._records: List[dict] = []
+        self._measuring_now = False
 
     def wanted(self, forward_only: bool) -> bool:
         return not self.done and not forward_only
 
     @contextlib.contextmanager
-    def measuring(self, model: Sequence[torch.nn.Module]) -> Iterator[KeptRecorder]:
-        """Around ``run_rank``: yields the recorder to pass it, counts the saved activations."""
+    def measuring(self, model: Sequence[torch.nn.Module]) -> Iterator[Optional[KeptRecorder]]:
+        """Around ``run_rank``: yields the recorder to pass it (None during the warm-up, which is
+        not recorded) and, on the last measured call, counts the saved activations."""
+        self.calls += 1
+        self._measuring_now = self.calls > self.warmup
+        if not self._measuring_now:
+            yield None
+            return
         recorder = KeptRecorder()
+        last = self.calls == self.warmup + self.measured
         params = {p.data_ptr() for chunk in model for p in chunk.parameters()}
         self._packs: List[Tuple[float, int, int]] = []  # (perf_counter, storage address, bytes)
 
@@ -62,18 +88,27 @@ class LiveAdvice:
                 self._packs.append((time.perf_counter(), storage.data_ptr(), storage.nbytes()))
             return t
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if last else contextlib.nullcontext():
             yield recorder
         self._recorder = recorder
+        self._records += recorder.records[-1:]
+
+    def iterations(self) -> str:
+        first = self.warmup + 1
+        last = self.warmup + self.measured
+        return f"iteration{'s' if last > first else ''} {first}{f'-{last}' if last > first else ''}"
 
     def report(self, *, spec_name: str, pp: int, microbatches: int, model, group, actions, is_fake,
                device: torch.device) -> None:
-        """All ranks of the pipeline call it after the measured call (one collective)."""
+        """All ranks of the pipeline call it after each training call; after the last measured one
+        it all-reduces the costs (one collective) and rank 0 logs the advice."""
         from ..timeline import op_medians
 
+        if not self._measuring_now or len(self._records) < self.measured:
+            return
         self.done = True
-        records = self._recorder.records
-        medians = op_medians(records[-1]) if records else {}
+        records = self._records
+        medians = op_medians(*records) if records else {}
         activation = _forward_saved_bytes(records[-1], self._recorder.origins[-1], self._packs, actions, is_fake) \
             if records else 0.0
         values = torch.tensor([medians.get(op, -1.0) for op in _OPS] + [activation], dtype=torch.float64,
@@ -82,9 +117,31 @@ class LiveAdvice:
         if dist.get_rank() != 0:
             return
         per_op = {op: v for op, v in zip(_OPS, values.tolist()) if v >= 0}
+        measured = (f"training {self.iterations()} of {spec_name}, the first {self.warmup} skipped as warm-up "
+                    f"(--dualpipe-advise-warmup)")
+        problem = cost_problem(per_op)
+        if problem:
+            log.warning("megatron-dualpipe: no advice from %s: %s", measured, problem)
+            return
         message = advice_text(spec_name, pp, microbatches, per_op, values[-1].item(),
-                              stage_parameter_bytes(model[0]), memory_limit_bytes(device))
+                              stage_parameter_bytes(model[0]), memory_limit_bytes(device), measured=measured)
         log.info("megatron-dualpipe: %s", message)
+
+
+def cost_problem(per_op: Dict[str, float]) -> Optional[str]:
+    """Why measured per-op medians (ms) cannot be a real run's, or None: a fused F&B unit runs a
+    forward and a backward together, so it costs at least the larger of the two."""
+    fb = per_op.get("FB")
+    f = per_op.get("F")
+    b_key = "B" if "B" in per_op else "BW"
+    b = per_op.get(b_key)
+    if fb is None or f is None or b is None:
+        return None
+    if fb < max(f, b):
+        return (f"the fused F&B units measured {fb:.2f} ms, less than F ({f:.2f} ms) or {b_key} ({b:.2f} ms) alone, "
+                f"which a unit running both cannot be: the iterations were disturbed (warm-up, other work on the "
+                f"machine); raise --dualpipe-advise-warmup or measure on an otherwise idle machine")
+    return None
 
 
 def _forward_saved_bytes(record: dict, origin: float, packs, actions, is_fake) -> float:
@@ -101,7 +158,7 @@ def _forward_saved_bytes(record: dict, origin: float, packs, actions, is_fake) -
 
 
 def advice_text(schedule: str, pp: int, microbatches: int, per_op: dict, activation_bytes: float,
-                parameter_bytes: float, limit_bytes: Optional[float]) -> str:
+                parameter_bytes: float, limit_bytes: Optional[float], measured: Optional[str] = None) -> str:
     """The advice for measured per-op costs (ms) and memory (bytes), as the log prints it."""
     from ..advise import advise
     from ..timeline import slowest_costs
@@ -110,8 +167,9 @@ def advice_text(schedule: str, pp: int, microbatches: int, per_op: dict, activat
     advice = advise(pp, [microbatches], costs, activation_memory=activation_bytes / _MB,
                     parameter_memory=parameter_bytes / _MB,
                     memory_limit=None if limit_bytes is None else limit_bytes / _MB)
-    head = (f"advice from the first training iteration of {schedule} (pp={pp}, M={microbatches}; costs in ms: "
-            f"per op the slowest rank's median; memory in MiB per rank):")
+    where = measured or f"training iterations of {schedule}"
+    head = (f"advice for pp={pp}, M={microbatches} from {where}; costs in ms: per op the slowest rank's median; "
+            f"memory in MiB per rank:")
     return "\n".join([head, *advice.format().splitlines()])
 
 

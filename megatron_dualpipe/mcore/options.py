@@ -166,8 +166,9 @@ REFUSED: Tuple[Refused, ...] = (
     Refused("--mtp-num-layers", "multi-token prediction is tied to the last pipeline stage of one direction",
             arg="mtp_num_layers", config="mtp_num_layers"),
     Refused("--cuda-graph-impl / --enable-cuda-graph / --external-cuda-graph",
-            "a captured graph replays one fixed order of forwards and backwards", arg="cuda_graph_impl",
-            config="cuda_graph_impl", is_set=_not_none, fix="use --cuda-graph-impl none"),
+            "a captured graph replays one fixed order of forwards and backwards (megatron-core 0.19's schedules "
+            "also create the graphs at their end)", arg="cuda_graph_impl", config="cuda_graph_impl",
+            schedules=EXECUTOR, is_set=_not_none, fix="use --cuda-graph-impl none"),
     Refused(COMBINED_STEP, "a one-chunk order has no fused F&B units to overlap; --delay-wgrad-compute needs it too",
             arg="overlap_moe_expert_parallel_comm", config="overlap_moe_expert_parallel_comm",
             schedules=ONE_CHUNK_EXECUTOR, fix="remove it, or use --pipeline-schedule " + " or ".join(TWO_CHUNKS)),
@@ -195,6 +196,9 @@ REFUSED: Tuple[Refused, ...] = (
     Refused("--fine-grained-activation-offloading", "its offload handlers are advanced and reset by Megatron's own "
             "schedules", arg="fine_grained_activation_offloading", config="fine_grained_activation_offloading",
             schedules=EXECUTOR),
+    Refused("--moe-paged-stash", "megatron-core 0.19: Megatron's schedules reset the paged stash before the first "
+            "micro-batch and PagedStashRunner replays iterations that overflow it", arg="moe_paged_stash",
+            config="moe_paged_stash", schedules=EXECUTOR),
     Refused("--inprocess-restart", "a restart inside the process would rebuild the process groups but not DualPipe's "
             "bd groups", arg="inprocess_restart"),
     Refused("--moe-use-upcycling", "upcycling loads a dense one-chunk model and converts it in place",

@@ -179,8 +179,6 @@ class OverlappedStageCompute(MegatronStageCompute):
             self._te_backward_dw(ba.dir, (ba.dir, ba.mb, ba.stage))
         if fa is not None:
             self._end_forward(fa, input_tensor, output, num_tokens)
-        if ba is not None:
-            self._gradient_done(ba)
         return output, input_grad
 
 

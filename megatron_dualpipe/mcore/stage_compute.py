@@ -20,6 +20,7 @@ from ..schedule import B, Action
 from ..schedule.layout import Layout
 from ..schedule.registry import ScheduleSpec
 from ..wgrad import offers_te_backward_dw, run_te_backward_dw
+from . import compat
 from .data import MicrobatchSource
 from .direction import direction_of
 from .model import unwrap_chunk
@@ -44,14 +45,12 @@ class MegatronStageCompute(StageComputeBase):
 
     def __init__(self, *, spec: ScheduleSpec, model: Sequence[torch.nn.Module], layout: Layout, rank: int,
                  forward_step_func: Callable, source: MicrobatchSource, real: int, config, forward_only: bool,
-                 collect_non_loss_data: bool, first_val_step, global_ranks, wgrad_store=None, audit=None,
-                 grad_reduction=None):
+                 collect_non_loss_data: bool, first_val_step, global_ranks, wgrad_store=None, audit=None):
         self.spec, self.model, self.layout, self.rank = spec, model, layout, rank
         self.forward_step_func, self.source, self.real = forward_step_func, source, real
         self.config, self.forward_only, self.collect_non_loss_data = config, forward_only, collect_non_loss_data
         self.first_val_step, self.global_ranks = first_val_step, global_ranks
         self.wgrad_store, self.audit = wgrad_store, audit
-        self.grad_reduction = grad_reduction  # told of every gradient action (grads.GradReduction)
         self.unwrapped = [unwrap_chunk(chunk) for chunk in model]
         self.te_backward_dw = [offers_te_backward_dw(chunk) for chunk in self.unwrapped]
         self.cp_size = parallel_state.get_context_parallel_world_size()
@@ -60,9 +59,6 @@ class MegatronStageCompute(StageComputeBase):
         self.loss_store: List[List[Any]] = [[] for _ in layout.directions]
         self.total_num_tokens: Optional[torch.Tensor] = None
         self.first_forward_done = [False] * len(model)
-
-    def is_fake(self, a: Action) -> bool:
-        return self.spec.is_fake(self.real, a.dir, a.mb)
 
     def forward(self, a: Action, input_tensor):
         g, is_first_mb = self._begin_forward(a)
@@ -79,10 +75,9 @@ class MegatronStageCompute(StageComputeBase):
         input_tensor, output = self.saved.pop((a.dir, a.mb, a.stage))
         with contextlib.ExitStack() as stack:
             deferring = self._defer_weight_grads(a, stack)
-            input_grad = schedules.backward_step(input_tensor, output, output_grad, self.model_type, self.config)
+            input_grad = compat.backward_step(input_tensor, output, output_grad, self.model_type, self.config)
         if self.te_backward_dw[a.dir]:
             self._te_backward_dw(a.dir, (a.dir, a.mb, a.stage) if deferring else None)
-        self._gradient_done(a)
         return input_grad
 
     # -- shared by the subclasses ---------------------------------------------------------------
@@ -114,15 +109,9 @@ class MegatronStageCompute(StageComputeBase):
         else:
             self.wgrad_store.record(key, functools.partial(run_te_backward_dw, self.unwrapped[chunk]))
 
-    def _gradient_done(self, a: Action) -> None:
-        """After a B / BW / W: the gradient reduction starts a chunk's sums once its last one ran."""
-        if self.grad_reduction is not None:
-            self.grad_reduction.after_action(a)
-
     def weight(self, a: Action) -> None:
         if self.wgrad_store is not None:
             self.wgrad_store.run((a.dir, a.mb, a.stage))
-        self._gradient_done(a)
 
     def release(self, a: Action, output) -> None:
         schedules.deallocate_output_tensor(output, self.config.deallocate_pipeline_outputs)

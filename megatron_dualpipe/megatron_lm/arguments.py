@@ -30,6 +30,8 @@ the three extra attributes; no check runs and no value is changed.
 """
 
 import functools
+from typing import List
+
 from ..mcore import options
 from ..schedule import registry
 
@@ -76,8 +78,16 @@ def add_dualpipe_arguments(parser):
     group.add_argument(
         "--dualpipe-advise",
         action="store_true",
-        help="After the first training iteration, log which schedule megatron-dualpipe advise chooses for "
-        "the stage costs and memory that iteration measured (executor schedules).",
+        help="After the warm-up (--dualpipe-advise-warmup), log which schedule megatron-dualpipe advise chooses "
+        "for the stage costs and memory the next training iterations measured (executor schedules).",
+    )
+    group.add_argument(
+        "--dualpipe-advise-warmup",
+        type=int,
+        default=None,
+        metavar="N",
+        help="Training iterations --dualpipe-advise skips before measuring (default 3: their units carry "
+        "one-time costs).",
     )
     return parser
 
@@ -97,6 +107,23 @@ def num_microbatches(args) -> int:
 REFUSED_OPTIONS = options.args_rules()
 
 
+def advise_problems(args) -> List[str]:
+    """--dualpipe-advise-warmup: not negative, and leaving measured iterations within --train-iters."""
+    from megatron_dualpipe.mcore.live_advice import DEFAULT_WARMUP, MEASURED_ITERATIONS
+
+    warmup = getattr(args, "dualpipe_advise_warmup", None)
+    if warmup is not None and warmup < 0:
+        return [f"--dualpipe-advise-warmup must be >= 0, got {warmup}"]
+    iters = getattr(args, "train_iters", None)
+    needed = (DEFAULT_WARMUP if warmup is None else warmup) + MEASURED_ITERATIONS
+    if getattr(args, "dualpipe_advise", False) and iters is not None and iters < needed:
+        fit = iters - MEASURED_ITERATIONS
+        how = f"--dualpipe-advise-warmup {fit}" if fit >= 0 else f"--train-iters {needed}"
+        return [f"--dualpipe-advise measures {MEASURED_ITERATIONS} training iterations after a warm-up of "
+                f"{needed - MEASURED_ITERATIONS}, more than --train-iters {iters}: use {how}"]
+    return []
+
+
 def dualpipe_problems(args):
     """Return a list of messages, one per violated constraint (empty if fine or 1f1b).
 
@@ -109,7 +136,7 @@ def dualpipe_problems(args):
             return [f"--dualpipe-advise measures the executor's schedules, not Megatron's own {schedule}: use "
                     f"--pipeline-schedule {registry.EXECUTOR_1F1B} (the same 1F1B order, timed) or remove it"]
         return []
-    problems = []
+    problems = advise_problems(args)
     flag = f"--pipeline-schedule {schedule}"
     pp = args.pipeline_model_parallel_size
 

@@ -69,6 +69,8 @@ def forward_backward_options(args) -> dict:
     """Keyword options of the dispatcher taken from the parsed arguments."""
     opts = {"zero_bubble": bool(getattr(args, "dualpipe_zero_bubble", True)),
             "advise": bool(getattr(args, "dualpipe_advise", False))}
+    if getattr(args, "dualpipe_advise_warmup", None) is not None:
+        opts["advise_warmup"] = int(args.dualpipe_advise_warmup)
     timeout = getattr(args, "dualpipe_p2p_timeout", None)
     if timeout is None:
         minutes = getattr(args, "distributed_timeout_minutes", None)

@@ -6,8 +6,8 @@ runs at half those costs per chunk, and its activation counts (in chunks) are ha
 stages. Comparing the schedules at the same per-chunk costs instead would make 1F1B's stage
 as cheap as half a stage.
 
-A short batch runs padded, as the executor runs it (``ScheduleSpec.padded_microbatches``):
-fake micro-batches compute nothing and cost nothing (``PaddedCosts``).
+A short batch runs padded, as the executor runs it (:mod:`.padding`): fake micro-batches
+compute nothing and cost nothing (``PaddedCosts``).
 
 Standard library only, like the rest of ``schedule``.
 """
@@ -17,9 +17,11 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from .actions import Action
-from .registry import Schedule, ScheduleError, ScheduleSpec, build_schedule, distinct_orders, get
-from .simulate import Costs, PaddedCosts, SimResult, simulate
+from .padding import Padded, build_padded
+from .registry import ScheduleError, ScheduleSpec, distinct_orders
+from .registry import spec as get
+from .comm_cost import CommModel, GradComm, grad_comm
+from .simulate import Costs, SimResult, simulate
 
 
 def stage_fraction(spec: ScheduleSpec, pp: int) -> float:
@@ -31,34 +33,6 @@ def parameter_copies(spec: ScheduleSpec, pp: int) -> float:
     """Stages' worth of parameters (and their gradients and optimizer state) one rank holds:
     DualPipe 2 (a stage and its partner's mirror), every other schedule 1."""
     return spec.chunks_per_rank * stage_fraction(spec, pp)
-
-
-@dataclass(frozen=True)
-class Padded:
-    """A schedule built for ``real`` micro-batches, padded with fakes where the order needs more."""
-
-    schedule: Schedule
-    real: int
-
-    @property
-    def fake_count(self) -> int:
-        return self.schedule.microbatches - self.real
-
-    def is_fake(self, a: Action) -> bool:
-        return self.schedule.spec.is_fake(self.real, a.dir, a.mb)
-
-    def costs(self, costs: Costs) -> Costs:
-        """``costs`` with the fake micro-batches free (unchanged when nothing is padded)."""
-        return PaddedCosts.wrap(costs, self.is_fake) if self.fake_count else costs
-
-
-def build_padded(name: str, pp: int, real: int) -> Padded:
-    """The schedule the executor runs for ``real`` micro-batches (:class:`ScheduleError` if none)."""
-    spec = get(name)
-    problem = spec.pp_problem(pp)
-    if problem:
-        raise ScheduleError(problem)
-    return Padded(build_schedule(name, pp, spec.padded_microbatches(pp, real)), real)
 
 
 @dataclass(frozen=True)
@@ -75,11 +49,26 @@ class Row:
     peak_activations: float = 0.0  # stages' worth of one micro-batch's activations, maximum over ranks
     peak_weight_grad_states: float = 0.0  # deferred weight gradients pending (stages' worth)
     parameter_copies: float = 0.0  # stages' worth of parameters per rank
+    grad: Optional[GradComm] = None  # the gradient communication, when a CommModel was given
+
+    @property
+    def exposed(self) -> float:
+        """The largest exposure of a rank's gradient communication past the makespan."""
+        return self.grad.iteration - self.makespan if self.grad else 0.0
+
+    @property
+    def iteration(self) -> float:
+        """Makespan plus the exposed gradient communication: what the model predicts per iteration."""
+        return self.makespan + self.exposed
 
     def to_json(self) -> dict:
         if self.problem:
             return {"schedule": self.name, "problem": self.problem}
-        return {"schedule": self.name, "microbatches": self.microbatches, "makespan": self.makespan,
+        grad = {} if self.grad is None else {
+            "iteration": self.iteration, "grad_exposed": self.exposed,
+            "grad_exposed_per_rank": self.grad.exposed, "bd_sum_per_rank": self.grad.bd_total,
+            "dp_reduce_per_rank": self.grad.dp_total}
+        return {**grad, "schedule": self.name, "microbatches": self.microbatches, "makespan": self.makespan,
                 "bubble": self.bubble, "formula_bubble": self.formula, "peak_activations": self.peak_activations,
                 "peak_weight_grad_states": self.peak_weight_grad_states,
                 "parameter_copies": self.parameter_copies,
@@ -93,8 +82,9 @@ Known = Dict[str, Tuple[Padded, SimResult]]
 
 
 def run(name: str, pp: int, real: int, stage_costs: Costs, progress: Progress = None,
-        known: Optional[Known] = None) -> Row:
-    """Simulate ``name`` on the model whose stages cost ``stage_costs``."""
+        known: Optional[Known] = None, comm: Optional[CommModel] = None) -> Row:
+    """Simulate ``name`` on the model whose stages cost ``stage_costs``; with ``comm``, P2P
+    messages cost their link and the row carries the gradient communication (``comm_cost``)."""
     spec = get(name)
     frac = stage_fraction(spec, pp)
     costs = stage_costs.scaled(frac)
@@ -106,10 +96,12 @@ def run(name: str, pp: int, real: int, stage_costs: Costs, progress: Progress = 
         except ScheduleError as e:
             return Row(name, problem=str(e))
         s = padded.schedule
-        res = simulate(s.layout, s.ranks, padded.costs(costs), progress)
+        res = simulate(s.layout, s.ranks, padded.costs(costs), progress, p2p=comm.p2p if comm else None)
+    grad = None if comm is None else grad_comm(padded.schedule, res, comm, frac, spec.defers_weight_grads,
+                                               padded.is_fake)
     return Row(name, None, padded.schedule.microbatches, costs, res.makespan, max(res.bubble),
                spec.formula_bubble(pp, costs), max(res.peak_activations) * frac,
-               max(t.peak_weight_grad_states for t in res.ranks) * frac, parameter_copies(spec, pp))
+               max(t.peak_weight_grad_states for t in res.ranks) * frac, parameter_copies(spec, pp), grad)
 
 
 def orders_with(name: str) -> List[str]:
@@ -121,9 +113,9 @@ def orders_with(name: str) -> List[str]:
 
 
 def compare(pp: int, real: int, stage_costs: Costs, names: Optional[Sequence[str]] = None,
-            known: Optional[Known] = None) -> List[Row]:
+            known: Optional[Known] = None, comm: Optional[CommModel] = None) -> List[Row]:
     """Every schedule (one per distinct order unless ``names``) on the same model."""
-    return [run(n, pp, real, stage_costs, known=known) for n in (names or distinct_orders())]
+    return [run(n, pp, real, stage_costs, known=known, comm=comm) for n in (names or distinct_orders())]
 
 
 def fmt(x: Optional[float]) -> str:
@@ -136,17 +128,23 @@ def fmt(x: Optional[float]) -> str:
 
 
 def table(rows: Sequence[Row], mark: Optional[str] = None) -> List[str]:
-    """Rows of :func:`compare` as an aligned text table; ``mark`` flags one schedule."""
-    cells: List[Sequence[str]] = [("schedule", "M", "makespan", "bubble", "closed form", "peak act.", "params"),
-                                  ("", "", "", "", "(its own costs)", "(stages)", "(stages/rank)")]
+    """Rows of :func:`compare` as an aligned text table; ``mark`` flags one schedule. With the
+    gradient communication, the exposed part and the iteration too."""
+    comm = any(r.grad is not None for r in rows)
+    cells: List[Sequence[str]] = [("schedule", "M", "makespan", "bubble", "closed form", "peak act.", "params")
+                                  + (("exposed", "iteration") if comm else ()),
+                                  ("", "", "", "", "(its own costs)", "(stages)", "(stages/rank)")
+                                  + (("grad. comm.", "") if comm else ())]
     for r in rows:
         if r.problem:
             cells.append((r.name, "cannot run: " + r.problem))
             continue
         cells.append((r.name, str(r.microbatches), fmt(r.makespan), fmt(r.bubble),
                       f"{get(r.name).bubble_formula} = {fmt(r.formula)}", fmt(r.peak_activations),
-                      fmt(r.parameter_copies)) + (("<- this schedule",) if r.name == mark else ()))
-    return align(cells, left=(0, 4, 7))
+                      fmt(r.parameter_copies))
+                     + ((fmt(round(r.exposed, 3)), fmt(round(r.iteration, 3))) if comm else ())
+                     + (("<- this schedule",) if r.name == mark else ()))
+    return align(cells, left=(0, 4, 9 if comm else 7))
 
 
 def align(rows: Sequence[Sequence[str]], left: Sequence[int] = (0,)) -> List[str]:

@@ -14,7 +14,7 @@ from collections import deque
 from typing import List
 
 from .actions import B, BW, F, W, Action
-from .layout import BIDIRECTIONAL, Layout
+from .layout import Layout
 
 # ---------------------------------------------------------------------------------------------
 # 1F1B and ZB-H1
@@ -53,6 +53,67 @@ def one_f_one_b_rank(layout: Layout, m: int, rank: int, zero_bubble: bool = Fals
 
 def zb_h1_rank(layout: Layout, m: int, rank: int) -> List[Action]:
     return one_f_one_b_rank(layout, m, rank, zero_bubble=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Megatron's interleaved 1F1B (virtual pipeline)
+# ---------------------------------------------------------------------------------------------
+
+def interleaved_order(m: int, chunks: int, group: int) -> List[tuple]:
+    """Megatron's schedule table: the (micro-batch, model chunk) of each virtual micro-batch.
+
+    Micro-batches go in groups of ``group`` (Megatron's ``microbatch_group_size_per_vp_stage``,
+    by default pp): every chunk runs the whole group before the next chunk starts it; the last
+    group takes whatever micro-batches are left.
+    """
+    table = []
+    for first in range(0, m, group):
+        last = m if first + group >= m else first + group
+        table.extend((mb, c) for c in range(chunks) for mb in range(first, last))
+    return table
+
+
+def interleaved_warmup(pp: int, rank: int, m: int, chunks: int, group: int, overlap: bool = False) -> int:
+    """Megatron's warm-up forwards of ``rank``: 2(pp-1-rank) + (chunks-1) x group, one more with the
+    EP all-to-all overlap (so that every fused step's forward and backward are independent)."""
+    warmup = (pp - rank - 1) * 2 + (chunks - 1) * group + (1 if overlap else 0)
+    return min(warmup, m * chunks)
+
+
+def interleaved_1f1b_rank(layout: Layout, m: int, rank: int, overlap: bool = False) -> List[Action]:
+    """Megatron's interleaved 1F1B (``forward_backward_pipelining_with_interleaving``) on ``rank``.
+
+    The k-th forward runs the schedule table's k-th (micro-batch, chunk); the k-th backward the
+    same micro-batch in the mirrored chunk (chunks-1-c): warm-up forwards, then steady steps of
+    one forward and one backward, then the remaining backwards. Chunk c of rank r is stage
+    c*pp + r (``Layout`` interleaved). With ``overlap`` (``--overlap-moe-expert-parallel-comm``,
+    Megatron's combined 1F1B) every steady step's forward and backward run as one fused unit,
+    the F&B unit of DualPipe (``Action.overlap``), after one more warm-up forward.
+    """
+    pp, v = layout.pp, layout.chunks
+    table = interleaved_order(m, v, pp)
+    total = len(table)
+    warmup = interleaved_warmup(pp, rank, m, v, pp, overlap)
+
+    def forward(k: int, fused: bool = False) -> Action:
+        mb, c = table[k]
+        return Action(F, c, mb, c * pp + rank, fused)
+
+    def backward(k: int) -> Action:
+        mb, c = table[k]
+        c = v - 1 - c
+        return Action(BW, c, mb, c * pp + rank)
+
+    acts = [forward(k) for k in range(warmup)]
+    for k in range(total - warmup):
+        acts.append(forward(k + warmup, overlap))
+        acts.append(backward(k))
+    acts.extend(backward(k) for k in range(total - warmup, total))
+    return acts
+
+
+def interleaved_1f1b_overlap_rank(layout: Layout, m: int, rank: int) -> List[Action]:
+    return interleaved_1f1b_rank(layout, m, rank, overlap=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -158,8 +219,8 @@ def _dualpipe_steps(rec: _Recorder, n: int, r: int, per_direction: int, middle: 
 
 def dualpipe_rank(layout: Layout, m: int, rank: int) -> List[Action]:
     pp = layout.pp
-    if layout.kind == BIDIRECTIONAL:
-        n, r, per_direction = pp // 2, min(rank, pp - 1 - rank), m // 2
+    if layout.mirrored:
+        n, r, per_direction = pp // 2, min(rank, layout.partner(rank)), m // 2
         rec = _Recorder(layout, rank, flip=rank >= pp // 2)
     else:
         n, r, per_direction = pp, rank, m

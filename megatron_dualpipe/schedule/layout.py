@@ -9,9 +9,14 @@ Three layouts cover the schedules we build:
 * ``v`` (DualPipeV): one micro-batch route of 2*pp stages folded into a V. Stages 0..pp-1
   (direction 0) run down the ranks, stage s on rank s; stages pp..2pp-1 (direction 1) run back
   up, stage s on rank 2*pp-1-s. The turn at rank pp-1 stays on one rank.
+* ``interleaved`` (Megatron's interleaved 1F1B, virtual pipeline size ``chunks``): one route of
+  chunks*pp stages wound round the ranks ``chunks`` times, Megatron's layer placement: stage s
+  on rank s % pp, in model chunk (``dir``) s // pp. Rank r holds stages r, r+pp, r+2pp, ...
 
-The dependency rule (``deps``), the simulator and the communication planner ask only this
-module where a stage is and which stage comes before or after it.
+The dependency rule (``deps``), the simulator, the communication planner and the Megatron glue
+ask only this module where a stage is (:meth:`Layout.rank_of`, :meth:`Layout.stages_on`), which
+stage comes before or after it, and whether stages have mirrored copies (:attr:`Layout.mirrored`,
+:meth:`Layout.partner`).
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ from typing import Optional, Tuple
 UNIDIRECTIONAL = "unidirectional"
 BIDIRECTIONAL = "bidirectional"
 V_SHAPE = "v"
+INTERLEAVED = "interleaved"
 
 Hop = Tuple[int, int]  # (dir, stage)
 
@@ -29,18 +35,24 @@ Hop = Tuple[int, int]  # (dir, stage)
 class Layout:
     kind: str
     pp: int
+    #: Model chunks per rank of the interleaved layout (Megatron's virtual pipeline size).
+    chunks: int = 1
 
     @property
     def directions(self) -> Tuple[int, ...]:
+        if self.kind == INTERLEAVED:
+            return tuple(range(self.chunks))
         return (0, 1) if self.kind != UNIDIRECTIONAL else (0,)
 
     @property
     def dir_word(self) -> str:
-        """What ``Action.dir`` names in this layout: a direction, or (DualPipeV) a model chunk."""
-        return "chunk" if self.kind == V_SHAPE else "direction"
+        """What ``Action.dir`` names in this layout: a direction, or (DualPipeV, interleaved) a model chunk."""
+        return "chunk" if self.kind in (V_SHAPE, INTERLEAVED) else "direction"
 
     def dir_label(self, d: int) -> str:
         """The one name of ``dir`` value ``d``, used by every text and picture."""
+        if self.kind == INTERLEAVED:
+            return f"chunk {d} (stages {d * self.pp}-{(d + 1) * self.pp - 1})"
         if self.kind == V_SHAPE:
             first = self.stages(d)
             way = "down the ranks" if d == 0 else "back up"
@@ -49,12 +61,42 @@ class Layout:
             return f"direction {d} (enters at rank {0 if d == 0 else self.pp - 1})"
         return f"direction {d}"
 
+    @property
+    def mirrored(self) -> bool:
+        """Whether every stage has two copies, one per direction (DualPipe: stage s on rank s and on
+        rank pp-1-s), whose gradients must be summed over the pair of ranks."""
+        return self.kind == BIDIRECTIONAL
+
+    def partner(self, rank: int) -> int:
+        """The rank whose stages are ``rank``'s in the other direction: pp-1-rank (DualPipe: the
+        rank holding the mirrored copies; the middle rank of an odd pipeline is its own)."""
+        return self.pp - 1 - rank
+
+    def stages_on(self, rank: int) -> Tuple[int, ...]:
+        """The stage of each direction held by ``rank``: chunk ``d`` of its model is stage
+        ``stages_on(rank)[d]`` (DualPipe (i, pp-1-i), DualPipeV (i, 2pp-1-i), 1F1B (i,))."""
+        return tuple(self.stage_on(rank, d) for d in self.directions)
+
+    def holder(self, stage: int) -> Tuple[int, int]:
+        """(rank, direction) holding ``stage`` of a layout where each stage exists once along the
+        route (unidirectional, V); DualPipe's stages have two holders: use :meth:`rank_of`."""
+        if self.mirrored:
+            raise ValueError(f"stage {stage} of a {self.kind} layout has a copy in each direction: "
+                             f"ask rank_of(direction, stage)")
+        d = 1 if self.kind == V_SHAPE and stage >= self.pp else 0
+        return self.rank_of(d, stage), d
+
     def stages(self, d: int) -> range:
+        if self.kind == INTERLEAVED:
+            return range(d * self.pp, (d + 1) * self.pp)
         if self.kind == V_SHAPE and d == 1:
             return range(self.pp, 2 * self.pp)
         return range(self.pp)
 
     def rank_of(self, d: int, stage: int) -> int:
+        """The rank that owns ``stage`` of direction ``d``."""
+        if self.kind == INTERLEAVED:
+            return stage % self.pp
         if self.kind == BIDIRECTIONAL and d == 1:
             return self.pp - 1 - stage
         if self.kind == V_SHAPE and d == 1:
@@ -63,6 +105,8 @@ class Layout:
 
     def stage_on(self, rank: int, d: int) -> int:
         """The stage of direction ``d`` held by ``rank``."""
+        if self.kind == INTERLEAVED:
+            return d * self.pp + rank
         if self.kind == BIDIRECTIONAL and d == 1:
             return self.pp - 1 - rank
         if self.kind == V_SHAPE and d == 1:
@@ -71,6 +115,9 @@ class Layout:
 
     def next_hop(self, d: int, stage: int) -> Optional[Hop]:
         """The stage after (d, stage) on the micro-batch's route, or None at the loss."""
+        if self.kind == INTERLEAVED:
+            nxt = stage + 1
+            return (nxt // self.pp, nxt) if nxt < self.chunks * self.pp else None
         if self.kind == V_SHAPE:
             if d == 0:
                 return (0, stage + 1) if stage + 1 < self.pp else (1, self.pp)
@@ -79,6 +126,8 @@ class Layout:
 
     def prev_hop(self, d: int, stage: int) -> Optional[Hop]:
         """The stage before (d, stage), or None where the micro-batch is read from data."""
+        if self.kind == INTERLEAVED:
+            return ((stage - 1) // self.pp, stage - 1) if stage > 0 else None
         if self.kind == V_SHAPE:
             if d == 1:
                 return (1, stage - 1) if stage > self.pp else (0, self.pp - 1)

@@ -14,6 +14,12 @@ Names, one meaning each:
 * ``executor-1f1b`` is the same 1F1B order run by this project's executor, for comparing
   schedules on equal terms (same model, same checkpoints as ``1f1b``).
 * ``zb-h1``, ``dualpipe``, ``dualpipev`` run on the executor.
+* ``interleaved-1f1b`` (and ``interleaved-1f1b-a2a``, with Megatron's EP all-to-all overlap) is
+  Megatron's interleaved 1F1B, the incumbent every comparison includes. Megatron runs it (as
+  ``1f1b`` with a virtual pipeline); this project only simulates it (``runs_on == MODELLED``),
+  so it is no ``--pipeline-schedule`` choice: :data:`NAMES`, :data:`SPECS` and :func:`get` hold
+  the schedules that run, :func:`spec` finds every one, ``interleaved-1f1b-v4`` a virtual
+  pipeline of size 4 (the plain names mean 2, the chunks per rank of DualPipe).
 
 "Micro-batches" (``M``, ``microbatches``) always count the whole iteration, both directions
 together; ``chunks`` are model pieces on a rank (1, or 2 for the two-direction schedules).
@@ -26,8 +32,12 @@ from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
 
 from .actions import Action, RankActions
-from .generators import dualpipe_rank, one_f_one_b_rank, zb_h1_rank
-from .layout import BIDIRECTIONAL, UNIDIRECTIONAL, V_SHAPE, Layout
+import dataclasses
+import re
+
+from .generators import dualpipe_rank, interleaved_1f1b_overlap_rank, interleaved_1f1b_rank, one_f_one_b_rank, \
+    zb_h1_rank
+from .layout import BIDIRECTIONAL, INTERLEAVED, UNIDIRECTIONAL, V_SHAPE, Layout
 
 #: The names, for code that means one schedule in particular.
 ONE_F_ONE_B = "1f1b"
@@ -35,18 +45,22 @@ EXECUTOR_1F1B = "executor-1f1b"
 ZB_H1 = "zb-h1"
 DUALPIPE = "dualpipe"
 DUALPIPEV = "dualpipev"
+INTERLEAVED_1F1B = "interleaved-1f1b"
+INTERLEAVED_1F1B_A2A = "interleaved-1f1b-a2a"
 
 #: ``ScheduleSpec.runs_on``: megatron-core's own schedule function runs it.
 MEGATRON = "megatron"
 #: ``ScheduleSpec.runs_on``: this project's executor runs it (``megatron_dualpipe.executor``).
 EXECUTOR = "executor"
+#: ``ScheduleSpec.runs_on``: simulated and advised only (Megatron runs it under another name).
+MODELLED = "modelled"
 
 
 class ScheduleError(ValueError):
     """A schedule cannot be built for these arguments; the message says what would work."""
 
 
-Bubble = Callable[[int, float, float, float, float], float]  # (pp, f, b, w, fb) -> bubble
+Bubble = Optional[Callable[[int, float, float, float, float], float]]  # (pp, f, b, w, fb) -> bubble
 
 
 @dataclass(frozen=True)
@@ -60,7 +74,7 @@ class ScheduleSpec:
     layout_kind: str
     #: Action order of one rank: ``(layout, microbatches, rank) -> [Action]``.
     generator: Callable[[Layout, int, int], List[Action]]
-    #: ``MEGATRON`` or ``EXECUTOR``.
+    #: ``MEGATRON``, ``EXECUTOR`` or ``MODELLED``.
     runs_on: str
     #: The closed-form bubble (DeepSeek's / the Zero Bubble paper's table), as text and as a function.
     bubble_formula: str
@@ -79,24 +93,37 @@ class ScheduleSpec:
     #: The order splits backwards into B and a later W (zero bubble; ``--no-dualpipe-zero-bubble``
     #: runs each B as a full backward and each W as nothing).
     defers_weight_grads: bool = True
+    #: Model chunks per rank of an interleaved layout (Megatron's virtual pipeline size).
+    virtual: int = 1
+    #: Micro-batches come in groups of pp (Megatron's interleaved 1F1B): a multiple of pp, no padding.
+    microbatches_multiple_of_pp: bool = False
 
     # -- layout ------------------------------------------------------------------------------
     def layout(self, pp: int) -> Layout:
-        return Layout(self.layout_kind, pp)
+        return Layout(self.layout_kind, pp, self.virtual if self.layout_kind == INTERLEAVED else 1)
 
     @property
     def chunks_per_rank(self) -> int:
         """Model chunks each pipeline rank holds (Megatron's ``model`` list length)."""
+        if self.layout_kind == INTERLEAVED:
+            return self.virtual
         return 1 if self.layout_kind == UNIDIRECTIONAL else 2
 
     def model_stages(self, pp: int) -> int:
         """Stages the model is cut into: the layer count must divide by it."""
+        if self.layout_kind == INTERLEAVED:
+            return self.virtual * pp
         return 2 * pp if self.layout_kind == V_SHAPE else pp
+
+    @property
+    def mirrored(self) -> bool:
+        """Whether every stage has two copies, one per direction (``Layout.mirrored``: DualPipe)."""
+        return self.layout_kind == BIDIRECTIONAL
 
     @property
     def data_directions(self) -> int:
         """How many directions read micro-batches from data (DualPipe: both ends of the pipe)."""
-        return 2 if self.layout_kind == BIDIRECTIONAL else 1
+        return 2 if self.mirrored else 1
 
     # -- rules -------------------------------------------------------------------------------
     def pp_problem(self, pp: int, flag: str = "--pp") -> Optional[str]:
@@ -121,6 +148,10 @@ class ScheduleSpec:
     def microbatch_problem(self, pp: int, microbatches: int) -> Optional[str]:
         """Why the order cannot be built for ``microbatches`` (after padding), or None."""
         need = self.min_microbatches(pp)
+        if self.microbatches_multiple_of_pp and (microbatches < pp or microbatches % pp):
+            good = max(pp, microbatches + (-microbatches) % pp)
+            return (f"{self.name} (Megatron's interleaved 1F1B, micro-batch groups of pp) needs a multiple of "
+                    f"pp={pp} micro-batches, got {microbatches}: use {good}")
         if microbatches >= need and microbatches % self.microbatch_multiple == 0:
             return None
         good = max(need, microbatches + (-microbatches) % self.microbatch_multiple)
@@ -135,6 +166,11 @@ class ScheduleSpec:
 
         Raises :class:`ScheduleError` when ``real`` is below :meth:`min_real_microbatches`."""
         least = self.min_real_microbatches(pp, forward_only)
+        if self.microbatches_multiple_of_pp:  # Megatron pads nothing
+            problem = self.microbatch_problem(pp, real)
+            if problem:
+                raise ScheduleError(problem)
+            return real
         if real < least:
             raise ScheduleError(
                 f"{self.name} needs at least {least} micro-batches per iteration with pp={pp}, got {real}: raise "
@@ -144,7 +180,7 @@ class ScheduleSpec:
 
     def formula_bubble(self, pp: int, costs) -> Optional[float]:
         """The closed-form bubble for ``costs`` (a ``simulate.Costs``), None where pp is invalid."""
-        if self.pp_problem(pp):
+        if self.pp_problem(pp) or self.bubble is None:
             return None
         return self.bubble(pp, costs.f, costs.b, costs.w, costs.fused)
 
@@ -200,6 +236,44 @@ SPECS: Dict[str, ScheduleSpec] = {s.name: s for s in (
                  min_microbatches_per_rank=2, min_real_microbatches_per_rank=1, costs_per_chunk=True),
 )}
 
+_INTERLEAVED = dict(layout_kind=INTERLEAVED, runs_on=MODELLED, defers_weight_grads=False, virtual=2,
+                    costs_per_chunk=True, min_microbatches_per_rank=1, microbatches_multiple_of_pp=True)
+
+#: Schedules simulated and advised only: Megatron runs them as ``1f1b`` with a virtual pipeline.
+MODELLED_SPECS: Dict[str, ScheduleSpec] = {s.name: s for s in (
+    ScheduleSpec(INTERLEAVED_1F1B, "Megatron's interleaved 1F1B (virtual pipeline, v chunks of 1/v stage per rank; "
+                 "simulated only: run it as 1f1b with --virtual-pipeline-model-parallel-size)",
+                 generator=interleaved_1f1b_rank, bubble_formula="(pp-1)(f+b), f, b per chunk", bubble=_bubble_1f1b,
+                 **_INTERLEAVED),
+    ScheduleSpec(INTERLEAVED_1F1B_A2A, "Megatron's interleaved 1F1B with --overlap-moe-expert-parallel-comm: each "
+                 "steady step's F and B one fused unit (fb), like DualPipe's F&B (simulated only)",
+                 generator=interleaved_1f1b_overlap_rank, bubble_formula="none", bubble=None, **_INTERLEAVED),
+)}
+
+_VIRTUAL = re.compile(r"^(?P<base>.+)-v(?P<v>[0-9]+)$")
+
+
+def interleaved_name(base: str, v: int) -> str:
+    """The name of interleaved schedule ``base`` with virtual pipeline size ``v`` (plain: 2)."""
+    return base if v == MODELLED_SPECS[base].virtual else f"{base}-v{v}"
+
+
+def spec(name: str) -> ScheduleSpec:
+    """Any schedule, runnable or modelled; ``interleaved-1f1b-v4``: virtual pipeline size 4."""
+    if name in SPECS:
+        return SPECS[name]
+    if name in MODELLED_SPECS:
+        return MODELLED_SPECS[name]
+    m = _VIRTUAL.match(name)
+    if m and m.group("base") in MODELLED_SPECS:
+        v = int(m.group("v"))
+        if v < 2:
+            raise ScheduleError(f"{name}: the virtual pipeline size must be >= 2, got {v}")
+        return dataclasses.replace(MODELLED_SPECS[m.group("base")], name=name, virtual=v)
+    raise ScheduleError(f"unknown schedule {name!r}; choose one of {', '.join(NAMES + tuple(MODELLED_SPECS))} "
+                        f"({', '.join(MODELLED_SPECS)} take -vN for a virtual pipeline of size N)")
+
+
 #: The schedule that replaces DualPipe where the pipeline size is odd.
 V_SCHEDULE = DUALPIPEV
 
@@ -217,9 +291,10 @@ def names(runs_on: Optional[str] = None, chunks_per_rank: Optional[int] = None) 
 
 
 def distinct_orders() -> Tuple[str, ...]:
-    """One name per distinct action order (``executor-1f1b`` runs ``1f1b``'s): for tables."""
+    """One name per distinct action order (``executor-1f1b`` runs ``1f1b``'s), the modelled
+    incumbents included: for comparisons and tables."""
     seen, out = set(), []
-    for n, s in SPECS.items():
+    for n, s in {**SPECS, **MODELLED_SPECS}.items():
         if (s.generator, s.layout_kind) not in seen:
             seen.add((s.generator, s.layout_kind))
             out.append(n)
@@ -227,10 +302,13 @@ def distinct_orders() -> Tuple[str, ...]:
 
 
 def get(name: str) -> ScheduleSpec:
-    try:
+    """A schedule that runs (Megatron's or the executor's)."""
+    if name in SPECS:
         return SPECS[name]
-    except KeyError:
-        raise ScheduleError(f"unknown schedule {name!r}; choose one of {', '.join(NAMES)}") from None
+    if name in MODELLED_SPECS or (_VIRTUAL.match(name) and _VIRTUAL.match(name).group("base") in MODELLED_SPECS):
+        raise ScheduleError(f"{name} is simulated only (simulate, advise): Megatron runs its interleaved 1F1B as "
+                            f"{ONE_F_ONE_B} with --virtual-pipeline-model-parallel-size; choose one of {', '.join(NAMES)}")
+    raise ScheduleError(f"unknown schedule {name!r}; choose one of {', '.join(NAMES)}")
 
 
 @dataclass(frozen=True)
@@ -245,7 +323,7 @@ class Schedule:
 
     @property
     def spec(self) -> ScheduleSpec:
-        return SPECS[self.name]
+        return spec(self.name)
 
     def to_json(self) -> dict:
         return {
@@ -266,19 +344,19 @@ class Schedule:
 def validate(name: str, pp: int, microbatches: int) -> ScheduleSpec:
     """Raise :class:`ScheduleError` naming what would work; return the spec. Padding is the
     executor's job: this checks the order itself."""
-    spec = get(name)
+    spec_ = spec(name)
     if not isinstance(pp, int) or pp < 1:
         raise ScheduleError(f"pipeline size must be a positive integer, got {pp!r}")
     if not isinstance(microbatches, int) or microbatches < 1:
         raise ScheduleError(f"number of micro-batches must be a positive integer, got {microbatches!r}")
-    problem = spec.pp_problem(pp) or spec.microbatch_problem(pp, microbatches)
+    problem = spec_.pp_problem(pp) or spec_.microbatch_problem(pp, microbatches)
     if problem:
         raise ScheduleError(problem)
-    return spec
+    return spec_
 
 
 def build_schedule(name: str, pp: int, microbatches: int) -> Schedule:
-    spec = validate(name, pp, microbatches)
-    layout = spec.layout(pp)
-    ranks = tuple(tuple(spec.generator(layout, microbatches, r)) for r in range(pp))
+    spec_ = validate(name, pp, microbatches)
+    layout = spec_.layout(pp)
+    ranks = tuple(tuple(spec_.generator(layout, microbatches, r)) for r in range(pp))
     return Schedule(name, pp, microbatches, layout, ranks)

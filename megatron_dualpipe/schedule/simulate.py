@@ -118,8 +118,12 @@ class SimResult:
 
 
 def simulate(layout: Layout, ranks: Sequence[Sequence[Action]], costs: Costs = Costs(),
-             progress: Optional[Callable[[int, int], None]] = None) -> SimResult:
+             progress: Optional[Callable[[int, int], None]] = None,
+             p2p: Optional[Callable[[int, int], float]] = None) -> SimResult:
     """Time every rank's list; ``progress(done, total)`` is called every few thousand units.
+
+    ``p2p(src, dst)``: what a message from rank src to rank dst adds (``comm_cost.CommModel.p2p``:
+    latency and bytes over the link between them); default ``costs.p2p`` for every pair.
 
     Event-driven: a rank's next unit enters a heap keyed by (start time, rank) as soon as
     every event it waits for has finished (its start is then fixed), and a finished event
@@ -128,6 +132,7 @@ def simulate(layout: Layout, ranks: Sequence[Sequence[Action]], costs: Costs = C
     ranks at every step would pick.
     """
     pp = len(ranks)
+    hop = p2p or (lambda src, dst: costs.p2p)
     plans = [units(acts) for acts in ranks]
     pos = [0] * pp
     free_at = [0.0] * pp
@@ -148,7 +153,7 @@ def simulate(layout: Layout, ranks: Sequence[Sequence[Action]], costs: Costs = C
             for e in waits_for(layout, ranks[r][i]):
                 if e in done:
                     t, er = done[e]
-                    start = max(start, t + (costs.p2p if er != r else 0.0))
+                    start = max(start, t + (hop(er, r) if er != r else 0.0))
                 elif not any(event_of(ranks[r][j]) == e for j in unit if j < i):
                     waiting.setdefault(e, []).append(r)
                     return

@@ -12,7 +12,7 @@ import pytest
 from megatron_dualpipe.megatron_lm.checkpoint import strategies as st
 from megatron_dualpipe.schedule import registry
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 LM = ROOT / "megatron_dualpipe" / "megatron_lm"
 
 

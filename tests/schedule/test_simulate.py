@@ -182,7 +182,7 @@ def test_overlap_section_of_the_bubble_report():
     import importlib.util
     import pathlib
 
-    path = pathlib.Path(__file__).resolve().parent.parent / "tools" / "bubble_report.py"
+    path = pathlib.Path(__file__).resolve().parents[2] / "tools" / "bubble_report.py"
     spec = importlib.util.spec_from_file_location("bubble_report", path)
     report = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(report)

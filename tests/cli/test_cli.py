@@ -12,7 +12,7 @@ from megatron_dualpipe.cli import COMMANDS, main
 from megatron_dualpipe.schedule import build_schedule
 from megatron_dualpipe.schedule.actions import Action
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def run(capsys, *argv):

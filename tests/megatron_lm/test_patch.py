@@ -10,7 +10,7 @@ import pytest
 from megatron_dualpipe.cli import main
 from megatron_dualpipe.megatron_lm.patching import HOOK, PatchError, apply
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 PATCH_FILE = ROOT / "patches" / "megatron-lm-core_v0.16.1.patch"
 CONTEXT = "from typing import List, Optional, Tuple\n\nimport torch\n\nfrom gpt_builders import gpt_builder\n" \
           "from megatron.core import parallel_state\n"

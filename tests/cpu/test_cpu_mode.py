@@ -397,7 +397,8 @@ def test_enable_disable_restores_every_megatron_lm_attribute():
     for mod in ("six", "regex", "yaml", "pydantic"):
         pytest.importorskip(mod, reason="Megatron-LM's training code needs six regex pyyaml pydantic")
     here = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([path, os.path.dirname(here), here]))
+    tests = os.path.dirname(here)  # harness
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([path, os.path.dirname(tests), tests, here]))
     script = ("import json, test_cpu_mode\n"
               "from megatron_dualpipe.megatron_lm import triton_stub\n"
               "triton_stub.preimport_triton_users()\n"

@@ -17,7 +17,8 @@ import torch
 from harness import megatron_env as me
 from test_dualpipe_megatron import MBS, SEQ, _provider, forward_step, make_batches
 
-from megatron_dualpipe.mcore.live_advice import advice_text, stage_parameter_bytes
+from megatron_dualpipe.mcore.live_advice import DEFAULT_WARMUP, LiveAdvice, advice_text, cost_problem
+from megatron_dualpipe.mcore.live_advice import stage_parameter_bytes
 from megatron_dualpipe.timeline import op_medians, slowest_costs
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-mode tests")
@@ -37,6 +38,45 @@ def test_op_medians_and_slowest_costs():
     assert (costs.f, costs.b, costs.w, costs.fb) == pytest.approx((15.0, 34.0, 9.0, 60.0))  # b = B + W
 
 
+def test_op_medians_pool_several_iterations():
+    """The advice pools the measured iterations' units: the median over all of them."""
+    def record(f_ms):
+        return {"actions": [{"op": "F", "dir": 0, "mb": i, "stage": 0} for i in range(len(f_ms))],
+                "units": [[[i], 0.0, 0.0, ms / 1e3] for i, ms in enumerate(f_ms)]}
+    pooled = op_medians(record([10.0, 11.0]), record([12.0, 13.0]), record([100.0]))
+    print(pooled)
+    assert pooled == pytest.approx({"F": 12.0})
+
+
+def test_warm_up_iterations_are_not_recorded():
+    """The first ``warmup`` training calls get no recorder: their units (every one of them slowed by
+    one-time costs) never reach the medians; the next calls are recorded."""
+    advice = LiveAdvice(warmup=2, measured=2)
+    model = [torch.nn.Linear(2, 2)]
+    got = []
+    for _ in range(4):
+        with advice.measuring(model) as recorder:
+            got.append(recorder)
+    print(f"recorders per call: {[type(r).__name__ for r in got]}; measured {advice.iterations()}")
+    assert got[:2] == [None, None] and all(r is not None for r in got[2:])
+    assert advice.iterations() == "iterations 3-4" and DEFAULT_WARMUP >= 2
+
+
+@pytest.mark.parametrize("per_op,refused", [
+    ({"F": 97.6, "B": 28.5, "W": 10.0, "FB": 60.0}, True),    # what a first iteration measured
+    ({"F": 10.0, "B": 12.0, "W": 5.0, "FB": 11.0}, True),     # cheaper than B alone
+    ({"F": 10.0, "B": 12.0, "W": 5.0, "FB": 15.0}, False),    # overlap gain: between max and sum
+    ({"F": 10.0, "BW": 20.0, "FB": 30.0}, False),
+    ({"F": 10.0, "B": 12.0, "W": 5.0}, False),                 # no fused units: nothing to compare
+])
+def test_costs_a_fused_unit_cannot_have_are_not_advised_from(per_op, refused):
+    problem = cost_problem(per_op)
+    print(f"\n{per_op}: {problem}")
+    assert (problem is not None) == refused
+    if refused:
+        assert "--dualpipe-advise-warmup" in problem and "less than F" in problem
+
+
 def test_stage_parameter_bytes_counts_gradients_and_adam_state():
     fp32, bf16 = torch.nn.Linear(10, 4), torch.nn.Linear(10, 4).to(torch.bfloat16)
     assert stage_parameter_bytes(fp32) == 44 * (4 + 4 + 8)
@@ -46,7 +86,7 @@ def test_stage_parameter_bytes_counts_gradients_and_adam_state():
 def test_advice_text_names_the_choice():
     text = advice_text("dualpipe", 4, 16, {"F": 10.0, "B": 10.0, "W": 10.0}, 2 * 2**20, 100 * 2**20, None)
     print(text)
-    assert text.startswith("advice from the first training iteration of dualpipe (pp=4, M=16")
+    assert text.startswith("advice for pp=4, M=16 from training iterations of dualpipe")
     assert "M=16: use " in text and "f=10 b=20 w=10" in text
 
 
@@ -97,13 +137,13 @@ def _advising_worker(rank, world, port, schedule):
         broadcast_mirrors(model)
         for chunk in model:
             chunk.config.finalize_model_grads_func = lambda *a, **k: None
-        for forward_only in (True, False, False):  # evaluation first: not measured
+        for forward_only in (True, False, False, False, False):  # evaluation first: not measured
             with torch.no_grad() if forward_only else torch.enable_grad():
                 forward_backward_dualpipe(forward_step_func=forward_step, data_iterator=iter(make_batches(8)),
                                           model=model, num_microbatches=8, seq_length=SEQ, micro_batch_size=MBS,
                                           forward_only=forward_only, schedule=schedule, p2p_timeout=60,
-                                          advise=True)
-        return [line for line in handler.lines if "advice from" in line]
+                                          advise=True, advise_warmup=1)
+        return [line for line in handler.lines if "advice for" in line or "no advice from" in line]
     finally:
         logger.removeHandler(handler)
         me.destroy_distributed()
@@ -116,7 +156,7 @@ def test_first_training_iteration_logs_advice_once_on_rank_0():
     print(logged[0][0] if logged[0] else logged)
     assert [len(x) for x in logged] == [1, 0, 0, 0]
     text = logged[0][0]
-    assert "advice from the first training iteration of dualpipe (pp=4, M=8" in text
+    assert "advice for pp=4, M=8 from training iterations 2-4 of dualpipe, the first 1 skipped as warm-up" in text
     assert "\nM=8: use " in text
     memory_line = next(line for line in text.splitlines() if line.startswith("memory: activations "))
     activation_mib = float(memory_line.split()[2])

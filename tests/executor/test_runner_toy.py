@@ -38,10 +38,6 @@ def route_stages(name, pp):
     return 2 * pp if name == "dualpipev" else pp
 
 
-def global_mb(name, m, d, mb):
-    return mb + (m // 2 if name == "dualpipe" and d == 1 else 0)
-
-
 def engine_backward(out, grad, inputs=(), keep_graph=False):
     """Backward through an output whose storage was freed after sending (as Megatron does)."""
     if grad is None:
@@ -51,28 +47,28 @@ def engine_backward(out, grad, inputs=(), keep_graph=False):
 
 
 class ToyCompute(StageComputeBase):
-    def __init__(self, name, pp, m, rank, layout):
-        self.name, self.m, self.layout = name, m, layout
+    """``padded``: which micro-batches are real (their global index); padding never reaches a compute."""
+
+    def __init__(self, padded, rank, layout):
+        self.padded, self.m, self.layout = padded, padded.real, layout
         self.mods = {}
         for d in layout.directions:
             s = layout.stage_on(rank, d)
             self.mods[(d, s)] = stage_module(s)
-        self.x, self.y = data(m)
+        self.x, self.y = data(self.m)
         self.saved, self.deferred, self.losses = {}, {}, {}
         self.unreleased, self.peak_unreleased, self.released = set(), 0, 0
 
-    def is_fake(self, a):
-        return False
-
     def forward(self, a, inp):
+        g = self.padded.global_index(a)
+        assert g is not None, f"{a}: a padding action reached the stage compute"
         mod = self.mods[(a.dir, a.stage)]
         if inp is None:
-            inp = self.x[global_mb(self.name, self.m, a.dir, a.mb)]
+            inp = self.x[g]
         out = mod(inp)
         if self.layout.is_last(a.dir, a.stage):
-            y = self.y[global_mb(self.name, self.m, a.dir, a.mb)]
-            out = ((out - y) ** 2).mean() / self.m
-            self.losses[global_mb(self.name, self.m, a.dir, a.mb)] = out.item()
+            out = ((out - self.y[g]) ** 2).mean() / self.m
+            self.losses[g] = out.item()
         self.saved[(a.dir, a.mb, a.stage)] = (inp, out)
         if not self.layout.is_last(a.dir, a.stage):
             self.unreleased.add(id(out))
@@ -80,6 +76,7 @@ class ToyCompute(StageComputeBase):
         return out
 
     def backward(self, a, grad):
+        assert not self.padded.is_fake(a), f"{a}: a padding action reached the stage compute"
         inp, out = self.saved.pop((a.dir, a.mb, a.stage))
         # Megatron's custom_backward asserts the same: a sent output is released before its backward.
         assert id(out) not in self.unreleased, f"{a}: the output of its forward was not released yet"
@@ -114,12 +111,13 @@ class FusedRecordingCompute(ToyCompute):
         return super().forward_backward(f_action, b_action, input_tensor, output_grad)
 
 
-def worker(rank, world, port, name, m, forward_only, trace_dir=None, per_channel=False):
+def worker(rank, world, port, name, m, forward_only, trace_dir=None, per_channel=False, real=None):
+    """Run ``m`` micro-batches of ``name``, of which ``real`` (default all) are real, the rest padding."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
     try:
-        prog = compile_program(name, world, m, forward_only)
-        comp = FusedRecordingCompute(name, world, m, rank, prog.schedule.layout)
+        prog = compile_program(name, world, m, forward_only, real)
+        comp = FusedRecordingCompute(prog.padded, rank, prog.schedule.layout)
         groups = channel_groups(list(range(world)), channels_of(prog.plans)) if per_channel else None
         p2p = P2P(None, list(range(world)), rank, timeout_s=30, channel_groups=groups)
         ctx = torch.no_grad() if forward_only else torch.enable_grad()
@@ -172,6 +170,34 @@ def test_runner_matches_single_process(name, pp, m, per_channel):
             worst_grad = max(worst_grad, (summed[(s, n)] - g).abs().max().item() / (g.abs().max().item() + 1e-12))
     print(f"\n{name} pp={pp} M={m}{' per channel' if per_channel else ''}: max |loss diff| {worst_loss:.2e}, "
           f"max relative grad diff {worst_grad:.2e}")
+    assert worst_loss < 1e-6 and worst_grad < 1e-5
+
+
+@pytest.mark.parametrize("name,pp,real", [("dualpipe", 4, 5), ("dualpipev", 3, 4)])
+def test_padding_runs_as_nothing(name, pp, real):
+    """A short batch padded with fake micro-batches (as training does for pp <= M < 2pp): the
+    program marks the padding actions, they never reach the stage compute (it asserts so), and
+    the real micro-batches' losses and gradients are those of ``real`` micro-batches alone."""
+    from megatron_dualpipe.schedule import registry
+
+    m = registry.get(name).padded_microbatches(pp, real)
+    prog = compile_program(name, pp, m, False, real)
+    fakes = sum(map(sum, prog.padding))
+    assert m > real and fakes > 0
+    results = run_workers(worker, pp, args=(name, m, False, None, False, real), timeout=90)
+    ref_losses, ref_grads = reference(name, pp, real)
+    losses = {g: v for r in results for g, v in r["losses"].items()}
+    assert sorted(losses) == list(range(real))
+    worst_loss = max(abs(losses[g] - ref_losses[g]) for g in range(real))
+    summed = {}
+    for r in results:
+        for key, g in r["grads"].items():
+            d, s, n = key.split("/")
+            summed[(int(s), n)] = summed.get((int(s), n), 0) + torch.as_tensor(g)
+    worst_grad = max((summed[(s, n)] - g).abs().max().item() / (g.abs().max().item() + 1e-12)
+                     for s, named in ref_grads.items() for n, g in named.items())
+    print(f"\n{name} pp={pp}: {real} real micro-batches run as {m} ({fakes} padding actions): "
+          f"max |loss diff| {worst_loss:.2e}, max relative grad diff {worst_grad:.2e}")
     assert worst_loss < 1e-6 and worst_grad < 1e-5
 
 
@@ -246,11 +272,12 @@ def _megatron_modules(rank=0, world=1, port=0):
 def test_toy_tests_never_import_megatron_core():
     """This file and its workers need torch only: megatron-core is imported nowhere (fresh process)."""
     here = os.path.dirname(os.path.abspath(__file__))
+    tests = os.path.dirname(here)  # harness
     script = ("import json, test_runner_toy as t\n"
               "from harness.workers import run_workers\n"
               "print('MODULES' + json.dumps({'parent': t._megatron_modules(), "
               "'workers': run_workers(t._megatron_modules, 2)}))\n")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(here), here]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(tests), tests, here]))
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("MODULES")]
     assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-2000:]

@@ -13,7 +13,7 @@ import pytest
 
 from megatron_dualpipe.schedule import build_schedule
 
-DATA = pathlib.Path(__file__).parent / "data" / "reference_schedules.json"
+DATA = pathlib.Path(__file__).parents[1] / "data" / "reference_schedules.json"
 REFERENCE = json.loads(DATA.read_text())
 
 
@@ -41,7 +41,7 @@ def test_generator_matches_reference_trace(key):
 def test_live_trace_matches_stored_file():
     import importlib.util
     spec = importlib.util.spec_from_file_location(
-        "trace_reference", pathlib.Path(__file__).parents[1] / "tools" / "trace_reference.py")
+        "trace_reference", pathlib.Path(__file__).parents[2] / "tools" / "trace_reference.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     for key in ("dualpipe/8/20", "dualpipev/6/14", "dualpipe/16/38"):

@@ -8,7 +8,7 @@ import pytest
 from megatron_dualpipe import draw
 from megatron_dualpipe.schedule import build_schedule
 from megatron_dualpipe.schedule.actions import OPS
-from megatron_dualpipe.schedule.compare import build_padded
+from megatron_dualpipe.schedule.padding import build_padded
 from megatron_dualpipe.schedule.registry import DUALPIPE, DUALPIPEV, ONE_F_ONE_B, ZB_H1
 from megatron_dualpipe.schedule.simulate import Costs, simulate
 

@@ -93,3 +93,87 @@ def test_timeline_png_is_written(tmp_path):
     path = tmp_path / "t.png"
     to_png(s, simulate(s.layout, s.ranks, Costs()), str(path))
     assert path.read_bytes()[:8] == PNG and path.stat().st_size > 10_000
+
+
+# ---------------------------------------------------------------------------------------------
+# Labels sized to their cells; each timeline on an axis that fits it; schedules compared
+# ---------------------------------------------------------------------------------------------
+
+def _labels_and_cells(fig):
+    """(font size, label width, cell width) in pixels for every micro-batch label drawn."""
+    from matplotlib.patches import Rectangle
+
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    found = []
+    for ax in fig.axes:
+        cells = [p for p in ax.patches if isinstance(p, Rectangle) and p.get_facecolor()[3] > 0]
+        for t in ax.texts:
+            x, y = t.get_position()
+            cell = next(c for c in cells if c.get_x() <= x <= c.get_x() + c.get_width()
+                        and c.get_y() <= y <= c.get_y() + c.get_height())
+            box = cell.get_window_extent(renderer)
+            found.append((t.get_fontsize(), t.get_window_extent(renderer).width, box.width))
+    return found
+
+
+@pytest.mark.parametrize("measured_scale", [1.1, 7.0])
+def test_stacked_labels_fit_their_cells_and_each_panel_fits_its_axis(measured_scale):
+    """The main job's timeline.png: the measured iteration took 7x its simulation on a busy machine.
+    Each panel is drawn on its own axis, fitted to it (a note says so), and every micro-batch label
+    is as large as its cell allows (5 to 8 pt) and no wider than the cell: not 4 pt everywhere."""
+    s = build_schedule("dualpipe", 4, 16)
+    unit = Costs()
+    slow = Costs(f=unit.f * measured_scale, b=unit.b * measured_scale, w=unit.w * measured_scale)
+    measured, sim = simulate(s.layout, s.ranks, slow), simulate(s.layout, s.ranks, unit)
+    fig = stacked_figure(s, [("measured", measured), ("simulated", sim)])
+    try:
+        top, bottom = fig.axes[:2]
+        print(f"\nmeasured {measured.makespan:g} on x 0..{top.get_xlim()[1]:g}, simulated {sim.makespan:g} on "
+              f"x 0..{bottom.get_xlim()[1]:g}; title: {top.get_title(loc='left')!r}")
+        assert top.get_xlim() == (0, measured.makespan) and bottom.get_xlim() == (0, sim.makespan)
+        assert ("own time axis" in top.get_title(loc='left')) == (measured_scale > 1.2)
+        labels = _labels_and_cells(fig)
+        sizes = sorted({size for size, _, _ in labels})
+        print(f"{len(labels)} labels, sizes {sizes}")
+        assert len(labels) >= len([a for acts in s.ranks for a in acts]) and min(sizes) >= 5
+        assert all(w <= cell + 1 for _, w, cell in labels)
+        assert outside_figure(fig) == []
+    finally:
+        agg_pyplot().close(fig)
+
+
+def test_narrow_cells_get_no_label_rather_than_an_unreadable_one():
+    s = build_schedule("dualpipe", 8, 64)
+    sim = simulate(s.layout, s.ranks, Costs())
+    fig = stacked_figure(s, [("simulated", sim)])
+    try:
+        labels = _labels_and_cells(fig)
+        print(f"\n{len(labels)} labels on {sum(len(a) for a in s.ranks)} actions, sizes {sorted({x for x, _, _ in labels})}")
+        assert all(size >= 5 and w <= cell + 1 for size, w, cell in labels)
+    finally:
+        agg_pyplot().close(fig)
+
+
+@pytest.mark.parametrize("name", ["dualpipe", "dualpipev"])
+def test_schedule_against_1f1b_on_one_axis_with_makespans(tmp_path, name):
+    """The main job's <schedule>_vs_1f1b picture: both simulated on one time axis, makespans in the
+    titles, equal to the simulator's (an independent run of it here)."""
+    from megatron_dualpipe.draw import panels_figure
+    from megatron_dualpipe.report import simulated_pair, write_schedule_comparison
+
+    panels, makespans = simulated_pair(name, 4, 16)
+    one = build_schedule("1f1b", 4, 16)
+    assert makespans[1] == ("1f1b", simulate(one.layout, one.ranks, Costs()).makespan)
+    fig = panels_figure(panels, shared_axis=True)
+    try:
+        top, bottom = fig.axes[:2]
+        print(f"\n{top.get_title(loc='left')}\n{bottom.get_title(loc='left')}")
+        assert top.get_xlim() == bottom.get_xlim() == (0, max(m for _, m in makespans))
+        for ax, (n, m) in zip((top, bottom), makespans):
+            assert ax.get_title(loc='left').startswith(f"{n}: ") and f"makespan {m:g}" in ax.get_title(loc='left')
+        assert outside_figure(fig) == []
+    finally:
+        agg_pyplot().close(fig)
+    path = write_schedule_comparison(str(tmp_path), name, 4, 16)
+    assert open(path, "rb").read(8) == PNG

@@ -5,6 +5,7 @@ Runs `scripts/pretrain_gpt_dualpipe.sh` with DRY_RUN=1 against a stand-in Megatr
 config in configs/ must pass at the minimum GPU count it states, and each missing or wrong setting
 must fail with one line naming the fix (never a bash error such as "unbound variable").
 """
+import json
 import os
 import pathlib
 import re
@@ -14,7 +15,7 @@ import sys
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "pretrain_gpt_dualpipe.sh"
 CONFIGS = sorted(p.stem for p in (ROOT / "configs").glob("*.sh"))
 
@@ -31,7 +32,7 @@ def min_gpus(config):
     return int(re.search(r"^# Minimum GPUs: (\d+)", (ROOT / "configs" / f"{config}.sh").read_text(), re.M).group(1))
 
 
-def run(tmp_path, **env):
+def run(tmp_path, tokenizer=True, extra=(), **env):
     fake = fake_checkout(tmp_path / "Megatron-LM")
     for ext in ("bin", "idx"):
         (tmp_path / f"text_document.{ext}").write_text("")
@@ -43,11 +44,21 @@ def run(tmp_path, **env):
     for k, v in env.items():
         if v is None:
             full.pop(k, None)
-    return subprocess.run(["bash", str(SCRIPT), "--seed", "7"], env=full, capture_output=True, text=True, timeout=30)
+    args = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "1024"] if tokenizer else []
+    return subprocess.run(["bash", str(SCRIPT), *args, *extra, "--seed", "7"], env=full, capture_output=True,
+                          text=True, timeout=60)
 
 
 def test_configs_exist():
     assert {"gpt_tiny_cpu", "gpt_345m", "gpt_8b", "moe_mixtral_8x7b", "moe_deepseek_v2_lite"} <= set(CONFIGS)
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_each_config_says_which_tokenizer_to_pass(config):
+    """A config either sets a tokenizer (and names the files it needs) or says which to pass."""
+    text = (ROOT / "configs" / f"{config}.sh").read_text()
+    line = re.search(r"^# Tokenizer: (.*)$", text, re.M)
+    assert line and "--tokenizer" in text[line.start():line.start() + 300] or "--vocab-file" in line.group(1), config
 
 
 def test_readme_states_each_configs_minimum():
@@ -66,7 +77,8 @@ def test_every_config_is_accepted_at_its_minimum_and_composed(tmp_path, config, 
     header, command = r.stdout.strip().splitlines()[-2:]
     print(f"\n{config} {schedule}: {header}")
     argv = shlex.split(command)
-    assert argv[argv.index("-m") + 1] == "megatron_dualpipe.launch"
+    last_m = max(i for i, a in enumerate(argv) if a == "-m")  # after "python -m torch.distributed.run" if any
+    assert argv[last_m + 1] == "megatron_dualpipe.launch"
     assert argv[argv.index("--pipeline-schedule") + 1] == schedule
     assert argv[argv.index("--nnodes") + 1] == str(nodes) and argv[-2:] == ["--seed", "7"]
     pp = int(argv[argv.index("--pipeline-model-parallel-size") + 1])
@@ -102,7 +114,7 @@ def test_below_the_stated_minimum_is_refused_naming_it(tmp_path, config):
                                       "count is 64 (GPUS_PER_NODE=8 with NNODES=8)"),
     (dict(CONFIG="moe_deepseek_v2_lite", GPUS_PER_NODE=8, NNODES=5, MASTER_ADDR="n0"), "nearest valid count is 32"),
     (dict(CONFIG="moe_mixtral_8x7b", EP=3, PP=2, GPUS_PER_NODE=6), "EP=3 does not divide the config's 8 experts"),
-    (dict(CONFIG="gpt_345m", DATA_PATH="/no/such/prefix"), "no /no/such/prefix.bin and /no/such/prefix.idx"),
+    (dict(CONFIG="gpt_345m", DATA_PATH="/no/such/prefix"), "no /no/such/prefix.bin or /no/such/prefix.idx"),
     (dict(CONFIG="gpt_345m", PYTHON="/no/such/python"), "PYTHON=/no/such/python not found"),
 ])
 def test_bad_setups_fail_early_with_the_fix(tmp_path, env, expected):
@@ -140,3 +152,79 @@ def test_blended_data_path_checks_every_prefix(tmp_path):
     argv = shlex.split(r.stdout.strip().splitlines()[-1])
     i = argv.index("--data-path")
     assert argv[i + 1:i + 5] == ["0.7", str(tmp_path / "text_document"), "0.3", str(tmp_path / "other")]
+
+
+# ---------------------------------------------------------------------------------------------
+# Checked before torchrun (megatron_dualpipe/launch_checks.py through launch --check)
+# ---------------------------------------------------------------------------------------------
+
+def write_indexed(prefix, top_id):
+    """A Megatron indexed dataset header (.idx: magic, version, dtype code 8 = uint16) and a .bin
+    whose largest token id is ``top_id``."""
+    import struct
+
+    import numpy as np
+
+    pathlib.Path(f"{prefix}.idx").write_bytes(b"MMIDIDX\x00\x00" + struct.pack("<QB", 1, 8) + b"\x00" * 16)
+    np.arange(top_id + 1, dtype=np.uint16).tofile(f"{prefix}.bin")
+
+
+def gpt2_files(tmp_path, entries):
+    (tmp_path / "vocab.json").write_text(json.dumps({f"t{i}": i for i in range(entries)}))
+    (tmp_path / "merges.txt").write_text("#version: 0.2\n")
+    return ["--vocab-file", str(tmp_path / "vocab.json"), "--merge-file", str(tmp_path / "merges.txt")]
+
+
+@pytest.mark.parametrize("config,extra,expected", [
+    ("gpt_tiny_cpu", [], "no --tokenizer-type: Megatron-LM needs one"),
+    ("gpt_345m", [], "--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file"),
+    ("gpt_345m", ["--vocab-file", "/no/vocab.json", "--merge-file", "/no/merges.txt"],
+     "--vocab-file /no/vocab.json: no such file"),
+    ("gpt_tiny_cpu", ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", "./no/such/dir"],
+     "--tokenizer-model ./no/such/dir: no such file"),
+])
+def test_tokenizer_is_checked_before_torchrun(tmp_path, config, extra, expected):
+    r = run(tmp_path, tokenizer=False, extra=extra, CONFIG=config)
+    print(f"\n{config} {' '.join(extra)}: {r.stderr.strip()}")
+    assert r.returncode == 2 and r.stdout == "" and r.stderr.count("\n") == 1 and expected in r.stderr
+    assert r.stderr.startswith("pretrain_gpt_dualpipe.sh: error: ")
+
+
+def test_vocabulary_smaller_than_the_datas_token_ids_is_refused(tmp_path):
+    """The data holds ids up to 1023, the tokenizer has 581 entries: Megatron would fail with an
+    IndexError in the embedding 40 s in; the script refuses it first (and accepts 1024 entries)."""
+    write_indexed(tmp_path / "real_document", 1023)
+    small = tmp_path / "small"
+    small.mkdir()
+    data = str(tmp_path / "real_document")
+    r = run(tmp_path, tokenizer=False, extra=gpt2_files(small, 581), CONFIG="gpt_345m", DATA_PATH=data)
+    print(f"\n{r.stderr.strip()}")
+    assert r.returncode == 2 and r.stdout == "" and r.stderr.count("\n") == 1
+    assert "holds token id 1023 but the tokenizer has only 581 entries" in r.stderr
+    r = run(tmp_path, tokenizer=False, extra=gpt2_files(small, 1024), CONFIG="gpt_345m", DATA_PATH=data)
+    assert r.returncode == 0, r.stderr
+
+
+def test_a_python_without_torch_is_named(tmp_path):
+    """PYTHON (or torchrun's interpreter) that cannot import torch: refused before torchrun,
+    where `--check` used to say "can run"."""
+    venv = tmp_path / "bare"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    r = run(tmp_path, CONFIG="gpt_345m", PYTHON=str(venv / "bin" / "python"))
+    print(f"\n{r.stderr.strip()}")
+    assert r.returncode == 2 and r.stdout == ""
+    assert f"{venv / 'bin' / 'python'} cannot import torch" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_without_torchrun_on_path_the_python_that_has_torch_runs_it(tmp_path):
+    """No torchrun on PATH and no PYTHON: `python -m torch.distributed.run` with the interpreter
+    the preflight checked, not a bare `torchrun` that the shell cannot find."""
+    shim = tmp_path / "bin"
+    shim.mkdir()
+    (shim / "python3").symlink_to(sys.executable)
+    r = run(tmp_path, CONFIG="gpt_345m", PYTHON=None, TORCHRUN=None, PATH=f"{shim}:/usr/bin:/bin")
+    assert r.returncode == 0, r.stderr
+    argv = shlex.split(r.stdout.strip().splitlines()[-1])
+    print(f"\n{' '.join(argv[:3])}")
+    assert argv[1:3] == ["-m", "torch.distributed.run"]
+    assert argv[0] in (str(ROOT / ".venv" / "bin" / "python"), str(shim / "python3"))

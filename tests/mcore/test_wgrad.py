@@ -467,7 +467,11 @@ def test_local_spec_gpt_model(moe):
 
 def test_grouped_mlp_is_reported_not_deferred():
     _cpu_mode()
-    from megatron.core.transformer.moe.experts import GroupedMLP
+    from megatron.core.transformer.moe import experts
+
+    GroupedMLP = getattr(experts, "GroupedMLP", None)
+    if GroupedMLP is None:
+        pytest.skip("this megatron-core (0.19 and later) has no legacy GroupedMLP")
 
     class Holder(torch.nn.Module):
         pass

@@ -1,0 +1,363 @@
+"""Ctrl-C, SIGTERM and a closed pipe end a command in one line, with every process it started.
+
+A command that starts other processes (``torchrun`` and its ranks, ``pip``, benchmark workers)
+must not leave them running when the user interrupts it: ``torchrun`` starts each rank in a
+session of its own, so the ranks neither get the terminal's Ctrl-C nor die with ``torchrun``
+when it is killed -- re-parented to PID 1 they would go on training and writing files. And an
+interrupted Python process prints a traceback per process unless someone catches it.
+
+This module is that someone, standard library only (the setup and launch scripts run it with
+any ``python3``):
+
+- :func:`run` starts a command in its own session (process group) and relays its output
+  through this process. When this process is interrupted (SIGINT, SIGTERM, SIGHUP) or the
+  reader of its stdout goes away, it stops relaying (so nothing the stopping processes say gets
+  through), sends SIGTERM to the group *and to every descendant* (found in ``/proc``, wherever
+  it moved to), SIGKILL after :data:`GRACE_SECONDS`, waits until all are gone, then raises
+  :class:`KeyboardInterrupt` (or :class:`BrokenPipeError`).
+- :func:`guarded` runs a command's main function: a :class:`KeyboardInterrupt` anywhere becomes
+  one line ``PROG: interrupted`` on stderr and exit status 130; a closed stdout exits with 141
+  (128 + SIGPIPE, what a shell reports for ``yes | head``) silently, as ``cat`` does. Either way
+  stdout and stderr then point at ``/dev/null``, so nothing is written afterwards (not by a
+  background thread, not by the interpreter's final flush).
+- ``python -m megatron_dualpipe.interrupts --prog NAME -- CMD ...`` is both for shell scripts:
+  ``exec`` it (or start it in the background and ``wait``, so that a signal to the shell itself is
+  handled at once) instead of running ``CMD`` directly.
+
+Usage from Python::
+
+    from megatron_dualpipe import interrupts
+
+    def main():
+        ...
+        code = interrupts.run(["torchrun", ...])   # KeyboardInterrupt once everything is stopped
+        ...
+
+    sys.exit(interrupts.guarded(main, prog="my-command"))
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Set
+
+#: Exit status after an interruption (128 + SIGINT, as a shell reports it).
+EXIT_INTERRUPTED = 130
+#: Exit status when the reader of stdout went away (128 + SIGPIPE).
+EXIT_BROKEN_PIPE = 141
+#: Seconds the stopped processes get to exit after SIGTERM before SIGKILL.
+GRACE_SECONDS = 5.0
+#: Signals that interrupt (SIGINT raises KeyboardInterrupt by itself).
+_SIGNALS = ("SIGTERM", "SIGHUP")
+
+
+def _raise_interrupt(signum, frame):  # noqa: ARG001 - signal handler signature
+    raise KeyboardInterrupt
+
+
+def install() -> None:
+    """Make SIGTERM and SIGHUP raise :class:`KeyboardInterrupt` in the main thread, as Ctrl-C
+    does (no-op outside the main thread). SIGINT keeps Python's handler unless it is ignored --
+    a background job of a non-interactive shell starts with SIGINT ignored -- which stays so."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for name in _SIGNALS:
+        sig = getattr(signal, name, None)
+        if sig is not None:
+            signal.signal(sig, _raise_interrupt)
+
+
+def _ignore_interrupts() -> None:
+    """While stopping and reporting, a second Ctrl-C must not start a traceback."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for name in ("SIGINT",) + _SIGNALS:
+        sig = getattr(signal, name, None)
+        if sig is not None:
+            signal.signal(sig, signal.SIG_IGN)
+
+
+# ---------------------------------------------------------------------------------------------
+# Finding and stopping processes
+# ---------------------------------------------------------------------------------------------
+
+def _parents() -> Dict[int, int]:
+    """pid -> parent pid of every process visible in /proc (empty where there is no /proc)."""
+    out: Dict[int, int] = {}
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return out
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as fh:
+                stat = fh.read()
+        except OSError:
+            continue
+        # "pid (comm) state ppid ...": comm may hold spaces and parentheses; the last ")" ends it.
+        fields = stat[stat.rfind(b")") + 2:].split()
+        if len(fields) > 1:
+            out[int(name)] = int(fields[1])
+    return out
+
+
+def descendants(pid: int) -> Set[int]:
+    """Every process below ``pid`` (children, their children, ...), now."""
+    children: Dict[int, List[int]] = {}
+    for child, parent in _parents().items():
+        children.setdefault(parent, []).append(child)
+    found: Set[int] = set()
+    todo = [pid]
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def _signal_all(pgid: int, pids: Set[int], sig: int) -> None:
+    if pgid > 0:
+        try:
+            os.killpg(pgid, sig)
+        except OSError:
+            pass
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except OSError:
+            pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie has exited: it only waits for its parent to reap it
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            stat = fh.read()
+        return stat[stat.rfind(b")") + 2:][:1] != b"Z"
+    except OSError:
+        return True
+
+
+def stop_descendants(grace: float = GRACE_SECONDS) -> None:
+    """Stop every process below this one (SIGTERM, SIGKILL after ``grace``): the safety net for
+    processes started other than through :func:`run` (multiprocessing's workers and forkserver)."""
+    family = descendants(os.getpid())
+    if not family:
+        return
+    _signal_all(-1, family, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while any(_alive(p) for p in family) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    _signal_all(-1, family | descendants(os.getpid()), signal.SIGKILL)
+    try:
+        while os.waitpid(-1, os.WNOHANG)[0]:  # reap our own children
+            pass
+    except ChildProcessError:
+        pass
+
+
+def stop(proc: subprocess.Popen, grace: float = GRACE_SECONDS) -> None:
+    """Stop ``proc`` (started with ``start_new_session=True``), its process group and every
+    descendant, even those that started sessions of their own; return when all are gone."""
+    family = descendants(proc.pid)
+    _signal_all(proc.pid, family | {proc.pid}, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        proc.poll()
+        family |= descendants(proc.pid) if proc.returncode is None else set()
+        if proc.returncode is not None and not any(_alive(p) for p in family):
+            return
+        time.sleep(0.05)
+    family |= descendants(proc.pid)
+    _signal_all(proc.pid, family | {proc.pid}, signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + grace
+    while any(_alive(p) for p in family) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+# ---------------------------------------------------------------------------------------------
+# Running a command
+# ---------------------------------------------------------------------------------------------
+
+class _Relay(threading.Thread):
+    """Copies a child's output to ours until stopped; notes when our reader has gone."""
+
+    def __init__(self, source, sink, reader_gone: threading.Event):
+        super().__init__(daemon=True)
+        self.source, self.sink, self.reader_gone = source, sink, reader_gone
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        fd = self.source.fileno()
+        while True:
+            try:
+                chunk = os.read(fd, 65536)
+            except OSError:
+                return
+            if not chunk:
+                return
+            if self.stopped.is_set():
+                continue  # drain, so that the child never blocks on a full pipe
+            try:
+                self.sink.write(chunk)
+                self.sink.flush()
+            except BrokenPipeError:
+                self.reader_gone.set()
+            except (OSError, ValueError):
+                pass
+
+
+def _reader_closed(stream) -> bool:
+    """Whether ``stream`` is a pipe whose reader has gone (``| head`` has read its lines): a
+    pipe's write end then polls as an error, before anything is written to it."""
+    import select
+    import stat
+
+    try:
+        fd = stream.fileno()
+        if not stat.S_ISFIFO(os.fstat(fd).st_mode) or not hasattr(select, "poll"):
+            return False
+        poller = select.poll()
+        poller.register(fd, 0)  # POLLERR / POLLHUP are always reported
+        return any(ev & (select.POLLERR | select.POLLHUP) for _fd, ev in poller.poll(0))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _binary(stream):
+    return getattr(stream, "buffer", stream)
+
+
+def run(cmd: Sequence[str], env: Optional[Mapping[str, str]] = None, cwd: Optional[str] = None,
+        stdout=None, stderr=None) -> int:
+    """Run ``cmd`` in its own session, its output relayed to ``stdout``/``stderr`` (default: ours;
+    binary file objects). Returns its exit status. On an interruption, or when our stdout's reader
+    goes away, every process it started is stopped first (:func:`stop`), then
+    :class:`KeyboardInterrupt` or :class:`BrokenPipeError` is raised."""
+    install()
+    child_env = dict(os.environ if env is None else env)
+    child_env.setdefault("PYTHONUNBUFFERED", "1")  # through the relay, lines come as they are written
+    out_sink = _binary(stdout if stdout is not None else sys.stdout)
+    err_sink = _binary(stderr if stderr is not None else sys.stderr)
+    reader_gone = threading.Event()
+    proc = subprocess.Popen(list(cmd), env=child_env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, start_new_session=True)
+    relays = [_Relay(proc.stdout, out_sink, reader_gone), _Relay(proc.stderr, err_sink, threading.Event())]
+    for r in relays:
+        r.start()
+    try:
+        while proc.poll() is None and not reader_gone.is_set():
+            reader_gone.wait(0.1)
+            if _reader_closed(out_sink):
+                reader_gone.set()
+        if reader_gone.is_set():
+            raise BrokenPipeError("the reader of stdout went away")
+    except BaseException:
+        _ignore_interrupts()
+        for r in relays:
+            r.stopped.set()
+        stop(proc)
+        raise
+    for r in relays:
+        r.join(timeout=5)  # a descendant that outlived the command may hold the pipe open
+    proc.stdout.close()
+    proc.stderr.close()
+    return proc.returncode
+
+
+# ---------------------------------------------------------------------------------------------
+# Ending a command
+# ---------------------------------------------------------------------------------------------
+
+def _to_devnull() -> None:
+    """Point stdout and stderr at /dev/null: after the last line, nothing more gets out."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+    except OSError:
+        return
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+        try:
+            os.dup2(devnull, stream.fileno())
+        except (OSError, ValueError, AttributeError):
+            pass
+
+
+def interrupted(prog: str) -> int:
+    """Stop what is left of the processes we started, print ``PROG: interrupted`` (one line),
+    silence our output, return 130."""
+    _ignore_interrupts()
+    stop_descendants()
+    try:
+        sys.stdout.flush()
+    except (OSError, ValueError):
+        pass
+    try:
+        print(f"{prog}: interrupted", file=sys.stderr, flush=True)
+    except (OSError, ValueError):
+        pass
+    _to_devnull()
+    return EXIT_INTERRUPTED
+
+
+def reader_gone() -> int:
+    """Our stdout's reader went away: stop the processes we started, silence our output, return 141."""
+    _ignore_interrupts()
+    stop_descendants()
+    _to_devnull()
+    return EXIT_BROKEN_PIPE
+
+
+def guarded(main: Callable[[], Optional[int]], prog: str) -> int:
+    """``main()``'s exit status; an interruption or a closed stdout ends in one line (or none)."""
+    install()
+    try:
+        status = main()
+        sys.stdout.flush()  # a closed pipe shows up here
+        return int(status or 0)
+    except KeyboardInterrupt:
+        return interrupted(prog)
+    except BrokenPipeError:
+        return reader_gone()
+
+
+def _main(argv: Sequence[str]) -> int:
+    usage = "usage: python -m megatron_dualpipe.interrupts [--prog NAME] -- CMD [ARGS...]"
+    argv = list(argv)
+    prog = "interrupted command"
+    if argv[:1] == ["--prog"] and len(argv) > 1:
+        prog, argv = argv[1], argv[2:]
+    if argv[:1] == ["--"]:
+        argv = argv[1:]
+    if not argv:
+        print(usage, file=sys.stderr)
+        return 2
+    # A script may start this in the background (so that its own trap runs at once), where the
+    # shell leaves SIGINT ignored: interrupting is what this entry point is for.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        status = guarded(lambda: run(argv), prog)
+        return 128 - status if status < 0 else status  # killed by a signal: as a shell reports it
+    except FileNotFoundError:
+        print(f"{prog}: error: {argv[0]}: command not found", file=sys.stderr)
+        return 127
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))

@@ -1,0 +1,251 @@
+"""What ``pretrain_gpt.py`` would fail on after ``torchrun`` started, checked before it starts.
+
+Megatron-LM finds a missing tokenizer file with a bare ``assert`` in every rank 20 s into the run,
+and a tokenizer smaller than the data's token ids with an ``IndexError`` in the embedding 40 s
+in. :func:`problems` finds these in the arguments, in a second, with one line each naming the
+fix; ``python -m megatron_dualpipe.launch --check pretrain_gpt.py ARGS...`` runs it, and
+``scripts/pretrain_gpt_dualpipe.sh`` calls that with the arguments it is about to pass, with the
+Python that ``torchrun`` will run -- so the launcher and the script share this one check:
+
+- torch importable, with ``torch.distributed.run`` (what ``torchrun`` is), by this interpreter;
+- a ``--tokenizer-type``, and the files that type needs (Megatron-LM's ``build_tokenizer``
+  asserts them), present and loadable where this can be done offline and cheaply;
+- each ``--data-path`` prefix with its ``.bin`` and ``.idx``, and the largest token id in the
+  ``.bin`` below the tokenizer's vocabulary (the first :data:`SCAN_BYTES` of each file are read).
+
+Standard library only, plus numpy and ``tokenizers`` where they are installed.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+from typing import Dict, List, Optional, Sequence, Tuple
+
+#: Bytes of each ``.bin`` scanned for its largest token id (the whole file when smaller).
+SCAN_BYTES = 1 << 30
+#: Megatron's indexed dataset: ``.idx`` header magic and its dtype codes.
+IDX_MAGIC = b"MMIDIDX\x00\x00"
+IDX_DTYPES = {1: "uint8", 2: "int8", 3: "int16", 4: "int32", 5: "int64", 6: "float64", 7: "float32", 8: "uint16"}
+
+#: tokenizer type -> (arguments it needs, what they are). From Megatron-LM core_v0.16.1's
+#: ``megatron/training/tokenizer/tokenizer.py:build_tokenizer``.
+TOKENIZER_NEEDS: Dict[str, Tuple[Tuple[str, ...], str]] = {
+    "BertWordPieceLowerCase": (("--vocab-file",), "a BERT vocab.txt"),
+    "BertWordPieceCase": (("--vocab-file",), "a BERT vocab.txt"),
+    "GPT2BPETokenizer": (("--vocab-file", "--merge-file"), "GPT-2's vocab.json and merges.txt"),
+    "SentencePieceTokenizer": (("--tokenizer-model",), "a SentencePiece .model file"),
+    "GPTSentencePieceTokenizer": (("--tokenizer-model",), "a SentencePiece .model file"),
+    "Llama2Tokenizer": (("--tokenizer-model",), "Llama 2's tokenizer.model"),
+    "TikTokenizer": (("--tokenizer-model",), "a tiktoken JSON file"),
+    "HuggingFaceTokenizer": (("--tokenizer-model",), "a HuggingFace tokenizer directory or hub name"),
+    "MultimodalTokenizer": (("--tokenizer-model",), "a HuggingFace tokenizer directory or hub name"),
+    "SFTTokenizer": (("--tokenizer-model",), "a HuggingFace tokenizer directory or hub name"),
+    "NullTokenizer": (("--vocab-size",), "the vocabulary size"),
+    "NullMultimodalTokenizer": (("--vocab-size",), "the vocabulary size"),
+}
+#: Arguments that take one value / several values (to read argv without Megatron's parser).
+_ONE = ("--tokenizer-type", "--vocab-file", "--merge-file", "--tokenizer-model", "--vocab-size")
+_MANY = ("--data-path",)
+
+EXAMPLE = ("e.g. --tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR (megatron-dualpipe prepare-data "
+           "writes one with the data), or GPT2BPETokenizer --vocab-file vocab.json --merge-file merges.txt")
+
+
+def parse(argv: Sequence[str]) -> Dict[str, object]:
+    """The values of the options this check reads (the last one wins, as with argparse)."""
+    found: Dict[str, object] = {}
+    args = list(argv)
+    for i, a in enumerate(args):
+        flag, eq, val = a.partition("=")
+        if flag in _ONE:
+            found[flag] = val if eq else (args[i + 1] if i + 1 < len(args) else None)
+        elif flag in _MANY:
+            values = [val] if eq else []
+            for v in args[i + 1:] if not eq else []:
+                if v.startswith("--"):
+                    break
+                values.append(v)
+            found[flag] = values
+        elif a == "--mock-data":
+            found[a] = True
+    return found
+
+
+# ---------------------------------------------------------------------------------------------
+# torch
+# ---------------------------------------------------------------------------------------------
+
+def torch_problem() -> Optional[str]:
+    """Why this interpreter cannot run ``torchrun`` (torch.distributed.run), or None. Looks for
+    the files only: importing torch takes seconds."""
+    try:
+        spec = importlib.util.find_spec("torch")
+    except (ImportError, ValueError):
+        spec = None
+    fix = (f"install it there ({sys.executable} -m pip install torch; this checkout: bash scripts/setup_venv.sh), "
+           f"or set PYTHON (or TORCHRUN) to the training environment's")
+    if spec is None or not spec.submodule_search_locations:
+        return f"{sys.executable} cannot import torch: {fix}"
+    if not any(os.path.isfile(os.path.join(d, "distributed", "run.py")) for d in spec.submodule_search_locations):
+        return f"{sys.executable}'s torch has no torch.distributed.run (torchrun): {fix}"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenizer
+# ---------------------------------------------------------------------------------------------
+
+def _vocab_of_file(kind: str, path: str) -> Tuple[Optional[int], Optional[str]]:
+    """(vocabulary size, problem) of a tokenizer file; (None, None) where it cannot be told cheaply."""
+    try:
+        if kind == "GPT2BPETokenizer":
+            with open(path, encoding="utf-8") as fh:
+                vocab = json.load(fh)
+            if not isinstance(vocab, dict):
+                return None, f"--vocab-file {path} is not GPT-2's vocab.json (a JSON object of token -> id)"
+            return max(vocab.values(), default=-1) + 1, None
+        if kind.startswith("BertWordPiece"):
+            with open(path, encoding="utf-8") as fh:
+                return sum(1 for line in fh if line.strip()), None
+    except (OSError, ValueError, UnicodeDecodeError, TypeError) as e:
+        return None, f"--vocab-file {path} cannot be read as {kind}'s vocabulary: {e}"
+    return None, None
+
+
+def _vocab_of_hf(path: str) -> Tuple[Optional[int], Optional[str]]:
+    """(vocabulary size, problem) of a HuggingFace tokenizer directory (its tokenizer.json)."""
+    f = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+    if not os.path.isfile(f):
+        return None, None  # a slow tokenizer (vocab files only): transformers loads it, we cannot cheaply
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        return None, None
+    try:
+        return Tokenizer.from_file(f).get_vocab_size(), None
+    except Exception as e:  # noqa: BLE001 - tokenizers raises its own Exception type
+        return None, f"--tokenizer-model {path}: {f} does not load: {str(e).splitlines()[0][:200]}"
+
+
+def tokenizer_problem(opts: Dict[str, object]) -> Tuple[Optional[str], Optional[int]]:
+    """(problem naming the fix, or None; the tokenizer's vocabulary size where known)."""
+    kind = opts.get("--tokenizer-type")
+    if not kind:
+        return f"no --tokenizer-type: Megatron-LM needs one to read the data; pass it, {EXAMPLE}", None
+    if kind not in TOKENIZER_NEEDS:
+        return f"--tokenizer-type {kind} is not one of Megatron-LM's: {', '.join(TOKENIZER_NEEDS)}", None
+    needs, what = TOKENIZER_NEEDS[kind]
+    missing = [flag for flag in needs if not opts.get(flag)]
+    if missing:
+        return (f"--tokenizer-type {kind} needs {' and '.join(missing)} ({what}): pass "
+                f"{' '.join(f'{m} PATH' if m != '--vocab-size' else f'{m} N' for m in missing)}, or another "
+                f"tokenizer, {EXAMPLE}"), None
+    if kind.startswith("Null"):
+        try:
+            return None, int(str(opts["--vocab-size"]))
+        except ValueError:
+            return f"--vocab-size must be an integer, got {opts['--vocab-size']}", None
+    hub = "hub name" in what
+    for flag in needs:
+        path = str(opts[flag])
+        # A HuggingFace hub name ("org/name") is not a path; a relative or absolute path must exist.
+        if not os.path.exists(path) and not (hub and not path.startswith(("/", ".", "~"))):
+            return f"{flag} {path}: no such file or directory: give the path to {what}", None
+    size, problem = None, None
+    if kind == "GPT2BPETokenizer" or kind.startswith("BertWordPiece"):
+        size, problem = _vocab_of_file(kind, str(opts["--vocab-file"]))
+    elif kind == "HuggingFaceTokenizer" and os.path.exists(str(opts["--tokenizer-model"])):
+        size, problem = _vocab_of_hf(str(opts["--tokenizer-model"]))
+    return problem, size
+
+
+# ---------------------------------------------------------------------------------------------
+# Data
+# ---------------------------------------------------------------------------------------------
+
+def data_prefixes(opts: Dict[str, object]) -> List[str]:
+    """The prefixes of ``--data-path`` (a prefix, or a blend ``weight prefix weight prefix ...``)."""
+    words = list(opts.get("--data-path") or [])
+    def number(w):
+        try:
+            float(w)
+            return True
+        except ValueError:
+            return False
+    return [w for w in words if not number(w)]
+
+
+def largest_token_id(prefix: str, scan_bytes: int = SCAN_BYTES) -> Optional[int]:
+    """The largest token id in the first ``scan_bytes`` of ``prefix.bin`` (dtype from ``.idx``);
+    None where numpy is missing or the ``.idx`` is not Megatron's."""
+    try:
+        import numpy as np
+    except ImportError:
+        return None
+    with open(prefix + ".idx", "rb") as fh:
+        head = fh.read(len(IDX_MAGIC) + 8 + 1)
+    if head[:len(IDX_MAGIC)] != IDX_MAGIC or len(head) < len(IDX_MAGIC) + 9:
+        return None
+    dtype = np.dtype(IDX_DTYPES.get(head[-1], "int32"))
+    size = os.path.getsize(prefix + ".bin")
+    count = min(size, scan_bytes) // dtype.itemsize
+    if count == 0:
+        return None
+    tokens = np.memmap(prefix + ".bin", dtype=dtype, mode="r", shape=(count,))
+    return int(tokens.max())
+
+
+def _prepared_tokenizer(prefix: str) -> str:
+    """Where prepare-data left the tokenizer of ``prefix`` (a hint for the fix), or ''."""
+    d = os.path.dirname(os.path.abspath(prefix))
+    tok = os.path.join(d, "tokenizer")
+    if os.path.isfile(os.path.join(d, "manifest.json")) and os.path.isdir(tok):
+        return f" (prepare-data wrote it with its tokenizer: --tokenizer-type HuggingFaceTokenizer --tokenizer-model {tok})"
+    return ""
+
+
+def data_problem(opts: Dict[str, object], vocab: Optional[int], scan: bool = True) -> Optional[str]:
+    if opts.get("--mock-data"):
+        return None
+    prefixes = data_prefixes(opts)
+    if not prefixes:
+        return ("no --data-path: pass the prefix that Megatron-LM's tools/preprocess_data.py or megatron-dualpipe "
+                "prepare-data wrote (the path without .bin/.idx), or --mock-data")
+    for p in prefixes:
+        missing = [p + s for s in (".bin", ".idx") if not os.path.isfile(p + s)]
+        if missing:
+            return (f"--data-path {p}: no {' or '.join(missing)}: give the prefix that tools/preprocess_data.py "
+                    f"wrote, without .bin/.idx")
+    if vocab is None or not scan:
+        return None
+    for p in prefixes:
+        try:
+            top = largest_token_id(p)
+        except (OSError, ValueError) as e:
+            return f"--data-path {p}: cannot read its tokens: {e}"
+        if top is not None and top >= vocab:
+            return (f"--data-path {p} holds token id {top} but the tokenizer has only {vocab} entries, so the "
+                    f"embedding would fail with an IndexError: pass the tokenizer the data was tokenized with"
+                    f"{_prepared_tokenizer(p)}")
+    return None
+
+
+def argument_problems(argv: Sequence[str], scan: bool = True) -> List[str]:
+    """The problems of ``pretrain_gpt.py ARGV``'s tokenizer and data, one line each."""
+    found = []
+    opts = parse(argv)
+    tok, vocab = tokenizer_problem(opts)
+    if tok:
+        found.append(tok)
+    data = data_problem(opts, vocab, scan=scan)
+    if data:
+        found.append(data)
+    return found
+
+
+
+def problems(argv: Sequence[str], scan: bool = True) -> List[str]:
+    """Every problem of running ``torchrun ... pretrain_gpt.py ARGV`` with this interpreter."""
+    return [p for p in [torch_problem()] if p] + argument_problems(argv, scan)

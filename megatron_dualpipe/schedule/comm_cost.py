@@ -1,0 +1,267 @@
+"""What the gradient communication and the P2P messages of a schedule cost, and how much of it shows.
+
+The pipeline makespan is not the iteration: after (and while) the schedule runs, every rank
+reduces its chunks' gradients. DualPipe pays twice there: each rank holds two stages, so it
+reduces twice the gradient bytes over data parallel, and the two copies of every stage are
+summed over the bd pair (ranks i and pp-1-i) first. The executor starts these where
+``mcore.grads.GradReduction`` does, and this module times them the same way:
+
+* a chunk's gradients are final at the end of its last gradient action (``grad_order``: the
+  last ``W``, or ``B``/``BW`` without deferred weight gradients), taken from the simulation;
+* bidirectional layouts: the pair's sums run one after the other, in the order both partners
+  issue them (``grad_order.bd_sum_order``), each when both copies are final and the previous
+  sum is done; one all-reduce of the chunk's bytes over 2 ranks on the link between them;
+* data-parallel reduction of every chunk, in the order the chunks finished, each when its bd
+  sum (if any) is in and the previous reduction is done: a ring all-reduce over ``dp`` ranks
+  (a reduce-scatter with the distributed optimizer) on the data-parallel group's link. The bd
+  sums and the data-parallel reductions are separate communicators: the two queues overlap;
+* Megatron's own schedules with ``--overlap-grad-reduce`` start a chunk's reduction when its
+  last backward ends (bucket by bucket during it: counting from its end is the pessimistic
+  side, by at most one backward).
+
+A rank's exposed communication is how far its last reduction ends past the makespan; the
+iteration is the makespan plus the largest exposure (the optimizer step waits for every rank).
+
+Links come from the rank placement: Megatron's order puts tensor parallel fastest, then data
+parallel, then pipeline (``global = (pp_rank * dp + dp_rank) * tp + tp_rank``), nodes of
+``gpus_per_node`` consecutive ranks. A group crossing a node boundary uses the inter-node link.
+``mirrored`` placement (a launcher option of item 4 of issue 18, modelled here) orders the
+pipeline ranks 0, pp-1, 1, pp-2, ... so that a bd pair sits side by side.
+
+Collective costs are the ring algorithm's: all-reduce 2(n-1)/n x bytes / bandwidth + 2(n-1)
+latencies, reduce-scatter half of it; a P2P message latency + bytes / bandwidth. Times in
+milliseconds, bandwidths in GB/s (1e9 bytes per second). Standard library only.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+from . import grad_order
+from .layout import BIDIRECTIONAL
+
+#: Bytes per gradient element.
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+PLACEMENTS = ("megatron", "mirrored")
+
+
+@dataclass(frozen=True)
+class Link:
+    """One kind of link: bandwidth per rank in GB/s (bus bandwidth), latency per message in ms."""
+
+    bandwidth: float
+    latency: float = 0.0
+
+    def __post_init__(self):
+        if not (math.isfinite(self.bandwidth) and self.bandwidth > 0):
+            raise ValueError(f"a link's bandwidth must be a finite number of GB/s > 0, got {self.bandwidth}")
+        if not (math.isfinite(self.latency) and self.latency >= 0):
+            raise ValueError(f"a link's latency must be a finite number of ms >= 0, got {self.latency}")
+
+    def transfer(self, nbytes: float) -> float:
+        return nbytes / (self.bandwidth * 1e9) * 1e3
+
+
+def all_reduce_ms(nbytes: float, n: int, link: Link) -> float:
+    """A ring all-reduce of ``nbytes`` over ``n`` ranks."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    return 2 * (n - 1) / n * link.transfer(nbytes) + 2 * (n - 1) * link.latency
+
+
+def reduce_scatter_ms(nbytes: float, n: int, link: Link) -> float:
+    """A ring reduce-scatter of ``nbytes`` over ``n`` ranks (the distributed optimizer's)."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    return (n - 1) / n * link.transfer(nbytes) + (n - 1) * link.latency
+
+
+def p2p_ms(nbytes: float, link: Link) -> float:
+    return link.latency + link.transfer(nbytes)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where the ranks of a pp x dp x tp job sit (module docstring)."""
+
+    pp: int
+    dp: int = 1
+    tp: int = 1
+    gpus_per_node: int = 8
+    mirrored: bool = False
+
+    def __post_init__(self):
+        for name in ("pp", "dp", "tp", "gpus_per_node"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+
+    @property
+    def world(self) -> int:
+        return self.pp * self.dp * self.tp
+
+    def _slot(self, pp_rank: int) -> int:
+        if not self.mirrored:
+            return pp_rank
+        i = min(pp_rank, self.pp - 1 - pp_rank)
+        return 2 * i + (1 if pp_rank > self.pp - 1 - pp_rank else 0)
+
+    def global_rank(self, pp_rank: int, dp_rank: int = 0, tp_rank: int = 0) -> int:
+        return (self._slot(pp_rank) * self.dp + dp_rank) * self.tp + tp_rank
+
+    def node(self, pp_rank: int, dp_rank: int = 0, tp_rank: int = 0) -> int:
+        return self.global_rank(pp_rank, dp_rank, tp_rank) // self.gpus_per_node
+
+    def pp_ranks_cross_nodes(self, a: int, b: int) -> bool:
+        """Whether pipeline ranks ``a`` and ``b`` (same dp and tp index) are on different nodes for
+        some replica."""
+        return any(self.node(a, d, t) != self.node(b, d, t) for d in range(self.dp) for t in range(self.tp))
+
+    def dp_group_crosses_nodes(self, pp_rank: int) -> bool:
+        return len({self.node(pp_rank, d, 0) for d in range(self.dp)}) > 1
+
+
+@dataclass(frozen=True)
+class Network:
+    intra: Link
+    inter: Link
+
+    def link(self, crosses: bool) -> Link:
+        return self.inter if crosses else self.intra
+
+
+@dataclass(frozen=True)
+class CommModel:
+    """Everything the communication costs need.
+
+    ``stage_grad_bytes``: gradient bytes of one whole pipeline stage on one rank (after tensor
+    parallel: its parameters / tp x the gradient dtype's bytes); a chunk of a fraction of a stage
+    has that fraction of them. ``message_bytes``: one P2P message (a stage's output activation or
+    its gradient for one micro-batch). ``distributed_optimizer``: the data-parallel reduction is a
+    reduce-scatter instead of an all-reduce. ``overlap_grad_reduce``: False reduces every chunk
+    only after the schedule (Megatron without ``--overlap-grad-reduce``; the executor always
+    overlaps).
+    """
+
+    placement: Placement
+    network: Network
+    stage_grad_bytes: float = 0.0
+    message_bytes: float = 0.0
+    distributed_optimizer: bool = False
+    overlap_grad_reduce: bool = True
+
+    def with_inter_bandwidth(self, gbps: float) -> "CommModel":
+        return replace(self, network=replace(self.network, inter=replace(self.network.inter, bandwidth=gbps)))
+
+    def scaled_messages(self, k: float) -> "CommModel":
+        return replace(self, message_bytes=self.message_bytes * k)
+
+    def p2p(self, src: int, dst: int) -> float:
+        """One message from pipeline rank ``src`` to ``dst``."""
+        return p2p_ms(self.message_bytes, self.network.link(self.placement.pp_ranks_cross_nodes(src, dst)))
+
+    def bd_sum(self, rank: int, nbytes: float) -> float:
+        partner = self.placement.pp - 1 - rank
+        if partner == rank:
+            return 0.0
+        return all_reduce_ms(nbytes, 2, self.network.link(self.placement.pp_ranks_cross_nodes(rank, partner)))
+
+    def dp_reduce(self, rank: int, nbytes: float) -> float:
+        link = self.network.link(self.placement.dp_group_crosses_nodes(rank))
+        dp = self.placement.dp
+        return reduce_scatter_ms(nbytes, dp, link) if self.distributed_optimizer else all_reduce_ms(nbytes, dp, link)
+
+
+@dataclass
+class ChunkComm:
+    """One chunk's gradient communication on one rank (ms from the iteration's start)."""
+
+    chunk: int
+    final: float
+    bd_start: Optional[float] = None
+    bd_end: Optional[float] = None
+    dp_start: float = 0.0
+    dp_end: float = 0.0
+
+
+@dataclass
+class GradComm:
+    """Every rank's gradient communication for one simulated schedule."""
+
+    makespan: float
+    ranks: List[List[ChunkComm]] = field(default_factory=list)
+
+    @property
+    def ends(self) -> List[float]:
+        return [max([c.dp_end for c in r] + [c.bd_end or 0.0 for c in r] + [0.0]) for r in self.ranks]
+
+    @property
+    def exposed(self) -> List[float]:
+        """Per rank: how far its gradient communication ends past the makespan."""
+        return [max(0.0, e - self.makespan) for e in self.ends]
+
+    @property
+    def iteration(self) -> float:
+        return self.makespan + max(self.exposed, default=0.0)
+
+    @property
+    def bd_total(self) -> List[float]:
+        return [sum((c.bd_end or 0.0) - (c.bd_start or 0.0) for c in r) for r in self.ranks]
+
+    @property
+    def dp_total(self) -> List[float]:
+        return [sum(c.dp_end - c.dp_start for c in r) for r in self.ranks]
+
+
+def _final_times(actions: Sequence, ends: Sequence[float], is_fake: Callable, ops: Sequence[str]) -> Dict[int, float]:
+    final: Dict[int, float] = {}
+    for a, end in zip(actions, ends):
+        if a.op in ops and not is_fake(a):
+            final[a.dir] = end
+    return final
+
+
+def grad_comm(schedule, sim, comm: CommModel, stage_fraction: float, deferring: bool,
+              is_fake: Callable = lambda a: False) -> GradComm:
+    """Time every rank's gradient communication for ``schedule`` simulated as ``sim``.
+
+    ``stage_fraction``: how much of a stage one chunk is (DualPipeV 1/2, interleaved 1/v);
+    ``deferring``: the schedule's B leaves the weight gradient to a later W."""
+    ops = grad_order.grad_ops(deferring)
+    pp = len(schedule.ranks)
+    chunk_bytes = comm.stage_grad_bytes * stage_fraction
+    finals = [_final_times(acts, sim.ranks[r].ends, is_fake, ops) for r, acts in enumerate(schedule.ranks)]
+    out = GradComm(sim.makespan)
+    bd_end: Dict[Tuple[int, int], float] = {}  # (rank, chunk) -> when its bd sum is in
+    bidirectional = schedule.layout.kind == BIDIRECTIONAL
+    if bidirectional:
+        for r in range(pp):
+            partner = pp - 1 - r
+            if partner < r:
+                continue
+            order = grad_order.bd_sum_order(schedule.ranks[r], schedule.ranks[partner], is_fake, ops, lower_rank=True)
+            t = 0.0
+            for c in order:
+                both = max(finals[r].get(c, sim.makespan), finals[partner].get(1 - c, sim.makespan))
+                start = max(t, both)
+                t = start + (comm.bd_sum(r, chunk_bytes) if partner != r else 0.0)
+                bd_end[(r, c)] = bd_end[(partner, 1 - c)] = t
+    for r, acts in enumerate(schedule.ranks):
+        rows: List[ChunkComm] = []
+        t = 0.0
+        for c in grad_order.completion_order(acts, is_fake, ops):
+            if c not in finals[r] and c not in {a.dir for a in acts}:
+                continue
+            final = finals[r].get(c, sim.makespan)
+            row = ChunkComm(c, final)
+            ready = final if comm.overlap_grad_reduce else max(final, sim.ranks[r].ends[-1] if acts else 0.0)
+            if bidirectional and (r, c) in bd_end:
+                pair_start = bd_end[(r, c)] - comm.bd_sum(r, chunk_bytes)
+                row.bd_start, row.bd_end = pair_start, bd_end[(r, c)]
+                ready = max(ready, row.bd_end)
+            row.dp_start = max(t, ready)
+            row.dp_end = t = row.dp_start + comm.dp_reduce(r, chunk_bytes)
+            rows.append(row)
+        out.ranks.append(rows)
+    return out

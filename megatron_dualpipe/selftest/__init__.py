@@ -1,0 +1,100 @@
+"""``megatron-dualpipe selftest``: on the user's own machines, in a few minutes, does DualPipe give
+Megatron's 1F1B numbers, does it hang, is it faster, how much memory does it take.
+
+Stages, in order, each ending in one line ``[PASS|FAIL|SKIP] stage: numbers``; the selftest stops
+at the first hard FAIL (speed and memory FAILs are soft)::
+
+    environment   versions, devices, links; P2P latency/bandwidth of pipeline neighbours and bd pairs
+    equality      tiny GPT (+ MoE over EP with --ep): DualPipe, DualPipeV vs Megatron 1F1B, same weights
+    no hang       odd M and pp <= M < 2pp, bounded by the deadline
+    overlap       MoE all-to-all hidden in fused F&B units (GPU with --ep; SKIP otherwise)
+    speed         bench: every schedule against its simulation (matmul stages on GPU)
+    memory        peak saved activations per rank against the simulator and advise
+    no hang       one rank raises: its peers stop with a named error within the deadline (last)
+
+It writes ``OUT/selftest.md``, ``OUT/selftest.json`` and the timelines (PNG and Perfetto JSON) and
+exits 1 on any FAIL. One process per rank: started here (``--nproc``, one machine; NCCL with GPUs,
+gloo and the CPU mode without) or by torchrun (``torchrun ... -m megatron_dualpipe selftest``,
+several nodes). This module only parses arguments (no torch import until it runs).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import time
+
+HELP = "prove on this machine or cluster that DualPipe equals Megatron's 1F1B, does not hang, and how fast it is"
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--nproc", type=int, default=None,
+                   help="processes (ranks) to start here (default: the GPUs here, or 4 without; under torchrun: "
+                        "its world size)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
+    p.add_argument("--ep", type=int, default=1,
+                   help="expert-parallel size; > 1 adds a tiny MoE to the equality stage and the overlap stage")
+    p.add_argument("--te", action="store_true", help="build the layers with Transformer Engine (GPU), in bf16")
+    p.add_argument("--fp8", action="store_true", help="with --te: FP8 (delayed scaling)")
+    p.add_argument("--out", default="selftest-out", metavar="DIR", help="where the report goes (default selftest-out)")
+    p.add_argument("--quick", action="store_true", help="fewer repetitions (what CI runs)")
+    p.add_argument("--deadline", type=float, default=None, metavar="S",
+                   help="seconds any point-to-point wait may take (default 60; 20 with --quick)")
+    g = p.add_argument_group("your model, for the speed stage's matrix-multiply stages (GPU)")
+    g.add_argument("--model-hidden", type=int, default=4096, help="hidden size (default 4096)")
+    g.add_argument("--model-seq", type=int, default=4096, help="tokens per micro-batch (default 4096)")
+    g.add_argument("--model-layers-per-stage", type=int, default=4, help="transformer layers per stage (default 4)")
+
+
+def _config(args):
+    from ..bench.launch import under_torchrun
+    from .options import SelftestConfig, check, default_world
+
+    import torch
+
+    gpu = torch.cuda.is_available()
+    gpus = torch.cuda.device_count() if gpu else 0
+    torchrun = under_torchrun()
+    world = default_world(gpu, gpus) if args.nproc is None else args.nproc
+    if torchrun and world != int(os.environ["WORLD_SIZE"]):
+        raise ValueError(f"under torchrun the selftest runs on its {os.environ['WORLD_SIZE']} ranks: leave out --nproc")
+    problem = check(world, args.tp, args.ep, args.te, args.fp8, gpu, gpus, torchrun)
+    if problem:
+        raise ValueError(problem)
+    for name in ("model_hidden", "model_seq", "model_layers_per_stage"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    deadline = args.deadline if args.deadline is not None else (20.0 if args.quick else 60.0)
+    if not deadline > 0:
+        raise ValueError(f"--deadline must be > 0 seconds, got {deadline:g}")
+    os.makedirs(args.out, exist_ok=True)
+    flags = [f"--nproc {world}"] + [f"--{k} {getattr(args, k)}" for k in ("tp", "ep") if getattr(args, k) != 1]
+    flags += [f"--{k}" for k in ("te", "fp8", "quick") if getattr(args, k)]
+    flags += [] if args.deadline is None else [f"--deadline {args.deadline:g}"]
+    command = " ".join(["megatron-dualpipe selftest", *flags, "--out", shlex.quote(args.out)])
+    return SelftestConfig(world=world, tp=args.tp, ep=args.ep, te=args.te, fp8=args.fp8,
+                          out=os.path.abspath(args.out), quick=args.quick, deadline_s=deadline, gpu=gpu,
+                          command=command, model_hidden=args.model_hidden, model_seq=args.model_seq,
+                          model_layers_per_stage=args.model_layers_per_stage), torchrun
+
+
+def run(args) -> int:
+    from ..bench import launch
+    from .worker import worker
+
+    cfg, torchrun = _config(args)
+    started = time.perf_counter()
+    print(f"megatron-dualpipe selftest: {cfg.world} ranks (tp={cfg.tp} pp={cfg.pp} ep={cfg.ep}), "
+          f"{'NCCL on GPUs' if cfg.gpu else 'gloo on the CPU (CPU mode)'}, report in {cfg.out}", flush=True)
+    budget = 3600.0
+    if torchrun:
+        gathered = launch.run_here(worker, (cfg,), timeout_s=cfg.deadline_s * 3)
+        if gathered is None:
+            return 0  # not rank 0: rank 0 reports
+    else:
+        gathered = launch.spawn(worker, cfg.world, (cfg,), timeout_s=budget)
+    results = gathered[0]
+    failed = [r["stage"] for r in results if r["status"] == "FAIL"]
+    print(f"selftest {'FAILED: ' + ', '.join(failed) if failed else 'passed'} in "
+          f"{time.perf_counter() - started:.0f} s; report: {os.path.join(cfg.out, 'selftest.md')}", flush=True)
+    return 1 if failed else 0

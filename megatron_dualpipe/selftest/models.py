@@ -1,0 +1,201 @@
+"""The selftest's models: one tiny GPT (or MoE GPT) under Megatron's 1F1B, DualPipe and DualPipeV,
+every one loaded from the same full (pp=1) weights, and one iteration of each.
+
+The full weights are built on every rank from one seed, so every schedule starts from the same
+numbers without moving a state dict between ranks. Each model's gradients are returned keyed by
+the full model's parameter names, so that stage i of 1F1B, model[0] on rank i and model[1] on rank
+pp-1-i (DualPipe) and the chunk holding the same layers (DualPipeV) can be compared name by name.
+Embeddings are untied: every parameter then lives on exactly one stage of 1F1B.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import os
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+from . import tiny_gpt
+
+SEED = 1234
+#: Test-only fault injection: ``swap-microbatch`` makes the DualPipe runs of the equality stage
+#: read micro-batches 0 and 1 in swapped order on the last pipeline rank (a broken executor
+#: delivering the wrong micro-batch to a stage). ``tests/test_selftest.py`` checks that the
+#: selftest then FAILs with the loss difference; nothing else sets it.
+FAULT_ENV = "MEGATRON_DUALPIPE_SELFTEST_FAULT"
+SCHEDULES = ("1f1b", "dualpipe", "dualpipev")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """What to build: sizes, dtype, layer implementation, MoE or dense."""
+
+    layers: int
+    hidden: int
+    heads: int
+    seq: int
+    mbs: int
+    vocab: int
+    dtype: str = "fp32"  # fp32 | bf16
+    layer_spec: str = "local"  # local | te
+    experts: Optional[int] = None  # MoE with this many experts (alltoall dispatcher)
+    combined_step: bool = False  # fused F&B units through megatron-core's combined step (MoE, EP > 1)
+    fp8: bool = False
+
+    @property
+    def torch_dtype(self):
+        return {"fp32": torch.float32, "bf16": torch.bfloat16}[self.dtype]
+
+    def label(self) -> str:
+        kind = f"MoE GPT ({self.experts} experts, alltoall)" if self.experts else "GPT"
+        return (f"{kind}, {self.layers} layers, hidden {self.hidden}, seq {self.seq}, micro-batch {self.mbs}, "
+                f"{self.dtype}{' fp8' if self.fp8 else ''}, {self.layer_spec} layers")
+
+
+def config_of(spec: ModelSpec, *, full: bool = False, combined: bool = False):
+    """The ``TransformerConfig`` (``full``: of the pp=1 model; ``combined``: with the combined step
+    on if the spec asks for it: only the executor's schedules run it)."""
+    overrides = dict(params_dtype=spec.torch_dtype, pipeline_dtype=spec.torch_dtype,
+                     bf16=spec.dtype == "bf16")
+    if full:
+        overrides["pipeline_model_parallel_size"] = 1
+    if spec.fp8:
+        overrides.update(fp8="hybrid", fp8_recipe="delayed")
+    if spec.experts:
+        overrides.update(num_moe_experts=spec.experts, moe_token_dispatcher_type="alltoall")
+    else:  # a dense model next to expert parallelism: its data-parallel replicas are just that
+        overrides["expert_model_parallel_size"] = 1
+    config = tiny_gpt.tiny_gpt_config(num_layers=spec.layers, hidden_size=spec.hidden,
+                                      num_attention_heads=spec.heads, **overrides)
+    if spec.combined_step and combined:
+        from ..mcore.overlap import enable_combined_step
+
+        enable_combined_step(config)
+    return config
+
+
+def _build(spec: ModelSpec, config, **kwargs):
+    return tiny_gpt.build_tiny_gpt(config, vocab_size=spec.vocab, max_sequence_length=spec.seq,
+                                   share_embeddings_and_output_weights=False, layer_spec=spec.layer_spec, **kwargs)
+
+
+def full_state_dict(spec: ModelSpec) -> Dict[str, torch.Tensor]:
+    """The pp=1 model's weights (this rank's tensor/expert shards), the same on every pipeline rank."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    tiny_gpt.seed_all(SEED)
+    pgc = copy.copy(ProcessGroupCollection.use_mpu_process_groups())
+    pgc.pp = None  # a one-stage pipeline
+    pgc.embd = None
+    full = _build(spec, config_of(spec, full=True), pre_process=True, post_process=True, pg_collection=pgc)
+    return {k: v.detach().clone() for k, v in full.state_dict().items() if not k.endswith("_extra_state")}
+
+
+def provider(spec: ModelSpec, v_layout: bool = False, combined: bool = False):
+    """``model_provider`` for ``build_two_direction_model`` (and, called plainly, 1F1B's stage)."""
+    from ..mcore.model import dualpipev_config
+
+    def build(pre_process=None, post_process=None, pg_collection=None, vp_stage=None):
+        config = config_of(spec, combined=combined)
+        if v_layout:
+            config = dualpipev_config(config)
+        return _build(spec, config, pre_process=pre_process, post_process=post_process,
+                      pg_collection=pg_collection, vp_stage=vp_stage)
+
+    return build
+
+
+def forward_step(data_iterator, model, return_schedule_plan: bool = False):
+    """``pretrain_gpt.forward_step``'s contract: the first stage reads tokens, the last labels and
+    the loss mask (``parallel_state`` answers for the direction being computed); with
+    ``return_schedule_plan`` the model's plan for the combined step."""
+    from megatron.core import parallel_state as ps
+
+    first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
+    b = next(data_iterator) if (first or last) else None
+    tokens, position_ids = (b["tokens"], b["position_ids"]) if first else (None, None)
+    labels = b["labels"] if last else None
+    loss = functools.partial(tiny_gpt.masked_loss_func, b["loss_mask"] if last else None)
+    if return_schedule_plan:
+        return model.build_schedule_plan(tokens, position_ids, None, labels=labels), loss
+    return model(tokens, position_ids, None, labels=labels), loss
+
+
+def batches(spec: ModelSpec, m: int, step: int = 0) -> List[dict]:
+    """This data-parallel replica's ``m`` micro-batches of optimizer step ``step`` (on the device)."""
+    from megatron.core import parallel_state as ps
+
+    seed = 7 + 1000 * step + ps.get_data_parallel_rank()
+    device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+    out = tiny_gpt.make_gpt_batches(m, vocab=spec.vocab, seq=spec.seq, mbs=spec.mbs, seed=seed)
+    return [{k: v.to(device) for k, v in b.items()} for b in out]
+
+
+def faulty(micro_batches: List[dict]) -> List[dict]:
+    """The test-only fault (:data:`FAULT_ENV`): micro-batches 0 and 1 swapped on the last pipeline rank."""
+    from megatron.core import parallel_state as ps
+
+    if os.environ.get(FAULT_ENV) == "swap-microbatch" and ps.is_pipeline_last_stage() and len(micro_batches) > 1:
+        micro_batches = [micro_batches[1], micro_batches[0], *micro_batches[2:]]
+    return micro_batches
+
+
+def build(spec: ModelSpec, schedule: str, full: Dict[str, torch.Tensor]) -> List[torch.nn.Module]:
+    """The chunks ``schedule`` runs on this rank, loaded from ``full``: 1F1B one stage; DualPipe
+    model[0] loaded and broadcast to its partner's mirror; DualPipeV both chunks loaded."""
+    from ..mcore.model import broadcast_mirrors, build_two_direction_model
+
+    if schedule == "1f1b":
+        chunks = [provider(spec)()]
+        tiny_gpt.load_stage_from_full(chunks[0], full)
+    elif schedule == "dualpipe":
+        chunks = list(build_two_direction_model(provider(spec, combined=True), layout_kind="bidirectional"))
+        tiny_gpt.load_stage_from_full(chunks[0], full)
+        broadcast_mirrors(chunks)
+    elif schedule == "dualpipev":
+        chunks = list(build_two_direction_model(provider(spec, v_layout=True, combined=True), layout_kind="v"))
+        for chunk in chunks:
+            tiny_gpt.load_stage_from_full(chunk, full)
+    else:
+        raise ValueError(f"unknown schedule {schedule!r}: choose one of {', '.join(SCHEDULES)}")
+    for chunk in chunks:
+        chunk.config.finalize_model_grads_func = None  # plain modules: no data-parallel reduction
+    return chunks
+
+
+def run_iteration(spec: ModelSpec, schedule: str, chunks: Sequence[torch.nn.Module], micro_batches: List[dict],
+                  *, p2p_timeout: float, forward_only: bool = False,
+                  forward_step_func=forward_step) -> Optional[List[float]]:
+    """One ``forward_backward_func`` call; the losses on the last pipeline rank (None elsewhere)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import schedules
+
+    kwargs = dict(forward_step_func=forward_step_func, data_iterator=iter(micro_batches), model=list(chunks),
+                  num_microbatches=len(micro_batches), seq_length=spec.seq, micro_batch_size=spec.mbs,
+                  forward_only=forward_only)
+    if schedule == "1f1b":
+        out = schedules.get_forward_backward_func()(**kwargs)
+    else:
+        from ..mcore.forward_backward import forward_backward_dualpipe
+
+        out = forward_backward_dualpipe(schedule=schedule, p2p_timeout=p2p_timeout, **kwargs)
+    if not ps.is_pipeline_last_stage(ignore_virtual=True):
+        return None
+    return [float(d["lm loss"]) for d in out]
+
+
+def grads_by_full_name(chunks: Sequence[torch.nn.Module], full_keys) -> List[Dict[str, "object"]]:
+    """Per chunk: gradient as a float64 numpy array under the full model's parameter name."""
+    out = []
+    for chunk in chunks:
+        offset = tiny_gpt.layer_offset(chunk)
+        out.append({tiny_gpt.full_key(n, offset, full_keys): p.grad.detach().double().cpu().numpy()
+                    for n, p in chunk.named_parameters() if p.grad is not None})
+    return out
+
+
+def zero_grads(chunks: Sequence[torch.nn.Module]) -> None:
+    for chunk in chunks:
+        chunk.zero_grad(set_to_none=True)

@@ -1,0 +1,128 @@
+"""Stages ``no hang``: the runs a pipeline schedule is most likely to deadlock on, bounded by the
+deadline (every point-to-point wait of the executor times out after it, naming the peer).
+
+* :class:`OddMicrobatches`: DualPipe and DualPipeV with an odd M and with pp <= M < 2pp (padded
+  with fake micro-batches), each checked for finishing and for 1F1B's losses on the same data;
+* :class:`RankRaises`: one rank raises in its second forward; every other rank of its pipeline
+  must stop with an error that names a rank, within the deadline. It runs last: afterwards the
+  pipeline's point-to-point traffic is in an unknown state.
+"""
+from __future__ import annotations
+
+import time
+from typing import List
+
+from . import models
+from .result import FAIL, PASS, StageResult
+
+#: Seconds a peer may take beyond the deadline to notice and report (a loaded machine).
+GRACE_S = 15.0
+
+
+def _cases(pp: int):
+    odd = pp + 1  # odd, and pp <= M < 2pp
+    return [("dualpipe", odd), ("dualpipev", odd), ("dualpipe", pp)] + ([] if pp + 3 >= 2 * pp else
+                                                                        [("dualpipe", pp + 3)])
+
+
+class OddMicrobatches:
+    NAME = "no hang (odd M, pp <= M < 2pp)"
+
+    @staticmethod
+    def run(ctx) -> dict:
+        spec = ctx.cfg.spec()
+        full = models.full_state_dict(spec)
+        out = {"coord": ctx.coord, "runs": []}
+        ref_chunks = models.build(spec, "1f1b", full)
+        for schedule, m in _cases(ctx.cfg.pp):
+            micro = models.batches(spec, m, step=7)
+            ref = models.run_iteration(spec, "1f1b", ref_chunks, micro, p2p_timeout=ctx.cfg.deadline_s)
+            chunks = models.build(spec, schedule, full)
+            t0 = time.perf_counter()
+            losses = models.run_iteration(spec, schedule, chunks, micro, p2p_timeout=ctx.cfg.deadline_s)
+            out["runs"].append({"schedule": schedule, "m": m, "seconds": time.perf_counter() - t0,
+                                "losses": losses, "ref": ref})
+        return out
+
+    @staticmethod
+    def judge(ctx, payloads: List[dict]) -> StageResult:
+        tol = ctx.cfg.tolerance
+        details, failures, parts = [], [], []
+        n = len(payloads[0]["runs"])
+        for i in range(n):
+            runs = [p["runs"][i] for p in payloads]
+            slowest = max(r["seconds"] for r in runs)
+            worst = 0.0
+            for r in runs:
+                if r["losses"] is not None:
+                    worst = max([worst] + [abs(a - b) / max(abs(b), 1e-30) for a, b in zip(r["losses"], r["ref"])])
+                    if len(r["losses"]) != r["m"]:
+                        failures.append(f"{r['schedule']} M={r['m']}: {len(r['losses'])} losses returned")
+            name, m = runs[0]["schedule"], runs[0]["m"]
+            if worst > tol:
+                failures.append(f"{name} M={m}: losses differ from 1F1B's by {worst:.2e} (relative) > {tol:g}")
+            details.append(f"{name} M={m} (pp={ctx.cfg.pp}{', odd' if m % 2 else ''}): finished in {slowest:.2f} s "
+                           f"(deadline {ctx.cfg.deadline_s:g} s), losses vs 1F1B {worst:.1e}")
+            parts.append(f"{name} M={m} {slowest:.1f} s")
+        if failures:
+            return StageResult(OddMicrobatches.NAME, FAIL, failures[0], failures + details)
+        return StageResult(OddMicrobatches.NAME, PASS, "all finished, 1F1B's losses: " + ", ".join(parts), details)
+
+
+class InjectedFailure(RuntimeError):
+    """The error the selftest raises on purpose in one rank's forward."""
+
+
+class RankRaises:
+    NAME = "no hang (a rank raises)"
+    VICTIM = (1, 0, 0)  # (pp, tp, dp) coordinates of the rank that raises
+
+    @staticmethod
+    def run(ctx) -> dict:
+        spec = ctx.cfg.spec()
+        full = models.full_state_dict(spec)
+        chunks = models.build(spec, "dualpipe", full)
+        calls = [0]
+
+        def failing_forward_step(data_iterator, model, *args, **kwargs):
+            calls[0] += 1
+            if ctx.coord == RankRaises.VICTIM and calls[0] == 2:
+                raise InjectedFailure(f"selftest: injected failure in the second forward of global rank {ctx.rank}")
+            return models.forward_step(data_iterator, model, *args, **kwargs)
+
+        t0 = time.perf_counter()
+        try:
+            models.run_iteration(spec, "dualpipe", chunks, models.batches(spec, 2 * ctx.cfg.pp),
+                                 p2p_timeout=ctx.cfg.deadline_s, forward_step_func=failing_forward_step)
+            error = None
+        except Exception as e:  # noqa: BLE001 - what this stage looks at
+            error = f"{type(e).__name__}: {e}"
+        return {"coord": ctx.coord, "seconds": time.perf_counter() - t0, "error": error, "rank": ctx.rank}
+
+    @staticmethod
+    def judge(ctx, payloads: List[dict]) -> StageResult:
+        name = RankRaises.NAME
+        limit = ctx.cfg.deadline_s + GRACE_S
+        victim = [p for p in payloads if tuple(p["coord"]) == RankRaises.VICTIM][0]
+        pipeline = [p for p in payloads if tuple(p["coord"])[1:] == RankRaises.VICTIM[1:]]
+        details, failures = [], []
+        for p in sorted(pipeline, key=lambda p: p["coord"][0]):
+            first = (p["error"] or "finished without an error").splitlines()[0]
+            details.append(f"rank {p['rank']} (pp {p['coord'][0]}): stopped after {p['seconds']:.1f} s: {first[:300]}")
+            if p is victim:
+                if not p["error"] or "InjectedFailure" not in p["error"]:
+                    failures.append(f"rank {p['rank']} should have raised the injected failure; got: {first[:200]}")
+                continue
+            if p["error"] is None:
+                failures.append(f"rank {p['rank']} finished although rank {victim['rank']} failed")
+            elif "rank" not in p["error"]:
+                failures.append(f"rank {p['rank']} stopped with an error that names no rank: {first[:200]}")
+            if p["seconds"] > limit:
+                failures.append(f"rank {p['rank']} took {p['seconds']:.1f} s to stop, more than the deadline "
+                                f"{ctx.cfg.deadline_s:g} s + {GRACE_S:g} s")
+        slowest = max(p["seconds"] for p in pipeline)
+        if failures:
+            return StageResult(name, FAIL, failures[0], failures + details)
+        return StageResult(name, PASS, f"rank {victim['rank']} raised; its {len(pipeline) - 1} pipeline peers stopped "
+                                       f"with errors naming a rank within {slowest:.1f} s (deadline "
+                                       f"{ctx.cfg.deadline_s:g} s)", details)

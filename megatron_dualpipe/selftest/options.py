@@ -1,0 +1,91 @@
+"""The selftest's settings, checked before any process starts (one line naming the fix)."""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Optional
+
+from .models import ModelSpec
+
+#: Relative tolerance of losses and gradients (largest |difference| over the largest |value| of each
+#: tensor) per dtype. fp32: the schedules add the same numbers in other orders (DualPipe sums the two
+#: copies of a stage); bf16 rounds every product to 8 bits of mantissa; FP8 (delayed scaling) keeps
+#: amax histories per module and call order, which differ between schedules.
+TOLERANCE = {"fp32": 1e-5, "bf16": 2e-2, "fp8": 1e-1}
+
+
+@dataclasses.dataclass(frozen=True)
+class SelftestConfig:
+    world: int
+    tp: int = 1
+    ep: int = 1
+    te: bool = False
+    fp8: bool = False
+    out: str = "selftest-out"
+    quick: bool = False
+    deadline_s: float = 60.0  # every P2P wait, and the no-hang stage's bound
+    gpu: bool = False
+    command: str = "megatron-dualpipe selftest"
+    # the user's model, for the speed stage's matrix-multiply stages (GPU)
+    model_hidden: int = 4096
+    model_seq: int = 4096
+    model_layers_per_stage: int = 4
+
+    @property
+    def pp(self) -> int:
+        return self.world // (self.tp * self.ep)
+
+    @property
+    def dtype_key(self) -> str:
+        return "fp8" if self.fp8 else ("bf16" if self.gpu and self.te else "fp32")
+
+    @property
+    def tolerance(self) -> float:
+        return TOLERANCE[self.dtype_key]
+
+    def spec(self, moe: bool = False) -> ModelSpec:
+        """The tiny model: two layers per DualPipe stage (one per DualPipeV chunk)."""
+        hidden = 64 if self.gpu else 32
+        return ModelSpec(layers=2 * self.pp, hidden=hidden, heads=4, seq=32 if self.gpu else 16, mbs=2,
+                         vocab=128 if self.gpu else 64, dtype="bf16" if self.dtype_key != "fp32" else "fp32",
+                         layer_spec="te" if self.te else "local", experts=2 * self.ep if moe else None,
+                         combined_step=moe and self.ep > 1, fp8=self.fp8)
+
+
+def check(world: int, tp: int, ep: int, te: bool, fp8: bool, gpu: bool, gpus_here: int,
+          torchrun: bool) -> Optional[str]:
+    """What is wrong with these settings (None: nothing), saying what would work."""
+    if world < 2:
+        return f"the selftest needs at least 2 processes (a pipeline), got {world}"
+    for name, v in (("--tp", tp), ("--ep", ep)):
+        if v < 1:
+            return f"{name} must be >= 1, got {v}"
+    if world % (tp * ep):
+        return f"{world} processes do not split into tp={tp} x ep={ep} x pp: use a multiple of {tp * ep}"
+    pp = world // (tp * ep)
+    if pp < 2 or pp % 2:
+        good = tp * ep * max(2, pp + pp % 2)
+        return (f"DualPipe needs an even pipeline of at least 2 stages; {world} processes with tp={tp} ep={ep} "
+                f"give pp={pp}: use --nproc {good}")
+    if fp8 and not te:
+        return "--fp8 runs Transformer Engine's FP8 layers: add --te"
+    if te and not gpu:
+        return "--te needs a GPU with transformer-engine installed (this machine has no GPU): leave out --te/--fp8"
+    if te:
+        try:
+            import importlib.util
+
+            if importlib.util.find_spec("transformer_engine") is None:
+                return "--te: transformer-engine is not installed: pip install transformer-engine[pytorch]"
+        except (ImportError, ValueError):
+            return "--te: transformer-engine cannot be imported"
+    if gpu and not torchrun and world > gpus_here:
+        return (f"--nproc {world} needs {world} GPUs on this machine, found {gpus_here}: use --nproc {gpus_here} "
+                f"or torchrun across nodes")
+    return None
+
+
+def default_world(gpu: bool, gpus_here: int) -> int:
+    if "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    return gpus_here if gpu and gpus_here >= 2 else 4

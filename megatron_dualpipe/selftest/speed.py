@@ -1,0 +1,125 @@
+"""Stage ``speed``: ``megatron-dualpipe bench`` on this machine, every schedule the executor runs
+(1F1B's order, ZB-H1, DualPipe, DualPipeV) against the simulated makespan of the same costs (with
+the measured P2P latency), with the bd gradient sums in (``--grad-mb``).
+
+On a GPU the stages multiply matrices (``--compute matmul``) sized to the user's model: a stage's
+forward costs what ``--model-layers-per-stage`` transformer layers of hidden size ``--model-hidden``
+on ``--model-seq`` tokens cost at this GPU's measured matrix-multiply rate (backward twice that,
+half of it the weight gradient), and the bd sums carry the stage's fp32 gradients. On the CPU the
+stages sleep their costs (four processes multiplying matrices on a few cores would measure the
+cores' sharing, not the schedule).
+
+The pipeline is all the ranks (pp = world size), as ``bench`` under torchrun runs it. On a GPU the
+verdict is soft: a schedule whose iteration takes more than :data:`SLOWER` times its simulation
+FAILs without stopping the selftest. On the CPU the figures are reported, not judged: the ranks
+share a few cores with each other and with whatever else runs there.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+from typing import List
+
+import torch
+import torch.distributed as dist
+
+from .result import FAIL, PASS, StageResult
+
+NAME = "speed"
+#: Measured over simulated (with the measured P2P latency) above which the stage FAILs.
+SLOWER = 1.5
+MAX_GRAD_MB = 4096.0
+
+
+def layer_flops(hidden: int, seq: int, mbs: int = 1) -> float:
+    """Forward FLOPs of one GPT layer (attention and a 4h MLP): 24 b s h^2 + 4 b s^2 h."""
+    return 24.0 * mbs * seq * hidden * hidden + 4.0 * mbs * seq * seq * hidden
+
+
+def stage_costs(cfg, device):
+    """(compute mode, f, b, w in ms, matmul side, grad MiB)."""
+    from ..bench.synthetic import Spender
+
+    if not cfg.gpu:
+        scale = 0.5 if cfg.quick else 1.0
+        return "sleep", 20 * scale, 40 * scale, 20 * scale, 1024, 4.0
+    n = cfg.model_hidden
+    rate = torch.tensor([Spender("matmul", device, n).per_ms * 2.0 * n ** 3], dtype=torch.float64, device=device)
+    dist.broadcast(rate, src=0)  # one rate for all ranks: rank 0's
+    f = cfg.model_layers_per_stage * layer_flops(n, cfg.model_seq) / float(rate)
+    grad_mb = min(MAX_GRAD_MB, 12.0 * n * n * cfg.model_layers_per_stage * 4 / (1 << 20))
+    return "matmul", f, 2 * f, f, n, grad_mb
+
+
+def bench_config(ctx):
+    from ..bench import SCHEDULE_NAMES
+    from ..bench.measure import BenchConfig
+    from ..bench.synthetic import StageCosts
+
+    mode, f, b, w, size, grad_mb = stage_costs(ctx.cfg, ctx.device)
+    return BenchConfig(schedules=tuple(SCHEDULE_NAMES), microbatches={ctx.world: (2 * ctx.world,)},
+                       costs=StageCosts(f, b, w), mode=mode, matmul_size=size, shape=(8, 1024),
+                       iters=2 if ctx.cfg.quick else 5, warmup=1 if ctx.cfg.quick else 2,
+                       timeout_s=ctx.cfg.deadline_s, trace_dir=os.path.abspath(ctx.path("traces")), grad_mb=grad_mb)
+
+
+def run(ctx) -> dict:
+    from ..bench.measure import worker
+
+    cfg = bench_config(ctx)
+    return {"config": cfg, "result": worker(ctx.rank, ctx.world, ctx.device, cfg)}
+
+
+def timelines(ctx, trace_root: str, names) -> List[str]:
+    """PNG and Perfetto JSON of each schedule's recorded iteration (``megatron-dualpipe trace``);
+    the lines it printed."""
+    import argparse
+
+    from .. import timeline
+
+    lines = []
+    for name in sorted(names):
+        directory = os.path.join(trace_root, name)
+        png, js = f"timeline_{name}.png", f"timeline_{name}.json"
+        args = argparse.Namespace(directory=directory, png=ctx.path(png), json=ctx.path(js), iteration=None,
+                                  global_rank=None)
+        buf = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(buf):
+                timeline.run(args)
+        except (timeline.TraceError, OSError) as e:  # e.g. another node's ranks wrote their files there
+            lines.append(f"{name}: no timeline ({e})")
+            continue
+        ctx.files += [png, js]
+        lines += buf.getvalue().splitlines()[:1]
+    return lines
+
+
+def judge(ctx, payloads: List[dict]) -> StageResult:
+    from ..bench import report
+
+    cfg = payloads[0]["config"]
+    ranks = [p["result"] for p in payloads]
+    latency, rows = report.rows(cfg, ctx.world, ranks)
+    env = {"backend": ranks[0]["backend"], "device": ranks[0]["device"], "cores": os.cpu_count(),
+           "matmuls_per_ms": ranks[0]["matmuls_per_ms"] or None}
+    details = [f"pipeline: all {ctx.world} ranks (pp={ctx.world}), M={2 * ctx.world}", *report.table(cfg, {ctx.world: latency},
+                                                                                                    rows, env).splitlines()]
+    names = [f"{r.schedule}_pp{r.pp}_m{r.microbatches}" for r in rows]
+    details += ["", "timelines (measured above simulated):", *timelines(ctx, cfg.trace_dir, names)]
+    by = {r.schedule: r for r in rows}
+    parts = [f"{s} {r.median_ms:.0f} ms ({r.ratio_latency:.2f}x sim)" for s, r in by.items()]
+    slow = [f"{s} {r.ratio_latency:.2f}x" for s, r in by.items() if r.ratio_latency and r.ratio_latency > SLOWER]
+    if "dualpipe" in by and "executor-1f1b" in by:
+        sim = by["dualpipe"].sim_latency_ms / by["executor-1f1b"].sim_latency_ms
+        parts.append(f"dualpipe/1f1b {by['dualpipe'].median_ms / by['executor-1f1b'].median_ms:.2f} (sim {sim:.2f})")
+    summary = f"{cfg.mode} stages f={cfg.costs.f:.1f} b={cfg.costs.b:.1f} w={cfg.costs.w:.1f} ms: " + ", ".join(parts)
+    numbers = report.to_json(cfg, {ctx.world: latency}, rows, env)
+    if not ctx.cfg.gpu:  # the ranks share this machine's cores with each other and whatever else runs
+        return StageResult(NAME, PASS, f"measured, not judged on the CPU ({ctx.world} processes on {os.cpu_count()} "
+                                       f"cores): " + summary, details, numbers)
+    if slow:
+        return StageResult(NAME, FAIL, f"slower than {SLOWER}x the simulation: {', '.join(slow)}; " + summary,
+                           details, numbers, hard=False)
+    return StageResult(NAME, PASS, summary, details, numbers)

@@ -1,0 +1,105 @@
+"""What every rank of the selftest runs: the stages in order, each rank's findings gathered on
+rank 0, which judges them, prints the verdict line, rewrites the report, and tells every rank
+whether to go on.
+
+A stage is a module with ``NAME``, ``run(ctx) -> payload`` (every rank; any picklable value) and
+``judge(ctx, payloads) -> StageResult`` (rank 0; ``payloads[r]`` is rank r's). A stage that raises
+on a rank becomes a FAIL naming the rank. The stage that makes a rank raise on purpose runs last:
+after it the pipeline's point-to-point traffic cannot be trusted any more.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+import traceback
+from typing import Any, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from . import result as R
+from .options import SelftestConfig
+
+
+@dataclasses.dataclass
+class Context:
+    """One rank's view: settings, where it sits in the parallel groups, where files go."""
+
+    cfg: SelftestConfig
+    rank: int
+    world: int
+    device: torch.device
+    pp_rank: int
+    tp_rank: int
+    dp_rank: int
+    files: List[str] = dataclasses.field(default_factory=list)  # written so far (rank 0), relative to out
+
+    @property
+    def coord(self):
+        return (self.pp_rank, self.tp_rank, self.dp_rank)
+
+    def path(self, name: str) -> str:
+        return os.path.join(self.cfg.out, name)
+
+
+def _stages():
+    from . import environment, equality, memory, nohang, overlap, speed
+
+    return [environment, equality, nohang.OddMicrobatches, overlap, speed, memory, nohang.RankRaises]
+
+
+def _setup(cfg: SelftestConfig, rank: int, world: int, device) -> Context:
+    from megatron.core import parallel_state as ps
+
+    from .. import cpu as cpu_mode
+    from ..mcore.groups import build_bd_groups
+    from . import tiny_gpt
+
+    cpu_mode.enable()
+    ps.initialize_model_parallel(tensor_model_parallel_size=cfg.tp, pipeline_model_parallel_size=cfg.pp,
+                                 expert_model_parallel_size=cfg.ep,
+                                 distributed_timeout_minutes=max(1, round(cfg.deadline_s / 60)),
+                                 create_gloo_process_groups=False)
+    build_bd_groups()
+    tiny_gpt.seed_all(1234)
+    return Context(cfg, rank, world, device, ps.get_pipeline_model_parallel_rank(),
+                   ps.get_tensor_model_parallel_rank(), ps.get_data_parallel_rank())
+
+
+def _run_stage(stage, ctx: Context):
+    try:
+        return stage.run(ctx), None
+    except Exception as e:  # noqa: BLE001 - becomes the stage's FAIL, naming the rank
+        text = f"{type(e).__name__}: {e}"
+        if os.environ.get("MEGATRON_DUALPIPE_SELFTEST_TRACEBACK"):
+            text += "\n" + traceback.format_exc()
+        return None, text
+
+
+def worker(rank: int, world: int, device, cfg: SelftestConfig) -> Optional[List[dict]]:
+    """Every rank: run the stages; rank 0 returns the results (as dicts), the others None."""
+    started = time.perf_counter()
+    ctx = _setup(cfg, rank, world, device)
+    results: List[R.StageResult] = []
+    for stage in _stages():
+        t0 = time.perf_counter()
+        payload, error = _run_stage(stage, ctx)
+        gathered: List[Any] = [None] * world if rank == 0 else []
+        dist.gather_object((payload, error), gathered if rank == 0 else None, dst=0)
+        stop = [False]
+        if rank == 0:
+            errors = {r: e for r, (_, e) in enumerate(gathered) if e is not None}
+            res = R.failed_on(stage.NAME, errors) if errors else stage.judge(ctx, [p for p, _ in gathered])
+            res.seconds = time.perf_counter() - t0
+            results.append(res)
+            print(res.line(), flush=True)
+            if res.status == R.FAIL:
+                for line in res.details[:20]:
+                    print(f"    {line}", flush=True)
+            R.write(cfg.out, cfg.command, results, time.perf_counter() - started, ctx.files)
+            stop = [res.stops]
+        dist.broadcast_object_list(stop, src=0)
+        if stop[0]:
+            break
+    return [r.to_json() for r in results] if rank == 0 else None

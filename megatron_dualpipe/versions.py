@@ -1,0 +1,97 @@
+"""Which Megatron versions megatron-dualpipe supports: the one place that says so.
+
+``setup.py`` reads :data:`REQUIREMENT`; ``import megatron_dualpipe.mcore`` and the launcher's
+preflight call :func:`problem` and refuse, in one line naming the supported versions, a
+megatron-core or Megatron-LM checkout outside the range; ``megatron-dualpipe patch`` takes the
+patch of :data:`TAGS`. What differs *between* the supported versions (a changed signature, a
+new per-micro-batch duty of a schedule) is not here but in :mod:`megatron_dualpipe.mcore.compat`
+(megatron-core) and :mod:`megatron_dualpipe.cpu` (the CPU redirections that exist at one tag
+only), each entry naming the versions it applies to.
+
+Standard library only, no relative imports: ``setup.py`` runs this file on its own.
+"""
+from __future__ import annotations
+
+import os
+import re
+from typing import Optional, Tuple
+
+#: Megatron-LM tags the plugin is tested with -> the megatron-core version each carries. CI runs
+#: pretrain_gpt.py at both ends of the range.
+TAGS = {"core_v0.16.1": "0.16.1", "core_v0.19.0": "0.19.0"}
+#: The megatron-core releases the test suite runs with (the package, as pip installs it).
+TESTED_CORE = ("0.16.1", "0.19.0", "0.19.2")
+#: The supported range, lowest included, highest excluded.
+LOWEST, BELOW = (0, 16, 1), (0, 20)
+REQUIREMENT = "megatron-core>=0.16.1,<0.20"
+#: Set to 1 to run with a version outside the range anyway (at your own risk).
+SKIP_ENV = "MEGATRON_DUALPIPE_SKIP_VERSION_CHECK"
+
+SUPPORTED_TEXT = (f"megatron-core 0.16.1 through 0.19.x (tested: {', '.join(TESTED_CORE)}; Megatron-LM tags "
+                  f"{', '.join(TAGS)})")
+
+
+def parse(version: str) -> Tuple[int, ...]:
+    """``"0.19.0rc2"`` -> ``(0, 19, 0)``: the leading numeric release parts."""
+    parts = []
+    for piece in str(version).split("."):
+        m = re.match(r"\d+", piece)
+        if not m:
+            break
+        parts.append(int(m.group()))
+        if m.end() != len(piece):
+            break
+    return tuple(parts)
+
+
+def supported(version: str) -> bool:
+    """True when ``version`` (megatron-core) lies in the supported range."""
+    v = parse(version)
+    v3 = (v + (0, 0, 0))[:3]
+    return bool(v) and LOWEST <= v3 and v3[:2] < BELOW
+
+
+def skipped() -> bool:
+    return os.environ.get(SKIP_ENV) == "1"
+
+
+def problem(version: Optional[str], where: str = "megatron-core") -> Optional[str]:
+    """One line saying that ``version`` is outside the supported range (and what to do), or None.
+
+    None as well when :data:`SKIP_ENV` is 1."""
+    if skipped() or (version is not None and supported(version)):
+        return None
+    found = f"{where} {version}" if version else f"no version of {where}"
+    return (f"found {found}; megatron-dualpipe supports {SUPPORTED_TEXT}: install one of those "
+            f"(pip install '{REQUIREMENT}', or check out a supported Megatron-LM tag), or set {SKIP_ENV}=1 "
+            f"to try anyway")
+
+
+def tag_of(core_version: Optional[str]) -> Optional[str]:
+    """The tested Megatron-LM tag that carries ``core_version``, or None."""
+    return next((tag for tag, v in TAGS.items() if v == core_version), None)
+
+
+def installed_core_version() -> Optional[str]:
+    """The version of the importable ``megatron.core`` (package_info, no torch import), or None."""
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec("megatron.core")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return checkout_core_version(os.path.dirname(os.path.dirname(list(spec.submodule_search_locations)[0])))
+
+
+def checkout_core_version(root: str) -> Optional[str]:
+    """The megatron-core version in ``root/megatron/core/package_info.py`` (a Megatron-LM checkout
+    or a site-packages folder), or None."""
+    info = os.path.join(root, "megatron", "core", "package_info.py")
+    try:
+        text = open(info, encoding="utf-8").read()
+    except OSError:
+        return None
+    parts = [re.search(rf"^{k}\s*=\s*(\d+)", text, re.M) for k in ("MAJOR", "MINOR", "PATCH")]
+    return ".".join(m.group(1) for m in parts) if all(parts) else None

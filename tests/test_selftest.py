@@ -1,0 +1,110 @@
+"""``megatron-dualpipe selftest`` on this CPU machine: the short form CI runs end to end, and a broken
+executor that the selftest must catch.
+
+* The quick run (4 processes, gloo, CPU mode) passes every stage that can run here, skips the
+  GPU-only one with its reason, and writes the report, the JSON and the timelines.
+* With the test-only fault (``MEGATRON_DUALPIPE_SELFTEST_FAULT=swap-microbatch``: the last pipeline
+  rank reads micro-batches 0 and 1 in swapped order under DualPipe) the equality stage FAILs with
+  the loss of micro-batch 0 against Megatron 1F1B's, the selftest stops there and exits 1.
+* Bad settings end in one line naming the fix, before any process starts.
+
+``pytest -s`` prints the report of each run.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megatron_dualpipe.cli import main
+from megatron_dualpipe.selftest import models
+from megatron_dualpipe.selftest.options import TOLERANCE
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU form of the selftest")
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _selftest(out: pathlib.Path, *flags: str, env=None, timeout: float = 900):
+    """Run the command as a user does; return (exit status, output, the JSON report)."""
+    environ = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env or {}))
+    proc = subprocess.run([sys.executable, "-m", "megatron_dualpipe", "selftest", "--quick", "--out", str(out), *flags],
+                          capture_output=True, text=True, timeout=timeout, env=environ, cwd=ROOT)
+    report = json.loads((out / "selftest.json").read_text())
+    print(f"\n$ megatron-dualpipe selftest --quick {' '.join(flags)}  -> exit {proc.returncode}")
+    print((out / "selftest.md").read_text())
+    return proc.returncode, proc.stdout, report
+
+
+def _stage(report, name):
+    found = [s for s in report["stages"] if s["stage"] == name]
+    assert found, f"stage {name!r} missing from {[s['stage'] for s in report['stages']]}"
+    return found[0]
+
+
+def test_quick_cpu_run_passes_end_to_end(tmp_path):
+    code, stdout, report = _selftest(tmp_path, "--nproc", "4", "--deadline", "10")
+    statuses = {s["stage"]: s["status"] for s in report["stages"]}
+    assert code == 0 and not report["failed"], stdout
+    assert statuses == {"environment": "PASS", "equality": "PASS", "no hang (odd M, pp <= M < 2pp)": "PASS",
+                        "overlap": "SKIP", "speed": "PASS", "memory": "PASS", "no hang (a rank raises)": "PASS"}
+    for s in report["stages"]:
+        assert f"[{s['status']}] {s['stage']}: " in stdout  # one line per stage as it ends
+    # equality: the numbers behind the PASS are within the stated tolerance, and were compared at all
+    eq = _stage(report, "equality")["numbers"]["GPT"]
+    for schedule in ("dualpipe", "dualpipev"):
+        assert 0 <= eq[schedule]["max_rel_grad_diff"] <= TOLERANCE["fp32"]
+        assert 0 <= eq[schedule]["max_rel_loss_diff"] <= TOLERANCE["fp32"]
+    assert eq["copies_identical"] is True
+    assert "--ep" in _stage(report, "overlap")["summary"]  # skipped, saying why
+    env = _stage(report, "environment")["numbers"]
+    assert len(env["pairs"]) == 3 + 2 and all(p["latency_us"] > 0 and p["bandwidth_gbs"] > 0 for p in env["pairs"])
+    speed = _stage(report, "speed")["numbers"]["rows"]
+    assert {r["schedule"] for r in speed} == {"executor-1f1b", "zb-h1", "dualpipe", "dualpipev"}
+    assert all(r["median_ms"] > 0 and r["sim_ms"] > 0 for r in speed)
+    assert all(r["bd_exposed_ms"] for r in speed if r["schedule"] == "dualpipe")  # the bd sums were in
+    memory = _stage(report, "memory")["numbers"]
+    assert all(memory[s]["measured_max_mib"] > 0 for s in ("1f1b", "dualpipe", "dualpipev"))
+    for name in ("dualpipe", "dualpipev", "executor-1f1b", "zb-h1"):
+        png, js = tmp_path / f"timeline_{name}_pp4_m8.png", tmp_path / f"timeline_{name}_pp4_m8.json"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert json.loads(js.read_text())["traceEvents"]
+
+
+def test_a_broken_executor_fails_equality_with_the_number(tmp_path):
+    code, stdout, report = _selftest(tmp_path, "--nproc", "2", env={models.FAULT_ENV: "swap-microbatch"})
+    assert code == 1 and report["failed"]
+    assert [s["stage"] for s in report["stages"]] == ["environment", "equality"]  # stopped at the hard failure
+    eq = _stage(report, "equality")
+    assert eq["status"] == "FAIL"
+    m = re.search(r"loss of micro-batch 0 \(dp 0\) (\S+) vs 1F1B (\S+): relative difference (\S+) >", eq["summary"])
+    assert m, eq["summary"]
+    got, want, diff = map(float, m.groups())
+    assert diff == pytest.approx(abs(got - want) / abs(want), rel=1e-2) and diff > TOLERANCE["fp32"]
+    assert "[FAIL] equality: GPT dualpipe: loss of micro-batch 0" in stdout
+
+
+BAD = [
+    (["--nproc", "3"], "use --nproc 4"),
+    (["--nproc", "1"], "at least 2 processes"),
+    (["--nproc", "4", "--tp", "3"], "multiple of 3"),
+    (["--nproc", "4", "--te"], "--te needs a GPU"),
+    (["--nproc", "4", "--fp8"], "add --te"),
+    (["--nproc", "4", "--deadline", "0"], "--deadline"),
+    (["--nproc", "4", "--model-hidden", "0"], "--model-hidden"),
+]
+
+
+@pytest.mark.parametrize("argv,needle", BAD, ids=[" ".join(a) for a, _ in BAD])
+def test_bad_settings_are_one_line_before_anything_starts(capsys, tmp_path, argv, needle):
+    code = main(["selftest", *argv, "--out", str(tmp_path / "out")])
+    out, err = capsys.readouterr()
+    print(f"\nselftest {' '.join(argv)} -> {code}: {err.strip()}")
+    assert code == 2 and err.count("\n") == 1 and needle in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
