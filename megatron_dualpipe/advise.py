@@ -324,6 +324,17 @@ def _choose(options: List[Option], limit: Optional[float]):
     return best.row.name, f"{best.row.name}: " + "; ".join(parts)
 
 
+def _links_text(c: CommModel) -> str:
+    def one(link) -> str:
+        return f"{fmt(round(link.bandwidth, 3))} GB/s + {fmt(round(link.latency, 4))} ms"
+
+    measured = [(w, k) for w, k in (("P2P", c.p2p_link), ("bd pair", c.bd_link), ("data parallel", c.dp_link)) if k]
+    if measured:
+        return "measured " + ", ".join(f"{w} {one(k)}" for w, k in measured) + (
+            f" (others as {one(c.network.inter)})" if len(measured) < 3 else "")
+    return f"inside a node {one(c.network.intra)}, between nodes {one(c.network.inter)}"
+
+
 def _format(a: Advice) -> List[str]:
     c = a.costs
     out = [f"pp={a.pp}, one stage per micro-batch: f={fmt(c.f)} b={fmt(c.b)} w={fmt(c.w)} fb={fmt(c.fused)} "
@@ -338,9 +349,8 @@ def _format(a: Advice) -> List[str]:
         p, n = a.comm.placement, a.comm.network
         out.append(f"communication (ms): dp={p.dp} tp={p.tp}, {p.gpus_per_node} GPUs per node, "
                    f"{'mirrored' if p.mirrored else 'Megatron'} placement; gradients {fmt(a.comm.stage_grad_bytes / 1e6)} "
-                   f"MB per stage, P2P messages {fmt(a.comm.message_bytes / 1e6)} MB; links: inside a node "
-                   f"{fmt(n.intra.bandwidth)} GB/s + {fmt(n.intra.latency)} ms, between nodes {fmt(n.inter.bandwidth)} "
-                   f"GB/s + {fmt(n.inter.latency)} ms; data-parallel "
+                   f"MB per stage, P2P messages {fmt(a.comm.message_bytes / 1e6)} MB; links: " + _links_text(a.comm)
+                   + "; data-parallel "
                    f"{'reduce-scatter' if a.comm.distributed_optimizer else 'all-reduce'}"
                    + ("" if a.comm.overlap_grad_reduce else " after the schedule"))
     head = ("schedule", "M", "makespan", "bubble", "bubble %") + (("exposed", "iteration") if comm else ()) + (

@@ -15,7 +15,7 @@ that adds its arguments, a ``run(args) -> int`` function, and one :func:`registe
 Every bad argument ends with one line on stderr, ``megatron-dualpipe: error: ...``, and exit
 status 2: raise :class:`CliError` (or ``ScheduleError`` / ``ValueError``) from ``run``. Ctrl-C
 (130), a closed pipe (141, silent), an ``OSError`` such as a permission error (1) and an
-``OverflowError`` (2) end in one line too; ``tests/test_no_traceback.py`` runs every registered
+``OverflowError`` (2) end in one line too; ``tests/cli/test_no_traceback.py`` runs every registered
 command with bad input.
 """
 from __future__ import annotations
@@ -141,10 +141,42 @@ def _add_cost_args(p: argparse.ArgumentParser, title: str, defaults: bool = True
     g.add_argument("--p2p", type=float, default=0.0, help="latency of a send between ranks (default 0)")
 
 
+def fused_cost_problem(f: float, b: float, w: float, fb) -> Optional[str]:
+    """Why ``fb`` cannot be a fused F&B unit's cost, or None: the unit runs a forward and an input
+    backward (``b - w``) together, so it costs at least the larger of the two (and at most both
+    in a row is what overlap saves from, so anything between is a real run's)."""
+    if fb is None:
+        return None
+    least = max(f, b - w)
+    if fb < least:
+        part = f"--f {f:g}" if f >= b - w else f"the input backward --b - --w = {b - w:g}"
+        return (f"--fb {fb:g} is cheaper than {part} alone: a fused F&B unit runs a forward and a backward "
+                f"together, so --fb must be at least {least:g} (--f + --b = {f + b:g} is the cost without overlap)")
+    return None
+
+
 def _costs(args):
     from .schedule.simulate import Costs
 
-    return Costs(f=args.f, b=args.b, w=args.w, fb=args.fb, p2p=args.p2p)  # checks its values
+    costs = Costs(f=args.f, b=args.b, w=args.w, fb=args.fb, p2p=args.p2p)  # checks its values
+    problem = fused_cost_problem(costs.f, costs.b, costs.w, costs.fb)
+    if problem:
+        raise CliError(problem)
+    return costs
+
+
+def png_path(text: str) -> str:
+    """An argparse type for ``--png FILE``: the picture is PNG whatever the name says, so a name
+    that says otherwise (``x.jpg``) is refused rather than written with PNG bytes."""
+    import os
+
+    if not text.strip():
+        raise argparse.ArgumentTypeError("--png needs a file name, got an empty one")
+    ext = os.path.splitext(text)[1].lower()
+    if ext != ".png":
+        stem = os.path.splitext(text)[0] if ext else text
+        raise argparse.ArgumentTypeError(f"{text!r}: the picture is written as PNG: name it {stem or 'timeline'}.png")
+    return text
 
 
 def _write(path: str, data, binary: bool = False) -> None:
@@ -181,7 +213,7 @@ register("advise", _advise.HELP, _advise.configure, _advise.run)
 
 
 def _configure_patch(p):
-    p.add_argument("path", help="root of a Megatron-LM checkout at tag core_v0.16.1")
+    p.add_argument("path", help="root of a Megatron-LM checkout at tag core_v0.16.1 or core_v0.19.0")
     p.add_argument("--check", action="store_true", help="say what would change, change nothing")
     p.add_argument("--revert", action="store_true", help="remove the hook")
 

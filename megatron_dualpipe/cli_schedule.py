@@ -46,6 +46,10 @@ def add_comm_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--inter-latency", type=float, default=0.02, metavar="MS", help="default 0.02")
     g.add_argument("--distributed-optimizer", action="store_true",
                    help="the data-parallel reduction is a reduce-scatter (Megatron's distributed optimizer)")
+    g.add_argument("--bd-reduction", choices=("bd-first", "dp-first", "shared-shard"), default="bd-first",
+                   help="how DualPipe's two copies of a stage meet data parallel: bd-first (what the executor does), "
+                        "dp-first, or shared-shard (one reduce-scatter over 2 x dp; needs --distributed-optimizer); "
+                        "the last two are modelled, not implemented")
     g.add_argument("--no-overlap-grad-reduce", dest="overlap_grad_reduce", action="store_false",
                    help="Megatron's own schedules reduce after the pipeline (no --overlap-grad-reduce)")
 
@@ -67,9 +71,12 @@ def comm_from_args(args, pp: int):
         network = Network(Link(args.intra_bw, args.intra_latency), Link(args.inter_bw, args.inter_latency))
     except ValueError as e:
         raise CliError(f"--intra-bw/--inter-bw/--intra-latency/--inter-latency: {e}") from None
+    if args.bd_reduction == "shared-shard" and not args.distributed_optimizer:
+        raise CliError("--bd-reduction shared-shard shards the distributed optimizer's state over both copies: add "
+                       "--distributed-optimizer")
     return CommModel(Placement(pp, args.dp, args.tp, args.gpus_per_node, args.placement == "mirrored"), network,
                      (args.stage_params or 0.0) * DTYPE_BYTES[args.grad_dtype], args.message_bytes or 0.0,
-                     args.distributed_optimizer, args.overlap_grad_reduce)
+                     args.distributed_optimizer, args.overlap_grad_reduce, bd_mode=args.bd_reduction)
 
 
 def _add_pad_args(p: argparse.ArgumentParser) -> None:
@@ -173,6 +180,12 @@ def run_schedule(args) -> int:
 # simulate
 # ---------------------------------------------------------------------------------------------
 
+def _png_path(text: str) -> str:
+    from .cli import png_path
+
+    return png_path(text)
+
+
 def configure_simulate(p: argparse.ArgumentParser) -> None:
     _add_schedule_args(p)
     _add_pad_args(p)
@@ -180,7 +193,7 @@ def configure_simulate(p: argparse.ArgumentParser) -> None:
     add_comm_args(p)
     p.add_argument("--json", action="store_true",
                    help="print makespan, bubble, peak_activations, busy and the same-model comparison as JSON")
-    p.add_argument("--png", metavar="FILE", help="draw the timeline to a PNG (needs matplotlib)")
+    p.add_argument("--png", metavar="FILE.png", type=_png_path, help="draw the timeline to a PNG (needs matplotlib)")
     p.add_argument("--svg", metavar="FILE", help="draw the timeline to an SVG")
 
 
@@ -276,7 +289,9 @@ def _forwards(spec, pp: int, real: int) -> int:
 def _report(padded, costs, result, rows, stage, work, grad=None) -> str:
     s = padded.schedule
     spec = s.spec
-    per = "per chunk (half a stage)" if spec.costs_per_chunk else "per stage"
+    share = spec.model_stages(s.pp) // s.pp  # chunks per stage's worth of model
+    per = ("per chunk (half a stage)" if share == 2 else f"per chunk (1/{share} of a stage)") \
+        if spec.costs_per_chunk else "per stage"
     unit = s.layout.dir_word + "s" if spec.costs_per_chunk else "micro-batches"
     lines: List[str] = [f"{s.name}: pp={s.pp} M={s.microbatches} ({_per_dir(s)})"]
     note = _padding_note(padded)
@@ -304,7 +319,7 @@ def _report(padded, costs, result, rows, stage, work, grad=None) -> str:
         return "\n".join(lines)
     lines.append(f"the same model under every schedule, {padded.real} micro-batches, costs per stage f={fmt(stage.f)} "
                  f"b={fmt(stage.b)} w={fmt(stage.w)} fb={fmt(stage.fused)}: 1F1B, ZB-H1 and DualPipe run a stage per "
-                 f"action, DualPipeV a chunk of half a stage at half these costs"
+                 f"action, DualPipeV a chunk of half a stage at half these costs, interleaved 1F1B chunks of 1/v"
                  + ("; p2p latency is not in the closed forms" if costs.p2p else "") + ":")
     lines.extend("  " + line for line in table(rows, mark=s.name))
     mine = next(r for r in rows if r.name == s.name)

@@ -170,8 +170,15 @@ def resolve_data(args) -> PreparedData:
     """The prepared data the workers will read (built now on a cache miss), split checked."""
     progress = Progress()
     if args.data_path:
+        from .launch_checks import largest_token_id
+
         data = describe_indexed(args.data_path, args.tokenizer, args.eod_token)
         check_split(args.split, data.documents)
+        top = largest_token_id(args.data_path)
+        if top is not None and top >= data.vocab_size:  # the embedding would fail with an IndexError
+            raise DataError(f"--data-path {args.data_path} holds token id {top} but the tokenizer "
+                            f"{data.tokenizer_dir} has only {data.vocab_size} entries: pass the --tokenizer the "
+                            f"data was tokenized with")
     else:
         data, _ = prepare_from_args(args, progress)
     return data

@@ -15,11 +15,12 @@ fixes, and CPU-mode redirections when no GPU is present), then executes the scri
 ``runpy.run_path(..., run_name="__main__")`` and the remaining command-line arguments.
 
 Before any of that, a preflight refuses (one line per problem, exit status 2) what would fail
-later: a missing script, a checkout that is not Megatron-LM ``core_v0.16.1`` (the one version the
-plugin's hooks are written for; ``MEGATRON_DUALPIPE_SKIP_VERSION_CHECK=1`` tries anyway),
-missing training dependencies (named, with the pip command), and with ``--check`` the
-script's arguments as well (:mod:`megatron_dualpipe.launch_checks`: torch and torchrun importable
-here, the tokenizer, the data prefixes and the data's token ids against the vocabulary).
+later: a missing script, a checkout that is not one of the Megatron-LM tags the plugin's hooks are
+written for (``megatron_dualpipe.versions.TAGS``: core_v0.16.1, core_v0.19.0;
+``MEGATRON_DUALPIPE_SKIP_VERSION_CHECK=1`` tries anyway), missing training dependencies (named,
+with the pip command), and with ``--check`` the script's arguments as well
+(:mod:`megatron_dualpipe.launch_checks`: torch and torchrun importable here, the tokenizer, the
+data prefixes and the data's token ids against the vocabulary).
 ``scripts/pretrain_gpt_dualpipe.sh`` runs ``--check`` with the arguments it is about to pass.
 """
 
@@ -28,7 +29,7 @@ import runpy
 import sys
 
 USAGE = "usage: python -m megatron_dualpipe.launch [--check] /path/to/Megatron-LM/pretrain_gpt.py [ARGS...]"
-SKIP_VERSION = "MEGATRON_DUALPIPE_SKIP_VERSION_CHECK"
+SKIP_VERSION = "MEGATRON_DUALPIPE_SKIP_VERSION_CHECK"  # = versions.SKIP_ENV
 
 
 def preflight(script):
@@ -39,12 +40,9 @@ def preflight(script):
         return f"no such script: {script}"
     root = os.path.dirname(os.path.abspath(script))
     if os.environ.get(SKIP_VERSION) != "1":
-        version = patching.core_version(root)
-        if version != patching.CORE_VERSION:
-            found = f"megatron-core {version}" if version else "no megatron/core/package_info.py"
-            return (f"{root} is not Megatron-LM {patching.TAG} (found {found}): megatron-dualpipe's hooks are "
-                    f"written for that tag only; check it out (git -C {root} checkout {patching.TAG}), or set "
-                    f"{SKIP_VERSION}=1 to try anyway")
+        problem = patching.tag_problem(root, patching.core_version(root))
+        if problem:
+            return f"{problem}, or set {SKIP_VERSION}=1 to try anyway"
     return requirements.problem()
 
 
@@ -74,7 +72,8 @@ def main(argv=None):
     script = os.path.abspath(argv[0])
     problem = preflight(script)
     found = [problem] if problem else []
-    if os.path.isfile(script):
+    wants_help = any(a in ("-h", "--help") for a in argv[1:])
+    if os.path.isfile(script) and (check or not problem) and not wants_help:
         found += argument_problems(script, argv[1:], check)
     for line in found:
         print(f"megatron_dualpipe.launch: error: {line}", file=sys.stderr)

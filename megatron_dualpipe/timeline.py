@@ -146,7 +146,10 @@ def chrome_trace(schedule, panels: Sequence[Tuple[str, object]], waits: Sequence
 
 def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("directory", help="the MEGATRON_DUALPIPE_TRACE directory")
-    p.add_argument("--png", metavar="FILE", help="measured and simulated timelines, one above the other")
+    from .cli import png_path
+
+    p.add_argument("--png", metavar="FILE.png", type=png_path,
+                   help="measured and simulated timelines, one above the other")
     p.add_argument("--json", metavar="FILE", help="Chrome / Perfetto trace of both")
     p.add_argument("--iteration", type=int, default=None,
                    help="which recorded run_rank call (default: the last one every rank recorded)")

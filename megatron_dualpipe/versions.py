@@ -16,11 +16,13 @@ import os
 import re
 from typing import Optional, Tuple
 
-#: Megatron-LM tags the plugin is tested with -> the megatron-core version each carries. CI runs
-#: pretrain_gpt.py at both ends of the range.
-TAGS = {"core_v0.16.1": "0.16.1", "core_v0.19.0": "0.19.0"}
-#: The megatron-core releases the test suite runs with (the package, as pip installs it).
-TESTED_CORE = ("0.16.1", "0.19.0", "0.19.2")
+#: Megatron-LM tags the plugin is tested with -> the megatron-core version its
+#: ``megatron/core/package_info.py`` says (core_v0.19.0's says 0.19.1), by which a checkout is
+#: recognised. CI runs pretrain_gpt.py at both ends of the range.
+TAGS = {"core_v0.16.1": "0.16.1", "core_v0.19.0": "0.19.1"}
+#: The megatron-core versions the test suite runs with: the packages pip installs (0.16.1,
+#: 0.19.2) and the checkouts of :data:`TAGS`.
+TESTED_CORE = ("0.16.1", "0.19.1", "0.19.2")
 #: The supported range, lowest included, highest excluded.
 LOWEST, BELOW = (0, 16, 1), (0, 20)
 REQUIREMENT = "megatron-core>=0.16.1,<0.20"

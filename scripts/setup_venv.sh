@@ -12,8 +12,11 @@
 #                         the CPU build does not: installed when missing.
 #   VENV, PYTHON, TORCH_VERSION  where, with which interpreter, which torch.
 #
-# Each step that has work to do prints one line with the time it took on a 2-core machine
-# (cold pip cache); pip's own output goes to $VENV/setup.log and is shown only when a step fails.
+# Each step that has work to do prints one line with the time it takes on a 2-core machine (the
+# lower end from issue 20's report, set-up 2 min 44 s in all; the upper measured on a fresh clone
+# under a load average of 25 from other jobs, 2026-11-23); pip's own output -- its warnings,
+# setuptools' BuildBackendWarning box about the editable install -- goes to $VENV/setup.log
+# (steps timed there) and shows only when a step fails.
 # A set-up venv prints nothing. Ctrl-C / SIGTERM stops pip and its build processes
 # (megatron_dualpipe/interrupts.py), prints one line and exits 130.
 set -euo pipefail
@@ -40,12 +43,13 @@ trap interrupted INT TERM HUP
 step() {
   local n=$1 text=$2 took=$3; shift 3
   echo "setup $n/3: $text (about $took)" >&2
-  echo "### $text: $*" >>"$log"
+  echo "### $(date -u +%T) $text: $*" >>"$log"
   PYTHONPATH="$here" "$PYTHON" -m megatron_dualpipe.interrupts --prog "$prog" -- "$@" >>"$log" 2>&1 &
   child=$!
   local status=0
   wait "$child" || status=$?
   child=""
+  echo "### $(date -u +%T) exit status $status" >>"$log"
   case "$status" in 130|143) interrupted;; esac  # the helper was interrupted along with this shell
   if [ "$status" -ne 0 ]; then
     tail -n 20 "$log" >&2
@@ -58,12 +62,12 @@ if [ ! -x "$VENV/bin/python" ]; then
   command -v "$PYTHON" >/dev/null || { echo "$prog: error: PYTHON=$PYTHON not found: set PYTHON to a Python >= 3.10" >&2; exit 2; }
   mkdir -p "$VENV"
   : >"$log"
-  step 1 "creating $VENV with the newest pip" "10 s" \
+  step 1 "creating $VENV with the newest pip" "10-20 s" \
     bash -c '"$1" -m venv "$2" && { "$2/bin/python" -m pip install -q --upgrade pip || true; }' _ "$PYTHON" "$VENV"
 fi
 has() { "$VENV/bin/python" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('$1') is None)"; }
 if ! has torch; then
-  step 2 "installing torch==${TORCH_VERSION:-2.13.0} (CPU build)" "1 min" \
+  step 2 "installing torch==${TORCH_VERSION:-2.13.0} (CPU build)" "1-2 min" \
     "$VENV/bin/python" -m pip install -q "torch==${TORCH_VERSION:-2.13.0}"
 fi
 if [ -n "$MEGATRON_CORE" ]; then
@@ -83,7 +87,7 @@ fi
 stamp="$VENV/.megatron-dualpipe-setup-py"
 want=$(sha256sum setup.py | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  step 3 "installing megatron-dualpipe with megatron-core ${MEGATRON_CORE:-0.16.1} and the test tools" "1 min" \
+  step 3 "installing megatron-dualpipe with megatron-core ${MEGATRON_CORE:-0.16.1} and the test tools" "1.5-4 min" \
     "$VENV/bin/python" -m pip install -q -e ".[test,megatron-lm]"
   echo "$want" > "$stamp"
 fi

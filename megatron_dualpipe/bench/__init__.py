@@ -79,17 +79,31 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 #: Longest cost of one action (ms) the benchmark accepts: a minute.
 MAX_COST_MS = 60_000.0
+#: Pipeline ranks the benchmark starts on one machine: this many per core, at least MIN_LOCAL_PROCESSES
+#: (each mostly sleeps; beyond that the start-up alone takes minutes and the timings mean little).
+PROCESSES_PER_CORE = 4
+MIN_LOCAL_PROCESSES = 16
+#: Why DualPipeV's rows show about twice the others' time.
+V_NOTE = ("dualpipev runs two chunks per rank, each at the stage costs given, i.e. a model of 2*pp stages: about "
+          "twice the work of the other rows (`megatron-dualpipe simulate` compares on one model, chunks at half "
+          "a stage)")
 
 
 def _config(args, pps: List[int]):
+    from . import launch
     from ..schedule import build_schedule
     from ..schedule.simulate import Costs
     from .measure import BenchConfig
     from .synthetic import StageCosts
     from .torch_peer import TORCH_SCHEDULES
 
+    from ..cli import fused_cost_problem
+
     Costs(f=args.f, b=args.b, w=args.w, fb=args.fb)  # validates, naming the flag
     longest = max(args.f, args.b, args.fb or 0.0)
+    problem = fused_cost_problem(args.f, args.b, args.w, args.fb)
+    if problem:
+        raise ValueError(problem)
     if longest > MAX_COST_MS:  # the stages really spend these milliseconds
         raise ValueError(f"bench costs are milliseconds each stage really spends: at most {MAX_COST_MS:g} per "
                          f"action, got {longest:g}")
@@ -103,6 +117,11 @@ def _config(args, pps: List[int]):
             raise ValueError
     except ValueError:
         raise ValueError(f"--shape must be two positive integers like 8,1024, got {args.shape!r}") from None
+    local_limit = max(MIN_LOCAL_PROCESSES, PROCESSES_PER_CORE * (os.cpu_count() or 1))
+    if not launch.under_torchrun() and max(pps) > local_limit:
+        raise ValueError(f"--pp {max(pps)} starts {max(pps)} processes on this machine ({os.cpu_count()} cores), "
+                         f"each sleeping its stage costs: at most {local_limit} here; run larger pipelines under "
+                         f"torchrun across machines (torchrun --nproc-per-node N -m megatron_dualpipe bench)")
     ms = args.microbatches or [_microbatches("2pp"), _microbatches("4pp")]
     per_pp: Dict[int, Tuple[int, ...]] = {}
     for pp in pps:
@@ -133,7 +152,12 @@ def run(args) -> int:
                          f"{' '.join(map(str, pps))}; start one torchrun per pipeline size")
     cfg = _config(args, pps)
     latencies, all_rows, env = {}, [], {}
+    import sys
+
     for pp in pps:
+        runs = sum(len(ms) for ms in [cfg.microbatches[pp]]) * len(cfg.schedules) * (1 + len(cfg.peers))
+        print(f"bench: pp={pp}: {'this rank of torchrun' if torchrun else f'starting {pp} processes'}, {runs} run{'s' if runs != 1 else ''} of "
+              f"{cfg.warmup} + {cfg.iters} iterations", file=sys.stderr, flush=True)
         if torchrun:
             ranks = launch.run_here(worker, (cfg,), timeout_s=cfg.timeout_s + 60)
             if ranks is None:
@@ -148,4 +172,6 @@ def run(args) -> int:
         print(json.dumps(report.to_json(cfg, latencies, all_rows, env)))
     else:
         print(report.table(cfg, latencies, all_rows, env))
+        if any(r.schedule == registry.DUALPIPEV for r in all_rows):
+            print(f"\nnote: {V_NOTE}")
     return 0

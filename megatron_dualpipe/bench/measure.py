@@ -18,7 +18,7 @@ import torch.distributed as dist
 from ..executor.p2p import P2P
 from ..executor.runner import TensorSpec, compile_program, run_rank
 from ..executor.trace import TraceRecorder
-from .bd_sum import bd_sums_for
+from .bd_sum import bd_sums_for, probe_ms
 from .synthetic import Spender, StageCosts, SyntheticCompute, synchronize
 
 
@@ -167,11 +167,26 @@ def run_torch(cfg: BenchConfig, rank: int, world: int, device, spender: Spender,
     return out
 
 
+def overhead_probe_ms(cfg: BenchConfig, rank: int, world: int, device, spender: Spender) -> List[float]:
+    """This rank's iteration times of the executor's 1F1B order at M=2pp on the bench's own stage
+    costs, before any measured schedule: with the simulation of that run, what running a unit
+    costs beyond its compute here (``report.unit_overhead_ms``: the executor, the P2P layer, and
+    sleepers woken late on a loaded machine, which depends on the costs, hence the same ones)."""
+    from dataclasses import replace
+
+    from ..schedule.registry import EXECUTOR_1F1B
+
+    probe = replace(cfg, iters=3, warmup=1, grad_mb=0.0, trace_dir=None)
+    return [t * 1e3 for t in run_project(probe, rank, world, device, spender, EXECUTOR_1F1B, 2 * world).wall_s]
+
+
 def worker(rank: int, world: int, device, cfg: BenchConfig) -> dict:
     """One rank's figures: latency, and a :class:`RankRun` per (runner, schedule, M)."""
     spender = Spender(cfg.mode, device, cfg.matmul_size)
     result = {"latency_ms": p2p_latency_ms(rank, device, cfg.shape), "runs": {},
+              "overhead_probe_ms": overhead_probe_ms(cfg, rank, world, device, spender),
               "matmuls_per_ms": spender.per_ms, "device": str(device), "backend": dist.get_backend()}
+    result["bd_probe_ms"] = probe_ms(world, rank, cfg.grad_mb, device)
     for m in cfg.microbatches[world]:
         for name in cfg.schedules:
             result["runs"][("project", name, m)] = run_project(cfg, rank, world, device, spender, name, m)

@@ -20,6 +20,13 @@ Definitions (per schedule, pp and M):
 * bd sum (``--grad-mb``, two-copy schedules): per rank, the median time the iteration waited for
   its stages' bd gradient sums after its last action (exposed), and what the same sums take when
   only started after the schedule (alone) -- see :mod:`.bd_sum`.
+* predicted: what ``simulate``/``advise`` predict from the bench's own probes only, taken before
+  any schedule runs: the simulated makespan with the measured one-message latency on every hop
+  and the executor's own cost per unit (from a probe run of the 1F1B order at M=2pp on the same
+  stage costs: the per-unit cost that makes the simulation of that run match it),
+  plus the exposed gradient communication (``schedule.comm_cost``) with the bd sum's time from
+  the probe of all pairs summing ``--grad-mb`` at once (the slowest rank's median). ``x pred``:
+  measured over predicted.
 """
 from __future__ import annotations
 
@@ -28,9 +35,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..schedule import build_schedule
+from ..schedule.comm_cost import CommModel, Link, Network, Placement, grad_comm
+from ..schedule.registry import spec as schedule_spec
 from ..schedule.simulate import Costs, simulate
 from .measure import BenchConfig, RankRun
-from .torch_peer import TORCH_SCHEDULES
+from .torch_peer import SIMULATED_PEERS, TORCH_SCHEDULES
 
 
 @dataclass
@@ -53,6 +62,13 @@ class Row:
     peak_in_flight: List[Optional[int]] = field(default_factory=list)
     bd_exposed_ms: List[float] = field(default_factory=list)
     bd_alone_ms: List[float] = field(default_factory=list)
+    predicted_ms: Optional[float] = None  # from the probes only: makespan with latency + exposed grad comm
+    unit_overhead_ms: Optional[float] = None  # probe: the executor's own cost per unit
+    bd_probe_ms: Optional[float] = None       # probe: one bd sum of --grad-mb, all pairs at once
+
+    @property
+    def ratio_predicted(self) -> Optional[float]:
+        return self.median_ms / self.predicted_ms if self.predicted_ms else None
 
     @property
     def ratio(self) -> Optional[float]:
@@ -68,7 +84,8 @@ class Row:
 
     def to_json(self) -> dict:
         d = asdict(self)
-        d.update(ratio=self.ratio, ratio_latency=self.ratio_latency, ratio_executor=self.ratio_executor)
+        d.update(ratio=self.ratio, ratio_latency=self.ratio_latency, ratio_executor=self.ratio_executor,
+                 ratio_predicted=self.ratio_predicted)
         return d
 
 
@@ -78,17 +95,55 @@ def _sim(name: str, pp: int, m: int, costs, p2p: float, scale: float = 1.0):
     return simulate(s.layout, s.ranks, Costs(f=costs.f * scale, b=costs.b * scale, w=costs.w * scale, fb=fb, p2p=p2p))
 
 
+def unit_overhead_ms(pp: int, latency: float, probe_iterations: Sequence[Sequence[float]], c) -> float:
+    """The cost per unit that makes the simulated probe run (1F1B, pp, M=2pp, the bench's stage
+    costs ``c``, ``latency`` per hop) take the probe's time: the slowest rank per iteration, the
+    median over iterations."""
+    from ..schedule.registry import EXECUTOR_1F1B
+
+    if not probe_iterations or not probe_iterations[0]:
+        return 0.0
+    measured = statistics.median(max(r[i] for r in probe_iterations) for i in range(len(probe_iterations[0])))
+    s = build_schedule(EXECUTOR_1F1B, pp, 2 * pp)
+    probe = Costs(f=c.f, b=c.b, w=c.w, fb=c.fb, p2p=latency)
+    base = simulate(s.layout, s.ranks, probe).makespan
+    per_unit = simulate(s.layout, s.ranks, probe, overhead=1.0).makespan - base
+    return max(0.0, (measured - base) / per_unit) if per_unit > 0 else 0.0
+
+
+def predicted_ms(name: str, pp: int, m: int, costs, latency: float, grad_mb: float,
+                 probe: Optional[float], overhead: float = 0.0) -> float:
+    """The prediction from the probes alone (module docstring): the bench's pipeline is one node,
+    dp=1; the bd link's bandwidth is what makes one 2-rank sum of ``grad_mb`` take ``probe`` ms
+    (every chunk of the bench holds ``grad_mb``: the stage fraction is the chunk's, 1)."""
+    s = build_schedule(name, pp, m)
+    sim = simulate(s.layout, s.ranks, Costs(f=costs.f, b=costs.b, w=costs.w, fb=costs.fb, p2p=latency),
+                   overhead=overhead)
+    nbytes = grad_mb * (1 << 20)
+    if not probe or nbytes <= 0:
+        return sim.makespan
+    link = Link(nbytes / (probe / 1e3) / 1e9)  # a 2-rank ring all-reduce moves the bytes once
+    comm = CommModel(Placement(pp, 1, 1, gpus_per_node=pp), Network(link, link), stage_grad_bytes=nbytes)
+    spec = schedule_spec(name)
+    return grad_comm(s, sim, comm, 1.0, spec.defers_weight_grads).iteration
+
+
 def rows(cfg: BenchConfig, pp: int, ranks: Sequence[dict]) -> Tuple[Optional[float], List[Row]]:
     """Combine the per-rank results of one pipeline size into rows (and the latency in ms)."""
     latency = ranks[0]["latency_ms"]
+    overhead = unit_overhead_ms(pp, latency or 0.0, [r.get("overhead_probe_ms") or [] for r in ranks], cfg.costs)
     out: List[Row] = []
     for key in ranks[0]["runs"]:
         runner, name, m = key
         runs: List[RankRun] = [r["runs"][key] for r in ranks]
         iters = [max(r.wall_s[i] for r in runs) * 1e3 for i in range(len(runs[0].wall_s))]
         row = Row(runner, name, pp, m, statistics.median(iters), min(iters), max(iters))
+        row.unit_overhead_ms = overhead
+        row.bd_probe_ms = max((r.get("bd_probe_ms") or 0.0) for r in ranks) or None
         sim_name = name if runner == "project" else TORCH_SCHEDULES[name][1]
-        if runner == "project" or name == "torch-1f1b" or name == "torch-dualpipev":
+        if runner == "project" or name in SIMULATED_PEERS:
+            row.predicted_ms = predicted_ms(sim_name, pp, m, cfg.costs, latency or 0.0,
+                                            cfg.grad_mb if runner == "project" else 0.0, row.bd_probe_ms, overhead)
             sim0 = _sim(sim_name, pp, m, cfg.costs, 0.0)
             row.sim_ms = sim0.makespan
             row.sim_latency_ms = _sim(sim_name, pp, m, cfg.costs, latency or 0.0).makespan
@@ -139,17 +194,24 @@ def table(cfg: BenchConfig, latencies: Dict[int, Optional[float]], all_rows: Seq
              f"{cfg.shape[0]}x{cfg.shape[1]} float32; {env.get('backend')} on {env.get('device')}"]
     for pp in sorted({r.pp for r in all_rows}):
         lat = latencies.get(pp)
+        first = next(r for r in all_rows if r.pp == pp)
+        overheads, probes = {pp: first.unit_overhead_ms}, {pp: first.bd_probe_ms}
         lines.append("")
-        lines.append(f"pp={pp}: one P2P message (rank 0 <-> 1, half a round trip) {_f(lat, '.2f')} ms")
+        lines.append(f"pp={pp}: one P2P message (rank 0 <-> 1, half a round trip) {_f(lat, '.2f')} ms; the executor's "
+                     f"own cost per unit (probe) {_f(overheads.get(pp), '.2f')} ms"
+                     + (f"; one bd sum of {cfg.grad_mb:g} MiB, all pairs at once, {_f(probes.get(pp), '.1f')} ms"
+                        if probes.get(pp) else ""))
         head = (f"{'runner':<8} {'schedule':<16} {'M':>3} {'measured ms':>11} {'(min-max)':>13} {'sim ms':>7} "
-                f"{'x sim':>6} {'x +lat':>6} {'spent':>5} {'x exec':>6} {'ovh/act':>7}  {'P2P ms per rank':<22} "
+                f"{'x sim':>6} {'x +lat':>6} {'pred':>7} {'x pred':>6} {'spent':>5} {'x exec':>6} {'ovh/act':>7}  "
+                f"{'P2P ms per rank':<22} "
                 f"{'peak act per rank (sim)':<26} in flight")
         lines.append(head)
         for r in (r for r in all_rows if r.pp == pp):
             lines.append(
                 f"{r.runner:<8} {r.schedule:<16} {r.microbatches:>3} {r.median_ms:>11.1f} "
                 f"{'(' + f'{r.min_ms:.0f}-{r.max_ms:.0f}' + ')':>13} {_f(r.sim_ms):>7} {_f(r.ratio, '.3f'):>6} "
-                f"{_f(r.ratio_latency, '.3f'):>6} {_f(r.spent_over_nominal, '.3f'):>5} {_f(r.ratio_executor, '.3f'):>6} "
+                f"{_f(r.ratio_latency, '.3f'):>6} {_f(r.predicted_ms):>7} {_f(r.ratio_predicted, '.3f'):>6} "
+                f"{_f(r.spent_over_nominal, '.3f'):>5} {_f(r.ratio_executor, '.3f'):>6} "
                 f"{_f(r.overhead_ms_per_action, '.2f'):>7}  {_per_rank(r.p2p_ms, '.0f'):<22} "
                 f"{_per_rank(r.peak_activations) + ' (' + _per_rank(r.sim_peak_activations) + ')':<26} "
                 f"{_per_rank(r.peak_in_flight)}")

@@ -3,7 +3,10 @@
 ``torch-1f1b`` is ``Schedule1F1B`` (one stage per rank, pp stages, the project's ``1f1b``
 counterpart); ``torch-dualpipev`` (``ScheduleDualPipeV``) and ``torch-zbv``
 (``ScheduleZBVZeroBubble``) hold stages ``rank`` and ``2pp-1-rank`` (2pp stages, the project's
-``dualpipev`` counterpart). Every stage spends the same F, B and W as the project's stages.
+``dualpipev`` counterpart); ``torch-interleaved`` (``ScheduleInterleaved1F1B``) holds stages
+``rank`` and ``rank+pp`` (Megatron's layer placement with a virtual pipeline of 2): the incumbent,
+which the executor does not run; it is compared with the simulation of Megatron's interleaved
+order (``interleaved-1f1b``). Every stage spends the same F, B and W as the project's stages.
 """
 from __future__ import annotations
 
@@ -19,7 +22,10 @@ TORCH_SCHEDULES: Dict[str, Tuple[str, str]] = {
     "torch-1f1b": ("Schedule1F1B", registry.EXECUTOR_1F1B),
     "torch-dualpipev": ("ScheduleDualPipeV", registry.DUALPIPEV),
     "torch-zbv": ("ScheduleZBVZeroBubble", registry.DUALPIPEV),
+    "torch-interleaved": ("ScheduleInterleaved1F1B", registry.INTERLEAVED_1F1B),
 }
+#: The torch schedules whose order is the simulated one (ZBV's is not DualPipeV's).
+SIMULATED_PEERS = ("torch-1f1b", "torch-dualpipev", "torch-interleaved")
 
 
 def build_step(name: str, rank: int, pp: int, m: int, costs: StageCosts, spender: Spender,
@@ -28,9 +34,12 @@ def build_step(name: str, rank: int, pp: int, m: int, costs: StageCosts, spender
     from torch.distributed import pipelining
 
     cls_name, _ = TORCH_SCHEDULES[name]
-    v_shape = cls_name != "Schedule1F1B"
+    v_shape = cls_name != "Schedule1F1B"  # two stages per rank
     num_stages = 2 * pp if v_shape else pp
-    indices = [rank, 2 * pp - 1 - rank] if v_shape else [rank]
+    if cls_name == "ScheduleInterleaved1F1B":
+        indices = [rank, rank + pp]
+    else:
+        indices = [rank, 2 * pp - 1 - rank] if v_shape else [rank]
     mbs, hidden = shape
     device = spender.device
     stages = []

@@ -18,7 +18,7 @@ import os
 
 import torch
 
-from .redirection import define_if_missing, replace, torch_view, wrap
+from .redirection import Versions, define_if_missing, replace, torch_view, wrap
 from .torch_view import scoped_cuda_identity, scoped_cuda_type_names, scoped_record_stream_noop
 
 _RANDOM = "megatron.core.tensor_parallel.random"
@@ -129,7 +129,7 @@ def _write_results_queue_without_spawn(original):
     """``filesystem_async._get_write_results_queue`` with a fork-context Manager instead of spawn."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    def _get_write_results_queue():
+    def _get_write_results_queue(mp_mode="spawn"):  # 0.19 names the context (get_write_results_queue)
         if filesystem_async._results_queue is None:
             filesystem_async._results_queue = multiprocessing.get_context("fork").Manager().Queue()
         return filesystem_async._results_queue
@@ -330,7 +330,10 @@ REDIRECTIONS = (
          "method, which re-runs the __main__ script in a new interpreter: under "
          "megatron_dualpipe.launch that is pretrain_gpt.py without the plugin, so the Manager "
          "dies (no triton on a CPU machine) and the save fails with EOFError. A fork-context "
-         "Manager runs no script"),
+         "Manager runs no script", Versions(below="0.19")),
+    wrap(_ASYNC_WRITER, "get_write_results_queue", _write_results_queue_without_spawn,
+         "the same queue under its 0.19 name (get_write_results_queue(mp_mode='spawn')): the spawned interpreter "
+         "would also fail on core_v0.19.0's typing.override under Python 3.11", Versions("0.19")),
     replace(_ASYNC_WRITER, "_process_memory", process_memory,
             "the torch_dist writer processes call it before their try block; without psutil (not "
             "a Megatron-LM dependency) it raises there, the writer dies before "
@@ -370,4 +373,8 @@ REDIRECTIONS = (
     wrap(_DIST_OPT, "DistributedOptimizer.__init__", scoped_cuda_type_names,
          "the same param.type() sort for the sharded main parameters (--use-distributed-optimizer); "
          "tensor.type() names the CUDA type during this call only"),
-) + tuple(torch_view(module, why) for module, why in _VIEWS)
+) + tuple(torch_view(module, why) for module, why in _VIEWS) + (
+    torch_view("megatron.core.models.common.utils",
+               "combined step: TransformerLayerNode (moved here in 0.19) runs backward_dw in "
+               "torch.cuda.stream(self.stream)", Versions("0.19")),
+)

@@ -1,21 +1,28 @@
 """CPU redirections for Megatron-LM's training loop (``pretrain()`` in ``megatron/training``).
 
 With these and the megatron-core ones (:mod:`.mcore`), the *unmodified* ``pretrain_gpt.py`` of
-Megatron-LM ``core_v0.16.1`` trains on CPU with ``--distributed-backend gloo``: meant for tests
+Megatron-LM ``core_v0.16.1`` and ``core_v0.19.0`` trains on CPU with ``--distributed-backend gloo``: meant for tests
 and debugging of the plugin (tiny models, ``--transformer-impl local``), not for speed.
-:data:`REDIRECTIONS` is the list, each with its reason.
+:data:`REDIRECTIONS` is the list, each with its reason; an entry that holds at one of the
+two tags only says so in its ``versions`` (megatron-core's version, which the checkout carries).
 """
 
 from __future__ import annotations
 
 import functools
 
-from .redirection import replace, torch_view, wrap
+from .redirection import Versions, replace, torch_view, wrap
 from .torch_view import scoped_cuda_identity
 
 _TRAINING = "megatron.training.training"
 _INITIALIZE = "megatron.training.initialize"
 _UTILS = "megatron.training.utils"
+#: core_v0.16.1 only: at core_v0.19.0 ``megatron.training.utils`` is a package whose CUDA sites
+#: are in ``utils.common_utils``, ``get_batch_on_this_tp_rank`` lives in ``megatron.core.utils``
+#: (CPU view of :mod:`.mcore`; no ``.cuda()`` left in it) and ``megatron.legacy`` is gone.
+_UNTIL_019 = Versions(below="0.19")
+_DIST_UTILS = "megatron.training.models.dist_utils"
+_SINCE_019 = Versions("0.19")
 
 #: Argument switches turned off in CPU mode: they need CUDA / apex kernels or run
 #: ``torch.compile`` (Megatron's ``jit_fuser``), which would compile C++ with inductor on every
@@ -56,6 +63,21 @@ def _allow_no_cuda(initialize_megatron):
     return initialize
 
 
+def _forward_step_without_cuda(pretrain):
+    """``pretrain`` whose ``forward_step_func`` (its fourth argument) runs under
+    :func:`.torch_view.scoped_cuda_identity`."""
+
+    @functools.wraps(pretrain)
+    def wrapped(*args, **kwargs):
+        if "forward_step_func" in kwargs:
+            kwargs["forward_step_func"] = scoped_cuda_identity(kwargs["forward_step_func"])
+        elif len(args) > 3:
+            args = (*args[:3], scoped_cuda_identity(args[3]), *args[4:])
+        return pretrain(*args, **kwargs)
+
+    return wrapped
+
+
 def _do_nothing(*args, **kwargs):
     return None
 
@@ -67,10 +89,6 @@ _VIEWS = (
      "model_module.cuda(torch.cuda.current_device()) and the DDP-init side stream in get_model; "
      "empty_cache in train_step; loss accumulators and memory_stats in training_log; the "
      "do_train/do_valid/do_test broadcast; eval_iters tensors"),
-    (_UTILS,
-     "get_batch_on_this_tp_rank receive buffers on current_device(); "
-     "reduce_max_stat_across_model_parallel_group, logical_and_across_model_parallel_group, "
-     "report_memory, calc_params_l2_norm"),
     (_INITIALIZE,
      "device_count() == 1 makes _initialize_distributed build the model-parallel groups and "
      "_set_random_seed seed the RNG tracker; set_device; "
@@ -85,20 +103,34 @@ REDIRECTIONS = (
          "asserts torch.cuda.is_available() ('Megatron requires CUDA.') unless allow_no_cuda=True, "
          "which pretrain() does not pass"),
     *(torch_view(module, why) for module, why in _VIEWS),
+    torch_view(_UTILS, "get_batch_on_this_tp_rank receive buffers on current_device(); "
+               "reduce_max_stat_across_model_parallel_group, logical_and_across_model_parallel_group, "
+               "report_memory, calc_params_l2_norm", _UNTIL_019),
+    torch_view(_DIST_UTILS, "the model build moved here in 0.19 (pretrain_gpt.py builds through a config "
+               "container): model_module.cuda(current_device()) and the DDP-init side stream in _ddp_wrap", _SINCE_019),
+    wrap("megatron.training.models.gpt", "unimodal_build_distributed_models", scoped_cuda_identity,
+         "model_module.cuda(...) (0.19's get_model, called by name from GPTModelBuilder): Tensor.cuda / "
+         "Module.cuda are the identity during this call only", _SINCE_019),
+    wrap("megatron.training", "pretrain", _forward_step_without_cuda,
+         "core_v0.19.0's pretrain_gpt.get_batch moves the batch with batch[key].cuda(non_blocking=True) itself: "
+         "its forward_step runs with Tensor.cuda the identity (the name pretrain_gpt.py imports; the launcher "
+         "enables CPU mode before the script runs)", _SINCE_019),
+    torch_view(_UTILS + ".common_utils", "the same functions, moved here in 0.19 (device='cuda' norm and stat "
+               "tensors, memory report)", _SINCE_019),
     wrap(_TRAINING, "get_model", scoped_cuda_identity,
          "model_module.cuda(...): Tensor.cuda / Module.cuda are the identity during this call only"),
     wrap(_TRAINING, "evaluate", scoped_cuda_identity,
          "torch.tensor(...).cuda() loss accumulators (identity during this call only)"),
     wrap(_UTILS, "get_batch_on_this_tp_rank", scoped_cuda_identity,
-         "data[...].cuda(non_blocking=True) (identity during this call only)"),
+         "data[...].cuda(non_blocking=True) (identity during this call only)", _UNTIL_019),
     wrap(_TRAINING, "get_batch_on_this_tp_rank", scoped_cuda_identity,
          "the same function imported by name (pretrain_gpt.py imports it by name at import time, "
-         "which is why the launcher enables CPU mode before running the script)"),
+         "which is why the launcher enables CPU mode before running the script)", _UNTIL_019),
     replace(_INITIALIZE, "_warmup_jit_function", _do_nothing,
             'allocates its warm-up inputs with device="cuda" to pre-compile the fused kernels, '
             "which CPU mode turns off"),
     replace("megatron.legacy.fused_kernels", "load", _do_nothing,
-            "at this tag it only runs nvcc -V and creates a build directory; loads no kernel"),
+            "at this tag it only runs nvcc -V and creates a build directory; loads no kernel", _UNTIL_019),
     wrap("megatron.training.arguments", "validate_args", _validate_then_disable_fusions,
          "after validation, the fused-kernel switches are turned off: " + ", ".join(FUSION_FLAGS)),
     wrap(_INITIALIZE, "validate_args", _validate_then_disable_fusions,

@@ -5,7 +5,9 @@ backward, a deferred weight gradient and a fused F&B unit are for this rank's mo
 Nor does it re-derive the pipeline's rule: the communication plan says which tensor each action
 takes and hands on, and from or to which rank. The runner owns the tensors in flight: receive
 buffers, outputs waiting to be sent, and the local hand-over at the turn of DualPipeV's "V"
-(stage pp-1 to stage pp on the last rank).
+(stage pp-1 to stage pp on the last rank). Padding actions (the compiled :class:`Program` marks
+them) run as nothing. What else must happen at a point of the schedule (a timeline, a chunk's
+gradient reduction) is a :class:`~.listeners.RunListener`.
 """
 from __future__ import annotations
 
@@ -21,8 +23,8 @@ from ..schedule import F, W, Action, build_schedule
 from ..schedule.comm import Label, RankPlan, plan
 from ..schedule.padding import Padded
 from ..schedule.registry import Schedule
-from .p2p import P2P
 from .listeners import RunListener, Unit
+from .p2p import P2P
 from .trace import TraceRecorder, trace_from_env
 
 

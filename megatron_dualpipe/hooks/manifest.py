@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Dict, Tuple
 
-from .mechanism import INSTANCE, SCOPED, Patch
+from .mechanism import INSTANCE, SCOPED, Patch, Versions
 
 _ARGS = "megatron.training.arguments"
 _INIT = "megatron.training.initialize"
@@ -62,10 +62,42 @@ TRAINING = (
           "loads 1F1B-layout checkpoints into both chunks, then copies home copies to mirrors"),
 )
 
+_SINCE_019 = Versions("0.19")
+_BUILDER = "megatron.training.models.gpt"
+_DIST_UTILS = "megatron.training.models.dist_utils"
+_MODEL_BUILDER = "megatron_lm.model_builder (dualpipe, dualpipev; core_v0.19.0's model builder)"
+
+#: core_v0.19.0 builds the model through GPTModelBuilder, not get_model (megatron_lm/model_builder.py).
+MODEL_BUILDER = (
+    Patch(_BUILDER, "unimodal_build_distributed_models",
+          _LM + "model_builder:wrap_unimodal_build_distributed_models",
+          "dualpipe / dualpipev at core_v0.19.0: pretrain_gpt.py builds the model through GPTModelBuilder, which "
+          "calls this (by-name import) instead of get_model; both chunks of a rank are built here",
+          versions=_SINCE_019),
+)
+MODEL_BUILDER_SCOPED = (
+    Patch(_DIST_UTILS, "build_virtual_pipeline_stages", None, "builds the two chunks (build_two_direction_model) "
+          "from the builder's build_model", versions=_SINCE_019, kind=SCOPED, where=_MODEL_BUILDER),
+    Patch(_DIST_UTILS, "_ddp_wrap", None, "dualpipe: no chunk bucketed, so the two copies of a stage have one "
+          "buffer layout (summed in place)", versions=_SINCE_019, kind=SCOPED, where=_MODEL_BUILDER),
+    Patch(_DIST_UTILS, "print", None, "the parameter-count line says the logical and physical counts",
+          versions=_SINCE_019, kind=SCOPED, where=_MODEL_BUILDER),
+)
+V_CONFIG = Patch(_BUILDER, "GPTModelConfig.transformer", None,
+                 "dualpipev: the builder's TransformerConfig is the dualpipev_config copy (two V-stages) while the "
+                 "chunks are built", versions=_SINCE_019, kind=INSTANCE, where=_MODEL_BUILDER)
+
 DATASET_HELPER = (
     Patch("megatron.core.datasets.utils", "compile_helpers", _LM + "dataset_helpers:replace_compile_helpers",
           "builds Megatron's dataset C++ helper with the running interpreter's headers and pybind11 "
           "(Megatron's Makefile asks python3-config, which may be another Python)"),
+)
+
+PYTHON = (
+    Patch("typing", "override", _LM + "python_compat:typing_override",
+          "Megatron-LM core_v0.19.0's megatron/training/models/{gpt,hybrid}.py import typing.override (Python "
+          "3.12); on an older Python it is typing_extensions.override, as megatron-core itself uses",
+          versions=Versions("0.19"), only_if_missing=True),
 )
 
 # --- installed: megatron-core ------------------------------------------------------------------
@@ -129,18 +161,22 @@ INSTANCE_PATCHES = (
 
 #: part -> its entries. The installed parts in the order they are installed.
 PARTS: Dict[str, Tuple[Patch, ...]] = {
+    "python": PYTHON,
     "megatron-lm arguments": ARGUMENTS,
     "megatron-lm training": TRAINING,
+    "megatron-lm model builder": MODEL_BUILDER,
     "megatron-lm dataset helper": DATASET_HELPER,
     "zero bubble": ZERO_BUBBLE,
-    "scoped": SCOPED_PATCHES,
-    "per object": INSTANCE_PATCHES,
+    "scoped": SCOPED_PATCHES + MODEL_BUILDER_SCOPED,
+    "per object": INSTANCE_PATCHES + (V_CONFIG,),
 }
 
 #: The parts that ``hooks.install`` applies as a set.
-INSTALLED_PARTS = ("megatron-lm arguments", "megatron-lm training", "megatron-lm dataset helper", "zero bubble")
+INSTALLED_PARTS = ("python", "megatron-lm arguments", "megatron-lm training", "megatron-lm model builder", "megatron-lm dataset helper",
+                   "zero bubble")
 #: What ``megatron_lm.install.install()`` installs.
-MEGATRON_LM_PARTS = ("megatron-lm arguments", "megatron-lm training", "megatron-lm dataset helper")
+MEGATRON_LM_PARTS = ("python", "megatron-lm arguments", "megatron-lm training", "megatron-lm model builder",
+                     "megatron-lm dataset helper")
 
 
 def entry(part: str, attribute: str) -> Patch:

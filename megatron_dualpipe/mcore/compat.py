@@ -15,9 +15,9 @@ What did *not* need an entry, read at core_v0.16.1 and core_v0.19.0:
   ``_transformer_layers`` and their ``delay_wgrad_compute`` nodes are where they were.
 * The duties 0.19's schedules gained at their ends (``off_interface.reset()`` for
   ``--fine-grained-activation-offloading``, ``create_cudagraphs()`` for ``--cuda-graph-impl
-  local``, ``paged_stash_reset`` at the start for ``--moe-paged-stash``) belong to options that
-  the executor schedules refuse (the options table, :mod:`.options`, read from the config at call
-  time), so an executor iteration owes none.
+  local``, ``paged_stash_reset`` at the start for ``--moe-paged-stash``; the
+  ``FullCudaGraphWrapper`` / ``PagedStashRunner`` around the function) belong to options that
+  the executor schedules refuse (the rules of :mod:`.options`), so an executor iteration owes none.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ import functools
 import inspect
 from megatron.core.pipeline_parallel import schedules
 
-__all__ = ["backward_step"]
+__all__ = ["backward_step", "layer_plan_nodes", "transformer_layer_node_class", "LAYER_PLAN_NODES"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -41,3 +41,34 @@ def backward_step(input_tensor, output_tensor, output_tensor_grad, model_type, c
     if _backward_step_takes_model_type():
         return schedules.backward_step(input_tensor, output_tensor, output_tensor_grad, model_type, config)
     return schedules.backward_step(input_tensor, output_tensor, output_tensor_grad, config)
+
+
+def transformer_layer_node_class():
+    """The schedule node class of one transformer layer's sub-module in the combined step (its
+    ``backward_dw`` runs a layer's deferred weight gradients): ``models.gpt.fine_grained_callables.
+    TransformerLayerNode`` at 0.16.x, moved to the model-agnostic ``models.common.utils`` in 0.19."""
+    from megatron.core.models.gpt import fine_grained_callables
+
+    found = getattr(fine_grained_callables, "TransformerLayerNode", None)
+    if found is None:
+        from megatron.core.models.common import utils
+
+        found = utils.TransformerLayerNode
+    return found
+
+
+#: The nodes of one layer's schedule plan (``TransformerLayerSchedulePlan``), under the names
+#: this project uses -> the attribute at 0.16.x and at 0.19: the attention node, ``attn``,
+#: became ``pre_dispatch_computation`` (attention -> layernorm -> router -> dispatch preprocess).
+LAYER_PLAN_NODES = {"attn": ("attn", "pre_dispatch_computation"), "moe_dispatch": ("moe_dispatch",),
+                    "mlp": ("mlp",), "moe_combine": ("moe_combine",), "mtp_post_process": ("mtp_post_process",)}
+
+
+def layer_plan_nodes(layer_plan) -> dict:
+    """``{name: node}`` of :data:`LAYER_PLAN_NODES` for one layer's schedule plan (a node the layer
+    does not have, e.g. the MoE ones of a dense layer, is None)."""
+    nodes = {}
+    for name, attributes in LAYER_PLAN_NODES.items():
+        nodes[name] = next((getattr(layer_plan, a) for a in attributes if getattr(layer_plan, a, None) is not None),
+                           None)
+    return nodes

@@ -23,7 +23,11 @@ Nothing is guessed:
 * parameter memory of one stage: its parameters, their fp32 gradients and Adam's two fp32
   moments (plus an fp32 master copy for 16-bit parameters), i.e. what Megatron's plain
   optimizer holds; the distributed optimizer shards the optimizer part over data parallel;
-* memory limit: the accelerator's total memory when there is one (none on the CPU).
+* memory limit: the accelerator's total memory when there is one (none on the CPU);
+* communication: the links of the job (P2P between pipeline neighbours, the bd pair, data
+  parallel) timed right after the iteration by :mod:`.comm_probe`, the gradient bytes of a stage
+  (its parameters' main-gradient bytes) and one P2P message's bytes: the advice then ranks the
+  schedules by the iteration, makespan plus exposed gradient communication.
 
 """
 from __future__ import annotations
@@ -99,9 +103,10 @@ class LiveAdvice:
         return f"iteration{'s' if last > first else ''} {first}{f'-{last}' if last > first else ''}"
 
     def report(self, *, spec_name: str, pp: int, microbatches: int, model, group, actions, is_fake,
-               device: torch.device) -> None:
-        """All ranks of the pipeline call it after each training call; after the last measured one
-        it all-reduces the costs (one collective) and rank 0 logs the advice."""
+               device: torch.device, message_bytes: float = 0.0) -> None:
+        """Every rank of the job calls it after each training call; after the last measured one it
+        all-reduces the costs over the pipeline, times the job's links (collectives on the
+        pipeline, bd pair and data-parallel groups) and rank 0 logs the advice."""
         from ..timeline import op_medians
 
         if not self._measuring_now or len(self._records) < self.measured:
@@ -114,6 +119,7 @@ class LiveAdvice:
         values = torch.tensor([medians.get(op, -1.0) for op in _OPS] + [activation], dtype=torch.float64,
                               device=device)
         dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
+        links = _links(spec_name, group, device)
         if dist.get_rank() != 0:
             return
         per_op = {op: v for op, v in zip(_OPS, values.tolist()) if v >= 0}
@@ -123,8 +129,10 @@ class LiveAdvice:
         if problem:
             log.warning("megatron-dualpipe: no advice from %s: %s", measured, problem)
             return
+        comm = comm_model(links, pp, stage_grad_bytes(model[0]), message_bytes)
         message = advice_text(spec_name, pp, microbatches, per_op, values[-1].item(),
-                              stage_parameter_bytes(model[0]), memory_limit_bytes(device), measured=measured)
+                              stage_parameter_bytes(model[0]), memory_limit_bytes(device), measured=measured,
+                              comm=comm)
         log.info("megatron-dualpipe: %s", message)
 
 
@@ -157,8 +165,38 @@ def _forward_saved_bytes(record: dict, origin: float, packs, actions, is_fake) -
     return sum(per_unit) / len(per_unit) if per_unit else 0.0
 
 
+def _links(spec_name: str, group, device):
+    from ..schedule.layout import BIDIRECTIONAL
+    from ..schedule.registry import get
+    from .comm_probe import measure
+
+    return measure(group, device, get(spec_name).layout_kind == BIDIRECTIONAL)
+
+
+def comm_model(links, pp: int, grad_bytes: float, message_bytes: float):
+    """The communication model of the measured links (None when none was measured); a link not
+    measured (no bd pair, dp=1) is taken as the first measured one of bd, dp, P2P."""
+    from ..schedule.comm_cost import CommModel, Network, Placement
+
+    known = links.bd or links.dp or links.p2p
+    if known is None:
+        return None
+    return CommModel(Placement(pp, links.dp_size), Network(known, known), grad_bytes, message_bytes,
+                     bd_link=links.bd, dp_link=links.dp, p2p_link=links.p2p)
+
+
+def stage_grad_bytes(chunk: torch.nn.Module) -> float:
+    """Bytes of a stage's gradients as reduced: Megatron's ``main_grad`` where there is one."""
+    total = 0
+    for p in chunk.parameters():
+        g = getattr(p, "main_grad", None)
+        total += p.numel() * (g.element_size() if g is not None else 4)
+    return float(total)
+
+
 def advice_text(schedule: str, pp: int, microbatches: int, per_op: dict, activation_bytes: float,
-                parameter_bytes: float, limit_bytes: Optional[float], measured: Optional[str] = None) -> str:
+                parameter_bytes: float, limit_bytes: Optional[float], measured: Optional[str] = None,
+                comm=None) -> str:
     """The advice for measured per-op costs (ms) and memory (bytes), as the log prints it."""
     from ..advise import advise
     from ..timeline import slowest_costs
@@ -166,7 +204,7 @@ def advice_text(schedule: str, pp: int, microbatches: int, per_op: dict, activat
     costs = slowest_costs([per_op])
     advice = advise(pp, [microbatches], costs, activation_memory=activation_bytes / _MB,
                     parameter_memory=parameter_bytes / _MB,
-                    memory_limit=None if limit_bytes is None else limit_bytes / _MB)
+                    memory_limit=None if limit_bytes is None else limit_bytes / _MB, comm=comm)
     where = measured or f"training iterations of {schedule}"
     head = (f"advice for pp={pp}, M={microbatches} from {where}; costs in ms: per op the slowest rank's median; "
             f"memory in MiB per rank:")

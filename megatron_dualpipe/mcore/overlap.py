@@ -70,6 +70,7 @@ from megatron.core.pipeline_parallel import combined_1f1b
 from megatron.core.pipeline_parallel import utils as pp_utils
 
 from .. import hooks
+from . import compat
 from ..schedule import Action
 from . import options
 from .direction import direction_of
@@ -185,8 +186,7 @@ class OverlappedStageCompute(MegatronStageCompute):
 def _no_inline_weight_grads(plan) -> None:
     """The schedule plan's layer nodes skip their ``backward_dw()`` (a B action: W computes them)."""
     for layer in plan._transformer_layers:
-        for name in ("attn", "moe_dispatch", "mlp", "moe_combine", "mtp_post_process"):
-            node = getattr(layer, name, None)
+        for node in compat.layer_plan_nodes(layer).values():
             if hasattr(node, "delay_wgrad_compute"):
                 node.delay_wgrad_compute = False
 

@@ -2,21 +2,22 @@
 
 The hook makes ``pretrain_gpt.py`` install the plugin itself, so ``torchrun pretrain_gpt.py
 --pipeline-schedule dualpipe ...`` works without the launcher. It is the same change as
-``patches/megatron-lm-core_v0.16.1.patch`` (a test keeps the two equal), applied in Python so that
+``patches/megatron-lm-<tag>.patch`` for each tag of :data:`TAGS` (a test keeps them equal), applied in Python so that
 it needs neither git nor patch, checks the checkout first, is idempotent, and never leaves a
 half-written file (the new text is written beside the old and renamed over it).
 """
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import tempfile
 from dataclasses import dataclass
 from typing import Optional
 
-TAG = "core_v0.16.1"
-CORE_VERSION = "0.16.1"
+from .. import versions
+
+#: The Megatron-LM tags the hook is written for (one patch file each in patches/), oldest first.
+TAGS = tuple(versions.TAGS)
 #: The line the hook goes after (the first ``import torch`` of pretrain_gpt.py at the tag).
 ANCHOR = "import torch\n"
 HOOK = (
@@ -42,13 +43,17 @@ class Checkout:
 
 def core_version(path: str) -> Optional[str]:
     """The megatron-core version of the checkout at ``path`` (from package_info.py), or None."""
-    info = os.path.join(path, "megatron", "core", "package_info.py")
-    try:
-        text = open(info, encoding="utf-8").read()
-    except OSError:
+    return versions.checkout_core_version(path)
+
+
+def tag_problem(path: str, version: Optional[str], tag: Optional[str] = None) -> Optional[str]:
+    """Why the checkout at ``path`` (megatron-core ``version``) is not one of :data:`TAGS`, or None."""
+    if versions.tag_of(version) is not None:
         return None
-    parts = [re.search(rf"^{k}\s*=\s*(\d+)", text, re.M) for k in ("MAJOR", "MINOR", "PATCH")]
-    return ".".join(m.group(1) for m in parts) if all(parts) else None
+    found = f"megatron-core {version}" if version else "no megatron/core/package_info.py"
+    return (f"{path} is not one of the Megatron-LM tags megatron-dualpipe's hooks are written for, "
+            f"{' or '.join(TAGS)} (found {found}{f', git tag {tag}' if tag else ''}): check one out "
+            f"(git -C {path} checkout {TAGS[-1]})")
 
 
 def _git_tag(path: str) -> Optional[str]:
@@ -63,24 +68,38 @@ def _git_tag(path: str) -> Optional[str]:
 def inspect(path: str, require_tag: bool = True) -> Checkout:
     script = os.path.join(path, "pretrain_gpt.py")
     if not os.path.isfile(script):
-        raise PatchError(f"no pretrain_gpt.py in {path}: give the root of a Megatron-LM checkout at tag {TAG}")
+        raise PatchError(f"no pretrain_gpt.py in {path}: give the root of a Megatron-LM checkout at tag "
+                         f"{' or '.join(TAGS)}")
     version, tag = core_version(path), _git_tag(path)
-    if require_tag and version != CORE_VERSION:
-        found = f"megatron-core {version}" if version else "no megatron/core/package_info.py"
-        raise PatchError(f"{path} is not Megatron-LM {TAG} (found {found}{f', git tag {tag}' if tag else ''}): "
-                         f"megatron-dualpipe's hooks are written for that tag only; check it out "
-                         f"(git -C {path} checkout {TAG}) and run this command again")
-    lines = open(script, encoding="utf-8").read().splitlines(keepends=True)
+    problem = tag_problem(path, version, tag) if require_tag else None
+    if problem:
+        raise PatchError(problem + " and run this command again")
+    lines = _read_lines(script)
     hooked = [i for i, line in enumerate(lines) if MARKER in line]
     if hooked:
         i = hooked[0] - 2
-        if i < 0 or tuple(lines[i:i + 3]) != HOOK:
+        if i < 0 or tuple(_bare(line) for line in lines[i:i + 3]) != tuple(_bare(h) for h in HOOK):
             raise PatchError(f"{script} contains a modified megatron-dualpipe hook (line {hooked[0] + 1}): "
                              f"remove it by hand, then run this command again")
         return Checkout(path, script, version, tag, "applied")
-    if ANCHOR not in lines:
-        raise PatchError(f"{script} has no line {ANCHOR.strip()!r} to put the hook after: is it {TAG}'s?")
+    if _anchor_index(lines) is None:
+        raise PatchError(f"{script} has no line {ANCHOR.strip()!r} to put the hook after: is it from "
+                         f"{' or '.join(TAGS)}?")
     return Checkout(path, script, version, tag, "clean")
+
+
+def _read_lines(script: str):
+    """The script's lines with their own line endings (a CRLF checkout stays CRLF when written back)."""
+    with open(script, encoding="utf-8", newline="") as f:
+        return f.read().splitlines(keepends=True)
+
+
+def _bare(line: str) -> str:
+    return line.rstrip("\r\n")
+
+
+def _anchor_index(lines) -> Optional[int]:
+    return next((i for i, line in enumerate(lines) if _bare(line) == _bare(ANCHOR)), None)
 
 
 def _writable_problem(script: str) -> Optional[str]:
@@ -93,8 +112,9 @@ def _writable_problem(script: str) -> Optional[str]:
 
 
 def _cannot_write(script: str, why: str) -> str:
+    tag = versions.tag_of(core_version(os.path.dirname(os.path.abspath(script)))) or TAGS[-1]
     return (f"cannot change {script}: {why}; run this as a user who can write the checkout, or apply "
-            f"patches/megatron-lm-{TAG}.patch (git apply) as one")
+            f"patches/megatron-lm-{tag}.patch (git apply) as one")
 
 
 def _write_atomically(path: str, text: str) -> None:
@@ -108,7 +128,7 @@ def _replace(path: str, text: str) -> None:
     mode = os.stat(path).st_mode
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".pretrain_gpt.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
             f.write(text)
         os.chmod(tmp, mode)
         os.replace(tmp, path)
@@ -124,7 +144,7 @@ def apply(path: str, *, revert: bool = False, check: bool = False) -> str:
     Reverting works on any version (a hook left in a checkout that moved to another tag can be
     removed); ``check`` fails where the real run would, e.g. on a read-only checkout."""
     co = inspect(path, require_tag=not revert)
-    lines = open(co.script, encoding="utf-8").read().splitlines(keepends=True)
+    lines = _read_lines(co.script)
     if not revert:
         if co.state == "applied":
             return f"already applied to {co.script}; nothing to do"
@@ -133,8 +153,9 @@ def apply(path: str, *, revert: bool = False, check: bool = False) -> str:
             raise PatchError(problem)
         if check:
             return f"would add the megatron-dualpipe hook ({len(HOOK)} lines) to {co.script}"
-        at = lines.index(ANCHOR) + 1
-        _write_atomically(co.script, "".join(lines[:at] + list(HOOK) + lines[at:]))
+        at = _anchor_index(lines) + 1
+        eol = lines[at - 1][len(_bare(lines[at - 1])):] or "\n"  # the anchor line's own ending
+        _write_atomically(co.script, "".join(lines[:at] + [_bare(h) + eol for h in HOOK] + lines[at:]))
         return f"added the megatron-dualpipe hook ({len(HOOK)} lines) to {co.script}"
     if co.state == "clean":
         return f"not applied to {co.script}; nothing to revert"

@@ -4,12 +4,12 @@ The pipeline makespan is not the iteration: after (and while) the schedule runs,
 reduces its chunks' gradients. DualPipe pays twice there: each rank holds two stages, so it
 reduces twice the gradient bytes over data parallel, and the two copies of every stage are
 summed over the bd pair (ranks i and pp-1-i) first. The executor starts these where
-``mcore.grads.GradReduction`` does, and this module times them the same way:
+``mcore.grad_reduction.GradReduction`` does, and this module times them the same way:
 
-* a chunk's gradients are final at the end of its last gradient action (``grad_order``: the
+* a chunk's gradients are final at the end of its last gradient action (``iteration_plan``: the
   last ``W``, or ``B``/``BW`` without deferred weight gradients), taken from the simulation;
 * bidirectional layouts: the pair's sums run one after the other, in the order both partners
-  issue them (``grad_order.bd_sum_order``), each when both copies are final and the previous
+  issue them (``iteration_plan.bd_sum_order``), each when both copies are final and the previous
   sum is done; one all-reduce of the chunk's bytes over 2 ranks on the link between them;
 * data-parallel reduction of every chunk, in the order the chunks finished, each when its bd
   sum (if any) is in and the previous reduction is done: a ring all-reduce over ``dp`` ranks
@@ -38,9 +38,16 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from . import grad_order
+from . import iteration_plan as grad_order  # when a chunk is final; the pair's sum order
 from .layout import BIDIRECTIONAL
 
+#: How a bidirectional schedule combines the two copies of a stage with data parallel:
+#: ``bd-first`` (the executor's ``GradReduction``): sum over the bd pair, then reduce over dp;
+#: ``dp-first``: reduce over dp as soon as this copy is final, then sum the pair (on the 1/dp
+#: shards with the distributed optimizer); ``shared-shard``: the two copies are one shard group of
+#: 2 x dp replicas, one reduce-scatter (item 4 of issue 18; modelled, not implemented).
+BD_FIRST, DP_FIRST, SHARED_SHARD = "bd-first", "dp-first", "shared-shard"
+BD_MODES = (BD_FIRST, DP_FIRST, SHARED_SHARD)
 #: Bytes per gradient element.
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 PLACEMENTS = ("megatron", "mirrored")
@@ -150,25 +157,43 @@ class CommModel:
     message_bytes: float = 0.0
     distributed_optimizer: bool = False
     overlap_grad_reduce: bool = True
+    #: Measured links (``mcore.comm_probe``: the groups of a running job timed directly) take the
+    #: place of the ones the placement picks.
+    bd_link: Optional[Link] = None
+    dp_link: Optional[Link] = None
+    p2p_link: Optional[Link] = None
+    bd_mode: str = BD_FIRST
+
+    def __post_init__(self):
+        if self.bd_mode not in BD_MODES:
+            raise ValueError(f"bd_mode must be one of {', '.join(BD_MODES)}, got {self.bd_mode!r}")
+        if self.bd_mode == SHARED_SHARD and not self.distributed_optimizer:
+            raise ValueError("the shared shard group (bd_mode shared-shard) shards the distributed optimizer's state: "
+                             "it needs distributed_optimizer=True")
 
     def with_inter_bandwidth(self, gbps: float) -> "CommModel":
-        return replace(self, network=replace(self.network, inter=replace(self.network.inter, bandwidth=gbps)))
+        """The same job with ``gbps`` between nodes (measured links are taken as the inter-node ones)."""
+        links = {k: (None if v is None else replace(v, bandwidth=gbps))
+                 for k, v in (("bd_link", self.bd_link), ("dp_link", self.dp_link), ("p2p_link", self.p2p_link))}
+        return replace(self, network=replace(self.network, inter=replace(self.network.inter, bandwidth=gbps)), **links)
 
     def scaled_messages(self, k: float) -> "CommModel":
         return replace(self, message_bytes=self.message_bytes * k)
 
     def p2p(self, src: int, dst: int) -> float:
         """One message from pipeline rank ``src`` to ``dst``."""
-        return p2p_ms(self.message_bytes, self.network.link(self.placement.pp_ranks_cross_nodes(src, dst)))
+        link = self.p2p_link or self.network.link(self.placement.pp_ranks_cross_nodes(src, dst))
+        return p2p_ms(self.message_bytes, link)
 
     def bd_sum(self, rank: int, nbytes: float) -> float:
         partner = self.placement.pp - 1 - rank
         if partner == rank:
             return 0.0
-        return all_reduce_ms(nbytes, 2, self.network.link(self.placement.pp_ranks_cross_nodes(rank, partner)))
+        link = self.bd_link or self.network.link(self.placement.pp_ranks_cross_nodes(rank, partner))
+        return all_reduce_ms(nbytes, 2, link)
 
     def dp_reduce(self, rank: int, nbytes: float) -> float:
-        link = self.network.link(self.placement.dp_group_crosses_nodes(rank))
+        link = self.dp_link or self.network.link(self.placement.dp_group_crosses_nodes(rank))
         dp = self.placement.dp
         return reduce_scatter_ms(nbytes, dp, link) if self.distributed_optimizer else all_reduce_ms(nbytes, dp, link)
 
@@ -227,41 +252,59 @@ def grad_comm(schedule, sim, comm: CommModel, stage_fraction: float, deferring: 
     """Time every rank's gradient communication for ``schedule`` simulated as ``sim``.
 
     ``stage_fraction``: how much of a stage one chunk is (DualPipeV 1/2, interleaved 1/v);
-    ``deferring``: the schedule's B leaves the weight gradient to a later W."""
+    ``deferring``: the schedule's B leaves the weight gradient to a later W. ``comm.bd_mode``
+    says how a bidirectional schedule combines the two copies (:data:`BD_MODES`)."""
     ops = grad_order.grad_ops(deferring)
     pp = len(schedule.ranks)
     chunk_bytes = comm.stage_grad_bytes * stage_fraction
     finals = [_final_times(acts, sim.ranks[r].ends, is_fake, ops) for r, acts in enumerate(schedule.ranks)]
-    out = GradComm(sim.makespan)
-    bd_end: Dict[Tuple[int, int], float] = {}  # (rank, chunk) -> when its bd sum is in
+    orders = [[c for c in grad_order.completion_order(acts, is_fake, ops) if c in finals[r] or c in {a.dir for a in acts}]
+              for r, acts in enumerate(schedule.ranks)]
+    rows = [{c: ChunkComm(c, finals[r].get(c, sim.makespan)) for c in orders[r]} for r in range(pp)]
     bidirectional = schedule.layout.kind == BIDIRECTIONAL
-    if bidirectional:
-        for r in range(pp):
-            partner = pp - 1 - r
-            if partner < r:
-                continue
-            order = grad_order.bd_sum_order(schedule.ranks[r], schedule.ranks[partner], is_fake, ops, lower_rank=True)
-            t = 0.0
-            for c in order:
-                both = max(finals[r].get(c, sim.makespan), finals[partner].get(1 - c, sim.makespan))
-                start = max(t, both)
-                t = start + (comm.bd_sum(r, chunk_bytes) if partner != r else 0.0)
-                bd_end[(r, c)] = bd_end[(partner, 1 - c)] = t
-    for r, acts in enumerate(schedule.ranks):
-        rows: List[ChunkComm] = []
+    mode = comm.bd_mode if bidirectional else BD_FIRST
+
+    def ready(r: int, c: int) -> float:
+        final = rows[r][c].final
+        return final if comm.overlap_grad_reduce else max(final, sim.ranks[r].ends[-1] if schedule.ranks[r] else 0.0)
+
+    def dp_queue(r: int, after: Callable[[int], float], nbytes: float) -> None:
         t = 0.0
-        for c in grad_order.completion_order(acts, is_fake, ops):
-            if c not in finals[r] and c not in {a.dir for a in acts}:
-                continue
-            final = finals[r].get(c, sim.makespan)
-            row = ChunkComm(c, final)
-            ready = final if comm.overlap_grad_reduce else max(final, sim.ranks[r].ends[-1] if acts else 0.0)
-            if bidirectional and (r, c) in bd_end:
-                pair_start = bd_end[(r, c)] - comm.bd_sum(r, chunk_bytes)
-                row.bd_start, row.bd_end = pair_start, bd_end[(r, c)]
-                ready = max(ready, row.bd_end)
-            row.dp_start = max(t, ready)
-            row.dp_end = t = row.dp_start + comm.dp_reduce(r, chunk_bytes)
-            rows.append(row)
-        out.ranks.append(rows)
+        for c in orders[r]:
+            row = rows[r][c]
+            row.dp_start = max(t, ready(r, c), after(c))
+            row.dp_end = t = row.dp_start + comm.dp_reduce(r, nbytes)
+
+    def pair_queue(r: int, partner: int, start_of: Callable[[int, int], float], cost: float, as_dp: bool) -> None:
+        order = grad_order.bd_sum_order(schedule.ranks[r], schedule.ranks[partner], is_fake, ops, lower_rank=True)
+        t = 0.0
+        for c in order:
+            start = max(t, start_of(r, c), start_of(partner, 1 - c))
+            t = start + cost
+            for rank, chunk in ((r, c), (partner, 1 - c)):
+                row = rows[rank][chunk]
+                if as_dp:
+                    row.dp_start, row.dp_end = start, t
+                else:
+                    row.bd_start, row.bd_end = start, t
+
+    pairs = [(r, pp - 1 - r) for r in range(pp) if r < pp - 1 - r] if bidirectional else []
+    if mode == BD_FIRST:
+        for r, partner in pairs:
+            pair_queue(r, partner, ready, comm.bd_sum(r, chunk_bytes), as_dp=False)
+        for r in range(pp):
+            dp_queue(r, lambda c, r=r: rows[r][c].bd_end or 0.0, chunk_bytes)
+    elif mode == DP_FIRST:
+        for r in range(pp):
+            dp_queue(r, lambda c: 0.0, chunk_bytes)
+        shard = chunk_bytes / comm.placement.dp if comm.distributed_optimizer else chunk_bytes
+        for r, partner in pairs:
+            pair_queue(r, partner, lambda rank, c: rows[rank][c].dp_end, comm.bd_sum(r, shard), as_dp=False)
+    else:  # SHARED_SHARD: one reduce-scatter over both copies' 2 x dp replicas
+        for r, partner in pairs:
+            crosses = comm.placement.pp_ranks_cross_nodes(r, partner) or comm.placement.dp_group_crosses_nodes(r)
+            link = comm.dp_link or comm.bd_link or comm.network.link(crosses)
+            pair_queue(r, partner, ready, reduce_scatter_ms(chunk_bytes, 2 * comm.placement.dp, link), as_dp=True)
+    out = GradComm(sim.makespan)
+    out.ranks = [[rows[r][c] for c in orders[r]] for r in range(pp)]
     return out

@@ -119,11 +119,12 @@ class SimResult:
 
 def simulate(layout: Layout, ranks: Sequence[Sequence[Action]], costs: Costs = Costs(),
              progress: Optional[Callable[[int, int], None]] = None,
-             p2p: Optional[Callable[[int, int], float]] = None) -> SimResult:
+             p2p: Optional[Callable[[int, int], float]] = None, overhead: float = 0.0) -> SimResult:
     """Time every rank's list; ``progress(done, total)`` is called every few thousand units.
 
     ``p2p(src, dst)``: what a message from rank src to rank dst adds (``comm_cost.CommModel.p2p``:
     latency and bytes over the link between them); default ``costs.p2p`` for every pair.
+    ``overhead``: what running one unit costs beyond its compute (a measured executor's own cost).
 
     Event-driven: a rank's next unit enters a heap keyed by (start time, rank) as soon as
     every event it waits for has finished (its start is then fixed), and a finished event
@@ -168,7 +169,7 @@ def simulate(layout: Layout, ranks: Sequence[Sequence[Action]], costs: Costs = C
             raise DeadlockError(_deadlock_message(layout, ranks, plans, pos, done))
         start, r = heapq.heappop(ready)
         unit = plans[r][pos[r]]
-        cost = costs.unit([ranks[r][i] for i in unit])
+        cost = costs.unit([ranks[r][i] for i in unit]) + overhead
         end = start + cost
         woken: List[int] = []
         for i in unit:

@@ -1,35 +1,180 @@
 """Stage ``overlap``: how much of the MoE all-to-all the fused F&B units hide.
 
-DualPipe's fused units run one direction's forward with the other's backward so that one's
-dispatch/combine all-to-all runs on the communication stream while the other computes. What is
-hidden can only be seen on a GPU, with CUDA events on both streams. On the CPU the combined step
-runs its sub-steps in order on one stream: nothing can overlap, so nothing is measured (the
-equality stage still runs the combined step there, for its numbers).
+DualPipe's fused units run one direction's forward with the other's backward through megatron-
+core's combined step: the ``moe_dispatch`` / ``moe_combine`` schedule nodes run on the
+communication stream while the other micro-batch's ``attn`` / ``mlp`` nodes compute. This stage
+times every schedule node inside the fused units of one DualPipe iteration of the tiny MoE (after
+a warm-up iteration) and reports, per rank, the fraction of the all-to-all nodes' time that lies
+inside the time of the unit's compute nodes.
 
-This version measures nothing on GPUs either: the stage says so instead of reporting a number it
-did not measure. (The events would go around megatron-core's ``moe_dispatch`` / ``moe_combine``
-schedule nodes on the communication stream and the other sub-steps on the compute stream.)
+How a node is timed: megatron-core enters every node through
+``pipeline_parallel.utils.stream_acquire_context(stream, event)`` (wait for the previous node's
+event, run on the node's stream, record the event). :class:`NodeTimer` replaces it for the
+measured iteration with one that marks the start after the wait and the end before the record,
+on the node's own stream: CUDA timing events on a GPU; on the CPU the host clock, where the nodes
+run one after another, so nothing is hidden and the stage reports SKIP with what it recorded.
 """
 from __future__ import annotations
 
-from typing import List
+import contextlib
+import time
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
-from .result import SKIP, StageResult
+import torch
+
+from . import models
+from .result import FAIL, PASS, SKIP, StageResult
 
 NAME = "overlap"
+COMM_NODES = ("moe_dispatch", "moe_combine")
+Interval = Tuple[float, float]
 
 
-def run(ctx) -> None:
-    return None
+def hidden_ms(comm: Sequence[Interval], compute: Sequence[Interval]) -> Tuple[float, float]:
+    """(time of ``comm`` inside the union of ``compute``, total time of ``comm``), in the intervals' unit."""
+    merged: List[List[float]] = []
+    for s, e in sorted(compute):
+        if merged and s <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], e)
+        else:
+            merged.append([s, e])
+    inside = sum(max(0.0, min(e, me) - max(s, ms)) for s, e in comm for ms, me in merged)
+    return inside, sum(e - s for s, e in comm)
 
 
-def judge(ctx, payloads: List[object]) -> StageResult:
+class NodeTimer:
+    """Times the schedule nodes run inside fused F&B units (see the module docstring)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.unit: Optional[int] = None  # the fused unit being run, None outside them
+        self.units = 0
+        self.node: List[str] = []  # names of the nodes being entered (innermost last)
+        self.marks: List[Tuple[int, str, object, object]] = []  # (unit, node name, start, end)
+
+    def _mark(self, stream):
+        if not self.cuda:
+            return time.perf_counter() * 1e3
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(stream)
+        return event
+
+    @contextlib.contextmanager
+    def _acquire(self, stream, event) -> Iterator[None]:
+        event.wait(stream)
+        start = self._mark(stream) if self.unit is not None else None
+        try:
+            yield
+        finally:
+            if start is not None:
+                self.marks.append((self.unit, self.node[-1] if self.node else "?", start, self._mark(stream)))
+            event.record(stream)
+
+    def intervals(self) -> Dict[int, Tuple[List[Interval], List[Interval]]]:
+        """Per fused unit: (all-to-all intervals, compute intervals) in ms."""
+        if self.cuda:
+            torch.cuda.synchronize()
+        if not self.marks:
+            return {}
+        origin = self.marks[0][2]
+
+        def ms(mark) -> float:
+            return origin.elapsed_time(mark) if self.cuda else mark - origin
+
+        out: Dict[int, Tuple[List[Interval], List[Interval]]] = {}
+        for unit, name, start, end in self.marks:
+            comm, compute = out.setdefault(unit, ([], []))
+            (comm if name in COMM_NODES else compute).append((ms(start), ms(end)))
+        return out
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator["NodeTimer"]:
+        from megatron.core.pipeline_parallel import utils as pp_utils
+
+        from ..mcore.overlap import OverlappedStageCompute
+
+        node_cls, stage_cls = pp_utils.ScheduleNode, OverlappedStageCompute
+        saved = (pp_utils.stream_acquire_context, node_cls._forward, node_cls._backward, stage_cls.forward_backward)
+        timer = self
+
+        def named(original):
+            def run(node, *args):
+                timer.node.append(getattr(node, "name", type(node).__name__))
+                try:
+                    return original(node, *args)
+                finally:
+                    timer.node.pop()
+            return run
+
+        def fused(compute, *args, **kwargs):
+            timer.unit, timer.units = timer.units, timer.units + 1
+            try:
+                return saved[3](compute, *args, **kwargs)
+            finally:
+                timer.unit = None
+
+        pp_utils.stream_acquire_context = self._acquire
+        node_cls._forward, node_cls._backward = named(saved[1]), named(saved[2])
+        stage_cls.forward_backward = fused
+        try:
+            yield self
+        finally:
+            pp_utils.stream_acquire_context = saved[0]
+            node_cls._forward, node_cls._backward = saved[1], saved[2]
+            stage_cls.forward_backward = saved[3]
+
+
+def run(ctx) -> Optional[dict]:
     if ctx.cfg.ep <= 1:
-        reason = "no --ep: the fused F&B units hide MoE all-to-all, which needs expert parallelism (--ep 2 or more)"
-    elif not ctx.cfg.gpu:
-        reason = ("not measurable on the CPU: the combined step runs dispatch, combine and compute in order on one "
-                  "stream (the equality stage checked the fused units' numbers)")
-    else:
-        reason = ("not measured by this version: the CUDA-event measurement on the communication stream is not "
-                  "written yet (the equality stage checked the fused units' numbers on this GPU)")
-    return StageResult(NAME, SKIP, reason)
+        return None
+    spec = ctx.cfg.spec(moe=True)
+    full = models.full_state_dict(spec)
+    chunks = models.build(spec, "dualpipe", full)
+    m = 2 * ctx.cfg.pp
+    models.run_iteration(spec, "dualpipe", chunks, models.batches(spec, m, step=11), p2p_timeout=ctx.cfg.deadline_s)
+    models.zero_grads(chunks)
+    timer = NodeTimer(ctx.device)
+    with timer.installed():
+        models.run_iteration(spec, "dualpipe", chunks, models.batches(spec, m, step=12),
+                             p2p_timeout=ctx.cfg.deadline_s)
+    per_unit = timer.intervals()
+    inside = total = 0.0
+    comm_nodes = compute_nodes = 0
+    for comm, compute in per_unit.values():
+        h, t = hidden_ms(comm, compute)
+        inside, total = inside + h, total + t
+        comm_nodes, compute_nodes = comm_nodes + len(comm), compute_nodes + len(compute)
+    return {"rank": ctx.rank, "coord": ctx.coord, "units": timer.units, "comm_nodes": comm_nodes,
+            "compute_nodes": compute_nodes, "hidden_ms": inside, "comm_ms": total}
+
+
+def judge(ctx, payloads: List[Optional[dict]]) -> StageResult:
+    if ctx.cfg.ep <= 1:
+        return StageResult(NAME, SKIP, "no --ep: the fused F&B units hide MoE all-to-all, which needs expert "
+                                       "parallelism (--ep 2 or more)")
+    details = [f"DualPipe, {ctx.cfg.spec(moe=True).label()}, M={2 * ctx.cfg.pp}, one iteration after a warm-up; "
+               f"per rank: fused units, all-to-all nodes timed, all-to-all time inside the unit's compute"]
+    fractions = []
+    for p in payloads:
+        frac = p["hidden_ms"] / p["comm_ms"] if p["comm_ms"] > 0 else None
+        fractions.append(frac)
+        details.append(f"rank {p['rank']} (pp, tp, dp) = {tuple(p['coord'])}: {p['units']} fused units, "
+                       f"{p['comm_nodes']} all-to-all and {p['compute_nodes']} compute nodes; all-to-all "
+                       f"{p['comm_ms']:.3f} ms, of which {p['hidden_ms']:.3f} ms hidden"
+                       f"{'' if frac is None else f' ({100 * frac:.0f}%)'}")
+    numbers = {"ranks": payloads}
+    if not ctx.cfg.gpu:
+        recorded = sum(p["comm_nodes"] for p in payloads)
+        return StageResult(NAME, SKIP, f"not measurable on the CPU: the combined step runs dispatch, combine and "
+                                       f"compute one after another on one stream (recorded {recorded} all-to-all "
+                                       f"nodes in {sum(p['units'] for p in payloads)} fused units, "
+                                       f"{100 * max(f or 0.0 for f in fractions):.0f}% hidden)", details, numbers)
+    measured = [f for f in fractions if f is not None]
+    if not measured:
+        return StageResult(NAME, FAIL, "no all-to-all node ran inside a fused unit: the combined step did not run",
+                           details, numbers, hard=False)
+    summary = (f"all-to-all hidden inside fused F&B units: {100 * min(measured):.0f}%-{100 * max(measured):.0f}% "
+               f"per rank (mean {100 * sum(measured) / len(measured):.0f}%)")
+    if max(measured) == 0.0:
+        return StageResult(NAME, FAIL, "nothing hidden: " + summary, details, numbers, hard=False)
+    return StageResult(NAME, PASS, summary, details, numbers)

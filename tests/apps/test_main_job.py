@@ -104,3 +104,13 @@ def test_tiny_main_job_dualpipe_equals_1f1b_and_writes_its_pictures(tmp_path):
     summary = (out / "summary.md").read_text(encoding="utf-8")
     assert "![loss](loss.png)" in summary and "![timeline](timeline.png)" in summary and "| dualpipe |" in summary and "| 1f1b |" in summary
     assert "data" in listed and "text_document.bin" in listed  # built on this first run, and listed
+    # DualPipe and 1F1B simulated side by side at the same scale, makespans printed and in the summary,
+    # equal to an independent simulation of both; and why the wall times above do not show them.
+    from megatron_dualpipe.report import simulated_pair
+
+    _, makespans = simulated_pair("dualpipe", 2, 4)
+    (_, t_dual), (_, t_one) = makespans
+    assert f"dualpipe makespan {t_dual:g}, 1f1b {t_one:g}" in r.stdout
+    assert (out / "dualpipe_vs_1f1b_pp2_m4.png").read_bytes()[:8] == PNG and "dualpipe_vs_1f1b_pp2_m4.png" in listed
+    assert f"dualpipe makespan {t_dual:g}, 1f1b {t_one:g}" in summary and "![dualpipe_vs_1f1b_pp2_m4]" in summary
+    assert "CPU wall time does not show bubbles" in r.stdout and "CPU wall time does not show bubbles" in summary

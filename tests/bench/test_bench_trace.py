@@ -38,7 +38,12 @@ def test_bench_reports_every_schedule_against_the_simulator(bench_run):
     rows = {(r["runner"], r["schedule"]): r for r in doc["rows"]}
     print("\n" + "\n".join(f"{k}: {v['median_ms']:.1f} ms, sim {v['sim_ms']}, x{v['ratio']}" for k, v in rows.items()))
     assert set(rows) == {("project", "executor-1f1b"), ("project", "dualpipe"), ("project", "dualpipev"),
-                         ("torch", "torch-1f1b"), ("torch", "torch-dualpipev"), ("torch", "torch-zbv")}
+                         ("torch", "torch-1f1b"), ("torch", "torch-dualpipev"), ("torch", "torch-zbv"),
+                         ("torch", "torch-interleaved")}
+    # torch's interleaved 1F1B is timed against the simulation of Megatron's interleaved order, same chunk costs
+    s = build_schedule("interleaved-1f1b", PP, M)
+    assert rows[("torch", "torch-interleaved")]["sim_ms"] == pytest.approx(
+        simulate(s.layout, s.ranks, Costs(f=2, b=4, w=2)).makespan)
     for name in ("executor-1f1b", "dualpipe", "dualpipev"):
         s = build_schedule(name, PP, M)
         sim = simulate(s.layout, s.ranks, Costs(f=2, b=4, w=2))
@@ -57,6 +62,19 @@ def test_bench_reports_every_schedule_against_the_simulator(bench_run):
     pairs = {(p["project"], p["torch"]) for p in doc["project_over_torch"]}
     assert pairs == {("executor-1f1b", "torch-1f1b"), ("dualpipev", "torch-dualpipev"), ("dualpipev", "torch-zbv")}
     assert doc["p2p_latency_ms"][str(PP)] > 0
+    # The prediction from the probes: makespan with the probed latency and per-unit cost, plus (DualPipe
+    # only: the others have no copies to sum and dp=1) the bd sums past the end of the schedule.
+    lat = doc["p2p_latency_ms"][str(PP)]
+    for name in ("executor-1f1b", "dualpipe", "dualpipev"):
+        row = rows[("project", name)]
+        s = build_schedule(name, PP, M)
+        bare = simulate(s.layout, s.ranks, Costs(f=2, b=4, w=2, p2p=lat), overhead=row["unit_overhead_ms"]).makespan
+        print(f"{name}: predicted {row['predicted_ms']:.1f} ms (without gradients {bare:.1f}), measured "
+              f"{row['median_ms']:.1f}, x pred {row['ratio_predicted']:.3f}")
+        if name == "dualpipe":
+            assert row["bd_probe_ms"] > 0 and row["predicted_ms"] > bare
+        else:
+            assert row["predicted_ms"] == pytest.approx(bare)
 
 
 def test_trace_of_a_recorded_run(bench_run, tmp_path, capsys):

@@ -44,6 +44,12 @@ BAD = [
     (ADV[:2] + ["0"] + ADV[3:], "--pp"),
     (["advise", "--pp", "4", "-m", "8"], "required"),
     (["bench", "--f", "1e308", "--b", "1e308"], "at most 60000"),
+    (["bench", "--f", "1" * 200, "--b", "1" * 200], "at most 60000"),
+    (["bench", "--fb", "0.5"], "--fb 0.5 is cheaper than --f 20 alone"),
+    (["bench", "--pp", "64"], "--pp 64 starts 64 processes on this machine"),
+    (SIM + ["--fb", "0.5"], "--fb must be at least 1"),
+    (SIM + ["--png", "x.jpg"], "name it x.png"),
+    (["trace", "/no/such/dir", "--png", "t.jpeg"], "name it t.png"),
     (["trace", "/no/such/dir"], "no rank*.jsonl files"),
     (["patch", "/no/such/checkout"], "no pretrain_gpt.py"),
     (["patch", "/etc/hostname"], "no pretrain_gpt.py"),
@@ -129,7 +135,7 @@ def test_launcher_refuses_in_one_line(tmp_path):
     (root / "megatron" / "core" / "package_info.py").write_text("MAJOR = 0\nMINOR = 15\nPATCH = 0\n")
     (root / "pretrain_gpt.py").write_text("raise SystemExit('must not run')\n")
     for argv, needle in ((["/no/such/pretrain_gpt.py"], "no such script"),
-                         ([str(root / "pretrain_gpt.py"), "--help"], "is not Megatron-LM core_v0.16.1"),
+                         ([str(root / "pretrain_gpt.py"), "--help"], "is not one of the Megatron-LM tags"),
                          (["--check", str(root / "pretrain_gpt.py")], "found megatron-core 0.15.0")):
         p = _launch(*argv)
         print(f"\n{argv}: {p.stderr.strip()}")

@@ -177,3 +177,55 @@ def test_schedule_against_1f1b_on_one_axis_with_makespans(tmp_path, name):
         agg_pyplot().close(fig)
     path = write_schedule_comparison(str(tmp_path), name, 4, 16)
     assert open(path, "rb").read(8) == PNG
+
+
+# ---------------------------------------------------------------------------------------------
+# The pictures committed under docs/ are drawn with the current palette
+# ---------------------------------------------------------------------------------------------
+
+DOCS = __import__("pathlib").Path(__file__).resolve().parents[2] / "docs"
+#: Timeline pictures in docs/ and the command that regenerates each (also written beside them in the docs).
+DOC_TIMELINES = {
+    "dualpipe_pp8_m20.png": "megatron-dualpipe simulate --schedule dualpipe --pp 8 --microbatches 20 --fb 3 "
+                            "--png docs/dualpipe_pp8_m20.png --svg docs/dualpipe_pp8_m20.svg",
+    "trace_dualpipe_pp4_bench.png": "megatron-dualpipe bench --pp 4 -m 8 --schedule dualpipe --trace DIR; megatron-dualpipe trace DIR/dualpipe_pp4_m8 --png docs/trace_dualpipe_pp4_bench.png",
+    "run/timeline.png": "bash scripts/run_main.sh --out docs/run",
+    "run/dualpipe_pp4_m16.png": "bash scripts/run_main.sh --out docs/run",
+    "run/dualpipe_vs_1f1b_pp4_m16.png": "bash scripts/run_main.sh --out docs/run",
+}
+
+
+def _pixels_near(img, colour: str, tolerance: int = 3) -> int:
+    import numpy as np
+
+    rgb = np.array([int(colour[i:i + 2], 16) for i in (1, 3, 5)])
+    return int((np.abs(img - rgb).max(axis=-1) <= tolerance).sum())
+
+
+@pytest.mark.parametrize("name", sorted(DOC_TIMELINES))
+def test_docs_timelines_use_the_current_palette(name):
+    """Every op drawn in a committed timeline has the current palette's colour (draw.COLORS), and
+    none has another colour in its place: a picture left from an older palette fails here, naming
+    the command that regenerates it. The fills of direction 0 are counted pixel by pixel."""
+    import numpy as np
+    from matplotlib.image import imread
+
+    from megatron_dualpipe.draw import COLORS
+    from megatron_dualpipe.schedule.actions import B, BW, F
+
+    path = DOCS / name
+    assert path.is_file(), f"docs/{name} is missing: {DOC_TIMELINES[name]}"
+    img = (imread(str(path))[..., :3] * 255).round().astype(int)
+    counts = {f"{op}{d}": _pixels_near(img, c) for (op, d), c in COLORS.items()}
+    print(f"\ndocs/{name}: {counts}")
+    assert counts[f"{F}0"] > 500 and max(counts[f"{B}0"], counts[f"{BW}0"]) > 500, \
+        f"docs/{name} is not drawn with the current palette: regenerate it with {DOC_TIMELINES[name]}"
+    # No large area of a saturated colour outside the palette (an older palette's fills).
+    sat = (img.max(axis=-1) - img.min(axis=-1)) > 60
+    palette = np.zeros(sat.shape, bool)
+    for c in COLORS.values():
+        rgb = np.array([int(c[i:i + 2], 16) for i in (1, 3, 5)])
+        palette |= np.abs(img - rgb).max(axis=-1) <= 24  # antialiased edges and hatching blend nearby
+    stray = int((sat & ~palette).sum())
+    print(f"saturated pixels outside the palette: {stray} of {int(sat.sum())}")
+    assert stray < 0.05 * sat.sum(), f"docs/{name} has colours outside the palette: {DOC_TIMELINES[name]}"

@@ -82,17 +82,18 @@ def _install_order_log():
     """Log every schedule node's forward / backward / weight gradient as (layer, node, kind);
     the pre/post-process nodes as (first layer of their chunk, name, kind)."""
     from megatron.core.models.common import model_chunk_schedule_plan as plan_mod
-    from megatron.core.models.gpt import fine_grained_callables as fgc
     from megatron.core.pipeline_parallel import utils as pp_utils
+    from megatron_dualpipe.mcore.compat import layer_plan_nodes, transformer_layer_node_class
+
+    layer_node = transformer_layer_node_class()
 
     log = {"on": False, "events": []}
     build = plan_mod.TransformerLayerSchedulePlan._build_callable_nodes
 
     def tagged_build(self, *args, **kwargs):
         build(self, *args, **kwargs)
-        for name in ("attn", "moe_dispatch", "mlp", "moe_combine"):
-            node = getattr(self, name)
-            if isinstance(node, pp_utils.ScheduleNode):
+        for name, node in layer_plan_nodes(self).items():
+            if isinstance(node, pp_utils.ScheduleNode) and name != "mtp_post_process":
                 node.order_tag = (self.layer.layer_number, name)
 
     chunk_init = plan_mod.TransformerModelChunkSchedulePlan.__init__
@@ -115,7 +116,7 @@ def _install_order_log():
     plan_mod.TransformerModelChunkSchedulePlan.__init__ = tagged_chunk_init
     pp_utils.ScheduleNode.forward = logged("F", pp_utils.ScheduleNode.forward)
     pp_utils.ScheduleNode.backward = logged("B", pp_utils.ScheduleNode.backward)
-    fgc.TransformerLayerNode.backward_dw = logged("W", fgc.TransformerLayerNode.backward_dw)
+    layer_node.backward_dw = logged("W", layer_node.backward_dw)
     return log
 
 
@@ -267,9 +268,9 @@ def _stand_in_for_te():
     ``backward_dw`` is a no-op (RowParallelLinear has none: added), the local linears compute their
     weight gradients in autograd as usual. Counts the calls that matter: ``run_te_backward_dw``
     (the W action's, recorded by a B) and schedule-plan nodes that run ``backward_dw`` inline."""
-    from megatron.core.models.gpt import fine_grained_callables as fgc
     from megatron.core.tensor_parallel.layers import RowParallelLinear
     from megatron_dualpipe.mcore import stage_compute
+    from megatron_dualpipe.mcore.compat import transformer_layer_node_class
 
     counts = {"te_backward_dw": 0, "inline_dw": 0}
     RowParallelLinear.backward_dw = lambda self: None
@@ -280,13 +281,14 @@ def _stand_in_for_te():
         return run_te(chunk)
 
     stage_compute.run_te_backward_dw = counted_run_te
-    node_dw = fgc.TransformerLayerNode.backward_dw
+    layer_node = transformer_layer_node_class()
+    node_dw = layer_node.backward_dw
 
     def counted_node_dw(self):
         counts["inline_dw"] += int(bool(self.delay_wgrad_compute))
         return node_dw(self)
 
-    fgc.TransformerLayerNode.backward_dw = counted_node_dw
+    layer_node.backward_dw = counted_node_dw
     return counts
 
 

@@ -14,7 +14,8 @@ import random
 import pytest
 
 from megatron_dualpipe.advise import DenseModel, advise
-from megatron_dualpipe.schedule.comm_cost import (CommModel, Link, Network, Placement, all_reduce_ms, grad_comm)
+from megatron_dualpipe.schedule.comm_cost import (BD_FIRST, DP_FIRST, SHARED_SHARD, CommModel, Link, Network,
+                                                  Placement, all_reduce_ms, grad_comm, reduce_scatter_ms)
 from megatron_dualpipe.schedule.compare import build_padded, run
 from megatron_dualpipe.schedule.registry import DUALPIPE, DUALPIPEV, INTERLEAVED_1F1B, ONE_F_ONE_B, ZB_H1
 from megatron_dualpipe.schedule.simulate import Costs, simulate
@@ -47,6 +48,14 @@ def test_seed_sign_flip(label, c, ahead):
     a = advise(d.pp, [c["m"]], d.costs, 1, 1, names=[ONE_F_ONE_B, DUALPIPE], comm=comm, tokens=d.tokens)
     print(f"  advise: {a.choices[0].reason}")
     assert a.choices[0].best == ahead
+    # The break-even bandwidth it prints: just below and above it, the two swap places.
+    even = a.choices[0].break_even
+    assert even.rival == other and even.bandwidth is not None
+
+    def lead(bw):
+        c2 = comm.with_inter_bandwidth(bw)
+        return run(ahead, d.pp, c["m"], d.costs, comm=c2).iteration - run(other, d.pp, c["m"], d.costs, comm=c2).iteration
+    assert (lead(even.bandwidth * 0.98) < 0) != (lead(even.bandwidth * 1.02) < 0)
 
 
 def test_bd_sums_start_when_both_copies_are_final():
@@ -101,3 +110,31 @@ def test_advise_never_picks_a_slower_schedule():
         best = next(r for r in ok if r.name == ch.best)
         print(f"pp={pp} M={m} f={f:.1f}: {ch.best} {best.iteration:.1f} (fastest {fastest:.1f})")
         assert best.iteration == fastest
+
+
+@pytest.mark.parametrize("label,c", [("1.3B, 32 GPUs", SMALL), ("70B, 256 GPUs", LARGE)])
+def test_what_each_variant_of_item_4_buys(label, c):
+    """With the distributed optimizer: the executor's bd-first reduction, dp-first (the pair sums
+    1/dp shards), and one shard group of 2 x dp (a single reduce-scatter per stage), with Megatron's
+    and the mirrored rank placement. The shared shard group moves no more bytes than bd-first in
+    any placement: (2dp-1)/2dp of a stage, against 1 + (dp-1)/dp."""
+    d = c["model"]
+    base = run(ONE_F_ONE_B, d.pp, c["m"], d.costs,
+               comm=CommModel(Placement(d.pp, c["dp"], c["tp"]), H800, d.stage_grad_bytes, d.message_bytes,
+                              distributed_optimizer=True))
+    print(f"\n{label}: 1f1b iteration {base.iteration:.1f} ms (exposed {base.exposed:.1f})")
+    got = {}
+    for mirrored in (False, True):
+        for mode in (BD_FIRST, DP_FIRST, SHARED_SHARD):
+            comm = CommModel(Placement(d.pp, c["dp"], c["tp"], mirrored=mirrored), H800, d.stage_grad_bytes,
+                             d.message_bytes, distributed_optimizer=True, bd_mode=mode)
+            r = run(DUALPIPE, d.pp, c["m"], d.costs, comm=comm)
+            got[(mirrored, mode)] = r.iteration
+            print(f"  dualpipe {mode:>12} {'mirrored' if mirrored else 'megatron':>8}: makespan {r.makespan:.1f} + "
+                  f"exposed {r.exposed:.1f} = {r.iteration:.1f} ms ({r.iteration / base.iteration:.3f} x 1f1b)")
+    for mirrored in (False, True):
+        assert got[(mirrored, SHARED_SHARD)] <= got[(mirrored, BD_FIRST)] + 1e-9
+    assert all(got[(True, m)] <= got[(False, m)] + 1e-9 for m in (BD_FIRST, DP_FIRST, SHARED_SHARD))
+    # the cost of one step, independently: a ring reduce-scatter over 2dp ranks on the inter-node link
+    assert reduce_scatter_ms(d.stage_grad_bytes, 2 * c["dp"], H800.inter) < \
+        all_reduce_ms(d.stage_grad_bytes, 2, H800.inter) + reduce_scatter_ms(d.stage_grad_bytes, c["dp"], H800.inter)
