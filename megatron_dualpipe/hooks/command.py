@@ -41,8 +41,11 @@ def run(args) -> int:
 
             triton_stub.preimport_triton_users()
         snapshot = {}
+        version = megatron_core_version()
         for part in parts:
             for patch in manifest.PARTS[part]:
+                if version not in patch.versions:  # skipped by install(): its module may not exist here
+                    continue
                 owner, name = resolve(patch)
                 snapshot[patch.target] = (owner, name, current(owner, name))
         hooks.install(parts)

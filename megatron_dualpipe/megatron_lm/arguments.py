@@ -31,6 +31,7 @@ the three extra attributes; no check runs and no value is changed.
 
 import functools
 from typing import List
+
 from ..mcore import options
 from ..schedule import registry
 

@@ -123,7 +123,7 @@ def test_manifest_entries_are_complete_and_unique():
     keys = [(p.target, str(p.versions)) for _, p in rows]
     assert len(keys) == len(set(keys))
     for part, p in rows:
-        assert p.why and p.module.startswith("megatron.")
+        assert p.why and (p.module.startswith("megatron.") or part == "python")  # python: for Megatron's sake
         assert (p.make is not None) == (p.kind == INSTALLED) == (part in manifest.INSTALLED_PARTS)
         if isinstance(p.make, str):  # names a function that exists (imported lazily at install)
             module, _, name = p.make.partition(":")
@@ -204,6 +204,9 @@ def test_install_into_megatron_lm_and_uninstall_restores_every_attribute():
     print(f"\nmegatron-core {doc['megatron_core']}: {len(states)} installed patches, states "
           f"{sorted(set(states.values()))}; restore mismatches: {doc['restore_mismatches']}")
     assert doc["restore_mismatches"] == []
-    assert set(states.values()) == {"active"}
+    # every patch is active, except the ones for other megatron-core versions (skipped, said so) and
+    # only-if-missing ones whose attribute exists here
+    assert all(v in ("active", "not needed") or v.startswith("not for megatron-core") for v in states.values())
+    assert states["megatron.training.training.get_model"] == "active"
     assert len(states) == sum(len(manifest.PARTS[p]) for p in manifest.INSTALLED_PARTS)
     assert MISSING is not None and hooks.installed() == ()

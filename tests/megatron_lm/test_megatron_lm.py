@@ -92,7 +92,8 @@ CASES = {
         None,
     ),
     "dualpipe_timeout_ok": (4, BASE + ["--pipeline-schedule", "dualpipe", "--dualpipe-p2p-timeout", "30"], None),
-    "advise_executor_1f1b_ok": (4, BASE + ["--pipeline-schedule", "executor-1f1b", "--dualpipe-advise"], None),
+    "advise_executor_1f1b_ok": (4, BASE + ["--pipeline-schedule", "executor-1f1b", "--dualpipe-advise",
+                                           "--dualpipe-advise-warmup", "2"], None),
     "advise_megatron_1f1b": (4, BASE + ["--pipeline-schedule", "1f1b", "--dualpipe-advise"],
                              ["--dualpipe-advise measures the executor's schedules", "--pipeline-schedule executor-1f1b"]),
     "1f1b_odd_pp_overlap_untouched": (
