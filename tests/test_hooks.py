@@ -123,7 +123,8 @@ def test_manifest_entries_are_complete_and_unique():
     keys = [(p.target, str(p.versions)) for _, p in rows]
     assert len(keys) == len(set(keys))
     for part, p in rows:
-        assert p.why and p.module.startswith("megatron.")
+        # The python part supplies what Megatron-LM takes from a newer Python (typing.override).
+        assert p.why and (p.module.startswith("megatron.") or p in manifest.PYTHON)
         assert (p.make is not None) == (p.kind == INSTALLED) == (part in manifest.INSTALLED_PARTS)
         if isinstance(p.make, str):  # names a function that exists (imported lazily at install)
             module, _, name = p.make.partition(":")
@@ -204,6 +205,9 @@ def test_install_into_megatron_lm_and_uninstall_restores_every_attribute():
     print(f"\nmegatron-core {doc['megatron_core']}: {len(states)} installed patches, states "
           f"{sorted(set(states.values()))}; restore mismatches: {doc['restore_mismatches']}")
     assert doc["restore_mismatches"] == []
-    assert set(states.values()) == {"active"}
+    # Entries for another megatron-core version are skipped and say so; an only-if-missing one whose
+    # attribute exists (typing.override on Python 3.12) is not needed; every other one is active.
+    assert set(states.values()) <= {"active", "not needed"} | {s for s in states.values() if s.startswith("not for ")}
+    assert "active" in states.values()
     assert len(states) == sum(len(manifest.PARTS[p]) for p in manifest.INSTALLED_PARTS)
     assert MISSING is not None and hooks.installed() == ()

@@ -41,10 +41,15 @@ def run(args) -> int:
 
             triton_stub.preimport_triton_users()
         snapshot = {}
+        version = megatron_core_version()
         for part in parts:
             for patch in manifest.PARTS[part]:
+                if version not in patch.versions:  # another megatron-core's entry: its module may not exist
+                    continue
                 owner, name = resolve(patch)
                 snapshot[patch.target] = (owner, name, current(owner, name))
+            if part == "python":  # before resolving Megatron-LM's modules (typing.override on 3.11)
+                hooks.install([part])
         hooks.install(parts)
         rows = hooks.status()
         hooks.uninstall(parts)
