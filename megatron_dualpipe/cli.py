@@ -15,7 +15,7 @@ that adds its arguments, a ``run(args) -> int`` function, and one :func:`registe
 Every bad argument ends with one line on stderr, ``megatron-dualpipe: error: ...``, and exit
 status 2: raise :class:`CliError` (or ``ScheduleError`` / ``ValueError``) from ``run``. Ctrl-C
 (130), a closed pipe (141, silent), an ``OSError`` such as a permission error (1) and an
-``OverflowError`` (2) end in one line too; ``tests/test_no_traceback.py`` runs every registered
+``OverflowError`` (2) end in one line too; ``tests/cli/test_no_traceback.py`` runs every registered
 command with bad input.
 """
 from __future__ import annotations
@@ -213,7 +213,7 @@ register("advise", _advise.HELP, _advise.configure, _advise.run)
 
 
 def _configure_patch(p):
-    p.add_argument("path", help="root of a Megatron-LM checkout at tag core_v0.16.1")
+    p.add_argument("path", help="root of a Megatron-LM checkout at tag core_v0.16.1 or core_v0.19.0")
     p.add_argument("--check", action="store_true", help="say what would change, change nothing")
     p.add_argument("--revert", action="store_true", help="remove the hook")
 

@@ -28,7 +28,7 @@ from .schedule.simulate import SimResult, units
 
 #: Fill colour per (op, dir): Okabe-Ito hues; direction 1 a lighter tint of the same hue (and
 #: hatched). The tints (30-60% white) keep the four ops >= 13 CIELAB units apart under normal
-#: vision and the three dichromacies, and >= 18 from their own strong shade (tests/test_draw.py).
+#: vision and the three dichromacies, and >= 18 from their own strong shade (tests/cli/test_draw.py).
 COLORS: Dict[Tuple[str, int], str] = {
     (F, 0): "#e69f00", (F, 1): "#eebc4c",
     (BW, 0): "#009e73", (BW, 1): "#66c5ab",

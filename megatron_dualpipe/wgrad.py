@@ -463,7 +463,7 @@ def run_te_backward_dw(model_chunk: torch.nn.Module) -> None:
     gradients of the chunk's oldest backward that is still pending: ``mcore.stage_compute``
     records one call per B (run by its W) and makes one right after each BW, so every backward
     is matched by exactly one call and the summed gradients are complete after the last W.
-    Tested on CPU with a fake TE layer (``tests/test_wgrad.py``); real TE kernels need a GPU. MTP
+    Tested on CPU with a fake TE layer (``tests/mcore/test_wgrad.py``); real TE kernels need a GPU. MTP
     layers and the output layer (a local ``ColumnParallelLinear``, deferred by the patch) are
     not covered here.
     """

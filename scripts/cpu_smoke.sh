@@ -3,7 +3,7 @@
 # the tiny config, on real text: unless DATA_PATH is set, `megatron-dualpipe prepare-data` first
 # tokenizes Python's help texts (cached after the first run) and its data, tokenizer and split
 # arguments are passed on. With your own DATA_PATH, pass --tokenizer-type/--tokenizer-model/--split
-# yourself. Needs MEGATRON_LM_PATH (a checkout at core_v0.16.1) and Megatron-LM's training
+# yourself. Needs MEGATRON_LM_PATH (a checkout at core_v0.16.1 or core_v0.19.0) and Megatron-LM's training
 # dependencies (pip install -e ".[megatron-lm]"; the launcher checks them first).
 set -euo pipefail
 here="$(cd "$(dirname "$0")/.." && pwd)"

@@ -9,7 +9,7 @@
 #     [more pretrain_gpt.py arguments...]
 # SLURM and containers: scripts/slurm_dualpipe.sbatch, docs/multi-node.md.
 #
-# Variables: MEGATRON_LM_PATH (a Megatron-LM checkout at core_v0.16.1), CONFIG (a name in
+# Variables: MEGATRON_LM_PATH (a Megatron-LM checkout at core_v0.16.1 or core_v0.19.0), CONFIG (a name in
 # configs/ or a path), DATA_PATH (unless the config uses --mock-data), SCHEDULE (dualpipe,
 # dualpipev or 1f1b; default dualpipe), NNODES (1), NODE_RANK (0), MASTER_ADDR (localhost, required
 # when NNODES > 1), MASTER_PORT (6000), GPUS_PER_NODE (8), TORCHRUN (torchrun where it is on PATH,
@@ -22,7 +22,7 @@
 # message names the nearest valid GPU count; each config states its minimum), the batch split,
 # DualPipe's rules, a missing DATA_PATH, and (through `python -m megatron_dualpipe.launch --check`
 # with the arguments about to be passed, run by the Python that torchrun will run: one check,
-# megatron_dualpipe/launch_checks.py) a checkout that is not core_v0.16.1, missing training
+# megatron_dualpipe/launch_checks.py) a checkout at neither core_v0.16.1 nor core_v0.19.0, missing training
 # dependencies, torch or torchrun missing from that Python, a missing or unloadable tokenizer,
 # data prefixes without .bin/.idx, and data whose token ids exceed the tokenizer's vocabulary.
 # Ctrl-C or SIGTERM stops torchrun and every rank (megatron_dualpipe/interrupts.py) in one line.
@@ -34,7 +34,7 @@ trap 'echo "pretrain_gpt_dualpipe.sh: interrupted" >&2; exit 130' INT TERM HUP
 is_count() { [[ "$1" =~ ^[1-9][0-9]{0,8}$ ]]; }
 gcd() { local a=$1 b=$2 t; while [ "$b" -ne 0 ]; do t=$((a % b)); a=$b; b=$t; done; echo "$a"; }
 
-: "${MEGATRON_LM_PATH:?set MEGATRON_LM_PATH to a Megatron-LM checkout at tag core_v0.16.1}"
+: "${MEGATRON_LM_PATH:?set MEGATRON_LM_PATH to a Megatron-LM checkout at tag core_v0.16.1 or core_v0.19.0}"
 [ -f "$MEGATRON_LM_PATH/pretrain_gpt.py" ] || die "no pretrain_gpt.py in MEGATRON_LM_PATH=$MEGATRON_LM_PATH"
 : "${CONFIG:?set CONFIG to one of: $(cd "$here/configs" && ls *.sh | sed 's/\.sh$//' | tr '\n' ' ')}"
 config_file="$CONFIG"

@@ -10,7 +10,7 @@ tests/cli          cli           the commands, pictures, docs and scripts (subpr
 tests/mcore        mcore         megatron-core in gloo processes, against single-process references
 tests/cpu          cpu           the CPU mode of megatron-core (and of Megatron-LM with its checkout)
 tests/megatron_lm  megatron_lm   Megatron-LM's pretrain_gpt.py (``MEGATRON_LM_PATH``): minutes per test
-tests/apps         apps          the main job end to end
+tests/apps         apps          the main job and the selftest end to end
 =================  ============  =====================================================================
 
 ``slow`` marks the folders that start megatron-core or Megatron-LM processes (mcore, cpu,
@@ -22,6 +22,7 @@ folder, whatever pytest's import mode.
 """
 import os
 import sys
+import warnings
 
 import pytest
 
@@ -38,7 +39,7 @@ LAYERS = {
     "mcore": "megatron-core in gloo processes",
     "cpu": "the CPU mode",
     "megatron_lm": "Megatron-LM's pretrain_gpt.py (needs MEGATRON_LM_PATH)",
-    "apps": "the main job end to end",
+    "apps": "the main job and the selftest end to end",
 }
 #: Folders whose tests start megatron-core or Megatron-LM processes.
 SLOW = ("mcore", "cpu", "megatron_lm", "apps")
@@ -48,14 +49,22 @@ def pytest_configure(config):
     for name, what in LAYERS.items():
         config.addinivalue_line("markers", f"{name}: tests/{name}: {what}")
     config.addinivalue_line("markers", f"slow: starts megatron-core or Megatron-LM processes ({', '.join(SLOW)})")
+    config.addinivalue_line(
+        "markers", "smoke: the subset .ci/run also runs on the oldest supported Megatron (megatron-core 0.16.1, "
+                   "Megatron-LM core_v0.16.1); the whole suite runs on the newest")
 
 
 def pytest_collection_modifyitems(config, items):
+    astray = set()
     for item in items:
         rel = os.path.relpath(str(item.path), _HERE).split(os.sep)
         layer = rel[0] if len(rel) > 1 and rel[0] in LAYERS else None
         if layer is None:
+            astray.add(os.path.join(*rel))
             continue
         item.add_marker(getattr(pytest.mark, layer))
         if layer in SLOW:
             item.add_marker(pytest.mark.slow)
+    for path in sorted(astray):  # no layer marker: `-m LAYER` misses it
+        warnings.warn(pytest.PytestWarning(f"tests/{path} is in no layer folder: move it to one of "
+                                           f"tests/{{{','.join(LAYERS)}}} (tests/conftest.py)"))

@@ -1,7 +1,7 @@
 """Regenerate every generated table and figure under docs/, or check that they are current.
 
     PYTHONPATH=. python tools/gen_docs.py           # write them
-    PYTHONPATH=. python tools/gen_docs.py --check   # exit 1 naming the stale files (tests/test_docs.py)
+    PYTHONPATH=. python tools/gen_docs.py --check   # exit 1 naming the stale files (tests/cli/test_docs.py)
 
 Generated: docs/bubbles.md (tools/bubble_report.py) and its figure docs/dualpipe_pp8_m20.svg /
 .png; docs/megatron-options.md (tools/megatron_options_doc.py, from megatron_dualpipe/mcore/options.py). The check compares the markdown and the SVG (both made by this project's code alone); the

@@ -9,7 +9,7 @@ primitives replaced by recorders. Nothing of the reference is copied into this p
     python tools/trace_reference.py --ref /path/to/DualPipe --out tests/data/reference_schedules.json
 
 The output maps "dualpipe/pp/M" to the per-rank short-form action lists (``str(Action)``), which
-``tests/test_reference_order.py`` compares with our generators. ``trace()`` also returns each
+``tests/schedule/test_reference_order.py`` compares with our generators. ``trace()`` also returns each
 rank's sequence of communication calls, for studying the reference's send/receive order.
 """
 from __future__ import annotations

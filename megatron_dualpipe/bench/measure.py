@@ -167,20 +167,16 @@ def run_torch(cfg: BenchConfig, rank: int, world: int, device, spender: Spender,
     return out
 
 
-#: Stage costs (ms) of the probe run: small, but sleeping, as the measured stages do (with stages
-#: that cost nothing the ranks spin in P2P calls and a loaded machine makes every unit look slow).
-PROBE_COSTS = StageCosts(4.0, 8.0, 4.0)
-
-
 def overhead_probe_ms(cfg: BenchConfig, rank: int, world: int, device, spender: Spender) -> List[float]:
-    """This rank's iteration times of the executor's 1F1B order at M=2pp with stages of
-    :data:`PROBE_COSTS`: with the simulation of that run, what the executor and the P2P layer
-    cost per unit by themselves (``report.unit_overhead_ms``). Runs before any measured schedule."""
+    """This rank's iteration times of the executor's 1F1B order at M=2pp on the bench's own stage
+    costs, before any measured schedule: with the simulation of that run, what running a unit
+    costs beyond its compute here (``report.unit_overhead_ms``: the executor, the P2P layer, and
+    sleepers woken late on a loaded machine, which depends on the costs, hence the same ones)."""
     from dataclasses import replace
 
     from ..schedule.registry import EXECUTOR_1F1B
 
-    probe = replace(cfg, costs=PROBE_COSTS, iters=5, warmup=1, grad_mb=0.0, trace_dir=None)
+    probe = replace(cfg, iters=3, warmup=1, grad_mb=0.0, trace_dir=None)
     return [t * 1e3 for t in run_project(probe, rank, world, device, spender, EXECUTOR_1F1B, 2 * world).wall_s]
 
 

@@ -22,8 +22,8 @@ Definitions (per schedule, pp and M):
   only started after the schedule (alone) -- see :mod:`.bd_sum`.
 * predicted: what ``simulate``/``advise`` predict from the bench's own probes only, taken before
   any schedule runs: the simulated makespan with the measured one-message latency on every hop
-  and the executor's own cost per unit (from a probe run of the 1F1B order at M=2pp with stages
-  sleeping 4/8/4 ms: the per-unit cost that makes the simulation of that run match it),
+  and the executor's own cost per unit (from a probe run of the 1F1B order at M=2pp on the same
+  stage costs: the per-unit cost that makes the simulation of that run match it),
   plus the exposed gradient communication (``schedule.comm_cost``) with the bd sum's time from
   the probe of all pairs summing ``--grad-mb`` at once (the slowest rank's median). ``x pred``:
   measured over predicted.
@@ -38,7 +38,7 @@ from ..schedule import build_schedule
 from ..schedule.comm_cost import CommModel, Link, Network, Placement, grad_comm
 from ..schedule.registry import spec as schedule_spec
 from ..schedule.simulate import Costs, simulate
-from .measure import PROBE_COSTS, BenchConfig, RankRun
+from .measure import BenchConfig, RankRun
 from .torch_peer import SIMULATED_PEERS, TORCH_SCHEDULES
 
 
@@ -95,18 +95,17 @@ def _sim(name: str, pp: int, m: int, costs, p2p: float, scale: float = 1.0):
     return simulate(s.layout, s.ranks, Costs(f=costs.f * scale, b=costs.b * scale, w=costs.w * scale, fb=fb, p2p=p2p))
 
 
-def unit_overhead_ms(pp: int, latency: float, probe_iterations: Sequence[Sequence[float]]) -> float:
-    """The cost per unit that makes the simulated probe run (1F1B, pp, M=2pp, stages of
-    ``PROBE_COSTS``, ``latency`` per hop) take the probe's time: the slowest rank per iteration,
-    the median over iterations."""
+def unit_overhead_ms(pp: int, latency: float, probe_iterations: Sequence[Sequence[float]], c) -> float:
+    """The cost per unit that makes the simulated probe run (1F1B, pp, M=2pp, the bench's stage
+    costs ``c``, ``latency`` per hop) take the probe's time: the slowest rank per iteration, the
+    median over iterations."""
     from ..schedule.registry import EXECUTOR_1F1B
 
     if not probe_iterations or not probe_iterations[0]:
         return 0.0
     measured = statistics.median(max(r[i] for r in probe_iterations) for i in range(len(probe_iterations[0])))
     s = build_schedule(EXECUTOR_1F1B, pp, 2 * pp)
-    c = PROBE_COSTS
-    probe = Costs(f=c.f, b=c.b, w=c.w, p2p=latency)
+    probe = Costs(f=c.f, b=c.b, w=c.w, fb=c.fb, p2p=latency)
     base = simulate(s.layout, s.ranks, probe).makespan
     per_unit = simulate(s.layout, s.ranks, probe, overhead=1.0).makespan - base
     return max(0.0, (measured - base) / per_unit) if per_unit > 0 else 0.0
@@ -132,7 +131,7 @@ def predicted_ms(name: str, pp: int, m: int, costs, latency: float, grad_mb: flo
 def rows(cfg: BenchConfig, pp: int, ranks: Sequence[dict]) -> Tuple[Optional[float], List[Row]]:
     """Combine the per-rank results of one pipeline size into rows (and the latency in ms)."""
     latency = ranks[0]["latency_ms"]
-    overhead = unit_overhead_ms(pp, latency or 0.0, [r.get("overhead_probe_ms") or [] for r in ranks])
+    overhead = unit_overhead_ms(pp, latency or 0.0, [r.get("overhead_probe_ms") or [] for r in ranks], cfg.costs)
     out: List[Row] = []
     for key in ranks[0]["runs"]:
         runner, name, m = key

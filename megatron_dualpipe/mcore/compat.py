@@ -15,18 +15,17 @@ What did *not* need an entry, read at core_v0.16.1 and core_v0.19.0:
   ``_transformer_layers`` and their ``delay_wgrad_compute`` nodes are where they were.
 * The duties 0.19's schedules gained at their ends (``off_interface.reset()`` for
   ``--fine-grained-activation-offloading``, ``create_cudagraphs()`` for ``--cuda-graph-impl
-  local``, ``paged_stash_reset`` at the start for ``--moe-paged-stash``) belong to options that
-  the executor schedules refuse (see :data:`REFUSED_CONFIG`), so an executor iteration owes none.
+  local``, ``paged_stash_reset`` at the start for ``--moe-paged-stash``; the
+  ``FullCudaGraphWrapper`` / ``PagedStashRunner`` around the function) belong to options that
+  the executor schedules refuse (the rules of :mod:`.options`), so an executor iteration owes none.
 """
 from __future__ import annotations
 
 import functools
 import inspect
-from typing import List
-
 from megatron.core.pipeline_parallel import schedules
 
-__all__ = ["backward_step", "refused_config_problems", "REFUSED_CONFIG"]
+__all__ = ["backward_step", "layer_plan_nodes", "transformer_layer_node_class", "LAYER_PLAN_NODES"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -42,25 +41,6 @@ def backward_step(input_tensor, output_tensor, output_tensor_grad, model_type, c
     if _backward_step_takes_model_type():
         return schedules.backward_step(input_tensor, output_tensor, output_tensor_grad, model_type, config)
     return schedules.backward_step(input_tensor, output_tensor, output_tensor_grad, config)
-
-
-#: ``TransformerConfig`` fields whose per-micro-batch machinery belongs to Megatron's own
-#: schedules: (field, is-on test, flag the user typed, why). Fields a version lacks read as off.
-REFUSED_CONFIG = (
-    ("fine_grained_activation_offloading", bool, "--fine-grained-activation-offloading",
-     "its offload handlers are advanced per micro-batch and reset at the end by Megatron's own schedules"),
-    ("cuda_graph_impl", lambda v: v not in (None, "none"), "--cuda-graph-impl",
-     "a captured graph replays one fixed order of forwards and backwards"),
-    ("moe_paged_stash", bool, "--moe-paged-stash (megatron-core 0.19)",
-     "Megatron's schedules reset the paged stash before the first micro-batch and PagedStashRunner "
-     "replays iterations that overflow it"),
-)
-
-
-def refused_config_problems(config) -> List[str]:
-    """Messages for the :data:`REFUSED_CONFIG` fields that are on in ``config``."""
-    return [f"{flag} is not supported by the executor schedules ({why}); remove it"
-            for field, is_on, flag, why in REFUSED_CONFIG if is_on(getattr(config, field, None))]
 
 
 def transformer_layer_node_class():

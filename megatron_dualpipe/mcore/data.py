@@ -11,7 +11,8 @@ read the same M samples.
 
 :class:`MicrobatchSource` reads the underlying iterator lazily and in order, so a rank reads
 exactly the micro-batches its ``forward_step_func`` asks for (middle stages read none, as
-with 1F1B), each at most once, and a fake (padding) micro-batch reads nothing.
+with 1F1B), each at most once, and a fake (padding) micro-batch reads nothing. A dict
+micro-batch is handed to each forward as its own (shallow) copy.
 """
 from __future__ import annotations
 
@@ -52,4 +53,8 @@ class OneMicrobatch:
         if self.used:
             raise StopIteration(f"micro-batch {self.g} was already read by this forward")
         self.used = True
-        return self.source.get(self.g)
+        item = self.source.get(self.g)
+        # Megatron-LM core_v0.19.0's get_batch / get_batch_on_this_tp_rank write into the batch
+        # dict (the first stage sets labels and loss_mask to None): each forward gets its own copy,
+        # so a rank reading one micro-batch for two stages (DualPipeV's rank 0) sees it whole twice.
+        return dict(item) if isinstance(item, dict) else item

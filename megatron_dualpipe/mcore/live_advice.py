@@ -104,9 +104,9 @@ class LiveAdvice:
 
     def report(self, *, spec_name: str, pp: int, microbatches: int, model, group, actions, is_fake,
                device: torch.device, message_bytes: float = 0.0) -> None:
-        """All ranks of the job call it after each training call; after the last measured one it
-        times the job's links (collectives on the pipeline, bd pair and data-parallel groups),
-        all-reduces the costs (one collective) and rank 0 logs the advice."""
+        """Every rank of the job calls it after each training call; after the last measured one it
+        all-reduces the costs over the pipeline, times the job's links (collectives on the
+        pipeline, bd pair and data-parallel groups) and rank 0 logs the advice."""
         from ..timeline import op_medians
 
         if not self._measuring_now or len(self._records) < self.measured:

@@ -13,7 +13,7 @@ import torch
 from megatron.core import parallel_state
 
 from ..schedule.registry import ScheduleError, ScheduleSpec
-from . import compat, options
+from . import options
 
 
 class DualPipeConfigError(ValueError):
@@ -36,8 +36,6 @@ def check_call(spec: ScheduleSpec, *, model: Sequence[torch.nn.Module], num_micr
     refused = options.problems(config, name, options.CONFIG)
     if refused:  # the options table, read from the TransformerConfig (as Megatron-LM's check reads args)
         raise DualPipeConfigError(f"{name}: " + f"; {name}: ".join(refused))
-    for problem in compat.refused_config_problems(config):  # megatron-core 0.19's per-micro-batch duties
-        raise DualPipeConfigError(f"{name}: {problem}")
     _check_chunks(spec, model)
     if adjust_tensor_shapes_fn is not None:
         raise DualPipeConfigError(f"{name} does not support adjust_tensor_shapes_fn (ModelOpt distillation): run "

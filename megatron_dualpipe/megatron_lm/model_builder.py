@@ -38,7 +38,7 @@ def wrap_unimodal_build_distributed_models(orig):
     def unimodal_build_distributed_models(build_model_func, transformer_config, pg_collection, *args, **kwargs):
         from megatron.training import get_args
 
-        from .training_hooks import schedule_of
+        from .arguments import schedule_of
 
         args_ = get_args()
         schedule = schedule_of(args_)
@@ -129,7 +129,7 @@ def _after_build(model, schedule):
     if len(model) != 2:
         raise RuntimeError(f"--pipeline-schedule {schedule}: expected 2 model chunks, got {len(model)}")
     if registry.get(schedule).layout_kind == BIDIRECTIONAL:
-        from .torch_dist_mirror import mark_mirror_replicas
+        from .checkpoint.torch_dist_mirror import mark_mirror_replicas
 
         mark_mirror_replicas(model[1])  # torch_dist: the mirror is a non-main replica
     from megatron.core import parallel_state

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import sys
 import time
 
 HELP = "prove on this machine or cluster that DualPipe equals Megatron's 1F1B, does not hang, and how fast it is"
@@ -42,8 +43,8 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="seconds any point-to-point wait may take (default 60; 20 with --quick)")
     g = p.add_argument_group("your model, for the speed stage's matrix-multiply stages (GPU)")
     g.add_argument("--model-hidden", type=int, default=4096, help="hidden size (default 4096)")
-    g.add_argument("--model-seq", type=int, default=4096, help="tokens per micro-batch (default 4096)")
-    g.add_argument("--model-layers-per-stage", type=int, default=4, help="transformer layers per stage (default 4)")
+    g.add_argument("--model-seq", type=int, default=2048, help="tokens per micro-batch (default 2048)")
+    g.add_argument("--model-layers-per-stage", type=int, default=2, help="transformer layers per stage (default 2)")
 
 
 def _config(args):
@@ -84,15 +85,22 @@ def run(args) -> int:
 
     cfg, torchrun = _config(args)
     started = time.perf_counter()
-    print(f"megatron-dualpipe selftest: {cfg.world} ranks (tp={cfg.tp} pp={cfg.pp} ep={cfg.ep}), "
-          f"{'NCCL on GPUs' if cfg.gpu else 'gloo on the CPU (CPU mode)'}, report in {cfg.out}", flush=True)
+    if not torchrun or os.environ.get("RANK") == "0":
+        print(f"megatron-dualpipe selftest: {cfg.world} ranks (tp={cfg.tp} pp={cfg.pp} ep={cfg.ep}), "
+              f"{'NCCL on GPUs' if cfg.gpu else 'gloo on the CPU (CPU mode)'}, report in {cfg.out}", flush=True)
     budget = 3600.0
     if torchrun:
         gathered = launch.run_here(worker, (cfg,), timeout_s=cfg.deadline_s * 3)
         if gathered is None:
             return 0  # not rank 0: rank 0 reports
     else:
-        gathered = launch.spawn(worker, cfg.world, (cfg,), timeout_s=budget)
+        try:
+            gathered = launch.spawn(worker, cfg.world, (cfg,), timeout_s=budget)
+        except RuntimeError as e:  # a rank died outside any stage (e.g. setting up megatron-core)
+            last = [line for line in str(e).splitlines() if line.strip()][-1]
+            print(f"megatron-dualpipe: error: the selftest's processes stopped: {last.strip()} (report so far: "
+                  f"{os.path.join(cfg.out, 'selftest.md')})", file=sys.stderr, flush=True)
+            return 1
     results = gathered[0]
     failed = [r["stage"] for r in results if r["status"] == "FAIL"]
     print(f"selftest {'FAILED: ' + ', '.join(failed) if failed else 'passed'} in "

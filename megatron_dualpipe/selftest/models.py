@@ -22,7 +22,7 @@ from . import tiny_gpt
 SEED = 1234
 #: Test-only fault injection: ``swap-microbatch`` makes the DualPipe runs of the equality stage
 #: read micro-batches 0 and 1 in swapped order on the last pipeline rank (a broken executor
-#: delivering the wrong micro-batch to a stage). ``tests/test_selftest.py`` checks that the
+#: delivering the wrong micro-batch to a stage). ``tests/apps/test_selftest.py`` checks that the
 #: selftest then FAILs with the loss difference; nothing else sets it.
 FAULT_ENV = "MEGATRON_DUALPIPE_SELFTEST_FAULT"
 SCHEDULES = ("1f1b", "dualpipe", "dualpipev")
@@ -57,8 +57,10 @@ class ModelSpec:
 def config_of(spec: ModelSpec, *, full: bool = False, combined: bool = False):
     """The ``TransformerConfig`` (``full``: of the pp=1 model; ``combined``: with the combined step
     on if the spec asks for it: only the executor's schedules run it)."""
+    # On a GPU the parameters are made on the device (as Megatron does): the chunks' constructors
+    # and the mirror broadcast then run on NCCL with CUDA tensors.
     overrides = dict(params_dtype=spec.torch_dtype, pipeline_dtype=spec.torch_dtype,
-                     bf16=spec.dtype == "bf16")
+                     bf16=spec.dtype == "bf16", use_cpu_initialization=not torch.cuda.is_available())
     if full:
         overrides["pipeline_model_parallel_size"] = 1
     if spec.fp8:

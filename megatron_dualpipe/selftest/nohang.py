@@ -120,6 +120,11 @@ class RankRaises:
             if p["seconds"] > limit:
                 failures.append(f"rank {p['rank']} took {p['seconds']:.1f} s to stop, more than the deadline "
                                 f"{ctx.cfg.deadline_s:g} s + {GRACE_S:g} s")
+        for p in payloads:  # tensor/data-parallel peers of the pipeline: reported, not judged
+            if p not in pipeline:
+                first = (p["error"] or "finished without an error").splitlines()[0]
+                details.append(f"rank {p['rank']} (pp, tp, dp) = {tuple(p['coord'])}, another pipeline: stopped "
+                               f"after {p['seconds']:.1f} s: {first[:300]}")
         slowest = max(p["seconds"] for p in pipeline)
         if failures:
             return StageResult(name, FAIL, failures[0], failures + details)

@@ -28,8 +28,8 @@ class SelftestConfig:
     command: str = "megatron-dualpipe selftest"
     # the user's model, for the speed stage's matrix-multiply stages (GPU)
     model_hidden: int = 4096
-    model_seq: int = 4096
-    model_layers_per_stage: int = 4
+    model_seq: int = 2048
+    model_layers_per_stage: int = 2
 
     @property
     def pp(self) -> int:

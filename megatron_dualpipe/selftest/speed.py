@@ -5,7 +5,10 @@ the measured P2P latency), with the bd gradient sums in (``--grad-mb``).
 On a GPU the stages multiply matrices (``--compute matmul``) sized to the user's model: a stage's
 forward costs what ``--model-layers-per-stage`` transformer layers of hidden size ``--model-hidden``
 on ``--model-seq`` tokens cost at this GPU's measured matrix-multiply rate (backward twice that,
-half of it the weight gradient), and the bd sums carry the stage's fp32 gradients. On the CPU the
+half of it the weight gradient), and the bd sums carry the stage's fp32 gradients. ``bench``'s
+matrices are float32: a stage spends the model's FLOPs at the fp32 rate, so its milliseconds are
+longer than a bf16 model's; the ratios between schedules and against the simulation are what the
+stage is for. On the CPU the
 stages sleep their costs (four processes multiplying matrices on a few cores would measure the
 cores' sharing, not the schedule).
 

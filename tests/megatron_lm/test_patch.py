@@ -1,5 +1,5 @@
 """`megatron-dualpipe patch`: checks the checkout, adds the 3-line hook, is idempotent, has
---check and --revert, and equals patches/megatron-lm-core_v0.16.1.patch."""
+--check and --revert, and equals patches/megatron-lm-<tag>.patch for both tags."""
 import os
 import pathlib
 import shutil
@@ -10,18 +10,26 @@ import pytest
 from megatron_dualpipe.cli import main
 from megatron_dualpipe.megatron_lm.patching import HOOK, PatchError, apply
 
+pytestmark = pytest.mark.smoke
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PATCH_FILE = ROOT / "patches" / "megatron-lm-core_v0.16.1.patch"
 CONTEXT = "from typing import List, Optional, Tuple\n\nimport torch\n\nfrom gpt_builders import gpt_builder\n" \
           "from megatron.core import parallel_state\n"
+#: Every tag the hook is written for: its patch file, its package_info version, the lines around the hook.
+TAGGED = {
+    "core_v0.16.1": (PATCH_FILE, (0, 16, 1), CONTEXT),
+    "core_v0.19.0": (ROOT / "patches" / "megatron-lm-core_v0.19.0.patch", (0, 19, 1),
+                     "from typing import Any, List, Optional, Tuple\n\nimport torch\n\nfrom gpt_builders import "
+                     "gpt_builder\nfrom megatron.core import mpu\n"),
+}
 
 
-def make_checkout(tmp_path, version=(0, 16, 1), script=None):
+def make_checkout(tmp_path, version=(0, 16, 1), script=None, context=CONTEXT, preamble=19):
     root = tmp_path / "Megatron-LM"
     (root / "megatron" / "core").mkdir(parents=True)
     (root / "megatron" / "core" / "package_info.py").write_text(
         "MAJOR = {}\nMINOR = {}\nPATCH = {}\n".format(*version))
-    text = script if script is not None else "".join(f"# line {i}\n" for i in range(1, 20)) + CONTEXT
+    text = script if script is not None else "".join(f"# line {i}\n" for i in range(1, preamble + 1)) + context
     (root / "pretrain_gpt.py").write_text(text)
     return root
 
@@ -41,14 +49,18 @@ def test_apply_is_idempotent_and_revert_restores_the_file(tmp_path):
     assert "nothing to revert" in apply(str(root), revert=True)
 
 
-def test_patch_file_equals_the_command(tmp_path):
-    added = [line[1:] for line in PATCH_FILE.read_text().splitlines(keepends=True)
+@pytest.mark.parametrize("tag", sorted(TAGGED))
+def test_patch_file_equals_the_command(tmp_path, tag):
+    patch_file, version, context = TAGGED[tag]
+    added = [line[1:] for line in patch_file.read_text().splitlines(keepends=True)
              if line.startswith("+") and not line.startswith("+++")]
     assert tuple(added) == HOOK
     if shutil.which("git") is None:
         pytest.skip("git is not installed")
-    by_git, by_us = make_checkout(tmp_path / "a"), make_checkout(tmp_path / "b")
-    subprocess.run(["git", "apply", str(PATCH_FILE)], cwd=by_git, check=True)
+    hunk_start = int(next(line for line in patch_file.read_text().splitlines() if line.startswith("@@")).split()[1]
+                     .lstrip("-").split(",")[0])
+    by_git, by_us = (make_checkout(tmp_path / d, version, context=context, preamble=hunk_start - 1) for d in "ab")
+    subprocess.run(["git", "apply", str(patch_file)], cwd=by_git, check=True)
     apply(str(by_us))
     assert (by_git / "pretrain_gpt.py").read_text() == (by_us / "pretrain_gpt.py").read_text()
 
@@ -76,7 +88,7 @@ def test_cli(tmp_path, capsys):
 
 
 @pytest.mark.skipif(not os.environ.get("MEGATRON_LM_PATH"),
-                    reason="set MEGATRON_LM_PATH to a Megatron-LM checkout at tag core_v0.16.1")
+                    reason="set MEGATRON_LM_PATH to a Megatron-LM checkout at tag core_v0.16.1 or core_v0.19.0")
 def test_real_checkout_copy(tmp_path):
     src = pathlib.Path(os.environ["MEGATRON_LM_PATH"])
     root = tmp_path / "Megatron-LM"
@@ -86,7 +98,10 @@ def test_real_checkout_copy(tmp_path):
     original = (root / "pretrain_gpt.py").read_bytes()
     print("\n" + apply(str(root)))
     patched = (root / "pretrain_gpt.py").read_text()
-    subprocess.run(["git", "apply", "--check", "-R", str(PATCH_FILE)], cwd=root, check=True)
+    from megatron_dualpipe import versions
+
+    tag = versions.tag_of(versions.checkout_core_version(str(root)))
+    subprocess.run(["git", "apply", "--check", "-R", str(TAGGED[tag][0])], cwd=root, check=True)
     print(apply(str(root), revert=True))
     assert (root / "pretrain_gpt.py").read_bytes() == original and "".join(HOOK) in patched
 

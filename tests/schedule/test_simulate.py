@@ -8,7 +8,7 @@ maximum over ranks:
 * DualPipe  (pp/2-1)(fb+b-3w)
 * DualPipeV (S/2-1)(fb+b-3w), S = 2*pp chunk stages, costs per chunk: (pp-1)(fb+b-3w)
 
-Run with ``pytest -q -s tests/test_simulate.py`` to see the tables of the settings where the
+Run with ``pytest -q -s tests/schedule/test_simulate.py`` to see the tables of the settings where the
 simulator and the closed forms differ.
 """
 import pytest

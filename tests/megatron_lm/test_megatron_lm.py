@@ -21,7 +21,7 @@ import textwrap
 
 import pytest
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MEGATRON_LM_PATH = os.environ.get("MEGATRON_LM_PATH")
 SKIP_MESSAGE = "set MEGATRON_LM_PATH to a Megatron-LM checkout at tag core_v0.16.1"
 
@@ -217,10 +217,19 @@ REFUSED_CASES = {
     "--account-for-embedding-in-pipeline-split / --account-for-loss-in-pipeline-split": (
         "dualpipev", [], {"account_for_loss_in_pipeline_split": True}),
     "--init-model-with-meta-device": ("dualpipe", ["--init-model-with-meta-device"], None),
+    # megatron-core 0.19's options (set on the validated args, so the case runs at both tags).
+    "--moe-paged-stash": ("executor-1f1b", [], {"moe_paged_stash": True}),
+    "--moe-expert-rank-capacity-factor": ("dualpipe", [], {"moe_expert_rank_capacity_factor": 1.5}),
+    "--fp8-recipe delayed": ("dualpipe", [], {"fp8": "e4m3", "fp8_recipe": "delayed"}),
 }
 
 for _flag, (_schedule, _argv, _over) in REFUSED_CASES.items():
     CASES["refused " + _flag] = (4, BASE + ["--pipeline-schedule", _schedule] + _argv, ["does not support " + _flag], _over)
+# FP8's delayed recipe is refused for dualpipe only (each copy of a stage would keep its own amax history).
+CASES["fp8 tensorwise_dualpipe_ok"] = (4, BASE + ["--pipeline-schedule", "dualpipe"], None,
+                                       {"fp8": "e4m3", "fp8_recipe": "tensorwise"})
+CASES["fp8 delayed_dualpipev_ok"] = (4, BASE + ["--pipeline-schedule", "dualpipev"], None,
+                                     {"fp8": "e4m3", "fp8_recipe": "delayed"})
 CASES["global_aux_loss_dualpipev_ok"] = (
     4, BASE + ["--pipeline-schedule", "dualpipev"] + REFUSED_CASES["--moe-router-load-balancing-type global_aux_loss"][1],
     None)
@@ -238,8 +247,10 @@ _ARGS_SCRIPT = textwrap.dedent(
     r"""
     import contextlib, io, json, os, sys, traceback
     cases = json.loads(sys.argv[1])
+    from megatron_dualpipe import hooks
     from megatron_dualpipe.megatron_lm import arguments, triton_stub
     triton_stub.preimport_triton_users()
+    hooks.install(["python"])  # typing.override for core_v0.19.0 on Python 3.11
     import megatron.training.arguments as margs
     import megatron.training.initialize as minit
 
@@ -306,6 +317,7 @@ def arg_results():
     return json.loads(marker[-1][len("@@RESULT@@"):])
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_pipeline_schedule_arguments(arg_results, name):
     expected = CASES[name][2]
@@ -331,6 +343,7 @@ def test_fails_as_under_1f1b(arg_results, flag):
         assert "get_device_capability" in results["1f1b"]["tb"], results["1f1b"]["tb"]
 
 
+@pytest.mark.smoke
 def test_every_refused_option_has_a_case():
     sys.path.insert(0, REPO_ROOT)
     from megatron_dualpipe.megatron_lm.arguments import REFUSED_OPTIONS
@@ -349,7 +362,8 @@ def test_argument_defaults(arg_results):
 
 def test_1f1b_leaves_megatron_args_unchanged(arg_results):
     res = arg_results["__1f1b_identity__"]
-    assert res["extra"] == ["dualpipe_advise", "dualpipe_p2p_timeout", "dualpipe_zero_bubble", "pipeline_schedule"]
+    assert res["extra"] == ["dualpipe_advise", "dualpipe_advise_warmup", "dualpipe_drift_check_interval",
+                            "dualpipe_p2p_timeout", "dualpipe_zero_bubble", "pipeline_schedule"]
     assert res["diff"] == []
 
 

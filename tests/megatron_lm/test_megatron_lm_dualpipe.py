@@ -44,10 +44,13 @@ CHUNKS_RE = re.compile(rf"\[megatron-dualpipe\] (\w+) pipeline rank (\d+): ({_CH
 
 # One pattern for the whole line: four processes print at once, and print() writes the text and
 # its newline separately, so another rank's line can land between them.
-PARAMS_RE = re.compile(r" > number of parameters on \(tensor, pipeline\) model parallel rank \(0, (\d)\): (\d+)"
+# core_v0.16.1: "(tensor, pipeline) ... rank (0, p)"; core_v0.19.0: "(tensor, gtp_remat, pipeline) ... rank (0, 0, p)".
+PARAMS_RE = re.compile(r" > number of parameters on \(tensor, (?:gtp_remat, )?pipeline\) model parallel rank "
+                       r"\(0, (?:0, )?(\d)\): (\d+)"
                        r"(?: \(logical: stage (\d); physical on this rank, with the mirrored copy of stage (\d): (\d+)\))?")
 
 
+@pytest.mark.smoke
 def test_dualpipe_zb_h1_executor_1f1b_and_megatron_1f1b_losses_equal():
     ref = run_pretrain("1f1b")
     ref_params = {int(r): int(n) for r, n, *_ in PARAMS_RE.findall(LAST_OUTPUT[0])}

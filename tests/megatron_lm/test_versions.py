@@ -1,0 +1,62 @@
+"""The supported Megatron range is declared once (megatron_dualpipe/versions.py) and checked: by
+setup.py's requirement, at import of megatron_dualpipe.mcore, and by the launcher's preflight,
+each refusing a version outside it in one line that names the supported versions."""
+import runpy
+import pathlib
+import re
+
+import pytest
+
+from megatron_dualpipe import versions
+
+pytestmark = pytest.mark.smoke
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("version,ok", [
+    ("0.16.0", False), ("0.16.1", True), ("0.17.0rc0", True), ("0.18.2", True), ("0.19.1", True),
+    ("0.19.2+e32f1b8", True), ("0.20.0", False), ("1.0", False), ("", False),
+])
+def test_supported_range(version, ok, monkeypatch):
+    monkeypatch.delenv(versions.SKIP_ENV, raising=False)
+    assert versions.supported(version) is ok
+    problem = versions.problem(version or None)
+    print(f"\n{version!r}: {problem}")
+    if ok:
+        assert problem is None
+    else:
+        assert "\n" not in problem and "0.16.1 through 0.19.x" in problem and versions.SKIP_ENV in problem
+
+
+def test_skip_variable_lets_any_version_through(monkeypatch):
+    monkeypatch.setenv(versions.SKIP_ENV, "1")
+    assert versions.problem("0.15.0") is None
+
+
+def test_setup_py_requires_the_declared_range():
+    text = (ROOT / "setup.py").read_text()
+    assert "megatron-core>=" not in text, "setup.py must take the range from versions.REQUIREMENT"
+    low, below = re.match(r"megatron-core>=([\d.]+),<([\d.]+)", versions.REQUIREMENT).groups()
+    assert versions.parse(low) == versions.LOWEST and versions.parse(below) == versions.BELOW
+    assert runpy.run_path(str(ROOT / "megatron_dualpipe" / "versions.py"))["REQUIREMENT"] == versions.REQUIREMENT
+
+
+def test_every_tag_has_a_patch_file_and_lies_in_the_range():
+    for tag, core in versions.TAGS.items():
+        assert (ROOT / "patches" / f"megatron-lm-{tag}.patch").is_file(), tag
+        assert versions.supported(core) and versions.tag_of(core) == tag
+
+
+def test_import_refuses_a_megatron_core_outside_the_range(monkeypatch):
+    pytest.importorskip("megatron.core")
+    import megatron.core.package_info as info
+
+    import megatron_dualpipe.mcore as mcore
+
+    monkeypatch.delenv(versions.SKIP_ENV, raising=False)
+    mcore._check_megatron_core_version()  # the installed one is supported
+    monkeypatch.setattr(info, "__version__", "0.20.0")
+    with pytest.raises(ImportError) as e:
+        mcore._check_megatron_core_version()
+    print(f"\n{e.value}")
+    assert "found megatron-core 0.20.0" in str(e.value) and "\n" not in str(e.value)
