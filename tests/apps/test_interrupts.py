@@ -160,7 +160,7 @@ def test_launch_script_stops_torchrun_and_its_ranks(tmp_path, sig, group):
                GPUS_PER_NODE="4", TORCHRUN=str(torchrun), PYTHON=sys.executable)
     script = os.path.join(ROOT, "scripts", "pretrain_gpt_dualpipe.sh")
     _, after, status, left = interrupt_at(["bash", script, "--tokenizer-type", "NullTokenizer", "--vocab-size", "8"],
-                                          "ranks started", sig=sig, group=group, env=env, after_s=0.5, timeout=120)
+                                          "ranks started", sig=sig, group=group, env=env, after_s=2.0, timeout=120)
     assert_one_line(after, status, left, "pretrain_gpt_dualpipe.sh")
     written = snapshot(out)
     time.sleep(1.0)

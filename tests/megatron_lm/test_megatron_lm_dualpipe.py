@@ -92,7 +92,7 @@ def test_evaluation_losses_equal_and_advice_logged_once():
     start = out.find("advice for pp=4, M=8 from training iterations 2-4 of dualpipe, the first 1 skipped as warm-up")
     print(out[start:start + 1500])
     assert start >= 0 and out.count("advice for pp=4") == 1
-    assert re.search(r"\nM=8: use (1f1b|zb-h1|dualpipe|dualpipev): ", out[start:])
+    assert re.search(r"\nM=8: use [a-z0-9-]+: ", out[start:])  # any schedule the advice knows
 
 
 EXPERT_BIAS = ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
