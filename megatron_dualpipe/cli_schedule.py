@@ -289,7 +289,9 @@ def _forwards(spec, pp: int, real: int) -> int:
 def _report(padded, costs, result, rows, stage, work, grad=None) -> str:
     s = padded.schedule
     spec = s.spec
-    per = "per chunk (half a stage)" if spec.costs_per_chunk else "per stage"
+    share = spec.model_stages(s.pp) // s.pp  # chunks per stage's worth of model
+    per = ("per chunk (half a stage)" if share == 2 else f"per chunk (1/{share} of a stage)") \
+        if spec.costs_per_chunk else "per stage"
     unit = s.layout.dir_word + "s" if spec.costs_per_chunk else "micro-batches"
     lines: List[str] = [f"{s.name}: pp={s.pp} M={s.microbatches} ({_per_dir(s)})"]
     note = _padding_note(padded)
@@ -317,7 +319,7 @@ def _report(padded, costs, result, rows, stage, work, grad=None) -> str:
         return "\n".join(lines)
     lines.append(f"the same model under every schedule, {padded.real} micro-batches, costs per stage f={fmt(stage.f)} "
                  f"b={fmt(stage.b)} w={fmt(stage.w)} fb={fmt(stage.fused)}: 1F1B, ZB-H1 and DualPipe run a stage per "
-                 f"action, DualPipeV a chunk of half a stage at half these costs"
+                 f"action, DualPipeV a chunk of half a stage at half these costs, interleaved 1F1B chunks of 1/v"
                  + ("; p2p latency is not in the closed forms" if costs.p2p else "") + ":")
     lines.extend("  " + line for line in table(rows, mark=s.name))
     mine = next(r for r in rows if r.name == s.name)

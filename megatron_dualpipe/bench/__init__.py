@@ -172,6 +172,6 @@ def run(args) -> int:
         print(json.dumps(report.to_json(cfg, latencies, all_rows, env)))
     else:
         print(report.table(cfg, latencies, all_rows, env))
-        if any(r.schedule == "dualpipev" for r in all_rows):
+        if any(r.schedule == registry.DUALPIPEV for r in all_rows):
             print(f"\nnote: {V_NOTE}")
     return 0

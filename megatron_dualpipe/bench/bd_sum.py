@@ -2,14 +2,14 @@
 
 DualPipe keeps two copies of every stage (chunk c on rank r, chunk 1-c on rank pp-1-r); their
 weight gradients are summed over the pair every iteration, the cost that made DualPipe slower
-than 1F1B on 32 GPUs in seed 002. Training starts each chunk's sum asynchronously as soon as
-its last gradient action ran, in the order both partners agree on (``mcore.grads.GradReduction``
-with ``schedule.grad_order``), so that only what is still in flight when the schedule ends is
-exposed. Here every chunk of a bidirectional schedule holds ``--grad-mb`` MiB of synthetic
-gradients and its sum is started the same way; the iteration time includes waiting for the
-sums, and the benchmark reports, per rank, the *exposed* time (from the end of the rank's last
-action to its last sum's completion) beside the time the same two sums take *alone* when they
-are only started after the schedule (what an unoverlapped sum would add).
+than 1F1B on 32 GPUs in seed 002. Here every chunk of a bidirectional schedule holds
+``--grad-mb`` MiB of synthetic gradients, summed by the code path training uses: the issue
+points of the iteration plan (``schedule.iteration_plan.bd_sum_points``) and
+``executor.pair_sums.PairSums``, which issues each sum there and waits for none before the end of
+the schedule (on a GPU as on gloo). The iteration time includes waiting for the sums, and the
+benchmark reports, per rank, the *exposed* time (from the end of the rank's last action to its
+last sum's completion) beside the time the same two sums take *alone* when they are only
+started after the schedule (what an unoverlapped sum would add).
 """
 from __future__ import annotations
 
@@ -20,9 +20,11 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+from ..executor.pair_sums import PairSums, action_key, issue_sum
 from ..schedule import W
-from ..schedule.grad_order import bd_sum_order, grad_ops, last_grad_actions
+from ..schedule.iteration_plan import bd_sum_points, grad_ops
 from ..schedule.layout import BIDIRECTIONAL
+from .synthetic import synchronize
 
 _PAIR_GROUPS: Dict[int, Dict[int, object]] = {}
 
@@ -47,9 +49,13 @@ class BdSums:
         actions = program.actions[rank]
         ops = grad_ops(any(a.op == W for a in actions))
         never_fake = lambda a: False  # noqa: E731 -- the synthetic stages have no fake micro-batches
-        self._last = last_grad_actions(actions, never_fake, ops)
-        self._order = bd_sum_order(actions, program.actions[world - 1 - rank], never_fake, ops,
-                                   lower_rank=rank < world - 1 - rank)
+        points = bd_sum_points(actions, program.actions[world - 1 - rank], never_fake, ops,
+                               lower_rank=rank < world - 1 - rank)
+        self._points: Dict[tuple, List[int]] = {}
+        for i, c in points:
+            if i < len(actions):
+                self._points.setdefault(action_key(actions[i]), []).append(c)
+        self._order = [c for _, c in points]
         self._group = pair_groups(world)[rank]
         n = max(1, int(megabytes * (1 << 20)) // 4)
         self._grads = [torch.zeros(n, dtype=torch.float32, device=device) for _ in range(2)]
@@ -58,29 +64,18 @@ class BdSums:
         self._reset()
 
     def _reset(self) -> None:
-        self._done: List[int] = []
-        self._handles: List[object] = []
+        self._sums = PairSums(self._points, lambda c: [self._grads[c]], self._group, in_place=lambda c: True,
+                              describe=lambda c: f"synthetic bd sum of chunk {c}")
 
     def after_action(self, a) -> None:
-        if self._last.get(a.dir) != (a.op, a.mb, a.stage) or a.dir in self._done:
-            return
-        self._done.append(a.dir)
-        while len(self._handles) < 2 and self._order[len(self._handles)] in self._done:
-            c = self._order[len(self._handles)]
-            self._handles.append(dist.all_reduce(self._grads[c], group=self._group, async_op=True))
+        self._sums.after_action(a)
 
     def finish(self, timed: bool) -> None:
         """End of the iteration: issue what is left, wait for every sum; time what was exposed."""
         t0 = time.perf_counter()
-        for c in (0, 1):
-            if c not in self._done:
-                self._done.append(c)
-        while len(self._handles) < 2:
-            self._handles.append(dist.all_reduce(self._grads[self._order[len(self._handles)]], group=self._group,
-                                                 async_op=True))
-        for h in self._handles:
-            h.wait()
+        self._sums.finish(self._order)
         if timed:
+            synchronize(self._grads[0].device)  # on a GPU the stream waited: the host measures it here
             self.exposed_s.append(time.perf_counter() - t0)
         self._reset()
 
@@ -90,8 +85,9 @@ class BdSums:
         for _ in range(rounds):
             dist.barrier(group=self._group)
             t0 = time.perf_counter()
-            for h in [dist.all_reduce(self._grads[c], group=self._group, async_op=True) for c in self._order]:
-                h.wait()
+            for s in [issue_sum(c, [self._grads[c]], self._group, in_place=True) for c in self._order]:
+                s.wait()
+            synchronize(self._grads[0].device)
             times.append(time.perf_counter() - t0)
         self.alone_s = [statistics.median(times)]
 
@@ -108,7 +104,8 @@ def probe_ms(world: int, rank: int, megabytes: float, device, rounds: int = 7) -
     for k in range(rounds + 2):
         dist.barrier()
         t0 = time.perf_counter()
-        dist.all_reduce(grad, group=group)
+        issue_sum(0, [grad], group, in_place=True).wait()  # the one bd-sum implementation
+        synchronize(grad.device)
         if k >= 2:
             times.append(time.perf_counter() - t0)
     return statistics.median(times) * 1e3

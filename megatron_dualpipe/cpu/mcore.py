@@ -129,7 +129,7 @@ def _write_results_queue_without_spawn(original):
     """``filesystem_async._get_write_results_queue`` with a fork-context Manager instead of spawn."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    def _get_write_results_queue():
+    def _get_write_results_queue(mp_mode="spawn"):  # 0.19 names the context (get_write_results_queue)
         if filesystem_async._results_queue is None:
             filesystem_async._results_queue = multiprocessing.get_context("fork").Manager().Queue()
         return filesystem_async._results_queue
@@ -330,7 +330,10 @@ REDIRECTIONS = (
          "method, which re-runs the __main__ script in a new interpreter: under "
          "megatron_dualpipe.launch that is pretrain_gpt.py without the plugin, so the Manager "
          "dies (no triton on a CPU machine) and the save fails with EOFError. A fork-context "
-         "Manager runs no script"),
+         "Manager runs no script", Versions(below="0.19")),
+    wrap(_ASYNC_WRITER, "get_write_results_queue", _write_results_queue_without_spawn,
+         "the same queue under its 0.19 name (get_write_results_queue(mp_mode='spawn')): the spawned interpreter "
+         "would also fail on core_v0.19.0's typing.override under Python 3.11", Versions("0.19")),
     replace(_ASYNC_WRITER, "_process_memory", process_memory,
             "the torch_dist writer processes call it before their try block; without psutil (not "
             "a Megatron-LM dependency) it raises there, the writer dies before "

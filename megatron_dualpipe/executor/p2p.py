@@ -44,6 +44,8 @@ import torch
 import torch.distributed as dist
 
 from ..schedule.comm import describe as describe_label
+from . import abort
+from .streams import waits_order_stream
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("MEGATRON_DUALPIPE_P2P_TIMEOUT", "600"))
 #: How often the accelerator watchdog looks at the outstanding operations.
@@ -108,7 +110,9 @@ class P2P:
         self._lock = threading.Lock()
         self._watchdog: Optional[threading.Thread] = None
         self._stop = threading.Event()
-        self._failure: Optional[P2PTimeoutError] = None  # found by the watchdog
+        self._failure: Optional[BaseException] = None  # found by the watchdog
+        self._finished = False   # finish() completed
+        self._abandoned = False  # closed without a completed finish(): the watchdog stops at once
 
     # -----------------------------------------------------------------------------------------
     # The runner's calls
@@ -139,7 +143,7 @@ class P2P:
             return
         self._raise_failure()
         if self.host_waits is None:
-            self.host_waits = (sends[0][1] if sends else recvs[0][1]).device.type == "cpu"
+            self.host_waits = not waits_order_stream(sends[0][1] if sends else recvs[0][1])
         now = time.monotonic()
         try:
             works = self._issue(sends, recvs)
@@ -177,10 +181,12 @@ class P2P:
         op.deadline, op.needed_by = start + self.timeout_s, where
         if self.host_waits:
             try:
-                if not op.work.wait(self.timeout):
-                    raise RuntimeError("wait returned False")
+                abort.wait_work(op.work, self.timeout_s, f"pipeline rank {self.rank} (global {dist.get_rank()}) "
+                                f"{where}: the {self._what(op)}", RuntimeError)
             except RuntimeError as e:
-                raise self._error(op, where, time.monotonic() - start, e) from e
+                if isinstance(e, abort.PeerFailedError):
+                    raise
+                raise self._error(op, where, time.monotonic() - start, e.__cause__ or e) from e
         else:
             self._watch_op(op)
             op.work.wait()
@@ -216,6 +222,7 @@ class P2P:
                 self._await_send(op, where)
                 self._complete(op)
             self._sends = []
+            self._finished = True
         finally:
             self.close()
 
@@ -238,11 +245,17 @@ class P2P:
             now = time.monotonic()
             if now > op.deadline:
                 raise self._error(op, where, now - op.posted, None)
-            op.done_event.wait(min(op.deadline - now, 0.5))
+            if not op.done_event.wait(min(op.deadline - now, abort.POLL_S)):
+                abort.raise_if_failed(f"pipeline rank {self.rank} (global {dist.get_rank()}) {where}: the "
+                                      f"{self._what(op)}")
 
     def close(self) -> None:
-        """Stop the helper threads once their operations are done (a waiter blocked on a dead
+        """Stop the helper threads: after a completed :meth:`finish` once their operations are
+        done, else (the iteration failed) at once: the watchdog never outlives its iteration, so
+        a failed iteration's deadlines cannot abort the group later (a waiter blocked on a dead
         peer exits with the process)."""
+        if not self._finished:
+            self._abandoned = True
         self._stop.set()
         for q in self._waiters.values():
             q.put(None)
@@ -285,13 +298,24 @@ class P2P:
     def _watch(self) -> None:
         """Mark completed operations done; on a missed deadline log, keep the error for the
         runner and abort the group. Ends when stopped and nothing is left to watch."""
+        last_abort_check = time.monotonic()
         while True:
             time.sleep(WATCHDOG_POLL_S)
             with self._lock:
                 ops = list(self._tracked)
-            if not ops and self._stop.is_set():
+            if self._abandoned or (not ops and self._stop.is_set()):
                 return
             now = time.monotonic()
+            if now - last_abort_check > abort.POLL_S:
+                last_abort_check = now
+                failed = abort.failure()
+                if failed is not None:
+                    self._failure = abort.PeerFailedError(
+                        f"pipeline rank {self.rank} (global {dist.get_rank()}): stopped waiting for "
+                        + "; ".join(f"{self._what(op)} (posted {op.where})" for op in ops) + f" because {failed}")
+                    log.error("megatron-dualpipe: %s", self._failure)
+                    self._abort()
+                    return
             finished = set()
             for op in ops:
                 if op.work.is_completed():

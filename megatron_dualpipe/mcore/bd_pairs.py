@@ -17,9 +17,12 @@ pipeline (its own partner) the copy / sum is local.
 """
 from __future__ import annotations
 
+import os
+import pickle
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -28,6 +31,9 @@ from . import groups
 
 __all__ = ["BDPosition", "StageCopy", "position", "stage_copies", "dtype_groups", "flat_collective", "broadcast_home_to_mirror",
            "sum_copies", "check_same_structure"]
+
+#: Deadline of the layout check's wait for the partner (seconds), as the P2P timeout.
+STRUCTURE_TIMEOUT_S = float(os.environ.get("MEGATRON_DUALPIPE_P2P_TIMEOUT", "600"))
 
 TensorsOf = Callable[[torch.nn.Module], List[torch.Tensor]]
 
@@ -90,19 +96,52 @@ def flat_collective(tensors: Sequence[torch.Tensor], op: Callable[[torch.Tensor]
             t.copy_(synced)
 
 
-def check_same_structure(signature: list, what: str, pos: Optional[BDPosition] = None) -> None:
+def check_same_structure(signature: list, what: str, pos: Optional[BDPosition] = None,
+                         timeout_s: float = STRUCTURE_TIMEOUT_S) -> None:
     """Exchange ``signature`` (any picklable list) with the partner; raise naming both ranks if
     they differ (instead of hanging or mixing tensors up in the collective that follows)."""
     pos = pos or position()
     if pos.is_middle:
         return
-    sigs: List[Optional[list]] = [None, None]
-    dist.all_gather_object(sigs, signature, group=pos.group)
+    theirs = _exchange_with_partner(pos, signature, what, timeout_s)
+    sigs = [signature, theirs] if pos.me < pos.partner else [theirs, signature]
     if sigs[0] != sigs[1]:
         diff = [x for x in zip(*sigs) if x[0] != x[1]][:3]
         raise RuntimeError(
             f"{what}: the two copies on ranks {groups.get_bd_ranks()} differ in structure (first differences: "
             f"{diff}; lengths {len(sigs[0])}, {len(sigs[1])})")
+
+
+_EXCHANGES: Dict[Tuple[int, int], int] = {}
+
+
+def _exchange_with_partner(pos: BDPosition, signature: list, what: str, timeout_s: float) -> list:
+    """The partner's ``signature``, through the default group's store: a wait with a deadline of
+    its own that checks the shared abort signal (``executor.abort``), naming both ranks and what
+    was awaited. Both partners exchange in the same order (a counter per pair keys the exchange),
+    as the collectives that follow require anyway. Without a store: ``all_gather_object``."""
+    from ..executor import abort
+
+    store = abort._store()
+    if store is None:
+        sigs: List[Optional[list]] = [None, None]
+        dist.all_gather_object(sigs, signature, group=pos.group)
+        return sigs[1] if pos.me < pos.partner else sigs[0]
+    pair = (min(pos.me, pos.partner), max(pos.me, pos.partner))
+    n = _EXCHANGES.get(pair, 0)
+    _EXCHANGES[pair] = n + 1
+    key = f"megatron_dualpipe/structure/{pair[0]}-{pair[1]}/{n}/"
+    store.set(key + str(pos.me), pickle.dumps(signature))
+    waiting = (f"global rank {pos.me} checking the {what} against its bd partner, global rank {pos.partner}: "
+               f"waiting for the partner's layout")
+    start = time.monotonic()
+    while not store.check([key + str(pos.partner)]):
+        abort.raise_if_failed(waiting)
+        if time.monotonic() - start > timeout_s:
+            raise TimeoutError(f"{waiting}: none within {timeout_s:g} s (has the partner built its model? look at "
+                               f"its log)")
+        time.sleep(0.01)
+    return pickle.loads(store.get(key + str(pos.partner)))
 
 
 def _shapes(tensors: Sequence[torch.Tensor]) -> list:

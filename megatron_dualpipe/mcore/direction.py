@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator
 
-from ..schedule.layout import Layout
+from ..schedule.layout import V_SHAPE, Layout
 
 from .. import hooks
 
@@ -50,10 +50,17 @@ def _answer(value):
 def direction_of(layout: Layout, rank: int, d: int, global_ranks) -> Iterator[None]:
     """Within the block, parallel_state answers for the stage of direction ``d`` on ``rank``.
 
-    Direction 0 of every layout is the physical pipeline, so nothing changes for it.
+    Direction 0 of every layout is the physical pipeline, so nothing changes for it, but for
+    DualPipeV's rank pp-1: its direction-0 stage (pp-1) is not the model's last, so there
+    ``is_pipeline_last_stage()`` answers False and the rank reads no labels (it never uses them;
+    the loss is computed on rank 0).
     """
     if d == 0:
-        yield
+        if layout.kind == V_SHAPE and rank == layout.pp - 1:
+            with hooks.scoped(_PATCHES[1].to(_answer(False))):
+                yield
+        else:
+            yield
         return
     stage = layout.stage_on(rank, d)
     pp = layout.pp

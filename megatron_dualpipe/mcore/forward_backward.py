@@ -16,12 +16,12 @@ docstring of ``megatron.core.pipeline_parallel.get_forward_backward_func``):
   as in Megatron;
 * ``config.no_sync_func`` holds data-parallel reduction off while the schedule runs; each
   chunk's gradient reduction starts as soon as its last weight gradient is done
-  (``grads.GradReduction``): the two copies of a DualPipe stage are summed over the bd pair
+  (``grad_reduction.GradReduction``): the two copies of a DualPipe stage are summed over the bd pair
   (always: DualPipe itself needs it), tied embeddings folded, then ``config.grad_sync_func``
   (Megatron's data-parallel reduction under ``--overlap-grad-reduce``) is called for the chunk;
   ``config.timers("forward-backward")`` times the call;
 * then, if set, ``config.finalize_model_grads_func`` runs (for two chunks through
-  ``grads.finalize_dualpipe_grads``);
+  ``finalize.finalize_dualpipe_grads``);
 * returns the loss entries of ALL real micro-batches, both directions, in global order, on the
   last pipeline rank (``[]`` elsewhere), which is where Megatron's training loop reads them.
 
@@ -46,9 +46,11 @@ from megatron.core.utils import get_model_config
 from ..executor.p2p import DEFAULT_TIMEOUT_S, P2P
 from ..executor.listeners import RunListener
 from ..executor.runner import Program, TensorSpec, compile_program, run_rank
-from ..schedule import B, registry
+from ..executor import abort
+from ..schedule import B, iteration_plan, registry
 from .data import MicrobatchSource
-from .grads import GradReduction, finalize_dualpipe_grads
+from .finalize import finalize_dualpipe_grads
+from .grad_reduction import GradReduction, clear_deferred_output_wgrads
 from .live_advice import DEFAULT_WARMUP as ADVISE_WARMUP, LiveAdvice
 from .loss_gather import gather_losses_on_last_rank
 from .overlap import OverlappedStageCompute, offers_combined_step
@@ -66,7 +68,9 @@ def get_forward_backward_func(schedule: str = registry.DEFAULT, **options) -> Ca
     ``options`` (executor schedules only): ``zero_bubble`` (default True), ``p2p_timeout``
     (seconds, default ``MEGATRON_DUALPIPE_P2P_TIMEOUT`` or 600), ``advise`` (default False: log
     ``megatron-dualpipe advise`` for the costs measured after the warm-up, see
-    :mod:`.live_advice`), ``advise_warmup`` (training iterations skipped before measuring).
+    :mod:`.live_advice`), ``advise_warmup`` (training iterations skipped before measuring),
+    ``drift_check_every`` (default 0, off: every N-th training call first checks that both copies
+    of every stage are bit-identical, see :mod:`.drift`).
     """
     try:
         spec = registry.get(schedule)
@@ -80,18 +84,18 @@ def get_forward_backward_func(schedule: str = registry.DEFAULT, **options) -> Ca
 
 @functools.lru_cache(maxsize=None)
 def _executor_schedule(name: str, zero_bubble: bool = True, p2p_timeout: float = DEFAULT_TIMEOUT_S,
-                       advise: bool = False, advise_warmup: int = ADVISE_WARMUP):
+                       advise: bool = False, advise_warmup: int = ADVISE_WARMUP, drift_check_every: int = 0):
     """One instance per (schedule, options): Megatron-LM asks for the function every iteration."""
     return ExecutorSchedule(registry.get(name), zero_bubble=zero_bubble, p2p_timeout=p2p_timeout, advise=advise,
-                            advise_warmup=advise_warmup)
+                            advise_warmup=advise_warmup, drift_check_every=drift_check_every)
 
 
 def forward_backward_dualpipe(*, schedule: str = registry.DUALPIPE, zero_bubble: bool = True,
                               p2p_timeout: float = DEFAULT_TIMEOUT_S, advise: bool = False,
-                              advise_warmup: int = ADVISE_WARMUP, **kwargs):
+                              advise_warmup: int = ADVISE_WARMUP, drift_check_every: int = 0, **kwargs):
     """Run one iteration of an executor schedule: ``get_forward_backward_func(schedule, ...)(**kwargs)``."""
     func = get_forward_backward_func(schedule, zero_bubble=zero_bubble, p2p_timeout=p2p_timeout, advise=advise,
-                                     advise_warmup=advise_warmup)
+                                     advise_warmup=advise_warmup, drift_check_every=drift_check_every)
     if not isinstance(func, ExecutorSchedule):
         raise DualPipeConfigError(f"{schedule} is Megatron's own schedule: call megatron-core's "
                                   f"get_forward_backward_func() for it")
@@ -103,6 +107,7 @@ class _Iteration:
     """What one call runs: the checked program for this rank and the means to communicate."""
 
     program: Program
+    plan: iteration_plan.IterationPlan
     rank: int
     global_ranks: List[int]
     group: Any
@@ -114,8 +119,10 @@ class ExecutorSchedule:
     """A ``forward_backward_func`` running ``spec``'s order on the executor."""
 
     def __init__(self, spec: registry.ScheduleSpec, *, zero_bubble: bool = True,
-                 p2p_timeout: float = DEFAULT_TIMEOUT_S, advise: bool = False, advise_warmup: int = ADVISE_WARMUP):
+                 p2p_timeout: float = DEFAULT_TIMEOUT_S, advise: bool = False, advise_warmup: int = ADVISE_WARMUP,
+                 drift_check_every: int = 0):
         self.spec, self.zero_bubble, self.p2p_timeout = spec, zero_bubble, p2p_timeout
+        self.drift_check_every, self._training_calls = drift_check_every, 0
         self._advice = LiveAdvice(warmup=advise_warmup) if advise else None
         self._padding_reported: set = set()
         self._audited = False
@@ -143,6 +150,14 @@ class ExecutorSchedule:
             data_iterator = data_iterator[0]
         it = self._plan(model, config, num_microbatches, padded, forward_only,
                         (seq_length, micro_batch_size, decoder_seq_length))
+        with abort.signalling_failure():  # a rank that raises from here on stops its peers' waits
+            self._check_drift(model, forward_only)
+            return self._iterate(it, model, config, forward_step_func, data_iterator, num_microbatches,
+                                 forward_only, collect_non_loss_data, first_val_step, force_all_reduce)
+
+    def _iterate(self, it: "_Iteration", model, config, forward_step_func, data_iterator, num_microbatches: int,
+                 forward_only: bool, collect_non_loss_data: bool, first_val_step, force_all_reduce):
+        """Run, gather the losses, finalize."""
         store = self._wgrad_store(it, forward_only)
         reduction = None if forward_only else self._grad_reduction(it, model, config, store)
         # Through megatron-core's combined step when the model offers it (mcore.overlap).
@@ -155,6 +170,8 @@ class ExecutorSchedule:
         with _timer(config):
             with advice.measuring(model) if advice is not None else contextlib.nullcontext() as recorder:
                 self._run(it, compute, reduction, config, model, forward_only, recorder)
+            if forward_only:
+                clear_deferred_output_wgrads(config, model)  # evaluation: what its forwards deferred
             if advice is not None:
                 advice.report(spec_name=self.spec.name, pp=len(it.global_ranks), microbatches=num_microbatches,
                               model=model, group=it.group, actions=it.program.actions[it.rank],
@@ -162,10 +179,22 @@ class ExecutorSchedule:
                               message_bytes=math.prod(it.tensor_spec.shape) * it.tensor_spec.dtype.itemsize)
             self._report_deferral(compute.audit, it.rank)
             losses = gather_losses_on_last_rank(compute.loss_store, it.program.schedule.layout, it.rank,
-                                                it.global_ranks, it.group, it.tensor_spec.device)
+                                                it.global_ranks, it.group, it.tensor_spec.device,
+                                                timeout_s=self.p2p_timeout)
             if not forward_only:
                 _finalize(model, config, compute.total_num_tokens, it.tensor_spec.device, force_all_reduce)
         return losses
+
+    def _check_drift(self, model, forward_only: bool) -> None:
+        """Every ``drift_check_every``-th training call, before it runs: both copies of every stage
+        bit-identical (``drift.check_copies_identical``)."""
+        if forward_only or not self.drift_check_every:
+            return
+        self._training_calls += 1
+        if (self._training_calls - 1) % self.drift_check_every == 0:
+            from .drift import check_copies_identical
+
+            check_copies_identical(model, timeout_s=self.p2p_timeout)
 
     # -- plan ------------------------------------------------------------------------------------
     def _plan(self, model, config, real: int, padded: int, forward_only: bool, shape_args) -> _Iteration:
@@ -173,6 +202,9 @@ class ExecutorSchedule:
         global_ranks = dist.get_process_group_ranks(group)
         rank = parallel_state.get_pipeline_model_parallel_rank()
         program = compile_program(self.spec.name, len(global_ranks), padded, forward_only, real)
+        checked = _checked_iteration(self.spec.name, len(global_ranks), padded, real, self.zero_bubble,
+                                     config.grad_sync_func is not None, parallel_state.get_data_parallel_world_size(),
+                                     forward_only)
         if padded != real:
             self._report_padding(len(global_ranks), real, padded, forward_only)
         seq_length, micro_batch_size, decoder_seq_length = shape_args
@@ -184,7 +216,7 @@ class ExecutorSchedule:
         p2p = P2P(group, global_ranks, rank, timeout_s=self.p2p_timeout)
         _first_collective_once(p2p, group, device)
         tensor_spec = TensorSpec(tuple(shape), config.pipeline_dtype, device)
-        return _Iteration(program, rank, global_ranks, group, p2p, tensor_spec)
+        return _Iteration(program, checked, rank, global_ranks, group, p2p, tensor_spec)
 
     def _report_padding(self, pp: int, real: int, padded: int, forward_only: bool) -> None:
         key = (pp, real, forward_only)
@@ -197,10 +229,10 @@ class ExecutorSchedule:
                         padded, real, padded - real, " in evaluation" if forward_only else "")
 
     def _grad_reduction(self, it: _Iteration, model, config, wgrad_store) -> GradReduction:
-        program = it.program
-        return GradReduction(model, config, actions=program.actions[it.rank],
-                             partner_actions=program.actions[program.schedule.layout.partner(it.rank)],
-                             is_fake=program.padded.is_fake, deferring=wgrad_store is not None)
+        actions = it.program.actions[it.rank]
+        last = iteration_plan.last_grad_action_index(actions, it.program.padded.is_fake,
+                                                     iteration_plan.grad_ops(wgrad_store is not None))
+        return GradReduction(model, config, actions=actions, sum_points=it.plan.sum_points[it.rank], last_actions=last)
 
     def _report_deferral(self, audit, rank: int) -> None:
         """Once per process: say how much weight-gradient work W holds if B kept some."""
@@ -289,3 +321,14 @@ def _finalize(model, config, total_num_tokens, device, force_all_reduce) -> None
                                 copies_summed=True)
     else:
         finalize(model, tokens, force_all_reduce=force_all_reduce)
+
+
+@functools.lru_cache(maxsize=64)
+def _checked_iteration(name: str, pp: int, padded: int, real: int, zero_bubble: bool, overlap_grad_reduce: bool,
+                       dp: int, forward_only: bool) -> iteration_plan.IterationPlan:
+    """The iteration's whole communication, checked under NCCL stream semantics before anything
+    runs (raises ``IterationPlanError`` naming the cycle); its bd-sum points drive GradReduction."""
+    program = compile_program(name, pp, padded, forward_only, real)
+    return iteration_plan.plan_for(registry.get(name), pp, real, program.actions, program.plans,
+                                   zero_bubble=zero_bubble, overlap_grad_reduce=overlap_grad_reduce, dp=dp,
+                                   forward_only=forward_only)

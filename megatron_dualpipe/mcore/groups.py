@@ -9,7 +9,7 @@ pipeline order):
   construction and all-reduces gradients every iteration. With an odd ``pp`` the middle rank
   ``r_{(pp-1)/2}`` is its own partner: it holds both copies of its stage, **no group is built**
   for it, ``get_bd_group()`` returns None there and ``get_bd_mirror_rank()`` returns the rank
-  itself; callers (``model.broadcast_mirrors``, ``grads.allreduce_bd_grads``) then copy/sum
+  itself; callers (``model.broadcast_mirrors``, ``finalize.allreduce_bd_grads``) then copy/sum
   locally. (Megatron's DualPipe schedule itself needs an even pp; DualPipeV does not use bd
   groups at all because its two chunks are different stages.)
 * **reversed pipeline group**: the same ranks in reverse order, created with

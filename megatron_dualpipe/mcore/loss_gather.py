@@ -3,20 +3,34 @@
 Megatron's training loop reads the per-micro-batch loss dicts from the last pipeline rank only.
 Under DualPipe, direction 1 ends on rank 0; under DualPipeV every micro-batch ends on rank 0.
 Their entries are shipped to rank pp-1 as tensors, in global micro-batch order (direction 0,
-then direction 1): first a small header of keys, shapes and dtypes (``send_object_list``),
-then the tensors in one batched P2P, so they stay on the device they were computed on.
+then direction 1): first a small header of keys, shapes and dtypes (its length, then its
+pickled bytes), then the tensors in one batched P2P, so they stay on the device they were
+computed on. Every wait has a deadline (``timeout_s``) and checks the shared abort signal
+(``executor.abort``); its error names this rank, the peer and what was awaited. The receiver
+needs the header on the host: on an accelerator it polls ``is_completed()`` before reading it,
+so the deadline holds there too.
 """
 from __future__ import annotations
 
+import pickle
+import time
 from typing import Any, List
 
 import torch
 import torch.distributed as dist
 
+from ..executor import abort
+from ..executor.p2p import DEFAULT_TIMEOUT_S
+from ..executor.streams import waits_order_stream
 from ..schedule.layout import Layout
 
 
-def gather_losses_on_last_rank(loss_store, layout: Layout, rank: int, global_ranks, group, device) -> List[Any]:
+class LossGatherTimeoutError(RuntimeError):
+    """The loss gather did not complete within its deadline."""
+
+
+def gather_losses_on_last_rank(loss_store, layout: Layout, rank: int, global_ranks, group, device,
+                               timeout_s: float = DEFAULT_TIMEOUT_S) -> List[Any]:
     """The loss entries of every direction on rank pp-1 (``[]`` elsewhere)."""
     last = layout.pp - 1
     result: List[Any] = []
@@ -29,9 +43,9 @@ def gather_losses_on_last_rank(loss_store, layout: Layout, rank: int, global_ran
             if rank == last:
                 result.extend(entries)
         elif rank == owner:
-            _send_entries(entries, global_ranks[last], group)
+            _send_entries(entries, _Peer(rank, last, global_ranks[last], group, timeout_s), device)
         elif rank == last:
-            result.extend(_recv_entries(global_ranks[owner], group, device))
+            result.extend(_recv_entries(_Peer(rank, owner, global_ranks[owner], group, timeout_s), device))
     return result if rank == last else []
 
 
@@ -47,20 +61,55 @@ def _header(entries) -> list:
     return head
 
 
-def _send_entries(entries, dst: int, group) -> None:
-    dist.send_object_list([_header(entries)], dst=dst, group=group)
+class _Peer:
+    """The other end of one loss-gather transfer, and the waits on it."""
+
+    def __init__(self, rank: int, peer: int, global_peer: int, group, timeout_s: float):
+        self.rank, self.peer, self.global_peer, self.group, self.timeout_s = rank, peer, global_peer, group, timeout_s
+
+    def exchange(self, op, tensors, what: str, host_reads: bool = False) -> None:
+        """One batched P2P of ``tensors`` with the peer, waited with a deadline. ``host_reads``:
+        the host reads the result next (on an accelerator: poll until complete, then wait)."""
+        if not tensors:
+            return
+        works = dist.batch_isend_irecv([dist.P2POp(op, t, self.global_peer, self.group) for t in tensors])
+        waiting = (f"pipeline rank {self.rank} (global {dist.get_rank()}) in the loss gather: the "
+                   f"{'send of' if op is dist.isend else 'receive of'} {what} "
+                   f"{'to' if op is dist.isend else 'from'} pipeline rank {self.peer} (global {self.global_peer})")
+        stream = waits_order_stream(tensors[0])
+        for w in works:
+            if stream and host_reads:
+                _poll_completed(w, self.timeout_s, waiting)
+            abort.wait_work(w, self.timeout_s, waiting, LossGatherTimeoutError, on_host=not stream)
+
+
+def _poll_completed(work, timeout_s: float, waiting: str) -> None:
+    start = time.monotonic()
+    while not work.is_completed():
+        abort.raise_if_failed(waiting)
+        if time.monotonic() - start > timeout_s:
+            raise LossGatherTimeoutError(f"{waiting}: did not complete within {timeout_s:g} s")
+        time.sleep(0.01)
+
+
+def _send_entries(entries, peer: _Peer, device) -> None:
+    head = torch.frombuffer(bytearray(pickle.dumps(_header(entries))), dtype=torch.uint8).to(device)
+    peer.exchange(dist.isend, [torch.tensor([head.numel()], dtype=torch.int64, device=device)], "the header's length")
+    peer.exchange(dist.isend, [head], "the header")
     tensors = [t.detach().contiguous() for e in entries
                for t in (e.values() if isinstance(e, dict) else [e]) if isinstance(t, torch.Tensor)]
-    _batched(dist.isend, tensors, dst, group)
+    peer.exchange(dist.isend, tensors, f"{len(tensors)} loss tensors")
 
 
-def _recv_entries(src: int, group, device) -> List[Any]:
-    box = [None]
-    dist.recv_object_list(box, src=src, group=group)
-    head = box[0]
+def _recv_entries(peer: _Peer, device) -> List[Any]:
+    size = torch.zeros(1, dtype=torch.int64, device=device)
+    peer.exchange(dist.irecv, [size], "the header's length", host_reads=True)
+    head_bytes = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    peer.exchange(dist.irecv, [head_bytes], "the header", host_reads=True)
+    head = pickle.loads(bytes(head_bytes.cpu().tolist()))
     bufs = [torch.empty(shape, dtype=dtype, device=device) for kind, spec in head if kind != "object"
             for _, shape, dtype in spec]
-    _batched(dist.irecv, bufs, src, group)
+    peer.exchange(dist.irecv, bufs, f"{len(bufs)} loss tensors")
     out, it = [], iter(bufs)
     for kind, spec in head:
         if kind == "dict":
@@ -71,8 +120,3 @@ def _recv_entries(src: int, group, device) -> List[Any]:
             out.append(spec)
     return out
 
-
-def _batched(op, tensors, peer: int, group) -> None:
-    if tensors:
-        for req in dist.batch_isend_irecv([dist.P2POp(op, t, peer, group) for t in tensors]):
-            req.wait()

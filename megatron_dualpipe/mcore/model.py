@@ -6,7 +6,7 @@ On pipeline rank ``i`` of ``pp`` (see ``megatron_dualpipe.schedule.layout``):
   ``model[1]`` is the *mirrored copy* of stage ``pp-1-i`` (direction 1 runs from rank ``pp-1``
   down to rank 0). Every stage exists twice, once as ``model[0]`` on its home rank ``s`` and
   once as ``model[1]`` on rank ``pp-1-s``; the copies start equal (`broadcast_mirrors`) and
-  are kept equal by summing their gradients (``grads.allreduce_bd_grads``).
+  are kept equal by summing their gradients (``finalize.allreduce_bd_grads``).
 * ``layout_kind="v"`` (DualPipeV): one route of ``2*pp`` stages; ``model[0]`` is stage ``i``
   and ``model[1]`` is stage ``2*pp-1-i``. There are no copies, so no broadcast and no
   ``shared`` marks.

@@ -11,7 +11,7 @@ Read by both checks, from the same rules:
 A rule names the ``args`` attribute and the ``TransformerConfig`` attribute it reads (either may be
 absent: an option Megatron-LM turns off itself, such as ``overlap_p2p_comm`` without a virtual
 pipeline, is checked on the config only). ``docs/megatron-options.md`` is generated from
-:data:`REFUSED` and :data:`HANDLED` (``tools/gen_docs.py``; ``tests/test_docs.py`` checks it is
+:data:`REFUSED` and :data:`HANDLED` (``tools/gen_docs.py``; ``tests/cli/test_docs.py`` checks it is
 current).
 
 Standard library only (the registry); the one rule that asks ``parallel_state`` imports it when read.
@@ -127,6 +127,11 @@ def _full_recompute(source, side):
             or bool(getattr(source, "recompute_num_layers", None)))
 
 
+def _fp8_delayed(source, side):
+    recipe = getattr(source, "fp8_recipe", None)
+    return bool(getattr(source, "fp8", None)) and getattr(recipe, "value", recipe) == "delayed"
+
+
 _VP_FLAGS = "--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank"
 
 #: Every refused option, in the order the checks report them.
@@ -195,6 +200,11 @@ REFUSED: Tuple[Refused, ...] = (
     Refused("--qk-clip", "each copy of a stage would clip its weights by the largest attention logit of its own "
             "direction's micro-batches, so the copies would drift apart", arg="qk_clip", config="qk_clip",
             schedules=MIRRORED),
+    Refused("--fp8-recipe delayed", "each copy of a stage would keep its own amax history of its own direction's "
+            "micro-batches, so the two copies would quantise with different scales and drift apart",
+            read=_fp8_delayed, schedules=MIRRORED,
+            fix="use --fp8-recipe tensorwise, blockwise or mxfp8, or --pipeline-schedule dualpipev",
+            test="A `refused --fp8-recipe delayed`; E `fp8_delayed_recipe`"),
     Refused("--moe-enable-routing-replay", "its process-wide list of routers would hold both copies of every MoE layer",
             arg="moe_enable_routing_replay", config="moe_enable_routing_replay", schedules=MIRRORED),
     Refused("--save-dgrads-interval",
@@ -215,10 +225,10 @@ REFUSED: Tuple[Refused, ...] = (
             read=_expert_parallel_of_one, fix="set --expert-model-parallel-size > 1", needs=COMBINED_STEP,
             test="A `dualpipe_overlap_moe_needs_ep`"),
     Refused("--num-experts", "it needs an MoE model", read=_no_experts, fix="set --num-experts", needs=COMBINED_STEP,
-            test="tests/test_overlap.py"),
+            test="tests/mcore/test_overlap.py"),
     Refused("--moe-token-dispatcher-type", "it needs --moe-token-dispatcher-type alltoall or flex",
             read=_dispatcher_not_all_to_all, fix="set --moe-token-dispatcher-type alltoall", needs=COMBINED_STEP,
-            test="A `dualpipev_overlap_moe_allgather`; tests/test_overlap.py"),
+            test="A `dualpipev_overlap_moe_allgather`; tests/mcore/test_overlap.py"),
     Refused("--recompute-granularity full", "it cannot recompute full layers", read=_full_recompute,
             fix="remove --recompute-granularity full / --recompute-method / --recompute-num-layers",
             needs=COMBINED_STEP, test="—"),
@@ -257,14 +267,14 @@ def combined_step_problems(source, side: str = CONFIG) -> List[str]:
 
 def args_rules() -> Tuple[Refused, ...]:
     """The single-option rules checked on Megatron-LM's ``args`` (each has a refused case in
-    tests/test_megatron_lm.py)."""
+    tests/megatron_lm/test_megatron_lm.py)."""
     return tuple(r for r in REFUSED if r.applies(ARGS) and not r.needs)
 
 
 #: Options that run, with what was compared and the test that compares it. Test files: ``A`` =
-#: tests/test_megatron_lm.py, ``D`` = tests/test_megatron_lm_dualpipe.py, ``O`` =
-#: tests/test_megatron_lm_options.py, ``C`` = tests/test_megatron_lm_cpu.py, ``M`` =
-#: tests/test_dualpipe_megatron.py, ``E`` = tests/test_errors.py.
+#: tests/megatron_lm/test_megatron_lm.py, ``D`` = tests/megatron_lm/test_megatron_lm_dualpipe.py, ``O`` =
+#: tests/megatron_lm/test_megatron_lm_options.py, ``C`` = tests/megatron_lm/test_megatron_lm_cpu.py, ``M`` =
+#: tests/mcore/test_dualpipe_megatron.py, ``E`` = tests/mcore/test_errors.py.
 HANDLED: Tuple[Handled, ...] = (
     Handled('(defaults: tied embeddings, zero bubble) `dualpipe`, `executor-1f1b`, `zb-h1`',
             'equal on CPU',
@@ -272,7 +282,7 @@ HANDLED: Tuple[Handled, ...] = (
     Handled('`--overlap-moe-expert-parallel-comm` (and `--delay-wgrad-compute`) with `dualpipe`, `dualpipev`',
             "accepted: fused F&B units through megatron-core's combined step (`mcore/overlap.py`); its "
             'requirements are refused below',
-            '`tests/test_megatron_lm_overlap.py`; `tests/test_overlap.py`'),
+            '`tests/megatron_lm/test_megatron_lm_overlap.py`; `tests/mcore/test_overlap.py`'),
     Handled('`--no-dualpipe-zero-bubble`',
             'equal on CPU',
             'O `overlap-grad-reduce, pp=2 x dp=2, no zero bubble`; M'),
@@ -353,7 +363,7 @@ HANDLED: Tuple[Handled, ...] = (
             '`--dist-ckpt-optim-fully-reshardable` / `--no-load-optim` (with '
             '`--dist-ckpt-optim-fully-reshardable`: equal on CPU by hand, both directions)',
             'C `test_distributed_optimizer_trains_and_resumes_across_schedules`; the refusal: '
-            '`tests/test_torch_dist_mirror.py`'),
+            '`tests/megatron_lm/test_torch_dist_mirror.py`'),
     Handled('`--ckpt-format torch_dist` without the distributed optimizer (1f1b dp=1 -> dualpipe dp=2 -> 1f1b '
             'dp=2)',
             "equal on CPU (same keys as 1f1b's; the dp=2 save failed before: the fully parallel save made the "

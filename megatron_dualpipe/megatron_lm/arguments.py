@@ -30,6 +30,7 @@ the three extra attributes; no check runs and no value is changed.
 """
 
 import functools
+from typing import List
 from ..mcore import options
 from ..schedule import registry
 
@@ -87,6 +88,15 @@ def add_dualpipe_arguments(parser):
         help="Training iterations --dualpipe-advise skips before measuring (default 3: their units carry "
         "one-time costs).",
     )
+    group.add_argument(
+        "--dualpipe-drift-check-interval",
+        type=int,
+        default=0,
+        metavar="N",
+        help="dualpipe: every N training iterations, check that both copies of every stage are bit-identical "
+        "(a checksum per parameter over each bd pair; the error names the first parameter that differs). "
+        "0 (default): off.",
+    )
     return parser
 
 
@@ -105,7 +115,7 @@ def num_microbatches(args) -> int:
 REFUSED_OPTIONS = options.args_rules()
 
 
-def advise_problems(args) -> List[str]:
+def advise_problems(args) -> list:
     """--dualpipe-advise-warmup: not negative, and leaving measured iterations within --train-iters."""
     from megatron_dualpipe.mcore.live_advice import DEFAULT_WARMUP, MEASURED_ITERATIONS
 

@@ -25,7 +25,7 @@ arguments and returns its result: Megatron behaves exactly as without the plugin
     ``mcore.forward_backward.get_forward_backward_func(schedule, zero_bubble=...,
     p2p_timeout=...)``, whose function finalizes gradients through
     ``config.finalize_model_grads_func`` (Megatron's ``finalize_model_grads``, set by
-    ``train()``) -- for two chunks via ``grads.finalize_dualpipe_grads`` after the bd
+    ``train()``) -- for two chunks via ``finalize.finalize_dualpipe_grads`` after the bd
     all-reduce -- and returns the loss dicts of both directions on the last pipeline rank,
     where ``train_step`` / ``evaluate`` read them.
 ``calc_params_l2_norm`` (``--log-params-norm``, DualPipe)
@@ -68,7 +68,8 @@ _PART = "megatron-lm training"  # hooks/manifest.py lists what install() patches
 def forward_backward_options(args) -> dict:
     """Keyword options of the dispatcher taken from the parsed arguments."""
     opts = {"zero_bubble": bool(getattr(args, "dualpipe_zero_bubble", True)),
-            "advise": bool(getattr(args, "dualpipe_advise", False))}
+            "advise": bool(getattr(args, "dualpipe_advise", False)),
+            "drift_check_every": int(getattr(args, "dualpipe_drift_check_interval", 0) or 0)}
     if getattr(args, "dualpipe_advise_warmup", None) is not None:
         opts["advise_warmup"] = int(args.dualpipe_advise_warmup)
     timeout = getattr(args, "dualpipe_p2p_timeout", None)

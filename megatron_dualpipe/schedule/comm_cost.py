@@ -4,12 +4,12 @@ The pipeline makespan is not the iteration: after (and while) the schedule runs,
 reduces its chunks' gradients. DualPipe pays twice there: each rank holds two stages, so it
 reduces twice the gradient bytes over data parallel, and the two copies of every stage are
 summed over the bd pair (ranks i and pp-1-i) first. The executor starts these where
-``mcore.grads.GradReduction`` does, and this module times them the same way:
+``mcore.grad_reduction.GradReduction`` does, and this module times them the same way:
 
-* a chunk's gradients are final at the end of its last gradient action (``grad_order``: the
+* a chunk's gradients are final at the end of its last gradient action (``iteration_plan``: the
   last ``W``, or ``B``/``BW`` without deferred weight gradients), taken from the simulation;
 * bidirectional layouts: the pair's sums run one after the other, in the order both partners
-  issue them (``grad_order.bd_sum_order``), each when both copies are final and the previous
+  issue them (``iteration_plan.bd_sum_order``), each when both copies are final and the previous
   sum is done; one all-reduce of the chunk's bytes over 2 ranks on the link between them;
 * data-parallel reduction of every chunk, in the order the chunks finished, each when its bd
   sum (if any) is in and the previous reduction is done: a ring all-reduce over ``dp`` ranks
@@ -38,7 +38,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from . import grad_order
+from . import iteration_plan as grad_order  # when a chunk is final; the pair's sum order
 from .layout import BIDIRECTIONAL
 
 #: How a bidirectional schedule combines the two copies of a stage with data parallel:

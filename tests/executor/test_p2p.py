@@ -161,3 +161,62 @@ def test_complete_send_releases_before_returning(fake_dist):
     p2p.complete_send(ACT, "before action 5 (B0.1)")  # already released: nothing to do
     assert released == [ACT]
     p2p.finish("after its last action")
+
+
+def test_accelerator_watchdog_does_not_outlive_a_failed_iteration(fake_dist, monkeypatch):
+    """The runner closes the P2P without ``finish`` when an action raised: the watchdog stops at
+    once and never aborts the group later for that iteration's unfinished receive."""
+    aborted = []
+    monkeypatch.setattr(P2P, "_abort", lambda self: aborted.append(True))
+    p2p = P2P(None, [0, 1], 0, timeout_s=0.2, host_waits=False)
+    p2p.post([], [(1, torch.zeros(2), GRAD)], "before action 2 (F0.1)")
+    p2p.receive(GRAD, "before action 3 (B1.0)")  # the stream waits; the receive never completes
+    watchdog = p2p._watchdog
+    p2p.close()  # the runner's finally after an exception
+    assert _until(lambda: not watchdog.is_alive(), 1.0)
+    time.sleep(0.4)  # past the receive's deadline
+    print(f"\nwatchdog alive: {watchdog.is_alive()}, aborts: {aborted}")
+    assert not aborted
+
+
+def test_accelerator_watchdog_stops_on_a_peer_failure(fake_dist, monkeypatch):
+    """A peer signalled its failure (executor.abort): the watchdog aborts the group and the next P2P
+    call raises PeerFailedError naming this rank, what it waited for and the peer's error."""
+    from megatron_dualpipe.executor import abort
+
+    aborted = []
+    monkeypatch.setattr(P2P, "_abort", lambda self: aborted.append(True))
+    failed = []
+    monkeypatch.setattr(abort, "failure", lambda: failed[0] if failed else None)
+    p2p = P2P(None, [0, 1], 0, timeout_s=600, host_waits=False)
+    p2p.post([], [(1, torch.zeros(2), GRAD)], "before action 2 (F0.1)")
+    p2p.receive(GRAD, "before action 3 (B1.0)")
+    failed.append("global rank 1 failed: ValueError: boom")
+    t0 = time.monotonic()
+    assert _until(lambda: aborted, 2.0)
+    with pytest.raises(abort.PeerFailedError) as e:
+        p2p.reap()
+    msg = str(e.value)
+    print(f"\nafter {time.monotonic() - t0:.2f} s: {msg}")
+    for part in ("pipeline rank 0 (global 0)", f"receive of {describe(GRAD)} from pipeline rank 1",
+                 "because global rank 1 failed: ValueError: boom"):
+        assert part in msg
+
+
+def test_host_receive_stops_on_a_peer_failure(fake_dist, monkeypatch):
+    from megatron_dualpipe.executor import abort
+
+    failed = []
+    monkeypatch.setattr(abort, "failure", lambda: failed[0] if failed else None)
+    p2p = P2P(None, [0, 1], 0, timeout_s=600, host_waits=True)
+    p2p.post([], [(1, torch.zeros(2), GRAD)], "before action 2 (F0.1)")
+    threading.Timer(0.3, lambda: failed.append("global rank 1 failed: ValueError: boom")).start()
+    t0 = time.monotonic()
+    with pytest.raises(abort.PeerFailedError) as e:
+        p2p.receive(GRAD, "before action 3 (B1.0)")
+    elapsed = time.monotonic() - t0
+    print(f"\nafter {elapsed:.2f} s: {e.value}")
+    assert elapsed < 5.0
+    for part in ("pipeline rank 0 (global 0) before action 3 (B1.0)", f"receive of {describe(GRAD)}",
+                 "because global rank 1 failed: ValueError: boom"):
+        assert part in str(e.value)

@@ -6,7 +6,8 @@
   at once, with the counter still 0, and its message must name the fix.
 * Shapes that change between micro-batches: the executor passes tensors of one shape
   (seq_length x micro_batch_size x hidden). A forward producing another shape raises a clear
-  ValueError on its own rank; its peer then times out with `P2PTimeoutError`.
+  ValueError on its own rank; its peers stop within seconds (the shared abort signal) with
+  `PeerFailedError` naming themselves, what they waited for and the failing rank.
 * A stalled peer: one rank never enters the schedule; the other raises `P2PTimeoutError` after
   `p2p_timeout` seconds, naming its pipeline rank, the peer and what it waited for.
 
@@ -116,6 +117,8 @@ def _bad_calls(pp):
         ("variable_seq_lengths", call(model=[Chunk(variable_seq_lengths=True), Chunk(variable_seq_lengths=True)]),
          None, None),
         ("overlap_p2p_comm", call(model=[Chunk(overlap_p2p_comm=True), Chunk(overlap_p2p_comm=True)]), None, None),
+        ("fp8_delayed_recipe", call(model=[Chunk(fp8="e4m3", fp8_recipe="delayed"),
+                                           Chunk(fp8="e4m3", fp8_recipe="delayed")]), None, None),
         ("partial_recompute_per_microbatch", call(model=[Chunk(num_microbatches_with_partial_activation_checkpoints=1),
                                                          Chunk(num_microbatches_with_partial_activation_checkpoints=1)]),
          None, None),
@@ -177,6 +180,7 @@ EXPECTED = {
     "adjust_tensor_shapes_fn": ["adjust_tensor_shapes_fn"],
     "variable_seq_lengths": ["variable_seq_lengths", "turn off", "seq_length x micro_batch_size"],
     "overlap_p2p_comm": ["--overlap-p2p-communication", "turn off"],
+    "fp8_delayed_recipe": ["--fp8-recipe delayed", "amax history", "use --fp8-recipe tensorwise"],
     "partial_recompute_per_microbatch": ["num_microbatches_with_partial_activation_checkpoints", "set it to None"],
     "one_chunk_for_dualpipe": ["2 model chunks", "got 1", "build_two_direction_model"],
     "three_chunks_for_dualpipev": ["2 model chunks", "got 3", "build_two_direction_model"],
@@ -243,18 +247,18 @@ def forward_step(data_iterator, model):
     return output, functools.partial(loss_func, b["loss_mask"] if last else None)
 
 
-def _provider(pre_process, post_process, pg_collection=None, vp_stage=None):
-    config = me.tiny_gpt_config(num_layers=LAYERS, hidden_size=HIDDEN)
+def _provider(pre_process, post_process, pg_collection=None, vp_stage=None, layers=LAYERS):
+    config = me.tiny_gpt_config(num_layers=layers, hidden_size=HIDDEN)
     return me.build_tiny_gpt(config, pre_process=pre_process, post_process=post_process, vocab_size=VOCAB,
                              max_sequence_length=SEQ, pg_collection=pg_collection, vp_stage=vp_stage)
 
 
-def _build():
+def _build(layers=LAYERS):
     from megatron_dualpipe.mcore.groups import build_bd_groups
     from megatron_dualpipe.mcore.model import build_two_direction_model
 
     build_bd_groups()
-    model = build_two_direction_model(_provider, layout_kind="bidirectional")
+    model = build_two_direction_model(functools.partial(_provider, layers=layers), layout_kind="bidirectional")
     for chunk in model:
         chunk.config.finalize_model_grads_func = lambda *a, **k: None
     return model
@@ -272,56 +276,66 @@ def _flag(path):
         f.write("done")
 
 
-def _run(model, batches, m):
+def _run(model, batches, m, p2p_timeout=TIMEOUT_S):
     from megatron_dualpipe.mcore.forward_backward import forward_backward_dualpipe
 
     return forward_backward_dualpipe(forward_step_func=forward_step, data_iterator=iter(batches), model=model,
                                      num_microbatches=m, seq_length=SEQ, micro_batch_size=MBS, schedule="dualpipe",
-                                     p2p_timeout=TIMEOUT_S)
+                                     p2p_timeout=p2p_timeout)
 
 
 # ---------------------------------------------------------------------------------------------
 # 2. A micro-batch of another shape
 # ---------------------------------------------------------------------------------------------
 
-def _shape_worker(rank, world, port, flag_dir):
+def _shape_worker(rank, world, port, flag_dir, peers_wait_s):
     """Global micro-batch 1 (direction 0's second) is short: rank 0's forward F0.1 makes an
-    activation of the wrong shape. Rank 0 waits until rank 1 has reported before it exits, so
-    that rank 1 sees a timeout rather than a closed connection."""
+    activation of the wrong shape. Rank 0 waits until its peers have reported before it exits,
+    so that they see its abort signal rather than a closed connection. Returns (kind, message,
+    seconds in the call, wall-clock time of the error)."""
     me.init_distributed_cpu(rank, world, port, pp=world, timeout_minutes=1)
-    model = _build()
+    model = _build(layers=world)
     m = 2 * world
     t0 = time.monotonic()
     try:
-        _run(model, make_batches(m, short={1}), m)
-        result = (None, None, time.monotonic() - t0)
+        _run(model, make_batches(m, short={1}), m, p2p_timeout=peers_wait_s)
+        result = (None, None, time.monotonic() - t0, time.time())
     except Exception as e:  # noqa: BLE001
-        result = (type(e).__name__, str(e), time.monotonic() - t0)
+        result = (type(e).__name__, str(e), time.monotonic() - t0, time.time())
     _flag(os.path.join(flag_dir, f"rank{rank}"))
-    _wait_for(os.path.join(flag_dir, f"rank{1 - rank}"), 30)
-    return result  # no destroy: a timed-out P2P batch leaves the gloo group unusable
+    for r in range(world):
+        _wait_for(os.path.join(flag_dir, f"rank{r}"), 30)
+    return result  # no destroy: a half-completed P2P batch leaves the gloo group unusable
 
 
-def test_microbatch_of_another_shape(tmp_path):
-    from megatron_dualpipe.schedule.comm import describe
-
+@pytest.mark.parametrize("world", [2, 4])
+def test_microbatch_of_another_shape_stops_every_peer_within_seconds(tmp_path, world):
+    """Rank 0 raises a ValueError naming the fix; every peer stops waiting for it within seconds
+    (the shared abort signal), not after its P2P deadline (set to 120 s here, 600 s by default),
+    with a PeerFailedError naming itself, what it waited for and rank 0's error."""
+    wait_s = 120.0
     t0 = time.monotonic()
-    r0, r1 = me.run_workers(_shape_worker, 2, args=(str(tmp_path),), timeout=60)
+    results = me.run_workers(_shape_worker, world, args=(str(tmp_path), wait_s), timeout=wait_s)
     print(f"\nworkers {time.monotonic() - t0:.1f} s")
-    for r, (kind, msg, elapsed) in enumerate((r0, r1)):
-        print(f"rank {r} after {elapsed:.2f} s: {kind}: {msg}")
-    kind, msg, _ = r0
-    assert kind == "ValueError", r0
+    for r, (kind, msg, elapsed, _) in enumerate(results):
+        print(f"rank {r} after {elapsed:.2f} s: {kind}: {msg[:400]}")
+    kind, msg, _, failed_at = results[0]
+    assert kind == "ValueError", results[0]
     for part in ("pipeline rank 0", "action F0.1", "micro-batch 1 of direction 0", f"shape {(SEQ - 4, MBS, HIDDEN)}",
                  f"shape {(SEQ, MBS, HIDDEN)}", "all micro-batches must have seq_length x micro_batch_size",
                  "--seq-length/--micro-batch-size or pad the data"):
         assert part in msg, f"{part!r} not in {msg!r}"
-    kind, msg, elapsed = r1
-    assert kind == "P2PTimeoutError", r1
-    want = describe(("act", 0, 1, 1))
-    for part in ("pipeline rank 1", f"receive of {want} from pipeline rank 0", f"within {TIMEOUT_S:g} s"):
-        assert part in msg, f"{part!r} not in {msg!r}"
-    assert elapsed < TIMEOUT_S + 15, f"rank 1 took {elapsed:.1f} s to time out"
+    last = 0.0
+    for r, (kind, msg, elapsed, at) in enumerate(results[1:], start=1):
+        assert kind == "PeerFailedError", (r, kind, msg)
+        for part in (f"pipeline rank {r}", "stopped waiting because global rank 0 failed: ValueError",
+                     "action F0.1"):
+            assert part in msg, f"rank {r}: {part!r} not in {msg!r}"
+        assert "receive of" in msg or "send of" in msg, msg  # what it waited for, and from whom
+        last = max(last, at - failed_at)
+    print(f"pp={world}: from rank 0's exception to the last peer's named error: {last:.2f} s "
+          f"(their P2P deadline: {wait_s:g} s)")
+    assert last < wait_s / 4, f"a peer took {last:.1f} s to stop"
 
 
 # ---------------------------------------------------------------------------------------------

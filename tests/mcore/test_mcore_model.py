@@ -100,7 +100,7 @@ def _worker(rank, world_size, port, pp, num_layers):
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from megatron_dualpipe.mcore import grads as G
+    from megatron_dualpipe.mcore import finalize as G
     from megatron_dualpipe.mcore import groups
     from megatron_dualpipe.mcore import model as M
     from harness.megatron_env import (
@@ -234,7 +234,7 @@ def _dp_worker(rank, world_size, port):
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from megatron_dualpipe.mcore import grads as G
+    from megatron_dualpipe.mcore import finalize as G
     from megatron_dualpipe.mcore import groups
     from megatron_dualpipe.mcore import model as M
     from harness.megatron_env import destroy_distributed, init_distributed_cpu, seed_all, tiny_gpt_config

@@ -1,4 +1,4 @@
-"""schedule.grad_order: when a chunk's gradients are final, and the order a bd pair sums them.
+"""schedule.iteration_plan: when a chunk's gradients are final, and the order a bd pair sums them.
 
 Both partners of a pair must issue their two sums in the same order of *stages* (the partner's
 chunk 1-c is this rank's chunk c), or their collectives would add unrelated gradients. Checked
@@ -9,7 +9,7 @@ each chunk found by a plain scan here).
 import pytest
 
 from megatron_dualpipe.schedule import build_schedule, registry
-from megatron_dualpipe.schedule.grad_order import bd_sum_order, completion_order, grad_ops, last_grad_actions
+from megatron_dualpipe.schedule.iteration_plan import bd_sum_order, completion_order, grad_ops, last_grad_action_index
 
 
 def _strip_w(actions):
@@ -39,8 +39,8 @@ def test_partners_agree_on_the_order_of_stages(pp, m, deferring):
         natural = completion_order(ranks[p], is_fake, ops)
         differing += natural != theirs
         for k, acts in ((r, ranks[r]), (p, ranks[p])):
-            last = last_grad_actions(acts, is_fake, ops)
+            last = last_grad_action_index(acts, is_fake, ops)
             for c in (0, 1):
                 scan = [a for a in acts if a.dir == c and a.op in ops and not is_fake(a)][-1]
-                assert last[c] == (scan.op, scan.mb, scan.stage), (k, c)
+                assert acts[last[c]] == scan, (k, c)
     print(f"pp={pp} M={m} deferring={deferring}: {pp // 2} pairs agree; {differing} needed the lower rank's order")

@@ -22,7 +22,7 @@ ITERS = ("--train-iters", "3")
 
 DUALPIPE = (("dualpipe", ()),)
 MOE_EP2 = (*MOE, "--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2")
-CHILD_HOOKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "child_hooks")
+CHILD_HOOKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "child_hooks")
 #: Every run prints each router's expert_bias after its update (tests/child_hooks).
 PRINT_EXPERT_BIAS = {"env_extra": {"MEGATRON_DUALPIPE_TEST_EXPERT_BIAS": "1"}, "pythonpath": (CHILD_HOOKS,)}
 EXPERT_BIAS_RE = re.compile(r"\[test-expert-bias\] iteration (\d+) layer (\d+): (\S+)")
@@ -87,7 +87,7 @@ def test_distributed_optimizer(tmp_path):
     """The distributed optimizer: --load used to fail on every DualPipe load (the mirror sync did
     not know the distributed optimizer): a checkpoint resumed with --no-load-optim, against 1f1b
     doing the same. (Training with --overlap-grad-reduce --overlap-param-gather against 1f1b is
-    tests/test_megatron_lm_cpu.py's distributed-optimizer case.)"""
+    tests/megatron_lm/test_megatron_lm_cpu.py's distributed-optimizer case.)"""
     dist_opt = ("--use-distributed-optimizer", "--ckpt-format", "torch")
     rc, out = launch("1f1b", *dist_opt, *ITERS, "--save", str(tmp_path / "ck"), "--save-interval", "2")
     if rc != 0 and "Wrapped parameters must be one of torch.cuda" in out:

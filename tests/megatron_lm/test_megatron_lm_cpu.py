@@ -9,7 +9,7 @@ test loads. Splitting the same data over dp = 2 (with the distributed optimizer)
 (sequence parallel) does not change the arithmetic of the model, so those runs must print the
 reference's losses and gradient norms; bf16 must stay within bf16 rounding of it.
 
-Megatron's logging quirk (see tests/test_megatron_lm_dualpipe.py): the second iteration a run
+Megatron's logging quirk (see tests/megatron_lm/test_megatron_lm_dualpipe.py): the second iteration a run
 executes is logged as the mean of its first two, so a run resumed at iteration 2 logs
 iteration 4 as (L3 + L4) / 2.
 

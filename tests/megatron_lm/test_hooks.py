@@ -22,7 +22,7 @@ from megatron_dualpipe import hooks
 from megatron_dualpipe.hooks import manifest
 from megatron_dualpipe.hooks.mechanism import INSTALLED, MISSING, Patch, PatchSet, Versions, apply, scoped
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture

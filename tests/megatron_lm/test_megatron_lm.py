@@ -21,7 +21,7 @@ import textwrap
 
 import pytest
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MEGATRON_LM_PATH = os.environ.get("MEGATRON_LM_PATH")
 SKIP_MESSAGE = "set MEGATRON_LM_PATH to a Megatron-LM checkout at tag core_v0.16.1"
 
@@ -220,10 +220,16 @@ REFUSED_CASES = {
     # megatron-core 0.19's options (set on the validated args, so the case runs at both tags).
     "--moe-paged-stash": ("executor-1f1b", [], {"moe_paged_stash": True}),
     "--moe-expert-rank-capacity-factor": ("dualpipe", [], {"moe_expert_rank_capacity_factor": 1.5}),
+    "--fp8-recipe delayed": ("dualpipe", [], {"fp8": "e4m3", "fp8_recipe": "delayed"}),
 }
 
 for _flag, (_schedule, _argv, _over) in REFUSED_CASES.items():
     CASES["refused " + _flag] = (4, BASE + ["--pipeline-schedule", _schedule] + _argv, ["does not support " + _flag], _over)
+# FP8's delayed recipe is refused for dualpipe only (each copy of a stage would keep its own amax history).
+CASES["fp8 tensorwise_dualpipe_ok"] = (4, BASE + ["--pipeline-schedule", "dualpipe"], None,
+                                       {"fp8": "e4m3", "fp8_recipe": "tensorwise"})
+CASES["fp8 delayed_dualpipev_ok"] = (4, BASE + ["--pipeline-schedule", "dualpipev"], None,
+                                     {"fp8": "e4m3", "fp8_recipe": "delayed"})
 CASES["global_aux_loss_dualpipev_ok"] = (
     4, BASE + ["--pipeline-schedule", "dualpipev"] + REFUSED_CASES["--moe-router-load-balancing-type global_aux_loss"][1],
     None)
@@ -356,7 +362,8 @@ def test_argument_defaults(arg_results):
 
 def test_1f1b_leaves_megatron_args_unchanged(arg_results):
     res = arg_results["__1f1b_identity__"]
-    assert res["extra"] == ["dualpipe_advise", "dualpipe_p2p_timeout", "dualpipe_zero_bubble", "pipeline_schedule"]
+    assert res["extra"] == ["dualpipe_advise", "dualpipe_advise_warmup", "dualpipe_drift_check_interval",
+                            "dualpipe_p2p_timeout", "dualpipe_zero_bubble", "pipeline_schedule"]
     assert res["diff"] == []
 
 

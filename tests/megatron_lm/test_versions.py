@@ -10,7 +10,7 @@ import pytest
 from megatron_dualpipe import versions
 
 pytestmark = pytest.mark.smoke
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("version,ok", [

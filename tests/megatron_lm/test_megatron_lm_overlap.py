@@ -7,7 +7,7 @@ and ``pretrain_gpt.py`` builds a config on every ``get_batch``; the plugin's con
 it through, every F/B runs through megatron-core's combined step (the log says so on every rank),
 and the per-iteration losses equal Megatron's own 1F1B without the flag. (DualPipeV through
 Megatron-LM gave the same losses with and without the flag, 0.0 difference, when run by hand:
-left out to keep the suite short; ``tests/test_overlap.py`` covers it on megatron-core.)
+left out to keep the suite short; ``tests/mcore/test_overlap.py`` covers it on megatron-core.)
 """
 import pytest
 

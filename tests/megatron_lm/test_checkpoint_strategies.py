@@ -1,8 +1,8 @@
 """The checkpoint package (megatron_dualpipe/megatron_lm/checkpoint/): its (schedule, format) table,
 the refusal of optimizer state across the DualPipeV and 1F1B layouts, and its import shape (no
 private imports across its modules, no import circle among the Megatron-LM modules). Standard
-library only; the save / load runs themselves are tests/test_megatron_lm_cpu.py and
-tests/test_megatron_lm_dualpipe.py."""
+library only; the save / load runs themselves are tests/megatron_lm/test_megatron_lm_cpu.py and
+tests/megatron_lm/test_megatron_lm_dualpipe.py."""
 import ast
 import pathlib
 from types import SimpleNamespace
@@ -12,7 +12,7 @@ import pytest
 from megatron_dualpipe.megatron_lm.checkpoint import strategies as st
 from megatron_dualpipe.schedule import registry
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 LM = ROOT / "megatron_dualpipe" / "megatron_lm"
 
 

@@ -1,0 +1,116 @@
+"""A failing rank stops its peers within seconds: a shared abort signal, and waits that check it.
+
+Without it a rank that raises (a shape error in its forward, a NaN check) leaves its peers
+waiting for it until their deadline (600 s by default), and their error then blames a receive.
+With it, the failing rank writes its error into the default process group's store
+(:func:`signal`), and every wait the project issues on the host (:func:`wait_work`, used by the
+P2P receives and sends, the bd sums, the loss gather) polls that key every :data:`POLL_S` and
+raises :class:`PeerFailedError` naming this rank, what it waited for, and the rank that failed.
+
+One key per job attempt: an abort ends the attempt (``torch.distributed`` groups are unusable
+after a half-completed batch anyway); a restarted attempt (torchrun ``--max-restarts``) starts clean.
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import threading
+import time
+from typing import Optional, Type
+
+import torch.distributed as dist
+
+#: One key per job attempt: torchrun's shared rendezvous store outlives a restart, the abort must not.
+KEY = f"megatron_dualpipe/abort/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+#: How often a host wait looks at the deadline and the abort signal.
+POLL_S = 0.1
+
+
+class PeerFailedError(RuntimeError):
+    """Another rank raised; this rank stopped waiting for it."""
+
+
+def _store():
+    try:
+        from torch.distributed.distributed_c10d import _get_default_store
+        return _get_default_store() if dist.is_initialized() else None
+    except Exception:  # noqa: BLE001 - no store, no signal (single process, no default group)
+        return None
+
+
+def signal(message: str) -> None:
+    """Tell every rank that this one failed with ``message`` (best effort: never raises; the
+    first rank to signal is the one named)."""
+    store = _store()
+    if store is None:
+        return
+    try:
+        if not store.check([KEY]):
+            store.set(KEY, f"global rank {dist.get_rank()} failed: {message}")
+    except Exception:  # noqa: BLE001 - the original error is what matters
+        pass
+
+
+@contextlib.contextmanager
+def signalling_failure():
+    """Signal any exception raised inside (but the peers' own :class:`PeerFailedError`), then
+    let it propagate."""
+    try:
+        yield
+    except PeerFailedError:
+        raise
+    except BaseException as e:
+        signal(f"{type(e).__name__}: {str(e)[:2000]}")
+        raise
+
+
+def failure() -> Optional[str]:
+    """The message of the first rank that signalled, or None."""
+    store = _store()
+    if store is None:
+        return None
+    try:
+        if not store.check([KEY]):
+            return None
+        return store.get(KEY).decode(errors="replace")
+    except Exception:  # noqa: BLE001 - a store gone away: the waits' own deadlines remain
+        return None
+
+
+def raise_if_failed(waiting: str) -> None:
+    """Raise :class:`PeerFailedError` if a rank signalled; ``waiting`` says who waits for what."""
+    msg = failure()
+    if msg is not None:
+        raise PeerFailedError(f"{waiting}: stopped waiting because {msg}")
+
+
+def wait_work(work, timeout_s: Optional[float], waiting: str, timeout_error: Type[Exception] = TimeoutError,
+              on_host: bool = True) -> None:
+    """Wait for a ``torch.distributed`` work within ``timeout_s`` (None: no deadline of ours),
+    checking the abort signal. ``on_host=False`` (an accelerator): ``work.wait()`` only makes the
+    stream wait, nothing to poll. ``waiting`` names this rank, the peer and what was awaited."""
+    if not on_host:
+        work.wait()
+        return
+    done, error = threading.Event(), []
+
+    def wait():
+        try:
+            work.wait() if timeout_s is None else work.wait(datetime.timedelta(seconds=timeout_s))
+        except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
+            error.append(e)
+        done.set()
+
+    threading.Thread(target=wait, daemon=True, name="megatron-dualpipe-wait").start()
+    start = time.monotonic()
+    while not done.wait(POLL_S):
+        raise_if_failed(waiting)
+        if timeout_s is not None and time.monotonic() - start > timeout_s + 1.0:
+            break
+    if not done.is_set() or error:
+        raise_if_failed(waiting)
+        elapsed = time.monotonic() - start
+        cause = f": {error[0]}" if error else ""
+        raise timeout_error(f"{waiting}: did not complete ({elapsed:.1f} s, timeout {timeout_s} s){cause}") \
+            from (error[0] if error else None)

@@ -1,0 +1,132 @@
+"""A CPU emulation of NCCL's stream semantics, so that the accelerator branches run in CI.
+
+On a GPU, ``Work.wait()`` makes the current stream wait; every later compute, P2P batch and
+collective of that rank starts after the stream's work before it, so all of it waits too,
+while the host runs on. The CPU runs gloo, where ``wait()`` blocks the host. Blocking the host
+blocks everything the rank issues later, which is what a stream wait does to the executor
+(all it issues is stream-ordered), so the emulation is:
+
+* :func:`waits_order_stream` is True for CPU tensors (``streams.emulating_stream_waits``): the
+  package takes its accelerator branches (no host deadline of its own, watchdog polling,
+  ``is_completed()`` instead of waiting);
+* every ``Work`` that ``all_reduce(async_op=True)``, ``batch_isend_irecv``, ``isend`` and
+  ``irecv`` return behaves like NCCL's (:class:`EmulatedWork`): ``is_completed()`` turns True
+  by itself once the operation completed (a thread waits on gloo's work; a gloo send's own
+  ``is_completed()`` stays False until someone waits), and ``wait()`` stands for the stream
+  wait: the rank stops until the operation completed, at most ``deadline_s``, after which
+  :class:`EmulatedStreamDeadlock` names the rank and what the stream waited for (on a GPU the
+  rank would sit there until NCCL's watchdog, or forever).
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+
+from .streams import emulating_stream_waits
+
+_WRAPPED = ("all_reduce", "batch_isend_irecv", "isend", "irecv")
+#: What a collective returns inside ``_coalescing_manager`` (Megatron DDP's): the manager's
+#: handle is the work, waited where NCCL's would be.
+_ILLEGAL_WORK = getattr(c10d, "_IllegalWork", type(None))
+
+
+class EmulatedStreamDeadlock(RuntimeError):
+    """An emulated stream wait did not end: on a GPU this rank's stream would wait forever."""
+
+
+#: What the emulation saw in this process: works it wrapped, stream waits (``wait()`` calls).
+STATS = {"works": 0, "stream_waits": 0}
+
+
+class EmulatedWork:
+    """A gloo work with NCCL's behaviour (see the module docstring)."""
+
+    def __init__(self, works, what: str, deadline_s: float):
+        """``works``: one gloo work, or the works of one batch (then it completes when all did,
+        as NCCL's one work of a coalesced batch)."""
+        self._works = works if isinstance(works, list) else [works]
+        self.what, self.deadline_s = what, deadline_s
+        self.issued = time.monotonic()
+        STATS["works"] += 1
+        self._done = threading.Event()
+        self._error = None
+        threading.Thread(target=self._wait, daemon=True, name="emulated-nccl-work").start()
+
+    def _wait(self) -> None:
+        try:
+            for w in self._works:
+                w.wait()
+        except BaseException as e:  # noqa: BLE001 - raised by the waiter
+            self._error = e
+        self._done.set()
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout=None) -> bool:
+        """The stream wait: nothing this rank issues later runs before the operation completed."""
+        STATS["stream_waits"] += 1
+        if not self._done.wait(self.deadline_s):
+            raise EmulatedStreamDeadlock(
+                f"global rank {dist.get_rank()}: the emulated stream waited {self.deadline_s:g} s for {self.what} "
+                f"(issued {time.monotonic() - self.issued:.1f} s ago) and it never completed: on a GPU this rank's "
+                f"compute stream, and every batch and collective issued after it, would wait forever")
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def __getattr__(self, name):
+        return getattr(self._works[0], name)
+
+
+def _describe(name: str, args, kwargs) -> str:
+    group = kwargs.get("group")
+    if name == "batch_isend_irecv":
+        ops = args[0] if args else kwargs.get("p2p_op_list", [])
+        parts = [f"{'send to' if op.op in (dist.isend, c10d.isend) else 'receive from'} global rank {op.peer}"
+                 for op in ops]
+        return "a P2P batch (" + ", ".join(parts) + ")"
+    if name in ("isend", "irecv"):
+        peer = args[1] if len(args) > 1 else next((kwargs[k] for k in ("dst", "src", "group_dst", "group_src")
+                                                   if kwargs.get(k) is not None), "?")
+        return f"{'a send to' if name == 'isend' else 'a receive from'} global rank {peer}"
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    return f"an all-reduce over global ranks {ranks}"
+
+
+@contextlib.contextmanager
+def emulate_nccl(deadline_s: float = 20.0):
+    """Within: CPU tensors take the accelerator branches, and works behave like NCCL's."""
+    saved = {}
+
+    def wrap(name, fn):
+        def wrapped(*args, **kwargs):
+            result = fn(*args, **kwargs)
+            what = _describe(name, args, kwargs)
+            if isinstance(result, list):  # a batch: one work that completes with all its operations
+                return [EmulatedWork(list(result), what, deadline_s)] if result else result
+            if result is None or isinstance(result, (EmulatedWork, _ILLEGAL_WORK)):  # inside a coalescing manager
+                return result
+            return EmulatedWork(result, what, deadline_s)
+        return wrapped
+
+    for name in _WRAPPED:
+        fn = getattr(c10d, name)
+        new = wrap(name, fn)
+        for mod in (dist, c10d):
+            if getattr(mod, name, None) is fn:
+                saved[(mod, name)] = fn
+                setattr(mod, name, new)
+    try:
+        with emulating_stream_waits():
+            yield
+    finally:
+        for (mod, name), fn in saved.items():
+            setattr(mod, name, fn)
+
+
+__all__ = ["EmulatedWork", "EmulatedStreamDeadlock", "emulate_nccl"]

@@ -1,0 +1,84 @@
+"""Opt-in drift check: both copies of every DualPipe stage must stay bit-identical.
+
+DualPipe keeps stage i on rank i (``model[0]``) and on rank pp-1-i (``model[1]``); the bd sum
+gives both copies the same gradient, so the same optimizer step keeps them equal, bit for bit.
+Anything that treats the copies differently (a per-copy statistic, an FP8 amax history, a
+non-deterministic kernel, a missed reduction) makes them drift apart silently. Every N training
+iterations (``get_forward_backward_func(..., drift_check_every=N)``, Megatron-LM's
+``--dualpipe-drift-check-interval N``) the two copies exchange one cheap checksum per
+parameter (an all-gather of a few integers per parameter over the bd pair, with a deadline)
+and :class:`CopiesDriftedError` names the first parameter that differs. A no-op for DualPipeV
+(its two chunks are different stages).
+"""
+from __future__ import annotations
+
+from typing import List, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..executor import abort
+from . import bd_pairs
+from .finalize import BD_SUM_TIMEOUT_S, _layout
+from .model import BIDIRECTIONAL, unwrap_chunk
+
+__all__ = ["CopiesDriftedError", "check_copies_identical"]
+
+
+class CopiesDriftedError(RuntimeError):
+    """The two copies of a DualPipe stage are no longer bit-identical."""
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes as int64 values (whole 32-bit words where they fit)."""
+    flat = t.detach().contiguous().reshape(-1)
+    raw = flat.view(torch.uint8)
+    return (raw.view(torch.int32) if raw.numel() % 4 == 0 else raw).to(torch.int64)
+
+
+def _parameter_names(chunk: torch.nn.Module) -> List[str]:
+    return [name for name, _ in unwrap_chunk(chunk).named_parameters()]
+
+
+def _checksum_tensor(chunk: torch.nn.Module, device) -> torch.Tensor:
+    """Two int64 per parameter: the sum of its words and their sum weighted by position (so that
+    a change, or two words swapped, shows). Bit-identical copies give identical checksums."""
+    sums = []
+    for _, p in unwrap_chunk(chunk).named_parameters():
+        w = _bits(p)
+        weights = torch.arange(1, w.numel() + 1, dtype=torch.int64, device=w.device) % 65521
+        sums.append(torch.stack([w.sum(), (w * weights).sum()]))
+    return torch.stack(sums).to(device) if sums else torch.zeros(0, 2, dtype=torch.int64, device=device)
+
+
+def check_copies_identical(model: Sequence[torch.nn.Module], timeout_s: float = BD_SUM_TIMEOUT_S) -> int:
+    """Raise :class:`CopiesDriftedError` naming the first parameter whose two copies differ;
+    return how many parameters were compared. Collective over the bd pair."""
+    if _layout(model) != BIDIRECTIONAL or len(model) != 2:
+        return 0
+    pos = bd_pairs.position()
+    device = next(unwrap_chunk(model[0]).parameters()).device
+    compared = 0
+    for copy_ in bd_pairs.stage_copies(pos):
+        chunk = model[copy_.chunk]
+        names = _parameter_names(chunk)
+        mine = _checksum_tensor(chunk, device)
+        if pos.is_middle:
+            theirs = _checksum_tensor(model[1 - copy_.chunk], device)
+            other = pos.me
+        else:
+            n = mine.shape[0]
+            both = torch.zeros(2 * n, 2, dtype=mine.dtype, device=device)  # the pair's lists, lower rank first
+            work = dist.all_gather_into_tensor(both, mine, group=pos.group, async_op=True)
+            abort.wait_work(work, timeout_s, f"global rank {pos.me}: the drift check of stage {copy_.stage} with "
+                            f"global rank {pos.partner}", TimeoutError, on_host=True)
+            theirs = both[n:] if pos.me < pos.partner else both[:n]
+            other = pos.partner
+        differ = (mine != theirs).any(dim=1).nonzero().flatten().tolist() if mine.numel() else []
+        if differ:
+            raise CopiesDriftedError(
+                f"the two copies of stage {copy_.stage} (global ranks {pos.me} and {other}) differ: first in "
+                f"parameter {names[differ[0]]!r} ({len(differ)} of {len(names)} parameters differ). Something "
+                f"treats the copies differently (see docs/megatron-options.md for the options refused for that reason)")
+        compared += len(names)
+    return compared

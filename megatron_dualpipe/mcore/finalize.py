@@ -1,0 +1,289 @@
+"""Gradient finalize for the two model chunks of DualPipe / DualPipeV (after the schedule).
+
+DualPipe keeps every stage twice (``model[0]`` on its home rank i, ``model[1]`` on rank
+pp-1-i), and each copy receives the gradient of the micro-batches of its own direction. The
+logical gradient is their sum: `allreduce_bd_grads` (the executor's schedules start the same
+sums during the schedule instead: ``grad_reduction.GradReduction``). With tied word embeddings
+the embedding (stage 0) and the output weight (stage pp-1, or 2pp-1 for DualPipeV) are one
+logical parameter; after the bd sum every rank that holds both an embedding copy and an output
+copy (ranks 0 and pp-1 for DualPipe, rank 0 for DualPipeV) sets both to their sum:
+`fold_tied_embedding_grads`. That replaces megatron's embedding-group all-reduce, which with
+two chunks picks the wrong chunk (``model[-1]`` on the last pipeline rank is the mirrored
+stage-0 copy, not the output layer) and is therefore switched off in `finalize_dualpipe_grads`.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import weakref
+from typing import Callable, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..executor import pair_sums
+from . import bd_pairs
+from .model import BIDIRECTIONAL, V_SHAPE, chunk_info, unwrap_chunk
+
+__all__ = ["allreduce_bd_grads", "allreduce_bd_router_token_counts", "fold_tied_embedding_grads",
+           "finalize_dualpipe_grads", "sum_tensors", "check_buffer_layouts", "NO_EMBEDDING_GROUP"]
+
+#: Deadline of a bd sum's wait on the host (seconds), as the P2P timeout.
+BD_SUM_TIMEOUT_S = float(os.environ.get("MEGATRON_DUALPIPE_P2P_TIMEOUT", "600"))
+
+
+class _NoEmbeddingGroup:
+    """Stands in for ``pg_collection.embd`` so that megatron's finalize skips the word-embedding
+    all-reduce: ``get_pg_size`` of it is 1.
+
+    ``embd=None`` does not work in megatron-core 0.16.1: ``_allreduce_word_embedding_grads``
+    then falls back to ``parallel_state.get_embedding_group()`` and, on the ranks of a 2-rank
+    embedding group, asserts ``pp_group is None``. Never used for communication.
+    """
+
+    def size(self) -> int:
+        return 1
+
+    def rank(self) -> int:
+        return 0
+
+    def __repr__(self) -> str:
+        return "<no embedding group (DualPipe folds tied embeddings itself)>"
+
+
+NO_EMBEDDING_GROUP = _NoEmbeddingGroup()
+
+
+def _layout(model: Sequence[torch.nn.Module]) -> str:
+    info = chunk_info(model[0]) if len(model) else None
+    return info["layout"] if info is not None else BIDIRECTIONAL
+
+
+def _grad_slot(param: torch.nn.Parameter) -> torch.Tensor:
+    """The tensor holding ``param``'s gradient: ``main_grad`` (Megatron DDP) when present, else
+    ``param.grad``; a missing ``param.grad`` is replaced by zeros (and assigned)."""
+    g = getattr(param, "main_grad", None)
+    if g is not None:
+        return g
+    if param.grad is None:
+        param.grad = torch.zeros_like(param)
+    return param.grad
+
+
+def _trainable(chunk: torch.nn.Module) -> List[torch.nn.Parameter]:
+    return [p for p in unwrap_chunk(chunk).parameters() if p.requires_grad]
+
+
+def allreduce_bd_grads(model: Sequence[torch.nn.Module]) -> None:
+    """Sum the gradients of the two copies of each stage over the bd pair (DualPipe), now.
+
+    On pipeline rank i the pair holds stages i (``model[0]`` here, ``model[1]`` on the partner)
+    and pp-1-i. Both partners sum the two stages in stage order, min(i, pp-1-i) first, through
+    the one bd-sum implementation (``executor.pair_sums``, which the executor's `GradReduction`
+    starts chunk by chunk during the schedule): in place over Megatron DDP's grad buffers, else
+    one all-reduce per dtype over the flattened gradients of the chunk's trainable parameters in
+    ``parameters()`` order (identical on both copies); a parameter without a gradient
+    contributes zeros and gets a zero ``.grad``. On the middle rank of an odd pipeline the two
+    copies are summed locally. A no-op for DualPipeV (its chunks are different stages).
+
+    Synchronous; run it before any data-parallel reduction of the chunks has started.
+    """
+    if _layout(model) == V_SHAPE:
+        return
+    if len(model) != 2:
+        raise ValueError(f"allreduce_bd_grads needs [model_dir0, model_dir1], got {len(model)} chunks")
+    pos = bd_pairs.position()
+    if pos.is_middle:
+        bd_pairs.sum_copies(model, lambda chunk: [_grad_slot(p) for p in _trainable(chunk)])
+        return
+    if all(_is_wrapped(c) for c in model):
+        check_buffer_layouts(model)
+    for copy_ in bd_pairs.stage_copies(pos):
+        chunk = model[copy_.chunk]
+        pair_sums.sum_now(sum_tensors(chunk), pos.group, in_place=_is_wrapped(chunk),
+                          what=f"global rank {pos.me}: bd sum of stage {copy_.stage} with global rank {pos.partner}",
+                          timeout_s=BD_SUM_TIMEOUT_S)
+
+
+def sum_tensors(chunk: torch.nn.Module) -> List[torch.Tensor]:
+    """What a chunk's bd sum adds: Megatron DDP's grad buffers (in place), else every trainable
+    parameter's gradient slot (``main_grad`` or ``.grad``) in ``parameters()`` order."""
+    if _is_wrapped(chunk):
+        return [buf.grad_data for buf in _grad_buffers(chunk)]
+    return [_grad_slot(p) for p in _trainable(chunk)]
+
+
+def _grad_buffers(chunk) -> list:
+    """Megatron DDP's contiguous gradient buffers of a chunk (dense, then expert-parallel)."""
+    return list(getattr(chunk, "buffers", [])) + list(getattr(chunk, "expert_parallel_buffers", []))
+
+
+_CHECKED_LAYOUTS: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def check_buffer_layouts(model) -> None:
+    """Once per model: the two copies of each stage must have the same DDP buffer layout (dtype,
+    size and bucket sizes of every buffer), or the in-place bd sums would add unrelated
+    gradients. Collective over the bd pair (both partners call it before their first bd sum)."""
+    if model[0] in _CHECKED_LAYOUTS:
+        return
+
+    def layout(chunk):
+        return [(str(b.grad_dtype), b.grad_data.numel(), [bk.grad_data.numel() for bk in b.buckets])
+                for b in _grad_buffers(chunk)]
+
+    for copy_ in bd_pairs.stage_copies():
+        bd_pairs.check_same_structure(
+            layout(model[copy_.chunk]),
+            f"DDP gradient buffers of stage {copy_.stage} (the copies must be bucketed alike: wrap both chunks "
+            f"with the same DistributedDataParallelConfig and disable_bucketing=True, as Megatron-LM's get_model "
+            f"does under --pipeline-schedule dualpipe)")
+    _CHECKED_LAYOUTS.add(model[0])
+
+
+def _router_token_counts(chunk: torch.nn.Module) -> List[torch.Tensor]:
+    """The ``local_tokens_per_expert`` counters of the chunk's MoE routers with an expert bias,
+    in module order (the order Megatron's ``_update_router_expert_bias`` stacks them)."""
+    return [m.local_tokens_per_expert for m in unwrap_chunk(chunk).modules()
+            if getattr(m, "expert_bias", None) is not None and getattr(m, "local_tokens_per_expert", None) is not None]
+
+
+def allreduce_bd_router_token_counts(model: Sequence[torch.nn.Module]) -> None:
+    """``--moe-router-enable-expert-bias`` (aux-loss-free balancing), DualPipe: sum each MoE
+    router's token counts over the two copies of its stage.
+
+    Each copy counts the tokens of its own direction's micro-batches; Megatron's finalize then
+    moves ``expert_bias`` by the sign of (mean count - count), all-reduced over TP x CP x DP. With
+    the counts summed first, both copies see the whole global batch, as 1F1B's one copy does,
+    and make the same update, so they keep routing alike. A no-op for DualPipeV and without
+    expert-bias routers.
+    """
+    if _layout(model) == V_SHAPE or not any(_router_token_counts(c) for c in model):
+        return
+    bd_pairs.sum_copies(model, _router_token_counts)
+
+
+def _tied_copies(model: Sequence[torch.nn.Module]):
+    """This rank's copies of the tied word embedding: (embedding weights, output weights),
+    distinct parameters only (a chunk that is both first and last shares one parameter)."""
+    emb, out = [], []
+    for chunk in model:
+        m = unwrap_chunk(chunk)
+        if not getattr(m, "share_embeddings_and_output_weights", False):
+            continue
+        if getattr(m, "pre_process", False):
+            emb.append(m.embedding.word_embeddings.weight)
+        if getattr(m, "post_process", False) and not getattr(m, "pre_process", False):
+            w = m.output_layer.weight
+            if w is not None:
+                out.append(w)
+    return emb, out
+
+
+def fold_tied_embedding_grads(model: Sequence[torch.nn.Module]) -> None:
+    """Tied embeddings: where a rank holds an embedding copy and a separate output-weight copy
+    (DualPipe: ranks 0 and pp-1; DualPipeV: rank 0), set both gradients to their sum.
+
+    Run it after `allreduce_bd_grads` (then the embedding copy already holds both directions'
+    embedding gradient and the output copy both directions' output gradient, so the sum is the
+    gradient of the logical tied parameter on both ranks). Local, no communication. Does
+    nothing for untied models or ranks without both copies.
+    """
+    emb, out = _tied_copies(model)
+    if not emb or not out:
+        return
+    if len(emb) != 1 or len(out) != 1:
+        raise RuntimeError(
+            f"unexpected tied-embedding copies on this rank: {len(emb)} embeddings, {len(out)} outputs"
+        )
+    with torch.no_grad():
+        ge, go = _grad_slot(emb[0]), _grad_slot(out[0])
+        ge.add_(go)
+        go.copy_(ge)
+
+
+def finalize_dualpipe_grads(
+    model: Sequence[torch.nn.Module],
+    num_tokens: Optional[torch.Tensor],
+    *,
+    finalize_func: Optional[Callable] = None,
+    pg_collection=None,
+    force_all_reduce: Optional[bool] = False,
+    copies_summed: bool = False,
+) -> Optional[torch.Tensor]:
+    """Finalize gradients of ``[model_dir0, model_dir1]``: the DualPipe replacement of
+    ``config.finalize_model_grads_func``. In order:
+
+    1. `allreduce_bd_grads` (bd pairs; skipped for DualPipeV);
+    2. `fold_tied_embedding_grads` (local);
+    3. if ``num_tokens`` is a tensor: all-reduce(SUM) over the pipeline group
+       (``pg_collection.pp`` or parallel_state's). Each rank passes the tokens of the
+       micro-batches whose loss it computed (its last stages: rank pp-1 for direction 0 and
+       rank 0 for direction 1 in DualPipe, rank 0 in DualPipeV, zero elsewhere), so every rank
+       gets the total. Megatron's finalize then broadcasts it from the last pipeline rank (same
+       value) and all-reduces it over data parallel;
+    4. ``finalize_func(model, num_tokens, pg_collection=pgc, force_all_reduce=...)`` with ``pgc``
+       a copy of ``pg_collection`` (default: the ``parallel_state`` groups) whose ``embd`` is a
+       size-1 placeholder (`NO_EMBEDDING_GROUP`; ``None`` would make megatron fall back to
+       ``parallel_state``'s embedding group) and whose ``pos_embd`` is None, so megatron's word-
+       and position-embedding all-reduces are skipped (steps 1-2 did that work; the position
+       embedding lives on stage 0, whose two copies are a bd pair).
+
+    ``copies_summed=True`` skips steps 1-2 (``grad_reduction.GradReduction`` did them during the
+    schedule).
+
+    Collective order on every rank: bd all-reduce(s) [bd group], tokens all-reduce [pp group],
+    then megatron's: ``finish_grad_sync`` per chunk (DP all-reduce / reduce-scatter), TP
+    reductions of sequence-parallel / qk-layernorm grads, token broadcast [pp] and all-reduce
+    [DP]. The bd reduction therefore runs before the data-parallel one; both are sums over
+    disjoint rank sets, so the order does not change the result.
+
+    ``finalize_func=None`` means megatron-core's ``finalize_model_grads`` when the chunks are
+    wrapped (Megatron DDP: they have ``finish_grad_sync``). For unwrapped chunks (plain
+    ``GPTModel``, as in tests) megatron's finalize cannot run (it calls
+    ``model_chunk.finish_grad_sync()``, and ``scale_gradients`` for per-token loss), so step 4
+    is skipped; that is only allowed without data/context parallelism and with tp == 1
+    (else ValueError), and gradients are then *not* divided by ``num_tokens``. Returns the
+    summed ``num_tokens`` (or None).
+    """
+    from megatron.core import parallel_state
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.utils import get_model_config, get_pg_size
+
+    if not copies_summed:
+        allreduce_bd_grads(model)
+        fold_tied_embedding_grads(model)
+
+    pp_group = pg_collection.pp if pg_collection is not None else parallel_state.get_pipeline_model_parallel_group()
+    if isinstance(num_tokens, torch.Tensor):
+        dist.all_reduce(num_tokens, group=pp_group)
+
+    if finalize_func is None:
+        if all(_is_wrapped(c) for c in model):
+            from megatron.core.distributed import finalize_model_grads as finalize_func
+        else:
+            if pg_collection is not None:
+                dp_cp, tp = pg_collection.dp_cp, pg_collection.tp
+            else:
+                dp_cp = parallel_state.get_data_parallel_group(with_context_parallel=True)
+                tp = parallel_state.get_tensor_model_parallel_group()
+            if get_pg_size(dp_cp) > 1 or get_pg_size(tp) > 1:
+                raise ValueError(
+                    "finalize_dualpipe_grads: the chunks are not wrapped in Megatron DDP, so "
+                    "megatron's finalize_model_grads cannot run, but data/context or tensor "
+                    "parallelism needs it: wrap the chunks (build_two_direction_model(wrap=...)) "
+                    "or pass finalize_func"
+                )
+            return num_tokens
+
+    if getattr(get_model_config(model[0]), "moe_router_enable_expert_bias", False):
+        allreduce_bd_router_token_counts(model)  # before Megatron's finalize moves expert_bias
+    pgc = copy.copy(pg_collection) if pg_collection is not None else ProcessGroupCollection.use_mpu_process_groups()
+    pgc.embd = NO_EMBEDDING_GROUP
+    pgc.pos_embd = None
+    finalize_func(model, num_tokens, pg_collection=pgc, force_all_reduce=force_all_reduce)
+    return num_tokens
+
+
+def _is_wrapped(chunk: torch.nn.Module) -> bool:
+    return hasattr(chunk, "finish_grad_sync")

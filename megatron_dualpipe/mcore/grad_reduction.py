@@ -1,0 +1,229 @@
+"""One iteration's gradient reduction, started chunk by chunk while the schedule runs.
+
+The stage compute tells a `GradReduction` every backward / weight-gradient action it ran
+(`GradReduction.after_action`); `GradReduction.finish` completes the reduction after the
+schedule. That is its whole interface, so it can be attached to the runner as a listener.
+
+Per chunk (one `_Chunk` state each), after its last real gradient action:
+
+1. ``--defer-embedding-wgrad-compute``: Megatron's deferred output-layer weight gradients of the
+   chunk are computed (``schedules.finish_embedding_wgrad_compute``), as 1F1B does at its end;
+2. DualPipe: its bd sum (the two copies of the stage summed over the bd pair, in place over
+   Megatron DDP's grad buffers) is issued at the point the iteration plan gives
+   (``schedule.iteration_plan.bd_sum_points``: both partners in the same order of stages) through
+   ``executor.pair_sums``, and never waited before `finish`: a wait on an accelerator makes the
+   compute stream wait, and the partner may first need a tensor queued behind it (issue 17);
+3. once its sum is seen complete, the chunk's data-parallel reduction starts
+   (``config.grad_sync_func``, Megatron DDP's ``start_grad_sync`` under
+   ``--overlap-grad-reduce``) in the order the chunks finished (the same on every
+   data-parallel peer, so their collectives pair up). A chunk holding a tied-embedding copy on
+   a rank that holds both copies waits for `finish`, where the fold needs both sums.
+
+`finish` waits for every sum (the end of the schedule: the plan proves it safe), folds tied
+embeddings and starts the remaining data-parallel reductions. Megatron's finalize then waits for
+them as after its own 1F1B (``finish_grad_sync``; ``finalize.finalize_dualpipe_grads(copies_summed=True)``).
+
+While the schedule runs (`GradReduction.during_schedule`), Megatron DDP's backward hooks only
+accumulate into ``main_grad`` (the schedule holds ``no_sync``), and ``overlap_grad_reduce`` is off
+in the DDP config so that a backward whose weight gradient is deferred (zero bubble) does not
+trip DDP's ``param.grad is not None`` assertion.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from ..executor import pair_sums
+from . import bd_pairs
+from .finalize import (BD_SUM_TIMEOUT_S, _is_wrapped, _layout, _tied_copies, allreduce_bd_grads,
+                       check_buffer_layouts, fold_tied_embedding_grads, sum_tensors)
+from .model import BIDIRECTIONAL, unwrap_chunk
+
+__all__ = ["GradReduction", "clear_deferred_output_wgrads"]
+
+
+@dataclass
+class _Chunk:
+    """One model chunk's progress through the iteration's reduction."""
+
+    index: int
+    dp_start: Optional[Callable]  # what starts its data-parallel reduction, or None (finalize does)
+    held: bool                    # waits for finish (tied fold, or the middle rank's local sum)
+    done: bool = False            # its gradients are final
+    summed: bool = False          # its bd sum (if any) is complete
+    dp_started: bool = False
+
+
+class GradReduction:
+    """See the module docstring. ``sum_points``: this rank's (action index, chunk) bd-sum issue
+    points from the iteration plan; ``actions``: this rank's actions (indexing ``sum_points``)."""
+
+    def __init__(self, model: Sequence[torch.nn.Module], config, *, actions, sum_points: Sequence[Tuple[int, int]],
+                 last_actions: Dict[int, int]):
+        self.model, self.config = list(model), config
+        n = len(self.model)
+        bidirectional = _layout(self.model) == BIDIRECTIONAL and n == 2
+        self._pos = bd_pairs.position() if bidirectional else None
+        self._local_sum = bidirectional and self._pos.is_middle  # odd pipeline: both copies here
+        bd = bidirectional and not self._local_sum
+        self._last = {pair_sums.action_key(actions[i]): c for c, i in last_actions.items()}
+        if bd and all(_is_wrapped(c) for c in self.model):
+            check_buffer_layouts(self.model)
+        # The fold replaces Megatron's embedding-group all-reduce, a step of its finalize: without a
+        # finalize function neither happens (as with megatron-core's own 1F1B).
+        emb, out = _tied_copies(self.model)
+        self._fold = bool(emb) and bool(out) and config.finalize_model_grads_func is not None
+        starts = _dp_start_functions(config, self.model)
+        self.chunks = [_Chunk(c, starts[c], self._local_sum or (self._fold and _holds_tied_copy(self.model[c])),
+                              summed=not bd) for c in range(n)]
+        self._finished: List[int] = []  # chunks in the order their gradients became final
+        self._sums = None
+        if bd:
+            points: Dict[tuple, List[int]] = {}
+            for i, c in sum_points:
+                if i < len(actions):
+                    points.setdefault(pair_sums.action_key(actions[i]), []).append(c)
+            pos = self._pos
+            self._sums = pair_sums.PairSums(
+                points, lambda c: sum_tensors(self.model[c]), pos.group,
+                in_place=lambda c: _is_wrapped(self.model[c]), on_summed=self._summed, timeout_s=BD_SUM_TIMEOUT_S,
+                describe=lambda c: (f"global rank {pos.me}: the bd sum of stage {pos.index if c == 0 else pos.pp - 1 - pos.index} "
+                                    f"with global rank {pos.partner}"))
+        self._ddp_configs: dict = {}  # set while the schedule runs (during_schedule)
+        self._configured: dict = {}
+        clear_deferred_output_wgrads(config, self.model)
+
+    # -- during the schedule ---------------------------------------------------------------------
+    @contextlib.contextmanager
+    def during_schedule(self):
+        self._ddp_configs = {id(c.ddp_config): c.ddp_config for c in self.model
+                             if getattr(c, "ddp_config", None) is not None}
+        self._configured = {k: cfg.overlap_grad_reduce for k, cfg in self._ddp_configs.items()}
+        for cfg in self._ddp_configs.values():
+            cfg.overlap_grad_reduce = False
+        try:
+            yield
+        finally:
+            self._set_overlap(self._configured)
+            self._ddp_configs = {}
+
+    def _set_overlap(self, values: dict) -> None:
+        for k, cfg in self._ddp_configs.items():
+            cfg.overlap_grad_reduce = values[k]
+
+    @contextlib.contextmanager
+    def _as_configured(self):
+        """Megatron's ``start_grad_sync`` as the user configured it (during the schedule the flag is
+        off): asynchronous under ``--overlap-grad-reduce``, leaving the handle that its
+        ``finish_grad_sync`` waits for. Synchronous, it left no handle, and ``finish_grad_sync``
+        (still in its first-batch mode: the hooks never register a gradient) reduced the bucket a
+        second time: harmless for an averaging all-reduce, wrong for the distributed optimizer's
+        reduce-scatter."""
+        during = dict(self._configured) if self._ddp_configs else None
+        if during is not None:
+            self._set_overlap(during)
+        try:
+            yield
+        finally:
+            if during is not None:
+                self._set_overlap({k: False for k in during})
+
+    def after_action(self, a) -> None:
+        """Called by the stage compute after each backward / weight-gradient action it ran."""
+        c = self._last.get(pair_sums.action_key(a))
+        if c is not None:
+            self._chunk_done(c)
+        if self._sums is not None:
+            self._sums.after_action(a)  # issues the sums planned after ``a``; waits for none
+        self._start_ready_dp()
+
+    def _chunk_done(self, c: int) -> None:
+        state = self.chunks[c]
+        if state.done:
+            return
+        state.done = True
+        self._finished.append(c)
+        _finish_deferred_output_wgrads(self.config, self.model[c])
+
+    def _summed(self, c: int) -> None:
+        self.chunks[c].summed = True
+
+    def _start_ready_dp(self) -> None:
+        """Start the data-parallel reductions that may start, in the order the chunks finished."""
+        for c in self._finished:
+            state = self.chunks[c]
+            if state.dp_started or state.held:
+                continue
+            if not state.summed:
+                break
+            state.dp_started = True
+            if state.dp_start is not None:
+                with self._as_configured():
+                    state.dp_start(self.model[c].parameters())
+
+    # -- after the schedule -------------------------------------------------------------------------
+    def finish(self) -> None:
+        """Complete the reduction: every chunk done, every sum waited (the first waits of the
+        iteration), tied embeddings folded, every data-parallel reduction started."""
+        for c in range(len(self.model)):
+            self._chunk_done(c)
+        if self._sums is not None:
+            self._sums.finish(range(len(self.model)))
+        if self._local_sum:
+            allreduce_bd_grads(self.model)  # the middle rank of an odd pipeline sums locally
+        if self._fold:
+            fold_tied_embedding_grads(self.model)
+        for state in self.chunks:
+            state.held, state.summed = False, True
+        self._start_ready_dp()
+
+
+def _dp_start_functions(config, model) -> list:
+    """Per chunk: what starts its data-parallel reduction early (``config.grad_sync_func``,
+    which Megatron-LM sets with --overlap-grad-reduce), or None (reduced in finalize)."""
+    funcs = config.grad_sync_func
+    if funcs is None:
+        return [None] * len(model)
+    funcs = funcs if isinstance(funcs, list) else [funcs]
+    return funcs * len(model) if len(funcs) == 1 else list(funcs)
+
+
+def _holds_tied_copy(chunk) -> bool:
+    m = unwrap_chunk(chunk)
+    return bool(getattr(m, "share_embeddings_and_output_weights", False)) and \
+        bool(getattr(m, "pre_process", False) or getattr(m, "post_process", False))
+
+
+def _output_layer_module(config, chunk):
+    """The GPT module whose output layer defers its weight gradients, or None."""
+    if not getattr(config, "defer_embedding_wgrad_compute", False):
+        return None
+    m = unwrap_chunk(chunk)
+    return m if getattr(m, "post_process", False) and getattr(m, "embedding_activation_buffer", None) is not None \
+        else None
+
+
+def clear_deferred_output_wgrads(config, model) -> None:
+    """``--defer-embedding-wgrad-compute``: empty the output layer's buffers of deferred activations
+    and output gradients. Before a training run (no stray activations of an earlier evaluation),
+    and after every evaluation run: its forwards append their activations too, and nothing
+    drains them, so they would grow through the evaluation."""
+    for chunk in model:
+        m = _output_layer_module(config, chunk)
+        if m is not None:
+            m.embedding_activation_buffer.clear()
+            m.grad_output_buffer.clear()
+
+
+def _finish_deferred_output_wgrads(config, chunk) -> None:
+    """``--defer-embedding-wgrad-compute``: the output layer's weight gradients, deferred by its
+    backward to the end of the chunk's micro-batches (Megatron's own drain, as its 1F1B calls)."""
+    m = _output_layer_module(config, chunk)
+    if m is not None:
+        from megatron.core import parallel_state
+        from megatron.core.pipeline_parallel import schedules
+
+        schedules.finish_embedding_wgrad_compute(config, m, True, parallel_state.get_tensor_model_parallel_group())

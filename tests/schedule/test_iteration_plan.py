@@ -1,0 +1,118 @@
+"""schedule.iteration_plan: an iteration's whole communication, checked under NCCL stream semantics.
+
+Standard library only. The plan holds every rank's compute units, P2P batches, bd sums, data-
+parallel reductions, loss gather and finalize all-reduce, issued as the executor issues them;
+the check runs them under NCCL's rules (stream order, one stream per communicator, stream waits
+block everything later, collectives complete when all ranks started them) and names the cycle
+of a plan that cannot complete.
+
+* Issue 17's hang: with GradReduction's old stream wait right after each bd sum, pp=2 M=3
+  deadlocks; the check names the cycle (rank 0's sum waits for rank 1's, which sits behind a
+  receive of a tensor rank 0 posts only after its wait).
+* Every accepted (schedule, pp, M, zero bubble, overlap-grad-reduce, dp) over pp 2..16 even and
+  M from pp to 4pp has no cycle with today's waits; the old waits' cycles are counted and printed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+
+import pytest
+
+from megatron_dualpipe.schedule import build_schedule, registry
+from megatron_dualpipe.schedule import iteration_plan as IP
+from megatron_dualpipe.schedule.comm import plan
+
+
+@functools.lru_cache(maxsize=None)
+def _program(name, pp, padded):
+    s = build_schedule(name, pp, padded)
+    return s.ranks, tuple(plan(s.layout, s.ranks))
+
+
+@functools.lru_cache(maxsize=None)
+def _forward_program(name, pp, padded):
+    """As the executor compiles forward-only: the forwards alone, none fused."""
+    s = build_schedule(name, pp, padded)
+    ranks = [[dataclasses.replace(a, overlap=False) for a in r if a.op == "F"] for r in s.ranks]
+    return ranks, tuple(plan(s.layout, ranks))
+
+
+def _check(name, pp, m, zb, ogr=True, dp=2, forward_only=False, wait=IP.WAIT_AT_FINISH):
+    spec = registry.get(name)
+    ranks, plans = _program(name, pp, spec.padded_microbatches(pp, m))
+    if forward_only:
+        ranks, plans = _forward_program(name, pp, spec.padded_microbatches(pp, m, True))
+    return IP.plan_for(spec, pp, m, ranks, plans, zero_bubble=zb, overlap_grad_reduce=ogr, dp=dp,
+                       forward_only=forward_only, sum_wait=wait)
+
+
+def test_issue_17_cycle_is_found_and_named():
+    """pp=2, M=3 with the stream waiting right after each bd sum (the code before the fix)."""
+    with pytest.raises(IP.IterationPlanError) as e:
+        _check("dualpipe", 2, 3, True, wait=IP.WAIT_AT_ISSUE)
+    msg = str(e.value)
+    print("\n" + msg)
+    for part in ("deadlocks under NCCL stream semantics", "rank 0's bd sum of stage 1 (issued after action 3 (BW1.0))",
+                 "rank 1's bd sum of stage 1 (issued after action 6 (BW0.1))", "rank 0's P2P batch posted before action 4",
+                 "right after issuing the bd sum of stage 1", "again"):
+        assert part in msg, f"{part!r} not in {msg!r}"
+    ip = _check("dualpipe", 2, 3, True)  # waited at the end of the schedule: no cycle
+    assert ip.sum_points == [[(3, 1), (8, 0)], [(6, 0), (6, 1)]]  # the pair's sums in the same order of stages
+
+
+def test_a_collective_issued_differently_is_refused():
+    ip = _check("dualpipe", 4, 8, True)
+    bd = [w for w in ip.works if w.comm == "bd" and w.rank == 0]
+    bd[0].key = ("bd sum", 99)
+    with pytest.raises(IP.IterationPlanError, match="not the same on every rank"):
+        IP.check(ip)
+
+
+def _accepted(name, pp):
+    spec = registry.get(name)
+    if spec.pp_problem(pp):
+        return []
+    out = []
+    for m in range(pp, 4 * pp + 1):
+        try:
+            spec.padded_microbatches(pp, m)
+        except registry.ScheduleError:
+            continue
+        out.append(m)
+    return out
+
+
+#: The schedules with bd sums (the only collectives during the schedule) over the whole grid;
+#: the one-chunk orders (P2P, loss gather, finalize only) over smaller pipelines.
+SWEEP = {name: (16 if registry.get(name).chunks_per_rank == 2 else 8) for name in registry.names(registry.EXECUTOR)}
+
+
+@pytest.mark.parametrize("name", sorted(SWEEP))
+def test_no_accepted_case_has_a_cycle(name):
+    """Every accepted M from pp to 4pp, pp even up to SWEEP[name], zero bubble on and off, with
+    --overlap-grad-reduce at dp=2 (its data-parallel collectives only add works that complete by
+    themselves, so dp=1 and no overlap are sub-plans), and forward-only. The old wait right after
+    each bd sum is checked too (zero bubble, pp <= 8, schedules with bd sums) and its cycles counted."""
+    t0 = time.monotonic()
+    bidirectional = registry.get(name).layout(2).kind == "bidirectional"
+    checked, old_checked, old_cycles = 0, 0, []
+    for pp in range(2, SWEEP[name] + 1, 2):
+        for m in _accepted(name, pp):
+            for zb in (True, False):
+                _check(name, pp, m, zb)
+                checked += 1
+            _check(name, pp, m, True, forward_only=True)
+            checked += 1
+            if pp <= 8 and bidirectional:
+                old_checked += 1
+                try:
+                    _check(name, pp, m, True, wait=IP.WAIT_AT_ISSUE)
+                except IP.IterationPlanError:
+                    old_cycles.append((pp, m))
+    print(f"\n{name}: {checked} cases without a cycle ({time.monotonic() - t0:.1f} s); with the old wait right after "
+          f"each bd sum, {len(old_cycles)} of {old_checked} (pp, M) cycle: {old_cycles}")
+    assert checked > 0
+    if bidirectional:
+        assert (2, 3) in old_cycles  # the model does see issue 17's hang
