@@ -64,7 +64,7 @@ def config_of(spec: ModelSpec, *, full: bool = False, combined: bool = False):
     if full:
         overrides["pipeline_model_parallel_size"] = 1
     if spec.fp8:
-        overrides.update(fp8="hybrid", fp8_recipe="delayed")
+        overrides.update(fp8="hybrid", fp8_recipe="tensorwise")  # delayed scaling is refused under dualpipe
     if spec.experts:
         overrides.update(num_moe_experts=spec.experts, moe_token_dispatcher_type="alltoall")
     else:  # a dense model next to expert parallelism: its data-parallel replicas are just that

@@ -7,11 +7,11 @@ times every schedule node inside the fused units of one DualPipe iteration of th
 a warm-up iteration) and reports, per rank, the fraction of the all-to-all nodes' time that lies
 inside the time of the unit's compute nodes.
 
-How a node is timed: megatron-core enters every node through
-``pipeline_parallel.utils.stream_acquire_context(stream, event)`` (wait for the previous node's
-event, run on the node's stream, record the event). :class:`NodeTimer` replaces it for the
-measured iteration with one that marks the start after the wait and the end before the record,
-on the node's own stream: CUDA timing events on a GPU; on the CPU the host clock, where the nodes
+How a node is timed: megatron-core enters every node through ``stream_acquire_context`` (wait
+for the previous node's event, run on the node's stream, record the event; a function of
+``pipeline_parallel.utils`` in 0.16, a method of ``ScheduleNode`` from 0.19). :class:`NodeTimer`
+swaps it, for the measured iteration only, for one that marks the start after the wait and the
+end before the record, on the node's own stream: CUDA timing events on a GPU; on the CPU the host clock, where the nodes
 run one after another, so nothing is hidden and the stage reports SKIP with what it recorded.
 """
 from __future__ import annotations
@@ -87,41 +87,66 @@ class NodeTimer:
             (comm if name in COMM_NODES else compute).append((ms(start), ms(end)))
         return out
 
+    def _timed_method(self, original):
+        """megatron-core >= 0.19: ``ScheduleNode.stream_acquire_context(self, name)`` is a method
+        (wait, enter the node's stream ... record): mark inside it, where the node runs."""
+        timer = self
+
+        @contextlib.contextmanager
+        def acquire(node, name=None):
+            with original(node, name):
+                start = timer._mark(node.stream) if timer.unit is not None else None
+                try:
+                    yield
+                finally:
+                    if start is not None:
+                        timer.marks.append((timer.unit, getattr(node, "name", "?"), start, timer._mark(node.stream)))
+        return acquire
+
     @contextlib.contextmanager
     def installed(self) -> Iterator["NodeTimer"]:
+        """Swaps (restored on exit): the node entry of megatron-core's schedule nodes, and the fused
+        unit hook of :class:`OverlappedStageCompute`, whose calls number the units."""
         from megatron.core.pipeline_parallel import utils as pp_utils
 
         from ..mcore.overlap import OverlappedStageCompute
 
         node_cls, stage_cls = pp_utils.ScheduleNode, OverlappedStageCompute
-        saved = (pp_utils.stream_acquire_context, node_cls._forward, node_cls._backward, stage_cls.forward_backward)
         timer = self
+        swaps = []  # (owner, attribute, replacement)
+        if hasattr(node_cls, "stream_acquire_context"):  # megatron-core >= 0.19
+            swaps.append((node_cls, "stream_acquire_context", self._timed_method(node_cls.stream_acquire_context)))
+        else:  # 0.16: a module function of (stream, event); the node's name from _forward/_backward
+            def named(original):
+                def run(node, *args):
+                    timer.node.append(getattr(node, "name", type(node).__name__))
+                    try:
+                        return original(node, *args)
+                    finally:
+                        timer.node.pop()
+                return run
 
-        def named(original):
-            def run(node, *args):
-                timer.node.append(getattr(node, "name", type(node).__name__))
-                try:
-                    return original(node, *args)
-                finally:
-                    timer.node.pop()
-            return run
+            swaps += [(pp_utils, "stream_acquire_context", self._acquire),
+                      (node_cls, "_forward", named(node_cls._forward)),
+                      (node_cls, "_backward", named(node_cls._backward))]
+        fused_hook = stage_cls.forward_backward
 
         def fused(compute, *args, **kwargs):
             timer.unit, timer.units = timer.units, timer.units + 1
             try:
-                return saved[3](compute, *args, **kwargs)
+                return fused_hook(compute, *args, **kwargs)
             finally:
                 timer.unit = None
 
-        pp_utils.stream_acquire_context = self._acquire
-        node_cls._forward, node_cls._backward = named(saved[1]), named(saved[2])
-        stage_cls.forward_backward = fused
+        swaps.append((stage_cls, "forward_backward", fused))
+        saved = [(owner, attr, owner.__dict__[attr]) for owner, attr, _ in swaps]
         try:
+            for owner, attr, replacement in swaps:
+                setattr(owner, attr, replacement)
             yield self
         finally:
-            pp_utils.stream_acquire_context = saved[0]
-            node_cls._forward, node_cls._backward = saved[1], saved[2]
-            stage_cls.forward_backward = saved[3]
+            for owner, attr, original in reversed(saved):
+                setattr(owner, attr, original)
 
 
 def run(ctx) -> Optional[dict]:
