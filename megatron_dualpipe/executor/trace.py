@@ -7,7 +7,7 @@ iteration). Each rank appends one JSON line per recorded ``run_rank`` call to
 unit the seconds (from the call's wall-clock start) at which it began waiting for its inputs,
 started computing and ended. Recording costs three clock reads per unit and one file write per
 iteration. ``megatron-dualpipe trace DIR`` turns the files into a Perfetto trace and a picture
-(:mod:`megatron_dualpipe.timeline`). :class:`KeptRecorder` keeps the records in memory instead
+(:mod:`megatron_dualpipe.pictures.timeline`). :class:`KeptRecorder` keeps the records in memory instead
 (the live advice measures an iteration with it). Standard library only.
 """
 from __future__ import annotations

@@ -11,7 +11,7 @@ the numbers: makespan, bubble, peak activations and parameter memory against 1F1
 
 The Megatron-LM integration can call it once with the first iteration's measured costs::
 
-    from megatron_dualpipe.advise import advise
+    from megatron_dualpipe.apps.advise import advise
     from megatron_dualpipe.schedule.simulate import Costs
 
     advice = advise(pp=8, microbatches=[32], costs=Costs(f=12.0, b=25.0, w=11.0),
@@ -26,11 +26,11 @@ import math
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence
 
-from .schedule.comm_cost import CommModel
-from .schedule.compare import Row, align, compare, fmt
-from .schedule.registry import ONE_F_ONE_B, distinct_orders
-from .schedule.registry import spec as get
-from .schedule.simulate import Costs
+from ..schedule.comm_cost import CommModel
+from ..schedule.compare import Row, align, compare, fmt
+from ..schedule.registry import ONE_F_ONE_B, distinct_orders
+from ..schedule.registry import spec as get
+from ..schedule.simulate import Costs
 
 HELP = "which schedule to use for measured stage costs and memory (bubble, activations, parameters per schedule)"
 #: Schedules within this fraction of the fastest count as equally fast.
@@ -160,7 +160,7 @@ class DenseModel:
 
     @property
     def stage_grad_bytes(self) -> float:
-        from .schedule.comm_cost import DTYPE_BYTES
+        from ..schedule.comm_cost import DTYPE_BYTES
 
         return self.stage_params * DTYPE_BYTES[self.grad_dtype]
 
@@ -223,7 +223,7 @@ def advise(pp: int, microbatches: Sequence[int], costs: Costs, activation_memory
 
 
 def _iteration(name: str, pp: int, m: int, costs: Costs, comm: CommModel) -> float:
-    from .schedule.compare import run
+    from ..schedule.compare import run
 
     return run(name, pp, m, costs, comm=comm).iteration
 
@@ -384,7 +384,7 @@ MAX_COUNTS = 16
 
 def parse_counts(text: str) -> List[int]:
     """``16`` | ``8,12,16`` | ``8:64`` (8, 16, 32, 64: doubling) | ``8:64:8`` (step 8)."""
-    from .cli import CliError
+    from ..cli import CliError
 
     try:
         if ":" in text:
@@ -413,8 +413,8 @@ def parse_counts(text: str) -> List[int]:
 
 
 def configure(p) -> None:
-    from .cli import _add_cost_args
-    from .cli_schedule import add_comm_args
+    from ..cli import _add_cost_args
+    from ..cli.schedule import add_comm_args
 
     p.add_argument("--pp", required=True, type=int, metavar="P", help="pipeline-parallel size (ranks)")
     p.add_argument("--microbatches", "-m", required=True, metavar="RANGE",
@@ -442,10 +442,10 @@ def configure(p) -> None:
 def run(args) -> int:
     import json
 
-    from .cli import CliError, _costs
-    from .cli_schedule import MAX_FORWARDS, comm_from_args
+    from ..cli import CliError, _costs
+    from ..cli.schedule import MAX_FORWARDS, comm_from_args
     from .progress import Progress
-    from .schedule.registry import MODELLED_SPECS, interleaved_name
+    from ..schedule.registry import MODELLED_SPECS, interleaved_name
 
     if args.pp < 1:
         raise CliError(f"--pp must be a positive integer, got {args.pp}")

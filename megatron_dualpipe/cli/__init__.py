@@ -25,7 +25,7 @@ import sys
 from dataclasses import dataclass
 from typing import Callable, Dict, Optional, Sequence
 
-from . import data_prep
+from ..apps import data_prep
 
 PROG = "megatron-dualpipe"
 EXIT_USAGE = 2
@@ -60,7 +60,7 @@ def register(name: str, help: str, configure: Callable[[argparse.ArgumentParser]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import __version__
+    from .. import __version__
 
     parser = _Parser(prog=PROG, description="DeepSeek's DualPipe pipeline schedules for Megatron-LM.")
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
@@ -71,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-from .interrupts import EXIT_BROKEN_PIPE, EXIT_INTERRUPTED  # noqa: E402,F401 - 130 and 141, re-exported
+from ..interrupts import EXIT_BROKEN_PIPE, EXIT_INTERRUPTED  # noqa: E402,F401 - 130 and 141, re-exported
 #: Exit status for a failure that is not a usage error (a file that cannot be written, ...).
 EXIT_FAILURE = 1
 
@@ -79,7 +79,7 @@ EXIT_FAILURE = 1
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run one command. A user's mistake or an interruption ends in one line on stderr and a
     non-zero status, never a traceback; only a bug in this package shows one."""
-    from . import interrupts
+    from .. import interrupts
 
     interrupts.install()  # SIGTERM and SIGHUP end a command as Ctrl-C does
     try:
@@ -122,7 +122,7 @@ def _exit_main() -> None:
 # ---------------------------------------------------------------------------------------------
 
 def _add_schedule_args(p: argparse.ArgumentParser) -> None:
-    from .schedule.registry import NAMES
+    from ..schedule.registry import NAMES
 
     p.add_argument("--schedule", required=True, metavar="NAME", help=f"one of {', '.join(NAMES)}")
     p.add_argument("--pp", required=True, type=int, metavar="P", help="pipeline-parallel size (ranks)")
@@ -156,7 +156,7 @@ def fused_cost_problem(f: float, b: float, w: float, fb) -> Optional[str]:
 
 
 def _costs(args):
-    from .schedule.simulate import Costs
+    from ..schedule.simulate import Costs
 
     costs = Costs(f=args.f, b=args.b, w=args.w, fb=args.fb, p2p=args.p2p)  # checks its values
     problem = fused_cost_problem(costs.f, costs.b, costs.w, costs.fb)
@@ -203,7 +203,8 @@ def _check_writable(path: str) -> None:
 # ---------------------------------------------------------------------------------------------
 # Commands (those in their own modules: one line each)
 # ---------------------------------------------------------------------------------------------
-from . import advise as _advise, cli_schedule as _cli_schedule  # noqa: E402
+from ..apps import advise as _advise  # noqa: E402
+from . import schedule as _cli_schedule
 
 register("schedule", "print the per-rank action lists of a schedule", _cli_schedule.configure_schedule,
          _cli_schedule.run_schedule)
@@ -219,7 +220,7 @@ def _configure_patch(p):
 
 
 def _run_patch(args) -> int:
-    from .megatron_lm.patching import PatchError, apply
+    from ..megatron_lm.patching import PatchError, apply
     try:
         print(apply(args.path, revert=args.revert, check=args.check))
     except PatchError as e:
@@ -233,20 +234,20 @@ register("patch", "add the 3-line megatron-dualpipe hook to Megatron-LM's pretra
 
 register("prepare-data", data_prep.HELP, data_prep.configure, data_prep.run)
 
-from . import bench as _bench  # noqa: E402 - argparse only; the benchmark imports torch when run
+from .. import bench as _bench  # noqa: E402 - argparse only; the benchmark imports torch when run
 register("bench", _bench.HELP, _bench.configure, _bench.run)
-from . import timeline as _timeline  # noqa: E402 - standard library until run
+from ..pictures import timeline as _timeline  # noqa: E402 - standard library until run
 register("trace", _timeline.HELP, _timeline.configure, _timeline.run)
 
 
-from . import selftest as _selftest  # noqa: E402 - argparse only until it runs
+from .. import selftest as _selftest  # noqa: E402 - argparse only until it runs
 register("selftest", _selftest.HELP, _selftest.configure, _selftest.run)
 
-from .cpu import command as _cpu_mode  # noqa: E402  (standard library only until it runs)
+from ..cpu import command as _cpu_mode  # noqa: E402  (standard library only until it runs)
 
 register("cpu-mode", "list every CPU-mode redirection and whether it is active (--enable: try it here)",
          _cpu_mode.configure, _cpu_mode.run)
-from .hooks import command as _hooks  # noqa: E402  (standard library only until it runs)
+from ..hooks import command as _hooks  # noqa: E402  (standard library only until it runs)
 
 register("hooks", _hooks.HELP, _hooks.configure, _hooks.run)
 
