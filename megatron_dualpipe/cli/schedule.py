@@ -12,7 +12,7 @@ import json
 import math
 from typing import List, Optional
 
-from . import CliError, _add_cost_args, _add_schedule_args, _check_writable, _costs, _write
+from .args import CliError, add_cost_args, add_schedule_args, check_writable, costs_from_args, write_output
 from ..apps.progress import Progress
 from ..schedule.compare import fmt, table
 
@@ -144,7 +144,7 @@ def _padding_note(padded) -> str:
 # ---------------------------------------------------------------------------------------------
 
 def configure_schedule(p: argparse.ArgumentParser) -> None:
-    _add_schedule_args(p)
+    add_schedule_args(p)
     _add_pad_args(p)
     p.add_argument("--json", action="store_true", help="print the per-rank action lists as JSON")
 
@@ -181,15 +181,15 @@ def run_schedule(args) -> int:
 # ---------------------------------------------------------------------------------------------
 
 def _png_path(text: str) -> str:
-    from . import png_path
+    from .args import png_path
 
     return png_path(text)
 
 
 def configure_simulate(p: argparse.ArgumentParser) -> None:
-    _add_schedule_args(p)
+    add_schedule_args(p)
     _add_pad_args(p)
-    _add_cost_args(p, "costs (hypothetical time units; dualpipev: per chunk, half a stage)")
+    add_cost_args(p, "costs (hypothetical time units; dualpipev: per chunk, half a stage)")
     add_comm_args(p)
     p.add_argument("--json", action="store_true",
                    help="print makespan, bubble, peak_activations, busy and the same-model comparison as JSON")
@@ -210,13 +210,13 @@ def run_simulate(args) -> int:
     from ..schedule.registry import spec as get
     from ..schedule.simulate import DeadlockError, simulate
 
-    costs = _costs(args)
+    costs = costs_from_args(args)
     comm = comm_from_args(args, args.pp)
     for flag, path in (("--png", args.png), ("--svg", args.svg)):
         if path is not None:
             if not path.strip():
                 raise CliError(f"{flag} needs a file name, got an empty one")
-            _check_writable(path)
+            check_writable(path)
     with Progress(f"simulate {args.schedule} pp={args.pp} M={args.microbatches}") as prog:
         padded = build(args, prog)
         s = padded.schedule
@@ -243,7 +243,7 @@ def run_simulate(args) -> int:
             from ..pictures.draw import to_svg
 
             prog.phase(f"drawing {args.svg}")
-            _write(args.svg, to_svg(s, result, fake=fake))
+            write_output(args.svg, to_svg(s, result, fake=fake))
             drawn.append(args.svg)
         if args.png:
             try:
