@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The README's main command: set up .venv, then train a small GPT on text with DualPipe on this
-# machine and compare with 1F1B (python -m megatron_dualpipe.demo: it checks the arguments,
+# machine and compare with 1F1B (python -m megatron_dualpipe.apps.main_job: it checks the arguments,
 # prepares the data on the first run, starts torchrun with 4 processes -- pp=4, gloo and the CPU
 # mode without a GPU -- and lists the files it wrote). Arguments go to the demo (--help lists them);
 # paths in them (--text, --out, --data-path, ...) are relative to the directory you run this from.
@@ -21,4 +21,4 @@ wait "$setup"
 setup=""
 trap - INT TERM HUP
 export MEGATRON_DUALPIPE_PROG="bash scripts/run_main.sh"
-exec "$VENV/bin/python" -m megatron_dualpipe.demo ${NPROC:+--nproc "$NPROC"} ${MASTER_PORT:+--master-port "$MASTER_PORT"} "$@"
+exec "$VENV/bin/python" -m megatron_dualpipe.apps.main_job ${NPROC:+--nproc "$NPROC"} ${MASTER_PORT:+--master-port "$MASTER_PORT"} "$@"

@@ -15,7 +15,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from megatron_dualpipe.advise import DenseModel  # noqa: E402
+from megatron_dualpipe.schedule.advice import DenseModel  # noqa: E402
 from megatron_dualpipe.schedule.comm_cost import CommModel, Link, Network, Placement  # noqa: E402
 from megatron_dualpipe.schedule.compare import run  # noqa: E402
 from megatron_dualpipe.schedule.registry import (DUALPIPE, DUALPIPEV, INTERLEAVED_1F1B, ONE_F_ONE_B,  # noqa: E402

@@ -7,7 +7,7 @@ iteration). Each rank appends one JSON line per recorded ``run_rank`` call to
 unit the seconds (from the call's wall-clock start) at which it began waiting for its inputs,
 started computing and ended. Recording costs three clock reads per unit and one file write per
 iteration. ``megatron-dualpipe trace DIR`` turns the files into a Perfetto trace and a picture
-(:mod:`megatron_dualpipe.timeline`). :class:`KeptRecorder` keeps the records in memory instead
+(:mod:`megatron_dualpipe.pictures.timeline`). :class:`KeptRecorder` keeps the records in memory instead
 (the live advice measures an iteration with it). Standard library only.
 """
 from __future__ import annotations
@@ -15,8 +15,9 @@ from __future__ import annotations
 import functools
 import json
 import os
+import statistics
 import time
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from .listeners import RunListener
 
@@ -111,3 +112,33 @@ def trace_from_env() -> Optional[TraceRecorder]:
 @functools.lru_cache(maxsize=None)
 def _recorder(directory: str, every: int) -> TraceRecorder:
     return TraceRecorder(directory, every)
+
+
+def op_medians(record: dict, *more: dict) -> Dict[str, float]:
+    """One rank's recorded call (or several calls, pooled): per op (``F``, ``B``, ``W``, ``BW``;
+    ``FB`` for a fused unit) the median duration in ms of its units."""
+    from ..schedule import Action
+
+    spans: Dict[str, List[float]] = {}
+    for rec in (record, *more):
+        ops = [Action.from_json(a).op for a in rec["actions"]]
+        for indices, _, started, ended in rec["units"]:
+            key = "FB" if len(indices) == 2 else ops[indices[0]]
+            spans.setdefault(key, []).append((ended - started) * 1e3)
+    return {k: statistics.median(v) for k, v in spans.items()}
+
+
+def slowest_costs(per_rank: Sequence[Dict[str, float]]):
+    """The simulator's costs from the ranks' :func:`op_medians`: per op the largest (the simulator
+    takes one cost per op, and the slowest stage sets the pipeline's pace); a full backward is
+    ``BW``, or ``B`` + ``W`` when the schedule split it."""
+    from ..schedule.actions import B, BW, F, W
+    from ..schedule.simulate import Costs
+
+    def slowest(key: str) -> Optional[float]:
+        found = [m[key] for m in per_rank if key in m]
+        return max(found) if found else None
+
+    f, w, bw, b_only = slowest(F) or 0.0, slowest(W) or 0.0, slowest(BW), slowest(B)
+    b = bw if bw is not None else (b_only + w if b_only is not None else 0.0)
+    return Costs(f=f, b=max(b, w), w=w, fb=slowest("FB"))

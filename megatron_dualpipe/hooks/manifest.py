@@ -104,7 +104,7 @@ PYTHON = (
 
 ZERO_BUBBLE = (
     Patch("megatron.core.tensor_parallel.layers", "LinearWithGradAccumulationAndAsyncCommunication.backward",
-          "megatron_dualpipe.wgrad:deferrable_backward",
+          "megatron_dualpipe.mcore.wgrad:deferrable_backward",
           "zero bubble: inside WeightGradStore.deferring() the local linears' weight GEMMs are queued for the "
           "W action; outside it the original backward runs unchanged"),
 )

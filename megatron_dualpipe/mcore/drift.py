@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from ..executor import abort
 from . import bd_pairs
-from .finalize import BD_SUM_TIMEOUT_S, _layout
+from .finalize import BD_SUM_TIMEOUT_S, chunk_layout
 from .model import BIDIRECTIONAL, unwrap_chunk
 
 __all__ = ["CopiesDriftedError", "check_copies_identical"]
@@ -54,7 +54,7 @@ def _checksum_tensor(chunk: torch.nn.Module, device) -> torch.Tensor:
 def check_copies_identical(model: Sequence[torch.nn.Module], timeout_s: float = BD_SUM_TIMEOUT_S) -> int:
     """Raise :class:`CopiesDriftedError` naming the first parameter whose two copies differ;
     return how many parameters were compared. Collective over the bd pair."""
-    if _layout(model) != BIDIRECTIONAL or len(model) != 2:
+    if chunk_layout(model) != BIDIRECTIONAL or len(model) != 2:
         return 0
     pos = bd_pairs.position()
     device = next(unwrap_chunk(model[0]).parameters()).device

@@ -54,7 +54,7 @@ class _NoEmbeddingGroup:
 NO_EMBEDDING_GROUP = _NoEmbeddingGroup()
 
 
-def _layout(model: Sequence[torch.nn.Module]) -> str:
+def chunk_layout(model: Sequence[torch.nn.Module]) -> str:
     info = chunk_info(model[0]) if len(model) else None
     return info["layout"] if info is not None else BIDIRECTIONAL
 
@@ -88,7 +88,7 @@ def allreduce_bd_grads(model: Sequence[torch.nn.Module]) -> None:
 
     Synchronous; run it before any data-parallel reduction of the chunks has started.
     """
-    if _layout(model) == V_SHAPE:
+    if chunk_layout(model) == V_SHAPE:
         return
     if len(model) != 2:
         raise ValueError(f"allreduce_bd_grads needs [model_dir0, model_dir1], got {len(model)} chunks")
@@ -96,11 +96,11 @@ def allreduce_bd_grads(model: Sequence[torch.nn.Module]) -> None:
     if pos.is_middle:
         bd_pairs.sum_copies(model, lambda chunk: [_grad_slot(p) for p in _trainable(chunk)])
         return
-    if all(_is_wrapped(c) for c in model):
+    if all(is_wrapped(c) for c in model):
         check_buffer_layouts(model)
     for copy_ in bd_pairs.stage_copies(pos):
         chunk = model[copy_.chunk]
-        pair_sums.sum_now(sum_tensors(chunk), pos.group, in_place=_is_wrapped(chunk),
+        pair_sums.sum_now(sum_tensors(chunk), pos.group, in_place=is_wrapped(chunk),
                           what=f"global rank {pos.me}: bd sum of stage {copy_.stage} with global rank {pos.partner}",
                           timeout_s=BD_SUM_TIMEOUT_S)
 
@@ -108,7 +108,7 @@ def allreduce_bd_grads(model: Sequence[torch.nn.Module]) -> None:
 def sum_tensors(chunk: torch.nn.Module) -> List[torch.Tensor]:
     """What a chunk's bd sum adds: Megatron DDP's grad buffers (in place), else every trainable
     parameter's gradient slot (``main_grad`` or ``.grad``) in ``parameters()`` order."""
-    if _is_wrapped(chunk):
+    if is_wrapped(chunk):
         return [buf.grad_data for buf in _grad_buffers(chunk)]
     return [_grad_slot(p) for p in _trainable(chunk)]
 
@@ -158,12 +158,12 @@ def allreduce_bd_router_token_counts(model: Sequence[torch.nn.Module]) -> None:
     and make the same update, so they keep routing alike. A no-op for DualPipeV and without
     expert-bias routers.
     """
-    if _layout(model) == V_SHAPE or not any(_router_token_counts(c) for c in model):
+    if chunk_layout(model) == V_SHAPE or not any(_router_token_counts(c) for c in model):
         return
     bd_pairs.sum_copies(model, _router_token_counts)
 
 
-def _tied_copies(model: Sequence[torch.nn.Module]):
+def tied_copies(model: Sequence[torch.nn.Module]):
     """This rank's copies of the tied word embedding: (embedding weights, output weights),
     distinct parameters only (a chunk that is both first and last shares one parameter)."""
     emb, out = [], []
@@ -189,7 +189,7 @@ def fold_tied_embedding_grads(model: Sequence[torch.nn.Module]) -> None:
     gradient of the logical tied parameter on both ranks). Local, no communication. Does
     nothing for untied models or ranks without both copies.
     """
-    emb, out = _tied_copies(model)
+    emb, out = tied_copies(model)
     if not emb or not out:
         return
     if len(emb) != 1 or len(out) != 1:
@@ -259,7 +259,7 @@ def finalize_dualpipe_grads(
         dist.all_reduce(num_tokens, group=pp_group)
 
     if finalize_func is None:
-        if all(_is_wrapped(c) for c in model):
+        if all(is_wrapped(c) for c in model):
             from megatron.core.distributed import finalize_model_grads as finalize_func
         else:
             if pg_collection is not None:
@@ -285,5 +285,5 @@ def finalize_dualpipe_grads(
     return num_tokens
 
 
-def _is_wrapped(chunk: torch.nn.Module) -> bool:
+def is_wrapped(chunk: torch.nn.Module) -> bool:
     return hasattr(chunk, "finish_grad_sync")

@@ -130,7 +130,7 @@ class ExecutorSchedule:
         if zero_bubble and spec.defers_weight_grads:
             # Process-wide and idempotent: megatron-core's local linear backward learns to defer its
             # weight gradient, but only inside a WeightGradStore's ``deferring`` block.
-            from .. import wgrad
+            from . import wgrad
 
             wgrad.install()
             self._wgrad = wgrad

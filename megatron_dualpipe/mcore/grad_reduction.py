@@ -38,7 +38,7 @@ import torch
 
 from ..executor import pair_sums
 from . import bd_pairs
-from .finalize import (BD_SUM_TIMEOUT_S, _is_wrapped, _layout, _tied_copies, allreduce_bd_grads,
+from .finalize import (BD_SUM_TIMEOUT_S, is_wrapped, chunk_layout, tied_copies, allreduce_bd_grads,
                        check_buffer_layouts, fold_tied_embedding_grads, sum_tensors)
 from .model import BIDIRECTIONAL, unwrap_chunk
 
@@ -65,16 +65,16 @@ class GradReduction:
                  last_actions: Dict[int, int]):
         self.model, self.config = list(model), config
         n = len(self.model)
-        bidirectional = _layout(self.model) == BIDIRECTIONAL and n == 2
+        bidirectional = chunk_layout(self.model) == BIDIRECTIONAL and n == 2
         self._pos = bd_pairs.position() if bidirectional else None
         self._local_sum = bidirectional and self._pos.is_middle  # odd pipeline: both copies here
         bd = bidirectional and not self._local_sum
         self._last = {pair_sums.action_key(actions[i]): c for c, i in last_actions.items()}
-        if bd and all(_is_wrapped(c) for c in self.model):
+        if bd and all(is_wrapped(c) for c in self.model):
             check_buffer_layouts(self.model)
         # The fold replaces Megatron's embedding-group all-reduce, a step of its finalize: without a
         # finalize function neither happens (as with megatron-core's own 1F1B).
-        emb, out = _tied_copies(self.model)
+        emb, out = tied_copies(self.model)
         self._fold = bool(emb) and bool(out) and config.finalize_model_grads_func is not None
         starts = _dp_start_functions(config, self.model)
         self.chunks = [_Chunk(c, starts[c], self._local_sum or (self._fold and _holds_tied_copy(self.model[c])),
@@ -89,7 +89,7 @@ class GradReduction:
             pos = self._pos
             self._sums = pair_sums.PairSums(
                 points, lambda c: sum_tensors(self.model[c]), pos.group,
-                in_place=lambda c: _is_wrapped(self.model[c]), on_summed=self._summed, timeout_s=BD_SUM_TIMEOUT_S,
+                in_place=lambda c: is_wrapped(self.model[c]), on_summed=self._summed, timeout_s=BD_SUM_TIMEOUT_S,
                 describe=lambda c: (f"global rank {pos.me}: the bd sum of stage {pos.index if c == 0 else pos.pp - 1 - pos.index} "
                                     f"with global rank {pos.partner}"))
         self._ddp_configs: dict = {}  # set while the schedule runs (during_schedule)

@@ -2,7 +2,7 @@
 
 A user who already trains with an executor schedule (``--dualpipe-advise`` in Megatron-LM,
 ``get_forward_backward_func(schedule, advise=True)`` in megatron-core) gets, once, what
-:func:`megatron_dualpipe.advise.advise` says for the costs measured in training iterations
+:func:`megatron_dualpipe.schedule.advice.advise` says for the costs measured in training iterations
 after the warm-up, on global rank 0's log. The first iterations are skipped
 (``advise_warmup``, ``--dualpipe-advise-warmup``, default :data:`DEFAULT_WARMUP`): they hold
 one-time costs (allocations, kernel selection, caches) in *every* unit -- a first iteration
@@ -107,7 +107,7 @@ class LiveAdvice:
         """Every rank of the job calls it after each training call; after the last measured one it
         all-reduces the costs over the pipeline, times the job's links (collectives on the
         pipeline, bd pair and data-parallel groups) and rank 0 logs the advice."""
-        from ..timeline import op_medians
+        from ..executor.trace import op_medians
 
         if not self._measuring_now or len(self._records) < self.measured:
             return
@@ -198,8 +198,8 @@ def advice_text(schedule: str, pp: int, microbatches: int, per_op: dict, activat
                 parameter_bytes: float, limit_bytes: Optional[float], measured: Optional[str] = None,
                 comm=None) -> str:
     """The advice for measured per-op costs (ms) and memory (bytes), as the log prints it."""
-    from ..advise import advise
-    from ..timeline import slowest_costs
+    from ..schedule.advice import advise
+    from ..executor.trace import slowest_costs
 
     costs = slowest_costs([per_op])
     advice = advise(pp, [microbatches], costs, activation_memory=activation_bytes / _MB,

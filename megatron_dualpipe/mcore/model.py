@@ -110,7 +110,7 @@ def dualpipev_config(config):
     (``mcore.overlap.enable_combined_step``) are carried over, not checked again."""
     import dataclasses
 
-    from .overlap import COMBINED_STEP_FLAGS
+    from .options import COMBINED_STEP_FLAGS
 
     flags = {name: getattr(config, name, False) for name in COMBINED_STEP_FLAGS}
     copy_ = dataclasses.replace(config, virtual_pipeline_model_parallel_size=2, **{name: False for name in flags})

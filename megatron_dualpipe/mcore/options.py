@@ -23,6 +23,11 @@ from typing import Any, Callable, List, Optional, Tuple
 
 from ..schedule import registry
 
+#: The config flags that send an iteration through megatron-core's combined 1F1B step (the fused
+#: F&B units of mcore/overlap.py): the model build and Megatron-LM's hooks read them too, so they
+#: live here, below both.
+COMBINED_STEP_FLAGS = ("overlap_moe_expert_parallel_comm", "delay_wgrad_compute")
+
 __all__ = ["ARGS", "CONFIG", "Refused", "Handled", "REFUSED", "HANDLED", "COMBINED_STEP", "problems",
            "combined_step_problems", "args_rules"]
 

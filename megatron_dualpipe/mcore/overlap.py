@@ -85,7 +85,7 @@ __all__ = ["COMBINED_STEP_FLAGS", "OverlappedStageCompute", "combined_step_probl
 
 #: The config flags megatron-core's ``TransformerConfig`` checks against a virtual pipeline;
 #: :func:`enable_combined_step` sets them after its checks.
-COMBINED_STEP_FLAGS = ("overlap_moe_expert_parallel_comm", "delay_wgrad_compute")
+from .options import COMBINED_STEP_FLAGS  # noqa: E402 - re-exported
 
 
 def offers_combined_step(config, forward_only: bool = False) -> bool:

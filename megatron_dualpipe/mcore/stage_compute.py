@@ -19,7 +19,7 @@ from ..executor.runner import StageComputeBase
 from ..schedule import B, Action
 from ..schedule.layout import Layout
 from ..schedule.registry import ScheduleSpec
-from ..wgrad import offers_te_backward_dw, run_te_backward_dw
+from .wgrad import offers_te_backward_dw, run_te_backward_dw
 from . import compat
 from .data import MicrobatchSource
 from .direction import direction_of

@@ -79,7 +79,7 @@ def timelines(ctx, trace_root: str, names) -> List[str]:
     the lines it printed."""
     import argparse
 
-    from .. import timeline
+    from ..pictures import timeline
 
     lines = []
     for name in sorted(names):

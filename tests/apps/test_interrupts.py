@@ -171,8 +171,8 @@ def test_launch_script_stops_torchrun_and_its_ranks(tmp_path, sig, group):
 # The main job
 # ---------------------------------------------------------------------------------------------
 
-DEMO = [sys.executable, "-m", "megatron_dualpipe.demo", "--iters", "3", "--no-compare", "--eval-iters", "0"]
-PROG = "python -m megatron_dualpipe.demo"
+DEMO = [sys.executable, "-m", "megatron_dualpipe.apps.main_job", "--iters", "3", "--no-compare", "--eval-iters", "0"]
+PROG = "python -m megatron_dualpipe.apps.main_job"
 
 
 @pytest.mark.parametrize("point,marker,cache", [

@@ -1,4 +1,4 @@
-"""The main job (``python -m megatron_dualpipe.demo``): arguments checked before any process
+"""The main job (``python -m megatron_dualpipe.apps.main_job``): arguments checked before any process
 starts, and a tiny end-to-end run on text through megatron-core's GPTDataset in which DualPipe
 and megatron-core's own 1F1B, started from the same weights on the same batches, give the same
 losses (training and validation), with its pictures, the measured timeline of one DualPipe
@@ -19,7 +19,7 @@ PNG = b"\x89PNG\r\n\x1a\n"
 
 def run_demo(*argv, cwd, timeout=600):
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.run([sys.executable, "-m", "megatron_dualpipe.demo", *argv], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "megatron_dualpipe.apps.main_job", *argv], capture_output=True, text=True,
                           cwd=cwd, env=env, timeout=timeout)
 
 
@@ -46,7 +46,7 @@ def test_bad_arguments_give_one_usage_before_any_process_starts(tmp_path, argv, 
     print(f"\n{' '.join(argv)} -> exit {r.returncode}: {lines[-1]}")
     assert r.returncode == 2 and "Traceback" not in r.stderr and "torchrun" not in r.stdout
     assert [line for line in lines if line.startswith("usage:")] == [lines[-2]]  # one usage line, then the error
-    assert lines[-1].startswith("python -m megatron_dualpipe.demo: error: ") and needle in lines[-1]
+    assert lines[-1].startswith("python -m megatron_dualpipe.apps.main_job: error: ") and needle in lines[-1]
     assert not (tmp_path / "out").exists()
 
 
@@ -106,7 +106,7 @@ def test_tiny_main_job_dualpipe_equals_1f1b_and_writes_its_pictures(tmp_path):
     assert "data" in listed and "text_document.bin" in listed  # built on this first run, and listed
     # DualPipe and 1F1B simulated side by side at the same scale, makespans printed and in the summary,
     # equal to an independent simulation of both; and why the wall times above do not show them.
-    from megatron_dualpipe.report import simulated_pair
+    from megatron_dualpipe.apps.report import simulated_pair
 
     _, makespans = simulated_pair("dualpipe", 2, 4)
     (_, t_dual), (_, t_one) = makespans

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from megatron_dualpipe.advise import TIE, advise, parse_counts
+from megatron_dualpipe.cli.advise import parse_counts
+from megatron_dualpipe.schedule.advice import TIE, advise
 from megatron_dualpipe.cli import main
 from megatron_dualpipe.cli import CliError
 from megatron_dualpipe.schedule.registry import (DUALPIPE, DUALPIPEV, INTERLEAVED_1F1B, INTERLEAVED_1F1B_A2A,

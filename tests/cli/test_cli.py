@@ -108,7 +108,7 @@ def test_simulate_draws_png_and_svg(capsys, tmp_path):
 
 
 def test_svg_has_one_rect_per_action_for_every_schedule(tmp_path):
-    from megatron_dualpipe.draw import to_svg
+    from megatron_dualpipe.pictures.draw import to_svg
     from megatron_dualpipe.schedule.simulate import Costs, simulate
 
     for name, pp, m in (("1f1b", 4, 6), ("zb-h1", 3, 5), ("dualpipev", 3, 7)):

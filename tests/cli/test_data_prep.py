@@ -14,7 +14,7 @@ import shlex
 import pytest
 
 from megatron_dualpipe.cli import main
-from megatron_dualpipe.data_prep import (DataError, check_split, documents_per_split, python_help_texts,
+from megatron_dualpipe.apps.data_prep import (DataError, check_split, documents_per_split, python_help_texts,
                                          suggest_split)
 
 DOCS = [

@@ -11,9 +11,9 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-from megatron_dualpipe.draw import _CHAR_PX, png_figure, stacked_figure, to_png, to_svg  # noqa: E402
-from megatron_dualpipe.plotting import agg_pyplot, outside_figure  # noqa: E402
-from megatron_dualpipe.report import RunResult, loss_figure, write_loss_png  # noqa: E402
+from megatron_dualpipe.pictures.draw import _CHAR_PX, png_figure, stacked_figure, to_png, to_svg  # noqa: E402
+from megatron_dualpipe.pictures.plotting import agg_pyplot, outside_figure  # noqa: E402
+from megatron_dualpipe.apps.report import RunResult, loss_figure, write_loss_png  # noqa: E402
 from megatron_dualpipe.schedule import build_schedule  # noqa: E402
 from megatron_dualpipe.schedule.simulate import Costs, simulate  # noqa: E402
 
@@ -159,8 +159,8 @@ def test_narrow_cells_get_no_label_rather_than_an_unreadable_one():
 def test_schedule_against_1f1b_on_one_axis_with_makespans(tmp_path, name):
     """The main job's <schedule>_vs_1f1b picture: both simulated on one time axis, makespans in the
     titles, equal to the simulator's (an independent run of it here)."""
-    from megatron_dualpipe.draw import panels_figure
-    from megatron_dualpipe.report import simulated_pair, write_schedule_comparison
+    from megatron_dualpipe.pictures.draw import panels_figure
+    from megatron_dualpipe.apps.report import simulated_pair, write_schedule_comparison
 
     panels, makespans = simulated_pair(name, 4, 16)
     one = build_schedule("1f1b", 4, 16)
@@ -210,7 +210,7 @@ def test_docs_timelines_use_the_current_palette(name):
     import numpy as np
     from matplotlib.image import imread
 
-    from megatron_dualpipe.draw import COLORS
+    from megatron_dualpipe.pictures.draw import COLORS
     from megatron_dualpipe.schedule.actions import B, BW, F
 
     path = DOCS / name

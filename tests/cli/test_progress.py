@@ -3,7 +3,7 @@ import io
 import time
 
 from megatron_dualpipe import progress
-from megatron_dualpipe.progress import Progress
+from megatron_dualpipe.apps.progress import Progress
 
 
 def test_quick_work_prints_nothing(monkeypatch):

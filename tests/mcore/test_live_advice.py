@@ -19,7 +19,7 @@ from test_dualpipe_megatron import MBS, SEQ, _provider, forward_step, make_batch
 
 from megatron_dualpipe.mcore.live_advice import DEFAULT_WARMUP, LiveAdvice, advice_text, cost_problem
 from megatron_dualpipe.mcore.live_advice import stage_parameter_bytes
-from megatron_dualpipe.timeline import op_medians, slowest_costs
+from megatron_dualpipe.executor.trace import op_medians, slowest_costs
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-mode tests")
 

@@ -1,4 +1,4 @@
-"""B/W weight-gradient splitting for megatron-core's local linears (megatron_dualpipe.wgrad).
+"""B/W weight-gradient splitting for megatron-core's local linears (megatron_dualpipe.mcore.wgrad).
 
 One process: gloo world of size 1, tp=pp=1. The reference is the same model (same weights, same
 inputs) run with megatron-core's own backward; the deferred run does B for two micro-batches under

@@ -13,7 +13,7 @@ import random
 
 import pytest
 
-from megatron_dualpipe.advise import DenseModel, advise
+from megatron_dualpipe.schedule.advice import DenseModel, advise
 from megatron_dualpipe.schedule.comm_cost import (BD_FIRST, DP_FIRST, SHARED_SHARD, CommModel, Link, Network,
                                                   Placement, all_reduce_ms, grad_comm, reduce_scatter_ms)
 from megatron_dualpipe.schedule.compare import build_padded, run

@@ -27,8 +27,8 @@ def configure(p):
 
 def run(args) -> int:
     from .. import hooks
-    from . import manifest
-    from .mechanism import current, megatron_core_version, resolve
+    from ..hooks import manifest
+    from ..hooks.mechanism import current, megatron_core_version, resolve
 
     if args.megatron_lm:
         sys.path.insert(0, args.megatron_lm)

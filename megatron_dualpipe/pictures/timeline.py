@@ -11,7 +11,7 @@ pipeline holding the lowest global rank), aligns the ranks on their wall clocks,
   "wait" slice where the rank waited for its input; process "simulated" with the same schedule
   simulated with the costs measured in this iteration (per op, the slowest rank's median; P2P
   latency 0);
-* ``--png FILE``: the simulator's drawing (``megatron_dualpipe.draw``) of both, one above the other.
+* ``--png FILE``: the simulator's drawing (``megatron_dualpipe.pictures.draw``) of both, one above the other.
 
 It prints the measured and simulated iteration time, their ratio and the costs it used.
 """
@@ -23,6 +23,8 @@ import json
 import os
 import statistics
 from typing import Dict, List, Optional, Sequence, Tuple
+
+from ..executor.trace import op_medians, slowest_costs  # noqa: F401 - the trace command's costs
 
 HELP = "draw a recorded run (MEGATRON_DUALPIPE_TRACE=DIR) as a Perfetto trace and a measured-vs-simulated PNG"
 
@@ -66,8 +68,8 @@ def pick(records: Sequence[dict], call: Optional[int] = None, global_rank: Optio
 
 def measured(ranks: Sequence[dict]):
     """(schedule, timeline in ms, waits per rank as (start, end) in ms) of one iteration."""
-    from .schedule import Action, Schedule, build_schedule
-    from .schedule.simulate import RankTimeline, SimResult
+    from ..schedule import Action, Schedule, build_schedule
+    from ..schedule.simulate import RankTimeline, SimResult
 
     first = ranks[0]
     layout = build_schedule(first["schedule"], first["pp"], first["microbatches"]).layout
@@ -92,39 +94,9 @@ def measured(ranks: Sequence[dict]):
     return schedule, SimResult(makespan, timelines), waits
 
 
-def op_medians(record: dict, *more: dict) -> Dict[str, float]:
-    """One rank's recorded call (or several calls, pooled): per op (``F``, ``B``, ``W``, ``BW``;
-    ``FB`` for a fused unit) the median duration in ms of its units."""
-    from .schedule import Action
-
-    spans: Dict[str, List[float]] = {}
-    for rec in (record, *more):
-        ops = [Action.from_json(a).op for a in rec["actions"]]
-        for indices, _, started, ended in rec["units"]:
-            key = "FB" if len(indices) == 2 else ops[indices[0]]
-            spans.setdefault(key, []).append((ended - started) * 1e3)
-    return {k: statistics.median(v) for k, v in spans.items()}
-
-
-def slowest_costs(per_rank: Sequence[Dict[str, float]]):
-    """The simulator's costs from the ranks' :func:`op_medians`: per op the largest (the simulator
-    takes one cost per op, and the slowest stage sets the pipeline's pace); a full backward is
-    ``BW``, or ``B`` + ``W`` when the schedule split it."""
-    from .schedule.actions import B, BW, F, W
-    from .schedule.simulate import Costs
-
-    def slowest(key: str) -> Optional[float]:
-        found = [m[key] for m in per_rank if key in m]
-        return max(found) if found else None
-
-    f, w, bw, b_only = slowest(F) or 0.0, slowest(W) or 0.0, slowest(BW), slowest(B)
-    b = bw if bw is not None else (b_only + w if b_only is not None else 0.0)
-    return Costs(f=f, b=max(b, w), w=w, fb=slowest("FB"))
-
-
 def chrome_trace(schedule, panels: Sequence[Tuple[str, object]], waits: Sequence[Sequence[Tuple[float, float]]]) -> dict:
     """Perfetto / Chrome trace events: a process per panel, a track per rank, times in us."""
-    from .schedule.actions import units
+    from ..schedule.actions import units
 
     events: List[dict] = []
     for pid, (name, result) in enumerate(panels):
@@ -144,21 +116,8 @@ def chrome_trace(schedule, panels: Sequence[Tuple[str, object]], waits: Sequence
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
-def configure(p: argparse.ArgumentParser) -> None:
-    p.add_argument("directory", help="the MEGATRON_DUALPIPE_TRACE directory")
-    from .cli import png_path
-
-    p.add_argument("--png", metavar="FILE.png", type=png_path,
-                   help="measured and simulated timelines, one above the other")
-    p.add_argument("--json", metavar="FILE", help="Chrome / Perfetto trace of both")
-    p.add_argument("--iteration", type=int, default=None,
-                   help="which recorded run_rank call (default: the last one every rank recorded)")
-    p.add_argument("--global-rank", type=int, default=None, help="the pipeline holding this global rank "
-                   "(default: the lowest)")
-
-
 def run(args) -> int:
-    from .schedule.simulate import simulate
+    from ..schedule.simulate import simulate
 
     ranks = pick(load(args.directory), args.iteration, args.global_rank)
     schedule, real, waits = measured(ranks)

@@ -49,7 +49,7 @@ def run(args) -> int:
 
 def _enable(megatron_lm_path):
     from .. import cpu
-    from .redirection import current, resolve
+    from ..cpu.redirection import current, resolve
 
     if megatron_lm_path:
         sys.path.insert(0, megatron_lm_path)
@@ -67,7 +67,7 @@ def _enable(megatron_lm_path):
 
 
 def _changed_since(snapshot):
-    from .redirection import current
+    from ..cpu.redirection import current
 
     return [target for target, (owner, name, obj) in snapshot.items() if current(owner, name) is not obj]
 

@@ -66,7 +66,7 @@ def loss_figure(a: RunResult, b: RunResult, title: str, dpi: int = 100):
     from matplotlib.lines import Line2D
     from matplotlib.ticker import MaxNLocator
 
-    from .plotting import agg_pyplot, legend_below
+    from ..pictures.plotting import agg_pyplot, legend_below
 
     plt = agg_pyplot()
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(7.0, 4.6), dpi=dpi, sharex=True,
@@ -101,7 +101,7 @@ def loss_figure(a: RunResult, b: RunResult, title: str, dpi: int = 100):
 
 
 def write_loss_png(path: str, a: RunResult, b: RunResult, title: str) -> None:
-    from .plotting import agg_pyplot
+    from ..pictures.plotting import agg_pyplot
 
     fig = loss_figure(a, b, title)
     try:
@@ -126,7 +126,7 @@ def write_measured_timeline(records_dir: str, out_dir: str) -> None:
     --png ... --json ...``."""
     import argparse
 
-    from . import timeline
+    from ..pictures import timeline
 
     records = timeline.load(records_dir)
     calls = sorted({r["call"] for r in records})
@@ -154,9 +154,9 @@ def compare_file(name: str, pp: int, real: int) -> str:
 def simulated_pair(name: str, pp: int, real: int):
     """``name`` and megatron-core's 1F1B on the same model (stage costs f=1, b=2, w=1; DualPipeV's
     chunks half a stage; fake micro-batches free): [(heading, schedule, timeline)] and their makespans."""
-    from .schedule.compare import build_padded, stage_fraction
-    from .schedule.registry import ONE_F_ONE_B
-    from .schedule.simulate import Costs, simulate
+    from ..schedule.compare import build_padded, stage_fraction
+    from ..schedule.registry import ONE_F_ONE_B
+    from ..schedule.simulate import Costs, simulate
 
     panels, makespans = [], []
     for n in (name, ONE_F_ONE_B):
@@ -179,7 +179,7 @@ def comparison_lines(makespans) -> List[str]:
 def write_schedule_comparison(out_dir: str, name: str, pp: int, real: int) -> str:
     """``<name>_vs_1f1b_pp<P>_m<M>.png`` in ``out_dir``: the two simulated timelines one above
     the other on one time axis, makespans in their titles; its path."""
-    from .draw import to_png_compared
+    from ..pictures.draw import to_png_compared
 
     panels, _ = simulated_pair(name, pp, real)
     path = os.path.join(out_dir, compare_file(name, pp, real))

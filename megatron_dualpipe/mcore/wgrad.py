@@ -158,7 +158,7 @@ class WeightGradStore:
         """
         if _PATCH.cls is None:
             raise RuntimeError(
-                "megatron_dualpipe.wgrad is not installed: call wgrad.install() once before "
+                "megatron_dualpipe.mcore.wgrad is not installed: call wgrad.install() once before "
                 "WeightGradStore.deferring()"
             )
         if _ACTIVE.sink is not None:
@@ -371,7 +371,7 @@ _PART = "zero bubble"  # hooks/manifest.py
 def install() -> None:
     """Patch megatron-core's local linear backward (idempotent; the ``zero bubble`` part of the
     hooks manifest). Cheap; call once per process."""
-    from . import hooks
+    from .. import hooks
 
     hooks.install([_PART])
 
@@ -382,7 +382,7 @@ def uninstall() -> None:
         return
     if _ACTIVE.sink is not None:
         raise RuntimeError(f"cannot uninstall inside deferring({_ACTIVE.key!r})")
-    from . import hooks
+    from .. import hooks
 
     hooks.uninstall([_PART])
     _PATCH.cls = _PATCH.original = _PATCH.original_fn = _PATCH.deferred = None

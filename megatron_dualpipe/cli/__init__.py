@@ -25,14 +25,12 @@ import sys
 from dataclasses import dataclass
 from typing import Callable, Dict, Optional, Sequence
 
-from . import data_prep
+from ..apps import data_prep
+
+from .args import CliError  # noqa: F401 - raised by commands; re-exported
 
 PROG = "megatron-dualpipe"
 EXIT_USAGE = 2
-
-
-class CliError(Exception):
-    """A user error: printed as one line, exit status 2."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -60,7 +58,7 @@ def register(name: str, help: str, configure: Callable[[argparse.ArgumentParser]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import __version__
+    from .. import __version__
 
     parser = _Parser(prog=PROG, description="DeepSeek's DualPipe pipeline schedules for Megatron-LM.")
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
@@ -71,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-from .interrupts import EXIT_BROKEN_PIPE, EXIT_INTERRUPTED  # noqa: E402,F401 - 130 and 141, re-exported
+from ..interrupts import EXIT_BROKEN_PIPE, EXIT_INTERRUPTED  # noqa: E402,F401 - 130 and 141, re-exported
 #: Exit status for a failure that is not a usage error (a file that cannot be written, ...).
 EXIT_FAILURE = 1
 
@@ -79,7 +77,7 @@ EXIT_FAILURE = 1
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run one command. A user's mistake or an interruption ends in one line on stderr and a
     non-zero status, never a traceback; only a bug in this package shows one."""
-    from . import interrupts
+    from .. import interrupts
 
     interrupts.install()  # SIGTERM and SIGHUP end a command as Ctrl-C does
     try:
@@ -118,92 +116,10 @@ def _exit_main() -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Shared arguments and helpers
-# ---------------------------------------------------------------------------------------------
-
-def _add_schedule_args(p: argparse.ArgumentParser) -> None:
-    from .schedule.registry import NAMES
-
-    p.add_argument("--schedule", required=True, metavar="NAME", help=f"one of {', '.join(NAMES)}")
-    p.add_argument("--pp", required=True, type=int, metavar="P", help="pipeline-parallel size (ranks)")
-    p.add_argument("--microbatches", "-m", required=True, type=int, metavar="M",
-                   help="micro-batches per step (dualpipe: both directions together)")
-
-
-def _add_cost_args(p: argparse.ArgumentParser, title: str, defaults: bool = True) -> None:
-    """--f --b --w --fb --p2p: the simulator's cost model (``schedule.simulate.Costs``)."""
-    g = p.add_argument_group(title)
-    for flag, default, text in (("--f", 1.0, "forward"), ("--b", 2.0, "full backward, input + weight grads"),
-                                ("--w", 1.0, "weight-grad part of the backward")):
-        g.add_argument(flag, type=float, default=default if defaults else None, required=not defaults,
-                       help=f"{text}" + (f" (default {default:g})" if defaults else ""))
-    g.add_argument("--fb", type=float, default=None, help="fused F&B unit (default f+b)")
-    g.add_argument("--p2p", type=float, default=0.0, help="latency of a send between ranks (default 0)")
-
-
-def fused_cost_problem(f: float, b: float, w: float, fb) -> Optional[str]:
-    """Why ``fb`` cannot be a fused F&B unit's cost, or None: the unit runs a forward and an input
-    backward (``b - w``) together, so it costs at least the larger of the two (and at most both
-    in a row is what overlap saves from, so anything between is a real run's)."""
-    if fb is None:
-        return None
-    least = max(f, b - w)
-    if fb < least:
-        part = f"--f {f:g}" if f >= b - w else f"the input backward --b - --w = {b - w:g}"
-        return (f"--fb {fb:g} is cheaper than {part} alone: a fused F&B unit runs a forward and a backward "
-                f"together, so --fb must be at least {least:g} (--f + --b = {f + b:g} is the cost without overlap)")
-    return None
-
-
-def _costs(args):
-    from .schedule.simulate import Costs
-
-    costs = Costs(f=args.f, b=args.b, w=args.w, fb=args.fb, p2p=args.p2p)  # checks its values
-    problem = fused_cost_problem(costs.f, costs.b, costs.w, costs.fb)
-    if problem:
-        raise CliError(problem)
-    return costs
-
-
-def png_path(text: str) -> str:
-    """An argparse type for ``--png FILE``: the picture is PNG whatever the name says, so a name
-    that says otherwise (``x.jpg``) is refused rather than written with PNG bytes."""
-    import os
-
-    if not text.strip():
-        raise argparse.ArgumentTypeError("--png needs a file name, got an empty one")
-    ext = os.path.splitext(text)[1].lower()
-    if ext != ".png":
-        stem = os.path.splitext(text)[0] if ext else text
-        raise argparse.ArgumentTypeError(f"{text!r}: the picture is written as PNG: name it {stem or 'timeline'}.png")
-    return text
-
-
-def _write(path: str, data, binary: bool = False) -> None:
-    try:
-        with open(path, "wb" if binary else "w", **({} if binary else {"encoding": "utf-8"})) as fh:
-            fh.write(data)
-    except OSError as e:
-        raise CliError(f"cannot write {path}: {e.strerror or e}") from None
-
-
-def _check_writable(path: str) -> None:
-    """Fail before the work if ``path`` cannot be created (without leaving a file behind)."""
-    import os
-
-    d = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path):
-        raise CliError(f"cannot write {path}: is a directory")
-    if not os.path.isdir(d):
-        raise CliError(f"cannot write {path}: directory {d} does not exist")
-    if not os.access(d, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
-        raise CliError(f"cannot write {path}: permission denied")
-
-
-# ---------------------------------------------------------------------------------------------
 # Commands (those in their own modules: one line each)
 # ---------------------------------------------------------------------------------------------
-from . import advise as _advise, cli_schedule as _cli_schedule  # noqa: E402
+from . import advise as _advise  # noqa: E402
+from . import schedule as _cli_schedule
 
 register("schedule", "print the per-rank action lists of a schedule", _cli_schedule.configure_schedule,
          _cli_schedule.run_schedule)
@@ -219,7 +135,7 @@ def _configure_patch(p):
 
 
 def _run_patch(args) -> int:
-    from .megatron_lm.patching import PatchError, apply
+    from ..megatron_lm.patching import PatchError, apply
     try:
         print(apply(args.path, revert=args.revert, check=args.check))
     except PatchError as e:
@@ -235,18 +151,18 @@ register("prepare-data", data_prep.HELP, data_prep.configure, data_prep.run)
 
 from . import bench as _bench  # noqa: E402 - argparse only; the benchmark imports torch when run
 register("bench", _bench.HELP, _bench.configure, _bench.run)
-from . import timeline as _timeline  # noqa: E402 - standard library until run
+from . import trace as _timeline  # noqa: E402 - standard library until run
 register("trace", _timeline.HELP, _timeline.configure, _timeline.run)
 
 
-from . import selftest as _selftest  # noqa: E402 - argparse only until it runs
+from .. import selftest as _selftest  # noqa: E402 - argparse only until it runs
 register("selftest", _selftest.HELP, _selftest.configure, _selftest.run)
 
-from .cpu import command as _cpu_mode  # noqa: E402  (standard library only until it runs)
+from . import cpu_mode as _cpu_mode  # noqa: E402  (standard library only until it runs)
 
 register("cpu-mode", "list every CPU-mode redirection and whether it is active (--enable: try it here)",
          _cpu_mode.configure, _cpu_mode.run)
-from .hooks import command as _hooks  # noqa: E402  (standard library only until it runs)
+from . import hooks as _hooks  # noqa: E402  (standard library only until it runs)
 
 register("hooks", _hooks.HELP, _hooks.configure, _hooks.run)
 

@@ -1,6 +1,6 @@
 """The main job: train a small megatron-core GPT on text with DualPipe, then with 1F1B.
 
-    python -m megatron_dualpipe.demo [--schedule dualpipe] [--iters 30] [--text PATH ...]
+    python -m megatron_dualpipe.apps.main_job [--schedule dualpipe] [--iters 30] [--text PATH ...]
     bash scripts/run_main.sh [the same arguments]     # makes .venv first
 
 Started like this, the module is the *launcher*, one process that
@@ -14,7 +14,7 @@ Started like this, the module is the *launcher*, one process that
 
 The workers form a pp=nproc pipeline (gloo and the CPU mode without a GPU; NCCL with GPUs) and
 read megatron-core's ``GPTDataset`` built by ``BlendedMegatronDatasetBuilder`` over the indexed
-dataset, as ``pretrain_gpt.py`` does (:mod:`megatron_dualpipe.gpt_data`). The same initial
+dataset, as ``pretrain_gpt.py`` does (:mod:`megatron_dualpipe.apps.gpt_data`). The same initial
 weights are trained on the same batches twice: first with the chosen DualPipe schedule through
 ``forward_backward_dualpipe``, then with megatron-core's own 1F1B
 (``get_forward_backward_func()``); each run ends with the loss on held-out validation batches.
@@ -22,7 +22,7 @@ The executor records the last DualPipe training iteration (``MEGATRON_DUALPIPE_T
 in ``out/trace_records/``). The last rank prints Megatron-style progress lines, the measured
 against the simulated iteration time, both loss series side by side with their largest
 difference, and writes ``out/loss.png``, ``out/timeline.png`` (the measured iteration above its
-simulation), ``out/trace.json`` (Perfetto) and ``out/summary.md`` (:mod:`megatron_dualpipe.report`).
+simulation), ``out/trace.json`` (Perfetto) and ``out/summary.md`` (:mod:`megatron_dualpipe.apps.report`).
 
 Embeddings are untied because megatron-core's 1F1B reference needs megatron DDP for the
 tied-embedding all-reduce; DualPipe itself supports tied embeddings (see the tests). The 1F1B
@@ -41,11 +41,11 @@ import sys
 import time
 from typing import Dict, Iterator, List, Optional
 
-from . import interrupts
+from .. import interrupts
 from .data_prep import DataError, PreparedData, Progress, add_data_arguments, check_split, default_cache_dir
 from .data_prep import SPLIT_NAMES, describe_indexed, documents_per_split, prepare_from_args, split_weights
-from .schedule import registry
-from .schedule.layout import V_SHAPE
+from ..schedule import registry
+from ..schedule.layout import V_SHAPE
 
 #: The schedules the main job compares with 1F1B: those holding two model chunks per rank.
 SCHEDULES = registry.names(chunks_per_rank=2)
@@ -80,7 +80,7 @@ def _count(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    prog = os.environ.get("MEGATRON_DUALPIPE_PROG", "python -m megatron_dualpipe.demo")
+    prog = os.environ.get("MEGATRON_DUALPIPE_PROG", "python -m megatron_dualpipe.apps.main_job")
     p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0],
                                 usage=f"{prog} [--schedule {'|'.join(SCHEDULES)}] [--iters N] [--text PATH ...] "
                                       f"[more options: --help]")
@@ -170,7 +170,7 @@ def resolve_data(args) -> PreparedData:
     """The prepared data the workers will read (built now on a cache miss), split checked."""
     progress = Progress()
     if args.data_path:
-        from .launch_checks import largest_token_id
+        from ..launch_checks import largest_token_id
 
         data = describe_indexed(args.data_path, args.tokenizer, args.eod_token)
         check_split(args.split, data.documents)
@@ -188,9 +188,9 @@ def draw_schedule(args) -> Optional[str]:
     """The simulated timeline of the schedule the workers run (unit costs), and the same schedule
     above megatron-core's 1F1B at the same scale (:func:`report.write_schedule_comparison`); the
     first one's path."""
-    from .draw import to_png
+    from ..pictures.draw import to_png
     from .report import write_schedule_comparison
-    from .schedule.simulate import Costs, simulate
+    from ..schedule.simulate import Costs, simulate
 
     m = registry.get(args.schedule).padded_microbatches(args.nproc, args.microbatches)
     schedule = registry.build_schedule(args.schedule, args.nproc, m)
@@ -233,7 +233,7 @@ def launch(parser: argparse.ArgumentParser, args) -> int:
     worker.cache_dir = args.cache_dir or default_cache_dir()
     rendezvous = ["--master-port", str(args.master_port)] if args.master_port else ["--standalone"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc), *rendezvous,
-           "-m", "megatron_dualpipe.demo", *to_argv(parser, worker)]
+           "-m", "megatron_dualpipe.apps.main_job", *to_argv(parser, worker)]
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")             # torchrun warns when it has to set it
     env.setdefault("TOKENIZERS_PARALLELISM", "false")  # tokenizers warns about forking after use
@@ -432,7 +432,7 @@ def _home(path: str) -> str:
 def _recording(directory: Optional[str]):
     """Switch the executor's timeline recorder on (``MEGATRON_DUALPIPE_TRACE``) for the calls
     inside, when ``directory`` is given."""
-    from .executor.trace import ENV_DIR
+    from ..executor.trace import ENV_DIR
 
     if directory is None:
         yield
@@ -494,12 +494,12 @@ def worker(args) -> int:
     from megatron.core.pipeline_parallel import get_forward_backward_func as megatron_fb_func
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from megatron_dualpipe.gpt_data import build_datasets
+    from megatron_dualpipe.apps.gpt_data import build_datasets
     from megatron_dualpipe.mcore.forward_backward import get_forward_backward_func
     from megatron_dualpipe.mcore.groups import build_bd_groups
     from megatron_dualpipe.mcore.model import broadcast_mirrors, build_two_direction_model
-    from megatron_dualpipe.report import comparison_lines, loss_table, max_difference, simulated_pair, validation_lines
-    from megatron_dualpipe.report import write_measured_timeline
+    from megatron_dualpipe.apps.report import comparison_lines, loss_table, max_difference, simulated_pair, validation_lines
+    from megatron_dualpipe.apps.report import write_measured_timeline
 
     args.nproc = world
     last = rank == world - 1
@@ -569,7 +569,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if "LOCAL_RANK" in os.environ:  # started by torchrun
         if not args.data_path:
-            parser.error("the workers need --data-path: start the job with python -m megatron_dualpipe.demo "
+            parser.error("the workers need --data-path: start the job with python -m megatron_dualpipe.apps.main_job "
                          "(it prepares the data and starts torchrun)")
         return worker(args)  # the launcher stops the workers and drops their output on an interruption
     return interrupts.guarded(lambda: launch(parser, args), parser.prog)

@@ -11,7 +11,7 @@ the numbers: makespan, bubble, peak activations and parameter memory against 1F1
 
 The Megatron-LM integration can call it once with the first iteration's measured costs::
 
-    from megatron_dualpipe.advise import advise
+    from megatron_dualpipe.schedule.advice import advise
     from megatron_dualpipe.schedule.simulate import Costs
 
     advice = advise(pp=8, microbatches=[32], costs=Costs(f=12.0, b=25.0, w=11.0),
@@ -26,13 +26,12 @@ import math
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence
 
-from .schedule.comm_cost import CommModel
-from .schedule.compare import Row, align, compare, fmt
-from .schedule.registry import ONE_F_ONE_B, distinct_orders
-from .schedule.registry import spec as get
-from .schedule.simulate import Costs
+from .comm_cost import CommModel
+from .compare import Row, align, compare, fmt
+from .registry import ONE_F_ONE_B, distinct_orders
+from .registry import spec as get
+from .simulate import Costs
 
-HELP = "which schedule to use for measured stage costs and memory (bubble, activations, parameters per schedule)"
 #: Schedules within this fraction of the fastest count as equally fast.
 TIE = 0.01
 
@@ -160,7 +159,7 @@ class DenseModel:
 
     @property
     def stage_grad_bytes(self) -> float:
-        from .schedule.comm_cost import DTYPE_BYTES
+        from .comm_cost import DTYPE_BYTES
 
         return self.stage_params * DTYPE_BYTES[self.grad_dtype]
 
@@ -223,7 +222,7 @@ def advise(pp: int, microbatches: Sequence[int], costs: Costs, activation_memory
 
 
 def _iteration(name: str, pp: int, m: int, costs: Costs, comm: CommModel) -> float:
-    from .schedule.compare import run
+    from .compare import run
 
     return run(name, pp, m, costs, comm=comm).iteration
 
@@ -379,95 +378,3 @@ def _format(a: Advice) -> List[str]:
 # ---------------------------------------------------------------------------------------------
 
 #: Most micro-batch counts one command compares.
-MAX_COUNTS = 16
-
-
-def parse_counts(text: str) -> List[int]:
-    """``16`` | ``8,12,16`` | ``8:64`` (8, 16, 32, 64: doubling) | ``8:64:8`` (step 8)."""
-    from .cli import CliError
-
-    try:
-        if ":" in text:
-            parts = [int(x) for x in text.split(":")]
-            if len(parts) not in (2, 3) or parts[0] < 1 or parts[1] < parts[0] or (len(parts) == 3 and parts[2] < 1):
-                raise ValueError
-            lo, hi = parts[0], parts[1]
-            if len(parts) == 3:
-                counts = list(range(lo, hi + 1, parts[2]))
-            else:
-                counts, m = [], lo
-                while m < hi:
-                    counts.append(m)
-                    m *= 2
-                counts.append(hi)
-        else:
-            counts = [int(x) for x in text.split(",")]
-    except ValueError:
-        raise CliError(f"--microbatches {text!r}: give a count (16), a list (8,12,16), a doubling range (8:64) "
-                       f"or a range with a step (8:64:8), all positive") from None
-    if any(m < 1 for m in counts):
-        raise CliError(f"--microbatches {text!r}: counts must be positive")
-    if len(counts) > MAX_COUNTS:
-        raise CliError(f"--microbatches {text!r} gives {len(counts)} counts, more than {MAX_COUNTS}: use a larger step")
-    return sorted(set(counts))
-
-
-def configure(p) -> None:
-    from .cli import _add_cost_args
-    from .cli_schedule import add_comm_args
-
-    p.add_argument("--pp", required=True, type=int, metavar="P", help="pipeline-parallel size (ranks)")
-    p.add_argument("--microbatches", "-m", required=True, metavar="RANGE",
-                   help="micro-batches per iteration: 16, 8,12,16, 8:64 (doubling) or 8:64:8")
-    _add_cost_args(p, "measured costs of one pipeline stage per micro-batch, as 1F1B runs it (any time unit)",
-                   defaults=False)
-    g = p.add_argument_group("memory per rank (any unit, the same for all)")
-    g.add_argument("--activation-memory", type=float, required=True, metavar="X",
-                   help="activations of one micro-batch on one stage")
-    g.add_argument("--parameter-memory", type=float, required=True, metavar="X",
-                   help="one stage's parameters with their gradients and optimizer state")
-    g.add_argument("--weight-grad-memory", type=float, default=0.0, metavar="X",
-                   help="what one deferred weight gradient keeps alive until its W runs (default 0: not counted)")
-    g.add_argument("--memory-limit", type=float, default=None, metavar="X", help="memory per rank (default: none)")
-    p.add_argument("--schedules", metavar="NAMES", help="comma-separated subset (default: one per distinct order: "
-                   + ", ".join(distinct_orders()) + ")")
-    p.add_argument("--virtual-pipeline", type=int, default=2, metavar="V",
-                   help="virtual pipeline size of the interleaved 1F1B incumbents (default 2)")
-    p.add_argument("--tokens", type=float, default=None, metavar="T",
-                   help="tokens of one micro-batch the costs are for: the break-even is then said in tokens")
-    add_comm_args(p)
-    p.add_argument("--json", action="store_true", help="print the advice as JSON")
-
-
-def run(args) -> int:
-    import json
-
-    from .cli import CliError, _costs
-    from .cli_schedule import MAX_FORWARDS, comm_from_args
-    from .progress import Progress
-    from .schedule.registry import MODELLED_SPECS, interleaved_name
-
-    if args.pp < 1:
-        raise CliError(f"--pp must be a positive integer, got {args.pp}")
-    if args.virtual_pipeline < 2:
-        raise CliError(f"--virtual-pipeline must be >= 2, got {args.virtual_pipeline}")
-    if args.tokens is not None and not (math.isfinite(args.tokens) and args.tokens > 0):
-        raise CliError(f"--tokens must be a positive number, got {args.tokens}")
-    counts = parse_counts(args.microbatches)
-    names = [get(n).name for n in args.schedules.split(",")] if args.schedules else list(distinct_orders())
-    names = [interleaved_name(n, args.virtual_pipeline) if n in MODELLED_SPECS else n for n in names]
-    costs = _costs(args)
-    comm = comm_from_args(args, args.pp)
-    biggest = max(get(n).model_stages(args.pp) * max(counts) for n in names)
-    if biggest > MAX_FORWARDS:
-        raise CliError(f"pp={args.pp} with M={max(counts)} simulates {biggest} forward actions, more than the limit "
-                       f"of {MAX_FORWARDS}: the bubble and peak memory stop changing once M >= 2*pp, so use "
-                       f"smaller micro-batch counts")
-    with Progress(f"advise pp={args.pp}") as prog:
-        prog.phase(f"simulating {len(names)} schedules x {len(counts)} micro-batch counts")
-        advice = advise(args.pp, counts, costs, args.activation_memory, args.parameter_memory, args.memory_limit,
-                        args.weight_grad_memory, names, comm, args.tokens)
-    if any(not math.isfinite(o.row.makespan) for ch in advice.choices for o in ch.options):
-        raise CliError("the costs are too large: the simulated time overflows; use smaller values or units")
-    print(json.dumps(advice.to_json()) if args.json else advice.format())
-    return 0

@@ -12,9 +12,9 @@ import json
 import math
 from typing import List, Optional
 
-from .cli import CliError, _add_cost_args, _add_schedule_args, _check_writable, _costs, _write
-from .progress import Progress
-from .schedule.compare import fmt, table
+from .args import CliError, add_cost_args, add_schedule_args, check_writable, costs_from_args, write_output
+from ..apps.progress import Progress
+from ..schedule.compare import fmt, table
 
 #: Largest schedule built: forward actions (micro-batches x model stages, fakes included). At
 #: this size the simulator takes a few seconds; a larger M only lengthens the steady state,
@@ -57,7 +57,7 @@ def add_comm_args(p: argparse.ArgumentParser) -> None:
 def comm_from_args(args, pp: int):
     """The :class:`~.schedule.comm_cost.CommModel` of ``args``, or None when neither gradients nor
     messages were given (then P2P costs ``--p2p`` and gradients nothing)."""
-    from .schedule.comm_cost import DTYPE_BYTES, CommModel, Link, Network, Placement
+    from ..schedule.comm_cost import DTYPE_BYTES, CommModel, Link, Network, Placement
 
     if args.stage_params is None and args.message_bytes is None:
         return None
@@ -88,9 +88,9 @@ def _add_pad_args(p: argparse.ArgumentParser) -> None:
 
 def build(args, progress: Optional[Progress] = None):
     """The (padded) schedule for ``args``, refusing sizes past :data:`MAX_FORWARDS` before building."""
-    from .schedule.padding import Padded
-    from .schedule.registry import ScheduleError, build_schedule
-    from .schedule.registry import spec as get
+    from ..schedule.padding import Padded
+    from ..schedule.registry import ScheduleError, build_schedule
+    from ..schedule.registry import spec as get
 
     spec = get(args.schedule)
     pp, m = args.pp, args.microbatches
@@ -144,13 +144,13 @@ def _padding_note(padded) -> str:
 # ---------------------------------------------------------------------------------------------
 
 def configure_schedule(p: argparse.ArgumentParser) -> None:
-    _add_schedule_args(p)
+    add_schedule_args(p)
     _add_pad_args(p)
     p.add_argument("--json", action="store_true", help="print the per-rank action lists as JSON")
 
 
 def run_schedule(args) -> int:
-    from .schedule import format_grid
+    from ..schedule import format_grid
 
     with Progress(f"schedule {args.schedule} pp={args.pp} M={args.microbatches}") as prog:
         padded = build(args, prog)
@@ -181,15 +181,15 @@ def run_schedule(args) -> int:
 # ---------------------------------------------------------------------------------------------
 
 def _png_path(text: str) -> str:
-    from .cli import png_path
+    from .args import png_path
 
     return png_path(text)
 
 
 def configure_simulate(p: argparse.ArgumentParser) -> None:
-    _add_schedule_args(p)
+    add_schedule_args(p)
     _add_pad_args(p)
-    _add_cost_args(p, "costs (hypothetical time units; dualpipev: per chunk, half a stage)")
+    add_cost_args(p, "costs (hypothetical time units; dualpipev: per chunk, half a stage)")
     add_comm_args(p)
     p.add_argument("--json", action="store_true",
                    help="print makespan, bubble, peak_activations, busy and the same-model comparison as JSON")
@@ -205,18 +205,18 @@ COMPARE_BUDGET = 3 * MAX_FORWARDS
 def run_simulate(args) -> int:
     import sys
 
-    from .schedule.comm_cost import grad_comm
-    from .schedule.compare import compare, orders_with, stage_fraction
-    from .schedule.registry import spec as get
-    from .schedule.simulate import DeadlockError, simulate
+    from ..schedule.comm_cost import grad_comm
+    from ..schedule.compare import compare, orders_with, stage_fraction
+    from ..schedule.registry import spec as get
+    from ..schedule.simulate import DeadlockError, simulate
 
-    costs = _costs(args)
+    costs = costs_from_args(args)
     comm = comm_from_args(args, args.pp)
     for flag, path in (("--png", args.png), ("--svg", args.svg)):
         if path is not None:
             if not path.strip():
                 raise CliError(f"{flag} needs a file name, got an empty one")
-            _check_writable(path)
+            check_writable(path)
     with Progress(f"simulate {args.schedule} pp={args.pp} M={args.microbatches}") as prog:
         padded = build(args, prog)
         s = padded.schedule
@@ -240,14 +240,14 @@ def run_simulate(args) -> int:
         drawn = []
         fake = padded.is_fake if padded.fake_count else None
         if args.svg:
-            from .draw import to_svg
+            from ..pictures.draw import to_svg
 
             prog.phase(f"drawing {args.svg}")
-            _write(args.svg, to_svg(s, result, fake=fake))
+            write_output(args.svg, to_svg(s, result, fake=fake))
             drawn.append(args.svg)
         if args.png:
             try:
-                from .draw import to_png
+                from ..pictures.draw import to_png
 
                 prog.phase(f"drawing {args.png}")
                 to_png(s, result, args.png, fake=fake)
@@ -257,7 +257,7 @@ def run_simulate(args) -> int:
                 raise CliError(f"cannot write {args.png}: {e.strerror or e}") from None
             drawn.append(args.png)
     if drawn:
-        from .draw import frame
+        from ..pictures.draw import frame
 
         note = frame(s, result).note
         print(f"wrote {' and '.join(drawn)}" + (f" ({note})" if note else ""), file=sys.stderr)
@@ -276,7 +276,7 @@ def run_simulate(args) -> int:
 
 def _forwards(spec, pp: int, real: int) -> int:
     """Forward actions ``spec`` simulates for ``real`` micro-batches (0 where it cannot run)."""
-    from .schedule.registry import ScheduleError
+    from ..schedule.registry import ScheduleError
 
     if spec.pp_problem(pp) or real < spec.min_real_microbatches(pp):
         return 0

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 from xml.sax.saxutils import escape
 
-from .schedule.actions import B, BW, F, W, Action
-from .schedule.simulate import SimResult, units
+from ..schedule.actions import B, BW, F, W, Action
+from ..schedule.simulate import SimResult, units
 
 #: Fill colour per (op, dir): Okabe-Ito hues; direction 1 a lighter tint of the same hue (and
 #: hatched). The tints (30-60% white) keep the four ops >= 13 CIELAB units apart under normal

@@ -1,0 +1,1 @@
+"""Applications built on the layers below: the main job, its data, advice."""

@@ -1,0 +1,93 @@
+"""What the commands share: the one-line user error, the schedule and cost arguments, output files.
+
+Every command module imports these from here (never from the package's ``__init__``, which imports
+every command to register it)."""
+from __future__ import annotations
+
+import argparse
+from typing import Optional
+
+
+class CliError(Exception):
+    """A user error: printed as one line, exit status 2."""
+
+
+
+
+def add_schedule_args(p: argparse.ArgumentParser) -> None:
+    from ..schedule.registry import NAMES
+
+    p.add_argument("--schedule", required=True, metavar="NAME", help=f"one of {', '.join(NAMES)}")
+    p.add_argument("--pp", required=True, type=int, metavar="P", help="pipeline-parallel size (ranks)")
+    p.add_argument("--microbatches", "-m", required=True, type=int, metavar="M",
+                   help="micro-batches per step (dualpipe: both directions together)")
+
+
+def add_cost_args(p: argparse.ArgumentParser, title: str, defaults: bool = True) -> None:
+    """--f --b --w --fb --p2p: the simulator's cost model (``schedule.simulate.Costs``)."""
+    g = p.add_argument_group(title)
+    for flag, default, text in (("--f", 1.0, "forward"), ("--b", 2.0, "full backward, input + weight grads"),
+                                ("--w", 1.0, "weight-grad part of the backward")):
+        g.add_argument(flag, type=float, default=default if defaults else None, required=not defaults,
+                       help=f"{text}" + (f" (default {default:g})" if defaults else ""))
+    g.add_argument("--fb", type=float, default=None, help="fused F&B unit (default f+b)")
+    g.add_argument("--p2p", type=float, default=0.0, help="latency of a send between ranks (default 0)")
+
+
+def fused_cost_problem(f: float, b: float, w: float, fb) -> Optional[str]:
+    """Why ``fb`` cannot be a fused F&B unit's cost, or None: the unit runs a forward and an input
+    backward (``b - w``) together, so it costs at least the larger of the two (and at most both
+    in a row is what overlap saves from, so anything between is a real run's)."""
+    if fb is None:
+        return None
+    least = max(f, b - w)
+    if fb < least:
+        part = f"--f {f:g}" if f >= b - w else f"the input backward --b - --w = {b - w:g}"
+        return (f"--fb {fb:g} is cheaper than {part} alone: a fused F&B unit runs a forward and a backward "
+                f"together, so --fb must be at least {least:g} (--f + --b = {f + b:g} is the cost without overlap)")
+    return None
+
+
+def costs_from_args(args):
+    from ..schedule.simulate import Costs
+
+    costs = Costs(f=args.f, b=args.b, w=args.w, fb=args.fb, p2p=args.p2p)  # checks its values
+    problem = fused_cost_problem(costs.f, costs.b, costs.w, costs.fb)
+    if problem:
+        raise CliError(problem)
+    return costs
+
+
+def png_path(text: str) -> str:
+    """An argparse type for ``--png FILE``: the picture is PNG whatever the name says, so a name
+    that says otherwise (``x.jpg``) is refused rather than written with PNG bytes."""
+    import os
+
+    if not text.strip():
+        raise argparse.ArgumentTypeError("--png needs a file name, got an empty one")
+    ext = os.path.splitext(text)[1].lower()
+    if ext != ".png":
+        stem = os.path.splitext(text)[0] if ext else text
+        raise argparse.ArgumentTypeError(f"{text!r}: the picture is written as PNG: name it {stem or 'timeline'}.png")
+    return text
+
+
+def write_output(path: str, data, binary: bool = False) -> None:
+    try:
+        with open(path, "wb" if binary else "w", **({} if binary else {"encoding": "utf-8"})) as fh:
+            fh.write(data)
+    except OSError as e:
+        raise CliError(f"cannot write {path}: {e.strerror or e}") from None
+
+
+def check_writable(path: str) -> None:
+    """Fail before the work if ``path`` cannot be created (without leaving a file behind)."""
+    import os
+
+    d = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise CliError(f"cannot write {path}: is a directory")
+    if not os.path.isdir(d):
+        raise CliError(f"cannot write {path}: directory {d} does not exist")
+    if not os.access(d, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise CliError(f"cannot write {path}: permission denied")

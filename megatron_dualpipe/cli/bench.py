@@ -1,0 +1,177 @@
+"""``megatron-dualpipe bench``: the executor on synthetic stages against the simulator (and
+against ``torch.distributed.pipelining`` with ``--peer torch``).
+
+Every stage spends fixed F, B and W times (sleeping by default, so that pp processes on a few
+cores measure the schedule and the communication, not the cores; ``--compute matmul`` for
+GPUs). For each schedule, pp and M it prints the measured iteration time, the simulated
+makespan of the same costs with and without the measured P2P latency, their ratio, the
+executor's overhead per action, the time in P2P per rank and the peak activations per rank
+against the simulator's (definitions in :mod:`.report`). Started with its own processes (one
+per pipeline rank) or under torchrun::
+
+    megatron-dualpipe bench --pp 4 8 -m 2pp 4pp --f 20 --b 40 --w 20 --peer torch
+    torchrun --nproc-per-node 8 -m megatron_dualpipe bench --compute matmul
+
+This module only parses arguments (no torch import): the work is in :mod:`megatron_dualpipe.bench.measure`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from typing import Dict, List, Tuple
+
+from ..schedule import registry
+
+HELP = "time the executor on synthetic stages against the simulator (and torch's schedules)"
+#: The schedules the executor runs (the registry's); ``executor-1f1b`` is the 1F1B order.
+SCHEDULE_NAMES = registry.names(runs_on=registry.EXECUTOR)
+
+
+def _microbatches(text: str):
+    """``8`` or ``2pp`` (a multiple of the pipeline size)."""
+    t = text.strip().lower()
+    try:
+        if t.endswith("pp"):
+            k = int(t[:-2] or "1")
+            return lambda pp: k * pp
+        n = int(t)
+        return lambda pp: n
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"micro-batches must be a number or a multiple of pp like 2pp, "
+                                         f"got {text!r}") from None
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--schedule", nargs="+", default=list(SCHEDULE_NAMES), metavar="NAME",
+                   help=f"schedules to run (default: {' '.join(SCHEDULE_NAMES)})")
+    p.add_argument("--pp", nargs="+", type=int, default=None, metavar="P",
+                   help="pipeline sizes (default 4; under torchrun: the world size)")
+    p.add_argument("-m", "--microbatches", nargs="+", type=_microbatches, default=None, metavar="M",
+                   help="micro-batches per iteration: numbers or multiples of pp (default: 2pp 4pp)")
+    g = p.add_argument_group("stage costs in milliseconds")
+    g.add_argument("--f", type=float, default=20.0, help="forward (default 20)")
+    g.add_argument("--b", type=float, default=40.0, help="full backward, input + weight gradients (default 40)")
+    g.add_argument("--w", type=float, default=20.0, help="weight-gradient part of b (default 20)")
+    g.add_argument("--fb", type=float, default=None, help="a fused F&B unit (default f+b: no overlap gain)")
+    p.add_argument("--compute", choices=("sleep", "matmul"), default="sleep",
+                   help="how a stage spends its cost (default sleep; matmul for GPUs)")
+    p.add_argument("--matmul-size", type=int, default=1024, help="matrix side for --compute matmul")
+    p.add_argument("--shape", default="8,1024", help="activation shape passed between stages (default 8,1024)")
+    p.add_argument("--iters", type=int, default=5, help="timed iterations (>= 5 for a spread; default 5)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed iterations first (default 2)")
+    p.add_argument("--peer", choices=("torch",), default=None,
+                   help="also run torch.distributed.pipelining's Schedule1F1B, ScheduleDualPipeV and "
+                        "ScheduleZBVZeroBubble on the same stages")
+    p.add_argument("--channel-groups", action="store_true",
+                   help="carry each channel (a direction between two ranks) on its own two-rank process group "
+                        "(own NCCL stream) instead of batches on the pipeline group")
+    p.add_argument("--grad-mb", type=float, default=0.0, metavar="MIB",
+                   help="synthetic weight gradients per chunk that two-copy schedules (dualpipe) sum over the bd "
+                        "pair, started as each chunk finishes, as in training; reports the exposed part "
+                        "(default 0: none)")
+    p.add_argument("--timeout", type=float, default=120.0, help="P2P timeout in seconds (default 120)")
+    p.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
+    p.add_argument("--trace", metavar="DIR", default=None,
+                   help="record the timed iterations of the project's runs into DIR/SCHEDULE_ppP_mM/ "
+                        "(draw them with: megatron-dualpipe trace DIR/SCHEDULE_ppP_mM --png t.png)")
+
+
+#: Longest cost of one action (ms) the benchmark accepts: a minute.
+MAX_COST_MS = 60_000.0
+#: Pipeline ranks the benchmark starts on one machine: this many per core, at least MIN_LOCAL_PROCESSES
+#: (each mostly sleeps; beyond that the start-up alone takes minutes and the timings mean little).
+PROCESSES_PER_CORE = 4
+MIN_LOCAL_PROCESSES = 16
+#: Why DualPipeV's rows show about twice the others' time.
+V_NOTE = ("dualpipev runs two chunks per rank, each at the stage costs given, i.e. a model of 2*pp stages: about "
+          "twice the work of the other rows (`megatron-dualpipe simulate` compares on one model, chunks at half "
+          "a stage)")
+
+
+def _config(args, pps: List[int]):
+    from ..bench import launch
+    from ..schedule import build_schedule
+    from ..schedule.simulate import Costs
+    from ..bench.measure import BenchConfig
+    from ..bench.synthetic import StageCosts
+    from ..bench.torch_peer import TORCH_SCHEDULES
+
+    from .args import fused_cost_problem
+
+    Costs(f=args.f, b=args.b, w=args.w, fb=args.fb)  # validates, naming the flag
+    longest = max(args.f, args.b, args.fb or 0.0)
+    problem = fused_cost_problem(args.f, args.b, args.w, args.fb)
+    if problem:
+        raise ValueError(problem)
+    if longest > MAX_COST_MS:  # the stages really spend these milliseconds
+        raise ValueError(f"bench costs are milliseconds each stage really spends: at most {MAX_COST_MS:g} per "
+                         f"action, got {longest:g}")
+    if not args.grad_mb >= 0 or args.grad_mb > 4096:
+        raise ValueError(f"--grad-mb must be between 0 and 4096 MiB, got {args.grad_mb:g}")
+    if args.iters < 1 or args.warmup < 0:
+        raise ValueError(f"--iters must be >= 1 and --warmup >= 0, got {args.iters} and {args.warmup}")
+    try:
+        shape = tuple(int(x) for x in args.shape.split(","))
+        if len(shape) != 2 or min(shape) < 1:
+            raise ValueError
+    except ValueError:
+        raise ValueError(f"--shape must be two positive integers like 8,1024, got {args.shape!r}") from None
+    local_limit = max(MIN_LOCAL_PROCESSES, PROCESSES_PER_CORE * (os.cpu_count() or 1))
+    if not launch.under_torchrun() and max(pps) > local_limit:
+        raise ValueError(f"--pp {max(pps)} starts {max(pps)} processes on this machine ({os.cpu_count()} cores), "
+                         f"each sleeping its stage costs: at most {local_limit} here; run larger pipelines under "
+                         f"torchrun across machines (torchrun --nproc-per-node N -m megatron_dualpipe bench)")
+    ms = args.microbatches or [_microbatches("2pp"), _microbatches("4pp")]
+    per_pp: Dict[int, Tuple[int, ...]] = {}
+    for pp in pps:
+        per_pp[pp] = tuple(dict.fromkeys(f(pp) for f in ms))
+        for m in per_pp[pp]:
+            for name in args.schedule:
+                build_schedule(name, pp, m)  # a ScheduleError names what would work
+            if args.peer and m < 2 * pp:
+                raise ValueError(f"torch's ScheduleDualPipeV needs M >= 2*pp = {2 * pp}, got M={m} at pp={pp}: "
+                                 f"use -m 2pp or more, or leave out --peer")
+    return BenchConfig(schedules=tuple(args.schedule), microbatches=per_pp,
+                       costs=StageCosts(args.f, args.b, args.w, args.fb), mode=args.compute,
+                       matmul_size=args.matmul_size, shape=shape, iters=args.iters, warmup=args.warmup,
+                       peers=tuple(TORCH_SCHEDULES) if args.peer == "torch" else (), timeout_s=args.timeout,
+                       trace_dir=os.path.abspath(args.trace) if args.trace else None,
+                       per_channel=args.channel_groups, grad_mb=args.grad_mb)
+
+
+def run(args) -> int:
+    from ..bench import launch, report
+    from ..bench.measure import worker
+
+    torchrun = launch.under_torchrun()
+    world = int(os.environ["WORLD_SIZE"]) if torchrun else None
+    pps = args.pp or ([world] if torchrun else [4])
+    if torchrun and pps != [world]:
+        raise ValueError(f"under torchrun the pipeline is the whole world: --pp must be {world}, got "
+                         f"{' '.join(map(str, pps))}; start one torchrun per pipeline size")
+    cfg = _config(args, pps)
+    latencies, all_rows, env = {}, [], {}
+    import sys
+
+    for pp in pps:
+        runs = sum(len(ms) for ms in [cfg.microbatches[pp]]) * len(cfg.schedules) * (1 + len(cfg.peers))
+        print(f"bench: pp={pp}: {'this rank of torchrun' if torchrun else f'starting {pp} processes'}, {runs} run{'s' if runs != 1 else ''} of "
+              f"{cfg.warmup} + {cfg.iters} iterations", file=sys.stderr, flush=True)
+        if torchrun:
+            ranks = launch.run_here(worker, (cfg,), timeout_s=cfg.timeout_s + 60)
+            if ranks is None:
+                return 0  # not rank 0: rank 0 prints
+        else:
+            ranks = launch.spawn(worker, pp, (cfg,), timeout_s=1800)
+        latencies[pp], got = report.rows(cfg, pp, ranks)
+        all_rows.extend(got)
+        env = {"backend": ranks[0]["backend"], "device": ranks[0]["device"], "cores": os.cpu_count(),
+               "matmuls_per_ms": ranks[0]["matmuls_per_ms"] or None}
+    if args.json:
+        print(json.dumps(report.to_json(cfg, latencies, all_rows, env)))
+    else:
+        print(report.table(cfg, latencies, all_rows, env))
+        if any(r.schedule == registry.DUALPIPEV for r in all_rows):
+            print(f"\nnote: {V_NOTE}")
+    return 0

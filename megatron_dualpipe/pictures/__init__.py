@@ -1,0 +1,1 @@
+"""Drawings: simulated schedules, measured timelines, figure layout."""
