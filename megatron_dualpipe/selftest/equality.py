@@ -18,6 +18,7 @@ import torch
 
 from . import models
 from .result import FAIL, PASS, StageResult
+from ..schedule.registry import DUALPIPE, DUALPIPEV, ONE_F_ONE_B
 
 NAME = "equality"
 STEPS, LR = 3, 0.1
@@ -30,11 +31,11 @@ def _one_model(ctx, spec: models.ModelSpec) -> dict:
     for schedule in models.SCHEDULES:
         chunks = models.build(spec, schedule, full)
         micro = models.batches(spec, m)
-        if schedule != "1f1b":
+        if schedule != ONE_F_ONE_B:
             micro = models.faulty(micro)
         losses[schedule] = models.run_iteration(spec, schedule, chunks, micro, p2p_timeout=ctx.cfg.deadline_s)
         grads[schedule] = models.grads_by_full_name(chunks, full)
-        if schedule == "dualpipe":
+        if schedule == DUALPIPE:
             copies = _train_steps(ctx, spec, chunks, full)
     return {"losses": losses, "grads": grads, "copies": copies}
 
@@ -45,7 +46,7 @@ def _train_steps(ctx, spec, chunks, full) -> List[Dict[str, np.ndarray]]:
     for step in range(STEPS):
         if step:
             models.zero_grads(chunks)
-            models.run_iteration(spec, "dualpipe", chunks, models.batches(spec, 2 * ctx.cfg.pp, step),
+            models.run_iteration(spec, DUALPIPE, chunks, models.batches(spec, 2 * ctx.cfg.pp, step),
                                  p2p_timeout=ctx.cfg.deadline_s)
         opt.step()
     out = []
@@ -79,14 +80,14 @@ def _compare_model(ctx, name: str, payloads: List[dict], tol: float) -> Tuple[Li
     # Megatron 1F1B's gradient of every parameter: (tp, dp, full name) -> array
     ref: Dict[tuple, np.ndarray] = {}
     for (pp_rank, tp, dp), p in by_coord.items():
-        for key, g in p["grads"]["1f1b"][0].items():
+        for key, g in p["grads"][ONE_F_ONE_B][0].items():
             ref[(tp, dp, key)] = g
-    for schedule in ("dualpipe", "dualpipev"):
+    for schedule in (DUALPIPE, DUALPIPEV):
         worst_loss, worst_grad, where = 0.0, 0.0, ""
         missing = []
         for (pp_rank, tp, dp), p in sorted(by_coord.items()):
             if pp_rank == pp - 1:
-                want, got = p["losses"]["1f1b"], p["losses"][schedule]
+                want, got = p["losses"][ONE_F_ONE_B], p["losses"][schedule]
                 if got is None or len(got) != len(want):
                     failures.append(f"{name} {schedule}: the last rank returned {got} losses, 1F1B {len(want)}")
                     continue
@@ -143,8 +144,8 @@ def judge(ctx, payloads: List[dict]) -> StageResult:
         details += d
         failures += f
         numbers[name] = n
-        parts.append(f"{name}: loss {max(n[s]['max_rel_loss_diff'] for s in ('dualpipe', 'dualpipev')):.1e}, "
-                     f"grad {max(n[s]['max_rel_grad_diff'] for s in ('dualpipe', 'dualpipev')):.1e}"
+        parts.append(f"{name}: loss {max(n[s]['max_rel_loss_diff'] for s in (DUALPIPE, DUALPIPEV)):.1e}, "
+                     f"grad {max(n[s]['max_rel_grad_diff'] for s in (DUALPIPE, DUALPIPEV)):.1e}"
                      f"{', copies bit-identical' if n['copies_identical'] else ', COPIES DIFFER'}")
     head = f"DualPipe and DualPipeV vs Megatron 1F1B (tolerance {tol:g}): " + "; ".join(parts)
     if failures:

@@ -19,12 +19,13 @@ import torch
 
 from . import models
 from .result import FAIL, PASS, StageResult
+from ..schedule.registry import DUALPIPE, DUALPIPEV, ONE_F_ONE_B
 
 NAME = "memory"
 OVER = 1.10
 _MIB = float(1 << 20)
 #: The simulator's name for each schedule the stage runs.
-SIMULATED = {"1f1b": "1f1b", "dualpipe": "dualpipe", "dualpipev": "dualpipev"}
+SIMULATED = {ONE_F_ONE_B: ONE_F_ONE_B, DUALPIPE: DUALPIPE, DUALPIPEV: DUALPIPEV}
 
 
 class SavedBytes:
@@ -133,7 +134,7 @@ def judge(ctx, payloads: List[dict]) -> StageResult:
                f"predicted: simulated peak live activations of the rank x one forward of its larger chunk"]
     failures, numbers, parts = [], {}, []
     # advise takes one micro-batch's activations on one stage as 1F1B runs it (a DualPipeV chunk: half)
-    stage_bytes = max(max(p["schedules"]["1f1b"]["per_forward"]) for p in pipeline)
+    stage_bytes = max(max(p["schedules"][ONE_F_ONE_B]["per_forward"]) for p in pipeline)
     advised = _advise_activations(pp, m, stage_bytes)
     for schedule, sim_name in SIMULATED.items():
         s = build_schedule(sim_name, pp, m)

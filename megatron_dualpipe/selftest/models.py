@@ -18,6 +18,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from . import tiny_gpt
+from ..schedule.registry import DUALPIPE, DUALPIPEV, ONE_F_ONE_B
 
 SEED = 1234
 #: Test-only fault injection: ``swap-microbatch`` makes the DualPipe runs of the equality stage
@@ -25,7 +26,7 @@ SEED = 1234
 #: delivering the wrong micro-batch to a stage). ``tests/apps/test_selftest.py`` checks that the
 #: selftest then FAILs with the loss difference; nothing else sets it.
 FAULT_ENV = "MEGATRON_DUALPIPE_SELFTEST_FAULT"
-SCHEDULES = ("1f1b", "dualpipe", "dualpipev")
+SCHEDULES = (ONE_F_ONE_B, DUALPIPE, DUALPIPEV)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,14 +150,14 @@ def build(spec: ModelSpec, schedule: str, full: Dict[str, torch.Tensor]) -> List
     model[0] loaded and broadcast to its partner's mirror; DualPipeV both chunks loaded."""
     from ..mcore.model import broadcast_mirrors, build_two_direction_model
 
-    if schedule == "1f1b":
+    if schedule == ONE_F_ONE_B:
         chunks = [provider(spec)()]
         tiny_gpt.load_stage_from_full(chunks[0], full)
-    elif schedule == "dualpipe":
+    elif schedule == DUALPIPE:
         chunks = list(build_two_direction_model(provider(spec, combined=True), layout_kind="bidirectional"))
         tiny_gpt.load_stage_from_full(chunks[0], full)
         broadcast_mirrors(chunks)
-    elif schedule == "dualpipev":
+    elif schedule == DUALPIPEV:
         chunks = list(build_two_direction_model(provider(spec, v_layout=True, combined=True), layout_kind="v"))
         for chunk in chunks:
             tiny_gpt.load_stage_from_full(chunk, full)
@@ -177,7 +178,7 @@ def run_iteration(spec: ModelSpec, schedule: str, chunks: Sequence[torch.nn.Modu
     kwargs = dict(forward_step_func=forward_step_func, data_iterator=iter(micro_batches), model=list(chunks),
                   num_microbatches=len(micro_batches), seq_length=spec.seq, micro_batch_size=spec.mbs,
                   forward_only=forward_only)
-    if schedule == "1f1b":
+    if schedule == ONE_F_ONE_B:
         out = schedules.get_forward_backward_func()(**kwargs)
     else:
         from ..mcore.forward_backward import forward_backward_dualpipe

@@ -14,6 +14,7 @@ from typing import List
 
 from . import models
 from .result import FAIL, PASS, StageResult
+from ..schedule.registry import DUALPIPE, DUALPIPEV, ONE_F_ONE_B
 
 #: Seconds a peer may take beyond the deadline to notice and report (a loaded machine).
 GRACE_S = 15.0
@@ -21,8 +22,8 @@ GRACE_S = 15.0
 
 def _cases(pp: int):
     odd = pp + 1  # odd, and pp <= M < 2pp
-    return [("dualpipe", odd), ("dualpipev", odd), ("dualpipe", pp)] + ([] if pp + 3 >= 2 * pp else
-                                                                        [("dualpipe", pp + 3)])
+    return [(DUALPIPE, odd), (DUALPIPEV, odd), (DUALPIPE, pp)] + ([] if pp + 3 >= 2 * pp else
+                                                                        [(DUALPIPE, pp + 3)])
 
 
 class OddMicrobatches:
@@ -33,10 +34,10 @@ class OddMicrobatches:
         spec = ctx.cfg.spec()
         full = models.full_state_dict(spec)
         out = {"coord": ctx.coord, "runs": []}
-        ref_chunks = models.build(spec, "1f1b", full)
+        ref_chunks = models.build(spec, ONE_F_ONE_B, full)
         for schedule, m in _cases(ctx.cfg.pp):
             micro = models.batches(spec, m, step=7)
-            ref = models.run_iteration(spec, "1f1b", ref_chunks, micro, p2p_timeout=ctx.cfg.deadline_s)
+            ref = models.run_iteration(spec, ONE_F_ONE_B, ref_chunks, micro, p2p_timeout=ctx.cfg.deadline_s)
             chunks = models.build(spec, schedule, full)
             t0 = time.perf_counter()
             losses = models.run_iteration(spec, schedule, chunks, micro, p2p_timeout=ctx.cfg.deadline_s)
@@ -81,7 +82,7 @@ class RankRaises:
     def run(ctx) -> dict:
         spec = ctx.cfg.spec()
         full = models.full_state_dict(spec)
-        chunks = models.build(spec, "dualpipe", full)
+        chunks = models.build(spec, DUALPIPE, full)
         calls = [0]
 
         def failing_forward_step(data_iterator, model, *args, **kwargs):
@@ -92,7 +93,7 @@ class RankRaises:
 
         t0 = time.perf_counter()
         try:
-            models.run_iteration(spec, "dualpipe", chunks, models.batches(spec, 2 * ctx.cfg.pp),
+            models.run_iteration(spec, DUALPIPE, chunks, models.batches(spec, 2 * ctx.cfg.pp),
                                  p2p_timeout=ctx.cfg.deadline_s, forward_step_func=failing_forward_step)
             error = None
         except Exception as e:  # noqa: BLE001 - what this stage looks at

@@ -24,6 +24,7 @@ import torch
 
 from . import models
 from .result import FAIL, PASS, SKIP, StageResult
+from ..schedule.registry import DUALPIPE
 
 NAME = "overlap"
 COMM_NODES = ("moe_dispatch", "moe_combine")
@@ -154,13 +155,13 @@ def run(ctx) -> Optional[dict]:
         return None
     spec = ctx.cfg.spec(moe=True)
     full = models.full_state_dict(spec)
-    chunks = models.build(spec, "dualpipe", full)
+    chunks = models.build(spec, DUALPIPE, full)
     m = 2 * ctx.cfg.pp
-    models.run_iteration(spec, "dualpipe", chunks, models.batches(spec, m, step=11), p2p_timeout=ctx.cfg.deadline_s)
+    models.run_iteration(spec, DUALPIPE, chunks, models.batches(spec, m, step=11), p2p_timeout=ctx.cfg.deadline_s)
     models.zero_grads(chunks)
     timer = NodeTimer(ctx.device)
     with timer.installed():
-        models.run_iteration(spec, "dualpipe", chunks, models.batches(spec, m, step=12),
+        models.run_iteration(spec, DUALPIPE, chunks, models.batches(spec, m, step=12),
                              p2p_timeout=ctx.cfg.deadline_s)
     per_unit = timer.intervals()
     inside = total = 0.0

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from .result import FAIL, PASS, StageResult
+from ..schedule.registry import DUALPIPE, EXECUTOR_1F1B
 
 NAME = "speed"
 #: Measured over simulated (with the measured P2P latency) above which the stage FAILs.
@@ -114,9 +115,9 @@ def judge(ctx, payloads: List[dict]) -> StageResult:
     by = {r.schedule: r for r in rows}
     parts = [f"{s} {r.median_ms:.0f} ms ({r.ratio_latency:.2f}x sim)" for s, r in by.items()]
     slow = [f"{s} {r.ratio_latency:.2f}x" for s, r in by.items() if r.ratio_latency and r.ratio_latency > SLOWER]
-    if "dualpipe" in by and "executor-1f1b" in by:
-        sim = by["dualpipe"].sim_latency_ms / by["executor-1f1b"].sim_latency_ms
-        parts.append(f"dualpipe/1f1b {by['dualpipe'].median_ms / by['executor-1f1b'].median_ms:.2f} (sim {sim:.2f})")
+    if DUALPIPE in by and EXECUTOR_1F1B in by:
+        sim = by[DUALPIPE].sim_latency_ms / by[EXECUTOR_1F1B].sim_latency_ms
+        parts.append(f"dualpipe/1f1b {by[DUALPIPE].median_ms / by[EXECUTOR_1F1B].median_ms:.2f} (sim {sim:.2f})")
     summary = f"{cfg.mode} stages f={cfg.costs.f:.1f} b={cfg.costs.b:.1f} w={cfg.costs.w:.1f} ms: " + ", ".join(parts)
     numbers = report.to_json(cfg, {ctx.world: latency}, rows, env)
     if not ctx.cfg.gpu:  # the ranks share this machine's cores with each other and whatever else runs
