@@ -142,6 +142,19 @@ SCOPED_PATCHES = (
             "two V-stages", "megatron_lm.checkpoint.megatron_io (dualpipev load of a one-chunk torch file)"),
     _scoped(_CKPT, "generate_state_dict", "dualpipe torch_dist: the mirror's entries are left out; dualpipev "
             "torch: 1F1B stage i's weights are added as 'model'", "megatron_lm.checkpoint.megatron_io (save)"),
+) + tuple(
+    Patch("megatron.core.pipeline_parallel.utils", attribute, None, why, kind=SCOPED, versions=versions,
+          where="selftest.overlap.NodeTimer (one measured iteration of the overlap stage)")
+    for attribute, why, versions in (
+        ("ScheduleNode.stream_acquire_context", "times each schedule node of a fused F&B unit on its stream",
+         _SINCE_019),
+        ("stream_acquire_context", "times each schedule node of a fused F&B unit on its stream",
+         Versions(below="0.19")),
+        ("ScheduleNode._forward", "names the node being timed (0.16's stream_acquire_context has no node)",
+         Versions(below="0.19")),
+        ("ScheduleNode._backward", "names the node being timed (0.16's stream_acquire_context has no node)",
+         Versions(below="0.19")),
+    )
 )
 
 # --- per object ------------------------------------------------------------------------------

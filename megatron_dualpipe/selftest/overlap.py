@@ -112,11 +112,14 @@ class NodeTimer:
 
         from ..mcore.overlap import OverlappedStageCompute
 
+        from .. import hooks
+
         node_cls, stage_cls = pp_utils.ScheduleNode, OverlappedStageCompute
         timer = self
-        swaps = []  # (owner, attribute, replacement)
+        swaps = []  # megatron-core's, through the hooks manifest (restored on exit)
         if hasattr(node_cls, "stream_acquire_context"):  # megatron-core >= 0.19
-            swaps.append((node_cls, "stream_acquire_context", self._timed_method(node_cls.stream_acquire_context)))
+            swaps.append(hooks.entry("scoped", "ScheduleNode.stream_acquire_context")
+                         .to(self._timed_method(node_cls.stream_acquire_context)))
         else:  # 0.16: a module function of (stream, event); the node's name from _forward/_backward
             def named(original):
                 def run(node, *args):
@@ -127,9 +130,9 @@ class NodeTimer:
                         timer.node.pop()
                 return run
 
-            swaps += [(pp_utils, "stream_acquire_context", self._acquire),
-                      (node_cls, "_forward", named(node_cls._forward)),
-                      (node_cls, "_backward", named(node_cls._backward))]
+            swaps += [hooks.entry("scoped", "stream_acquire_context").to(self._acquire),
+                      hooks.entry("scoped", "ScheduleNode._forward").to(named(node_cls._forward)),
+                      hooks.entry("scoped", "ScheduleNode._backward").to(named(node_cls._backward))]
         fused_hook = stage_cls.forward_backward
 
         def fused(compute, *args, **kwargs):
@@ -139,15 +142,13 @@ class NodeTimer:
             finally:
                 timer.unit = None
 
-        swaps.append((stage_cls, "forward_backward", fused))
-        saved = [(owner, attr, owner.__dict__[attr]) for owner, attr, _ in swaps]
+        # the project's own fused-unit hook is swapped directly (not Megatron's: not in the manifest)
+        stage_cls.forward_backward = fused
         try:
-            for owner, attr, replacement in swaps:
-                setattr(owner, attr, replacement)
-            yield self
+            with hooks.scoped(*swaps):
+                yield self
         finally:
-            for owner, attr, original in reversed(saved):
-                setattr(owner, attr, original)
+            stage_cls.forward_backward = fused_hook
 
 
 def run(ctx) -> Optional[dict]:
