@@ -28,7 +28,6 @@ import functools
 
 from .. import hooks
 from ..schedule import registry
-from ..schedule.layout import BIDIRECTIONAL
 
 _DIST_UTILS = "megatron.training.models.dist_utils"
 
@@ -126,20 +125,9 @@ def _count_printer(built):
 
 
 def _after_build(model, schedule):
-    if len(model) != 2:
-        raise RuntimeError(f"--pipeline-schedule {schedule}: expected 2 model chunks, got {len(model)}")
-    if registry.get(schedule).layout_kind == BIDIRECTIONAL:
-        from .checkpoint.torch_dist_mirror import mark_mirror_replicas
+    from .training_hooks import two_chunk_model_built
 
-        mark_mirror_replicas(model[1])  # torch_dist: the mirror is a non-main replica
-    from megatron.core import parallel_state
-
-    from ..mcore.model import describe_chunks
-
-    if parallel_state.get_data_parallel_rank() == 0 and parallel_state.get_tensor_model_parallel_rank() == 0:
-        print(f"[megatron-dualpipe] {schedule} pipeline rank {parallel_state.get_pipeline_model_parallel_rank()}: "
-              f"{describe_chunks(model)}", flush=True)
-    return model
+    return two_chunk_model_built(model, schedule)
 
 
 def _entries():

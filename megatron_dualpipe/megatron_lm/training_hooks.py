@@ -216,23 +216,28 @@ def wrap_get_model(orig):
             swaps.append(_unbucketed_ddp(mtraining))
         with hooks.scoped(*swaps):
             model = orig(provider, model_type, wrap_with_ddp, config=config, pg_collection=pg_collection)
-        model = list(model)
-        if len(model) != 2:
-            raise RuntimeError(f"--pipeline-schedule {schedule}: expected 2 model chunks, got {len(model)}")
-        if registry.get(schedule).layout_kind == BIDIRECTIONAL:
-            from .checkpoint.torch_dist_mirror import mark_mirror_replicas
-
-            mark_mirror_replicas(model[1])  # torch_dist: the mirror is a non-main replica
-        from megatron.core import parallel_state
-
-        from ..mcore.model import describe_chunks
-
-        if parallel_state.get_data_parallel_rank() == 0 and parallel_state.get_tensor_model_parallel_rank() == 0:
-            print(f"[megatron-dualpipe] {schedule} pipeline rank {parallel_state.get_pipeline_model_parallel_rank()}: "
-                  f"{describe_chunks(model)}", flush=True)
-        return model
+        return two_chunk_model_built(list(model), schedule)
 
     return get_model
+
+
+def two_chunk_model_built(model, schedule: str):
+    """The two chunks a model build returned, checked, the mirror marked for torch_dist, and one line
+    per pipeline rank saying which stages it holds (get_model's path and 0.19's model builder)."""
+    if len(model) != 2:
+        raise RuntimeError(f"--pipeline-schedule {schedule}: expected 2 model chunks, got {len(model)}")
+    if registry.get(schedule).layout_kind == BIDIRECTIONAL:
+        from .checkpoint.torch_dist_mirror import mark_mirror_replicas
+
+        mark_mirror_replicas(model[1])  # torch_dist: the mirror is a non-main replica
+    from megatron.core import parallel_state
+
+    from ..mcore.model import describe_chunks
+
+    if parallel_state.get_data_parallel_rank() == 0 and parallel_state.get_tensor_model_parallel_rank() == 0:
+        print(f"[megatron-dualpipe] {schedule} pipeline rank {parallel_state.get_pipeline_model_parallel_rank()}: "
+              f"{describe_chunks(model)}", flush=True)
+    return model
 
 
 def wrap_get_forward_backward_func(orig):
