@@ -39,9 +39,13 @@ ARGUMENTS = (
     Patch(_ARGS, "validate_args", _LM + "arguments:wrap_validate",
           "the DualPipe checks (megatron_lm/arguments.py) run right after Megatron's own, on the values it derives"),
     Patch(_INIT, "validate_args", _LM + "arguments:wrap_validate",
-          "the by-name import initialize_megatron calls"),
+          "the by-name import initialize_megatron calls (0.19: parse_and_validate_args calls arguments' own)",
+          versions=Versions(below="0.19")),
     Patch(_INIT, "validate_yaml", _LM + "arguments:wrap_validate",
-          "--yaml-cfg runs are validated by it instead of validate_args"),
+          "--yaml-cfg runs are validated by it instead of validate_args", versions=Versions(below="0.19")),
+    Patch("megatron.training.yaml_arguments", "validate_yaml", _LM + "arguments:wrap_validate",
+          "--yaml-cfg runs are validated by it instead of validate_args (0.19 imports it at call time)",
+          versions=Versions("0.19")),
 )
 
 TRAINING = (

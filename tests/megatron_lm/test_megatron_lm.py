@@ -263,7 +263,9 @@ _ARGS_SCRIPT = textwrap.dedent(
         os.environ["WORLD_SIZE"] = str(world)
         os.environ["RANK"] = "0"
         sys.argv = ["pretrain_gpt.py"] + argv
-        validate = minit.validate_args
+        # core_v0.16.1: initialize_megatron calls initialize.validate_args (imported by name);
+        # core_v0.19.0: parse_and_validate_args calls arguments.validate_args (the one patched there).
+        validate = getattr(minit, "validate_args", None) or margs.validate_args
         if overrides:  # Megatron's own checks, then the option, then DualPipe's checks
             validate = getattr(validate, "__wrapped__", validate)
         with contextlib.redirect_stdout(io.StringIO()):
