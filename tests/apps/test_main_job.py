@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from megatron_dualpipe import demo
+from megatron_dualpipe.apps import main_job as demo
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PNG = b"\x89PNG\r\n\x1a\n"

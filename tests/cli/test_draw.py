@@ -5,7 +5,7 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from megatron_dualpipe import draw
+from megatron_dualpipe.pictures import draw
 from megatron_dualpipe.schedule import build_schedule
 from megatron_dualpipe.schedule.actions import OPS
 from megatron_dualpipe.schedule.padding import build_padded

@@ -2,7 +2,7 @@
 import io
 import time
 
-from megatron_dualpipe import progress
+from megatron_dualpipe.apps import progress
 from megatron_dualpipe.apps.progress import Progress
 
 

@@ -248,7 +248,7 @@ def _pipeline_worker(rank, world, port, schedule, full_state, runs):
 
 def _count_deferred_weight_grads():
     """How many deferred weight-gradient closures W actions ran (counter[0])."""
-    from megatron_dualpipe import wgrad
+    from megatron_dualpipe.mcore import wgrad
 
     counter = [0]
     run = wgrad.WeightGradStore.run
