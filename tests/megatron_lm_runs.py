@@ -149,7 +149,7 @@ def assert_metrics_close(got, ref, what):
             diffs.append(abs(a - b))
             # 'num zeros' counts gradient elements that are exactly 0.0: one element summed in another
             # order can land on 0.0 or next to it. One element is let through (printed, and an open
-            # question in docs/megatron-options.md); loss, grad norm and params norm stay exact.
+            # question in docs/megatron-lm-cpu.md); loss, grad norm and params norm stay exact.
             slack = 1.0 if name == "num zeros" else 0.0
             assert abs(a - b) <= _tolerance(ref[it][name], b) + slack, f"{what}: iteration {it}: {name} {a} vs {b}"
         worst[name] = max(diffs)
