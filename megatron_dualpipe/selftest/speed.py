@@ -57,12 +57,12 @@ def stage_costs(cfg, device):
 
 
 def bench_config(ctx):
-    from ..bench import SCHEDULE_NAMES
     from ..bench.measure import BenchConfig
     from ..bench.synthetic import StageCosts
+    from ..schedule import registry
 
     mode, f, b, w, size, grad_mb = stage_costs(ctx.cfg, ctx.device)
-    return BenchConfig(schedules=tuple(SCHEDULE_NAMES), microbatches={ctx.world: (2 * ctx.world,)},
+    return BenchConfig(schedules=registry.names(runs_on=registry.EXECUTOR), microbatches={ctx.world: (2 * ctx.world,)},
                        costs=StageCosts(f, b, w), mode=mode, matmul_size=size, shape=(8, 1024),
                        iters=2 if ctx.cfg.quick else 5, warmup=1 if ctx.cfg.quick else 2,
                        timeout_s=ctx.cfg.deadline_s, trace_dir=os.path.abspath(ctx.path("traces")), grad_mb=grad_mb)
