@@ -50,6 +50,7 @@ def run(args) -> int:
 def _enable(megatron_lm_path):
     from .. import cpu
     from ..cpu.redirection import current, resolve
+    from ..hooks.mechanism import megatron_core_version
 
     if megatron_lm_path:
         sys.path.insert(0, megatron_lm_path)
@@ -57,9 +58,12 @@ def _enable(megatron_lm_path):
 
         triton_stub.preimport_triton_users()
     wanted = [p for p in cpu.PARTS if megatron_lm_path or p == "megatron-core"]
+    version = megatron_core_version()
     snapshot = {}
     for part in wanted:
         for r in cpu.redirections(part):
+            if version not in r.versions:  # enable() skips it too: its module may not exist here
+                continue
             owner, name = resolve(r)
             snapshot[r.target] = (owner, name, current(owner, name))
     cpu.enable(megatron_lm=bool(megatron_lm_path))

@@ -36,6 +36,17 @@ def survivors(token: str):
     return found
 
 
+def survivors_after(token: str, grace_s: float = 30.0):
+    """The survivors once every process carrying ``token`` has had ``grace_s`` to exit: a rank
+    that is still unwinding on a loaded machine is not one left behind (that one never exits)."""
+    deadline = time.monotonic() + grace_s
+    while True:
+        left = survivors(token)
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.25)
+
+
 def _kill_leftovers(token):
     for pid in survivors(token):
         try:
@@ -47,7 +58,7 @@ def _kill_leftovers(token):
 def interrupt_at(cmd, marker, sig=signal.SIGINT, group=True, cwd=ROOT, env=None, timeout=600, after_s=0.0):
     """Run ``cmd`` (its own session); when a line containing ``marker`` shows (stdout and stderr
     merged), wait ``after_s`` and send ``sig`` to its process group (``group``) or to it alone.
-    Returns (lines before, lines after the signal, exit status, survivors 1 s later)."""
+    Returns (lines before, lines after the signal, exit status, survivors after a grace)."""
     token = uuid.uuid4().hex
     full = dict(os.environ if env is None else env, **{TOKEN: token})
     full.setdefault("PYTHONPATH", ROOT)
@@ -67,8 +78,7 @@ def interrupt_at(cmd, marker, sig=signal.SIGINT, group=True, cwd=ROOT, env=None,
         (os.killpg if group else os.kill)(p.pid, sig)
         after = [line.rstrip("\n") for line in p.stdout]
         status = p.wait(timeout=120)
-        time.sleep(1)
-        return before, after, status, survivors(token)
+        return before, after, status, survivors_after(token)
     finally:
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
@@ -113,8 +123,7 @@ def test_helper_closed_pipe_is_silent_and_stops_everything():
     try:
         r = subprocess.run(["bash", "-c", shell], capture_output=True, text=True, env=env, timeout=120,
                            cwd=os.environ.get("TMPDIR", "/tmp"))
-        time.sleep(1)
-        left = survivors(token)
+        left = survivors_after(token)
     finally:
         _kill_leftovers(token)
     print(r.stdout)
@@ -205,8 +214,7 @@ def test_main_job_into_head_closes_cleanly(tmp_path):
              f"echo status ${{PIPESTATUS[0]}}")
     try:
         r = subprocess.run(["bash", "-c", shell], capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
-        time.sleep(1)
-        left = survivors(token)
+        left = survivors_after(token)
     finally:
         _kill_leftovers(token)
     err = (tmp_path / "err.txt").read_text()

@@ -89,10 +89,16 @@ def test_evaluation_losses_equal_and_advice_logged_once():
     assert_close(train, ref_train, "dualpipe vs 1f1b training")
     assert_close(val, ref_val, "dualpipe vs 1f1b validation/test")
     out = LAST_OUTPUT[0]
-    start = out.find("advice for pp=4, M=8 from training iterations 2-4 of dualpipe, the first 1 skipped as warm-up")
-    print(out[start:start + 1500])
-    assert start >= 0 and out.count("advice for pp=4") == 1
-    assert re.search(r"\nM=8: use [a-z0-9-]+: ", out[start:])  # any schedule the advice knows
+    measured = "training iterations 2-4 of dualpipe, the first 1 skipped as warm-up"
+    start = out.find(f"advice for pp=4, M=8 from {measured}")
+    # On a loaded machine the measured medians can be impossible (a fused F&B unit cheaper than its
+    # forward or backward alone): then the advice is withheld, once, saying why; never made up.
+    withheld = out.find(f"no advice from {measured} (--dualpipe-advise-warmup): the fused F&B units measured")
+    print(out[max(start, withheld):max(start, withheld) + 1500])
+    assert (start >= 0) != (withheld >= 0), "one advice or one refusal, naming the measured iterations"
+    assert out.count("advice for pp=4") + out.count("no advice from") == 1
+    if start >= 0:
+        assert re.search(r"\nM=8: use [a-z0-9-]+: ", out[start:])  # any schedule the advice knows
 
 
 EXPERT_BIAS = ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
