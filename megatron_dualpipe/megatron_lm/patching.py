@@ -111,10 +111,27 @@ def _writable_problem(script: str) -> Optional[str]:
     return None
 
 
+def patch_file(tag: str) -> str:
+    """The patch file of Megatron-LM tag ``tag`` (one of :data:`TAGS`), relative to the project's root."""
+    if tag not in TAGS:
+        raise PatchError(f"no patch for {tag}: the hook is written for {' and '.join(TAGS)}")
+    return f"patches/megatron-lm-{tag}.patch"
+
+
+def checkout_patch_file(path: str) -> str:
+    """The patch file (relative to the project's root) for the Megatron-LM checkout at ``path``,
+    recognised by its megatron-core version; :class:`PatchError` naming the tags when it is none of them."""
+    version = core_version(path)
+    tag = versions.tag_of(version)
+    if tag is None:
+        raise PatchError(tag_problem(path, version))
+    return patch_file(tag)
+
+
 def _cannot_write(script: str, why: str) -> str:
     tag = versions.tag_of(core_version(os.path.dirname(os.path.abspath(script)))) or TAGS[-1]
     return (f"cannot change {script}: {why}; run this as a user who can write the checkout, or apply "
-            f"patches/megatron-lm-{tag}.patch (git apply) as one")
+            f"{patch_file(tag)} (git apply) as one")
 
 
 def _write_atomically(path: str, text: str) -> None:

@@ -21,6 +21,8 @@ import textwrap
 
 import pytest
 
+from megatron_dualpipe.megatron_lm.patching import checkout_patch_file
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MEGATRON_LM_PATH = os.environ.get("MEGATRON_LM_PATH")
 SKIP_MESSAGE = "set MEGATRON_LM_PATH to a Megatron-LM checkout at tag core_v0.16.1"
@@ -429,7 +431,7 @@ def test_pretrain_gpt_cpu_pp4_1f1b(tmp_path):
 def test_patch_applies():
     if shutil.which("git") is None:
         pytest.skip("needs git")
-    patch = os.path.join(REPO_ROOT, "patches", "megatron-lm-core_v0.16.1.patch")
+    patch = os.path.join(REPO_ROOT, checkout_patch_file(MEGATRON_LM_PATH))  # the patch of the checkout's tag
     proc = subprocess.run(
         ["git", "apply", "--check", "--reverse", patch], cwd=MEGATRON_LM_PATH, capture_output=True, text=True
     )
