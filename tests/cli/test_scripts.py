@@ -231,17 +231,30 @@ def test_without_torchrun_on_path_the_python_that_has_torch_runs_it(tmp_path):
 
 
 def test_gpu_extra_pins_transformer_engine_as_megatron_core_asks():
-    """setup.py's [gpu] extra takes the transformer-engine range of the megatron-core it pins
-    (Megatron-LM core_v0.16.1's pyproject.toml: < 2.12)."""
+    """The transformer-engine a user installs is the one the Megatron-LM checkout asks for: where its
+    pyproject.toml gives a range (core_v0.16.1: < 2.12), setup.py's [gpu] extra takes it; where it
+    gives none and builds against one release (core_v0.19.0: its uv metadata, 2.17.1), the README
+    tells users of that megatron-core to install that release instead of the extra."""
     megatron = os.environ.get("MEGATRON_LM_PATH")
     pyproject = pathlib.Path(megatron or "/nonexistent") / "pyproject.toml"
     if not pyproject.is_file():
         pytest.skip("MEGATRON_LM_PATH with pyproject.toml not set")
-    theirs = re.search(r'"transformer-engine\[[^\]]*\]([^"]+)"', pyproject.read_text()).group(1)
-    ours = re.search(r'"gpu": \["transformer-engine\[pytorch\]([^"]+)"\]', (ROOT / "setup.py").read_text()).group(1)
-    print(f"\nMegatron-LM asks {theirs}; setup.py [gpu] pins {ours}")
-    upper = lambda spec: re.search(r"<\s*([\d.]+)", spec).group(1).rstrip(".0")  # noqa: E731
-    assert upper(ours) == upper(theirs)
+    text = pyproject.read_text()
+    ranged = re.search(r'"transformer-engine\[[^\]]*\]([^"]+)"', text)
+    if ranged:
+        theirs = ranged.group(1)
+        ours = re.search(r'"gpu": \["transformer-engine\[pytorch\]([^"]+)"\]', (ROOT / "setup.py").read_text()).group(1)
+        print(f"\nMegatron-LM asks {theirs}; setup.py [gpu] pins {ours}")
+        upper = lambda spec: re.search(r"<\s*([\d.]+)", spec).group(1).rstrip(".0")  # noqa: E731
+        assert upper(ours) == upper(theirs)
+        return
+    built = re.search(r'name = "transformer-engine"\nversion = "(\d+)\.(\d+)\.', text)
+    assert built, f"{pyproject} gives neither a transformer-engine range nor the release it builds against"
+    advice = f"`transformer-engine[pytorch]=={built.group(1)}.{built.group(2)}.*`"
+    core = re.search(r'^MAJOR = (\d+)\nMINOR = (\d+)', (pyproject.parent / "megatron/core/package_info.py").read_text(), re.M)
+    readme = (ROOT / "README.md").read_text()
+    print(f"\nMegatron-LM builds against transformer-engine {built.group(1)}.{built.group(2)}; README: {advice}")
+    assert re.search(rf"with megatron-core {core.group(1)}\.{core.group(2)} install\s+{re.escape(advice)}", readme), advice
 
 
 def test_slurm_example_gives_each_node_its_rank_and_the_first_node_as_master(tmp_path):
@@ -274,35 +287,44 @@ def test_slurm_example_gives_each_node_its_rank_and_the_first_node_as_master(tmp
 
 FAKE_PYTHON = """#!/bin/bash
 # Stand-in interpreter for setup_venv.sh: the interrupt helper runs for real, venv and pip are faked
-# (pip prints setuptools' BuildBackendWarning box, as a real editable install does).
+# (pip prints setuptools' BuildBackendWarning box, as a real editable install does; the megatron-core
+# it was asked for is the version it then reports).
 case "$1 $2" in
   "-m megatron_dualpipe.interrupts") exec REAL "$@";;
   "-m venv") mkdir -p "$3/bin"; cp "$0" "$3/bin/python"; exit 0;;
 esac
 here="$(dirname "$0")"
-if [ "$1" = -c ]; then [ -f "$here/torch" ]; exit; fi
+if [ "$1" = -c ]; then
+  case "$2" in *"version('megatron-core')"*) cat "$here/megatron-core" 2>/dev/null; exit;; esac
+  [ -f "$here/torch" ]; exit
+fi
 if [ "$1 $2 $3" = "-m pip install" ]; then
   printf '  !!\\n  ****\\n  BuildBackendWarning: Editable installation.\\n  ****\\n  !!\\n' >&2
   case "$*" in *torch==*) touch "$here/torch";; esac
+  for a; do case "$a" in megatron-core==*) echo "${a#megatron-core==}" > "$here/megatron-core";; esac; done
   exit 0
 fi
 exit 3
 """
 
 
-def test_setup_prints_one_line_per_step_with_its_time_and_nothing_of_pip(tmp_path):
-    """A fresh venv: three lines "setup N/3: ... (about T)", pip's output (the BuildBackendWarning box)
-    only in the log; a second run has nothing to do and prints nothing."""
+@pytest.mark.parametrize("megatron_core, steps", [(None, (1, 2, 3)), ("0.19.2", (1, 2, 2, 3))])
+def test_setup_prints_one_line_per_step_with_its_time_and_nothing_of_pip(tmp_path, megatron_core, steps):
+    """A fresh venv: one line "setup N/3: ... (about T)" per step (with MEGATRON_CORE, step 2, the
+    dependencies, installs torch, then that megatron-core), pip's output (the BuildBackendWarning
+    box) only in the log; a second run has nothing to do and prints nothing."""
     fake = tmp_path / "python3"
     fake.write_text(FAKE_PYTHON.replace("REAL", sys.executable))
     fake.chmod(0o755)
-    env = dict(os.environ, VENV=str(tmp_path / "venv"), PYTHON=str(fake))
+    env = {k: v for k, v in os.environ.items() if k != "MEGATRON_CORE"}
+    env.update(VENV=str(tmp_path / "venv"), PYTHON=str(fake), **({"MEGATRON_CORE": megatron_core} if megatron_core else {}))
     first = subprocess.run(["bash", str(ROOT / "scripts" / "setup_venv.sh")], env=env, capture_output=True, text=True,
                            timeout=120)
     print(f"\n{first.stderr}")
     lines = first.stderr.splitlines()
-    assert first.returncode == 0 and first.stdout == "" and len(lines) == 3
-    assert all(re.fullmatch(rf"setup {n}/3: .+ \(about [\d.-]+ (s|min)\)", line) for n, line in enumerate(lines, 1))
+    assert first.returncode == 0 and first.stdout == "" and len(lines) == len(steps), first.stderr
+    assert all(re.fullmatch(rf"setup {n}/3: .+ \(about [\d.-]+ (s|min)\)", line) for n, line in zip(steps, lines))
+    assert not megatron_core or f"megatron-core=={megatron_core}" in lines[2]
     log = (tmp_path / "venv" / "setup.log").read_text()
     assert "BuildBackendWarning" not in first.stderr and "BuildBackendWarning" in log
     again = subprocess.run(["bash", str(ROOT / "scripts" / "setup_venv.sh")], env=env, capture_output=True, text=True,
