@@ -168,16 +168,18 @@ def test_torch_dist_without_distributed_optimizer_dp2_across_schedules(reference
     """fp32 optimizer state, torch_dist: dualpipe at dp = 2 resumes the reference's 1f1b (dp = 1)
     checkpoint (torch_dist reshards over dp) and saves at dp = 2 (this failed: the fully parallel
     save made the mirror's tied output weight a main replica next to the home embedding), 1f1b
-    resumes that."""
+    resumes that and saves at dp = 2 too: the keys dualpipe wrote are the keys 1f1b writes at the
+    same dp (core_v0.19.0 saves the rerun state machine in every torch_dist checkpoint, one shard
+    per rank: its keys name the world size, 2 for the reference, 4 here)."""
     ref, ckpt = reference
-    relay = str(tmp_path / "relay")
+    relay, back_ckpt = str(tmp_path / "relay"), str(tmp_path / "back")
     fmt = ("--ckpt-format", "torch_dist")
     dualpipe = _chain_step("dualpipe", 4, ckpt, 2, *fmt, save=relay)
     try:
-        back = _chain_step("1f1b", 4, relay, 3, *fmt)
+        back = _chain_step("1f1b", 4, relay, 3, *fmt, save=back_ckpt)
     finally:
         _set_latest(ckpt, 4)
-    assert _saved_keys(relay, 3) == _saved_keys(ckpt, 2), "dualpipe (dp=2) wrote other keys than 1f1b (dp=1)"
+    assert _saved_keys(relay, 3) == _saved_keys(back_ckpt, 4), "dualpipe (dp=2) wrote other keys than 1f1b (dp=2)"
     _assert_chain_continues([("dualpipe", dualpipe), ("1f1b", back)], ref,
                             "fp32 optimizer, torch_dist, 1f1b (dp=1) -> dualpipe (dp=2) -> 1f1b (dp=2)")
 
