@@ -35,9 +35,10 @@ def add_comm_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dp", type=int, default=1, help="data-parallel size (default 1)")
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel size, for the rank placement (default 1)")
     g.add_argument("--gpus-per-node", type=int, default=8, help="ranks per node (default 8)")
-    g.add_argument("--placement", choices=("megatron", "mirrored"), default="megatron",
-                   help="megatron: Megatron's rank order (tp, dp, pp); mirrored: pipeline ranks i and pp-1-i "
-                        "side by side (modelled)")
+    g.add_argument("--placement", choices=("megatron", "paired"), default="megatron",
+                   help="megatron: Megatron's rank order (tp, dp, pp) on nodes of consecutive ranks; paired: what "
+                        "the launcher's --pair-placement (PAIR_PLACEMENT=1) does for dualpipe, pipeline ranks i and "
+                        "pp-1-i on one node (other schedules stay in Megatron's placement)")
     g.add_argument("--intra-bw", type=float, default=200.0, metavar="GB/s",
                    help="bandwidth per rank inside a node (default 200)")
     g.add_argument("--inter-bw", type=float, default=25.0, metavar="GB/s",
@@ -74,7 +75,11 @@ def comm_from_args(args, pp: int):
     if args.bd_reduction == "shared-shard" and not args.distributed_optimizer:
         raise CliError("--bd-reduction shared-shard shards the distributed optimizer's state over both copies: add "
                        "--distributed-optimizer")
-    return CommModel(Placement(pp, args.dp, args.tp, args.gpus_per_node, args.placement == "mirrored"), network,
+    try:
+        placement = Placement(pp, args.dp, args.tp, args.gpus_per_node, args.placement == "paired")
+    except ValueError as e:
+        raise CliError(f"--placement {args.placement}: {e}") from None
+    return CommModel(placement, network,
                      (args.stage_params or 0.0) * DTYPE_BYTES[args.grad_dtype], args.message_bytes or 0.0,
                      args.distributed_optimizer, args.overlap_grad_reduce, bd_mode=args.bd_reduction)
 
@@ -222,14 +227,16 @@ def run_simulate(args) -> int:
         s = padded.schedule
         prog.phase("simulating")
         try:
-            result = simulate(s.layout, s.ranks, padded.costs(costs), prog.update, p2p=comm.p2p if comm else None)
+            result = simulate(s.layout, s.ranks, padded.costs(costs), prog.update,
+                              p2p=comm.for_schedule(s.spec.mirrored).p2p if comm else None)
         except DeadlockError as e:  # cannot happen for built schedules; keep the promise of one line
             raise CliError(" ".join(line.strip() for line in str(e).splitlines()[:2])) from None
         if not math.isfinite(result.makespan):
             raise CliError(f"the costs are too large: the simulated time overflows ({result.makespan}); "
                            f"use smaller values or units")
-        grad = None if comm is None else grad_comm(s, result, comm, stage_fraction(s.spec, s.pp),
-                                                   s.spec.defers_weight_grads, padded.is_fake)
+        grad = None if comm is None else grad_comm(s, result, comm.for_schedule(s.spec.mirrored),
+                                                   stage_fraction(s.spec, s.pp), s.spec.defers_weight_grads,
+                                                   padded.is_fake)
         stage = costs.scaled(1 / stage_fraction(s.spec, s.pp))
         names = orders_with(s.name)
         work = sum(_forwards(get(n), s.pp, padded.real) for n in names)

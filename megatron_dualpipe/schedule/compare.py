@@ -88,6 +88,7 @@ def run(name: str, pp: int, real: int, stage_costs: Costs, progress: Progress = 
     spec = get(name)
     frac = stage_fraction(spec, pp)
     costs = stage_costs.scaled(frac)
+    comm = None if comm is None else comm.for_schedule(spec.mirrored)
     if known and name in known:
         padded, res = known[name]
     else:
