@@ -111,12 +111,12 @@ def apply(argv: Sequence[str], env: MutableMapping[str, str]) -> Tuple[int, int]
     per_node = int(env["LOCAL_WORLD_SIZE"])
     if slot is None or local is None:
         raise ValueError(f"{FLAG} needs torchrun's RANK and LOCAL_RANK: run the launcher under torchrun")
+    if TORCHRUN_RANK_ENV in env:
+        raise ValueError(f"{FLAG}: RANK was rewritten already in this process ({TORCHRUN_RANK_ENV} is set)")
     if slot % per_node != local or (node is not None and slot // per_node != node):
         raise ValueError(f"{FLAG}: torchrun's RANK={slot} is not GROUP_RANK x LOCAL_WORLD_SIZE + LOCAL_RANK "
                          f"({node} x {per_node} + {local}): the ranks are not numbered node by node here, so which "
                          f"node a rank is on is unknown; drop {FLAG}")
-    if TORCHRUN_RANK_ENV in env:
-        raise ValueError(f"{FLAG}: RANK was rewritten already in this process ({TORCHRUN_RANK_ENV} is set)")
     rank = placement(argv, env)[slot]
     env[TORCHRUN_RANK_ENV] = str(slot)
     env["RANK"] = str(rank)
