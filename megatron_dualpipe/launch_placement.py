@@ -43,7 +43,8 @@ def script_sizes(argv: Sequence[str]) -> Tuple[Dict[str, object], Optional[str]]
     for i, a in enumerate(args):
         flag, eq, val = a.partition("=")
         if flag == "--yaml-cfg":
-            return found, f"{FLAG} reads the parallel sizes from the command line, not from --yaml-cfg: pass them as flags"
+            return found, (f"{FLAG} reads the parallel sizes from the command line, not from --yaml-cfg: pass "
+                           f"them as flags")
         if flag in _SIZES or flag == "--pipeline-schedule":
             text = val if eq else (args[i + 1] if i + 1 < len(args) else "")
             if flag == "--pipeline-schedule":

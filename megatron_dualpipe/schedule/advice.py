@@ -202,7 +202,8 @@ class DenseModel:
 
 def _comm_json(c: CommModel) -> dict:
     p, n = c.placement, c.network
-    return {"dp": p.dp, "tp": p.tp, "gpus_per_node": p.gpus_per_node, "placement": p.name, "stage_grad_bytes": c.stage_grad_bytes, "message_bytes": c.message_bytes,
+    return {"dp": p.dp, "tp": p.tp, "gpus_per_node": p.gpus_per_node, "placement": p.name,
+            "stage_grad_bytes": c.stage_grad_bytes, "message_bytes": c.message_bytes,
             "intra_node": {"bandwidth_gbps": n.intra.bandwidth, "latency_ms": n.intra.latency},
             "inter_node": {"bandwidth_gbps": n.inter.bandwidth, "latency_ms": n.inter.latency},
             "distributed_optimizer": c.distributed_optimizer, "overlap_grad_reduce": c.overlap_grad_reduce}
@@ -401,7 +402,8 @@ def _format(a: Advice) -> List[str]:
     if comm:
         p, n = a.comm.placement, a.comm.network
         out.append(f"communication (ms): dp={p.dp} tp={p.tp}, {p.gpus_per_node} GPUs per node, "
-                   f"{'paired (bd pairs on one node)' if p.paired else 'Megatron'} placement; gradients {fmt(a.comm.stage_grad_bytes / 1e6)} "
+                   f"{'paired (bd pairs on one node)' if p.paired else 'Megatron'} placement; gradients "
+                   f"{fmt(a.comm.stage_grad_bytes / 1e6)} "
                    f"MB per stage, P2P messages {fmt(a.comm.message_bytes / 1e6)} MB; links: " + _links_text(a.comm)
                    + "; data-parallel "
                    f"{'reduce-scatter' if a.comm.distributed_optimizer else 'all-reduce'}"

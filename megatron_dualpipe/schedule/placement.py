@@ -138,7 +138,8 @@ def pair_problem(world_size: int, gpus_per_node: int, tp: int, cp: int, dp: int,
                        ("expert tensor x expert parallel", etp * ep)):
         # Megatron's order keeps such a group on one node when it fits in one; the pairs must not split it.
         if size <= gpus_per_node and gpus_per_node % size == 0 and unit % size:
-            return (f"placing the bd pairs side by side leaves {unit} GPU{'s' if unit > 1 else ''} of a node per stage, which would split "
+            gpus = f"{unit} GPU{'s' if unit > 1 else ''}"
+            return (f"placing the bd pairs side by side leaves {gpus} of a node per stage, which would split "
                     f"the {what} groups of {size} ranks across nodes: use a GPU count per node that is a multiple "
                     f"of {2 * size} (2 x {size}), a smaller group, {drop}")
     return None

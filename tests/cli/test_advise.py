@@ -113,7 +113,8 @@ def test_advise_says_what_the_pair_placement_does_and_refuses_what_cannot_be_pla
     plain = json.loads(capsys.readouterr().out)["choices"][0]
     assert main(common + ["--dp", "4", "--placement", "paired"]) == 0
     paired = json.loads(capsys.readouterr().out)["choices"][0]
-    iteration = {c: {o["schedule"]: o["iteration"] for o in ch["options"]} for c, ch in (("plain", plain), ("paired", paired))}
+    iteration = {c: {o["schedule"]: o["iteration"] for o in ch["options"]}
+                 for c, ch in (("plain", plain), ("paired", paired))}
     effect, back = plain["placement"][0], paired["placement"][0]
     assert effect["schedule"] == DUALPIPE and effect["placement"] == "paired" and effect["problem"] is None
     assert effect["iteration"] == pytest.approx(iteration["paired"][DUALPIPE])

@@ -8,8 +8,9 @@ import pytest
 from megatron_dualpipe.schedule.placement import DEFAULT_ORDER, TP_PP_DP_ORDER, pair_placement
 
 #: (gpus per node, tp, cp, dp, pp, ep, etp, order)
-CASES = [(8, 1, 1, 4, 8, 1, 1, DEFAULT_ORDER), (8, 2, 1, 4, 4, 4, 1, DEFAULT_ORDER), (8, 2, 2, 2, 4, 1, 2, DEFAULT_ORDER),
-         (8, 4, 1, 4, 4, 2, 2, DEFAULT_ORDER), (16, 8, 1, 2, 8, 1, 8, DEFAULT_ORDER), (8, 1, 1, 8, 2, 4, 1, DEFAULT_ORDER),
+CASES = [(8, 1, 1, 4, 8, 1, 1, DEFAULT_ORDER), (8, 2, 1, 4, 4, 4, 1, DEFAULT_ORDER),
+         (8, 2, 2, 2, 4, 1, 2, DEFAULT_ORDER), (8, 4, 1, 4, 4, 2, 2, DEFAULT_ORDER),
+         (16, 8, 1, 2, 8, 1, 8, DEFAULT_ORDER), (8, 1, 1, 8, 2, 4, 1, DEFAULT_ORDER),
          (8, 2, 1, 2, 8, 2, 1, TP_PP_DP_ORDER), (8, 4, 1, 2, 4, 1, 4, TP_PP_DP_ORDER)]
 
 

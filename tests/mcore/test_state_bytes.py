@@ -27,8 +27,8 @@ def _build(chunks_of, dist_opt, bf16):
 
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=dist_opt)
     wrapped = [DistributedDataParallel(c.config, ddp_config, c, disable_bucketing=True) for c in chunks_of]
-    config = OptimizerConfig(optimizer="adam", lr=1e-3, bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
-                             use_distributed_optimizer=dist_opt)
+    config = OptimizerConfig(optimizer="adam", lr=1e-3, bf16=bf16, use_distributed_optimizer=dist_opt,
+                             params_dtype=torch.bfloat16 if bf16 else torch.float32)
     return wrapped, get_megatron_optimizer(config, wrapped, use_gloo_process_groups=False)
 
 
@@ -111,8 +111,8 @@ def _worker(rank, world, port, dist_opt, bf16):
         reference, _ = _direct(one[0], one_opt, dist_opt, bf16)
         text = state_bytes.format_table("dualpipe", rows, allocated) if rank == 0 else None
         return {"pp": pp_rank, "dp": ps.get_data_parallel_rank(), "before": [c.values() for c in before.chunks],
-                "after": [c.values() for c in after.chunks], "allocated": (before.state_allocated, after.state_allocated,
-                                                                           allocated_before, allocated),
+                "after": [c.values() for c in after.chunks],
+                "allocated": (before.state_allocated, after.state_allocated, allocated_before, allocated),
                 "direct": list(direct), "steps": list(steps), "real": real, "reference": reference, "text": text,
                 "rows": [(r.pp_rank, r.mine.values(), r.one_f_one_b.values()) for r in rows],
                 "rows_before": [(r.pp_rank, r.mine.values(), r.one_f_one_b.values()) for r in rows_before]}

@@ -38,9 +38,9 @@ def test_every_node_holds_complete_bd_pairs(gpn, tp, cp, dp, pp, order):
     coords = coordinates(tp, cp, dp, pp, order)
     node = {g: slot // gpn for slot, g in enumerate(perm)}
     by_coords = {tuple(sorted(c.items())): g for g, c in coords.items()}
-    for g, c in coords.items():
-        partner = by_coords[tuple(sorted(dict(c, pp=pp - 1 - c["pp"]).items()))]
-        assert node[g] == node[partner], (g, partner)
+    partner_of = {g: by_coords[tuple(sorted(dict(c, pp=pp - 1 - c["pp"]).items()))] for g, c in coords.items()}
+    for g in coords:
+        assert node[g] == node[partner_of[g]], (g, partner_of[g])
     # the tensor-parallel (and tp x cp) groups Megatron's placement keeps on a node stay on one
     for axes in (("tp",), ("tp", "cp")):
         groups = {}
@@ -49,11 +49,12 @@ def test_every_node_holds_complete_bd_pairs(gpn, tp, cp, dp, pp, order):
         for ranks in groups.values():
             if len({r // gpn for r in ranks}) == 1:
                 assert len({node[r] for r in ranks}) == 1, (axes, ranks)
-    # Megatron's placement puts the pairs on different nodes whenever a stage fills half a node
-    apart = sum(1 for g, c in coords.items() if g // gpn != by_coords[tuple(sorted(dict(c, pp=pp - 1 - c["pp"]).items()))] // gpn)
+    # how many ranks Megatron's own placement keeps apart from their partner (printed)
+    apart = sum(1 for g in coords if g // gpn != partner_of[g] // gpn)
     stages = [sorted({coords[g]["pp"] for g in perm[n * gpn:(n + 1) * gpn]}) for n in range(world // gpn)]
     print(f"\n{gpn}/node tp={tp} cp={cp} dp={dp} pp={pp} {order}: nodes hold pipeline ranks {stages[:4]}"
-          f"{' ...' if len(stages) > 4 else ''}; Megatron's placement has {apart}/{world} ranks apart from their partner")
+          f"{' ...' if len(stages) > 4 else ''}; Megatron's placement has {apart}/{world} ranks apart from their "
+          f"partner")
     assert invert(perm)[perm[5 % world]] == 5 % world
 
 
