@@ -211,7 +211,7 @@ def run_simulate(args) -> int:
     import sys
 
     from ..schedule.comm_cost import grad_comm
-    from ..schedule.compare import compare, orders_with, stage_fraction
+    from ..schedule.compare import compare, in_other_placement, orders_with, stage_fraction
     from ..schedule.registry import spec as get
     from ..schedule.simulate import DeadlockError, simulate
 
@@ -238,6 +238,10 @@ def run_simulate(args) -> int:
                                                    stage_fraction(s.spec, s.pp), s.spec.defers_weight_grads,
                                                    padded.is_fake)
         stage = costs.scaled(1 / stage_fraction(s.spec, s.pp))
+        other = None
+        if comm is not None and s.spec.mirrored:
+            prog.phase("simulating the other rank placement")
+            other = in_other_placement(s.name, s.pp, padded.real, stage, comm)
         names = orders_with(s.name)
         work = sum(_forwards(get(n), s.pp, padded.real) for n in names)
         rows = None
@@ -274,10 +278,13 @@ def run_simulate(args) -> int:
                    gradient_communication=None if grad is None else {
                        "iteration": grad.iteration, "exposed_per_rank": grad.exposed,
                        "bd_sum_per_rank": grad.bd_total, "dp_reduce_per_rank": grad.dp_total},
+                   other_placement=None if other is None else {
+                       "placement": other[0], "iteration": None if other[1] is None else other[1].iteration,
+                       "problem": other[2]},
                    same_model=None if rows is None else [r.to_json() for r in rows])
         print(json.dumps(doc))
         return 0
-    print(_report(padded, costs, result, rows, stage, work, grad))
+    print(_report(padded, costs, result, rows, stage, work, grad, other))
     return 0
 
 
@@ -293,7 +300,17 @@ def _forwards(spec, pp: int, real: int) -> int:
         return 0
 
 
-def _report(padded, costs, result, rows, stage, work, grad=None) -> str:
+def _other_placement_line(name: str, grad, other) -> str:
+    """What the other rank placement does to a schedule with bd pairs (``compare.in_other_placement``)."""
+    placement, row, problem = other
+    if row is None:
+        return f"placement: {name} cannot have its bd pairs on one node here: {problem}"
+    how = ("--placement paired (the launcher's --pair-placement: bd pairs on one node)" if placement == "paired"
+           else "--placement megatron (without --pair-placement)")
+    return f"placement: with {how}: iteration {fmt(round(row.iteration, 3))} instead of {fmt(round(grad.iteration, 3))}"
+
+
+def _report(padded, costs, result, rows, stage, work, grad=None, other=None) -> str:
     s = padded.schedule
     spec = s.spec
     share = spec.model_stages(s.pp) // s.pp  # chunks per stage's worth of model
@@ -310,6 +327,8 @@ def _report(padded, costs, result, rows, stage, work, grad=None) -> str:
     if grad is not None:
         lines.append(f"iteration {fmt(round(grad.iteration, 3))} = makespan + exposed gradient communication "
                      f"{fmt(round(grad.iteration - result.makespan, 3))} (largest over the ranks; ms)")
+    if other is not None:
+        lines.append(_other_placement_line(s.name, grad, other))
     lines.append("")
     head = f"peak activations ({unit})" if spec.costs_per_chunk else "peak activations"
     extra = f"  {'bd sum':>8}  {'dp reduce':>9}  {'exposed':>8}" if grad is not None else ""

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import List, Optional, Sequence
 
 from .comm_cost import CommModel
-from .compare import Row, align, compare, fmt
+from .compare import Row, align, compare, fmt, in_other_placement
 from .registry import ONE_F_ONE_B, distinct_orders
 from .registry import spec as get
 from .simulate import Costs
@@ -306,21 +306,15 @@ def _break_even(pp, m, costs, comm, options, best, tokens) -> Optional[BreakEven
 
 def _placement_effects(pp, m, costs, comm: CommModel, options: List[Option]) -> List[PlacementEffect]:
     """Each runnable schedule with bd pairs in the other placement (the launcher pairs only them)."""
-    from .comm_cost import MEGATRON, PAIRED
-    from .placement import PlacementError
-
     out = []
-    paired = not comm.placement.paired
     for o in options:
         if o.row.problem or not get(o.row.name).mirrored:
             continue
-        name = PAIRED if paired else MEGATRON
-        try:
-            other = comm.with_placement(paired)
-        except PlacementError as e:
-            out.append(PlacementEffect(o.row.name, name, o.row.iteration, problem=str(e)))
+        name, row, problem = in_other_placement(o.row.name, pp, m, costs, comm)
+        if row is None:
+            out.append(PlacementEffect(o.row.name, name, o.row.iteration, problem=problem))
             continue
-        t = _iteration(o.row.name, pp, m, costs, other)
+        t = row.iteration
         rivals = [x.row.iteration for x in options if not x.row.problem and x.fits and x is not o]
         out.append(PlacementEffect(o.row.name, name, o.row.iteration, t, o.fits and all(t < r for r in rivals)))
     return out

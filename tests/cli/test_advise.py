@@ -134,16 +134,24 @@ def test_advise_says_what_the_pair_placement_does_and_refuses_what_cannot_be_pla
 def test_simulate_takes_the_placement(capsys):
     """``simulate --placement paired``: dualpipe's bd sums move inside the node (the seed's 1.3B case);
     1f1b, which the launcher never pairs, keeps Megatron's placement and its figures."""
-    got = {}
+    got, other = {}, {}
     for name in (DUALPIPE, ONE_F_ONE_B):
         for placement in ("megatron", "paired"):
             assert main(["simulate", "--schedule", name, "--pp", "8", "-m", "20", "--f", "1.664", "--b", "3.328",
                          "--w", "1.664", "--stage-params", "162.5e6", "--message-bytes", "8.4e6", "--dp", "4",
                          "--placement", placement, "--json"]) == 0
-            g = json.loads(capsys.readouterr().out)["gradient_communication"]
+            doc = json.loads(capsys.readouterr().out)
+            g = doc["gradient_communication"]
             got[(name, placement)] = (g["iteration"], max(g["bd_sum_per_rank"]))
+            if name == DUALPIPE:  # it also says what the other placement gives
+                other[placement] = doc["other_placement"]
+            else:
+                assert doc["other_placement"] is None
     with capsys.disabled():
         print(f"\n(iteration, largest bd sum per rank) in ms: {got}")
     assert got[(DUALPIPE, "paired")][0] < got[(DUALPIPE, "megatron")][0]
     assert got[(DUALPIPE, "paired")][1] < got[(DUALPIPE, "megatron")][1] / 4  # NVLink 200 GB/s against 25 GB/s
     assert got[(ONE_F_ONE_B, "paired")] == got[(ONE_F_ONE_B, "megatron")]
+    assert other["megatron"]["placement"] == "paired" and other["paired"]["placement"] == "megatron"
+    assert other["megatron"]["iteration"] == pytest.approx(got[(DUALPIPE, "paired")][0])
+    assert other["paired"]["iteration"] == pytest.approx(got[(DUALPIPE, "megatron")][0])
