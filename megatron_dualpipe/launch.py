@@ -6,6 +6,7 @@ Usage::
         --pipeline-model-parallel-size 4 --pipeline-schedule dualpipe ...
 
     python -m megatron_dualpipe.launch --check /path/to/Megatron-LM/pretrain_gpt.py   # preflight only
+    torchrun ... -m megatron_dualpipe.launch --pair-placement /path/to/Megatron-LM/pretrain_gpt.py ...
 
 The script runs unmodified: this module puts the script's directory (the Megatron-LM checkout)
 first on ``sys.path`` -- exactly where ``python pretrain_gpt.py`` would put it, so
@@ -22,13 +23,20 @@ with the pip command), and with ``--check`` the script's arguments as well
 (:mod:`megatron_dualpipe.launch_checks`: torch and torchrun importable here, the tokenizer, the
 data prefixes and the data's token ids against the vocabulary).
 ``scripts/pretrain_gpt_dualpipe.sh`` runs ``--check`` with the arguments it is about to pass.
+
+``--pair-placement`` (:mod:`megatron_dualpipe.launch_placement`): each process takes the Megatron
+global rank that puts pipeline ranks i and pp-1-i on the same node (``RANK`` rewritten before the
+script runs, ``LOCAL_RANK`` kept); with ``--check`` it checks that this can be done for torchrun's
+``WORLD_SIZE`` and ``LOCAL_WORLD_SIZE`` as set in the environment.
 """
 
 import os
 import runpy
 import sys
 
-USAGE = "usage: python -m megatron_dualpipe.launch [--check] /path/to/Megatron-LM/pretrain_gpt.py [ARGS...]"
+USAGE = ("usage: python -m megatron_dualpipe.launch [--check] [--pair-placement] /path/to/Megatron-LM/pretrain_gpt.py "
+         "[ARGS...]")
+PAIR_PLACEMENT = "--pair-placement"  # = launch_placement.FLAG
 SKIP_VERSION = "MEGATRON_DUALPIPE_SKIP_VERSION_CHECK"  # = versions.SKIP_ENV
 
 
@@ -63,9 +71,10 @@ def argument_problems(script, argv, check: bool):
 
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
-    check = bool(argv) and argv[0] == "--check"
-    if check:
-        argv = argv[1:]
+    options = set()
+    while argv and argv[0] in ("--check", PAIR_PLACEMENT):
+        options.add(argv.pop(0))
+    check, paired = "--check" in options, PAIR_PLACEMENT in options
     if not argv or argv[0] in ("-h", "--help") and len(argv) == 1:
         print(USAGE, file=sys.stderr)
         return 2
@@ -75,6 +84,10 @@ def main(argv=None):
     wants_help = any(a in ("-h", "--help") for a in argv[1:])
     if os.path.isfile(script) and (check or not problem) and not wants_help:
         found += argument_problems(script, argv[1:], check)
+    if paired and not wants_help:
+        from megatron_dualpipe import launch_placement
+
+        found += [p for p in [launch_placement.problem(argv[1:], os.environ)] if p]
     for line in found:
         print(f"megatron_dualpipe.launch: error: {line}", file=sys.stderr)
     if found:
@@ -89,6 +102,10 @@ def main(argv=None):
         sys.path.remove(script_dir)
     sys.path.insert(0, script_dir)
     sys.argv = [script] + argv[1:]
+    if paired:
+        from megatron_dualpipe import launch_placement
+
+        launch_placement.apply_from_launcher(argv[1:])  # before Megatron reads RANK
 
     from megatron_dualpipe.megatron_lm.install import install
 
@@ -98,7 +115,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "--check":
+    if "--check" in sys.argv[1:3]:
         from megatron_dualpipe import interrupts
 
         sys.exit(interrupts.guarded(main, "megatron_dualpipe.launch"))

@@ -15,7 +15,10 @@
 # when NNODES > 1), MASTER_PORT (6000), GPUS_PER_NODE (8), TORCHRUN (torchrun where it is on PATH,
 # else "PYTHON -m torch.distributed.run"), PYTHON (the interpreter TORCHRUN runs, read from its
 # first line; without torchrun: this checkout's .venv, else python3), DRY_RUN=1 to only print the command. PP, TP, EP, CP, ETP (expert
-# tensor parallel, default TP), MICRO_BATCH, GLOBAL_BATCH override the config's values.
+# tensor parallel, default TP), MICRO_BATCH, GLOBAL_BATCH override the config's values. PAIR_PLACEMENT=1
+# (dualpipe): put pipeline ranks i and pp-1-i on the same node, so that the bd sums stay inside a node
+# (the launcher's --pair-placement; refused with the fix when the node size does not allow it, e.g. TP
+# filling a node).
 #
 # Everything torchrun or Megatron would refuse is refused here first, with the fix: numbers that are
 # not positive integers, a world size that is not a multiple of TP*PP*CP and of ETP*EP*PP (the
@@ -44,6 +47,10 @@ config_file="$CONFIG"
 source "$config_file"
 
 SCHEDULE=${SCHEDULE:-dualpipe}
+PAIR_PLACEMENT=${PAIR_PLACEMENT:-0}
+case "$PAIR_PLACEMENT" in 0|1) ;; *) die "PAIR_PLACEMENT=$PAIR_PLACEMENT: use 1 (bd pairs on one node) or 0";; esac
+launcher_opts=()
+[ "$PAIR_PLACEMENT" = 1 ] && launcher_opts=(--pair-placement)
 NNODES=${NNODES:-1}; NODE_RANK=${NODE_RANK:-0}; GPUS_PER_NODE=${GPUS_PER_NODE:-8}
 MASTER_PORT=${MASTER_PORT:-6000}; CP=${CP:-1}; etp_set=${ETP:+1}; ETP=${ETP:-$TP}
 for v in PP TP EP CP ETP MICRO_BATCH GLOBAL_BATCH NUM_LAYERS NNODES GPUS_PER_NODE MASTER_PORT; do
@@ -131,7 +138,9 @@ export PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}"
 # The launcher's preflight with the Python torchrun will run and the arguments it will get (one
 # line per problem, each naming the fix). Its output is kept until it ends, so that a Ctrl-C here
 # prints only the trap's line.
-if ! problems=$("$PYTHON" -m megatron_dualpipe.launch --check "${script[@]}" 2>&1 >/dev/null); then
+# With PAIR_PLACEMENT=1 the check gets the world and node sizes torchrun will give the ranks.
+if ! problems=$(WORLD_SIZE=$world LOCAL_WORLD_SIZE=$GPUS_PER_NODE GROUP_WORLD_SIZE=$NNODES \
+    "$PYTHON" -m megatron_dualpipe.launch --check "${launcher_opts[@]}" "${script[@]}" 2>&1 >/dev/null); then
   printf '%s\n' "$problems" | sed 's/^megatron_dualpipe.launch: error: /pretrain_gpt_dualpipe.sh: error: /' >&2
   exit 2
 fi
@@ -139,9 +148,9 @@ fi
 cmd=(
   "${torchrun_cmd[@]}" --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$GPUS_PER_NODE"
   --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT"
-  -m megatron_dualpipe.launch "${script[@]}"
+  -m megatron_dualpipe.launch "${launcher_opts[@]}" "${script[@]}"
 )
-echo "# $SCHEDULE: $world processes (minimum $min_gpus), PP=$PP TP=$TP EP=$EP CP=$CP DP=$dp, $m micro-batches per iteration"
+echo "# $SCHEDULE: $world processes (minimum $min_gpus), PP=$PP TP=$TP EP=$EP CP=$CP DP=$dp, $m micro-batches per iteration${launcher_opts:+, bd pairs on one node}"
 printf '%q ' "${cmd[@]}"; echo
 [ "${DRY_RUN:-0}" = 1 ] && exit 0
 # torchrun and every rank in a process group of their own: Ctrl-C / SIGTERM stops them all, one line.

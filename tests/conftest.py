@@ -46,6 +46,13 @@ SLOW = ("mcore", "cpu", "megatron_lm", "apps")
 
 
 def pytest_configure(config):
+    if not hasattr(config, "workerinput") and "MEGATRON_DUALPIPE_TEST_RUNS" not in os.environ:
+        # pretrain_gpt.py runs shared by pytest-xdist's workers (tests/megatron_lm_runs.py); the
+        # workers start after this and inherit the variable.
+        import tempfile
+
+        config._shared_runs = tempfile.mkdtemp(prefix="megatron-dualpipe-runs-")
+        os.environ["MEGATRON_DUALPIPE_TEST_RUNS"] = config._shared_runs
     for name, what in LAYERS.items():
         config.addinivalue_line("markers", f"{name}: tests/{name}: {what}")
     config.addinivalue_line("markers", f"slow: starts megatron-core or Megatron-LM processes ({', '.join(SLOW)})")
@@ -68,3 +75,12 @@ def pytest_collection_modifyitems(config, items):
     for path in sorted(astray):  # no layer marker: `-m LAYER` misses it
         warnings.warn(pytest.PytestWarning(f"tests/{path} is in no layer folder: move it to one of "
                                            f"tests/{{{','.join(LAYERS)}}} (tests/conftest.py)"))
+
+
+def pytest_unconfigure(config):
+    folder = getattr(config, "_shared_runs", None)
+    if folder:
+        import shutil
+
+        shutil.rmtree(folder, ignore_errors=True)
+        os.environ.pop("MEGATRON_DUALPIPE_TEST_RUNS", None)

@@ -5,6 +5,9 @@ Needs a Megatron-LM checkout at tag ``core_v0.16.1`` in ``MEGATRON_LM_PATH`` (th
 without it). The tiny GPT of docs/megatron-lm-cpu.md, mock data, dropout off (the order in which a
 schedule runs micro-batches must not change the dropout masks).
 """
+import contextlib
+import fcntl
+import hashlib
 import importlib.util
 import os
 import re
@@ -68,6 +71,9 @@ def command(schedule, *extra, env_extra=None, pythonpath=(), torchrun_args=(), n
 #: Successful runs of this test session without checkpoints, by command and environment: a reference
 #: run (Megatron's 1f1b on the same arguments) that several tests compare against runs once.
 _RUNS = {}
+#: The folder (set by tests/conftest.py for the session) where those runs are shared by pytest-xdist's
+#: workers: a worker that needs a run another one is doing waits for it instead of repeating it.
+SHARED_RUNS_ENV = "MEGATRON_DUALPIPE_TEST_RUNS"
 
 
 def launch(schedule, *extra, timeout=600, env_extra=None, pythonpath=(), nproc=4):
@@ -75,15 +81,53 @@ def launch(schedule, *extra, timeout=600, env_extra=None, pythonpath=(), nproc=4
     A run identical to an earlier successful one of the session (same command and environment, no
     ``--save`` / ``--load``) is not run again: its output is returned."""
     cmd, env = command(schedule, *extra, env_extra=env_extra, pythonpath=pythonpath, nproc=nproc)
-    key = (tuple(cmd), tuple(sorted((k, v) for k, v in env.items() if not k.startswith("PYTEST_"))))
-    if key not in _RUNS:
+    if "--save" in cmd or "--load" in cmd:  # a checkpoint changes between runs
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-        if proc.returncode or "--save" in cmd or "--load" in cmd:  # a checkpoint changes between runs
-            LAST_OUTPUT[0] = proc.stdout + proc.stderr
-            return proc.returncode, LAST_OUTPUT[0]
-        _RUNS[key] = proc.stdout + proc.stderr
+        LAST_OUTPUT[0] = proc.stdout + proc.stderr
+        return proc.returncode, LAST_OUTPUT[0]
+    key = (tuple(cmd), tuple(sorted((k, v) for k, v in env.items()
+                                    if not k.startswith("PYTEST_") and k != SHARED_RUNS_ENV)))
+    if key not in _RUNS:
+        with _shared_run(key) as shared:
+            if shared.output is None:
+                proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+                if proc.returncode:
+                    LAST_OUTPUT[0] = proc.stdout + proc.stderr
+                    return proc.returncode, LAST_OUTPUT[0]
+                shared.output = proc.stdout + proc.stderr
+            _RUNS[key] = shared.output
     LAST_OUTPUT[0] = _RUNS[key]
     return 0, _RUNS[key]
+
+
+class _Shared:
+    output = None
+
+
+@contextlib.contextmanager
+def _shared_run(key):
+    """The output of a successful run with this key from another worker of the session, or the
+    right to make it (holding a lock on it meanwhile): ``shared.output`` is None then, and what
+    the caller puts there is saved for the others."""
+    shared = _Shared()
+    folder = os.environ.get(SHARED_RUNS_ENV)
+    if not folder or not os.path.isdir(folder):
+        yield shared
+        return
+    path = os.path.join(folder, hashlib.sha256(repr(key).encode()).hexdigest()[:32])
+    with open(path + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if os.path.exists(path):
+                with open(path) as fh:
+                    shared.output = fh.read()
+            yield shared
+            if shared.output is not None and not os.path.exists(path):
+                with open(path + ".tmp", "w") as fh:
+                    fh.write(shared.output)
+                os.replace(path + ".tmp", path)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def metrics(out):

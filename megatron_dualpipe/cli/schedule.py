@@ -35,9 +35,10 @@ def add_comm_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dp", type=int, default=1, help="data-parallel size (default 1)")
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel size, for the rank placement (default 1)")
     g.add_argument("--gpus-per-node", type=int, default=8, help="ranks per node (default 8)")
-    g.add_argument("--placement", choices=("megatron", "mirrored"), default="megatron",
-                   help="megatron: Megatron's rank order (tp, dp, pp); mirrored: pipeline ranks i and pp-1-i "
-                        "side by side (modelled)")
+    g.add_argument("--placement", choices=("megatron", "paired"), default="megatron",
+                   help="megatron: Megatron's rank order (tp, dp, pp) on nodes of consecutive ranks; paired: what "
+                        "the launcher's --pair-placement (PAIR_PLACEMENT=1) does for dualpipe, pipeline ranks i and "
+                        "pp-1-i on one node (other schedules stay in Megatron's placement)")
     g.add_argument("--intra-bw", type=float, default=200.0, metavar="GB/s",
                    help="bandwidth per rank inside a node (default 200)")
     g.add_argument("--inter-bw", type=float, default=25.0, metavar="GB/s",
@@ -74,7 +75,11 @@ def comm_from_args(args, pp: int):
     if args.bd_reduction == "shared-shard" and not args.distributed_optimizer:
         raise CliError("--bd-reduction shared-shard shards the distributed optimizer's state over both copies: add "
                        "--distributed-optimizer")
-    return CommModel(Placement(pp, args.dp, args.tp, args.gpus_per_node, args.placement == "mirrored"), network,
+    try:
+        placement = Placement(pp, args.dp, args.tp, args.gpus_per_node, args.placement == "paired")
+    except ValueError as e:
+        raise CliError(f"--placement {args.placement}: {e}") from None
+    return CommModel(placement, network,
                      (args.stage_params or 0.0) * DTYPE_BYTES[args.grad_dtype], args.message_bytes or 0.0,
                      args.distributed_optimizer, args.overlap_grad_reduce, bd_mode=args.bd_reduction)
 
@@ -206,7 +211,7 @@ def run_simulate(args) -> int:
     import sys
 
     from ..schedule.comm_cost import grad_comm
-    from ..schedule.compare import compare, orders_with, stage_fraction
+    from ..schedule.compare import compare, in_other_placement, orders_with, stage_fraction
     from ..schedule.registry import spec as get
     from ..schedule.simulate import DeadlockError, simulate
 
@@ -222,15 +227,21 @@ def run_simulate(args) -> int:
         s = padded.schedule
         prog.phase("simulating")
         try:
-            result = simulate(s.layout, s.ranks, padded.costs(costs), prog.update, p2p=comm.p2p if comm else None)
+            result = simulate(s.layout, s.ranks, padded.costs(costs), prog.update,
+                              p2p=comm.for_schedule(s.spec.mirrored).p2p if comm else None)
         except DeadlockError as e:  # cannot happen for built schedules; keep the promise of one line
             raise CliError(" ".join(line.strip() for line in str(e).splitlines()[:2])) from None
         if not math.isfinite(result.makespan):
             raise CliError(f"the costs are too large: the simulated time overflows ({result.makespan}); "
                            f"use smaller values or units")
-        grad = None if comm is None else grad_comm(s, result, comm, stage_fraction(s.spec, s.pp),
-                                                   s.spec.defers_weight_grads, padded.is_fake)
+        grad = None if comm is None else grad_comm(s, result, comm.for_schedule(s.spec.mirrored),
+                                                   stage_fraction(s.spec, s.pp), s.spec.defers_weight_grads,
+                                                   padded.is_fake)
         stage = costs.scaled(1 / stage_fraction(s.spec, s.pp))
+        other = None
+        if comm is not None and s.spec.mirrored:
+            prog.phase("simulating the other rank placement")
+            other = in_other_placement(s.name, s.pp, padded.real, stage, comm)
         names = orders_with(s.name)
         work = sum(_forwards(get(n), s.pp, padded.real) for n in names)
         rows = None
@@ -267,10 +278,13 @@ def run_simulate(args) -> int:
                    gradient_communication=None if grad is None else {
                        "iteration": grad.iteration, "exposed_per_rank": grad.exposed,
                        "bd_sum_per_rank": grad.bd_total, "dp_reduce_per_rank": grad.dp_total},
+                   other_placement=None if other is None else {
+                       "placement": other[0], "iteration": None if other[1] is None else other[1].iteration,
+                       "problem": other[2]},
                    same_model=None if rows is None else [r.to_json() for r in rows])
         print(json.dumps(doc))
         return 0
-    print(_report(padded, costs, result, rows, stage, work, grad))
+    print(_report(padded, costs, result, rows, stage, work, grad, other))
     return 0
 
 
@@ -286,7 +300,17 @@ def _forwards(spec, pp: int, real: int) -> int:
         return 0
 
 
-def _report(padded, costs, result, rows, stage, work, grad=None) -> str:
+def _other_placement_line(name: str, grad, other) -> str:
+    """What the other rank placement does to a schedule with bd pairs (``compare.in_other_placement``)."""
+    placement, row, problem = other
+    if row is None:
+        return f"placement: {name} cannot have its bd pairs on one node here: {problem}"
+    how = ("--placement paired (the launcher's --pair-placement: bd pairs on one node)" if placement == "paired"
+           else "--placement megatron (without --pair-placement)")
+    return f"placement: with {how}: iteration {fmt(round(row.iteration, 3))} instead of {fmt(round(grad.iteration, 3))}"
+
+
+def _report(padded, costs, result, rows, stage, work, grad=None, other=None) -> str:
     s = padded.schedule
     spec = s.spec
     share = spec.model_stages(s.pp) // s.pp  # chunks per stage's worth of model
@@ -303,6 +327,8 @@ def _report(padded, costs, result, rows, stage, work, grad=None) -> str:
     if grad is not None:
         lines.append(f"iteration {fmt(round(grad.iteration, 3))} = makespan + exposed gradient communication "
                      f"{fmt(round(grad.iteration - result.makespan, 3))} (largest over the ranks; ms)")
+    if other is not None:
+        lines.append(_other_placement_line(s.name, grad, other))
     lines.append("")
     head = f"peak activations ({unit})" if spec.costs_per_chunk else "peak activations"
     extra = f"  {'bd sum':>8}  {'dp reduce':>9}  {'exposed':>8}" if grad is not None else ""

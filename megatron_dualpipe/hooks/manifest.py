@@ -64,6 +64,9 @@ TRAINING = (
           "--log-params-norm under dualpipe: model[1] is the mirror, counted on its home rank"),
     Patch(_TRAINING, "get_forward_backward_func", _LM + "training_hooks:wrap_get_forward_backward_func",
           "every schedule but 1f1b returns the executor's forward_backward_func"),
+    Patch(_TRAINING, "setup_model_and_optimizer", _LM + "training_hooks:wrap_setup_model_and_optimizer",
+          "two-chunk schedules: rank 0 logs the bytes of parameters, gradients and optimizer state per pipeline "
+          "rank against 1F1B's (mcore/state_bytes.py), once the model and the optimizer are built"),
     Patch(_TRAINING, "save_checkpoint", _LM + "checkpoint.hooks:wrap_save",
           "dualpipe / dualpipev checkpoints hold 1F1B's layout (megatron_lm/checkpoint/)"),
     Patch(_TRAINING, "load_checkpoint", _LM + "checkpoint.hooks:wrap_load",

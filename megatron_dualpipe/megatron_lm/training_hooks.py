@@ -39,6 +39,12 @@ The parameter count
     prefix, and says the logical count (this rank's home stage, what 1F1B prints; summed over
     the pipeline every stage is counted once) and, separately, the physical count with the
     mirrored copy; under DualPipeV it names the two stages (nothing is duplicated).
+``setup_model_and_optimizer`` (DualPipe / DualPipeV)
+    after Megatron's own returns (model built, optimizer built, checkpoint loaded), every rank
+    counts the bytes of its parameters, gradients and optimizer state per chunk
+    (``mcore.state_bytes``; one all-gather) and rank 0 prints one table: per pipeline rank this
+    schedule's bytes and, under DualPipe, what 1F1B holds in the same configuration (the rank's
+    own stage, ``model[0]``).
 ``megatron.training.arguments.core_transformer_config_from_args`` (``--overlap-moe-expert-parallel-comm``)
     megatron-core's ``TransformerConfig`` refuses the flag with a pipeline but no virtual
     pipeline, and ``pretrain_gpt.py`` builds a config from ``args`` on every ``get_batch``. With
@@ -256,6 +262,33 @@ def wrap_get_forward_backward_func(orig):
         return dispatch(schedule, **forward_backward_options(args))
 
     return get_forward_backward_func
+
+
+def wrap_setup_model_and_optimizer(orig):
+    @functools.wraps(orig)
+    def setup_model_and_optimizer(*a, **kw):
+        from megatron.training import get_args
+
+        out = orig(*a, **kw)
+        schedule = schedule_of(get_args())
+        if registry.get(schedule).chunks_per_rank == 2:
+            log_state_bytes(schedule, out[0], out[1])
+        return out
+
+    return setup_model_and_optimizer
+
+
+def log_state_bytes(schedule: str, model, optimizer) -> None:
+    """Every rank counts (collective over the world), rank 0 prints the table."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from ..mcore import state_bytes
+
+    rows, allocated = state_bytes.gather_table(model, optimizer, parallel_state.get_pipeline_model_parallel_rank())
+    if dist.get_rank() == 0:
+        print(state_bytes.format_table(schedule, rows, allocated,
+                                       with_1f1b=registry.get(schedule).layout_kind == BIDIRECTIONAL), flush=True)
 
 
 def wrap_config_from_args(orig):

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import List, Optional, Sequence
 
 from .comm_cost import CommModel
-from .compare import Row, align, compare, fmt
+from .compare import Row, align, compare, fmt, in_other_placement
 from .registry import ONE_F_ONE_B, distinct_orders
 from .registry import spec as get
 from .simulate import Costs
@@ -90,16 +90,48 @@ class BreakEven:
 
 
 @dataclass(frozen=True)
+class PlacementEffect:
+    """What the other rank placement does to a schedule with bd pairs: with the launcher's
+    ``--pair-placement`` (``paired``) its bd sums stay inside a node; ``problem``: why the pairs
+    cannot be placed so here (then ``iteration`` is None). ``fastest``: it would then be the
+    fastest schedule that fits (the others keep Megatron's placement)."""
+
+    schedule: str
+    placement: str
+    now: float
+    iteration: Optional[float] = None
+    fastest: bool = False
+    problem: Optional[str] = None
+
+    def to_json(self) -> dict:
+        return {"schedule": self.schedule, "placement": self.placement, "iteration_now": self.now,
+                "iteration": self.iteration, "fastest": self.fastest, "problem": self.problem}
+
+    def text(self) -> str:
+        from .comm_cost import PAIRED
+
+        how = ("with the bd pairs on one node (launcher --pair-placement, PAIR_PLACEMENT=1)" if self.placement == PAIRED
+               else "in Megatron's placement (without --pair-placement)")
+        if self.problem:
+            return f"{self.schedule} cannot have its bd pairs on one node here: {self.problem}"
+        return (f"{self.schedule} {how}: iteration {fmt(round(self.iteration, 3))} instead of "
+                f"{fmt(round(self.now, 3))} ({_pct(self.iteration, self.now)} shorter), "
+                + ("the fastest that fits" if self.fastest else "not the fastest that fits"))
+
+
+@dataclass(frozen=True)
 class Choice:
     microbatches: int
     options: List[Option]
     best: Optional[str]
     reason: str
     break_even: Optional[BreakEven] = None
+    placement: List[PlacementEffect] = field(default_factory=list)
 
     def to_json(self) -> dict:
         return {"microbatches": self.microbatches, "best": self.best, "reason": self.reason,
                 "break_even": None if self.break_even is None else self.break_even.to_json(),
+                "placement": [p.to_json() for p in self.placement],
                 "options": [o.to_json() for o in self.options]}
 
 
@@ -170,8 +202,8 @@ class DenseModel:
 
 def _comm_json(c: CommModel) -> dict:
     p, n = c.placement, c.network
-    return {"dp": p.dp, "tp": p.tp, "gpus_per_node": p.gpus_per_node, "placement": "mirrored" if p.mirrored else
-            "megatron", "stage_grad_bytes": c.stage_grad_bytes, "message_bytes": c.message_bytes,
+    return {"dp": p.dp, "tp": p.tp, "gpus_per_node": p.gpus_per_node, "placement": p.name,
+            "stage_grad_bytes": c.stage_grad_bytes, "message_bytes": c.message_bytes,
             "intra_node": {"bandwidth_gbps": n.intra.bandwidth, "latency_ms": n.intra.latency},
             "inter_node": {"bandwidth_gbps": n.inter.bandwidth, "latency_ms": n.inter.latency},
             "distributed_optimizer": c.distributed_optimizer, "overlap_grad_reduce": c.overlap_grad_reduce}
@@ -216,7 +248,8 @@ def advise(pp: int, microbatches: Sequence[int], costs: Costs, activation_memory
             even = _break_even(pp, m, costs, comm, options, best, tokens)
             if even is not None:
                 reason += "; " + even.text(best, tokens)
-        choices.append(Choice(m, options, best, reason, even))
+        effects = _placement_effects(pp, m, costs, comm, options) if comm is not None else []
+        choices.append(Choice(m, options, best, reason, even, effects))
     return Advice(pp, costs, activation_memory, parameter_memory, weight_grad_memory, memory_limit, choices, comm,
                   tokens)
 
@@ -269,6 +302,22 @@ def _break_even(pp, m, costs, comm, options, best, tokens) -> Optional[BreakEven
     scale = _crossing(by_size, 1.0)
     return BreakEven(rival, bw, now if uses_inter else None, scale,
                      None if scale is None or tokens is None else scale * tokens)
+
+
+def _placement_effects(pp, m, costs, comm: CommModel, options: List[Option]) -> List[PlacementEffect]:
+    """Each runnable schedule with bd pairs in the other placement (the launcher pairs only them)."""
+    out = []
+    for o in options:
+        if o.row.problem or not get(o.row.name).mirrored:
+            continue
+        name, row, problem = in_other_placement(o.row.name, pp, m, costs, comm)
+        if row is None:
+            out.append(PlacementEffect(o.row.name, name, o.row.iteration, problem=problem))
+            continue
+        t = row.iteration
+        rivals = [x.row.iteration for x in options if not x.row.problem and x.fits and x is not o]
+        out.append(PlacementEffect(o.row.name, name, o.row.iteration, t, o.fits and all(t < r for r in rivals)))
+    return out
 
 
 def _pct(a: float, b: float) -> str:
@@ -347,7 +396,8 @@ def _format(a: Advice) -> List[str]:
     if comm:
         p, n = a.comm.placement, a.comm.network
         out.append(f"communication (ms): dp={p.dp} tp={p.tp}, {p.gpus_per_node} GPUs per node, "
-                   f"{'mirrored' if p.mirrored else 'Megatron'} placement; gradients {fmt(a.comm.stage_grad_bytes / 1e6)} "
+                   f"{'paired (bd pairs on one node)' if p.paired else 'Megatron'} placement; gradients "
+                   f"{fmt(a.comm.stage_grad_bytes / 1e6)} "
                    f"MB per stage, P2P messages {fmt(a.comm.message_bytes / 1e6)} MB; links: " + _links_text(a.comm)
                    + "; data-parallel "
                    f"{'reduce-scatter' if a.comm.distributed_optimizer else 'all-reduce'}"
@@ -357,6 +407,7 @@ def _format(a: Advice) -> List[str]:
     for ch in a.choices:
         out.append("")
         out.append(f"M={ch.microbatches}: " + (f"use {ch.reason}" if ch.best else ch.reason))
+        out.extend(f"  placement: {p.text()}" for p in ch.placement)
         table = [head]
         for o in ch.options:
             r = o.row

@@ -24,9 +24,11 @@ iteration is the makespan plus the largest exposure (the optimizer step waits fo
 
 Links come from the rank placement: Megatron's order puts tensor parallel fastest, then data
 parallel, then pipeline (``global = (pp_rank * dp + dp_rank) * tp + tp_rank``), nodes of
-``gpus_per_node`` consecutive ranks. A group crossing a node boundary uses the inter-node link.
-``mirrored`` placement (a launcher option of item 4 of issue 18, modelled here) orders the
-pipeline ranks 0, pp-1, 1, pp-2, ... so that a bd pair sits side by side.
+``gpus_per_node`` consecutive slots (torchrun's ``RANK``). A group crossing a node boundary uses
+the inter-node link. ``paired`` placement is what the launcher's ``--pair-placement`` does
+(:func:`.placement.pair_placement`, the same function): every node holds complete bd pairs, so
+the bd sum stays inside a node; configurations it refuses (e.g. tp filling a node) are refused
+here with the same message.
 
 Collective costs are the ring algorithm's: all-reduce 2(n-1)/n x bytes / bandwidth + 2(n-1)
 latencies, reduce-scatter half of it; a P2P message latency + bytes / bandwidth. Times in
@@ -36,10 +38,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from . import iteration_plan as grad_order  # when a chunk is final; the pair's sum order
 from .layout import BIDIRECTIONAL
+from .placement import RankOrder, invert, megatron_placement, pair_placement
 
 #: How a bidirectional schedule combines the two copies of a stage with data parallel:
 #: ``bd-first`` (the executor's ``GradReduction``): sum over the bd pair, then reduce over dp;
@@ -50,7 +54,9 @@ BD_FIRST, DP_FIRST, SHARED_SHARD = "bd-first", "dp-first", "shared-shard"
 BD_MODES = (BD_FIRST, DP_FIRST, SHARED_SHARD)
 #: Bytes per gradient element.
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-PLACEMENTS = ("megatron", "mirrored")
+#: Rank placements: Megatron's own order, or the launcher's ``--pair-placement``.
+MEGATRON, PAIRED = "megatron", "paired"
+PLACEMENTS = (MEGATRON, PAIRED)
 
 
 @dataclass(frozen=True)
@@ -90,40 +96,59 @@ def p2p_ms(nbytes: float, link: Link) -> float:
 
 @dataclass(frozen=True)
 class Placement:
-    """Where the ranks of a pp x dp x tp job sit (module docstring)."""
+    """Where the ranks of a pp x dp x tp job sit (module docstring). ``paired``: the launcher's
+    ``--pair-placement``; a configuration it refuses raises its :class:`.placement.PlacementError`
+    (a ``ValueError``) naming the fix."""
 
     pp: int
     dp: int = 1
     tp: int = 1
     gpus_per_node: int = 8
-    mirrored: bool = False
+    paired: bool = False
 
     def __post_init__(self):
         for name in ("pp", "dp", "tp", "gpus_per_node"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if self.paired:
+            self._slots  # refuse now, with the launcher's message
 
     @property
     def world(self) -> int:
         return self.pp * self.dp * self.tp
 
-    def _slot(self, pp_rank: int) -> int:
-        if not self.mirrored:
-            return pp_rank
-        i = min(pp_rank, self.pp - 1 - pp_rank)
-        return 2 * i + (1 if pp_rank > self.pp - 1 - pp_rank else 0)
+    @property
+    def name(self) -> str:
+        return PAIRED if self.paired else MEGATRON
+
+    @cached_property
+    def _slots(self) -> List[int]:
+        """``slot_of[global rank]``: which torchrun slot (node = slot // gpus_per_node) runs it."""
+        if not self.paired:
+            return megatron_placement(self.world)
+        return invert(pair_placement(self.world, self.gpus_per_node, self.tp, 1, self.dp, self.pp))
+
+    @cached_property
+    def _order(self) -> RankOrder:
+        return RankOrder(self.tp, 1, self.dp, self.pp)
 
     def global_rank(self, pp_rank: int, dp_rank: int = 0, tp_rank: int = 0) -> int:
-        return (self._slot(pp_rank) * self.dp + dp_rank) * self.tp + tp_rank
+        """Megatron's global rank (its order; the placement does not change it)."""
+        return self._order.global_rank(tp=tp_rank, dp=dp_rank, pp=pp_rank)
 
     def node(self, pp_rank: int, dp_rank: int = 0, tp_rank: int = 0) -> int:
-        return self.global_rank(pp_rank, dp_rank, tp_rank) // self.gpus_per_node
+        return self._slots[self.global_rank(pp_rank, dp_rank, tp_rank)] // self.gpus_per_node
+
+    @cached_property
+    def _nodes(self) -> List[List[int]]:
+        """``_nodes[pp_rank][dp_rank * tp + tp_rank]``: the node of every rank (asked per message)."""
+        return [[self.node(r, d, t) for d in range(self.dp) for t in range(self.tp)] for r in range(self.pp)]
 
     def pp_ranks_cross_nodes(self, a: int, b: int) -> bool:
         """Whether pipeline ranks ``a`` and ``b`` (same dp and tp index) are on different nodes for
         some replica."""
-        return any(self.node(a, d, t) != self.node(b, d, t) for d in range(self.dp) for t in range(self.tp))
+        return self._nodes[a] != self._nodes[b]
 
     def dp_group_crosses_nodes(self, pp_rank: int) -> bool:
         return len({self.node(pp_rank, d, 0) for d in range(self.dp)}) > 1
@@ -176,6 +201,16 @@ class CommModel:
         links = {k: (None if v is None else replace(v, bandwidth=gbps))
                  for k, v in (("bd_link", self.bd_link), ("dp_link", self.dp_link), ("p2p_link", self.p2p_link))}
         return replace(self, network=replace(self.network, inter=replace(self.network.inter, bandwidth=gbps)), **links)
+
+    def with_placement(self, paired: bool) -> "CommModel":
+        """The same job in Megatron's placement or with the bd pairs side by side (raises the
+        launcher's ``PlacementError`` where the pairs cannot be placed so)."""
+        return replace(self, placement=replace(self.placement, paired=paired))
+
+    def for_schedule(self, has_bd_pairs: bool) -> "CommModel":
+        """What a schedule gets: the launcher pairs ranks only for schedules with bd pairs
+        (``--pair-placement`` refuses the others), so they run in Megatron's placement."""
+        return self if has_bd_pairs or not self.placement.paired else self.with_placement(False)
 
     def scaled_messages(self, k: float) -> "CommModel":
         return replace(self, message_bytes=self.message_bytes * k)

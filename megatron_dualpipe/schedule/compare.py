@@ -88,6 +88,7 @@ def run(name: str, pp: int, real: int, stage_costs: Costs, progress: Progress = 
     spec = get(name)
     frac = stage_fraction(spec, pp)
     costs = stage_costs.scaled(frac)
+    comm = None if comm is None else comm.for_schedule(spec.mirrored)
     if known and name in known:
         padded, res = known[name]
     else:
@@ -102,6 +103,22 @@ def run(name: str, pp: int, real: int, stage_costs: Costs, progress: Progress = 
     return Row(name, None, padded.schedule.microbatches, costs, res.makespan, max(res.bubble),
                spec.formula_bubble(pp, costs), max(res.peak_activations) * frac,
                max(t.peak_weight_grad_states for t in res.ranks) * frac, parameter_copies(spec, pp), grad)
+
+
+def in_other_placement(name: str, pp: int, real: int, stage_costs: Costs,
+                       comm: CommModel) -> Tuple[str, Optional[Row], Optional[str]]:
+    """``name`` (a schedule with bd pairs) in the other rank placement than ``comm``'s: Megatron's,
+    or the bd pairs on one node (the launcher's ``--pair-placement``). Returns the placement's
+    name, the row there, or why the pairs cannot be placed so (then the row is None)."""
+    from .comm_cost import MEGATRON, PAIRED
+    from .placement import PlacementError
+
+    paired = not comm.placement.paired
+    try:
+        other = comm.with_placement(paired)
+    except PlacementError as e:
+        return PAIRED, None, str(e)
+    return (PAIRED if paired else MEGATRON), run(name, pp, real, stage_costs, comm=other), None
 
 
 def orders_with(name: str) -> List[str]:

@@ -100,3 +100,58 @@ def test_cli_table_and_json(capsys):
     opts = {o["schedule"]: o for o in doc["choices"][0]["options"]}
     assert opts[DUALPIPE]["fits"] is False and opts[DUALPIPE]["parameter_memory"] == 20
     assert opts[DUALPIPEV]["peak_activations"] == 8.5
+
+
+def test_advise_says_what_the_pair_placement_does_and_refuses_what_cannot_be_placed(capsys):
+    """The seed's 1.3B case (pp=8, dp=4, 8 GPUs per node): advise prints dualpipe's iteration with
+    the launcher's --pair-placement, the same figure as advising with --placement paired; with
+    tp=8 on 8-GPU nodes the pairing is impossible, said in the line and refused as a --placement."""
+    common = ["advise", "--pp", "8", "-m", "20", "--f", "1.664", "--b", "3.328", "--w", "1.664",
+              "--activation-memory", "1", "--parameter-memory", "1", "--stage-params", "162.5e6",
+              "--message-bytes", "8.4e6", "--schedules", "1f1b,dualpipe", "--json"]
+    assert main(common + ["--dp", "4"]) == 0
+    plain = json.loads(capsys.readouterr().out)["choices"][0]
+    assert main(common + ["--dp", "4", "--placement", "paired"]) == 0
+    paired = json.loads(capsys.readouterr().out)["choices"][0]
+    iteration = {c: {o["schedule"]: o["iteration"] for o in ch["options"]}
+                 for c, ch in (("plain", plain), ("paired", paired))}
+    effect, back = plain["placement"][0], paired["placement"][0]
+    assert effect["schedule"] == DUALPIPE and effect["placement"] == "paired" and effect["problem"] is None
+    assert effect["iteration"] == pytest.approx(iteration["paired"][DUALPIPE])
+    assert back["iteration"] == pytest.approx(iteration["plain"][DUALPIPE]) and back["placement"] == "megatron"
+    assert iteration["paired"][ONE_F_ONE_B] == iteration["plain"][ONE_F_ONE_B]  # 1f1b is never paired
+    assert effect["fastest"] == (iteration["paired"][DUALPIPE] < iteration["plain"][ONE_F_ONE_B])
+    assert main(common + ["--dp", "2", "--tp", "8"]) == 0
+    refused = json.loads(capsys.readouterr().out)["choices"][0]["placement"][0]
+    assert refused["iteration"] is None and "split the tensor-parallel groups of 8" in refused["problem"]
+    assert main(common + ["--dp", "2", "--tp", "8", "--placement", "paired"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--placement paired: " in err and "tensor-parallel groups of 8" in err
+    with capsys.disabled():
+        print(f"\n{iteration}\n{effect}\n{back}\n{refused}")
+
+
+def test_simulate_takes_the_placement(capsys):
+    """``simulate --placement paired``: dualpipe's bd sums move inside the node (the seed's 1.3B case);
+    1f1b, which the launcher never pairs, keeps Megatron's placement and its figures."""
+    got, other = {}, {}
+    for name in (DUALPIPE, ONE_F_ONE_B):
+        for placement in ("megatron", "paired"):
+            assert main(["simulate", "--schedule", name, "--pp", "8", "-m", "20", "--f", "1.664", "--b", "3.328",
+                         "--w", "1.664", "--stage-params", "162.5e6", "--message-bytes", "8.4e6", "--dp", "4",
+                         "--placement", placement, "--json"]) == 0
+            doc = json.loads(capsys.readouterr().out)
+            g = doc["gradient_communication"]
+            got[(name, placement)] = (g["iteration"], max(g["bd_sum_per_rank"]))
+            if name == DUALPIPE:  # it also says what the other placement gives
+                other[placement] = doc["other_placement"]
+            else:
+                assert doc["other_placement"] is None
+    with capsys.disabled():
+        print(f"\n(iteration, largest bd sum per rank) in ms: {got}")
+    assert got[(DUALPIPE, "paired")][0] < got[(DUALPIPE, "megatron")][0]
+    assert got[(DUALPIPE, "paired")][1] < got[(DUALPIPE, "megatron")][1] / 4  # NVLink 200 GB/s against 25 GB/s
+    assert got[(ONE_F_ONE_B, "paired")] == got[(ONE_F_ONE_B, "megatron")]
+    assert other["megatron"]["placement"] == "paired" and other["paired"]["placement"] == "megatron"
+    assert other["megatron"]["iteration"] == pytest.approx(got[(DUALPIPE, "paired")][0])
+    assert other["paired"]["iteration"] == pytest.approx(got[(DUALPIPE, "megatron")][0])

@@ -17,6 +17,7 @@ from megatron_dualpipe.schedule.advice import DenseModel, advise
 from megatron_dualpipe.schedule.comm_cost import (BD_FIRST, DP_FIRST, SHARED_SHARD, CommModel, Link, Network,
                                                   Placement, all_reduce_ms, grad_comm, reduce_scatter_ms)
 from megatron_dualpipe.schedule.compare import build_padded, run
+from megatron_dualpipe.schedule.placement import PlacementError
 from megatron_dualpipe.schedule.registry import DUALPIPE, DUALPIPEV, INTERLEAVED_1F1B, ONE_F_ONE_B, ZB_H1
 from megatron_dualpipe.schedule.simulate import Costs, simulate
 
@@ -82,15 +83,24 @@ def test_bd_sums_start_when_both_copies_are_final():
         assert all(x.dp_start >= x.bd_end - 1e-9 for x in g.ranks[r])
 
 
-def test_mirrored_placement_keeps_the_bd_sums_inside_a_node():
+def test_paired_placement_keeps_the_bd_sums_inside_a_node():
+    """The launcher's --pair-placement (the same function) on the 1.3B case: every bd pair and every
+    data-parallel group inside one node; on the 70B case (tp=8 fills a node) it is refused."""
     d, comm = case(SMALL)
-    mirrored = CommModel(Placement(8, 4, 1, mirrored=True), H800, d.stage_grad_bytes, d.message_bytes)
+    paired = comm.with_placement(True)
     for r in range(8):
         assert comm.placement.pp_ranks_cross_nodes(r, 7 - r)          # Megatron's order: pp is outermost
-        assert not mirrored.placement.pp_ranks_cross_nodes(r, 7 - r)  # 0,7 | 1,6 | ... on one node each
-    plain, side = (run(DUALPIPE, 8, 20, d.costs, comm=c) for c in (comm, mirrored))
-    print(f"\ndualpipe 1.3B: exposed {plain.exposed:.1f} ms (Megatron placement), {side.exposed:.1f} ms (mirrored)")
+        assert not paired.placement.pp_ranks_cross_nodes(r, 7 - r)    # 0,7 | 1,6 | ... on one node each
+        assert not paired.placement.dp_group_crosses_nodes(r)
+    plain, side = (run(DUALPIPE, 8, 20, d.costs, comm=c) for c in (comm, paired))
+    print(f"\ndualpipe 1.3B: exposed {plain.exposed:.1f} ms (Megatron placement), {side.exposed:.1f} ms (paired)")
     assert side.exposed < plain.exposed
+    # schedules without bd pairs keep Megatron's placement (the launcher refuses to pair them)
+    one = [run(ONE_F_ONE_B, 8, 20, d.costs, comm=c).iteration for c in (comm, paired)]
+    assert one[0] == one[1]
+    _, big = case(LARGE)
+    with pytest.raises(PlacementError, match="split the tensor-parallel groups of 8"):
+        big.with_placement(True)
 
 
 def test_advise_never_picks_a_slower_schedule():
@@ -124,17 +134,22 @@ def test_what_each_variant_of_item_4_buys(label, c):
                               distributed_optimizer=True))
     print(f"\n{label}: 1f1b iteration {base.iteration:.1f} ms (exposed {base.exposed:.1f})")
     got = {}
-    for mirrored in (False, True):
+    for paired in (False, True):
         for mode in (BD_FIRST, DP_FIRST, SHARED_SHARD):
-            comm = CommModel(Placement(d.pp, c["dp"], c["tp"], mirrored=mirrored), H800, d.stage_grad_bytes,
-                             d.message_bytes, distributed_optimizer=True, bd_mode=mode)
+            try:
+                comm = CommModel(Placement(d.pp, c["dp"], c["tp"], paired=paired), H800, d.stage_grad_bytes,
+                                 d.message_bytes, distributed_optimizer=True, bd_mode=mode)
+            except PlacementError as e:
+                print(f"  paired placement refused: {e}")
+                break
             r = run(DUALPIPE, d.pp, c["m"], d.costs, comm=comm)
-            got[(mirrored, mode)] = r.iteration
-            print(f"  dualpipe {mode:>12} {'mirrored' if mirrored else 'megatron':>8}: makespan {r.makespan:.1f} + "
+            got[(paired, mode)] = r.iteration
+            print(f"  dualpipe {mode:>12} {'paired' if paired else 'megatron':>8}: makespan {r.makespan:.1f} + "
                   f"exposed {r.exposed:.1f} = {r.iteration:.1f} ms ({r.iteration / base.iteration:.3f} x 1f1b)")
-    for mirrored in (False, True):
-        assert got[(mirrored, SHARED_SHARD)] <= got[(mirrored, BD_FIRST)] + 1e-9
-    assert all(got[(True, m)] <= got[(False, m)] + 1e-9 for m in (BD_FIRST, DP_FIRST, SHARED_SHARD))
+    for paired in (False, True):
+        if (paired, SHARED_SHARD) in got:
+            assert got[(paired, SHARED_SHARD)] <= got[(paired, BD_FIRST)] + 1e-9
+    assert all(got[(True, m)] <= got[(False, m)] + 1e-9 for m in (BD_FIRST, DP_FIRST, SHARED_SHARD) if (True, m) in got)
     # the cost of one step, independently: a ring reduce-scatter over 2dp ranks on the inter-node link
     assert reduce_scatter_ms(d.stage_grad_bytes, 2 * c["dp"], H800.inter) < \
         all_reduce_ms(d.stage_grad_bytes, 2, H800.inter) + reduce_scatter_ms(d.stage_grad_bytes, c["dp"], H800.inter)
