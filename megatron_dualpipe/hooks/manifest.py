@@ -53,6 +53,10 @@ TRAINING = (
           "--overlap-moe-expert-parallel-comm / --delay-wgrad-compute: megatron-core refuses them without a "
           "virtual pipeline; the config is built with them off and the combined step switched on after "
           "(mcore.overlap.enable_combined_step)"),
+    Patch("megatron.training.argument_utils", "core_transformer_config_from_args",
+          _LM + "training_hooks:wrap_config_from_args",
+          "the same, where core_v0.19.0 defines it: pretrain_gpt.py's model config (gpt_config_from_args) calls it "
+          "in this module, not through megatron.training.arguments", versions=Versions("0.19")),
     Patch(_TRAINING, "get_model", _LM + "training_hooks:wrap_get_model",
           "dualpipe / dualpipev: Megatron's own get_model builds both chunks of a rank (a provider returning "
           "the two), then the mirror is marked for torch_dist"),

@@ -55,7 +55,9 @@ The parameter count
     combined step, which is the only caller of ``backward_dw`` there) is let through the same
     way: the executor's W actions call ``backward_dw``. ``args`` keeps the flag (``pretrain_gpt.forward_step`` asserts it before
     returning a schedule plan). ``pretrain_gpt.py`` and ``gpt_builders.py`` import the function
-    by name, after ``install()`` (launcher or patch hook), so they get the wrapper.
+    by name, after ``install()`` (launcher or patch hook), so they get the wrapper. core_v0.19.0
+    defines it in ``megatron.training.argument_utils`` (``arguments`` re-exports it), whose
+    ``gpt_config_from_args`` builds ``pretrain_gpt.py``'s model config: wrapped there as well.
 Data
     Nothing to hook: the non-virtual-pipeline branch of ``pretrain()`` builds one iterator per
     rank, and the executor splits it into the two directions itself (``mcore.data``).

@@ -75,8 +75,8 @@ def _print_expert_bias():
     fmg = importlib.import_module("megatron.core.distributed.finalize_model_grads")
     orig = fmg._update_router_expert_bias
 
-    def _update_router_expert_bias(model, config):
-        orig(model, config)
+    def _update_router_expert_bias(model, config, *args, **kwargs):  # 0.19 adds tp_dp_cp_group=
+        orig(model, config, *args, **kwargs)
         for chunk in model:
             for layer in chunk.modules():
                 router = getattr(getattr(layer, "mlp", None), "router", None)
