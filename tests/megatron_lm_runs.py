@@ -31,6 +31,9 @@ TINY = [
     "--train-iters", "5", "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "1000",
     "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "constant", "--seed", "1234",
     "--hidden-dropout", "0", "--attention-dropout", "0",
+    # A stuck rank is named (the executor's P2P deadline defaults to this) well before the test's
+    # 600 s subprocess timeout would end the run without saying who waited for what.
+    "--distributed-timeout-minutes", "5",
 ]  # fmt: skip
 MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-token-dispatcher-type", "alltoall",
        "--disable-bias-linear"]
@@ -40,7 +43,9 @@ ITERATION_LINE_RE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|(.*)")
 METRIC_RE = re.compile(r"\s*([a-z_ ]+[a-z_]): ([-+0-9.Ee]+|nan|inf)\s*$", re.I)
 #: Per-iteration values that depend on the schedule's timing or position, not on the numerics.
 NOT_NUMERICS = ("elapsed time per iteration (ms)", "learning rate", "consumed samples", "global batch size",
-                "number of skipped iterations", "number of nan iterations", "loss scale")
+                "number of skipped iterations", "number of nan iterations", "loss scale",
+                # another rank's memory report can land on the end of an iteration line (ranks print at once)
+                "allocated", "max allocated", "reserved", "max reserved")
 VAL_RE = re.compile(r"validation loss at iteration (\d+)( on \w+ set)? \| lm loss value: ([0-9.E+-]+)")
 
 LAST_OUTPUT = [""]  # the most recent run's output, for checks beyond the losses
