@@ -20,6 +20,8 @@ KNOWN_WARNINGS = (
      "the local layer spec uses torch's LayerNorm"),
     ("full scope is deprecated",
      "raised by TransformerConfig's own default cuda_graph_scope; CUDA graphs are off"),
+    ("absl.logging is not installed",
+     "megatron-core 0.19's hyper_comm_grid logs through the standard logging module instead"),
 )
 
 #: The one line printed in place of the silenced warnings.

@@ -209,7 +209,10 @@ def test_main_job_interrupted_stops_every_rank_in_one_line(tmp_path, point, mark
 def test_main_job_into_head_closes_cleanly(tmp_path):
     """`run_main.sh --iters 3 --no-compare | head -3`: three lines, status 141, no traceback, no rank left."""
     token = uuid.uuid4().hex
-    env = dict(os.environ, **{TOKEN: token})
+    # run_main.sh takes MASTER_PORT as --master-port; in-process tests of this pytest worker set it
+    # for their own gloo groups (and their port may be taken again by now): a user's shell has none
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "MASTER_ADDR")}
+    env[TOKEN] = token
     shell = (f"bash {ROOT}/scripts/run_main.sh --iters 3 --no-compare --eval-iters 0 --out out 2>err.txt | head -3; "
              f"echo status ${{PIPESTATUS[0]}}")
     try:

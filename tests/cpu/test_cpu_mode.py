@@ -450,8 +450,10 @@ def test_cli_cpu_mode_enable_switches_on_and_back_off():
     version = megatron_core_version()
     for row, r in zip([d for d in doc["redirections"] if d["part"] == "megatron-core"],
                       cpu_mode.redirections("megatron-core")):
-        expected = "active" if version in r.versions else f"not for megatron-core {version}"
+        # "not needed": an only-if-missing redirection whose attribute this version already has
+        expected = ("active", "not needed") if version in r.versions else (f"not for megatron-core {version}",)
         assert row["target"] == r.target and row["state"].startswith(expected), (row, expected)
+        assert row["state"] != "not needed" or r.only_if_missing, row
 
 
 def test_every_redirection_says_why():
