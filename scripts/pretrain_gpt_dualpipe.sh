@@ -106,7 +106,7 @@ if [[ " ${MODEL_ARGS[*]} " != *" --mock-data "* ]]; then
 fi
 
 # The Python that will run: torchrun's own interpreter (its first line) where torchrun is found;
-# without torchrun, python -m torch.distributed.run with this checkout's .venv or python3.
+# without torchrun, python -m torch.distributed.run with this checkout's .venv (.venv-mcoreX with MEGATRON_CORE=X) or python3.
 torchrun_cmd=()
 torchrun_path=$(command -v "${TORCHRUN:-torchrun}" 2>/dev/null || true)
 if [ -n "$torchrun_path" ]; then
@@ -120,7 +120,9 @@ if [ -n "$torchrun_path" ]; then
 elif [ -n "${TORCHRUN:-}" ]; then
   die "TORCHRUN=$TORCHRUN not found: set it to the torchrun of the training environment, or leave it unset to use PYTHON -m torch.distributed.run"
 else
-  if [ -z "${PYTHON:-}" ]; then PYTHON=python3; [ -x "$here/.venv/bin/python" ] && PYTHON="$here/.venv/bin/python"; fi
+  # this checkout's environment: .venv, or with MEGATRON_CORE=X the one setup_venv.sh made for it
+  venv="$here/.venv${MEGATRON_CORE:+-mcore${MEGATRON_CORE}}"
+  if [ -z "${PYTHON:-}" ]; then PYTHON=python3; [ -x "$venv/bin/python" ] && PYTHON="$venv/bin/python"; fi
   torchrun_cmd=("$PYTHON" -m torch.distributed.run)
 fi
 command -v "$PYTHON" >/dev/null || die "PYTHON=$PYTHON not found: set PYTHON to the interpreter of the training environment"

@@ -227,7 +227,8 @@ def test_without_torchrun_on_path_the_python_that_has_torch_runs_it(tmp_path):
     argv = shlex.split(r.stdout.strip().splitlines()[-1])
     print(f"\n{' '.join(argv[:3])}")
     assert argv[1:3] == ["-m", "torch.distributed.run"]
-    assert argv[0] in (str(ROOT / ".venv" / "bin" / "python"), str(shim / "python3"))
+    venv = ".venv" + (f"-mcore{os.environ['MEGATRON_CORE']}" if os.environ.get("MEGATRON_CORE") else "")
+    assert argv[0] in (str(ROOT / venv / "bin" / "python"), str(shim / "python3"))
 
 
 def test_gpu_extra_pins_transformer_engine_as_megatron_core_asks():
