@@ -136,7 +136,12 @@ def _shared_run(key):
 
 
 def metrics(out):
-    """``{iteration: {name: printed value}}`` of every numeric field of the iteration lines."""
+    """``{iteration: {name: printed value}}`` of every numeric field of the iteration lines.
+
+    Four ranks print at once, and ``print`` writes a line's text and its newline separately, so
+    another rank's line can land on the end of an iteration line ("... | Number of parameters in
+    most loaded shard in billions: 0.0001"). Megatron's ``training_log`` prints the same fields at
+    every iteration: a field that some iteration lacks is such a stray and is dropped."""
     result = {}
     for it, rest in ITERATION_LINE_RE.findall(out):
         fields = {}
@@ -145,6 +150,9 @@ def metrics(out):
             if m and m.group(1).strip() not in NOT_NUMERICS:
                 fields[m.group(1).strip()] = m.group(2)
         result[int(it)] = fields
+    if len(result) > 1:
+        common = set.intersection(*(set(f) for f in result.values()))
+        result = {it: {k: v for k, v in f.items() if k in common} for it, f in result.items()}
     return result
 
 
