@@ -109,8 +109,9 @@ def _swept(name):
 @pytest.mark.parametrize("name", sorted(SWEEP))
 def test_no_accepted_case_has_a_cycle(name):
     """Every accepted M from pp to 4pp, pp even up to 8, and the largest pp (SWEEP[name]) at the
-    edges of M (`_swept`), zero bubble on and off, with --overlap-grad-reduce at dp=2 (its data-parallel collectives only add works that complete by
-    themselves, so dp=1 and no overlap are sub-plans), and forward-only. The old wait right after
+    edges of M (`_swept`), zero bubble on and off, with --overlap-grad-reduce at dp=2 (its
+    data-parallel collectives only add works that complete by themselves, so dp=1 and no overlap
+    are sub-plans), and forward-only. The old wait right after
     each bd sum is checked too (zero bubble, pp <= 8, schedules with bd sums) and its cycles counted."""
     t0 = time.monotonic()
     bidirectional = registry.get(name).layout(2).kind == "bidirectional"
