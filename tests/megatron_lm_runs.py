@@ -58,10 +58,20 @@ def require_deps():
         pytest.skip(f"Megatron-LM's training code needs: pip install {' '.join(missing)}")
 
 
-def command(schedule, *extra, env_extra=None, pythonpath=(), torchrun_args=(), nproc=4):
-    """(argv, environment) of a torchrun of pretrain_gpt.py (``nproc`` ranks) through the launcher."""
+#: Test-only hooks of the children (tests/child_hooks/sitecustomize.py).
+CHILD_HOOKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "child_hooks")
+
+
+def command(schedule, *extra, env_extra=None, pythonpath=(), torchrun_args=(), nproc=4, fast_exit=True):
+    """(argv, environment) of a torchrun of pretrain_gpt.py (``nproc`` ranks) through the launcher.
+    ``fast_exit``: once pretrain_gpt.py has returned, each rank runs its atexit handlers and leaves
+    without the interpreter's module teardown (3-5 s per rank: MEGATRON_DUALPIPE_TEST_FAST_EXIT of
+    tests/child_hooks)."""
     require_deps()
     env = dict(os.environ)
+    if fast_exit:
+        pythonpath = (*pythonpath, CHILD_HOOKS) if CHILD_HOOKS not in pythonpath else pythonpath
+        env["MEGATRON_DUALPIPE_TEST_FAST_EXIT"] = "1"
     env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO_ROOT, *pythonpath, env.get("PYTHONPATH")) if p)
     env.update(env_extra or {})
     env.setdefault("OMP_NUM_THREADS", "1")
@@ -81,11 +91,12 @@ _RUNS = {}
 SHARED_RUNS_ENV = "MEGATRON_DUALPIPE_TEST_RUNS"
 
 
-def launch(schedule, *extra, timeout=600, env_extra=None, pythonpath=(), nproc=4):
+def launch(schedule, *extra, timeout=600, env_extra=None, pythonpath=(), nproc=4, fast_exit=True):
     """torchrun pretrain_gpt.py (``nproc`` ranks) through the launcher; returns (returncode, output).
     A run identical to an earlier successful one of the session (same command and environment, no
     ``--save`` / ``--load``) is not run again: its output is returned."""
-    cmd, env = command(schedule, *extra, env_extra=env_extra, pythonpath=pythonpath, nproc=nproc)
+    cmd, env = command(schedule, *extra, env_extra=env_extra, pythonpath=pythonpath, nproc=nproc,
+                       fast_exit=fast_exit)
     if "--save" in cmd or "--load" in cmd:  # a checkpoint changes between runs
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
         LAST_OUTPUT[0] = proc.stdout + proc.stderr
@@ -159,7 +170,7 @@ def metrics(out):
 def run_pretrain(schedule, *extra, timeout=600, evaluation=False, with_metrics=False, nproc=4, **launch_options):
     """Run and return {iteration: lm loss} (with ``evaluation``, {"iteration (set)": validation
     lm loss} as well; with ``with_metrics``, {iteration: {metric: printed value}} instead).
-    ``launch_options``: ``env_extra`` / ``pythonpath`` of :func:`launch`."""
+    ``launch_options``: ``env_extra`` / ``pythonpath`` / ``fast_exit`` of :func:`launch`."""
     rc, out = launch(schedule, *extra, timeout=timeout, nproc=nproc, **launch_options)
     assert rc == 0, f"{schedule} {' '.join(extra)} failed:\n{out[-6000:]}"
     losses = {int(i): float(v) for i, v in LOSS_RE.findall(out)}

@@ -395,7 +395,10 @@ def test_parse_lm_losses():
     assert losses[1] == 5.568037 and math.isnan(losses[2])
 
 
-def test_pretrain_gpt_cpu_pp4_1f1b(tmp_path):
+def test_pretrain_gpt_cpu_pp4_1f1b():
+    """pretrain_gpt.py, unmodified, trains on CPU through the launcher under Megatron's own 1F1B
+    (pp=4). The run is megatron_lm_runs' plain ``1f1b`` run, the reference that
+    test_megatron_lm_dualpipe.py compares every schedule with: made once per session."""
     try:
         import torch
     except ImportError:  # pragma: no cover
@@ -405,21 +408,11 @@ def test_pretrain_gpt_cpu_pp4_1f1b(tmp_path):
     _require_training_deps(extra=[("pybind11", "pybind11")])
     if shutil.which("make") is None or shutil.which("g++") is None and shutil.which("c++") is None:
         pytest.skip("building Megatron's dataset helper needs make and a C++ compiler")
-    iters = 3
-    argv = _set(BASE, "--train-iters", str(iters)) + [
-        "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "1000",
-        "--min-lr", "1e-4", "--lr-decay-style", "constant", "--seed", "1234",
-    ]  # fmt: skip
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-        "-m", "megatron_dualpipe.launch", os.path.join(MEGATRON_LM_PATH, "pretrain_gpt.py"),
-    ] + argv  # fmt: skip
-    proc = subprocess.run(
-        cmd, env=_env(), cwd=str(tmp_path), capture_output=True, text=True, timeout=240
-    )
-    log = proc.stdout + proc.stderr
-    (tmp_path / "pretrain_gpt.log").write_text(log)
-    assert proc.returncode == 0, log[-6000:]
+    from megatron_lm_runs import TINY, launch
+
+    rc, log = launch("1f1b")
+    assert rc == 0, log[-6000:]
+    iters = int(TINY[TINY.index("--train-iters") + 1])
     losses = parse_lm_losses(log)
     assert sorted(losses) == list(range(1, iters + 1)), log[-6000:]
     for it, loss in losses.items():

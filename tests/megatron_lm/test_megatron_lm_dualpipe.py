@@ -81,11 +81,13 @@ def test_dualpipe_zb_h1_executor_1f1b_and_megatron_1f1b_losses_equal():
 def test_evaluation_losses_equal_and_advice_logged_once():
     """Evaluation runs the schedule forward-only (8 micro-batches, both directions). With
     --dualpipe-advise (warm-up 1) training iterations 2-4 are measured and the advice logged
-    once, saying which, without changing the losses."""
+    once, saying which, without changing the losses. Both runs end through the interpreter's
+    whole exit (``fast_exit=False``; the other runs skip its module teardown), so that a hang or
+    an error there, under 1f1b or dualpipe, would show."""
     args = ("--train-iters", "4", "--eval-iters", "2", "--eval-interval", "2")
-    ref_train, ref_val = run_pretrain("1f1b", *args, evaluation=True)
+    ref_train, ref_val = run_pretrain("1f1b", *args, evaluation=True, fast_exit=False)
     train, val = run_pretrain("dualpipe", *args, "--dualpipe-advise", "--dualpipe-advise-warmup", "1",
-                              evaluation=True)
+                              evaluation=True, fast_exit=False)
     assert_close(train, ref_train, "dualpipe vs 1f1b training")
     assert_close(val, ref_val, "dualpipe vs 1f1b validation/test")
     out = LAST_OUTPUT[0]
@@ -123,12 +125,22 @@ def _resumed_true_losses(logged):
     return {4: logged[4], 5: 2 * logged[5] - logged[4]}
 
 
-def test_torch_checkpoint_switches_schedules(tmp_path):
-    ckpt = ["--ckpt-format", "torch", "--save-interval", "3", "--exit-interval", "3"]
+SAVE_AT_3 = ("--ckpt-format", "torch", "--save-interval", "3", "--exit-interval", "3")
+
+
+@pytest.fixture(scope="module")
+def dualpipe_checkpoint_at_3(tmp_path_factory):
+    """(folder, {iteration: lm loss}): dualpipe's ``--ckpt-format torch`` checkpoint of iteration
+    3 (it stops there), written once for the two tests that resume it (they only read it)."""
+    folder = str(tmp_path_factory.mktemp("dualpipe_at_3") / "ck")
+    return folder, run_pretrain("dualpipe", *SAVE_AT_3, "--save", folder)
+
+
+def test_torch_checkpoint_switches_schedules(tmp_path, dualpipe_checkpoint_at_3):
     full = run_pretrain("1f1b")
-    dp_ckpt, f1_ckpt = str(tmp_path / "dualpipe"), str(tmp_path / "1f1b")
-    saved_dp = run_pretrain("dualpipe", *ckpt, "--save", dp_ckpt)
-    saved_f1 = run_pretrain("1f1b", *ckpt, "--save", f1_ckpt)
+    f1_ckpt = str(tmp_path / "1f1b")
+    dp_ckpt, saved_dp = dualpipe_checkpoint_at_3
+    saved_f1 = run_pretrain("1f1b", *SAVE_AT_3, "--save", f1_ckpt)
     assert sorted(saved_dp) == sorted(saved_f1) == [1, 2, 3]
     assert_close(saved_dp, {i: full[i] for i in (1, 2, 3)}, "dualpipe before save")
 
@@ -143,15 +155,14 @@ def test_torch_checkpoint_switches_schedules(tmp_path):
         assert_close(_resumed_true_losses(logged), {4: full[4], 5: full[5]}, f"{what} vs uninterrupted")
 
 
-def test_resume_without_optimizer_state_and_dualpipev_across_1f1b(tmp_path):
+def test_resume_without_optimizer_state_and_dualpipev_across_1f1b(tmp_path, dualpipe_checkpoint_at_3):
     """--no-load-optim: fresh Adam state on both copies; must match 1f1b doing the same. The same
     checkpoint (1F1B's layout, written by dualpipe) starts dualpipev from 1F1B's weights, remapped to
     its V-stages (with --overlap-grad-reduce and the tied embedding folded on rank 0); dualpipev's
     own checkpoint (written at iteration 5) is read by 1f1b and gives what 1f1b's own checkpoint of
     the same point gives (iteration 6)."""
-    ckpt, f1_ckpt, dv_ckpt = (str(tmp_path / n) for n in ("ck", "f1", "dv"))
-    run_pretrain("dualpipe", "--ckpt-format", "torch", "--save-interval", "3", "--exit-interval", "3",
-                 "--save", ckpt)
+    f1_ckpt, dv_ckpt = (str(tmp_path / n) for n in ("f1", "dv"))
+    ckpt, _ = dualpipe_checkpoint_at_3
     resume = ("--ckpt-format", "torch", "--load", ckpt, "--no-load-optim")
     a = run_pretrain("dualpipe", *resume)
     # Megatron-LM requires --save-interval with --save; 5 saves at the last iteration only.

@@ -174,8 +174,10 @@ def test_rank_killed_mid_iteration_restarts_and_continues_the_curve(tmp_path):
     ignore it in the first attempt, so that what they do on their own is checked. Asserted: both
     neighbours stop with a P2PTimeoutError naming rank 2, found before the deadline; rank 0, if it
     prints one, names rank 1; torchrun restarts the job, which loads the iteration-2 checkpoint,
-    and iterations 3-5 equal the uninterrupted run's (the second logged iteration of a resumed run
-    is the mean of its first two: see test_megatron_lm_dualpipe.py).
+    and iterations 3-5 equal the uninterrupted run's, Megatron's own 1f1b on the same model and data
+    (megatron_lm_runs' plain ``1f1b`` run, shared with the tests that compare every schedule with
+    it; the second logged iteration of a resumed run is the mean of its first two: see
+    test_megatron_lm_dualpipe.py).
 
     ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: with torchrun's shared rendezvous store (the default
     since torch 2.5) the restarted workers read the previous attempt's gloo addresses and fail with
@@ -185,7 +187,7 @@ def test_rank_killed_mid_iteration_restarts_and_continues_the_curve(tmp_path):
     # --num-workers 0: torchrun's SIGTERM also reaches the data loader's worker processes, and the
     # loader's SIGCHLD handler would replace a survivor's P2P error by "DataLoader worker ... killed"
     run = ("--ckpt-format", "torch", "--train-iters", "5", "--num-workers", "0")
-    full = run_pretrain("dualpipe", *run)
+    full = run_pretrain("1f1b")  # uninterrupted; train-iters 5 as in megatron_lm_runs.TINY
     ckpt = tmp_path / "ck"
     cmd, env = command("dualpipe", *run, "--save-interval", "2",
                        "--save", str(ckpt), "--load", str(ckpt), "--dualpipe-p2p-timeout", str(P2P_TIMEOUT),
@@ -230,8 +232,8 @@ def test_rank_killed_mid_iteration_restarts_and_continues_the_curve(tmp_path):
     logged = {int(i): float(v) for i, v in LOSS_RE.findall(restarted)}
     assert sorted(logged) == [3, 4, 5], logged
     true = {3: logged[3], 4: 2 * logged[4] - logged[3], 5: logged[5]}
-    print("resumed at iteration 3: " + ", ".join(f"{i}: {v:.6f} (uninterrupted {full[i]:.6f})" for i, v in true.items()))
+    print("resumed at iteration 3: " + ", ".join(f"{i}: {v:.6f} (uninterrupted 1f1b {full[i]:.6f})" for i, v in true.items()))
     worst = max(abs(true[i] - full[i]) for i in true)
-    print(f"resumed vs uninterrupted: max |difference| {worst:.3e}")
+    print(f"dualpipe resumed after the SIGKILL vs uninterrupted 1f1b: max |difference| {worst:.3e}")
     for i, v in true.items():
         assert abs(v - full[i]) <= 1e-5 * abs(full[i]), (i, v, full[i])
