@@ -34,7 +34,7 @@ setup(
         # The range Megatron-LM core_v0.16.1 asks for (its pyproject: >=2.9.0a0,<2.12.0). core_v0.19.0 pins
         # none and builds against 2.17.1: no range suits both; with megatron-core 0.19 install TE 2.17 (README).
         "gpu": ["transformer-engine[pytorch]>=2.9.0a0,<2.12"],
-        "test": ["pytest>=7", "pytest-xdist", "pytest-timeout"],
+        "test": ["pytest>=7", "pytest-xdist>=3.6", "pytest-timeout"],
         # What Megatron-LM's training code (megatron/training, pretrain_gpt.py) imports beyond
         # megatron-core: needed to run pretrain_gpt.py with the plugin, and by its tests; transformers
         # for --tokenizer-type HuggingFaceTokenizer (prepare-data's tokenizer directory).

@@ -6,4 +6,6 @@ cd "$(dirname "$0")/.."
 # MEGATRON_CORE=0.19.2: the suite on that megatron-core release, in its own environment (setup_venv.sh).
 VENV=${VENV:-.venv${MEGATRON_CORE:+-mcore${MEGATRON_CORE:-}}}
 VENV=$VENV bash scripts/setup_venv.sh
-exec "$VENV/bin/python" -m pytest -q -n 2 --dist loadfile "$@" tests
+# --no-loadscope-reorder: the files run in tests/conftest.py's order (longest first), not xdist's
+# (most tests first, which left the few long pretrain_gpt.py files for the end).
+exec "$VENV/bin/python" -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder "$@" tests

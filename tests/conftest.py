@@ -43,6 +43,13 @@ LAYERS = {
 }
 #: Folders whose tests start megatron-core or Megatron-LM processes.
 SLOW = ("mcore", "cpu", "megatron_lm", "apps")
+#: The order the folders run in, the longest first (seconds of test time in .ci/run's newest tier):
+#: with ``-n 2 --dist loadfile`` (scripts/run_tests.sh, with --no-loadscope-reorder so that xdist
+#: keeps this order instead of putting the files with the most tests first) a worker takes the next
+#: file when it is done with its own, and the quick files fill the end instead of one long
+#: pretrain_gpt.py file keeping one worker busy while the other waits.
+RUN_ORDER = ("megatron_lm", "apps", "mcore", "cli", "schedule", "executor", "cpu", "bench")
+assert sorted(RUN_ORDER) == sorted(LAYERS)
 
 
 def pytest_configure(config):
@@ -63,15 +70,18 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(config, items):
     astray = set()
+    order = {}
     for item in items:
         rel = os.path.relpath(str(item.path), _HERE).split(os.sep)
         layer = rel[0] if len(rel) > 1 and rel[0] in LAYERS else None
+        order[item.nodeid] = RUN_ORDER.index(layer) if layer else len(RUN_ORDER)
         if layer is None:
             astray.add(os.path.join(*rel))
             continue
         item.add_marker(getattr(pytest.mark, layer))
         if layer in SLOW:
             item.add_marker(pytest.mark.slow)
+    items.sort(key=lambda item: order[item.nodeid])  # stable: a file's tests keep their order
     for path in sorted(astray):  # no layer marker: `-m LAYER` misses it
         warnings.warn(pytest.PytestWarning(f"tests/{path} is in no layer folder: move it to one of "
                                            f"tests/{{{','.join(LAYERS)}}} (tests/conftest.py)"))
