@@ -37,6 +37,12 @@ TINY = [
 ]  # fmt: skip
 MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-token-dispatcher-type", "alltoall",
        "--disable-bias-linear"]
+#: The tiny MoE with expert parallel 2 x pp = 2 on the 4 ranks, aux loss and z-loss on: an
+#: option case of test_megatron_lm_options.py and the runs of test_megatron_lm_overlap.py, which
+#: therefore share one 1f1b reference run (with PRINT_EXPERT_BIAS, as every option case runs).
+MOE_EP2 = (*MOE, "--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2")
+MOE_EP2_AUX_LOSS = (*MOE_EP2, "--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "1e-2",
+                    "--moe-z-loss-coeff", "1e-3", "--log-params-norm")
 RTOL = 1e-5
 LOSS_RE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.E+-]+)")
 ITERATION_LINE_RE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|(.*)")
@@ -60,6 +66,8 @@ def require_deps():
 
 #: Test-only hooks of the children (tests/child_hooks/sitecustomize.py).
 CHILD_HOOKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "child_hooks")
+#: Every rank prints each router's expert_bias after its update (launch options of run_pretrain).
+PRINT_EXPERT_BIAS = {"env_extra": {"MEGATRON_DUALPIPE_TEST_EXPERT_BIAS": "1"}, "pythonpath": (CHILD_HOOKS,)}
 
 
 def command(schedule, *extra, env_extra=None, pythonpath=(), torchrun_args=(), nproc=4, fast_exit=True):

@@ -13,18 +13,15 @@ import subprocess
 
 import pytest
 
-from megatron_lm_runs import (HAVE_MEGATRON_LM, LAST_OUTPUT, LOSS_RE, MEGATRON_LM_PATH, MOE, SKIP_MESSAGE,
-                              assert_metrics_close, command, launch, run_pretrain)
+from megatron_lm_runs import (CHILD_HOOKS, HAVE_MEGATRON_LM, LAST_OUTPUT, LOSS_RE, MEGATRON_LM_PATH, MOE, MOE_EP2,
+                              MOE_EP2_AUX_LOSS, PRINT_EXPERT_BIAS, SKIP_MESSAGE, assert_metrics_close, command, launch,
+                              run_pretrain)
 
 pytestmark = pytest.mark.skipif(not HAVE_MEGATRON_LM, reason=SKIP_MESSAGE)
 
 ITERS = ("--train-iters", "3")
 
 DUALPIPE = (("dualpipe", ()),)
-MOE_EP2 = (*MOE, "--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2")
-CHILD_HOOKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "child_hooks")
-#: Every run prints each router's expert_bias after its update (tests/child_hooks).
-PRINT_EXPERT_BIAS = {"env_extra": {"MEGATRON_DUALPIPE_TEST_EXPERT_BIAS": "1"}, "pythonpath": (CHILD_HOOKS,)}
 EXPERT_BIAS_RE = re.compile(r"\[test-expert-bias\] iteration (\d+) layer (\d+): (\S+)")
 
 # name -> (arguments of every run, [(schedule, extra arguments)] compared with 1f1b on the same arguments)
@@ -42,9 +39,8 @@ CASES = {
         *MOE_EP2, "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
         "--moe-router-bias-update-rate", "0.05", "--moe-router-load-balancing-type", "none",
         "--recompute-granularity", "selective", "--log-params-norm"), DUALPIPE),
-    "MoE EP2 x pp=2, aux loss, z-loss": ((
-        *MOE_EP2, "--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "1e-2",
-        "--moe-z-loss-coeff", "1e-3", "--log-params-norm"), DUALPIPE),
+    # Its 1f1b run is test_megatron_lm_overlap.py's reference too (made once per session).
+    "MoE EP2 x pp=2, aux loss, z-loss": (MOE_EP2_AUX_LOSS, DUALPIPE),
     "overlap-grad-reduce, pp=2 x dp=2, no zero bubble": (
         ("--overlap-grad-reduce", "--pipeline-model-parallel-size", "2"),
         (("dualpipe", ("--no-dualpipe-zero-bubble",)),)),
