@@ -43,19 +43,56 @@ def init(rank: int, world: int, timeout_s: float):
     return device
 
 
-def run_here(fn: Callable[..., Any], args: Sequence[Any], timeout_s: float) -> Optional[Any]:
-    """Run ``fn(rank, world, device, *args)`` as the torchrun rank; rank 0 gets every rank's result."""
+#: Seconds a rank gives ``destroy_process_group`` once its work is done and reported.
+DESTROY_S = 60.0
+
+
+def _gathered(fn: Callable[..., Any], args: Sequence[Any], timeout_s: float) -> Optional[Any]:
+    """Join the group, run ``fn(rank, world, device, *args)``; rank 0 gets every rank's result.
+    Leaves the process group up (:func:`_destroy_within` tears it down)."""
     import torch.distributed as dist
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     device = init(rank, world, timeout_s)
+    mine = fn(rank, world, device, *args)
+    gathered: List[Any] = [None] * world if rank == 0 else []
+    dist.gather_object(mine, gathered if rank == 0 else None, dst=0)
+    return gathered if rank == 0 else None
+
+
+def _destroy_within(seconds: float) -> None:
+    """``destroy_process_group``, bounded: after a rank raised on purpose (the selftest's last
+    stage) a peer's connection may be half closed, and tearing the group down must not keep a
+    finished run from ending. Past ``seconds`` the rank says so and exits."""
+    import sys
+    import threading
+
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return
+
+    def give_up() -> None:
+        sys.stderr.write(f"megatron-dualpipe: rank {os.environ.get('RANK', '?')}: destroy_process_group did not "
+                         f"return within {seconds:g} s after the run ended; exiting without it\n")
+        sys.stderr.flush()
+        os._exit(0)
+
+    timer = threading.Timer(seconds, give_up)
+    timer.daemon = True
+    timer.start()
     try:
-        mine = fn(rank, world, device, *args)
-        gathered: List[Any] = [None] * world if rank == 0 else []
-        dist.gather_object(mine, gathered if rank == 0 else None, dst=0)
-        return gathered if rank == 0 else None
-    finally:
         dist.destroy_process_group()
+    finally:
+        timer.cancel()
+
+
+def run_here(fn: Callable[..., Any], args: Sequence[Any], timeout_s: float) -> Optional[Any]:
+    """Run ``fn(rank, world, device, *args)`` as the torchrun rank; rank 0 gets every rank's result."""
+    try:
+        return _gathered(fn, args, timeout_s)
+    finally:
+        _destroy_within(DESTROY_S)
 
 
 def _entry(rank: int, world: int, port: int, fn, args, collective_timeout_s: float, queue) -> None:
@@ -65,12 +102,14 @@ def _entry(rank: int, world: int, port: int, fn, args, collective_timeout_s: flo
     # ignores it rather than printing a KeyboardInterrupt traceback of its own.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    try:
-        out = run_here(fn, args, collective_timeout_s)
+    try:  # the result (or the error) goes to the parent before the group is torn down
+        out = _gathered(fn, args, collective_timeout_s)
         if rank == 0:
             queue.put(("ok", out))
     except BaseException:  # noqa: BLE001 - reported to the parent with the traceback
         queue.put(("error", f"rank {rank}:\n{traceback.format_exc()}"))
+    finally:
+        _destroy_within(DESTROY_S)
 
 
 def _free_port() -> int:
