@@ -90,3 +90,36 @@ def test_missing_and_foreign_collectives_are_named():
     assert p is not None and p.rank == 0 and p.index == 1 and "waits forever" in p.message
     p = order_problem({0: [x], 1: [x], 2: [x]})
     assert p is not None and p.rank == 2 and "not one of its ranks" in p.message
+
+
+def dp_first(ranks: RankOrder, chunk_order, buckets):
+    """dp-first (Megatron's partial distributed optimizer with the bd pair as the inter group): per
+    chunk and bucket a reduce-scatter over the copy's own data-parallel replicas, then the pair's
+    all-reduce of the shard (partners with the same data/tensor coordinates)."""
+    from megatron_dualpipe.schedule.shard_groups import stage_of
+
+    out = {}
+    for g in range(ranks.world):
+        x = ranks.coords(g)
+        partner = ranks.global_rank(**{**x, "pp": ranks.pp - 1 - x["pp"]})
+        replicas = tuple(sorted(ranks.global_rank(**{**x, "dp": d}) for d in range(ranks.dp)))
+        pair = tuple(sorted((g, partner)))
+        lst = []
+        for c in chunk_order(x["pp"]):
+            s = stage_of(ranks.pp, x["pp"], c)
+            for b in range(buckets):
+                lst += [Collective(replicas, ("reduce-scatter", s, b)), Collective(pair, ("pair sum", s, b))]
+        out[g] = lst
+    return out
+
+
+@pytest.mark.parametrize("tp,dp,pp,m,zb,nb", CASES[1:])
+def test_dp_first_needs_the_plans_order_too(tp, dp, pp, m, zb, nb):
+    """The reduce-scatter over a rank's replicas is one communicator for both its chunks (as today),
+    the pair sum one communicator per pair (today's bd group): Megatron's chunk order mismatches on
+    the pair's communicator, the plan's order passes."""
+    ranks = RankOrder(tp, 1, dp, pp)
+    naive = order_problem(dp_first(ranks, lambda r: [0, 1], nb))
+    print(f"\ntp={tp} dp={dp} pp={pp} dp-first, chunk 0 first: {naive}")
+    assert naive is not None and "pair sum" in naive.message
+    assert order_problem(dp_first(ranks, plan_order(pp, m, zb), nb)) is None
