@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import time
 import traceback
 from typing import Any, Callable, List, Optional, Sequence
 
@@ -42,34 +43,73 @@ def init(rank: int, world: int, timeout_s: float):
     return device
 
 
-def run_here(fn: Callable[..., Any], args: Sequence[Any], timeout_s: float) -> Optional[Any]:
-    """Run ``fn(rank, world, device, *args)`` as the torchrun rank; rank 0 gets every rank's result."""
+#: Seconds a rank gives ``destroy_process_group`` once its work is done and reported.
+DESTROY_S = 60.0
+
+
+def _gathered(fn: Callable[..., Any], args: Sequence[Any], timeout_s: float) -> Optional[Any]:
+    """Join the group, run ``fn(rank, world, device, *args)``; rank 0 gets every rank's result.
+    Leaves the process group up (:func:`_destroy_within` tears it down)."""
     import torch.distributed as dist
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     device = init(rank, world, timeout_s)
+    mine = fn(rank, world, device, *args)
+    gathered: List[Any] = [None] * world if rank == 0 else []
+    dist.gather_object(mine, gathered if rank == 0 else None, dst=0)
+    return gathered if rank == 0 else None
+
+
+def _destroy_within(seconds: float) -> None:
+    """``destroy_process_group``, bounded: after a rank raised on purpose (the selftest's last
+    stage) a peer's connection may be half closed, and tearing the group down must not keep a
+    finished run from ending. Past ``seconds`` the rank says so and exits."""
+    import sys
+    import threading
+
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return
+
+    def give_up() -> None:
+        sys.stderr.write(f"megatron-dualpipe: rank {os.environ.get('RANK', '?')}: destroy_process_group did not "
+                         f"return within {seconds:g} s after the run ended; exiting without it\n")
+        sys.stderr.flush()
+        os._exit(0)
+
+    timer = threading.Timer(seconds, give_up)
+    timer.daemon = True
+    timer.start()
     try:
-        mine = fn(rank, world, device, *args)
-        gathered: List[Any] = [None] * world if rank == 0 else []
-        dist.gather_object(mine, gathered if rank == 0 else None, dst=0)
-        return gathered if rank == 0 else None
-    finally:
         dist.destroy_process_group()
+    finally:
+        timer.cancel()
 
 
-def _entry(rank: int, world: int, port: int, fn, args, timeout_s: float, queue) -> None:
+def run_here(fn: Callable[..., Any], args: Sequence[Any], timeout_s: float) -> Optional[Any]:
+    """Run ``fn(rank, world, device, *args)`` as the torchrun rank; rank 0 gets every rank's result."""
+    try:
+        return _gathered(fn, args, timeout_s)
+    finally:
+        _destroy_within(DESTROY_S)
+
+
+def _entry(rank: int, world: int, port: int, fn, args, collective_timeout_s: float, queue) -> None:
     import signal
 
     # Ctrl-C reaches the whole process group: the parent stops the workers (spawn), so a worker
     # ignores it rather than printing a KeyboardInterrupt traceback of its own.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    try:
-        out = run_here(fn, args, timeout_s)
+    try:  # the result (or the error) goes to the parent before the group is torn down
+        out = _gathered(fn, args, collective_timeout_s)
         if rank == 0:
             queue.put(("ok", out))
     except BaseException:  # noqa: BLE001 - reported to the parent with the traceback
         queue.put(("error", f"rank {rank}:\n{traceback.format_exc()}"))
+    finally:
+        _destroy_within(DESTROY_S)
 
 
 def _free_port() -> int:
@@ -78,12 +118,43 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn(fn: Callable[..., Any], world: int, args: Sequence[Any] = (), timeout_s: float = 1800.0) -> List[Any]:
-    """Run ``fn(rank, world, device, *args)`` in ``world`` new processes; return the per-rank
-    results. Raises with the failing rank's traceback, or when nothing arrives in time (the
-    processes are then terminated: nothing is left running)."""
-    import multiprocessing as mp
+def _dead(procs) -> Optional[str]:
+    """'rank R exited with code C, ...' for the processes that ended in failure, else None."""
+    dead = [f"rank {r} " + (f"was killed by signal {-p.exitcode}" if p.exitcode < 0 else f"exited with code {p.exitcode}")
+            for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+    return ", ".join(dead) or None
+
+
+def _await_result(q, procs, timeout_s: float, poll_s: float = 1.0):
+    """Rank 0's (status, payload), or raise as soon as a rank died without reporting (a crash, a
+    watchdog, the OOM killer: it cannot put its error on the queue) or when ``timeout_s`` passed.
+    A rank that raised reports itself through the queue; its neighbours' errors follow."""
     import queue as queue_mod
+
+    end = time.monotonic() + timeout_s
+    while True:
+        try:
+            return q.get(timeout=max(0.0, min(poll_s, end - time.monotonic())))
+        except queue_mod.Empty:
+            pass
+        if _dead(procs) is not None:
+            try:  # a report may still be in the pipe (and the other ranks' watchdogs may fire with it)
+                return q.get(timeout=2 * poll_s)
+            except queue_mod.Empty:
+                raise RuntimeError(f"benchmark workers ended without a result: {_dead(procs)} (their own output, "
+                                   f"above, says why)") from None
+        if time.monotonic() >= end:
+            raise RuntimeError(f"benchmark workers gave no result within {timeout_s:.0f} s; exit codes "
+                               f"{[p.exitcode for p in procs]}")
+
+
+def spawn(fn: Callable[..., Any], world: int, args: Sequence[Any] = (), timeout_s: float = 1800.0,
+          collective_timeout_s: Optional[float] = None) -> List[Any]:
+    """Run ``fn(rank, world, device, *args)`` in ``world`` new processes; return the per-rank
+    results. Raises with the failing rank's traceback, when a rank dies without one, or when
+    nothing arrives within ``timeout_s`` (the processes are then terminated: nothing is left
+    running). ``collective_timeout_s`` (default ``timeout_s``) is the process group's timeout."""
+    import multiprocessing as mp
 
     method = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
     ctx = mp.get_context(method)
@@ -91,16 +162,13 @@ def spawn(fn: Callable[..., Any], world: int, args: Sequence[Any] = (), timeout_
         ctx.set_forkserver_preload(["megatron_dualpipe.bench.own_session", "torch", "torch.distributed"])
     q = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world, port, fn, tuple(args), timeout_s, q), daemon=True)
+    collective = timeout_s if collective_timeout_s is None else collective_timeout_s
+    procs = [ctx.Process(target=_entry, args=(r, world, port, fn, tuple(args), collective, q), daemon=True)
              for r in range(world)]
     try:
         for p in procs:
             p.start()
-        try:
-            status, payload = q.get(timeout=timeout_s)
-        except queue_mod.Empty:
-            raise RuntimeError(f"benchmark workers gave no result within {timeout_s:.0f} s; exit codes "
-                               f"{[p.exitcode for p in procs]}") from None
+        status, payload = _await_result(q, procs, timeout_s)
         if status != "ok":
             raise RuntimeError(f"benchmark worker failed: {payload}")
         return payload

@@ -96,6 +96,20 @@ def flat_collective(tensors: Sequence[torch.Tensor], op: Callable[[torch.Tensor]
             t.copy_(synced)
 
 
+def _pair_collective(issue: Callable[[torch.Tensor], object], waiting: str) -> Callable[[torch.Tensor], None]:
+    """``issue(flat)`` (an ``async_op=True`` collective over the bd pair) waited for the way the
+    executor waits (:func:`..executor.abort.wait_work`): a partner that raised before joining it
+    stops this rank through the abort signal, naming both, instead of holding it in the collective
+    for the process group's timeout. On an accelerator the stream waits and the host runs on."""
+    from ..executor import abort
+    from ..executor.streams import waits_order_stream
+
+    def run(flat: torch.Tensor) -> None:
+        abort.wait_work(issue(flat), None, waiting, on_host=not waits_order_stream(flat))
+
+    return run
+
+
 def check_same_structure(signature: list, what: str, pos: Optional[BDPosition] = None,
                          timeout_s: float = STRUCTURE_TIMEOUT_S) -> None:
     """Exchange ``signature`` (any picklable list) with the partner; raise naming both ranks if
@@ -170,7 +184,10 @@ def broadcast_home_to_mirror(model: Sequence[torch.nn.Module], tensors_of: Tenso
             check_same_structure(signature_of(chunk) if signature_of else _shapes(tensors),
                                  f"{what} of stage {copy.stage}", pos)
             if tensors:
-                flat_collective(tensors, lambda flat: dist.broadcast(flat, src=copy.src, group=pos.group))
+                flat_collective(tensors, _pair_collective(
+                    lambda flat: dist.broadcast(flat, src=copy.src, group=pos.group, async_op=True),
+                    f"global rank {pos.me} in the broadcast of the {what} of stage {copy.stage} from global rank "
+                    f"{copy.src} to global rank {pos.me + pos.partner - copy.src}"))
 
 
 def sum_copies(model: Sequence[torch.nn.Module], tensors_of: TensorsOf) -> None:
@@ -187,4 +204,6 @@ def sum_copies(model: Sequence[torch.nn.Module], tensors_of: TensorsOf) -> None:
         for copy in stage_copies(pos):
             tensors = tensors_of(model[copy.chunk])
             if tensors:
-                flat_collective(tensors, lambda flat: dist.all_reduce(flat, group=pos.group))
+                flat_collective(tensors, _pair_collective(
+                    lambda flat: dist.all_reduce(flat, group=pos.group, async_op=True),
+                    f"global rank {pos.me} summing stage {copy.stage} with its bd partner, global rank {pos.partner}"))

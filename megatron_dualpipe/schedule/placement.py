@@ -41,16 +41,19 @@ class PlacementError(ValueError):
 @dataclass(frozen=True)
 class RankOrder:
     """Megatron's global ranks of the dense layers (its decoder ``RankGenerator``: ``ep`` is 1 there,
-    the expert generator has the same pipeline groups, which Megatron asserts)."""
+    the expert generator has the same pipeline groups, which Megatron asserts). The expert layers'
+    generator is the same order with ``tp`` = the expert tensor-parallel size, ``cp`` = 1, ``ep`` and
+    ``dp`` = the expert data-parallel size (``schedule.shard_groups`` uses it so)."""
 
     tp: int
     cp: int
     dp: int
     pp: int
     order: str = DEFAULT_ORDER
+    ep: int = 1
 
     def __post_init__(self):
-        for name in ("tp", "cp", "dp", "pp"):
+        for name in ("tp", "cp", "dp", "pp", "ep"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise PlacementError(f"{name} must be a positive integer, got {v!r}")
@@ -66,11 +69,11 @@ class RankOrder:
 
     @property
     def sizes(self) -> Dict[str, int]:
-        return {"tp": self.tp, "cp": self.cp, "ep": 1, "dp": self.dp, "pp": self.pp}
+        return {"tp": self.tp, "cp": self.cp, "ep": self.ep, "dp": self.dp, "pp": self.pp}
 
     @property
     def world(self) -> int:
-        return self.tp * self.cp * self.dp * self.pp
+        return self.tp * self.cp * self.ep * self.dp * self.pp
 
     @property
     def below_pp(self) -> int:

@@ -40,7 +40,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="selftest-out", metavar="DIR", help="where the report goes (default selftest-out)")
     p.add_argument("--quick", action="store_true", help="fewer repetitions (what CI runs)")
     p.add_argument("--deadline", type=float, default=None, metavar="S",
-                   help="seconds any point-to-point wait may take (default 60; 20 with --quick)")
+                   help="seconds any point-to-point wait may take (default 60; 20 with --quick); any phase of a "
+                        "stage may take 30 times that")
     g = p.add_argument_group("your model, for the speed stage's matrix-multiply stages (GPU)")
     g.add_argument("--model-hidden", type=int, default=4096, help="hidden size (default 4096)")
     g.add_argument("--model-seq", type=int, default=2048, help="tokens per micro-batch (default 2048)")
@@ -88,18 +89,21 @@ def run(args) -> int:
     if not torchrun or os.environ.get("RANK") == "0":
         print(f"megatron-dualpipe selftest: {cfg.world} ranks (tp={cfg.tp} pp={cfg.pp} ep={cfg.ep}), "
               f"{'NCCL on GPUs' if cfg.gpu else 'gloo on the CPU (CPU mode)'}, report in {cfg.out}", flush=True)
-    budget = 3600.0
+    budget = 3600.0  # the whole run; each phase of a stage is bounded by cfg.stage_limit_s
     if torchrun:
-        gathered = launch.run_here(worker, (cfg,), timeout_s=cfg.deadline_s * 3)
+        gathered = launch.run_here(worker, (cfg,), timeout_s=cfg.collective_timeout_s)
         if gathered is None:
             return 0  # not rank 0: rank 0 reports
     else:
         try:
-            gathered = launch.spawn(worker, cfg.world, (cfg,), timeout_s=budget)
+            gathered = launch.spawn(worker, cfg.world, (cfg,), timeout_s=budget,
+                                    collective_timeout_s=cfg.collective_timeout_s)
         except RuntimeError as e:  # a rank died outside any stage (e.g. setting up megatron-core)
             last = [line for line in str(e).splitlines() if line.strip()][-1]
-            print(f"megatron-dualpipe: error: the selftest's processes stopped: {last.strip()} (report so far: "
-                  f"{os.path.join(cfg.out, 'selftest.md')})", file=sys.stderr, flush=True)
+            report = os.path.join(cfg.out, "selftest.md")
+            so_far = f" (report so far: {report})" if os.path.exists(report) else " (no stage had ended)"
+            print(f"megatron-dualpipe: error: the selftest's processes stopped: {last.strip()}{so_far}",
+                  file=sys.stderr, flush=True)
             return 1
     results = gathered[0]
     failed = [r["stage"] for r in results if r["status"] == "FAIL"]

@@ -24,7 +24,8 @@ SEED = 1234
 #: Test-only fault injection: ``swap-microbatch`` makes the DualPipe runs of the equality stage
 #: read micro-batches 0 and 1 in swapped order on the last pipeline rank (a broken executor
 #: delivering the wrong micro-batch to a stage). ``tests/apps/test_selftest.py`` checks that the
-#: selftest then FAILs with the loss difference; nothing else sets it.
+#: selftest then FAILs with the loss difference; nothing else sets it. ``stall:STAGE`` makes rank 1
+#: never end STAGE (a rank stuck where no timeout of its own applies), which the watchdog must stop.
 FAULT_ENV = "MEGATRON_DUALPIPE_SELFTEST_FAULT"
 SCHEDULES = (ONE_F_ONE_B, DUALPIPE, DUALPIPEV)
 

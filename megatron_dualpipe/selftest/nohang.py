@@ -82,7 +82,6 @@ class RankRaises:
     def run(ctx) -> dict:
         spec = ctx.cfg.spec()
         full = models.full_state_dict(spec)
-        chunks = models.build(spec, DUALPIPE, full)
         calls = [0]
 
         def failing_forward_step(data_iterator, model, *args, **kwargs):
@@ -92,7 +91,8 @@ class RankRaises:
             return models.forward_step(data_iterator, model, *args, **kwargs)
 
         t0 = time.perf_counter()
-        try:
+        try:  # the build too: a rank still building when the victim fails stops there (abort signal)
+            chunks = models.build(spec, DUALPIPE, full)
             models.run_iteration(spec, DUALPIPE, chunks, models.batches(spec, 2 * ctx.cfg.pp),
                                  p2p_timeout=ctx.cfg.deadline_s, forward_step_func=failing_forward_step)
             error = None

@@ -32,6 +32,19 @@ class SelftestConfig:
     model_layers_per_stage: int = 2
 
     @property
+    def stage_limit_s(self) -> float:
+        """The longest any phase of a stage may take on a rank (:mod:`.watchdog`)."""
+        from .watchdog import stage_limit_s
+
+        return stage_limit_s(self.deadline_s)
+
+    @property
+    def collective_timeout_s(self) -> float:
+        """The process group's timeout: past the stage limit, so that a stuck rank's watchdog
+        speaks (with its stack) before a collective elsewhere times out without saying why."""
+        return self.stage_limit_s + 60.0
+
+    @property
     def pp(self) -> int:
         return self.world // (self.tp * self.ep)
 

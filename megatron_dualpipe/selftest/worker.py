@@ -4,13 +4,16 @@ whether to go on.
 
 A stage is a module with ``NAME``, ``run(ctx) -> payload`` (every rank; any picklable value) and
 ``judge(ctx, payloads) -> StageResult`` (rank 0; ``payloads[r]`` is rank r's). A stage that raises
-on a rank becomes a FAIL naming the rank. The stage that makes a rank raise on purpose runs last:
-after it the pipeline's point-to-point traffic cannot be trusted any more.
+on a rank becomes a FAIL naming the rank; the rank also prints its error at once, in case its
+peers, still inside the stage's collectives, never reach the gathering. The stage that makes a
+rank raise on purpose runs last: after it the pipeline's point-to-point traffic cannot be trusted
+any more. Every phase of every stage is bounded by the stage limit (:mod:`.watchdog`).
 """
 from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 import time
 import traceback
 from typing import Any, List, Optional
@@ -20,6 +23,7 @@ import torch.distributed as dist
 
 from . import result as R
 from .options import SelftestConfig
+from .watchdog import StageWatchdog
 
 
 @dataclasses.dataclass
@@ -67,11 +71,23 @@ def _setup(cfg: SelftestConfig, rank: int, world: int, device) -> Context:
                    ps.get_tensor_model_parallel_rank(), ps.get_data_parallel_rank())
 
 
+def _stall_if_injected(stage, ctx: Context) -> None:
+    """The test-only fault ``stall:STAGE`` (:data:`.models.FAULT_ENV`): rank 1 never ends STAGE."""
+    from .models import FAULT_ENV
+
+    if os.environ.get(FAULT_ENV) == f"stall:{stage.NAME}" and ctx.rank == 1:
+        while True:
+            time.sleep(3600)
+
+
 def _run_stage(stage, ctx: Context):
     try:
+        _stall_if_injected(stage, ctx)
         return stage.run(ctx), None
     except Exception as e:  # noqa: BLE001 - becomes the stage's FAIL, naming the rank
         text = f"{type(e).__name__}: {e}"
+        print(f"megatron-dualpipe selftest: rank {ctx.rank}: stage {stage.NAME!r} raised {text.splitlines()[0]}",
+              file=sys.stderr, flush=True)
         if os.environ.get("MEGATRON_DUALPIPE_SELFTEST_TRACEBACK"):
             text += "\n" + traceback.format_exc()
         return None, text
@@ -80,15 +96,20 @@ def _run_stage(stage, ctx: Context):
 def worker(rank: int, world: int, device, cfg: SelftestConfig) -> Optional[List[dict]]:
     """Every rank: run the stages; rank 0 returns the results (as dicts), the others None."""
     started = time.perf_counter()
+    watchdog = StageWatchdog(rank, cfg.stage_limit_s, cfg.deadline_s)
+    watchdog.enter("setting up megatron-core's parallel groups")
     ctx = _setup(cfg, rank, world, device)
     results: List[R.StageResult] = []
     for stage in _stages():
         t0 = time.perf_counter()
+        watchdog.enter(f"running stage {stage.NAME!r}")
         payload, error = _run_stage(stage, ctx)
+        watchdog.enter(f"gathering the findings of stage {stage.NAME!r} (waiting for the other ranks to end it)")
         gathered: List[Any] = [None] * world if rank == 0 else []
         dist.gather_object((payload, error), gathered if rank == 0 else None, dst=0)
         stop = [False]
         if rank == 0:
+            watchdog.enter(f"judging stage {stage.NAME!r}")
             errors = {r: e for r, (_, e) in enumerate(gathered) if e is not None}
             res = R.failed_on(stage.NAME, errors) if errors else stage.judge(ctx, [p for p, _ in gathered])
             res.seconds = time.perf_counter() - t0
@@ -99,7 +120,9 @@ def worker(rank: int, world: int, device, cfg: SelftestConfig) -> Optional[List[
                     print(f"    {line}", flush=True)
             R.write(cfg.out, cfg.command, results, time.perf_counter() - started, ctx.files)
             stop = [res.stops]
+        watchdog.enter(f"waiting for rank 0's verdict on stage {stage.NAME!r}")
         dist.broadcast_object_list(stop, src=0)
         if stop[0]:
             break
+    watchdog.stop()
     return [r.to_json() for r in results] if rank == 0 else None

@@ -130,3 +130,28 @@ def test_hidden_fraction_arithmetic():
     assert hidden_ms([(6.0, 10.0)], compute) == (0.0, 4.0)  # in the gap: nothing hidden
     assert hidden_ms([(1.0, 2.0), (10.5, 11.5)], compute) == (2.0, 2.0)
     assert hidden_ms([], compute) == (0.0, 0.0)
+
+
+def test_a_rank_stuck_in_a_stage_is_stopped_by_the_watchdog_naming_it(tmp_path):
+    """Rank 1 never ends the first stage (the test-only fault ``stall:environment``), where no
+    point-to-point timeout of its own applies: within the stage limit (30 x --deadline) the selftest
+    exits 1, rank 1 says on stderr which stage it was in and where its threads were, and the parent
+    names the ranks that died without a result. Before the watchdog the others waited in their next
+    collective for the process group's timeout (an hour), silently."""
+    deadline = 1.0
+    limit = 30 * deadline
+    environ = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                   **{models.FAULT_ENV: "stall:environment"})
+    cmd = [sys.executable, "-m", "megatron_dualpipe", "selftest", "--quick", "--out", str(tmp_path), "--nproc", "2",
+           "--deadline", f"{deadline:g}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=limit + 600, env=environ, cwd=ROOT)
+    stuck = [line for line in proc.stderr.splitlines() if "still running stage" in line]
+    print(f"\n$ {models.FAULT_ENV}=stall:environment {' '.join(cmd[2:])} -> exit {proc.returncode}")
+    print("\n".join(stuck + [line for line in proc.stderr.splitlines() if "error:" in line]))
+    assert proc.returncode == 1, proc.stdout + proc.stderr[-3000:]
+    # rank 1 says where it is; rank 0, waiting for it inside the stage, may say so too (its stack
+    # then shows the collective it waits in)
+    assert any(line.startswith("megatron-dualpipe selftest: rank 1 still running stage 'environment' "
+                               f"after {limit:g} s") for line in stuck), proc.stderr[-3000:]
+    assert "_stall_if_injected" in proc.stderr  # the stack of the stuck thread
+    assert "error: the selftest's processes stopped:" in proc.stderr and "rank 1 exited with code 3" in proc.stderr

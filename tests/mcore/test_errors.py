@@ -10,6 +10,9 @@
   `PeerFailedError` naming themselves, what they waited for and the failing rank.
 * A stalled peer: one rank never enters the schedule; the other raises `P2PTimeoutError` after
   `p2p_timeout` seconds, naming its pipeline rank, the peer and what it waited for.
+* A bd partner that fails between the structure check and the copy of the weights (a third rank
+  failed meanwhile; seen in the selftest's last stage under load): the other partner, already in
+  the broadcast, stops through the abort signal within seconds, naming what it copied.
 
 Workers catch the errors and return them as data; a stalled rank waits for a flag file with
 its own deadline, and `run_workers` terminates anything left, so no test can hang the suite.
@@ -401,6 +404,51 @@ def test_peer_that_never_enters_the_schedule_times_out_in_the_first_collective(t
                  "all-reduce on the pipeline group (global ranks [0, 1])", "has not entered the schedule"):
         assert part in msg, f"{part!r} not in {msg!r}"
     assert elapsed < TIMEOUT_S + 10, f"timed out after {elapsed:.2f} s"
+
+
+def _partner_leaves_worker(rank, world, port, flag_dir):
+    """pp=2, one bd pair, the process group's timeout 1 minute. Rank 1 passes the structure check
+    of the first stage with rank 0, then fails just before joining the broadcast of its weights
+    (its ``dist.broadcast`` signals the abort and raises), as a partner does whose layout wait saw
+    a third rank's failure after publishing its own layout. It stays alive until rank 0 has
+    reported, so that rank 0 sees the abort signal, not a closed connection."""
+    import torch.distributed as dist
+
+    from megatron_dualpipe.executor import abort
+
+    me.init_distributed_cpu(rank, world, port, pp=world, timeout_minutes=1)
+    if rank == 1:
+        def leave(*a, **k):
+            abort.signal("RuntimeError: rank 1 left before the broadcast")
+            raise RuntimeError("rank 1 left before the broadcast")
+
+        dist.broadcast = leave
+    t0 = time.monotonic()
+    try:
+        _build(layers=world)
+        result = (None, None, time.monotonic() - t0)
+    except Exception as e:  # noqa: BLE001
+        result = (type(e).__name__, str(e), time.monotonic() - t0)
+    if rank == 0:
+        _flag(os.path.join(flag_dir, "rank0"))
+    else:
+        _wait_for(os.path.join(flag_dir, "rank0"), 90)
+    return result
+
+
+def test_partner_failing_before_the_weight_broadcast_stops_the_other_within_seconds(tmp_path):
+    """Before the broadcast waited the way the executor waits, rank 0 sat in it for the process
+    group's whole timeout (an hour in the selftest) and then blamed gloo."""
+    r0, r1 = me.run_workers(_partner_leaves_worker, 2, args=(str(tmp_path),), timeout=100)
+    for r, (kind, msg, elapsed) in enumerate((r0, r1)):
+        print(f"\nrank {r} after {elapsed:.2f} s: {kind}: {msg}")
+    assert r1[0] == "RuntimeError" and "left before the broadcast" in r1[1], r1
+    kind, msg, elapsed = r0
+    assert kind == "PeerFailedError", r0
+    for part in ("global rank 0 in the broadcast of the", "stage 0 from global rank 0 to global rank 1",
+                 "stopped waiting because global rank 1 failed"):
+        assert part in msg, f"{part!r} not in {msg!r}"
+    assert elapsed < 20, f"rank 0 took {elapsed:.1f} s to stop (the group's timeout is 60 s)"
 
 
 def _dead_peer_worker(rank, world, port):

@@ -1,0 +1,56 @@
+"""Bound every stage of the selftest on every rank: a rank still in one phase of a stage after the
+stage limit says so on stderr, with the Python stack of each of its threads (what it waits for),
+and exits with :data:`STUCK_EXIT`.
+
+Why a watchdog and not only timeouts: the executor's point-to-point waits time out after
+``--deadline``, but a stage also runs collectives (barriers, the bd sums, the gathering of the
+findings on rank 0) and code that is not the executor's; one rank stuck there would otherwise hold
+every other rank in its next collective for the whole process group's timeout, silently. The
+parent (:func:`..bench.launch.spawn`, or torchrun) sees the exit and stops the others.
+"""
+from __future__ import annotations
+
+import faulthandler
+import os
+import sys
+import threading
+from typing import Optional
+
+#: Exit status of a rank the watchdog stopped.
+STUCK_EXIT = 3
+#: The stage limit in units of ``--deadline`` (one point-to-point wait): a stage runs a few dozen
+#: iterations of tiny models; on a loaded CPU machine the slowest (speed) takes ~15 deadlines of 1 s.
+LIMIT_PER_DEADLINE = 30.0
+
+
+def stage_limit_s(deadline_s: float) -> float:
+    return LIMIT_PER_DEADLINE * deadline_s
+
+
+class StageWatchdog:
+    """One per rank. :meth:`enter` starts (or restarts) the clock for a phase, :meth:`stop` ends it."""
+
+    def __init__(self, rank: int, limit_s: float, deadline_s: float, stream=None):
+        self.rank, self.limit_s, self.deadline_s = rank, limit_s, deadline_s
+        self.stream = stream if stream is not None else sys.stderr
+        self._timer: Optional[threading.Timer] = None
+
+    def enter(self, phase: str) -> None:
+        self.stop()
+        self._timer = threading.Timer(self.limit_s, self._fire, args=(phase,))
+        self._timer.daemon = True
+        self._timer.start()
+
+    def stop(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _fire(self, phase: str) -> None:
+        self.stream.write(f"megatron-dualpipe selftest: rank {self.rank} still {phase} after {self.limit_s:g} s "
+                          f"(the stage limit, {LIMIT_PER_DEADLINE:g} x --deadline {self.deadline_s:g}; raise "
+                          f"--deadline on a slow or busy machine); stopping this rank. Where its threads are:\n")
+        self.stream.flush()
+        faulthandler.dump_traceback(file=self.stream, all_threads=True)
+        self.stream.flush()
+        os._exit(STUCK_EXIT)
