@@ -1,5 +1,5 @@
-"""Test-only hooks for pretrain_gpt.py runs (tests/megatron_lm/test_megatron_lm_options.py puts this directory
-on the children's PYTHONPATH; nothing here ships in the wheel). Each is installed right after the
+"""Test-only hooks for pretrain_gpt.py runs (tests/megatron_lm_runs.py puts this directory on the
+children's PYTHONPATH; nothing here ships in the wheel). Each is installed right after the
 plugin's install(), i.e. after the launcher put the Megatron-LM checkout on the path, and only when
 its environment variable is set.
 
