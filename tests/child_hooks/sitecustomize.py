@@ -1,7 +1,7 @@
 """Test-only hooks for pretrain_gpt.py runs (tests/megatron_lm_runs.py puts this directory on the
 children's PYTHONPATH; nothing here ships in the wheel). Each is installed right after the
 plugin's install(), i.e. after the launcher put the Megatron-LM checkout on the path, and only when
-its environment variable is set.
+its environment variable is set (the fast exit: at interpreter start, around runpy.run_path).
 
 MEGATRON_DUALPIPE_TEST_NAN="ITERATION,MICROBATCH": the language-model loss of global micro-batch
 MICROBATCH (0-based, as megatron-core numbers them in both 1F1B and the executor) of training
