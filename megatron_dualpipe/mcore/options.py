@@ -283,7 +283,7 @@ def args_rules() -> Tuple[Refused, ...]:
 HANDLED: Tuple[Handled, ...] = (
     Handled('(defaults: tied embeddings, zero bubble) `dualpipe`, `executor-1f1b`, `zb-h1`',
             'equal on CPU',
-            'D `test_dualpipe_zb_h1_executor_1f1b_and_megatron_1f1b_losses_equal`'),
+            'D `test_dualpipe_and_megatron_1f1b_losses_equal`, `test_executor_1f1b_and_zb_h1_losses_equal_megatron_1f1b`'),
     Handled('`--overlap-moe-expert-parallel-comm` (and `--delay-wgrad-compute`) with `dualpipe`, `dualpipev`',
             "accepted: fused F&B units through megatron-core's combined step (`mcore/overlap.py`); its "
             'requirements are refused below',

@@ -54,23 +54,6 @@ def _assert_trains(run, what):
     assert losses[-1] < losses[0], f"{what}: the loss does not decrease: {losses}"
 
 
-def _assert_resumed_continues(resumed, ref, what):
-    """A run resumed at iteration 2 continues the uninterrupted curve (L3, L4 from its log)."""
-    logged = _losses(resumed)
-    assert sorted(logged) == [3, 4], logged
-    true = {3: logged[3], 4: 2 * logged[4] - logged[3]}
-    want = _losses(ref)
-    diff = max(abs(true[i] - want[i]) / want[i] for i in (3, 4))
-    print(f"{what}: resumed L3, L4 = {true[3]:.6f}, {true[4]:.6f}; uninterrupted {want[3]:.6f}, "
-          f"{want[4]:.6f}; max relative difference {diff:.2e}")
-    assert diff <= RTOL, what
-
-
-def _resume_from_iteration_2(ckpt, nproc, *extra):
-    _set_latest(ckpt, 2)
-    return _run(nproc, *extra, "--ckpt-format", "torch_dist", "--load", ckpt, iters=4)
-
-
 def _set_latest(ckpt, iteration):
     with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt"), "w") as f:
         f.write(str(iteration))
@@ -118,12 +101,6 @@ def reference(tmp_path_factory):
     return run, ckpt
 
 
-def test_torch_dist_save_and_resume(reference):
-    """The torch_dist writer used to hang on CPU (megatron_dualpipe/cpu/mcore.py: psutil)."""
-    ref, ckpt = reference
-    _assert_resumed_continues(_resume_from_iteration_2(ckpt, 2), ref, "torch_dist resume")
-
-
 DIST_OPT = ("--use-distributed-optimizer",)
 
 
@@ -166,7 +143,8 @@ def test_distributed_optimizer_dualpipe_overlap_and_torch_format_across_schedule
 
 def test_torch_dist_without_distributed_optimizer_dp2_across_schedules(reference, tmp_path):
     """fp32 optimizer state, torch_dist: dualpipe at dp = 2 resumes the reference's 1f1b (dp = 1)
-    checkpoint (torch_dist reshards over dp) and saves at dp = 2 (this failed: the fully parallel
+    checkpoint (torch_dist reshards over dp; the reference writing it is also the check that the
+    torch_dist writer, which used to hang on CPU, ends: cpu/mcore.py, psutil) and saves at dp = 2 (this failed: the fully parallel
     save made the mirror's tied output weight a main replica next to the home embedding), 1f1b
     resumes that and saves at dp = 2 too: the keys dualpipe wrote are the keys 1f1b writes at the
     same dp (core_v0.19.0 saves the rerun state machine in every torch_dist checkpoint, one shard

@@ -50,12 +50,20 @@ PARAMS_RE = re.compile(r" > number of parameters on \(tensor, (?:gtp_remat, )?pi
                        r"(?: \(logical: stage (\d); physical on this rank, with the mirrored copy of stage (\d): (\d+)\))?")
 
 
-@pytest.mark.smoke
-def test_dualpipe_zb_h1_executor_1f1b_and_megatron_1f1b_losses_equal():
+def test_executor_1f1b_and_zb_h1_losses_equal_megatron_1f1b():
+    """The executor's other schedules (1F1B's order, ZB-H1's zero bubble) through pretrain_gpt.py."""
     ref = run_pretrain("1f1b")
-    ref_params = {int(r): int(n) for r, n, *_ in PARAMS_RE.findall(LAST_OUTPUT[0])}
     assert_close(run_pretrain("executor-1f1b"), ref, "executor-1f1b vs 1f1b")
     assert_close(run_pretrain("zb-h1"), ref, "zb-h1 (executor, zero bubble) vs 1f1b")
+
+
+@pytest.mark.smoke
+def test_dualpipe_and_megatron_1f1b_losses_equal():
+    """DualPipe (zero bubble) against Megatron's own 1f1b, the model list it built, and Megatron's
+    parameter-count line (the smoke case of every tag; the executor's other schedules are the test
+    above)."""
+    ref = run_pretrain("1f1b")
+    ref_params = {int(r): int(n) for r, n, *_ in PARAMS_RE.findall(LAST_OUTPUT[0])}
     assert_close(run_pretrain("dualpipe"), ref, "dualpipe (zero bubble) vs 1f1b")
     # The hooked get_model built stage i and stage pp-1-i on every rank (8 layers, pp=4).
     chunks = {int(r): text for s, r, text in CHUNKS_RE.findall(LAST_OUTPUT[0]) if s == "dualpipe"}
@@ -144,14 +152,16 @@ def test_torch_checkpoint_switches_schedules(tmp_path, dualpipe_checkpoint_at_3)
     assert sorted(saved_dp) == sorted(saved_f1) == [1, 2, 3]
     assert_close(saved_dp, {i: full[i] for i in (1, 2, 3)}, "dualpipe before save")
 
+    # Both crossings, as logged against each other, and their true losses against the
+    # uninterrupted 1f1b run. (1f1b resuming its own checkpoint is Megatron's feature: CI ran it as
+    # a third crossing until the CI-time cut; its logged losses equalled these two.)
     resumed = {
         "dualpipe -> 1f1b": run_pretrain("1f1b", "--ckpt-format", "torch", "--load", dp_ckpt),
         "1f1b -> dualpipe": run_pretrain("dualpipe", "--ckpt-format", "torch", "--load", f1_ckpt),
-        "1f1b -> 1f1b": run_pretrain("1f1b", "--ckpt-format", "torch", "--load", f1_ckpt),
     }
+    assert_close(resumed["1f1b -> dualpipe"], resumed["dualpipe -> 1f1b"], "1f1b -> dualpipe vs dualpipe -> 1f1b (as logged)")
     for what, logged in resumed.items():
         assert sorted(logged) == [4, 5], (what, logged)
-        assert_close(logged, resumed["1f1b -> 1f1b"], f"{what} vs 1f1b -> 1f1b (as logged)")
         assert_close(_resumed_true_losses(logged), {4: full[4], 5: full[5]}, f"{what} vs uninterrupted")
 
 
