@@ -13,6 +13,7 @@ from __future__ import annotations
 import faulthandler
 import os
 import sys
+import tempfile
 import threading
 from typing import Optional
 
@@ -47,10 +48,31 @@ class StageWatchdog:
             self._timer = None
 
     def _fire(self, phase: str) -> None:
-        self.stream.write(f"megatron-dualpipe selftest: rank {self.rank} still {phase} after {self.limit_s:g} s "
-                          f"(the stage limit, {LIMIT_PER_DEADLINE:g} x --deadline {self.deadline_s:g}; raise "
-                          f"--deadline on a slow or busy machine); stopping this rank. Where its threads are:\n")
-        self.stream.flush()
-        faulthandler.dump_traceback(file=self.stream, all_threads=True)
-        self.stream.flush()
+        self.report(phase)
         os._exit(STUCK_EXIT)
+
+    def report(self, phase: str) -> None:
+        """Say which phase is stuck and where every thread is, one line per write.
+
+        Every rank of a stuck job tends to fire within the same second, into the same stderr pipe;
+        :func:`faulthandler.dump_traceback` writes a line in pieces, so the stacks of two ranks
+        would merge mid-line. The stacks go to a scratch file first, and each line leaves in one
+        write (atomic on a pipe below PIPE_BUF), marked with the rank."""
+        lines = [f"megatron-dualpipe selftest: rank {self.rank} still {phase} after {self.limit_s:g} s "
+                 f"(the stage limit, {LIMIT_PER_DEADLINE:g} x --deadline {self.deadline_s:g}; raise "
+                 f"--deadline on a slow or busy machine); stopping this rank. Where its threads are:"]
+        with tempfile.TemporaryFile(mode="w+") as scratch:
+            faulthandler.dump_traceback(file=scratch, all_threads=True)
+            scratch.seek(0)
+            lines += [f"[rank {self.rank}] {line.rstrip()}" for line in scratch if line.strip()]
+        for line in lines:
+            self._write_line(line + "\n")
+
+    def _write_line(self, line: str) -> None:
+        try:
+            fd = self.stream.fileno()
+        except (AttributeError, OSError, ValueError):  # an in-memory stream: nobody to interleave with
+            self.stream.write(line)
+            return
+        self.stream.flush()
+        os.write(fd, line.encode(errors="replace"))

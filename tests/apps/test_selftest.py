@@ -155,3 +155,40 @@ def test_a_rank_stuck_in_a_stage_is_stopped_by_the_watchdog_naming_it(tmp_path):
                                f"after {limit:g} s") for line in stuck), proc.stderr[-3000:]
     assert "_stall_if_injected" in proc.stderr  # the stack of the stuck thread
     assert "error: the selftest's processes stopped:" in proc.stderr and "rank 1 exited with code 3" in proc.stderr
+
+
+_REPORTER = """
+import sys, threading, time
+from megatron_dualpipe.selftest.watchdog import StageWatchdog
+rank, start = int(sys.argv[1]), float(sys.argv[2])
+threads = [threading.Thread(target=time.sleep, args=(5,), daemon=True) for _ in range(3)]  # stacks to dump
+for thread in threads:
+    thread.start()
+time.sleep(max(0.0, start - time.time()))
+for _ in range(20):
+    StageWatchdog(rank, 1.0, 0.1).report("running stage 'x'")
+"""
+
+
+def test_stuck_ranks_reporting_at_once_keep_their_lines_whole():
+    """Four ranks dump their stacks into one stderr pipe at the same instant, twenty times each (what
+    a stuck job does): every line that comes out is one rank's whole line, marked with the rank, so
+    the reader can tell whose thread waits where."""
+    ranks = 4
+    start = __import__("time").time() + 3.0
+    environ = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    read, write = os.pipe()
+    procs = [subprocess.Popen([sys.executable, "-c", _REPORTER, str(rank), str(start)], stderr=write, env=environ)
+             for rank in range(ranks)]
+    os.close(write)
+    with os.fdopen(read) as pipe:
+        lines = pipe.read().splitlines()
+    assert [proc.wait(timeout=60) for proc in procs] == [0] * ranks
+    line_shape = re.compile(r"(megatron-dualpipe selftest: rank (\d) still running stage 'x' after 1 s .*threads are:"
+                            r"|\[rank (\d)\] (Thread 0x[0-9a-f]+ \(most recent call first\):|Current thread 0x[0-9a-f]+"
+                            r" \(most recent call first\):|  File \".*\", line \d+ in \S+))$")
+    torn = [line for line in lines if not line_shape.match(line)]
+    headers = [line for line in lines if "still running stage" in line]
+    print(f"\n{len(lines)} lines from {ranks} ranks, {len(headers)} headers, {len(torn)} torn; e.g.\n" + "\n".join(lines[:6]))
+    assert not torn, torn[:5]
+    assert sorted(int(line_shape.match(h).group(2)) for h in headers) == sorted(list(range(ranks)) * 20)
