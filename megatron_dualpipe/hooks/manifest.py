@@ -93,6 +93,8 @@ MODEL_BUILDER_SCOPED = (
           "buffer layout (summed in place)", versions=_SINCE_019, kind=SCOPED, where=_MODEL_BUILDER),
     Patch(_DIST_UTILS, "print", None, "the parameter-count line says the logical and physical counts",
           versions=_SINCE_019, kind=SCOPED, where=_MODEL_BUILDER),
+    Patch(_DIST_UTILS, "DistributedDataParallel", None, "--dualpipe-shared-shard-group: each chunk's DDP over its "
+          "shard group (mcore/shared_shard_wrap.py)", versions=_SINCE_019, kind=SCOPED, where=_MODEL_BUILDER),
 )
 V_CONFIG = Patch(_BUILDER, "GPTModelConfig.transformer", None,
                  "dualpipev: the builder's TransformerConfig is the dualpipev_config copy (two V-stages) while the "
@@ -145,6 +147,16 @@ SCOPED_PATCHES = (
             "the combined step asks is_pipeline_last_stage(), wrong for DualPipeV's direction 0 and DualPipe's "
             "direction 1: it is told where the forward's direction ends",
             "mcore.overlap.OverlappedStageCompute (one combined step)"),
+    _scoped(_TRAINING, "get_megatron_optimizer", "--dualpipe-shared-shard-group: one optimizer per chunk over its "
+            "shard group, chained in ascending stage order (mcore/shared_shard_wrap.py)",
+            "megatron_lm.training_hooks setup_model_and_optimizer (--dualpipe-shared-shard-group)"),
+) + tuple(
+    _scoped(_PS, getter, "--dualpipe-shared-shard-group: the partial (one optimizer instance) data-parallel group "
+            "megatron-core reduces a chunk's gradients over and shards its optimizer over is the chunk's shared "
+            "shard group", "mcore.shard_groups.partial_groups_of (while one chunk's DDP or optimizer is built)")
+    for getter in ("get_data_parallel_group", "get_data_parallel_group_gloo", "get_expert_data_parallel_group",
+                   "get_expert_data_parallel_group_gloo")
+) + (
     _scoped(_TRAINING, "DDP", "every DualPipe chunk unbucketed, so the two copies of a stage have one buffer "
             "layout (summed in place)", "megatron_lm.training_hooks get_model (dualpipe)"),
     _scoped(_TRAINING, "print", "the parameter-count line says the logical and physical counts",

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from ..executor import pair_sums
 from . import bd_pairs
 from .model import BIDIRECTIONAL, V_SHAPE, chunk_info, unwrap_chunk
+from .shard_groups import is_shared_layout, stage_order
 
 __all__ = ["allreduce_bd_grads", "allreduce_bd_router_statistics", "fold_tied_embedding_grads",
            "finalize_dualpipe_grads", "sum_tensors", "check_buffer_layouts", "NO_EMBEDDING_GROUP"]
@@ -240,6 +241,11 @@ def finalize_dualpipe_grads(
        and position-embedding all-reduces are skipped (steps 1-2 did that work; the position
        embedding lives on stage 0, whose two copies are a bd pair).
 
+    ``--dualpipe-shared-shard-group`` (chunks wrapped over their shard groups): no step 1 (the
+    reduce-scatter over both copies' ranks sums them; the fold adds this rank's unsummed copies)
+    and ``finalize_func`` gets the chunks in ascending stage order, the order both partners issue
+    those reduce-scatters in.
+
     ``copies_summed=True`` skips steps 1-2 (``grad_reduction.GradReduction`` did them during the
     schedule).
 
@@ -261,8 +267,10 @@ def finalize_dualpipe_grads(
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.utils import get_model_config, get_pg_size
 
+    shared = is_shared_layout(model)
     if not copies_summed:
-        allreduce_bd_grads(model)
+        if not shared:  # the shard groups' reduce-scatter sums the copies
+            allreduce_bd_grads(model)
         fold_tied_embedding_grads(model)
 
     pp_group = pg_collection.pp if pg_collection is not None else parallel_state.get_pipeline_model_parallel_group()
@@ -295,6 +303,8 @@ def finalize_dualpipe_grads(
     pgc = copy.copy(pg_collection) if pg_collection is not None else ProcessGroupCollection.use_mpu_process_groups()
     pgc.embd = NO_EMBEDDING_GROUP
     pgc.pos_embd = None
+    if shared:  # Megatron's per-chunk loop issues the shard groups' reduce-scatters: in stage order
+        model = [model[c] for c in stage_order(model)]
     finalize_func(model, num_tokens, pg_collection=pgc, force_all_reduce=force_all_reduce)
     return num_tokens
 

@@ -19,6 +19,11 @@ Per chunk (one `_Chunk` state each), after its last real gradient action:
    data-parallel peer, so their collectives pair up). A chunk holding a tied-embedding copy on
    a rank that holds both copies waits for `finish`, where the fold needs both sums.
 
+With ``--dualpipe-shared-shard-group`` there is no bd sum: each chunk's reduce-scatter runs over
+both copies' ranks (``mcore.shard_groups``) in Megatron's finalize, in stage order
+(``finalize.finalize_dualpipe_grads``); the tied-embedding fold adds this rank's two unsummed
+copies, and the reduce-scatter's sum over both ranks' folds is the tied gradient.
+
 `finish` waits for every sum (the end of the schedule: the plan proves it safe), folds tied
 embeddings and starts the remaining data-parallel reductions. Megatron's finalize then waits for
 them as after its own 1F1B (``finish_grad_sync``; ``finalize.finalize_dualpipe_grads(copies_summed=True)``).
@@ -41,6 +46,7 @@ from . import bd_pairs
 from .finalize import (BD_SUM_TIMEOUT_S, is_wrapped, chunk_layout, tied_copies, allreduce_bd_grads,
                        check_buffer_layouts, fold_tied_embedding_grads, sum_tensors)
 from .model import BIDIRECTIONAL, unwrap_chunk
+from .shard_groups import is_shared_layout
 
 __all__ = ["GradReduction", "clear_deferred_output_wgrads"]
 
@@ -68,9 +74,11 @@ class GradReduction:
         bidirectional = chunk_layout(self.model) == BIDIRECTIONAL and n == 2
         self._pos = bd_pairs.position() if bidirectional else None
         self._local_sum = bidirectional and self._pos.is_middle  # odd pipeline: both copies here
-        bd = bidirectional and not self._local_sum
+        paired = bidirectional and not self._local_sum
+        # --dualpipe-shared-shard-group: the data-parallel reduce-scatter sums the copies itself
+        bd = paired and not is_shared_layout(self.model)
         self._last = {pair_sums.action_key(actions[i]): c for c, i in last_actions.items()}
-        if bd and all(is_wrapped(c) for c in self.model):
+        if paired and all(is_wrapped(c) for c in self.model):
             check_buffer_layouts(self.model)
         # The fold replaces Megatron's embedding-group all-reduce, a step of its finalize: without a
         # finalize function neither happens (as with megatron-core's own 1F1B).

@@ -316,6 +316,10 @@ def broadcast_mirrors(model: Sequence[torch.nn.Module]) -> None:
                                       "parameters", signature_of=lambda chunk: _signature(_named_params(chunk)))
 
 
+#: On the mirror's module: names of the parameters Megatron itself had marked ``shared``.
+MEGATRON_SHARED_ATTR = "_dualpipe_megatron_shared"
+
+
 def mark_mirror_shared(chunk: torch.nn.Module) -> None:
     """Set ``param.shared = True`` on every parameter of the mirrored copy ``model[1]``.
 
@@ -328,5 +332,9 @@ def mark_mirror_shared(chunk: torch.nn.Module) -> None:
     asserts that expert params (``allreduce=False``) are not shared: with MoE and
     ``--log-params-norm`` this mark trips that assert.
     """
-    for p in unwrap_chunk(chunk).parameters():
+    inner = unwrap_chunk(chunk)
+    # Megatron's own marks (the tied output weight of a last stage), which the shared shard group's
+    # optimizer keeps on the mirror's shards (mcore.shared_shard_wrap.megatron_marks).
+    setattr(inner, MEGATRON_SHARED_ATTR, frozenset(n for n, p in inner.named_parameters() if getattr(p, "shared", False)))
+    for p in inner.parameters():
         p.shared = True

@@ -39,8 +39,9 @@ TWO_CHUNKS = registry.names(chunks_per_rank=2)
 ONE_CHUNK_EXECUTOR = registry.names(runs_on=registry.EXECUTOR, chunks_per_rank=1)
 MIRRORED = (registry.DUALPIPE,)
 
-#: The flag whose requirements the ``needs`` rules state.
+#: The flags whose requirements the ``needs`` rules state.
 COMBINED_STEP = "--overlap-moe-expert-parallel-comm"
+SHARED_SHARDS = "--dualpipe-shared-shard-group"
 
 
 @dataclass(frozen=True)
@@ -240,11 +241,56 @@ REFUSED: Tuple[Refused, ...] = (
     Refused("--moe-shared-expert-overlap", "it cannot be combined with --moe-shared-expert-overlap",
             arg="moe_shared_expert_overlap", config="moe_shared_expert_overlap", fix="remove it",
             needs=COMBINED_STEP, test="—"),
+) + tuple(
+    # What --dualpipe-shared-shard-group (a Megatron-LM flag: args only) runs with so far.
+    Refused(flag, why, read=lambda source, side, r=refused: r(source), sides=(ARGS,), schedules=MIRRORED,
+            needs=SHARED_SHARDS, fix=fix, test="A `shared_shard_group_refuses`")
+    for flag, why, refused, fix in (
+        ("--use-distributed-optimizer", "the shard group is the distributed optimizer's",
+         lambda a: not getattr(a, "use_distributed_optimizer", False), "set --use-distributed-optimizer"),
+        ("--overlap-grad-reduce", "DDP's hooks would start each chunk's reduce-scatter when its gradients are "
+         "ready, stage i first on rank i and stage pp-1-i first on its partner, over communicators that span the "
+         "same ranks (a deadlock on NCCL)", lambda a: getattr(a, "overlap_grad_reduce", False),
+         "remove --overlap-grad-reduce"),
+        ("--overlap-param-gather", "the forward pre-hooks would start the all-gathers in each rank's chunk order, "
+         "which differs between the partners", lambda a: getattr(a, "overlap_param_gather", False),
+         "remove --overlap-param-gather"),
+        ("--num-distributed-optimizer-instances", "the shard group is one optimizer instance",
+         lambda a: (getattr(a, "num_distributed_optimizer_instances", 1) or 1) > 1,
+         "set --num-distributed-optimizer-instances 1"),
+        ("--ddp-average-in-collective", "an average over both copies' ranks would halve the sum of the copies",
+         lambda a: getattr(a, "ddp_average_in_collective", False), "remove --ddp-average-in-collective"),
+        ("--save / --load", "checkpoints of the shared layout are not written or read yet",
+         lambda a: getattr(a, "save", None) is not None or getattr(a, "load", None) is not None,
+         "remove --save and --load, or remove --dualpipe-shared-shard-group"),
+        ("--optimizer", "only adam and sgd build Megatron's distributed optimizer chunk by chunk",
+         lambda a: getattr(a, "optimizer", "adam") not in ("adam", "sgd"), "use --optimizer adam or sgd"),
+        ("--num-experts", "expert layers are not yet proven equal to 1F1B with it",
+         lambda a: getattr(a, "num_experts", None) is not None, "remove --dualpipe-shared-shard-group for MoE models"),
+        ("--tensor-model-parallel-size / --context-parallel-size", "tensor and context parallelism are not yet "
+         "proven equal to 1F1B with it", lambda a: (getattr(a, "tensor_model_parallel_size", 1) or 1) > 1
+         or (getattr(a, "context_parallel_size", 1) or 1) > 1,
+         "set --tensor-model-parallel-size 1 and --context-parallel-size 1, or remove --dualpipe-shared-shard-group"),
+        ("--fp16", "its loss scaler is not yet proven equal to 1F1B with it", lambda a: getattr(a, "fp16", False),
+         "use --bf16, or remove --dualpipe-shared-shard-group"),
+        ("--use-precision-aware-optimizer / --fp8-param-gather", "not yet proven equal to 1F1B with it",
+         lambda a: getattr(a, "use_precision_aware_optimizer", False) or getattr(a, "fp8_param_gather", False),
+         "remove them, or remove --dualpipe-shared-shard-group"),
+        ("--data-parallel-random-init", "not yet proven equal to 1F1B with it",
+         lambda a: getattr(a, "data_parallel_random_init", False), "remove --data-parallel-random-init"),
+        ("--use-nccl-ub", "its warm-up all-reduce runs over each chunk's group in chunk order",
+         lambda a: getattr(a, "use_nccl_ub", False), "remove --use-nccl-ub"),
+    )
 )
 
 
 def _combined_step_on(source, side) -> bool:
     return bool(getattr(source, "overlap_moe_expert_parallel_comm", False))
+
+
+#: ``needs`` flag -> whether it is on.
+_NEEDS_ON = {COMBINED_STEP: _combined_step_on,
+             SHARED_SHARDS: lambda source, side: bool(getattr(source, "dualpipe_shared_shard_group", False))}
 
 
 def problems(source, schedule: str, side: str) -> List[str]:
@@ -257,7 +303,7 @@ def problems(source, schedule: str, side: str) -> List[str]:
         if schedule not in rule.schedules or not rule.applies(side):
             continue
         if rule.needs:
-            if _combined_step_on(source, side) and rule.value(source, side):
+            if _NEEDS_ON[rule.needs](source, side) and rule.value(source, side):
                 out.append(f"{rule.needs}: {rule.message()}")
         elif rule.is_set(rule.value(source, side)):
             out.append(rule.message())

@@ -18,7 +18,8 @@ optimizer exist (``megatron_lm.training_hooks`` logs the table once, right after
 
 Each figure is also attributed to the chunk whose parameter it belongs to (through the
 optimizer's own model-to-main parameter lists), so 1F1B's figure is ``model[0]``'s share: the same
-stage under the same sharding. :func:`gather_table` collects every rank's figures on rank 0.
+stage under the same sharding (with ``--dualpipe-shared-shard-group``, whose optimizer shards a
+stage over twice 1F1B's ranks, its optimizer share doubled). :func:`gather_table` collects every rank's figures on rank 0.
 """
 from __future__ import annotations
 
@@ -182,9 +183,18 @@ class TableRow:
     one_f_one_b: ChunkBytes
 
 
-def _pack(pp_rank: int, rb: RankBytes) -> List[int]:
+def one_f_one_b_bytes(rb: RankBytes, shared_shards: bool = False) -> ChunkBytes:
+    """What 1F1B holds on this rank: ``model[0]``'s share. With the shared shard group the
+    optimizer shards a stage over ``2 dp`` ranks where 1F1B shards it over ``dp``: its main
+    parameters and state count twice."""
     home = rb.chunks[0] if rb.chunks else ChunkBytes()
-    return [pp_rank, int(rb.state_allocated)] + rb.all.values() + home.values()
+    if shared_shards:
+        home = ChunkBytes(home.params, home.grads, 2 * home.main_params, 2 * home.optimizer_state)
+    return home
+
+
+def _pack(pp_rank: int, rb: RankBytes, shared_shards: bool = False) -> List[int]:
+    return [pp_rank, int(rb.state_allocated)] + rb.all.values() + one_f_one_b_bytes(rb, shared_shards).values()
 
 
 def rows_from(packed: Iterable[Sequence[int]]) -> Tuple[List[TableRow], bool]:
@@ -206,7 +216,9 @@ def gather_table(model, optimizer, pp_rank: int, group=None) -> Tuple[List[Table
     every rank."""
     import torch.distributed as dist
 
-    mine = torch.tensor(_pack(pp_rank, rank_bytes(model, optimizer)), dtype=torch.int64)
+    from .shard_groups import is_shared_layout
+
+    mine = torch.tensor(_pack(pp_rank, rank_bytes(model, optimizer), is_shared_layout(model)), dtype=torch.int64)
     backend = dist.get_backend(group)
     if "nccl" in str(backend):
         mine = mine.to(torch.device("cuda", torch.cuda.current_device()))
@@ -219,7 +231,8 @@ def _n(x: int) -> str:
     return f"{x:,}"
 
 
-def format_table(schedule: str, rows: List[TableRow], allocated: bool, with_1f1b: bool = True) -> str:
+def format_table(schedule: str, rows: List[TableRow], allocated: bool, with_1f1b: bool = True,
+                 shared_shards: bool = False) -> str:
     """The table of :func:`gather_table`'s rows: bytes per pipeline rank, this schedule and 1F1B."""
     state = ("optimizer state counted from its tensors" if allocated else
              "optimizer state: main parameters counted, per-parameter state (Adam's two moments) as the first "
@@ -240,6 +253,7 @@ def format_table(schedule: str, rows: List[TableRow], allocated: bool, with_1f1b
     widths = [max(len(row[i]) for row in table) for i in range(len(head))]
     lines += ["  " + "  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in table]
     lines.append("  (1f1b: what Megatron's 1F1B holds in the same configuration: this rank's own stage, model[0], "
-                 "under the same sharding)" if with_1f1b else
+                 + ("its optimizer share doubled: 1F1B shards a stage over the data-parallel ranks, the shared shard "
+                    "group over twice as many)" if shared_shards else "under the same sharding)") if with_1f1b else
                  "  (the two chunks are two different halves of the model's stages: nothing is duplicated)")
     return "\n".join(lines)

@@ -98,6 +98,14 @@ def add_dualpipe_arguments(parser):
         "(a checksum per parameter over each bd pair; the error names the first parameter that differs). "
         "0 (default): off.",
     )
+    group.add_argument(
+        "--dualpipe-shared-shard-group",
+        action="store_true",
+        help="dualpipe with --use-distributed-optimizer: the two copies of every stage share one "
+        "distributed-optimizer group (2 x data-parallel ranks), so a rank holds 1F1B's optimizer state instead of "
+        "twice it, and the copies are summed by the reduce-scatter the optimizer does anyway "
+        "(docs/design-shared-shard-group.md).",
+    )
     return parser
 
 
@@ -140,6 +148,10 @@ def dualpipe_problems(args):
     """
     schedule = getattr(args, "pipeline_schedule", registry.DEFAULT)
     spec = registry.get(schedule)
+    if getattr(args, "dualpipe_shared_shard_group", False) and schedule != registry.DUALPIPE:
+        return [f"--dualpipe-shared-shard-group shares the distributed optimizer between DualPipe's two copies of a "
+                f"stage; --pipeline-schedule {schedule} has none: use --pipeline-schedule {registry.DUALPIPE} or "
+                f"remove --dualpipe-shared-shard-group"]
     if spec.runs_on != registry.EXECUTOR:
         if getattr(args, "dualpipe_advise", False):
             return [f"--dualpipe-advise measures the executor's schedules, not Megatron's own {schedule}: use "

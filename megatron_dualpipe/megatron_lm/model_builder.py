@@ -50,10 +50,9 @@ def wrap_unimodal_build_distributed_models(orig):
                 "copies are broadcast right after construction); remove it")
         import importlib
 
-        from ..mcore import groups
+        from .training_hooks import build_pair_groups, shared_shards
 
-        if not groups.bd_groups_initialized():
-            groups.build_bd_groups()
+        build_pair_groups(args_)
         dist_utils = importlib.import_module(_DIST_UTILS)
         built = {}
         swaps = [_SCOPED["build_virtual_pipeline_stages"].to(
@@ -61,6 +60,10 @@ def wrap_unimodal_build_distributed_models(orig):
                  _SCOPED["print"].to(_count_printer(built), on=dist_utils)]
         if schedule == registry.DUALPIPE:
             swaps.append(_SCOPED["_ddp_wrap"].made_by(_unbucketed, on=dist_utils))
+            if shared_shards(args_):
+                from ..mcore.shared_shard_wrap import over_shared_shard_groups
+
+                swaps.append(_SCOPED["DistributedDataParallel"].made_by(over_shared_shard_groups, on=dist_utils))
         with hooks.scoped(*swaps):
             model = orig(build_model_func, transformer_config, pg_collection, *args, **kwargs)
         return _after_build(list(model), schedule)

@@ -156,7 +156,23 @@ def parameter_count_line(line: str, chunks) -> str:
     return f"{head}: {counts[0] + counts[1]} (stages {stages[0]} and {stages[1]}: {counts[0]} + {counts[1]})"
 
 
-def _unbucketed_ddp(module):
+def shared_shards(args) -> bool:
+    """``--dualpipe-shared-shard-group`` (the argument check allows it with dualpipe only)."""
+    return bool(getattr(args, "dualpipe_shared_shard_group", False))
+
+
+def build_pair_groups(args) -> None:
+    """The bd groups, and with ``--dualpipe-shared-shard-group`` the shard groups (collective; once,
+    before the chunks are built)."""
+    from ..mcore import groups, shard_groups
+
+    if not groups.bd_groups_initialized():
+        groups.build_bd_groups()
+    if shared_shards(args) and not shard_groups.shard_groups_initialized():
+        shard_groups.build_shard_groups()
+
+
+def _unbucketed_ddp(module, shared=False):
     """Within the block, ``module.DDP`` (what stock ``get_model`` wraps each chunk in) builds every
     chunk with ``disable_bucketing=True``. Stock DDP buckets only the first chunk on pipeline rank 0,
     so with --overlap-grad-reduce stage 0's home copy would be bucketed and its mirror (rank
@@ -165,6 +181,11 @@ def _unbucketed_ddp(module):
     would not let its reduction start earlier.)"""
 
     def unbucketed(orig):
+        if shared:  # --dualpipe-shared-shard-group: each chunk over its shard group
+            from ..mcore.shared_shard_wrap import over_shared_shard_groups
+
+            orig = over_shared_shard_groups(orig)
+
         class UnbucketedDDP(orig):
             def __init__(self, *args, **kwargs):
                 kwargs["disable_bucketing"] = True
@@ -211,17 +232,14 @@ def wrap_get_model(orig):
         schedule = schedule_of(args)
         if registry.get(schedule).chunks_per_rank != 2:
             return orig(model_provider_func, model_type, wrap_with_ddp, config=config, pg_collection=pg_collection)
-        from ..mcore import groups
-
-        if not groups.bd_groups_initialized():
-            groups.build_bd_groups()
+        build_pair_groups(args)
         import megatron.training.training as mtraining
 
         built = {}
         provider = _two_chunk_provider(model_provider_func, schedule, model_type, config, built)
         swaps = [_parameter_count_rewritten(mtraining, built)]
         if schedule == registry.DUALPIPE:
-            swaps.append(_unbucketed_ddp(mtraining))
+            swaps.append(_unbucketed_ddp(mtraining, shared=shared_shards(args)))
         with hooks.scoped(*swaps):
             model = orig(provider, model_type, wrap_with_ddp, config=config, pg_collection=pg_collection)
         return two_chunk_model_built(list(model), schedule)
@@ -269,8 +287,17 @@ def wrap_setup_model_and_optimizer(orig):
     def setup_model_and_optimizer(*a, **kw):
         from megatron.training import get_args
 
-        out = orig(*a, **kw)
-        schedule = schedule_of(get_args())
+        args = get_args()
+        swaps = []
+        if shared_shards(args):
+            import megatron.training.training as mtraining
+
+            from ..mcore.shared_shard_wrap import per_stage_optimizer
+
+            swaps.append(hooks.entry("scoped", "get_megatron_optimizer").made_by(per_stage_optimizer, on=mtraining))
+        with hooks.scoped(*swaps):
+            out = orig(*a, **kw)
+        schedule = schedule_of(args)
         if registry.get(schedule).chunks_per_rank == 2:
             log_state_bytes(schedule, out[0], out[1])
         return out
@@ -285,10 +312,13 @@ def log_state_bytes(schedule: str, model, optimizer) -> None:
 
     from ..mcore import state_bytes
 
+    from ..mcore.shard_groups import is_shared_layout
+
     rows, allocated = state_bytes.gather_table(model, optimizer, parallel_state.get_pipeline_model_parallel_rank())
     if dist.get_rank() == 0:
         print(state_bytes.format_table(schedule, rows, allocated,
-                                       with_1f1b=registry.get(schedule).layout_kind == BIDIRECTIONAL), flush=True)
+                                       with_1f1b=registry.get(schedule).layout_kind == BIDIRECTIONAL,
+                                       shared_shards=is_shared_layout(model)), flush=True)
 
 
 def wrap_config_from_args(orig):

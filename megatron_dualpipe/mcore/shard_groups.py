@@ -1,0 +1,206 @@
+"""The shared shard group's process groups, and the scope in which megatron-core sees them.
+
+With ``--dualpipe-shared-shard-group`` (docs/design-shared-shard-group.md) chunk ``c`` of a
+DualPipe rank is reduce-scattered, stepped and all-gathered over the ranks that hold either copy
+of its stage: the home copy's data x context-parallel ranks, then the mirror's
+(``schedule.shard_groups.shared_shard_group``). Megatron's distributed optimizer then keeps
+``1/(2 dp)`` of each of a rank's two stages, 1F1B's ``1/dp`` in all, and the reduce-scatter sums
+the two copies on the way (no separate bd sum).
+
+The groups are formed here from megatron-core's *own* data-parallel groups rather than from a
+rank formula: a rank's shard group of chunk 0 is its ``intra_dp_cp`` group followed by the bd
+partners of those ranks (the mirror's replicas, same tensor-parallel coordinates); chunk 1's is
+the same two parts the other way round. Expert layers use the expert data-parallel group alike.
+Every group is listed on every rank (one ``all_gather_object``) and created in one order
+(``new_group`` is collective over the world), with a gloo twin where megatron-core has gloo
+data-parallel groups.
+
+megatron-core reads the group a gradient buffer reduces over (and the distributed optimizer shards
+over) from ``parallel_state``'s *partial* data-parallel getters (``partial_data_parallel=True``:
+the group of one distributed-optimizer instance). :func:`partial_groups_of` answers them with a
+chunk's shard group while that chunk's DDP or optimizer is built, and nothing else: the full
+data-parallel group keeps its size ``dp``, so DDP's gradient scaling stays ``1/dp`` (the SUM over
+``2 dp`` ranks adds the two copies, then averages over the replicas, as the bd sum and the
+data-parallel reduction did) and the optimizer's instance id stays 0.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .. import hooks
+from ..schedule.shard_groups import chunks_by_stage
+
+__all__ = ["build_shard_groups", "shard_groups_initialized", "destroy_shard_groups", "shard_group_ranks",
+           "partial_groups_of", "is_shared_layout", "SHARED_ATTR", "chunk_of", "stage_order"]
+
+#: Set on a DDP chunk built over its shared shard group: the gradient path reads it (no bd sum).
+SHARED_ATTR = "dualpipe_shared_shards"
+
+
+@dataclass
+class _Groups:
+    """This rank's shard groups per chunk: ranks, NCCL (default backend) group, gloo twin."""
+
+    ranks: Dict[Tuple[str, int], Tuple[int, ...]] = field(default_factory=dict)
+    groups: Dict[Tuple[str, int], object] = field(default_factory=dict)
+    gloo: Dict[Tuple[str, int], object] = field(default_factory=dict)
+
+
+_REGISTRY: Optional[_Groups] = None
+DENSE, EXPERT = "dense", "expert"
+
+
+def _members(group) -> List[int]:
+    return dist.get_process_group_ranks(group)
+
+
+def _own_groups() -> Dict[str, List[int]]:
+    """This rank's megatron-core groups a gradient buffer reduces over (dense; expert if any)."""
+    from megatron.core import parallel_state as ps
+
+    out = {DENSE: _members(ps.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=True))}
+    try:
+        expert = ps.get_expert_data_parallel_group(partial_expert_data_parallel=True)
+    except (AssertionError, TypeError):  # no expert groups initialized
+        expert = None
+    if expert is not None:
+        out[EXPERT] = _members(expert)
+    return out
+
+
+def _has_gloo() -> bool:
+    from megatron.core import parallel_state as ps
+
+    try:
+        return ps.get_data_parallel_group_gloo(with_context_parallel=True, partial_data_parallel=True) is not None
+    except AssertionError:
+        return False
+
+
+def build_shard_groups(*, timeout=None) -> None:
+    """Create every shared shard group (collective over the world; after ``build_bd_groups``,
+    before the chunks are wrapped in DDP). The middle rank of an odd pipeline has no partner:
+    refused (the argument check refuses odd pipelines first)."""
+    from . import groups
+
+    global _REGISTRY
+    if _REGISTRY is not None:
+        raise RuntimeError("the shared shard groups are already built (destroy_shard_groups() first)")
+    me, partner = dist.get_rank(), groups.get_bd_mirror_rank()
+    if partner == me:
+        raise ValueError("--dualpipe-shared-shard-group pairs pipeline ranks i and pp-1-i, which needs an even "
+                         "pipeline size: use an even --pipeline-model-parallel-size")
+    world = dist.get_world_size()
+    partners: List[Optional[int]] = [None] * world
+    dist.all_gather_object(partners, partner)
+    own = _own_groups()
+    gathered: List[Optional[Dict[str, List[int]]]] = [None] * world
+    dist.all_gather_object(gathered, own)
+    # Chunk 0 of a rank: its group then the partners of its members; chunk 1: the other way round.
+    mine: Dict[Tuple[str, int], Tuple[int, ...]] = {}
+    every: Dict[Tuple[int, ...], None] = {}
+    for rank, theirs in enumerate(gathered):
+        for kind, members in theirs.items():
+            home = sorted(members)
+            mirror = sorted(partners[m] for m in members)
+            for chunk, ranks in ((0, tuple(home + mirror)), (1, tuple(mirror + home))):
+                if chunk == 0:
+                    every.setdefault(ranks, None)
+                if rank == me:
+                    mine[(kind, chunk)] = ranks
+    registry = _Groups(ranks=mine)
+    gloo = _has_gloo()
+    for ranks in sorted(every, key=lambda r: (len(r), r)):
+        group = dist.new_group(list(ranks), sort_ranks=False, use_local_synchronization=False, timeout=timeout,
+                               group_desc="DUALPIPE_SHARED_SHARD_GROUP")
+        twin = dist.new_group(list(ranks), sort_ranks=False, use_local_synchronization=False, timeout=timeout,
+                              backend="gloo", group_desc="DUALPIPE_SHARED_SHARD_GROUP_GLOO") if gloo else None
+        for key, want in mine.items():
+            if want == ranks:
+                registry.groups[key], registry.gloo[key] = group, twin
+    for key, ranks in mine.items():
+        got = _members(registry.groups[key])
+        if list(got) != list(ranks):
+            raise RuntimeError(f"torch.distributed.new_group(sort_ranks=False) did not keep the rank order of the "
+                               f"shared shard group {list(ranks)} (got {got}); this torch version cannot build it")
+    _REGISTRY = registry
+
+
+def shard_groups_initialized() -> bool:
+    return _REGISTRY is not None
+
+
+def destroy_shard_groups() -> None:
+    """Forget the groups (local; the communicators go with ``destroy_process_group``)."""
+    global _REGISTRY
+    _REGISTRY = None
+
+
+def _require() -> _Groups:
+    if _REGISTRY is None:
+        raise RuntimeError("the shared shard groups are not built: call mcore.shard_groups.build_shard_groups() "
+                           "after build_bd_groups()")
+    return _REGISTRY
+
+
+def shard_group_ranks(chunk: int, kind: str = DENSE) -> Tuple[int, ...]:
+    """Global ranks of ``chunk``'s shard group on this rank (home copy's part first)."""
+    return _require().ranks[(kind, chunk)]
+
+
+def chunk_of(module: torch.nn.Module) -> int:
+    """Which chunk of its rank ``module`` is (0: the home copy, 1: the mirror)."""
+    from .model import chunk_info
+
+    info = chunk_info(module)
+    if info is None:
+        raise RuntimeError("the shared shard group needs chunks built by build_two_direction_model")
+    return int(info["direction"])
+
+
+def _answering(orig, chunk: int, kind: str, gloo: bool, partial_key: str):
+    reg = _require()
+
+    def getter(*args, **kwargs):
+        if kwargs.get(partial_key) and (kind, chunk) in reg.groups:
+            return (reg.gloo if gloo else reg.groups)[(kind, chunk)]
+        return orig(*args, **kwargs)
+
+    return getter
+
+
+@contextlib.contextmanager
+def partial_groups_of(chunk: int):
+    """Within the block, ``parallel_state``'s partial (one distributed-optimizer instance) data-
+    parallel getters, dense and expert, NCCL and gloo, answer with ``chunk``'s shard groups."""
+    from megatron.core import parallel_state
+
+    part = "scoped"
+    swaps = [hooks.entry(part, name).made_by(
+                 lambda orig, k=kind, g=gloo, key=key: _answering(orig, chunk, k, g, key), on=parallel_state)
+             for name, kind, gloo, key in (
+                 ("get_data_parallel_group", DENSE, False, "partial_data_parallel"),
+                 ("get_data_parallel_group_gloo", DENSE, True, "partial_data_parallel"),
+                 ("get_expert_data_parallel_group", EXPERT, False, "partial_expert_data_parallel"),
+                 ("get_expert_data_parallel_group_gloo", EXPERT, True, "partial_expert_data_parallel"))]
+    with hooks.scoped(*swaps):
+        yield
+
+
+def is_shared_layout(model: Sequence[torch.nn.Module]) -> bool:
+    """True when the chunks were wrapped over their shared shard groups."""
+    return any(getattr(chunk, SHARED_ATTR, False) for chunk in model)
+
+
+def stage_order(model: Sequence[torch.nn.Module]) -> List[int]:
+    """This rank's chunk indices in ascending stage order: the order both bd partners (and every
+    data-parallel replica) issue the shard groups' collectives outside the schedule in."""
+    from megatron.core import parallel_state
+
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    return chunks_by_stage(pp, parallel_state.get_pipeline_model_parallel_rank()) if len(model) == 2 else [0]

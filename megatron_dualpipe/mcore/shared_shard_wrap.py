@@ -1,0 +1,90 @@
+"""DualPipe's chunks wrapped over their shared shard groups: DDP per chunk, one optimizer.
+
+``--dualpipe-shared-shard-group`` (docs/design-shared-shard-group.md; the groups:
+:mod:`.shard_groups`). Two megatron-core constructors are called per chunk inside
+:func:`.shard_groups.partial_groups_of`, so that everything they derive from the group (bucket
+padding, shard ranges, the optimizer's checkpoint groups) is the shard group's:
+
+* :func:`over_shared_shard_groups` subclasses megatron-core's ``DistributedDataParallel``:
+  the chunk's buffers reduce-scatter and all-gather over its ``2 dp`` ranks. The process
+  groups come from ``parallel_state`` (a ``pg_collection`` from Megatron-LM would bypass the
+  scope, and core_v0.19.0's precomputed ``full_param_layout`` is padded for ``dp`` shards: both
+  are dropped, and DDP computes the layout for its own group);
+* :func:`per_stage_optimizer` wraps ``get_megatron_optimizer``: one call per chunk, in ascending
+  stage order, joined in one ``ChainedOptimizer``. Its sub-optimizers step, and so all-gather,
+  in list order: stage order on both partners (Megatron's ``for chunk in model`` order would
+  issue stage ``i`` first on rank ``i`` and stage ``pp-1-i`` first on its partner, over
+  communicators that span the same ranks: a deadlock on NCCL, ``tests/schedule/test_collective_order.py``).
+
+The mirror's parameters carry ``shared=True`` (DualPipe's mark: its gradients duplicate the
+home's); under the shared group the mirror's optimizer shards are distinct parts of the stage
+and count in the gradient norm and the zero count. :func:`megatron_marks` restores Megatron's own
+marks while the mirror's optimizer copies them onto its shards.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import List
+
+import torch
+
+from .shard_groups import SHARED_ATTR, chunk_of, is_shared_layout, partial_groups_of, stage_order
+
+__all__ = ["over_shared_shard_groups", "per_stage_optimizer", "megatron_marks"]
+
+
+def over_shared_shard_groups(ddp_class):
+    """``ddp_class`` (megatron-core's DDP or a subclass) built over the chunk's shard group."""
+
+    class SharedShardDDP(ddp_class):
+        def __init__(self, config, ddp_config, module, *args, **kwargs):
+            kwargs.pop("pg_collection", None)
+            kwargs.pop("full_param_layout", None)
+            with partial_groups_of(chunk_of(module)):
+                super().__init__(config, ddp_config, module, *args, **kwargs)
+            setattr(self, SHARED_ATTR, True)
+
+    SharedShardDDP.__qualname__ = f"SharedShard{ddp_class.__name__}"
+    return SharedShardDDP
+
+
+@contextlib.contextmanager
+def megatron_marks(chunk: torch.nn.Module):
+    """Within the block the mirror's parameters carry only Megatron's own ``shared`` marks."""
+    from .model import MEGATRON_SHARED_ATTR, unwrap_chunk
+
+    inner = unwrap_chunk(chunk)
+    own = getattr(inner, MEGATRON_SHARED_ATTR, None)  # set on the mirror only
+    if own is None:
+        yield
+        return
+    params = list(inner.named_parameters())
+    try:
+        for name, p in params:
+            p.shared = name in own
+        yield
+    finally:
+        for _, p in params:
+            p.shared = True
+
+
+def per_stage_optimizer(get_megatron_optimizer):
+    """``get_megatron_optimizer`` for chunks wrapped by :func:`over_shared_shard_groups` (others
+    go to Megatron's function unchanged)."""
+
+    def build(config, model_chunks, *args, **kwargs):
+        from megatron.core.optimizer import ChainedOptimizer
+
+        if not is_shared_layout(model_chunks):
+            return get_megatron_optimizer(config, model_chunks, *args, **kwargs)
+        if kwargs.get("pg_collection") is not None:
+            raise NotImplementedError("--dualpipe-shared-shard-group: get_megatron_optimizer(pg_collection=...) "
+                                      "would bypass the chunks' shard groups; call it without pg_collection")
+        parts: List = []
+        for c in stage_order(model_chunks):
+            with partial_groups_of(c), megatron_marks(model_chunks[c]):
+                built = get_megatron_optimizer(config, [model_chunks[c]], *args, **kwargs)
+            parts += list(built.chained_optimizers) if isinstance(built, ChainedOptimizer) else [built]
+        return ChainedOptimizer(parts)
+
+    return build
