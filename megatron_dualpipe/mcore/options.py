@@ -243,10 +243,10 @@ REFUSED: Tuple[Refused, ...] = (
             needs=COMBINED_STEP, test="—"),
 ) + tuple(
     # What --dualpipe-shared-shard-group (a Megatron-LM flag: args only) runs with so far.
-    Refused(flag, why, read=lambda source, side, r=refused: r(source), sides=(ARGS,), schedules=MIRRORED,
-            needs=SHARED_SHARDS, fix=fix, test="A `shared_shard_group_refuses`")
+    Refused(flag, f"{flag}: {why}", read=lambda source, side, r=refused: r(source), sides=(ARGS,), schedules=MIRRORED,
+            needs=SHARED_SHARDS, fix=fix, test="A `shared shard group refuses ...`")
     for flag, why, refused, fix in (
-        ("--use-distributed-optimizer", "the shard group is the distributed optimizer's",
+        ("--use-distributed-optimizer", "the shard group is the distributed optimizer's, which is off",
          lambda a: not getattr(a, "use_distributed_optimizer", False), "set --use-distributed-optimizer"),
         ("--overlap-grad-reduce", "DDP's hooks would start each chunk's reduce-scatter when its gradients are "
          "ready, stage i first on rank i and stage pp-1-i first on its partner, over communicators that span the "
@@ -255,7 +255,7 @@ REFUSED: Tuple[Refused, ...] = (
         ("--overlap-param-gather", "the forward pre-hooks would start the all-gathers in each rank's chunk order, "
          "which differs between the partners", lambda a: getattr(a, "overlap_param_gather", False),
          "remove --overlap-param-gather"),
-        ("--num-distributed-optimizer-instances", "the shard group is one optimizer instance",
+        ("--num-distributed-optimizer-instances", "above 1; the shard group is one optimizer instance",
          lambda a: (getattr(a, "num_distributed_optimizer_instances", 1) or 1) > 1,
          "set --num-distributed-optimizer-instances 1"),
         ("--ddp-average-in-collective", "an average over both copies' ranks would halve the sum of the copies",
@@ -402,6 +402,14 @@ HANDLED: Tuple[Handled, ...] = (
             'equal on CPU (lm loss and grad norm, 4 iterations, pp=2 x dp=2)',
             'C `test_distributed_optimizer_dualpipe_overlap_and_torch_format_across_schedules`; O '
             '`test_distributed_optimizer` (empty `--load`, `--no-load-optim`)'),
+    Handled('`--dualpipe-shared-shard-group` (`dualpipe`, `--use-distributed-optimizer`): both copies of a stage '
+            'in one distributed-optimizer group',
+            "equal on CPU (lm loss and clipped grad norm, pp=2 x dp=2: fp32 with tied embeddings; bf16 with "
+            "per-token loss and untied embeddings); each rank's optimizer state is a quarter of its two stages "
+            "(1F1B's on average; half of dualpipe without it); the shard groups' collectives in one stage order on "
+            "every rank (checked with NCCL's rules). What it does not run with yet is refused above",
+            'C `test_shared_shard_group_equals_1f1b_and_holds_its_optimizer_state`, '
+            '`test_shared_shard_group_bf16_per_token_loss_untied_equals_1f1b`'),
     Handled('`dualpipev` with `--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather` (dp=2)',
             "equal on CPU to dualpipev dp=1 (its own initialisation); the chunks' reduce-scatters start during "
             'the schedule (they were reduced twice before: lm loss 2.6e-4 off)',

@@ -22,6 +22,12 @@ holds, ``[test-expert-bias] iteration I layer L: b1,b2,...`` (global layer numbe
 precision), so that a test can check that both DualPipe copies of a layer carry the same bias as
 1F1B's one copy.
 
+MEGATRON_DUALPIPE_TEST_COLLECTIVES=1: every gradient reduce-scatter and parameter all-gather of Megatron
+DDP's buffers (``param_and_grad_buffer``'s ``dist_reduce_scatter_func`` / ``dist_all_gather_func``)
+prints ``[test-collective] rank R: KIND over A,B,C numel N`` (global ranks of its group in group
+order) before it is issued, so that a test can check the order every rank issues them in
+(``schedule.collective_order``).
+
 MEGATRON_DUALPIPE_TEST_FAST_EXIT=1: once the script the launcher runs (pretrain_gpt.py) has
 returned normally, the process does what Python's exit does up to the atexit handlers (joins the
 non-daemon threads, runs every atexit handler: multiprocessing's joins the data loader's workers)
@@ -38,6 +44,7 @@ _NAN = os.environ.get("MEGATRON_DUALPIPE_TEST_NAN")
 _EXPERT_BIAS = os.environ.get("MEGATRON_DUALPIPE_TEST_EXPERT_BIAS")
 _SIGKILL = os.environ.get("MEGATRON_DUALPIPE_TEST_SIGKILL")
 _FAST_EXIT = os.environ.get("MEGATRON_DUALPIPE_TEST_FAST_EXIT") == "1"
+_COLLECTIVES = os.environ.get("MEGATRON_DUALPIPE_TEST_COLLECTIVES") == "1"
 if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
     _SIGKILL = None
 
@@ -99,7 +106,28 @@ def _print_expert_bias():
     fmg._update_router_expert_bias = _update_router_expert_bias
 
 
-if _NAN or _EXPERT_BIAS or _SIGKILL:
+def _print_collectives():
+    import importlib
+
+    import torch.distributed as dist
+    buffers = importlib.import_module("megatron.core.distributed.param_and_grad_buffer")
+
+    def logged(kind, orig, data_arg):
+        def collective(*args, **kwargs):
+            group = kwargs.get("group")
+            ranks = ",".join(str(r) for r in dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+            numel = (args[data_arg] if len(args) > data_arg else kwargs.get("input", kwargs.get("input_tensor"))).numel()
+            line = f"[test-collective] rank {dist.get_rank()}: {kind} over {ranks} numel {numel}\n"
+            sys.stdout.flush()
+            os.write(sys.stdout.fileno(), line.encode())
+            return orig(*args, **kwargs)
+        return collective
+    # (output, input): the reduce-scatter's input is the whole bucket, the all-gather's output
+    buffers.dist_reduce_scatter_func = logged("reduce-scatter", buffers.dist_reduce_scatter_func, 1)
+    buffers.dist_all_gather_func = logged("all-gather", buffers.dist_all_gather_func, 0)
+
+
+if _NAN or _EXPERT_BIAS or _SIGKILL or _COLLECTIVES:
     import megatron_dualpipe.megatron_lm.install as _inst
     _orig_install = _inst.install
 
@@ -111,6 +139,8 @@ if _NAN or _EXPERT_BIAS or _SIGKILL:
             _print_expert_bias()
         if _SIGKILL:
             _kill_mid_iteration(_SIGKILL)
+        if _COLLECTIVES:
+            _print_collectives()
         return r
     _inst.install = install
 

@@ -237,6 +237,34 @@ CASES["global_aux_loss_dualpipev_ok"] = (
     4, BASE + ["--pipeline-schedule", "dualpipev"] + REFUSED_CASES["--moe-router-load-balancing-type global_aux_loss"][1],
     None)
 
+# --dualpipe-shared-shard-group: accepted with dualpipe and the distributed optimizer; every option it does
+# not run with yet is refused naming the flag to change (the rules with needs=SHARED_SHARDS of the options
+# table), as is any other schedule.
+SHARED = ["--pipeline-schedule", "dualpipe", "--dualpipe-shared-shard-group"]
+SHARED_REFUSED_CASES = {  # rule flag -> (argv, {args attribute: value} after Megatron's validation)
+    "--use-distributed-optimizer": ([], {"use_distributed_optimizer": False}),
+    "--overlap-grad-reduce": (["--overlap-grad-reduce"], None),
+    "--overlap-param-gather": (["--overlap-grad-reduce", "--overlap-param-gather"], None),
+    "--num-distributed-optimizer-instances": ([], {"num_distributed_optimizer_instances": 2}),
+    "--ddp-average-in-collective": (["--ddp-average-in-collective"], None),
+    "--save / --load": (["--save", "/nonexistent/ckpt", "--save-interval", "2"], None),
+    "--optimizer": ([], {"optimizer": "muon"}),
+    "--num-experts": (MOE_ARGS, None),
+    "--tensor-model-parallel-size / --context-parallel-size": ([], {"tensor_model_parallel_size": 2}),
+    "--fp16": (["--fp16"], None),
+    "--use-precision-aware-optimizer / --fp8-param-gather": ([], {"use_precision_aware_optimizer": True}),
+    "--data-parallel-random-init": (["--data-parallel-random-init"], None),
+    "--use-nccl-ub": ([], {"use_nccl_ub": True}),
+}
+CASES["shared_shard_group_ok"] = (4, BASE + SHARED + ["--use-distributed-optimizer"], None)
+CASES["shared_shard_group_needs_dualpipe"] = (
+    4, BASE + ["--pipeline-schedule", "dualpipev", "--dualpipe-shared-shard-group", "--use-distributed-optimizer"],
+    ["--dualpipe-shared-shard-group shares the distributed optimizer", "use --pipeline-schedule dualpipe"])
+for _flag, (_argv, _over) in SHARED_REFUSED_CASES.items():
+    CASES["shared shard group refuses " + _flag] = (
+        4, BASE + SHARED + ["--use-distributed-optimizer"] + _argv, ["--dualpipe-shared-shard-group: ",
+                                                                     _flag.split(" / ")[0]], _over)
+
 # Options that Megatron-LM's own validation stops before training on this machine, under 1f1b as
 # under DualPipe: name -> argv (run once per schedule, `test_fails_as_under_1f1b`).
 # --moe-grouped-gemm: validate_args asks torch.cuda.get_device_capability() (>= 8), and its
@@ -355,6 +383,10 @@ def test_every_refused_option_has_a_case():
 
     assert sorted(opt.flag for opt in REFUSED_OPTIONS) == sorted(REFUSED_CASES)
     print("\nrefused: " + ", ".join(opt.flag for opt in REFUSED_OPTIONS))
+    from megatron_dualpipe.mcore import options
+
+    shared = [rule.flag for rule in options.REFUSED if rule.needs == options.SHARED_SHARDS]
+    assert sorted(shared) == sorted(SHARED_REFUSED_CASES)
 
 
 def test_argument_defaults(arg_results):

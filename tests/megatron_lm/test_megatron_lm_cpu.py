@@ -27,6 +27,7 @@ import re
 import pytest
 import torch
 
+import megatron_lm_runs
 from megatron_lm_runs import ITERATION_LINE_RE, HAVE_MEGATRON_LM, RTOL, SKIP_MESSAGE, assert_metrics_close, launch, metrics, run_pretrain
 
 pytestmark = [
@@ -39,9 +40,10 @@ TORCH_DIST = ["--ckpt-format", "torch_dist", "--save-interval", "2"]
 SCALE_RE, SKIPPED_RE = re.compile(r"loss scale: ([0-9.]+)"), re.compile(r"number of skipped iterations:\s+(\d+)")
 
 
-def _run(nproc, *extra, iters, schedule="1f1b"):
+def _run(nproc, *extra, iters, schedule="1f1b", **launch_options):
     """Megatron's 1f1b (or ``schedule``) on the pp = 2 model: {iteration: {metric: printed value}}."""
-    return run_pretrain(schedule, *PP2, "--train-iters", str(iters), *extra, nproc=nproc, with_metrics=True)
+    return run_pretrain(schedule, *PP2, "--train-iters", str(iters), *extra, nproc=nproc, with_metrics=True,
+                        **launch_options)
 
 
 def _losses(run):
@@ -139,6 +141,82 @@ def test_distributed_optimizer_dualpipe_overlap_and_torch_format_across_schedule
     dualpipe = _chain_step("dualpipe", 4, relay, 3, *DIST_OPT, *fmt)
     _assert_chain_continues([("1f1b", onef1b), ("dualpipe", dualpipe)], ref,
                             "distributed optimizer, torch, dualpipe -> 1f1b -> dualpipe")
+
+
+SHARED_SHARDS = ("--use-distributed-optimizer", "--dualpipe-shared-shard-group")
+BYTES_ROW_RE = re.compile(r"^\s+(\d+)((?:\s+[0-9,]+){8})\s+[0-9.]+\s*$")
+
+
+def _bytes_rows(output):
+    """The bytes table the run printed (training_hooks.log_state_bytes): {pp rank: {column: bytes}}."""
+    head = output.index("bytes per rank")
+    names = ("params", "grads", "optimizer", "total", "1f1b params", "1f1b grads", "1f1b optimizer", "1f1b total")
+    rows = {}
+    for line in output[head:].splitlines()[2:]:
+        m = BYTES_ROW_RE.match(line)
+        if not m:
+            break
+        rows[int(m.group(1))] = dict(zip(names, (int(v.replace(",", "")) for v in m.group(2).split())))
+    return rows
+
+
+COLLECTIVE_RE = re.compile(r"\[test-collective\] rank (\d+): (\S+) over ([\d,]+) numel (\d+)")
+
+
+def _assert_shard_collectives_in_one_order(output):
+    """Every gradient reduce-scatter and parameter all-gather each rank issued (tests/child_hooks),
+    checked with NCCL's rules (``schedule.collective_order``: the same sequence on each
+    communicator, and every rank's list run as one stream). gloo would complete the two stages'
+    collectives in either order; NCCL would not: the two chunks' groups span the same 4 ranks."""
+    from megatron_dualpipe.schedule.collective_order import Collective, order_problem
+
+    issued = {}
+    for rank, kind, ranks, numel in COLLECTIVE_RE.findall(output):
+        issued.setdefault(int(rank), []).append(Collective(tuple(int(r) for r in ranks.split(",")), (kind, int(numel))))
+    groups = {c.group for cs in issued.values() for c in cs}
+    print(f"collectives issued per rank: {[len(cs) for _, cs in sorted(issued.items())]}, over the groups "
+          f"{sorted(groups)}; rank 0 in iteration 1: {[str(c) for c in issued.get(0, [])[:4]]}")
+    assert sorted(issued) == [0, 1, 2, 3] and len({len(cs) for cs in issued.values()}) == 1, issued
+    assert len(groups) == 2 and all(len(g) == 4 for g in groups), groups  # one group per stage, both copies
+    problem = order_problem(issued)
+    assert problem is None, str(problem)
+
+
+def test_shared_shard_group_equals_1f1b_and_holds_its_optimizer_state(reference):
+    """--dualpipe-shared-shard-group, dp = 2 (4 processes), fp32, tied embeddings: both copies of
+    every stage are one distributed-optimizer group of 4 ranks (the two chunks' groups span the same
+    ranks in different orders), the reduce-scatter sums the copies (no bd sum; the tied-embedding
+    fold adds each rank's unsummed copies first). Losses and the clipped grad norm (--clip-grad 1.0
+    clips here) equal the reference's 1f1b. Bytes: each rank's optimizer state (Adam's two fp32
+    moments; the main parameters are the fp32 weights themselves) is a quarter of both its stages,
+    (P_i + P_(pp-1-i)) * 2 / 4 with P the stages' parameter bytes printed in the same table: 1F1B's
+    P_i * 2 / 2 on average, where DualPipe without the flag holds twice that. Every rank issues the
+    shard groups' collectives in one order of stages (printed and checked with NCCL's rules)."""
+    ref, _ = reference
+    run = _run(4, *SHARED_SHARDS, iters=4, schedule="dualpipe", env_extra={"MEGATRON_DUALPIPE_TEST_COLLECTIVES": "1"},
+               pythonpath=(megatron_lm_runs.CHILD_HOOKS,))
+    assert_metrics_close(run, ref, "dualpipe --dualpipe-shared-shard-group, dp=2 vs 1f1b reference")
+    output = megatron_lm_runs.LAST_OUTPUT[0]
+    _assert_shard_collectives_in_one_order(output)
+    rows = _bytes_rows(output)
+    assert sorted(rows) == [0, 1], rows
+    for r, row in rows.items():
+        stages = row["1f1b params"] + rows[1 - r]["1f1b params"]  # this rank's two stages, each stage's bytes
+        want = stages * 2 // 4
+        print(f"pp rank {r}: optimizer {row['optimizer']:,} bytes, (P_{r} + P_{1 - r}) * 2 / 4 = {want:,}; "
+              f"1F1B's own {row['1f1b params']:,}; without the flag {2 * want:,}")
+        assert abs(row["optimizer"] - want) <= 0.01 * want, (r, row)
+
+
+def test_shared_shard_group_bf16_per_token_loss_untied_equals_1f1b():
+    """The same with --bf16 (fp32 main parameters and gradients), --calculate-per-token-loss (DDP
+    scales by 1, the finalize divides by the tokens of both directions) and untied embeddings
+    (no fold), against Megatron's 1f1b with the same flags at dp = 2."""
+    flags = ("--use-distributed-optimizer", "--bf16", "--calculate-per-token-loss",
+             "--untie-embeddings-and-output-weights")
+    want = _run(4, *flags, iters=3)
+    got = _run(4, *flags, "--dualpipe-shared-shard-group", iters=3, schedule="dualpipe")
+    assert_metrics_close(got, want, "dualpipe --dualpipe-shared-shard-group vs 1f1b, bf16, per-token loss, untied, dp=2")
 
 
 def test_torch_dist_without_distributed_optimizer_dp2_across_schedules(reference, tmp_path):
