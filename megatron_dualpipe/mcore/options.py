@@ -265,12 +265,14 @@ REFUSED: Tuple[Refused, ...] = (
          "remove --save and --load, or remove --dualpipe-shared-shard-group"),
         ("--optimizer", "only adam and sgd build Megatron's distributed optimizer chunk by chunk",
          lambda a: getattr(a, "optimizer", "adam") not in ("adam", "sgd"), "use --optimizer adam or sgd"),
-        ("--num-experts", "expert layers are not yet proven equal to 1F1B with it",
-         lambda a: getattr(a, "num_experts", None) is not None, "remove --dualpipe-shared-shard-group for MoE models"),
-        ("--tensor-model-parallel-size / --context-parallel-size", "tensor and context parallelism are not yet "
-         "proven equal to 1F1B with it", lambda a: (getattr(a, "tensor_model_parallel_size", 1) or 1) > 1
-         or (getattr(a, "context_parallel_size", 1) or 1) > 1,
-         "set --tensor-model-parallel-size 1 and --context-parallel-size 1, or remove --dualpipe-shared-shard-group"),
+        ("--context-parallel-size", "context parallelism is not yet proven equal to 1F1B with it",
+         lambda a: (getattr(a, "context_parallel_size", 1) or 1) > 1,
+         "set --context-parallel-size 1, or remove --dualpipe-shared-shard-group"),
+        ("--expert-tensor-parallel-size", "an expert tensor-parallel size other than the tensor-parallel size is "
+         "not yet proven equal to 1F1B with it",
+         lambda a: getattr(a, "num_experts", None) is not None and getattr(a, "expert_tensor_parallel_size", None)
+         not in (None, getattr(a, "tensor_model_parallel_size", 1)),
+         "remove --expert-tensor-parallel-size, or remove --dualpipe-shared-shard-group"),
         ("--fp16", "its loss scaler is not yet proven equal to 1F1B with it", lambda a: getattr(a, "fp16", False),
          "use --bf16, or remove --dualpipe-shared-shard-group"),
         ("--use-precision-aware-optimizer / --fp8-param-gather", "not yet proven equal to 1F1B with it",
@@ -405,11 +407,13 @@ HANDLED: Tuple[Handled, ...] = (
     Handled('`--dualpipe-shared-shard-group` (`dualpipe`, `--use-distributed-optimizer`): both copies of a stage '
             'in one distributed-optimizer group',
             "equal on CPU (lm loss and clipped grad norm, pp=2 x dp=2: fp32 with tied embeddings; bf16 with "
-            "per-token loss and untied embeddings); each rank's optimizer state is a quarter of its two stages "
+            "per-token loss and untied embeddings; MoE with expert parallel 2 (aux and z losses, params norm); "
+            "tp=2 with sequence parallelism); each rank's optimizer state is a quarter of its two stages "
             "(1F1B's on average; half of dualpipe without it); the shard groups' collectives in one stage order on "
             "every rank (checked with NCCL's rules). What it does not run with yet is refused above",
             'C `test_shared_shard_group_equals_1f1b_and_holds_its_optimizer_state`, '
-            '`test_shared_shard_group_bf16_per_token_loss_untied_equals_1f1b`'),
+            '`test_shared_shard_group_bf16_per_token_loss_untied_equals_1f1b`, `test_tensor_parallel_2_with_sequence_'
+            'parallel`; O `MoE EP2 x pp=2, aux loss, z-loss`'),
     Handled('`dualpipev` with `--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather` (dp=2)',
             "equal on CPU to dualpipev dp=1 (its own initialisation); the chunks' reduce-scatters start during "
             'the schedule (they were reduced twice before: lm loss 2.6e-4 off)',

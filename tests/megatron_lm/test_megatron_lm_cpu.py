@@ -276,12 +276,16 @@ def test_tensor_parallel_2_with_sequence_parallel(reference):
     """Megatron pads the vocabulary to a multiple of make_vocab_size_divisible_by (128) x tp: at
     tp = 2 the divisor is halved so that the model is the reference's. core_v0.19.0's NullTokenizer
     has no extra token (128, where core_v0.16.1 counts 129), so with the default divisor tp = 1
-    pads it to 128 and tp = 2 to 256: another output layer, another loss (5.5728 vs 4.8785)."""
+    pads it to 128 and tp = 2 to 256: another output layer, another loss (5.5728 vs 4.8785).
+    dualpipe with the shared shard group at tp = 2 (each tensor-parallel rank's group: its two copies
+    of a stage) does the same."""
     ref, _ = reference
-    run = _run(4, "--tensor-model-parallel-size", "2", "--sequence-parallel", "--make-vocab-size-divisible-by", "64",
-               iters=3)
+    tp2 = ("--tensor-model-parallel-size", "2", "--sequence-parallel", "--make-vocab-size-divisible-by", "64")
+    run = _run(4, *tp2, iters=3)
     _assert_trains(run, "tp=2 sequence parallel")
     assert_metrics_close(run, {i: ref[i] for i in run}, "tp=2 sequence parallel vs reference")
+    shared = _run(4, *tp2, *SHARED_SHARDS, iters=3, schedule="dualpipe")
+    assert_metrics_close(shared, run, "dualpipe --dualpipe-shared-shard-group tp=2 sequence parallel vs 1f1b")
 
 
 def test_dualpipev_distributed_optimizer_overlap_equals_dualpipev_alone():

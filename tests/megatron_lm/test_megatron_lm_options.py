@@ -40,7 +40,11 @@ CASES = {
         "--moe-router-bias-update-rate", "0.05", "--moe-router-load-balancing-type", "none",
         "--recompute-granularity", "selective", "--log-params-norm"), DUALPIPE),
     # Its 1f1b run is test_megatron_lm_overlap.py's reference too (made once per session).
-    "MoE EP2 x pp=2, aux loss, z-loss": (MOE_EP2_AUX_LOSS, DUALPIPE),
+    # And with both copies of every stage in one distributed-optimizer group (the experts' group:
+    # each expert rank's two copies), against the same 1f1b run without the distributed optimizer
+    # (dp = 2 splits the batch; the arithmetic is the same).
+    "MoE EP2 x pp=2, aux loss, z-loss": (MOE_EP2_AUX_LOSS, DUALPIPE + (
+        ("dualpipe", ("--use-distributed-optimizer", "--dualpipe-shared-shard-group")),)),
     "overlap-grad-reduce, pp=2 x dp=2, no zero bubble": (
         ("--overlap-grad-reduce", "--pipeline-model-parallel-size", "2"),
         (("dualpipe", ("--no-dualpipe-zero-bubble",)),)),
