@@ -280,6 +280,10 @@ REFUSED: Tuple[Refused, ...] = (
          "remove them, or remove --dualpipe-shared-shard-group"),
         ("--data-parallel-random-init", "not yet proven equal to 1F1B with it",
          lambda a: getattr(a, "data_parallel_random_init", False), "remove --data-parallel-random-init"),
+        ("--tensor-parallel-num-weight-shards", "a gradient buffer's replicate group is then not its data-"
+         "distribution group, and neither is proven with it",
+         lambda a: (getattr(a, "gtp_weight_remat_size", 1) or 1) > 1,
+         "remove --tensor-parallel-num-weight-shards, or remove --dualpipe-shared-shard-group"),
         ("--use-nccl-ub", "its warm-up all-reduce runs over each chunk's group in chunk order",
          lambda a: getattr(a, "use_nccl_ub", False), "remove --use-nccl-ub"),
     )
@@ -406,14 +410,14 @@ HANDLED: Tuple[Handled, ...] = (
             '`test_distributed_optimizer` (empty `--load`, `--no-load-optim`)'),
     Handled('`--dualpipe-shared-shard-group` (`dualpipe`, `--use-distributed-optimizer`): both copies of a stage '
             'in one distributed-optimizer group',
-            "equal on CPU (lm loss and clipped grad norm, pp=2 x dp=2: fp32 with tied embeddings; bf16 with "
-            "per-token loss and untied embeddings; MoE with expert parallel 2 (aux and z losses, params norm); "
-            "tp=2 with sequence parallelism); each rank's optimizer state is a quarter of its two stages "
+            "equal on CPU (lm loss and clipped grad norm: pp=2 x dp=2, fp32, tied embeddings; tp=2 with sequence "
+            "parallelism, bf16, per-token loss, untied embeddings; MoE with expert parallel 2 (aux and z losses, "
+            "params norm)); each rank's optimizer state is a quarter of its two stages "
             "(1F1B's on average; half of dualpipe without it); the shard groups' collectives in one stage order on "
             "every rank (checked with NCCL's rules). What it does not run with yet is refused above",
             'C `test_shared_shard_group_equals_1f1b_and_holds_its_optimizer_state`, '
-            '`test_shared_shard_group_bf16_per_token_loss_untied_equals_1f1b`, `test_tensor_parallel_2_with_sequence_'
-            'parallel`; O `MoE EP2 x pp=2, aux loss, z-loss`'),
+            '`test_shared_shard_group_tp2_bf16_per_token_loss_untied_equals_1f1b`; O `MoE EP2 x pp=2, aux loss, '
+            'z-loss`'),
     Handled('`dualpipev` with `--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather` (dp=2)',
             "equal on CPU to dualpipev dp=1 (its own initialisation); the chunks' reduce-scatters start during "
             'the schedule (they were reduced twice before: lm loss 2.6e-4 off)',

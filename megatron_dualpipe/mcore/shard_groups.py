@@ -59,18 +59,23 @@ def _members(group) -> List[int]:
     return dist.get_process_group_ranks(group)
 
 
+def _replicate(getter) -> dict:
+    """core_v0.19.0's getters default to the data-distribution group (``with_gtp_remat=True``); a
+    gradient buffer reduces over the replicate group (``False``; the same group unless
+    ``--tensor-parallel-num-weight-shards``, refused with the flag). 0.16.1's have no such axis."""
+    import inspect
+
+    return {"with_gtp_remat": False} if "with_gtp_remat" in inspect.signature(getter).parameters else {}
+
+
 def _own_groups() -> Dict[str, List[int]]:
-    """This rank's megatron-core groups a gradient buffer reduces over (dense; expert if any)."""
+    """This rank's megatron-core groups the gradient buffers reduce over: dense and expert (megatron-
+    core builds the expert groups with or without experts; DDP asks for both)."""
     from megatron.core import parallel_state as ps
 
-    out = {DENSE: _members(ps.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=True))}
-    try:
-        expert = ps.get_expert_data_parallel_group(partial_expert_data_parallel=True)
-    except (AssertionError, TypeError):  # no expert groups initialized
-        expert = None
-    if expert is not None:
-        out[EXPERT] = _members(expert)
-    return out
+    dense, expert = ps.get_data_parallel_group, ps.get_expert_data_parallel_group
+    return {DENSE: _members(dense(with_context_parallel=True, partial_data_parallel=True, **_replicate(dense))),
+            EXPERT: _members(expert(partial_expert_data_parallel=True, **_replicate(expert)))}
 
 
 def _has_gloo() -> bool:
@@ -167,8 +172,9 @@ def _answering(orig, chunk: int, kind: str, gloo: bool, partial_key: str):
     reg = _require()
 
     def getter(*args, **kwargs):
-        if kwargs.get(partial_key) and (kind, chunk) in reg.groups:
-            return (reg.gloo if gloo else reg.groups)[(kind, chunk)]
+        if kwargs.get(partial_key):
+            found = (reg.gloo if gloo else reg.groups)[(kind, chunk)]
+            return found if found is not None else orig(*args, **kwargs)  # no gloo twin: megatron's answer (None)
         return orig(*args, **kwargs)
 
     return getter

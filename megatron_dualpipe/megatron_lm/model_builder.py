@@ -14,7 +14,9 @@ pieces:
    with ``mcore.model.build_two_direction_model`` from the builder's own ``build_model`` (for
    DualPipeV the builder's ``TransformerConfig`` is the ``dualpipev_config`` copy meanwhile);
 2. DualPipe: ``_ddp_wrap`` buckets no chunk (as ``_unbucketed_ddp`` does at 0.16.1: the two
-   copies of a stage are summed buffer by buffer and need one layout);
+   copies of a stage are summed buffer by buffer and need one layout); with
+   ``--dualpipe-shared-shard-group`` its ``DistributedDataParallel`` is the subclass that builds
+   each chunk over its shard group (``mcore.shared_shard_wrap``);
 3. the parameter-count line says the logical and physical counts;
 4. after the build: the mirror is marked for torch_dist, and each rank says what it holds.
 

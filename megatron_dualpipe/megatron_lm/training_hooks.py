@@ -8,7 +8,9 @@ arguments and returns its result: Megatron behaves exactly as without the plugin
 
 ``get_model`` (DualPipe / DualPipeV)
     1. ``groups.build_bd_groups()`` once (collective; the first ``get_model`` call is right
-       after ``initialize_megatron`` on every rank, in the same order);
+       after ``initialize_megatron`` on every rank, in the same order), and with
+       ``--dualpipe-shared-shard-group`` the shard groups (``mcore.shard_groups``), whose DDP
+       subclass then wraps each chunk (``mcore.shared_shard_wrap``);
     2. Megatron's own ``get_model`` runs with a provider that returns *both* chunks, built by
        ``mcore.model.build_two_direction_model`` (stage ``i`` and its mirror ``pp-1-i`` for
        DualPipe, stages ``i`` and ``2pp-1-i`` for DualPipeV), with one shared
@@ -40,6 +42,8 @@ The parameter count
     the pipeline every stage is counted once) and, separately, the physical count with the
     mirrored copy; under DualPipeV it names the two stages (nothing is duplicated).
 ``setup_model_and_optimizer`` (DualPipe / DualPipeV)
+    with ``--dualpipe-shared-shard-group``, Megatron's ``get_megatron_optimizer`` is called per
+    chunk, in ascending stage order, over its shard group (``mcore.shared_shard_wrap.per_stage_optimizer``);
     after Megatron's own returns (model built, optimizer built, checkpoint loaded), every rank
     counts the bytes of its parameters, gradients and optimizer state per chunk
     (``mcore.state_bytes``; one all-gather) and rank 0 prints one table: per pipeline rank this

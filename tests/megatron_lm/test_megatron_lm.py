@@ -255,6 +255,7 @@ SHARED_REFUSED_CASES = {  # rule flag -> (argv, {args attribute: value} after Me
     "--use-precision-aware-optimizer / --fp8-param-gather": ([], {"use_precision_aware_optimizer": True}),
     "--data-parallel-random-init": (["--data-parallel-random-init"], None),
     "--use-nccl-ub": ([], {"use_nccl_ub": True}),
+    "--tensor-parallel-num-weight-shards": ([], {"gtp_weight_remat_size": 2}),
 }
 CASES["shared_shard_group_ok"] = (4, BASE + SHARED + ["--use-distributed-optimizer"], None)
 CASES["shared_shard_group_needs_dualpipe"] = (

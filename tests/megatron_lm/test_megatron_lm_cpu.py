@@ -208,15 +208,20 @@ def test_shared_shard_group_equals_1f1b_and_holds_its_optimizer_state(reference)
         assert abs(row["optimizer"] - want) <= 0.01 * want, (r, row)
 
 
-def test_shared_shard_group_bf16_per_token_loss_untied_equals_1f1b():
-    """The same with --bf16 (fp32 main parameters and gradients), --calculate-per-token-loss (DDP
-    scales by 1, the finalize divides by the tokens of both directions) and untied embeddings
-    (no fold), against Megatron's 1f1b with the same flags at dp = 2."""
-    flags = ("--use-distributed-optimizer", "--bf16", "--calculate-per-token-loss",
+TP2_SP = ("--tensor-model-parallel-size", "2", "--sequence-parallel", "--make-vocab-size-divisible-by", "64")
+
+
+def test_shared_shard_group_tp2_bf16_per_token_loss_untied_equals_1f1b():
+    """The same with tensor parallel 2 and sequence parallelism (each tensor-parallel rank's group:
+    its two copies of a stage, dp = 1), --bf16 (fp32 main parameters and gradients),
+    --calculate-per-token-loss (DDP scales by 1, the finalize divides by the tokens of both
+    directions) and untied embeddings (no fold), against Megatron's 1f1b with the same flags."""
+    flags = ("--use-distributed-optimizer", *TP2_SP, "--bf16", "--calculate-per-token-loss",
              "--untie-embeddings-and-output-weights")
     want = _run(4, *flags, iters=3)
     got = _run(4, *flags, "--dualpipe-shared-shard-group", iters=3, schedule="dualpipe")
-    assert_metrics_close(got, want, "dualpipe --dualpipe-shared-shard-group vs 1f1b, bf16, per-token loss, untied, dp=2")
+    assert_metrics_close(got, want, "dualpipe --dualpipe-shared-shard-group vs 1f1b, tp=2 + SP, bf16, per-token loss, "
+                                    "untied")
 
 
 def test_torch_dist_without_distributed_optimizer_dp2_across_schedules(reference, tmp_path):
@@ -276,16 +281,11 @@ def test_tensor_parallel_2_with_sequence_parallel(reference):
     """Megatron pads the vocabulary to a multiple of make_vocab_size_divisible_by (128) x tp: at
     tp = 2 the divisor is halved so that the model is the reference's. core_v0.19.0's NullTokenizer
     has no extra token (128, where core_v0.16.1 counts 129), so with the default divisor tp = 1
-    pads it to 128 and tp = 2 to 256: another output layer, another loss (5.5728 vs 4.8785).
-    dualpipe with the shared shard group at tp = 2 (each tensor-parallel rank's group: its two copies
-    of a stage) does the same."""
+    pads it to 128 and tp = 2 to 256: another output layer, another loss (5.5728 vs 4.8785)."""
     ref, _ = reference
-    tp2 = ("--tensor-model-parallel-size", "2", "--sequence-parallel", "--make-vocab-size-divisible-by", "64")
-    run = _run(4, *tp2, iters=3)
+    run = _run(4, *TP2_SP, iters=3)
     _assert_trains(run, "tp=2 sequence parallel")
     assert_metrics_close(run, {i: ref[i] for i in run}, "tp=2 sequence parallel vs reference")
-    shared = _run(4, *tp2, *SHARED_SHARDS, iters=3, schedule="dualpipe")
-    assert_metrics_close(shared, run, "dualpipe --dualpipe-shared-shard-group tp=2 sequence parallel vs 1f1b")
 
 
 def test_dualpipev_distributed_optimizer_overlap_equals_dualpipev_alone():
