@@ -401,7 +401,8 @@ def test_argument_defaults(arg_results):
 def test_1f1b_leaves_megatron_args_unchanged(arg_results):
     res = arg_results["__1f1b_identity__"]
     assert res["extra"] == ["dualpipe_advise", "dualpipe_advise_warmup", "dualpipe_drift_check_interval",
-                            "dualpipe_p2p_timeout", "dualpipe_zero_bubble", "pipeline_schedule"]
+                            "dualpipe_p2p_timeout", "dualpipe_shared_shard_group", "dualpipe_zero_bubble",
+                            "pipeline_schedule"]
     assert res["diff"] == []
 
 
