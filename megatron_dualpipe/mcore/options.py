@@ -260,9 +260,10 @@ REFUSED: Tuple[Refused, ...] = (
          "set --num-distributed-optimizer-instances 1"),
         ("--ddp-average-in-collective", "an average over both copies' ranks would halve the sum of the copies",
          lambda a: getattr(a, "ddp_average_in_collective", False), "remove --ddp-average-in-collective"),
-        ("--save / --load", "checkpoints of the shared layout are not written or read yet",
-         lambda a: getattr(a, "save", None) is not None or getattr(a, "load", None) is not None,
-         "remove --save and --load, or remove --dualpipe-shared-shard-group"),
+        ("--ckpt-format", "the shared layout's optimizer state is written and read in --ckpt-format torch only so "
+         "far", lambda a: (getattr(a, "save", None) is not None or getattr(a, "load", None) is not None)
+         and getattr(a, "ckpt_format", "torch_dist") != "torch",
+         "use --ckpt-format torch, or remove --save and --load"),
         ("--optimizer", "only adam and sgd build Megatron's distributed optimizer chunk by chunk",
          lambda a: getattr(a, "optimizer", "adam") not in ("adam", "sgd"), "use --optimizer adam or sgd"),
         ("--context-parallel-size", "context parallelism is not yet proven equal to 1F1B with it",
@@ -414,8 +415,10 @@ HANDLED: Tuple[Handled, ...] = (
             "parallelism, bf16, per-token loss, untied embeddings; MoE with expert parallel 2 (aux and z losses, "
             "params norm)); each rank's optimizer state is a quarter of its two stages "
             "(1F1B's on average; half of dualpipe without it); the shard groups' collectives in one stage order on "
-            "every rank (checked with NCCL's rules). What it does not run with yet is refused above",
-            'C `test_shared_shard_group_equals_1f1b_and_holds_its_optimizer_state`, '
+            "every rank (checked with NCCL's rules); `--ckpt-format torch` checkpoints are 1F1B's files: shared -> "
+            "1f1b -> shared continues the uninterrupted curve, and its checkpoint after a resume equals 1f1b's "
+            "tensor for tensor (1e-7). What it does not run with yet is refused above",
+            'C `test_shared_shard_group_equals_1f1b_holds_its_optimizer_state_and_resumes_across_schedules`, '
             '`test_shared_shard_group_tp2_bf16_per_token_loss_untied_equals_1f1b`; O `MoE EP2 x pp=2, aux loss, '
             'z-loss`'),
     Handled('`dualpipev` with `--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather` (dp=2)',

@@ -247,7 +247,7 @@ SHARED_REFUSED_CASES = {  # rule flag -> (argv, {args attribute: value} after Me
     "--overlap-param-gather": (["--overlap-grad-reduce", "--overlap-param-gather"], None),
     "--num-distributed-optimizer-instances": ([], {"num_distributed_optimizer_instances": 2}),
     "--ddp-average-in-collective": (["--ddp-average-in-collective"], None),
-    "--save / --load": (["--save", "/nonexistent/ckpt", "--save-interval", "2"], None),
+    "--ckpt-format": (["--save", "/nonexistent/ckpt", "--save-interval", "2", "--ckpt-format", "torch_dist"], None),
     "--optimizer": ([], {"optimizer": "muon"}),
     "--context-parallel-size": ([], {"context_parallel_size": 2}),
     "--expert-tensor-parallel-size": (MOE_ARGS, {"expert_tensor_parallel_size": 2}),
@@ -258,6 +258,9 @@ SHARED_REFUSED_CASES = {  # rule flag -> (argv, {args attribute: value} after Me
     "--tensor-parallel-num-weight-shards": ([], {"gtp_weight_remat_size": 2}),
 }
 CASES["shared_shard_group_ok"] = (4, BASE + SHARED + ["--use-distributed-optimizer"], None)
+CASES["shared_shard_group_torch_checkpoints_ok"] = (
+    4, BASE + SHARED + ["--use-distributed-optimizer", "--save", "/nonexistent/ckpt", "--save-interval", "2",
+                        "--ckpt-format", "torch"], None)
 CASES["shared_shard_group_needs_dualpipe"] = (
     4, BASE + ["--pipeline-schedule", "dualpipev", "--dualpipe-shared-shard-group", "--use-distributed-optimizer"],
     ["--dualpipe-shared-shard-group shares the distributed optimizer", "use --pipeline-schedule dualpipe"])

@@ -144,6 +144,38 @@ def test_distributed_optimizer_dualpipe_overlap_and_torch_format_across_schedule
 
 
 SHARED_SHARDS = ("--use-distributed-optimizer", "--dualpipe-shared-shard-group")
+
+
+def _tensors(value, path=""):
+    """{path: tensor} of a nested checkpoint value."""
+    if torch.is_tensor(value):
+        return {path: value}
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, (list, tuple)) else ()
+    out = {}
+    for k, v in items:
+        out.update(_tensors(v, f"{path}/{k}"))
+    return out
+
+
+def _checkpoint_difference(a, b, iteration):
+    """The largest absolute difference over every tensor of two --ckpt-format torch checkpoints'
+    model, optimizer and distributed-optimizer state (the same files and keys in both), and the
+    number of tensors compared."""
+    worst, count = 0.0, 0
+    root_a, root_b = (os.path.join(d, f"iter_{iteration:07d}") for d in (a, b))
+    for rank_dir in sorted(os.listdir(root_b)):
+        files = sorted(os.listdir(os.path.join(root_b, rank_dir)))
+        assert files == sorted(os.listdir(os.path.join(root_a, rank_dir))), rank_dir
+        for name in files:
+            loaded = [torch.load(os.path.join(r, rank_dir, name), weights_only=False) for r in (root_a, root_b)]
+            if name == "model_optim_rng.pt":
+                loaded = [{k: sd[k] for k in ("model", "optimizer")} for sd in loaded]
+            ta, tb = (_tensors(x) for x in loaded)
+            assert sorted(ta) == sorted(tb), (rank_dir, name, sorted(set(ta) ^ set(tb))[:5])
+            for key in tb:
+                count += 1
+                worst = max(worst, (ta[key].double() - tb[key].double()).abs().max().item() if tb[key].numel() else 0.0)
+    return worst, count
 BYTES_ROW_RE = re.compile(r"^\s+(\d+)((?:\s+[0-9,]+){8})\s+[0-9.]+\s*$")
 
 
@@ -182,7 +214,7 @@ def _assert_shard_collectives_in_one_order(output):
     assert problem is None, str(problem)
 
 
-def test_shared_shard_group_equals_1f1b_and_holds_its_optimizer_state(reference):
+def test_shared_shard_group_equals_1f1b_holds_its_optimizer_state_and_resumes_across_schedules(reference, tmp_path):
     """--dualpipe-shared-shard-group, dp = 2 (4 processes), fp32, tied embeddings: both copies of
     every stage are one distributed-optimizer group of 4 ranks (the two chunks' groups span the same
     ranks in different orders), the reduce-scatter sums the copies (no bd sum; the tied-embedding
@@ -191,10 +223,15 @@ def test_shared_shard_group_equals_1f1b_and_holds_its_optimizer_state(reference)
     moments; the main parameters are the fp32 weights themselves) is a quarter of both its stages,
     (P_i + P_(pp-1-i)) * 2 / 4 with P the stages' parameter bytes printed in the same table: 1F1B's
     P_i * 2 / 2 on average, where DualPipe without the flag holds twice that. Every rank issues the
-    shard groups' collectives in one order of stages (printed and checked with NCCL's rules)."""
+    shard groups' collectives in one order of stages (printed and checked with NCCL's rules).
+    Checkpoints (--ckpt-format torch, 1F1B's files): the run saves at 2, Megatron's 1f1b resumes
+    that, with its optimizer state, and saves at 3, the shared layout resumes that: the curve is
+    the uninterrupted reference's."""
     ref, _ = reference
-    run = _run(4, *SHARED_SHARDS, iters=4, schedule="dualpipe", env_extra={"MEGATRON_DUALPIPE_TEST_COLLECTIVES": "1"},
-               pythonpath=(megatron_lm_runs.CHILD_HOOKS,))
+    first, relay = str(tmp_path / "first"), str(tmp_path / "relay")
+    fmt = ("--ckpt-format", "torch")
+    run = _run(4, *SHARED_SHARDS, *fmt, "--save", first, "--save-interval", "2", iters=4, schedule="dualpipe",
+               env_extra={"MEGATRON_DUALPIPE_TEST_COLLECTIVES": "1"}, pythonpath=(megatron_lm_runs.CHILD_HOOKS,))
     assert_metrics_close(run, ref, "dualpipe --dualpipe-shared-shard-group, dp=2 vs 1f1b reference")
     output = megatron_lm_runs.LAST_OUTPUT[0]
     _assert_shard_collectives_in_one_order(output)
@@ -206,6 +243,19 @@ def test_shared_shard_group_equals_1f1b_and_holds_its_optimizer_state(reference)
         print(f"pp rank {r}: optimizer {row['optimizer']:,} bytes, (P_{r} + P_{1 - r}) * 2 / 4 = {want:,}; "
               f"1F1B's own {row['1f1b params']:,}; without the flag {2 * want:,}")
         assert abs(row["optimizer"] - want) <= 0.01 * want, (r, row)
+    onef1b = _chain_step("1f1b", 4, first, 2, *DIST_OPT, *fmt, save=relay)
+    shared_at_4, control_at_4 = str(tmp_path / "shared4"), str(tmp_path / "control4")
+    shared = _chain_step("dualpipe", 4, relay, 3, *SHARED_SHARDS, *fmt, save=shared_at_4)
+    _assert_chain_continues([("1f1b", onef1b), ("dualpipe shared shards", shared)], ref,
+                            "distributed optimizer, torch: dualpipe --dualpipe-shared-shard-group -> 1f1b -> dualpipe "
+                            "--dualpipe-shared-shard-group")
+    # The loaded optimizer state shows only in the next update: both resume the same file at 3 and
+    # save at 4, and every tensor of the two checkpoints (weights, Adam's moments, the step) agrees.
+    _chain_step("1f1b", 4, relay, 3, *DIST_OPT, *fmt, save=control_at_4)
+    worst, count = _checkpoint_difference(shared_at_4, control_at_4, 4)
+    print(f"--ckpt-format torch at iteration 4, dualpipe --dualpipe-shared-shard-group vs 1f1b after both resumed the "
+          f"same file at 3: {count} tensors, largest difference {worst:.2e}")
+    assert count > 0 and worst <= 1e-6
 
 
 TP2_SP = ("--tensor-model-parallel-size", "2", "--sequence-parallel", "--make-vocab-size-divisible-by", "64")

@@ -25,6 +25,8 @@ from . import dualpipev_layers, torch_dist_mirror
 from .megatron_io import generated_state_dict_edited
 from .mirrors import sync_mirrors
 from .one_chunk_optimizer import OneChunkOptimizerView
+from .shared_shards import SharedShardOptimizerView
+from ...mcore.shard_groups import is_shared_layout
 from .optimizers import inner_optimizers, kind, model0_ids
 
 ANY_FORMAT = "*"
@@ -38,7 +40,12 @@ def save_as_is(orig, args, iteration, model, optimizer, *a, **kw):
 
 
 def save_model0_as_one_chunk(orig, args, iteration, model, optimizer, *a, **kw):
-    """dualpipe, torch: the file 1F1B writes (``model[0]`` and its optimizer state, re-indexed)."""
+    """dualpipe, torch: the file 1F1B writes (``model[0]`` and its optimizer state, re-indexed;
+    with the shared shard group, the home copy's sub-optimizers: :mod:`.shared_shards`)."""
+    if is_shared_layout(model):
+        if not args.no_save_optim and optimizer is not None:
+            optimizer = SharedShardOptimizerView(optimizer, model)
+        return orig(iteration, list(model)[:1], optimizer, *a, **kw)
     if not args.no_save_optim and optimizer is not None:
         for o in inner_optimizers(optimizer):
             if not getattr(o, "is_stub_optimizer", False):
@@ -76,10 +83,13 @@ def load_as_is(orig, args, model, optimizer, file, *a, **kw):
 
 
 def load_into_model0(orig, args, model, optimizer, file, *a, **kw):
-    """dualpipe, torch: 1F1B's file into ``model[0]`` and its optimizer state, then the mirrors."""
-    view = None if optimizer is None else OneChunkOptimizerView(optimizer, model0_ids(model))
+    """dualpipe, torch: 1F1B's file into ``model[0]`` and its optimizer state, then the mirrors
+    (with the shared shard group every sub-optimizer loads its own shards: parameters only)."""
+    shared = is_shared_layout(model)
+    view = None if optimizer is None else (
+        SharedShardOptimizerView(optimizer, model) if shared else OneChunkOptimizerView(optimizer, model0_ids(model)))
     result = orig(list(model)[:1], view, *a, **kw)
-    sync_mirrors(model, optimizer)
+    sync_mirrors(model, None if shared else optimizer)
     return result
 
 
@@ -113,6 +123,16 @@ def save_strategy(schedule: str, fmt: str) -> Callable:
 
 def load_strategy(schedule: str, fmt: str) -> Callable:
     return LOAD.get((schedule, fmt)) or LOAD.get((schedule, ANY_FORMAT)) or load_as_is
+
+
+def refuse_shared_layout_format(model, fmt: str) -> None:
+    """The shared shard group's optimizer state is written and read in --ckpt-format torch only (the
+    argument check refuses saving in another format; this catches a --load that finds one)."""
+    if fmt != "torch" and is_shared_layout(model):
+        raise NotImplementedError(
+            f"--dualpipe-shared-shard-group loads --ckpt-format torch checkpoints only, this one is {fmt}: "
+            "convert it under --pipeline-schedule 1f1b (load it, save with --ckpt-format torch), or remove "
+            "--dualpipe-shared-shard-group")
 
 
 def one_chunk_file(file) -> bool:

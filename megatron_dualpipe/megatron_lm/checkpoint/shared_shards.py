@@ -1,0 +1,119 @@
+"""``--ckpt-format torch`` with ``--dualpipe-shared-shard-group``: the optimizer written and read as
+1F1B's optimizer of ``model[0]``.
+
+Under the shared shard group every chunk has its own distributed optimizers (dense, and expert
+where the stage has experts) over the ``2 x dp`` ranks that hold either copy of its stage, chained
+in ascending stage order (``mcore.shared_shard_wrap``). Their state in 1F1B's files:
+
+* ``state_dict()`` (the step, the param groups' hyper-parameters): the home copy's sub-optimizers
+  (``model[0]``'s), whose param groups are those of 1F1B's optimizer of the same stage. At load the
+  mirror's sub-optimizers take the same values: Megatron matches param groups by their identifying
+  keys, and a group only the mirror's stage has keeps its own hyper-parameters and takes the step;
+* ``distrib_optim.pt`` (the per-parameter state): each sub-optimizer gathers its stage's shards
+  to its group rank 0 (``get_parameter_state_dp_zero``) and scatters them from there at load
+  (``load_parameter_state_from_dp_zero``). Group rank 0 is the home copy's data-parallel rank 0,
+  which is the rank whose file is its own stage's, so calling every sub-optimizer in stage order
+  (the order both partners share: the gathers are collective over the shard groups) writes exactly
+  what 1F1B's data-parallel rank 0 writes, counted in unpadded elements (the padding to ``2 dp``
+  shards does not show), and reads it back. The mirror's sub-optimizers only send or receive.
+
+After a load the mirrors get the home copies' parameters (``mirrors.sync_mirrors`` without the
+optimizer state, which each sub-optimizer loaded itself).
+"""
+from typing import Dict, List
+
+from .optimizers import inner_optimizers, model0_ids
+
+
+def _kind(opt, chunk) -> str:
+    """``"expert"`` for the sub-optimizer of the chunk's expert-parallel buffers, else ``"dense"``."""
+    experts = {id(b) for b in getattr(chunk, "expert_parallel_buffers", [])}
+    return "expert" if any(id(b) in experts for b in getattr(opt, "buffers", [])) else "dense"
+
+
+class SharedShardOptimizerView:
+    """Presents the shared layout's chained sub-optimizers to Megatron-LM's torch-format checkpoint
+    code as 1F1B's optimizer (module docstring)."""
+
+    def __init__(self, optimizer, model):
+        self._optimizer = optimizer
+        self._subs = inner_optimizers(optimizer)  # ascending stage order: the collective order
+        home_ids = model0_ids(model)
+        self._home: List = []
+        self._kind: Dict[int, str] = {}
+        for o in self._subs:
+            params = {id(p) for b in getattr(o, "buffers", []) for p in b.params}
+            chunk = model[0] if params and params <= home_ids else model[1]
+            self._kind[id(o)] = _kind(o, chunk)
+            if chunk is model[0]:
+                self._home.append(o)
+        self._home.sort(key=lambda o: self._kind[id(o)] != "dense")  # 1F1B's order: dense, then expert
+
+    def __getattr__(self, name):
+        return getattr(self._optimizer, name)
+
+    def state_dict(self):
+        sds = [o.state_dict() for o in self._home]
+        return sds[0] if len(sds) == 1 else sds
+
+    def load_state_dict(self, state_dict):
+        sds = [state_dict] if len(self._home) == 1 else (
+            [v for _, v in sorted(state_dict.items())] if isinstance(state_dict, dict) else list(state_dict))
+        if len(sds) != len(self._home):
+            raise RuntimeError(f"the checkpoint holds {len(sds)} optimizer state dicts, this rank's model[0] has "
+                               f"{len(self._home)} optimizers: it was saved for another model; resume with "
+                               "--no-load-optim")
+        loaded = {self._kind[id(o)]: sd for o, sd in zip(self._home, sds)}
+        for o in self._subs:
+            sd = loaded.get(self._kind[id(o)])
+            if sd is None:
+                raise RuntimeError(f"the checkpoint holds no {self._kind[id(o)]} optimizer state for this rank's "
+                                   "mirrored stage: it was saved for another model; resume with --no-load-optim")
+            o.load_state_dict(sd if o in self._home else _for_mirror(o, sd))
+
+    def save_parameter_state(self, filename):
+        import torch
+
+        states = {id(o): o.get_parameter_state_dp_zero() for o in self._subs}  # collective, stage order
+        if any(o.data_parallel_group.rank() == 0 for o in self._home):  # as ChainedOptimizer saves
+            mine = [states[id(o)] for o in self._home]
+            torch.save(mine[0] if len(mine) == 1 else mine, filename)
+
+    def load_parameter_state(self, filename, *, update_legacy_format=False):
+        import torch
+
+        if update_legacy_format:
+            raise NotImplementedError("--dualpipe-shared-shard-group cannot convert a legacy distributed-optimizer "
+                                      "checkpoint; convert it under --pipeline-schedule 1f1b first")
+        file = None
+        for o in self._subs:  # stage order, as saved
+            state = None
+            if o in self._home and o.data_parallel_group.rank() == 0:
+                if file is None:
+                    file = torch.load(filename)
+                    file = [file] if len(self._home) == 1 else list(file)
+                state = file[self._home.index(o)]
+            o.load_parameter_state_from_dp_zero(state)
+
+
+def _for_mirror(opt, sd):
+    """The home copy's ``state_dict()`` for the mirror's sub-optimizer: the same param groups by
+    their identifying keys (Megatron's load matches them so), plus any group of the mirror's stage
+    the home stage lacks, with its own hyper-parameters and the loaded step."""
+    from megatron.core.optimizer.optimizer import param_group_identifier_keys
+
+    def key(group):
+        return tuple(group[k] if k in group else group.get(f"pre_{k}") for k in param_group_identifier_keys)
+
+    groups = list(sd["optimizer"]["param_groups"])
+    have = {key(g) for g in groups}
+    step = next((g["step"] for g in groups if "step" in g), None)
+    for own in opt.optimizer.state_dict()["param_groups"]:
+        if key(own) not in have:
+            extra = {k: v for k, v in own.items() if k != "params"}
+            if step is not None:
+                extra["step"] = step
+            groups.append(extra)
+    out = dict(sd)
+    out["optimizer"] = dict(sd["optimizer"], param_groups=groups)
+    return out
