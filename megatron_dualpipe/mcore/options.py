@@ -260,10 +260,12 @@ REFUSED: Tuple[Refused, ...] = (
          "set --num-distributed-optimizer-instances 1"),
         ("--ddp-average-in-collective", "an average over both copies' ranks would halve the sum of the copies",
          lambda a: getattr(a, "ddp_average_in_collective", False), "remove --ddp-average-in-collective"),
-        ("--ckpt-format", "the shared layout's optimizer state is written and read in --ckpt-format torch only so "
-         "far", lambda a: (getattr(a, "save", None) is not None or getattr(a, "load", None) is not None)
-         and getattr(a, "ckpt_format", "torch_dist") != "torch",
-         "use --ckpt-format torch, or remove --save and --load"),
+        ("--ckpt-format", "the shared layout's optimizer state is written and read in --ckpt-format torch, and "
+         "torch_dist keyed by parameter (--dist-ckpt-optim-fully-reshardable; Megatron's default keys it by grad "
+         "buffer, whose layout is per shard group)",
+         lambda a: (getattr(a, "save", None) is not None or getattr(a, "load", None) is not None)
+         and not _shared_layout_format(a),
+         "use --ckpt-format torch, or torch_dist with --dist-ckpt-optim-fully-reshardable"),
         ("--optimizer", "only adam and sgd build Megatron's distributed optimizer chunk by chunk",
          lambda a: getattr(a, "optimizer", "adam") not in ("adam", "sgd"), "use --optimizer adam or sgd"),
         ("--context-parallel-size", "context parallelism is not yet proven equal to 1F1B with it",
@@ -289,6 +291,12 @@ REFUSED: Tuple[Refused, ...] = (
          lambda a: getattr(a, "use_nccl_ub", False), "remove --use-nccl-ub"),
     )
 )
+
+
+def _shared_layout_format(args) -> bool:
+    """Whether --dualpipe-shared-shard-group writes and reads ``args``' checkpoint format."""
+    fmt = getattr(args, "ckpt_format", "torch_dist")
+    return fmt == "torch" or (fmt == "torch_dist" and bool(getattr(args, "dist_ckpt_optim_fully_reshardable", False)))
 
 
 def _combined_step_on(source, side) -> bool:
@@ -415,10 +423,12 @@ HANDLED: Tuple[Handled, ...] = (
             "parallelism, bf16, per-token loss, untied embeddings; MoE with expert parallel 2 (aux and z losses, "
             "params norm)); each rank's optimizer state is a quarter of its two stages "
             "(1F1B's on average; half of dualpipe without it); the shard groups' collectives in one stage order on "
-            "every rank (checked with NCCL's rules); `--ckpt-format torch` checkpoints are 1F1B's files: shared -> "
-            "1f1b -> shared continues the uninterrupted curve, and its checkpoint after a resume equals 1f1b's "
-            "tensor for tensor (1e-7). What it does not run with yet is refused above",
+            "every rank (checked with NCCL's rules); checkpoints in 1F1B's files, `--ckpt-format torch` and "
+            "`torch_dist --dist-ckpt-optim-fully-reshardable` (1f1b's keys): shared -> 1f1b -> shared continues "
+            "the uninterrupted curve, and its checkpoint after a resume equals 1f1b's tensor for tensor (1e-7). "
+            "What it does not run with yet is refused above",
             'C `test_shared_shard_group_equals_1f1b_holds_its_optimizer_state_and_resumes_across_schedules`, '
+            '`test_shared_shard_group_torch_dist_checkpoints_across_schedules`, '
             '`test_shared_shard_group_tp2_bf16_per_token_loss_untied_equals_1f1b`; O `MoE EP2 x pp=2, aux loss, '
             'z-loss`'),
     Handled('`dualpipev` with `--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather` (dp=2)',

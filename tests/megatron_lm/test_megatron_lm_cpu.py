@@ -261,6 +261,41 @@ def test_shared_shard_group_equals_1f1b_holds_its_optimizer_state_and_resumes_ac
 TP2_SP = ("--tensor-model-parallel-size", "2", "--sequence-parallel", "--make-vocab-size-divisible-by", "64")
 
 
+def _torch_dist_tensors(ckpt, iteration, into):
+    """Every tensor of a torch_dist checkpoint, read into one process (torch's own converter)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = str(into / f"{os.path.basename(ckpt)}.pt")
+    dcp_to_torch_save(os.path.join(ckpt, f"iter_{iteration:07d}"), out)
+    return _tensors(torch.load(out, weights_only=False))
+
+
+def test_shared_shard_group_torch_dist_checkpoints_across_schedules(reference, tmp_path):
+    """--ckpt-format torch_dist --dist-ckpt-optim-fully-reshardable (the optimizer state of every
+    parameter under its model key): the shared layout saves at 2 exactly the keys 1f1b writes,
+    Megatron's 1f1b resumes it and saves at 3, the shared layout resumes that and saves at 4 (the
+    curve is the uninterrupted reference's), and that checkpoint equals, tensor for tensor, the one
+    1f1b saves at 4 after resuming the same file at 3 (the loaded optimizer state shows only there)."""
+    ref, _ = reference
+    fmt = ("--ckpt-format", "torch_dist", "--dist-ckpt-optim-fully-reshardable")
+    first, relay, shared_at_4, control_at_4 = (str(tmp_path / n) for n in ("first", "relay", "shared4", "control4"))
+    _run(4, *SHARED_SHARDS, *fmt, "--save", first, "--save-interval", "2", "--exit-interval", "2", iters=4,
+         schedule="dualpipe")
+    onef1b = _chain_step("1f1b", 4, first, 2, *DIST_OPT, *fmt, save=relay)
+    assert _saved_keys(first, 2) == _saved_keys(relay, 3), "the shared layout wrote other keys than 1f1b"
+    shared = _chain_step("dualpipe", 4, relay, 3, *SHARED_SHARDS, *fmt, save=shared_at_4)
+    _assert_chain_continues([("1f1b", onef1b), ("dualpipe shared shards", shared)], ref,
+                            "distributed optimizer, torch_dist fully reshardable: dualpipe --dualpipe-shared-shard-group"
+                            " -> 1f1b -> dualpipe --dualpipe-shared-shard-group")
+    _chain_step("1f1b", 4, relay, 3, *DIST_OPT, *fmt, save=control_at_4)
+    got, want = (_torch_dist_tensors(c, 4, tmp_path) for c in (shared_at_4, control_at_4))
+    assert sorted(got) == sorted(want), sorted(set(got) ^ set(want))[:5]
+    worst = max((got[k].double() - want[k].double()).abs().max().item() for k in want if want[k].numel())
+    print(f"torch_dist at iteration 4, shared layout vs 1f1b after both resumed the same file at 3: {len(want)} "
+          f"tensors, largest difference {worst:.2e}")
+    assert worst <= 1e-6
+
+
 def test_shared_shard_group_tp2_bf16_per_token_loss_untied_equals_1f1b():
     """The same with tensor parallel 2 and sequence parallelism (each tensor-parallel rank's group:
     its two copies of a stage, dp = 1), --bf16 (fp32 main parameters and gradients),

@@ -1,5 +1,6 @@
-"""``--ckpt-format torch`` with ``--dualpipe-shared-shard-group``: the optimizer written and read as
-1F1B's optimizer of ``model[0]``.
+"""Checkpoints with ``--dualpipe-shared-shard-group``: the optimizer written and read as 1F1B's
+optimizer of ``model[0]`` (``--ckpt-format torch``, and ``torch_dist`` with
+``--dist-ckpt-optim-fully-reshardable``).
 
 Under the shared shard group every chunk has its own distributed optimizers (dense, and expert
 where the stage has experts) over the ``2 x dp`` ranks that hold either copy of its stage, chained
@@ -17,12 +18,22 @@ in ascending stage order (``mcore.shared_shard_wrap``). Their state in 1F1B's fi
   what 1F1B's data-parallel rank 0 writes, counted in unpadded elements (the padding to ``2 dp``
   shards does not show), and reads it back. The mirror's sub-optimizers only send or receive.
 
+* ``torch_dist`` (fully reshardable: the state of every parameter under its model key):
+  :meth:`SharedShardOptimizerView.sharded_state_dict` builds every sub-optimizer's part in stage
+  order (the gathers at save are collective over the shard groups) and hands Megatron the home
+  copy's parts, laid out as 1F1B's optimizer; a load also asks for the mirror's parts (its stage's
+  global keys), which the mirror's sub-optimizers then take with the home's common state.
+
 After a load the mirrors get the home copies' parameters (``mirrors.sync_mirrors`` without the
 optimizer state, which each sub-optimizer loaded itself).
 """
 from typing import Dict, List
 
 from .optimizers import inner_optimizers, model0_ids
+
+
+#: Where a torch_dist load puts the mirror's per-parameter state (never saved).
+MIRROR_KEY = "dualpipe_mirror_param_state"
 
 
 def _kind(opt, chunk) -> str:
@@ -57,6 +68,8 @@ class SharedShardOptimizerView:
         return sds[0] if len(sds) == 1 else sds
 
     def load_state_dict(self, state_dict):
+        if isinstance(state_dict, dict) and MIRROR_KEY in state_dict:
+            return self._load_sharded(state_dict)
         sds = [state_dict] if len(self._home) == 1 else (
             [v for _, v in sorted(state_dict.items())] if isinstance(state_dict, dict) else list(state_dict))
         if len(sds) != len(self._home):
@@ -70,6 +83,34 @@ class SharedShardOptimizerView:
                 raise RuntimeError(f"the checkpoint holds no {self._kind[id(o)]} optimizer state for this rank's "
                                    "mirrored stage: it was saved for another model; resume with --no-load-optim")
             o.load_state_dict(sd if o in self._home else _for_mirror(o, sd))
+
+    # --ckpt-format torch_dist with --dist-ckpt-optim-fully-reshardable: per-parameter state under the
+    # model parameters' global keys. Every sub-optimizer builds its part (collective over its shard
+    # group: the gathers at save), in stage order; the file gets the home copy's parts, as 1F1B's
+    # optimizer lays them out; a load also asks for the mirror's, under MIRROR_KEY.
+
+    def sharded_state_dict(self, model_sharded_state_dict, is_loading=False, **kwargs):
+        parts = {id(o): o.sharded_state_dict(model_sharded_state_dict, is_loading, **kwargs) for o in self._subs}
+        home = [parts[id(o)] for o in self._home]
+        out = dict(home[0]) if len(home) == 1 else dict(enumerate(home))  # ChainedOptimizer's layout
+        if is_loading:
+            out[MIRROR_KEY] = {self._kind[id(o)]: parts[id(o)].get("param_state")
+                               for o in self._subs if o not in self._home}
+        return out
+
+    def _load_sharded(self, state_dict):
+        """``load_state_dict`` of what :meth:`sharded_state_dict` asked for: the home copy's
+        sub-optimizers as 1F1B's, the mirror's with the same common state and their own shards."""
+        state_dict = dict(state_dict)
+        mirror = state_dict.pop(MIRROR_KEY)
+        sds = [state_dict] if len(self._home) == 1 else [v for _, v in sorted(state_dict.items())]
+        loaded = {self._kind[id(o)]: sd for o, sd in zip(self._home, sds)}
+        for o in self._subs:
+            kind = self._kind[id(o)]
+            if o in self._home:
+                o.load_state_dict(loaded[kind])
+            else:
+                o.load_state_dict(dict(_for_mirror(o, loaded[kind]), param_state=mirror[kind]))
 
     def save_parameter_state(self, filename):
         import torch

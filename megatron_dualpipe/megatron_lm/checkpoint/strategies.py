@@ -55,7 +55,13 @@ def save_model0_as_one_chunk(orig, args, iteration, model, optimizer, *a, **kw):
 
 
 def save_without_mirror(orig, args, iteration, model, optimizer, *a, **kw):
-    """dualpipe, torch_dist: 1F1B's keys (the mirror's entries and grad buffers are not written)."""
+    """dualpipe, torch_dist: 1F1B's keys (the mirror's entries and grad buffers are not written;
+    with the shared shard group the home copy's sub-optimizers: :mod:`.shared_shards`)."""
+    if is_shared_layout(model):
+        if not args.no_save_optim and optimizer is not None:
+            optimizer = SharedShardOptimizerView(optimizer, model)
+        with generated_state_dict_edited(torch_dist_mirror.drop_mirror_entries):
+            return orig(iteration, model, optimizer, *a, **kw)
     with generated_state_dict_edited(torch_dist_mirror.drop_mirror_entries), \
             torch_dist_mirror.model0_distributed_optimizers(model, optimizer):
         return orig(iteration, model, optimizer, *a, **kw)
@@ -95,7 +101,13 @@ def load_into_model0(orig, args, model, optimizer, file, *a, **kw):
 
 def load_then_sync_mirrors(orig, args, model, optimizer, file, *a, **kw):
     """dualpipe, torch_dist: every replica reads its stage's shards (the distributed optimizer's
-    buffer-keyed state: model[0]'s buffers), then the mirrors are synced from the home copies."""
+    buffer-keyed state: model[0]'s buffers), then the mirrors are synced from the home copies
+    (with the shared shard group each sub-optimizer reads its own shards: parameters only)."""
+    if is_shared_layout(model):
+        view = None if optimizer is None else SharedShardOptimizerView(optimizer, model)
+        result = orig(model, view, *a, **kw)
+        sync_mirrors(model, None)
+        return result
     with torch_dist_mirror.model0_distributed_optimizers(model, optimizer):
         result = orig(model, optimizer, *a, **kw)
     sync_mirrors(model, optimizer)
@@ -126,13 +138,12 @@ def load_strategy(schedule: str, fmt: str) -> Callable:
 
 
 def refuse_shared_layout_format(model, fmt: str) -> None:
-    """The shared shard group's optimizer state is written and read in --ckpt-format torch only (the
-    argument check refuses saving in another format; this catches a --load that finds one)."""
-    if fmt != "torch" and is_shared_layout(model):
+    """The shared shard group's optimizer state is written and read in --ckpt-format torch and
+    torch_dist (the argument check refuses saving in another; this catches a --load that finds one)."""
+    if fmt not in ("torch", "torch_dist") and is_shared_layout(model):
         raise NotImplementedError(
-            f"--dualpipe-shared-shard-group loads --ckpt-format torch checkpoints only, this one is {fmt}: "
-            "convert it under --pipeline-schedule 1f1b (load it, save with --ckpt-format torch), or remove "
-            "--dualpipe-shared-shard-group")
+            f"--dualpipe-shared-shard-group loads --ckpt-format torch and torch_dist checkpoints, this one is {fmt}: "
+            "convert it under --pipeline-schedule 1f1b, or remove --dualpipe-shared-shard-group")
 
 
 def one_chunk_file(file) -> bool:
