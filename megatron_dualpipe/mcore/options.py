@@ -266,6 +266,11 @@ REFUSED: Tuple[Refused, ...] = (
          lambda a: (getattr(a, "save", None) is not None or getattr(a, "load", None) is not None)
          and not _shared_layout_format(a),
          "use --ckpt-format torch, or torch_dist with --dist-ckpt-optim-fully-reshardable"),
+        ("--num-experts with --save / --load", "the expert layers' optimizer state in checkpoints is not yet "
+         "proven equal to 1F1B's with it",
+         lambda a: getattr(a, "num_experts", None) is not None
+         and (getattr(a, "save", None) is not None or getattr(a, "load", None) is not None),
+         "remove --save and --load, or remove --dualpipe-shared-shard-group for MoE models"),
         ("--optimizer", "only adam and sgd build Megatron's distributed optimizer chunk by chunk",
          lambda a: getattr(a, "optimizer", "adam") not in ("adam", "sgd"), "use --optimizer adam or sgd"),
         ("--context-parallel-size", "context parallelism is not yet proven equal to 1F1B with it",

@@ -249,6 +249,8 @@ SHARED_REFUSED_CASES = {  # rule flag -> (argv, {args attribute: value} after Me
     "--ddp-average-in-collective": (["--ddp-average-in-collective"], None),
     "--ckpt-format": (["--save", "/nonexistent/ckpt", "--save-interval", "2", "--ckpt-format", "torch_dist"], None),
     "--optimizer": ([], {"optimizer": "muon"}),
+    "--num-experts with --save / --load": (MOE_ARGS + ["--save", "/nonexistent/ckpt", "--save-interval", "2",
+                                                       "--ckpt-format", "torch"], None),
     "--context-parallel-size": ([], {"context_parallel_size": 2}),
     "--expert-tensor-parallel-size": (MOE_ARGS, {"expert_tensor_parallel_size": 2}),
     "--fp16": (["--fp16"], None),

@@ -43,8 +43,8 @@ def _kind(opt, chunk) -> str:
 
 
 class SharedShardOptimizerView:
-    """Presents the shared layout's chained sub-optimizers to Megatron-LM's torch-format checkpoint
-    code as 1F1B's optimizer (module docstring)."""
+    """Presents the shared layout's chained sub-optimizers to Megatron-LM's checkpoint code (torch
+    and torch_dist) as 1F1B's optimizer (module docstring)."""
 
     def __init__(self, optimizer, model):
         self._optimizer = optimizer
