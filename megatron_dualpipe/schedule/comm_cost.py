@@ -49,7 +49,9 @@ from .placement import RankOrder, invert, megatron_placement, pair_placement
 #: ``bd-first`` (the executor's ``GradReduction``): sum over the bd pair, then reduce over dp;
 #: ``dp-first``: reduce over dp as soon as this copy is final, then sum the pair (on the 1/dp
 #: shards with the distributed optimizer); ``shared-shard``: the two copies are one shard group of
-#: 2 x dp replicas, one reduce-scatter (item 4 of issue 18; modelled, not implemented).
+#: 2 x dp replicas, one reduce-scatter (item 4 of issue 18: ``--dualpipe-shared-shard-group``, whose
+#: reduce-scatters run after the schedule, i.e. this mode with ``overlap_grad_reduce=False``;
+#: dp-first is modelled, not implemented).
 BD_FIRST, DP_FIRST, SHARED_SHARD = "bd-first", "dp-first", "shared-shard"
 BD_MODES = (BD_FIRST, DP_FIRST, SHARED_SHARD)
 #: Bytes per gradient element.
