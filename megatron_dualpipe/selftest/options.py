@@ -40,9 +40,11 @@ class SelftestConfig:
 
     @property
     def collective_timeout_s(self) -> float:
-        """The process group's timeout: past the stage limit, so that a stuck rank's watchdog
-        speaks (with its stack) before a collective elsewhere times out without saying why."""
-        return self.stage_limit_s + 60.0
+        """The process group's timeout: past the stage and set-up limits, so that a stuck rank's
+        watchdog speaks (with its stack) before a collective elsewhere times out without saying why."""
+        from .watchdog import SETUP_LIMIT_S
+
+        return max(self.stage_limit_s, SETUP_LIMIT_S) + 60.0
 
     @property
     def pp(self) -> int:

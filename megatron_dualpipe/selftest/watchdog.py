@@ -24,6 +24,11 @@ STUCK_EXIT = 3
 LIMIT_PER_DEADLINE = 30.0
 
 
+#: The set-up before the first stage (importing megatron-core, building its parallel groups) has
+#: nothing to do with ``--deadline``: on a loaded 2-core machine its imports alone took over 15 s.
+SETUP_LIMIT_S = 300.0
+
+
 def stage_limit_s(deadline_s: float) -> float:
     return LIMIT_PER_DEADLINE * deadline_s
 
@@ -36,9 +41,11 @@ class StageWatchdog:
         self.stream = stream if stream is not None else sys.stderr
         self._timer: Optional[threading.Timer] = None
 
-    def enter(self, phase: str) -> None:
+    def enter(self, phase: str, limit_s: Optional[float] = None) -> None:
+        """Start the clock for ``phase``: the stage limit, or ``limit_s`` (the set-up's)."""
         self.stop()
-        self._timer = threading.Timer(self.limit_s, self._fire, args=(phase,))
+        self._timer = threading.Timer(self.limit_s if limit_s is None else limit_s, self._fire,
+                                      args=(phase, limit_s))
         self._timer.daemon = True
         self._timer.start()
 
@@ -47,20 +54,21 @@ class StageWatchdog:
             self._timer.cancel()
             self._timer = None
 
-    def _fire(self, phase: str) -> None:
-        self.report(phase)
+    def _fire(self, phase: str, limit_s: Optional[float] = None) -> None:
+        self.report(phase, limit_s)
         os._exit(STUCK_EXIT)
 
-    def report(self, phase: str) -> None:
+    def report(self, phase: str, limit_s: Optional[float] = None) -> None:
         """Say which phase is stuck and where every thread is, one line per write.
 
         Every rank of a stuck job tends to fire within the same second, into the same stderr pipe;
         :func:`faulthandler.dump_traceback` writes a line in pieces, so the stacks of two ranks
         would merge mid-line. The stacks go to a scratch file first, and each line leaves in one
         write (atomic on a pipe below PIPE_BUF), marked with the rank."""
-        lines = [f"megatron-dualpipe selftest: rank {self.rank} still {phase} after {self.limit_s:g} s "
-                 f"(the stage limit, {LIMIT_PER_DEADLINE:g} x --deadline {self.deadline_s:g}; raise "
-                 f"--deadline on a slow or busy machine); stopping this rank. Where its threads are:"]
+        why = (f"the stage limit, {LIMIT_PER_DEADLINE:g} x --deadline {self.deadline_s:g}; raise --deadline on a slow "
+               f"or busy machine" if limit_s is None else "the set-up limit")
+        lines = [f"megatron-dualpipe selftest: rank {self.rank} still {phase} after "
+                 f"{self.limit_s if limit_s is None else limit_s:g} s ({why}); stopping this rank. Where its threads are:"]
         with tempfile.TemporaryFile(mode="w+") as scratch:
             faulthandler.dump_traceback(file=scratch, all_threads=True)
             scratch.seek(0)

@@ -7,7 +7,8 @@ A stage is a module with ``NAME``, ``run(ctx) -> payload`` (every rank; any pick
 on a rank becomes a FAIL naming the rank; the rank also prints its error at once, in case its
 peers, still inside the stage's collectives, never reach the gathering. The stage that makes a
 rank raise on purpose runs last: after it the pipeline's point-to-point traffic cannot be trusted
-any more. Every phase of every stage is bounded by the stage limit (:mod:`.watchdog`).
+any more. Every phase of every stage is bounded by the stage limit, the set-up before them by
+the set-up limit (:mod:`.watchdog`).
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ import torch.distributed as dist
 
 from . import result as R
 from .options import SelftestConfig
-from .watchdog import StageWatchdog
+from .watchdog import SETUP_LIMIT_S, StageWatchdog
 
 
 @dataclasses.dataclass
@@ -97,7 +98,7 @@ def worker(rank: int, world: int, device, cfg: SelftestConfig) -> Optional[List[
     """Every rank: run the stages; rank 0 returns the results (as dicts), the others None."""
     started = time.perf_counter()
     watchdog = StageWatchdog(rank, cfg.stage_limit_s, cfg.deadline_s)
-    watchdog.enter("setting up megatron-core's parallel groups")
+    watchdog.enter("setting up megatron-core's parallel groups", limit_s=max(cfg.stage_limit_s, SETUP_LIMIT_S))
     ctx = _setup(cfg, rank, world, device)
     results: List[R.StageResult] = []
     for stage in _stages():
