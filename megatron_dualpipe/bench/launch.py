@@ -125,6 +125,10 @@ def _dead(procs) -> Optional[str]:
     return ", ".join(dead) or None
 
 
+#: How long the other ranks may still report after one died without a result.
+REPORT_GRACE_S = 5.0
+
+
 def _await_result(q, procs, timeout_s: float, poll_s: float = 1.0):
     """Rank 0's (status, payload), or raise as soon as a rank died without reporting (a crash, a
     watchdog, the OOM killer: it cannot put its error on the queue) or when ``timeout_s`` passed.
@@ -138,8 +142,11 @@ def _await_result(q, procs, timeout_s: float, poll_s: float = 1.0):
         except queue_mod.Empty:
             pass
         if _dead(procs) is not None:
-            try:  # a report may still be in the pipe (and the other ranks' watchdogs may fire with it)
-                return q.get(timeout=2 * poll_s)
+            # A report may still be in the pipe; and the other ranks' watchdogs, which fire within
+            # seconds of each other (their stage limits started together), get the time to say
+            # where they wait before they are stopped: the stuck rank's stack is the one that matters.
+            try:
+                return q.get(timeout=max(REPORT_GRACE_S, 2 * poll_s))
             except queue_mod.Empty:
                 raise RuntimeError(f"benchmark workers ended without a result: {_dead(procs)} (their own output, "
                                    f"above, says why)") from None
