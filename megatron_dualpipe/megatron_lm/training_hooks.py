@@ -315,7 +315,6 @@ def log_state_bytes(schedule: str, model, optimizer) -> None:
     from megatron.core import parallel_state
 
     from ..mcore import state_bytes
-
     from ..mcore.shard_groups import is_shared_layout
 
     rows, allocated = state_bytes.gather_table(model, optimizer, parallel_state.get_pipeline_model_parallel_rank())
