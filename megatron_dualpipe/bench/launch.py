@@ -125,31 +125,56 @@ def _dead(procs) -> Optional[str]:
     return ", ".join(dead) or None
 
 
+def _last_line(report: str) -> str:
+    """'rank R: <the exception's line>' from a worker's 'rank R:\n<traceback>' report."""
+    lines = [line.strip() for line in report.splitlines() if line.strip()]
+    return f"{lines[0]} {lines[-1]}" if len(lines) > 1 else (lines[0] if lines else "")
+
+
 #: How long the other ranks may still report after one died without a result.
 REPORT_GRACE_S = 5.0
+#: How long an error report waits for a rank's death to show: the error may be its echo.
+DEATH_SHOWS_S = 1.0
 
 
 def _await_result(q, procs, timeout_s: float, poll_s: float = 1.0):
     """Rank 0's (status, payload), or raise as soon as a rank died without reporting (a crash, a
     watchdog, the OOM killer: it cannot put its error on the queue) or when ``timeout_s`` passed.
-    A rank that raised reports itself through the queue; its neighbours' errors follow."""
+    A rank that raised reports itself through the queue; its neighbours' errors follow. An error
+    that is the echo of a death (gloo's "connection closed by peer" on the dead rank's neighbour,
+    often on the queue before the parent sees the death) is reported after the dead rank, which
+    the last line names first: that line is what the selftest prints."""
     import queue as queue_mod
 
     end = time.monotonic() + timeout_s
     while True:
         try:
-            return q.get(timeout=max(0.0, min(poll_s, end - time.monotonic())))
+            got = q.get(timeout=max(0.0, min(poll_s, end - time.monotonic())))
         except queue_mod.Empty:
-            pass
-        if _dead(procs) is not None:
+            got = None
+        if got is not None and got[0] == "ok":
+            return got
+        if got is not None:  # an error: the cause, unless a rank's death shows within a moment
+            shows = time.monotonic() + DEATH_SHOWS_S
+            while _dead(procs) is None and time.monotonic() < shows:
+                time.sleep(0.05)
+            if _dead(procs) is None:
+                return got
+        elif _dead(procs) is not None:
             # A report may still be in the pipe; and the other ranks' watchdogs, which fire within
             # seconds of each other (their stage limits started together), get the time to say
             # where they wait before they are stopped: the stuck rank's stack is the one that matters.
             try:
-                return q.get(timeout=max(REPORT_GRACE_S, 2 * poll_s))
+                got = q.get(timeout=max(REPORT_GRACE_S, 2 * poll_s))
             except queue_mod.Empty:
-                raise RuntimeError(f"benchmark workers ended without a result: {_dead(procs)} (their own output, "
-                                   f"above, says why)") from None
+                pass
+            if got is not None and got[0] == "ok":
+                return got
+        if _dead(procs) is not None:
+            payload = None if got is None else got[1]
+            echo = "" if payload is None else f"; after it, {_last_line(payload)}"
+            raise RuntimeError(f"{'' if payload is None else payload}\nbenchmark workers ended without a "
+                               f"result: {_dead(procs)} (their own output, above, says why){echo}")
         if time.monotonic() >= end:
             raise RuntimeError(f"benchmark workers gave no result within {timeout_s:.0f} s; exit codes "
                                f"{[p.exitcode for p in procs]}")
