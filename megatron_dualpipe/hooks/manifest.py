@@ -94,7 +94,8 @@ MODEL_BUILDER_SCOPED = (
     Patch(_DIST_UTILS, "print", None, "the parameter-count line says the logical and physical counts",
           versions=_SINCE_019, kind=SCOPED, where=_MODEL_BUILDER),
     Patch(_DIST_UTILS, "DistributedDataParallel", None, "--dualpipe-shared-shard-group: each chunk's DDP over its "
-          "shard group (mcore/shared_shard_wrap.py)", versions=_SINCE_019, kind=SCOPED, where=_MODEL_BUILDER),
+          "shard group (mcore/shared_shard_wrap.py); --dualpipe-dp-first: the pair sums the shards after the "
+          "reduce-scatter (mcore/dp_first.py)", versions=_SINCE_019, kind=SCOPED, where=_MODEL_BUILDER),
 )
 V_CONFIG = Patch(_BUILDER, "GPTModelConfig.transformer", None,
                  "dualpipev: the builder's TransformerConfig is the dualpipev_config copy (two V-stages) while the "
@@ -158,7 +159,7 @@ SCOPED_PATCHES = (
                    "get_expert_data_parallel_group_gloo")
 ) + (
     _scoped(_TRAINING, "DDP", "every DualPipe chunk unbucketed, so the two copies of a stage have one buffer "
-            "layout (summed in place)", "megatron_lm.training_hooks get_model (dualpipe)"),
+            "layout (summed in place); the shared shard group's or dp-first's DDP class", "megatron_lm.training_hooks get_model (dualpipe)"),
     _scoped(_TRAINING, "print", "the parameter-count line says the logical and physical counts",
             "megatron_lm.training_hooks get_model (dualpipe, dualpipev)"),
     _scoped(_CKPT, "_load_base_checkpoint", "dualpipev loading a 1F1B-layout file: its model is cut into the "

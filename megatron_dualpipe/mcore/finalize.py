@@ -24,6 +24,7 @@ import torch.distributed as dist
 from ..executor import pair_sums
 from . import bd_pairs
 from .model import BIDIRECTIONAL, V_SHAPE, chunk_info, unwrap_chunk
+from .dp_first import is_dp_first
 from .shard_groups import is_shared_layout, stage_order
 
 __all__ = ["allreduce_bd_grads", "allreduce_bd_router_statistics", "fold_tied_embedding_grads",
@@ -244,7 +245,9 @@ def finalize_dualpipe_grads(
     ``--dualpipe-shared-shard-group`` (chunks wrapped over their shard groups): no step 1 (the
     reduce-scatter over both copies' ranks sums them; the fold adds this rank's unsummed copies)
     and ``finalize_func`` gets the chunks in ascending stage order, the order both partners issue
-    those reduce-scatters in.
+    those reduce-scatters in. ``--dualpipe-dp-first`` (``mcore.dp_first``): no step 1 either (the
+    chunks' ``finish_grad_sync`` sums the pair's shards after the reduce-scatter), chunks in stage
+    order, the order both partners issue those sums in.
 
     ``copies_summed=True`` skips steps 1-2 (``grad_reduction.GradReduction`` did them during the
     schedule).
@@ -267,9 +270,11 @@ def finalize_dualpipe_grads(
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.utils import get_model_config, get_pg_size
 
-    shared = is_shared_layout(model)
+    shared, dp_first = is_shared_layout(model), is_dp_first(model)
     if not copies_summed:
-        if not shared:  # the shard groups' reduce-scatter sums the copies
+        # the shard groups' reduce-scatter sums the copies; dp-first sums them on the shards, after
+        # it (but the middle rank of an odd pipeline, holding both, sums them here first)
+        if not shared and not (dp_first and not bd_pairs.position().is_middle):
             allreduce_bd_grads(model)
         fold_tied_embedding_grads(model)
 
@@ -303,8 +308,8 @@ def finalize_dualpipe_grads(
     pgc = copy.copy(pg_collection) if pg_collection is not None else ProcessGroupCollection.use_mpu_process_groups()
     pgc.embd = NO_EMBEDDING_GROUP
     pgc.pos_embd = None
-    if shared:  # Megatron's per-chunk loop issues the shard groups' reduce-scatters: in stage order
-        model = [model[c] for c in stage_order(model)]
+    if shared or dp_first:  # Megatron's per-chunk loop issues the shard groups' reduce-scatters, or
+        model = [model[c] for c in stage_order(model)]  # the pair's sums of the shards: in stage order
     finalize_func(model, num_tokens, pg_collection=pgc, force_all_reduce=force_all_reduce)
     return num_tokens
 

@@ -22,7 +22,9 @@ Per chunk (one `_Chunk` state each), after its last real gradient action:
 With ``--dualpipe-shared-shard-group`` there is no bd sum: each chunk's reduce-scatter runs over
 both copies' ranks (``mcore.shard_groups``) in Megatron's finalize, in stage order
 (``finalize.finalize_dualpipe_grads``); the tied-embedding fold adds this rank's two unsummed
-copies, and the reduce-scatter's sum over both ranks' folds is the tied gradient.
+copies, and the reduce-scatter's sum over both ranks' folds is the tied gradient. With
+``--dualpipe-dp-first`` neither: the pair sums the chunk's shards right after its reduce-scatter
+(``mcore.dp_first``, in Megatron's finalize, stage order), the fold as with the shared group.
 
 `finish` waits for every sum (the end of the schedule: the plan proves it safe), folds tied
 embeddings and starts the remaining data-parallel reductions. Megatron's finalize then waits for
@@ -46,6 +48,7 @@ from . import bd_pairs
 from .finalize import (BD_SUM_TIMEOUT_S, is_wrapped, chunk_layout, tied_copies, allreduce_bd_grads,
                        check_buffer_layouts, fold_tied_embedding_grads, sum_tensors)
 from .model import BIDIRECTIONAL, unwrap_chunk
+from .dp_first import is_dp_first
 from .shard_groups import is_shared_layout
 
 __all__ = ["GradReduction", "clear_deferred_output_wgrads"]
@@ -75,8 +78,9 @@ class GradReduction:
         self._pos = bd_pairs.position() if bidirectional else None
         self._local_sum = bidirectional and self._pos.is_middle  # odd pipeline: both copies here
         paired = bidirectional and not self._local_sum
-        # --dualpipe-shared-shard-group: the data-parallel reduce-scatter sums the copies itself
-        bd = paired and not is_shared_layout(self.model)
+        # --dualpipe-shared-shard-group: the data-parallel reduce-scatter sums the copies itself;
+        # --dualpipe-dp-first: the pair sums the shards after it (in Megatron's finalize)
+        bd = paired and not is_shared_layout(self.model) and not is_dp_first(self.model)
         self._last = {pair_sums.action_key(actions[i]): c for c, i in last_actions.items()}
         if paired and all(is_wrapped(c) for c in self.model):
             check_buffer_layouts(self.model)

@@ -42,6 +42,7 @@ MIRRORED = (registry.DUALPIPE,)
 #: The flags whose requirements the ``needs`` rules state.
 COMBINED_STEP = "--overlap-moe-expert-parallel-comm"
 SHARED_SHARDS = "--dualpipe-shared-shard-group"
+DP_FIRST = "--dualpipe-dp-first"
 
 
 @dataclass(frozen=True)
@@ -141,6 +142,14 @@ def _fp8_delayed(source, side):
 _VP_FLAGS = "--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank"
 
 #: Every refused option, in the order the checks report them.
+def _needs_of_a_dualpipe_flag(needs: str, test: str, rows) -> Tuple[Refused, ...]:
+    """The requirements of one of DualPipe's own Megatron-LM flags (args only): ``rows`` of
+    (flag, why, is refused(args), fix)."""
+    return tuple(Refused(flag, f"{flag}: {why}", read=lambda source, side, r=refused: r(source), sides=(ARGS,),
+                         schedules=MIRRORED, needs=needs, fix=fix, test=test)
+                 for flag, why, refused, fix in rows)
+
+
 REFUSED: Tuple[Refused, ...] = (
     # The pipeline's structure.
     Refused(_VP_FLAGS, "the schedule places its own chunks on every rank; a virtual pipeline would add more",
@@ -241,11 +250,9 @@ REFUSED: Tuple[Refused, ...] = (
     Refused("--moe-shared-expert-overlap", "it cannot be combined with --moe-shared-expert-overlap",
             arg="moe_shared_expert_overlap", config="moe_shared_expert_overlap", fix="remove it",
             needs=COMBINED_STEP, test="—"),
-) + tuple(
+) + _needs_of_a_dualpipe_flag(
     # What --dualpipe-shared-shard-group (a Megatron-LM flag: args only) runs with so far.
-    Refused(flag, f"{flag}: {why}", read=lambda source, side, r=refused: r(source), sides=(ARGS,), schedules=MIRRORED,
-            needs=SHARED_SHARDS, fix=fix, test="A `shared shard group refuses ...`")
-    for flag, why, refused, fix in (
+    SHARED_SHARDS, "A `shared shard group refuses ...`", (
         ("--use-distributed-optimizer", "the shard group is the distributed optimizer's, which is off",
          lambda a: not getattr(a, "use_distributed_optimizer", False), "set --use-distributed-optimizer"),
         ("--overlap-grad-reduce", "DDP's hooks would start each chunk's reduce-scatter when its gradients are "
@@ -295,6 +302,19 @@ REFUSED: Tuple[Refused, ...] = (
         ("--use-nccl-ub", "its warm-up all-reduce runs over each chunk's group in chunk order",
          lambda a: getattr(a, "use_nccl_ub", False), "remove --use-nccl-ub"),
     )
+) + _needs_of_a_dualpipe_flag(
+    # What --dualpipe-dp-first (a Megatron-LM flag: args only) runs with so far.
+    DP_FIRST, "A `dp-first refuses ...`", (
+        ("--use-distributed-optimizer", "the shards it sums are the distributed optimizer's, which is off (without "
+         "it the pair would carry the whole gradient either way)",
+         lambda a: not getattr(a, "use_distributed_optimizer", False), "set --use-distributed-optimizer"),
+        ("--num-distributed-optimizer-instances", "above 1 is not yet proven equal to 1F1B with it",
+         lambda a: (getattr(a, "num_distributed_optimizer_instances", 1) or 1) > 1,
+         "set --num-distributed-optimizer-instances 1, or remove --dualpipe-dp-first"),
+        ("--ddp-reduce-scatter-with-fp32-accumulation", "not yet proven equal to 1F1B with it",
+         lambda a: getattr(a, "ddp_reduce_scatter_with_fp32_accumulation", False),
+         "remove it, or remove --dualpipe-dp-first"),
+    )
 )
 
 
@@ -310,7 +330,8 @@ def _combined_step_on(source, side) -> bool:
 
 #: ``needs`` flag -> whether it is on.
 _NEEDS_ON = {COMBINED_STEP: _combined_step_on,
-             SHARED_SHARDS: lambda source, side: bool(getattr(source, "dualpipe_shared_shard_group", False))}
+             SHARED_SHARDS: lambda source, side: bool(getattr(source, "dualpipe_shared_shard_group", False)),
+             DP_FIRST: lambda source, side: bool(getattr(source, "dualpipe_dp_first", False))}
 
 
 def problems(source, schedule: str, side: str) -> List[str]:

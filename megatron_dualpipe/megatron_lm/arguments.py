@@ -106,6 +106,14 @@ def add_dualpipe_arguments(parser):
         "twice it, and the copies are summed by the reduce-scatter the optimizer does anyway "
         "(docs/design-shared-shard-group.md).",
     )
+    group.add_argument(
+        "--dualpipe-dp-first",
+        action="store_true",
+        help="dualpipe with --use-distributed-optimizer: reduce-scatter each copy of a stage over its data-parallel "
+        "replicas first, then sum the two copies over the bd pair on the 1/dp shards (the pair carries 1/dp of the "
+        "gradient bytes; cheapest where the pair crosses nodes and the replicas do not; the optimizer state stays "
+        "twice 1F1B's: --dualpipe-shared-shard-group saves that).",
+    )
     return parser
 
 
@@ -152,6 +160,13 @@ def dualpipe_problems(args):
         return [f"--dualpipe-shared-shard-group shares the distributed optimizer between DualPipe's two copies of a "
                 f"stage; --pipeline-schedule {schedule} has none: use --pipeline-schedule {registry.DUALPIPE} or "
                 f"remove --dualpipe-shared-shard-group"]
+    if getattr(args, "dualpipe_dp_first", False):
+        if schedule != registry.DUALPIPE:
+            return [f"--dualpipe-dp-first reorders the sum of DualPipe's two copies of a stage; --pipeline-schedule "
+                    f"{schedule} has none: use --pipeline-schedule {registry.DUALPIPE} or remove --dualpipe-dp-first"]
+        if getattr(args, "dualpipe_shared_shard_group", False):
+            return ["--dualpipe-dp-first and --dualpipe-shared-shard-group are two ways to sum the copies: keep one "
+                    "(the shared shard group also halves the optimizer state)"]
     if spec.runs_on != registry.EXECUTOR:
         if getattr(args, "dualpipe_advise", False):
             return [f"--dualpipe-advise measures the executor's schedules, not Megatron's own {schedule}: use "

@@ -52,7 +52,7 @@ def wrap_unimodal_build_distributed_models(orig):
                 "copies are broadcast right after construction); remove it")
         import importlib
 
-        from .training_hooks import build_pair_groups, shared_shards
+        from .training_hooks import build_pair_groups, ddp_for_dualpipe
 
         build_pair_groups(args_)
         dist_utils = importlib.import_module(_DIST_UTILS)
@@ -62,10 +62,9 @@ def wrap_unimodal_build_distributed_models(orig):
                  _SCOPED["print"].to(_count_printer(built), on=dist_utils)]
         if schedule == registry.DUALPIPE:
             swaps.append(_SCOPED["_ddp_wrap"].made_by(_unbucketed, on=dist_utils))
-            if shared_shards(args_):
-                from ..mcore.shared_shard_wrap import over_shared_shard_groups
-
-                swaps.append(_SCOPED["DistributedDataParallel"].made_by(over_shared_shard_groups, on=dist_utils))
+            wrap = ddp_for_dualpipe(args_)
+            if wrap is not None:
+                swaps.append(_SCOPED["DistributedDataParallel"].made_by(wrap, on=dist_utils))
         with hooks.scoped(*swaps):
             model = orig(build_model_func, transformer_config, pg_collection, *args, **kwargs)
         return _after_build(list(model), schedule)

@@ -165,6 +165,25 @@ def shared_shards(args) -> bool:
     return bool(getattr(args, "dualpipe_shared_shard_group", False))
 
 
+def dp_first(args) -> bool:
+    """``--dualpipe-dp-first`` (the argument check allows it with dualpipe only)."""
+    return bool(getattr(args, "dualpipe_dp_first", False))
+
+
+def ddp_for_dualpipe(args):
+    """How DualPipe's chunks wrap megatron-core's DDP class: over the shared shard groups, summing
+    the pair's shards after the reduce-scatter (dp-first), or unchanged (None)."""
+    if shared_shards(args):
+        from ..mcore.shared_shard_wrap import over_shared_shard_groups
+
+        return over_shared_shard_groups
+    if dp_first(args):
+        from ..mcore.dp_first import summing_shards_over_pairs
+
+        return summing_shards_over_pairs
+    return None
+
+
 def build_pair_groups(args) -> None:
     """The bd groups, and with ``--dualpipe-shared-shard-group`` the shard groups (collective; once,
     before the chunks are built)."""
@@ -176,7 +195,7 @@ def build_pair_groups(args) -> None:
         shard_groups.build_shard_groups()
 
 
-def _unbucketed_ddp(module, shared=False):
+def _unbucketed_ddp(module, wrap=None):
     """Within the block, ``module.DDP`` (what stock ``get_model`` wraps each chunk in) builds every
     chunk with ``disable_bucketing=True``. Stock DDP buckets only the first chunk on pipeline rank 0,
     so with --overlap-grad-reduce stage 0's home copy would be bucketed and its mirror (rank
@@ -185,10 +204,8 @@ def _unbucketed_ddp(module, shared=False):
     would not let its reduction start earlier.)"""
 
     def unbucketed(orig):
-        if shared:  # --dualpipe-shared-shard-group: each chunk over its shard group
-            from ..mcore.shared_shard_wrap import over_shared_shard_groups
-
-            orig = over_shared_shard_groups(orig)
+        if wrap is not None:  # ``ddp_for_dualpipe``
+            orig = wrap(orig)
 
         class UnbucketedDDP(orig):
             def __init__(self, *args, **kwargs):
@@ -243,7 +260,7 @@ def wrap_get_model(orig):
         provider = _two_chunk_provider(model_provider_func, schedule, model_type, config, built)
         swaps = [_parameter_count_rewritten(mtraining, built)]
         if schedule == registry.DUALPIPE:
-            swaps.append(_unbucketed_ddp(mtraining, shared=shared_shards(args)))
+            swaps.append(_unbucketed_ddp(mtraining, ddp_for_dualpipe(args)))
         with hooks.scoped(*swaps):
             model = orig(provider, model_type, wrap_with_ddp, config=config, pg_collection=pg_collection)
         return two_chunk_model_built(list(model), schedule)

@@ -25,7 +25,8 @@ precision), so that a test can check that both DualPipe copies of a layer carry 
 MEGATRON_DUALPIPE_TEST_COLLECTIVES=1: every gradient reduce-scatter and parameter all-gather of Megatron
 DDP's buffers (``param_and_grad_buffer``'s ``dist_reduce_scatter_func`` / ``dist_all_gather_func``)
 prints ``[test-collective] rank R: KIND over A,B,C numel N`` (global ranks of its group in group
-order) before it is issued, so that a test can check the order every rank issues them in
+order) before it is issued, and so does every bd sum (``executor.pair_sums.issue_sum``, KIND
+``bd-sum``, one line per tensor), so that a test can check the order every rank issues them in
 (``schedule.collective_order``).
 
 MEGATRON_DUALPIPE_TEST_FAST_EXIT=1: once the script the launcher runs (pretrain_gpt.py) has
@@ -125,6 +126,18 @@ def _print_collectives():
     # (output, input): the reduce-scatter's input is the whole bucket, the all-gather's output
     buffers.dist_reduce_scatter_func = logged("reduce-scatter", buffers.dist_reduce_scatter_func, 1)
     buffers.dist_all_gather_func = logged("all-gather", buffers.dist_all_gather_func, 0)
+
+    from megatron_dualpipe.executor import pair_sums
+    issue_sum = pair_sums.issue_sum
+
+    def logged_bd_sums(chunk, tensors, group, **kwargs):
+        ranks = ",".join(str(r) for r in dist.get_process_group_ranks(group))
+        lines = "".join(f"[test-collective] rank {dist.get_rank()}: bd-sum over {ranks} numel {t.numel()}\n"
+                        for t in tensors)
+        sys.stdout.flush()
+        os.write(sys.stdout.fileno(), lines.encode())
+        return issue_sum(chunk, tensors, group, **kwargs)
+    pair_sums.issue_sum = logged_bd_sums
 
 
 if _NAN or _EXPERT_BIAS or _SIGKILL or _COLLECTIVES:

@@ -271,6 +271,26 @@ for _flag, (_argv, _over) in SHARED_REFUSED_CASES.items():
         4, BASE + SHARED + ["--use-distributed-optimizer"] + _argv, ["--dualpipe-shared-shard-group: ",
                                                                      _flag.split(" / ")[0]], _over)
 
+# --dualpipe-dp-first: accepted with dualpipe and the distributed optimizer (overlapped reduction and
+# gather included); its own refusals (needs=DP_FIRST), another schedule and the shared shard group refused.
+DP_FIRST = ["--pipeline-schedule", "dualpipe", "--dualpipe-dp-first"]
+DP_FIRST_REFUSED_CASES = {
+    "--use-distributed-optimizer": ([], {"use_distributed_optimizer": False}),
+    "--num-distributed-optimizer-instances": ([], {"num_distributed_optimizer_instances": 2}),
+    "--ddp-reduce-scatter-with-fp32-accumulation": ([], {"ddp_reduce_scatter_with_fp32_accumulation": True}),
+}
+CASES["dp_first_ok"] = (4, BASE + DP_FIRST + ["--use-distributed-optimizer", "--overlap-grad-reduce",
+                                               "--overlap-param-gather"], None)
+CASES["dp_first_needs_dualpipe"] = (
+    4, BASE + ["--pipeline-schedule", "1f1b", "--dualpipe-dp-first", "--use-distributed-optimizer"],
+    ["--dualpipe-dp-first reorders the sum", "use --pipeline-schedule dualpipe"])
+CASES["dp_first_or_shared_shard_group"] = (
+    4, BASE + DP_FIRST + ["--dualpipe-shared-shard-group", "--use-distributed-optimizer"],
+    ["--dualpipe-dp-first and --dualpipe-shared-shard-group are two ways", "keep one"])
+for _flag, (_argv, _over) in DP_FIRST_REFUSED_CASES.items():
+    CASES["dp-first refuses " + _flag] = (
+        4, BASE + DP_FIRST + ["--use-distributed-optimizer"] + _argv, ["--dualpipe-dp-first: ", _flag], _over)
+
 # Options that Megatron-LM's own validation stops before training on this machine, under 1f1b as
 # under DualPipe: name -> argv (run once per schedule, `test_fails_as_under_1f1b`).
 # --moe-grouped-gemm: validate_args asks torch.cuda.get_device_capability() (>= 8), and its
@@ -393,6 +413,8 @@ def test_every_refused_option_has_a_case():
 
     shared = [rule.flag for rule in options.REFUSED if rule.needs == options.SHARED_SHARDS]
     assert sorted(shared) == sorted(SHARED_REFUSED_CASES)
+    dp_first = [rule.flag for rule in options.REFUSED if rule.needs == options.DP_FIRST]
+    assert sorted(dp_first) == sorted(DP_FIRST_REFUSED_CASES)
 
 
 def test_argument_defaults(arg_results):
@@ -405,8 +427,8 @@ def test_argument_defaults(arg_results):
 
 def test_1f1b_leaves_megatron_args_unchanged(arg_results):
     res = arg_results["__1f1b_identity__"]
-    assert res["extra"] == ["dualpipe_advise", "dualpipe_advise_warmup", "dualpipe_drift_check_interval",
-                            "dualpipe_p2p_timeout", "dualpipe_shared_shard_group", "dualpipe_zero_bubble",
+    assert res["extra"] == ["dualpipe_advise", "dualpipe_advise_warmup", "dualpipe_dp_first",
+                            "dualpipe_drift_check_interval", "dualpipe_p2p_timeout", "dualpipe_shared_shard_group", "dualpipe_zero_bubble",
                             "pipeline_schedule"]
     assert res["diff"] == []
 

@@ -258,6 +258,44 @@ def test_shared_shard_group_equals_1f1b_holds_its_optimizer_state_and_resumes_ac
     assert count > 0 and worst <= 1e-6
 
 
+DP_FIRST = ("--use-distributed-optimizer", "--dualpipe-dp-first")
+
+
+def test_dp_first_equals_1f1b_sums_the_shards_in_stage_order_and_resumes_in_1f1b(reference, tmp_path):
+    """--dualpipe-dp-first, dp = 2 (4 processes), fp32, tied embeddings, --overlap-grad-reduce and
+    --overlap-param-gather: each copy of a stage is reduce-scattered over its replicas first, then
+    the bd pair sums only the rank's half of every bucket. Losses and the clipped grad norm equal the
+    reference's 1f1b. Every collective each rank issued is printed (reduce-scatters, all-gathers,
+    the pair's sums) and checked with NCCL's rules; every pair sum is a reduce-scatter's shard (its
+    bucket / dp elements: the pair carries half the bytes it carries without the flag). The run's
+    torch_dist checkpoint at 2 (Megatron's default dp_reshardable optimizer state) is resumed by
+    Megatron's 1f1b, which continues the uninterrupted curve."""
+    from megatron_dualpipe.schedule.collective_order import Collective, order_problem
+
+    ref, _ = reference
+    first = str(tmp_path / "first")
+    run = _run(4, *DP_FIRST, "--overlap-grad-reduce", "--overlap-param-gather", *TORCH_DIST, "--save", first,
+               iters=4, schedule="dualpipe", env_extra={"MEGATRON_DUALPIPE_TEST_COLLECTIVES": "1"},
+               pythonpath=(megatron_lm_runs.CHILD_HOOKS,))
+    assert_metrics_close(run, ref, "dualpipe --dualpipe-dp-first, overlapped grad reduce and param gather, dp=2 vs "
+                                   "1f1b reference")
+    issued = {}
+    for rank, kind, ranks, numel in COLLECTIVE_RE.findall(megatron_lm_runs.LAST_OUTPUT[0]):
+        issued.setdefault(int(rank), []).append(Collective(tuple(int(r) for r in ranks.split(",")), (kind, int(numel))))
+    assert sorted(issued) == [0, 1, 2, 3], sorted(issued)
+    for rank, collectives in sorted(issued.items()):
+        numels = {k: [c.key[1] for c in collectives if c.key[0] == k] for k in ("reduce-scatter", "bd-sum")}
+        print(f"rank {rank}: {len(numels['reduce-scatter'])} reduce-scatters of {sum(numels['reduce-scatter']):,} "
+              f"elements, {len(numels['bd-sum'])} pair sums of {sum(numels['bd-sum']):,}; iteration 1: "
+              f"{[str(c) for c in collectives[:6]]}")
+        assert numels["bd-sum"] and sorted(numels["bd-sum"]) == sorted(n // 2 for n in numels["reduce-scatter"]), numels
+    problem = order_problem(issued)
+    assert problem is None, str(problem)
+    back = _chain_step("1f1b", 4, first, 2, *DIST_OPT, "--ckpt-format", "torch_dist")
+    _assert_chain_continues([("1f1b", back)], ref, "distributed optimizer, torch_dist: dualpipe --dualpipe-dp-first "
+                                                   "-> 1f1b")
+
+
 TP2_SP = ("--tensor-model-parallel-size", "2", "--sequence-parallel", "--make-vocab-size-divisible-by", "64")
 
 

@@ -42,9 +42,11 @@ CASES = {
     # Its 1f1b run is test_megatron_lm_overlap.py's reference too (made once per session).
     # And with both copies of every stage in one distributed-optimizer group (the experts' group:
     # each expert rank's two copies), against the same 1f1b run without the distributed optimizer
-    # (dp = 2 splits the batch; the arithmetic is the same).
+    # (dp = 2 splits the batch; the arithmetic is the same). And dp-first: each copy reduce-scattered
+    # over its replicas, the pair's sum on the shards (Megatron's finalize, no overlap).
     "MoE EP2 x pp=2, aux loss, z-loss": (MOE_EP2_AUX_LOSS, DUALPIPE + (
-        ("dualpipe", ("--use-distributed-optimizer", "--dualpipe-shared-shard-group")),)),
+        ("dualpipe", ("--use-distributed-optimizer", "--dualpipe-shared-shard-group")),
+        ("dualpipe", ("--use-distributed-optimizer", "--dualpipe-dp-first")))),
     "overlap-grad-reduce, pp=2 x dp=2, no zero bubble": (
         ("--overlap-grad-reduce", "--pipeline-model-parallel-size", "2"),
         (("dualpipe", ("--no-dualpipe-zero-bubble",)),)),

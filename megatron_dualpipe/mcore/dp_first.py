@@ -1,0 +1,92 @@
+"""dp-first: DualPipe's two copies of a stage summed on the distributed optimizer's shards.
+
+``--dualpipe-dp-first`` (dualpipe, ``--use-distributed-optimizer``; docs/design-shared-shard-group.md,
+section 7). Without it each copy's full gradient buffers are summed over the bd pair (bytes ``G``
+per stage) and then reduce-scattered over the copy's ``dp`` replicas. With it the reduce-scatter
+comes first and the pair sums only the rank's ``1/dp`` shard of every bucket (bytes ``G/dp``): the
+sum is the same (both are sums over disjoint rank sets), the shard each copy's optimizer steps is
+the same on both copies (the partners have the same data-parallel coordinates, so the same shard
+index), and so are the parameters the all-gather returns. Where the pair crosses nodes and the
+replicas do not, this is the cheapest reduction the cost model knows (``schedule.comm_cost``,
+``bd_mode="dp-first"``).
+
+How: :func:`summing_shards_over_pairs` subclasses megatron-core's ``DistributedDataParallel``:
+its ``finish_grad_sync`` (the reduce-scatter, or the wait for it under ``--overlap-grad-reduce``)
+is followed by the all-reduce of every bucket's own shard over the bd pair. Megatron's finalize
+calls it chunk by chunk; the project's finalize hands it the chunks in ascending stage order, the
+order both partners then issue the pair's all-reduces in (``shard_groups.stage_order``). No bd sum
+runs during the schedule (``grad_reduction``), and the tied-embedding fold adds the rank's two
+unsummed copies before the reduce-scatter (the pair's sum of both folds is the tied gradient, as
+with the shared shard group). The middle rank of an odd pipeline holds both copies and sums them
+before its reduce-scatter, as without the flag.
+"""
+from __future__ import annotations
+
+from typing import List, Sequence
+
+import torch
+
+from . import bd_pairs
+
+__all__ = ["DP_FIRST_ATTR", "summing_shards_over_pairs", "is_dp_first", "own_shards"]
+
+#: Set on a DDP chunk whose copies are summed after its reduce-scatter, on its shards.
+DP_FIRST_ATTR = "dualpipe_dp_first"
+
+
+def is_dp_first(model: Sequence[torch.nn.Module]) -> bool:
+    return any(getattr(chunk, DP_FIRST_ATTR, False) for chunk in model)
+
+
+def _bucket_groups(ddp) -> list:
+    return list(ddp.bucket_groups) + list(ddp.expert_parallel_bucket_groups)
+
+
+def own_shards(ddp) -> List[torch.Tensor]:
+    """This rank's shard of every bucket (dense, then expert-parallel), as the reduce-scatter left it:
+    the views megatron-core's own ``start_grad_sync`` reduce-scatters into."""
+    from megatron.core.distributed.param_and_grad_buffer import shard_buffer
+
+    return [shard_buffer(bucket.grad_data, group.intra_distributed_optimizer_instance_size)[
+                group.intra_distributed_optimizer_instance_rank]
+            for group in _bucket_groups(ddp) for bucket in group.buckets]
+
+
+def shard_layout(ddp) -> list:
+    """What must match between the two copies for their shards to be summed element by element."""
+    return [(str(bucket.grad_data.dtype), bucket.grad_data.numel(), group.intra_distributed_optimizer_instance_size,
+             group.intra_distributed_optimizer_instance_rank)
+            for group in _bucket_groups(ddp) for bucket in group.buckets]
+
+
+def summing_shards_over_pairs(ddp_class):
+    """``ddp_class`` (megatron-core's DDP or a subclass) whose ``finish_grad_sync`` ends with the bd
+    pair's sum of this rank's shards."""
+
+    class DpFirstDDP(ddp_class):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            setattr(self, DP_FIRST_ATTR, True)
+            self._dp_first_checked = False
+
+        def finish_grad_sync(self, *args, **kwargs):
+            super().finish_grad_sync(*args, **kwargs)
+            pos = bd_pairs.position()
+            if pos.is_middle:  # both copies here, summed before the reduce-scatter
+                return
+            from ..executor import pair_sums
+            from .finalize import BD_SUM_TIMEOUT_S
+            from .model import chunk_info
+
+            stage = (chunk_info(self) or {}).get("stage", "?")
+            if not self._dp_first_checked:
+                bd_pairs.check_same_structure(
+                    shard_layout(self), f"--dualpipe-dp-first: the gradient shards of stage {stage} (both copies "
+                    f"need the same buckets and the same data-parallel rank)", pos)
+                self._dp_first_checked = True
+            pair_sums.sum_now(own_shards(self), pos.group, in_place=True, timeout_s=BD_SUM_TIMEOUT_S,
+                              what=f"global rank {pos.me}: the bd sum of stage {stage}'s gradient shards with "
+                                   f"global rank {pos.partner} (--dualpipe-dp-first)")
+
+    DpFirstDDP.__qualname__ = f"DpFirst{ddp_class.__name__}"
+    return DpFirstDDP
