@@ -49,7 +49,8 @@ def add_comm_args(p: argparse.ArgumentParser) -> None:
                    help="the data-parallel reduction is a reduce-scatter (Megatron's distributed optimizer)")
     g.add_argument("--bd-reduction", choices=("bd-first", "dp-first", "shared-shard"), default="bd-first",
                    help="how DualPipe's two copies of a stage meet data parallel: bd-first (what the executor does), "
-                        "dp-first (modelled, not implemented), or shared-shard (one reduce-scatter over 2 x dp; needs "
+                        "dp-first (training's --dualpipe-dp-first: reduce-scatter over dp, then the pair sums the 1/dp shards after the "
+                        "schedule; needs --distributed-optimizer to carry less), or shared-shard (one reduce-scatter over 2 x dp; needs "
                         "--distributed-optimizer; training's --dualpipe-shared-shard-group, which reduces after the "
                         "schedule: model it with --no-overlap-grad-reduce)")
     g.add_argument("--no-overlap-grad-reduce", dest="overlap_grad_reduce", action="store_false",

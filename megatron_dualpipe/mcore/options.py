@@ -457,6 +457,15 @@ HANDLED: Tuple[Handled, ...] = (
             '`test_shared_shard_group_torch_dist_checkpoints_across_schedules`, '
             '`test_shared_shard_group_tp2_bf16_per_token_loss_untied_equals_1f1b`; O `MoE EP2 x pp=2, aux loss, '
             'z-loss`'),
+    Handled('`--dualpipe-dp-first` (`dualpipe`, `--use-distributed-optimizer`): each copy reduce-scattered over its '
+            'replicas first, the bd pair sums the 1/dp shards',
+            "equal on CPU (lm loss and clipped grad norm: pp=2 x dp=2, fp32, tied embeddings, with "
+            "`--overlap-grad-reduce --overlap-param-gather`; MoE with expert parallel 2, aux and z losses, no "
+            "overlap); every collective of the run in one order (NCCL's rules), every pair sum a reduce-scatter's "
+            "shard (half the bytes at dp=2); its torch_dist checkpoint (dp_reshardable) resumed by 1f1b continues "
+            "the curve. What it does not run with yet is refused above",
+            'C `test_dp_first_equals_1f1b_sums_the_shards_in_stage_order_and_resumes_in_1f1b`; O `MoE EP2 x pp=2, '
+            'aux loss, z-loss`'),
     Handled('`dualpipev` with `--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather` (dp=2)',
             "equal on CPU to dualpipev dp=1 (its own initialisation); the chunks' reduce-scatters start during "
             'the schedule (they were reduced twice before: lm loss 2.6e-4 off)',

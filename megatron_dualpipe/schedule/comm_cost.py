@@ -47,11 +47,11 @@ from .placement import RankOrder, invert, megatron_placement, pair_placement
 
 #: How a bidirectional schedule combines the two copies of a stage with data parallel:
 #: ``bd-first`` (the executor's ``GradReduction``): sum over the bd pair, then reduce over dp;
-#: ``dp-first``: reduce over dp as soon as this copy is final, then sum the pair (on the 1/dp
-#: shards with the distributed optimizer); ``shared-shard``: the two copies are one shard group of
-#: 2 x dp replicas, one reduce-scatter (item 4 of issue 18: ``--dualpipe-shared-shard-group``, whose
-#: reduce-scatters run after the schedule, i.e. this mode with ``overlap_grad_reduce=False``;
-#: dp-first is modelled, not implemented).
+#: ``dp-first`` (training's ``--dualpipe-dp-first``): reduce over dp as soon as this copy is final,
+#: then, after the schedule (Megatron's finalize), sum the pair (on the 1/dp shards with the
+#: distributed optimizer); ``shared-shard``: the two copies are one shard group of 2 x dp
+#: replicas, one reduce-scatter (item 4 of issue 18: ``--dualpipe-shared-shard-group``, whose
+#: reduce-scatters run after the schedule, i.e. this mode with ``overlap_grad_reduce=False``).
 BD_FIRST, DP_FIRST, SHARED_SHARD = "bd-first", "dp-first", "shared-shard"
 BD_MODES = (BD_FIRST, DP_FIRST, SHARED_SHARD)
 #: Bytes per gradient element.
@@ -335,8 +335,12 @@ def grad_comm(schedule, sim, comm: CommModel, stage_fraction: float, deferring: 
         for r in range(pp):
             dp_queue(r, lambda c: 0.0, chunk_bytes)
         shard = chunk_bytes / comm.placement.dp if comm.distributed_optimizer else chunk_bytes
+
+        def after_schedule(rank: int, c: int) -> float:
+            # training's --dualpipe-dp-first sums the shards in Megatron's finalize, after the schedule
+            return max(rows[rank][c].dp_end, sim.ranks[rank].ends[-1] if schedule.ranks[rank] else 0.0)
         for r, partner in pairs:
-            pair_queue(r, partner, lambda rank, c: rows[rank][c].dp_end, comm.bd_sum(r, shard), as_dp=False)
+            pair_queue(r, partner, after_schedule, comm.bd_sum(r, shard), as_dp=False)
     else:  # SHARED_SHARD: one reduce-scatter over both copies' 2 x dp replicas
         for r, partner in pairs:
             crosses = comm.placement.pp_ranks_cross_nodes(r, partner) or comm.placement.dp_group_crosses_nodes(r)
