@@ -34,6 +34,8 @@ __all__ = ["BDPosition", "StageCopy", "position", "stage_copies", "dtype_groups"
 
 #: Deadline of the layout check's wait for the partner (seconds), as the P2P timeout.
 STRUCTURE_TIMEOUT_S = float(os.environ.get("MEGATRON_DUALPIPE_P2P_TIMEOUT", "600"))
+#: Deadline of a bd sum's wait on the host (seconds), as the P2P timeout.
+BD_SUM_TIMEOUT_S = STRUCTURE_TIMEOUT_S
 
 TensorsOf = Callable[[torch.nn.Module], List[torch.Tensor]]
 

@@ -75,7 +75,6 @@ def summing_shards_over_pairs(ddp_class):
             if pos.is_middle:  # both copies here, summed before the reduce-scatter
                 return
             from ..executor import pair_sums
-            from .finalize import BD_SUM_TIMEOUT_S
             from .model import chunk_info
 
             stage = (chunk_info(self) or {}).get("stage", "?")
@@ -84,7 +83,7 @@ def summing_shards_over_pairs(ddp_class):
                     shard_layout(self), f"--dualpipe-dp-first: the gradient shards of stage {stage} (both copies "
                     f"need the same buckets and the same data-parallel rank)", pos)
                 self._dp_first_checked = True
-            pair_sums.sum_now(own_shards(self), pos.group, in_place=True, timeout_s=BD_SUM_TIMEOUT_S,
+            pair_sums.sum_now(own_shards(self), pos.group, in_place=True, timeout_s=bd_pairs.BD_SUM_TIMEOUT_S,
                               what=f"global rank {pos.me}: the bd sum of stage {stage}'s gradient shards with "
                                    f"global rank {pos.partner} (--dualpipe-dp-first)")
 

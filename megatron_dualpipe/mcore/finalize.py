@@ -14,7 +14,6 @@ stage-0 copy, not the output layer) and is therefore switched off in `finalize_d
 from __future__ import annotations
 
 import copy
-import os
 import weakref
 from typing import Callable, List, Optional, Sequence
 
@@ -30,8 +29,7 @@ from .shard_groups import is_shared_layout, stage_order
 __all__ = ["allreduce_bd_grads", "allreduce_bd_router_statistics", "fold_tied_embedding_grads",
            "finalize_dualpipe_grads", "sum_tensors", "check_buffer_layouts", "NO_EMBEDDING_GROUP"]
 
-#: Deadline of a bd sum's wait on the host (seconds), as the P2P timeout.
-BD_SUM_TIMEOUT_S = float(os.environ.get("MEGATRON_DUALPIPE_P2P_TIMEOUT", "600"))
+BD_SUM_TIMEOUT_S = bd_pairs.BD_SUM_TIMEOUT_S
 
 
 class _NoEmbeddingGroup:

@@ -119,6 +119,39 @@ class PlacementEffect:
                 + ("the fastest that fits" if self.fastest else "not the fastest that fits"))
 
 
+#: Training's flag for each way DualPipe combines the copies of a stage (``comm_cost.BD_MODES``).
+REDUCTION_FLAGS = {"bd-first": "no flag", "dp-first": "--dualpipe-dp-first",
+                   "shared-shard": "--dualpipe-shared-shard-group"}
+
+
+@dataclass(frozen=True)
+class ReductionEffect:
+    """A schedule with bd pairs under another way of combining its copies (with the distributed
+    optimizer: ``comm_cost.BD_MODES``), as training runs it: the shared shard group reduces after
+    the schedule, dp-first sums the pair after it. ``fastest``: it would then be the fastest
+    schedule that fits (the others as modelled)."""
+
+    schedule: str
+    mode: str
+    now_mode: str
+    now: float
+    iteration: float
+    fastest: bool = False
+
+    def to_json(self) -> dict:
+        return {"schedule": self.schedule, "bd_reduction": self.mode, "flag": REDUCTION_FLAGS[self.mode],
+                "iteration": self.iteration, "bd_reduction_now": self.now_mode, "iteration_now": self.now,
+                "fastest": self.fastest}
+
+    def text(self) -> str:
+        change = (f"{_pct(self.iteration, self.now)} shorter" if self.iteration < self.now else
+                  f"{_pct(self.now, self.iteration)} longer" if self.iteration > self.now else "the same")
+        memory = ", optimizer state as 1F1B's" if self.mode == "shared-shard" else ""
+        return (f"{self.schedule} {self.mode} ({REDUCTION_FLAGS[self.mode]}{memory}): iteration "
+                f"{fmt(round(self.iteration, 3))} instead of {fmt(round(self.now, 3))} ({self.now_mode}): {change}, "
+                + ("the fastest that fits" if self.fastest else "not the fastest that fits"))
+
+
 @dataclass(frozen=True)
 class Choice:
     microbatches: int
@@ -127,11 +160,13 @@ class Choice:
     reason: str
     break_even: Optional[BreakEven] = None
     placement: List[PlacementEffect] = field(default_factory=list)
+    reduction: List[ReductionEffect] = field(default_factory=list)
 
     def to_json(self) -> dict:
         return {"microbatches": self.microbatches, "best": self.best, "reason": self.reason,
                 "break_even": None if self.break_even is None else self.break_even.to_json(),
                 "placement": [p.to_json() for p in self.placement],
+                "bd_reduction": [r.to_json() for r in self.reduction],
                 "options": [o.to_json() for o in self.options]}
 
 
@@ -249,7 +284,8 @@ def advise(pp: int, microbatches: Sequence[int], costs: Costs, activation_memory
             if even is not None:
                 reason += "; " + even.text(best, tokens)
         effects = _placement_effects(pp, m, costs, comm, options) if comm is not None else []
-        choices.append(Choice(m, options, best, reason, even, effects))
+        reduction = _reduction_effects(pp, m, costs, comm, options) if comm is not None else []
+        choices.append(Choice(m, options, best, reason, even, effects, reduction))
     return Advice(pp, costs, activation_memory, parameter_memory, weight_grad_memory, memory_limit, choices, comm,
                   tokens)
 
@@ -317,6 +353,32 @@ def _placement_effects(pp, m, costs, comm: CommModel, options: List[Option]) -> 
         t = row.iteration
         rivals = [x.row.iteration for x in options if not x.row.problem and x.fits and x is not o]
         out.append(PlacementEffect(o.row.name, name, o.row.iteration, t, o.fits and all(t < r for r in rivals)))
+    return out
+
+
+def _reduction_effects(pp, m, costs, comm: CommModel, options: List[Option]) -> List[ReductionEffect]:
+    """With the distributed optimizer, each runnable schedule with bd pairs (whose two copies are
+    one stage: DualPipe) under the other ways of combining them that training implements."""
+    from dataclasses import replace
+
+    from .compare import run
+    from .comm_cost import BD_MODES, SHARED_SHARD
+
+    if not comm.distributed_optimizer:
+        return []
+    out = []
+    for o in options:
+        if o.row.problem or not get(o.row.name).mirrored:
+            continue
+        for mode in BD_MODES:
+            if mode == comm.bd_mode:
+                continue
+            # training's shared shard group cannot overlap its reduce-scatters yet (refused with it)
+            other = replace(comm, bd_mode=mode, overlap_grad_reduce=comm.overlap_grad_reduce and mode != SHARED_SHARD)
+            t = run(o.row.name, pp, m, costs, comm=other).iteration
+            rivals = [x.row.iteration for x in options if not x.row.problem and x.fits and x is not o]
+            out.append(ReductionEffect(o.row.name, mode, comm.bd_mode, o.row.iteration, t,
+                                       o.fits and all(t < r for r in rivals)))
     return out
 
 
@@ -408,6 +470,7 @@ def _format(a: Advice) -> List[str]:
         out.append("")
         out.append(f"M={ch.microbatches}: " + (f"use {ch.reason}" if ch.best else ch.reason))
         out.extend(f"  placement: {p.text()}" for p in ch.placement)
+        out.extend(f"  bd reduction: {r.text()}" for r in ch.reduction)
         table = [head]
         for o in ch.options:
             r = o.row

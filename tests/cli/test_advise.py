@@ -131,6 +131,40 @@ def test_advise_says_what_the_pair_placement_does_and_refuses_what_cannot_be_pla
         print(f"\n{iteration}\n{effect}\n{back}\n{refused}")
 
 
+def test_advise_says_what_each_way_of_summing_the_copies_does_with_the_flag(capsys):
+    """The seed's 1.3B case with the distributed optimizer: for dualpipe, advise prints the iteration
+    under the other two ways training combines the copies (dp-first: --dualpipe-dp-first; the shared
+    shard group, reduced after the schedule as training does), each the figure advising with that
+    --bd-reduction gives; dp-first there puts dualpipe ahead of 1f1b, which advise says. Without the
+    distributed optimizer nothing is said (neither flag runs)."""
+    common = ["advise", "--pp", "8", "-m", "20", "--f", "1.664", "--b", "3.328", "--w", "1.664",
+              "--activation-memory", "1", "--parameter-memory", "1", "--stage-params", "162.5e6",
+              "--message-bytes", "8.4e6", "--schedules", "1f1b,dualpipe", "--dp", "4", "--json"]
+
+    def choice(*extra):
+        assert main(common + list(extra)) == 0
+        return json.loads(capsys.readouterr().out)["choices"][0]
+
+    def iteration(ch, name):
+        return next(o["iteration"] for o in ch["options"] if o["schedule"] == name)
+
+    now = choice("--distributed-optimizer")
+    effects = {e["bd_reduction"]: e for e in now["bd_reduction"]}
+    assert sorted(effects) == ["dp-first", "shared-shard"]
+    dp_first = iteration(choice("--distributed-optimizer", "--bd-reduction", "dp-first"), DUALPIPE)
+    shared = iteration(choice("--distributed-optimizer", "--bd-reduction", "shared-shard", "--no-overlap-grad-reduce"),
+                       DUALPIPE)
+    with capsys.disabled():
+        print(f"\nbd-first {iteration(now, DUALPIPE):.3f}, dp-first {dp_first:.3f}, shared {shared:.3f}, 1f1b "
+              f"{iteration(now, ONE_F_ONE_B):.3f}; {effects}")
+    assert effects["dp-first"]["iteration"] == pytest.approx(dp_first)
+    assert effects["dp-first"]["flag"] == "--dualpipe-dp-first"
+    assert effects["shared-shard"]["iteration"] == pytest.approx(shared)
+    assert effects["shared-shard"]["flag"] == "--dualpipe-shared-shard-group"
+    assert effects["dp-first"]["fastest"] == (dp_first < iteration(now, ONE_F_ONE_B)) is True
+    assert choice()["bd_reduction"] == []
+
+
 def test_simulate_takes_the_placement(capsys):
     """``simulate --placement paired``: dualpipe's bd sums move inside the node (the seed's 1.3B case);
     1f1b, which the launcher never pairs, keeps Megatron's placement and its figures."""
