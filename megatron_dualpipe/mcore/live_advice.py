@@ -129,7 +129,7 @@ class LiveAdvice:
         if problem:
             log.warning("megatron-dualpipe: no advice from %s: %s", measured, problem)
             return
-        comm = comm_model(links, pp, stage_grad_bytes(model[0]), message_bytes)
+        comm = comm_model(links, pp, stage_grad_bytes(model[0]), message_bytes, **reduction_of(model))
         message = advice_text(spec_name, pp, microbatches, per_op, values[-1].item(),
                               stage_parameter_bytes(model[0]), memory_limit_bytes(device), measured=measured,
                               comm=comm)
@@ -173,16 +173,31 @@ def _links(spec_name: str, group, device):
     return measure(group, device, get(spec_name).layout_kind == BIDIRECTIONAL)
 
 
-def comm_model(links, pp: int, grad_bytes: float, message_bytes: float):
+def reduction_of(model) -> dict:
+    """How the running job reduces its gradients, as ``CommModel`` fields: the distributed
+    optimizer's reduce-scatter or an all-reduce, during the schedule or after it, and how
+    DualPipe's copies are summed (``--dualpipe-dp-first``, ``--dualpipe-shared-shard-group``)."""
+    from ..schedule.comm_cost import BD_FIRST, DP_FIRST, SHARED_SHARD
+    from .dp_first import is_dp_first
+    from .shard_groups import is_shared_layout
+
+    cfg = getattr(model[0], "ddp_config", None)
+    mode = SHARED_SHARD if is_shared_layout(model) else DP_FIRST if is_dp_first(model) else BD_FIRST
+    return {"distributed_optimizer": bool(cfg is not None and cfg.use_distributed_optimizer),
+            "overlap_grad_reduce": bool(cfg is None or cfg.overlap_grad_reduce), "bd_mode": mode}
+
+
+def comm_model(links, pp: int, grad_bytes: float, message_bytes: float, **reduction):
     """The communication model of the measured links (None when none was measured); a link not
-    measured (no bd pair, dp=1) is taken as the first measured one of bd, dp, P2P."""
+    measured (no bd pair, dp=1) is taken as the first measured one of bd, dp, P2P. ``reduction``:
+    :func:`reduction_of` the job."""
     from ..schedule.comm_cost import CommModel, Network, Placement
 
     known = links.bd or links.dp or links.p2p
     if known is None:
         return None
     return CommModel(Placement(pp, links.dp_size), Network(known, known), grad_bytes, message_bytes,
-                     bd_link=links.bd, dp_link=links.dp, p2p_link=links.p2p)
+                     bd_link=links.bd, dp_link=links.dp, p2p_link=links.p2p, **reduction)
 
 
 def stage_grad_bytes(chunk: torch.nn.Module) -> float:

@@ -167,3 +167,27 @@ def test_first_training_iteration_logs_advice_once_on_rank_0():
     print(f"activations per micro-batch per stage: logged {got:.0f} B; whole model one micro-batch {whole} B, "
           f"/ pp = {whole / pp:.0f} B")
     assert whole / pp <= got <= whole
+
+
+def test_the_model_of_the_running_job_reduces_as_it_does():
+    """The live advice models the job's own reduction: the distributed optimizer (reduce-scatter),
+    --overlap-grad-reduce, and how DualPipe's copies are summed (read off the chunks that
+    --dualpipe-dp-first / --dualpipe-shared-shard-group build)."""
+    from types import SimpleNamespace
+
+    from megatron_dualpipe.mcore.dp_first import DP_FIRST_ATTR
+    from megatron_dualpipe.mcore.live_advice import reduction_of
+    from megatron_dualpipe.mcore.shard_groups import SHARED_ATTR
+
+    def chunk(dist_opt, overlap, **marks):
+        return SimpleNamespace(ddp_config=SimpleNamespace(use_distributed_optimizer=dist_opt,
+                                                          overlap_grad_reduce=overlap), **marks)
+
+    cases = {"plain": ([chunk(False, False)] * 2, (False, False, "bd-first")),
+             "dp-first": ([chunk(True, True, **{DP_FIRST_ATTR: True})] * 2, (True, True, "dp-first")),
+             "shared": ([chunk(True, False, **{SHARED_ATTR: True})] * 2, (True, False, "shared-shard")),
+             "no DDP": ([SimpleNamespace()] * 2, (False, True, "bd-first"))}
+    for name, (model, want) in cases.items():
+        got = reduction_of(model)
+        print(name, got)
+        assert (got["distributed_optimizer"], got["overlap_grad_reduce"], got["bd_mode"]) == want
