@@ -21,10 +21,18 @@ Also makes ``tests/harness`` importable as ``harness`` (and ``megatron_lm_runs``
 folder, whatever pytest's import mode.
 """
 import os
+import signal
 import sys
 import warnings
 
 import pytest
+
+# The Ctrl-C tests send SIGINT to the commands they start. A shell that starts a job in the
+# background (``bash .ci/run &``) starts it with SIGINT ignored, which every process below inherits
+# and Python then keeps: those commands would never see the Ctrl-C. A handler (unlike "ignored")
+# is reset to the default in the processes the tests start, so this gives them a normal SIGINT.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 if _HERE not in sys.path:
