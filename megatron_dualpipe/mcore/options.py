@@ -395,7 +395,7 @@ HANDLED: Tuple[Handled, ...] = (
             'O `untied, full recompute, ...`'),
     Handled('`--log-params-norm`',
             'equal on CPU (DualPipe counts `model[0]`; with MoE it asserted before)',
-            'O, D `test_moe_aux_loss_expert_bias_dualpipe_equals_1f1b`'),
+            'O `MoE EP2 x pp=2, ...` (both)'),
     Handled('`--log-num-zeros-in-grad`',
             'equal on CPU up to one element: a key bias gradient, mathematically 0, whose rounding residue '
             'lands on 0.0 or not by summation order (docs/megatron-lm-cpu.md)',
@@ -407,17 +407,18 @@ HANDLED: Tuple[Handled, ...] = (
             "equal on CPU (from 1f1b's weights)",
             'D `test_resume_without_optimizer_state_and_dualpipev_across_1f1b`; M'),
     Handled('`--num-experts` (alltoall dispatcher), `--moe-aux-loss-coeff` (`aux_loss`), `--moe-z-loss-coeff`',
-            'equal on CPU, aux losses included: pp=4, and expert parallel 2 x pp=2',
-            'D `test_moe_aux_loss_expert_bias_dualpipe_equals_1f1b`; O `MoE EP2 x pp=2, aux loss, z-loss`'),
+            'equal on CPU, aux losses included: expert parallel 2 x pp=2 (pp=4 MoE: the quantile-balancing '
+            'case, core_v0.19.0)',
+            'O `MoE EP2 x pp=2, aux loss, z-loss`, `test_quantile_balancing_dualpipe_equals_1f1b`'),
     Handled('`--expert-model-parallel-size 2` (alltoall dispatcher, pp=2, 4 ranks)',
             'equal on CPU (lm loss, aux losses, grad norm, params norm; max difference 0)',
             'O `MoE EP2 x pp=2, ...` (both)'),
     Handled('`--moe-router-enable-expert-bias` (aux loss, and aux-loss-free `--moe-router-load-balancing-type '
             'none`)',
-            'equal on CPU, pp=4 and EP2 x pp=2 (token counts summed over the bd pair; without it lm loss '
-            "differs by 1.3e-3 at iteration 2); with EP2 every copy of every router's `expert_bias` (2 "
+            'equal on CPU, EP2 x pp=2 (token counts summed over the bd pair; without it lm loss '
+            "differs by 1.3e-3 at iteration 2); every copy of every router's `expert_bias` (2 "
             "directions x 2 expert ranks) equals 1f1b's after each iteration",
-            'D; O `MoE EP2 x pp=2, aux-loss-free ...`'),
+            'O `MoE EP2 x pp=2, aux-loss-free ...`'),
     Handled('`--moe-router-load-balancing-type quantile_balancing` (core_v0.19.0)',
             "equal on CPU, pp=4 (each router's per-micro-batch quantile sums and counts are summed over "
             'the bd pair before Megatron moves `qb_beta`; without it lm loss differs by 2.7e-4 at iteration 3)',
@@ -441,8 +442,8 @@ HANDLED: Tuple[Handled, ...] = (
             'A `global_aux_loss_dualpipev_ok`'),
     Handled('`--use-distributed-optimizer` (dp=2), with `--overlap-grad-reduce --overlap-param-gather`',
             'equal on CPU (lm loss and grad norm, 4 iterations, pp=2 x dp=2)',
-            'C `test_distributed_optimizer_dualpipe_overlap_and_torch_format_across_schedules`; O '
-            '`test_distributed_optimizer` (empty `--load`, `--no-load-optim`)'),
+            'C `test_distributed_optimizer_dualpipe_overlap_and_torch_format_across_schedules`; D '
+            '`test_resume_without_optimizer_state_and_dualpipev_across_1f1b` (`--load --no-load-optim`, dp=1)'),
     Handled('`--dualpipe-shared-shard-group` (`dualpipe`, `--use-distributed-optimizer`): both copies of a stage '
             'in one distributed-optimizer group',
             "equal on CPU (lm loss and clipped grad norm: pp=2 x dp=2, fp32, tied embeddings; tp=2 with sequence "
@@ -464,7 +465,7 @@ HANDLED: Tuple[Handled, ...] = (
             "overlap); every collective of the run in one order (NCCL's rules), every pair sum a reduce-scatter's "
             "shard (half the bytes at dp=2); its torch_dist checkpoint (dp_reshardable) resumed by 1f1b continues "
             "the curve. What it does not run with yet is refused above",
-            'C `test_dp_first_equals_1f1b_sums_the_shards_in_stage_order_and_resumes_in_1f1b`; O `MoE EP2 x pp=2, '
+            'C `test_dp_first_equals_1f1b_and_torch_dist_optimizer_state_crosses_schedules`; O `MoE EP2 x pp=2, '
             'aux loss, z-loss`'),
     Handled('`dualpipev` with `--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather` (dp=2)',
             "equal on CPU to dualpipev dp=1 (its own initialisation); the chunks' reduce-scatters start during "
@@ -476,13 +477,13 @@ HANDLED: Tuple[Handled, ...] = (
             "buffers as 1f1b lays it out; Megatron's own 1f1b needed three CPU-mode fixes to load it)",
             'C `test_distributed_optimizer_dualpipe_overlap_and_torch_format_across_schedules`'),
     Handled('`--ckpt-format torch_dist` with `--use-distributed-optimizer` (dp_reshardable), optimizer state '
-            'across schedules (1f1b -> dualpipe -> 1f1b, dp=2)',
+            'across schedules (dualpipe -> 1f1b -> dualpipe, dp=2)',
             "equal on CPU; a dualpipe checkpoint has exactly 1f1b's keys (the mirror and its grad buffers are "
             "not written; loads sync them from the partner). A bucket layout that differs from 1f1b's (1f1b "
             '`--overlap-grad-reduce` with chunks > 40M parameters) is refused at load naming '
             '`--dist-ckpt-optim-fully-reshardable` / `--no-load-optim` (with '
             '`--dist-ckpt-optim-fully-reshardable`: equal on CPU by hand, both directions)',
-            'C `test_distributed_optimizer_trains_and_resumes_across_schedules`; the refusal: '
+            'C `test_dp_first_equals_1f1b_and_torch_dist_optimizer_state_crosses_schedules`; the refusal: '
             '`tests/megatron_lm/test_torch_dist_mirror.py`'),
     Handled('`--ckpt-format torch_dist` without the distributed optimizer (1f1b dp=1 -> dualpipe dp=2 -> 1f1b '
             'dp=2)',

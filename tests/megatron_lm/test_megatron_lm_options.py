@@ -105,22 +105,6 @@ def test_quantile_balancing_dualpipe_equals_1f1b():
     assert "lm loss" in worst
 
 
-def test_distributed_optimizer(tmp_path):
-    """The distributed optimizer: --load used to fail on every DualPipe load (the mirror sync did
-    not know the distributed optimizer): a checkpoint resumed with --no-load-optim, against 1f1b
-    doing the same. (Training with --overlap-grad-reduce --overlap-param-gather against 1f1b is
-    tests/megatron_lm/test_megatron_lm_cpu.py's distributed-optimizer case.)"""
-    dist_opt = ("--use-distributed-optimizer", "--ckpt-format", "torch")
-    rc, out = launch("1f1b", *dist_opt, *ITERS, "--save", str(tmp_path / "ck"), "--save-interval", "2")
-    if rc != 0 and "Wrapped parameters must be one of torch.cuda" in out:
-        pytest.skip("Megatron's distributed optimizer does not run on CPU without the CPU mode's support for it")
-    assert rc == 0, out[-6000:]
-    resume = (*dist_opt, "--load", str(tmp_path / "ck"), "--no-load-optim", "--ckpt-step", "2", "--train-iters", "4")
-    assert_metrics_close(run_pretrain("dualpipe", *resume, with_metrics=True),
-                         run_pretrain("1f1b", *resume, with_metrics=True),
-                         "distributed optimizer, --load --no-load-optim: dualpipe vs 1f1b")
-
-
 UNEXPECTED_RE = re.compile(r"Unexpected result nan on rank (\d+) at iteration #(\d+) invocation #\d+ \(message='([^']+)'\)")
 
 
