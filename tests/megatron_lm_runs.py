@@ -74,13 +74,11 @@ def command(schedule, *extra, env_extra=None, pythonpath=(), torchrun_args=(), n
     """(argv, environment) of a torchrun of pretrain_gpt.py (``nproc`` ranks) through the launcher.
     ``fast_exit``: once pretrain_gpt.py has returned, each rank runs its atexit handlers and leaves
     without the interpreter's module teardown (3-5 s per rank: MEGATRON_DUALPIPE_TEST_FAST_EXIT of
-    tests/child_hooks). Every run builds torch.compile's wrappers on their first call, not at
-    import (~2 s per rank: MEGATRON_DUALPIPE_TEST_COMPILE_ON_FIRST_CALL there)."""
+    tests/child_hooks)."""
     require_deps()
     env = dict(os.environ)
-    pythonpath = (*pythonpath, CHILD_HOOKS) if CHILD_HOOKS not in pythonpath else pythonpath
-    env["MEGATRON_DUALPIPE_TEST_COMPILE_ON_FIRST_CALL"] = "1"
     if fast_exit:
+        pythonpath = (*pythonpath, CHILD_HOOKS) if CHILD_HOOKS not in pythonpath else pythonpath
         env["MEGATRON_DUALPIPE_TEST_FAST_EXIT"] = "1"
     env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO_ROOT, *pythonpath, env.get("PYTHONPATH")) if p)
     env.update(env_extra or {})

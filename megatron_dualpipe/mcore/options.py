@@ -452,7 +452,9 @@ HANDLED: Tuple[Handled, ...] = (
             "(1F1B's on average; half of dualpipe without it); the shard groups' collectives in one stage order on "
             "every rank (checked with NCCL's rules); checkpoints in 1F1B's files, `--ckpt-format torch` and "
             "`torch_dist --dist-ckpt-optim-fully-reshardable` (1f1b's keys): shared -> 1f1b -> shared continues "
-            "the uninterrupted curve, and its checkpoint after a resume equals 1f1b's tensor for tensor (1e-7). "
+            "the uninterrupted curve (with torch, to the iteration after its own resume: the optimizer state it "
+            "saved and loaded both show), and its torch_dist checkpoint after a resume equals 1f1b's tensor for "
+            "tensor (1e-7). "
             "What it does not run with yet is refused above",
             'C `test_shared_shard_group_equals_1f1b_holds_its_optimizer_state_and_resumes_across_schedules`, '
             '`test_shared_shard_group_torch_dist_checkpoints_across_schedules`, '

@@ -37,10 +37,6 @@ megatron, transformers, sympy...): 3-5 s per rank, 4 ranks on 2 cores, for every
 that raises or calls sys.exit takes the normal path. tests/megatron_lm_runs.py sets it for its
 runs except those that ask for the normal exit (the evaluation test's 1f1b and dualpipe runs, so
 that a hang in the interpreter's own teardown would still show).
-
-MEGATRON_DUALPIPE_TEST_COMPILE_ON_FIRST_CALL=1 (every run of tests/megatron_lm_runs.py):
-``torch.compile`` applied to a function builds its wrapper at the function's first call instead of
-at import, when megatron-core's ``@jit_fuser`` decorators run (see _compile_on_first_call).
 """
 import os
 import sys
@@ -184,44 +180,3 @@ def _exit_after_the_script():
 
 if _FAST_EXIT:
     _exit_after_the_script()
-
-
-def _compile_on_first_call():
-    """``torch.compile(fn)`` returns a wrapper that compiles ``fn`` on its first call; importing
-    torch._dynamo and torch._inductor to build that wrapper costs ~2 s per process (a third of
-    importing pretrain_gpt.py), paid at import time by megatron-core's ``@jit_fuser`` decorators
-    (megatron/core/jit.py), whose functions the tiny GPT on CPU never calls. Deferring the real
-    ``torch.compile`` to the first call keeps what is computed (a function called is compiled
-    exactly as before, with the same arguments) and drops that cost. Installed before
-    megatron.core.jit is imported (a finder that only watches for it); modules are left alone."""
-    import functools
-
-    class _BeforeMegatronJit:
-        def find_spec(self, name, path=None, target=None):
-            if name == "megatron.core.jit":
-                sys.meta_path.remove(self)
-                import torch
-
-                real = torch.compile
-
-                def compile(model=None, **kwargs):
-                    if model is None:  # @torch.compile(...): a decorator
-                        return lambda fn: compile(fn, **kwargs)
-                    if isinstance(model, torch.nn.Module) or not callable(model):
-                        return real(model, **kwargs)
-                    built = []
-
-                    @functools.wraps(model)
-                    def compiled_on_first_call(*a, **k):
-                        if not built:
-                            built.append(real(model, **kwargs))
-                        return built[0](*a, **k)
-                    return compiled_on_first_call
-                torch.compile = compile
-            return None
-
-    sys.meta_path.insert(0, _BeforeMegatronJit())
-
-
-if os.environ.get("MEGATRON_DUALPIPE_TEST_COMPILE_ON_FIRST_CALL") == "1":
-    _compile_on_first_call()

@@ -64,15 +64,18 @@ def _set_latest(ckpt, iteration):
 
 def _chain_step(schedule, nproc, load, at, *extra, save=None):
     """Resume ``load`` at iteration ``at`` under ``schedule``; with ``save``, stop after one
-    iteration and save there. Returns {iteration: lm loss} as logged."""
+    iteration and save there, else train on to iteration 5 (a chain's runs share --train-iters:
+    Megatron's learning-rate scheduler refuses a checkpoint of another length). Returns
+    {iteration: lm loss} as logged."""
     _set_latest(load, at)
     stop = ("--exit-interval", str(at + 1), "--save", save, "--save-interval", str(at + 1)) if save else ()
-    return _losses(_run(nproc, *extra, "--load", load, *stop, iters=4, schedule=schedule))
+    return _losses(_run(nproc, *extra, "--load", load, *stop, iters=5, schedule=schedule))
 
 
 def _assert_chain_continues(steps, ref, what):
     """``steps``: [(schedule, {iteration: logged lm loss})], each step resumed from the previous
-    step's checkpoint and logging one iteration (the last step may log two: Megatron's mean)."""
+    step's checkpoint and logging one iteration (the last step may log two: Megatron's mean), from
+    iteration 3 on."""
     want = _losses(ref)
     got = {}
     for schedule, logged in steps:
@@ -83,7 +86,7 @@ def _assert_chain_continues(steps, ref, what):
     diff = max(abs(v - want[i]) / want[i] for i, (_, v) in got.items())
     print(f"{what}: " + ", ".join(f"L{i} ({sch}) = {v:.6f} vs {want[i]:.6f}" for i, (sch, v) in sorted(got.items()))
           + f"; max relative difference {diff:.2e}")
-    assert sorted(got) == [3, 4], got
+    assert sorted(got) in ([3, 4], [3, 4, 5]), got
     assert diff <= RTOL, what
 
 
@@ -96,12 +99,18 @@ def _saved_keys(ckpt, iteration):
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """Plain 1f1b, 4 iterations, a torch_dist checkpoint at iterations 2 and 4."""
+    """Plain 1f1b, 5 iterations, a torch_dist checkpoint at iterations 2, 4 and 5 (the last)."""
     ckpt = str(tmp_path_factory.mktemp("torch_dist") / "ckpt")
-    run = _run(2, *TORCH_DIST, "--save", ckpt, iters=4)
+    run = _run(2, *TORCH_DIST, "--save", ckpt, iters=5)
     _assert_trains(run, "reference")
-    assert sorted(os.listdir(ckpt)) == ["iter_0000002", "iter_0000004", "latest_checkpointed_iteration.txt"]
+    assert sorted(os.listdir(ckpt)) == ["iter_0000002", "iter_0000004", "iter_0000005",
+                                        "latest_checkpointed_iteration.txt"]
     return run, ckpt
+
+
+def _first(ref, run):
+    """The reference's iterations that ``run`` logged (it ran fewer)."""
+    return {i: ref[i] for i in run}
 
 
 DIST_OPT = ("--use-distributed-optimizer",)
@@ -117,8 +126,8 @@ def test_distributed_optimizer_dualpipe_overlap_and_torch_format_across_schedule
     first, relay = str(tmp_path / "first"), str(tmp_path / "relay")
     fmt = ("--ckpt-format", "torch")
     run = _run(4, *DIST_OPT, "--overlap-grad-reduce", "--overlap-param-gather", *fmt, "--save", first,
-               "--save-interval", "2", iters=4, schedule="dualpipe")
-    assert_metrics_close(run, ref, "dualpipe, distributed optimizer, overlapped grad reduce and param gather, "
+               "--save-interval", "2", iters=5, schedule="dualpipe")
+    assert_metrics_close(run, _first(ref, run), "dualpipe, distributed optimizer, overlapped grad reduce and param gather, "
                                    "dp=2 vs 1f1b reference")
     onef1b = _chain_step("1f1b", 4, first, 2, *DIST_OPT, *fmt, save=relay)
     dualpipe = _chain_step("dualpipe", 4, relay, 3, *DIST_OPT, *fmt)
@@ -140,25 +149,6 @@ def _tensors(value, path=""):
     return out
 
 
-def _checkpoint_difference(a, b, iteration):
-    """The largest absolute difference over every tensor of two --ckpt-format torch checkpoints'
-    model, optimizer and distributed-optimizer state (the same files and keys in both), and the
-    number of tensors compared."""
-    worst, count = 0.0, 0
-    root_a, root_b = (os.path.join(d, f"iter_{iteration:07d}") for d in (a, b))
-    for rank_dir in sorted(os.listdir(root_b)):
-        files = sorted(os.listdir(os.path.join(root_b, rank_dir)))
-        assert files == sorted(os.listdir(os.path.join(root_a, rank_dir))), rank_dir
-        for name in files:
-            loaded = [torch.load(os.path.join(r, rank_dir, name), weights_only=False) for r in (root_a, root_b)]
-            if name == "model_optim_rng.pt":
-                loaded = [{k: sd[k] for k in ("model", "optimizer")} for sd in loaded]
-            ta, tb = (_tensors(x) for x in loaded)
-            assert sorted(ta) == sorted(tb), (rank_dir, name, sorted(set(ta) ^ set(tb))[:5])
-            for key in tb:
-                count += 1
-                worst = max(worst, (ta[key].double() - tb[key].double()).abs().max().item() if tb[key].numel() else 0.0)
-    return worst, count
 BYTES_ROW_RE = re.compile(r"^\s+(\d+)((?:\s+[0-9,]+){8})\s+[0-9.]+\s*$")
 
 
@@ -208,14 +198,17 @@ def test_shared_shard_group_equals_1f1b_holds_its_optimizer_state_and_resumes_ac
     P_i * 2 / 2 on average, where DualPipe without the flag holds twice that. Every rank issues the
     shard groups' collectives in one order of stages (printed and checked with NCCL's rules).
     Checkpoints (--ckpt-format torch, 1F1B's files): the run saves at 2, Megatron's 1f1b resumes
-    that, with its optimizer state, and saves at 3, the shared layout resumes that: the curve is
-    the uninterrupted reference's."""
+    that, with its optimizer state, and saves at 3, the shared layout resumes that and trains on to
+    5: the curve is the uninterrupted reference's. The optimizer state a run loads shows in its
+    first update, so the loss at 4 checks what the shared layout saved (1f1b's update 3 used it)
+    and the loss at 5 what it loaded (its own update 4). The torch_dist test below compares the
+    checkpoints themselves, tensor for tensor."""
     ref, _ = reference
     first, relay = str(tmp_path / "first"), str(tmp_path / "relay")
     fmt = ("--ckpt-format", "torch")
-    run = _run(4, *SHARED_SHARDS, *fmt, "--save", first, "--save-interval", "2", iters=4, schedule="dualpipe",
+    run = _run(4, *SHARED_SHARDS, *fmt, "--save", first, "--save-interval", "2", iters=5, schedule="dualpipe",
                env_extra={"MEGATRON_DUALPIPE_TEST_COLLECTIVES": "1"}, pythonpath=(megatron_lm_runs.CHILD_HOOKS,))
-    assert_metrics_close(run, ref, "dualpipe --dualpipe-shared-shard-group, dp=2 vs 1f1b reference")
+    assert_metrics_close(run, _first(ref, run), "dualpipe --dualpipe-shared-shard-group, dp=2 vs 1f1b reference")
     output = megatron_lm_runs.LAST_OUTPUT[0]
     _assert_shard_collectives_in_one_order(output)
     rows = _bytes_rows(output)
@@ -227,18 +220,10 @@ def test_shared_shard_group_equals_1f1b_holds_its_optimizer_state_and_resumes_ac
               f"1F1B's own {row['1f1b params']:,}; without the flag {2 * want:,}")
         assert abs(row["optimizer"] - want) <= 0.01 * want, (r, row)
     onef1b = _chain_step("1f1b", 4, first, 2, *DIST_OPT, *fmt, save=relay)
-    shared_at_4, control_at_4 = str(tmp_path / "shared4"), str(tmp_path / "control4")
-    shared = _chain_step("dualpipe", 4, relay, 3, *SHARED_SHARDS, *fmt, save=shared_at_4)
+    shared = _chain_step("dualpipe", 4, relay, 3, *SHARED_SHARDS, *fmt)
     _assert_chain_continues([("1f1b", onef1b), ("dualpipe shared shards", shared)], ref,
                             "distributed optimizer, torch: dualpipe --dualpipe-shared-shard-group -> 1f1b -> dualpipe "
                             "--dualpipe-shared-shard-group")
-    # The loaded optimizer state shows only in the next update: both resume the same file at 3 and
-    # save at 4, and every tensor of the two checkpoints (weights, Adam's moments, the step) agrees.
-    _chain_step("1f1b", 4, relay, 3, *DIST_OPT, *fmt, save=control_at_4)
-    worst, count = _checkpoint_difference(shared_at_4, control_at_4, 4)
-    print(f"--ckpt-format torch at iteration 4, dualpipe --dualpipe-shared-shard-group vs 1f1b after both resumed the "
-          f"same file at 3: {count} tensors, largest difference {worst:.2e}")
-    assert count > 0 and worst <= 1e-6
 
 
 DP_FIRST = ("--use-distributed-optimizer", "--dualpipe-dp-first")
@@ -263,9 +248,9 @@ def test_dp_first_equals_1f1b_and_torch_dist_optimizer_state_crosses_schedules(r
     ref, _ = reference
     first, relay, back = (str(tmp_path / n) for n in ("first", "relay", "back"))
     run = _run(4, *DP_FIRST, "--overlap-grad-reduce", "--overlap-param-gather", *TORCH_DIST, "--save", first,
-               iters=4, schedule="dualpipe", env_extra={"MEGATRON_DUALPIPE_TEST_COLLECTIVES": "1"},
+               iters=5, schedule="dualpipe", env_extra={"MEGATRON_DUALPIPE_TEST_COLLECTIVES": "1"},
                pythonpath=(megatron_lm_runs.CHILD_HOOKS,))
-    assert_metrics_close(run, ref, "dualpipe --dualpipe-dp-first, overlapped grad reduce and param gather, dp=2 vs "
+    assert_metrics_close(run, _first(ref, run), "dualpipe --dualpipe-dp-first, overlapped grad reduce and param gather, dp=2 vs "
                                    "1f1b reference")
     issued = {}
     for rank, kind, ranks, numel in COLLECTIVE_RE.findall(megatron_lm_runs.LAST_OUTPUT[0]):
@@ -311,7 +296,7 @@ def test_shared_shard_group_torch_dist_checkpoints_across_schedules(reference, t
     ref, _ = reference
     fmt = ("--ckpt-format", "torch_dist", "--dist-ckpt-optim-fully-reshardable")
     first, relay, shared_at_4, control_at_4 = (str(tmp_path / n) for n in ("first", "relay", "shared4", "control4"))
-    _run(4, *SHARED_SHARDS, *fmt, "--save", first, "--save-interval", "2", "--exit-interval", "2", iters=4,
+    _run(4, *SHARED_SHARDS, *fmt, "--save", first, "--save-interval", "2", "--exit-interval", "2", iters=5,
          schedule="dualpipe")
     onef1b = _chain_step("1f1b", 4, first, 2, *DIST_OPT, *fmt, save=relay)
     assert _saved_keys(first, 2) == _saved_keys(relay, 3), "the shared layout wrote other keys than 1f1b"
@@ -356,7 +341,7 @@ def test_torch_dist_without_distributed_optimizer_dp2_across_schedules(reference
     try:
         back = _chain_step("1f1b", 4, relay, 3, *fmt, save=back_ckpt)
     finally:
-        _set_latest(ckpt, 4)
+        _set_latest(ckpt, 5)
     assert _saved_keys(relay, 3) == _saved_keys(back_ckpt, 4), "dualpipe (dp=2) wrote other keys than 1f1b (dp=2)"
     _assert_chain_continues([("dualpipe", dualpipe), ("1f1b", back)], ref,
                             "fp32 optimizer, torch_dist, 1f1b (dp=1) -> dualpipe (dp=2) -> 1f1b (dp=2)")
