@@ -428,7 +428,7 @@ HANDLED: Tuple[Handled, ...] = (
             'D'),
     Handled('`--eval-iters`, `--eval-interval`',
             'equal on CPU',
-            'D `test_evaluation_losses_equal`'),
+            'D `test_evaluation_losses_equal_and_advice_logged_once`'),
     Handled('`--ckpt-format torch` save / `--load` across 1f1b and dualpipe, `--no-load-optim`',
             'equal on CPU',
             'D `test_torch_checkpoint_switches_schedules`, '
