@@ -289,28 +289,30 @@ def _torch_dist_tensors(ckpt, iteration, into):
 
 def test_shared_shard_group_torch_dist_checkpoints_across_schedules(reference, tmp_path):
     """--ckpt-format torch_dist --dist-ckpt-optim-fully-reshardable (the optimizer state of every
-    parameter under its model key): the shared layout saves at 2 exactly the keys 1f1b writes,
-    Megatron's 1f1b resumes it and saves at 3, the shared layout resumes that and saves at 4 (the
-    curve is the uninterrupted reference's), and that checkpoint equals, tensor for tensor, the one
-    1f1b saves at 4 after resuming the same file at 3 (the loaded optimizer state shows only there)."""
+    parameter under its model key): Megatron's 1f1b (dp = 2, the distributed optimizer) saves at 1, 2
+    and 3; the shared layout resumes its checkpoint of 2 and saves at 3 exactly the keys 1f1b writes,
+    and every tensor (weights, Adam's moments, the step; not the random generators' states) equal to
+    1f1b's own checkpoint of 3 (the optimizer state it loaded shows in that update); Megatron's 1f1b
+    resumes the shared layout's
+    checkpoint and trains on to 5: the curve is the uninterrupted reference's."""
     ref, _ = reference
     fmt = ("--ckpt-format", "torch_dist", "--dist-ckpt-optim-fully-reshardable")
-    first, relay, shared_at_4, control_at_4 = (str(tmp_path / n) for n in ("first", "relay", "shared4", "control4"))
-    _run(4, *SHARED_SHARDS, *fmt, "--save", first, "--save-interval", "2", "--exit-interval", "2", iters=5,
-         schedule="dualpipe")
-    onef1b = _chain_step("1f1b", 4, first, 2, *DIST_OPT, *fmt, save=relay)
-    assert _saved_keys(first, 2) == _saved_keys(relay, 3), "the shared layout wrote other keys than 1f1b"
-    shared = _chain_step("dualpipe", 4, relay, 3, *SHARED_SHARDS, *fmt, save=shared_at_4)
-    _assert_chain_continues([("1f1b", onef1b), ("dualpipe shared shards", shared)], ref,
-                            "distributed optimizer, torch_dist fully reshardable: dualpipe --dualpipe-shared-shard-group"
-                            " -> 1f1b -> dualpipe --dualpipe-shared-shard-group")
-    _chain_step("1f1b", 4, relay, 3, *DIST_OPT, *fmt, save=control_at_4)
-    got, want = (_torch_dist_tensors(c, 4, tmp_path) for c in (shared_at_4, control_at_4))
+    onef1b_dir, shared_dir = str(tmp_path / "1f1b"), str(tmp_path / "shared")
+    _run(4, *DIST_OPT, *fmt, "--save", onef1b_dir, "--save-interval", "1", "--exit-interval", "3", iters=5)
+    shared = _chain_step("dualpipe", 4, onef1b_dir, 2, *SHARED_SHARDS, *fmt, save=shared_dir)
+    assert _saved_keys(shared_dir, 3) == _saved_keys(onef1b_dir, 3), "the shared layout wrote other keys than 1f1b"
+    got, want = (_torch_dist_tensors(c, 3, tmp_path) for c in (shared_dir, onef1b_dir))
     assert sorted(got) == sorted(want), sorted(set(got) ^ set(want))[:5]
-    worst = max((got[k].double() - want[k].double()).abs().max().item() for k in want if want[k].numel())
-    print(f"torch_dist at iteration 4, shared layout vs 1f1b after both resumed the same file at 3: {len(want)} "
-          f"tensors, largest difference {worst:.2e}")
+    # The random generators' states differ: a resumed run's are the ones it loaded, advanced.
+    compared = [k for k in want if want[k].numel() and not k.startswith("/rng_state/")]
+    worst = max((got[k].double() - want[k].double()).abs().max().item() for k in compared)
+    print(f"torch_dist at iteration 3, the shared layout (resumed at 2) vs 1f1b's own: {len(compared)} tensors "
+          f"(of {len(want)}: random-generator states and empty ones left out), largest difference {worst:.2e}")
     assert worst <= 1e-6
+    onward = _chain_step("1f1b", 4, shared_dir, 3, *DIST_OPT, *fmt)
+    _assert_chain_continues([("dualpipe shared shards", shared), ("1f1b", onward)], ref,
+                            "distributed optimizer, torch_dist fully reshardable: 1f1b -> dualpipe "
+                            "--dualpipe-shared-shard-group -> 1f1b")
 
 
 def test_shared_shard_group_tp2_bf16_per_token_loss_untied_equals_1f1b():
