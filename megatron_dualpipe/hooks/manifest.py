@@ -91,6 +91,10 @@ MODEL_BUILDER_SCOPED = (
           "from the builder's build_model", versions=_SINCE_019, kind=SCOPED, where=_MODEL_BUILDER),
     Patch(_DIST_UTILS, "_ddp_wrap", None, "dualpipe: no chunk bucketed, so the two copies of a stage have one "
           "buffer layout (summed in place)", versions=_SINCE_019, kind=SCOPED, where=_MODEL_BUILDER),
+    Patch(_DIST_UTILS, "_wrap_with_mp_wrapper", None, "dualpipev, --fp16/--bf16: each chunk's Float16Module gets "
+          "the chunk's own config (two V-stages), as core_v0.16.1's get_model gives it; with the builder's config "
+          "(no virtual stages) V-stage 1 on the last rank upcast its output to fp32 as if it were the last stage",
+          versions=_SINCE_019, kind=SCOPED, where=_MODEL_BUILDER),
     Patch(_DIST_UTILS, "print", None, "the parameter-count line says the logical and physical counts",
           versions=_SINCE_019, kind=SCOPED, where=_MODEL_BUILDER),
     Patch(_DIST_UTILS, "DistributedDataParallel", None, "--dualpipe-shared-shard-group: each chunk's DDP over its "

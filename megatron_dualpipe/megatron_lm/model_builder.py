@@ -52,6 +52,7 @@ def wrap_unimodal_build_distributed_models(orig):
                 "copies are broadcast right after construction); remove it")
         import importlib
 
+        from ..mcore.model import V_SHAPE
         from .training_hooks import build_pair_groups, ddp_for_dualpipe
 
         build_pair_groups(args_)
@@ -60,6 +61,8 @@ def wrap_unimodal_build_distributed_models(orig):
         swaps = [_SCOPED["build_virtual_pipeline_stages"].to(
                      _two_chunk_stages(build_model_func, spec, transformer_config, built), on=dist_utils),
                  _SCOPED["print"].to(_count_printer(built), on=dist_utils)]
+        if spec.layout_kind == V_SHAPE:
+            swaps.append(_SCOPED["_wrap_with_mp_wrapper"].made_by(_wrapped_with_chunk_config, on=dist_utils))
         if schedule == registry.DUALPIPE:
             swaps.append(_SCOPED["_ddp_wrap"].made_by(_unbucketed, on=dist_utils))
             wrap = ddp_for_dualpipe(args_)
@@ -101,6 +104,22 @@ def _two_chunk_stages(build_model_func, spec, transformer_config, built):
         return chunks
 
     return stages
+
+
+def _wrapped_with_chunk_config(wrap_with_mp_wrapper):
+    """``_wrap_with_mp_wrapper`` that hands each chunk's mixed-precision wrapper the chunk's own
+    config. DualPipeV's chunks are built with ``dualpipev_config`` (two V-stages); the builder's
+    config has none, and ``Float16Module`` decides "first / last stage" from that config's
+    virtual size with the physical pipeline rank: V-stage ``pp-1`` (``model[0]`` on the last rank)
+    would upcast its output to fp32 as if it ended the model, and V-stage ``pp`` would fail
+    ``is_vp_first_stage``'s check of ``vp_stage=1``."""
+    from megatron.core.utils import get_model_config
+
+    @functools.wraps(wrap_with_mp_wrapper)
+    def wrapped(model_list, transformer_config, *a, **kw):
+        return [wrap_with_mp_wrapper([chunk], get_model_config(chunk), *a, **kw)[0] for chunk in model_list]
+
+    return wrapped
 
 
 def _unbucketed(ddp_wrap):
