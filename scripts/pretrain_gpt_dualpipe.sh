@@ -11,7 +11,8 @@
 #
 # Variables: MEGATRON_LM_PATH (a Megatron-LM checkout at core_v0.16.1 or core_v0.19.0), CONFIG (a name in
 # configs/ or a path), DATA_PATH (unless the config uses --mock-data), SCHEDULE (dualpipe,
-# dualpipev or 1f1b; default dualpipe), NNODES (1), NODE_RANK (0), MASTER_ADDR (localhost, required
+# dualpipev, zb-h1, executor-1f1b or 1f1b -- Megatron's own, interleaved with --num-layers-per-virtual-pipeline-stage N
+# appended; default dualpipe), NNODES (1), NODE_RANK (0), MASTER_ADDR (localhost, required
 # when NNODES > 1), MASTER_PORT (6000), GPUS_PER_NODE (8), TORCHRUN (torchrun where it is on PATH,
 # else "PYTHON -m torch.distributed.run"), PYTHON (the interpreter TORCHRUN runs, read from its
 # first line; without torchrun: this checkout's .venv, else python3), DRY_RUN=1 to only print the command. PP, TP, EP, CP, ETP (expert
@@ -64,7 +65,7 @@ fi
 MASTER_ADDR=${MASTER_ADDR:-localhost}
 [ "$NODE_RANK" -lt "$NNODES" ] || die "NODE_RANK=$NODE_RANK must be below NNODES=$NNODES"
 
-case "$SCHEDULE" in dualpipe|dualpipev|1f1b) ;; *) die "SCHEDULE=$SCHEDULE: use dualpipe, dualpipev or 1f1b";; esac
+case "$SCHEDULE" in dualpipe|dualpipev|zb-h1|executor-1f1b|1f1b) ;; *) die "SCHEDULE=$SCHEDULE: use dualpipe, dualpipev, zb-h1, executor-1f1b or 1f1b (interleaved 1F1B: SCHEDULE=1f1b with --num-layers-per-virtual-pipeline-stage N)";; esac
 world=$((NNODES * GPUS_PER_NODE))
 # Megatron's rules for the world size: a multiple of TP*PP*CP (dense layers) and of ETP*EP*PP (experts).
 dense=$((TP * PP * CP)); expert=$((ETP * EP * PP))
@@ -93,7 +94,7 @@ fi
 if [ "$SCHEDULE" = dualpipev ]; then
   [ $((NUM_LAYERS % (2 * PP))) -eq 0 ] || die "dualpipev needs NUM_LAYERS ($NUM_LAYERS) divisible by 2*PP=$((2 * PP))"
 fi
-if [ "$SCHEDULE" != 1f1b ] && [ "$m" -lt "$PP" ]; then
+if [[ "$SCHEDULE" == dualpipe* ]] && [ "$m" -lt "$PP" ]; then
   die "$SCHEDULE needs at least PP=$PP micro-batches per iteration, got GLOBAL_BATCH/(MICRO_BATCH*DP)=$m: raise GLOBAL_BATCH to $((PP * MICRO_BATCH * dp))"
 fi
 

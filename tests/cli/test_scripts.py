@@ -107,7 +107,7 @@ def test_below_the_stated_minimum_is_refused_naming_it(tmp_path, config):
     (dict(CONFIG="gpt_345m", SCHEDULE="dualpipev", PP=5, GPUS_PER_NODE=5), "divisible by 2*PP=10"),
     (dict(CONFIG="gpt_345m", GLOBAL_BATCH=8), "raise GLOBAL_BATCH to 32"),
     (dict(CONFIG="gpt_345m", DATA_PATH=None), "set DATA_PATH"),
-    (dict(CONFIG="gpt_345m", SCHEDULE="gpipe"), "use dualpipe, dualpipev or 1f1b"),
+    (dict(CONFIG="gpt_345m", SCHEDULE="gpipe"), "use dualpipe, dualpipev, zb-h1, executor-1f1b or 1f1b"),
     (dict(CONFIG="gpt_345m", GPUS_PER_NODE=6), "multiple of TP*PP*CP=4 and of ETP*EP*PP=4, i.e. of 4; the nearest "
                                                "valid count is 4"),
     (dict(CONFIG="moe_mixtral_8x7b"), "multiple of TP*PP*CP=8 and of ETP*EP*PP=64, i.e. of 64; the nearest valid "
