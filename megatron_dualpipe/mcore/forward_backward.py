@@ -20,6 +20,9 @@ docstring of ``megatron.core.pipeline_parallel.get_forward_backward_func``):
   (always: DualPipe itself needs it), tied embeddings folded, then ``config.grad_sync_func``
   (Megatron's data-parallel reduction under ``--overlap-grad-reduce``) is called for the chunk;
   ``config.timers("forward-backward")`` times the call;
+* ``config.param_sync_func`` (``--overlap-param-gather``): every chunk's parameter all-gathers
+  start before the first action, as Megatron's interleaved schedule starts its first two chunks'
+  (:mod:`.param_gather`); DDP's pre-hook of the chunk's first forward waits for them;
 * then, if set, ``config.finalize_model_grads_func`` runs (for two chunks through
   ``finalize.finalize_dualpipe_grads``);
 * returns the loss entries of ALL real micro-batches, both directions, in global order, on the
@@ -54,6 +57,7 @@ from .grad_reduction import GradReduction, clear_deferred_output_wgrads
 from .live_advice import DEFAULT_WARMUP as ADVISE_WARMUP, LiveAdvice
 from .loss_gather import gather_losses_on_last_rank
 from .overlap import OverlappedStageCompute, offers_combined_step
+from .param_gather import start_param_gathers
 from .stage_compute import MegatronStageCompute
 from .validation import DualPipeConfigError, check_call
 
@@ -251,10 +255,12 @@ class ExecutorSchedule:
     # -- run ---------------------------------------------------------------------------------------
     def _run(self, it: _Iteration, compute: MegatronStageCompute, reduction: Optional[GradReduction], config,
              model, forward_only: bool, recorder=None) -> None:
-        """The schedule with data-parallel reduction held off (each chunk's reduction is started by
-        the GradReduction, a listener of the run, as soon as its gradients are final), then the rest
-        of the reduction."""
+        """Each chunk's parameter all-gathers started (``param_gather``), the schedule with
+        data-parallel reduction held off (each chunk's reduction is started by the GradReduction, a
+        listener of the run, as soon as its gradients are final), then the rest of the reduction."""
         listeners = () if reduction is None else (_ReductionListener(reduction),)
+        start_param_gathers(config, model, it.program.actions[it.rank], it.program.padding[it.rank],
+                            forward_only=forward_only, describe=f"{self.spec.name} pipeline rank {it.rank}: ")
         with _no_sync(config, model, forward_only), \
                 (reduction.during_schedule() if reduction is not None else contextlib.nullcontext()):
             run_rank(it.program, it.rank, compute, it.p2p, it.tensor_spec, trace=recorder, listeners=listeners)

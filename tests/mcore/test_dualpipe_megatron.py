@@ -91,12 +91,17 @@ def _provider(tied, v_layout=False, moe=False):
     return provider
 
 
-def _pipeline_worker(rank, world, port, schedule, tied, full_state, runs, dp=1, moe=False, overlap=False):
-    """`runs`: list of (M, zero_bubble, forward_only[, schedule]). Returns per run: losses, grads.
+def _pipeline_worker(rank, world, port, schedule, tied, full_state, runs, dp=1, moe=False, overlap=False,
+                     param_gather=False):
+    """`runs`: list of (M, zero_bubble, forward_only[, schedule[, param_sync_func]]). Returns per run:
+    losses, grads (and with ``param_gather`` what `_ParamGatherProbe` saw).
 
     A run may name another schedule: ``1f1b`` / ``zb-h1`` run model[0] alone through the same
     executor. With ``dp`` > 1 the chunks are wrapped in megatron-core DDP and finalized by
-    megatron-core's ``finalize_model_grads``; data-parallel replica j reads batches seeded 7+j."""
+    megatron-core's ``finalize_model_grads``; data-parallel replica j reads batches seeded 7+j.
+    ``param_gather``: the distributed optimizer's DDP with overlapped, aligned parameter gathers,
+    every shard this replica does not own NaN before each run; a run's ``param_sync_func`` (default
+    True) says whether the executor is handed Megatron-LM's ``config.param_sync_func``."""
     from megatron.core import parallel_state as ps
     from megatron_dualpipe.mcore.forward_backward import forward_backward_dualpipe
     from megatron_dualpipe.mcore.groups import build_bd_groups
@@ -116,10 +121,11 @@ def _pipeline_worker(rank, world, port, schedule, tied, full_state, runs, dp=1, 
             me.load_stage_from_full(model[0], full)
             broadcast_mirrors(model)
         if dp > 1:
-            model = _wrap_ddp(model, overlap)
+            model = _wrap_ddp(model, overlap, param_gather, bucket_first=layout == "v")
         else:
             for chunk in model:
                 chunk.config.finalize_model_grads_func = lambda *a, **k: None  # plain modules: no DDP
+        probe = _ParamGatherProbe(model) if param_gather else None
         dp_rank = ps.get_data_parallel_rank()
         pp_rank = ps.get_pipeline_model_parallel_rank()
         results = []
@@ -129,6 +135,8 @@ def _pipeline_worker(rank, world, port, schedule, tied, full_state, runs, dp=1, 
             chunks = model if name in ("dualpipe", "dualpipev") else model[:1]
             for chunk in model:
                 chunk.zero_grad_buffer() if dp > 1 else chunk.zero_grad()
+            if probe is not None:
+                probe.start_run(chunks, handed=run[4] if len(run) > 4 else True)
             source = iter(make_batches(m, seed=7 + dp_rank))
             ctx = torch.no_grad() if forward_only else torch.enable_grad()
             with ctx:
@@ -138,26 +146,99 @@ def _pipeline_worker(rank, world, port, schedule, tied, full_state, runs, dp=1, 
                     zero_bubble=zero_bubble, p2p_timeout=60)
             losses = [d["lm loss"].item() for d in out] if pp_rank == pp - 1 else None
             leftover = sum(1 for _ in source)  # what the schedule did not read
+            if probe is not None and not forward_only:
+                _gather_grad_shards(chunks)
             grads = [_grads_as_full(chunk, full) for chunk in chunks] if not forward_only else None
-            results.append({"losses": losses, "grads": grads, "unread": leftover, "dp": dp_rank, "pp": pp_rank})
+            results.append({"losses": losses, "grads": grads, "unread": leftover, "dp": dp_rank, "pp": pp_rank,
+                            "gathers": probe.seen() if probe is not None else None})
         return results
     finally:
         me.destroy_distributed()
 
 
-def _wrap_ddp(model, overlap=False):
+def _wrap_ddp(model, overlap=False, param_gather=False, bucket_first=False):
     """Megatron DDP per chunk, finalized by megatron-core's finalize_model_grads; with ``overlap``
     as Megatron-LM's train() sets it up for --overlap-grad-reduce (no_sync_func, grad_sync_func),
-    every chunk unbucketed as its get_model does under DualPipe."""
+    every chunk unbucketed as its get_model does under DualPipe. ``param_gather``: the distributed
+    optimizer's buffers with --overlap-param-gather (aligned); ``bucket_first``: chunk 0 in small
+    buckets, several all-gathers (DualPipeV: its get_model buckets chunk 0)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-    ddp_config = DistributedDataParallelConfig(overlap_grad_reduce=overlap, use_distributed_optimizer=False)
-    wrapped = [DistributedDataParallel(chunk.config, ddp_config, chunk, disable_bucketing=overlap) for chunk in model]
+    gather = dict(use_distributed_optimizer=True, overlap_param_gather=True, align_param_gather=True,
+                  bucket_size=20000) if param_gather else dict(use_distributed_optimizer=False)
+    ddp_config = DistributedDataParallelConfig(overlap_grad_reduce=overlap, **gather)
+    wrapped = [DistributedDataParallel(chunk.config, ddp_config, chunk, disable_bucketing=overlap and not (
+        bucket_first and c == 0)) for c, chunk in enumerate(model)]
     for chunk in wrapped:
         chunk.config.finalize_model_grads_func = finalize_model_grads
         if overlap:
             chunk.config.no_sync_func = [c.no_sync for c in wrapped]
             chunk.config.grad_sync_func = [c.start_grad_sync for c in wrapped]
     return wrapped
+
+
+class _ParamGatherProbe:
+    """What the parameter all-gathers did in each run: ``config.param_sync_func`` as Megatron-LM's
+    train() sets it (every chunk's ``start_param_sync``), recording each call, and a forward pre-hook
+    ahead of DDP's on every chunk, recording whether all its bucket groups' gathers were already
+    started at the chunk's first forward. Before each run every shard this replica does not own is
+    NaN, as the other replicas' updated shards are stale after a distributed optimizer step: only
+    the gathers restore them."""
+
+    def __init__(self, wrapped):
+        self.wrapped, self.events = wrapped, []
+        for c, chunk in enumerate(wrapped):
+            chunk.module.register_forward_pre_hook(self._at_forward(c), prepend=True)
+        self.funcs = [self._sync(c) for c in range(len(wrapped))]
+
+    def _sync(self, c):
+        def sync(*args, **kwargs):
+            self.events.append(("sync", c))
+            return self.wrapped[c].start_param_sync(*args, **kwargs)
+
+        return sync
+
+    def _at_forward(self, c):
+        def hook(module, *unused):
+            self.events.append(("forward", c, all(g.param_gather_dispatched for g in self.wrapped[c].bucket_groups)))
+
+        return hook
+
+    def start_run(self, chunks, handed: bool) -> None:
+        from megatron.core.distributed.param_and_grad_buffer import shard_buffer
+
+        self.events = []
+        chunks[0].config.param_sync_func = self.funcs[:len(chunks)] if handed else None
+        for chunk in self.wrapped:
+            for group in chunk.bucket_groups:
+                for bucket in group.buckets:
+                    shards = shard_buffer(bucket.param_data, group.intra_distributed_optimizer_instance_size)
+                    for i, shard in enumerate(shards):
+                        if i != group.intra_distributed_optimizer_instance_rank:
+                            shard.fill_(float("nan"))
+
+    def seen(self):
+        """{chunk: (calls of its sync function before its first forward, whether its gathers were
+        started at that forward)} for every chunk that ran a forward; "calls" counts all of the run."""
+        out = {}
+        for k, e in enumerate(self.events):
+            if e[0] == "forward" and e[1] not in out:
+                before = sum(1 for x in self.events[:k] if x == ("sync", e[1]))
+                out[e[1]] = (before, self.events.count(("sync", e[1])), e[2])
+        return out
+
+
+def _gather_grad_shards(chunks):
+    """The distributed optimizer's reduce-scatter leaves each replica its own shard of the summed
+    gradients: gather the shards so that every replica holds the whole sum."""
+    import torch.distributed as dist
+    from megatron.core.distributed.param_and_grad_buffer import shard_buffer
+
+    for chunk in chunks:
+        for group in chunk.bucket_groups:
+            size, rank = group.intra_distributed_optimizer_instance_size, group.intra_distributed_optimizer_instance_rank
+            for bucket in group.buckets:
+                mine = shard_buffer(bucket.grad_data, size)[rank].clone()
+                dist.all_gather_into_tensor(bucket.grad_data, mine, group=group.intra_distributed_optimizer_instance_group)
 
 
 def _grads_as_full(chunk, full):
@@ -186,6 +267,7 @@ def _check(label, results, refs, runs, world, dp=1):
             ref_losses = refs[j][0]
             losses = by_pos[(j, pp - 1)][i]["losses"]
             assert losses is not None and len(losses) == m, f"{tag}: last rank returned {losses}"
+            assert np.all(np.isfinite(losses)), f"{tag}: losses {losses}"  # max() below ignores NaN
             dl = max(dl, max(abs(a - b) for a, b in zip(losses, ref_losses[:m])))
             assert dl <= RTOL * max(abs(x) for x in ref_losses[:m]), f"{tag}: losses {losses} vs {ref_losses[:m]}"
             # Ranks that read data (first and last stages) read exactly M micro-batches; others none.
@@ -201,6 +283,7 @@ def _check(label, results, refs, runs, world, dp=1):
         for res in results:
             for chunk_grads in res[i]["grads"]:
                 for key, g in chunk_grads.items():
+                    assert np.all(np.isfinite(g)), f"{tag}: rank {res[i]['pp']} {key}: not finite"
                     want = sum(np.asarray(refs[j][1][k][key], dtype=np.float64) for j in range(dp)
                                for k in range(m)) / (m * dp)
                     dg = max(dg, float(np.max(np.abs(np.asarray(g, dtype=np.float64) - want))))
@@ -225,14 +308,16 @@ def _references(tied, n, dp=1, moe=False):
     return state, refs
 
 
-def _run_and_check(schedule, pp, tied, runs, dp=1, moe=False, overlap=False):
+def _run_and_check(schedule, pp, tied, runs, dp=1, moe=False, overlap=False, param_gather=False):
     n = max(r[0] for r in runs)
     state, refs = _references(tied, n, dp, moe)
-    results = me.run_workers(_pipeline_worker, pp * dp, args=(schedule, tied, state, runs, dp, moe, overlap),
-                             timeout=400)
-    label = f"{schedule} pp={pp} dp={dp} tied={tied}{' moe' if moe else ''}{' overlap_grad_reduce' if overlap else ''}"
+    results = me.run_workers(_pipeline_worker, pp * dp,
+                             args=(schedule, tied, state, runs, dp, moe, overlap, param_gather), timeout=400)
+    label = (f"{schedule} pp={pp} dp={dp} tied={tied}{' moe' if moe else ''}{' overlap_grad_reduce' if overlap else ''}"
+             f"{' overlap_param_gather' if param_gather else ''}")
     print(f"\n{label}:")
     _check(label, results, refs, runs, pp * dp, dp)
+    return results
 
 
 @pytest.mark.smoke
@@ -275,6 +360,28 @@ def test_moe_with_aux_loss_equals_single_process(schedule):
 @pytest.mark.parametrize("pp", [2, 4])
 def test_dualpipev_equals_single_process(pp):
     _run_and_check("dualpipev", pp, True, _runs(pp))
+
+
+@pytest.mark.smoke
+@pytest.mark.parametrize("schedule", ["dualpipe", "dualpipev"])
+def test_overlap_param_gather_pp2_dp2_starts_every_gather_before_its_chunks_first_forward(schedule):
+    """--overlap-param-gather (aligned) with the distributed optimizer's buffers: the executor calls
+    config.param_sync_func for each chunk before the first action, so at each chunk's first forward
+    all its all-gathers are already started (DDP's pre-hook only waits); the shards a replica does not
+    own are NaN before each run, so losses and gradients equal to the reference show that every
+    gather completed before its parameters were read. Control: a run without param_sync_func, where
+    the pre-hooks start the gathers themselves (correct, not started before the forward)."""
+    runs = [(3, True, False), (4, True, False), (5, False, False), (4, True, False, schedule, False), (4, True, True)]
+    results = _run_and_check(schedule, 2, True, runs, dp=2, overlap=True, param_gather=True)
+    for i, run in enumerate(runs):
+        handed, forward_only = (run[4] if len(run) > 4 else True), run[2]
+        seen = {(res[i]["dp"], res[i]["pp"]): res[i]["gathers"] for res in results}
+        print(f"  run {run}: per (dp, pp) rank, chunk -> (sync calls before its first forward, in the run, "
+              f"gathers started at that forward): {seen}")
+        for where, chunks in seen.items():
+            assert sorted(chunks) == [0, 1], f"run {run}, rank {where}: forwards of chunks {sorted(chunks)}"
+            want = (1, 1, True) if handed and not forward_only else (0, 0, False)
+            assert all(v == want for v in chunks.values()), f"run {run}, rank {where}: {chunks}, expected {want}"
 
 
 # ---------------------------------------------------------------------------------------------
