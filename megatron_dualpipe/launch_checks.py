@@ -9,8 +9,10 @@ Python that ``torchrun`` will run -- so the launcher and the script share this o
 
 - torch importable, with ``torch.distributed.run`` (what ``torchrun`` is), by this interpreter;
 - a ``--tokenizer-type``, and the files that type needs (Megatron-LM's ``build_tokenizer``
-  asserts them), present and loadable where this can be done offline and cheaply;
-- each ``--data-path`` prefix with its ``.bin`` and ``.idx``, and the largest token id in the
+  asserts them), present (a HuggingFace directory holding tokenizer files) and loadable where this
+  can be done offline and cheaply;
+- each ``--data-path`` prefix with its ``.bin`` and ``.idx`` (present, not empty, the ``.idx`` with
+  Megatron's header), and the largest token id in the
   ``.bin`` below the tokenizer's vocabulary (the first :data:`SCAN_BYTES` of each file are read).
 
 Standard library only, plus numpy and ``tokenizers`` where they are installed.
@@ -114,8 +116,30 @@ def _vocab_of_file(kind: str, path: str) -> Tuple[Optional[int], Optional[str]]:
     return None, None
 
 
+#: Files of which a HuggingFace tokenizer directory has at least one (fast, BPE, WordPiece, SentencePiece, tiktoken).
+HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "merges.txt",
+                      "tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "tokenizer.tiktoken")
+
+
+def _hf_directory_problem(path: str) -> Optional[str]:
+    """Why the directory ``path`` holds no HuggingFace tokenizer (transformers would fail in every rank), or None."""
+    try:
+        names = os.listdir(path)
+    except OSError as e:
+        return f"--tokenizer-model {path} cannot be read: {e}"
+    if any(n in HF_TOKENIZER_FILES or n.endswith((".model", ".tiktoken")) for n in names):
+        return None
+    what = "is an empty directory" if not names else f"holds none of {', '.join(HF_TOKENIZER_FILES[:5])}, ..."
+    return (f"--tokenizer-model {path} {what}: give the tokenizer directory (megatron-dualpipe prepare-data "
+            f"writes one beside the data, DIR/tokenizer)")
+
+
 def _vocab_of_hf(path: str) -> Tuple[Optional[int], Optional[str]]:
     """(vocabulary size, problem) of a HuggingFace tokenizer directory (its tokenizer.json)."""
+    if os.path.isdir(path):
+        problem = _hf_directory_problem(path)
+        if problem:
+            return None, problem
     f = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
     if not os.path.isfile(f):
         return None, None  # a slow tokenizer (vocab files only): transformers loads it, we cannot cheaply
@@ -206,6 +230,27 @@ def _prepared_tokenizer(prefix: str) -> str:
     return ""
 
 
+def _files_problem(prefix: str) -> Optional[str]:
+    """Why ``prefix.bin`` / ``prefix.idx`` are not an indexed dataset Megatron can read, or None:
+    missing, empty (an interrupted preprocessing leaves 0 bytes), or an ``.idx`` without Megatron's header."""
+    fix = "give the prefix that tools/preprocess_data.py or megatron-dualpipe prepare-data wrote, without .bin/.idx"
+    missing = [prefix + s for s in (".bin", ".idx") if not os.path.isfile(prefix + s)]
+    if missing:
+        return f"--data-path {prefix}: no {' or '.join(missing)}: {fix}"
+    empty = [prefix + s for s in (".bin", ".idx") if os.path.getsize(prefix + s) == 0]
+    if empty:
+        return f"--data-path {prefix}: {' and '.join(empty)} {'is' if len(empty) == 1 else 'are'} empty (0 bytes): " \
+               f"the preprocessing did not finish; run it again, or {fix}"
+    try:
+        with open(prefix + ".idx", "rb") as fh:
+            head = fh.read(len(IDX_MAGIC))
+    except OSError as e:
+        return f"--data-path {prefix}: cannot read {prefix}.idx: {e}"
+    if head != IDX_MAGIC:
+        return f"--data-path {prefix}: {prefix}.idx is not a Megatron indexed-dataset index (no MMIDIDX header): {fix}"
+    return None
+
+
 def data_problem(opts: Dict[str, object], vocab: Optional[int], scan: bool = True) -> Optional[str]:
     if opts.get("--mock-data"):
         return None
@@ -214,10 +259,9 @@ def data_problem(opts: Dict[str, object], vocab: Optional[int], scan: bool = Tru
         return ("no --data-path: pass the prefix that Megatron-LM's tools/preprocess_data.py or megatron-dualpipe "
                 "prepare-data wrote (the path without .bin/.idx), or --mock-data")
     for p in prefixes:
-        missing = [p + s for s in (".bin", ".idx") if not os.path.isfile(p + s)]
-        if missing:
-            return (f"--data-path {p}: no {' or '.join(missing)}: give the prefix that tools/preprocess_data.py "
-                    f"wrote, without .bin/.idx")
+        problem = _files_problem(p)
+        if problem:
+            return problem
     if vocab is None or not scan:
         return None
     for p in prefixes:

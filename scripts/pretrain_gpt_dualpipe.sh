@@ -30,6 +30,7 @@
 # dependencies, torch or torchrun missing from that Python, a missing or unloadable tokenizer,
 # data prefixes without .bin/.idx, and data whose token ids exceed the tokenizer's vocabulary.
 # Ctrl-C or SIGTERM stops torchrun and every rank (megatron_dualpipe/interrupts.py) in one line.
+# CUDA_DEVICE_MAX_CONNECTIONS: 1 unless set (32 with --overlap-moe-expert-parallel-comm and TP=CP=1).
 set -euo pipefail
 here="$(cd "$(dirname "$0")/.." && pwd)"
 die() { echo "pretrain_gpt_dualpipe.sh: error: $*" >&2; exit 2; }
@@ -37,10 +38,19 @@ trap 'echo "pretrain_gpt_dualpipe.sh: interrupted" >&2; exit 130' INT TERM HUP
 # A positive integer of at most 9 digits (bash arithmetic then neither fails nor overflows).
 is_count() { [[ "$1" =~ ^[1-9][0-9]{0,8}$ ]]; }
 gcd() { local a=$1 b=$2 t; while [ "$b" -ne 0 ]; do t=$((a % b)); a=$b; b=$t; done; echo "$a"; }
+# How to lay out GPU count $1 (a multiple of $2) on nodes of GPUS_PER_NODE GPUs: whole nodes where it
+# divides; fewer than a node on one node; else fewer GPUs per node, or more nodes of this size.
+node_layout() {
+  local n=$1 unit=$2 g=$GPUS_PER_NODE k
+  if [ $((n % g)) -eq 0 ]; then echo "GPUS_PER_NODE=$g with NNODES=$((n / g))"; return; fi
+  if [ "$n" -lt "$g" ]; then echo "GPUS_PER_NODE=$n with NNODES=1"; return; fi
+  k=$g; while [ $((n % k)) -ne 0 ]; do k=$((k - 1)); done
+  echo "GPUS_PER_NODE=$k with NNODES=$((n / k)), or NNODES=$((unit / $(gcd "$unit" "$g"))) of GPUS_PER_NODE=$g"
+}
 
-: "${MEGATRON_LM_PATH:?set MEGATRON_LM_PATH to a Megatron-LM checkout at tag core_v0.16.1 or core_v0.19.0}"
+[ -n "${MEGATRON_LM_PATH:-}" ] || die "set MEGATRON_LM_PATH to a Megatron-LM checkout at tag core_v0.16.1 or core_v0.19.0"
 [ -f "$MEGATRON_LM_PATH/pretrain_gpt.py" ] || die "no pretrain_gpt.py in MEGATRON_LM_PATH=$MEGATRON_LM_PATH"
-: "${CONFIG:?set CONFIG to one of: $(cd "$here/configs" && ls *.sh | sed 's/\.sh$//' | tr '\n' ' ')}"
+[ -n "${CONFIG:-}" ] || die "set CONFIG to one of: $(cd "$here/configs" && ls *.sh | sed 's/\.sh$//' | tr '\n' ' ')(or a path)"
 config_file="$CONFIG"
 [ -f "$config_file" ] || config_file="$here/configs/${CONFIG%.sh}.sh"
 [ -f "$config_file" ] || die "no config $CONFIG (looked for $CONFIG and $config_file)"
@@ -66,6 +76,14 @@ MASTER_ADDR=${MASTER_ADDR:-localhost}
 [ "$NODE_RANK" -lt "$NNODES" ] || die "NODE_RANK=$NODE_RANK must be below NNODES=$NNODES"
 
 case "$SCHEDULE" in dualpipe|dualpipev|zb-h1|executor-1f1b|1f1b) ;; *) die "SCHEDULE=$SCHEDULE: use dualpipe, dualpipev, zb-h1, executor-1f1b or 1f1b (interleaved 1F1B: SCHEDULE=1f1b with --num-layers-per-virtual-pipeline-stage N)";; esac
+# The schedule's own rules first: they name the fix for PP itself, the world size only a GPU count.
+if [ "$SCHEDULE" = dualpipe ]; then
+  [ $((PP % 2)) -eq 0 ] && [ "$PP" -ge 2 ] || die "dualpipe needs an even PP >= 2, got PP=$PP (or use SCHEDULE=dualpipev)"
+  [ $((NUM_LAYERS % PP)) -eq 0 ] || die "dualpipe needs NUM_LAYERS ($NUM_LAYERS) divisible by PP=$PP"
+fi
+if [ "$SCHEDULE" = dualpipev ]; then
+  [ $((NUM_LAYERS % (2 * PP))) -eq 0 ] || die "dualpipev needs NUM_LAYERS ($NUM_LAYERS) divisible by 2*PP=$((2 * PP))"
+fi
 world=$((NNODES * GPUS_PER_NODE))
 # Megatron's rules for the world size: a multiple of TP*PP*CP (dense layers) and of ETP*EP*PP (experts).
 dense=$((TP * PP * CP)); expert=$((ETP * EP * PP))
@@ -73,8 +91,7 @@ min_gpus=$((dense / $(gcd "$dense" "$expert") * expert))
 if [ $((world % min_gpus)) -ne 0 ]; then
   below=$((world / min_gpus * min_gpus)); above=$((below + min_gpus))
   nearest=$above; [ "$below" -gt 0 ] && [ $((world - below)) -le $((above - world)) ] && nearest=$below
-  how="GPUS_PER_NODE=$GPUS_PER_NODE with NNODES=$((nearest / GPUS_PER_NODE))"
-  [ $((nearest % GPUS_PER_NODE)) -eq 0 ] || how="e.g. GPUS_PER_NODE=$nearest with NNODES=1"
+  how=$(node_layout "$nearest" "$min_gpus")
   die "$world GPUs (NNODES=$NNODES x GPUS_PER_NODE=$GPUS_PER_NODE): Megatron needs a multiple of TP*PP*CP=$dense and of ETP*EP*PP=$expert, i.e. of $min_gpus; the nearest valid count is $nearest ($how), or change PP, TP, EP, CP, ETP"
 fi
 experts=""
@@ -87,20 +104,24 @@ fi
 dp=$((world / dense))
 [ $((GLOBAL_BATCH % (MICRO_BATCH * dp))) -eq 0 ] || die "GLOBAL_BATCH=$GLOBAL_BATCH is not a multiple of MICRO_BATCH*DP=$((MICRO_BATCH * dp))"
 m=$((GLOBAL_BATCH / (MICRO_BATCH * dp)))
-if [ "$SCHEDULE" = dualpipe ]; then
-  [ $((PP % 2)) -eq 0 ] && [ "$PP" -ge 2 ] || die "dualpipe needs an even PP >= 2, got PP=$PP (or use SCHEDULE=dualpipev)"
-  [ $((NUM_LAYERS % PP)) -eq 0 ] || die "dualpipe needs NUM_LAYERS ($NUM_LAYERS) divisible by PP=$PP"
-fi
-if [ "$SCHEDULE" = dualpipev ]; then
-  [ $((NUM_LAYERS % (2 * PP))) -eq 0 ] || die "dualpipev needs NUM_LAYERS ($NUM_LAYERS) divisible by 2*PP=$((2 * PP))"
-fi
 if [[ "$SCHEDULE" == dualpipe* ]] && [ "$m" -lt "$PP" ]; then
   die "$SCHEDULE needs at least PP=$PP micro-batches per iteration, got GLOBAL_BATCH/(MICRO_BATCH*DP)=$m: raise GLOBAL_BATCH to $((PP * MICRO_BATCH * dp))"
 fi
 
+# Megatron asserts CUDA_DEVICE_MAX_CONNECTIONS=1 with TP or CP > 1 (before Blackwell), as its own examples
+# set it; the MoE all-to-all overlap of the fused F&B units wants more streams (Megatron suggests 32). A
+# value already set is kept.
+if [ -z "${CUDA_DEVICE_MAX_CONNECTIONS:-}" ]; then
+  CUDA_DEVICE_MAX_CONNECTIONS=1
+  if [ "$TP" = 1 ] && [ "$CP" = 1 ] && [[ " ${MODEL_ARGS[*]} $* " == *" --overlap-moe-expert-parallel-comm "* ]]; then
+    CUDA_DEVICE_MAX_CONNECTIONS=32
+  fi
+fi
+export CUDA_DEVICE_MAX_CONNECTIONS
+
 data_args=()
 if [[ " ${MODEL_ARGS[*]} " != *" --mock-data "* ]]; then
-  : "${DATA_PATH:?set DATA_PATH to the Megatron-preprocessed data prefix (or use a config with --mock-data)}"
+  [ -n "${DATA_PATH:-}" ] || die "set DATA_PATH to the Megatron-preprocessed data prefix (the path without .bin/.idx; megatron-dualpipe prepare-data prints one), or use a config with --mock-data"
   # DATA_PATH is a prefix, or a blend "weight prefix weight prefix ...": the preflight below checks each.
   read -r -a data_words <<< "$DATA_PATH"
   data_args=(--data-path "${data_words[@]}")
@@ -153,7 +174,7 @@ cmd=(
   --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT"
   -m megatron_dualpipe.launch "${launcher_opts[@]}" "${script[@]}"
 )
-echo "# $SCHEDULE: $world processes (minimum $min_gpus), PP=$PP TP=$TP EP=$EP CP=$CP DP=$dp, $m micro-batches per iteration${launcher_opts:+, bd pairs on one node}"
+echo "# $SCHEDULE: $world processes (minimum $min_gpus), PP=$PP TP=$TP EP=$EP CP=$CP DP=$dp, $m micro-batches per iteration${launcher_opts:+, bd pairs on one node}, CUDA_DEVICE_MAX_CONNECTIONS=$CUDA_DEVICE_MAX_CONNECTIONS"
 printf '%q ' "${cmd[@]}"; echo
 [ "${DRY_RUN:-0}" = 1 ] && exit 0
 # torchrun and every rank in a process group of their own: Ctrl-C / SIGTERM stops them all, one line.

@@ -157,8 +157,9 @@ def test_launch_script_stops_torchrun_and_its_ranks(tmp_path, sig, group):
     (fake / "megatron" / "core").mkdir(parents=True)
     (fake / "megatron" / "core" / "package_info.py").write_text("MAJOR = 0\nMINOR = 16\nPATCH = 1\n")
     (fake / "pretrain_gpt.py").write_text("")
-    for ext in ("bin", "idx"):
-        (tmp_path / f"text_document.{ext}").write_text("")
+    # The preflight refuses empty files: an .idx header (magic, version 1, uint16) and a few token ids below 8.
+    (tmp_path / "text_document.idx").write_bytes(b"MMIDIDX\x00\x00" + (1).to_bytes(8, "little") + b"\x08" + b"\x00" * 16)
+    (tmp_path / "text_document.bin").write_bytes(bytes([1, 0, 2, 0, 3, 0]))
     out = tmp_path / "out"
     out.mkdir()
     torchrun = tmp_path / "torchrun"

@@ -32,12 +32,24 @@ def min_gpus(config):
     return int(re.search(r"^# Minimum GPUs: (\d+)", (ROOT / "configs" / f"{config}.sh").read_text(), re.M).group(1))
 
 
+def write_indexed(prefix, top_id):
+    """A Megatron indexed dataset header (.idx: magic, version, dtype code 8 = uint16) and a .bin
+    whose largest token id is ``top_id``."""
+    import struct
+
+    import numpy as np
+
+    pathlib.Path(f"{prefix}.idx").write_bytes(b"MMIDIDX\x00\x00" + struct.pack("<QB", 1, 8) + b"\x00" * 16)
+    np.arange(top_id + 1, dtype=np.uint16).tofile(f"{prefix}.bin")
+
+
 def run(tmp_path, tokenizer=True, extra=(), **env):
     fake = fake_checkout(tmp_path / "Megatron-LM")
-    for ext in ("bin", "idx"):
-        (tmp_path / f"text_document.{ext}").write_text("")
+    if not (tmp_path / "text_document.idx").exists():
+        write_indexed(tmp_path / "text_document", 7)
     full = {k: v for k, v in os.environ.items()
-            if k not in ("MASTER_ADDR", "NNODES", "PP", "TP", "EP", "CP", "ETP", "TORCHRUN", "PYTHON")}
+            if k not in ("MASTER_ADDR", "NNODES", "PP", "TP", "EP", "CP", "ETP", "TORCHRUN", "PYTHON",
+                         "CUDA_DEVICE_MAX_CONNECTIONS")}
     full.update(DRY_RUN="1", MEGATRON_LM_PATH=str(fake), DATA_PATH=str(tmp_path / "text_document"),
                 PYTHON=sys.executable)
     full.update({k: str(v) for k, v in env.items() if v is not None})
@@ -116,11 +128,59 @@ def test_below_the_stated_minimum_is_refused_naming_it(tmp_path, config):
     (dict(CONFIG="moe_mixtral_8x7b", EP=3, PP=2, GPUS_PER_NODE=6), "EP=3 does not divide the config's 8 experts"),
     (dict(CONFIG="gpt_345m", DATA_PATH="/no/such/prefix"), "no /no/such/prefix.bin or /no/such/prefix.idx"),
     (dict(CONFIG="gpt_345m", PYTHON="/no/such/python"), "PYTHON=/no/such/python not found"),
+    (dict(CONFIG="gpt_345m", PP=3), "dualpipe needs an even PP >= 2, got PP=3"),
+    (dict(CONFIG="gpt_8b", GPUS_PER_NODE=6, NNODES=2, MASTER_ADDR="n0"),
+     "the nearest valid count is 16 (GPUS_PER_NODE=4 with NNODES=4, or NNODES=8 of GPUS_PER_NODE=6)"),
+    (dict(CONFIG="gpt_345m", MEGATRON_LM_PATH=""), "set MEGATRON_LM_PATH"),
+    (dict(CONFIG=""), "set CONFIG to one of"),
+    (dict(CONFIG="gpt_345m", DATA_PATH=""), "set DATA_PATH"),
 ])
 def test_bad_setups_fail_early_with_the_fix(tmp_path, env, expected):
+    """One line naming the fix, exit 2, before anything starts; never bash's own error."""
     r = run(tmp_path, **env)
     print(f"\n{env}: {r.stderr.strip()}")
-    assert r.returncode != 0 and expected in r.stderr and r.stdout == ""
+    assert r.returncode == 2 and expected in r.stderr and r.stdout == "" and r.stderr.count("\n") == 1
+    assert r.stderr.startswith("pretrain_gpt_dualpipe.sh: error: ") and "line " not in r.stderr
+
+
+@pytest.mark.parametrize("what,expected", [
+    ("empty .bin", ".bin is empty (0 bytes)"),
+    ("empty .idx", ".idx is empty (0 bytes)"),
+    ("no header", ".idx is not a Megatron indexed-dataset index"),
+    ("empty tokenizer directory", "is an empty directory"),
+    ("tokenizer directory without tokenizer files", "holds none of tokenizer.json"),
+])
+def test_data_and_tokenizer_that_cannot_load_are_refused(tmp_path, what, expected):
+    """Files that exist but cannot load (an interrupted preprocessing, a tokenizer directory copied
+    empty) are refused before torchrun, like missing ones."""
+    write_indexed(tmp_path / "text_document", 7)
+    tok = tmp_path / "tokenizer"
+    tok.mkdir()
+    extra = ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(tok)]
+    if what.startswith("empty ."):
+        (tmp_path / f"text_document{what[len('empty '):]}").write_bytes(b"")
+        extra = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "1024"]
+    elif what == "no header":
+        (tmp_path / "text_document.idx").write_bytes(b"not an index")
+        extra = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "1024"]
+    elif what.startswith("tokenizer directory"):
+        (tok / "README.txt").write_text("the tokenizer was here")
+    r = run(tmp_path, tokenizer=False, extra=extra, CONFIG="gpt_345m")
+    print(f"\n{what}: {r.stderr.strip()}")
+    assert r.returncode == 2 and r.stdout == "" and r.stderr.count("\n") == 1 and expected in r.stderr
+
+
+def test_cuda_device_max_connections_is_set_unless_given(tmp_path):
+    """Megatron asserts CUDA_DEVICE_MAX_CONNECTIONS=1 with TP > 1 (before Blackwell): the script sets it,
+    32 for the MoE all-to-all overlap without TP/CP, and keeps a value the user set."""
+    for env, extra, want in ((dict(TP=2), (), "1"), (dict(CUDA_DEVICE_MAX_CONNECTIONS=8), (), "8"),
+                             (dict(CONFIG="moe_mixtral_8x7b", GPUS_PER_NODE=8, NNODES=8, MASTER_ADDR="n0", TP=1),
+                              ("--overlap-moe-expert-parallel-comm",), "32")):
+        r = run(tmp_path, extra=extra, **{"CONFIG": "gpt_345m", **env})
+        assert r.returncode == 0, r.stderr
+        header = r.stdout.strip().splitlines()[-2]
+        print(f"\n{env} {' '.join(extra)}: {header}")
+        assert header.endswith(f"CUDA_DEVICE_MAX_CONNECTIONS={want}")
 
 
 @pytest.mark.parametrize("var,value", [(v, x) for v in ("PP", "TP", "EP", "CP", "MICRO_BATCH", "GLOBAL_BATCH", "NNODES",
@@ -134,19 +194,24 @@ def test_numbers_must_be_positive_integers(tmp_path, var, value):
         assert bash_error not in r.stderr
 
 
-def test_wrong_megatron_version_is_refused_before_torchrun(tmp_path):
-    old = fake_checkout(tmp_path / "Megatron-LM-0.15", version=(0, 15, 0))
+@pytest.mark.parametrize("version", [(0, 15, 0), (0, 17, 1)])
+def test_wrong_megatron_version_is_refused_before_torchrun(tmp_path, version):
+    """An older checkout and one of the unsupported 0.17/0.18 in between get the same sentence as
+    pip, the import check and the docs (versions.SUPPORTED_TEXT)."""
+    from megatron_dualpipe import versions
+
+    old = fake_checkout(tmp_path / "Megatron-LM-old", version=version)
     r = run(tmp_path, CONFIG="gpt_345m", MEGATRON_LM_PATH=str(old))
     print(f"\n{r.stderr.strip()}")
     assert r.returncode == 2 and r.stdout == "" and r.stderr.count("\n") == 1
-    assert "is not one of the Megatron-LM tags" in r.stderr and "(found megatron-core 0.15.0)" in r.stderr
+    assert "is not a supported Megatron-LM checkout" in r.stderr and versions.SUPPORTED_TEXT in r.stderr
+    assert f"(found megatron-core {'.'.join(map(str, version))})" in r.stderr
 
 
 def test_blended_data_path_checks_every_prefix(tmp_path):
     r = run(tmp_path, CONFIG="gpt_345m", DATA_PATH=f"0.7 {tmp_path / 'text_document'} 0.3 {tmp_path / 'other'}")
     assert r.returncode == 2 and f"no {tmp_path / 'other'}.bin" in r.stderr
-    for ext in ("bin", "idx"):
-        (tmp_path / f"other.{ext}").write_text("")
+    write_indexed(tmp_path / "other", 7)
     r = run(tmp_path, CONFIG="gpt_345m", DATA_PATH=f"0.7 {tmp_path / 'text_document'} 0.3 {tmp_path / 'other'}")
     assert r.returncode == 0, r.stderr
     argv = shlex.split(r.stdout.strip().splitlines()[-1])
@@ -157,17 +222,6 @@ def test_blended_data_path_checks_every_prefix(tmp_path):
 # ---------------------------------------------------------------------------------------------
 # Checked before torchrun (megatron_dualpipe/launch_checks.py through launch --check)
 # ---------------------------------------------------------------------------------------------
-
-def write_indexed(prefix, top_id):
-    """A Megatron indexed dataset header (.idx: magic, version, dtype code 8 = uint16) and a .bin
-    whose largest token id is ``top_id``."""
-    import struct
-
-    import numpy as np
-
-    pathlib.Path(f"{prefix}.idx").write_bytes(b"MMIDIDX\x00\x00" + struct.pack("<QB", 1, 8) + b"\x00" * 16)
-    np.arange(top_id + 1, dtype=np.uint16).tofile(f"{prefix}.bin")
-
 
 def gpt2_files(tmp_path, entries):
     (tmp_path / "vocab.json").write_text(json.dumps({f"t{i}": i for i in range(entries)}))
@@ -258,32 +312,67 @@ def test_gpu_extra_pins_transformer_engine_as_megatron_core_asks():
     assert re.search(rf"with megatron-core {core.group(1)}\.{core.group(2)} install\s+{re.escape(advice)}", readme), advice
 
 
-def test_slurm_example_gives_each_node_its_rank_and_the_first_node_as_master(tmp_path):
-    """scripts/slurm_dualpipe.sbatch under a stand-in srun that runs its command once per node
-    (SLURM_NODEID 0 and 1) and a stand-in scontrol: both nodes compose their torchrun command."""
+def run_sbatch(tmp_path, command=None, **env_vars):
+    """scripts/slurm_dualpipe.sbatch as Slurm runs it: a copy in a spool directory, started from
+    ``SLURM_SUBMIT_DIR`` (``tmp_path/elsewhere`` unless given), under a stand-in srun that runs its
+    command once per node (SLURM_NODEID 0 and 1, and leaves a mark) and a stand-in scontrol (the
+    hostnames; for ``show job``, ``Command=COMMAND`` when given)."""
     fake = fake_checkout(tmp_path / "Megatron-LM")
-    for ext in ("bin", "idx"):
-        (tmp_path / f"text_document.{ext}").write_text("")
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "srun").write_text('#!/bin/bash\nshift\nfor n in 0 1; do SLURM_NODEID=$n "$@" || exit; done\n')
-    (bin_dir / "scontrol").write_text("#!/bin/bash\nprintf 'gpu-node-a\\ngpu-node-b\\n'\n")
+    write_indexed(tmp_path / "text_document", 7)
+    bin_dir, spool, elsewhere = tmp_path / "bin", tmp_path / "spool", tmp_path / "elsewhere"
+    for d in (bin_dir, spool, elsewhere):
+        d.mkdir(exist_ok=True)
+    (bin_dir / "srun").write_text(f'#!/bin/bash\ntouch {tmp_path}/srun-ran\nshift\n'
+                                  'for n in 0 1; do SLURM_NODEID=$n "$@" || exit; done\n')
+    job = f"   Command={command}" if command else "   JobState=RUNNING"
+    (bin_dir / "scontrol").write_text(f'#!/bin/bash\nif [ "$1 $2" = "show job" ]; then echo "{job}"; exit; fi\n'
+                                      "printf 'gpu-node-a\\ngpu-node-b\\n'\n")
     for f in ("srun", "scontrol"):
         (bin_dir / f).chmod(0o755)
-    env = {k: v for k, v in os.environ.items() if k not in ("NNODES", "MASTER_ADDR", "TORCHRUN")}
+    script = spool / "slurm_script"
+    script.write_text((ROOT / "scripts" / "slurm_dualpipe.sbatch").read_text())
+    env = {k: v for k, v in os.environ.items() if k not in ("NNODES", "MASTER_ADDR", "TORCHRUN", "DUALPIPE_DIR")}
     env.update(PATH=f"{bin_dir}:{env['PATH']}", DRY_RUN="1", MEGATRON_LM_PATH=str(fake),
                DATA_PATH=str(tmp_path / "text_document"), TOKENIZER_ARGS="--tokenizer-type NullTokenizer --vocab-size 8",
                CONFIG="gpt_8b", SLURM_NNODES="2", SLURM_GPUS_ON_NODE="8", SLURM_JOB_NODELIST="gpu-node-[a-b]",
-               SLURM_SUBMIT_DIR=str(ROOT), PYTHON=sys.executable)
-    r = subprocess.run(["bash", str(ROOT / "scripts" / "slurm_dualpipe.sbatch"), "--seed", "7"], env=env,
-                       capture_output=True, text=True, timeout=120)
+               SLURM_JOB_ID="42", SLURM_SUBMIT_DIR=str(elsewhere), PYTHON=sys.executable)
+    env.update(env_vars)
+    return subprocess.run(["bash", str(script), "--seed", "7"], env=env, cwd=env["SLURM_SUBMIT_DIR"],
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("how", ["submitted from the checkout", "submitted from elsewhere", "DUALPIPE_DIR"])
+def test_slurm_example_gives_each_node_its_rank_and_the_first_node_as_master(tmp_path, how):
+    """Both nodes compose their torchrun command, however the job was submitted: from the checkout
+    (``sbatch scripts/slurm_dualpipe.sbatch``), from another directory (scontrol's Command= names
+    the script by its full path), or with DUALPIPE_DIR."""
+    env = {"submitted from the checkout": dict(command="scripts/slurm_dualpipe.sbatch", SLURM_SUBMIT_DIR=str(ROOT)),
+           "submitted from elsewhere": dict(command=str(ROOT / "scripts" / "slurm_dualpipe.sbatch")),
+           "DUALPIPE_DIR": dict(DUALPIPE_DIR=str(ROOT))}[how]
+    r = run_sbatch(tmp_path, **env)
     assert r.returncode == 0, r.stderr
     commands = [shlex.split(line) for line in r.stdout.splitlines() if not line.startswith("#")]
-    print("\n" + "\n".join(" ".join(c[:14]) for c in commands))
+    print(f"\n{how}:\n" + "\n".join(" ".join(c[:14]) for c in commands))
     assert [c[c.index("--node-rank") + 1] for c in commands] == ["0", "1"]
     assert all(c[c.index("--master-addr") + 1] == "gpu-node-a" and c[c.index("--nnodes") + 1] == "2"
                for c in commands)
     assert all(c[-2:] == ["--seed", "7"] and "NullTokenizer" in c for c in commands)
+
+
+@pytest.mark.parametrize("env,expected", [
+    (dict(), "cannot find the megatron-dualpipe checkout"),
+    (dict(DUALPIPE_DIR="/no/such/dir"), "DUALPIPE_DIR=/no/such/dir has no scripts/pretrain_gpt_dualpipe.sh"),
+    (dict(command="/no/such/slurm_dualpipe.sbatch", DATA_PATH=""), "cannot find the megatron-dualpipe checkout"),
+    (dict(DUALPIPE_DIR=str(ROOT), MEGATRON_LM_PATH=""), "set MEGATRON_LM_PATH"),
+    (dict(DUALPIPE_DIR=str(ROOT), TOKENIZER_ARGS=""), "set TOKENIZER_ARGS"),
+])
+def test_slurm_job_that_cannot_find_its_parts_stops_before_srun(tmp_path, env, expected):
+    """No checkout to be found (a copy in the spool directory, submitted elsewhere, no Command=) or a
+    missing variable: one line naming the fix, exit 2, and srun never runs."""
+    r = run_sbatch(tmp_path, **env)
+    print(f"\n{env}: {r.stderr.strip()}")
+    assert r.returncode == 2 and r.stdout == "" and r.stderr.count("\n") == 1 and expected in r.stderr
+    assert r.stderr.startswith("slurm_dualpipe.sbatch: error: ") and not (tmp_path / "srun-ran").exists()
 
 
 FAKE_PYTHON = """#!/bin/bash
