@@ -18,19 +18,23 @@ from typing import Optional, Tuple
 
 #: Megatron-LM tags the plugin is tested with -> the megatron-core version its
 #: ``megatron/core/package_info.py`` says (core_v0.19.0's says 0.19.1), by which a checkout is
-#: recognised. CI runs pretrain_gpt.py at both ends of the range.
+#: recognised. CI runs pretrain_gpt.py with both.
 TAGS = {"core_v0.16.1": "0.16.1", "core_v0.19.0": "0.19.1"}
+#: The supported megatron-core release series -> its lowest supported release. CI tests the pip package
+#: 0.16.1 with core_v0.16.1 and 0.19.2 with core_v0.19.0. 0.17.x and 0.18.x lie between but are not
+#: supported: nothing was ever run with them, and no Megatron-LM tag of theirs has hooks written for it.
+SERIES = {(0, 16): (0, 16, 1), (0, 19): (0, 19, 0)}
 #: The megatron-core versions the test suite runs with: the packages pip installs (0.16.1,
 #: 0.19.2) and the checkouts of :data:`TAGS`.
 TESTED_CORE = ("0.16.1", "0.19.1", "0.19.2")
-#: The supported range, lowest included, highest excluded.
-LOWEST, BELOW = (0, 16, 1), (0, 20)
-REQUIREMENT = "megatron-core>=0.16.1,<0.20"
+#: pip's form of :data:`SERIES` (setup.py).
+REQUIREMENT = "megatron-core>=0.16.1,!=0.17.*,!=0.18.*,<0.20"
 #: Set to 1 to run with a version outside the range anyway (at your own risk).
 SKIP_ENV = "MEGATRON_DUALPIPE_SKIP_VERSION_CHECK"
 
-SUPPORTED_TEXT = (f"megatron-core 0.16.1 through 0.19.x (tested: {', '.join(TESTED_CORE)}; Megatron-LM tags "
-                  f"{', '.join(TAGS)})")
+#: The one sentence every message, doc and help text uses.
+SUPPORTED_TEXT = ("megatron-core 0.16.1 with Megatron-LM core_v0.16.1, or megatron-core 0.19.x with Megatron-LM "
+                  "core_v0.19.0 (0.17 and 0.18 are not supported)")
 
 
 def parse(version: str) -> Tuple[int, ...]:
@@ -50,7 +54,7 @@ def supported(version: str) -> bool:
     """True when ``version`` (megatron-core) lies in the supported range."""
     v = parse(version)
     v3 = (v + (0, 0, 0))[:3]
-    return bool(v) and LOWEST <= v3 and v3[:2] < BELOW
+    return bool(v) and v3[:2] in SERIES and v3 >= SERIES[v3[:2]]
 
 
 def skipped() -> bool:
@@ -65,7 +69,7 @@ def problem(version: Optional[str], where: str = "megatron-core") -> Optional[st
         return None
     found = f"{where} {version}" if version else f"no version of {where}"
     return (f"found {found}; megatron-dualpipe supports {SUPPORTED_TEXT}: install one of those "
-            f"(pip install '{REQUIREMENT}', or check out a supported Megatron-LM tag), or set {SKIP_ENV}=1 "
+            f"(pip install '{REQUIREMENT}', or check out one of those Megatron-LM tags), or set {SKIP_ENV}=1 "
             f"to try anyway")
 
 

@@ -18,7 +18,8 @@ def configure(p):
     p.add_argument("--enable", action="store_true",
                    help="switch CPU mode on here, print, then switch it off and check the restore")
     p.add_argument("--megatron-lm", metavar="PATH",
-                   help="with --enable: a Megatron-LM checkout (core_v0.16.1) whose training code to redirect too")
+                   help="with --enable: a Megatron-LM checkout (core_v0.16.1 or core_v0.19.0) whose training code to redirect "
+                        "too")
     p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
 
 

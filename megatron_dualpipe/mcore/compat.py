@@ -2,8 +2,8 @@
 
 The one place the executor's megatron-core calls adapt to the version (the supported range is
 :mod:`megatron_dualpipe.versions`). Each difference is detected from Megatron's own code (a
-signature, an attribute), not from a version number, so a release in between (0.17, 0.18)
-takes the branch its code needs; each names the versions where it was read.
+signature, an attribute), not from a version number (0.17 and 0.18, which are not supported, would
+take the branch their code needs); each names the versions where it was read.
 
 What did *not* need an entry, read at core_v0.16.1 and core_v0.19.0:
 

@@ -51,8 +51,8 @@ def tag_problem(path: str, version: Optional[str], tag: Optional[str] = None) ->
     if versions.tag_of(version) is not None:
         return None
     found = f"megatron-core {version}" if version else "no megatron/core/package_info.py"
-    return (f"{path} is not one of the Megatron-LM tags megatron-dualpipe's hooks are written for, "
-            f"{' or '.join(TAGS)} (found {found}{f', git tag {tag}' if tag else ''}): check one out "
+    return (f"{path} is not a supported Megatron-LM checkout (found {found}{f', git tag {tag}' if tag else ''}): "
+            f"megatron-dualpipe supports {versions.SUPPORTED_TEXT}; check one of those tags out "
             f"(git -C {path} checkout {TAGS[-1]})")
 
 

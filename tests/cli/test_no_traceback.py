@@ -135,7 +135,7 @@ def test_launcher_refuses_in_one_line(tmp_path):
     (root / "megatron" / "core" / "package_info.py").write_text("MAJOR = 0\nMINOR = 15\nPATCH = 0\n")
     (root / "pretrain_gpt.py").write_text("raise SystemExit('must not run')\n")
     for argv, needle in ((["/no/such/pretrain_gpt.py"], "no such script"),
-                         ([str(root / "pretrain_gpt.py"), "--help"], "is not one of the Megatron-LM tags"),
+                         ([str(root / "pretrain_gpt.py"), "--help"], "is not a supported Megatron-LM checkout"),
                          (["--check", str(root / "pretrain_gpt.py")], "found megatron-core 0.15.0")):
         p = _launch(*argv)
         print(f"\n{argv}: {p.stderr.strip()}")

@@ -3,7 +3,6 @@ setup.py's requirement, at import of megatron_dualpipe.mcore, and by the launche
 each refusing a version outside it in one line that names the supported versions."""
 import runpy
 import pathlib
-import re
 
 import pytest
 
@@ -14,7 +13,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("version,ok", [
-    ("0.16.0", False), ("0.16.1", True), ("0.17.0rc0", True), ("0.18.2", True), ("0.19.1", True),
+    ("0.16.0", False), ("0.16.1", True), ("0.17.0rc0", False), ("0.17.1", False), ("0.18.2", False), ("0.19.1", True),
     ("0.19.2+e32f1b8", True), ("0.20.0", False), ("1.0", False), ("", False),
 ])
 def test_supported_range(version, ok, monkeypatch):
@@ -25,7 +24,7 @@ def test_supported_range(version, ok, monkeypatch):
     if ok:
         assert problem is None
     else:
-        assert "\n" not in problem and "0.16.1 through 0.19.x" in problem and versions.SKIP_ENV in problem
+        assert "\n" not in problem and versions.SUPPORTED_TEXT in problem and versions.SKIP_ENV in problem
 
 
 def test_skip_variable_lets_any_version_through(monkeypatch):
@@ -34,10 +33,16 @@ def test_skip_variable_lets_any_version_through(monkeypatch):
 
 
 def test_setup_py_requires_the_declared_range():
+    """pip's requirement admits exactly what versions.supported admits (0.16.1, 0.19.x; not 0.17/0.18)."""
+    from packaging.specifiers import SpecifierSet
+
     text = (ROOT / "setup.py").read_text()
     assert "megatron-core>=" not in text, "setup.py must take the range from versions.REQUIREMENT"
-    low, below = re.match(r"megatron-core>=([\d.]+),<([\d.]+)", versions.REQUIREMENT).groups()
-    assert versions.parse(low) == versions.LOWEST and versions.parse(below) == versions.BELOW
+    spec = SpecifierSet(versions.REQUIREMENT[len("megatron-core"):])
+    candidates = [f"0.{minor}.{patch}" for minor in range(14, 22) for patch in range(4)]
+    admitted = [v for v in candidates if v in spec]
+    print(f"\n{versions.REQUIREMENT}: {admitted}")
+    assert admitted == [v for v in candidates if versions.supported(v)]
     assert runpy.run_path(str(ROOT / "megatron_dualpipe" / "versions.py"))["REQUIREMENT"] == versions.REQUIREMENT
 
 
