@@ -38,6 +38,12 @@ USAGE = ("usage: python -m megatron_dualpipe.launch [--check] [--pair-placement]
          "[ARGS...]")
 PAIR_PLACEMENT = "--pair-placement"  # = launch_placement.FLAG
 SKIP_VERSION = "MEGATRON_DUALPIPE_SKIP_VERSION_CHECK"  # = versions.SKIP_ENV
+HELP = ("Runs a Megatron-LM training script (pretrain_gpt.py) with megatron-dualpipe installed, so that it takes\n"
+        "--pipeline-schedule dualpipe|dualpipev; under torchrun: torchrun --nproc-per-node 8 -m megatron_dualpipe.launch\n"
+        "PATH/pretrain_gpt.py ARGS...\n"
+        "  --check           check the checkout, the training dependencies, torch and ARGS (tokenizer, data), then exit\n"
+        "  --pair-placement  dualpipe: put pipeline ranks i and pp-1-i on the same node\n"
+        "The script's own options: PATH/pretrain_gpt.py --help (through this launcher, with the DualPipe flags).")
 
 
 def preflight(script):
@@ -75,7 +81,10 @@ def main(argv=None):
     while argv and argv[0] in ("--check", PAIR_PLACEMENT):
         options.add(argv.pop(0))
     check, paired = "--check" in options, PAIR_PLACEMENT in options
-    if not argv or argv[0] in ("-h", "--help") and len(argv) == 1:
+    if argv in (["-h"], ["--help"]):  # asked for: the usage on stdout, and success
+        print(f"{USAGE}\n\n{HELP}")
+        return 0
+    if not argv:
         print(USAGE, file=sys.stderr)
         return 2
     script = os.path.abspath(argv[0])

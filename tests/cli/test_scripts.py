@@ -420,3 +420,16 @@ def test_setup_prints_one_line_per_step_with_its_time_and_nothing_of_pip(tmp_pat
     again = subprocess.run(["bash", str(ROOT / "scripts" / "setup_venv.sh")], env=env, capture_output=True, text=True,
                            timeout=120)
     assert again.returncode == 0 and again.stderr == "" and again.stdout == ""
+
+
+def test_launcher_help_is_success_and_no_script_is_a_usage_error():
+    """``python -m megatron_dualpipe.launch --help`` prints the usage on stdout and exits 0; no script
+    at all is a usage error (one line on stderr, exit 2)."""
+    asked = subprocess.run([sys.executable, "-m", "megatron_dualpipe.launch", "--help"], capture_output=True, text=True,
+                           timeout=60, cwd=ROOT)
+    print(f"\n{asked.stdout}")
+    assert asked.returncode == 0 and asked.stdout.startswith("usage: ") and "--check" in asked.stdout and not asked.stderr
+    bare = subprocess.run([sys.executable, "-m", "megatron_dualpipe.launch"], capture_output=True, text=True, timeout=60,
+                          cwd=ROOT)
+    assert bare.returncode == 2 and bare.stdout == "" and bare.stderr.startswith("usage: ")
+    assert bare.stderr.count("\n") == 1
