@@ -21,8 +21,12 @@ written for (``megatron_dualpipe.versions.TAGS``: core_v0.16.1, core_v0.19.0;
 ``MEGATRON_DUALPIPE_SKIP_VERSION_CHECK=1`` tries anyway), missing training dependencies (named,
 with the pip command), and with ``--check`` the script's arguments as well
 (:mod:`megatron_dualpipe.launch_checks`: torch and torchrun importable here, the tokenizer, the
-data prefixes and the data's token ids against the vocabulary).
+data prefixes and the data's token ids against the vocabulary), then Megatron-LM's own
+``parse_args`` / ``validate_args`` and the plugin's checks on the whole argument list, in this one
+process (:mod:`megatron_dualpipe.launch_validation`; world size from ``WORLD_SIZE``).
 ``scripts/pretrain_gpt_dualpipe.sh`` runs ``--check`` with the arguments it is about to pass.
+Under torchrun, a :class:`~megatron_dualpipe.megatron_lm.arguments.DualPipeArgumentError` (every
+rank refuses the same arguments) is printed by rank 0 only, one line per problem, exit status 2.
 
 ``--pair-placement`` (:mod:`megatron_dualpipe.launch_placement`): each process takes the Megatron
 global rank that puts pipeline ranks i and pp-1-i on the same node (``RANK`` rewritten before the
@@ -97,6 +101,10 @@ def main(argv=None):
         from megatron_dualpipe import launch_placement
 
         found += [p for p in [launch_placement.problem(argv[1:], os.environ)] if p]
+    if check and not found and not wants_help:
+        from megatron_dualpipe import launch_validation
+
+        found += launch_validation.problems(script, argv[1:])
     for line in found:
         print(f"megatron_dualpipe.launch: error: {line}", file=sys.stderr)
     if found:
@@ -119,7 +127,17 @@ def main(argv=None):
     from megatron_dualpipe.megatron_lm.install import install
 
     install()
-    runpy.run_path(script, run_name="__main__")
+    from megatron_dualpipe.megatron_lm.arguments import DualPipeArgumentError
+
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except DualPipeArgumentError as e:  # every rank refuses the same arguments: rank 0 says it, once
+        if os.environ.get("RANK", "0") == "0":
+            from megatron_dualpipe.launch_validation import problem_lines
+
+            for line in problem_lines(e):
+                print(f"megatron_dualpipe.launch: error: {line}", file=sys.stderr)
+        return 2
     return 0
 
 

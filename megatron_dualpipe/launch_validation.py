@@ -1,0 +1,139 @@
+"""Megatron-LM's own argument validation and the plugin's, run once before ``torchrun`` starts.
+
+Without it, ``--mtp-num-layers 1 --pipeline-schedule dualpipev`` or a ``--num-layers`` that the
+pipeline does not divide passes the launch script and is refused after every rank started: one
+traceback per rank. :func:`problems` runs, in this one process, what each rank would run first:
+Megatron-LM's ``parse_args`` and ``validate_args`` (with ``pretrain_gpt.py``'s defaults), whose
+wrapped form (the hooks manifest's ``megatron-lm arguments`` part) also runs the DualPipe checks
+(:func:`megatron_dualpipe.megatron_lm.arguments.dualpipe_problems`). Nothing initialises
+``torch.distributed``; the world size is torchrun's (``WORLD_SIZE``, which the launch script sets
+from its node layout), or, where unset, the fewest GPUs the parallel sizes need. Without a GPU here
+the CPU mode answers Megatron's device queries (an architecture-0 device: Blackwell-only branches
+of ``validate_args`` are not taken).
+
+A checkout without ``megatron/training/arguments.py`` (the launch script tests' stand-in) has no
+validation to run: nothing is checked.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import sys
+import traceback
+from typing import List, Sequence
+
+#: ``pretrain_gpt.py``'s ``args_defaults`` (core_v0.16.1 and core_v0.19.0).
+PRETRAIN_GPT_DEFAULTS = {"tokenizer_type": "GPT2BPETokenizer"}
+ARGUMENTS_FILE = os.path.join("megatron", "training", "arguments.py")
+
+
+@contextlib.contextmanager
+def _silenced():
+    """stdout and stderr (the file descriptors: Megatron prints, warns and logs) to /dev/null."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, 1)
+        os.dup2(null, 2)
+        with contextlib.redirect_stdout(open(os.devnull, "w")), contextlib.redirect_stderr(open(os.devnull, "w")):
+            yield
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in saved + [null]:
+            os.close(fd)
+
+
+def _install(root: str) -> None:
+    """What a rank installs before Megatron parses its arguments: the checkout first on
+    ``sys.path``, the plugin's argument hooks, CPU mode where there is no GPU."""
+    if root in sys.path:
+        sys.path.remove(root)
+    sys.path.insert(0, root)
+    from . import cpu, hooks
+    from .megatron_lm import triton_stub
+
+    triton_stub.preimport_triton_users()
+    hooks.install(["python", "megatron-lm arguments"])
+    cpu.enable(megatron_lm=True)
+
+
+def fewest_gpus(args) -> int:
+    """The smallest world size Megatron accepts for ``args``' parallel sizes."""
+    pp, cp = args.pipeline_model_parallel_size, args.context_parallel_size
+    dense = args.tensor_model_parallel_size * pp * cp
+    etp = args.expert_tensor_parallel_size or args.tensor_model_parallel_size
+    expert = etp * args.expert_model_parallel_size * pp
+    return dense * expert // math.gcd(dense, expert)
+
+
+def _parse_and_validate(script: str, argv: Sequence[str]):
+    from megatron.training import arguments
+
+    saved = sys.argv
+    sys.argv = [script, *argv]
+    try:
+        args = arguments.parse_args()
+    finally:
+        sys.argv = saved
+    if "WORLD_SIZE" not in os.environ:
+        args.world_size = fewest_gpus(args)
+    if args.yaml_cfg is not None:
+        from megatron.training.yaml_arguments import validate_yaml
+
+        validate_yaml(args, dict(PRETRAIN_GPT_DEFAULTS))
+    else:
+        arguments.validate_args(args, dict(PRETRAIN_GPT_DEFAULTS))
+    return args
+
+
+def explain(error: BaseException, parser_output: str = "") -> List[str]:
+    """One line per problem in ``error`` (what a rank would have raised)."""
+    from .megatron_lm.arguments import DualPipeArgumentError
+
+    if isinstance(error, DualPipeArgumentError):
+        return problem_lines(error)
+    if isinstance(error, SystemExit):  # argparse: usage and "error: ..." went to stderr
+        said = [line.split("error: ", 1)[1] for line in parser_output.splitlines() if "error: " in line]
+        return [f"Megatron-LM's parser: {said[-1] if said else 'exit status ' + str(error.code)}"]
+    frame = traceback.extract_tb(error.__traceback__)[-1]
+    where = f"{os.path.basename(os.path.dirname(frame.filename))}/{os.path.basename(frame.filename)}:{frame.lineno}"
+    text = " ".join(str(error).split()) or (frame.line or "").strip()
+    kind = "" if isinstance(error, AssertionError) else f"{type(error).__name__}: "
+    return [f"Megatron-LM refuses these arguments ({where}): {kind}{text}"]
+
+
+def problem_lines(error) -> List[str]:
+    """The problems a :class:`DualPipeArgumentError` lists, one line each."""
+    lines = [line.strip() for line in str(error).splitlines()]
+    items = [line[2:] for line in lines if line.startswith("- ")]
+    return items or [" ".join(lines)]
+
+
+def problems(script: str, argv: Sequence[str]) -> List[str]:
+    """What Megatron-LM's argument validation and the plugin's refuse in ``script ARGV``, one
+    line each naming the flag; empty when both accept it (or when the checkout has no parser)."""
+    root = os.path.dirname(os.path.abspath(script))
+    if not os.path.isfile(os.path.join(root, ARGUMENTS_FILE)):
+        return []
+    import tempfile
+
+    try:
+        with _silenced():
+            _install(root)
+    except Exception as e:  # noqa: BLE001 - whatever the import raised, in one line
+        return [f"cannot import Megatron-LM's argument parser from {root} ({type(e).__name__}: "
+                f"{' '.join(str(e).split())[:300]}): run the check with the Python of the training environment"]
+    with tempfile.TemporaryFile("w+") as said:
+        try:
+            with _silenced(), contextlib.redirect_stderr(said):
+                _parse_and_validate(script, argv)
+        except (Exception, SystemExit) as e:  # noqa: BLE001 - each is a refusal a rank would raise
+            said.seek(0)
+            return explain(e, said.read())
+    return []

@@ -1,0 +1,104 @@
+"""Every refusal before torchrun: ``launch --check`` runs Megatron-LM's own ``parse_args`` and
+``validate_args`` and the plugin's checks on the final argument list (a config plus what is
+appended), one line per problem naming the flag; and a refusal inside torchrun's ranks (torchrun
+started by hand) is said once, by rank 0, without a traceback.
+
+The Megatron-LM cases need a checkout (``MEGATRON_LM_PATH``, skipped when unset) and run in one
+child process (one import of Megatron-LM for all of them)."""
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from megatron_dualpipe import launch
+from megatron_dualpipe.megatron_lm.arguments import DualPipeArgumentError
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+MEGATRON_LM_PATH = os.environ.get("MEGATRON_LM_PATH")
+
+#: gpt_8b's model (configs/gpt_8b.sh) with the launch script's parallel sizes on 2 x 8 GPUs.
+GPT_8B = ("--num-layers 32 --hidden-size 4096 --ffn-hidden-size 14336 --num-attention-heads 32 --group-query-attention "
+          "--num-query-groups 8 --seq-length 8192 --max-position-embeddings 8192 --position-embedding-type rope "
+          "--swiglu --normalization RMSNorm --untie-embeddings-and-output-weights --disable-bias-linear --bf16 "
+          "--sequence-parallel --use-distributed-optimizer --lr 3e-4 --train-iters 10 --mock-data "
+          "--tokenizer-type NullTokenizer --vocab-size 128000 --tensor-model-parallel-size 2 "
+          "--pipeline-model-parallel-size 8 --micro-batch-size 1 --global-batch-size 512 "
+          "--pipeline-schedule dualpipe").split()
+
+#: appended arguments -> what the one line must say (the flag to change).
+MISTAKES = {
+    "--mtp-num-layers 1": "remove --mtp-num-layers",
+    "--mtp-num-layers 1 --pipeline-schedule dualpipev": "--pipeline-schedule dualpipev: does not support --mtp-num-layers",
+    "--use-torch-fsdp2": "--use-torch-fsdp2 is not supported with pipeline parallelism",
+    "--pipeline-model-parallel-size 6": "world size (16) is not divisible",
+    "--num-layers 30": "Number of layers should be divisible by the pipeline-model-parallel size",
+    "--num-layers-per-virtual-pipeline-stage 2": "remove --num-layers-per-virtual-pipeline-stage",
+    "--no-such-flag": "unrecognized arguments: --no-such-flag",
+}
+
+_CHILD = """
+import json, sys
+from megatron_dualpipe import launch_validation
+script, base, cases = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
+out = {c: launch_validation.problems(script, base + c.split()) for c in cases}
+print("@@" + json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def refusals():
+    if not MEGATRON_LM_PATH:
+        pytest.skip("MEGATRON_LM_PATH is not set")
+    env = dict(os.environ, WORLD_SIZE="16", CUDA_DEVICE_MAX_CONNECTIONS="1", PYTHONPATH=str(ROOT))
+    cases = [""] + list(MISTAKES)
+    proc = subprocess.run([sys.executable, "-c", _CHILD, os.path.join(MEGATRON_LM_PATH, "pretrain_gpt.py"),
+                           json.dumps(GPT_8B), json.dumps(cases)], env=env, capture_output=True, text=True,
+                          timeout=600)
+    line = [x for x in proc.stdout.splitlines() if x.startswith("@@")]
+    assert proc.returncode == 0 and line, proc.stderr[-3000:]
+    return json.loads(line[-1][2:])
+
+
+def test_the_config_as_is_passes_megatrons_and_the_plugins_validation(refusals):
+    assert refusals[""] == []
+
+
+@pytest.mark.parametrize("extra", sorted(MISTAKES))
+def test_an_appended_mistake_is_one_line_naming_the_flag(refusals, extra):
+    got = refusals[extra]
+    print(f"\n{extra}: {got}")
+    assert len(got) == 1 and MISTAKES[extra] in got[0] and "\n" not in got[0]
+
+
+def test_without_a_parser_in_the_checkout_nothing_is_checked(tmp_path):
+    """The launch script tests' stand-in checkout (no megatron/training/arguments.py)."""
+    from megatron_dualpipe import launch_validation
+
+    (tmp_path / "pretrain_gpt.py").write_text("")
+    assert launch_validation.problems(str(tmp_path / "pretrain_gpt.py"), ["--num-layers", "30"]) == []
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_a_refusal_inside_a_rank_is_one_line_from_rank_0_only(tmp_path, monkeypatch, capsys, rank):
+    """torchrun started by hand: every rank refuses the same arguments in Megatron's validate_args;
+    rank 0 prints the problems, one line each, the others nothing; no traceback, exit status 2."""
+    import megatron_dualpipe.megatron_lm.install as install
+
+    script = tmp_path / "pretrain_gpt.py"
+    script.write_text("from megatron_dualpipe.megatron_lm.arguments import DualPipeArgumentError\n"
+                      "raise DualPipeArgumentError('invalid arguments for the DualPipe schedule:\\n  - first: fix a"
+                      "\\n  - second: fix b')\n")
+    monkeypatch.setattr(install, "install", lambda: None)
+    monkeypatch.setattr(launch, "preflight", lambda s: None)
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    assert launch.main([str(script), "--tokenizer-type", "NullTokenizer", "--vocab-size", "8", "--mock-data"]) == 2
+    err = capsys.readouterr().err
+    print(f"\nrank {rank}: {err!r}")
+    want = ("megatron_dualpipe.launch: error: first: fix a\nmegatron_dualpipe.launch: error: second: fix b\n"
+            if rank == "0" else "")
+    assert err == want and issubclass(DualPipeArgumentError, ValueError)
