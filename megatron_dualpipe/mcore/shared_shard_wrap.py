@@ -30,7 +30,7 @@ import torch
 
 from .shard_groups import SHARED_ATTR, chunk_of, is_shared_layout, partial_groups_of, stage_order
 
-__all__ = ["over_shared_shard_groups", "per_stage_optimizer", "megatron_marks"]
+__all__ = ["over_shared_shard_groups", "per_stage_optimizer", "megatron_marks", "params_norm_chunks"]
 
 
 def over_shared_shard_groups(ddp_class):
@@ -66,6 +66,36 @@ def megatron_marks(chunk: torch.nn.Module):
     finally:
         for _, p in params:
             p.shared = True
+
+
+class _MainParamShards:
+    """The mirror as Megatron-LM's ``calc_params_l2_norm`` reads it (``parameters()`` only): its
+    parameters whose fp32 main copy is a distributed-optimizer shard (``main_param_sharded``)."""
+
+    def __init__(self, chunk: torch.nn.Module):
+        self.chunk = chunk
+
+    def parameters(self):
+        return (p for p in self.chunk.parameters() if getattr(p, "main_param_sharded", False))
+
+
+@contextlib.contextmanager
+def params_norm_chunks(model, reads_main_params: bool):
+    """What Megatron-LM's ``calc_params_l2_norm`` is given for DualPipe's two chunks, so that its
+    sum is 1F1B's: every parameter of every stage once.
+
+    It reads each parameter whole (``param.data``: fp32, fp16, ``force_create_fp32_copy``), or,
+    with ``--bf16`` (``reads_main_params``), the fp32 main copy, which the distributed optimizer
+    shards; the shards' squares are summed over the ordinary data-parallel group. A whole
+    parameter is counted at home (``model[0]``; the mirror's copy is the same tensor). Under the
+    shared shard group a stage's main copy is sharded over both copies' ranks, and the home
+    ranks hold only half of it: the mirror's shards count as well, with Megatron's own ``shared``
+    marks (the tied output weight stays out, as in 1F1B)."""
+    if not (reads_main_params and len(model) == 2 and is_shared_layout(model)):
+        yield list(model[:1])
+        return
+    with megatron_marks(model[1]):
+        yield [model[0], _MainParamShards(model[1])]
 
 
 def per_stage_optimizer(get_megatron_optimizer):

@@ -34,7 +34,9 @@ arguments and returns its result: Megatron behaves exactly as without the plugin
     gets ``model[:1]``: ``model[1]`` holds only mirrored copies, each counted once already
     through its home rank's ``model[0]``. (Megatron's function skips parameters marked
     ``shared`` but asserts that expert parameters are not, so the whole two-chunk model trips
-    that assert with MoE.)
+    that assert with MoE.) Under the shared shard group with ``--bf16`` it reads the fp32 main
+    copies, half of whose shards are the mirror's: those are added
+    (``mcore.shared_shard_wrap.params_norm_chunks``).
 The parameter count
     Stock ``get_model`` prints `` > number of parameters on (tensor, pipeline) model parallel
     rank (t, p): N`` summed over the chunks it was given. Under DualPipe the line keeps its
@@ -367,12 +369,18 @@ def wrap_config_from_args(orig):
 
 def wrap_calc_params_l2_norm(orig):
     @functools.wraps(orig)
-    def calc_params_l2_norm(model, *a, **kw):
+    def calc_params_l2_norm(model, force_create_fp32_copy=False, *a, **kw):
         from megatron.training import get_args
 
-        if registry.get(schedule_of(get_args())).layout_kind == BIDIRECTIONAL and isinstance(model, list) and len(model) == 2:
-            model = model[:1]  # model[1] is the mirror: every parameter is counted on its home rank
-        return orig(model, *a, **kw)
+        args = get_args()
+        if registry.get(schedule_of(args)).layout_kind != BIDIRECTIONAL or not isinstance(model, list) \
+                or len(model) != 2:
+            return orig(model, force_create_fp32_copy, *a, **kw)
+        from ..mcore.shared_shard_wrap import params_norm_chunks
+
+        reads_main_params = bool(getattr(args, "bf16", False)) and not force_create_fp32_copy
+        with params_norm_chunks(model, reads_main_params) as chunks:
+            return orig(chunks, force_create_fp32_copy, *a, **kw)
 
     return calc_params_l2_norm
 
