@@ -28,7 +28,7 @@ import torch
 
 from . import bd_pairs
 
-__all__ = ["DP_FIRST_ATTR", "summing_shards_over_pairs", "is_dp_first", "own_shards"]
+__all__ = ["DP_FIRST_ATTR", "summing_shards_over_pairs", "is_dp_first", "own_shards", "whole_buffers"]
 
 #: Set on a DDP chunk whose copies are summed after its reduce-scatter, on its shards.
 DP_FIRST_ATTR = "dualpipe_dp_first"
@@ -52,6 +52,11 @@ def own_shards(ddp) -> List[torch.Tensor]:
             for group in _bucket_groups(ddp) for bucket in group.buckets]
 
 
+def whole_buffers(ddp) -> List[torch.Tensor]:
+    """Every bucket's whole gradient, as an all-reduce over the replicas left it."""
+    return [bucket.grad_data for group in _bucket_groups(ddp) for bucket in group.buckets]
+
+
 def shard_layout(ddp) -> list:
     """What must match between the two copies for their shards to be summed element by element."""
     return [(str(bucket.grad_data.dtype), bucket.grad_data.numel(), group.intra_distributed_optimizer_instance_size,
@@ -61,7 +66,8 @@ def shard_layout(ddp) -> list:
 
 def summing_shards_over_pairs(ddp_class):
     """``ddp_class`` (megatron-core's DDP or a subclass) whose ``finish_grad_sync`` ends with the bd
-    pair's sum of this rank's shards."""
+    pair's sum of this rank's shards; of the whole buckets after ``force_all_reduce`` (Megatron-LM's
+    ``--save-wgrads-interval`` saves every gradient whole, as 1F1B's all-reduce leaves it)."""
 
     class DpFirstDDP(ddp_class):
         def __init__(self, *args, **kwargs):
@@ -71,6 +77,8 @@ def summing_shards_over_pairs(ddp_class):
 
         def finish_grad_sync(self, *args, **kwargs):
             super().finish_grad_sync(*args, **kwargs)
+            # --save-wgrads-interval: an all-reduce over the replicas, and the pair sums it whole
+            forced = bool(kwargs.get("force_all_reduce", args[0] if args else False))
             pos = bd_pairs.position()
             if pos.is_middle:  # both copies here, summed before the reduce-scatter
                 return
@@ -83,7 +91,8 @@ def summing_shards_over_pairs(ddp_class):
                     shard_layout(self), f"--dualpipe-dp-first: the gradient shards of stage {stage} (both copies "
                     f"need the same buckets and the same data-parallel rank)", pos)
                 self._dp_first_checked = True
-            pair_sums.sum_now(own_shards(self), pos.group, in_place=True, timeout_s=bd_pairs.BD_SUM_TIMEOUT_S,
+            summed = whole_buffers(self) if forced else own_shards(self)
+            pair_sums.sum_now(summed, pos.group, in_place=True, timeout_s=bd_pairs.BD_SUM_TIMEOUT_S,
                               what=f"global rank {pos.me}: the bd sum of stage {stage}'s gradient shards with "
                                    f"global rank {pos.partner} (--dualpipe-dp-first)")
 

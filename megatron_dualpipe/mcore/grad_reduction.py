@@ -195,12 +195,18 @@ class GradReduction:
 
 def _dp_start_functions(config, model) -> list:
     """Per chunk: what starts its data-parallel reduction early (``config.grad_sync_func``,
-    which Megatron-LM sets with --overlap-grad-reduce), or None (reduced in finalize)."""
+    which Megatron-LM sets with --overlap-grad-reduce), or None (reduced in finalize).
+
+    None too in an iteration whose gradients Megatron-LM saves (``--save-wgrads-interval``): it
+    sets the chunks' ``force_all_reduce``, which DDP's own backward hooks pass on, but
+    ``start_grad_sync`` does not take it and would reduce-scatter; finalize's
+    ``finish_grad_sync(force_all_reduce=True)`` then all-reduces what it starts itself."""
     funcs = config.grad_sync_func
     if funcs is None:
         return [None] * len(model)
     funcs = funcs if isinstance(funcs, list) else [funcs]
-    return funcs * len(model) if len(funcs) == 1 else list(funcs)
+    funcs = funcs * len(model) if len(funcs) == 1 else list(funcs)
+    return [None if getattr(chunk, "force_all_reduce", False) else f for f, chunk in zip(funcs, model)]
 
 
 def _holds_tied_copy(chunk) -> bool:
