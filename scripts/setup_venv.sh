@@ -7,7 +7,7 @@
 #   MEGATRON_CORE=0.19.2  another megatron-core release of the supported range, in its own environment
 #                         .venv-mcore0.19.2 (VENV overrides the name). megatron-core >= 0.17 declares
 #                         Requires-Python >= 3.12 but its code runs on 3.11: on an older Python it is installed
-#                         with --ignore-requires-python (see README, "Versions"). Its import needs triton
+#                         with --ignore-requires-python (see docs/versions.md). Its import needs triton
 #                         (megatron/core/transformer/moe/ops/paged_stash.py), which CUDA builds of torch bring and
 #                         the CPU build does not: installed when missing.
 #   VENV, PYTHON, TORCH_VERSION  where, with which interpreter, which torch.

@@ -32,3 +32,19 @@ def test_same_model_table_doubles_1f1b_against_dualpipev_chunks():
     print(f"\n1f1b bubble {rows[ONE_F_ONE_B].bubble}, dualpipev bubble {rows[DUALPIPEV].bubble}")
     assert rows[ONE_F_ONE_B].bubble == (4 - 1) * (2 + 4) == 18
     assert rows[DUALPIPEV].bubble == 4.5 and rows[DUALPIPEV].costs == Costs(1, 2, 1, 2.5)
+
+
+def test_every_dualpipe_flag_is_documented():
+    """Each flag megatron-dualpipe adds to Megatron-LM's parser (megatron_lm/arguments.py) has a row
+    in docs/megatron-lm.md's flag table (--dualpipe-drift-check-interval was documented nowhere)."""
+    import argparse
+
+    from megatron_dualpipe.megatron_lm.arguments import add_dualpipe_arguments
+
+    doc = (ROOT / "docs" / "megatron-lm.md").read_text(encoding="utf-8")
+    rows = [line for line in doc.splitlines() if line.startswith("| `--")]
+    flags = [s for a in add_dualpipe_arguments(argparse.ArgumentParser())._actions for s in a.option_strings
+             if s.startswith("--") and s != "--help"]
+    print(f"\n{len(flags)} flags, {len(rows)} rows in docs/megatron-lm.md")
+    missing = [f for f in flags if not any(f"`{f}" in row for row in rows)]
+    assert not missing, f"docs/megatron-lm.md has no row for {missing}"

@@ -1,6 +1,6 @@
-"""The README's megatron-core snippet, taken literally, gives megatron-core 1F1B's gradients.
+"""docs/megatron-core.md's megatron-core snippet, taken literally, gives megatron-core 1F1B's gradients.
 
-The README tells users to build the bd groups and the two-direction model, wrap each chunk in
+docs/megatron-core.md tells users to build the bd groups and the two-direction model, wrap each chunk in
 megatron-core DDP and call ``get_forward_backward_func("dualpipe")`` -- and it never sets
 ``config.finalize_model_grads_func``. DualPipe must still sum the two copies of each stage (that
 sum is part of DualPipe, not of Megatron's finalize): otherwise each copy keeps the gradient of
@@ -51,7 +51,7 @@ def _worker(rank, world, port):
     me.init_distributed_cpu(rank, world, port, pp=world)
     try:
         torch.manual_seed(1234)
-        # --- the README's snippet ---------------------------------------------------------------
+        # --- the snippet of docs/megatron-core.md -------------------------------------------------
         build_bd_groups()
         model = build_two_direction_model(_provider)
         model = [_ddp(chunk) for chunk in model]

@@ -46,6 +46,19 @@ def test_setup_py_requires_the_declared_range():
     assert runpy.run_path(str(ROOT / "megatron_dualpipe" / "versions.py"))["REQUIREMENT"] == versions.REQUIREMENT
 
 
+def test_every_file_states_the_same_versions():
+    """README, docs, scripts and the CPU mode's help name the versions as versions.py does: both
+    Megatron-LM tags wherever a tag is named, and no older range ("through 0.19", "<0.17")."""
+    files = ["README.md", "docs/multi-node.md", "docs/megatron-lm.md", "scripts/slurm_dualpipe.sbatch",
+             "scripts/pretrain_gpt_dualpipe.sh", "scripts/cpu_smoke.sh", "megatron_dualpipe/cli/cpu_mode.py"]
+    for name in files:
+        text = (ROOT / name).read_text()
+        print(f"\n{name}: {text.count('core_v0.16.1')} x core_v0.16.1, {text.count('core_v0.19.0')} x core_v0.19.0")
+        for stale in ("through 0.19", "<0.17", "core_v0.19.1", "core_v0.19.2", "0.16.1 only"):
+            assert stale not in text, f"{name} says {stale!r}"
+        assert ("core_v0.16.1" in text) == ("core_v0.19.0" in text), f"{name} names one supported tag only"
+
+
 def test_every_tag_has_a_patch_file_and_lies_in_the_range():
     for tag, core in versions.TAGS.items():
         assert (ROOT / "patches" / f"megatron-lm-{tag}.patch").is_file(), tag
