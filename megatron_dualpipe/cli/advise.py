@@ -1,14 +1,17 @@
 """``megatron-dualpipe advise``: the command line of :func:`megatron_dualpipe.schedule.advice.advise`."""
 from __future__ import annotations
 
+import json
 import math
 from typing import List
 
 from ..schedule.advice import advise
+from .args import CliError
 from ..schedule.registry import distinct_orders
 from ..schedule.registry import spec as get
 
-HELP = "which schedule to use for measured stage costs and memory (bubble, activations, parameters per schedule)"
+HELP = ("which schedule to use, for measured stage costs and memory or for a model's shape on a GPU kind "
+        "(bubble, activations, parameters per schedule)")
 
 
 MAX_COUNTS = 16
@@ -45,22 +48,23 @@ def parse_counts(text: str) -> List[int]:
 
 
 def configure(p) -> None:
+    from . import advise_model
     from .args import add_cost_args
     from .schedule import add_comm_args
 
-    p.add_argument("--pp", required=True, type=int, metavar="P", help="pipeline-parallel size (ranks)")
-    p.add_argument("--microbatches", "-m", required=True, metavar="RANGE",
-                   help="micro-batches per iteration: 16, 8,12,16, 8:64 (doubling) or 8:64:8")
+    p.add_argument("--pp", type=int, metavar="P", help="pipeline-parallel size (ranks; measured costs)")
+    p.add_argument("--microbatches", "-m", metavar="RANGE",
+                   help="micro-batches per iteration: 16, 8,12,16, 8:64 (doubling) or 8:64:8 (measured costs)")
     add_cost_args(p, "measured costs of one pipeline stage per micro-batch, as 1F1B runs it (any time unit)",
-                   defaults=False)
-    g = p.add_argument_group("memory per rank (any unit, the same for all)")
-    g.add_argument("--activation-memory", type=float, required=True, metavar="X",
-                   help="activations of one micro-batch on one stage")
-    g.add_argument("--parameter-memory", type=float, required=True, metavar="X",
+                  defaults=False, required=False)
+    g = p.add_argument_group("memory per rank (any unit, the same for all; measured costs)")
+    g.add_argument("--activation-memory", type=float, metavar="X", help="activations of one micro-batch on one stage")
+    g.add_argument("--parameter-memory", type=float, metavar="X",
                    help="one stage's parameters with their gradients and optimizer state")
     g.add_argument("--weight-grad-memory", type=float, default=0.0, metavar="X",
                    help="what one deferred weight gradient keeps alive until its W runs (default 0: not counted)")
-    g.add_argument("--memory-limit", type=float, default=None, metavar="X", help="memory per rank (default: none)")
+    g.add_argument("--memory-limit", type=float, default=None, metavar="X",
+                   help="memory per rank (default: none; for a model the GPU's HBM in GB)")
     p.add_argument("--schedules", metavar="NAMES", help="comma-separated subset (default: one per distinct order: "
                    + ", ".join(distinct_orders()) + ")")
     p.add_argument("--virtual-pipeline", type=int, default=2, metavar="V",
@@ -68,15 +72,80 @@ def configure(p) -> None:
     p.add_argument("--tokens", type=float, default=None, metavar="T",
                    help="tokens of one micro-batch the costs are for: the break-even is then said in tokens")
     add_comm_args(p)
+    p.set_defaults(intra_bw=None, inter_bw=None, dp=None, tp=None)  # measured: 200, 25, 1, 1; a model: its own
     p.add_argument("--json", action="store_true", help="print the advice as JSON")
+    advise_model.configure(p)
+
+
+#: The measured-cost path's flags without a default, and the defaults of the shared communication flags.
+MEASURED = (("--pp", "pp"), ("--microbatches", "microbatches"), ("--f", "f"), ("--b", "b"), ("--w", "w"),
+            ("--activation-memory", "activation_memory"), ("--parameter-memory", "parameter_memory"))
+COMM_DEFAULTS = {"intra_bw": 200.0, "inter_bw": 25.0, "dp": 1, "tp": 1}
 
 
 def run(args) -> int:
-    import json
+    from . import advise_model
 
-    from .args import CliError, costs_from_args
-    from .schedule import MAX_FORWARDS, comm_from_args
+    if args.config or args.model_args or args.gpu:
+        given = advise_model.measured_flags_given(args)
+        if given:
+            raise CliError(f"{', '.join(given)}: advise takes measured costs or a model (--config, --gpu, "
+                           f"pretrain_gpt.py arguments after --), not both: drop {' '.join(given)}")
+        return _run_model(args)
+    missing = [flag for flag, name in MEASURED if getattr(args, name) is None]
+    if missing:
+        raise CliError(f"give {', '.join(missing)} (measured costs), or a model: --config NAME and/or pretrain_gpt.py "
+                       f"arguments after --, with --gpu and --nodes")
+    for name, value in COMM_DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    return _run_measured(args)
+
+
+def _run_model(args) -> int:
+    from . import advise_model
+    from ..schedule.model_cost import GB
+    from ..schedule.registry import MODELLED_SPECS, interleaved_name
+
+    s = advise_model.setup(args)
+    m = s.model
+    v = advise_model.interleaved_virtual(m, args.virtual_pipeline)
+    names = [get(n).name for n in args.schedules.split(",")] if args.schedules else list(distinct_orders())
+    names = [interleaved_name(n, v) if n in MODELLED_SPECS else n for n in names if n not in MODELLED_SPECS or v]
+    dropped = advise_model.unsplittable(m, names)
+    names = [n for n in names if not any(d.startswith(n + " ") for d in dropped)]
+    if not names:
+        raise CliError("no schedule splits the model's layers: " + "; ".join(dropped))
+    limit = args.memory_limit if args.memory_limit is not None else s.gpu.hbm_gb
+    advice = _simulate(m.pp, [s.microbatches], s.costs, s.memory.activations / GB, s.memory.states / GB, limit,
+                       args.weight_grad_memory, names, advise_model.comm(args, s), None, m.num_layers)
+    if args.json:
+        print(json.dumps(dict(advice.to_json(), model=s.lines, not_compared=dropped)))
+        return 0
+    print("\n".join(s.lines + ([f"not compared: {'; '.join(dropped)}"] if dropped else []) + ["", advice.format()]))
+    return 0
+
+
+def _simulate(pp, counts, costs, act, par, limit, wgrad, names, comm, tokens, num_layers=None):
     from ..apps.progress import Progress
+    from .schedule import MAX_FORWARDS
+
+    biggest = max(get(n).model_stages(pp) * max(counts) for n in names)
+    if biggest > MAX_FORWARDS:
+        raise CliError(f"pp={pp} with M={max(counts)} simulates {biggest} forward actions, more than the limit "
+                       f"of {MAX_FORWARDS}: the bubble and peak memory stop changing once M >= 2*pp, so use "
+                       f"smaller micro-batch counts (for a model: a smaller --global-batch-size)")
+    with Progress(f"advise pp={pp}") as prog:
+        prog.phase(f"simulating {len(names)} schedules x {len(counts)} micro-batch counts")
+        advice = advise(pp, counts, costs, act, par, limit, wgrad, names, comm, tokens, num_layers)
+    if any(not math.isfinite(o.row.makespan) for ch in advice.choices for o in ch.options):
+        raise CliError("the costs are too large: the simulated time overflows; use smaller values or units")
+    return advice
+
+
+def _run_measured(args) -> int:
+    from .args import costs_from_args
+    from .schedule import comm_from_args
     from ..schedule.registry import MODELLED_SPECS, interleaved_name
 
     if args.pp < 1:
@@ -90,16 +159,7 @@ def run(args) -> int:
     names = [interleaved_name(n, args.virtual_pipeline) if n in MODELLED_SPECS else n for n in names]
     costs = costs_from_args(args)
     comm = comm_from_args(args, args.pp)
-    biggest = max(get(n).model_stages(args.pp) * max(counts) for n in names)
-    if biggest > MAX_FORWARDS:
-        raise CliError(f"pp={args.pp} with M={max(counts)} simulates {biggest} forward actions, more than the limit "
-                       f"of {MAX_FORWARDS}: the bubble and peak memory stop changing once M >= 2*pp, so use "
-                       f"smaller micro-batch counts")
-    with Progress(f"advise pp={args.pp}") as prog:
-        prog.phase(f"simulating {len(names)} schedules x {len(counts)} micro-batch counts")
-        advice = advise(args.pp, counts, costs, args.activation_memory, args.parameter_memory, args.memory_limit,
-                        args.weight_grad_memory, names, comm, args.tokens)
-    if any(not math.isfinite(o.row.makespan) for ch in advice.choices for o in ch.options):
-        raise CliError("the costs are too large: the simulated time overflows; use smaller values or units")
+    advice = _simulate(args.pp, counts, costs, args.activation_memory, args.parameter_memory, args.memory_limit,
+                       args.weight_grad_memory, names, comm, args.tokens)
     print(json.dumps(advice.to_json()) if args.json else advice.format())
     return 0

@@ -23,12 +23,13 @@ def add_schedule_args(p: argparse.ArgumentParser) -> None:
                    help="micro-batches per step (dualpipe: both directions together)")
 
 
-def add_cost_args(p: argparse.ArgumentParser, title: str, defaults: bool = True) -> None:
-    """--f --b --w --fb --p2p: the simulator's cost model (``schedule.simulate.Costs``)."""
+def add_cost_args(p: argparse.ArgumentParser, title: str, defaults: bool = True, required: bool = True) -> None:
+    """--f --b --w --fb --p2p: the simulator's cost model (``schedule.simulate.Costs``); without
+    ``defaults`` they are ``required`` (or left None, for the command to check)."""
     g = p.add_argument_group(title)
     for flag, default, text in (("--f", 1.0, "forward"), ("--b", 2.0, "full backward, input + weight grads"),
                                 ("--w", 1.0, "weight-grad part of the backward")):
-        g.add_argument(flag, type=float, default=default if defaults else None, required=not defaults,
+        g.add_argument(flag, type=float, default=default if defaults else None, required=required and not defaults,
                        help=f"{text}" + (f" (default {default:g})" if defaults else ""))
     g.add_argument("--fb", type=float, default=None, help="fused F&B unit (default f+b)")
     g.add_argument("--p2p", type=float, default=0.0, help="latency of a send between ranks (default 0)")

@@ -28,12 +28,30 @@ from typing import List, Optional, Sequence
 
 from .comm_cost import CommModel
 from .compare import Row, align, compare, fmt, in_other_placement
-from .registry import ONE_F_ONE_B, distinct_orders
+from .registry import ONE_F_ONE_B, SPECS as SPECS_RUN, distinct_orders
 from .registry import spec as get
 from .simulate import Costs
 
 #: Schedules within this fraction of the fastest count as equally fast.
 TIE = 0.01
+#: A gain over 1F1B below this fraction, bought with more memory, is called small in the reason.
+SMALL_GAIN = 0.05
+
+
+def run_flags(name: str, pp: int, num_layers: Optional[int] = None) -> str:
+    """How to run schedule ``name``: the launch script's SCHEDULE and the pretrain_gpt.py flags.
+    Interleaved 1F1B is Megatron's own 1f1b with a virtual pipeline of v chunks per rank."""
+    from .registry import INTERLEAVED_1F1B_A2A, MODELLED_SPECS
+
+    s = get(name)
+    if s.name in SPECS_RUN:
+        return f"SCHEDULE={s.name} (scripts/pretrain_gpt_dualpipe.sh), i.e. --pipeline-schedule {s.name}"
+    base = next(b for b in MODELLED_SPECS if s.name == b or s.name.startswith(b + "-v"))
+    per = (str(num_layers // (pp * s.virtual)) if num_layers and num_layers % (pp * s.virtual) == 0 else
+           f"(--num-layers / {pp * s.virtual}: {s.virtual} chunks per rank)")
+    a2a = " --overlap-moe-expert-parallel-comm" if base == INTERLEAVED_1F1B_A2A else ""
+    return (f"SCHEDULE={ONE_F_ONE_B} with --num-layers-per-virtual-pipeline-stage {per}{a2a} appended, i.e. Megatron's "
+            f"own --pipeline-schedule {ONE_F_ONE_B} with a virtual pipeline of {s.virtual}")
 
 
 @dataclass(frozen=True)
@@ -102,21 +120,21 @@ class PlacementEffect:
     iteration: Optional[float] = None
     fastest: bool = False
     problem: Optional[str] = None
+    fits: bool = True
 
     def to_json(self) -> dict:
         return {"schedule": self.schedule, "placement": self.placement, "iteration_now": self.now,
-                "iteration": self.iteration, "fastest": self.fastest, "problem": self.problem}
+                "iteration": self.iteration, "fastest": self.fastest, "problem": self.problem, "fits": self.fits}
 
     def text(self) -> str:
         from .comm_cost import PAIRED
 
         how = ("with the bd pairs on one node (launcher --pair-placement, PAIR_PLACEMENT=1)" if self.placement == PAIRED
-               else "in Megatron's placement (without --pair-placement)")
+               else "in Megatron's own rank placement (advise --placement megatron)")
         if self.problem:
             return f"{self.schedule} cannot have its bd pairs on one node here: {self.problem}"
-        return (f"{self.schedule} {how}: iteration {fmt(round(self.iteration, 3))} instead of "
-                f"{fmt(round(self.now, 3))} ({_pct(self.iteration, self.now)} shorter), "
-                + ("the fastest that fits" if self.fastest else "not the fastest that fits"))
+        return (f"{self.schedule} {how}: iteration {fmt(self.iteration)} instead of {fmt(self.now)} "
+                f"({_change(self.iteration, self.now)}), {_standing(self.fastest, self.fits)}")
 
 
 #: Training's flag for each way DualPipe combines the copies of a stage (``comm_cost.BD_MODES``).
@@ -137,6 +155,7 @@ class ReductionEffect:
     now: float
     iteration: float
     fastest: bool = False
+    fits: bool = True
 
     def to_json(self) -> dict:
         return {"schedule": self.schedule, "bd_reduction": self.mode, "flag": REDUCTION_FLAGS[self.mode],
@@ -144,12 +163,20 @@ class ReductionEffect:
                 "fastest": self.fastest}
 
     def text(self) -> str:
-        change = (f"{_pct(self.iteration, self.now)} shorter" if self.iteration < self.now else
-                  f"{_pct(self.now, self.iteration)} longer" if self.iteration > self.now else "the same")
         memory = ", optimizer state as 1F1B's" if self.mode == "shared-shard" else ""
         return (f"{self.schedule} {self.mode} ({REDUCTION_FLAGS[self.mode]}{memory}): iteration "
-                f"{fmt(round(self.iteration, 3))} instead of {fmt(round(self.now, 3))} ({self.now_mode}): {change}, "
-                + ("the fastest that fits" if self.fastest else "not the fastest that fits"))
+                f"{fmt(self.iteration)} instead of {fmt(self.now)} ({self.now_mode}): "
+                f"{_change(self.iteration, self.now)}, {_standing(self.fastest, self.fits)}")
+
+
+def _change(new: float, now: float) -> str:
+    return (f"{_pct(new, now)} shorter" if new < now else f"{_pct(now, new)} longer" if new > now else "the same")
+
+
+def _standing(fastest: bool, fits: bool) -> str:
+    if not fits:
+        return "but it does not fit the memory limit"
+    return "the fastest that fits" if fastest else "not the fastest that fits"
 
 
 @dataclass(frozen=True)
@@ -181,6 +208,7 @@ class Advice:
     choices: List[Choice] = field(default_factory=list)
     comm: Optional[CommModel] = None
     tokens: Optional[float] = None
+    num_layers: Optional[int] = None
 
     def to_json(self) -> dict:
         c = self.costs
@@ -189,7 +217,8 @@ class Advice:
                 "communication": comm, "tokens_per_microbatch": self.tokens,
                 "activation_memory": self.activation_memory, "parameter_memory": self.parameter_memory,
                 "weight_grad_memory": self.weight_grad_memory, "memory_limit": self.memory_limit,
-                "choices": [ch.to_json() for ch in self.choices]}
+                "choices": [dict(ch.to_json(), run=run_flags(ch.best, self.pp, self.num_layers) if ch.best else None)
+                            for ch in self.choices]}
 
     def format(self) -> str:
         return "\n".join(_format(self))
@@ -247,7 +276,7 @@ def _comm_json(c: CommModel) -> dict:
 def advise(pp: int, microbatches: Sequence[int], costs: Costs, activation_memory: float,
            parameter_memory: float, memory_limit: Optional[float] = None, weight_grad_memory: float = 0.0,
            names: Optional[Sequence[str]] = None, comm: Optional[CommModel] = None,
-           tokens: Optional[float] = None) -> Advice:
+           tokens: Optional[float] = None, num_layers: Optional[int] = None) -> Advice:
     """Simulate every schedule (or ``names``) on the model and choose one per micro-batch count.
 
     ``costs``: one stage's costs per micro-batch under 1F1B. ``activation_memory``: one
@@ -258,7 +287,8 @@ def advise(pp: int, microbatches: Sequence[int], costs: Costs, activation_memory
     gradient communication and P2P links (``schedule.comm_cost``; costs then in ms): schedules
     are ranked by the iteration (makespan plus exposed gradient communication), and the pick
     gets its break-even bandwidth and micro-batch size (``tokens``: the tokens of one
-    micro-batch the costs are for)."""
+    micro-batch the costs are for). ``num_layers``: the model's, for the interleaved schedule's
+    ``--num-layers-per-virtual-pipeline-stage`` in the advice."""
     for name, v in (("activation memory", activation_memory), ("parameter memory", parameter_memory),
                     ("weight-gradient memory", weight_grad_memory), ("memory limit", memory_limit)):
         _check(name, v)
@@ -287,7 +317,7 @@ def advise(pp: int, microbatches: Sequence[int], costs: Costs, activation_memory
         reduction = _reduction_effects(pp, m, costs, comm, options) if comm is not None else []
         choices.append(Choice(m, options, best, reason, even, effects, reduction))
     return Advice(pp, costs, activation_memory, parameter_memory, weight_grad_memory, memory_limit, choices, comm,
-                  tokens)
+                  tokens, num_layers)
 
 
 def _iteration(name: str, pp: int, m: int, costs: Costs, comm: CommModel) -> float:
@@ -352,7 +382,8 @@ def _placement_effects(pp, m, costs, comm: CommModel, options: List[Option]) -> 
             continue
         t = row.iteration
         rivals = [x.row.iteration for x in options if not x.row.problem and x.fits and x is not o]
-        out.append(PlacementEffect(o.row.name, name, o.row.iteration, t, o.fits and all(t < r for r in rivals)))
+        out.append(PlacementEffect(o.row.name, name, o.row.iteration, t, o.fits and all(t < r for r in rivals),
+                                   fits=o.fits))
     return out
 
 
@@ -378,7 +409,7 @@ def _reduction_effects(pp, m, costs, comm: CommModel, options: List[Option]) -> 
             t = run(o.row.name, pp, m, costs, comm=other).iteration
             rivals = [x.row.iteration for x in options if not x.row.problem and x.fits and x is not o]
             out.append(ReductionEffect(o.row.name, mode, comm.bd_mode, o.row.iteration, t,
-                                       o.fits and all(t < r for r in rivals)))
+                                       o.fits and all(t < r for r in rivals), fits=o.fits))
     return out
 
 
@@ -416,6 +447,12 @@ def _choose(options: List[Option], limit: Optional[float]):
         extra = best.memory - base.memory
         memory += f" ({'+' if extra >= 0 else ''}{fmt(extra)} against {ONE_F_ONE_B})"
     parts.append(memory)
+    if base is not None and best is not base and best.memory > base.memory and \
+            r.iteration > base.row.iteration * (1 - SMALL_GAIN):
+        more = 100 * (best.memory - base.memory) / base.memory if base.memory else math.inf
+        parts.append(f"a small gain: {_pct(r.iteration, base.row.iteration)} shorter for {more:.0f}% more memory "
+                     f"than {ONE_F_ONE_B} (parameters x{fmt(best.row.parameter_copies)}); {ONE_F_ONE_B} leaves that "
+                     f"memory to a larger micro-batch or less recomputation")
     lighter = [o for o in fitting if o is not best and o.row.iteration <= r.iteration * (1 + TIE)
                and o.memory < best.memory]
     if lighter:
@@ -469,6 +506,8 @@ def _format(a: Advice) -> List[str]:
     for ch in a.choices:
         out.append("")
         out.append(f"M={ch.microbatches}: " + (f"use {ch.reason}" if ch.best else ch.reason))
+        if ch.best:
+            out.append(f"  run it: {run_flags(ch.best, a.pp, a.num_layers)}")
         out.extend(f"  placement: {p.text()}" for p in ch.placement)
         out.extend(f"  bd reduction: {r.text()}" for r in ch.reduction)
         table = [head]

@@ -141,7 +141,11 @@ def fmt(x: Optional[float]) -> str:
         return "n/a"
     if not math.isfinite(x):
         return str(x)
-    return str(int(x)) if x == int(x) else f"{x:.3f}".rstrip("0").rstrip(".")
+    if x == int(x):
+        return str(int(x))
+    # four significant digits at least, three decimals at most: 13038.712 -> 13039, 209.064 -> 209.1
+    decimals = min(3, max(0, 4 - len(str(int(abs(x))))))
+    return f"{x:.{decimals}f}".rstrip("0").rstrip(".") if decimals else str(int(round(x)))
 
 
 def table(rows: Sequence[Row], mark: Optional[str] = None) -> List[str]:

@@ -365,6 +365,7 @@ def test_slurm_example_gives_each_node_its_rank_and_the_first_node_as_master(tmp
     (dict(command="/no/such/slurm_dualpipe.sbatch", DATA_PATH=""), "cannot find the megatron-dualpipe checkout"),
     (dict(DUALPIPE_DIR=str(ROOT), MEGATRON_LM_PATH=""), "set MEGATRON_LM_PATH"),
     (dict(DUALPIPE_DIR=str(ROOT), TOKENIZER_ARGS=""), "set TOKENIZER_ARGS"),
+    (dict(DUALPIPE_DIR=str(ROOT), SLURM_NNODES=""), "not inside a Slurm job: submit this script with sbatch"),
 ])
 def test_slurm_job_that_cannot_find_its_parts_stops_before_srun(tmp_path, env, expected):
     """No checkout to be found (a copy in the spool directory, submitted elsewhere, no Command=) or a

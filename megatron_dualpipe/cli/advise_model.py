@@ -1,0 +1,205 @@
+"""``advise`` from the model's shape: a config of ``configs/`` and/or ``pretrain_gpt.py``'s
+arguments, a GPU kind and the node layout -> the stage costs and memory that
+:func:`megatron_dualpipe.schedule.advice.advise` simulates (:mod:`..schedule.model_cost`)."""
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+from .args import CliError
+
+CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs")
+#: The launch script's variables a config sets, and the pretrain_gpt.py flag each becomes.
+CONFIG_VARIABLES = (("TP", "--tensor-model-parallel-size"), ("PP", "--pipeline-model-parallel-size"),
+                    ("EP", "--expert-model-parallel-size"), ("CP", "--context-parallel-size"),
+                    ("ETP", "--expert-tensor-parallel-size"), ("MICRO_BATCH", "--micro-batch-size"),
+                    ("GLOBAL_BATCH", "--global-batch-size"))
+
+
+def configure(p) -> None:
+    from ..schedule.model_cost import DEFAULT_MFU, GPUS
+
+    g = p.add_argument_group("from the model instead of measured costs (pretrain_gpt.py's arguments after --)")
+    g.add_argument("--config", metavar="NAME", help="a config of configs/ (" + ", ".join(config_names())
+                   + ") or a path; arguments after -- are appended, as the launch script appends them")
+    g.add_argument("--gpu", choices=sorted(GPUS), help="GPU kind: its peak dense bf16 rate, HBM (the memory limit "
+                   "unless --memory-limit), NVLink and network bandwidth")
+    g.add_argument("--nodes", type=int, default=None, metavar="N", help="nodes (default 1); GPUs per node: "
+                   "--gpus-per-node")
+    g.add_argument("--mfu", type=float, default=None, metavar="U",
+                   help=f"share of the peak rate training sustains (default {DEFAULT_MFU})")
+    p.add_argument("model_args", nargs="*", metavar="-- ARGS", help="pretrain_gpt.py arguments (after --)")
+
+
+def config_names() -> List[str]:
+    try:
+        return sorted(f[:-3] for f in os.listdir(CONFIGS) if f.endswith(".sh"))
+    except OSError:
+        return []
+
+
+def config_argv(name: str) -> List[str]:
+    """The pretrain_gpt.py arguments the launch script builds from config ``name`` (its
+    MODEL_ARGS and parallel sizes, the config's defaults: PP, TP, ... of this environment are not
+    read)."""
+    path = name if os.path.isfile(name) else os.path.join(CONFIGS, f"{name[:-3] if name.endswith('.sh') else name}.sh")
+    if not os.path.isfile(path):
+        raise CliError(f"--config {name}: no such config; use one of {', '.join(config_names())} or a path")
+    names = [v for v, _ in CONFIG_VARIABLES]
+    script = ('set -eu; source "$1"; printf "%s\\n" "${MODEL_ARGS[@]}"; echo @@; '
+              + "; ".join(f'echo "${{{v}:-}}"' for v in names))
+    env = {k: v for k, v in os.environ.items() if k not in names}
+    proc = subprocess.run(["bash", "-c", script, "config", path], env=env, capture_output=True, text=True, timeout=30)
+    if proc.returncode != 0 or "@@" not in proc.stdout.splitlines():
+        raise CliError(f"--config {name}: {path} does not define MODEL_ARGS ({proc.stderr.strip()[:200]})")
+    lines = proc.stdout.splitlines()
+    cut = lines.index("@@")
+    argv = lines[:cut]
+    for (var, flag), value in zip(CONFIG_VARIABLES, lines[cut + 1:]):
+        if value:
+            argv += [flag, value]
+    return argv
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What advise needs from a model: the layout, the stage's costs and memory, the comm model."""
+
+    model: object
+    gpu: object
+    mfu: float
+    world: int
+    dp: int
+    microbatches: int
+    costs: object
+    memory: object
+    lines: List[str]
+
+
+def _layout(m, world: int):
+    """(dp, micro-batches per iteration) of ``m`` on ``world`` GPUs, or the refusal with the fix."""
+    from ..schedule.model_cost import stages_problem
+
+    problem = stages_problem(m)
+    if problem:
+        raise CliError(problem)
+    unit = m.model_size * (m.etp * m.ep * m.pp) // math.gcd(m.model_size, m.etp * m.ep * m.pp)
+    if world % unit:
+        raise CliError(f"{world} GPUs: Megatron needs a multiple of TP*PP*CP={m.model_size} and of "
+                       f"ETP*EP*PP={m.etp * m.ep * m.pp}, i.e. of {unit}: change --nodes/--gpus-per-node or the "
+                       f"parallel sizes")
+    dp = world // m.model_size
+    gb = m.global_batch or m.micro_batch * dp
+    if gb % (m.micro_batch * dp):
+        raise CliError(f"--global-batch-size {gb} is not a multiple of --micro-batch-size {m.micro_batch} x "
+                       f"data-parallel size {dp}: use a multiple of {m.micro_batch * dp}")
+    return dp, gb // (m.micro_batch * dp)
+
+
+def setup(args) -> Setup:
+    """The model of ``args`` (``--config`` and the arguments after ``--``) on ``--gpu`` x world."""
+    from ..schedule import model_cost as mc
+    from ..schedule.model_args import ModelArgsError, parse
+    from ..schedule.simulate import Costs
+
+    if not args.gpu:
+        raise CliError("advise from the model needs --gpu (" + ", ".join(sorted(mc.GPUS)) + ")")
+    nodes = 1 if args.nodes is None else args.nodes
+    mfu = mc.DEFAULT_MFU if args.mfu is None else args.mfu
+    if nodes < 1 or args.gpus_per_node < 1:
+        raise CliError("--nodes and --gpus-per-node must be positive integers")
+    if not (0 < mfu <= 1):
+        raise CliError(f"--mfu must be in (0, 1], got {mfu}: the share of the peak rate, e.g. 0.4")
+    argv = (config_argv(args.config) if args.config else []) + [a for a in args.model_args if a != "--"]
+    try:
+        m = parse(argv)
+    except ModelArgsError as e:
+        raise CliError(str(e)) from None
+    gpu, world = mc.GPUS[args.gpu], nodes * args.gpus_per_node
+    dp, micro = _layout(m, world)
+    a2a_bw = args.inter_bw if m.etp * m.ep > args.gpus_per_node else args.intra_bw
+    sc = mc.heaviest_stage(m, gpu, mfu, args.gpus_per_node, a2a_bw)
+    mem = mc.heaviest_memory(m, world)
+    costs = Costs(f=sc.f, b=sc.b, w=sc.w, fb=sc.fb)
+    lines = _summary(m, gpu, mfu, nodes, args.gpus_per_node, dp, micro, sc, mem)
+    return Setup(m, gpu, mfu, world, dp, micro, costs, mem, lines)
+
+
+def _summary(m, gpu, mfu, nodes, per_node, dp, micro, sc, mem) -> List[str]:
+    from ..schedule.model_cost import GB, activation_bytes, iteration_flops
+
+    gb = micro * m.micro_batch * dp
+    flops = iteration_flops(m, gb)
+    a2a = f", of which MoE all-to-all {sc.all_to_all:.3g} ms each way" if sc.all_to_all else ""
+    return [
+        "model: " + ", ".join(_describe(m)),
+        f"layout: {nodes} x {per_node} {gpu.name} (peak {gpu.peak_tflops:g} TFLOP/s bf16 dense, {gpu.hbm_gb:g} GB), "
+        f"TP={m.tp} PP={m.pp} EP={m.ep} CP={m.cp} DP={dp}, global batch {gb} = {micro} micro-batches of "
+        f"{m.micro_batch} x {m.seq_length} tokens",
+        f"FLOPs: {flops:.4g} per iteration (Megatron-LM's count); at {mfu:g} of peak "
+        f"{flops / (nodes * per_node * gpu.peak_tflops * 1e12 * mfu):.3g} s of compute per iteration",
+        f"stage {sc.stage} (the slowest) per micro-batch: f {sc.f:.3g} ms, b {sc.b:.3g} ms, w {sc.w:.3g} ms"
+        + (f", fused F&B {sc.fb:.3g} ms" if sc.fb else "") + a2a,
+        f"memory per rank (stage {mem.stage}, GB): parameters {mem.parameters / GB:.3g}, gradients "
+        f"{mem.gradients / GB:.3g}, optimizer {mem.optimizer / GB:.3g}"
+        f"{' (distributed over DP)' if m.distributed_optimizer else ''}; activations "
+        f"{activation_bytes(m) / GB:.3g} per micro-batch on the first stage"
+        + ("" if m.recompute else " (no recomputation)"),
+    ]
+
+
+def _describe(m) -> Sequence[str]:
+    from ..schedule.model_cost import describe
+
+    return describe(m)
+
+
+def measured_flags_given(args) -> List[str]:
+    """The measured-cost flags given alongside a model (they would be ignored: refused)."""
+    given = [("--pp", args.pp), ("--microbatches", args.microbatches), ("--f", args.f), ("--b", args.b),
+             ("--w", args.w), ("--activation-memory", args.activation_memory),
+             ("--parameter-memory", args.parameter_memory), ("--stage-params", args.stage_params),
+             ("--message-bytes", args.message_bytes), ("--dp", args.dp), ("--tp", args.tp)]
+    return [flag for flag, v in given if v is not None]
+
+
+def interleaved_virtual(m, default: int) -> Optional[int]:
+    """The virtual pipeline size interleaved 1F1B gets for ``m``: the model's own
+    (--num-layers-per-virtual-pipeline-stage), else ``default``."""
+    if m.layers_per_virtual_stage:
+        return m.num_layers // (m.pp * m.layers_per_virtual_stage) or None
+    return default
+
+
+def unsplittable(m, names: Sequence[str]) -> List[str]:
+    """The schedules of ``names`` whose stages do not split ``m``'s layers evenly, with why."""
+    from ..schedule.registry import spec
+
+    out = []
+    for n in names:
+        stages = spec(n).model_stages(m.pp)
+        if m.num_layers % stages:
+            out.append(f"{n} ({m.num_layers} layers do not split into {stages} stages)")
+    return out
+
+
+def comm(args, s: Setup):
+    """The communication model of the run: gradients of the heaviest stage, P2P messages of one
+    micro-batch, the model's DP/TP and optimizer flags, the GPU's links (unless given)."""
+    from ..schedule.comm_cost import CommModel, Link, Network, Placement
+
+    m = s.model
+    per_rank = s.memory.parameters / 2  # bf16 parameters -> count
+    message = m.micro_batch * m.seq_length * m.hidden * 2 / m.cp / (m.tp if m.sequence_parallel else 1)
+    intra = args.intra_bw if args.intra_bw is not None else s.gpu.nvlink_gbps
+    inter = args.inter_bw if args.inter_bw is not None else s.gpu.network_gbps
+    try:
+        network = Network(Link(intra, args.intra_latency), Link(inter, args.inter_latency))
+        placement = Placement(m.pp, s.dp, m.tp, args.gpus_per_node, args.placement == "paired")
+    except ValueError as e:
+        raise CliError(f"--placement {args.placement}: {e}") from None
+    return CommModel(placement, network, per_rank * 4, message, m.distributed_optimizer, m.overlap_grad_reduce,
+                     bd_mode=args.bd_reduction)

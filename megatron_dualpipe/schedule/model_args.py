@@ -1,0 +1,198 @@
+"""A GPT model and its parallel layout, read from ``pretrain_gpt.py``'s arguments.
+
+``megatron-dualpipe advise`` takes the arguments a training run would get (a config of
+``configs/`` plus whatever is appended) and needs only the ones that set the model's shape and
+its parallel sizes; this reads them without Megatron's parser (standard library only, like the
+rest of ``schedule``), with Megatron-LM's defaults, the last occurrence winning as with argparse.
+Every other argument is ignored: it changes neither the FLOPs nor the memory modelled here.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+
+class ModelArgsError(ValueError):
+    """An argument the model cannot be read from; the message names the flag and the fix."""
+
+
+#: flag -> (attribute, type, Megatron-LM's default). ``None`` type: a switch.
+_FLAGS: Dict[str, Tuple[str, Optional[type], object]] = {
+    "--num-layers": ("num_layers", int, None),
+    "--hidden-size": ("hidden", int, None),
+    "--ffn-hidden-size": ("ffn_hidden", int, None),
+    "--num-attention-heads": ("heads", int, None),
+    "--num-query-groups": ("query_groups", int, None),
+    "--kv-channels": ("kv_channels", int, None),
+    "--seq-length": ("seq_length", int, None),
+    "--micro-batch-size": ("micro_batch", int, 1),
+    "--global-batch-size": ("global_batch", int, None),
+    "--vocab-size": ("vocab_size", int, None),
+    "--make-vocab-size-divisible-by": ("vocab_divisible_by", int, 128),
+    "--num-experts": ("num_experts", int, None),
+    "--moe-ffn-hidden-size": ("moe_ffn_hidden", int, None),
+    "--moe-router-topk": ("topk", int, 2),
+    "--moe-shared-expert-intermediate-size": ("shared_expert", int, 0),
+    "--moe-layer-freq": ("moe_layer_freq", str, "1"),
+    "--q-lora-rank": ("q_lora_rank", int, None),
+    "--kv-lora-rank": ("kv_lora_rank", int, 32),
+    "--qk-head-dim": ("qk_head_dim", int, 128),
+    "--qk-pos-emb-head-dim": ("qk_pos_emb_head_dim", int, 64),
+    "--v-head-dim": ("v_head_dim", int, 128),
+    "--mtp-num-layers": ("mtp_layers", int, 0),
+    "--tensor-model-parallel-size": ("tp", int, 1),
+    "--pipeline-model-parallel-size": ("pp", int, 1),
+    "--expert-model-parallel-size": ("ep", int, 1),
+    "--expert-tensor-parallel-size": ("etp", int, None),
+    "--context-parallel-size": ("cp", int, 1),
+    "--num-layers-per-virtual-pipeline-stage": ("layers_per_virtual_stage", int, None),
+    "--recompute-granularity": ("recompute", str, None),
+    "--pipeline-schedule": ("schedule", str, "1f1b"),
+    "--normalization": ("normalization", str, "LayerNorm"),
+    "--group-query-attention": ("gqa", None, False),
+    "--swiglu": ("swiglu", None, False),
+    "--untie-embeddings-and-output-weights": ("untie", None, False),
+    "--multi-latent-attention": ("mla", None, False),
+    "--sequence-parallel": ("sequence_parallel", None, False),
+    "--use-distributed-optimizer": ("distributed_optimizer", None, False),
+    "--overlap-grad-reduce": ("overlap_grad_reduce", None, False),
+}
+_NEEDED = ("--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length")
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    """What the cost model needs of a run: the model's shape and its parallel sizes."""
+
+    num_layers: int
+    hidden: int
+    ffn_hidden: int
+    heads: int
+    query_groups: int
+    kv_channels: int
+    seq_length: int
+    micro_batch: int
+    global_batch: Optional[int]
+    vocab_size: int
+    vocab_divisible_by: int
+    swiglu: bool
+    untie: bool
+    normalization: str
+    num_experts: Optional[int]
+    moe_ffn_hidden: int
+    topk: int
+    shared_expert: int
+    moe_pattern: Tuple[int, ...]
+    mla: bool
+    q_lora_rank: Optional[int]
+    kv_lora_rank: int
+    qk_head_dim: int
+    qk_pos_emb_head_dim: int
+    v_head_dim: int
+    mtp_layers: int
+    tp: int
+    pp: int
+    ep: int
+    etp: int
+    cp: int
+    layers_per_virtual_stage: Optional[int]
+    recompute: Optional[str]
+    schedule: str
+    sequence_parallel: bool
+    distributed_optimizer: bool
+    overlap_grad_reduce: bool
+
+    @property
+    def padded_vocab(self) -> int:
+        """The vocabulary padded as Megatron pads it: to a multiple of the divisor times TP."""
+        unit = self.vocab_divisible_by * self.tp
+        return -(-self.vocab_size // unit) * unit
+
+    @property
+    def model_size(self) -> int:
+        """GPUs one model replica spans for dense layers (TP x PP x CP)."""
+        return self.tp * self.pp * self.cp
+
+
+def moe_pattern(freq: str, num_layers: int) -> Tuple[int, ...]:
+    """Megatron's ``--moe-layer-freq``: N (every N-th layer, from the first) or a pattern such as
+    ``([0]*3+[1]*58)`` (1: an MoE layer), which must have one entry per layer."""
+    text = freq.replace(" ", "")
+    if re.fullmatch(r"[0-9]+", text):
+        n = int(text)
+        if n < 1:
+            raise ModelArgsError(f"--moe-layer-freq {freq}: must be >= 1")
+        return tuple(1 if i % n == 0 else 0 for i in range(num_layers))
+    pattern = _pattern(text)
+    if pattern is None or len(pattern) != num_layers:
+        got = "cannot be read" if pattern is None else f"has {len(pattern)} entries"
+        raise ModelArgsError(f"--moe-layer-freq {freq} {got}: give N or a list expression like ([0]*3+[1]*{num_layers - 3})"
+                             f" with one 0/1 per layer ({num_layers})")
+    return tuple(pattern)
+
+
+def _pattern(text: str) -> Optional[List[int]]:
+    """``([1]*3+[0]*1)*3`` and ``[0,1,1]`` forms, read without ``eval``."""
+    m = re.fullmatch(r"\((.*)\)\*([0-9]+)", text)
+    if m:
+        inner = _pattern(m.group(1))
+        return None if inner is None else inner * int(m.group(2))
+    if text.startswith("(") and text.endswith(")"):
+        return _pattern(text[1:-1])
+    out: List[int] = []
+    for term in text.split("+"):
+        t = re.fullmatch(r"\[([01](?:,[01])*)\](?:\*([0-9]+))?", term)
+        if not t:
+            return None
+        out += [int(x) for x in t.group(1).split(",")] * int(t.group(2) or 1)
+    return out
+
+
+def _values(argv: Sequence[str]) -> Dict[str, object]:
+    found: Dict[str, object] = {}
+    args = list(argv)
+    for i, a in enumerate(args):
+        flag, eq, val = a.partition("=")
+        if flag not in _FLAGS:
+            continue
+        name, kind, _ = _FLAGS[flag]
+        if kind is None:
+            found[name] = True
+            continue
+        raw = val if eq else (args[i + 1] if i + 1 < len(args) else None)
+        if raw is None or (not eq and raw.startswith("--")):
+            raise ModelArgsError(f"{flag} needs a value")
+        if kind is int:
+            if not re.fullmatch(r"[0-9]+", raw) or int(raw) < 1:
+                raise ModelArgsError(f"{flag} {raw}: must be a positive integer")
+            found[name] = int(raw)
+        else:
+            found[name] = raw
+    return found
+
+
+def parse(argv: Sequence[str]) -> ModelArgs:
+    """The :class:`ModelArgs` of ``pretrain_gpt.py ARGV`` (Megatron-LM's defaults for the rest)."""
+    missing = [f for f in _NEEDED if _FLAGS[f][0] not in _values(argv)]
+    if missing:
+        raise ModelArgsError(f"the model needs {', '.join(missing)}: give them (or a --config that has them)")
+    v = {name: default for name, _, default in _FLAGS.values()}
+    v.update(_values(argv))
+    if v["vocab_size"] is None:
+        raise ModelArgsError("the output layer's cost needs the vocabulary: give --vocab-size N (the tokenizer's, e.g. "
+                             "128256 for Llama 3, 129280 for DeepSeek-V3)")
+    h, heads = v["hidden"], v["heads"]
+    if h % heads:
+        raise ModelArgsError(f"--hidden-size {h} is not a multiple of --num-attention-heads {heads}: give --kv-channels")
+    v["ffn_hidden"] = v["ffn_hidden"] or 4 * h
+    v["kv_channels"] = v["kv_channels"] or h // heads
+    v["query_groups"] = v["query_groups"] if v.pop("gqa") else heads
+    v["query_groups"] = v["query_groups"] or heads
+    v["moe_ffn_hidden"] = v["moe_ffn_hidden"] or v["ffn_hidden"]
+    v["etp"] = v["etp"] or v["tp"]
+    freq = v.pop("moe_layer_freq")
+    v["moe_pattern"] = moe_pattern(str(freq), v["num_layers"]) if v["num_experts"] else (0,) * v["num_layers"]
+    if v["num_experts"] and v["topk"] > v["num_experts"]:
+        raise ModelArgsError(f"--moe-router-topk {v['topk']} is more than --num-experts {v['num_experts']}")
+    return ModelArgs(**v)

@@ -1,0 +1,333 @@
+"""A pipeline stage's costs and memory from the model's shape, for advice before any run.
+
+``advise`` simulates schedules on one stage's forward, backward and weight-gradient times and on
+its memory. Without a run to measure them, this module derives them from a
+:class:`~.model_args.ModelArgs` and a GPU kind:
+
+* FLOPs per token of each layer -- dense MLP (SwiGLU or not), MoE (the routed experts a token
+  goes to plus the shared ones), attention (MHA/GQA, or MLA with its low-rank projections; the
+  causal core ``QK^T`` and ``softmax V`` counted separately) -- the output layer, and MTP's
+  extra layers, projections and logits; the same terms as Megatron-LM's
+  ``num_floating_point_operations`` (``tests/schedule/test_model_cost.py`` prints both). A
+  weight gradient costs what its forward GEMM costs; the core attention has no weights, so its
+  backward is all input gradient.
+* times: a rank's share of a stage's FLOPs (divided by TP x CP) at ``mfu`` of the GPU's peak dense
+  bf16 rate, plus, for MoE layers with expert parallelism, the all-to-all dispatch and combine
+  (bf16 hidden states of each routed token, (EP-1)/EP of them leaving the rank) at the GPU's
+  NVLink or network bandwidth, in both directions. With expert parallelism a fused F&B unit
+  (DualPipe's, ``--overlap-moe-expert-parallel-comm``) overlaps one's all-to-all with the other's
+  compute. Tensor-parallel communication is not modelled (inside a node, largely overlapped).
+* memory per rank: bf16 parameters, fp32 main gradients and fp32 Adam state (master weights and
+  two moments; divided by the data-parallel size, or the expert data-parallel size for experts,
+  with the distributed optimizer) -- Megatron-LM's ``report_theoretical_memory`` accounting --
+  and the activations of one micro-batch on the first stage by the formulas it uses (Korthikanti
+  et al., Table 2), with an MoE layer's MLP as wide as the experts a token visits.
+
+Standard library only, like the rest of ``schedule``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+from .model_args import ModelArgs
+
+GB = 1e9
+BF16, FP32 = 2, 4
+#: Adam's state per parameter: fp32 master weights and two fp32 moments.
+OPTIMIZER_BYTES = 12
+#: Default share of the peak rate that training sustains (model FLOPs utilisation).
+DEFAULT_MFU = 0.4
+
+
+@dataclass(frozen=True)
+class Gpu:
+    """A GPU kind from its datasheet (SXM): dense bf16 tensor rate, HBM, NVLink bandwidth per
+    direction, and the usual network bandwidth per GPU (one 400 Gb/s NIC; 200 Gb/s for A100)."""
+
+    name: str
+    peak_tflops: float
+    hbm_gb: float
+    nvlink_gbps: float
+    network_gbps: float
+
+
+GPUS = {g.name: g for g in (
+    Gpu("A100", 312.0, 80.0, 300.0, 25.0),
+    Gpu("H100", 989.0, 80.0, 450.0, 50.0),
+    Gpu("H200", 989.0, 141.0, 450.0, 50.0),
+    Gpu("B200", 2250.0, 180.0, 900.0, 50.0),
+)}
+
+
+# ---------------------------------------------------------------------------------------------
+# FLOPs (forward, per token)
+# ---------------------------------------------------------------------------------------------
+
+def attention_flops(m: ModelArgs) -> Tuple[float, float]:
+    """(linear, core) forward FLOPs per token of one attention layer: the projections, and the
+    causal ``QK^T`` and ``softmax V`` (half the square each, two FLOPs per multiply-add)."""
+    h, n, s = m.hidden, m.heads, m.seq_length
+    if m.mla:
+        q = h * n * (m.qk_head_dim + m.qk_pos_emb_head_dim) if m.q_lora_rank is None else \
+            m.q_lora_rank * (h + n * (m.qk_head_dim + m.qk_pos_emb_head_dim) + 1)
+        kv = m.kv_lora_rank * (h + n * (m.qk_head_dim + m.v_head_dim) + 1) + h * m.qk_pos_emb_head_dim
+        linear = 2 * (q + kv + n * m.v_head_dim * h)
+        core = s * n * (m.qk_head_dim + m.qk_pos_emb_head_dim + m.v_head_dim)
+        return float(linear), float(core)
+    q, kv = m.kv_channels * n, m.kv_channels * m.query_groups
+    return float(2 * (h * (q + 2 * kv) + q * h)), float(2 * q * s)
+
+
+def mlp_width(m: ModelArgs, moe: bool) -> int:
+    """The MLP hidden width a token goes through: the dense one, or its routed experts' plus the
+    shared experts'."""
+    return m.topk * m.moe_ffn_hidden + m.shared_expert if moe else m.ffn_hidden
+
+
+def mlp_flops(m: ModelArgs, moe: bool) -> float:
+    return 2.0 * m.hidden * mlp_width(m, moe) * (3 if m.swiglu else 2)
+
+
+def layer_flops(m: ModelArgs, moe: bool) -> Tuple[float, float]:
+    """(linear, core) forward FLOPs per token of one transformer layer."""
+    linear, core = attention_flops(m)
+    return linear + mlp_flops(m, moe), core
+
+
+def output_flops(m: ModelArgs) -> float:
+    """The logits of one token (the output layer), forward."""
+    return 2.0 * m.hidden * m.padded_vocab
+
+
+def mtp_flops(m: ModelArgs) -> Tuple[float, float]:
+    """(linear, core) forward FLOPs per token of the MTP block: per depth a transformer layer of the
+    last layer's kind, the norms and the 2h -> h projection, and its own logits."""
+    if not m.mtp_layers:
+        return 0.0, 0.0
+    linear, core = layer_flops(m, bool(m.moe_pattern[-1]))
+    extra = 2.0 * (3 * m.hidden + 2 * m.hidden * m.hidden) + output_flops(m)
+    return m.mtp_layers * (linear + extra), m.mtp_layers * core
+
+
+def iteration_flops(m: ModelArgs, global_batch: int) -> float:
+    """The model FLOPs of one iteration (forward and backward, three GEMMs per weight)."""
+    linear, core = 0.0, 0.0
+    for moe in m.moe_pattern:
+        lin, c = layer_flops(m, bool(moe))
+        linear, core = linear + lin, core + c
+    lin, c = mtp_flops(m)
+    return 3.0 * global_batch * m.seq_length * (linear + core + lin + c + output_flops(m))
+
+
+# ---------------------------------------------------------------------------------------------
+# Stages
+# ---------------------------------------------------------------------------------------------
+
+def stage_layers(m: ModelArgs, stage: int) -> Tuple[int, ...]:
+    """The MoE flags (1: MoE) of the layers of pipeline stage ``stage`` (Megatron's even split)."""
+    per = m.num_layers // m.pp
+    return m.moe_pattern[stage * per:(stage + 1) * per]
+
+
+def stage_flops(m: ModelArgs, stage: int) -> Tuple[float, float]:
+    """(weight GEMMs, core attention) forward FLOPs of one micro-batch on one rank of ``stage``."""
+    linear, core = 0.0, 0.0
+    for moe in stage_layers(m, stage):
+        lin, c = layer_flops(m, bool(moe))
+        linear, core = linear + lin, core + c
+    if stage == m.pp - 1:
+        lin, c = mtp_flops(m)
+        linear, core = linear + lin + output_flops(m), core + c
+    tokens = m.micro_batch * m.seq_length
+    return tokens * linear / (m.tp * m.cp), tokens * core / (m.tp * m.cp)
+
+
+def moe_layers(m: ModelArgs, stage: int) -> int:
+    """MoE layers on ``stage`` (the MTP block's on the last)."""
+    last = m.mtp_layers * m.moe_pattern[-1] if stage == m.pp - 1 else 0
+    return sum(stage_layers(m, stage)) + last
+
+
+def all_to_all_ms(m: ModelArgs, gpu: Gpu, gpus_per_node: int, bandwidth: Optional[float] = None) -> float:
+    """One MoE layer's dispatch and combine on a rank, one direction (ms): the bf16 hidden state of
+    every routed token of its micro-batch share, (EP-1)/EP of them to other ranks."""
+    if m.ep == 1 or not m.num_experts:
+        return 0.0
+    tokens = m.micro_batch * m.seq_length / m.cp / (m.tp if m.sequence_parallel else 1)
+    volume = 2 * tokens * m.topk * m.hidden * BF16 * (m.ep - 1) / m.ep
+    inside = m.etp * m.ep <= gpus_per_node
+    bw = bandwidth or (gpu.nvlink_gbps if inside else gpu.network_gbps)
+    return volume / (bw * GB) * 1e3
+
+
+@dataclass(frozen=True)
+class StageCosts:
+    """One stage's times per micro-batch (ms) as 1F1B runs it: forward ``f``, full backward ``b``,
+    its weight-gradient part ``w``, a fused F&B unit ``fb`` (None: f + b), and their compute and
+    all-to-all parts."""
+
+    stage: int
+    f: float
+    b: float
+    w: float
+    fb: Optional[float]
+    compute_f: float
+    all_to_all: float
+
+
+def stage_costs(m: ModelArgs, gpu: Gpu, mfu: float, gpus_per_node: int, stage: int,
+                a2a_bandwidth: Optional[float] = None) -> StageCosts:
+    rate = gpu.peak_tflops * 1e12 * mfu / 1e3  # FLOPs per ms
+    linear, core = stage_flops(m, stage)
+    fc, wc = (linear + core) / rate, linear / rate
+    a2a = moe_layers(m, stage) * all_to_all_ms(m, gpu, gpus_per_node, a2a_bandwidth)
+    f, b, w = fc + a2a, 2 * fc + a2a, wc
+    fb = max(fc + 2 * fc, 2 * a2a, f, b - w) if a2a else None
+    return StageCosts(stage, f, b, w, fb, fc, a2a)
+
+
+def heaviest_stage(m: ModelArgs, gpu: Gpu, mfu: float, gpus_per_node: int,
+                   a2a_bandwidth: Optional[float] = None) -> StageCosts:
+    """The slowest stage (it paces the pipeline; the simulator takes one cost for every stage)."""
+    return max((stage_costs(m, gpu, mfu, gpus_per_node, s, a2a_bandwidth) for s in range(m.pp)),
+               key=lambda c: c.f + c.b)
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Params:
+    """Parameters by how ranks hold them: split by TP, replicated, split by EP x ETP."""
+
+    tp: float = 0.0
+    replicated: float = 0.0
+    expert: float = 0.0
+
+    def __add__(self, o: "Params") -> "Params":
+        return Params(self.tp + o.tp, self.replicated + o.replicated, self.expert + o.expert)
+
+    def scaled(self, k: float) -> "Params":
+        return Params(self.tp * k, self.replicated * k, self.expert * k)
+
+
+def layer_params(m: ModelArgs, moe: bool) -> Params:
+    h, gl = m.hidden, 1.5 if m.swiglu else 1.0
+    norm = 1 if m.normalization == "RMSNorm" else 2
+    if m.mla:
+        n = m.heads
+        q = h * n * (m.qk_head_dim + m.qk_pos_emb_head_dim) if m.q_lora_rank is None else \
+            m.q_lora_rank * (h + n * (m.qk_head_dim + m.qk_pos_emb_head_dim) + norm)
+        attn = (q + m.kv_lora_rank * (h + n * (m.qk_head_dim + m.v_head_dim) + norm) + h * m.qk_pos_emb_head_dim
+                + n * m.v_head_dim * h)
+    else:
+        q, kv = m.kv_channels * m.heads, m.kv_channels * m.query_groups
+        attn = h * (q + 2 * kv) + q * h
+    if not moe:
+        return Params(attn + 2 * h * m.ffn_hidden * gl, 2 * h * norm)
+    router = h * m.num_experts
+    return Params(attn + 2 * h * m.shared_expert * gl, 2 * h * norm + router,
+                  2 * h * m.moe_ffn_hidden * m.num_experts * gl)
+
+
+def stage_params(m: ModelArgs, stage: int) -> Tuple[Params, Params, Params]:
+    """(layers, embedding or output layer, MTP block) of ``stage``, whole (before TP/EP splits)."""
+    layers = Params()
+    for moe in stage_layers(m, stage):
+        layers = layers + layer_params(m, bool(moe))
+    vocab = Params(m.hidden * m.padded_vocab)
+    norm = 1 if m.normalization == "RMSNorm" else 2
+    ends, mtp = Params(), Params()
+    if stage == 0:
+        ends = ends + vocab
+    if stage == m.pp - 1:
+        ends = ends + Params(replicated=norm * m.hidden)
+        if m.pp > 1 or m.untie:
+            ends = ends + vocab
+        mtp = layer_params(m, bool(m.moe_pattern[-1])).scaled(m.mtp_layers)
+    return layers, ends, mtp
+
+
+@dataclass(frozen=True)
+class Memory:
+    """One rank's memory in bytes: its stage's parameters, gradients and optimizer state, and the
+    activations one micro-batch leaves on the first stage."""
+
+    stage: int
+    parameters: float
+    gradients: float
+    optimizer: float
+    activations: float
+
+    @property
+    def states(self) -> float:
+        """What ``advise`` calls the parameter memory: parameters, gradients and optimizer state."""
+        return self.parameters + self.gradients + self.optimizer
+
+
+def rank_bytes(m: ModelArgs, p: Params, world: int) -> Tuple[float, float, float]:
+    """(parameters, gradients, optimizer) bytes on one rank for the whole-stage parameters ``p``."""
+    dense = p.tp / m.tp + p.replicated
+    expert = p.expert / (m.ep * m.etp)
+    dp = world // m.model_size
+    edp = world // (m.etp * m.ep * m.pp)
+    opt = (dense * OPTIMIZER_BYTES / (dp if m.distributed_optimizer else 1)
+           + expert * OPTIMIZER_BYTES / (edp if m.distributed_optimizer else 1))
+    return (dense + expert) * BF16, (dense + expert) * FP32, opt
+
+
+def activation_bytes(m: ModelArgs) -> float:
+    """One micro-batch's activations on the first stage (Megatron-LM's formulas: with sequence
+    parallel and selective recomputation s*b*h*(18 + 4F/h)/TP per layer, otherwise
+    s*b*h*(10 + 24/TP) and 5% more; full recomputation keeps each layer's input)."""
+    s, b, h = m.seq_length / m.cp, m.micro_batch, m.hidden
+    layers = stage_layers(m, 0)
+    embedding = 8 * s * b + s * b * h
+    output = 0.0
+    if m.recompute == "full":
+        per = sum(2 * s * b * h for _ in layers) / (m.tp if m.sequence_parallel else 1)
+        return per + embedding
+    if m.sequence_parallel and m.recompute == "selective":
+        per = sum(s * b * h * (18 + 4 * mlp_width(m, bool(moe)) / h) for moe in layers)
+        if m.pp == 1:
+            output = s * b * h * 4 * (1 + m.padded_vocab / h)
+        return (per + embedding + output) / m.tp
+    per = len(layers) * s * b * h * (10 + 24 / m.tp)
+    if m.pp == 1:
+        output = (s * b * m.padded_vocab / m.tp + s * b * h) * 2
+    return (per + embedding + output) * 1.05
+
+
+def stage_memory(m: ModelArgs, world: int, stage: int) -> Memory:
+    layers, ends, mtp = stage_params(m, stage)
+    par, grad, opt = rank_bytes(m, layers + ends + mtp, world)
+    return Memory(stage, par, grad, opt, activation_bytes(m))
+
+
+def heaviest_memory(m: ModelArgs, world: int) -> Memory:
+    """The stage whose parameters, gradients and optimizer state take the most memory."""
+    return max((stage_memory(m, world, s) for s in range(m.pp)), key=lambda x: x.states)
+
+
+def stages_problem(m: ModelArgs) -> Optional[str]:
+    if m.num_layers % m.pp:
+        return (f"--num-layers {m.num_layers} is not a multiple of --pipeline-model-parallel-size {m.pp}: "
+                f"change one (Megatron splits the layers evenly)")
+    return None
+
+
+def describe(m: ModelArgs) -> List[str]:
+    """The model in a few words: layers by kind, attention, MoE, MTP."""
+    moe = sum(m.moe_pattern)
+    kinds = f"{m.num_layers - moe} dense + {moe} MoE layers" if moe else f"{m.num_layers} dense layers"
+    attn = "MLA" if m.mla else ("GQA" if m.query_groups != m.heads else "MHA")
+    parts = [kinds, f"hidden {m.hidden}", f"{attn} {m.heads} heads", f"seq {m.seq_length}",
+             f"vocab {m.padded_vocab}"]
+    if moe:
+        parts.append(f"{m.num_experts} experts, top-{m.topk}"
+                     + (f" + shared {m.shared_expert}" if m.shared_expert else ""))
+    if m.mtp_layers:
+        parts.append(f"MTP {m.mtp_layers}")
+    return parts
