@@ -208,7 +208,7 @@ class ExecutorSchedule:
         program = compile_program(self.spec.name, len(global_ranks), padded, forward_only, real)
         checked = _checked_iteration(self.spec.name, len(global_ranks), padded, real, self.zero_bubble,
                                      config.grad_sync_func is not None, parallel_state.get_data_parallel_world_size(),
-                                     forward_only)
+                                     forward_only, config.param_sync_func is not None)
         if padded != real:
             self._report_padding(len(global_ranks), real, padded, forward_only)
         seq_length, micro_batch_size, decoder_seq_length = shape_args
@@ -331,10 +331,10 @@ def _finalize(model, config, total_num_tokens, device, force_all_reduce) -> None
 
 @functools.lru_cache(maxsize=64)
 def _checked_iteration(name: str, pp: int, padded: int, real: int, zero_bubble: bool, overlap_grad_reduce: bool,
-                       dp: int, forward_only: bool) -> iteration_plan.IterationPlan:
+                       dp: int, forward_only: bool, param_gather: bool = False) -> iteration_plan.IterationPlan:
     """The iteration's whole communication, checked under NCCL stream semantics before anything
     runs (raises ``IterationPlanError`` naming the cycle); its bd-sum points drive GradReduction."""
     program = compile_program(name, pp, padded, forward_only, real)
     return iteration_plan.plan_for(registry.get(name), pp, real, program.actions, program.plans,
                                    zero_bubble=zero_bubble, overlap_grad_reduce=overlap_grad_reduce, dp=dp,
-                                   forward_only=forward_only)
+                                   forward_only=forward_only, param_gather=param_gather)

@@ -441,8 +441,13 @@ HANDLED: Tuple[Handled, ...] = (
             'accepted (each chunk runs its micro-batches in order); not compared',
             'A `global_aux_loss_dualpipev_ok`'),
     Handled('`--use-distributed-optimizer` (dp=2), with `--overlap-grad-reduce --overlap-param-gather`',
-            'equal on CPU (lm loss and grad norm, 4 iterations, pp=2 x dp=2)',
-            'C `test_distributed_optimizer_dualpipe_overlap_and_torch_format_across_schedules`; D '
+            'equal on CPU (lm loss and grad norm, 4 iterations, pp=2 x dp=2); with `--overlap-param-gather` '
+            "(`--align-param-gather`, the default, kept for dualpipe/dualpipev) the executor calls "
+            "`config.param_sync_func` for both chunks before the first action, so each chunk's all-gathers are "
+            "started at its first forward (every process says so; megatron-core: the shards a replica does not "
+            "own NaN before each run, losses and gradients equal to the reference)",
+            'C `test_distributed_optimizer_dualpipe_overlap_and_torch_format_across_schedules`; M '
+            '`test_overlap_param_gather_pp2_dp2_starts_every_gather_before_its_chunks_first_forward`; D '
             '`test_resume_without_optimizer_state_and_dualpipev_across_1f1b` (`--load --no-load-optim`, dp=1)'),
     Handled('`--dualpipe-shared-shard-group` (`dualpipe`, `--use-distributed-optimizer`): both copies of a stage '
             'in one distributed-optimizer group',

@@ -13,8 +13,8 @@ fixed in the program, the same on every member of a data-parallel group (they ru
 program), so the collectives meet in the same order everywhere; each chunk's wait is the
 pre-hook of its first real forward (``schedule.iteration_plan`` models both).
 
-Only chunks with a real forward in the iteration are started (a gather no forward waits for
-would still be in flight at the next call). Evaluation starts none: Megatron's schedules clear
+Only chunks with a real forward in the iteration are started
+(``schedule.iteration_plan.chunks_with_real_forward``). Evaluation starts none: Megatron's schedules clear
 ``param_sync_func`` for ``forward_only``.
 """
 from __future__ import annotations
@@ -22,20 +22,15 @@ from __future__ import annotations
 import logging
 from typing import Callable, List, Sequence
 
-from ..schedule import F
+from ..schedule.iteration_plan import chunks_with_real_forward
 
 log = logging.getLogger("megatron_dualpipe")
 
-__all__ = ["ANNOUNCED", "chunks_to_gather", "start_param_gathers"]
+__all__ = ["ANNOUNCED", "start_param_gathers"]
 
 #: What a process logs once, the first time it starts the gathers (tests look for it).
 ANNOUNCED = "parameter all-gathers started before the first action"
 _announced = False
-
-
-def chunks_to_gather(actions: Sequence, padding: Sequence[bool]) -> List[int]:
-    """The chunks (model indices) with a real forward among a rank's actions, in chunk order."""
-    return sorted({a.dir for a, fake in zip(actions, padding) if a.op == F and not fake})
 
 
 def _per_chunk(funcs, n: int) -> List[Callable]:
@@ -52,7 +47,7 @@ def start_param_gathers(config, model: Sequence, actions: Sequence, padding: Seq
     if funcs is None or forward_only:
         return []
     funcs = _per_chunk(funcs, len(model))
-    chunks = chunks_to_gather(actions, padding)
+    chunks = chunks_with_real_forward([a for a, fake in zip(actions, padding) if not fake], lambda a: False)
     for c in chunks:
         funcs[c](model[c].parameters())
     global _announced

@@ -26,7 +26,9 @@ They need the values ``validate_args`` derives (``data_parallel_size``,
 ``virtual_pipeline_model_parallel_size``).
 
 With ``--pipeline-schedule 1f1b`` the only difference to stock Megatron is that ``args`` carries
-the three extra attributes; no check runs and no value is changed.
+the three extra attributes; no check runs and no value is changed. With ``dualpipe`` /
+``dualpipev`` one value Megatron changes is given back: ``--align-param-gather`` (see
+:func:`keep_aligned_param_gather`).
 """
 
 import functools
@@ -277,12 +279,26 @@ def wrap_add_megatron_arguments(orig):
     return add_megatron_arguments
 
 
+def keep_aligned_param_gather(args, aligned) -> None:
+    """Megatron's ``validate_args`` turns ``--align-param-gather`` off without a virtual pipeline:
+    its 1F1B has one chunk and never calls ``config.param_sync_func``. DualPipe's and DualPipeV's
+    two chunks per rank are the executor's to gather: it calls ``param_sync_func`` for both before
+    the first action (``mcore.param_gather``), as the interleaved schedule does for its first two;
+    so the value the user gave (``aligned``, default on) stands, and ``train()`` sets
+    ``config.param_sync_func`` from it (DDP's pre-hooks then only wait)."""
+    if aligned and registry.get(schedule_of(args)).chunks_per_rank == 2:
+        args.align_param_gather = True
+
+
 def wrap_validate(orig):
-    """``validate_args`` (or ``validate_yaml``) followed by :func:`validate_dualpipe_args`."""
+    """``validate_args`` (or ``validate_yaml``) followed by :func:`keep_aligned_param_gather` and
+    :func:`validate_dualpipe_args`."""
 
     @functools.wraps(orig)
     def validate(args, *a, **kw):
+        aligned = getattr(args, "align_param_gather", None)
         result = orig(args, *a, **kw)
+        keep_aligned_param_gather(result if result is not None else args, aligned)
         validate_dualpipe_args(result if result is not None else args)
         return result
 

@@ -18,7 +18,8 @@ these interact through the streams, not only through the host:
 
 :func:`build` turns a schedule into every rank's list of stream items (compute units, posts,
 waits) the way the executor issues them (``executor.runner.run_rank``,
-``mcore.grad_reduction.GradReduction``, ``mcore.loss_gather``, ``mcore.finalize``), and
+``mcore.grad_reduction.GradReduction``, ``mcore.param_gather``, ``mcore.loss_gather``,
+``mcore.finalize``), and
 :func:`check` runs them to completion under those rules or raises :class:`IterationPlanError`
 naming the cycle. The bd sums are issued at :attr:`IterationPlan.sum_points`, the points this
 plan decides (the partners in the same order of stages) and the executor reads.
@@ -27,6 +28,8 @@ Data parallelism: every data-parallel replica runs the same plan, so each data-p
 collective is started by all its ranks at the same point of the same plan; it completes as
 soon as it is started, and only a wait for it could hold anything. The model keeps those
 collectives (posted where the executor posts them, waited in the finalize), over one replica.
+The parameter all-gathers of ``--overlap-param-gather`` (``param_gather``) are posted before the
+first action and each waited at its chunk's first real forward (DDP's pre-hook).
 
 Standard library only.
 """
@@ -202,8 +205,9 @@ class _Builder:
 
 def build(layout: Layout, ranks: Sequence[Sequence[Action]], plans: Sequence[RankPlan], *, is_fake: Callable,
           deferring: bool, overlap_grad_reduce: bool = False, dp: int = 1, forward_only: bool = False,
-          sum_wait: str = WAIT_AT_FINISH) -> IterationPlan:
-    """Every rank's stream items for one iteration, as the executor issues them."""
+          sum_wait: str = WAIT_AT_FINISH, param_gather: bool = False) -> IterationPlan:
+    """Every rank's stream items for one iteration, as the executor issues them. ``param_gather``:
+    ``config.param_sync_func`` is set (``mcore.param_gather``)."""
     pp = layout.pp
     b = _Builder(pp)
     ops = grad_ops(deferring)
@@ -231,6 +235,7 @@ def build(layout: Layout, ranks: Sequence[Sequence[Action]], plans: Sequence[Ran
         acts, rp = ranks[r], plans[r]
         k0 = b.collective(r, "pp", all_pp, ("first all-reduce",), f"rank {r}'s first all-reduce on the pipeline group")
         b.wait(r, k0, "before the first P2P batch")
+        gathers = param_gathers(b, r, acts, is_fake) if param_gather and dp > 1 and not forward_only else {}
         recv_batch: Dict[tuple, int] = {}
         send_batch: Dict[tuple, int] = {}
         batch_work: List[int] = []
@@ -265,6 +270,9 @@ def build(layout: Layout, ranks: Sequence[Sequence[Action]], plans: Sequence[Ran
                 label = sent_output.pop((a.dir, a.mb, a.stage), None) if a.is_backward else None
                 if label is not None:
                     b.wait(r, send_batch[label], _Text("{}: the send of its forward's output, released first", where))
+            for i in unit:
+                if acts[i].op == F and acts[i].dir in gathers:
+                    b.wait(r, gathers.pop(acts[i].dir), _Text("{}: DDP's pre-hook of its chunk's first forward", where))
             b.compute(r, "")
             for i in unit:
                 a = acts[i]
@@ -307,6 +315,21 @@ def build(layout: Layout, ranks: Sequence[Sequence[Action]], plans: Sequence[Ran
             for w_k in dp_works[r]:
                 b.wait(r, w_k, "in the finalize (finish_grad_sync)")
     return IterationPlan(pp, b.works, b.items, points)
+
+
+def chunks_with_real_forward(acts: Sequence[Action], is_fake: Callable) -> List[int]:
+    """The chunks (model indices) of a rank with a real forward, in chunk order: the ones whose
+    parameter all-gathers ``mcore.param_gather`` starts (a gather no forward waits for would still
+    be in flight at the next iteration)."""
+    return sorted({a.dir for a in acts if a.op == F and not is_fake(a)})
+
+
+def param_gathers(b: _Builder, r: int, acts: Sequence[Action], is_fake: Callable) -> Dict[int, int]:
+    """The parameter all-gathers ``mcore.param_gather`` starts before the first action, in chunk
+    order, on the data-parallel communicator (one replica, as the reductions): {chunk: work}, each
+    waited by its chunk's first real forward."""
+    return {c: b.collective(r, "dp", (r,), ("param all-gather", c), f"rank {r}'s parameter all-gathers of chunk {c}")
+            for c in chunks_with_real_forward(acts, is_fake)}
 
 
 def check(ip: IterationPlan) -> None:
@@ -411,12 +434,13 @@ def _explain(ip, stuck, pos, reached, started, completed, head, queues, send_of,
 
 
 def plan_for(spec, pp: int, real: int, padded_ranks, plans, *, zero_bubble: bool, overlap_grad_reduce: bool = False,
-             dp: int = 1, forward_only: bool = False, sum_wait: str = WAIT_AT_FINISH) -> IterationPlan:
+             dp: int = 1, forward_only: bool = False, sum_wait: str = WAIT_AT_FINISH,
+             param_gather: bool = False) -> IterationPlan:
     """Build and check the iteration plan of a registry schedule ``spec`` with ``real`` real
     micro-batches (``padded_ranks``/``plans``: its padded actions and communication plan)."""
     deferring = zero_bubble and spec.defers_weight_grads and any(a.op == W for acts in padded_ranks for a in acts)
     ip = build(spec.layout(pp), padded_ranks, plans, is_fake=lambda a: spec.is_fake(real, a.dir, a.mb),
                deferring=deferring, overlap_grad_reduce=overlap_grad_reduce, dp=dp, forward_only=forward_only,
-               sum_wait=sum_wait)
+               sum_wait=sum_wait, param_gather=param_gather)
     check(ip)
     return ip

@@ -122,6 +122,7 @@ def test_distributed_optimizer_dualpipe_overlap_and_torch_format_across_schedule
     fmt = ("--ckpt-format", "torch")
     run = _run(4, *DIST_OPT, "--overlap-grad-reduce", "--overlap-param-gather", *fmt, "--save", first,
                "--save-interval", "2", iters=5, schedule="dualpipe")
+    _assert_param_gathers_started(4, "dualpipe")
     assert_metrics_close(run, ref, "dualpipe, distributed optimizer, overlapped grad reduce and param gather, "
                                    "dp=2 vs 1f1b reference")
     onef1b = _chain_step("1f1b", 4, first, 2, *DIST_OPT, *fmt, save=relay)
@@ -131,6 +132,18 @@ def test_distributed_optimizer_dualpipe_overlap_and_torch_format_across_schedule
 
 
 SHARED_SHARDS = ("--use-distributed-optimizer", "--dualpipe-shared-shard-group")
+
+
+def _assert_param_gathers_started(processes, schedule):
+    """The last run's every process said once that the executor called config.param_sync_func
+    for its chunks before the first action (--overlap-param-gather, aligned: mcore.param_gather; at
+    each chunk's first forward the gathers are then started: tests/mcore/test_dualpipe_megatron.py)."""
+    from megatron_dualpipe.mcore.param_gather import ANNOUNCED
+
+    said = megatron_lm_runs.LAST_OUTPUT[0].count(ANNOUNCED)
+    print(f"{schedule} --overlap-param-gather: parameter all-gathers started by the executor in {said} of "
+          f"{processes} processes")
+    assert said == processes
 
 
 def _tensors(value, path=""):
@@ -385,5 +398,6 @@ def test_dualpipev_distributed_optimizer_overlap_equals_dualpipev_alone():
     time, and the lm loss was 2.6e-4 off at iteration 2."""
     alone = _run(2, iters=3, schedule="dualpipev")
     dp2 = _run(4, *DIST_OPT, "--overlap-grad-reduce", "--overlap-param-gather", iters=3, schedule="dualpipev")
+    _assert_param_gathers_started(4, "dualpipev")
     assert_metrics_close(dp2, alone, "dualpipev dp=2, distributed optimizer, overlapped grad reduce and param "
                                      "gather vs dualpipev dp=1")

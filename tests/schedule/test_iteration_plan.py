@@ -40,13 +40,13 @@ def _forward_program(name, pp, padded):
     return ranks, tuple(plan(s.layout, ranks))
 
 
-def _check(name, pp, m, zb, ogr=True, dp=2, forward_only=False, wait=IP.WAIT_AT_FINISH):
+def _check(name, pp, m, zb, ogr=True, dp=2, forward_only=False, wait=IP.WAIT_AT_FINISH, pg=True):
     spec = registry.get(name)
     ranks, plans = _program(name, pp, spec.padded_microbatches(pp, m))
     if forward_only:
         ranks, plans = _forward_program(name, pp, spec.padded_microbatches(pp, m, True))
     return IP.plan_for(spec, pp, m, ranks, plans, zero_bubble=zb, overlap_grad_reduce=ogr, dp=dp,
-                       forward_only=forward_only, sum_wait=wait)
+                       forward_only=forward_only, sum_wait=wait, param_gather=pg)
 
 
 def test_issue_17_cycle_is_found_and_named():
@@ -69,6 +69,45 @@ def test_a_collective_issued_differently_is_refused():
     bd[0].key = ("bd sum", 99)
     with pytest.raises(IP.IterationPlanError, match="not the same on every rank"):
         IP.check(ip)
+
+
+def _param_gathers(ip, r):
+    """{chunk: (item index of its all-gathers' post, of their wait, computes before the wait)}."""
+    out = {}
+    for k, it in enumerate(ip.items[r]):
+        key = ip.works[it.work].key if it.work >= 0 else None
+        if key and key[0] == "param all-gather":
+            computes = sum(1 for x in ip.items[r][:k] if x.kind == "compute")
+            out.setdefault(key[1], []).append((k, computes))
+    return {c: (post[0], wait[0], wait[1]) for c, (post, wait) in out.items()}
+
+
+@pytest.mark.parametrize("name,pp,m", [("dualpipe", 4, 5), ("dualpipev", 4, 9), ("executor-1f1b", 4, 6)])
+def test_param_gathers_start_before_the_first_action_and_wait_at_each_chunks_first_forward(name, pp, m):
+    """--overlap-param-gather: every rank posts each chunk's all-gathers before its first unit (a
+    fixed place, the same on every data-parallel replica), in chunk order, and its stream waits for
+    them right before the unit of the chunk's first real forward (fake micro-batches run nothing);
+    at dp = 1 there are none."""
+    spec = registry.get(name)
+    ip = _check(name, pp, m, True)
+    ranks, _ = _program(name, pp, spec.padded_microbatches(pp, m))
+    for r, acts in enumerate(ranks):
+        us = IP.units(acts)
+        first = {}
+        for u, unit in enumerate(us):
+            for i in unit:
+                a = acts[i]
+                if a.op == "F" and not spec.is_fake(m, a.dir, a.mb):
+                    first.setdefault(a.dir, u)
+        got = _param_gathers(ip, r)
+        print(f"{name} pp={pp} M={m} rank {r}: chunk -> (post item, wait item, units before the wait) {got}; "
+              f"first real forward's unit {first}")
+        assert sorted(got) == sorted(first)
+        first_compute = next(k for k, it in enumerate(ip.items[r]) if it.kind == "compute")
+        assert all(post < first_compute for post, _, _ in got.values())
+        assert [got[c][0] for c in sorted(got)] == sorted(got[c][0] for c in got)  # chunk order
+        assert all(got[c][2] == first[c] for c in got)
+    assert not any(_param_gathers(_check(name, pp, m, True, dp=1), r) for r in range(pp))
 
 
 def _accepted(name, pp):
@@ -109,9 +148,9 @@ def _swept(name):
 @pytest.mark.parametrize("name", sorted(SWEEP))
 def test_no_accepted_case_has_a_cycle(name):
     """Every accepted M from pp to 4pp, pp even up to 8, and the largest pp (SWEEP[name]) at the
-    edges of M (`_swept`), zero bubble on and off, with --overlap-grad-reduce at dp=2 (its
-    data-parallel collectives only add works that complete by themselves, so dp=1 and no overlap
-    are sub-plans), and forward-only. The old wait right after
+    edges of M (`_swept`), zero bubble on and off, with --overlap-grad-reduce and
+    --overlap-param-gather at dp=2 (its data-parallel collectives only add works that complete by
+    themselves, so dp=1 and no overlap are sub-plans), and forward-only. The old wait right after
     each bd sum is checked too (zero bubble, pp <= 8, schedules with bd sums) and its cycles counted."""
     t0 = time.monotonic()
     bidirectional = registry.get(name).layout(2).kind == "bidirectional"
