@@ -94,8 +94,8 @@ def run(args) -> int:
         return _run_model(args)
     missing = [flag for flag, name in MEASURED if getattr(args, name) is None]
     if missing:
-        raise CliError(f"give {', '.join(missing)} (measured costs), or a model: --config NAME and/or pretrain_gpt.py "
-                       f"arguments after --, with --gpu and --nodes")
+        raise CliError(f"the measured costs are required: {', '.join(missing)}; or give a model: --config NAME and/or "
+                       f"pretrain_gpt.py arguments after --, with --gpu and --nodes")
     for name, value in COMM_DEFAULTS.items():
         if getattr(args, name) is None:
             setattr(args, name, value)

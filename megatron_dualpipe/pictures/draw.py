@@ -211,6 +211,15 @@ def _ticks(frame: Frame, per_segment: int) -> List[Tuple[float, float]]:
     return out
 
 
+def _ticks_that_fit(fr: Frame, points_per_time: float, font_pt: float = 10.0) -> int:
+    """Ticks per segment whose labels (the longest time's digits at ``font_pt``, a label's width
+    apart at least) do not run together on the narrowest segment."""
+    chars = max(len(_num(e)) for _, e in fr.segments)
+    label_pt = 2 * (chars * 0.62 * font_pt + 6)
+    narrowest = min(e - s for s, e in fr.segments) * points_per_time
+    return max(1, int(narrowest // label_pt))
+
+
 def _tick_step(raw: float) -> float:
     """The smallest 1-2-5 step not below ``raw``."""
     mag = 1.0
@@ -437,7 +446,7 @@ def png_figure(schedule, result: SimResult, dpi: int = 110, fake: Fake = None):
     ax.set_ylim(-gap, n_rows * (row + gap))
     ax.set_yticks([(n_rows - 1 - i) * (row + gap) + row / 2 for i in range(n_rows)])
     ax.set_yticklabels([f"rank {r}" if r is not None else "..." for r in fr.rows])
-    ticks = _ticks(fr, max(2, int(width * 4) // len(fr.segments)))
+    ticks = _ticks(fr, _ticks_that_fit(fr, points_per_time))
     ax.set_xticks([x for x, _ in ticks])
     ax.set_xticklabels([_num(t) for _, t in ticks])
     ax.set_xlabel("simulated time")

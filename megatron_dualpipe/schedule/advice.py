@@ -23,6 +23,7 @@ Standard library only (the simulator's layer), so it imports in milliseconds.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence
 
@@ -131,8 +132,9 @@ class PlacementEffect:
 
         how = ("with the bd pairs on one node (launcher --pair-placement, PAIR_PLACEMENT=1)" if self.placement == PAIRED
                else "in Megatron's own rank placement (advise --placement megatron)")
-        if self.problem:
-            return f"{self.schedule} cannot have its bd pairs on one node here: {self.problem}"
+        if self.problem:  # the launcher's refusal names --pair-placement, which advise's user did not give
+            problem = re.sub(r",? or drop --pair-placement", "", self.problem)
+            return f"{self.schedule} cannot have its bd pairs on one node here: {problem}"
         return (f"{self.schedule} {how}: iteration {fmt(self.iteration)} instead of {fmt(self.now)} "
                 f"({_change(self.iteration, self.now)}), {_standing(self.fastest, self.fits)}")
 

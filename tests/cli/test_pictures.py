@@ -229,3 +229,24 @@ def test_docs_timelines_use_the_current_palette(name):
     stray = int((sat & ~palette).sum())
     print(f"saturated pixels outside the palette: {stray} of {int(sat.sum())}")
     assert stray < 0.05 * sat.sum(), f"docs/{name} has colours outside the palette: {DOC_TIMELINES[name]}"
+
+
+@pytest.mark.parametrize("name,pp,m", [("1f1b", 64, 256), ("dualpipe", 64, 256), ("dualpipe", 8, 20)])
+def test_time_axis_tick_labels_do_not_run_together(name, pp, m):
+    """simulate --pp 64 -m 256 --png ran its x tick labels together (4 per inch, whatever their
+    digits): between two labels at least two characters' width of space."""
+    s = build_schedule(name, pp, m)
+    fig = png_figure(s, simulate(s.layout, s.ranks, Costs()))
+    try:
+        fig.canvas.draw()
+        renderer = fig.canvas.get_renderer()
+        ax = fig.axes[0]
+        labels = [t for t in ax.get_xticklabels() if t.get_text()]
+        boxes = sorted((t.get_window_extent(renderer) for t in labels), key=lambda b: b.x0)
+        char = max(t.get_window_extent(renderer).width / len(t.get_text()) for t in labels)
+        gaps = [b.x0 - a.x1 for a, b in zip(boxes, boxes[1:])]
+        print(f"\n{name} pp={pp} M={m}: {len(boxes)} labels ({', '.join(t.get_text() for t in labels)}), smallest "
+              f"gap {min(gaps):.1f} px, a character {char:.1f} px")
+        assert len(boxes) >= 2 and min(gaps) >= 2 * char
+    finally:
+        agg_pyplot().close(fig)
