@@ -191,6 +191,7 @@ def parse(argv: Sequence[str]) -> ModelArgs:
     v["query_groups"] = v["query_groups"] or heads
     v["moe_ffn_hidden"] = v["moe_ffn_hidden"] or v["ffn_hidden"]
     v["etp"] = v["etp"] or v["tp"]
+    v["sequence_parallel"] = v["sequence_parallel"] and v["tp"] > 1  # Megatron turns it off without TP
     freq = v.pop("moe_layer_freq")
     v["moe_pattern"] = moe_pattern(str(freq), v["num_layers"]) if v["num_experts"] else (0,) * v["num_layers"]
     if v["num_experts"] and v["topk"] > v["num_experts"]:
