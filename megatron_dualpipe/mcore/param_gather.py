@@ -8,10 +8,12 @@ only wait for the gathers. Without the call, each bucket's pre-hook starts its o
 and waits for it at once (aligned gathers skip the prefetch of the next bucket): correct, and
 nothing hidden. Megatron's interleaved schedule starts the first two chunks' gathers before its
 first forward (``config.param_sync_func[i](model[i].parameters())``, chunks 0 and 1); the
-executor does the same for its two chunks: before the first action, in chunk order. The point is
-fixed in the program, the same on every member of a data-parallel group (they run the same
-program), so the collectives meet in the same order everywhere; each chunk's wait is the
-pre-hook of its first real forward (``schedule.iteration_plan`` models both).
+executor does the same for its two chunks: before the first action, in the order of their first
+forwards (chunk 0 first there; DualPipe's ranks pp/2.. run chunk 1 first, and one NCCL
+communicator runs the gathers in issue order). The point and the order are fixed in the program,
+the same on every member of a data-parallel group (they run the same program), so the
+collectives meet in the same order everywhere; each chunk's wait is the pre-hook of its first
+real forward (``schedule.iteration_plan`` models both).
 
 Only chunks with a real forward in the iteration are started
 (``schedule.iteration_plan.chunks_with_real_forward``). Evaluation starts none: Megatron's schedules clear
@@ -41,8 +43,8 @@ def _per_chunk(funcs, n: int) -> List[Callable]:
 
 def start_param_gathers(config, model: Sequence, actions: Sequence, padding: Sequence[bool], *, forward_only: bool,
                         describe: str = "") -> List[int]:
-    """Call ``config.param_sync_func`` for every chunk with a real forward (see the module
-    docstring); return the chunks started."""
+    """Call ``config.param_sync_func`` for every chunk with a real forward, in the order of their
+    first forwards (see the module docstring); return the chunks started."""
     funcs = getattr(config, "param_sync_func", None)
     if funcs is None or forward_only:
         return []

@@ -318,16 +318,22 @@ def build(layout: Layout, ranks: Sequence[Sequence[Action]], plans: Sequence[Ran
 
 
 def chunks_with_real_forward(acts: Sequence[Action], is_fake: Callable) -> List[int]:
-    """The chunks (model indices) of a rank with a real forward, in chunk order: the ones whose
-    parameter all-gathers ``mcore.param_gather`` starts (a gather no forward waits for would still
-    be in flight at the next iteration)."""
-    return sorted({a.dir for a in acts if a.op == F and not is_fake(a)})
+    """The chunks (model indices) of a rank with a real forward, in the order of their first real
+    forward: the ones whose parameter all-gathers ``mcore.param_gather`` starts, in the order it
+    starts them (one NCCL communicator runs them in that order; a gather no forward waits for
+    would still be in flight at the next iteration). DualPipe's second half of the ranks, and
+    DualPipeV nowhere, run chunk 1 first."""
+    order: List[int] = []
+    for a in acts:
+        if a.op == F and not is_fake(a) and a.dir not in order:
+            order.append(a.dir)
+    return order
 
 
 def param_gathers(b: _Builder, r: int, acts: Sequence[Action], is_fake: Callable) -> Dict[int, int]:
-    """The parameter all-gathers ``mcore.param_gather`` starts before the first action, in chunk
-    order, on the data-parallel communicator (one replica, as the reductions): {chunk: work}, each
-    waited by its chunk's first real forward."""
+    """The parameter all-gathers ``mcore.param_gather`` starts before the first action, in the order
+    of the chunks' first forwards, on the data-parallel communicator (one replica, as the
+    reductions): {chunk: work}, each waited by its chunk's first real forward."""
     return {c: b.collective(r, "dp", (r,), ("param all-gather", c), f"rank {r}'s parameter all-gathers of chunk {c}")
             for c in chunks_with_real_forward(acts, is_fake)}
 

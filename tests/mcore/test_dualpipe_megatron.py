@@ -217,14 +217,15 @@ class _ParamGatherProbe:
                             shard.fill_(float("nan"))
 
     def seen(self):
-        """{chunk: (calls of its sync function before its first forward, whether its gathers were
-        started at that forward)} for every chunk that ran a forward; "calls" counts all of the run."""
+        """({chunk: (calls of its sync function before its first forward, in the run, whether its
+        gathers were started at that forward)} for every chunk that ran a forward, the chunks in the
+        order their sync functions were called, the chunks in the order of their first forwards)."""
         out = {}
         for k, e in enumerate(self.events):
             if e[0] == "forward" and e[1] not in out:
                 before = sum(1 for x in self.events[:k] if x == ("sync", e[1]))
                 out[e[1]] = (before, self.events.count(("sync", e[1])), e[2])
-        return out
+        return out, [e[1] for e in self.events if e[0] == "sync"], list(out)
 
 
 def _gather_grad_shards(chunks):
@@ -366,22 +367,23 @@ def test_dualpipev_equals_single_process(pp):
 @pytest.mark.parametrize("schedule", ["dualpipe", "dualpipev"])
 def test_overlap_param_gather_pp2_dp2_starts_every_gather_before_its_chunks_first_forward(schedule):
     """--overlap-param-gather (aligned) with the distributed optimizer's buffers: the executor calls
-    config.param_sync_func for each chunk before the first action, so at each chunk's first forward
-    all its all-gathers are already started (DDP's pre-hook only waits); the shards a replica does not
-    own are NaN before each run, so losses and gradients equal to the reference show that every
-    gather completed before its parameters were read. Control: a run without param_sync_func, where
+    config.param_sync_func for each chunk before the first action, in the order of the chunks' first
+    forwards, so at each chunk's first forward all its all-gathers are already started (DDP's pre-hook
+    only waits); the shards a replica does not own are NaN before each run, so losses and gradients
+    equal to the reference show that every gather completed before its parameters were read. Control: a run without param_sync_func, where
     the pre-hooks start the gathers themselves (correct, not started before the forward)."""
     runs = [(3, True, False), (4, True, False), (5, False, False), (4, True, False, schedule, False), (4, True, True)]
     results = _run_and_check(schedule, 2, True, runs, dp=2, overlap=True, param_gather=True)
     for i, run in enumerate(runs):
         handed, forward_only = (run[4] if len(run) > 4 else True), run[2]
         seen = {(res[i]["dp"], res[i]["pp"]): res[i]["gathers"] for res in results}
-        print(f"  run {run}: per (dp, pp) rank, chunk -> (sync calls before its first forward, in the run, "
-              f"gathers started at that forward): {seen}")
-        for where, chunks in seen.items():
+        print(f"  run {run}: per (dp, pp) rank, (chunk -> (sync calls before its first forward, in the run, "
+              f"gathers started at that forward), chunks synced in order, chunks' first forwards in order): {seen}")
+        for where, (chunks, synced, first) in seen.items():
             assert sorted(chunks) == [0, 1], f"run {run}, rank {where}: forwards of chunks {sorted(chunks)}"
             want = (1, 1, True) if handed and not forward_only else (0, 0, False)
             assert all(v == want for v in chunks.values()), f"run {run}, rank {where}: {chunks}, expected {want}"
+            assert synced == (first if want[0] else []), f"run {run}, rank {where}: synced {synced}, first {first}"
 
 
 # ---------------------------------------------------------------------------------------------

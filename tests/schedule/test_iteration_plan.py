@@ -85,9 +85,10 @@ def _param_gathers(ip, r):
 @pytest.mark.parametrize("name,pp,m", [("dualpipe", 4, 5), ("dualpipev", 4, 9), ("executor-1f1b", 4, 6)])
 def test_param_gathers_start_before_the_first_action_and_wait_at_each_chunks_first_forward(name, pp, m):
     """--overlap-param-gather: every rank posts each chunk's all-gathers before its first unit (a
-    fixed place, the same on every data-parallel replica), in chunk order, and its stream waits for
-    them right before the unit of the chunk's first real forward (fake micro-batches run nothing);
-    at dp = 1 there are none."""
+    fixed place, the same on every data-parallel replica), in the order of the chunks' first real
+    forwards (DualPipe's ranks pp/2.. run chunk 1 first), and its stream waits for them right before
+    the unit of the chunk's first real forward (fake micro-batches run nothing); at dp = 1 there are
+    none."""
     spec = registry.get(name)
     ip = _check(name, pp, m, True)
     ranks, _ = _program(name, pp, spec.padded_microbatches(pp, m))
@@ -105,7 +106,7 @@ def test_param_gathers_start_before_the_first_action_and_wait_at_each_chunks_fir
         assert sorted(got) == sorted(first)
         first_compute = next(k for k, it in enumerate(ip.items[r]) if it.kind == "compute")
         assert all(post < first_compute for post, _, _ in got.values())
-        assert [got[c][0] for c in sorted(got)] == sorted(got[c][0] for c in got)  # chunk order
+        assert sorted(got, key=lambda c: got[c][0]) == sorted(first, key=first.get)  # first needed, first posted
         assert all(got[c][2] == first[c] for c in got)
     assert not any(_param_gathers(_check(name, pp, m, True, dp=1), r) for r in range(pp))
 
