@@ -297,6 +297,9 @@ REDIRECTIONS = (
          "LanguageModule.setup_embeddings_and_output_layer", scoped_cuda_identity,
          "weight.data.cuda() for tied embeddings with pp > 1; Tensor.cuda / Module.cuda are the "
          "identity during this call only"),
+    wrap("megatron.core.optimizer.grad_scaler", "DynamicGradScaler.load_state_dict", scoped_cuda_identity,
+         "--fp16 resumed from a checkpoint: the loaded loss scale is moved with .cuda(current_device()); "
+         "Tensor.cuda is the identity during this call only"),
     define_if_missing("megatron.core.transformer.moe.moe_utils", "te_general_gemm", None,
                       "RouterGatingLinearFunction (every MoE router) tests `te_general_gemm is not "
                       "None`, but the name is bound only when Transformer Engine imports "

@@ -189,7 +189,8 @@ SCOPED_PATCHES = (
 
 INSTANCE_PATCHES = (
     Patch("megatron.core.models.gpt.gpt_model", "GPTModel.sharded_state_dict", None,
-          "DualPipe's mirror chunk: every sharded entry is a non-main replica, so torch_dist never writes it",
+          "DualPipe's mirror chunk (DualPipeV: the tied output weight on rank 0): every such sharded entry is a "
+          "non-main replica, so torch_dist never writes it",
           kind=INSTANCE,
           where="megatron_lm.checkpoint.torch_dist_mirror.mark_mirror_replicas (model[1], for its life)"),
     Patch("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer.sharded_state_dict", None,

@@ -275,10 +275,12 @@ def two_chunk_model_built(model, schedule: str):
     per pipeline rank saying which stages it holds (get_model's path and 0.19's model builder)."""
     if len(model) != 2:
         raise RuntimeError(f"--pipeline-schedule {schedule}: expected 2 model chunks, got {len(model)}")
-    if registry.get(schedule).layout_kind == BIDIRECTIONAL:
-        from .checkpoint.torch_dist_mirror import mark_mirror_replicas
+    from .checkpoint.torch_dist_mirror import mark_mirror_replicas, mark_v_tied_output_weight
 
+    if registry.get(schedule).layout_kind == BIDIRECTIONAL:
         mark_mirror_replicas(model[1])  # torch_dist: the mirror is a non-main replica
+    else:
+        mark_v_tied_output_weight(model)  # torch_dist: written once, as the embedding
     from megatron.core import parallel_state
 
     from ..mcore.model import describe_chunks

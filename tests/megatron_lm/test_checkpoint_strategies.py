@@ -1,7 +1,7 @@
 """The checkpoint package (megatron_dualpipe/megatron_lm/checkpoint/): its (schedule, format) table,
 the refusal of optimizer state across the DualPipeV and 1F1B layouts, and its import shape (no
-private imports across its modules, no import circle among the Megatron-LM modules). Standard
-library only; the save / load runs themselves are tests/megatron_lm/test_megatron_lm_cpu.py and
+private imports across its modules, no import circle among the Megatron-LM modules), and DualPipeV's
+one-line refusal of another layout's dp_reshardable state. No run: the save / load runs themselves are tests/megatron_lm/test_megatron_lm_cpu.py and
 tests/megatron_lm/test_megatron_lm_dualpipe.py."""
 import ast
 import pathlib
@@ -115,3 +115,31 @@ def test_no_import_circle_among_the_megatron_lm_modules():
 
 def _modules():
     return {".".join(p.relative_to(LM.parent).with_suffix("").parts).replace(".", "/") for p in LM.rglob("*.py")}
+
+
+def test_dualpipev_torch_dist_refuses_dp_reshardable_state_of_another_layout_in_one_line():
+    """DCP's shape mismatch for the distributed optimizer's buffer-keyed state (what Megatron's load
+    raised when dualpipev read 1f1b's dp_reshardable checkpoint: seen through pretrain_gpt.py at
+    core_v0.19.0) becomes one line naming the fix; any other error passes through unchanged."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    mismatch = ValueError("Global shape mismatch for loaded (torch.Size([104064])) and expected ((54080,)) tensor "
+                          "for key optimizer.distributed.dp_group_idx_0.gbuf_idx_0.dtype_(torch.bfloat16, "
+                          "torch.float32).bucket_idx_0.param")
+
+    def orig(error):
+        def load(*a, **kw):
+            raise error
+        return load
+
+    load = st.load_strategy(registry.DUALPIPEV, "torch_dist")
+    with pytest.raises(NotImplementedError) as refused:
+        load(orig(CheckpointException("plan", {0: (mismatch, None)})), None, ["m0", "m1"], None, None)
+    print(f"\nrefused: {refused.value}")
+    assert "\n" not in str(refused.value)
+    assert "--dist-ckpt-optim-fully-reshardable" in str(refused.value) and "--no-load-optim" in str(refused.value)
+    other = CheckpointException("plan", {0: (ValueError("Global shape mismatch for key decoder.layers.0.x"), None)})
+    with pytest.raises(CheckpointException):
+        load(orig(other), None, ["m0", "m1"], None, None)
+    with pytest.raises(KeyboardInterrupt):
+        load(orig(KeyboardInterrupt()), None, ["m0", "m1"], None, None)

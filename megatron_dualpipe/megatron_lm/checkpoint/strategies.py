@@ -8,9 +8,10 @@ schedule        ``--ckpt-format torch``                      ``torch_dist``
 dualpipe        save ``model[0]`` and its optimizer state    save without the mirror's entries and grad
                 as 1F1B's one chunk; load them into           buffers; load (every replica reads its
                 ``model[0]``, then mirrors from home copies  stage's shards), then mirrors from home copies
-dualpipev       Megatron's two-chunk file plus ``model``,     as Megatron does (global keys)
-                1F1B stage ``i``; a one-chunk file is cut
-                into the V-stages at load
+dualpipev       Megatron's two-chunk file plus ``model``,     as Megatron does (global keys), the tied
+                1F1B stage ``i``; a one-chunk file is cut    output weight written once (as the
+                into the V-stages at load                    embedding); another layout's
+                                                             dp_reshardable optimizer state refused
 others          as Megatron does                              as Megatron does
 ==============  ===========================================  ============================================
 
@@ -73,10 +74,18 @@ def save_with_one_chunk_model(orig, args, iteration, model, optimizer, *a, **kw)
         return orig(iteration, model, optimizer, *a, **kw)
 
 
+def save_tied_output_once(orig, args, iteration, model, optimizer, *a, **kw):
+    """dualpipev, torch_dist: Megatron's save, the output layer's copy of a tied embedding left
+    out on rank 0 (``torch_dist_mirror.mark_v_tied_output_weight``)."""
+    with generated_state_dict_edited(torch_dist_mirror.drop_mirror_entries):
+        return orig(iteration, model, optimizer, *a, **kw)
+
+
 SAVE: Dict[Tuple[str, str], Callable] = {
     (registry.DUALPIPE, "torch"): save_model0_as_one_chunk,
     (registry.DUALPIPE, "torch_dist"): save_without_mirror,
     (registry.DUALPIPEV, "torch"): save_with_one_chunk_model,
+    (registry.DUALPIPEV, "torch_dist"): save_tied_output_once,
 }
 
 
@@ -122,10 +131,32 @@ def load_into_v_stages(orig, args, model, optimizer, file, *a, **kw):
         return orig(model, optimizer, *a, **kw)
 
 
+#: What Megatron's torch_dist load says when the distributed optimizer's dp_reshardable state
+#: (keyed by grad buffer) was written for other buffers than this rank's.
+_OTHER_BUFFERS = ("Global shape mismatch", "optimizer.distributed.")
+
+
+def load_reshardable_state(orig, args, model, optimizer, file, *a, **kw):
+    """dualpipev, torch_dist: as Megatron loads (global keys); the distributed optimizer's
+    dp_reshardable state of another layout (1F1B's stages i and i+pp are DualPipeV's i and
+    2pp-1-i, so its grad buffers hold other parameters) is refused in one line naming the fix,
+    instead of DCP's shape-mismatch traceback."""
+    try:
+        return orig(model, optimizer, *a, **kw)
+    except BaseException as err:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+        if isinstance(err, (KeyboardInterrupt, SystemExit)) or not all(text in str(err) for text in _OTHER_BUFFERS):
+            raise
+        raise NotImplementedError(
+            f"--pipeline-schedule {registry.DUALPIPEV}: this torch_dist checkpoint's distributed-optimizer state "
+            "(dp_reshardable) was written for another pipeline layout's grad buffers: save it with "
+            "--dist-ckpt-optim-fully-reshardable, or load with --no-load-optim") from None
+
+
 LOAD: Dict[Tuple[str, str], Callable] = {
     (registry.DUALPIPE, "torch"): load_into_model0,
     (registry.DUALPIPE, ANY_FORMAT): load_then_sync_mirrors,
     (registry.DUALPIPEV, "torch"): load_into_v_stages,
+    (registry.DUALPIPEV, "torch_dist"): load_reshardable_state,
 }
 
 

@@ -46,10 +46,10 @@ def is_mirror_entry(value) -> bool:
     return isinstance(getattr(value, "replica_id", None), MirrorReplicaId)
 
 
-def mark_mirror_replicas(chunk) -> None:
-    """Make every ShardedTensor / ShardedObject / factory of ``chunk.sharded_state_dict(...)`` a
-    mirror replica, by wrapping the method of the innermost module (Megatron's save/load call
-    ``unwrap_model`` first). Idempotent."""
+def mark_mirror_replicas(chunk, only=None) -> None:
+    """Make every ShardedTensor / ShardedObject / factory of ``chunk.sharded_state_dict(...)`` (or
+    those under the top-level keys ``only``) a mirror replica, by wrapping the method of the
+    innermost module (Megatron's save/load call ``unwrap_model`` first). Idempotent."""
     from ...mcore.model import unwrap_chunk
 
     from ...hooks.mechanism import apply
@@ -62,7 +62,7 @@ def mark_mirror_replicas(chunk) -> None:
         @functools.wraps(orig)
         def sharded_state_dict(*a, **kw):
             sd = orig(*a, **kw)
-            mark_non_main_replicas(sd)
+            mark_non_main_replicas(sd if only is None else {k: v for k, v in sd.items() if k in only})
             return sd
 
         return sharded_state_dict
@@ -101,6 +101,19 @@ def drop_mirror_entries(state_dict) -> int:
 
     dict_list_map_inplace(leave_out, state_dict)
     return dropped[0]
+
+
+def mark_v_tied_output_weight(model) -> None:
+    """DualPipeV, tied embeddings: rank 0 holds the embedding (V-stage 0) and the output layer
+    (V-stage 2pp-1), whose weight Megatron saves under the embedding's key as a copy. Both on one
+    rank, the fully parallel save made both main replicas ("Invalid access pattern ... [[2]]" at
+    dp = 2): the output layer's entry becomes a mirror replica (not written; a load reads the
+    embedding's shard into it, its equal)."""
+    from ...mcore.model import unwrap_chunk
+
+    m0, m1 = unwrap_chunk(model[0]), unwrap_chunk(model[1])
+    if getattr(m1, "share_embeddings_and_output_weights", False) and m0.pre_process and m1.post_process:
+        mark_mirror_replicas(model[1], only=("output_layer.weight",))
 
 
 # ------------------------------------------------------------------------------------------
