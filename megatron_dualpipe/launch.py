@@ -101,15 +101,19 @@ def main(argv=None):
         from megatron_dualpipe import launch_placement
 
         found += [p for p in [launch_placement.problem(argv[1:], os.environ)] if p]
+    layout = None
     if check and not found and not wants_help:
         from megatron_dualpipe import launch_validation
 
-        found += launch_validation.problems(script, argv[1:])
+        refused, layout = launch_validation.check(script, argv[1:])
+        found += refused
     for line in found:
         print(f"megatron_dualpipe.launch: error: {line}", file=sys.stderr)
     if found:
         return 2
     if check:
+        if layout:
+            print(f"layout: {layout}")
         with_args = " with these arguments" if argv[1:] else ""
         print(f"megatron_dualpipe.launch: {script} can run with megatron-dualpipe{with_args} "
               f"(Python {sys.executable})")

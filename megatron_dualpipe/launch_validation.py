@@ -21,7 +21,7 @@ import math
 import os
 import sys
 import traceback
-from typing import List, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 #: ``pretrain_gpt.py``'s ``args_defaults`` (core_v0.16.1 and core_v0.19.0).
 PRETRAIN_GPT_DEFAULTS = {"tokenizer_type": "GPT2BPETokenizer"}
@@ -115,12 +115,29 @@ def problem_lines(error) -> List[str]:
     return items or [" ".join(lines)]
 
 
+def layout(args) -> str:
+    """The run ``args`` describe, as the launch script's header says it: schedule, processes,
+    parallel sizes, micro-batches per iteration (from the validated, final arguments)."""
+    dp = args.data_parallel_size
+    m = args.global_batch_size // (args.micro_batch_size * dp)
+    vpp = getattr(args, "virtual_pipeline_model_parallel_size", None)
+    return (f"{getattr(args, 'pipeline_schedule', '1f1b')}{f' (interleaved, {vpp} chunks per rank)' if vpp else ''}: "
+            f"{args.world_size} processes (minimum {fewest_gpus(args)}), PP={args.pipeline_model_parallel_size} "
+            f"TP={args.tensor_model_parallel_size} EP={args.expert_model_parallel_size} "
+            f"CP={args.context_parallel_size} DP={dp}, {m} micro-batches per iteration")
+
+
 def problems(script: str, argv: Sequence[str]) -> List[str]:
     """What Megatron-LM's argument validation and the plugin's refuse in ``script ARGV``, one
     line each naming the flag; empty when both accept it (or when the checkout has no parser)."""
+    return check(script, argv)[0]
+
+
+def check(script: str, argv: Sequence[str]) -> Tuple[List[str], Optional[str]]:
+    """(:func:`problems`, the :func:`layout` of the accepted arguments or None)."""
     root = os.path.dirname(os.path.abspath(script))
     if not os.path.isfile(os.path.join(root, ARGUMENTS_FILE)):
-        return []
+        return [], None
     import tempfile
 
     try:
@@ -128,12 +145,12 @@ def problems(script: str, argv: Sequence[str]) -> List[str]:
             _install(root)
     except Exception as e:  # noqa: BLE001 - whatever the import raised, in one line
         return [f"cannot import Megatron-LM's argument parser from {root} ({type(e).__name__}: "
-                f"{' '.join(str(e).split())[:300]}): run the check with the Python of the training environment"]
+                f"{' '.join(str(e).split())[:300]}): run the check with the Python of the training environment"], None
     with tempfile.TemporaryFile("w+") as said:
         try:
             with _silenced(), contextlib.redirect_stderr(said):
-                _parse_and_validate(script, argv)
+                args = _parse_and_validate(script, argv)
         except (Exception, SystemExit) as e:  # noqa: BLE001 - each is a refusal a rank would raise
             said.seek(0)
-            return explain(e, said.read())
-    return []
+            return explain(e, said.read()), None
+    return [], layout(args)

@@ -162,19 +162,22 @@ export PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}"
 # The launcher's preflight with the Python torchrun will run and the arguments it will get (one
 # line per problem, each naming the fix). Its output is kept until it ends, so that a Ctrl-C here
 # prints only the trap's line.
-# With PAIR_PLACEMENT=1 the check gets the world and node sizes torchrun will give the ranks.
-if ! problems=$(WORLD_SIZE=$world LOCAL_WORLD_SIZE=$GPUS_PER_NODE GROUP_WORLD_SIZE=$NNODES \
-    "$PYTHON" -m megatron_dualpipe.launch --check "${launcher_opts[@]}" "${script[@]}" 2>&1 >/dev/null); then
-  printf '%s\n' "$problems" | sed 's/^megatron_dualpipe.launch: error: /pretrain_gpt_dualpipe.sh: error: /' >&2
+# With PAIR_PLACEMENT=1 the check gets the world and node sizes torchrun will give the ranks. It runs
+# Megatron-LM's own argument validation and the plugin's on this final list (the config's values and
+# whatever was appended), and says the layout that list gives ("layout: ..."; the header below).
+if ! checked=$(WORLD_SIZE=$world LOCAL_WORLD_SIZE=$GPUS_PER_NODE GROUP_WORLD_SIZE=$NNODES \
+    "$PYTHON" -m megatron_dualpipe.launch --check "${launcher_opts[@]}" "${script[@]}" 2>&1); then
+  printf '%s\n' "$checked" | sed 's/^megatron_dualpipe.launch: error: /pretrain_gpt_dualpipe.sh: error: /' >&2
   exit 2
 fi
+layout=$(printf '%s\n' "$checked" | sed -n 's/^layout: //p')
 
 cmd=(
   "${torchrun_cmd[@]}" --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$GPUS_PER_NODE"
   --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT"
   -m megatron_dualpipe.launch "${launcher_opts[@]}" "${script[@]}"
 )
-echo "# $SCHEDULE: $world processes (minimum $min_gpus), PP=$PP TP=$TP EP=$EP CP=$CP DP=$dp, $m micro-batches per iteration${launcher_opts:+, bd pairs on one node}, CUDA_DEVICE_MAX_CONNECTIONS=$CUDA_DEVICE_MAX_CONNECTIONS"
+echo "# ${layout:-$SCHEDULE: $world processes (minimum $min_gpus), PP=$PP TP=$TP EP=$EP CP=$CP DP=$dp, $m micro-batches per iteration}${launcher_opts:+, bd pairs on one node}, CUDA_DEVICE_MAX_CONNECTIONS=$CUDA_DEVICE_MAX_CONNECTIONS"
 printf '%q ' "${cmd[@]}"; echo
 [ "${DRY_RUN:-0}" = 1 ] && exit 0
 # torchrun and every rank in a process group of their own: Ctrl-C / SIGTERM stops them all, one line.

@@ -39,11 +39,18 @@ MISTAKES = {
     "--no-such-flag": "unrecognized arguments: --no-such-flag",
 }
 
+#: appended arguments that run -> what the launch script's header (the layout of the final list) says.
+ACCEPTED = {
+    "--global-batch-size 8": "dualpipe: 16 processes (minimum 16), PP=8 TP=2 EP=1 CP=1 DP=1, 8 micro-batches",
+    "--pipeline-schedule zb-h1 --global-batch-size 64": "zb-h1: 16 processes (minimum 16), PP=8 TP=2 EP=1 CP=1 DP=1, 64 ",
+    "--pipeline-schedule 1f1b --num-layers-per-virtual-pipeline-stage 2": "1f1b (interleaved, 2 chunks per rank): 16 ",
+}
+
 _CHILD = """
 import json, sys
 from megatron_dualpipe import launch_validation
 script, base, cases = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
-out = {c: launch_validation.problems(script, base + c.split()) for c in cases}
+out = {c: launch_validation.check(script, base + c.split()) for c in cases}
 print("@@" + json.dumps(out))
 """
 
@@ -53,7 +60,7 @@ def refusals():
     if not MEGATRON_LM_PATH:
         pytest.skip("MEGATRON_LM_PATH is not set")
     env = dict(os.environ, WORLD_SIZE="16", CUDA_DEVICE_MAX_CONNECTIONS="1", PYTHONPATH=str(ROOT))
-    cases = [""] + list(MISTAKES)
+    cases = [""] + list(MISTAKES) + list(ACCEPTED)
     proc = subprocess.run([sys.executable, "-c", _CHILD, os.path.join(MEGATRON_LM_PATH, "pretrain_gpt.py"),
                            json.dumps(GPT_8B), json.dumps(cases)], env=env, capture_output=True, text=True,
                           timeout=600)
@@ -63,14 +70,24 @@ def refusals():
 
 
 def test_the_config_as_is_passes_megatrons_and_the_plugins_validation(refusals):
-    assert refusals[""] == []
+    assert refusals[""] == [[], "dualpipe: 16 processes (minimum 16), PP=8 TP=2 EP=1 CP=1 DP=1, 512 micro-batches "
+                                "per iteration"]
 
 
 @pytest.mark.parametrize("extra", sorted(MISTAKES))
 def test_an_appended_mistake_is_one_line_naming_the_flag(refusals, extra):
-    got = refusals[extra]
+    got, layout = refusals[extra]
     print(f"\n{extra}: {got}")
-    assert len(got) == 1 and MISTAKES[extra] in got[0] and "\n" not in got[0]
+    assert len(got) == 1 and MISTAKES[extra] in got[0] and "\n" not in got[0] and layout is None
+
+
+@pytest.mark.parametrize("extra", sorted(ACCEPTED))
+def test_the_header_says_the_layout_of_the_final_arguments(refusals, extra):
+    """The launch script's header came from its own variables (GLOBAL_BATCH=512 said 512 micro-batches
+    with --global-batch-size 8 appended); it is now the validated list's."""
+    got, layout = refusals[extra]
+    print(f"\n{extra}: {layout}")
+    assert got == [] and layout.startswith(ACCEPTED[extra])
 
 
 def test_without_a_parser_in_the_checkout_nothing_is_checked(tmp_path):
