@@ -118,7 +118,8 @@ def _run_model(args) -> int:
         raise CliError("no schedule splits the model's layers: " + "; ".join(dropped))
     limit = args.memory_limit if args.memory_limit is not None else s.gpu.hbm_gb
     advice = _simulate(m.pp, [s.microbatches], s.costs, s.memory.activations / GB, s.memory.states / GB, limit,
-                       args.weight_grad_memory, names, advise_model.comm(args, s), None, m.num_layers)
+                       args.weight_grad_memory, names, advise_model.comm(args, s), None, m.num_layers,
+                       s.memory.optimizer / GB)
     if args.json:
         print(json.dumps(dict(advice.to_json(), model=s.lines, not_compared=dropped)))
         return 0
@@ -126,7 +127,7 @@ def _run_model(args) -> int:
     return 0
 
 
-def _simulate(pp, counts, costs, act, par, limit, wgrad, names, comm, tokens, num_layers=None):
+def _simulate(pp, counts, costs, act, par, limit, wgrad, names, comm, tokens, num_layers=None, optimizer=None):
     from ..apps.progress import Progress
     from .schedule import MAX_FORWARDS
 
@@ -137,7 +138,7 @@ def _simulate(pp, counts, costs, act, par, limit, wgrad, names, comm, tokens, nu
                        f"smaller micro-batch counts (for a model: a smaller --global-batch-size)")
     with Progress(f"advise pp={pp}") as prog:
         prog.phase(f"simulating {len(names)} schedules x {len(counts)} micro-batch counts")
-        advice = advise(pp, counts, costs, act, par, limit, wgrad, names, comm, tokens, num_layers)
+        advice = advise(pp, counts, costs, act, par, limit, wgrad, names, comm, tokens, num_layers, optimizer)
     if any(not math.isfinite(o.row.makespan) for ch in advice.choices for o in ch.options):
         raise CliError("the costs are too large: the simulated time overflows; use smaller values or units")
     return advice

@@ -278,7 +278,8 @@ def _comm_json(c: CommModel) -> dict:
 def advise(pp: int, microbatches: Sequence[int], costs: Costs, activation_memory: float,
            parameter_memory: float, memory_limit: Optional[float] = None, weight_grad_memory: float = 0.0,
            names: Optional[Sequence[str]] = None, comm: Optional[CommModel] = None,
-           tokens: Optional[float] = None, num_layers: Optional[int] = None) -> Advice:
+           tokens: Optional[float] = None, num_layers: Optional[int] = None,
+           optimizer_memory: Optional[float] = None) -> Advice:
     """Simulate every schedule (or ``names``) on the model and choose one per micro-batch count.
 
     ``costs``: one stage's costs per micro-batch under 1F1B. ``activation_memory``: one
@@ -290,7 +291,8 @@ def advise(pp: int, microbatches: Sequence[int], costs: Costs, activation_memory
     are ranked by the iteration (makespan plus exposed gradient communication), and the pick
     gets its break-even bandwidth and micro-batch size (``tokens``: the tokens of one
     micro-batch the costs are for). ``num_layers``: the model's, for the interleaved schedule's
-    ``--num-layers-per-virtual-pipeline-stage`` in the advice."""
+    ``--num-layers-per-virtual-pipeline-stage`` in the advice. ``optimizer_memory``: the optimizer
+    state within ``parameter_memory`` (what DualPipe's shared shard group keeps once, not twice)."""
     for name, v in (("activation memory", activation_memory), ("parameter memory", parameter_memory),
                     ("weight-gradient memory", weight_grad_memory), ("memory limit", memory_limit)):
         _check(name, v)
@@ -316,7 +318,8 @@ def advise(pp: int, microbatches: Sequence[int], costs: Costs, activation_memory
             if even is not None:
                 reason += "; " + even.text(best, tokens)
         effects = _placement_effects(pp, m, costs, comm, options) if comm is not None else []
-        reduction = _reduction_effects(pp, m, costs, comm, options) if comm is not None else []
+        reduction = (_reduction_effects(pp, m, costs, comm, options, memory_limit, optimizer_memory)
+                     if comm is not None else [])
         choices.append(Choice(m, options, best, reason, even, effects, reduction))
     return Advice(pp, costs, activation_memory, parameter_memory, weight_grad_memory, memory_limit, choices, comm,
                   tokens, num_layers)
@@ -389,9 +392,12 @@ def _placement_effects(pp, m, costs, comm: CommModel, options: List[Option]) -> 
     return out
 
 
-def _reduction_effects(pp, m, costs, comm: CommModel, options: List[Option]) -> List[ReductionEffect]:
+def _reduction_effects(pp, m, costs, comm: CommModel, options: List[Option], limit: Optional[float] = None,
+                       optimizer_memory: Optional[float] = None) -> List[ReductionEffect]:
     """With the distributed optimizer, each runnable schedule with bd pairs (whose two copies are
-    one stage: DualPipe) under the other ways of combining them that training implements."""
+    one stage: DualPipe) under the other ways of combining them that training implements. The
+    shared shard group keeps one stage's optimizer state instead of two: with
+    ``optimizer_memory`` (that state, part of the parameter memory) its fit is judged on that."""
     from dataclasses import replace
 
     from .compare import run
@@ -410,8 +416,12 @@ def _reduction_effects(pp, m, costs, comm: CommModel, options: List[Option]) -> 
             other = replace(comm, bd_mode=mode, overlap_grad_reduce=comm.overlap_grad_reduce and mode != SHARED_SHARD)
             t = run(o.row.name, pp, m, costs, comm=other).iteration
             rivals = [x.row.iteration for x in options if not x.row.problem and x.fits and x is not o]
+            fits = o.fits
+            if mode == SHARED_SHARD and optimizer_memory is not None:
+                memory = o.memory - optimizer_memory * (o.row.parameter_copies - 1)
+                fits = limit is None or memory <= limit
             out.append(ReductionEffect(o.row.name, mode, comm.bd_mode, o.row.iteration, t,
-                                       o.fits and all(t < r for r in rivals), fits=o.fits))
+                                       fits and all(t < r for r in rivals), fits=fits))
     return out
 
 

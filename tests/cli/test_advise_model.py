@@ -93,3 +93,30 @@ def test_every_mistake_is_one_line_naming_the_fix(capsys, argv, needle):
     code, out, err = run(capsys, argv)
     print(f"\n{' '.join(argv)}\n  -> {code}: {err.strip()}")
     assert code == 2 and out == "" and err.count("\n") == 1 and needle in err and "Traceback" not in err
+
+
+V3_LIKE = ("--num-layers 64 --hidden-size 7168 --ffn-hidden-size 18432 --num-attention-heads 128 --multi-latent-attention "
+           "--q-lora-rank 1536 --kv-lora-rank 512 --qk-head-dim 128 --qk-pos-emb-head-dim 64 --v-head-dim 128 "
+           "--seq-length 4096 --vocab-size 129280 --num-experts 256 --moe-ffn-hidden-size 2048 "
+           "--moe-shared-expert-intermediate-size 2048 --moe-router-topk 8 --moe-layer-freq ([0]*3+[1]*61) "
+           "--mtp-num-layers 1 --swiglu --normalization RMSNorm --untie-embeddings-and-output-weights --bf16 "
+           "--use-distributed-optimizer --overlap-grad-reduce --recompute-granularity full "
+           "--pipeline-model-parallel-size 16 --expert-model-parallel-size 32 --micro-batch-size 1 "
+           "--global-batch-size 512").split()
+
+
+def test_the_shared_shard_group_is_judged_on_one_optimizer_state(capsys):
+    """DeepSeek-V3-like on 64 x 8 H100: DualPipe's two copies exceed 80 GB, but with
+    --dualpipe-shared-shard-group the rank keeps one stage's optimizer state, not two; whether that
+    fits follows from the cost model's memory (parameters and gradients twice, optimizer once)."""
+    code, out, err = run(capsys, ["advise", "--gpu", "H100", "--nodes", "64", "--schedules", "1f1b,dualpipe", "--"]
+                         + V3_LIKE)
+    assert code == 0, err
+    m = parse(V3_LIKE)
+    mem = mc.heaviest_memory(m, 512)
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith("  dualpipe ")}
+    act = float(rows["dualpipe"][8])  # the table's activation memory of dualpipe
+    shared = 2 * (mem.parameters + mem.gradients) / 1e9 + mem.optimizer / 1e9 + act
+    line = next(x for x in out.splitlines() if "shared-shard (--dualpipe-shared-shard-group" in x)
+    print(f"\n{line}\n  memory with one optimizer state: {shared:.4g} GB")
+    assert rows["dualpipe"][-1] == "no" and (("does not fit" in line) == (shared > 80))
