@@ -25,8 +25,10 @@ data prefixes and the data's token ids against the vocabulary), then Megatron-LM
 ``parse_args`` / ``validate_args`` and the plugin's checks on the whole argument list, in this one
 process (:mod:`megatron_dualpipe.launch_validation`; world size from ``WORLD_SIZE``).
 ``scripts/pretrain_gpt_dualpipe.sh`` runs ``--check`` with the arguments it is about to pass.
-Under torchrun, a :class:`~megatron_dualpipe.megatron_lm.arguments.DualPipeArgumentError` (every
-rank refuses the same arguments) is printed by rank 0 only, one line per problem, exit status 2.
+Under torchrun, a refusal of the arguments (a
+:class:`~megatron_dualpipe.megatron_lm.arguments.DualPipeArgumentError`, or an assertion of
+Megatron-LM's ``validate_args``: every rank refuses the same arguments) is printed by rank 0 only,
+one line per problem, no traceback, exit status 2.
 
 ``--pair-placement`` (:mod:`megatron_dualpipe.launch_placement`): each process takes the Megatron
 global rank that puts pipeline ranks i and pp-1-i on the same node (``RANK`` rewritten before the
@@ -131,15 +133,15 @@ def main(argv=None):
     from megatron_dualpipe.megatron_lm.install import install
 
     install()
-    from megatron_dualpipe.megatron_lm.arguments import DualPipeArgumentError
+    from megatron_dualpipe import launch_validation
 
     try:
         runpy.run_path(script, run_name="__main__")
-    except DualPipeArgumentError as e:  # every rank refuses the same arguments: rank 0 says it, once
-        if os.environ.get("RANK", "0") == "0":
-            from megatron_dualpipe.launch_validation import problem_lines
-
-            for line in problem_lines(e):
+    except (ValueError, AssertionError) as e:
+        if not launch_validation.is_refusal(e):
+            raise
+        if os.environ.get("RANK", "0") == "0":  # every rank refuses the same arguments: rank 0 says it, once
+            for line in launch_validation.explain(e):
                 print(f"megatron_dualpipe.launch: error: {line}", file=sys.stderr)
         return 2
     return 0

@@ -108,6 +108,18 @@ def explain(error: BaseException, parser_output: str = "") -> List[str]:
     return [f"Megatron-LM refuses these arguments ({where}): {kind}{text}"]
 
 
+def is_refusal(error: BaseException) -> bool:
+    """Whether ``error`` refuses the arguments: the plugin's :class:`DualPipeArgumentError`, or an
+    assertion raised in Megatron-LM's argument validation itself (megatron/training/arguments.py)."""
+    from .megatron_lm.arguments import DualPipeArgumentError
+
+    if isinstance(error, DualPipeArgumentError):
+        return True
+    frames = traceback.extract_tb(error.__traceback__)
+    return (isinstance(error, AssertionError) and bool(frames)
+            and frames[-1].filename.replace(os.sep, "/").endswith("megatron/training/arguments.py"))
+
+
 def problem_lines(error) -> List[str]:
     """The problems a :class:`DualPipeArgumentError` lists, one line each."""
     lines = [line.strip() for line in str(error).splitlines()]

@@ -98,22 +98,45 @@ def test_without_a_parser_in_the_checkout_nothing_is_checked(tmp_path):
     assert launch_validation.problems(str(tmp_path / "pretrain_gpt.py"), ["--num-layers", "30"]) == []
 
 
-@pytest.mark.parametrize("rank", ["0", "1"])
-def test_a_refusal_inside_a_rank_is_one_line_from_rank_0_only(tmp_path, monkeypatch, capsys, rank):
-    """torchrun started by hand: every rank refuses the same arguments in Megatron's validate_args;
-    rank 0 prints the problems, one line each, the others nothing; no traceback, exit status 2."""
+def _run_in_rank(tmp_path, monkeypatch, rank, body):
+    """launch.main on a script whose body is ``body``, as torchrun's rank ``rank`` would run it."""
     import megatron_dualpipe.megatron_lm.install as install
 
     script = tmp_path / "pretrain_gpt.py"
-    script.write_text("from megatron_dualpipe.megatron_lm.arguments import DualPipeArgumentError\n"
-                      "raise DualPipeArgumentError('invalid arguments for the DualPipe schedule:\\n  - first: fix a"
-                      "\\n  - second: fix b')\n")
+    script.write_text(body)
     monkeypatch.setattr(install, "install", lambda: None)
     monkeypatch.setattr(launch, "preflight", lambda s: None)
     monkeypatch.setenv("RANK", rank)
     monkeypatch.setattr(sys, "path", list(sys.path))
     monkeypatch.setattr(sys, "argv", list(sys.argv))
-    assert launch.main([str(script), "--tokenizer-type", "NullTokenizer", "--vocab-size", "8", "--mock-data"]) == 2
+    return launch.main([str(script), "--tokenizer-type", "NullTokenizer", "--vocab-size", "8", "--mock-data"])
+
+
+@pytest.mark.parametrize("rank", ["0", "3"])
+def test_megatrons_own_refusal_inside_a_rank_is_one_line_from_rank_0_only(tmp_path, monkeypatch, capsys, rank):
+    """An assertion of Megatron-LM's validate_args (megatron/training/arguments.py) is a refusal
+    too; an assertion anywhere else is a bug and keeps its traceback."""
+    validation = tmp_path / "megatron" / "training" / "arguments.py"
+    validation.parent.mkdir(parents=True)
+    validation.write_text("assert 1 == 2, 'Number of layers should be divisible by the pipeline size'\n")
+    code = _run_in_rank(tmp_path, monkeypatch, rank, f"import runpy\nrunpy.run_path({str(validation)!r})\n")
+    err = capsys.readouterr().err
+    print(f"\nrank {rank}: {err!r}")
+    assert code == 2 and err == ("megatron_dualpipe.launch: error: Megatron-LM refuses these arguments "
+                                 "(training/arguments.py:1): Number of layers should be divisible by the pipeline "
+                                 "size\n" if rank == "0" else "")
+    with pytest.raises(AssertionError, match="a bug"):
+        _run_in_rank(tmp_path, monkeypatch, rank, "assert False, 'a bug'\n")
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_a_refusal_inside_a_rank_is_one_line_from_rank_0_only(tmp_path, monkeypatch, capsys, rank):
+    """torchrun started by hand: every rank refuses the same arguments in Megatron's validate_args;
+    rank 0 prints the problems, one line each, the others nothing; no traceback, exit status 2."""
+    body = ("from megatron_dualpipe.megatron_lm.arguments import DualPipeArgumentError\n"
+            "raise DualPipeArgumentError('invalid arguments for the DualPipe schedule:\\n  - first: fix a"
+            "\\n  - second: fix b')\n")
+    assert _run_in_rank(tmp_path, monkeypatch, rank, body) == 2
     err = capsys.readouterr().err
     print(f"\nrank {rank}: {err!r}")
     want = ("megatron_dualpipe.launch: error: first: fix a\nmegatron_dualpipe.launch: error: second: fix b\n"
