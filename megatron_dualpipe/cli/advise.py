@@ -105,7 +105,7 @@ def run(args) -> int:
 def _run_model(args) -> int:
     from . import advise_model
     from ..schedule.model_cost import GB
-    from ..schedule.registry import MODELLED_SPECS, interleaved_name
+    from ..schedule.registry import INTERLEAVED_1F1B_A2A, MODELLED_SPECS, interleaved_name
 
     s = advise_model.setup(args)
     m = s.model
@@ -113,6 +113,9 @@ def _run_model(args) -> int:
     names = [get(n).name for n in args.schedules.split(",")] if args.schedules else list(distinct_orders())
     names = [interleaved_name(n, v) if n in MODELLED_SPECS else n for n in names if n not in MODELLED_SPECS or v]
     dropped = advise_model.unsplittable(m, names)
+    if not (m.num_experts and m.ep > 1):  # Megatron refuses --overlap-moe-expert-parallel-comm without EP
+        dropped += [f"{n} (its overlap is MoE expert parallel's all-to-all: the model has none)" for n in names
+                    if n.startswith(INTERLEAVED_1F1B_A2A)]
     names = [n for n in names if not any(d.startswith(n + " ") for d in dropped)]
     if not names:
         raise CliError("no schedule splits the model's layers: " + "; ".join(dropped))

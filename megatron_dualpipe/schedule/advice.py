@@ -172,7 +172,9 @@ class ReductionEffect:
 
 
 def _change(new: float, now: float) -> str:
-    return (f"{_pct(new, now)} shorter" if new < now else f"{_pct(now, new)} longer" if new > now else "the same")
+    if new > now:
+        return f"{100 * (new - now) / now:.1f}% longer" if now > 0 else "longer"
+    return f"{_pct(new, now)} shorter" if new < now else "the same"
 
 
 def _standing(fastest: bool, fits: bool) -> str:

@@ -189,3 +189,56 @@ def test_simulate_takes_the_placement(capsys):
     assert other["megatron"]["placement"] == "paired" and other["paired"]["placement"] == "megatron"
     assert other["megatron"]["iteration"] == pytest.approx(got[(DUALPIPE, "paired")][0])
     assert other["paired"]["iteration"] == pytest.approx(got[(DUALPIPE, "megatron")][0])
+
+
+def test_a_small_gain_bought_with_memory_is_called_so():
+    """At M=256 DualPipe's bubble saving is a few percent of the iteration while its parameters
+    double: the reason says so, with both figures; at M=16 (21.7% shorter) it does not."""
+    ch = advise(8, [256], COSTS, 1.0, 10.0, names=[ONE_F_ONE_B, DUALPIPE]).choices[0]
+    opts = {o.row.name: o for o in ch.options}
+    gain = 100 * (opts[ONE_F_ONE_B].row.makespan - opts[DUALPIPE].row.makespan) / opts[ONE_F_ONE_B].row.makespan
+    more = 100 * (opts[DUALPIPE].memory - opts[ONE_F_ONE_B].memory) / opts[ONE_F_ONE_B].memory
+    print(f"\n{ch.reason}\n  gain {gain:.2f}%, memory +{more:.1f}%")
+    assert ch.best == DUALPIPE and gain < 5
+    assert f"a small gain: {gain:.1f}% shorter for {more:.0f}% more memory than 1f1b (parameters x2)" in ch.reason
+    assert "a small gain" not in advise(8, [16], COSTS, 1.0, 10.0, names=[ONE_F_ONE_B, DUALPIPE]).choices[0].reason
+
+
+def test_the_recommended_schedule_is_named_with_the_flags_that_run_it(capsys):
+    """Interleaved 1F1B is Megatron's 1f1b with a virtual pipeline: its flag is named (with the
+    layer count unknown, as the formula); an executor schedule by the launch script's SCHEDULE."""
+    from megatron_dualpipe.schedule.advice import run_flags
+
+    assert run_flags(INTERLEAVED_1F1B, 8) == ("SCHEDULE=1f1b with --num-layers-per-virtual-pipeline-stage "
+                                              "(--num-layers / 16: 2 chunks per rank) appended, i.e. Megatron's own "
+                                              "--pipeline-schedule 1f1b with a virtual pipeline of 2")
+    assert "--num-layers-per-virtual-pipeline-stage 2 appended" in run_flags(INTERLEAVED_1F1B, 8, num_layers=32)
+    assert "--num-layers-per-virtual-pipeline-stage 1 appended" in run_flags("interleaved-1f1b-v4", 8, num_layers=32)
+    assert run_flags(ZB_H1, 8).startswith("SCHEDULE=zb-h1 (scripts/pretrain_gpt_dualpipe.sh)")
+    argv = ["advise", "--pp", "8", "-m", "16", "--f", "1", "--b", "2", "--w", "0", "--activation-memory", "1",
+            "--parameter-memory", "1", "--schedules", "1f1b,interleaved-1f1b"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    print("\n" + out)
+    assert "M=16: use interleaved-1f1b" in out and "  run it: SCHEDULE=1f1b with --num-layers-per-virtual" in out
+
+
+def test_effect_lines_say_what_the_user_did_and_whether_it_fits(capsys):
+    """The placement line never asks to drop a --pair-placement that was not given, an effect on a
+    schedule that does not fit says so (not 'not the fastest that fits'), and a longer iteration is
+    called longer."""
+    common = ["advise", "--pp", "8", "-m", "20", "--f", "1.664", "--b", "3.328", "--w", "1.664",
+              "--activation-memory", "1", "--parameter-memory", "1", "--stage-params", "162.5e6",
+              "--message-bytes", "8.4e6", "--schedules", "1f1b,dualpipe", "--distributed-optimizer"]
+    assert main(common + ["--dp", "2", "--tp", "8"]) == 0
+    out = capsys.readouterr().out
+    placement = next(line for line in out.splitlines() if line.startswith("  placement: "))
+    assert "cannot have its bd pairs on one node here" in placement and "--pair-placement" not in placement
+    assert main(common + ["--dp", "4", "--memory-limit", "10"]) == 0  # dualpipe needs 11
+    out = capsys.readouterr().out
+    effects = [line for line in out.splitlines() if line.startswith(("  placement: ", "  bd reduction: "))]
+    assert effects and all(line.endswith("but it does not fit the memory limit") for line in effects)
+    assert main(common + ["--dp", "4", "--placement", "paired"]) == 0
+    back = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("  placement: "))
+    print("\n" + "\n".join([placement] + effects + [back]))
+    assert "in Megatron's own rank placement (advise --placement megatron)" in back and "longer" in back
