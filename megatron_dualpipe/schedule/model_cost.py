@@ -8,7 +8,7 @@ its memory. Without a run to measure them, this module derives them from a
   goes to plus the shared ones), attention (MHA/GQA, or MLA with its low-rank projections; the
   causal core ``QK^T`` and ``softmax V`` counted separately) -- the output layer, and MTP's
   extra layers, projections and logits; the same terms as Megatron-LM's
-  ``num_floating_point_operations`` (``tests/schedule/test_model_cost.py`` prints both). A
+  ``num_floating_point_operations`` (``tests/megatron_lm/test_model_cost_vs_megatron.py`` prints both). A
   weight gradient costs what its forward GEMM costs; the core attention has no weights, so its
   backward is all input gradient.
 * times: a rank's share of a stage's FLOPs (divided by TP x CP) at ``mfu`` of the GPU's peak dense
