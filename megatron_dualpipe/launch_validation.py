@@ -109,15 +109,18 @@ def explain(error: BaseException, parser_output: str = "") -> List[str]:
 
 
 def is_refusal(error: BaseException) -> bool:
-    """Whether ``error`` refuses the arguments: the plugin's :class:`DualPipeArgumentError`, or an
-    assertion raised in Megatron-LM's argument validation itself (megatron/training/arguments.py)."""
+    """Whether ``error`` refuses the arguments, the same on every rank: the plugin's
+    :class:`DualPipeArgumentError`, or an assertion of Megatron-LM's ``validate_args`` (or
+    ``validate_yaml``) itself, in ``megatron/training/`` (an assertion elsewhere, possibly on some
+    ranks only, keeps its traceback on each)."""
     from .megatron_lm.arguments import DualPipeArgumentError
 
     if isinstance(error, DualPipeArgumentError):
         return True
     frames = traceback.extract_tb(error.__traceback__)
-    return (isinstance(error, AssertionError) and bool(frames)
-            and frames[-1].filename.replace(os.sep, "/").endswith("megatron/training/arguments.py"))
+    in_training = [f for f in frames if "megatron/training/" in f.filename.replace(os.sep, "/")]
+    return (isinstance(error, AssertionError) and bool(frames) and frames[-1] in in_training
+            and any(f.name in ("validate_args", "validate_yaml") for f in in_training))
 
 
 def problem_lines(error) -> List[str]:

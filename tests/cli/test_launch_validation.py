@@ -115,18 +115,24 @@ def _run_in_rank(tmp_path, monkeypatch, rank, body):
 @pytest.mark.parametrize("rank", ["0", "3"])
 def test_megatrons_own_refusal_inside_a_rank_is_one_line_from_rank_0_only(tmp_path, monkeypatch, capsys, rank):
     """An assertion of Megatron-LM's validate_args (megatron/training/arguments.py) is a refusal
-    too; an assertion anywhere else is a bug and keeps its traceback."""
+    too; an assertion anywhere else (another function of the same file included: it may fail on
+    some ranks only) is a bug and keeps its traceback."""
     validation = tmp_path / "megatron" / "training" / "arguments.py"
     validation.parent.mkdir(parents=True)
-    validation.write_text("assert 1 == 2, 'Number of layers should be divisible by the pipeline size'\n")
-    code = _run_in_rank(tmp_path, monkeypatch, rank, f"import runpy\nrunpy.run_path({str(validation)!r})\n")
+    validation.write_text("def validate_args():\n"
+                          "    assert 1 == 2, 'Number of layers should be divisible by the pipeline size'\n"
+                          "def core_transformer_config_from_args():\n"
+                          "    assert False, 'a bug'\n")
+    load = f"import runpy\nfunctions = runpy.run_path({str(validation)!r})\n"
+    code = _run_in_rank(tmp_path, monkeypatch, rank, load + "functions['validate_args']()\n")
     err = capsys.readouterr().err
     print(f"\nrank {rank}: {err!r}")
     assert code == 2 and err == ("megatron_dualpipe.launch: error: Megatron-LM refuses these arguments "
-                                 "(training/arguments.py:1): Number of layers should be divisible by the pipeline "
+                                 "(training/arguments.py:2): Number of layers should be divisible by the pipeline "
                                  "size\n" if rank == "0" else "")
-    with pytest.raises(AssertionError, match="a bug"):
-        _run_in_rank(tmp_path, monkeypatch, rank, "assert False, 'a bug'\n")
+    for elsewhere in ("assert False, 'a bug'\n", load + "functions['core_transformer_config_from_args']()\n"):
+        with pytest.raises(AssertionError, match="a bug"):
+            _run_in_rank(tmp_path, monkeypatch, rank, elsewhere)
 
 
 @pytest.mark.parametrize("rank", ["0", "1"])
