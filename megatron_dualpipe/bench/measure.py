@@ -37,6 +37,7 @@ class BenchConfig:
     trace_dir: Optional[str] = None
     per_channel: bool = False
     grad_mb: float = 0.0  # synthetic gradients per chunk summed over the bd pair (bench.bd_sum)
+    param_gather_mb: float = 0.0  # synthetic parameters per chunk gathered over 2 replicas (bench.param_gather)
 
 
 @dataclass

@@ -70,6 +70,12 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="synthetic weight gradients per chunk that two-copy schedules (dualpipe) sum over the bd "
                         "pair, started as each chunk finishes, as in training; reports the exposed part "
                         "(default 0: none)")
+    p.add_argument("--param-gather-mb", type=float, default=0.0, metavar="MIB",
+                   help="instead of the comparison: run each schedule on two data-parallel replicas (2 x pp "
+                        "processes) with MIB of synthetic parameters per chunk all-gathered before the chunk's "
+                        "first forward (--overlap-param-gather with the distributed optimizer), without gathers, "
+                        "started by the first forward's pre-hook, and started before the first action "
+                        "(param_sync_func); prints the exposed gather time of each (default 0: off)")
     p.add_argument("--timeout", type=float, default=120.0, help="P2P timeout in seconds (default 120)")
     p.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
     p.add_argument("--trace", metavar="DIR", default=None,
@@ -107,8 +113,9 @@ def _config(args, pps: List[int]):
     if longest > MAX_COST_MS:  # the stages really spend these milliseconds
         raise ValueError(f"bench costs are milliseconds each stage really spends: at most {MAX_COST_MS:g} per "
                          f"action, got {longest:g}")
-    if not args.grad_mb >= 0 or args.grad_mb > 4096:
-        raise ValueError(f"--grad-mb must be between 0 and 4096 MiB, got {args.grad_mb:g}")
+    for flag, mb in (("--grad-mb", args.grad_mb), ("--param-gather-mb", args.param_gather_mb)):
+        if not mb >= 0 or mb > 4096:
+            raise ValueError(f"{flag} must be between 0 and 4096 MiB, got {mb:g}")
     if args.iters < 1 or args.warmup < 0:
         raise ValueError(f"--iters must be >= 1 and --warmup >= 0, got {args.iters} and {args.warmup}")
     try:
@@ -118,8 +125,9 @@ def _config(args, pps: List[int]):
     except ValueError:
         raise ValueError(f"--shape must be two positive integers like 8,1024, got {args.shape!r}") from None
     local_limit = max(MIN_LOCAL_PROCESSES, PROCESSES_PER_CORE * (os.cpu_count() or 1))
-    if not launch.under_torchrun() and max(pps) > local_limit:
-        raise ValueError(f"--pp {max(pps)} starts {max(pps)} processes on this machine ({os.cpu_count()} cores), "
+    processes = max(pps) * (2 if args.param_gather_mb else 1)
+    if not launch.under_torchrun() and processes > local_limit:
+        raise ValueError(f"--pp {max(pps)} starts {processes} processes on this machine ({os.cpu_count()} cores), "
                          f"each sleeping its stage costs: at most {local_limit} here; run larger pipelines under "
                          f"torchrun across machines (torchrun --nproc-per-node N -m megatron_dualpipe bench)")
     ms = args.microbatches or [_microbatches("2pp"), _microbatches("4pp")]
@@ -137,7 +145,28 @@ def _config(args, pps: List[int]):
                        matmul_size=args.matmul_size, shape=shape, iters=args.iters, warmup=args.warmup,
                        peers=tuple(TORCH_SCHEDULES) if args.peer == "torch" else (), timeout_s=args.timeout,
                        trace_dir=os.path.abspath(args.trace) if args.trace else None,
-                       per_channel=args.channel_groups, grad_mb=args.grad_mb)
+                       per_channel=args.channel_groups, grad_mb=args.grad_mb, param_gather_mb=args.param_gather_mb)
+
+
+def _run_param_gathers(cfg, pps: List[int], torchrun: bool) -> int:
+    """``--param-gather-mb``: the exposed parameter all-gathers (:mod:`..bench.param_gather`)."""
+    import sys
+
+    from ..bench import launch, param_gather
+
+    for pp in pps:
+        print(f"bench: pp={pp}, 2 replicas: {'this rank of torchrun' if torchrun else f'starting {2 * pp} processes'}, "
+              f"{len(cfg.microbatches[pp]) * len(cfg.schedules)} x 3 runs of {cfg.warmup} + {cfg.iters} iterations",
+              file=sys.stderr, flush=True)
+        if torchrun:
+            ranks = launch.run_here(param_gather.worker, (cfg,), timeout_s=cfg.timeout_s + 60)
+            if ranks is None:
+                return 0  # not rank 0: rank 0 prints
+        else:
+            ranks = launch.spawn(param_gather.worker, 2 * pp, (cfg,), timeout_s=1800)
+        env = {"backend": ranks[0]["backend"], "device": ranks[0]["device"]}
+        print(param_gather.table(param_gather.summary(ranks, pp), cfg.param_gather_mb, env))
+    return 0
 
 
 def run(args) -> int:
@@ -146,11 +175,15 @@ def run(args) -> int:
 
     torchrun = launch.under_torchrun()
     world = int(os.environ["WORLD_SIZE"]) if torchrun else None
-    pps = args.pp or ([world] if torchrun else [4])
-    if torchrun and pps != [world]:
-        raise ValueError(f"under torchrun the pipeline is the whole world: --pp must be {world}, got "
-                         f"{' '.join(map(str, pps))}; start one torchrun per pipeline size")
+    replicas = 2 if args.param_gather_mb else 1
+    pps = args.pp or ([world // replicas] if torchrun else [4])
+    if torchrun and [pp * replicas for pp in pps] != [world]:
+        raise ValueError(f"under torchrun the world is {'two pipelines' if replicas == 2 else 'the pipeline'}: "
+                         f"--pp must be {world // replicas}, got {' '.join(map(str, pps))}; start one torchrun per "
+                         f"pipeline size")
     cfg = _config(args, pps)
+    if cfg.param_gather_mb:
+        return _run_param_gathers(cfg, pps, torchrun)
     latencies, all_rows, env = {}, [], {}
     import sys
 
