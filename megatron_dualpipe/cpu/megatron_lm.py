@@ -82,6 +82,19 @@ def _do_nothing(*args, **kwargs):
     return None
 
 
+def multi_tensor_l2norm_in_fp32(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
+    """``multi_tensor_l2norm`` as Transformer Engine's and apex's kernels compute it (every GPU run
+    has one of them): squares accumulated in fp32. Megatron's fallback without them norms each
+    tensor in its own dtype and stacks the norms in that dtype, so an fp16 model's params norm
+    kept about 3 digits per rank, and a schedule that groups the stages on the ranks otherwise
+    (DualPipeV) printed another 4th digit."""
+    import torch
+
+    squares = [t.detach().float().pow(2).sum() for tensors in tensor_lists for t in tensors]
+    total = torch.stack(squares).sum().sqrt() if squares else torch.zeros(())
+    return total.reshape(1), None
+
+
 # Modules whose global ``torch`` becomes the CPU view, with the CUDA sites on the pretrain path.
 _VIEWS = (
     (_TRAINING,
@@ -117,6 +130,11 @@ REDIRECTIONS = (
          "enables CPU mode before the script runs)", _SINCE_019),
     torch_view(_UTILS + ".common_utils", "the same functions, moved here in 0.19 (device='cuda' norm and stat "
                "tensors, memory report)", _SINCE_019),
+    replace(_UTILS, "multi_tensor_l2norm", multi_tensor_l2norm_in_fp32,
+            "the params norm without TE / apex: Megatron's local fallback keeps an fp16 model's norm in fp16; "
+            "the kernels of a GPU run accumulate in fp32", _UNTIL_019),
+    replace(_UTILS + ".common_utils", "multi_tensor_l2norm", multi_tensor_l2norm_in_fp32,
+            "the same name, moved here in 0.19", _SINCE_019),
     wrap(_TRAINING, "get_model", scoped_cuda_identity,
          "model_module.cuda(...): Tensor.cuda / Module.cuda are the identity during this call only"),
     wrap(_TRAINING, "evaluate", scoped_cuda_identity,
