@@ -162,7 +162,10 @@ def measured_flags_given(args) -> List[str]:
     given = [("--pp", args.pp), ("--microbatches", args.microbatches), ("--f", args.f), ("--b", args.b),
              ("--w", args.w), ("--activation-memory", args.activation_memory),
              ("--parameter-memory", args.parameter_memory), ("--stage-params", args.stage_params),
-             ("--message-bytes", args.message_bytes), ("--dp", args.dp), ("--tp", args.tp)]
+             ("--message-bytes", args.message_bytes), ("--dp", args.dp), ("--tp", args.tp),
+             # the model's own --use-distributed-optimizer / --overlap-grad-reduce (after --) set these
+             ("--distributed-optimizer", args.distributed_optimizer or None),
+             ("--no-overlap-grad-reduce", None if args.overlap_grad_reduce else True)]
     return [flag for flag, v in given if v is not None]
 
 

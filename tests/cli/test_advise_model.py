@@ -85,6 +85,8 @@ BAD = [
     (["advise", "--config", "moe_mixtral_8x7b", "--gpu", "H100", "--nodes", "8", "--", "--vocab-size", "8",
       "--moe-layer-freq", "([1]*3)"], "--moe-layer-freq ([1]*3) has 3 entries"),
     (["advise", "--gpu", "V100"], "invalid choice: 'V100'"),
+    (["advise", "--config", "gpt_8b", "--gpu", "H100", "--distributed-optimizer", "--", "--vocab-size", "8"],
+     "drop --distributed-optimizer"),
 ]
 
 
