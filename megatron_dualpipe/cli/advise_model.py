@@ -129,13 +129,13 @@ def setup(args) -> Setup:
 
 
 def _summary(m, gpu, mfu, nodes, per_node, dp, micro, sc, mem) -> List[str]:
-    from ..schedule.model_cost import GB, activation_bytes, iteration_flops
+    from ..schedule.model_cost import GB, activation_bytes, describe, iteration_flops
 
     gb = micro * m.micro_batch * dp
     flops = iteration_flops(m, gb)
     a2a = f", of which MoE all-to-all {sc.all_to_all:.3g} ms each way" if sc.all_to_all else ""
     return [
-        "model: " + ", ".join(_describe(m)),
+        "model: " + ", ".join(describe(m)),
         f"layout: {nodes} x {per_node} {gpu.name} (peak {gpu.peak_tflops:g} TFLOP/s bf16 dense, {gpu.hbm_gb:g} GB), "
         f"TP={m.tp} PP={m.pp} EP={m.ep} CP={m.cp} DP={dp}, global batch {gb} = {micro} micro-batches of "
         f"{m.micro_batch} x {m.seq_length} tokens",
@@ -149,12 +149,6 @@ def _summary(m, gpu, mfu, nodes, per_node, dp, micro, sc, mem) -> List[str]:
         f"{activation_bytes(m) / GB:.3g} per micro-batch on the first stage"
         + ("" if m.recompute else " (no recomputation)"),
     ]
-
-
-def _describe(m) -> Sequence[str]:
-    from ..schedule.model_cost import describe
-
-    return describe(m)
 
 
 def measured_flags_given(args) -> List[str]:
