@@ -394,12 +394,20 @@ HANDLED: Tuple[Handled, ...] = (
             'equal on CPU (both copies of the embedding / output layer get it)',
             'O `untied, full recompute, ...`'),
     Handled('`--log-params-norm`',
-            'equal on CPU (DualPipe counts `model[0]`; with MoE it asserted before)',
-            'O `MoE EP2 x pp=2, ...` (both)'),
+            'equal on CPU in every run the tests compare (they all log it): dualpipe, the shared shard group '
+            'and dp-first, fp32 and bf16 (pp=2 x dp=2, distributed optimizer), tied and untied, MoE. DualPipe '
+            'counts `model[0]` (with MoE the mirror asserted before); under the shared shard group with `--bf16` '
+            "it reads the fp32 main parameters, sharded over both copies' ranks, and the mirror's shards count "
+            "too (before: 16.820 for 1F1B's 25.122). With `--overlap-param-gather` Megatron logs it before the "
+            "deferred all-gather, under 1f1b too (25.120 for 25.122): such runs are compared with 1f1b with the "
+            "same flags",
+            'C `test_bf16`, `test_shared_shard_group_tp2_bf16_per_token_loss_untied_equals_1f1b`; O; D'),
     Handled('`--log-num-zeros-in-grad`',
-            'equal on CPU up to one element: a key bias gradient, mathematically 0, whose rounding residue '
-            'lands on 0.0 or not by summation order (docs/megatron-lm-cpu.md)',
-            'O `untied, full recompute, ...`'),
+            'equal on CPU up to one element (every compared run logs it): a key bias gradient, mathematically 0, '
+            'whose rounding residue lands on 0.0 or not by summation order (docs/megatron-lm-cpu.md); with `--fp16` '
+            'up to ten (observed 4): fp16 gradients accumulate in fp16, and each copy sums its own micro-batches '
+            'before the bd sum',
+            'C; O; D'),
     Handled('`--overlap-grad-reduce` (`--no-align-grad-reduce` works, without overlap)',
             'equal on CPU: pp=4, and pp=2 x dp=2 (zero bubble on and off)',
             'O; M `test_overlap_grad_reduce_pp2_dp2_ddp_equals_single_process`'),
@@ -451,8 +459,8 @@ HANDLED: Tuple[Handled, ...] = (
             '`test_resume_without_optimizer_state_and_dualpipev_across_1f1b` (`--load --no-load-optim`, dp=1)'),
     Handled('`--dualpipe-shared-shard-group` (`dualpipe`, `--use-distributed-optimizer`): both copies of a stage '
             'in one distributed-optimizer group',
-            "equal on CPU (lm loss and clipped grad norm: pp=2 x dp=2, fp32, tied embeddings; tp=2 with sequence "
-            "parallelism, bf16, per-token loss, untied embeddings; MoE with expert parallel 2 (aux and z losses, "
+            "equal on CPU (every printed metric, params norm and zeros included: pp=2 x dp=2, fp32 and bf16, tied "
+            "embeddings; tp=2 with sequence parallelism, bf16, per-token loss, untied embeddings; MoE with expert parallel 2 (aux and z losses, "
             "params norm)); each rank's optimizer state is a quarter of its two stages "
             "(1F1B's on average; half of dualpipe without it); the shard groups' collectives in one stage order on "
             "every rank (checked with NCCL's rules); checkpoints in 1F1B's files, `--ckpt-format torch` and "
@@ -463,17 +471,17 @@ HANDLED: Tuple[Handled, ...] = (
             "What it does not run with yet is refused above",
             'C `test_shared_shard_group_equals_1f1b_holds_its_optimizer_state_and_resumes_across_schedules`, '
             '`test_shared_shard_group_torch_dist_checkpoints_across_schedules`, '
-            '`test_shared_shard_group_tp2_bf16_per_token_loss_untied_equals_1f1b`; O `MoE EP2 x pp=2, aux loss, '
-            'z-loss`'),
+            '`test_shared_shard_group_tp2_bf16_per_token_loss_untied_equals_1f1b`, `test_bf16`; O `MoE EP2 x '
+            'pp=2, aux loss, z-loss`'),
     Handled('`--dualpipe-dp-first` (`dualpipe`, `--use-distributed-optimizer`): each copy reduce-scattered over its '
             'replicas first, the bd pair sums the 1/dp shards',
-            "equal on CPU (lm loss and clipped grad norm: pp=2 x dp=2, fp32, tied embeddings, with "
-            "`--overlap-grad-reduce --overlap-param-gather`; MoE with expert parallel 2, aux and z losses, no "
+            "equal on CPU (every printed metric, params norm and zeros included: pp=2 x dp=2, fp32, tied "
+            "embeddings, with `--overlap-grad-reduce --overlap-param-gather`; bf16 with `--overlap-grad-reduce`; MoE with expert parallel 2, aux and z losses, no "
             "overlap); every collective of the run in one order (NCCL's rules), every pair sum a reduce-scatter's "
             "shard (half the bytes at dp=2); its torch_dist checkpoint (dp_reshardable) resumed by 1f1b continues "
             "the curve. What it does not run with yet is refused above",
-            'C `test_dp_first_equals_1f1b_and_torch_dist_optimizer_state_crosses_schedules`; O `MoE EP2 x pp=2, '
-            'aux loss, z-loss`'),
+            'C `test_dp_first_equals_1f1b_and_torch_dist_optimizer_state_crosses_schedules`, `test_bf16`; O `MoE '
+            'EP2 x pp=2, aux loss, z-loss`'),
     Handled('`dualpipev` with `--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather` (dp=2)',
             "equal on CPU to dualpipev dp=1 (its own initialisation); the chunks' reduce-scatters start during "
             'the schedule (they were reduced twice before: lm loss 2.6e-4 off)',
@@ -518,7 +526,8 @@ HANDLED: Tuple[Handled, ...] = (
             'GPU, not verified (Transformer Engine / CUDA kernels)',
             '—'),
     Handled('`--bf16`',
-            'equal on CPU (lm loss and grad norm bitwise equal to 1f1b `--bf16`)',
+            'equal on CPU (every printed metric bitwise equal to 1f1b `--bf16`, pp=2 x dp=2 with the distributed '
+            'optimizer: dualpipe, the shared shard group, dp-first)',
             'C `test_bf16`'),
     Handled('`--fp16` (dynamic loss scaling), `--tensor-model-parallel-size 2 --sequence-parallel`',
             'equal on CPU (tested together: same loss scale and skipped iterations; lm loss within 1.9e-5 = '
@@ -540,6 +549,11 @@ HANDLED: Tuple[Handled, ...] = (
             'DualPipe-specific)',
             'O `test_rank_killed_mid_iteration_restarts_and_continues_the_curve`'),
     Handled('`--save-wgrads-interval`',
-            'not verified (saves `model_chunk1`, the mirror, equal to its home copy after the bd sum)',
-            '—'),
+            "equal on CPU: every weight gradient it saves equals 1f1b's (bf16, pp=2 x dp=2, distributed "
+            'optimizer: dualpipe with `--overlap-grad-reduce`, the shared shard group, dp-first with '
+            '`--overlap-grad-reduce`; difference 0). DualPipe also saves `model_chunk1`, the mirror of stage '
+            'pp-1-i, equal to that stage. In that iteration the executor leaves the data-parallel reduction to '
+            "Megatron's finalize, which all-reduces (a reduce-scatter started early left the gradients outside "
+            "the rank's shard partial), and dp-first sums whole buckets over the pair",
+            'C `test_bf16`'),
 )

@@ -31,14 +31,14 @@ CASES = {
     "untied, full recompute, per-token loss, decoupled lr, overlap-grad-reduce": ((
         "--untie-embeddings-and-output-weights", "--recompute-granularity", "full", "--recompute-method", "uniform",
         "--recompute-num-layers", "1", "--calculate-per-token-loss", "--decoupled-lr", "3e-3",
-        "--log-params-norm", "--log-num-zeros-in-grad", "--overlap-grad-reduce"), DUALPIPE),
+        "--overlap-grad-reduce"), DUALPIPE),
     # Expert parallel 2 (alltoall) x pp=2 on the 4 ranks: each copy of a MoE stage dispatches its
     # tokens to both expert ranks. Aux-loss-free: the router token counts that move expert_bias
     # are summed over the bd pair, and every copy's expert_bias is compared with 1f1b's (below).
     "MoE EP2 x pp=2, aux-loss-free (expert bias), selective recompute": ((
         *MOE_EP2, "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
         "--moe-router-bias-update-rate", "0.05", "--moe-router-load-balancing-type", "none",
-        "--recompute-granularity", "selective", "--log-params-norm"), DUALPIPE),
+        "--recompute-granularity", "selective"), DUALPIPE),
     # Its 1f1b run is test_megatron_lm_overlap.py's reference too (made once per session).
     # And with both copies of every stage in one distributed-optimizer group (the experts' group:
     # each expert rank's two copies), against the same 1f1b run without the distributed optimizer
