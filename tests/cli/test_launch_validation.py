@@ -148,3 +148,34 @@ def test_a_refusal_inside_a_rank_is_one_line_from_rank_0_only(tmp_path, monkeypa
     want = ("megatron_dualpipe.launch: error: first: fix a\nmegatron_dualpipe.launch: error: second: fix b\n"
             if rank == "0" else "")
     assert err == want and issubclass(DualPipeArgumentError, ValueError)
+
+
+def _script(tmp_path, *extra):
+    """scripts/pretrain_gpt_dualpipe.sh, CONFIG=gpt_8b on 2 x 8 GPUs, DRY_RUN, with the checkout of
+    MEGATRON_LM_PATH and this interpreter, ``extra`` appended."""
+    import struct
+
+    prefix = tmp_path / "text_document"
+    prefix.with_suffix(".idx").write_bytes(b"MMIDIDX\x00\x00" + struct.pack("<QB", 1, 8) + b"\x00" * 16)
+    prefix.with_suffix(".bin").write_bytes(bytes(range(16)))
+    env = {k: v for k, v in os.environ.items() if k not in ("PP", "TP", "EP", "CP", "ETP", "TORCHRUN", "WORLD_SIZE",
+                                                           "CUDA_DEVICE_MAX_CONNECTIONS")}
+    env.update(MEGATRON_LM_PATH=MEGATRON_LM_PATH, PYTHON=sys.executable, CONFIG="gpt_8b", NNODES="2",
+               GPUS_PER_NODE="8", MASTER_ADDR="node0", DRY_RUN="1", DATA_PATH=str(prefix))
+    return subprocess.run(["bash", str(ROOT / "scripts" / "pretrain_gpt_dualpipe.sh"), "--tokenizer-type",
+                           "NullTokenizer", "--vocab-size", "128000", *extra], env=env, capture_output=True,
+                          text=True, timeout=600)
+
+
+def test_the_launch_script_refuses_an_appended_mistake_before_torchrun(tmp_path):
+    """End to end: the script's own variables are fine, the appended --num-layers 30 is not."""
+    if not MEGATRON_LM_PATH:
+        pytest.skip("MEGATRON_LM_PATH is not set")
+    bad = _script(tmp_path, "--num-layers", "30")
+    good = _script(tmp_path, "--global-batch-size", "8")
+    print(f"\n--num-layers 30: rc {bad.returncode}: {bad.stderr.strip()}\n--global-batch-size 8: "
+          f"{good.stdout.splitlines()[0] if good.stdout else good.stderr}")
+    assert bad.returncode == 2 and bad.stdout == "" and bad.stderr.count("\n") == 1
+    assert bad.stderr.startswith("pretrain_gpt_dualpipe.sh: error: Megatron-LM refuses these arguments")
+    assert good.returncode == 0, good.stderr
+    assert good.stdout.startswith("# dualpipe: 16 processes (minimum 16), PP=8 TP=2 EP=1 CP=1 DP=1, 8 micro-batches")
