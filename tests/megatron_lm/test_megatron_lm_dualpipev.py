@@ -1,7 +1,8 @@
 """DualPipeV through Megatron-LM's ``pretrain_gpt.py`` in the combinations production runs use (bf16
 and fp16, the distributed optimizer with overlapped grad reduce and param gather, tp = 2 with
 sequence parallelism, MoE with expert parallel 2, checkpoints across schedules), each equal to
-Megatron's own 1F1B.
+Megatron's own 1F1B; and the stage checks docs/dualpipev-stage-checks.md found no other test for
+(untied output layer, per-token loss, evaluation, MoE on some layers only).
 
 DualPipeV's rank i holds V-stages i and 2pp-1-i, each initialised from its own seed, so a fresh
 dualpipev run starts from other weights than 1f1b's. Each case therefore starts dualpipev from
@@ -25,7 +26,8 @@ import os
 import pytest
 import torch
 
-from megatron_lm_runs import HAVE_MEGATRON_LM, MOE_EP2, SKIP_MESSAGE, assert_metrics_close, run_pretrain
+from megatron_lm_runs import (HAVE_MEGATRON_LM, LAST_OUTPUT, MOE_EP2, RTOL, SKIP_MESSAGE, VAL_RE, assert_metrics_close,
+                              run_pretrain)
 
 pytestmark = [
     pytest.mark.skipif(not HAVE_MEGATRON_LM, reason=SKIP_MESSAGE),
@@ -53,16 +55,25 @@ def _as_resumed_at(ref, at):
     return got
 
 
-def _one_f_one_b_then_dualpipev(tmp_path, *flags, fmt="torch_dist", nproc=4):
+def _validation_losses(out):
+    """{"iteration[ on <set> set]": validation lm loss as printed} of a run's output."""
+    return {f"{i}{where}": value for i, where, value in VAL_RE.findall(out)}
+
+
+def _one_f_one_b_then_dualpipev(tmp_path, *flags, fmt="torch_dist", nproc=4, validation=None):
     """Megatron's 1f1b trains 4 iterations saving at 2; dualpipev resumes at 2 and trains on to 4,
-    saving at 3 and 4. Returns (1f1b's metrics, dualpipev's metrics, dualpipev's checkpoint)."""
+    saving at 3 and 4. Returns (1f1b's metrics, dualpipev's metrics, dualpipev's checkpoint); a
+    ``validation`` dict gets each schedule's `_validation_losses`."""
     ref_ckpt, dv_ckpt = str(tmp_path / "1f1b"), str(tmp_path / "dualpipev")
     ckpt = ("--ckpt-format", fmt)
+    found = validation if validation is not None else {}
     ref = run_pretrain("1f1b", *PP2, *flags, *ckpt, "--save", ref_ckpt, "--save-interval", "2", nproc=nproc,
                        with_metrics=True)
+    found["1f1b"] = _validation_losses(LAST_OUTPUT[0])
     _set_latest(ref_ckpt, 2)
     got = run_pretrain("dualpipev", *PP2, *flags, *ckpt, "--load", ref_ckpt, "--save", dv_ckpt,
                        "--save-interval", "1", nproc=nproc, with_metrics=True)
+    found["dualpipev"] = _validation_losses(LAST_OUTPUT[0])
     return ref, got, dv_ckpt
 
 
@@ -111,3 +122,35 @@ def test_dualpipev_moe_expert_parallel_bf16(tmp_path):
     ref, got, _ = _one_f_one_b_then_dualpipev(tmp_path, *flags)
     assert_metrics_close(got, _as_resumed_at(ref, 2), "dualpipev from 1f1b's checkpoint, MoE EP2 aux + z loss, "
                          "bf16 vs 1f1b")
+
+
+def test_dualpipev_untied_per_token_loss_evaluation(tmp_path):
+    """The stage checks DualPipeV's other tests leave out (docs/dualpipev-stage-checks.md): the
+    untied output layer (model[1] on rank 0, not ``shared``: counted once in the grad norm, params
+    norm and zeros), per-token loss (rank 0 counts the tokens, Megatron's finalize broadcasts them
+    from rank pp-1) and evaluation (``evaluate`` reads the loss dicts where
+    ``is_pp_last_stage(pp)``: rank pp-1, which the executor gathers them to)."""
+    flags = ("--untie-embeddings-and-output-weights", "--calculate-per-token-loss", "--eval-iters", "2",
+             "--eval-interval", "2")
+    val = {}
+    ref, got, _ = _one_f_one_b_then_dualpipev(tmp_path, *flags, validation=val)
+    assert_metrics_close(got, _as_resumed_at(ref, 2), "dualpipev from 1f1b's checkpoint, untied, per-token loss "
+                         "vs 1f1b")
+    after_resume = sorted(k for k in val["dualpipev"] if int(k.split()[0]) > 2)
+    print(f"validation lm loss, 1f1b: {val['1f1b']}; dualpipev: {val['dualpipev']}")
+    assert after_resume, f"dualpipev printed no validation loss after its resume: {val['dualpipev']}"
+    for key in after_resume:
+        assert float(val["dualpipev"][key]) == pytest.approx(float(val["1f1b"][key]), rel=RTOL, abs=0), key
+
+
+def test_dualpipev_moe_layer_freq_builds_each_stage_its_layers(tmp_path):
+    """``--moe-layer-freq``: megatron's layer spec (``get_gpt_decoder_block_spec`` without
+    ``pp_rank``) picks each layer's MoE or dense spec from ``parallel_state``'s pipeline rank; while
+    model[1] is built that rank is pp-1-i (hooks manifest: scoped ``_MPU_PIPELINE_MODEL_PARALLEL_RANK``).
+    Layers 1 and 4 MoE, 2 and 3 dense: with rank i's own rank, V-stage 3 (layer 4, model[1] on
+    rank 0) would get layer 3's dense spec and V-stage 2 layer 4's MoE one."""
+    flags = (*MOE_EP2, "--moe-layer-freq", "([1]+[0]*2+[1])", "--moe-router-load-balancing-type", "aux_loss",
+             "--moe-aux-loss-coeff", "1e-2")
+    ref, got, _ = _one_f_one_b_then_dualpipev(tmp_path, *flags)
+    assert_metrics_close(got, _as_resumed_at(ref, 2), "dualpipev from 1f1b's checkpoint, MoE EP2 on layers 1 and 4 "
+                         "only vs 1f1b")
