@@ -103,11 +103,11 @@ def main(argv=None):
         from megatron_dualpipe import launch_placement
 
         found += [p for p in [launch_placement.problem(argv[1:], os.environ)] if p]
-    layout = None
+    layout = note = None
     if check and not found and not wants_help:
         from megatron_dualpipe import launch_validation
 
-        refused, layout = launch_validation.check(script, argv[1:])
+        refused, layout, note = launch_validation.check(script, argv[1:])
         found += refused
     for line in found:
         print(f"megatron_dualpipe.launch: error: {line}", file=sys.stderr)
@@ -116,6 +116,8 @@ def main(argv=None):
     if check:
         if layout:
             print(f"layout: {layout}")
+        if note:
+            print(f"megatron_dualpipe.launch: note: {note}")
         with_args = " with these arguments" if argv[1:] else ""
         print(f"megatron_dualpipe.launch: {script} can run with megatron-dualpipe{with_args} "
               f"(Python {sys.executable})")

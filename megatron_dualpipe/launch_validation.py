@@ -21,7 +21,7 @@ import math
 import os
 import sys
 import traceback
-from typing import List, Optional, Sequence, Tuple
+from typing import List, NamedTuple, Optional, Sequence
 
 #: ``pretrain_gpt.py``'s ``args_defaults`` (core_v0.16.1 and core_v0.19.0).
 PRETRAIN_GPT_DEFAULTS = {"tokenizer_type": "GPT2BPETokenizer"}
@@ -148,24 +148,48 @@ def problems(script: str, argv: Sequence[str]) -> List[str]:
     return check(script, argv)[0]
 
 
-def check(script: str, argv: Sequence[str]) -> Tuple[List[str], Optional[str]]:
-    """(:func:`problems`, the :func:`layout` of the accepted arguments or None)."""
+class Checked(NamedTuple):
+    """:func:`problems`; the :func:`layout` of the accepted arguments (None when refused or not
+    checked); ``note``: why the validation could not run here, when it could not."""
+
+    problems: List[str]
+    layout: Optional[str] = None
+    note: Optional[str] = None
+
+
+def needs_a_gpu_here(error: BaseException) -> bool:
+    """Whether ``error`` is Megatron's validation asking a GPU this machine does not have (e.g.
+    ``--moe-grouped-gemm``'s compute capability): not a refusal of the arguments."""
+    frames = traceback.extract_tb(error.__traceback__)
+    if not any("/torch/cuda/" in f.filename.replace(os.sep, "/") for f in frames):
+        return False
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+def check(script: str, argv: Sequence[str]) -> Checked:
     root = os.path.dirname(os.path.abspath(script))
     if not os.path.isfile(os.path.join(root, ARGUMENTS_FILE)):
-        return [], None
+        return Checked([])
     import tempfile
 
     try:
         with _silenced():
             _install(root)
     except Exception as e:  # noqa: BLE001 - whatever the import raised, in one line
-        return [f"cannot import Megatron-LM's argument parser from {root} ({type(e).__name__}: "
-                f"{' '.join(str(e).split())[:300]}): run the check with the Python of the training environment"], None
+        return Checked([f"cannot import Megatron-LM's argument parser from {root} ({type(e).__name__}: "
+                        f"{' '.join(str(e).split())[:300]}): run the check with the Python of the training "
+                        f"environment"])
     with tempfile.TemporaryFile("w+") as said:
         try:
             with _silenced(), contextlib.redirect_stderr(said):
                 args = _parse_and_validate(script, argv)
         except (Exception, SystemExit) as e:  # noqa: BLE001 - each is a refusal a rank would raise
+            if needs_a_gpu_here(e):
+                return Checked([], note=f"Megatron-LM's validate_args asks the GPU about these arguments "
+                                        f"({explain(e)[0].split(': ', 1)[-1]}) and this machine has none: "
+                                        f"they are checked by the ranks on the GPU nodes")
             said.seek(0)
-            return explain(e, said.read()), None
-    return [], layout(args)
+            return Checked(explain(e, said.read()))
+    return Checked([], layout(args))

@@ -171,6 +171,7 @@ if ! checked=$(WORLD_SIZE=$world LOCAL_WORLD_SIZE=$GPUS_PER_NODE GROUP_WORLD_SIZ
   exit 2
 fi
 layout=$(printf '%s\n' "$checked" | sed -n 's/^layout: //p')
+printf '%s\n' "$checked" | sed -n 's/^megatron_dualpipe.launch: note: /pretrain_gpt_dualpipe.sh: note: /p' >&2
 
 cmd=(
   "${torchrun_cmd[@]}" --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$GPUS_PER_NODE"

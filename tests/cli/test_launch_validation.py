@@ -46,6 +46,9 @@ ACCEPTED = {
     "--pipeline-schedule 1f1b --num-layers-per-virtual-pipeline-stage 2": "1f1b (interleaved, 2 chunks per rank): 16 ",
 }
 
+#: Megatron's validate_args asks the GPU's compute capability for grouped GEMM.
+ASKS_THE_GPU = "--moe-grouped-gemm"
+
 _CHILD = """
 import json, sys
 from megatron_dualpipe import launch_validation
@@ -60,7 +63,7 @@ def refusals():
     if not MEGATRON_LM_PATH:
         pytest.skip("MEGATRON_LM_PATH is not set")
     env = dict(os.environ, WORLD_SIZE="16", CUDA_DEVICE_MAX_CONNECTIONS="1", PYTHONPATH=str(ROOT))
-    cases = [""] + list(MISTAKES) + list(ACCEPTED)
+    cases = [""] + list(MISTAKES) + list(ACCEPTED) + [ASKS_THE_GPU]
     proc = subprocess.run([sys.executable, "-c", _CHILD, os.path.join(MEGATRON_LM_PATH, "pretrain_gpt.py"),
                            json.dumps(GPT_8B), json.dumps(cases)], env=env, capture_output=True, text=True,
                           timeout=600)
@@ -71,12 +74,12 @@ def refusals():
 
 def test_the_config_as_is_passes_megatrons_and_the_plugins_validation(refusals):
     assert refusals[""] == [[], "dualpipe: 16 processes (minimum 16), PP=8 TP=2 EP=1 CP=1 DP=1, 512 micro-batches "
-                                "per iteration"]
+                                "per iteration", None]
 
 
 @pytest.mark.parametrize("extra", sorted(MISTAKES))
 def test_an_appended_mistake_is_one_line_naming_the_flag(refusals, extra):
-    got, layout = refusals[extra]
+    got, layout, _ = refusals[extra]
     print(f"\n{extra}: {got}")
     assert len(got) == 1 and MISTAKES[extra] in got[0] and "\n" not in got[0] and layout is None
 
@@ -85,9 +88,23 @@ def test_an_appended_mistake_is_one_line_naming_the_flag(refusals, extra):
 def test_the_header_says_the_layout_of_the_final_arguments(refusals, extra):
     """The launch script's header came from its own variables (GLOBAL_BATCH=512 said 512 micro-batches
     with --global-batch-size 8 appended); it is now the validated list's."""
-    got, layout = refusals[extra]
+    got, layout, _ = refusals[extra]
     print(f"\n{extra}: {layout}")
     assert got == [] and layout.startswith(ACCEPTED[extra])
+
+
+def test_what_megatron_asks_the_gpu_is_left_to_the_ranks_without_one_here(refusals):
+    """Without a GPU here (a login node), an argument Megatron checks against the device is not a
+    refusal: the check says it could not be checked, the ranks on the GPU nodes check it."""
+    import torch
+
+    got, layout, note = refusals[ASKS_THE_GPU]
+    print(f"\n{ASKS_THE_GPU}: {got} {layout} {note}")
+    assert got == []
+    if torch.cuda.is_available():
+        assert note is None and layout
+    else:
+        assert layout is None and "this machine has none: they are checked by the ranks on the GPU nodes" in note
 
 
 def test_without_a_parser_in_the_checkout_nothing_is_checked(tmp_path):
