@@ -230,6 +230,15 @@ REFUSED: Tuple[Refused, ...] = (
     Refused("--fine-grained-activation-offloading", "its offload handlers are advanced and reset by Megatron's own "
             "schedules", arg="fine_grained_activation_offloading", config="fine_grained_activation_offloading",
             schedules=EXECUTOR),
+    Refused("--num-distributed-optimizer-instances",
+            "above 1 with --overlap-grad-reduce: megatron-core's partial distributed optimizer reduces without "
+            "leaving a handle, and the gradient sync at the end of the schedule reduced every bucket a second time "
+            "(wrong gradients, no error: shard means 6.0 and 6.5 where the data-parallel mean is 10.0)",
+            read=lambda source, side: (getattr(source, "use_distributed_optimizer", False)
+                                       and getattr(source, "overlap_grad_reduce", False)
+                                       and (getattr(source, "num_distributed_optimizer_instances", 1) or 1) > 1),
+            sides=(ARGS,), schedules=EXECUTOR,
+            fix="set --num-distributed-optimizer-instances 1, or remove --overlap-grad-reduce"),
     Refused("--inprocess-restart", "a restart inside the process would rebuild the process groups but not DualPipe's "
             "bd groups", arg="inprocess_restart"),
     Refused("--moe-use-upcycling", "upcycling loads a dense one-chunk model and converts it in place",

@@ -211,6 +211,8 @@ REFUSED_CASES = {
     "--use-ring-exchange-p2p": ("executor-1f1b", ["--use-ring-exchange-p2p"], None),
     "--fine-grained-activation-offloading": ("dualpipe", [], {"fine_grained_activation_offloading": True}),
     "--inprocess-restart": ("dualpipe", ["--inprocess-restart"], None),
+    "--num-distributed-optimizer-instances": ("zb-h1", [], {"use_distributed_optimizer": True, "overlap_grad_reduce": True,
+                                                           "num_distributed_optimizer_instances": 2}),
     "--moe-use-upcycling": ("dualpipe", [], {"moe_use_upcycling": True}),
     "--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank": (
         "executor-1f1b", ["--num-layers-per-virtual-pipeline-stage", "1"], None),
