@@ -125,6 +125,9 @@ def setup(args) -> Setup:
     mem = mc.heaviest_memory(m, world)
     costs = Costs(f=sc.f, b=sc.b, w=sc.w, fb=sc.fb)
     lines = _summary(m, gpu, mfu, nodes, args.gpus_per_node, dp, micro, sc, mem)
+    every = [mc.stage_costs(m, gpu, mfu, args.gpus_per_node, i, a2a_bw) for i in range(m.pp)]
+    if len({round(c.f + c.b, 9) for c in every}) > 1:  # uneven stages: the simulator takes the slowest's
+        lines.insert(4, "  every stage's f/b/w (ms): " + ", ".join(f"{c.f:.3g}/{c.b:.3g}/{c.w:.3g}" for c in every))
     return Setup(m, gpu, mfu, world, dp, micro, costs, mem, lines)
 
 
