@@ -138,6 +138,12 @@ CASES = {
     "dualpipe_zero_bubble_overlap_grad_reduce_ok": (
         4, BASE + ["--pipeline-schedule", "dualpipe", "--overlap-grad-reduce", "--use-distributed-optimizer",
                    "--overlap-param-gather"], None),
+    "dualpipev_no_align_param_gather_ok": (
+        4, BASE + ["--pipeline-schedule", "dualpipev", "--overlap-grad-reduce", "--use-distributed-optimizer",
+                   "--overlap-param-gather", "--no-align-param-gather"], None),
+    "executor_1f1b_overlap_param_gather_ok": (
+        4, BASE + ["--pipeline-schedule", "executor-1f1b", "--overlap-grad-reduce", "--use-distributed-optimizer",
+                   "--overlap-param-gather"], None),
     "dualpipe_mtp": (
         4,
         BASE
@@ -341,7 +347,7 @@ _ARGS_SCRIPT = textwrap.dedent(
             args = run(world, argv, True, overrides)
             out[name] = {"ok": True, "schedule": args.pipeline_schedule,
                          "zero_bubble": args.dualpipe_zero_bubble,
-                         "timeout": args.dualpipe_p2p_timeout}
+                         "timeout": args.dualpipe_p2p_timeout, "align_param_gather": args.align_param_gather}
         except BaseException as e:
             out[name] = {"ok": False, "type": type(e).__name__, "msg": str(e),
                          "tb": traceback.format_exc()[-2000:]}
@@ -421,10 +427,22 @@ def test_every_refused_option_has_a_case():
 
 def test_argument_defaults(arg_results):
     assert arg_results["default_is_1f1b"] == {
-        "ok": True, "schedule": "1f1b", "zero_bubble": True, "timeout": None
+        "ok": True, "schedule": "1f1b", "zero_bubble": True, "timeout": None, "align_param_gather": False
     }
     assert arg_results["dualpipe_no_zero_bubble_overlap_ok"]["zero_bubble"] is False
     assert arg_results["dualpipe_timeout_ok"]["timeout"] == 30.0
+
+
+def test_two_chunk_schedules_keep_align_param_gather(arg_results):
+    """Megatron's validate_args turns --align-param-gather off without a virtual pipeline; dualpipe and
+    dualpipev give the user's value back (the executor calls param_sync_func for their two chunks),
+    the one-chunk executor-1f1b keeps Megatron's (as does 1f1b: test_1f1b_leaves_megatron_args_unchanged)."""
+    got = {name: arg_results[name]["align_param_gather"] for name in (
+        "dualpipe_zero_bubble_overlap_grad_reduce_ok", "dualpipev_no_align_param_gather_ok",
+        "executor_1f1b_overlap_param_gather_ok", "default_is_1f1b")}
+    print(f"\nalign_param_gather after validation: {got}")
+    assert got == {"dualpipe_zero_bubble_overlap_grad_reduce_ok": True, "dualpipev_no_align_param_gather_ok": False,
+                   "executor_1f1b_overlap_param_gather_ok": False, "default_is_1f1b": False}
 
 
 def test_1f1b_leaves_megatron_args_unchanged(arg_results):
