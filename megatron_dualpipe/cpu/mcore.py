@@ -248,6 +248,11 @@ _VIEWS = (
      "GlobalMemoryBuffer.get_tensor (DotProductAttention's matmul buffer) allocates on "
      'torch.cuda.current_device(); local_multi_tensor_l2_norm returns a device="cuda" tensor '
      "(the grad norm without apex); check_param_hashes_across_dp_replicas"),
+    ("megatron.core.models.common.embeddings.rotary_pos_embedding",
+     "RotaryEmbedding moves inv_freq to torch.cuda.current_device() in forward (--position-embedding-type "
+     "rope; MLA's MultimodalRotaryEmbedding builds it there)"),
+    ("megatron.core.models.common.embeddings.yarn_rotary_pos_embedding",
+     "YarnRotaryEmbedding (--rope-type yarn, MLA) the same, for its two inverse-frequency tables"),
     ("megatron.core.timers",
      "torch.cuda.synchronize() in Timer.start/stop (barrier timers); the all-gather buffer of "
      "timer values"),

@@ -379,7 +379,17 @@ def args_rules() -> Tuple[Refused, ...]:
 HANDLED: Tuple[Handled, ...] = (
     Handled('(defaults: tied embeddings, zero bubble) `dualpipe`, `executor-1f1b`, `zb-h1`',
             'equal on CPU',
-            'D `test_dualpipe_and_megatron_1f1b_losses_equal`, `test_executor_1f1b_and_zb_h1_losses_equal_megatron_1f1b`'),
+            'D `test_executor_1f1b_and_zb_h1_losses_equal_megatron_1f1b`, `test_torch_checkpoint_switches_schedules`'),
+    Handled('`--position-embedding-type rope` (`--rotary-base`, `--rotary-percent`), `--swiglu`, '
+            '`--normalization RMSNorm`, `--untie-embeddings-and-output-weights` (the shipped configs\' architecture)',
+            'equal on CPU, every printed metric, at both tags (CPU mode moves RoPE\'s inverse frequencies to the CPU)',
+            'D `test_dualpipe_and_megatron_1f1b_equal_on_the_users_architecture` (smoke)'),
+    Handled('`dualpipev` with `--bf16` / `--fp16` (loss scaling), the distributed optimizer with overlapped grad '
+            'reduce and param gather, tp=2 + SP, MoE EP2, torch_dist checkpoints across schedules',
+            "equal on CPU at core_v0.19.0 from 1f1b's weights, every printed metric (0 difference); its torch_dist "
+            "checkpoint writes the tied output weight once; another layout's dp_reshardable optimizer state is "
+            "refused at load naming `--dist-ckpt-optim-fully-reshardable` / `--no-load-optim`",
+            '`tests/megatron_lm/test_megatron_lm_dualpipev.py`'),
     Handled('`--overlap-moe-expert-parallel-comm` (and `--delay-wgrad-compute`) with `dualpipe`, `dualpipev`',
             "accepted: fused F&B units through megatron-core's combined step (`mcore/overlap.py`); its "
             'requirements are refused below',

@@ -30,7 +30,7 @@ import re
 
 import pytest
 
-from megatron_lm_runs import HAVE_MEGATRON_LM, LAST_OUTPUT, SKIP_MESSAGE, assert_close, run_pretrain
+from megatron_lm_runs import HAVE_MEGATRON_LM, LAST_OUTPUT, SKIP_MESSAGE, assert_close, assert_metrics_close, run_pretrain
 
 pytestmark = pytest.mark.skipif(not HAVE_MEGATRON_LM, reason=SKIP_MESSAGE)
 
@@ -54,14 +54,23 @@ def test_executor_1f1b_and_zb_h1_losses_equal_megatron_1f1b():
     assert_close(run_pretrain("zb-h1"), ref, "zb-h1 (executor, zero bubble) vs 1f1b")
 
 
+#: The architecture the shipped configs (and DeepSeek, Llama, Qwen) use instead of the tiny GPT's
+#: learned absolute positions, LayerNorm, GeLU and tied embeddings.
+USERS_ARCHITECTURE = ("--position-embedding-type", "rope", "--rotary-base", "10000", "--rotary-percent", "0.5",
+                      "--swiglu", "--normalization", "RMSNorm", "--untie-embeddings-and-output-weights",
+                      "--disable-bias-linear")
+
+
 @pytest.mark.smoke
-def test_dualpipe_and_megatron_1f1b_losses_equal():
-    """DualPipe (zero bubble) against Megatron's own 1f1b, the model list it built, and Megatron's
+def test_dualpipe_and_megatron_1f1b_equal_on_the_users_architecture():
+    """DualPipe (zero bubble) against Megatron's own 1f1b on RoPE (partial rotary), SwiGLU, RMSNorm
+    and untied embeddings: every printed metric, the model list it built, and Megatron's
     parameter-count line (the smoke case of every tag; the executor's other schedules are the test
     above)."""
-    ref = run_pretrain("1f1b")
+    ref = run_pretrain("1f1b", *USERS_ARCHITECTURE, with_metrics=True)
     ref_params = {int(r): int(n) for r, n, *_ in PARAMS_RE.findall(LAST_OUTPUT[0])}
-    assert_close(run_pretrain("dualpipe"), ref, "dualpipe (zero bubble) vs 1f1b")
+    assert_metrics_close(run_pretrain("dualpipe", *USERS_ARCHITECTURE, with_metrics=True), ref,
+                         "dualpipe (zero bubble) vs 1f1b, RoPE + SwiGLU + RMSNorm + untied")
     # The hooked get_model built stage i and stage pp-1-i on every rank (8 layers, pp=4).
     chunks = {int(r): text for s, r, text in CHUNKS_RE.findall(LAST_OUTPUT[0]) if s == "dualpipe"}
     print("\n" + "\n".join(f"rank {r}: {t}" for r, t in sorted(chunks.items())))
