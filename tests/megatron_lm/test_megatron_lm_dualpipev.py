@@ -147,10 +147,12 @@ def test_dualpipev_moe_layer_freq_builds_each_stage_its_layers(tmp_path):
     """``--moe-layer-freq``: megatron's layer spec (``get_gpt_decoder_block_spec`` without
     ``pp_rank``) picks each layer's MoE or dense spec from ``parallel_state``'s pipeline rank; while
     model[1] is built that rank is pp-1-i (hooks manifest: scoped ``_MPU_PIPELINE_MODEL_PARALLEL_RANK``).
-    Layers 1 and 4 MoE, 2 and 3 dense: with rank i's own rank, V-stage 3 (layer 4, model[1] on
-    rank 0) would get layer 3's dense spec and V-stage 2 layer 4's MoE one."""
-    flags = (*MOE_EP2, "--moe-layer-freq", "([1]+[0]*2+[1])", "--moe-router-load-balancing-type", "aux_loss",
+    Layers 1 and 3 MoE, 2 and 4 dense: with rank i's own rank, V-stage 3 (layer 4, model[1] on
+    rank 0) would get layer 3's MoE spec and V-stage 2 (layer 3) layer 4's dense one. (Every rank
+    holds a MoE layer under both schedules: megatron-core 0.16.1 prints a load_balancing_loss not
+    averaged over data parallel when the last pipeline rank holds none; docs/dualpipev-stage-checks.md.)"""
+    flags = (*MOE_EP2, "--moe-layer-freq", "([1,0]*2)", "--moe-router-load-balancing-type", "aux_loss",
              "--moe-aux-loss-coeff", "1e-2")
     ref, got, _ = _one_f_one_b_then_dualpipev(tmp_path, *flags)
-    assert_metrics_close(got, _as_resumed_at(ref, 2), "dualpipev from 1f1b's checkpoint, MoE EP2 on layers 1 and 4 "
+    assert_metrics_close(got, _as_resumed_at(ref, 2), "dualpipev from 1f1b's checkpoint, MoE EP2 on layers 1 and 3 "
                          "only vs 1f1b")
