@@ -101,6 +101,22 @@ def _has_global_aux_loss(value) -> bool:
     return "global_aux_loss" in (value if isinstance(value, (list, tuple)) else [value])
 
 
+def _v_last_rank_without_moe_before_019(args) -> bool:
+    """dualpipev on megatron-core < 0.19 whose last pipeline rank (V-stages pp-1 and pp) holds no MoE
+    layer: 0.16.1 averages the printed load_balancing_loss over data parallel only on ranks whose
+    MoE layers recorded their groups, and the rank that prints is that one (printed 1.004467 for
+    1f1b's 1.002724; lm loss and gradients equal). 0.19 prints it equal."""
+    from ..versions import installed_core_version, parse
+
+    version, layers = installed_core_version(), getattr(args, "num_layers", None)
+    pp, freq = getattr(args, "pipeline_model_parallel_size", 1) or 1, getattr(args, "moe_layer_freq", 1)
+    if not getattr(args, "num_experts", None) or not version or parse(version) >= (0, 19) or not layers:
+        return False
+    pattern = [int(i % freq == 0) for i in range(layers)] if isinstance(freq, int) else list(freq)
+    per_stage = layers // (2 * pp)
+    return not any(pattern[(pp - 1) * per_stage:(pp + 1) * per_stage])
+
+
 def _virtual_pipeline(source, side):
     if side == ARGS:
         return (getattr(source, "num_layers_per_virtual_pipeline_stage", None) is not None
@@ -239,6 +255,11 @@ REFUSED: Tuple[Refused, ...] = (
                                        and (getattr(source, "num_distributed_optimizer_instances", 1) or 1) > 1),
             sides=(ARGS,), schedules=EXECUTOR,
             fix="set --num-distributed-optimizer-instances 1, or remove --overlap-grad-reduce"),
+    Refused("--moe-layer-freq", "megatron-core 0.16.1 prints the MoE load_balancing_loss of a last pipeline rank "
+            "without MoE layers unaveraged over data parallel, and dualpipev's last rank holds V-stages pp-1 and pp",
+            read=lambda source, side: _v_last_rank_without_moe_before_019(source), sides=(ARGS,),
+            schedules=(registry.DUALPIPEV,),
+            fix="give V-stages pp-1 and pp a MoE layer, use megatron-core 0.19.x, or use --pipeline-schedule dualpipe"),
     Refused("--inprocess-restart", "a restart inside the process would rebuild the process groups but not DualPipe's "
             "bd groups", arg="inprocess_restart"),
     Refused("--moe-use-upcycling", "upcycling loads a dense one-chunk model and converts it in place",

@@ -22,6 +22,8 @@ import textwrap
 import pytest
 
 from megatron_dualpipe.megatron_lm.patching import checkout_patch_file
+from megatron_dualpipe.versions import installed_core_version
+from megatron_dualpipe.versions import parse as parse_version
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MEGATRON_LM_PATH = os.environ.get("MEGATRON_LM_PATH")
@@ -217,6 +219,8 @@ REFUSED_CASES = {
     "--use-ring-exchange-p2p": ("executor-1f1b", ["--use-ring-exchange-p2p"], None),
     "--fine-grained-activation-offloading": ("dualpipe", [], {"fine_grained_activation_offloading": True}),
     "--inprocess-restart": ("dualpipe", ["--inprocess-restart"], None),
+    # megatron-core 0.16.1 only (the tier that runs it); at 0.19 the same arguments are accepted.
+    "--moe-layer-freq": ("dualpipev", MOE_ARGS + ["--moe-layer-freq", "([1]+[0]*7)"], None),
     "--num-distributed-optimizer-instances": ("zb-h1", [], {"use_distributed_optimizer": True, "overlap_grad_reduce": True,
                                                            "num_distributed_optimizer_instances": 2}),
     "--moe-use-upcycling": ("dualpipe", [], {"moe_use_upcycling": True}),
@@ -236,6 +240,8 @@ REFUSED_CASES = {
 
 for _flag, (_schedule, _argv, _over) in REFUSED_CASES.items():
     CASES["refused " + _flag] = (4, BASE + ["--pipeline-schedule", _schedule] + _argv, ["does not support " + _flag], _over)
+if parse_version(installed_core_version() or "0") >= (0, 19):  # megatron-core 0.19 prints that MoE loss equal
+    CASES["refused --moe-layer-freq"] = CASES["refused --moe-layer-freq"][:2] + (None, None)
 # FP8's delayed recipe is refused for dualpipe only (each copy of a stage would keep its own amax history).
 CASES["fp8 tensorwise_dualpipe_ok"] = (4, BASE + ["--pipeline-schedule", "dualpipe"], None,
                                        {"fp8": "e4m3", "fp8_recipe": "tensorwise"})
