@@ -23,6 +23,8 @@ import sys
 import traceback
 from typing import List, NamedTuple, Optional, Sequence
 
+from .schedule import registry
+
 #: ``pretrain_gpt.py``'s ``args_defaults`` (core_v0.16.1 and core_v0.19.0).
 PRETRAIN_GPT_DEFAULTS = {"tokenizer_type": "GPT2BPETokenizer"}
 ARGUMENTS_FILE = os.path.join("megatron", "training", "arguments.py")
@@ -136,7 +138,7 @@ def layout(args) -> str:
     dp = args.data_parallel_size
     m = args.global_batch_size // (args.micro_batch_size * dp)
     vpp = getattr(args, "virtual_pipeline_model_parallel_size", None)
-    return (f"{getattr(args, 'pipeline_schedule', '1f1b')}{f' (interleaved, {vpp} chunks per rank)' if vpp else ''}: "
+    return (f"{getattr(args, 'pipeline_schedule', registry.DEFAULT)}{f' (interleaved, {vpp} chunks per rank)' if vpp else ''}: "
             f"{args.world_size} processes (minimum {fewest_gpus(args)}), PP={args.pipeline_model_parallel_size} "
             f"TP={args.tensor_model_parallel_size} EP={args.expert_model_parallel_size} "
             f"CP={args.context_parallel_size} DP={dp}, {m} micro-batches per iteration")

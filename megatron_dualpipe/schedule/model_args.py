@@ -12,6 +12,8 @@ import re
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from . import registry
+
 
 class ModelArgsError(ValueError):
     """An argument the model cannot be read from; the message names the flag and the fix."""
@@ -48,7 +50,7 @@ _FLAGS: Dict[str, Tuple[str, Optional[type], object]] = {
     "--context-parallel-size": ("cp", int, 1),
     "--num-layers-per-virtual-pipeline-stage": ("layers_per_virtual_stage", int, None),
     "--recompute-granularity": ("recompute", str, None),
-    "--pipeline-schedule": ("schedule", str, "1f1b"),
+    "--pipeline-schedule": ("schedule", str, registry.DEFAULT),
     "--normalization": ("normalization", str, "LayerNorm"),
     "--group-query-attention": ("gqa", None, False),
     "--swiglu": ("swiglu", None, False),
