@@ -151,6 +151,16 @@ def advise_problems(args) -> list:
     return []
 
 
+#: The options that split the layers over the stages unevenly (Megatron-LM checks the split).
+UNEVEN_SPLIT = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
+                "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split",
+                "pipeline_model_parallel_layout")
+
+
+def _uneven_split(args) -> bool:
+    return any(getattr(args, name, None) not in (None, False) for name in UNEVEN_SPLIT)
+
+
 def dualpipe_problems(args):
     """Return a list of messages, one per violated constraint (empty if fine or 1f1b).
 
@@ -195,7 +205,7 @@ def dualpipe_problems(args):
 
     # Layer count.
     num_layers = getattr(args, "num_layers", None)
-    if num_layers is not None and pp >= 1:
+    if num_layers is not None and pp >= 1 and not _uneven_split(args):
         divisor = spec.model_stages(pp)
         if num_layers % divisor != 0:
             what = "pipeline size" if divisor == pp else f"{divisor // pp} * pipeline size"

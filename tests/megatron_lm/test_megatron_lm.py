@@ -153,10 +153,10 @@ CASES = {
         + ["--position-embedding-type", "rope"],
         ["--mtp-num-layers"],
     ),
-    "dualpipe_layout": (
+    "dualpipe_layout_ok": (
         4,
         BASE + ["--pipeline-schedule", "dualpipe", "--pipeline-model-parallel-layout", "Ett|tt|tt|ttL"],
-        ["--pipeline-model-parallel-layout"],
+        None,
     ),
     "dualpipe_overlap_moe_ok": (
         4,
@@ -186,11 +186,12 @@ CASES = {
         BASE + ["--pipeline-schedule", "dualpipe", "--dualpipe-p2p-timeout", "0"],
         ["--dualpipe-p2p-timeout"],
     ),
-    "dualpipe_uneven_stages": (
+    "dualpipe_uneven_stages_ok": (
         4,
         _set(BASE, "--num-layers", "10")
-        + ["--pipeline-schedule", "dualpipe", "--decoder-first-pipeline-num-layers", "4"],
-        ["--decoder-first-pipeline-num-layers"],
+        + ["--pipeline-schedule", "dualpipe", "--decoder-first-pipeline-num-layers", "1",
+           "--decoder-last-pipeline-num-layers", "1"],
+        None,
     ),
 }
 
@@ -228,7 +229,9 @@ REFUSED_CASES = {
         "executor-1f1b", ["--num-layers-per-virtual-pipeline-stage", "1"], None),
     "--pipeline-model-parallel-layout": ("dualpipev", [], {"pipeline_model_parallel_layout": "Ett|tt|tt|ttL"}),
     "--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers": (
-        "dualpipe", [], {"decoder_last_pipeline_num_layers": 2}),
+        "dualpipev", [], {"decoder_last_pipeline_num_layers": 2}),
+    "--pipeline-model-parallel-layout with more stages than pipeline ranks": (
+        "dualpipe", [], {"pipeline_model_parallel_layout": "E|t|t|t|t|t|t|tL", "virtual_pipeline_model_parallel_size": 2}),
     "--account-for-embedding-in-pipeline-split / --account-for-loss-in-pipeline-split": (
         "dualpipev", [], {"account_for_loss_in_pipeline_split": True}),
     "--init-model-with-meta-device": ("dualpipe", ["--init-model-with-meta-device"], None),

@@ -92,6 +92,34 @@ def test_dualpipe_and_megatron_1f1b_equal_on_the_users_architecture():
         assert int(physical) == ref_params[r] + ref_params[3 - r]
 
 
+#: Uneven stages (pp = 4), the three ways Megatron-LM splits them: name -> arguments.
+UNEVEN_SPLITS = {
+    "first and last stage 1 layer of 10": ("--num-layers", "10", "--decoder-first-pipeline-num-layers", "1",
+                                           "--decoder-last-pipeline-num-layers", "1"),
+    "embedding and loss counted as layers": ("--num-layers", "6", "--account-for-embedding-in-pipeline-split",
+                                             "--account-for-loss-in-pipeline-split"),
+    "layout Et|tt|tt|tL": ("--num-layers", "6", "--pipeline-model-parallel-layout", "Et|tt|tt|tL"),
+}
+
+
+@pytest.mark.parametrize("split", sorted(UNEVEN_SPLITS))
+def test_uneven_stages_equal_megatron_1f1b(split):
+    """DualPipe with stages of different sizes (DeepSeek-V3's 61 layers split over 8 or 16 ranks):
+    megatron-core builds stage i and its mirror pp-1-i with its own offsets from each chunk's
+    pipeline group; every printed metric equal to 1f1b's, and the layers each rank holds are
+    1f1b's stage i and pp-1-i."""
+    flags = (*UNEVEN_SPLITS[split], "--train-iters", "3")
+    ref = run_pretrain("1f1b", *flags, with_metrics=True)
+    got = run_pretrain("dualpipe", *flags, with_metrics=True)
+    chunks = {int(r): text for s, r, text in CHUNKS_RE.findall(LAST_OUTPUT[0]) if s == "dualpipe"}
+    print("\n" + "\n".join(f"rank {r}: {t}" for r, t in sorted(chunks.items())))
+    assert_metrics_close(got, ref, f"dualpipe vs 1f1b, uneven stages ({split})")
+    held = {r: re.findall(r"stage (\d)/4 layers (\d+-\d+)", text) for r, text in chunks.items()}
+    stages = {int(stage): layers for pairs in held.values() for stage, layers in pairs}
+    assert sorted(held) == [0, 1, 2, 3] and all(int(p[0][0]) == r and int(p[1][0]) == 3 - r for r, p in held.items())
+    assert stages[0] == "1-1" and stages[0] != stages[1], f"not an uneven split: {stages}"
+
+
 def test_evaluation_losses_equal_and_advice_logged_once():
     """Evaluation runs the schedule forward-only (8 micro-batches, both directions). With
     --dualpipe-advise (warm-up 1) training iterations 2-4 are measured and the advice logged
