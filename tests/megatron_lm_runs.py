@@ -218,11 +218,13 @@ def _relative(a: float, b: float) -> float:
     return abs(a - b) / abs(b) if b else (0.0 if a == b else float("inf"))
 
 
-#: 'num zeros' counts gradient elements that are exactly 0.0: a key bias's gradient is mathematically
-#: 0 and its fp32 rounding residue lands on 0.0 or next to it depending on the summation order
-#: (evidence in docs/megatron-lm-cpu.md). One element is let through, printed; loss, grad norm and
-#: params norm stay exact to their print.
-SLACK = {"num zeros": 1.0}
+#: 'num zeros' counts gradient elements that are exactly 0.0: the key bias's gradient is mathematically
+#: 0 (softmax ignores what is added to every key; 4 layers x 64 elements in the tiny GPT) and its
+#: rounding residue lands on 0.0 or next to it depending on the summation order (evidence in
+#: docs/megatron-lm-cpu.md; observed up to 5 elements apart, core_v0.16.1, bf16, tp=2, against
+#: counts of 0 to 8158). Eight elements are let through, printed; loss, grad norm and params norm
+#: stay exact to their print.
+SLACK = {"num zeros": 8.0}
 
 
 def assert_metrics_close(got, ref, what, *, slack=None, not_compared=None):
