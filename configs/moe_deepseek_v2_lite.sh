@@ -1,7 +1,7 @@
 # DeepSeek-V2-Lite-like MoE: 27 layers (first dense), hidden 2048, MLA, 64 routed experts top-6
 # plus 2 shared. 27 layers do not split evenly: this config uses 24 MoE layers + pp=4
-# (24 % 4 == 0; dualpipev: 24 % 8 == 0); add --decoder-first-pipeline-num-layers only with 1f1b
-# (DualPipe needs equal stages: the two copies of a stage must have the same layers).
+# (24 % 4 == 0; dualpipev: 24 % 8 == 0). dualpipe (not dualpipev) also takes an uneven split:
+# NUM_LAYERS=27 with --decoder-first-pipeline-num-layers 6 --decoder-last-pipeline-num-layers 7 appended.
 # Memory: 64 experts / ep=8 = 8 experts per rank per stage; DualPipe doubles them.
 # Tokenizer: none set: pass --tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR (DeepSeek-V2's
 #   tokenizer directory; the launch script refuses to start without a tokenizer).

@@ -175,13 +175,17 @@ def interleaved_virtual(m, default: int) -> Optional[int]:
 
 
 def unsplittable(m, names: Sequence[str]) -> List[str]:
-    """The schedules of ``names`` whose stages do not split ``m``'s layers evenly, with why."""
-    from ..schedule.registry import spec
+    """The schedules of ``names`` whose stages do not split ``m``'s layers (evenly, or as the model's
+    --decoder-first/last-pipeline-num-layers say: 1f1b's and dualpipe's pp stages only), with why."""
+    from ..schedule.registry import DUALPIPE, ONE_F_ONE_B, spec
 
+    uneven = m.first_stage_layers is not None or m.last_stage_layers is not None
     out = []
     for n in names:
         stages = spec(n).model_stages(m.pp)
-        if m.num_layers % stages:
+        if uneven and n not in (ONE_F_ONE_B, DUALPIPE):
+            out.append(f"{n} (uneven stages are taken by 1f1b and dualpipe only)")
+        elif not uneven and m.num_layers % stages:
             out.append(f"{n} ({m.num_layers} layers do not split into {stages} stages)")
     return out
 

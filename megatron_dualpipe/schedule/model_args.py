@@ -59,6 +59,8 @@ _FLAGS: Dict[str, Tuple[str, Optional[type], object]] = {
     "--sequence-parallel": ("sequence_parallel", None, False),
     "--use-distributed-optimizer": ("distributed_optimizer", None, False),
     "--overlap-grad-reduce": ("overlap_grad_reduce", None, False),
+    "--decoder-first-pipeline-num-layers": ("first_stage_layers", int, None),
+    "--decoder-last-pipeline-num-layers": ("last_stage_layers", int, None),
 }
 _NEEDED = ("--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length")
 
@@ -104,6 +106,8 @@ class ModelArgs:
     sequence_parallel: bool
     distributed_optimizer: bool
     overlap_grad_reduce: bool
+    first_stage_layers: Optional[int] = None
+    last_stage_layers: Optional[int] = None
 
     @property
     def padded_vocab(self) -> int:

@@ -124,10 +124,25 @@ def iteration_flops(m: ModelArgs, global_batch: int) -> float:
 # Stages
 # ---------------------------------------------------------------------------------------------
 
+def stage_sizes(m: ModelArgs) -> Tuple[int, ...]:
+    """Layers per pipeline stage as Megatron splits them: ``--decoder-first/last-pipeline-num-layers``
+    where given, the rest evenly over the other stages."""
+    ends = [n for n in (m.first_stage_layers, m.last_stage_layers) if n is not None]
+    middle = m.pp - len(ends)
+    per = (m.num_layers - sum(ends)) // middle if middle else 0
+    sizes = [per] * m.pp
+    if m.first_stage_layers is not None:
+        sizes[0] = m.first_stage_layers
+    if m.last_stage_layers is not None:
+        sizes[-1] = m.last_stage_layers
+    return tuple(sizes)
+
+
 def stage_layers(m: ModelArgs, stage: int) -> Tuple[int, ...]:
-    """The MoE flags (1: MoE) of the layers of pipeline stage ``stage`` (Megatron's even split)."""
-    per = m.num_layers // m.pp
-    return m.moe_pattern[stage * per:(stage + 1) * per]
+    """The MoE flags (1: MoE) of the layers of pipeline stage ``stage``."""
+    sizes = stage_sizes(m)
+    start = sum(sizes[:stage])
+    return m.moe_pattern[start:start + sizes[stage]]
 
 
 def stage_flops(m: ModelArgs, stage: int) -> Tuple[float, float]:
@@ -312,9 +327,16 @@ def heaviest_memory(m: ModelArgs, world: int) -> Memory:
 
 
 def stages_problem(m: ModelArgs) -> Optional[str]:
-    if m.num_layers % m.pp:
+    ends = [n for n in (m.first_stage_layers, m.last_stage_layers) if n is not None]
+    middle = m.pp - len(ends)
+    uneven_flags = "--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers"
+    if not ends and m.num_layers % m.pp:
         return (f"--num-layers {m.num_layers} is not a multiple of --pipeline-model-parallel-size {m.pp}: "
-                f"change one (Megatron splits the layers evenly)")
+                f"change one, or split unevenly ({uneven_flags})")
+    if ends and (middle < 0 or (middle and (m.num_layers - sum(ends)) % middle)
+                 or (not middle and sum(ends) != m.num_layers)):
+        return (f"--num-layers {m.num_layers} less {uneven_flags} ({', '.join(map(str, ends))}) does not split "
+                f"evenly over the other {middle} of --pipeline-model-parallel-size {m.pp}: change one")
     return None
 
 

@@ -38,3 +38,22 @@ def test_moe_all_to_all_crosses_nodes_when_ep_does():
     print(f"\nall-to-all per MoE layer: {inside:.4g} ms on NVLink, {across:.4g} ms across nodes")
     assert inside == pytest.approx(volume / (gpu.nvlink_gbps * 1e9) * 1e3)
     assert across == pytest.approx(volume / (gpu.network_gbps * 1e9) * 1e3)
+
+
+def test_uneven_stages_as_megatron_splits_them():
+    """--decoder-first/last-pipeline-num-layers: those stages get their counts, the others the rest
+    evenly (DeepSeek-V3's 61 layers over pp=16: 3 + 14 x 4 + 2); the first stage's FLOPs are its 3
+    layers', and a split that leaves the middle uneven is a problem naming the flags."""
+    m = parse([*GPT_8B, "--num-layers", "61", "--pipeline-model-parallel-size", "16",
+               "--decoder-first-pipeline-num-layers", "3", "--decoder-last-pipeline-num-layers", "2"])
+    sizes = mc.stage_sizes(m)
+    print(f"\nstage sizes: {sizes}")
+    assert sizes == (3,) + (4,) * 14 + (2,) and sum(sizes) == 61 and mc.stages_problem(m) is None
+    first, second = mc.stage_flops(m, 0), mc.stage_flops(m, 1)
+    assert first[0] == pytest.approx(second[0] * 3 / 4) and first[1] == pytest.approx(second[1] * 3 / 4)
+    bad = parse([*GPT_8B, "--num-layers", "61", "--pipeline-model-parallel-size", "16",
+                 "--decoder-first-pipeline-num-layers", "2"])
+    problem = mc.stages_problem(bad)
+    print(f"refused: {problem}")
+    assert problem and "--decoder-first-pipeline-num-layers" in problem
+    assert mc.stages_problem(parse([*GPT_8B, "--num-layers", "30"])) is not None
