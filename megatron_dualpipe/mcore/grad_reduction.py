@@ -102,11 +102,15 @@ class GradReduction:
             self._sums = pair_sums.PairSums(
                 points, lambda c: sum_tensors(self.model[c]), pos.group,
                 in_place=lambda c: is_wrapped(self.model[c]), on_summed=self._summed, timeout_s=BD_SUM_TIMEOUT_S,
-                describe=lambda c: (f"global rank {pos.me}: the bd sum of stage {pos.index if c == 0 else pos.pp - 1 - pos.index} "
+                describe=lambda c: (f"global rank {pos.me}: the bd sum of stage {self._stage_of(c)} "
                                     f"with global rank {pos.partner}"))
         self._ddp_configs: dict = {}  # set while the schedule runs (during_schedule)
         self._configured: dict = {}
         clear_deferred_output_wgrads(config, self.model)
+
+    def _stage_of(self, c: int) -> int:
+        """DualPipe's stage of chunk ``c`` on this rank: its own (0) or the mirrored one (1)."""
+        return self._pos.index if c == 0 else self._pos.pp - 1 - self._pos.index
 
     # -- during the schedule ---------------------------------------------------------------------
     @contextlib.contextmanager
@@ -183,7 +187,9 @@ class GradReduction:
         for c in range(len(self.model)):
             self._chunk_done(c)
         if self._sums is not None:
-            self._sums.finish(range(len(self.model)))
+            # Leftovers in stage order, as the plan issues them: both partners then sum the same
+            # stage at the same time (chunk order is stage i, pp-1-i on one, the reverse on the other).
+            self._sums.finish(sorted(range(len(self.model)), key=self._stage_of))
         if self._local_sum:
             allreduce_bd_grads(self.model)  # the middle rank of an odd pipeline sums locally
         if self._fold:
