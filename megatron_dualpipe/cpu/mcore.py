@@ -200,6 +200,33 @@ def _step_kept_when_not_given(set_states):
     return set_main_param_and_optimizer_states
 
 
+def _taking_head_dims(init):
+    """``DotProductAttention.__init__`` that takes multi-latent attention's ``k_channels`` (query
+    and key head size) and ``v_channels`` (value head size), as Transformer Engine's attention does:
+    its forward already multiplies whatever head sizes it gets, only the output's width
+    (``hidden_size_per_partition``) and the default softmax scale come from ``kv_channels``."""
+    import math
+
+    @functools.wraps(init)
+    def __init__(self, *args, k_channels=None, v_channels=None, **kwargs):
+        if k_channels is not None and kwargs.get("softmax_scale") is None:
+            kwargs["softmax_scale"] = 1.0 / math.sqrt(k_channels)
+        init(self, *args, **kwargs)
+        if k_channels is not None:
+            self.hidden_size_per_attention_head = k_channels
+        if v_channels is not None:
+            self.hidden_size_per_partition = v_channels * self.num_attention_heads_per_partition
+
+    return __init__
+
+
+def _te_classes_present(have_te):
+    """``HAVE_TE`` of multi_latent_attention, false where its TE names are placeholders, not classes."""
+    from megatron.core.transformer import multi_latent_attention
+
+    return bool(have_te) and isinstance(getattr(multi_latent_attention, "TELinear", None), type)
+
+
 def process_memory() -> int:
     """Resident memory of this process in bytes (``/proc/self/statm``; 0 where there is none)."""
     try:
@@ -236,6 +263,9 @@ _VIEWS = (
      "router weights moved to torch.cuda.current_device() in gating(); expert-bias buffers"),
     ("megatron.core.transformer.moe.moe_utils",
      'aux-loss logging tracker allocates torch.zeros(..., device="cuda")'),
+    ("megatron.core.transformer.multi_token_prediction",
+     'the MTP loss-logging tracker allocates torch.zeros(..., device=torch.cuda.current_device()) '
+     "(--mtp-num-layers)"),
     ("megatron.core.transformer.moe.token_dispatcher",
      "the alltoall dispatcher creates a torch.cuda.Stream() for device-to-host copies"),
     ("megatron.core.distributed.param_and_grad_buffer",
@@ -333,6 +363,15 @@ REDIRECTIONS = (
          "the local spec's norm without apex asserts 'sequence parallel not supported by torch "
          "LayerNorm'; with --sequence-parallel it is built as apex's FusedLayerNorm would be: "
          "parameters marked sequence_parallel, gradients summed over the tensor-parallel group"),
+    wrap("megatron.core.transformer.dot_product_attention", "DotProductAttention.__init__", _taking_head_dims,
+         "--multi-latent-attention builds its core attention with k_channels / v_channels (query-key and "
+         "value head sizes), which only Transformer Engine's attention takes: the local spec's "
+         "DotProductAttention raised TypeError under Megatron's own 1f1b; taken, the output is "
+         "v_channels wide"),
+    wrap("megatron.core.transformer.multi_latent_attention", "HAVE_TE", _te_classes_present,
+         "megatron-core 0.16.1 sets it when its Transformer Engine extension imports, which it does without "
+         "TE, with MagicMock placeholders: MLASelfAttention's isinstance(self.linear_proj, TELinear) raised "
+         "TypeError under Megatron's own 1f1b (--multi-latent-attention)"),
     wrap(_ASYNC_WRITER, "_get_write_results_queue", _write_results_queue_without_spawn,
          "the torch_dist writer's results queue lives in a Manager started with the spawn "
          "method, which re-runs the __main__ script in a new interpreter: under "
