@@ -48,7 +48,7 @@ MOE_EP2_AUX_LOSS = (*MOE_EP2, "--moe-router-load-balancing-type", "aux_loss", "-
 RTOL = 1e-5
 LOSS_RE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.E+-]+)")
 ITERATION_LINE_RE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|(.*)")
-METRIC_RE = re.compile(r"\s*([a-z_ ]+[a-z_]):\s+([-+0-9.Ee]+|nan|inf)\s*$", re.I)
+METRIC_RE = re.compile(r"\s*([a-z_][a-z0-9_ ]*[a-z_]):\s+([-+0-9.Ee]+|nan|inf)\s*$", re.I)
 #: A field of training_log's line ("name: value"; the name may hold "(ms)", "(TFLOP/s/GPU)").
 FIELD_RE = re.compile(r"\s*[^\[\]:|]+:\s*\S+\s*$")
 #: Per-iteration values that are not the training's numerics (the time) or that every schedule

@@ -26,7 +26,7 @@ from .model import BIDIRECTIONAL, V_SHAPE, chunk_info, unwrap_chunk
 from .dp_first import is_dp_first
 from .shard_groups import is_shared_layout, stage_order
 
-__all__ = ["allreduce_bd_grads", "allreduce_bd_router_statistics", "fold_tied_embedding_grads",
+__all__ = ["allreduce_bd_grads", "allreduce_bd_router_statistics", "fold_tied_embedding_grads", "embedding_copy",
            "finalize_dualpipe_grads", "sum_tensors", "check_buffer_layouts", "NO_EMBEDDING_GROUP"]
 
 BD_SUM_TIMEOUT_S = bd_pairs.BD_SUM_TIMEOUT_S
@@ -174,26 +174,48 @@ def allreduce_bd_router_statistics(model: Sequence[torch.nn.Module]) -> None:
     bd_pairs.sum_copies(model, _router_batch_statistics)
 
 
+def keeps_embedding_equal(m: torch.nn.Module) -> bool:
+    """Whether Megatron keeps copies of this model's word embedding equal over its embedding group:
+    tied output weights, or multi-token prediction (the MTP stage's own embedding copy, even with
+    untied output weights: ``finalize_model_grads._get_shared_word_embedding_weight``)."""
+    config = getattr(m, "config", None)
+    return bool(getattr(m, "share_embeddings_and_output_weights", False) or getattr(config, "mtp_num_layers", None))
+
+
+def embedding_copy(chunk: torch.nn.Module):
+    """("embedding", weight) for a chunk holding the input embedding, ("output", weight) for one
+    holding the other copy Megatron reduces with it (the MTP stage's embedding, which is also its
+    output weight when tied; else the tied output weight), or None. As Megatron's
+    ``shared_embedding_or_output_weight``, which picks the same parameter."""
+    m = unwrap_chunk(chunk)
+    if not keeps_embedding_equal(m):
+        return None
+    if getattr(m, "pre_process", False):
+        return "embedding", m.embedding.word_embeddings.weight
+    if getattr(m, "mtp_process", False):
+        return "output", m.embedding.word_embeddings.weight
+    if getattr(m, "post_process", False) and getattr(m, "share_embeddings_and_output_weights", False):
+        w = m.output_layer.weight
+        return ("output", w) if w is not None else None
+    return None
+
+
 def tied_copies(model: Sequence[torch.nn.Module]):
-    """This rank's copies of the tied word embedding: (embedding weights, output weights),
-    distinct parameters only (a chunk that is both first and last shares one parameter)."""
+    """This rank's copies of the word embedding Megatron keeps equal (`embedding_copy`):
+    (embedding weights, output weights), distinct parameters only (a chunk that is both first and
+    last shares one parameter)."""
     emb, out = [], []
     for chunk in model:
-        m = unwrap_chunk(chunk)
-        if not getattr(m, "share_embeddings_and_output_weights", False):
-            continue
-        if getattr(m, "pre_process", False):
-            emb.append(m.embedding.word_embeddings.weight)
-        if getattr(m, "post_process", False) and not getattr(m, "pre_process", False):
-            w = m.output_layer.weight
-            if w is not None:
-                out.append(w)
+        found = embedding_copy(chunk)
+        if found is not None:
+            (emb if found[0] == "embedding" else out).append(found[1])
     return emb, out
 
 
 def fold_tied_embedding_grads(model: Sequence[torch.nn.Module]) -> None:
-    """Tied embeddings: where a rank holds an embedding copy and a separate output-weight copy
-    (DualPipe: ranks 0 and pp-1; DualPipeV: rank 0), set both gradients to their sum.
+    """Tied embeddings or MTP: where a rank holds an embedding copy and a separate output-weight (or
+    MTP embedding) copy (DualPipe: ranks 0 and pp-1; DualPipeV: rank 0), set both gradients to
+    their sum.
 
     Run it after `allreduce_bd_grads` (then the embedding copy already holds both directions'
     embedding gradient and the output copy both directions' output gradient, so the sum is the

@@ -55,7 +55,7 @@ from .data import MicrobatchSource
 from .finalize import finalize_dualpipe_grads
 from .grad_reduction import GradReduction, clear_deferred_output_wgrads
 from .live_advice import DEFAULT_WARMUP as ADVISE_WARMUP, LiveAdvice
-from .loss_gather import gather_losses_on_last_rank
+from .loss_gather import gather_losses_on_last_rank, move_mtp_tracker_to_last_rank
 from .overlap import OverlappedStageCompute, offers_combined_step
 from .param_gather import start_param_gathers
 from .stage_compute import MegatronStageCompute
@@ -188,6 +188,9 @@ class ExecutorSchedule:
             if not forward_only:
                 _finalize(model, config, compute.total_num_tokens, it.tensor_spec.device, force_all_reduce)
         return losses
+                if getattr(config, "mtp_num_layers", None):
+                    move_mtp_tracker_to_last_rank(it.program.schedule.layout, it.rank, it.global_ranks, it.group,
+                                                  it.tensor_spec.device, timeout_s=self.p2p_timeout)
 
     def _check_drift(self, model, forward_only: bool) -> None:
         """Every ``drift_check_every``-th training call, before it runs: both copies of every stage

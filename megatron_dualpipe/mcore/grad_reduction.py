@@ -46,7 +46,7 @@ import torch
 from ..executor import pair_sums
 from . import bd_pairs
 from .finalize import (BD_SUM_TIMEOUT_S, is_wrapped, chunk_layout, tied_copies, allreduce_bd_grads,
-                       check_buffer_layouts, fold_tied_embedding_grads, sum_tensors)
+                       check_buffer_layouts, embedding_copy, fold_tied_embedding_grads, sum_tensors)
 from .model import BIDIRECTIONAL, unwrap_chunk
 from .dp_first import is_dp_first
 from .shard_groups import is_shared_layout
@@ -216,9 +216,7 @@ def _dp_start_functions(config, model) -> list:
 
 
 def _holds_tied_copy(chunk) -> bool:
-    m = unwrap_chunk(chunk)
-    return bool(getattr(m, "share_embeddings_and_output_weights", False)) and \
-        bool(getattr(m, "pre_process", False) or getattr(m, "post_process", False))
+    return embedding_copy(chunk) is not None
 
 
 def _output_layer_module(config, chunk):

@@ -29,16 +29,21 @@ class LossGatherTimeoutError(RuntimeError):
     """The loss gather did not complete within its deadline."""
 
 
+def _loss_owners(layout: Layout):
+    """(direction, the rank computing its loss) for every direction whose last stage ends the model."""
+    for d in layout.directions:
+        final = layout.stages(d)[-1]
+        if layout.is_last(d, final):  # not DualPipeV's first chunk: its micro-batches go on up the V
+            yield d, layout.rank_of(d, final)
+
+
 def gather_losses_on_last_rank(loss_store, layout: Layout, rank: int, global_ranks, group, device,
                                timeout_s: float = DEFAULT_TIMEOUT_S) -> List[Any]:
     """The loss entries of every direction on rank pp-1 (``[]`` elsewhere)."""
     last = layout.pp - 1
     result: List[Any] = []
-    for d in layout.directions:
-        final = layout.stages(d)[-1]
-        if not layout.is_last(d, final):
-            continue  # DualPipeV's first chunk: its micro-batches go on up the V
-        owner, entries = layout.rank_of(d, final), loss_store[d]
+    for d, owner in _loss_owners(layout):
+        entries = loss_store[d]
         if owner == last:
             if rank == last:
                 result.extend(entries)
@@ -47,6 +52,43 @@ def gather_losses_on_last_rank(loss_store, layout: Layout, rank: int, global_ran
         elif rank == last:
             result.extend(_recv_entries(_Peer(rank, owner, global_ranks[owner], group, timeout_s), device))
     return result if rank == last else []
+
+
+#: What megatron-core's ``MTPLossLoggingHelper`` tracker sums per MTP layer over an iteration.
+MTP_TRACKER_KEYS = ("loss_values", "correct_values", "total_values")
+
+
+def move_mtp_tracker_to_last_rank(layout: Layout, rank: int, global_ranks, group, device,
+                                  timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    """Multi-token prediction: add what the MTP loss tracker summed on a rank other than pp-1 to
+    rank pp-1's tracker, and zero it where it was.
+
+    The MTP block records each micro-batch's MTP loss in ``MTPLossLoggingHelper.tracker`` on the
+    rank that computes it; Megatron-LM's ``training_log`` prints ``mtp_1 loss`` from the last
+    pipeline rank after averaging over data parallel only (it takes MTP to live on the last
+    pipeline rank). DualPipe computes direction 1's MTP on rank 0 (its copy of stage pp-1),
+    DualPipeV every micro-batch's on rank 0 (V-stage 2pp-1). Zeroed at the sender, so an
+    iteration's values are counted once whatever the log interval. Every data-parallel replica
+    moves its own; the receiver's tracker gets megatron-core's data-parallel group to average over
+    (DualPipeV's rank pp-1 computes no MTP, so nothing set it)."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    tracker, last = MTPLossLoggingHelper.tracker, layout.pp - 1
+    for _, owner in _loss_owners(layout):
+        if owner == last or rank not in (owner, last):
+            continue
+        if rank == owner:
+            values = {k: tracker[k] for k in MTP_TRACKER_KEYS if k in tracker}
+            _send_entries([values], _Peer(rank, last, global_ranks[last], group, timeout_s), device)
+            for v in values.values():
+                v.zero_()
+            continue
+        (got,) = _recv_entries(_Peer(rank, owner, global_ranks[owner], group, timeout_s), device)
+        for k, v in got.items():
+            tracker[k] = tracker[k] + v if k in tracker else v.clone()
+        if got and tracker.get("avg_group") is None:
+            tracker["avg_group"] = parallel_state.get_data_parallel_group(with_context_parallel=True)
 
 
 def _header(entries) -> list:

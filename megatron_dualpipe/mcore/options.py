@@ -211,7 +211,7 @@ REFUSED: Tuple[Refused, ...] = (
     Refused("--use-torch-fsdp2", "FSDP shards the chunks' parameters itself", arg="use_torch_fsdp2"),
     Refused("--use-megatron-fsdp", "FSDP shards the chunks' parameters itself", arg="use_megatron_fsdp"),
     Refused("--mtp-num-layers", "multi-token prediction is tied to the last pipeline stage of one direction",
-            arg="mtp_num_layers", config="mtp_num_layers"),
+            arg="mtp_num_layers", config="mtp_num_layers", schedules=(registry.DUALPIPEV,)),
     Refused("--cuda-graph-impl / --enable-cuda-graph / --external-cuda-graph",
             "a captured graph replays one fixed order of forwards and backwards, and Megatron's own schedules "
             "capture the local graphs at their end (create_cudagraphs; 'full_iteration' wraps Megatron's function "

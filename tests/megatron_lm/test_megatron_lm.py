@@ -146,7 +146,7 @@ CASES = {
     "executor_1f1b_overlap_param_gather_ok": (
         4, BASE + ["--pipeline-schedule", "executor-1f1b", "--overlap-grad-reduce", "--use-distributed-optimizer",
                    "--overlap-param-gather"], None),
-    "dualpipe_mtp": (
+    "dualpipe_mtp_ok": (
         4,
         BASE
         + ["--pipeline-schedule", "dualpipe", "--mtp-num-layers", "1"]
@@ -204,7 +204,7 @@ MOE_ARGS = ["--num-experts", "4", "--moe-router-topk", "2", "--disable-bias-line
 REFUSED_CASES = {
     "--use-torch-fsdp2": ("dualpipe", [], {"use_torch_fsdp2": True}),
     "--use-megatron-fsdp": ("dualpipev", [], {"use_megatron_fsdp": True}),
-    "--mtp-num-layers": ("dualpipe", ["--mtp-num-layers", "1", "--position-embedding-type", "rope"], None),
+    "--mtp-num-layers": ("dualpipev", ["--mtp-num-layers", "1", "--position-embedding-type", "rope"], None),
     "--cuda-graph-impl / --enable-cuda-graph / --external-cuda-graph": ("dualpipe", [], {"cuda_graph_impl": "local"}),
     "--overlap-moe-expert-parallel-comm": ("executor-1f1b", [], {"overlap_moe_expert_parallel_comm": True}),
     "--iterations-to-skip": ("dualpipe", ["--iterations-to-skip", "2"], None),
