@@ -18,15 +18,23 @@ pytestmark = pytest.mark.skipif(not HAVE_MEGATRON_LM, reason=SKIP_MESSAGE)
 #: Megatron-LM refuses MTP with learned absolute positions.
 ROPE = ("--position-embedding-type", "rope")
 MTP1 = ("--mtp-num-layers", "1", *ROPE)
+MTP2_UNTIED = ("--mtp-num-layers", "2", *ROPE, "--untie-embeddings-and-output-weights")
 
 
 def _equal_to_1f1b(schedule, *flags):
     ref = run_pretrain("1f1b", *flags, with_metrics=True)
     got = run_pretrain(schedule, *flags, with_metrics=True)
-    assert all("mtp_1 loss" in ref[it] for it in ref), f"1f1b printed no mtp_1 loss: {ref}"
+    layers = int(flags[flags.index("--mtp-num-layers") + 1])
+    for name in (f"mtp_{k + 1} loss" for k in range(layers)):
+        assert all(name in ref[it] for it in ref), f"1f1b printed no {name}: {ref}"
     return assert_metrics_close(got, ref, f"{schedule} {' '.join(flags)} vs 1f1b")
 
 
 def test_dualpipe_mtp_equal_megatron_1f1b():
     """One MTP layer, tied embeddings, pp=4: every printed metric equal to 1f1b's."""
     _equal_to_1f1b("dualpipe", *MTP1)
+
+
+def test_dualpipe_two_mtp_layers_untied_equal_megatron_1f1b():
+    """Two MTP layers, untied output weights (the MTP stage's embedding still kept equal to stage 0's)."""
+    _equal_to_1f1b("dualpipe", *MTP2_UNTIED)
