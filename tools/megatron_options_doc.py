@@ -14,9 +14,15 @@ INTRO = "# Megatron-LM options under `--pipeline-schedule dualpipe` / `dualpipev
 #: checked in megatron_lm/arguments.py and mcore/validation.py) and what Megatron refuses itself.
 NOT_OPTIONS = (
     ("`--cpu-offloading-num-layers`", "(Megatron itself refuses it with pp > 1)", "—", "—"),
-    ("odd pp (dualpipe), `--num-layers` not divisible by pp (dualpipev: 2pp), fewer than pp micro-batches (also at "
+    ("odd pp (dualpipe), `--num-layers` not divisible by pp (dualpipev: 2pp; an uneven split: Megatron-LM's check), fewer than pp micro-batches (also at "
      "the start of `--rampup-batch-size`), non-positive `--dualpipe-p2p-timeout`", "as named",
      "the schedule's structure (`schedule/registry.py`)", "A; E"),
+    ("`--pipeline-model-parallel-layout` of another stage count than pp (dualpipe) or 2 * pp (dualpipev); "
+     "`--decoder-first/last-pipeline-num-layers` under dualpipev; the embedding and loss counted as layers when "
+     "(layers + counted) does not divide by 2 * pp (dualpipev)", "as named, with a layout that works",
+     "the stages each rank holds (`schedule/stage_layout.py`, `megatron_lm/arguments.py`)",
+     "A `dualpipev_layout_of_pp_stages`, `dualpipe_layout_of_2pp_stages`, `dualpipev_first_last_stage`, "
+     "`dualpipev_embedding_and_loss_as_layers_uneven`"),
 )
 
 GRADIENTS = "## How the gradient reduction overlaps the schedule\n\n`mcore/grad_reduction.py: GradReduction`. Each chunk's reduction starts as soon as the chunk's last\nreal weight gradient (`W`, or `B`/`BW` without zero bubble) is done on the rank: the deferred\noutput-layer weight gradients if any, then the bd sum with the partner's copy (asynchronous\nall-reduce of each Megatron DDP grad buffer in place; the two copies have the same layout\nbecause Megatron-LM's `get_model` builds every DualPipe chunk unbucketed, checked once), then,\nonce the sum is seen complete, Megatron's `grad_sync_func` for the chunk (`--overlap-grad-reduce`).\nNo sum is waited before the end of the schedule, on a GPU as on gloo (a stream wait there stalled\nevery later send, and with odd M the partner needed one of them: issue 17). Both partners issue\ntheir two sums in the same order, at the points the iteration plan gives\n(`schedule/iteration_plan.py`, checked under NCCL stream semantics before the run): the order\ntheir chunks finish, which DualPipe's symmetry makes equal unless uneven padding breaks it; then\nthe lower rank's order. Tied embeddings are folded after\nboth sums, so on the ranks holding both copies those chunks start their data-parallel reduction\nat the end of the schedule; elsewhere only the sum of the chunk that finishes last is exposed.\n"

@@ -2,9 +2,11 @@
 
 Without it a rank that raises (a shape error in its forward, a NaN check) leaves its peers
 waiting for it until their deadline (600 s by default), and their error then blames a receive.
-With it, the failing rank writes its error into the default process group's store
-(:func:`signal`), and every wait the project issues on the host (:func:`wait_work`, used by the
-P2P receives and sends, the bd sums, the loss gather) polls that key every :data:`POLL_S` and
+With it, the failing rank writes its error into the rendezvous store (:func:`signal`), one
+thread per rank hears it without polling (:mod:`.abort_listener`), and every wait the project
+issues checks that local flag: a host wait (:func:`wait_work`, used by the P2P receives and
+sends, the bd sums, the loss gather) every :data:`POLL_S`; a stream wait on an accelerator
+through the iteration's watchdog (:mod:`.watchdog`), which also keeps its deadline. Either
 raises :class:`PeerFailedError` naming this rank, what it waited for, and the rank that failed.
 
 One key per job attempt: an abort ends the attempt (``torch.distributed`` groups are unusable
@@ -21,10 +23,14 @@ from typing import Optional, Type
 
 import torch.distributed as dist
 
+from .abort_listener import Listener, base_store
+
 #: One key per job attempt: torchrun's shared rendezvous store outlives a restart, the abort must not.
 KEY = f"megatron_dualpipe/abort/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 #: How often a host wait looks at the deadline and the abort signal.
 POLL_S = 0.1
+#: The running iteration's watchdog (set by ``watchdog.watching``): stream waits are handed to it.
+WATCHING: list = [None]
 
 
 class PeerFailedError(RuntimeError):
@@ -39,17 +45,32 @@ def _store():
         return None
 
 
+_LISTENING: list = [None, None]  # [the default group it listens for, its Listener]
+
+
+def listener() -> Optional[Listener]:
+    """This process's listener for the current default group (started on first use), or None."""
+    store = _store()
+    if store is None:
+        return None
+    group = dist.distributed_c10d._get_default_group()
+    if _LISTENING[0] is not group:
+        _LISTENING[:] = [group, Listener(base_store(store), KEY)]
+    return _LISTENING[1]
+
+
 def signal(message: str) -> None:
     """Tell every rank that this one failed with ``message`` (best effort: never raises; the
     first rank to signal is the one named)."""
-    store = _store()
-    if store is None:
+    heard = listener()
+    if heard is None:
         return
+    message = f"global rank {dist.get_rank()} failed: {message}"
     try:
-        if not store.check([KEY]):
-            store.set(KEY, f"global rank {dist.get_rank()} failed: {message}")
+        first = heard.store.compare_set(KEY, "", message)  # atomic: the first signal stays
+        heard.hear(first.decode(errors="replace") if isinstance(first, bytes) else str(first))
     except Exception:  # noqa: BLE001 - the original error is what matters
-        pass
+        heard.hear(message)
 
 
 @contextlib.contextmanager
@@ -66,16 +87,9 @@ def signalling_failure():
 
 
 def failure() -> Optional[str]:
-    """The message of the first rank that signalled, or None."""
-    store = _store()
-    if store is None:
-        return None
-    try:
-        if not store.check([KEY]):
-            return None
-        return store.get(KEY).decode(errors="replace")
-    except Exception:  # noqa: BLE001 - a store gone away: the waits' own deadlines remain
-        return None
+    """The message of the first rank that signalled, or None: a local read, no store request."""
+    heard = listener()
+    return None if heard is None else heard.message
 
 
 def raise_if_failed(waiting: str) -> None:
@@ -89,8 +103,12 @@ def wait_work(work, timeout_s: Optional[float], waiting: str, timeout_error: Typ
               on_host: bool = True) -> None:
     """Wait for a ``torch.distributed`` work within ``timeout_s`` (None: no deadline of ours),
     checking the abort signal. ``on_host=False`` (an accelerator): ``work.wait()`` only makes the
-    stream wait, nothing to poll. ``waiting`` names this rank, the peer and what was awaited."""
+    stream wait, handed to the iteration's watchdog (:data:`WATCHING`; outside an iteration a
+    bare stream wait). ``waiting`` names this rank, the peer and what was awaited."""
     if not on_host:
+        raise_if_failed(waiting)
+        if WATCHING[0] is not None:
+            WATCHING[0].track(work, waiting, timeout_s)
         work.wait()
         return
     done, error = threading.Event(), []

@@ -13,11 +13,12 @@ How "waited" and "completed" are known depends on where the tensors live:
   and its ``is_completed()`` stays False until someone waits, so one thread per peer waits on
   that peer's sends in order and marks them done.
 * On an accelerator (NCCL) ``work.wait()`` makes the current stream wait and returns at once;
-  the host never blocks. A watchdog thread polls ``is_completed()`` of every outstanding
-  operation, marks completed sends, and enforces the deadlines (``wait(timeout)`` would block
-  the host there): a timeout is logged at once, naming rank, peer and action, raised by the
-  next P2P call of the runner, and the process group is aborted so that a host blocked on the
-  stream (a ``.item()``) gets an error instead of hanging.
+  the host never blocks. The iteration's watchdog (:mod:`.watchdog`; a P2P used on its own has
+  its own, drained and stopped by :meth:`P2P.finish`) polls ``is_completed()`` of every
+  outstanding operation, marks completed sends, and enforces the deadlines (``wait(timeout)``
+  would block the host there): a timeout is logged at once, naming rank, peer and action,
+  raised by the next P2P call of the runner, and the communicators are aborted so that a host
+  blocked on the stream (a ``.item()``) gets an error instead of hanging.
 
 Streams (NCCL): the operations of one communicator run on one stream in posting order, and a
 ``batch_isend_irecv`` uses the group's communicator, so on the GPU a receive still completes
@@ -32,7 +33,6 @@ rank, the peer, the tensor and the action.
 from __future__ import annotations
 
 import datetime
-import logging
 import os
 import queue
 import threading
@@ -46,12 +46,9 @@ import torch.distributed as dist
 from ..schedule.comm import describe as describe_label
 from . import abort
 from .streams import waits_order_stream
+from .watchdog import Watchdog, current as current_watchdog
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("MEGATRON_DUALPIPE_P2P_TIMEOUT", "600"))
-#: How often the accelerator watchdog looks at the outstanding operations.
-WATCHDOG_POLL_S = 0.005
-
-log = logging.getLogger("megatron_dualpipe")
 
 #: (peer pipeline rank, tensor, label) of a receive; a send adds a callback run once it completed.
 Recv = Tuple[int, torch.Tensor, object]
@@ -106,13 +103,8 @@ class P2P:
         self._recvs: Dict[object, _Op] = {}
         self._sends: List[_Op] = []
         self._waiters: Dict[int, "queue.SimpleQueue[Optional[_Op]]"] = {}  # host: one thread per peer
-        self._tracked: List[_Op] = []  # accelerator: what the watchdog watches
-        self._lock = threading.Lock()
-        self._watchdog: Optional[threading.Thread] = None
-        self._stop = threading.Event()
-        self._failure: Optional[BaseException] = None  # found by the watchdog
-        self._finished = False   # finish() completed
-        self._abandoned = False  # closed without a completed finish(): the watchdog stops at once
+        self._watchdog: Optional[Watchdog] = None  # accelerator: the iteration's, or its own
+        self._own_watchdog = False
 
     # -----------------------------------------------------------------------------------------
     # The runner's calls
@@ -222,7 +214,8 @@ class P2P:
                 self._await_send(op, where)
                 self._complete(op)
             self._sends = []
-            self._finished = True
+            if self._own_watchdog:
+                self._watchdog.drain()  # the host waits for the sends the stream waits for
         finally:
             self.close()
 
@@ -250,13 +243,11 @@ class P2P:
                                       f"{self._what(op)}")
 
     def close(self) -> None:
-        """Stop the helper threads: after a completed :meth:`finish` once their operations are
-        done, else (the iteration failed) at once: the watchdog never outlives its iteration, so
-        a failed iteration's deadlines cannot abort the group later (a waiter blocked on a dead
-        peer exits with the process)."""
-        if not self._finished:
-            self._abandoned = True
-        self._stop.set()
+        """Stop the helpers: the waiter threads, and its own watchdog (the iteration's stops with the
+        iteration): a watchdog never outlives its iteration, so a failed iteration's deadlines cannot
+        abort the communicators later (a waiter blocked on a dead peer exits with the process)."""
+        if self._own_watchdog:
+            self._watchdog.stop()
         for q in self._waiters.values():
             q.put(None)
         self._waiters = {}
@@ -289,57 +280,19 @@ class P2P:
     # -----------------------------------------------------------------------------------------
 
     def _watch_op(self, op: _Op) -> None:
-        with self._lock:
-            self._tracked.append(op)
+        """Hand ``op`` to the watchdog: it marks it done, or raises its deadline naming it."""
         if self._watchdog is None:
-            self._watchdog = threading.Thread(target=self._watch, daemon=True, name="p2p-watchdog")
-            self._watchdog.start()
-
-    def _watch(self) -> None:
-        """Mark completed operations done; on a missed deadline log, keep the error for the
-        runner and abort the group. Ends when stopped and nothing is left to watch."""
-        last_abort_check = time.monotonic()
-        while True:
-            time.sleep(WATCHDOG_POLL_S)
-            with self._lock:
-                ops = list(self._tracked)
-            if self._abandoned or (not ops and self._stop.is_set()):
-                return
-            now = time.monotonic()
-            if now - last_abort_check > abort.POLL_S:
-                last_abort_check = now
-                failed = abort.failure()
-                if failed is not None:
-                    self._failure = abort.PeerFailedError(
-                        f"pipeline rank {self.rank} (global {dist.get_rank()}): stopped waiting for "
-                        + "; ".join(f"{self._what(op)} (posted {op.where})" for op in ops) + f" because {failed}")
-                    log.error("megatron-dualpipe: %s", self._failure)
-                    self._abort()
-                    return
-            finished = set()
-            for op in ops:
-                if op.work.is_completed():
-                    op.done = True
-                    finished.add(id(op))
-                elif now > op.deadline:
-                    self._failure = self._error(op, op.needed_by or op.where, now - op.deadline + self.timeout_s, None)
-                    log.error("megatron-dualpipe: %s", self._failure)
-                    self._abort()
-                    return
-            with self._lock:
-                self._tracked = [op for op in self._tracked if id(op) not in finished]
-
-    def _abort(self) -> None:
-        """Make a host blocked on the stream see an error instead of hanging (best effort)."""
-        try:
-            from torch.distributed.distributed_c10d import _abort_process_group
-            _abort_process_group(self.group)
-        except Exception as e:  # noqa: BLE001 - the error is already logged and will be raised
-            log.error("megatron-dualpipe: could not abort the pipeline group after the timeout: %s", e)
+            self._watchdog = current_watchdog()
+            if self._watchdog is None:
+                self._watchdog, self._own_watchdog = Watchdog(self.timeout_s), True
+        what = (f"pipeline rank {self.rank} (global {dist.get_rank()}) {op.needed_by or 'after posting'}: the "
+                f"{self._what(op)} (posted {op.where})")
+        self._watchdog.track(op.work, what, self.timeout_s, on_done=lambda: setattr(op, "done", True),
+                             on_timeout=lambda waited: self._error(op, op.needed_by or op.where, waited, None))
 
     def _raise_failure(self) -> None:
-        if self._failure is not None:
-            raise self._failure
+        if self._watchdog is not None:
+            self._watchdog.check()
 
     # -----------------------------------------------------------------------------------------
     # Errors

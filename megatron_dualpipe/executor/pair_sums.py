@@ -26,7 +26,7 @@ from typing import Callable, Dict, Hashable, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from . import abort
+from . import abort, watchdog
 from .streams import waits_order_stream
 
 __all__ = ["PendingSum", "issue_sum", "PairSums", "BdSumTimeoutError"]
@@ -127,8 +127,12 @@ class PairSums:
         if c in self.issued:
             return
         self.issued.append(c)
-        self.pending.append(issue_sum(c, list(self.tensors_of(c)), self.group, in_place=self.in_place(c),
-                                      what=self.describe(c)))
+        pending = issue_sum(c, list(self.tensors_of(c)), self.group, in_place=self.in_place(c), what=self.describe(c))
+        self.pending.append(pending)
+        dog = watchdog.current()
+        if dog is not None and not pending.on_host:  # watched from its issue: the partner may never join
+            for w in pending.works:
+                dog.track(w, pending.what, self.timeout_s)
 
     def poll(self) -> None:
         """Take in, in issue order, the sums already complete; never wait for one."""

@@ -15,7 +15,11 @@ blocks everything the rank issues later, which is what a stream wait does to the
   ``is_completed()`` stays False until someone waits), and ``wait()`` stands for the stream
   wait: the rank stops until the operation completed, at most ``deadline_s``, after which
   :class:`EmulatedStreamDeadlock` names the rank and what the stream waited for (on a GPU the
-  rank would sit there until NCCL's watchdog, or forever).
+  rank would sit there until NCCL's watchdog, or forever);
+* aborting the communicators (``_abort_process_group``, which the watchdog calls) ends every
+  emulated stream wait of the process with :class:`EmulatedCommunicatorAborted`, as NCCL's
+  abort ends the waits on its communicators; the waits of a coalesced collective (Megatron
+  DDP's handle, ``_CoalescingManager.wait``) are emulated stream waits too.
 """
 from __future__ import annotations
 
@@ -36,6 +40,14 @@ _ILLEGAL_WORK = getattr(c10d, "_IllegalWork", type(None))
 
 class EmulatedStreamDeadlock(RuntimeError):
     """An emulated stream wait did not end: on a GPU this rank's stream would wait forever."""
+
+
+class EmulatedCommunicatorAborted(RuntimeError):
+    """The communicators were aborted while an emulated stream waited (NCCL: the wait errors)."""
+
+
+#: Set by the emulated ``_abort_process_group``: every emulated stream wait then ends.
+_ABORTED = threading.Event()
 
 
 #: What the emulation saw in this process: works it wrapped, stream waits (``wait()`` calls).
@@ -70,7 +82,13 @@ class EmulatedWork:
     def wait(self, timeout=None) -> bool:
         """The stream wait: nothing this rank issues later runs before the operation completed."""
         STATS["stream_waits"] += 1
-        if not self._done.wait(self.deadline_s):
+        end = time.monotonic() + self.deadline_s
+        while not self._done.wait(0.002):
+            if _ABORTED.is_set():
+                raise EmulatedCommunicatorAborted(f"global rank {dist.get_rank()}: the communicators were aborted "
+                                                  f"while the emulated stream waited for {self.what}")
+            if time.monotonic() < end:
+                continue
             raise EmulatedStreamDeadlock(
                 f"global rank {dist.get_rank()}: the emulated stream waited {self.deadline_s:g} s for {self.what} "
                 f"(issued {time.monotonic() - self.issued:.1f} s ago) and it never completed: on a GPU this rank's "
@@ -121,6 +139,11 @@ def emulate_nccl(deadline_s: float = 20.0):
             if getattr(mod, name, None) is fn:
                 saved[(mod, name)] = fn
                 setattr(mod, name, new)
+    saved[(c10d, "_abort_process_group")] = c10d._abort_process_group
+    c10d._abort_process_group = lambda group=None: _ABORTED.set()
+    saved[(c10d._CoalescingManager, "wait")] = c10d._CoalescingManager.wait
+    c10d._CoalescingManager.wait = _coalesced_stream_wait(deadline_s)
+    _ABORTED.clear()
     try:
         with emulating_stream_waits():
             yield
@@ -129,4 +152,11 @@ def emulate_nccl(deadline_s: float = 20.0):
             setattr(mod, name, fn)
 
 
-__all__ = ["EmulatedWork", "EmulatedStreamDeadlock", "emulate_nccl"]
+def _coalesced_stream_wait(deadline_s: float):
+    def wait(cm) -> None:
+        for w in cm.works:
+            EmulatedWork(w, "a coalesced collective (Megatron DDP's handle)", deadline_s).wait()
+    return wait
+
+
+__all__ = ["EmulatedWork", "EmulatedStreamDeadlock", "EmulatedCommunicatorAborted", "emulate_nccl"]

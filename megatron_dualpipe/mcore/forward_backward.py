@@ -49,7 +49,7 @@ from megatron.core.utils import get_model_config
 from ..executor.p2p import DEFAULT_TIMEOUT_S, P2P
 from ..executor.listeners import RunListener
 from ..executor.runner import Program, TensorSpec, compile_program, run_rank
-from ..executor import abort
+from ..executor import abort, watchdog
 from ..schedule import B, iteration_plan, registry
 from .data import MicrobatchSource
 from .finalize import finalize_dualpipe_grads
@@ -154,7 +154,9 @@ class ExecutorSchedule:
             data_iterator = data_iterator[0]
         it = self._plan(model, config, num_microbatches, padded, forward_only,
                         (seq_length, micro_batch_size, decoder_seq_length))
-        with abort.signalling_failure():  # a rank that raises from here on stops its peers' waits
+        # A rank that raises from here on stops its peers' waits; on an accelerator every stream wait
+        # of the iteration is under the watchdog (deadline, abort signal), drained at the end.
+        with abort.signalling_failure(), watchdog.watching(self.p2p_timeout):
             self._check_drift(model, forward_only)
             return self._iterate(it, model, config, forward_step_func, data_iterator, num_microbatches,
                                  forward_only, collect_non_loss_data, first_val_step, force_all_reduce)

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
+import torch.distributed as dist
 
 from ..executor import pair_sums
 from . import bd_pairs
@@ -49,6 +50,7 @@ from .finalize import (BD_SUM_TIMEOUT_S, is_wrapped, chunk_layout, tied_copies, 
                        check_buffer_layouts, embedding_copy, fold_tied_embedding_grads, sum_tensors)
 from .model import BIDIRECTIONAL, unwrap_chunk
 from .dp_first import is_dp_first
+from .dp_watch import watch_dp_reduction
 from .shard_groups import is_shared_layout
 
 __all__ = ["GradReduction", "clear_deferred_output_wgrads"]
@@ -179,6 +181,7 @@ class GradReduction:
             if state.dp_start is not None:
                 with self._as_configured():
                     state.dp_start(self.model[c].parameters())
+                watch_dp_reduction(self.model[c], f"global rank {dist.get_rank()}, chunk {c}")
 
     # -- after the schedule -------------------------------------------------------------------------
     def finish(self) -> None:

@@ -128,6 +128,19 @@ def _mirror_parallel_state(rev_rank: int, rev_ranks: Sequence[int]):
                         hooks.entry("scoped", "_PIPELINE_GLOBAL_RANKS").to(list(rev_ranks)))
 
 
+def _v_stages_in_parallel_state(layout_kind: str):
+    """DualPipeV: parallel_state says two virtual stages while the chunks are built, so that
+    megatron-core's ``PipelineParallelLayerLayout`` (which otherwise takes ``vp_stage`` as 0) gives
+    V-stage ``2pp-1-i`` its layers; nothing else megatron-core builds asks it."""
+    import contextlib
+
+    from .. import hooks
+
+    if layout_kind != V_SHAPE:
+        return contextlib.nullcontext()
+    return hooks.scoped(hooks.entry("scoped", "_VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE").to(2))
+
+
 def _expected_first_layer(config, stage: int, num_stages: int) -> Optional[int]:
     """1-based global number of the stage's first layer for an even split, or None when the
     config uses an uneven split (then nothing is checked)."""
@@ -241,9 +254,10 @@ def build_two_direction_model(
         kwargs0 = dict(pre_process=is_pp_first_stage(pg0.pp), post_process=False, vp_stage=0)
         kwargs1 = dict(pre_process=False, post_process=is_pp_last_stage(rev_group), vp_stage=1)
 
-    model0 = model_provider(pg_collection=pg0, **kwargs0)
-    with _mirror_parallel_state(pp - 1 - i, list(reversed(pp_ranks))):
-        model1 = model_provider(pg_collection=pg1, **kwargs1)
+    with _v_stages_in_parallel_state(layout_kind):
+        model0 = model_provider(pg_collection=pg0, **kwargs0)
+        with _mirror_parallel_state(pp - 1 - i, list(reversed(pp_ranks))):
+            model1 = model_provider(pg_collection=pg1, **kwargs1)
     model = [model0, model1]
     for d, (chunk, stage) in enumerate(zip(model, stages)):
         _check_chunk(unwrap_chunk(chunk), layout_kind, d, stage, num_stages)

@@ -157,11 +157,19 @@ def _fp8_delayed(source, side):
 
 _VP_FLAGS = "--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank"
 #: Uneven stages: proven for dualpipe (stage i and its mirror pp-1-i built by megatron-core's own
-#: offsets from each chunk's pipeline group); DualPipeV's 2pp V-stages would need Megatron-LM's
-#: split rules over 2pp stages, which it validates over pp.
-NOT_DUALPIPE = tuple(s for s in EXECUTOR if s != registry.DUALPIPE)
-_UNEVEN_ONLY_DUALPIPE = "uneven stages are proven equal to 1F1B under dualpipe only so far"
-_UNEVEN_FIX = "use --pipeline-schedule dualpipe, or an even split"
+#: offsets from each chunk's pipeline group) and for dualpipev's layout of 2pp V-stages and its
+#: embedding / loss counted as layers (megatron-core's interleaved offsets of V-stage (vp_stage,
+#: rank)); the stage counts and dualpipev's first / last stage flags are checked by
+#: megatron_lm.arguments, which names a layout that works.
+_UNEVEN_TWO_CHUNKS = "uneven stages are proven equal to 1F1B under dualpipe and dualpipev only so far"
+_UNEVEN_FIX = "use --pipeline-schedule dualpipe or dualpipev, or an even split"
+
+
+def _dist_checkpoint_of_a_layout(source, side) -> bool:
+    return (getattr(source, "pipeline_model_parallel_layout", None) is not None
+            and getattr(source, "ckpt_format", None) == "torch_dist"
+            and bool(getattr(source, "save", None) or getattr(source, "load", None)))
+
 
 #: Every refused option, in the order the checks report them.
 def _needs_of_a_dualpipe_flag(needs: str, test: str, rows) -> Tuple[Refused, ...]:
@@ -178,20 +186,19 @@ REFUSED: Tuple[Refused, ...] = (
             schedules=EXECUTOR, read=lambda source, side: _virtual_pipeline(source, side),
             fix=f"remove {_VP_FLAGS} or use --pipeline-schedule "
             f"{registry.DEFAULT}", test="A `dualpipe_virtual_pipeline`; E `virtual_pipeline`"),
-    Refused("--pipeline-model-parallel-layout", _UNEVEN_ONLY_DUALPIPE, arg="pipeline_model_parallel_layout",
-            is_set=lambda v: v is not None, schedules=NOT_DUALPIPE, fix=_UNEVEN_FIX),
-    Refused("--pipeline-model-parallel-layout with more stages than pipeline ranks",
-            "dualpipe builds one stage per rank and its mirror; a second stage per rank is a virtual pipeline",
-            read=lambda source, side: (getattr(source, "pipeline_model_parallel_layout", None) is not None
-                                       and bool(getattr(source, "virtual_pipeline_model_parallel_size", None))),
-            sides=(ARGS,), schedules=MIRRORED,
-            fix="set a layout of one stage per pipeline rank, e.g. 'Et|tt|tt|tL' (6 layers, pp=4)"),
-    Refused("--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers", _UNEVEN_ONLY_DUALPIPE,
+    Refused("--pipeline-model-parallel-layout", _UNEVEN_TWO_CHUNKS, arg="pipeline_model_parallel_layout",
+            is_set=lambda v: v is not None, schedules=ONE_CHUNK_EXECUTOR, fix=_UNEVEN_FIX),
+    Refused("--pipeline-model-parallel-layout with --ckpt-format torch_dist",
+            "megatron-core's layout finds a checkpointed layer's local index from parallel_state's pipeline rank, "
+            "not from the V-stage the chunk holds", read=_dist_checkpoint_of_a_layout, sides=(ARGS,),
+            schedules=(registry.DUALPIPEV,), fix="use --ckpt-format torch (its V-stages are mapped to 1F1B's stages)",
+            test="A `dualpipev_layout_torch_dist`"),
+    Refused("--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers", _UNEVEN_TWO_CHUNKS,
             read=_either("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers"), sides=(ARGS,),
-            schedules=NOT_DUALPIPE, fix=_UNEVEN_FIX),
-    Refused("--account-for-embedding-in-pipeline-split / --account-for-loss-in-pipeline-split", _UNEVEN_ONLY_DUALPIPE,
+            schedules=ONE_CHUNK_EXECUTOR, fix=_UNEVEN_FIX),
+    Refused("--account-for-embedding-in-pipeline-split / --account-for-loss-in-pipeline-split", _UNEVEN_TWO_CHUNKS,
             read=_either("account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split"),
-            schedules=NOT_DUALPIPE, fix=_UNEVEN_FIX),
+            schedules=ONE_CHUNK_EXECUTOR, fix=_UNEVEN_FIX),
     Refused("--init-model-with-meta-device", "the mirrored copies are broadcast right after construction",
             arg="init_model_with_meta_device", config="init_model_with_meta_device"),
     Refused("--overlap-p2p-communication", "the executor batches its own P2P", config="overlap_p2p_comm",
@@ -416,8 +423,19 @@ HANDLED: Tuple[Handled, ...] = (
             '`--account-for-embedding-in-pipeline-split` / `--account-for-loss-in-pipeline-split`, '
             '`--pipeline-model-parallel-layout` with one stage per rank',
             'equal on CPU, every printed metric (pp=4: 1+4+4+1 of 10 layers; embedding and loss as layers; a layout); '
-            'each rank holds 1F1B\'s stage i and pp-1-i. DualPipeV and the one-chunk executor schedules refuse them',
+            'each rank holds 1F1B\'s stage i and pp-1-i. The one-chunk executor schedules refuse them',
             'D `test_uneven_stages_equal_megatron_1f1b`; A `dualpipe_uneven_stages_ok`'),
+    Handled('Uneven V-stages under `dualpipev`: `--pipeline-model-parallel-layout` of 2 * pp V-stages (rank i holds '
+            'V-stages i and 2pp-1-i), `--account-for-embedding-in-pipeline-split` / '
+            '`--account-for-loss-in-pipeline-split` (Megatron\'s interleaved meaning: the embedding and the loss '
+            'count as a layer of V-stages 0 and 2pp-1, both on rank 0; (layers + counted) divisible by 2 * pp)',
+            'equal on CPU, every printed metric (pp=2, 6 layers: a layout of 1+3+1+1; embedding and loss as '
+            'layers), against Megatron\'s 1f1b on the same model (its stage t = V-stages 2t, 2t+1), both from one '
+            'torch checkpoint. Refused before training, naming a layout that works: a layout of another stage '
+            'count than pp (dualpipe) or 2 * pp (dualpipev), `--decoder-first/last-pipeline-num-layers` under '
+            'dualpipev (Megatron\'s interleaved meaning puts the first stage\'s layers on ranks 0 and pp-1)',
+            '`tests/megatron_lm/test_megatron_lm_dualpipev.py` `test_dualpipev_uneven_v_stages_equal_megatron_1f1b`; A `dualpipev_layout_ok`, '
+            '`dualpipev_layout_of_pp_stages`, `dualpipe_layout_of_2pp_stages`, `dualpipev_first_last_stage`'),
     Handled('`--position-embedding-type rope` (`--rotary-base`, `--rotary-percent`), `--swiglu`, '
             '`--normalization RMSNorm`, `--untie-embeddings-and-output-weights` (the shipped configs\' architecture)',
             'equal on CPU, every printed metric, at both tags (CPU mode moves RoPE\'s inverse frequencies to the CPU)',

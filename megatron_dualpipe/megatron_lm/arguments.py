@@ -161,6 +161,64 @@ def _uneven_split(args) -> bool:
     return any(getattr(args, name, None) not in (None, False) for name in UNEVEN_SPLIT)
 
 
+def layout_problems(args) -> List[str]:
+    """A ``--pipeline-model-parallel-layout`` of another stage count than the two-chunk schedule
+    runs (DualPipe ``pp``, DualPipeV ``2*pp`` V-stages), each with a layout of the right count.
+    Checked before Megatron-LM's ``validate_args``, which refuses a count ``pp`` does not divide with
+    an assertion and turns a count of ``2*pp`` into a virtual pipeline."""
+    from ..schedule import stage_layout
+
+    schedule, text = schedule_of(args), getattr(args, "pipeline_model_parallel_layout", None)
+    spec = registry.get(schedule)
+    if text is None or spec.chunks_per_rank != 2:
+        return []
+    pp = args.pipeline_model_parallel_size
+    try:
+        count = len(stage_layout.parse(text))
+    except stage_layout.LayoutError as e:
+        return [str(e)]
+    want = spec.model_stages(pp)
+    return [] if count == want else [stage_layout.fix(text, want, pp, schedule)]
+
+
+def v_split_problems(args) -> List[str]:
+    """DualPipeV's uneven V-stages beyond a layout. ``--account-for-embedding/loss-in-pipeline-split``
+    keep Megatron's interleaved meaning (the embedding and the loss count as a layer of V-stages 0
+    and ``2pp-1``, both on rank 0), so the count must divide by ``2*pp``. Megatron's interleaved
+    meaning of ``--decoder-first/last-pipeline-num-layers`` puts the first stage's layers in
+    V-stages 0 and ``pp`` (ranks 0 and ``pp-1``): refused, naming the layout that lightens rank 0."""
+    from ..schedule import stage_layout
+
+    pp, layers = args.pipeline_model_parallel_size, args.num_layers
+    first, last = (getattr(args, f"decoder_{end}_pipeline_num_layers", None) for end in ("first", "last"))
+    if first is not None or last is not None:
+        ends = [n for n in (first, last) if n is not None]
+        middle = pp - len(ends)
+        sizes = ((first,) if first is not None else ()) + ((layers - sum(ends)) // max(middle, 1),) * middle \
+            + ((last,) if last is not None else ())
+        stages = ["E" * (i == 0) + "t" * n + "L" * (i == pp - 1) for i, n in enumerate(sizes)]
+        return [f"--decoder-first/last-pipeline-num-layers: Megatron's interleaved meaning puts the first stage's "
+                f"layers in V-stages 0 and {pp} (ranks 0 and {pp - 1}); give the V-stages instead, e.g. "
+                f"--pipeline-model-parallel-layout '{stage_layout.to_text(stage_layout.halved(stages))}'"]
+    counted = layers + sum(bool(getattr(args, f"account_for_{what}_in_pipeline_split", False))
+                           for what in ("embedding", "loss"))
+    if counted != layers and counted % (2 * pp):
+        return [f"--num-layers {layers} with the embedding / loss counted ({counted}) does not divide into "
+                f"2 * --pipeline-model-parallel-size ({2 * pp}) V-stages: change --num-layers, or give the V-stages "
+                f"as --pipeline-model-parallel-layout '{stage_layout.to_text(stage_layout.even(layers, 2 * pp))}'"]
+    return []
+
+
+def without_virtual_pipeline(args) -> None:
+    """DualPipeV's ``2*pp``-stage layout: Megatron-LM's ``validate_args`` made it a virtual pipeline of
+    two stages per rank; DualPipeV builds its two V-stages itself (``mcore.model.dualpipev_config``)
+    and needs ``parallel_state`` without one, so the value goes back to None, and the overlapped P2P
+    of the interleaved schedule off, as ``validate_args`` sets them without a virtual pipeline."""
+    if schedule_of(args) == registry.DUALPIPEV and getattr(args, "pipeline_model_parallel_layout", None) is not None:
+        args.virtual_pipeline_model_parallel_size = None
+        args.overlap_p2p_comm = False
+
+
 def dualpipe_problems(args):
     """Return a list of messages, one per violated constraint (empty if fine or 1f1b).
 
@@ -193,6 +251,8 @@ def dualpipe_problems(args):
 
     if spec.chunks_per_rank == 1:
         return _one_chunk_problems(spec, args, bad, problems)
+    for problem in layout_problems(args) + (v_split_problems(args) if schedule == registry.DUALPIPEV else []):
+        bad(problem)
 
     # Pipeline size.
     if pp < 2:
@@ -307,7 +367,12 @@ def wrap_validate(orig):
     @functools.wraps(orig)
     def validate(args, *a, **kw):
         aligned = getattr(args, "align_param_gather", None)
+        early = layout_problems(args)
+        if early:
+            raise DualPipeArgumentError(f"invalid arguments for the DualPipe schedule: --pipeline-schedule "
+                                        f"{schedule_of(args)}: {early[0]}")
         result = orig(args, *a, **kw)
+        without_virtual_pipeline(result if result is not None else args)
         keep_aligned_param_gather(result if result is not None else args, aligned)
         validate_dualpipe_args(result if result is not None else args)
         return result

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from megatron_dualpipe.executor import p2p as p2p_mod
+from megatron_dualpipe.executor import watchdog as watchdog_mod
 from megatron_dualpipe.executor.p2p import P2P, P2PTimeoutError
 from megatron_dualpipe.schedule.comm import describe
 
@@ -48,7 +49,7 @@ def fake_dist(monkeypatch):
     monkeypatch.setattr(p2p_mod.dist, "P2POp", lambda op, t, peer, group: type("Op", (), {"tensor": t})())
     monkeypatch.setattr(p2p_mod.dist, "batch_isend_irecv", batch)
     monkeypatch.setattr(p2p_mod.dist, "get_rank", lambda: 0)
-    monkeypatch.setattr(p2p_mod, "WATCHDOG_POLL_S", 0.002)
+    monkeypatch.setattr(watchdog_mod, "POLL_S", 0.002)
     return works
 
 
@@ -80,12 +81,12 @@ def test_accelerator_discipline_never_blocks_and_releases_completed_sends(fake_d
     assert released == [ACT] and send.wait_args == [()]
     recv.finished.set()
     p2p.finish("after its last action")
-    assert _until(lambda: not p2p._watchdog.is_alive())  # stops once everything it watched completed
+    assert not p2p._watchdog.is_alive()  # finish drained it and stopped it: nothing watched after finish
 
 
 def test_accelerator_watchdog_reports_a_late_receive(fake_dist, monkeypatch, caplog):
     aborted = []
-    monkeypatch.setattr(P2P, "_abort", lambda self: aborted.append(True))
+    monkeypatch.setattr(watchdog_mod, "abort_communicators", lambda: aborted.append(True))
     p2p = P2P(None, [0, 5], 0, timeout_s=0.3, host_waits=False)
     p2p.post([], [(1, torch.zeros(2), GRAD)], "before action 2 (F0.1)")
     with caplog.at_level(logging.ERROR, logger="megatron_dualpipe"):
@@ -167,7 +168,7 @@ def test_accelerator_watchdog_does_not_outlive_a_failed_iteration(fake_dist, mon
     """The runner closes the P2P without ``finish`` when an action raised: the watchdog stops at
     once and never aborts the group later for that iteration's unfinished receive."""
     aborted = []
-    monkeypatch.setattr(P2P, "_abort", lambda self: aborted.append(True))
+    monkeypatch.setattr(watchdog_mod, "abort_communicators", lambda: aborted.append(True))
     p2p = P2P(None, [0, 1], 0, timeout_s=0.2, host_waits=False)
     p2p.post([], [(1, torch.zeros(2), GRAD)], "before action 2 (F0.1)")
     p2p.receive(GRAD, "before action 3 (B1.0)")  # the stream waits; the receive never completes
@@ -185,7 +186,7 @@ def test_accelerator_watchdog_stops_on_a_peer_failure(fake_dist, monkeypatch):
     from megatron_dualpipe.executor import abort
 
     aborted = []
-    monkeypatch.setattr(P2P, "_abort", lambda self: aborted.append(True))
+    monkeypatch.setattr(watchdog_mod, "abort_communicators", lambda: aborted.append(True))
     failed = []
     monkeypatch.setattr(abort, "failure", lambda: failed[0] if failed else None)
     p2p = P2P(None, [0, 1], 0, timeout_s=600, host_waits=False)

@@ -56,3 +56,86 @@ def test_odd_microbatches_dp2_overlap_grad_reduce_under_nccl_stream_semantics(sc
               f"{stats['stream_waits']} stream waits")
         assert stats["works"] > 0 and stats["stream_waits"] > 0, stats  # the accelerator branches ran
     tdm._check(label, results, refs, runs, pp * dp, dp)
+
+
+# -- a rank that raises: how soon every peer stops, under emulated NCCL streams -------------------------
+
+#: Where the failing rank raises: (global rank that fails, what it raises in).
+FAILURES = {
+    "bd sum": 2,           # pipeline rank 1 of replica 0, instead of issuing its first bd sum (partner: global 0)
+    "dp reduction": 1,     # pipeline rank 0 of replica 1, instead of starting its first data-parallel reduction
+    "loss gather": 0,      # pipeline rank 0 of replica 0, instead of sending direction 1's losses to global 2
+}
+
+
+def _inject(where: str, failed_at: list) -> None:
+    """Make this rank raise where ``where`` says, recording the wall-clock time of the raise."""
+    from megatron_dualpipe.executor import pair_sums
+    from megatron_dualpipe.mcore import grad_reduction, loss_gather
+
+    def fail(*_a, **_k):
+        failed_at.append(time.time())
+        raise RuntimeError(f"injected: this rank fails in its {where}")
+
+    if where == "bd sum":
+        pair_sums.issue_sum = fail
+    elif where == "loss gather":
+        loss_gather._send_entries = fail
+    else:
+        starts = grad_reduction._dp_start_functions
+        grad_reduction._dp_start_functions = lambda config, model: [fail if f else f for f in starts(config, model)]
+
+
+def _failing_worker(rank, world, port, where, flag_dir, *args):
+    """One iteration in which global rank ``FAILURES[where]`` raises; every rank returns (error type,
+    message, wall-clock time it stopped, the failing rank's raise time). The failing rank stays alive
+    until the others have reported (its exit would close their connections: not the path measured)."""
+    import os
+
+    from megatron_dualpipe.executor import stream_emulation as se
+
+    failed_at: list = []
+    if rank == FAILURES[where]:
+        _inject(where, failed_at)
+    try:
+        with se.emulate_nccl(deadline_s=DEADLINE_S):
+            tdm._pipeline_worker(rank, world, port, *args)
+        result = ("finished", "", time.time(), None)
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        result = (type(e).__name__, str(e), time.time(), failed_at[0] if failed_at else None)
+    open(os.path.join(flag_dir, f"rank{rank}"), "w").close()
+    if rank == FAILURES[where]:
+        end = time.monotonic() + 60
+        while len(os.listdir(flag_dir)) < world and time.monotonic() < end:
+            time.sleep(0.05)
+    return result
+
+
+@pytest.mark.parametrize("where", list(FAILURES))
+def test_a_rank_raising_stops_every_peer_with_a_named_error_under_nccl_stream_semantics(where, tmp_path):
+    """dualpipe pp=2 dp=2 --overlap-grad-reduce, M=4, emulated NCCL streams (no host deadline):
+    one rank raises in a bd sum, a data-parallel reduction or the loss gather. Every other rank
+    stops with PeerFailedError naming the failing rank and what it waited for, within seconds:
+    before the watchdog, the stream waits held them until the emulation's deadline (20 s; on a
+    GPU NCCL's 10 minutes), naming no peer. Prints each rank's delay after the raise."""
+    failing = FAILURES[where]
+    state, _ = tdm._references(True, 4, 2)
+    results = me.run_workers(_failing_worker, 4, args=(where, str(tmp_path), "dualpipe", True, state,
+                                                       [(4, True, False)], 2, False, True), timeout=200)
+    raised_at = results[failing][3]
+    assert raised_at is not None, results[failing]
+    print(f"\n{where}: global rank {failing} raised")
+    delays = {}
+    for rank, (kind, msg, stopped, _) in enumerate(results):
+        delays[rank] = stopped - raised_at
+        print(f"  global rank {rank}: {kind} after {delays[rank]:.3f} s: {msg[:300]}")
+    assert results[failing][0] == "RuntimeError" and "injected" in results[failing][1], results[failing]
+    peers = [r for r in range(4) if r != failing]
+    for r in peers:
+        kind, msg = results[r][:2]
+        assert kind == "PeerFailedError", (r, kind, msg)
+        assert f"because global rank {failing} failed: RuntimeError: injected" in msg, (r, msg)
+        assert f"global rank {r}" in msg, (r, msg)
+    last = max(delays[r] for r in peers)
+    print(f"  the last peer stopped {last:.3f} s after the raise (emulated stream deadline {DEADLINE_S:g} s)")
+    assert last < DEADLINE_S / 4, delays

@@ -186,6 +186,34 @@ CASES = {
         BASE + ["--pipeline-schedule", "dualpipe", "--dualpipe-p2p-timeout", "0"],
         ["--dualpipe-p2p-timeout"],
     ),
+    # Uneven V-stages (issue 25, item 3): a layout of 2 * pp V-stages, the embedding and the loss counted
+    # as layers of V-stages 0 and 2pp-1; a layout of another count is refused before Megatron-LM's own
+    # check with one of the right count, and --decoder-first/last-pipeline-num-layers with their V-stages.
+    "dualpipev_layout_ok": (4, BASE + ["--pipeline-schedule", "dualpipev", "--pipeline-model-parallel-layout",
+                                       "Et|(t|)*6,tL"], None),
+    "dualpipev_layout_of_pp_stages": (
+        4, BASE + ["--pipeline-schedule", "dualpipev", "--pipeline-model-parallel-layout", "Ett|tt|tt|ttL"],
+        ["has 4 stages", "runs 8 (2 * --pipeline-model-parallel-size 4)", "'Et|(t|)*6,tL'"]),
+    "dualpipev_layout_of_3_stages": (
+        4, BASE + ["--pipeline-schedule", "dualpipev", "--pipeline-model-parallel-layout", "Ett|ttt|tttL"],
+        ["has 3 stages", "'Et|(t|)*6,tL'"]),
+    "dualpipe_layout_of_2pp_stages": (
+        4, BASE + ["--pipeline-schedule", "dualpipe", "--pipeline-model-parallel-layout", "Et|(t|)*6,tL"],
+        ["has 8 stages", "runs 4 (--pipeline-model-parallel-size 4)", "'Ett|tt|tt|ttL'"]),
+    "dualpipev_first_last_stage": (
+        4, _set(BASE, "--num-layers", "10") + ["--pipeline-schedule", "dualpipev",
+                                               "--decoder-first-pipeline-num-layers", "1",
+                                               "--decoder-last-pipeline-num-layers", "1"],
+        ["V-stages 0 and 4 (ranks 0 and 3)", "--pipeline-model-parallel-layout 'E|t|(tt|)*4,|tL'"]),
+    "dualpipev_embedding_and_loss_as_layers_ok": (
+        4, _set(BASE, "--num-layers", "6") + ["--pipeline-schedule", "dualpipev",
+                                              "--account-for-embedding-in-pipeline-split",
+                                              "--account-for-loss-in-pipeline-split"], None),
+    "dualpipev_embedding_and_loss_as_layers_uneven": (
+        4, _set(BASE, "--num-layers", "10") + ["--pipeline-schedule", "dualpipev",
+                                               "--account-for-embedding-in-pipeline-split",
+                                               "--account-for-loss-in-pipeline-split"],
+        ["(12) does not divide into 2 * --pipeline-model-parallel-size (8)", "'Et|tt|tt|(t|)*4,tL'"]),
     "dualpipe_uneven_stages_ok": (
         4,
         _set(BASE, "--num-layers", "10")
@@ -227,13 +255,14 @@ REFUSED_CASES = {
     "--moe-use-upcycling": ("dualpipe", [], {"moe_use_upcycling": True}),
     "--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank": (
         "executor-1f1b", ["--num-layers-per-virtual-pipeline-stage", "1"], None),
-    "--pipeline-model-parallel-layout": ("dualpipev", [], {"pipeline_model_parallel_layout": "Ett|tt|tt|ttL"}),
+    "--pipeline-model-parallel-layout": ("executor-1f1b", [], {"pipeline_model_parallel_layout": "Ett|tt|tt|ttL"}),
+    "--pipeline-model-parallel-layout with --ckpt-format torch_dist": (
+        "dualpipev", [], {"pipeline_model_parallel_layout": "Et|(t|)*6,tL", "ckpt_format": "torch_dist",
+                          "save": "/nonexistent"}),
     "--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers": (
-        "dualpipev", [], {"decoder_last_pipeline_num_layers": 2}),
-    "--pipeline-model-parallel-layout with more stages than pipeline ranks": (
-        "dualpipe", [], {"pipeline_model_parallel_layout": "E|t|t|t|t|t|t|tL", "virtual_pipeline_model_parallel_size": 2}),
+        "zb-h1", [], {"decoder_last_pipeline_num_layers": 2}),
     "--account-for-embedding-in-pipeline-split / --account-for-loss-in-pipeline-split": (
-        "dualpipev", [], {"account_for_loss_in_pipeline_split": True}),
+        "executor-1f1b", [], {"account_for_loss_in_pipeline_split": True}),
     "--init-model-with-meta-device": ("dualpipe", ["--init-model-with-meta-device"], None),
     # megatron-core 0.19's options (set on the validated args, so the case runs at both tags).
     "--moe-paged-stash": ("executor-1f1b", [], {"moe_paged_stash": True}),

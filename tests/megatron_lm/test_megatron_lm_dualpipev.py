@@ -156,3 +156,48 @@ def test_dualpipev_moe_layer_freq_builds_each_stage_its_layers(tmp_path):
     ref, got, _ = _one_f_one_b_then_dualpipev(tmp_path, *flags)
     assert_metrics_close(got, _as_resumed_at(ref, 2), "dualpipev from 1f1b's checkpoint, MoE EP2 on layers 1 and 3 "
                          "only vs 1f1b")
+
+
+#: Uneven V-stages (pp = 2, 6 layers) -> (1f1b's flags, dualpipev's flags, the chunks each rank holds).
+#: Megatron's own 1f1b runs the same model with stage t = V-stages 2t and 2t+1 (a layout: stage_layout.
+#: paired; the embedding and loss counted: the same flags), so its torch checkpoint cuts into the V-stages.
+V_SPLITS = {
+    # four V-stages of 1, 3, 1 and 1 layers: rank 0 holds V-stages 0 and 3 (the embedding and the loss),
+    # rank 1 the heavy V-stage 1 and V-stage 2
+    "layout Et|ttt|t|tL": (
+        ("--pipeline-model-parallel-layout", "Et*4|ttL"), ("--pipeline-model-parallel-layout", "Et|ttt|t|tL"),
+        {0: "model[0] stage 0/4 layers 1-1 +embedding; model[1] stage 3/4 layers 6-6 +output",
+         1: "model[0] stage 1/4 layers 2-4; model[1] stage 2/4 layers 5-5"}),
+    # Megatron's interleaved meaning: (6 + 2) / 4 per V-stage, V-stages 0 and 3 one layer fewer
+    "embedding and loss counted as layers": (
+        ("--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split"),
+        ("--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split"),
+        {0: "model[0] stage 0/4 layers 1-1 +embedding; model[1] stage 3/4 layers 6-6 +output",
+         1: "model[0] stage 1/4 layers 2-3; model[1] stage 2/4 layers 4-5"}),
+}
+
+
+@pytest.mark.parametrize("split", sorted(V_SPLITS))
+def test_dualpipev_uneven_v_stages_equal_megatron_1f1b(tmp_path, split):
+    """Uneven V-stages: megatron-core gives each chunk the layers of its V-stage (vp_stage, pipeline
+    rank); a layout reads vp_stage only while parallel_state says two virtual stages (hooks manifest:
+    scoped ``_VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE``; without it model[1] takes V-stage
+    (0, pp-1-i)'s layers). Both schedules resume 1f1b's torch checkpoint of iteration 2 (cut into the
+    V-stages by the sizes built; an optimizer state laid out per stage does not cross schedules, so
+    both start it afresh: --no-load-optim); every printed metric of dualpipev equal to 1f1b's, and
+    each rank holds the V-stages the split names."""
+    from test_megatron_lm_dualpipe import CHUNKS_RE
+
+    ref_flags, v_flags, expected = V_SPLITS[split]
+    ckpt = str(tmp_path / "1f1b")
+    flags = ("--num-layers", "6", "--ckpt-format", "torch")
+    run_pretrain("1f1b", *PP2, *flags, *ref_flags, "--save", ckpt, "--save-interval", "2", "--exit-interval", "2")
+    resumed = {schedule: run_pretrain(schedule, *PP2, *flags, *more, "--load", ckpt, "--no-load-optim",
+                                      with_metrics=True)
+               for schedule, more in (("1f1b", ref_flags), ("dualpipev", v_flags))}
+    chunks = {int(r): text for s, r, text in CHUNKS_RE.findall(LAST_OUTPUT[0]) if s == "dualpipev"}
+    print(f"\n1f1b {' '.join(ref_flags)}; dualpipev {' '.join(v_flags)}\n"
+          + "\n".join(f"rank {r}: {t}" for r, t in sorted(chunks.items())))
+    assert chunks == expected
+    assert_metrics_close(resumed["dualpipev"], resumed["1f1b"], f"dualpipev, {split}, vs 1f1b, both from 1f1b's "
+                         f"checkpoint of iteration 2")

@@ -1,11 +1,13 @@
 """DualPipeV ``--ckpt-format torch`` checkpoints that 1F1B reads, and 1F1B checkpoints that DualPipeV reads.
 
-DualPipeV cuts the ``L`` layers into ``2*pp`` V-stages of ``n = L/(2pp)`` layers: pipeline rank
-``i`` holds V-stage ``i`` (``model[0]``) and V-stage ``2pp-1-i`` (``model[1]``). 1F1B's pipeline
-rank ``t`` holds stage ``t`` = layers ``[2nt, 2n(t+1))``, i.e. exactly V-stages ``2t`` and
-``2t+1``. So every 1F1B stage is two V-stages, and the weights map one to one by renaming the
-local layer index (``decoder.layers.{k}.``); the embedding goes with V-stage 0 / stage 0, the
-final layernorm and the output layer with V-stage ``2pp-1`` / stage ``pp-1``.
+DualPipeV cuts the ``L`` layers into ``2*pp`` V-stages (``n = L/(2pp)`` layers each, or as an
+uneven split says: ``sizes[v]``): pipeline rank ``i`` holds V-stage ``i`` (``model[0]``) and V-stage
+``2pp-1-i`` (``model[1]``). 1F1B's pipeline rank ``t`` holds stage ``t`` = V-stages ``2t`` and
+``2t+1`` (evenly: layers ``[2nt, 2n(t+1))``; unevenly: a 1F1B run whose stages are those pairs, the
+layout ``stage_layout.paired`` gives). So every 1F1B stage is two V-stages, and the weights map one
+to one by renaming the local layer index (``decoder.layers.{k}.``); the embedding goes with V-stage
+0 / stage 0, the final layernorm and the output layer with V-stage ``2pp-1`` / stage ``pp-1``. A
+1F1B file of another split holds other layers: its load fails on the keys (strict), never silently.
 
 Files (one per pipeline rank, as Megatron writes them):
 
@@ -29,7 +31,7 @@ cannot deadlock; ranks holding both pieces themselves copy locally.
 from __future__ import annotations
 
 import re
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List, Sequence, Tuple
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 
@@ -39,26 +41,28 @@ def v_stage_owner(v: int, pp: int) -> Tuple[int, int]:
     return (v, 0) if v < pp else (2 * pp - 1 - v, 1)
 
 
-def split_stage(sd: Dict[str, object], t: int, n: int) -> Dict[int, Dict[str, object]]:
-    """1F1B stage ``t``'s state dict -> ``{v: V-stage v's state dict}`` for v in (2t, 2t+1)."""
+def split_stage(sd: Dict[str, object], t: int, first: int) -> Dict[int, Dict[str, object]]:
+    """1F1B stage ``t``'s state dict -> ``{v: V-stage v's state dict}`` for v in (2t, 2t+1), V-stage
+    ``2t`` holding the stage's ``first`` layers."""
     out: Dict[int, Dict[str, object]] = {2 * t: {}, 2 * t + 1: {}}
     for key, value in sd.items():
         m = _LAYER.match(key)
         if m:
             k = int(m.group(1))
-            out[2 * t + k // n][f"decoder.layers.{k % n}.{m.group(2)}"] = value
+            second = k >= first
+            out[2 * t + second][f"decoder.layers.{k - first * second}.{m.group(2)}"] = value
         else:  # the embedding begins the stage, the final norm and the output layer end it
             out[2 * t if key.startswith("embedding.") else 2 * t + 1][key] = value
     return out
 
 
-def join_stage(pieces: Dict[int, Dict[str, object]], t: int, n: int) -> Dict[str, object]:
-    """Inverse of `split_stage`: V-stages 2t and 2t+1 -> 1F1B stage ``t``'s state dict."""
+def join_stage(pieces: Dict[int, Dict[str, object]], t: int, first: int) -> Dict[str, object]:
+    """Inverse of `split_stage`: V-stages 2t (``first`` layers) and 2t+1 -> 1F1B stage ``t``'s state dict."""
     sd: Dict[str, object] = {}
     for v in (2 * t, 2 * t + 1):
         for key, value in pieces[v].items():
             m = _LAYER.match(key)
-            sd[f"decoder.layers.{(v - 2 * t) * n + int(m.group(1))}.{m.group(2)}" if m else key] = value
+            sd[f"decoder.layers.{(v - 2 * t) * first + int(m.group(1))}.{m.group(2)}" if m else key] = value
     return sd
 
 
@@ -95,31 +99,37 @@ def route(pieces: Dict[int, Dict[str, object]], src_of: Callable[[int], int], de
     return received
 
 
-def gather_one_chunk_state_dict(model, me: int, pp: int, n: int) -> Dict[str, object]:
+def gather_one_chunk_state_dict(model, me: int, pp: int, sizes: Sequence[int]) -> Dict[str, object]:
     """DualPipeV -> 1F1B: 1F1B stage ``me``'s weights, assembled from the V-stages (collective)."""
     from ...mcore.model import chunk_info
 
     pieces = {chunk_info(c)["stage"]: c.state_dict_for_save_checkpoint() for c in model}
     got = route(pieces, lambda v: v_stage_owner(v, pp)[0], lambda v: v // 2, pp)
-    return join_stage(got, me, n)
+    return join_stage(got, me, sizes[2 * me])
 
 
-def scatter_one_chunk_state_dict(sd: Dict[str, object], me: int, pp: int, n: int) -> List[Dict[str, object]]:
+def scatter_one_chunk_state_dict(sd: Dict[str, object], me: int, pp: int,
+                                 sizes: Sequence[int]) -> List[Dict[str, object]]:
     """1F1B -> DualPipeV: this rank's stage ``me`` cut into V-stages and routed; returns the state
     dicts of ``[model[0], model[1]]`` (V-stages ``me`` and ``2pp-1-me``). Collective."""
-    got = route(split_stage(sd, me, n), lambda v: v // 2, lambda v: v_stage_owner(v, pp)[0], pp)
+    got = route(split_stage(sd, me, sizes[2 * me]), lambda v: v // 2, lambda v: v_stage_owner(v, pp)[0], pp)
     return [got[me], got[2 * pp - 1 - me]]
 
 
-def geometry(model) -> Tuple[int, int, int]:
-    """(pipeline rank, pp, layers per V-stage) of a DualPipeV model."""
+def geometry(model) -> Tuple[int, int, Tuple[int, ...]]:
+    """(pipeline rank, pp, layers of every V-stage) of a DualPipeV model, the sizes as built (an
+    uneven split's too), gathered over the pipeline group (collective)."""
+    import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from ...mcore.model import unwrap_chunk
+    from ...mcore.model import chunk_info, unwrap_chunk
 
     pp = parallel_state.get_pipeline_model_parallel_world_size()
-    return (parallel_state.get_pipeline_model_parallel_rank(), pp,
-            unwrap_chunk(model[0]).config.num_layers // (2 * pp))
+    mine = {chunk_info(c)["stage"]: len(unwrap_chunk(c).decoder.layers) for c in model}
+    every: List[Dict[int, int]] = [{} for _ in range(pp)]
+    dist.all_gather_object(every, mine, group=parallel_state.get_pipeline_model_parallel_group())
+    sizes = {v: n for held in every for v, n in held.items()}
+    return parallel_state.get_pipeline_model_parallel_rank(), pp, tuple(sizes[v] for v in range(2 * pp))
 
 
 def one_chunk_model_added(model):
@@ -127,8 +137,8 @@ def one_chunk_model_added(model):
     ``i``'s weights (gathered from the V-stages now, collectively, on every rank)."""
     from .megatron_io import generated_state_dict_edited
 
-    me, pp, n = geometry(model)
-    one_chunk = gather_one_chunk_state_dict(model, me, pp, n)
+    me, pp, sizes = geometry(model)
+    one_chunk = gather_one_chunk_state_dict(model, me, pp, sizes)
     return generated_state_dict_edited(lambda sd: sd.__setitem__("model", one_chunk))
 
 
@@ -137,10 +147,10 @@ def cut_into_v_stages(model):
     ``model0``/``model1`` cut out of its 1F1B-layout ``model`` (collective)."""
     from .megatron_io import loaded_state_dict_edited
 
-    me, pp, n = geometry(model)
+    me, pp, sizes = geometry(model)
 
     def cut(sd):
         if "model" in sd and "model0" not in sd:
-            sd["model0"], sd["model1"] = scatter_one_chunk_state_dict(sd.pop("model"), me, pp, n)
+            sd["model0"], sd["model1"] = scatter_one_chunk_state_dict(sd.pop("model"), me, pp, sizes)
 
     return loaded_state_dict_edited(cut)

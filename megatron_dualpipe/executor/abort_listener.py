@@ -1,0 +1,85 @@
+"""Hear another rank's failure without polling the store: one thread per process blocks on it.
+
+Why: every rank polling the abort key ten times a second is ~10 store requests per second per
+rank, ~40,000 at 4,096 ranks, on the one rendezvous store that NCCL's communicator creation also
+uses. A ``TCPStore.wait`` is answered by the server when the key is set, so one thread per process,
+on a connection of its own (``clone``: a blocked wait would hold the shared client's lock),
+costs one WAIT and, when it times out, one CANCEL per :data:`REARM_S`. Other stores (a file or an
+in-process store: no server) are polled with an exponential backoff. The waits read
+:attr:`Listener.message`, a local attribute: no request.
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+import threading
+import time
+from typing import Optional
+
+log = logging.getLogger("megatron_dualpipe")
+
+#: How long one blocking wait lasts before it is re-armed (requests per rank: 2 / REARM_S).
+REARM_S = 600.0
+#: First and longest interval between two polls of a store that cannot block (not a TCPStore).
+BACKOFF_S = (0.1, 5.0)
+
+
+def base_store(store):
+    """The store under the prefixes: a key written there is the same key for every rank's clone."""
+    while hasattr(store, "underlying_store"):
+        store = store.underlying_store
+    return store
+
+
+class Listener:
+    """Waits for ``key`` on ``store`` (a non-prefix store) in a daemon thread; :attr:`message` is its
+    value once set, by another rank or by :meth:`hear` (this rank's own failure)."""
+
+    def __init__(self, store, key: str):
+        self.store, self.key = store, key
+        self.message: Optional[str] = None
+        self.requests = 0  # store requests this listener issued (a connection counts one)
+        self.started = time.monotonic()
+        self._lock = threading.Lock()
+        threading.Thread(target=self._run, daemon=True, name="megatron-dualpipe-abort-listener").start()
+
+    def hear(self, message: str) -> str:
+        """Take ``message`` as the failure unless one was heard already; return the one kept."""
+        with self._lock:
+            if self.message is None:
+                self.message = message
+            return self.message
+
+    def _run(self) -> None:
+        try:
+            from torch.distributed import TCPStore
+
+            blocking = isinstance(self.store, TCPStore)
+            store = self.store.clone() if blocking else self.store
+            self.requests += int(blocking)
+            (self._block if blocking else self._poll)(store)
+            self.requests += 1
+            self.hear(store.get(self.key).decode(errors="replace"))
+        except Exception as e:  # noqa: BLE001 - a store gone away: the waits' own deadlines remain
+            log.debug("megatron-dualpipe: the abort listener stopped: %s", e)
+
+    def _block(self, store) -> None:
+        while self.message is None:
+            start = time.monotonic()
+            self.requests += 1
+            try:
+                store.wait([self.key], datetime.timedelta(seconds=REARM_S))
+                return
+            except Exception:  # noqa: BLE001 - a timeout re-arms (CANCEL_WAIT); anything sooner is fatal
+                self.requests += 1
+                if time.monotonic() - start < 0.9 * REARM_S:
+                    raise
+
+    def _poll(self, store) -> None:
+        interval = BACKOFF_S[0]
+        while self.message is None:
+            self.requests += 1
+            if store.check([self.key]):
+                return
+            time.sleep(interval)
+            interval = min(2 * interval, BACKOFF_S[1])

@@ -1,0 +1,181 @@
+"""Deadlines and the abort signal for the waits the host does not see: stream waits on an accelerator.
+
+On an accelerator ``work.wait()`` only makes the stream wait and the host runs on: a collective
+whose peer raised or hangs holds the stream, and the next host sync, until NCCL's own timeout,
+whose error names no peer. Every such wait of an iteration is handed to the iteration's
+:class:`Watchdog` with what it is (this rank, the peer, the collective) and a deadline. One thread
+polls ``is_completed()`` and the abort flag (:func:`.abort.failure`: local, no store request). On
+a missed deadline or a peer's failure it keeps a named error, logs it, tells every rank (a
+deadline: :func:`.abort.signal`) and aborts the communicators, so that a host blocked on the
+stream gets an error; :func:`watching` raises the named error instead. At the end of the
+iteration the host waits, under the same deadlines and signal, for what is still outstanding
+(Megatron's optimizer step syncs right after anyway), and the watchdog stops: it never acts on
+a later iteration's communicators.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional
+
+import torch.distributed as dist
+
+from . import abort
+
+log = logging.getLogger("megatron_dualpipe")
+
+#: How often the watchdog thread looks at the outstanding works and the abort flag.
+POLL_S = 0.005
+#: A stream wait's deadline when its caller gives none.
+DEFAULT_TIMEOUT_S = 600.0
+
+
+class StreamWaitTimeoutError(RuntimeError):
+    """A wait on an accelerator did not complete within its deadline."""
+
+
+@dataclass(eq=False)
+class Tracked:
+    """One outstanding work: ``what`` names this rank, the peer and the collective."""
+
+    work: object
+    what: str
+    deadline: float
+    timeout_s: float
+    on_done: Optional[Callable[[], None]] = None
+    #: builds the error of a missed deadline from the seconds waited (default: StreamWaitTimeoutError)
+    on_timeout: Optional[Callable[[float], BaseException]] = None
+    done: bool = False
+    issued: float = field(default_factory=time.monotonic)
+
+
+def abort_communicators() -> None:
+    """Abort every communicator of this process so that a host blocked on a stream sees an error
+    (best effort; NCCL only: the CPU emulation replaces it)."""
+    try:
+        from torch.distributed.distributed_c10d import _abort_process_group
+        _abort_process_group()
+    except Exception as e:  # noqa: BLE001 - the error is already logged and will be raised
+        log.error("megatron-dualpipe: could not abort the communicators: %s", e)
+
+
+class Watchdog:
+    """The outstanding stream waits of one iteration (see the module docstring)."""
+
+    def __init__(self, timeout_s: float = DEFAULT_TIMEOUT_S):
+        self.timeout_s = timeout_s
+        self.failure: Optional[BaseException] = None
+        self.aborted = False
+        self._tracked: List[Tracked] = []
+        self._lock = threading.Lock()
+        self._thread: Optional[threading.Thread] = None
+        self._stop = threading.Event()
+
+    def track(self, work, what: str, timeout_s: Optional[float] = None, *, on_done=None, on_timeout=None) -> Tracked:
+        """Watch ``work`` from now on, within ``timeout_s`` (default: the watchdog's)."""
+        self.check()
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        entry = Tracked(work, what, time.monotonic() + timeout_s, timeout_s, on_done, on_timeout)
+        with self._lock:
+            known = next((t for t in self._tracked if t.work is work), None)
+            if known is not None:  # a bd sum watched from its issue, then waited
+                return known
+            self._tracked.append(entry)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, daemon=True, name="megatron-dualpipe-watchdog")
+                self._thread.start()
+        return entry
+
+    def check(self) -> None:
+        """Raise the error the watchdog found, if any."""
+        if self.failure is not None:
+            raise self.failure
+
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def drain(self, poll_s: float = 0.001) -> None:
+        """Block until every tracked work completed, or raise the watchdog's error."""
+        while self.is_alive() and not all(t.work.is_completed() for t in self.outstanding()):
+            time.sleep(poll_s)
+        self.check()
+
+    def stop(self) -> None:
+        """Stop watching at once (what is outstanding is no longer this watchdog's); returns once
+        the thread has ended, so nothing of this watchdog acts later."""
+        self._stop.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+
+    def outstanding(self) -> List[Tracked]:
+        with self._lock:
+            return [t for t in self._tracked if not t.done]
+
+    def _run(self) -> None:
+        while not self._stop.wait(POLL_S):
+            failed = abort.failure()
+            if failed is not None:
+                whats = "; ".join(f"{t.what} (waited {time.monotonic() - t.issued:.1f} s)" for t in self.outstanding())
+                waiting = f"stopped waiting for {whats}" if whats else "stopped (none of its collectives outstanding)"
+                self._fail(abort.PeerFailedError(f"global rank {_rank()} {waiting} because {failed}"), tell=False)
+                return
+            if self._sweep():
+                return
+
+    def _sweep(self) -> bool:
+        """Mark completed works done, drop them; True once a deadline was missed (and handled)."""
+        now = time.monotonic()
+        for t in self.outstanding():
+            if t.work.is_completed():
+                t.done = True
+                if t.on_done is not None:
+                    t.on_done()
+            elif now > t.deadline:
+                waited = now - t.deadline + t.timeout_s
+                self._fail(t.on_timeout(waited) if t.on_timeout is not None else StreamWaitTimeoutError(
+                    f"{t.what}: did not complete within {t.timeout_s:g} s (set --dualpipe-p2p-timeout or "
+                    f"MEGATRON_DUALPIPE_P2P_TIMEOUT to wait longer)"), tell=True)
+                return True
+        with self._lock:
+            self._tracked = [t for t in self._tracked if not t.done]
+        return False
+
+    def _fail(self, error: BaseException, tell: bool) -> None:
+        self.failure = error
+        log.error("megatron-dualpipe: %s", error)
+        if tell:
+            abort.signal(f"{type(error).__name__}: {error}")
+        self.aborted = True
+        abort_communicators()
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def current() -> Optional[Watchdog]:
+    """The watchdog of the running iteration, or None outside one."""
+    return abort.WATCHING[0]
+
+
+@contextlib.contextmanager
+def watching(timeout_s: float = DEFAULT_TIMEOUT_S):
+    """One iteration under a :class:`Watchdog`: an exception caused by its abort becomes its named
+    error; at the end the host waits for what is outstanding; the watchdog stops on leaving."""
+    dog, before = Watchdog(timeout_s), abort.WATCHING[0]
+    abort.WATCHING[0] = dog
+    try:
+        yield dog
+        dog.drain()
+    except BaseException as e:
+        dog.stop()
+        if dog.failure is not None and dog.failure is not e and not isinstance(e, abort.PeerFailedError):
+            raise dog.failure from e  # the error its abort caused: the named one instead
+        raise
+    finally:
+        dog.stop()
+        abort.WATCHING[0] = before

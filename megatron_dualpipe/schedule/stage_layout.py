@@ -1,0 +1,116 @@
+"""Megatron's ``--pipeline-model-parallel-layout`` read without megatron-core, and the layouts a
+schedule can run.
+
+A layout lists the model stages along the route, ``|`` between them: ``E`` the embedding, ``t``
+a transformer layer, ``m`` a multi-token-prediction layer, ``L`` the loss (output layer), with
+Megatron's shorthands ``t*4`` and ``(tt|)*14``. Megatron places stage ``s`` on pipeline rank
+``s % pp``; the schedules here take a fixed number of stages and place them their own way
+(``schedule.layout.Layout.stages_on``): 1F1B and DualPipe ``pp`` (DualPipe's rank ``i`` holds
+stage ``i`` and a copy of ``pp-1-i``), DualPipeV ``2*pp`` V-stages (rank ``i`` holds ``i`` and
+``2pp-1-i``). A layout of another count is refused with one of the right count (:func:`fix`).
+
+Standard library only, like the rest of ``schedule``.
+"""
+from __future__ import annotations
+
+import re
+from typing import List, Sequence, Tuple
+
+__all__ = ["LayoutError", "parse", "to_text", "decoder_counts", "even", "halved", "paired", "fix"]
+
+KINDS = "ELtm"
+
+
+class LayoutError(ValueError):
+    """A layout string that cannot be read; the message names the flag."""
+
+
+def parse(text: str) -> List[str]:
+    """The stages of a layout string, each as its letters (``"Et|(tt|)*2,tL"`` ->
+    ``["Et", "tt", "tt", "tL"]``): Megatron's unrolling of ``(...)*n`` then ``x*n``, commas ignored."""
+    flat = text.replace(",", "").replace(" ", "")
+    flat = re.sub(r"\(([^)]+)\)\*(\d+)", lambda m: m.group(1) * int(m.group(2)), flat)
+    flat = re.sub(r"(.)\*(\d+)", lambda m: m.group(1) * int(m.group(2)), flat)
+    bad = sorted(set(flat) - set(KINDS) - {"|"})
+    if bad:
+        raise LayoutError(f"--pipeline-model-parallel-layout {text!r}: unknown letters {''.join(bad)!r} "
+                          f"(E embedding, t layer, m MTP layer, L loss, | between stages)")
+    return flat.split("|")
+
+
+def to_text(stages: Sequence[str]) -> str:
+    """A layout string for ``stages`` in Megatron's syntax, runs of equal middle stages and of
+    layers shortened (``["Et", "tt", "tt", "tt", "tL"]`` -> ``"Et|(tt|)*3,tL"``)."""
+    def short(stage: str) -> str:
+        return re.sub(r"t{3,}", lambda m: f"t*{len(m.group(0))}", stage)
+
+    out, i = [], 0
+    while i < len(stages):
+        j = i
+        while j + 1 < len(stages) - 1 and stages[j + 1] == stages[i] and i > 0:
+            j += 1
+        n = j - i + 1
+        out.append(f"({short(stages[i])}|)*{n}," if n >= 3 else "".join(short(s) + "|" for s in stages[i:j + 1]))
+        i = j + 1
+    return "".join(out).rstrip("|")
+
+
+def decoder_counts(stages: Sequence[str]) -> Tuple[int, ...]:
+    """Transformer layers per stage."""
+    return tuple(s.count("t") for s in stages)
+
+
+def even(num_layers: int, count: int) -> List[str]:
+    """``num_layers`` over ``count`` stages as evenly as they go, the embedding first and the loss
+    last; the layers left over go to the middle stages first (the two ends also hold the embedding
+    and the output layer)."""
+    base, extra = divmod(num_layers, count)
+    order = list(range(1, count - 1)) + [count - 1, 0]
+    sizes = [base + (i in order[:extra]) for i in range(count)]
+    stages = ["t" * n for n in sizes]
+    stages[0] = "E" + stages[0]
+    stages[-1] = stages[-1] + "L"
+    return stages
+
+
+def halved(stages: Sequence[str]) -> List[str]:
+    """Each stage cut in two (the first half of its layers, with what precedes them; then the rest):
+    from ``pp`` stages the ``2*pp`` V-stages whose pairs ``2t``, ``2t+1`` are the stages given."""
+    out = []
+    for s in stages:
+        cut = _index_of_layer(s, s.count("t") // 2)
+        out += [s[:cut], s[cut:]]
+    return out
+
+
+def paired(stages: Sequence[str]) -> List[str]:
+    """Stages ``2t`` and ``2t+1`` joined: from ``2*pp`` V-stages the ``pp`` stages 1F1B runs the
+    same layers in (1F1B's rank ``t`` holds DualPipeV's V-stages ``2t`` and ``2t+1``)."""
+    return [stages[i] + stages[i + 1] for i in range(0, len(stages) - 1, 2)]
+
+
+def _index_of_layer(stage: str, k: int) -> int:
+    """Where the stage's ``k``-th transformer layer starts (its length when it has ``k`` or fewer);
+    letters before the first layer (``E``) stay in front."""
+    seen = 0
+    for i, c in enumerate(stage):
+        if c == "t":
+            if seen == k:
+                return i
+            seen += 1
+    return len(stage)
+
+
+def fix(text: str, want: int, pp: int, schedule: str) -> str:
+    """A layout of ``want`` stages for a layout ``text`` of another count: the given stages halved
+    (``pp`` given, ``2*pp`` wanted) or paired (the reverse), else the layers spread evenly."""
+    stages = parse(text)
+    if len(stages) == pp and want == 2 * pp:
+        new = halved(stages)
+    elif len(stages) == 2 * want:
+        new = paired(stages)
+    else:
+        new = even(sum(decoder_counts(stages)), want)
+    return (f"--pipeline-model-parallel-layout has {len(stages)} stages; --pipeline-schedule {schedule} runs "
+            f"{want} ({'2 * ' if want == 2 * pp else ''}--pipeline-model-parallel-size {pp}): use e.g. "
+            f"'{to_text(new)}'")

@@ -1,0 +1,112 @@
+"""The abort signal's cost on the rendezvous store, and how soon a waiting rank hears it.
+
+Two gloo ranks; rank 1 waits for a receive that rank 0 never sends, on the host (gloo) or as an
+emulated stream wait under the iteration's watchdog (``executor.stream_emulation``); after
+``WAIT_S`` rank 0 signals a failure. Every store request the abort machinery makes goes through
+a counting TCPStore client. Polling the key every 0.1 s (before: ``failure()`` read the store)
+cost ~10 requests per second per waiting rank, 40,960 per second at 4,096 ranks on the store
+NCCL's communicator creation also uses; a listener blocked on the store costs its connection and
+one WAIT per ``REARM_S``.
+"""
+import datetime
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from harness.workers import run_workers
+
+WAIT_S = 3.0
+RANKS_AT_SCALE = 4096
+
+
+def _counting_store(host: str, port: int):
+    """A TCPStore client that counts every request made through it (and through its clones)."""
+    counts = {"requests": 0, "times": []}
+
+    def counted(method):
+        def call(self, *a):
+            counts["requests"] += 1
+            counts["times"].append(time.time())
+            return method(self, *a)
+        return call
+
+    class Counting(dist.TCPStore):
+        def clone(self):
+            counted(lambda s: None)(self)  # a connection
+            return Counting(host, port, is_master=False, wait_for_workers=False)
+
+    for name in ("check", "get", "set", "compare_set", "wait"):
+        setattr(Counting, name, counted(getattr(dist.TCPStore, name)))
+
+    return Counting(host, port, is_master=False, wait_for_workers=False), counts
+
+
+def _worker(rank, world, port, on_host):
+    from megatron_dualpipe.executor import abort, stream_emulation
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    store, counts = _counting_store("127.0.0.1", port)
+    abort._store = lambda: store
+    if hasattr(abort, "listener"):
+        abort.listener()  # started with the process group, as the first wait would
+    time.sleep(0.5)
+    base = counts["requests"]
+    if rank == 0:
+        time.sleep(WAIT_S)
+        signalled = time.time()
+        abort.signal("RuntimeError: rank 0 failed on purpose")
+        store.wait(["rank1 done"], datetime.timedelta(seconds=60))
+        return {"signalled": signalled, "requests": counts["requests"] - base}
+    start, started = time.monotonic(), time.time()
+    try:
+        with stream_emulation.emulate_nccl(deadline_s=60) if not on_host else _nothing():
+            _wait_for_rank0(abort, on_host)
+        kind, msg = "finished", ""
+    except Exception as e:  # noqa: BLE001 - reported
+        kind, msg = type(e).__name__, str(e)
+    waited, stopped = time.monotonic() - start, time.time()
+    times = [t for t in counts["times"] if t >= started]
+    store.set("rank1 done", "1")
+    return {"kind": kind, "msg": msg, "stopped": stopped, "waited": waited, "started": started, "times": times}
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _wait_for_rank0(abort, on_host):
+    what = "global rank 1: the receive of a tensor from global rank 0"
+    if on_host:
+        abort.wait_work(dist.irecv(torch.zeros(1), 0), 600, what)
+        return
+    from megatron_dualpipe.executor import watchdog
+
+    with watchdog.watching(600):
+        abort.wait_work(dist.irecv(torch.zeros(1), 0), 600, what, on_host=False)
+
+
+@pytest.mark.parametrize("on_host", [True, False], ids=["host wait", "emulated stream wait"])
+def test_a_waiting_rank_hears_a_failure_without_polling_the_store(on_host):
+    r0, r1 = run_workers(_worker, 2, args=(on_host,), timeout=120)
+    quiet_s = r0["signalled"] - r1["started"]
+    before = sum(1 for t in r1["times"] if t < r0["signalled"])
+    rate = before / quiet_s
+    print(f"\n{'host wait' if on_host else 'emulated stream wait'}: rank 1 {r1['kind']} after {r1['waited']:.2f} s, "
+          f"{r1['stopped'] - r0['signalled']:.3f} s after rank 0 signalled: {r1['msg'][:200]}")
+    print(f"  rank 1's store requests: {before} in the {quiet_s:.2f} s it waited before the signal ({rate:.2f} per "
+          f"second; at {RANKS_AT_SCALE} ranks {rate * RANKS_AT_SCALE:,.0f} per second), "
+          f"{len(r1['times']) - before} after it (reading the message); rank 0: {r0['requests']} (its signal and "
+          f"its wait for rank 1)")
+    assert r1["kind"] == "PeerFailedError", r1
+    assert "because global rank 0 failed: RuntimeError: rank 0 failed on purpose" in r1["msg"], r1
+    assert "global rank 1" in r1["msg"] and "global rank 0" in r1["msg"], r1
+    assert r1["stopped"] - r0["signalled"] < 2.0, (r0, r1)
+    assert rate < 1.0, f"{before} store requests in {quiet_s:.1f} s"
