@@ -1,50 +1,47 @@
-"""The selftest's models: one tiny GPT (or MoE GPT) under Megatron's 1F1B, DualPipe and DualPipeV,
-every one loaded from the same full (pp=1) weights, and one iteration of each.
+"""The tiny GPT (or MoE GPT) under Megatron's 1F1B, DualPipe and DualPipeV, every one loaded from
+the same full (pp=1) weights, and one iteration of each: what the tests and the selftest run.
 
 The full weights are built on every rank from one seed, so every schedule starts from the same
 numbers without moving a state dict between ranks. Each model's gradients are returned keyed by
-the full model's parameter names, so that stage i of 1F1B, model[0] on rank i and model[1] on rank
-pp-1-i (DualPipe) and the chunk holding the same layers (DualPipeV) can be compared name by name.
-Embeddings are untied: every parameter then lives on exactly one stage of 1F1B.
+the full model's parameter names (:mod:`.names`), so that stage i of 1F1B, model[0] on rank i and
+model[1] on rank pp-1-i (DualPipe) and the chunk holding the same layers (DualPipeV) can be
+compared name by name.
 """
 from __future__ import annotations
 
 import copy
 import dataclasses
-import functools
-import os
-from typing import Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import tiny_gpt
+from . import names, tiny_gpt
+from .data import forward_step, make_gpt_batches
+from .reference import weights
 from ..schedule.registry import DUALPIPE, DUALPIPEV, ONE_F_ONE_B
 
 SEED = 1234
-#: Test-only fault injection: ``swap-microbatch`` makes the DualPipe runs of the equality stage
-#: read micro-batches 0 and 1 in swapped order on the last pipeline rank (a broken executor
-#: delivering the wrong micro-batch to a stage). ``tests/apps/test_selftest.py`` checks that the
-#: selftest then FAILs with the loss difference; nothing else sets it. ``stall:STAGE`` makes rank 1
-#: never end STAGE (a rank stuck where no timeout of its own applies), which the watchdog must stop.
-FAULT_ENV = "MEGATRON_DUALPIPE_SELFTEST_FAULT"
 SCHEDULES = (ONE_F_ONE_B, DUALPIPE, DUALPIPEV)
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
-    """What to build: sizes, dtype, layer implementation, MoE or dense."""
+    """What to build: sizes, dtype, layer implementation, MoE or dense, tied embeddings, and any
+    other ``TransformerConfig`` field (``config``: (name, value) pairs, applied last)."""
 
     layers: int
-    hidden: int
-    heads: int
-    seq: int
-    mbs: int
-    vocab: int
+    hidden: int = 32
+    heads: int = 4
+    seq: int = 16
+    mbs: int = 2
+    vocab: int = 64
     dtype: str = "fp32"  # fp32 | bf16
     layer_spec: str = "local"  # local | te
     experts: Optional[int] = None  # MoE with this many experts (alltoall dispatcher)
     combined_step: bool = False  # fused F&B units through megatron-core's combined step (MoE, EP > 1)
     fp8: bool = False
+    tied: bool = False
+    config: Tuple[Tuple[str, Any], ...] = ()
 
     @property
     def torch_dtype(self):
@@ -54,6 +51,10 @@ class ModelSpec:
         kind = f"MoE GPT ({self.experts} experts, alltoall)" if self.experts else "GPT"
         return (f"{kind}, {self.layers} layers, hidden {self.hidden}, seq {self.seq}, micro-batch {self.mbs}, "
                 f"{self.dtype}{' fp8' if self.fp8 else ''}, {self.layer_spec} layers")
+
+    def batches(self, n: int, seed: int = 7, short=()) -> List[dict]:
+        """``n`` micro-batches of this model's shape (:func:`.data.make_gpt_batches`), on the CPU."""
+        return make_gpt_batches(n, vocab=self.vocab, seq=self.seq, mbs=self.mbs, seed=seed, short=short)
 
 
 def config_of(spec: ModelSpec, *, full: bool = False, combined: bool = False):
@@ -71,6 +72,7 @@ def config_of(spec: ModelSpec, *, full: bool = False, combined: bool = False):
         overrides.update(num_moe_experts=spec.experts, moe_token_dispatcher_type="alltoall")
     else:  # a dense model next to expert parallelism: its data-parallel replicas are just that
         overrides["expert_model_parallel_size"] = 1
+    overrides.update(spec.config)
     config = tiny_gpt.tiny_gpt_config(num_layers=spec.layers, hidden_size=spec.hidden,
                                       num_attention_heads=spec.heads, **overrides)
     if spec.combined_step and combined:
@@ -82,19 +84,24 @@ def config_of(spec: ModelSpec, *, full: bool = False, combined: bool = False):
 
 def _build(spec: ModelSpec, config, **kwargs):
     return tiny_gpt.build_tiny_gpt(config, vocab_size=spec.vocab, max_sequence_length=spec.seq,
-                                   share_embeddings_and_output_weights=False, layer_spec=spec.layer_spec, **kwargs)
+                                   share_embeddings_and_output_weights=spec.tied, layer_spec=spec.layer_spec, **kwargs)
 
 
-def full_state_dict(spec: ModelSpec) -> Dict[str, torch.Tensor]:
-    """The pp=1 model's weights (this rank's tensor/expert shards), the same on every pipeline rank."""
+def full_model(spec: ModelSpec):
+    """The pp=1 model (this rank's tensor/expert shards), the same weights on every pipeline rank:
+    the source of every schedule's weights and the reference (:mod:`.reference`)."""
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     tiny_gpt.seed_all(SEED)
     pgc = copy.copy(ProcessGroupCollection.use_mpu_process_groups())
     pgc.pp = None  # a one-stage pipeline
     pgc.embd = None
-    full = _build(spec, config_of(spec, full=True), pre_process=True, post_process=True, pg_collection=pgc)
-    return {k: v.detach().clone() for k, v in full.state_dict().items() if not k.endswith("_extra_state")}
+    return _build(spec, config_of(spec, full=True), pre_process=True, post_process=True, pg_collection=pgc)
+
+
+def full_state_dict(spec: ModelSpec) -> Dict[str, torch.Tensor]:
+    """:func:`full_model`'s weights."""
+    return weights(full_model(spec))
 
 
 def provider(spec: ModelSpec, v_layout: bool = False, combined: bool = False):
@@ -111,39 +118,13 @@ def provider(spec: ModelSpec, v_layout: bool = False, combined: bool = False):
     return build
 
 
-def forward_step(data_iterator, model, return_schedule_plan: bool = False):
-    """``pretrain_gpt.forward_step``'s contract: the first stage reads tokens, the last labels and
-    the loss mask (``parallel_state`` answers for the direction being computed); with
-    ``return_schedule_plan`` the model's plan for the combined step."""
-    from megatron.core import parallel_state as ps
-
-    first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
-    b = next(data_iterator) if (first or last) else None
-    tokens, position_ids = (b["tokens"], b["position_ids"]) if first else (None, None)
-    labels = b["labels"] if last else None
-    loss = functools.partial(tiny_gpt.masked_loss_func, b["loss_mask"] if last else None)
-    if return_schedule_plan:
-        return model.build_schedule_plan(tokens, position_ids, None, labels=labels), loss
-    return model(tokens, position_ids, None, labels=labels), loss
-
-
 def batches(spec: ModelSpec, m: int, step: int = 0) -> List[dict]:
     """This data-parallel replica's ``m`` micro-batches of optimizer step ``step`` (on the device)."""
     from megatron.core import parallel_state as ps
 
     seed = 7 + 1000 * step + ps.get_data_parallel_rank()
     device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
-    out = tiny_gpt.make_gpt_batches(m, vocab=spec.vocab, seq=spec.seq, mbs=spec.mbs, seed=seed)
-    return [{k: v.to(device) for k, v in b.items()} for b in out]
-
-
-def faulty(micro_batches: List[dict]) -> List[dict]:
-    """The test-only fault (:data:`FAULT_ENV`): micro-batches 0 and 1 swapped on the last pipeline rank."""
-    from megatron.core import parallel_state as ps
-
-    if os.environ.get(FAULT_ENV) == "swap-microbatch" and ps.is_pipeline_last_stage() and len(micro_batches) > 1:
-        micro_batches = [micro_batches[1], micro_batches[0], *micro_batches[2:]]
-    return micro_batches
+    return [{k: v.to(device) for k, v in b.items()} for b in spec.batches(m, seed)]
 
 
 def build(spec: ModelSpec, schedule: str, full: Dict[str, torch.Tensor]) -> List[torch.nn.Module]:
@@ -153,15 +134,15 @@ def build(spec: ModelSpec, schedule: str, full: Dict[str, torch.Tensor]) -> List
 
     if schedule == ONE_F_ONE_B:
         chunks = [provider(spec)()]
-        tiny_gpt.load_stage_from_full(chunks[0], full)
+        names.load_stage_from_full(chunks[0], full)
     elif schedule == DUALPIPE:
         chunks = list(build_two_direction_model(provider(spec, combined=True), layout_kind="bidirectional"))
-        tiny_gpt.load_stage_from_full(chunks[0], full)
+        names.load_stage_from_full(chunks[0], full)
         broadcast_mirrors(chunks)
     elif schedule == DUALPIPEV:
         chunks = list(build_two_direction_model(provider(spec, v_layout=True, combined=True), layout_kind="v"))
         for chunk in chunks:
-            tiny_gpt.load_stage_from_full(chunk, full)
+            names.load_stage_from_full(chunk, full)
     else:
         raise ValueError(f"unknown schedule {schedule!r}: choose one of {', '.join(SCHEDULES)}")
     for chunk in chunks:
@@ -190,14 +171,10 @@ def run_iteration(spec: ModelSpec, schedule: str, chunks: Sequence[torch.nn.Modu
     return [float(d["lm loss"]) for d in out]
 
 
-def grads_by_full_name(chunks: Sequence[torch.nn.Module], full_keys) -> List[Dict[str, "object"]]:
+def grads_by_full_name(chunks: Sequence[torch.nn.Module], full_keys) -> List[Dict[str, Any]]:
     """Per chunk: gradient as a float64 numpy array under the full model's parameter name."""
-    out = []
-    for chunk in chunks:
-        offset = tiny_gpt.layer_offset(chunk)
-        out.append({tiny_gpt.full_key(n, offset, full_keys): p.grad.detach().double().cpu().numpy()
-                    for n, p in chunk.named_parameters() if p.grad is not None})
-    return out
+    return [names.by_full_name(c, full_keys, lambda p: None if p.grad is None else p.grad.detach().double().cpu().numpy())
+            for c in chunks]
 
 
 def zero_grads(chunks: Sequence[torch.nn.Module]) -> None:

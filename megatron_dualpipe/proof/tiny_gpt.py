@@ -1,17 +1,15 @@
-"""A tiny megatron-core GPT and what comparing its pipeline stages needs: the model, random
-micro-batches, the masked loss, and the mapping of a stage's parameter names to the full (pp=1)
-model's.
+"""The tiny megatron-core GPT every proof builds: its config, the model, the seeds.
 
-Shared by ``megatron-dualpipe selftest`` and the tests (``tests/harness/megatron_env.py`` re-exports
-it): the selftest must not import ``tests/``, and the tests and the selftest must build the same
-model. ``build_tiny_gpt(..., layer_spec="te")`` builds it with Transformer Engine layers (GPU).
+One definition for the tests and ``megatron-dualpipe selftest``, so that both prove their claims on
+the same model. ``build_tiny_gpt(..., layer_spec="te")`` builds it with Transformer Engine layers (GPU).
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Optional
 
 import torch
+
 
 def seed_all(seed: int) -> None:
     """Seed torch's default generator and megatron's model-parallel RNG tracker."""
@@ -125,98 +123,3 @@ def build_tiny_gpt(
         share_embeddings_and_output_weights=share_embeddings_and_output_weights,
         **kwargs,
     )
-
-
-def make_gpt_batches(n: int, *, vocab: int, seq: int, mbs: int, seed: int = 7) -> List[Dict[str, torch.Tensor]]:
-    """``n`` random micro-batches (tokens, labels, position ids, loss mask), the same for a seed.
-
-    The last three positions of every sample are masked out, so a per-token average that
-    ignored the mask would not match.
-    """
-    gen = torch.Generator().manual_seed(seed)
-    batches = []
-    for _ in range(n):
-        tokens = torch.randint(0, vocab, (mbs, seq + 1), generator=gen)
-        loss_mask = torch.ones(mbs, seq)
-        loss_mask[:, -3:] = 0.0
-        batches.append(dict(tokens=tokens[:, :-1].contiguous(), labels=tokens[:, 1:].contiguous(),
-                            position_ids=torch.arange(seq).unsqueeze(0).expand(mbs, -1).contiguous(),
-                            loss_mask=loss_mask))
-    return batches
-
-
-def masked_loss_func(loss_mask, output_tensor):
-    """Megatron's 2-tuple loss contract: the masked mean of the per-token losses, and its report."""
-    losses = output_tensor.float().reshape(-1)
-    mask = loss_mask.reshape(-1)
-    loss = torch.sum(losses * mask) / mask.sum()
-    return loss, {"lm loss": loss.detach().clone()}
-
-
-def stage_layer_key(key: str, layer_offset: int) -> str:
-    """Map a stage model's state-dict key to the full (pp=1) model's key.
-
-    Stage models number their layers from 0: a stage holding global layers [o, o+n) has
-    `decoder.layers.i.*` for global layer `o + i` (`TransformerLayer.layer_number` is 1-based and
-    global; the module index is local).
-    """
-    prefix = "decoder.layers."
-    if key.startswith(prefix):
-        index, rest = key[len(prefix) :].split(".", 1)
-        return f"{prefix}{int(index) + layer_offset}.{rest}"
-    return key
-
-
-def full_key(key: str, layer_offset: int, full_keys) -> str:
-    name = stage_layer_key(key, layer_offset)
-    if name == _OUTPUT_WEIGHT and name not in full_keys and _EMBEDDING_WEIGHT in full_keys:
-        # Tied embeddings: the last stage's output_layer.weight is the full model's embedding.
-        return _EMBEDDING_WEIGHT
-    return name
-
-
-_OUTPUT_WEIGHT = "output_layer.weight"
-_EMBEDDING_WEIGHT = "embedding.word_embeddings.weight"
-
-
-def layer_offset(stage_model) -> int:
-    layers = stage_model.decoder.layers
-    return layers[0].layer_number - 1 if len(layers) else 0
-
-
-def load_stage_from_full(stage_model, full_state_dict: Dict[str, torch.Tensor]) -> None:
-    """Copy the matching tensors of a full (pp=1) model's state dict into a stage model.
-
-    Layer keys are shifted by the stage's layer offset; with tied embeddings the last stage's
-    `output_layer.weight` takes the full model's `embedding.word_embeddings.weight`.
-    """
-    offset = layer_offset(stage_model)
-    missing = []
-    with torch.no_grad():
-        for key, tensor in stage_model.state_dict().items():
-            if key.endswith("_extra_state"):
-                continue
-            name = full_key(key, offset, full_state_dict)
-            if name not in full_state_dict:
-                missing.append(name)
-                continue
-            tensor.copy_(full_state_dict[name])
-    if missing:
-        raise KeyError(f"keys missing from the full model: {missing}")
-
-
-def stage_grads_as_full(stage_model, full_keys) -> Dict[str, torch.Tensor]:
-    """The stage's parameter gradients keyed by the full model's parameter names.
-
-    `full_keys` is the full model's key set (needed for the tied-embedding mapping); a tied
-    embedding's gradient then appears under the same key on the first and the last stage, and
-    the full model's gradient is their sum.
-    """
-    offset = layer_offset(stage_model)
-    return {
-        full_key(name, offset, full_keys): param.grad.detach().clone()
-        for name, param in stage_model.named_parameters()
-        if param.grad is not None
-    }
-
-

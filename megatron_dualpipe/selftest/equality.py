@@ -3,11 +3,13 @@ the same weights under Megatron's own 1F1B, DualPipe and DualPipeV, on the same 
 
 * every micro-batch's loss, and every parameter's gradient, within the dtype's tolerance of
   1F1B's (``options.TOLERANCE``; relative to the largest |value| of the tensor);
+* every schedule, 1F1B included, within the tolerance of the pp=1 reference (the whole model on
+  each rank in a plain loop, :mod:`..proof.reference`: what the CPU tests hold every schedule to);
 * after a few SGD steps with DualPipe, the two copies of every stage (model[0] on rank i,
   model[1] on rank pp-1-i) are bit-identical.
 
-The reference is Megatron's own schedule, on the user's layers (local or Transformer Engine), the
-user's backend and devices: what the CPU tests prove against a single process, proven here.
+The references run on the user's layers (local or Transformer Engine), backend and devices: what
+the CPU tests prove, proven here through the same code (:mod:`..proof`).
 """
 from __future__ import annotations
 
@@ -16,7 +18,9 @@ from typing import Dict, List, Tuple
 import numpy as np
 import torch
 
-from . import models
+from . import faults
+from ..proof import models, names, reference
+from ..proof.compare import Gap, rel_diff
 from .result import FAIL, PASS, StageResult
 from ..schedule.registry import DUALPIPE, DUALPIPEV, ONE_F_ONE_B
 
@@ -26,18 +30,35 @@ STEPS, LR = 3, 0.1
 
 def _one_model(ctx, spec: models.ModelSpec) -> dict:
     m = 2 * ctx.cfg.pp
-    full = models.full_state_dict(spec)
-    losses, grads = {}, {}
+    whole = models.full_model(spec)
+    full = reference.weights(whole)
+    ref_losses, per_mb = reference.per_microbatch(whole, models.batches(spec, m))
+    ref_grads = {key: reference.mean_grad(per_mb, key) for key in per_mb[0]}
+    del whole, per_mb
+    losses, grads, vs_ref = {}, {}, {}
     for schedule in models.SCHEDULES:
         chunks = models.build(spec, schedule, full)
         micro = models.batches(spec, m)
         if schedule != ONE_F_ONE_B:
-            micro = models.faulty(micro)
+            micro = faults.faulty(micro)
         losses[schedule] = models.run_iteration(spec, schedule, chunks, micro, p2p_timeout=ctx.cfg.deadline_s)
         grads[schedule] = models.grads_by_full_name(chunks, full)
+        vs_ref[schedule] = _against_reference(losses[schedule], grads[schedule], ref_losses, ref_grads)
         if schedule == DUALPIPE:
             copies = _train_steps(ctx, spec, chunks, full)
-    return {"losses": losses, "grads": grads, "copies": copies}
+    return {"losses": losses, "grads": grads, "copies": copies, "vs_reference": vs_ref}
+
+
+def _against_reference(losses, grads, ref_losses, ref_grads) -> dict:
+    """This rank's gaps to the pp=1 reference: losses (last rank) and every gradient of every chunk."""
+    loss, grad = Gap(), Gap()
+    for k, (got, want) in enumerate(zip(losses or [], ref_losses)):  # a count that differs: see 1F1B's check
+        loss.add(got, want, f"micro-batch {k}")
+    for c, chunk in enumerate(grads):
+        for key, g in chunk.items():
+            grad.add(g, ref_grads[key], f"model[{c}] {key}")
+    return {"loss": loss.rel if loss.pairs else None, "grad": grad.rel, "where": grad.where,
+            "line": grad.line("gradients")}
 
 
 def _train_steps(ctx, spec, chunks, full) -> List[Dict[str, np.ndarray]]:
@@ -49,14 +70,7 @@ def _train_steps(ctx, spec, chunks, full) -> List[Dict[str, np.ndarray]]:
             models.run_iteration(spec, DUALPIPE, chunks, models.batches(spec, 2 * ctx.cfg.pp, step),
                                  p2p_timeout=ctx.cfg.deadline_s)
         opt.step()
-    out = []
-    from . import tiny_gpt
-
-    for chunk in chunks:
-        offset = tiny_gpt.layer_offset(chunk)
-        out.append({tiny_gpt.full_key(n, offset, full): p.detach().cpu().float().numpy()
-                    for n, p in chunk.named_parameters()})
-    return out
+    return [names.by_full_name(c, full, lambda p: p.detach().cpu().float().numpy()) for c in chunks]
 
 
 def run(ctx) -> dict:
@@ -66,64 +80,77 @@ def run(ctx) -> dict:
     return out
 
 
-def _rel(got: np.ndarray, want: np.ndarray) -> float:
-    scale = float(np.max(np.abs(want))) if want.size else 0.0
-    diff = float(np.max(np.abs(got - want))) if want.size else 0.0
-    return diff / scale if scale > 0 else diff
-
-
-def _compare_model(ctx, name: str, payloads: List[dict], tol: float) -> Tuple[List[str], List[str], dict]:
-    """(details, failures, numbers) for one model."""
+def _vs_1f1b(ctx, name: str, by_coord: dict, schedule: str, tol: float, failures: List[str]) -> dict:
+    """``schedule``'s losses and gradients against Megatron 1F1B's, each tensor relative to its own scale."""
     pp = ctx.cfg.pp
-    details, failures, numbers = [], [], {}
-    by_coord = {tuple(p["coord"]): p["models"][name] for p in payloads}
-    # Megatron 1F1B's gradient of every parameter: (tp, dp, full name) -> array
-    ref: Dict[tuple, np.ndarray] = {}
-    for (pp_rank, tp, dp), p in by_coord.items():
-        for key, g in p["grads"][ONE_F_ONE_B][0].items():
-            ref[(tp, dp, key)] = g
-    for schedule in (DUALPIPE, DUALPIPEV):
-        worst_loss, worst_grad, where = 0.0, 0.0, ""
-        missing = []
-        for (pp_rank, tp, dp), p in sorted(by_coord.items()):
-            if pp_rank == pp - 1:
-                want, got = p["losses"][ONE_F_ONE_B], p["losses"][schedule]
-                if got is None or len(got) != len(want):
-                    failures.append(f"{name} {schedule}: the last rank returned {got} losses, 1F1B {len(want)}")
+    ref = {(tp, dp, key): g for (_, tp, dp), p in by_coord.items() for key, g in p["grads"][ONE_F_ONE_B][0].items()}
+    losses, grads, missing = Gap(), Gap(), []
+    for (pp_rank, tp, dp), p in sorted(by_coord.items()):
+        if pp_rank == pp - 1:
+            want, got = p["losses"][ONE_F_ONE_B], p["losses"][schedule]
+            if got is None or len(got) != len(want):
+                failures.append(f"{name} {schedule}: the last rank returned {got} losses, 1F1B {len(want)}")
+                continue
+            for k, (a, b) in enumerate(zip(got, want)):
+                if losses.add(a, b, f"micro-batch {k}") > tol:
+                    failures.append(f"{name} {schedule}: loss of micro-batch {k} (dp {dp}) {a:.7g} vs 1F1B "
+                                    f"{b:.7g}: relative difference {rel_diff(a, b):.2e} > {tol:g}")
+        for c, chunk in enumerate(p["grads"][schedule]):
+            for key, g in chunk.items():
+                if (tp, dp, key) not in ref:
+                    missing.append(key)
                     continue
-                for k, (a, b) in enumerate(zip(got, want)):
-                    d = abs(a - b) / max(abs(b), 1e-30)
-                    if d > worst_loss:
-                        worst_loss = d
-                    if d > tol:
-                        failures.append(f"{name} {schedule}: loss of micro-batch {k} (dp {dp}) {a:.7g} vs 1F1B "
-                                        f"{b:.7g}: relative difference {d:.2e} > {tol:g}")
-            for c, chunk in enumerate(p["grads"][schedule]):
-                for key, g in chunk.items():
-                    want = ref.get((tp, dp, key))
-                    if want is None:
-                        missing.append(key)
-                        continue
-                    d = _rel(g, want)
-                    if d > worst_grad:
-                        worst_grad, where = d, f"rank (pp {pp_rank}, tp {tp}, dp {dp}) model[{c}] {key}"
-        if missing:
-            failures.append(f"{name} {schedule}: {len(missing)} gradients with no 1F1B counterpart, e.g. {missing[0]}")
-        if worst_grad > tol:
-            failures.append(f"{name} {schedule}: gradient of {where} differs from 1F1B's by {worst_grad:.2e} "
-                            f"(relative) > {tol:g}")
-        numbers[schedule] = {"max_rel_loss_diff": worst_loss, "max_rel_grad_diff": worst_grad}
-        details.append(f"{name} {schedule} vs Megatron 1F1B, M={2 * pp}: max relative loss difference "
-                       f"{worst_loss:.2e}, max relative gradient difference {worst_grad:.2e} ({where or 'all bit-identical'})")
-    # The two copies of every stage after the SGD steps: bit for bit.
+                grads.add(g, ref[(tp, dp, key)], f"rank (pp {pp_rank}, tp {tp}, dp {dp}) model[{c}] {key}")
+    if missing:
+        failures.append(f"{name} {schedule}: {len(missing)} gradients with no 1F1B counterpart, e.g. {missing[0]}")
+    if grads.worst > tol:
+        failures.append(f"{name} {schedule}: gradient of {grads.worst_where} differs from 1F1B's by {grads.worst:.2e} "
+                        f"(relative) > {tol:g}")
+    return {"max_rel_loss_diff": losses.worst, "max_rel_grad_diff": grads.worst, "where": grads.worst_where}
+
+
+def _vs_reference(name: str, payloads: List[dict], schedule: str, tol: float, failures: List[str]) -> Tuple[dict, str]:
+    """``schedule`` against the pp=1 reference: the losses, and the worst rank's gradients (over all its tensors)."""
+    gaps = [p["models"][name]["vs_reference"][schedule] for p in payloads]
+    loss = max((g["loss"] for g in gaps if g["loss"] is not None), default=0.0)
+    worst = max(range(len(gaps)), key=lambda r: gaps[r]["grad"])
+    if loss > tol:
+        failures.append(f"{name} {schedule}: losses differ from the pp=1 reference's by {loss:.2e} (relative) > {tol:g}")
+    if gaps[worst]["grad"] > tol:
+        failures.append(f"{name} {schedule}: gradients of rank {worst} differ from the pp=1 reference's by "
+                        f"{gaps[worst]['grad']:.2e} (relative) > {tol:g}, most at {gaps[worst]['where']}")
+    return ({"rel_loss_diff": loss, "rel_grad_diff": gaps[worst]["grad"]},
+            f"{name} {schedule} vs the pp=1 reference: losses {loss:.2e} (relative); rank {worst}'s {gaps[worst]['line']}")
+
+
+def _copies(by_coord: dict, pp: int) -> Tuple[int, List[str]]:
+    """The mirrors (model[1]) against their partners' model[0] after the SGD steps: (compared, differing)."""
     differing, compared = [], 0
     for (pp_rank, tp, dp), p in by_coord.items():
-        partner = by_coord[(pp - 1 - pp_rank, tp, dp)]
-        mirror, home = p["copies"][1], partner["copies"][0]
-        for key, v in mirror.items():
+        home = by_coord[(pp - 1 - pp_rank, tp, dp)]["copies"][0]
+        for key, v in p["copies"][1].items():
             compared += 1
             if key not in home or not np.array_equal(v, home[key]):
                 differing.append(f"rank (pp {pp_rank}, tp {tp}, dp {dp}) model[1] {key}")
+    return compared, differing
+
+
+def _compare_model(ctx, name: str, payloads: List[dict], tol: float) -> Tuple[List[str], List[str], dict]:
+    """(details, failures, numbers) for one model: vs 1F1B first (its failures lead), then vs the
+    pp=1 reference, then the copies."""
+    pp = ctx.cfg.pp
+    details, failures, numbers = [], [], {}
+    by_coord = {tuple(p["coord"]): p["models"][name] for p in payloads}
+    for schedule in (DUALPIPE, DUALPIPEV):
+        n = numbers[schedule] = _vs_1f1b(ctx, name, by_coord, schedule, tol, failures)
+        details.append(f"{name} {schedule} vs Megatron 1F1B, M={2 * pp}: max relative loss difference "
+                       f"{n['max_rel_loss_diff']:.2e}, max relative gradient difference {n['max_rel_grad_diff']:.2e} "
+                       f"({n.pop('where') or 'all bit-identical'})")
+    numbers["vs_reference"] = {}
+    for schedule in models.SCHEDULES:
+        numbers["vs_reference"][schedule], line = _vs_reference(name, payloads, schedule, tol, failures)
+        details.append(line)
+    compared, differing = _copies(by_coord, pp)
     if differing:
         failures.append(f"{name}: after {STEPS} DualPipe SGD steps {len(differing)} of {compared} parameters of "
                         f"the stage copies differ, e.g. {differing[0]}")
@@ -135,7 +162,8 @@ def _compare_model(ctx, name: str, payloads: List[dict], tol: float) -> Tuple[Li
 
 def judge(ctx, payloads: List[dict]) -> StageResult:
     tol = ctx.cfg.tolerance
-    details = [f"tolerance ({ctx.cfg.dtype_key}): {tol:g} relative to the largest |value| of each loss/tensor"]
+    details = [f"tolerance ({ctx.cfg.dtype_key}): {tol:g} relative to the largest |value| of each loss/tensor "
+               f"(against the pp=1 reference: of all a rank's tensors)"]
     failures, numbers, parts = [], {}, []
     for name in payloads[0]["models"]:
         spec = ctx.cfg.spec(moe=name == "MoE")
@@ -145,7 +173,8 @@ def judge(ctx, payloads: List[dict]) -> StageResult:
         failures += f
         numbers[name] = n
         parts.append(f"{name}: loss {max(n[s]['max_rel_loss_diff'] for s in (DUALPIPE, DUALPIPEV)):.1e}, "
-                     f"grad {max(n[s]['max_rel_grad_diff'] for s in (DUALPIPE, DUALPIPEV)):.1e}"
+                     f"grad {max(n[s]['max_rel_grad_diff'] for s in (DUALPIPE, DUALPIPEV)):.1e}, "
+                     f"pp=1 reference {max(v['rel_grad_diff'] for v in n['vs_reference'].values()):.1e}"
                      f"{', copies bit-identical' if n['copies_identical'] else ', COPIES DIFFER'}")
     head = f"DualPipe and DualPipeV vs Megatron 1F1B (tolerance {tol:g}): " + "; ".join(parts)
     if failures:

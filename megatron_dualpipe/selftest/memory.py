@@ -17,7 +17,7 @@ from typing import Dict, Iterator, List
 
 import torch
 
-from . import models
+from ..proof import models
 from .result import FAIL, PASS, StageResult
 from ..schedule.registry import DUALPIPE, DUALPIPEV, ONE_F_ONE_B
 

@@ -12,7 +12,9 @@ from __future__ import annotations
 import time
 from typing import List
 
-from . import models
+from ..proof import models
+from ..proof.compare import Gap
+from ..proof.nohang import Stop, attempt, peers_stopped, raising_forward_step
 from .result import FAIL, PASS, StageResult
 from ..schedule.registry import DUALPIPE, DUALPIPEV, ONE_F_ONE_B
 
@@ -53,12 +55,14 @@ class OddMicrobatches:
         for i in range(n):
             runs = [p["runs"][i] for p in payloads]
             slowest = max(r["seconds"] for r in runs)
-            worst = 0.0
+            gap = Gap()
             for r in runs:
                 if r["losses"] is not None:
-                    worst = max([worst] + [abs(a - b) / max(abs(b), 1e-30) for a, b in zip(r["losses"], r["ref"])])
+                    for a, b in zip(r["losses"], r["ref"]):
+                        gap.add(a, b)
                     if len(r["losses"]) != r["m"]:
                         failures.append(f"{r['schedule']} M={r['m']}: {len(r['losses'])} losses returned")
+            worst = gap.worst
             name, m = runs[0]["schedule"], runs[0]["m"]
             if worst > tol:
                 failures.append(f"{name} M={m}: losses differ from 1F1B's by {worst:.2e} (relative) > {tol:g}")
@@ -70,10 +74,6 @@ class OddMicrobatches:
         return StageResult(OddMicrobatches.NAME, PASS, "all finished, 1F1B's losses: " + ", ".join(parts), details)
 
 
-class InjectedFailure(RuntimeError):
-    """The error the selftest raises on purpose in one rank's forward."""
-
-
 class RankRaises:
     NAME = "no hang (a rank raises)"
     VICTIM = (1, 0, 0)  # (pp, tp, dp) coordinates of the rank that raises
@@ -82,53 +82,38 @@ class RankRaises:
     def run(ctx) -> dict:
         spec = ctx.cfg.spec()
         full = models.full_state_dict(spec)
-        calls = [0]
+        step = raising_forward_step(models.forward_step, fails=ctx.coord == RankRaises.VICTIM)
 
-        def failing_forward_step(data_iterator, model, *args, **kwargs):
-            calls[0] += 1
-            if ctx.coord == RankRaises.VICTIM and calls[0] == 2:
-                raise InjectedFailure(f"selftest: injected failure in the second forward of global rank {ctx.rank}")
-            return models.forward_step(data_iterator, model, *args, **kwargs)
-
-        t0 = time.perf_counter()
-        try:  # the build too: a rank still building when the victim fails stops there (abort signal)
+        def iteration():  # the build too: a rank still building when the victim fails stops there (abort signal)
             chunks = models.build(spec, DUALPIPE, full)
             models.run_iteration(spec, DUALPIPE, chunks, models.batches(spec, 2 * ctx.cfg.pp),
-                                 p2p_timeout=ctx.cfg.deadline_s, forward_step_func=failing_forward_step)
-            error = None
-        except Exception as e:  # noqa: BLE001 - what this stage looks at
-            error = f"{type(e).__name__}: {e}"
-        return {"coord": ctx.coord, "seconds": time.perf_counter() - t0, "error": error, "rank": ctx.rank}
+                                 p2p_timeout=ctx.cfg.deadline_s, forward_step_func=step)
+
+        stop = attempt(iteration)
+        return {"coord": ctx.coord, "seconds": stop.seconds, "at": stop.at, "error": stop.error, "rank": ctx.rank}
 
     @staticmethod
     def judge(ctx, payloads: List[dict]) -> StageResult:
         name = RankRaises.NAME
-        limit = ctx.cfg.deadline_s + GRACE_S
         victim = [p for p in payloads if tuple(p["coord"]) == RankRaises.VICTIM][0]
         pipeline = [p for p in payloads if tuple(p["coord"])[1:] == RankRaises.VICTIM[1:]]
+        stops = {p["rank"]: Stop(p["error"], p["seconds"], p["at"]) for p in payloads}
         details, failures = [], []
+        if stops[victim["rank"]].kind != "InjectedFailure":
+            failures.append(f"rank {victim['rank']} should have raised the injected failure; got: "
+                            f"{stops[victim['rank']].first_line()[:200]}")
+        failures += peers_stopped({p["rank"]: stops[p["rank"]] for p in pipeline}, victim["rank"],
+                                  ctx.cfg.deadline_s + GRACE_S)
         for p in sorted(pipeline, key=lambda p: p["coord"][0]):
-            first = (p["error"] or "finished without an error").splitlines()[0]
-            details.append(f"rank {p['rank']} (pp {p['coord'][0]}): stopped after {p['seconds']:.1f} s: {first[:300]}")
-            if p is victim:
-                if not p["error"] or "InjectedFailure" not in p["error"]:
-                    failures.append(f"rank {p['rank']} should have raised the injected failure; got: {first[:200]}")
-                continue
-            if p["error"] is None:
-                failures.append(f"rank {p['rank']} finished although rank {victim['rank']} failed")
-            elif "rank" not in p["error"]:
-                failures.append(f"rank {p['rank']} stopped with an error that names no rank: {first[:200]}")
-            if p["seconds"] > limit:
-                failures.append(f"rank {p['rank']} took {p['seconds']:.1f} s to stop, more than the deadline "
-                                f"{ctx.cfg.deadline_s:g} s + {GRACE_S:g} s")
+            details.append(f"rank {p['rank']} (pp {p['coord'][0]}): stopped after {p['seconds']:.1f} s: "
+                           f"{stops[p['rank']].first_line()[:300]}")
         for p in payloads:  # tensor/data-parallel peers of the pipeline: reported, not judged
             if p not in pipeline:
-                first = (p["error"] or "finished without an error").splitlines()[0]
                 details.append(f"rank {p['rank']} (pp, tp, dp) = {tuple(p['coord'])}, another pipeline: stopped "
-                               f"after {p['seconds']:.1f} s: {first[:300]}")
+                               f"after {p['seconds']:.1f} s: {stops[p['rank']].first_line()[:300]}")
         slowest = max(p["seconds"] for p in pipeline)
         if failures:
             return StageResult(name, FAIL, failures[0], failures + details)
         return StageResult(name, PASS, f"rank {victim['rank']} raised; its {len(pipeline) - 1} pipeline peers stopped "
                                        f"with errors naming a rank within {slowest:.1f} s (deadline "
-                                       f"{ctx.cfg.deadline_s:g} s)", details)
+                                       f"{ctx.cfg.deadline_s:g} s + {GRACE_S:g} s)", details)

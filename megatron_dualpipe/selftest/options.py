@@ -5,7 +5,7 @@ import dataclasses
 import os
 from typing import Optional
 
-from .models import ModelSpec
+from ..proof.models import ModelSpec
 
 #: Relative tolerance of losses and gradients (largest |difference| over the largest |value| of each
 #: tensor) per dtype. fp32: the schedules add the same numbers in other orders (DualPipe sums the two

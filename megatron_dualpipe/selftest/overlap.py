@@ -22,7 +22,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import models
+from ..proof import models
 from .result import FAIL, PASS, SKIP, StageResult
 from ..schedule.registry import DUALPIPE
 

@@ -59,24 +59,20 @@ def _setup(cfg: SelftestConfig, rank: int, world: int, device) -> Context:
 
     from .. import cpu as cpu_mode
     from ..mcore.groups import build_bd_groups
-    from . import tiny_gpt
+    from ..proof.groups import init_model_parallel
 
     cpu_mode.enable()
-    ps.initialize_model_parallel(tensor_model_parallel_size=cfg.tp, pipeline_model_parallel_size=cfg.pp,
-                                 expert_model_parallel_size=cfg.ep,
-                                 distributed_timeout_minutes=max(1, round(cfg.deadline_s / 60)),
-                                 create_gloo_process_groups=False)
+    init_model_parallel(tp=cfg.tp, pp=cfg.pp, ep=cfg.ep, timeout_minutes=max(1, round(cfg.deadline_s / 60)))
     build_bd_groups()
-    tiny_gpt.seed_all(1234)
     return Context(cfg, rank, world, device, ps.get_pipeline_model_parallel_rank(),
                    ps.get_tensor_model_parallel_rank(), ps.get_data_parallel_rank())
 
 
 def _stall_if_injected(stage, ctx: Context) -> None:
-    """The test-only fault ``stall:STAGE`` (:data:`.models.FAULT_ENV`): rank 1 never ends STAGE."""
-    from .models import FAULT_ENV
+    """The test-only fault ``stall:STAGE`` (:mod:`.faults`): rank 1 never ends STAGE."""
+    from .faults import stalls
 
-    if os.environ.get(FAULT_ENV) == f"stall:{stage.NAME}" and ctx.rank == 1:
+    if stalls(stage.NAME, ctx.rank):
         while True:
             time.sleep(3600)
 

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from megatron_dualpipe.cli import main
-from megatron_dualpipe.selftest import models
+from megatron_dualpipe.selftest import faults
 from megatron_dualpipe.selftest.options import TOLERANCE
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU form of the selftest")
@@ -65,6 +65,9 @@ def test_quick_cpu_run_passes_end_to_end(tmp_path):
         for schedule in ("dualpipe", "dualpipev"):
             assert 0 <= eq[schedule]["max_rel_grad_diff"] <= TOLERANCE["fp32"]
             assert 0 <= eq[schedule]["max_rel_loss_diff"] <= TOLERANCE["fp32"]
+        for schedule in ("1f1b", "dualpipe", "dualpipev"):  # the pp=1 reference the CPU tests use too
+            assert 0 <= eq["vs_reference"][schedule]["rel_grad_diff"] <= TOLERANCE["fp32"]
+            assert 0 <= eq["vs_reference"][schedule]["rel_loss_diff"] <= TOLERANCE["fp32"]
         assert eq["copies_identical"] is True
     # overlap: skipped here, saying why, after its node timer (CUDA events on a GPU, the host clock
     # here) recorded the dispatch and combine of every layer of every fused unit, forward and backward
@@ -90,7 +93,7 @@ def test_quick_cpu_run_passes_end_to_end(tmp_path):
 
 
 def test_a_broken_executor_fails_equality_with_the_number(tmp_path):
-    code, stdout, report = _selftest(tmp_path, "--nproc", "2", env={models.FAULT_ENV: "swap-microbatch"})
+    code, stdout, report = _selftest(tmp_path, "--nproc", "2", env={faults.FAULT_ENV: "swap-microbatch"})
     assert code == 1 and report["failed"]
     assert [s["stage"] for s in report["stages"]] == ["environment", "equality"]  # stopped at the hard failure
     eq = _stage(report, "equality")
@@ -141,12 +144,12 @@ def test_a_rank_stuck_in_a_stage_is_stopped_by_the_watchdog_naming_it(tmp_path):
     deadline = 0.5  # the stall is in the first stage: nothing else has to fit in it
     limit = 30 * deadline
     environ = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-                   **{models.FAULT_ENV: "stall:environment"})
+                   **{faults.FAULT_ENV: "stall:environment"})
     cmd = [sys.executable, "-m", "megatron_dualpipe", "selftest", "--quick", "--out", str(tmp_path), "--nproc", "2",
            "--deadline", f"{deadline:g}"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=limit + 600, env=environ, cwd=ROOT)
     stuck = [line for line in proc.stderr.splitlines() if "still running stage" in line]
-    print(f"\n$ {models.FAULT_ENV}=stall:environment {' '.join(cmd[2:])} -> exit {proc.returncode}")
+    print(f"\n$ {faults.FAULT_ENV}=stall:environment {' '.join(cmd[2:])} -> exit {proc.returncode}")
     print("\n".join(stuck + [line for line in proc.stderr.splitlines() if "error:" in line]))
     assert proc.returncode == 1, proc.stdout + proc.stderr[-3000:]
     # rank 1 says where it is; rank 0, waiting for it inside the stage, may say so too (its stack

@@ -8,38 +8,25 @@ for our executor's tests.
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 import pytest
 import torch
 
 from megatron_dualpipe import cpu as cpu_mode
+from megatron_dualpipe.proof import names, reference, tiny_gpt
+from megatron_dualpipe.proof.compare import Gap
+from megatron_dualpipe.proof.data import forward_step, masked_loss_func as loss_func
+from megatron_dualpipe.proof.models import ModelSpec
 from harness import megatron_env as me
 
 pytestmark = pytest.mark.skipif(
     torch.cuda.is_available(), reason="CPU-mode tests; on a GPU machine CPU mode is never active"
 )
 
-SEQ, MBS, VOCAB, M = 16, 2, 64, 4
+#: The shape of the data (the proof harness's tiny GPT: vocabulary 64, 16 tokens, 2 samples).
+DATA = ModelSpec(layers=2)
+SEQ, MBS, VOCAB, M = DATA.seq, DATA.mbs, DATA.vocab, 4
 RTOL = 1e-5
-
-
-# ----------------------------------------------------------------------------------------------
-# Data, loss and forward step shared by all workers
-
-
-def make_batches(n: int, seed: int = 7):
-    return me.make_gpt_batches(n, vocab=VOCAB, seq=SEQ, mbs=MBS, seed=seed)
-
-
-loss_func = me.masked_loss_func
-
-
-def forward_step(data_iterator, model):
-    b = next(data_iterator)
-    output = model(b["tokens"], b["position_ids"], None, labels=b["labels"])
-    return output, functools.partial(loss_func, b["loss_mask"])
 
 
 def reference_run(model, batches):
@@ -58,12 +45,11 @@ def grads(model):
 
 
 def assert_close(name, got, want, rtol=RTOL):
-    got, want = np.asarray(got, dtype=np.float64), np.asarray(want, dtype=np.float64)
-    assert got.shape == want.shape, f"{name}: shape {got.shape} != {want.shape}"
-    diff = float(np.max(np.abs(got - want))) if got.size else 0.0
-    scale = max(float(np.max(np.abs(want))) if want.size else 0.0, 1e-12)
-    print(f"  {name:70s} max|diff| = {diff:.3e}  (rel {diff / scale:.3e})")
-    assert diff <= rtol * scale, f"{name}: max|diff| {diff:.3e} > {rtol} * {scale:.3e}"
+    """The proof harness's equality check, printed: max|diff| over max|want| within ``rtol``."""
+    gap = Gap()
+    gap.add(got, want)
+    print(f"  {gap.line(name)}")
+    assert gap.rel <= rtol, gap.line(name)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -74,12 +60,12 @@ def _dense_single_worker(rank, world_size, port):
     me.init_distributed_cpu(rank, world_size, port)
     try:
         assert cpu_mode.active()
-        config = me.tiny_gpt_config(num_layers=2)
-        batches = make_batches(2)
+        config = tiny_gpt.tiny_gpt_config(num_layers=2)
+        batches = DATA.batches(2)
         runs = []
         for _ in range(2):
-            me.seed_all(1234)
-            model = me.build_tiny_gpt(config, share_embeddings_and_output_weights=True)
+            tiny_gpt.seed_all(1234)
+            model = tiny_gpt.build_tiny_gpt(config, share_embeddings_and_output_weights=True)
             losses = reference_run(model, batches)
             runs.append((losses, grads(model), [n for n, _ in model.named_parameters()]))
         # Manual recomputation of the loss from the logits.
@@ -99,10 +85,10 @@ def _full_model_worker(rank, world_size, port, num_layers, tied, moe_kwargs):
     """pp=1 reference: initial state dict, per-micro-batch losses, gradients."""
     me.init_distributed_cpu(rank, world_size, port)
     try:
-        config = me.tiny_gpt_config(num_layers=num_layers, **moe_kwargs)
-        model = me.build_tiny_gpt(config, share_embeddings_and_output_weights=tied)
-        state = {k: v.clone() for k, v in model.state_dict().items() if "_extra_state" not in k}
-        losses = reference_run(model, make_batches(M))
+        config = tiny_gpt.tiny_gpt_config(num_layers=num_layers, **moe_kwargs)
+        model = tiny_gpt.build_tiny_gpt(config, share_embeddings_and_output_weights=tied)
+        state = reference.weights(model)
+        losses = reference_run(model, DATA.batches(M))
         return state, losses, grads(model)
     finally:
         me.destroy_distributed()
@@ -115,20 +101,20 @@ def _pipeline_worker(rank, world_size, port, num_layers, tied, full_state):
 
     me.init_distributed_cpu(rank, world_size, port, pp=world_size)
     try:
-        config = me.tiny_gpt_config(num_layers=num_layers)
-        model = me.build_tiny_gpt(config, share_embeddings_and_output_weights=tied)
+        config = tiny_gpt.tiny_gpt_config(num_layers=num_layers)
+        model = tiny_gpt.build_tiny_gpt(config, share_embeddings_and_output_weights=tied)
         # With tied embeddings the last stage's output weight was zero-filled and then
         # all-reduced from the first stage at construction (the `Tensor.cuda` redirection).
         tied_copy = None
         if tied and (model.pre_process or model.post_process):
             tied_copy = model.shared_embedding_or_output_weight().detach().clone()
         full_state = {k: torch.from_numpy(v) for k, v in full_state.items()}
-        me.load_stage_from_full(model, full_state)
+        names.load_stage_from_full(model, full_state)
         func = get_forward_backward_func()
         assert func.__name__ == "forward_backward_pipelining_without_interleaving"
         out = func(
             forward_step_func=forward_step,
-            data_iterator=iter(make_batches(M)),
+            data_iterator=iter(DATA.batches(M)),
             model=[model],
             num_microbatches=M,
             seq_length=SEQ,
@@ -136,7 +122,7 @@ def _pipeline_worker(rank, world_size, port, num_layers, tied, full_state):
             forward_only=False,
         )
         losses = [d["lm loss"] for d in out] if parallel_state.is_pipeline_last_stage() else None
-        return losses, me.stage_grads_as_full(model, full_state), tied_copy
+        return losses, names.stage_grads_as_full(model, full_state), tied_copy
     finally:
         me.destroy_distributed()
 
@@ -145,10 +131,10 @@ def _moe_ep_worker(rank, world_size, port, dispatcher, full_state):
     """MoE with expert parallelism ep=world_size (dp=world_size): rank r runs micro-batch r."""
     me.init_distributed_cpu(rank, world_size, port, ep=world_size)
     try:
-        config = me.tiny_gpt_config(
+        config = tiny_gpt.tiny_gpt_config(
             num_layers=2, num_moe_experts=4, moe_token_dispatcher_type=dispatcher
         )
-        model = me.build_tiny_gpt(config)
+        model = tiny_gpt.build_tiny_gpt(config)
         own = model.state_dict()
         per_rank = config.num_moe_experts // world_size
         full_state = {k: torch.from_numpy(v) for k, v in full_state.items()}
@@ -156,7 +142,7 @@ def _moe_ep_worker(rank, world_size, port, dispatcher, full_state):
             for key, tensor in own.items():
                 if "_extra_state" not in key:
                     tensor.copy_(full_state[_global_expert_key(key, rank * per_rank)])
-        b = make_batches(world_size, seed=11)[rank]
+        b = DATA.batches(world_size, seed=11)[rank]
         out = model(b["tokens"], b["position_ids"], None, labels=b["labels"])
         loss, _ = loss_func(b["loss_mask"], out)
         loss.backward()
@@ -171,19 +157,12 @@ def _moe_reference_worker(rank, world_size, port, dispatcher, n_data):
     """ep=1 reference for `_moe_ep_worker`: per-micro-batch losses and gradients."""
     me.init_distributed_cpu(rank, world_size, port)
     try:
-        config = me.tiny_gpt_config(
+        config = tiny_gpt.tiny_gpt_config(
             num_layers=2, num_moe_experts=4, moe_token_dispatcher_type=dispatcher
         )
-        model = me.build_tiny_gpt(config)
-        state = {k: v.clone() for k, v in model.state_dict().items() if "_extra_state" not in k}
-        results = []
-        for b in make_batches(n_data, seed=11):
-            model.zero_grad(set_to_none=True)
-            out = model(b["tokens"], b["position_ids"], None, labels=b["labels"])
-            loss, _ = loss_func(b["loss_mask"], out)
-            loss.backward()
-            results.append((loss.detach(), grads(model)))
-        return state, results
+        model = tiny_gpt.build_tiny_gpt(config)
+        losses, per_mb = reference.per_microbatch(model, DATA.batches(n_data, seed=11))
+        return reference.weights(model), list(zip(losses, per_mb))
     finally:
         me.destroy_distributed()
 
@@ -195,18 +174,18 @@ def _ddp_worker(rank, world_size, port, overlap_grad_reduce):
 
     me.init_distributed_cpu(rank, world_size, port)
     try:
-        config = me.tiny_gpt_config(num_layers=2)
-        batches = make_batches(world_size, seed=5)
-        me.seed_all(1234)
-        plain = me.build_tiny_gpt(config, share_embeddings_and_output_weights=True)
+        config = tiny_gpt.tiny_gpt_config(num_layers=2)
+        batches = DATA.batches(world_size, seed=5)
+        tiny_gpt.seed_all(1234)
+        plain = tiny_gpt.build_tiny_gpt(config, share_embeddings_and_output_weights=True)
         for b in batches:  # reference: the average over all ranks' micro-batches
             out = plain(b["tokens"], b["position_ids"], None, labels=b["labels"])
             (loss_func(b["loss_mask"], out)[0] / world_size).backward()
-        me.seed_all(1234)
+        tiny_gpt.seed_all(1234)
         model = DistributedDataParallel(
             config=config,
             ddp_config=DistributedDataParallelConfig(overlap_grad_reduce=overlap_grad_reduce),
-            module=me.build_tiny_gpt(config, share_embeddings_and_output_weights=True),
+            module=tiny_gpt.build_tiny_gpt(config, share_embeddings_and_output_weights=True),
         )
         model.zero_grad_buffer()
         b = batches[rank]

@@ -2,6 +2,7 @@
 
 * :mod:`.workers` -- :func:`~.workers.run_workers`: run a function on N local processes and
   collect what each returns (torch only; the executor's toy tests use it as it is);
-* :mod:`.megatron_env` -- gloo + megatron-core parallel groups, seeds, a tiny GPT, reference
-  helpers, and ``run_workers`` with megatron-core preloaded.
+* :mod:`.megatron_env` -- gloo + megatron-core parallel groups, seeds, and ``run_workers`` with
+  megatron-core preloaded. The tiny GPT, its data, the references and the equality and no-hang
+  checks are the package's :mod:`megatron_dualpipe.proof`, shared with the selftest.
 """

@@ -1,6 +1,8 @@
-"""Single-machine megatron-core environment for tests: gloo process group, model-parallel groups,
-seeds, a tiny GPT model (``megatron_dualpipe.selftest.tiny_gpt``, shared with ``megatron-dualpipe
-selftest``), and :func:`run_workers` with megatron-core preloaded in the workers.
+"""Single-machine megatron-core environment for tests: gloo process group, model-parallel groups
+and seeds (:mod:`megatron_dualpipe.proof.groups`, as the selftest builds them), and
+:func:`run_workers` with megatron-core preloaded in the workers. The tiny GPT, its data, the
+references and the checks are the package's proof harness (:mod:`megatron_dualpipe.proof`), which
+``megatron-dualpipe selftest`` runs on GPUs.
 
 Typical multi-process test::
 
@@ -19,25 +21,13 @@ Typical multi-process test::
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from megatron_dualpipe import cpu as cpu_mode
-
-from megatron_dualpipe.selftest.tiny_gpt import (  # noqa: F401  (the tests reach them through this module)
-    build_tiny_gpt,
-    full_key as _full_key,
-    layer_offset as _layer_offset,
-    load_stage_from_full,
-    make_gpt_batches,
-    masked_loss_func,
-    seed_all,
-    stage_grads_as_full,
-    stage_layer_key,
-    tiny_gpt_config,
-)
+from megatron_dualpipe.proof.groups import init_model_parallel
 
 from . import workers
 from .workers import free_port, to_numpy  # noqa: F401  (tests reach them through this module)
@@ -76,9 +66,6 @@ def init_distributed_cpu(
     Seeds Python-side torch RNG with `seed` and the model-parallel RNG tracker with
     `model_parallel_cuda_manual_seed(seed)` (CPU tracker in CPU mode).
     """
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
     cpu = cpu_mode.enable()
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
@@ -92,15 +79,7 @@ def init_distributed_cpu(
     )
     if not cpu:
         torch.cuda.set_device(rank % torch.cuda.device_count())
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp,
-        virtual_pipeline_model_parallel_size=vpp,
-        expert_model_parallel_size=ep,
-        distributed_timeout_minutes=timeout_minutes,
-        create_gloo_process_groups=False,
-    )
-    seed_all(seed)
+    init_model_parallel(tp=tp, pp=pp, ep=ep, vpp=vpp, timeout_minutes=timeout_minutes, seed=seed)
 
 
 def destroy_distributed() -> None:

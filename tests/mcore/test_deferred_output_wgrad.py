@@ -14,6 +14,8 @@ import torch
 
 import test_dualpipe_megatron as tdm
 from harness import megatron_env as me
+from megatron_dualpipe.proof import models
+from megatron_dualpipe.proof.data import forward_step
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-mode tests")
 
@@ -37,7 +39,7 @@ def _worker(rank, world, port, schedule):
     try:
         build_bd_groups()
         layout = "v" if schedule == "dualpipev" else "bidirectional"
-        model = build_two_direction_model(tdm._provider(True, layout == "v"), layout_kind=layout)
+        model = build_two_direction_model(models.provider(tdm.spec(tied=True), layout == "v"), layout_kind=layout)
         buffers = []
         for chunk in model:
             m = unwrap_chunk(chunk)
@@ -56,8 +58,8 @@ def _worker(rank, world, port, schedule):
         after = []
         with torch.no_grad():
             for call in range(2):
-                forward_backward_dualpipe(forward_step_func=tdm.forward_step, model=model, num_microbatches=4,
-                                          data_iterator=iter(tdm.make_batches(4, seed=call)), seq_length=tdm.SEQ,
+                forward_backward_dualpipe(forward_step_func=forward_step, model=model, num_microbatches=4,
+                                          data_iterator=iter(tdm.spec().batches(4, seed=call)), seq_length=tdm.SEQ,
                                           micro_batch_size=tdm.MBS, forward_only=True, schedule=schedule,
                                           p2p_timeout=60)
                 after.append([len(b) for b in buffers])

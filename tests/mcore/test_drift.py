@@ -12,6 +12,8 @@ import torch
 
 import test_dualpipe_megatron as tdm
 from harness import megatron_env as me
+from megatron_dualpipe.proof import models, names
+from megatron_dualpipe.proof.data import forward_step
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-mode tests")
 
@@ -27,16 +29,16 @@ def _worker(rank, world, port, full_state):
     me.init_distributed_cpu(rank, world, port, pp=world)
     try:
         build_bd_groups()
-        model = build_two_direction_model(tdm._provider(True))
-        me.load_stage_from_full(model[0], {k: torch.from_numpy(v) for k, v in full_state.items()})
+        model = build_two_direction_model(models.provider(tdm.spec(tied=True)))
+        names.load_stage_from_full(model[0], {k: torch.from_numpy(v) for k, v in full_state.items()})
         broadcast_mirrors(model)
         for chunk in model:
             chunk.config.finalize_model_grads_func = lambda *a, **k: None
         opt = torch.optim.SGD([p for chunk in model for p in chunk.parameters()], lr=0.1)
         for step in range(3):
             opt.zero_grad()
-            forward_backward_dualpipe(forward_step_func=tdm.forward_step, model=model, num_microbatches=4,
-                                      data_iterator=iter(tdm.make_batches(4, seed=100 + step)), seq_length=tdm.SEQ,
+            forward_backward_dualpipe(forward_step_func=forward_step, model=model, num_microbatches=4,
+                                      data_iterator=iter(tdm.spec().batches(4, seed=100 + step)), seq_length=tdm.SEQ,
                                       micro_batch_size=tdm.MBS, p2p_timeout=60, drift_check_every=1)
             opt.step()
         compared = check_copies_identical(model, timeout_s=60)

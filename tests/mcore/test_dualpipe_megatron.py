@@ -12,49 +12,33 @@ printed; the tolerance is 1e-5 relative to the largest reference value (fp32).
 """
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 import pytest
 import torch
 
 from harness import megatron_env as me
+from megatron_dualpipe.proof import models, names, reference
+from megatron_dualpipe.proof.compare import Gap
+from megatron_dualpipe.proof.data import forward_step, masked_loss_func
 
 # The oldest tier (-m smoke, megatron-core 0.16.1) runs the tests marked smoke below: one of each
 # path (dualpipe and dualpipev, tied and untied, MoE, dp with DDP's overlapped reduction); the
 # newest runs them all.
 pytestmark = [pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-mode tests")]
 
-SEQ, MBS, VOCAB, LAYERS = 16, 2, 64, 8
+LAYERS = 8
 RTOL = 1e-5
 
-
-def make_batches(n, seed=7):
-    return me.make_gpt_batches(n, vocab=VOCAB, seq=SEQ, mbs=MBS, seed=seed)
-
-
-loss_func = me.masked_loss_func
+#: MoE with SequentialMLP experts, megatron-core's allgather dispatcher and the aux loss on.
+MOE = (("num_moe_experts", 4), ("moe_router_load_balancing_type", "aux_loss"), ("moe_aux_loss_coeff", 1e-2))
 
 
-def forward_step(data_iterator, model):
-    """Like pretrain_gpt's: only the first and last stage read data (through parallel_state,
-    which the executor points at the direction being computed)."""
-    from megatron.core import parallel_state as ps
-    first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
-    b = next(data_iterator) if (first or last) else None
-    tokens = b["tokens"] if first else None
-    position_ids = b["position_ids"] if first else None
-    labels = b["labels"] if last else None
-    output = model(tokens, position_ids, None, labels=labels)
-    mask = b["loss_mask"] if last else None
-    return output, functools.partial(loss_func, mask)
+def spec(tied: bool = False, moe: bool = False) -> models.ModelSpec:
+    """The tiny GPT of these tests (and of the tests that import this module)."""
+    return models.ModelSpec(layers=LAYERS, tied=tied, config=MOE if moe else ())
 
 
-MOE = dict(num_moe_experts=4, moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-2)
-
-
-def _config(moe):
-    return me.tiny_gpt_config(num_layers=LAYERS, **(MOE if moe else {}))
+SEQ, MBS = spec().seq, spec().mbs
 
 
 def _reference_worker(rank, world, port, tied, n, seed=7, moe=False):
@@ -62,33 +46,12 @@ def _reference_worker(rank, world, port, tied, n, seed=7, moe=False):
     here: gradient k is unscaled like the main loss, and the expected mean divides both by M."""
     me.init_distributed_cpu(rank, world, port)
     try:
-        config = _config(moe)
-        model = me.build_tiny_gpt(config, share_embeddings_and_output_weights=tied, vocab_size=VOCAB,
-                                  max_sequence_length=SEQ)
-        state = {k: v.clone() for k, v in model.state_dict().items() if "_extra_state" not in k}
-        losses, per_mb = [], []
-        for b in make_batches(n, seed):
-            model.zero_grad()
-            out = model(b["tokens"], b["position_ids"], None, labels=b["labels"])
-            loss, _ = loss_func(b["loss_mask"], out)
-            loss.backward()
-            losses.append(loss.item())
-            per_mb.append({k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None})
+        model = models.provider(spec(tied, moe))()
+        state = reference.weights(model)
+        losses, per_mb = reference.per_microbatch(model, spec().batches(n, seed))
         return state, losses, per_mb
     finally:
         me.destroy_distributed()
-
-
-def _provider(tied, v_layout=False, moe=False):
-    def provider(pre_process, post_process, pg_collection=None, vp_stage=None):
-        config = _config(moe)
-        if v_layout:
-            from megatron_dualpipe.mcore.model import dualpipev_config
-            config = dualpipev_config(config)
-        return me.build_tiny_gpt(config, pre_process=pre_process, post_process=post_process,
-                                 share_embeddings_and_output_weights=tied, vocab_size=VOCAB,
-                                 max_sequence_length=SEQ, pg_collection=pg_collection, vp_stage=vp_stage)
-    return provider
 
 
 def _pipeline_worker(rank, world, port, schedule, tied, full_state, runs, dp=1, moe=False, overlap=False,
@@ -112,13 +75,13 @@ def _pipeline_worker(rank, world, port, schedule, tied, full_state, runs, dp=1, 
     try:
         build_bd_groups()
         layout = "v" if schedule == "dualpipev" else "bidirectional"
-        model = build_two_direction_model(_provider(tied, layout == "v", moe), layout_kind=layout)
+        model = build_two_direction_model(models.provider(spec(tied, moe), layout == "v"), layout_kind=layout)
         full = {k: torch.from_numpy(v) for k, v in full_state.items()}
         if layout == "v":  # two different stages per rank: load both
-            me.load_stage_from_full(model[0], full)
-            me.load_stage_from_full(model[1], full)
+            names.load_stage_from_full(model[0], full)
+            names.load_stage_from_full(model[1], full)
         else:  # load one copy; the broadcast gives the mirror its partner's weights
-            me.load_stage_from_full(model[0], full)
+            names.load_stage_from_full(model[0], full)
             broadcast_mirrors(model)
         if dp > 1:
             model = _wrap_ddp(model, overlap, param_gather, bucket_first=layout == "v")
@@ -137,7 +100,7 @@ def _pipeline_worker(rank, world, port, schedule, tied, full_state, runs, dp=1, 
                 chunk.zero_grad_buffer() if dp > 1 else chunk.zero_grad()
             if probe is not None:
                 probe.start_run(chunks, handed=run[4] if len(run) > 4 else True)
-            source = iter(make_batches(m, seed=7 + dp_rank))
+            source = iter(spec().batches(m, seed=7 + dp_rank))
             ctx = torch.no_grad() if forward_only else torch.enable_grad()
             with ctx:
                 out = forward_backward_dualpipe(
@@ -148,7 +111,7 @@ def _pipeline_worker(rank, world, port, schedule, tied, full_state, runs, dp=1, 
             leftover = sum(1 for _ in source)  # what the schedule did not read
             if probe is not None and not forward_only:
                 _gather_grad_shards(chunks)
-            grads = [_grads_as_full(chunk, full) for chunk in chunks] if not forward_only else None
+            grads = [names.by_full_name(c, full, names.grad_of) for c in chunks] if not forward_only else None
             results.append({"losses": losses, "grads": grads, "unread": leftover, "dp": dp_rank, "pp": pp_rank,
                             "gathers": probe.seen() if probe is not None else None})
         return results
@@ -242,19 +205,6 @@ def _gather_grad_shards(chunks):
                 dist.all_gather_into_tensor(bucket.grad_data, mine, group=group.intra_distributed_optimizer_instance_group)
 
 
-def _grads_as_full(chunk, full):
-    """Gradients keyed by the full model's names (``main_grad`` under DDP)."""
-    inner = getattr(chunk, "module", chunk)
-    offset = me._layer_offset(inner)
-    out = {}
-    for name, p in inner.named_parameters():
-        g = getattr(p, "main_grad", None)
-        g = p.grad if g is None else g
-        if g is not None:
-            out[me._full_key(name, offset, full)] = g.detach().clone()
-    return out
-
-
 def _check(label, results, refs, runs, world, dp=1):
     """``refs``: per data-parallel replica, (losses, per-micro-batch grads)."""
     worst = {}
@@ -280,18 +230,16 @@ def _check(label, results, refs, runs, world, dp=1):
         if fo:
             print(f"  {tag}: max|loss diff| {dl:.2e}")
             continue
-        dg, scale = 0.0, 0.0
+        pooled = [g for j in range(dp) for g in refs[j][1][:m]]  # every replica's micro-batches
+        grads = Gap()
         for res in results:
-            for chunk_grads in res[i]["grads"]:
+            for c, chunk_grads in enumerate(res[i]["grads"]):
                 for key, g in chunk_grads.items():
                     assert np.all(np.isfinite(g)), f"{tag}: rank {res[i]['pp']} {key}: not finite"
-                    want = sum(np.asarray(refs[j][1][k][key], dtype=np.float64) for j in range(dp)
-                               for k in range(m)) / (m * dp)
-                    dg = max(dg, float(np.max(np.abs(np.asarray(g, dtype=np.float64) - want))))
-                    scale = max(scale, float(np.max(np.abs(want))))
-        print(f"  {tag}: max|loss diff| {dl:.2e}  max|grad diff| {dg:.2e} (rel {dg / scale:.2e})")
-        assert dg <= RTOL * scale, f"{tag}: gradient differs by {dg:.3e} (scale {scale:.3e})"
-        worst[tag] = dg / scale
+                    grads.add(g, reference.mean_grad(pooled, key), f"rank {res[i]['pp']} model[{c}] {key}")
+        print(f"  {tag}: max|loss diff| {dl:.2e}  " + grads.line("gradients"))
+        assert grads.rel <= RTOL, f"{tag}: " + grads.line("gradients")
+        worst[tag] = grads.rel
     return worst
 
 
@@ -395,16 +343,15 @@ STEPS, LR, STEP_M = 3, 0.5, 6
 def _reference_training_worker(rank, world, port, tied):
     me.init_distributed_cpu(rank, world, port)
     try:
-        model = me.build_tiny_gpt(me.tiny_gpt_config(num_layers=LAYERS), share_embeddings_and_output_weights=tied,
-                                  vocab_size=VOCAB, max_sequence_length=SEQ)
-        state = {k: v.clone() for k, v in model.state_dict().items() if "_extra_state" not in k}
+        model = models.provider(spec(tied))()
+        state = reference.weights(model)
         opt = torch.optim.SGD(model.parameters(), lr=LR)
         losses = []
         for step in range(STEPS):
             opt.zero_grad()
-            for b in make_batches(STEP_M, seed=100 + step):
+            for b in spec().batches(STEP_M, seed=100 + step):
                 out = model(b["tokens"], b["position_ids"], None, labels=b["labels"])
-                loss, _ = loss_func(b["loss_mask"], out)
+                loss, _ = masked_loss_func(b["loss_mask"], out)
                 (loss / STEP_M).backward()
                 losses.append(loss.item())
             opt.step()
@@ -421,9 +368,9 @@ def _training_worker(rank, world, port, tied, full_state):
     me.init_distributed_cpu(rank, world, port, pp=world)
     try:
         build_bd_groups()
-        model = build_two_direction_model(_provider(tied))
+        model = build_two_direction_model(models.provider(spec(tied)))
         full = {k: torch.from_numpy(v) for k, v in full_state.items()}
-        me.load_stage_from_full(model[0], full)
+        names.load_stage_from_full(model[0], full)
         broadcast_mirrors(model)
         for chunk in model:
             chunk.config.finalize_model_grads_func = lambda *a, **k: None
@@ -432,15 +379,11 @@ def _training_worker(rank, world, port, tied, full_state):
         for step in range(STEPS):
             opt.zero_grad()
             out = forward_backward_dualpipe(
-                forward_step_func=forward_step, data_iterator=iter(make_batches(STEP_M, seed=100 + step)),
+                forward_step_func=forward_step, data_iterator=iter(spec().batches(STEP_M, seed=100 + step)),
                 model=model, num_microbatches=STEP_M, seq_length=SEQ, micro_batch_size=MBS, p2p_timeout=60)
             losses += [d["lm loss"].item() for d in out]
             opt.step()
-        params = []
-        for chunk in model:
-            offset = me._layer_offset(chunk)
-            params.append({me._full_key(n, offset, full): p.detach().clone() for n, p in chunk.named_parameters()})
-        return losses, params
+        return losses, [names.by_full_name(c, full, lambda p: p.detach().clone()) for c in model]
     finally:
         me.destroy_distributed()
 
@@ -451,10 +394,12 @@ def test_training_steps_keep_copies_identical_and_match_reference(tied):
     [(state, ref_losses, ref_params)] = me.run_workers(_reference_training_worker, 1, args=(tied,), timeout=120)
     results = me.run_workers(_training_worker, pp, args=(tied, state), timeout=300)
     losses = results[pp - 1][0]
-    dl = max(abs(a - b) for a, b in zip(losses, ref_losses))
+    assert len(losses) == len(ref_losses), (losses, ref_losses)
+    loss_gap = Gap()
+    loss_gap.add(losses, ref_losses)
     print(f"\ndualpipe pp={pp} tied={tied}, {STEPS} SGD steps of {STEP_M} micro-batches: "
-          f"max|loss diff| {dl:.2e} over {len(losses)} micro-batch losses")
-    assert len(losses) == len(ref_losses) and dl <= RTOL * max(map(abs, ref_losses))
+          + loss_gap.line(f"{len(losses)} micro-batch losses"))
+    assert loss_gap.rel <= RTOL
     # Copy on rank r (model[1]) and its partner's model[0] on rank pp-1-r: bit for bit.
     for r in range(pp):
         mirror, original = results[r][1][1], results[pp - 1 - r][1][0]
@@ -462,13 +407,10 @@ def test_training_steps_keep_copies_identical_and_match_reference(tied):
         for k in mirror:
             assert np.array_equal(mirror[k], original[k]), f"rank {r} model[1] {k} differs from its partner's"
     # Tied: the embedding's copies (embedding on one stage, output layer on the other) agree exactly.
-    dp_, scale = 0.0, 0.0
+    params = Gap()
     for r in range(pp):
-        for chunk in results[r][1]:
+        for c, chunk in enumerate(results[r][1]):
             for k, v in chunk.items():
-                want = np.asarray(ref_params[k], dtype=np.float64)
-                dp_ = max(dp_, float(np.max(np.abs(np.asarray(v, dtype=np.float64) - want))))
-                scale = max(scale, float(np.max(np.abs(want))))
-    print(f"  parameters after {STEPS} steps: max|diff| vs reference {dp_:.2e} (rel {dp_ / scale:.2e}); "
-          f"mirrors bit-identical to their partners")
-    assert dp_ <= RTOL * scale
+                params.add(v, ref_params[k], f"rank {r} model[{c}] {k}")
+    print("  " + params.line(f"parameters after {STEPS} steps vs reference") + "; mirrors bit-identical to their partners")
+    assert params.rel <= RTOL

@@ -19,7 +19,6 @@ its own deadline, and `run_workers` terminates anything left, so no test can han
 """
 from __future__ import annotations
 
-import functools
 import os
 import re
 import time
@@ -28,10 +27,15 @@ import pytest
 import torch
 
 from harness import megatron_env as me
+from megatron_dualpipe.proof import models
+from megatron_dualpipe.proof.data import forward_step
+from megatron_dualpipe.proof.nohang import attempt, peers_stopped
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-mode tests")
 
-SEQ, MBS, VOCAB, HIDDEN, LAYERS = 16, 2, 64, 32, 2
+LAYERS = 2
+SPEC = models.ModelSpec(layers=LAYERS)
+SEQ, MBS, HIDDEN = SPEC.seq, SPEC.mbs, SPEC.hidden
 TIMEOUT_S = 3.0  # p2p_timeout of the timeout tests
 
 # Every torch.distributed function that communicates (or creates groups, which does).
@@ -87,7 +91,7 @@ class Chunk(torch.nn.Module):
 
     def __init__(self, **config_attrs):
         super().__init__()
-        self.config = me.tiny_gpt_config(num_layers=LAYERS, hidden_size=HIDDEN)
+        self.config = models.config_of(SPEC)
         for k, v in config_attrs.items():  # set afterwards: TransformerConfig checks some combinations
             setattr(self.config, k, v)
         self.w = torch.nn.Parameter(torch.zeros(1))
@@ -223,45 +227,13 @@ def test_config_error_is_immediate_and_names_the_fix(config_errors, case):
 # Shared by the runtime tests: a real 2-rank DualPipe of tiny GPTModels
 # ---------------------------------------------------------------------------------------------
 
-def make_batches(n, short=()):
-    """n micro-batches; those in `short` are 4 tokens shorter than SEQ."""
-    gen = torch.Generator().manual_seed(7)
-    out = []
-    for i in range(n):
-        s = SEQ - 4 if i in short else SEQ
-        tokens = torch.randint(0, VOCAB, (MBS, s + 1), generator=gen)
-        out.append(dict(tokens=tokens[:, :-1].contiguous(), labels=tokens[:, 1:].contiguous(),
-                        position_ids=torch.arange(s).unsqueeze(0).expand(MBS, -1).contiguous(),
-                        loss_mask=torch.ones(MBS, s)))
-    return out
-
-
-def loss_func(loss_mask, output_tensor):
-    loss = torch.sum(output_tensor.float().reshape(-1) * loss_mask.reshape(-1)) / loss_mask.sum()
-    return loss, {"lm loss": loss.detach().clone()}
-
-
-def forward_step(data_iterator, model):
-    from megatron.core import parallel_state as ps
-    first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
-    b = next(data_iterator) if (first or last) else None
-    output = model(b["tokens"] if first else None, b["position_ids"] if first else None, None,
-                   labels=b["labels"] if last else None)
-    return output, functools.partial(loss_func, b["loss_mask"] if last else None)
-
-
-def _provider(pre_process, post_process, pg_collection=None, vp_stage=None, layers=LAYERS):
-    config = me.tiny_gpt_config(num_layers=layers, hidden_size=HIDDEN)
-    return me.build_tiny_gpt(config, pre_process=pre_process, post_process=post_process, vocab_size=VOCAB,
-                             max_sequence_length=SEQ, pg_collection=pg_collection, vp_stage=vp_stage)
-
-
 def _build(layers=LAYERS):
     from megatron_dualpipe.mcore.groups import build_bd_groups
     from megatron_dualpipe.mcore.model import build_two_direction_model
 
     build_bd_groups()
-    model = build_two_direction_model(functools.partial(_provider, layers=layers), layout_kind="bidirectional")
+    spec = models.ModelSpec(layers=layers)
+    model = build_two_direction_model(models.provider(spec), layout_kind="bidirectional")
     for chunk in model:
         chunk.config.finalize_model_grads_func = lambda *a, **k: None
     return model
@@ -294,21 +266,16 @@ def _run(model, batches, m, p2p_timeout=TIMEOUT_S):
 def _shape_worker(rank, world, port, flag_dir, peers_wait_s):
     """Global micro-batch 1 (direction 0's second) is short: rank 0's forward F0.1 makes an
     activation of the wrong shape. Rank 0 waits until its peers have reported before it exits,
-    so that they see its abort signal rather than a closed connection. Returns (kind, message,
-    seconds in the call, wall-clock time of the error)."""
+    so that they see its abort signal rather than a closed connection. Returns how the rank
+    stopped (:class:`megatron_dualpipe.proof.nohang.Stop`)."""
     me.init_distributed_cpu(rank, world, port, pp=world, timeout_minutes=1)
     model = _build(layers=world)
     m = 2 * world
-    t0 = time.monotonic()
-    try:
-        _run(model, make_batches(m, short={1}), m, p2p_timeout=peers_wait_s)
-        result = (None, None, time.monotonic() - t0, time.time())
-    except Exception as e:  # noqa: BLE001
-        result = (type(e).__name__, str(e), time.monotonic() - t0, time.time())
+    stop = attempt(lambda: _run(model, SPEC.batches(m, short={1}), m, p2p_timeout=peers_wait_s))
     _flag(os.path.join(flag_dir, f"rank{rank}"))
     for r in range(world):
         _wait_for(os.path.join(flag_dir, f"rank{r}"), 30)
-    return result  # no destroy: a half-completed P2P batch leaves the gloo group unusable
+    return stop  # no destroy: a half-completed P2P batch leaves the gloo group unusable
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -318,27 +285,27 @@ def test_microbatch_of_another_shape_stops_every_peer_within_seconds(tmp_path, w
     with a PeerFailedError naming itself, what it waited for and rank 0's error."""
     wait_s = 120.0
     t0 = time.monotonic()
-    results = me.run_workers(_shape_worker, world, args=(str(tmp_path), wait_s), timeout=wait_s)
+    stops = me.run_workers(_shape_worker, world, args=(str(tmp_path), wait_s), timeout=wait_s)
     print(f"\nworkers {time.monotonic() - t0:.1f} s")
-    for r, (kind, msg, elapsed, _) in enumerate(results):
-        print(f"rank {r} after {elapsed:.2f} s: {kind}: {msg[:400]}")
-    kind, msg, _, failed_at = results[0]
-    assert kind == "ValueError", results[0]
+    for r, stop in enumerate(stops):
+        print(f"rank {r} after {stop.seconds:.2f} s: {(stop.error or 'finished')[:400]}")
+    failed = stops[0]
+    assert failed.kind == "ValueError", failed
     for part in ("pipeline rank 0", "action F0.1", "micro-batch 1 of direction 0", f"shape {(SEQ - 4, MBS, HIDDEN)}",
                  f"shape {(SEQ, MBS, HIDDEN)}", "all micro-batches must have seq_length x micro_batch_size",
                  "--seq-length/--micro-batch-size or pad the data"):
-        assert part in msg, f"{part!r} not in {msg!r}"
-    last = 0.0
-    for r, (kind, msg, elapsed, at) in enumerate(results[1:], start=1):
-        assert kind == "PeerFailedError", (r, kind, msg)
+        assert part in failed.error, f"{part!r} not in {failed.error!r}"
+    for r, stop in enumerate(stops[1:], start=1):
+        assert stop.kind == "PeerFailedError", (r, stop)
         for part in (f"pipeline rank {r}", "stopped waiting because global rank 0 failed: ValueError",
                      "action F0.1"):
-            assert part in msg, f"rank {r}: {part!r} not in {msg!r}"
-        assert "receive of" in msg or "send of" in msg, msg  # what it waited for, and from whom
-        last = max(last, at - failed_at)
+            assert part in stop.error, f"rank {r}: {part!r} not in {stop.error!r}"
+        assert "receive of" in stop.error or "send of" in stop.error, stop.error  # what it waited for, from whom
+    last = max(stop.at - failed.at for stop in stops[1:])
     print(f"pp={world}: from rank 0's exception to the last peer's named error: {last:.2f} s "
           f"(their P2P deadline: {wait_s:g} s)")
-    assert last < wait_s / 4, f"a peer took {last:.1f} s to stop"
+    problems = peers_stopped(dict(enumerate(stops)), 0, wait_s / 4, failed_at=failed.at)
+    assert not problems, problems
 
 
 # ---------------------------------------------------------------------------------------------
@@ -362,7 +329,7 @@ def _stall_worker(rank, world, port, flag_dir, joins_first_collective=True):
     with CommCounter() as counter:
         t0 = time.monotonic()
         try:
-            _run(model, make_batches(2 * world), 2 * world)
+            _run(model, SPEC.batches(2 * world), 2 * world)
             result = (None, None, time.monotonic() - t0)
         except Exception as e:  # noqa: BLE001
             result = (type(e).__name__, str(e), time.monotonic() - t0)

@@ -15,7 +15,9 @@ import pytest
 import torch
 
 from harness import megatron_env as me
-from test_dualpipe_megatron import MBS, SEQ, _provider, forward_step, make_batches
+from megatron_dualpipe.proof import models
+from megatron_dualpipe.proof.data import forward_step
+from test_dualpipe_megatron import MBS, SEQ, spec
 
 from megatron_dualpipe.mcore.live_advice import DEFAULT_WARMUP, LiveAdvice, advice_text, cost_problem
 from megatron_dualpipe.mcore.live_advice import stage_parameter_bytes
@@ -103,7 +105,7 @@ def _whole_model_activation_bytes(rank, world, port):
     """One process, the whole model (pp=1), one micro-batch: bytes autograd saves for backward."""
     me.init_distributed_cpu(rank, world, port, pp=1)
     try:
-        model = _provider(False)(True, True)
+        model = models.provider(spec())(True, True)
         params = {p.data_ptr() for p in model.parameters()}
         saved = {}
 
@@ -114,7 +116,7 @@ def _whole_model_activation_bytes(rank, world, port):
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            output, loss_func = forward_step(iter(make_batches(1)), model)
+            output, loss_func = forward_step(iter(spec().batches(1)), model)
             loss_func(output)
         return sum(saved.values())
     finally:
@@ -133,13 +135,13 @@ def _advising_worker(rank, world, port, schedule):
     logger.setLevel(logging.INFO)
     try:
         build_bd_groups()
-        model = build_two_direction_model(_provider(False), layout_kind="bidirectional")
+        model = build_two_direction_model(models.provider(spec()), layout_kind="bidirectional")
         broadcast_mirrors(model)
         for chunk in model:
             chunk.config.finalize_model_grads_func = lambda *a, **k: None
         for forward_only in (True, False, False, False, False):  # evaluation first: not measured
             with torch.no_grad() if forward_only else torch.enable_grad():
-                forward_backward_dualpipe(forward_step_func=forward_step, data_iterator=iter(make_batches(8)),
+                forward_backward_dualpipe(forward_step_func=forward_step, data_iterator=iter(spec().batches(8)),
                                           model=model, num_microbatches=8, seq_length=SEQ, micro_batch_size=MBS,
                                           forward_only=forward_only, schedule=schedule, p2p_timeout=60,
                                           advise=True, advise_warmup=1)

@@ -10,7 +10,6 @@ import pytest
 
 from harness.megatron_env import run_workers
 
-VOCAB = 64
 SEED = 1234
 
 
@@ -18,45 +17,27 @@ SEED = 1234
 # worker side
 
 
-def _provider(config, tied, seen_pp_ranks=None):
+def _spec(num_layers, tied):
+    """The tiny GPT these tests build (the proof harness's, which the selftest builds too)."""
+    from megatron_dualpipe.proof.models import ModelSpec
+
+    return ModelSpec(layers=num_layers, tied=tied)
+
+
+def _provider(spec, seen_pp_ranks, v_layout=False):
+    """The proof harness's provider, noting what parallel_state says while each chunk is built."""
     from megatron.core import parallel_state
 
-    from harness.megatron_env import build_tiny_gpt
+    from megatron_dualpipe.proof.models import provider
 
-    def provider(*, pre_process, post_process, pg_collection=None, vp_stage=None):
-        if seen_pp_ranks is not None:  # what parallel_state says while this chunk is built
-            seen_pp_ranks.append(parallel_state.get_pipeline_model_parallel_rank())
-        return build_tiny_gpt(
-            config,
-            vocab_size=VOCAB,
-            pre_process=pre_process,
-            post_process=post_process,
-            share_embeddings_and_output_weights=tied,
-            pg_collection=pg_collection,
-            vp_stage=vp_stage,
-        )
+    build = provider(spec, v_layout)
 
-    return provider
+    def recorded(*, pre_process, post_process, pg_collection=None, vp_stage=None):
+        seen_pp_ranks.append(parallel_state.get_pipeline_model_parallel_rank())
+        return build(pre_process=pre_process, post_process=post_process, pg_collection=pg_collection,
+                     vp_stage=vp_stage)
 
-
-def _full_state_dict(tied, num_layers):
-    """A pp=1 model of the same architecture, identical on every rank (same seed)."""
-    import copy
-
-    from megatron.core.process_groups_config import ProcessGroupCollection
-
-    from harness.megatron_env import build_tiny_gpt, seed_all, tiny_gpt_config
-
-    seed_all(SEED)
-    pgc = copy.copy(ProcessGroupCollection.use_mpu_process_groups())
-    pgc.pp = None  # get_pg_rank(None) == 0, get_pg_size(None) == 1
-    pgc.embd = None
-    config = tiny_gpt_config(num_layers=num_layers, pipeline_model_parallel_size=1)
-    full = build_tiny_gpt(
-        config, vocab_size=VOCAB, pre_process=True, post_process=True,
-        share_embeddings_and_output_weights=tied, pg_collection=pgc,
-    )
-    return {k: v.detach().clone() for k, v in full.state_dict().items() if not k.endswith("_extra_state")}
+    return recorded
 
 
 def _chunk_summary(chunk):
@@ -103,14 +84,10 @@ def _worker(rank, world_size, port, pp, num_layers):
     from megatron_dualpipe.mcore import finalize as G
     from megatron_dualpipe.mcore import groups
     from megatron_dualpipe.mcore import model as M
-    from harness.megatron_env import (
-        _full_key,
-        destroy_distributed,
-        init_distributed_cpu,
-        load_stage_from_full,
-        seed_all,
-        tiny_gpt_config,
-    )
+    from harness.megatron_env import destroy_distributed, init_distributed_cpu
+    from megatron_dualpipe.proof.models import full_state_dict, provider
+    from megatron_dualpipe.proof.names import full_key, load_stage_from_full
+    from megatron_dualpipe.proof.tiny_gpt import seed_all
 
     init_distributed_cpu(rank, world_size, port, pp=pp)
     out = {"num_layers": num_layers}
@@ -143,11 +120,11 @@ def _worker(rank, world_size, port, pp, num_layers):
         # ---- DualPipe (bidirectional), tied and untied
         for tied in (True, False):
             key = "bd_tied" if tied else "bd_untied"
-            full = _full_state_dict(tied, num_layers)
+            full = full_state_dict(_spec(num_layers, tied))
             seed_all(SEED + 17 * rank)  # different per rank: only the broadcast makes copies equal
-            config = tiny_gpt_config(num_layers=num_layers)
             seen = []
-            model = M.build_two_direction_model(_provider(config, tied, seen), layout_kind="bidirectional")
+            model = M.build_two_direction_model(_provider(_spec(num_layers, tied), seen), layout_kind="bidirectional")
+            config = model[0].config
             res = {"chunks": [_chunk_summary(c) for c in model], "seen_pp_ranks": seen,
                    "pp_rank_after": parallel_state.get_pipeline_model_parallel_rank()}
             # Load the full model into model[0] everywhere, broadcast again: model[1] must then
@@ -157,7 +134,7 @@ def _worker(rank, world_size, port, pp, num_layers):
             offset1 = model[1].decoder.layers[0].layer_number - 1
             mism = []
             for name, p in model[1].named_parameters():
-                fk = _full_key(name, offset1, full)
+                fk = full_key(name, offset1, full)
                 if not torch.equal(p.detach(), full[fk]):
                     mism.append((name, fk))
             res["mirror_vs_full_mismatch"] = mism
@@ -204,9 +181,8 @@ def _worker(rank, world_size, port, pp, num_layers):
 
         # ---- DualPipeV, tied
         seed_all(SEED + 17 * rank)
-        config = M.dualpipev_config(tiny_gpt_config(num_layers=num_layers))
         seen = []
-        model = M.build_two_direction_model(_provider(config, True, seen), layout_kind="v")
+        model = M.build_two_direction_model(_provider(_spec(num_layers, True), seen, v_layout=True), layout_kind="v")
         res = {"chunks": [_chunk_summary(c) for c in model], "seen_pp_ranks": seen}
         _set_hand_grads(model, rank)
         G.finalize_dualpipe_grads(model, None)
@@ -215,7 +191,7 @@ def _worker(rank, world_size, port, pp, num_layers):
 
         # V with a config lacking the virtual pipeline: clear error
         try:
-            M.build_two_direction_model(_provider(tiny_gpt_config(num_layers=num_layers), False), layout_kind="v")
+            M.build_two_direction_model(provider(_spec(num_layers, False)), layout_kind="v")
             out["v_bad_config"] = None
         except ValueError as e:
             out["v_bad_config"] = str(e)
@@ -237,7 +213,9 @@ def _dp_worker(rank, world_size, port):
     from megatron_dualpipe.mcore import finalize as G
     from megatron_dualpipe.mcore import groups
     from megatron_dualpipe.mcore import model as M
-    from harness.megatron_env import destroy_distributed, init_distributed_cpu, seed_all, tiny_gpt_config
+    from harness.megatron_env import destroy_distributed, init_distributed_cpu
+    from megatron_dualpipe.proof.models import provider
+    from megatron_dualpipe.proof.tiny_gpt import seed_all
 
     init_distributed_cpu(rank, world_size, port, pp=2)
     out = {}
@@ -250,13 +228,12 @@ def _dp_worker(rank, world_size, port):
         out["rev_rank"] = groups.get_reversed_pp_group().rank()
         out["pp_rank"] = parallel_state.get_pipeline_model_parallel_rank()
         seed_all(SEED + 17 * rank)
-        config = tiny_gpt_config(num_layers=8)
-        model = M.build_two_direction_model(_provider(config, True))
+        model = M.build_two_direction_model(provider(_spec(8, True)))
         out["chunks"] = [_chunk_summary(c) for c in model]
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
         ddp_config = DistributedDataParallelConfig(overlap_grad_reduce=False, use_distributed_optimizer=False)
-        wrapped = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=c) for c in model]
+        wrapped = [DistributedDataParallel(config=c.config, ddp_config=ddp_config, module=c) for c in model]
         for c in wrapped:
             c.zero_grad_buffer()
         for d, c in enumerate(wrapped):

@@ -21,34 +21,17 @@ import pytest
 import torch
 
 from harness import megatron_env as me
+from megatron_dualpipe.proof import models, names, reference
+from megatron_dualpipe.proof.compare import Gap
+from megatron_dualpipe.proof.data import forward_step
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-mode tests")
 
-SEQ, MBS, VOCAB, LAYERS, EXPERTS, PP, EP = 16, 2, 64, 4, 4, 2, 2
+LAYERS, EXPERTS, PP, EP = 4, 4, 2, 2
+#: MoE GPT, megatron-core's alltoall dispatcher.
+SPEC = models.ModelSpec(layers=LAYERS, experts=EXPERTS)
+SEQ, MBS = SPEC.seq, SPEC.mbs
 RTOL = 1e-5
-
-
-def make_batches(n, seed):
-    return me.make_gpt_batches(n, vocab=VOCAB, seq=SEQ, mbs=MBS, seed=seed)
-
-
-def forward_step(data_iterator, model, return_schedule_plan=False):
-    """pretrain_gpt's contract: with ``return_schedule_plan`` the model's schedule plan instead of
-    its output. Data on the first and last stage only (parallel_state answers per direction)."""
-    from megatron.core import parallel_state as ps
-
-    first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
-    b = next(data_iterator) if (first or last) else None
-    tokens, position_ids = (b["tokens"], b["position_ids"]) if first else (None, None)
-    labels = b["labels"] if last else None
-    loss = functools.partial(me.masked_loss_func, b["loss_mask"] if last else None)
-    if return_schedule_plan:
-        return model.build_schedule_plan(tokens, position_ids, None, labels=labels), loss
-    return model(tokens, position_ids, None, labels=labels), loss
-
-
-def _config():
-    return me.tiny_gpt_config(num_layers=LAYERS, num_moe_experts=EXPERTS, moe_token_dispatcher_type="alltoall")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -150,26 +133,15 @@ def expected_fused_order(f_layers, b_layers, f_last: bool, b_last: bool):
 def _reference_worker(rank, world, port, n, seeds):
     me.init_distributed_cpu(rank, world, port)
     try:
-        model = me.build_tiny_gpt(_config(), vocab_size=VOCAB, max_sequence_length=SEQ)
-        state = {k: v.clone() for k, v in model.state_dict().items() if "_extra_state" not in k}
-        per_seed = []
-        for seed in seeds:
-            losses, grads = [], []
-            for b in make_batches(n, seed):
-                model.zero_grad()
-                out = model(b["tokens"], b["position_ids"], None, labels=b["labels"])
-                loss, _ = me.masked_loss_func(b["loss_mask"], out)
-                loss.backward()
-                losses.append(loss.item())
-                grads.append({k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None})
-            per_seed.append((losses, grads))
-        return state, per_seed
+        model = models.provider(SPEC)()
+        state = reference.weights(model)
+        return state, [reference.per_microbatch(model, SPEC.batches(n, seed)) for seed in seeds]
     finally:
         me.destroy_distributed()
 
 
 def _global_key(name, chunk, full, ep_rank):
-    key = me._full_key(name, me._layer_offset(chunk), full)
+    key = names.full_key(name, names.layer_offset(chunk), full)
     marker = ".local_experts."
     if marker in key:
         head, tail = key.split(marker, 1)
@@ -191,20 +163,14 @@ def _pipeline_worker(rank, world, port, schedule, full_state, runs):
     from megatron.core import parallel_state as ps
     from megatron_dualpipe.mcore.forward_backward import forward_backward_dualpipe
     from megatron_dualpipe.mcore.groups import build_bd_groups
-    from megatron_dualpipe.mcore.model import build_two_direction_model, dualpipev_config
+    from megatron_dualpipe.mcore.model import build_two_direction_model
     from megatron_dualpipe.mcore.overlap import enable_combined_step
 
     me.init_distributed_cpu(rank, world, port, pp=PP, ep=EP)
     try:
         build_bd_groups()
         v = schedule == "dualpipev"
-
-        def provider(pre_process, post_process, pg_collection=None, vp_stage=None):
-            config = dualpipev_config(_config()) if v else _config()
-            return me.build_tiny_gpt(config, pre_process=pre_process, post_process=post_process, vocab_size=VOCAB,
-                                     max_sequence_length=SEQ, pg_collection=pg_collection, vp_stage=vp_stage)
-
-        model = build_two_direction_model(provider, layout_kind="v" if v else "bidirectional")
+        model = build_two_direction_model(models.provider(SPEC, v_layout=v), layout_kind="v" if v else "bidirectional")
         full = {k: torch.from_numpy(x) for k, x in full_state.items()}
         ep_rank, dp_rank, pp_rank = (ps.get_expert_model_parallel_rank(), ps.get_data_parallel_rank(),
                                      ps.get_pipeline_model_parallel_rank())
@@ -228,7 +194,7 @@ def _pipeline_worker(rank, world, port, schedule, full_state, runs):
             order_log.update(on=overlap and not order_log.get("done"), events=[])
             deferred[0] = 0
             out = forward_backward_dualpipe(
-                forward_step_func=forward_step, data_iterator=iter(make_batches(m, seed=7 + dp_rank)), model=model,
+                forward_step_func=forward_step, data_iterator=iter(SPEC.batches(m, seed=7 + dp_rank)), model=model,
                 num_microbatches=m, seq_length=SEQ, micro_batch_size=MBS, schedule=schedule,
                 zero_bubble=zero_bubble, p2p_timeout=120)
             fused = fused_units[0]
@@ -310,9 +276,9 @@ def _capture_warnings():
 
 
 def _expected_grad(per_seed, key, dp, m):
-    if ".local_experts." in key:  # the expert received the tokens of every replica
-        return sum(np.asarray(per_seed[j][1][k][key], np.float64) for j in range(len(per_seed)) for k in range(m)) / m
-    return sum(np.asarray(per_seed[dp][1][k][key], np.float64) for k in range(m)) / m
+    if ".local_experts." in key:  # the expert received the tokens of every replica: their sum
+        return sum(reference.mean_grad(grads, key, m) for _, grads in per_seed)
+    return reference.mean_grad(per_seed[dp][1], key, m)
 
 
 def _run(schedule, runs):
@@ -322,24 +288,20 @@ def _run(schedule, runs):
     print(f"\n{schedule} pp={PP} ep={EP} (alltoall), dp=2, vs single process and vs F-then-B:")
     by_run = {}
     for i, (m, zb, overlap, *delay) in enumerate(runs):
-        dl = dg = scale = 0.0
+        losses, grads = Gap(), Gap()
         for res in results:
             r = res[i]
             if r["losses"] is not None:
-                ref = per_seed[r["dp"]][0][:m]
                 assert len(r["losses"]) == m
-                dl = max(dl, max(abs(a - b) for a, b in zip(r["losses"], ref)))
-            for grads in r["grads"]:
-                for key, g in grads.items():
-                    want = _expected_grad(per_seed, key, r["dp"], m)
-                    dg = max(dg, float(np.max(np.abs(np.asarray(g, np.float64) - want))))
-                    scale = max(scale, float(np.max(np.abs(want))))
+                losses.add(r["losses"], per_seed[r["dp"]][0][:m], f"dp {r['dp']}")
+            for c, chunk_grads in enumerate(r["grads"]):
+                for key, g in chunk_grads.items():
+                    grads.add(g, _expected_grad(per_seed, key, r["dp"], m), f"(pp {r['pp']}, dp {r['dp']}) model[{c}] {key}")
         fused = [res[i]["fused"] for res in results]
         deferred = [res[i]["deferred"] for res in results]
-        print(f"  M={m} zero_bubble={zb} overlap={overlap}: max|loss diff| {dl:.2e}, max|grad diff| {dg:.2e} "
-              f"(rel {dg / scale:.2e}); fused units through the hook per rank: {fused}; deferred weight "
-              f"gradients run by W per rank: {deferred}")
-        assert dl <= RTOL * 5 and dg <= RTOL * scale, (m, zb, overlap, dl, dg, scale)
+        print(f"  M={m} zero_bubble={zb} overlap={overlap}: {losses.line('losses')}; {grads.line('gradients')}; "
+              f"fused units through the hook per rank: {fused}; deferred weight gradients run by W per rank: {deferred}")
+        assert losses.diff <= RTOL * 5 and grads.rel <= RTOL, (m, zb, overlap, losses.line("losses"), grads.line("gradients"))
         # Each rank's few B actions at pp=2 may all be fake micro-batches when M is padded.
         assert (all(n > 0 for n in deferred) if m == 8 else any(deferred)) if zb else not any(deferred)
         by_run[(m, zb, overlap, *delay)] = i

@@ -14,10 +14,11 @@ import pytest
 import torch
 
 from harness import megatron_env as me
+from megatron_dualpipe.proof import models
 
 pytestmark = [pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-mode tests")]
 
-VOCAB, SEQ, LAYERS = 64, 16, 4
+LAYERS = 4
 
 
 def _build(chunks_of, dist_opt, bf16):
@@ -32,12 +33,9 @@ def _build(chunks_of, dist_opt, bf16):
     return wrapped, get_megatron_optimizer(config, wrapped, use_gloo_process_groups=False)
 
 
-def _provider(bf16):
-    def provider(pre_process, post_process, pg_collection=None, vp_stage=None):
-        config = me.tiny_gpt_config(num_layers=LAYERS, bf16=bf16)
-        return me.build_tiny_gpt(config, pre_process=pre_process, post_process=post_process, vocab_size=VOCAB,
-                                 max_sequence_length=SEQ, pg_collection=pg_collection, vp_stage=vp_stage)
-    return provider
+def _spec(bf16):
+    """The tiny GPT with ``bf16`` in its config (fp32 parameters: ``_half`` makes them bf16, as Megatron-LM does)."""
+    return models.ModelSpec(layers=LAYERS, config=(("bf16", bf16),))
 
 
 def _half(chunks, bf16):
@@ -93,7 +91,7 @@ def _worker(rank, world, port, dist_opt, bf16):
     me.init_distributed_cpu(rank, world, port, pp=2)
     try:
         build_bd_groups()
-        model = build_two_direction_model(_provider(bf16), layout_kind="bidirectional")
+        model = build_two_direction_model(models.provider(_spec(bf16)), layout_kind="bidirectional")
         broadcast_mirrors(model)
         model, opt = _build(_half(model, bf16), dist_opt, bf16)
         pp_rank = ps.get_pipeline_model_parallel_rank()
@@ -105,7 +103,7 @@ def _worker(rank, world, port, dist_opt, bf16):
         direct, steps = zip(*[_direct(c, opt, dist_opt, bf16) for c in model])
         real = [sum(p.numel() for p in c.parameters()) for c in model]
         # Megatron's 1F1B: this rank's stage alone, its own DDP and optimizer
-        one = _provider(bf16)(ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage())
+        one = models.provider(_spec(bf16))(ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage())
         one, one_opt = _build(_half([one], bf16), dist_opt, bf16)
         _step_inner(one_opt)
         reference, _ = _direct(one[0], one_opt, dist_opt, bf16)

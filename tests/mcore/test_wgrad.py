@@ -704,7 +704,7 @@ def test_executor_logs_once_how_much_w_holds(caplog):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron_dualpipe.mcore.forward_backward import forward_backward_dualpipe
-    from harness import megatron_env as me
+    from megatron_dualpipe.proof.data import forward_step, make_gpt_batches
 
     config = _tiny_transformer_config()
     torch.manual_seed(13)
@@ -712,12 +712,6 @@ def test_executor_logs_once_how_much_w_holds(caplog):
                      share_embeddings_and_output_weights=False)
     model.decoder.layers[0].mlp.linear_fc2 = _PlainFc2(config.ffn_hidden_size, config.hidden_size)
     config.finalize_model_grads_func = None
-
-    def forward_step(data_iterator, model):
-        import functools
-        b = next(data_iterator)
-        out = model(b["tokens"], b["position_ids"], None, labels=b["labels"])
-        return out, functools.partial(me.masked_loss_func, b["loss_mask"])
 
     # Independently: every >=2-D parameter outside the embeddings is a weight tensor.
     weights = {n: p.numel() for n, p in model.named_parameters() if p.dim() >= 2 and "embedding" not in n}
@@ -733,7 +727,7 @@ def test_executor_logs_once_how_much_w_holds(caplog):
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="megatron_dualpipe"):
             forward_backward_dualpipe(forward_step_func=forward_step,
-                                      data_iterator=iter(me.make_gpt_batches(3, vocab=32, seq=8, mbs=2)),
+                                      data_iterator=iter(make_gpt_batches(3, vocab=32, seq=8, mbs=2)),
                                       model=[model], num_microbatches=3, seq_length=8, micro_batch_size=2,
                                       schedule="zb-h1", p2p_timeout=60)
         messages.append([r.getMessage() for r in caplog.records if "zero bubble" in r.getMessage()])

@@ -39,8 +39,10 @@ MAY_IMPORT: Dict[str, Set[str]] = {
                "launch_placement", "launch_validation"},
     "apps": {"schedule", "executor", "pictures", "bench", "mcore", "cpu", "hooks", "versions", "megatron_lm",
              "interrupts", "launch_checks"},
+    # the proof harness: the tiny GPT and the equality and no-hang checks (the tests and the selftest)
+    "proof": {"schedule", "executor", "mcore", "cpu", "hooks", "versions"},
     "selftest": {"schedule", "executor", "pictures", "bench", "mcore", "cpu", "hooks", "versions", "megatron_lm",
-                 "apps", "interrupts"},
+                 "apps", "interrupts", "proof"},
     "cli": {"schedule", "executor", "pictures", "bench", "mcore", "cpu", "hooks", "versions", "megatron_lm", "apps",
             "selftest", "launch", "launch_checks", "launch_placement", "interrupts"},
     "__main__": {"cli"},
