@@ -12,12 +12,15 @@ test_megatron_lm_dualpipev.py). Every copy of every router's ``expert_bias`` is 
 
 The smoke case (both tags) runs YaRN and ``--rotary-scaling-factor`` in the CPU mode: multi-latent
 attention, whose RoPE is YaRN by default, under dualpipe and 1f1b (``--rotary-base`` and
-``--rotary-percent`` are test_megatron_lm_dualpipe.py's smoke case).
+``--rotary-percent`` are test_megatron_lm_dualpipe.py's smoke case); core_v0.19.0's YaRN for
+standard attention (``--position-embedding-type yarn``) is the case after it.
 """
+import os
+
 import pytest
 import torch
 
-from megatron_lm_runs import (HAVE_MEGATRON_LM, LAST_OUTPUT, MOE_EP2, PRINT_EXPERT_BIAS, SKIP_MESSAGE,
+from megatron_lm_runs import (HAVE_MEGATRON_LM, LAST_OUTPUT, MEGATRON_LM_PATH, MOE_EP2, PRINT_EXPERT_BIAS, SKIP_MESSAGE,
                               assert_metrics_close, run_pretrain)
 from test_megatron_lm_dualpipev import _as_resumed_at, _set_latest
 from test_megatron_lm_options import expert_biases
@@ -96,4 +99,24 @@ def test_mla_with_yarn_dualpipe_equals_1f1b():
     ref = run_pretrain("1f1b", *args, with_metrics=True)
     got = run_pretrain("dualpipe", *args, with_metrics=True)
     worst = assert_metrics_close(got, ref, "MLA + YaRN: dualpipe vs 1f1b")
+    assert "lm loss" in worst
+
+
+def _offers_yarn_positions():
+    """Whether the checkout's ``--position-embedding-type`` takes ``yarn`` (core_v0.19.0 does)."""
+    with open(os.path.join(MEGATRON_LM_PATH, "megatron", "training", "arguments.py")) as f:
+        return "'learned_absolute', 'rope', 'yarn'" in f.read()
+
+
+@pytest.mark.skipif(not HAVE_MEGATRON_LM or not _offers_yarn_positions(),
+                    reason="--position-embedding-type yarn came with core_v0.19.0")
+def test_yarn_positions_dualpipe_equals_1f1b():
+    """YaRN for standard attention with partial rotary, another base, --rotary-scaling-factor and
+    sequences twice its original length: dualpipe equal to 1f1b in every printed metric (pp = 4)."""
+    args = ("--position-embedding-type", "yarn", "--rotary-base", "500000", "--rotary-percent", "0.5",
+            "--rotary-scaling-factor", "4", "--yarn-original-max-position-embeddings", "32", "--mscale-all-dim",
+            "1.0", *USERS_ARCHITECTURE, "--train-iters", "3")
+    ref = run_pretrain("1f1b", *args, with_metrics=True)
+    got = run_pretrain("dualpipe", *args, with_metrics=True)
+    worst = assert_metrics_close(got, ref, "YaRN positions: dualpipe vs 1f1b")
     assert "lm loss" in worst
