@@ -108,7 +108,7 @@ def launch(schedule, *extra, timeout=600, env_extra=None, pythonpath=(), nproc=4
     cmd, env = command(schedule, *extra, env_extra=env_extra, pythonpath=pythonpath, nproc=nproc,
                        fast_exit=fast_exit)
     if "--save" in cmd or "--load" in cmd:  # a checkpoint changes between runs
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+        proc = _run(cmd, env, timeout, fast_exit)
         LAST_OUTPUT[0] = proc.stdout + proc.stderr
         return proc.returncode, LAST_OUTPUT[0]
     key = (tuple(cmd), tuple(sorted((k, v) for k, v in env.items()
@@ -116,7 +116,7 @@ def launch(schedule, *extra, timeout=600, env_extra=None, pythonpath=(), nproc=4
     if key not in _RUNS:
         with _shared_run(key) as shared:
             if shared.output is None:
-                proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+                proc = _run(cmd, env, timeout, fast_exit)
                 if proc.returncode:
                     LAST_OUTPUT[0] = proc.stdout + proc.stderr
                     return proc.returncode, LAST_OUTPUT[0]
@@ -124,6 +124,22 @@ def launch(schedule, *extra, timeout=600, env_extra=None, pythonpath=(), nproc=4
             _RUNS[key] = shared.output
     LAST_OUTPUT[0] = _RUNS[key]
     return 0, _RUNS[key]
+
+
+#: Set to 1 to run every pretrain_gpt.py run under torchrun itself (no preloaded ranks).
+TORCHRUN_ENV = "MEGATRON_DUALPIPE_TEST_TORCHRUN"
+
+
+def _run(cmd, env, timeout, fast_exit):
+    """subprocess.run of a torchrun command; the ranks are forked from a preloaded server
+    (tests/harness/preloaded_launch.py) when the run asks for the fast exit and nothing of torchrun's
+    own (restarts, its options) is asked for."""
+    if not fast_exit or os.environ.get(TORCHRUN_ENV) == "1" or cmd[2] != "--nproc-per-node" \
+            or cmd[4] != "-m":
+        return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    from harness import preloaded_client
+
+    return preloaded_client.run(cmd[4:], env, int(cmd[3]), timeout)
 
 
 class _Shared:
