@@ -38,16 +38,36 @@ BAD = [
 ]
 
 
-@pytest.mark.parametrize("argv,needle", BAD, ids=[" ".join(a) for a, _ in BAD])
-def test_bad_arguments_give_one_usage_before_any_process_starts(tmp_path, argv, needle):
+def _check_refusal(argv, code, stdout, stderr, out):
+    lines = stderr.strip().splitlines()
+    print(f"\n{' '.join(argv)} -> exit {code}: {lines[-1]}")
+    assert code == 2 and "Traceback" not in stderr and "torchrun" not in stdout
+    assert [line for line in lines if line.startswith("usage:")] == [lines[-2]]  # one usage line, then the error
+    assert lines[-1].startswith("python -m megatron_dualpipe.apps.main_job: error: ")
+    assert not out.exists()
+    return lines[-1]
+
+
+def test_bad_arguments_give_one_usage_before_any_process_starts(tmp_path):
+    """The command itself, in its own process: exit code 2, one usage line and one error line, no
+    traceback, nothing started or written."""
+    argv, needle = BAD[1]
     r = run_demo(*argv, "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / "out"), cwd=tmp_path,
                  timeout=120)
-    lines = r.stderr.strip().splitlines()
-    print(f"\n{' '.join(argv)} -> exit {r.returncode}: {lines[-1]}")
-    assert r.returncode == 2 and "Traceback" not in r.stderr and "torchrun" not in r.stdout
-    assert [line for line in lines if line.startswith("usage:")] == [lines[-2]]  # one usage line, then the error
-    assert lines[-1].startswith("python -m megatron_dualpipe.apps.main_job: error: ") and needle in lines[-1]
-    assert not (tmp_path / "out").exists()
+    assert needle in _check_refusal(argv, r.returncode, r.stdout, r.stderr, tmp_path / "out")
+
+
+@pytest.mark.parametrize("argv,needle", BAD, ids=[" ".join(a) for a, _ in BAD])
+def test_each_bad_argument_is_named_with_its_fix(tmp_path, monkeypatch, capsys, argv, needle):
+    """Every refusal, in this process (main() as the command calls it): the same checks, without a
+    Python start per case."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.setattr(sys, "argv", ["python -m megatron_dualpipe.apps.main_job"])
+    with pytest.raises(SystemExit) as stop:
+        demo.main([*argv, "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / "out")])
+    captured = capsys.readouterr()
+    assert needle in _check_refusal(argv, stop.value.code, captured.out, captured.err, tmp_path / "out")
 
 
 def test_worker_arguments_round_trip():
