@@ -440,6 +440,18 @@ HANDLED: Tuple[Handled, ...] = (
             '`--normalization RMSNorm`, `--untie-embeddings-and-output-weights` (the shipped configs\' architecture)',
             'equal on CPU, every printed metric, at both tags (CPU mode moves RoPE\'s inverse frequencies to the CPU)',
             'D `test_dualpipe_and_megatron_1f1b_equal_on_the_users_architecture` (smoke)'),
+    Handled("DeepSeek-V3's recipe: `--multi-latent-attention` (`--q-lora-rank`, `--kv-lora-rank`, `--qk-head-dim`, "
+            '`--qk-pos-emb-head-dim`, `--v-head-dim`) with YaRN (`--rope-type yarn`, `--rotary-scaling-factor`, '
+            '`--mscale`, `--mscale-all-dim`), `--moe-router-score-function sigmoid` with '
+            '`--moe-router-enable-expert-bias`, `--moe-router-num-groups` / `--moe-router-group-topk`, '
+            '`--moe-router-topk-scaling-factor`, `--moe-shared-expert-intermediate-size`, `--moe-layer-freq` (dense '
+            'first layers), `--moe-router-load-balancing-type seq_aux_loss`; `--position-embedding-type yarn` '
+            '(core_v0.19.0)',
+            'equal on CPU, all at once with expert parallel 2 x pp=2: `dualpipe` from the start, `dualpipev` from '
+            "1f1b's checkpoint, every printed metric and every copy of every router's `expert_bias` (0 difference; "
+            'a perturbed option on one side fails it); MLA + YaRN at both tags (smoke). CPU mode: the local '
+            "attention takes MLA's head sizes, as TE's does",
+            '`tests/megatron_lm/test_megatron_lm_v3_recipe.py`'),
     Handled('`dualpipev` with `--bf16` / `--fp16` (loss scaling), the distributed optimizer with overlapped grad '
             'reduce and param gather, tp=2 + SP, MoE EP2, torch_dist checkpoints across schedules',
             "equal on CPU at core_v0.19.0 from 1f1b's weights, every printed metric (0 difference); its torch_dist "
