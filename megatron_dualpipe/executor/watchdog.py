@@ -166,6 +166,7 @@ def current() -> Optional[Watchdog]:
 def watching(timeout_s: float = DEFAULT_TIMEOUT_S):
     """One iteration under a :class:`Watchdog`: an exception caused by its abort becomes its named
     error; at the end the host waits for what is outstanding; the watchdog stops on leaving."""
+    abort.raise_if_failed(f"global rank {_rank()} before an iteration")  # a peer failed in an earlier one
     dog, before = Watchdog(timeout_s), abort.WATCHING[0]
     abort.WATCHING[0] = dog
     try:
