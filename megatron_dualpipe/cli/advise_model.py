@@ -128,7 +128,20 @@ def setup(args) -> Setup:
     every = [mc.stage_costs(m, gpu, mfu, args.gpus_per_node, i, a2a_bw) for i in range(m.pp)]
     if len({round(c.f + c.b, 9) for c in every}) > 1:  # uneven stages: the simulator takes the slowest's
         lines.insert(4, "  every stage's f/b/w (ms): " + ", ".join(f"{c.f:.3g}/{c.b:.3g}/{c.w:.3g}" for c in every))
+        lines += stage_pairs_lines(m, gpu, mfu, args.gpus_per_node, a2a_bw)
     return Setup(m, gpu, mfu, world, dp, micro, costs, mem, lines)
+
+
+def stage_pairs_lines(m, gpu, mfu: float, gpus_per_node: int, a2a_bw) -> List[str]:
+    """Uneven stages: which stages each rank holds under 1F1B, DualPipe and DualPipeV, and their
+    summed forward time (``schedule.stage_pairs``)."""
+    from ..schedule import model_cost as mc
+    from ..schedule import registry, stage_pairs
+
+    forward = [mc.partition_f(m, gpu, mfu, gpus_per_node, sizes, a2a_bw)
+               for sizes in (mc.stage_sizes(m), mc.v_stage_sizes(m))]
+    return stage_pairs.report(*forward, (registry.ONE_F_ONE_B, registry.DUALPIPE, registry.DUALPIPEV),
+                              unit=" (forward ms per micro-batch)")
 
 
 def _summary(m, gpu, mfu, nodes, per_node, dp, micro, sc, mem) -> List[str]:
@@ -176,15 +189,16 @@ def interleaved_virtual(m, default: int) -> Optional[int]:
 
 def unsplittable(m, names: Sequence[str]) -> List[str]:
     """The schedules of ``names`` whose stages do not split ``m``'s layers (evenly, or as the model's
-    --decoder-first/last-pipeline-num-layers say: 1f1b's and dualpipe's pp stages only), with why."""
-    from ..schedule.registry import DUALPIPE, ONE_F_ONE_B, spec
+    --decoder-first/last-pipeline-num-layers or layout say: 1f1b's and dualpipe's pp stages, and
+    dualpipev's V-stages, which a layout of pp stages cut in two gives), with why."""
+    from ..schedule.registry import DUALPIPE, DUALPIPEV, ONE_F_ONE_B, spec
 
-    uneven = m.first_stage_layers is not None or m.last_stage_layers is not None
+    uneven = m.first_stage_layers is not None or m.last_stage_layers is not None or m.layout is not None
     out = []
     for n in names:
         stages = spec(n).model_stages(m.pp)
-        if uneven and n not in (ONE_F_ONE_B, DUALPIPE):
-            out.append(f"{n} (uneven stages are taken by 1f1b and dualpipe only)")
+        if uneven and n not in (ONE_F_ONE_B, DUALPIPE, DUALPIPEV):
+            out.append(f"{n} (uneven stages are taken by 1f1b, dualpipe and dualpipev only)")
         elif not uneven and m.num_layers % stages:
             out.append(f"{n} ({m.num_layers} layers do not split into {stages} stages)")
     return out

@@ -86,6 +86,46 @@ def comm_from_args(args, pp: int):
                      args.distributed_optimizer, args.overlap_grad_reduce, bd_mode=args.bd_reduction)
 
 
+def add_stage_cost_args(p: argparse.ArgumentParser) -> None:
+    """Uneven stages (``schedule.stage_pairs``): each stage's cost, or a layout priced per layer."""
+    g = p.add_argument_group("uneven stages (which stages each rank holds under 1F1B, DualPipe and DualPipeV, and "
+                             "their summed cost)")
+    g.add_argument("--stage-costs", metavar="C0,C1,...", help="each stage's cost per micro-batch: pp values (a "
+                   "stage's V-stages then cost half each) or 2*pp (DualPipeV's V-stages); 3,4*14,5 repeats 4")
+    g.add_argument("--layout", metavar="LAYOUT", help="Megatron's --pipeline-model-parallel-layout of pp or 2*pp "
+                   "stages (E embedding, t layer, m MTP, L output layer and loss), priced by --layer-costs")
+    g.add_argument("--layer-costs", metavar="E=0,t=1,m=1,L=0", default="",
+                   help="cost of each layout letter (default t=1, m=1, E=0, L=0)")
+
+
+def stage_cost_views(args, pp: int):
+    """(pp stage costs, 2pp V-stage costs) of ``--stage-costs`` or ``--layout``, or None."""
+    from ..schedule import stage_pairs
+    from ..schedule.stage_layout import LayoutError
+
+    if args.stage_costs is not None and args.layout is not None:
+        raise CliError("--stage-costs and --layout both price the stages: give one")
+    if args.layer_costs and args.layout is None:
+        raise CliError("--layer-costs prices the letters of a --layout: give --layout too")
+    try:
+        if args.stage_costs is not None:
+            return stage_pairs.views(stage_pairs.parse_costs(args.stage_costs), pp)
+        if args.layout is not None:
+            layer_costs = stage_pairs.parse_layer_costs(args.layer_costs) if args.layer_costs else {}
+            return stage_pairs.layout_costs(args.layout, layer_costs, pp)
+    except (ValueError, LayoutError) as e:
+        raise CliError(str(e)) from None
+    return None
+
+
+def stage_pairs_lines(views) -> List[str]:
+    from ..schedule import registry, stage_pairs
+
+    if views is None:
+        return []
+    return [""] + stage_pairs.report(*views, (registry.ONE_F_ONE_B, registry.DUALPIPE, registry.DUALPIPEV))
+
+
 def _add_pad_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pad", dest="pad", action="store_true", default=True,
                    help="run a micro-batch count the order cannot take (DualPipe: odd, or below 2*pp) padded "
@@ -198,6 +238,7 @@ def configure_simulate(p: argparse.ArgumentParser) -> None:
     _add_pad_args(p)
     add_cost_args(p, "costs (hypothetical time units; dualpipev: per chunk, half a stage)")
     add_comm_args(p)
+    add_stage_cost_args(p)
     p.add_argument("--json", action="store_true",
                    help="print makespan, bubble, peak_activations, busy and the same-model comparison as JSON")
     p.add_argument("--png", metavar="FILE.png", type=_png_path, help="draw the timeline to a PNG (needs matplotlib)")
@@ -219,6 +260,7 @@ def run_simulate(args) -> int:
 
     costs = costs_from_args(args)
     comm = comm_from_args(args, args.pp)
+    views = stage_cost_views(args, args.pp)
     for flag, path in (("--png", args.png), ("--svg", args.svg)):
         if path is not None:
             if not path.strip():
@@ -283,10 +325,11 @@ def run_simulate(args) -> int:
                    other_placement=None if other is None else {
                        "placement": other[0], "iteration": None if other[1] is None else other[1].iteration,
                        "problem": other[2]},
-                   same_model=None if rows is None else [r.to_json() for r in rows])
+                   same_model=None if rows is None else [r.to_json() for r in rows],
+                   stage_costs=None if views is None else {"stages": views[0], "v_stages": views[1]})
         print(json.dumps(doc))
         return 0
-    print(_report(padded, costs, result, rows, stage, work, grad, other))
+    print("\n".join([_report(padded, costs, result, rows, stage, work, grad, other)] + stage_pairs_lines(views)))
     return 0
 
 

@@ -61,6 +61,7 @@ _FLAGS: Dict[str, Tuple[str, Optional[type], object]] = {
     "--overlap-grad-reduce": ("overlap_grad_reduce", None, False),
     "--decoder-first-pipeline-num-layers": ("first_stage_layers", int, None),
     "--decoder-last-pipeline-num-layers": ("last_stage_layers", int, None),
+    "--pipeline-model-parallel-layout": ("layout", str, None),
 }
 _NEEDED = ("--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length")
 
@@ -108,6 +109,8 @@ class ModelArgs:
     overlap_grad_reduce: bool
     first_stage_layers: Optional[int] = None
     last_stage_layers: Optional[int] = None
+    #: ``--pipeline-model-parallel-layout``: pp stages, or DualPipeV's 2*pp V-stages
+    layout: Optional[str] = None
 
     @property
     def padded_vocab(self) -> int:
@@ -200,6 +203,26 @@ def parse(argv: Sequence[str]) -> ModelArgs:
     v["sequence_parallel"] = v["sequence_parallel"] and v["tp"] > 1  # Megatron turns it off without TP
     freq = v.pop("moe_layer_freq")
     v["moe_pattern"] = moe_pattern(str(freq), v["num_layers"]) if v["num_experts"] else (0,) * v["num_layers"]
+    if v["layout"] is not None:
+        if v["first_stage_layers"] is not None or v["last_stage_layers"] is not None:
+            raise ModelArgsError("--pipeline-model-parallel-layout places every layer itself: drop "
+                                 "--decoder-first/last-pipeline-num-layers (Megatron refuses both together)")
+        _check_layout(v["layout"], v["num_layers"], v["pp"])
     if v["num_experts"] and v["topk"] > v["num_experts"]:
         raise ModelArgsError(f"--moe-router-topk {v['topk']} is more than --num-experts {v['num_experts']}")
     return ModelArgs(**v)
+
+
+def _check_layout(text: str, num_layers: int, pp: int) -> None:
+    """A layout of pp stages (1F1B, DualPipe) or 2*pp V-stages (DualPipeV) holding every layer."""
+    from .stage_layout import LayoutError, decoder_counts
+    from .stage_layout import parse as parse_layout
+
+    try:
+        stages = parse_layout(text)
+    except LayoutError as e:
+        raise ModelArgsError(str(e)) from None
+    if len(stages) not in (pp, 2 * pp) or sum(decoder_counts(stages)) != num_layers:
+        raise ModelArgsError(f"--pipeline-model-parallel-layout {text!r}: {len(stages)} stages of "
+                             f"{sum(decoder_counts(stages))} layers; give {pp} (or DualPipeV's {2 * pp}) stages of "
+                             f"--num-layers {num_layers}")

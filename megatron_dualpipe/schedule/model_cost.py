@@ -28,8 +28,9 @@ Standard library only, like the rest of ``schedule``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
+from . import stage_layout
 from .model_args import ModelArgs
 
 GB = 1e9
@@ -125,8 +126,12 @@ def iteration_flops(m: ModelArgs, global_batch: int) -> float:
 # ---------------------------------------------------------------------------------------------
 
 def stage_sizes(m: ModelArgs) -> Tuple[int, ...]:
-    """Layers per pipeline stage as Megatron splits them: ``--decoder-first/last-pipeline-num-layers``
-    where given, the rest evenly over the other stages."""
+    """Layers per pipeline stage as Megatron splits them: the layout's (a layout of DualPipeV's 2*pp
+    V-stages: stage t = V-stages 2t and 2t+1), ``--decoder-first/last-pipeline-num-layers`` where
+    given, the rest evenly over the other stages."""
+    if m.layout is not None:
+        counts = stage_layout.decoder_counts(stage_layout.parse(m.layout))
+        return counts if len(counts) == m.pp else tuple(counts[i] + counts[i + 1] for i in range(0, 2 * m.pp, 2))
     ends = [n for n in (m.first_stage_layers, m.last_stage_layers) if n is not None]
     middle = m.pp - len(ends)
     per = (m.num_layers - sum(ends)) // middle if middle else 0
@@ -138,6 +143,28 @@ def stage_sizes(m: ModelArgs) -> Tuple[int, ...]:
     return tuple(sizes)
 
 
+def v_stage_sizes(m: ModelArgs) -> Tuple[int, ...]:
+    """Layers per DualPipeV V-stage: the layout's 2*pp, else each stage cut in two (``stage_layout.halved``)."""
+    if m.layout is not None and len(stage_layout.parse(m.layout)) == 2 * m.pp:
+        return stage_layout.decoder_counts(stage_layout.parse(m.layout))
+    return tuple(n for size in stage_sizes(m) for n in (size // 2, size - size // 2))
+
+
+def partition_f(m: ModelArgs, gpu: Gpu, mfu: float, gpus_per_node: int, sizes: Sequence[int],
+                a2a_bandwidth: Optional[float] = None) -> Tuple[float, ...]:
+    """Forward ms per micro-batch of each of consecutive stages of ``sizes`` layers (the last with
+    the output layer and MTP), priced as :func:`stage_costs` prices a stage's forward."""
+    rate, a2a = gpu.peak_tflops * 1e12 * mfu / 1e3, all_to_all_ms(m, gpu, gpus_per_node, a2a_bandwidth)
+    out, start = [], 0
+    for i, n in enumerate(sizes):
+        flags = m.moe_pattern[start:start + n]
+        linear, core = _span_flops(m, flags, i == len(sizes) - 1)
+        last = m.mtp_layers * m.moe_pattern[-1] if i == len(sizes) - 1 else 0
+        out.append((linear + core) / rate + (sum(flags) + last) * a2a)
+        start += n
+    return tuple(out)
+
+
 def stage_layers(m: ModelArgs, stage: int) -> Tuple[int, ...]:
     """The MoE flags (1: MoE) of the layers of pipeline stage ``stage``."""
     sizes = stage_sizes(m)
@@ -147,11 +174,17 @@ def stage_layers(m: ModelArgs, stage: int) -> Tuple[int, ...]:
 
 def stage_flops(m: ModelArgs, stage: int) -> Tuple[float, float]:
     """(weight GEMMs, core attention) forward FLOPs of one micro-batch on one rank of ``stage``."""
+    return _span_flops(m, stage_layers(m, stage), stage == m.pp - 1)
+
+
+def _span_flops(m: ModelArgs, moe_flags: Sequence[int], last: bool) -> Tuple[float, float]:
+    """(weight GEMMs, core attention) forward FLOPs of layers with these MoE flags, with the output
+    layer and MTP where ``last``, on one rank."""
     linear, core = 0.0, 0.0
-    for moe in stage_layers(m, stage):
+    for moe in moe_flags:
         lin, c = layer_flops(m, bool(moe))
         linear, core = linear + lin, core + c
-    if stage == m.pp - 1:
+    if last:
         lin, c = mtp_flops(m)
         linear, core = linear + lin + output_flops(m), core + c
     tokens = m.micro_batch * m.seq_length
@@ -327,9 +360,12 @@ def heaviest_memory(m: ModelArgs, world: int) -> Memory:
 
 
 def stages_problem(m: ModelArgs) -> Optional[str]:
+    if m.layout is not None:  # model_args checked it
+        return None
     ends = [n for n in (m.first_stage_layers, m.last_stage_layers) if n is not None]
     middle = m.pp - len(ends)
-    uneven_flags = "--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers"
+    uneven_flags = ("--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers, or "
+                    "--pipeline-model-parallel-layout")
     if not ends and m.num_layers % m.pp:
         return (f"--num-layers {m.num_layers} is not a multiple of --pipeline-model-parallel-size {m.pp}: "
                 f"change one, or split unevenly ({uneven_flags})")
