@@ -12,8 +12,7 @@ PP=${PP:-2}; TP=${TP:-1}; EP=${EP:-2}
 MICRO_BATCH=${MICRO_BATCH:-2}; GLOBAL_BATCH=${GLOBAL_BATCH:-16}   # M = 16/(2*dp) = 4 = 2*pp at dp=2
 NUM_LAYERS=4                                                       # divisible by pp and by 2*pp (dualpipev)
 MODEL_ARGS=(
-  --num-layers $NUM_LAYERS --hidden-size 64 --num-attention-heads 4 --seq-length 64
-  --max-position-embeddings 64
+  --num-layers $NUM_LAYERS --hidden-size 64 --num-attention-heads 4 --seq-length 64 --max-position-embeddings 64
   --multi-latent-attention --q-lora-rank 32 --kv-lora-rank 16 --qk-head-dim 16 --qk-pos-emb-head-dim 8
   --v-head-dim 16 --position-embedding-type rope --rope-type yarn --rotary-scaling-factor 40 --mscale 1.0
   --mscale-all-dim 1.0
