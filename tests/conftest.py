@@ -15,7 +15,8 @@ tests/apps         apps          the main job and the selftest end to end
 
 ``slow`` marks the folders that start megatron-core or Megatron-LM processes (mcore, cpu,
 megatron_lm, apps). One tier: ``pytest tests/schedule`` (or ``scripts/run_tests.sh -m schedule``);
-the quick tiers: ``pytest -m "not slow" tests``.
+the quick tiers: ``pytest -m "not slow" tests``; the development loop, every layer in under 2 minutes:
+``-m quick`` (:data:`QUICK`).
 
 Also makes ``tests/harness`` importable as ``harness`` (and ``megatron_lm_runs``) from every
 folder, whatever pytest's import mode.
@@ -58,6 +59,25 @@ SLOW = ("mcore", "cpu", "megatron_lm", "apps")
 #: pretrain_gpt.py file keeping one worker busy while the other waits.
 RUN_ORDER = ("megatron_lm", "apps", "mcore", "cli", "schedule", "executor", "cpu", "bench")
 assert sorted(RUN_ORDER) == sorted(LAYERS)
+#: The development loop (``scripts/run_tests.sh -m quick``, under 2 minutes): the schedule layer whole
+#: and, from every other layer, a test that drives it end to end (test ids, or their beginnings).
+QUICK = {
+    "schedule": ("tests/schedule/",),
+    "executor": ("tests/executor/test_runner_toy.py::test_forward_only_runs_every_forward",
+                 "tests/executor/test_runner_toy.py::test_fused_units_go_through_forward_backward"),
+    "bench": ("tests/bench/test_launch.py::",),
+    "cli": ("tests/cli/test_cli.py::test_simulate_costs_and_text", "tests/cli/test_advise.py::test_cli_table_and_json",
+            "tests/cli/test_launch_validation.py::test_the_config_as_is_passes_megatrons_and_the_plugins_validation",
+            "tests/cli/test_launch_validation.py::test_an_appended_mistake_is_one_line_naming_the_flag[--use-torch-fsdp2]"),
+    "mcore": ("tests/mcore/test_dualpipe_megatron.py::test_dualpipe_equals_single_process[False-2]",
+              "tests/mcore/test_dualpipe_megatron.py::test_dualpipev_equals_single_process[2]"),
+    "cpu": ("tests/cpu/test_cpu_mode.py::test_dense_gpt_forward_backward_single_process",),
+    "megatron_lm": ("tests/megatron_lm/test_megatron_lm_dualpipe.py::"
+                    "test_dualpipe_and_megatron_1f1b_equal_on_the_users_architecture",),
+    "apps": ("tests/apps/test_main_job.py::test_bad_arguments_give_one_usage_before_any_process_starts",
+             "tests/apps/test_selftest.py::test_bad_settings_are_one_line_before_anything_starts"),
+}
+assert sorted(QUICK) == sorted(LAYERS)
 
 
 def pytest_configure(config):
@@ -71,6 +91,7 @@ def pytest_configure(config):
     for name, what in LAYERS.items():
         config.addinivalue_line("markers", f"{name}: tests/{name}: {what}")
     config.addinivalue_line("markers", f"slow: starts megatron-core or Megatron-LM processes ({', '.join(SLOW)})")
+    config.addinivalue_line("markers", "quick: the development loop: every layer in under 2 minutes (tests/conftest.py QUICK)")
     config.addinivalue_line(
         "markers", "smoke: the subset .ci/run also runs on the oldest supported Megatron (megatron-core 0.16.1, "
                    "Megatron-LM core_v0.16.1); the whole suite runs on the newest")
@@ -87,6 +108,8 @@ def pytest_collection_modifyitems(config, items):
             astray.add(os.path.join(*rel))
             continue
         item.add_marker(getattr(pytest.mark, layer))
+        if item.nodeid.startswith(QUICK[layer]):
+            item.add_marker(pytest.mark.quick)
         if layer in SLOW:
             item.add_marker(pytest.mark.slow)
     items.sort(key=lambda item: order[item.nodeid])  # stable: a file's tests keep their order
