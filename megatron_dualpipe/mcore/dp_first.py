@@ -26,9 +26,11 @@ from typing import List, Sequence
 
 import torch
 
+from ..schedule.comm_cost import DP_FIRST
 from . import bd_pairs
+from .copy_sum import MIDDLE_RANK, CopySum
 
-__all__ = ["DP_FIRST_ATTR", "summing_shards_over_pairs", "is_dp_first", "own_shards", "whole_buffers"]
+__all__ = ["DP_FIRST_ATTR", "WAY", "summing_shards_over_pairs", "is_dp_first", "own_shards", "whole_buffers"]
 
 #: Set on a DDP chunk whose copies are summed after its reduce-scatter, on its shards.
 DP_FIRST_ATTR = "dualpipe_dp_first"
@@ -98,3 +100,9 @@ def summing_shards_over_pairs(ddp_class):
 
     DpFirstDDP.__qualname__ = f"DpFirst{ddp_class.__name__}"
     return DpFirstDDP
+
+
+#: Summed on the shards after the reduce-scatter, in Megatron's finalize, in stage order (only the
+#: middle rank of an odd pipeline sums its two copies before, in finalize).
+WAY = CopySum(DP_FIRST, flag="dualpipe_dp_first", marker=DP_FIRST_ATTR, wrap_ddp=summing_shards_over_pairs,
+              sums_in_schedule=False, sums_in_finalize=MIDDLE_RANK, stage_ordered_finalize=True)

@@ -23,8 +23,8 @@ import torch.distributed as dist
 from ..executor import pair_sums
 from . import bd_pairs
 from .model import BIDIRECTIONAL, V_SHAPE, chunk_info, unwrap_chunk
-from .dp_first import is_dp_first
-from .shard_groups import is_shared_layout, stage_order
+from . import copy_sum, copy_sums
+from .shard_groups import stage_order
 
 __all__ = ["allreduce_bd_grads", "allreduce_bd_router_statistics", "fold_tied_embedding_grads", "embedding_copy",
            "finalize_dualpipe_grads", "sum_tensors", "check_buffer_layouts", "NO_EMBEDDING_GROUP"]
@@ -290,11 +290,10 @@ def finalize_dualpipe_grads(
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.utils import get_model_config, get_pg_size
 
-    shared, dp_first = is_shared_layout(model), is_dp_first(model)
+    way = copy_sums.of(model)  # how the copies are summed (mcore.copy_sum)
     if not copies_summed:
-        # the shard groups' reduce-scatter sums the copies; dp-first sums them on the shards, after
-        # it (but the middle rank of an odd pipeline, holding both, sums them here first)
-        if not shared and not (dp_first and not bd_pairs.position().is_middle):
+        if way.sums_in_finalize == copy_sum.ALWAYS or (
+                way.sums_in_finalize == copy_sum.MIDDLE_RANK and bd_pairs.position().is_middle):
             allreduce_bd_grads(model)
         fold_tied_embedding_grads(model)
 
@@ -328,8 +327,8 @@ def finalize_dualpipe_grads(
     pgc = copy.copy(pg_collection) if pg_collection is not None else ProcessGroupCollection.use_mpu_process_groups()
     pgc.embd = NO_EMBEDDING_GROUP
     pgc.pos_embd = None
-    if shared or dp_first:  # Megatron's per-chunk loop issues the shard groups' reduce-scatters, or
-        model = [model[c] for c in stage_order(model)]  # the pair's sums of the shards: in stage order
+    if way.stage_ordered_finalize:  # Megatron's per-chunk loop issues the collectives that sum the
+        model = [model[c] for c in stage_order(model)]  # copies: in stage order on both partners
     finalize_func(model, num_tokens, pg_collection=pgc, force_all_reduce=force_all_reduce)
     return num_tokens
 

@@ -45,13 +45,11 @@ import torch
 import torch.distributed as dist
 
 from ..executor import pair_sums
-from . import bd_pairs
+from . import bd_pairs, copy_sums
 from .finalize import (BD_SUM_TIMEOUT_S, is_wrapped, chunk_layout, tied_copies, allreduce_bd_grads,
                        check_buffer_layouts, embedding_copy, fold_tied_embedding_grads, sum_tensors)
 from .model import BIDIRECTIONAL, unwrap_chunk
-from .dp_first import is_dp_first
 from .dp_watch import watch_dp_reduction
-from .shard_groups import is_shared_layout
 
 __all__ = ["GradReduction", "clear_deferred_output_wgrads"]
 
@@ -80,9 +78,9 @@ class GradReduction:
         self._pos = bd_pairs.position() if bidirectional else None
         self._local_sum = bidirectional and self._pos.is_middle  # odd pipeline: both copies here
         paired = bidirectional and not self._local_sum
-        # --dualpipe-shared-shard-group: the data-parallel reduce-scatter sums the copies itself;
-        # --dualpipe-dp-first: the pair sums the shards after it (in Megatron's finalize)
-        bd = paired and not is_shared_layout(self.model) and not is_dp_first(self.model)
+        # the way the copies are summed (mcore.copy_sum): by the bd sum during the schedule, or
+        # in Megatron's finalize (over the shard groups, or on the shards after the reduce-scatter)
+        bd = paired and copy_sums.of(self.model).sums_in_schedule
         self._last = {pair_sums.action_key(actions[i]): c for c, i in last_actions.items()}
         if paired and all(is_wrapped(c) for c in self.model):
             check_buffer_layouts(self.model)

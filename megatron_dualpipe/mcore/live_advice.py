@@ -177,12 +177,10 @@ def reduction_of(model) -> dict:
     """How the running job reduces its gradients, as ``CommModel`` fields: the distributed
     optimizer's reduce-scatter or an all-reduce, during the schedule or after it, and how
     DualPipe's copies are summed (``--dualpipe-dp-first``, ``--dualpipe-shared-shard-group``)."""
-    from ..schedule.comm_cost import BD_FIRST, DP_FIRST, SHARED_SHARD
-    from .dp_first import is_dp_first
-    from .shard_groups import is_shared_layout
+    from .copy_sums import of
 
     cfg = getattr(model[0], "ddp_config", None)
-    mode = SHARED_SHARD if is_shared_layout(model) else DP_FIRST if is_dp_first(model) else BD_FIRST
+    mode = of(model).name
     return {"distributed_optimizer": bool(cfg is not None and cfg.use_distributed_optimizer),
             "overlap_grad_reduce": bool(cfg is None or cfg.overlap_grad_reduce), "bd_mode": mode}
 

@@ -28,9 +28,11 @@ from typing import List
 
 import torch
 
+from ..schedule.comm_cost import SHARED_SHARD
+from .copy_sum import NEVER, CopySum
 from .shard_groups import SHARED_ATTR, chunk_of, is_shared_layout, partial_groups_of, stage_order
 
-__all__ = ["over_shared_shard_groups", "per_stage_optimizer", "megatron_marks", "params_norm_chunks"]
+__all__ = ["WAY", "over_shared_shard_groups", "per_stage_optimizer", "megatron_marks", "params_norm_chunks"]
 
 
 def over_shared_shard_groups(ddp_class):
@@ -118,3 +120,10 @@ def per_stage_optimizer(get_megatron_optimizer):
         return ChainedOptimizer(parts)
 
     return build
+
+
+#: Summed by the reduce-scatter over both copies' ranks (each chunk's shard group), in Megatron's
+#: finalize, in stage order; one optimizer per stage over its shard group.
+WAY = CopySum(SHARED_SHARD, flag="dualpipe_shared_shard_group", marker=SHARED_ATTR, wrap_ddp=over_shared_shard_groups,
+              sums_in_schedule=False, sums_in_finalize=NEVER, stage_ordered_finalize=True, builds_shard_groups=True,
+              optimizer=per_stage_optimizer, shards_over_both_copies=True)

@@ -216,9 +216,10 @@ def gather_table(model, optimizer, pp_rank: int, group=None) -> Tuple[List[Table
     every rank."""
     import torch.distributed as dist
 
-    from .shard_groups import is_shared_layout
+    from .copy_sums import of
 
-    mine = torch.tensor(_pack(pp_rank, rank_bytes(model, optimizer), is_shared_layout(model)), dtype=torch.int64)
+    over_both = of(model).shards_over_both_copies  # the optimizer's shards span both copies' ranks
+    mine = torch.tensor(_pack(pp_rank, rank_bytes(model, optimizer), over_both), dtype=torch.int64)
     backend = dist.get_backend(group)
     if "nccl" in str(backend):
         mine = mine.to(torch.device("cuda", torch.cuda.current_device()))

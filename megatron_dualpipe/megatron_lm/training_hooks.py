@@ -162,38 +162,27 @@ def parameter_count_line(line: str, chunks) -> str:
     return f"{head}: {counts[0] + counts[1]} (stages {stages[0]} and {stages[1]}: {counts[0]} + {counts[1]})"
 
 
-def shared_shards(args) -> bool:
-    """``--dualpipe-shared-shard-group`` (the argument check allows it with dualpipe only)."""
-    return bool(getattr(args, "dualpipe_shared_shard_group", False))
+def copy_sum(args):
+    """How DualPipe's stage copies are summed, as the arguments choose (``mcore.copy_sums``)."""
+    from ..mcore.copy_sums import chosen
 
-
-def dp_first(args) -> bool:
-    """``--dualpipe-dp-first`` (the argument check allows it with dualpipe only)."""
-    return bool(getattr(args, "dualpipe_dp_first", False))
+    return chosen(args)
 
 
 def ddp_for_dualpipe(args):
-    """How DualPipe's chunks wrap megatron-core's DDP class: over the shared shard groups, summing
-    the pair's shards after the reduce-scatter (dp-first), or unchanged (None)."""
-    if shared_shards(args):
-        from ..mcore.shared_shard_wrap import over_shared_shard_groups
-
-        return over_shared_shard_groups
-    if dp_first(args):
-        from ..mcore.dp_first import summing_shards_over_pairs
-
-        return summing_shards_over_pairs
-    return None
+    """How DualPipe's chunks wrap megatron-core's DDP class (None: unchanged), as the chosen way
+    of summing the copies says."""
+    return copy_sum(args).wrap_ddp
 
 
 def build_pair_groups(args) -> None:
-    """The bd groups, and with ``--dualpipe-shared-shard-group`` the shard groups (collective; once,
-    before the chunks are built)."""
+    """The bd groups, and the shard groups if the way the copies are summed needs them (collective;
+    once, before the chunks are built)."""
     from ..mcore import groups, shard_groups
 
     if not groups.bd_groups_initialized():
         groups.build_bd_groups()
-    if shared_shards(args) and not shard_groups.shard_groups_initialized():
+    if copy_sum(args).builds_shard_groups and not shard_groups.shard_groups_initialized():
         shard_groups.build_shard_groups()
 
 
@@ -313,13 +302,11 @@ def wrap_setup_model_and_optimizer(orig):
         from megatron.training import get_args
 
         args = get_args()
-        swaps = []
-        if shared_shards(args):
+        swaps, optimizer = [], copy_sum(args).optimizer
+        if optimizer is not None:
             import megatron.training.training as mtraining
 
-            from ..mcore.shared_shard_wrap import per_stage_optimizer
-
-            swaps.append(hooks.entry("scoped", "get_megatron_optimizer").made_by(per_stage_optimizer, on=mtraining))
+            swaps.append(hooks.entry("scoped", "get_megatron_optimizer").made_by(optimizer, on=mtraining))
         with hooks.scoped(*swaps):
             out = orig(*a, **kw)
         schedule = schedule_of(args)
@@ -335,14 +322,13 @@ def log_state_bytes(schedule: str, model, optimizer) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from ..mcore import state_bytes
-    from ..mcore.shard_groups import is_shared_layout
+    from ..mcore import copy_sums, state_bytes
 
     rows, allocated = state_bytes.gather_table(model, optimizer, parallel_state.get_pipeline_model_parallel_rank())
     if dist.get_rank() == 0:
         print(state_bytes.format_table(schedule, rows, allocated,
                                        with_1f1b=registry.get(schedule).layout_kind == BIDIRECTIONAL,
-                                       shared_shards=is_shared_layout(model)), flush=True)
+                                       shared_shards=copy_sums.of(model).shards_over_both_copies), flush=True)
 
 
 def wrap_config_from_args(orig):
