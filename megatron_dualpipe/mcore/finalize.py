@@ -22,11 +22,11 @@ import torch.distributed as dist
 
 from ..executor import pair_sums
 from . import bd_pairs
-from .model import BIDIRECTIONAL, V_SHAPE, chunk_info, unwrap_chunk
+from .model import BIDIRECTIONAL, V_SHAPE, chunk_info, embedding_copy, unwrap_chunk
 from . import copy_sum, copy_sums
 from .shard_groups import stage_order
 
-__all__ = ["allreduce_bd_grads", "allreduce_bd_router_statistics", "fold_tied_embedding_grads", "embedding_copy",
+__all__ = ["allreduce_bd_grads", "allreduce_bd_router_statistics", "fold_tied_embedding_grads",
            "finalize_dualpipe_grads", "sum_tensors", "check_buffer_layouts", "NO_EMBEDDING_GROUP"]
 
 BD_SUM_TIMEOUT_S = bd_pairs.BD_SUM_TIMEOUT_S
@@ -172,32 +172,6 @@ def allreduce_bd_router_statistics(model: Sequence[torch.nn.Module]) -> None:
     if chunk_layout(model) == V_SHAPE or not any(_router_batch_statistics(c) for c in model):
         return
     bd_pairs.sum_copies(model, _router_batch_statistics)
-
-
-def keeps_embedding_equal(m: torch.nn.Module) -> bool:
-    """Whether Megatron keeps copies of this model's word embedding equal over its embedding group:
-    tied output weights, or multi-token prediction (the MTP stage's own embedding copy, even with
-    untied output weights: ``finalize_model_grads._get_shared_word_embedding_weight``)."""
-    config = getattr(m, "config", None)
-    return bool(getattr(m, "share_embeddings_and_output_weights", False) or getattr(config, "mtp_num_layers", None))
-
-
-def embedding_copy(chunk: torch.nn.Module):
-    """("embedding", weight) for a chunk holding the input embedding, ("output", weight) for one
-    holding the other copy Megatron reduces with it (the MTP stage's embedding, which is also its
-    output weight when tied; else the tied output weight), or None. As Megatron's
-    ``shared_embedding_or_output_weight``, which picks the same parameter."""
-    m = unwrap_chunk(chunk)
-    if not keeps_embedding_equal(m):
-        return None
-    if getattr(m, "pre_process", False):
-        return "embedding", m.embedding.word_embeddings.weight
-    if getattr(m, "mtp_process", False):
-        return "output", m.embedding.word_embeddings.weight
-    if getattr(m, "post_process", False) and getattr(m, "share_embeddings_and_output_weights", False):
-        w = m.output_layer.weight
-        return ("output", w) if w is not None else None
-    return None
 
 
 def tied_copies(model: Sequence[torch.nn.Module]):

@@ -47,8 +47,8 @@ import torch.distributed as dist
 from ..executor import pair_sums
 from . import bd_pairs, copy_sums
 from .finalize import (BD_SUM_TIMEOUT_S, is_wrapped, chunk_layout, tied_copies, allreduce_bd_grads,
-                       check_buffer_layouts, embedding_copy, fold_tied_embedding_grads, sum_tensors)
-from .model import BIDIRECTIONAL, unwrap_chunk
+                       check_buffer_layouts, fold_tied_embedding_grads, sum_tensors)
+from .model import BIDIRECTIONAL, embedding_copy, unwrap_chunk
 from .dp_watch import watch_dp_reduction
 
 __all__ = ["GradReduction", "clear_deferred_output_wgrads"]

@@ -59,6 +59,7 @@ __all__ = [
     "dualpipev_config",
     "unwrap_chunk",
     "chunk_info",
+    "embedding_copy",
     "BIDIRECTIONAL",
     "V_SHAPE",
 ]
@@ -90,7 +91,7 @@ def chunk_info(chunk: torch.nn.Module) -> Optional[dict]:
 
 def describe_chunks(model: Sequence[torch.nn.Module]) -> str:
     """One line saying which stage, layers and ends each chunk of this rank holds, e.g.
-    ``model[0] stage 0/4 layers 1-2 +embedding; model[1] stage 3/4 layers 7-8 +output``."""
+    ``model[0] stage 0/4 layers 1-2 +embedding; model[1] stage 3/4 layers 7-8 +output +mtp``."""
     parts = []
     for c, chunk in enumerate(model):
         info, inner = chunk_info(chunk), unwrap_chunk(chunk)
@@ -98,7 +99,8 @@ def describe_chunks(model: Sequence[torch.nn.Module]) -> str:
         where = f"stage {info['stage']}/{info['num_stages']} " if info else ""
         span = f"layers {layers[0]}-{layers[-1]}" if layers else "no layers"
         ends = (" +embedding" if getattr(inner, "pre_process", False) else "") + \
-            (" +output" if getattr(inner, "post_process", False) else "")
+            (" +output" if getattr(inner, "post_process", False) else "") + \
+            (" +mtp" if getattr(inner, "mtp_process", False) else "")
         parts.append(f"model[{c}] {where}{span}{ends}")
     return "; ".join(parts)
 
@@ -280,19 +282,42 @@ def build_two_direction_model(
     return model
 
 
+def keeps_embedding_equal(m: torch.nn.Module) -> bool:
+    """Whether Megatron keeps copies of this model's word embedding equal over its embedding group:
+    tied output weights, or multi-token prediction (the MTP stage's own embedding copy, even with
+    untied output weights: ``finalize_model_grads._get_shared_word_embedding_weight``)."""
+    config = getattr(m, "config", None)
+    return bool(getattr(m, "share_embeddings_and_output_weights", False) or getattr(config, "mtp_num_layers", None))
+
+
+def embedding_copy(chunk: torch.nn.Module):
+    """("embedding", weight) for a chunk holding the input embedding, ("output", weight) for one
+    holding the other copy Megatron reduces with it (the MTP stage's embedding, which is also its
+    output weight when tied; else the tied output weight), or None. As Megatron's
+    ``shared_embedding_or_output_weight``, which picks the same parameter."""
+    m = unwrap_chunk(chunk)
+    if not keeps_embedding_equal(m):
+        return None
+    if getattr(m, "pre_process", False):
+        return "embedding", m.embedding.word_embeddings.weight
+    if getattr(m, "mtp_process", False):
+        return "output", m.embedding.word_embeddings.weight
+    if getattr(m, "post_process", False) and getattr(m, "share_embeddings_and_output_weights", False):
+        w = m.output_layer.weight
+        return ("output", w) if w is not None else None
+    return None
+
+
 def _tie_v_output_weight(model: Sequence[torch.nn.Module]) -> None:
-    """DualPipeV, tied embeddings: on the rank holding stage 0 (embedding) and stage 2pp-1
-    (output layer) set the output weight to the embedding (megatron zero-fills it and, with
-    ``embd=None``, does not all-reduce)."""
-    m0, m1 = unwrap_chunk(model[0]), unwrap_chunk(model[1])
-    if not getattr(m1, "share_embeddings_and_output_weights", False):
+    """DualPipeV: on the rank holding stage 0 (embedding) and stage 2pp-1, set stage 2pp-1's copy
+    of the word embedding (`embedding_copy`: the tied output weight, or the MTP block's embedding)
+    to the embedding. Megatron zero-fills that copy and, with ``embd=None``, does not all-reduce."""
+    m0, found = unwrap_chunk(model[0]), embedding_copy(model[1])
+    if found is None or found[0] != "output" or not m0.pre_process:
         return
-    if not (m0.pre_process and m1.post_process):
-        return
-    emb = m0.embedding.word_embeddings.weight
-    out = m1.output_layer.weight
+    out = found[1]
     with torch.no_grad():
-        out.copy_(emb)
+        out.copy_(m0.embedding.word_embeddings.weight)
     # Megatron sets these when pp > 1 (post_process and not pre_process); make sure.
     out.shared = True
     out.shared_embedding = True

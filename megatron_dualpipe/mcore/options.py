@@ -217,8 +217,17 @@ REFUSED: Tuple[Refused, ...] = (
     # Single options.
     Refused("--use-torch-fsdp2", "FSDP shards the chunks' parameters itself", arg="use_torch_fsdp2"),
     Refused("--use-megatron-fsdp", "FSDP shards the chunks' parameters itself", arg="use_megatron_fsdp"),
-    Refused("--mtp-num-layers", "multi-token prediction is tied to the last pipeline stage of one direction",
-            arg="mtp_num_layers", config="mtp_num_layers", schedules=(registry.DUALPIPEV,)),
+    Refused("--mtp-num-layers with --context-parallel-size > 1", "multi-token prediction rolls its labels across "
+            "the context-parallel group, not proven equal to 1F1B under these schedules yet",
+            read=lambda source, side: bool(getattr(source, "mtp_num_layers", None))
+            and (getattr(source, "context_parallel_size", 1) or 1) > 1,
+            fix="set --context-parallel-size 1, or use --pipeline-schedule 1f1b"),
+    Refused("--mtp-num-layers with --pipeline-model-parallel-layout", "multi-token prediction is proven where "
+            "Megatron puts it without a layout: on both copies of stage pp-1 (dualpipe) or on V-stage 2pp-1 beside the "
+            "embedding (dualpipev), which a layout cannot name (Megatron's layout check keeps MTP off pipeline rank 0)",
+            read=lambda source, side: bool(getattr(source, "mtp_num_layers", None))
+            and getattr(source, "pipeline_model_parallel_layout", None) is not None,
+            fix="remove --pipeline-model-parallel-layout (MTP then runs on the last stage)"),
     Refused("--cuda-graph-impl / --enable-cuda-graph / --external-cuda-graph",
             "a captured graph replays one fixed order of forwards and backwards, and Megatron's own schedules "
             "capture the local graphs at their end (create_cudagraphs; 'full_iteration' wraps Megatron's function "
@@ -283,7 +292,7 @@ REFUSED: Tuple[Refused, ...] = (
     Refused("--moe-use-upcycling", "upcycling loads a dense one-chunk model and converts it in place",
             arg="moe_use_upcycling"),
     # What megatron-core's combined step needs besides a virtual pipeline (its TransformerConfig
-    # checks, minus pp/vpp and bf16/fp16: mcore.overlap; MTP and CUDA graphs are refused above).
+    # checks, minus pp/vpp and bf16/fp16: mcore.overlap; CUDA graphs are refused above).
     Refused("--expert-model-parallel-size", "it overlaps the expert-parallel all-to-all",
             read=_expert_parallel_of_one, fix="set --expert-model-parallel-size > 1", needs=COMBINED_STEP,
             test="A `dualpipe_overlap_moe_needs_ep`"),
@@ -295,6 +304,9 @@ REFUSED: Tuple[Refused, ...] = (
     Refused("--recompute-granularity full", "it cannot recompute full layers", read=_full_recompute,
             fix="remove --recompute-granularity full / --recompute-method / --recompute-num-layers",
             needs=COMBINED_STEP, test="—"),
+    Refused("--mtp-num-layers", "it runs at most one MTP layer (megatron-core's own limit)",
+            read=lambda source, side: (getattr(source, "mtp_num_layers", None) or 0) > 1, fix="set --mtp-num-layers 1",
+            needs=COMBINED_STEP, test="A `dualpipe_overlap_moe_two_mtp_layers`"),
     Refused("--moe-shared-expert-overlap", "it cannot be combined with --moe-shared-expert-overlap",
             arg="moe_shared_expert_overlap", config="moe_shared_expert_overlap", fix="remove it",
             needs=COMBINED_STEP, test="—"),

@@ -56,7 +56,8 @@ proof runs in fp32).
   wiring is tested on CPU with the local spec standing in for TE (its ``backward_dw`` are no-ops);
   the TE kernels need a GPU.
 
-Not covered: MTP; CUDA graphs. On the CPU the sub-steps run in order on one stream:
+MTP: one layer (megatron-core's own limit; more are refused), its loss as the plan's post-process
+node, proven in tests/megatron_lm/test_megatron_lm_mtp.py. Not covered: CUDA graphs. On the CPU the sub-steps run in order on one stream:
 the order and the numbers are verified there, the overlap itself only exists on a GPU.
 """
 from __future__ import annotations
@@ -95,9 +96,9 @@ def offers_combined_step(config, forward_only: bool = False) -> bool:
 
 def combined_step_problems(config) -> List[str]:
     """What megatron-core's combined step needs besides the virtual pipeline (its
-    ``TransformerConfig`` checks, minus pp/vpp and bf16/fp16: see the module docstring; MTP and
-    CUDA graphs, which it also restricts, DualPipe refuses anyway): the ``needs`` rules of the
-    options table (:mod:`.options`), read from a ``TransformerConfig``."""
+    ``TransformerConfig`` checks, minus pp/vpp and bf16/fp16: see the module docstring; CUDA
+    graphs, which it also restricts, DualPipe refuses anyway): the ``needs`` rules of the options
+    table (:mod:`.options`), read from a ``TransformerConfig``."""
     return options.combined_step_problems(config, options.CONFIG)
 
 

@@ -30,7 +30,8 @@ GPT_8B = ("--num-layers 32 --hidden-size 4096 --ffn-hidden-size 14336 --num-atte
 
 #: appended arguments -> what the one line must say (the flag to change).
 MISTAKES = {
-    "--mtp-num-layers 1 --pipeline-schedule dualpipev": "--pipeline-schedule dualpipev: does not support --mtp-num-layers",
+    "--mtp-num-layers 1 --pipeline-model-parallel-layout Etttt|tttt|tttt|tttt|tttt|tttt|tttt|ttttmL":
+        "remove --pipeline-model-parallel-layout (MTP then runs on the last stage)",
     "--use-torch-fsdp2": "--use-torch-fsdp2 is not supported with pipeline parallelism",
     "--pipeline-model-parallel-size 6": "world size (16) is not divisible",
     "--num-layers 30": "Number of layers should be divisible by the pipeline-model-parallel size",

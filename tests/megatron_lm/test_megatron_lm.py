@@ -151,8 +151,10 @@ CASES = {
         BASE
         + ["--pipeline-schedule", "dualpipe", "--mtp-num-layers", "1"]
         + ["--position-embedding-type", "rope"],
-        ["--mtp-num-layers"],
+        None,
     ),
+    "dualpipev_two_mtp_layers_ok": (
+        4, BASE + ["--pipeline-schedule", "dualpipev", "--mtp-num-layers", "2", "--position-embedding-type", "rope"], None),
     "dualpipe_layout_ok": (
         4,
         BASE + ["--pipeline-schedule", "dualpipe", "--pipeline-model-parallel-layout", "Ett|tt|tt|ttL"],
@@ -168,6 +170,13 @@ CASES = {
         4,
         BASE + MOE_EP2[:-2] + ["--pipeline-schedule", "dualpipe", "--overlap-moe-expert-parallel-comm"],
         ["--overlap-moe-expert-parallel-comm", "--expert-model-parallel-size > 1"],
+    ),
+    "dualpipe_overlap_moe_two_mtp_layers": (
+        4,
+        _set(_set(BASE, "--pipeline-model-parallel-size", "2"), "--num-layers", "8") + MOE_EP2
+        + ["--pipeline-schedule", "dualpipe", "--overlap-moe-expert-parallel-comm", "--mtp-num-layers", "2",
+           "--position-embedding-type", "rope"],
+        ["--overlap-moe-expert-parallel-comm", "at most one MTP layer", "--mtp-num-layers 1"],
     ),
     "dualpipev_overlap_moe_allgather": (
         4,
@@ -224,6 +233,7 @@ CASES = {
 }
 
 MOE_ARGS = ["--num-experts", "4", "--moe-router-topk", "2", "--disable-bias-linear"]
+MTP_ARGS = ["--mtp-num-layers", "1", "--position-embedding-type", "rope"]
 
 # Every single-option rule of the options table checked on args (mcore/options.py), as a user would type it. ``argv`` cases go
 # through Megatron's own parse_args + validate_args; options that Megatron's own validation refuses
@@ -232,7 +242,9 @@ MOE_ARGS = ["--num-experts", "4", "--moe-router-topk", "2", "--disable-bias-line
 REFUSED_CASES = {
     "--use-torch-fsdp2": ("dualpipe", [], {"use_torch_fsdp2": True}),
     "--use-megatron-fsdp": ("dualpipev", [], {"use_megatron_fsdp": True}),
-    "--mtp-num-layers": ("dualpipev", ["--mtp-num-layers", "1", "--position-embedding-type", "rope"], None),
+    "--mtp-num-layers with --context-parallel-size > 1": ("dualpipev", MTP_ARGS, {"context_parallel_size": 2}),
+    "--mtp-num-layers with --pipeline-model-parallel-layout": (
+        "dualpipe", MTP_ARGS, {"pipeline_model_parallel_layout": "Ett|tt|ttm|ttL"}),
     "--cuda-graph-impl / --enable-cuda-graph / --external-cuda-graph": ("dualpipe", [], {"cuda_graph_impl": "local"}),
     "--overlap-moe-expert-parallel-comm": ("executor-1f1b", [], {"overlap_moe_expert_parallel_comm": True}),
     "--iterations-to-skip": ("dualpipe", ["--iterations-to-skip", "2"], None),

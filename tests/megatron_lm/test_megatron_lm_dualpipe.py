@@ -35,7 +35,7 @@ from megatron_lm_runs import HAVE_MEGATRON_LM, LAST_OUTPUT, SKIP_MESSAGE, assert
 pytestmark = pytest.mark.skipif(not HAVE_MEGATRON_LM, reason=SKIP_MESSAGE)
 
 
-_CHUNK = r"model\[\d\] stage \d/\d layers \d+-\d+(?: \+embedding)?(?: \+output)?"
+_CHUNK = r"model\[\d\] stage \d/\d layers \d+-\d+(?: \+embedding)?(?: \+output)?(?: \+mtp)?"
 CHUNKS_RE = re.compile(rf"\[megatron-dualpipe\] (\w+) pipeline rank (\d+): ({_CHUNK}; {_CHUNK})")
 
 

@@ -1,17 +1,28 @@
 """Multi-token prediction (``--mtp-num-layers``) through Megatron-LM's ``pretrain_gpt.py``, equal to
-Megatron's own 1F1B on every printed metric, ``mtp_1 loss`` included.
+Megatron's own 1F1B on every printed metric, ``mtp_N loss`` included.
 
 Where MTP runs: DualPipe computes it on both copies of stage pp-1 (rank pp-1's ``model[0]`` for
 direction 0, rank 0's ``model[1]`` for direction 1), each for its own micro-batches; the copies'
-gradients are summed like every other parameter of the pair, and the MTP stage's embedding copy is
-folded with stage 0's embedding on the ranks holding both (``mcore.finalize.embedding_copy``), as
-Megatron's embedding-group all-reduce does. The tracker behind ``mtp_1 loss`` is moved to the
-printing rank after the schedule (``mcore.loss_gather.move_mtp_tracker_to_last_rank``).
+gradients are summed like every other parameter of the pair. DualPipeV computes it on rank 0's
+second chunk (V-stage 2pp-1), beside the embedding, as DeepSeek placed it. The MTP stage's copy of
+the word embedding is folded with stage 0's on the ranks holding both (``mcore.model.embedding_copy``),
+as Megatron's embedding-group all-reduce keeps them equal (tied or untied output weights). The
+tracker behind ``mtp_N loss`` is moved to the printing rank after the schedule
+(``mcore.loss_gather.move_mtp_tracker_to_last_rank``). Refused before training (test_megatron_lm.py):
+MTP with context parallelism, with ``--pipeline-model-parallel-layout``, and more than one MTP layer in
+the fused F&B units.
+
+The checkpoint case is untied: at core_v0.19.0 Megatron's own 1f1b cannot save tied embeddings with
+MTP in torch_dist (the MTP stage's unused output weight trips ``tie_embeddings_and_output_weights_
+state_dict``'s assertion), so there is no 1f1b checkpoint of that model to start dualpipev from.
 """
 
 import pytest
 
-from megatron_lm_runs import HAVE_MEGATRON_LM, SKIP_MESSAGE, assert_metrics_close, run_pretrain
+from megatron_lm_runs import (HAVE_MEGATRON_LM, LAST_OUTPUT, MOE_EP2_AUX_LOSS, SKIP_MESSAGE, assert_metrics_close,
+                              run_pretrain)
+from test_megatron_lm_dualpipe import CHUNKS_RE
+from test_megatron_lm_dualpipev import PP2, _as_resumed_at, _one_f_one_b_then_dualpipev, _set_latest
 
 pytestmark = pytest.mark.skipif(not HAVE_MEGATRON_LM, reason=SKIP_MESSAGE)
 
@@ -38,3 +49,33 @@ def test_dualpipe_mtp_equal_megatron_1f1b():
 def test_dualpipe_two_mtp_layers_untied_equal_megatron_1f1b():
     """Two MTP layers, untied output weights (the MTP stage's embedding still kept equal to stage 0's)."""
     _equal_to_1f1b("dualpipe", *MTP2_UNTIED)
+
+
+def test_dualpipev_mtp_from_and_to_1f1b_checkpoints_equal_megatron_1f1b(tmp_path):
+    """DualPipeV computes MTP on rank 0's second chunk (V-stage 2pp-1, beside the embedding, as
+    DeepSeek placed it). Its V-stages start from other weights than 1f1b's stages, so it resumes
+    1f1b's torch_dist checkpoint of iteration 2 (the MTP block and its embedding copy under 1f1b's
+    keys): every printed metric of iterations 3-4 equals 1f1b's. Then 1f1b resumes dualpipev's
+    checkpoint of iteration 3 and its iteration 4 equals its own uninterrupted run's."""
+    ref, got, dv_ckpt = _one_f_one_b_then_dualpipev(tmp_path, *MTP2_UNTIED)
+    chunks = {int(r): text for s, r, text in CHUNKS_RE.findall(LAST_OUTPUT[0]) if s == "dualpipev"}
+    print("\n" + "\n".join(f"rank {r}: {t}" for r, t in sorted(chunks.items())))
+    assert chunks[0].endswith("model[1] stage 3/4 layers 4-4 +output +mtp") and "+mtp" not in chunks[1], chunks
+    assert_metrics_close(got, _as_resumed_at(ref, 2), "dualpipev from 1f1b's checkpoint, two MTP layers, untied, "
+                         "vs 1f1b")
+    _set_latest(dv_ckpt, 3)
+    back = run_pretrain("1f1b", *PP2, *MTP2_UNTIED, "--ckpt-format", "torch_dist", "--load", dv_ckpt,
+                        with_metrics=True)
+    assert_metrics_close(back, {4: ref[4]}, "1f1b from dualpipev's checkpoint of iteration 3 vs 1f1b")
+
+
+def test_dualpipe_mtp_in_fused_units_equal_megatron_1f1b():
+    """--overlap-moe-expert-parallel-comm with one MTP layer (megatron-core's limit; two are refused):
+    every F/B through megatron-core's combined step, MTP as its post-process node, on the tiny MoE
+    with expert parallel 2 x pp = 2; every printed metric equal to 1f1b's without the flag."""
+    flags = (*MOE_EP2_AUX_LOSS, *MTP1, "--train-iters", "3")
+    ref = run_pretrain("1f1b", *flags, with_metrics=True)
+    got = run_pretrain("dualpipe", *flags, "--overlap-moe-expert-parallel-comm", with_metrics=True)
+    assert LAST_OUTPUT[0].count("fused F&B units run through megatron-core's combined step") == 4
+    worst = assert_metrics_close(got, ref, "dualpipe --overlap-moe-expert-parallel-comm, one MTP layer, vs 1f1b")
+    assert {"lm loss", "mtp_1 loss", "load_balancing_loss"} <= set(worst)

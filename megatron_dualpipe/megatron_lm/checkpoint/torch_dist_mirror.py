@@ -104,16 +104,19 @@ def drop_mirror_entries(state_dict) -> int:
 
 
 def mark_v_tied_output_weight(model) -> None:
-    """DualPipeV, tied embeddings: rank 0 holds the embedding (V-stage 0) and the output layer
-    (V-stage 2pp-1), whose weight Megatron saves under the embedding's key as a copy. Both on one
-    rank, the fully parallel save made both main replicas ("Invalid access pattern ... [[2]]" at
-    dp = 2): the output layer's entry becomes a mirror replica (not written; a load reads the
-    embedding's shard into it, its equal)."""
-    from ...mcore.model import unwrap_chunk
+    """DualPipeV, tied embeddings or MTP: rank 0 holds the embedding (V-stage 0) and V-stage 2pp-1's
+    copy of it (the tied output weight, or the MTP block's embedding), which Megatron saves under
+    the embedding's key as a copy. Both on one rank, the fully parallel save made both main
+    replicas ("Invalid access pattern ... [[2]]" at dp = 2, and with MTP at dp = 1): the copy's
+    entry becomes a mirror replica (not written; a load reads the embedding's shard into it, its
+    equal)."""
+    from ...mcore.model import embedding_copy, unwrap_chunk
 
-    m0, m1 = unwrap_chunk(model[0]), unwrap_chunk(model[1])
-    if getattr(m1, "share_embeddings_and_output_weights", False) and m0.pre_process and m1.post_process:
-        mark_mirror_replicas(model[1], only=("output_layer.weight",))
+    m0, m1, found = unwrap_chunk(model[0]), unwrap_chunk(model[1]), embedding_copy(model[1])
+    if found is None or found[0] != "output" or not m0.pre_process:
+        return
+    key = "embedding.word_embeddings.weight" if getattr(m1, "mtp_process", False) else "output_layer.weight"
+    mark_mirror_replicas(model[1], only=(key,))
 
 
 # ------------------------------------------------------------------------------------------
