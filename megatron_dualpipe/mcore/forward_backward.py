@@ -188,11 +188,11 @@ class ExecutorSchedule:
                                                 it.global_ranks, it.group, it.tensor_spec.device,
                                                 timeout_s=self.p2p_timeout)
             if not forward_only:
-                _finalize(model, config, compute.total_num_tokens, it.tensor_spec.device, force_all_reduce)
-        return losses
                 if getattr(config, "mtp_num_layers", None):
                     move_mtp_tracker_to_last_rank(it.program.schedule.layout, it.rank, it.global_ranks, it.group,
                                                   it.tensor_spec.device, timeout_s=self.p2p_timeout)
+                _finalize(model, config, compute.total_num_tokens, it.tensor_spec.device, force_all_reduce)
+        return losses
 
     def _check_drift(self, model, forward_only: bool) -> None:
         """Every ``drift_check_every``-th training call, before it runs: both copies of every stage
