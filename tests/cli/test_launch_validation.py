@@ -37,6 +37,12 @@ MISTAKES = {
     "--num-layers 30": "Number of layers should be divisible by the pipeline-model-parallel size",
     "--num-layers-per-virtual-pipeline-stage 2": "remove --num-layers-per-virtual-pipeline-stage",
     "--no-such-flag": "unrecognized arguments: --no-such-flag",
+    # a layout of 1F1B's pp stages under dualpipev, and a count Megatron-LM's own check would assert on
+    "--pipeline-schedule dualpipev --pipeline-model-parallel-layout Et*3|(t*4|)*6,t*5L":
+        "--pipeline-model-parallel-layout has 8 stages; --pipeline-schedule dualpipev runs 16 (2 * "
+        "--pipeline-model-parallel-size 8): use e.g. 'Et|(tt|)*14,t*3L'",
+    "--pipeline-model-parallel-layout Et*2|(t*3|)*10,L": "--pipeline-model-parallel-layout has 12 stages; "
+        "--pipeline-schedule dualpipe runs 8 (--pipeline-model-parallel-size 8): use e.g. 'Et*4|(t*4|)*6,t*4L'",
 }
 
 #: appended arguments that run -> what the launch script's header (the layout of the final list) says.
@@ -44,6 +50,9 @@ ACCEPTED = {
     "--global-batch-size 8": "dualpipe: 16 processes (minimum 16), PP=8 TP=2 EP=1 CP=1 DP=1, 8 micro-batches",
     "--pipeline-schedule zb-h1 --global-batch-size 64": "zb-h1: 16 processes (minimum 16), PP=8 TP=2 EP=1 CP=1 DP=1, 64 ",
     "--pipeline-schedule 1f1b --num-layers-per-virtual-pipeline-stage 2": "1f1b (interleaved, 2 chunks per rank): 16 ",
+    # DualPipeV's 16 V-stages: no virtual pipeline left in the arguments (dualpipev builds its two chunks)
+    "--pipeline-schedule dualpipev --pipeline-model-parallel-layout Ett|(tt|)*14,ttL": "dualpipev: 16 processes "
+        "(minimum 16), PP=8 TP=2 EP=1 CP=1 DP=1, 512 ",
 }
 
 #: Megatron's validate_args asks the GPU's compute capability for grouped GEMM.
