@@ -41,14 +41,28 @@ class Listener:
         self.requests = 0  # store requests this listener issued (a connection counts one)
         self.started = time.monotonic()
         self._lock = threading.Lock()
+        self._on_heard: list = []
         threading.Thread(target=self._run, daemon=True, name="megatron-dualpipe-abort-listener").start()
 
     def hear(self, message: str) -> str:
         """Take ``message`` as the failure unless one was heard already; return the one kept."""
         with self._lock:
-            if self.message is None:
+            first = self.message is None
+            if first:
                 self.message = message
-            return self.message
+            callbacks = list(self._on_heard) if first else []
+        for callback in callbacks:
+            callback(self.message)
+        return self.message
+
+    def on_heard(self, callback) -> None:
+        """Call ``callback(message)`` once a failure is heard (at once if it was)."""
+        with self._lock:
+            heard = self.message
+            if heard is None:
+                self._on_heard.append(callback)
+        if heard is not None:
+            callback(heard)
 
     def _run(self) -> None:
         try:

@@ -87,6 +87,7 @@ class Watchdog:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, daemon=True, name="megatron-dualpipe-watchdog")
                 self._thread.start()
+        _abort_between_iterations()
         return entry
 
     def check(self) -> None:
@@ -151,6 +152,26 @@ class Watchdog:
             abort.signal(f"{type(error).__name__}: {error}")
         self.aborted = True
         abort_communicators()
+
+
+_BETWEEN: list = [None]  # the listener told to abort the communicators between iterations
+
+
+def _abort_between_iterations() -> None:
+    """Once this process waits on a stream: a failure heard while no iteration runs (this rank is in
+    Megatron's optimizer step, its grad-norm all-reduce waiting for the failed rank) aborts the
+    communicators too, so the host sync there raises instead of waiting for NCCL's timeout."""
+    heard = abort.listener()
+    if heard is None or _BETWEEN[0] is heard:
+        return
+    _BETWEEN[0] = heard
+
+    def between(message: str) -> None:
+        if abort.WATCHING[0] is None:  # in an iteration its watchdog does it, naming what waited
+            log.error("megatron-dualpipe: global rank %d aborts its communicators between iterations because %s",
+                      _rank(), message)
+            abort_communicators()
+    heard.on_heard(between)
 
 
 def _rank() -> int:

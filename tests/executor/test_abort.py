@@ -110,3 +110,44 @@ def test_a_waiting_rank_hears_a_failure_without_polling_the_store(on_host):
     assert "global rank 1" in r1["msg"] and "global rank 0" in r1["msg"], r1
     assert r1["stopped"] - r0["signalled"] < 2.0, (r0, r1)
     assert rate < 1.0, f"{before} store requests in {quiet_s:.1f} s"
+
+
+def _between_worker(rank, world, port):
+    """Both ranks run one watched iteration with an emulated stream wait; then rank 1 waits, outside
+    any iteration, on an all-reduce rank 0 never joins (as Megatron's grad-norm all-reduce in the
+    optimizer step waits for a rank that failed); rank 0 signals a failure after WAIT_S."""
+    from megatron_dualpipe.executor import abort, stream_emulation, watchdog
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    store = dist.distributed_c10d._get_default_store()
+    with stream_emulation.emulate_nccl(deadline_s=60):
+        with watchdog.watching(600):
+            abort.wait_work(dist.all_reduce(torch.ones(1), async_op=True), 600, f"global rank {rank}: the warm-up",
+                            on_host=False)
+        if rank == 0:
+            time.sleep(WAIT_S)
+            signalled = time.time()
+            abort.signal("RuntimeError: rank 0 failed in its optimizer step")
+            store.wait(["rank1 done"], datetime.timedelta(seconds=60))
+            return {"signalled": signalled}
+        try:
+            dist.all_reduce(torch.ones(1), async_op=True).wait()  # Megatron's own wait: no watchdog of ours
+            kind = "finished"
+        except Exception as e:  # noqa: BLE001 - reported
+            kind = type(e).__name__
+    stopped = time.time()
+    store.set("rank1 done", "1")
+    return {"kind": kind, "stopped": stopped}
+
+
+def test_a_failure_between_iterations_aborts_the_communicators_on_an_accelerator():
+    """Outside an iteration no watchdog of ours runs; once a process has waited on a stream, the
+    listener aborts its communicators itself when it hears a failure, so that a host sync in
+    Megatron's own code raises (NCCL: an error naming no peer; the log line names the failure)
+    instead of waiting for NCCL's timeout."""
+    r0, r1 = run_workers(_between_worker, 2, timeout=120)
+    delay = r1["stopped"] - r0["signalled"]
+    print(f"\nrank 1, waiting in a collective outside any iteration: {r1['kind']} {delay:.3f} s after rank 0 signalled")
+    assert r1["kind"] == "EmulatedCommunicatorAborted", r1
+    assert 0 <= delay < 2.0, (r0, r1)
