@@ -54,8 +54,9 @@ def gather_losses_on_last_rank(loss_store, layout: Layout, rank: int, global_ran
     return result if rank == last else []
 
 
-#: What megatron-core's ``MTPLossLoggingHelper`` tracker sums per MTP layer over an iteration.
-MTP_TRACKER_KEYS = ("loss_values", "correct_values", "total_values")
+#: What megatron-core's ``MTPLossLoggingHelper`` tracker sums per MTP layer over an iteration: the
+#: losses under "values" at 0.16.1; losses, correct and total predictions at 0.19.
+MTP_TRACKER_KEYS = ("values", "loss_values", "correct_values", "total_values")
 
 
 def move_mtp_tracker_to_last_rank(layout: Layout, rank: int, global_ranks, group, device,

@@ -459,11 +459,21 @@ HANDLED: Tuple[Handled, ...] = (
             '`--moe-router-topk-scaling-factor`, `--moe-shared-expert-intermediate-size`, `--moe-layer-freq` (dense '
             'first layers), `--moe-router-load-balancing-type seq_aux_loss`; `--position-embedding-type yarn` '
             '(core_v0.19.0)',
-            'equal on CPU, all at once with expert parallel 2 x pp=2: `dualpipe` from the start, `dualpipev` from '
-            "1f1b's checkpoint, every printed metric and every copy of every router's `expert_bias` (0 difference; "
-            'a perturbed option on one side fails it); MLA + YaRN at both tags (smoke). CPU mode: the local '
-            "attention takes MLA's head sizes, as TE's does",
+            'equal on CPU at both tags, all at once with expert parallel 2 x pp=2, 4 micro-batches: `dualpipe` from '
+            "the start, `dualpipev` from 1f1b's checkpoint, every printed metric (lm loss within 1e-6, its print's "
+            "last digit; the others 0) and every copy of every router's `expert_bias` (a perturbed option on one "
+            'side fails it); MLA + YaRN at both tags (smoke). CPU mode: the local attention takes MLA\'s head '
+            "sizes, as TE's does",
             '`tests/megatron_lm/test_megatron_lm_v3_recipe.py`'),
+    Handled('`--mtp-num-layers` 1 and 2 (multi-token prediction), tied or untied output weights; one layer with '
+            '`--overlap-moe-expert-parallel-comm`',
+            "equal on CPU, every printed metric including `mtp_N loss` (largest difference 1e-6, its print's last "
+            "digit), at both tags: `dualpipe` from the start (MTP on both copies of stage pp-1), `dualpipev` from "
+            "1f1b's torch_dist checkpoint (MTP on rank 0's V-stage 2pp-1, beside the embedding) and 1f1b from "
+            "dualpipev's, the fused F&B units with one layer. Refused before training: MTP with context parallelism, "
+            'with `--pipeline-model-parallel-layout`, and more than one MTP layer in the fused units',
+            '`tests/megatron_lm/test_megatron_lm_mtp.py`; A `dualpipe_mtp_ok`, `dualpipev_two_mtp_layers_ok`, '
+            '`dualpipe_overlap_moe_two_mtp_layers`'),
     Handled('`dualpipev` with `--bf16` / `--fp16` (loss scaling), the distributed optimizer with overlapped grad '
             'reduce and param gather, tp=2 + SP, MoE EP2, torch_dist checkpoints across schedules',
             "equal on CPU at core_v0.19.0 from 1f1b's weights, every printed metric (0 difference); its torch_dist "
