@@ -115,7 +115,7 @@ def report(stage_costs: Sequence[float], v_costs: Sequence[float], schedules: Se
     lines.append("  slowest rank's load / mean " + _fmt(mean) + ": " + ", ".join(
         f"{n} x{max(load[n]) / mean:.3f} (rank {load[n].index(max(load[n]))})" for n in names) if mean else
         "  (every stage costs 0)")
-    heavy = max(range(pp), key=lambda s: abs(stage_costs[s] - mean))
+    heavy = max(range(pp), key=lambda s: (round(abs(stage_costs[s] - mean), 12), stage_costs[s]))  # heavy on a tie
     if mean and heavy in (0, pp - 1) and abs(stage_costs[heavy] - mean) > 1e-9 * mean:
         slowest = {n: (max(load[n]) / mean, load[n].index(max(load[n]))) for n in names}
         lines.append(_ends_sentence(heavy, stage_costs[heavy], mean, pp, slowest))
