@@ -32,13 +32,15 @@ MTP1 = ("--mtp-num-layers", "1", *ROPE)
 MTP2_UNTIED = ("--mtp-num-layers", "2", *ROPE, "--untie-embeddings-and-output-weights")
 
 
-def _equal_to_1f1b(schedule, *flags):
+def _equal_to_1f1b(schedule, *flags, saving=()):
+    """1f1b's metrics, after checking that ``schedule``'s (run with ``saving`` added) equal them."""
     ref = run_pretrain("1f1b", *flags, with_metrics=True)
-    got = run_pretrain(schedule, *flags, with_metrics=True)
+    got = run_pretrain(schedule, *flags, *saving, with_metrics=True)
     layers = int(flags[flags.index("--mtp-num-layers") + 1])
     for name in (f"mtp_{k + 1} loss" for k in range(layers)):
         assert all(name in ref[it] for it in ref), f"1f1b printed no {name}: {ref}"
-    return assert_metrics_close(got, ref, f"{schedule} {' '.join(flags)} vs 1f1b")
+    assert_metrics_close(got, ref, f"{schedule} {' '.join(flags)} vs 1f1b")
+    return ref
 
 
 def test_dualpipe_mtp_equal_megatron_1f1b():
@@ -46,9 +48,16 @@ def test_dualpipe_mtp_equal_megatron_1f1b():
     _equal_to_1f1b("dualpipe", *MTP1)
 
 
-def test_dualpipe_two_mtp_layers_untied_equal_megatron_1f1b():
-    """Two MTP layers, untied output weights (the MTP stage's embedding still kept equal to stage 0's)."""
-    _equal_to_1f1b("dualpipe", *MTP2_UNTIED)
+def test_dualpipe_two_mtp_layers_untied_equal_megatron_1f1b_and_its_checkpoint_resumed_by_1f1b(tmp_path):
+    """Two MTP layers, untied output weights (the MTP stage's embedding still kept equal to stage 0's);
+    dualpipe's torch_dist checkpoint of iteration 3 (1f1b's keys: the mirror, MTP copy included, is
+    not written) resumed by 1f1b: iterations 4-5 equal the uninterrupted 1f1b run's."""
+    ckpt = str(tmp_path / "dualpipe")
+    saving = ("--ckpt-format", "torch_dist", "--save", ckpt, "--save-interval", "3")
+    ref = _equal_to_1f1b("dualpipe", *MTP2_UNTIED, saving=saving)
+    _set_latest(ckpt, 3)
+    back = run_pretrain("1f1b", *MTP2_UNTIED, "--ckpt-format", "torch_dist", "--load", ckpt, with_metrics=True)
+    assert_metrics_close(back, _as_resumed_at(ref, 3), "1f1b from dualpipe's checkpoint of iteration 3 vs 1f1b")
 
 
 def test_dualpipev_mtp_from_and_to_1f1b_checkpoints_equal_megatron_1f1b(tmp_path):
