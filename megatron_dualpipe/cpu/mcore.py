@@ -371,7 +371,8 @@ REDIRECTIONS = (
     wrap("megatron.core.transformer.multi_latent_attention", "HAVE_TE", _te_classes_present,
          "megatron-core 0.16.1 sets it when its Transformer Engine extension imports, which it does without "
          "TE, with MagicMock placeholders: MLASelfAttention's isinstance(self.linear_proj, TELinear) raised "
-         "TypeError under Megatron's own 1f1b (--multi-latent-attention)"),
+         "TypeError under Megatron's own 1f1b (--multi-latent-attention); 0.19 reads TE's own flag",
+         Versions(below="0.19")),
     wrap(_ASYNC_WRITER, "_get_write_results_queue", _write_results_queue_without_spawn,
          "the torch_dist writer's results queue lives in a Manager started with the spawn "
          "method, which re-runs the __main__ script in a new interpreter: under "
