@@ -50,9 +50,12 @@ def to_text(stages: Sequence[str]) -> str:
         while j + 1 < len(stages) - 1 and stages[j + 1] == stages[i] and i > 0:
             j += 1
         n = j - i + 1
-        out.append(f"({short(stages[i])}|)*{n}," if n >= 3 else "".join(short(s) + "|" for s in stages[i:j + 1]))
+        if n >= 3:  # a run never holds the last stage: a stage follows its trailing "|"
+            out.append(f"({short(stages[i])}|)*{n},")
+        else:
+            out += [short(s) + ("|" if k < len(stages) - 1 else "") for k, s in enumerate(stages[i:j + 1], i)]
         i = j + 1
-    return "".join(out).rstrip("|")
+    return "".join(out)
 
 
 def decoder_counts(stages: Sequence[str]) -> Tuple[int, ...]:
@@ -78,7 +81,9 @@ def halved(stages: Sequence[str]) -> List[str]:
     from ``pp`` stages the ``2*pp`` V-stages whose pairs ``2t``, ``2t+1`` are the stages given."""
     out = []
     for s in stages:
-        cut = _index_of_layer(s, s.count("t") // 2)
+        layers = [i for i, c in enumerate(s) if c == "t"]
+        first = len(layers) // 2 or (len(layers) if s[:1] == "t" else 0)  # "tL" -> "t", "L", not "", "tL"
+        cut = layers[first] if first < len(layers) else (layers[-1] + 1 if layers else len(s))
         out += [s[:cut], s[cut:]]
     return out
 
@@ -87,18 +92,6 @@ def paired(stages: Sequence[str]) -> List[str]:
     """Stages ``2t`` and ``2t+1`` joined: from ``2*pp`` V-stages the ``pp`` stages 1F1B runs the
     same layers in (1F1B's rank ``t`` holds DualPipeV's V-stages ``2t`` and ``2t+1``)."""
     return [stages[i] + stages[i + 1] for i in range(0, len(stages) - 1, 2)]
-
-
-def _index_of_layer(stage: str, k: int) -> int:
-    """Where the stage's ``k``-th transformer layer starts (its length when it has ``k`` or fewer);
-    letters before the first layer (``E``) stay in front."""
-    seen = 0
-    for i, c in enumerate(stage):
-        if c == "t":
-            if seen == k:
-                return i
-            seen += 1
-    return len(stage)
 
 
 def fix(text: str, want: int, pp: int, schedule: str) -> str:

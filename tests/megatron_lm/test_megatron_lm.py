@@ -213,7 +213,7 @@ CASES = {
         4, _set(BASE, "--num-layers", "10") + ["--pipeline-schedule", "dualpipev",
                                                "--decoder-first-pipeline-num-layers", "1",
                                                "--decoder-last-pipeline-num-layers", "1"],
-        ["V-stages 0 and 4 (ranks 0 and 3)", "--pipeline-model-parallel-layout 'E|t|(tt|)*4,|tL'"]),
+        ["V-stages 0 and 4 (ranks 0 and 3)", "--pipeline-model-parallel-layout 'E|t|(tt|)*4,t|L'"]),
     "dualpipev_embedding_and_loss_as_layers_ok": (
         4, _set(BASE, "--num-layers", "6") + ["--pipeline-schedule", "dualpipev",
                                               "--account-for-embedding-in-pipeline-split",

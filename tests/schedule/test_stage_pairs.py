@@ -18,6 +18,8 @@ V3_V_STAGES = "Et|(tt|)*29,t|tL"
     ("Et|(tt|)*3,tL", ["Et", "tt", "tt", "tt", "tL"]),
     ("E|t*3|(t|)*2,L", ["E", "ttt", "t", "t", "L"]),
     (V3_STAGES, ["Ettt"] + ["tttt"] * 14 + ["ttL"]),
+    ("E|ttt|ttt|L", ["E", "ttt", "ttt", "L"]),  # layer-less V-stages: rank 0 holds the embedding and the head
+    ("t||t|", ["t", "", "t", ""]),
 ])
 def test_layouts_read_and_written_in_megatrons_syntax(text, stages):
     assert sl.parse(text) == stages
@@ -32,6 +34,7 @@ def test_halved_and_paired_are_inverse_and_keep_every_layer():
     print(f"\n{V3_STAGES} halved: {sl.to_text(v)}")
     assert len(v) == 32 and sl.paired(v) == stages and sum(sl.decoder_counts(v)) == 61
     assert v[0].startswith("E") and v[-1].endswith("L") and "".join(v) == "".join(stages)
+    assert sl.halved(["Et", "tL"]) == ["E", "t", "t", "L"]  # a one-layer end stage leaves no empty V-stage
 
 
 def test_a_layout_of_another_count_gets_one_of_the_right_count():
