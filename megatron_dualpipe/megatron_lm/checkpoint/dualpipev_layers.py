@@ -6,7 +6,8 @@ uneven split says: ``sizes[v]``): pipeline rank ``i`` holds V-stage ``i`` (``mod
 ``2t+1`` (evenly: layers ``[2nt, 2n(t+1))``; unevenly: a 1F1B run whose stages are those pairs, the
 layout ``stage_layout.paired`` gives). So every 1F1B stage is two V-stages, and the weights map one
 to one by renaming the local layer index (``decoder.layers.{k}.``); the embedding goes with V-stage
-0 / stage 0, the final layernorm and the output layer with V-stage ``2pp-1`` / stage ``pp-1``. A
+0 / stage 0, the final layernorm, the output layer and MTP (its block and its copy of the embedding)
+with V-stage ``2pp-1`` / stage ``pp-1``. A
 1F1B file of another split holds other layers: its load fails on the keys (strict), never silently.
 
 Files (one per pipeline rank, as Megatron writes them):
@@ -51,8 +52,9 @@ def split_stage(sd: Dict[str, object], t: int, first: int) -> Dict[int, Dict[str
             k = int(m.group(1))
             second = k >= first
             out[2 * t + second][f"decoder.layers.{k - first * second}.{m.group(2)}"] = value
-        else:  # the embedding begins the stage, the final norm and the output layer end it
-            out[2 * t if key.startswith("embedding.") else 2 * t + 1][key] = value
+        else:  # the embedding begins stage 0; the final norm, the output layer and MTP (with its copy of
+            # the embedding, on the last stage) end theirs
+            out[2 * t if key.startswith("embedding.") and t == 0 else 2 * t + 1][key] = value
     return out
 
 
