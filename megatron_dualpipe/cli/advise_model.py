@@ -138,10 +138,18 @@ def stage_pairs_lines(m, gpu, mfu: float, gpus_per_node: int, a2a_bw) -> List[st
     from ..schedule import model_cost as mc
     from ..schedule import registry, stage_pairs
 
+    from ..schedule import stage_layout
+
     forward = [mc.partition_f(m, gpu, mfu, gpus_per_node, sizes, a2a_bw)
                for sizes in (mc.stage_sizes(m), mc.v_stage_sizes(m))]
-    return stage_pairs.report(*forward, (registry.ONE_F_ONE_B, registry.DUALPIPE, registry.DUALPIPEV),
-                              unit=" (forward ms per micro-batch)")
+    lines = stage_pairs.report(*forward, (registry.ONE_F_ONE_B, registry.DUALPIPE, registry.DUALPIPEV),
+                               unit=" (forward ms per micro-batch)")
+    ends = m.first_stage_layers is not None or m.last_stage_layers is not None
+    if ends or (m.layout is not None and len(stage_layout.parse(m.layout)) == m.pp):  # dualpipev: 2pp V-stages
+        v = stage_layout.to_text(stage_layout.halved(stage_layout.from_sizes(mc.stage_sizes(m))))
+        lines.append(f"  dualpipev runs these V-stages as --pipeline-model-parallel-layout '{v}' (it refuses "
+                     f"--decoder-first/last-pipeline-num-layers and a layout of {m.pp} stages)")
+    return lines
 
 
 def _summary(m, gpu, mfu, nodes, per_node, dp, micro, sc, mem) -> List[str]:

@@ -196,10 +196,10 @@ def v_split_problems(args) -> List[str]:
         middle = pp - len(ends)
         sizes = ((first,) if first is not None else ()) + ((layers - sum(ends)) // max(middle, 1),) * middle \
             + ((last,) if last is not None else ())
-        stages = ["E" * (i == 0) + "t" * n + "L" * (i == pp - 1) for i, n in enumerate(sizes)]
+        halves = stage_layout.halved(stage_layout.from_sizes(sizes))
         return [f"--decoder-first/last-pipeline-num-layers: Megatron's interleaved meaning puts the first stage's "
                 f"layers in V-stages 0 and {pp} (ranks 0 and {pp - 1}); give the V-stages instead, e.g. "
-                f"--pipeline-model-parallel-layout '{stage_layout.to_text(stage_layout.halved(stages))}'"]
+                f"--pipeline-model-parallel-layout '{stage_layout.to_text(halves)}'"]
     counted = layers + sum(bool(getattr(args, f"account_for_{what}_in_pipeline_split", False))
                            for what in ("embedding", "loss"))
     if counted != layers and counted % (2 * pp):

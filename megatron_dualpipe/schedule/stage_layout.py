@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 from typing import List, Sequence, Tuple
 
-__all__ = ["LayoutError", "parse", "to_text", "decoder_counts", "even", "halved", "paired", "fix"]
+__all__ = ["LayoutError", "parse", "to_text", "decoder_counts", "from_sizes", "even", "halved", "paired", "fix"]
 
 KINDS = "ELtm"
 
@@ -63,17 +63,18 @@ def decoder_counts(stages: Sequence[str]) -> Tuple[int, ...]:
     return tuple(s.count("t") for s in stages)
 
 
+def from_sizes(sizes: Sequence[int]) -> List[str]:
+    """Stages of these many layers, the embedding first and the loss last."""
+    return ["E" * (i == 0) + "t" * n + "L" * (i == len(sizes) - 1) for i, n in enumerate(sizes)]
+
+
 def even(num_layers: int, count: int) -> List[str]:
     """``num_layers`` over ``count`` stages as evenly as they go, the embedding first and the loss
     last; the layers left over go to the middle stages first (the two ends also hold the embedding
     and the output layer)."""
     base, extra = divmod(num_layers, count)
     order = list(range(1, count - 1)) + [count - 1, 0]
-    sizes = [base + (i in order[:extra]) for i in range(count)]
-    stages = ["t" * n for n in sizes]
-    stages[0] = "E" + stages[0]
-    stages[-1] = stages[-1] + "L"
-    return stages
+    return from_sizes([base + (i in order[:extra]) for i in range(count)])
 
 
 def halved(stages: Sequence[str]) -> List[str]:

@@ -98,3 +98,14 @@ def test_advise_a_61_layer_model_in_v_stages(capsys):
         assert load == pytest.approx(total / 2, rel=1e-3)
     assert stage[15] > stage[1] > stage[0], stage  # the output layer on the last stage; the first has 3 layers
     assert "dualpipev" in out.split("schedule ")[-1], "dualpipev not compared"
+
+
+def test_advise_names_the_v_stage_layout_dualpipev_would_run(capsys):
+    """A model split by --decoder-first/last-pipeline-num-layers (DeepSeek-V3's 3 + 14 x 4 + 2):
+    dualpipev refuses those flags, so advise says the V-stage layout it compares (each stage cut in two)."""
+    code, out, err = run(capsys, "advise", "--gpu", "H100", "--nodes", "2", "--", *MODEL_61,
+                         "--decoder-first-pipeline-num-layers", "3", "--decoder-last-pipeline-num-layers", "2")
+    line = next(x for x in out.splitlines() if "dualpipev runs these V-stages" in x)
+    print("\n" + line)
+    assert code == 0, err
+    assert f"--pipeline-model-parallel-layout '{V3_V_STAGES}'" in line
