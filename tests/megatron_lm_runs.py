@@ -132,14 +132,13 @@ TORCHRUN_ENV = "MEGATRON_DUALPIPE_TEST_TORCHRUN"
 
 def _run(cmd, env, timeout, fast_exit):
     """subprocess.run of a torchrun command; the ranks are forked from a preloaded server
-    (tests/harness/preloaded_launch.py) when the run asks for the fast exit and nothing of torchrun's
-    own (restarts, its options) is asked for."""
-    if not fast_exit or os.environ.get(TORCHRUN_ENV) == "1" or cmd[2] != "--nproc-per-node" \
-            or cmd[4] != "-m":
+    (tests/harness/preloaded_launch.py) unless torchrun's own options are asked for; without
+    ``fast_exit`` each rank ends with the interpreter's whole exit there too."""
+    if os.environ.get(TORCHRUN_ENV) == "1" or cmd[2] != "--nproc-per-node" or cmd[4] != "-m":
         return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     from harness import preloaded_client
 
-    return preloaded_client.run(cmd[4:], env, int(cmd[3]), timeout)
+    return preloaded_client.run(cmd[4:], env, int(cmd[3]), timeout, teardown=not fast_exit)
 
 
 class _Shared:

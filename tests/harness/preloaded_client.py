@@ -27,12 +27,14 @@ def _server(script, env):
     return server
 
 
-def run(argv, env, nproc, timeout):
-    """Run ``python ARGV`` on ``nproc`` ranks forked from the server (argv: ["-m", module, script, ...])."""
+def run(argv, env, nproc, timeout, teardown=False):
+    """Run ``python ARGV`` on ``nproc`` ranks forked from the server (argv: ["-m", module, script, ...]);
+    ``teardown``: each rank ends with the interpreter's whole exit."""
     script = next(a for a in argv if a.endswith(".py"))
     server = _server(script, env)
     with tempfile.NamedTemporaryFile("r", suffix=".log", delete=True) as out:
-        request = {"argv": argv, "env": env, "nproc": nproc, "timeout": timeout, "output": out.name}
+        request = {"argv": argv, "env": env, "nproc": nproc, "timeout": timeout, "output": out.name,
+                   "teardown": teardown}
         server.stdin.write(json.dumps(request) + "\n")
         server.stdin.flush()
         answer = server.stdout.readline()

@@ -9,13 +9,14 @@ the fork is what torchrun's worker executes: the same environment (torchrun's ra
 same ``python -m megatron_dualpipe.launch pretrain_gpt.py ...``, the test hooks of its PYTHONPATH
 (``tests/child_hooks/sitecustomize.py``) imported as the interpreter would import them, stdout block
 buffered and stderr line buffered as for a pipe, and the exit that the fast-exit hook makes
-(non-daemon threads joined, atexit handlers run, no module teardown). The job's exit code is
+(non-daemon threads joined, atexit handlers run, no module teardown), or, for a run that asks for
+the normal exit, the interpreter's whole exit (its module teardown included). The job's exit code is
 torchrun's: 0 when every rank succeeded, 1 otherwise (the other ranks are sent SIGTERM, then
 SIGKILL 30 s later, as torchrun's agent does).
 
-What differs, and therefore stays with torchrun (``tests/megatron_lm_runs.py`` decides): the
-interpreter's own teardown (runs that ask for the normal exit), torchrun's restarts, and one string
-hash seed for every rank (forked, where torchrun's ranks each draw one).
+What differs, and therefore stays with torchrun (``tests/megatron_lm_runs.py`` decides): torchrun's
+restarts and options, and one string hash seed for every rank (forked, where torchrun's ranks each
+draw one).
 """
 import ast
 import importlib
@@ -65,7 +66,8 @@ def _rank_environment(env, rank, nproc, port):
     env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
                GROUP_RANK="0", GROUP_WORLD_SIZE="1", ROLE_RANK=str(rank), ROLE_WORLD_SIZE=str(nproc),
                ROLE_NAME="default", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-               TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="0", TORCHELASTIC_RUN_ID="preloaded")
+               TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="0", TORCHELASTIC_RUN_ID="preloaded",
+               TORCHELASTIC_USE_AGENT_STORE="True")
     return env
 
 
@@ -93,8 +95,9 @@ def _exit_code(exc):
 _SERVER_FDS = []
 
 
-def rank_main(argv, env, output):
-    """In the forked rank: become torchrun's worker and run ``python ARGV``; never returns."""
+def rank_main(argv, env, output, teardown):
+    """In the forked rank: become torchrun's worker and run ``python ARGV``; never returns (with
+    ``teardown``, it raises SystemExit through the server's frames: the interpreter's own exit)."""
     for fd in _SERVER_FDS:
         os.close(fd)
     fd = os.open(output, os.O_WRONLY | os.O_APPEND)
@@ -129,6 +132,9 @@ def rank_main(argv, env, output):
     except BaseException:
         traceback.print_exc()
         code = 1
+    if teardown:
+        _SERVER_FDS.clear()
+        raise SystemExit(code)
     _leave(code)
 
 
@@ -156,15 +162,23 @@ def _free_port():
 
 
 def run_job(request):
-    """Fork the ranks of one job, wait for them as torchrun's agent does; returns the exit code
-    (None: the job ran past ``timeout`` and was killed)."""
+    """Fork the ranks of one job, host their TCPStore and wait for them as torchrun's agent does
+    (the store outlives every rank: rank 0's exit does not take it from the others); returns the
+    exit code (None: the job ran past ``timeout`` and was killed)."""
     nproc, port = request["nproc"], _free_port()
     pids = {}
     for rank in range(nproc):
         pid = os.fork()
         if pid == 0:
-            rank_main(request["argv"], _rank_environment(request["env"], rank, nproc, port), request["output"])
+            rank_main(request["argv"], _rank_environment(request["env"], rank, nproc, port), request["output"],
+                      request.get("teardown", False))
         pids[pid] = rank
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore  # after the forks: its server threads stay in this process
+
+    store = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,  # noqa: F841 (kept alive)
+                     timeout=timedelta(seconds=request["timeout"]))
     deadline, failed_at, code = time.monotonic() + request["timeout"], None, 0
     while pids:
         pid, status = os.waitpid(-1, os.WNOHANG)

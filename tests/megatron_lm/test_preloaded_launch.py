@@ -1,6 +1,7 @@
 """The tests' torchrun stand-in (tests/harness/preloaded_launch.py: ranks forked from a process with
 torch and Megatron-LM imported) runs pretrain_gpt.py as torchrun does: the same printed metrics at
-every iteration, and a failing job fails with torchrun's exit code."""
+every iteration, a failing job fails with torchrun's exit code, and a rank can leave through the
+interpreter's whole exit."""
 import pytest
 
 from megatron_lm_runs import HAVE_MEGATRON_LM, SKIP_MESSAGE, TORCHRUN_ENV, assert_metrics_close, launch, metrics
@@ -24,8 +25,21 @@ def test_preloaded_ranks_print_what_torchruns_print(monkeypatch):
     assert "lm loss" in worst and all(v == 0.0 for v in worst.values()), worst
 
 
-def test_a_refused_run_fails_as_under_torchrun(monkeypatch):
-    outs = _both(monkeypatch, "--train-iters", "3", "--mtp-num-layers", "1", "--context-parallel-size", "3")
-    for launcher, (rc, out) in outs.items():
-        print(f"{launcher}: exit code {rc}; last line: {out.strip().splitlines()[-1][:200]}")
-        assert rc == 1, (launcher, out[-3000:])
+def test_a_refused_run_fails_with_torchruns_exit_code_and_one_line(monkeypatch):
+    """A job whose ranks exit 2 (Megatron-LM refuses the arguments inside them) ends with torchrun's
+    exit code for a failed worker, 1, and the refusal printed once (rank 0)."""
+    monkeypatch.setenv(TORCHRUN_ENV, "0")
+    rc, out = launch("dualpipe", "--train-iters", "3", "--context-parallel-size", "3")
+    refusals = [line for line in out.splitlines() if line.startswith("megatron_dualpipe.launch: error:")]
+    print(f"preloaded: exit code {rc}; {refusals}")
+    assert rc == 1 and len(refusals) == 1 and "context" in refusals[0] or "divisible" in refusals[0], out[-3000:]
+
+
+def test_the_interpreters_whole_exit_when_asked(monkeypatch):
+    """fast_exit=False: every rank leaves through the interpreter's own exit (its module teardown:
+    what a hang there would show), with the same metrics as the fast exit's run."""
+    monkeypatch.setenv(TORCHRUN_ENV, "0")
+    fast = metrics(launch("dualpipe", "--train-iters", "2")[1])
+    rc, out = launch("dualpipe", "--train-iters", "2", fast_exit=False)
+    assert rc == 0, out[-3000:]
+    assert_metrics_close(metrics(out), fast, "dualpipe: whole exit vs fast exit", slack={"num zeros": 0.0})
