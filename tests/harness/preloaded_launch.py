@@ -19,6 +19,7 @@ restarts and options, and one string hash seed for every rank (forked, where tor
 draw one).
 """
 import ast
+import faulthandler
 import importlib
 import io
 import json
@@ -31,6 +32,8 @@ import traceback
 
 #: torchrun's agent: SIGTERM to the surviving ranks once one fails, SIGKILL after this many seconds.
 GRACE_S = 30.0
+#: A job past its timeout: SIGABRT (each rank prints every thread's Python stack), SIGKILL this much later.
+STACKS_S = 5.0
 
 
 #: Imported by a run after pretrain_gpt.py's own imports, and heavy: the tokenizers (transformers,
@@ -114,6 +117,7 @@ def rank_main(argv, env, output, teardown):
         if path in sys.path:
             sys.path.remove(path)
         sys.path.insert(0, path)
+    faulthandler.enable(all_threads=True)  # a job past its timeout is sent SIGABRT: every thread's stack
     code = 0
     try:
         import torch
@@ -184,9 +188,11 @@ def run_job(request):
         pid, status = os.waitpid(-1, os.WNOHANG)
         if pid == 0:
             now = time.monotonic()
-            if now > deadline:
+            if now > deadline and code is not None:  # the stacks first (faulthandler), then the end
+                _signal_all(pids, signal.SIGABRT)
+                code, deadline = None, now + STACKS_S
+            elif now > deadline:
                 _signal_all(pids, signal.SIGKILL)
-                code = None
             elif failed_at is not None and now > failed_at + GRACE_S:
                 _signal_all(pids, signal.SIGKILL)
             time.sleep(0.05)
