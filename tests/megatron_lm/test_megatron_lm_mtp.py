@@ -32,20 +32,23 @@ MTP1 = ("--mtp-num-layers", "1", *ROPE)
 MTP2_UNTIED = ("--mtp-num-layers", "2", *ROPE, "--untie-embeddings-and-output-weights")
 
 
-def _equal_to_1f1b(schedule, *flags, saving=()):
-    """1f1b's metrics, after checking that ``schedule``'s (run with ``saving`` added) equal them."""
+def _equal_to_1f1b(schedule, *flags, own=()):
+    """1f1b's metrics, after checking that ``schedule``'s (run with its ``own`` flags added) equal them."""
     ref = run_pretrain("1f1b", *flags, with_metrics=True)
-    got = run_pretrain(schedule, *flags, *saving, with_metrics=True)
+    got = run_pretrain(schedule, *flags, *own, with_metrics=True)
     layers = int(flags[flags.index("--mtp-num-layers") + 1])
     for name in (f"mtp_{k + 1} loss" for k in range(layers)):
         assert all(name in ref[it] for it in ref), f"1f1b printed no {name}: {ref}"
-    assert_metrics_close(got, ref, f"{schedule} {' '.join(flags)} vs 1f1b")
+    assert_metrics_close(got, ref, f"{schedule} {' '.join((*flags, *own))} vs 1f1b")
     return ref
 
 
-def test_dualpipe_mtp_equal_megatron_1f1b():
-    """One MTP layer, tied embeddings, pp=4: every printed metric equal to 1f1b's."""
-    _equal_to_1f1b("dualpipe", *MTP1)
+@pytest.mark.parametrize("sharding", ["--dualpipe-shared-shard-group", "--dualpipe-dp-first"])
+def test_dualpipe_mtp_with_sharded_copies_equal_megatron_1f1b(sharding):
+    """One MTP layer, tied embeddings, pp=4, the distributed optimizer with either way of sharding the
+    two copies' gradients (their sum then happens in the shards, the fold of stage 0's embedding with
+    the MTP stage's copy before it): every printed metric equal to 1f1b's (one 1f1b run for both)."""
+    _equal_to_1f1b("dualpipe", *MTP1, "--use-distributed-optimizer", own=(sharding,))
 
 
 def test_dualpipe_two_mtp_layers_untied_equal_megatron_1f1b_and_its_checkpoint_resumed_by_1f1b(tmp_path):
@@ -54,7 +57,7 @@ def test_dualpipe_two_mtp_layers_untied_equal_megatron_1f1b_and_its_checkpoint_r
     not written) resumed by 1f1b: iterations 4-5 equal the uninterrupted 1f1b run's."""
     ckpt = str(tmp_path / "dualpipe")
     saving = ("--ckpt-format", "torch_dist", "--save", ckpt, "--save-interval", "3")
-    ref = _equal_to_1f1b("dualpipe", *MTP2_UNTIED, saving=saving)
+    ref = _equal_to_1f1b("dualpipe", *MTP2_UNTIED, own=saving)
     _set_latest(ckpt, 3)
     back = run_pretrain("1f1b", *MTP2_UNTIED, "--ckpt-format", "torch_dist", "--load", ckpt, with_metrics=True)
     assert_metrics_close(back, _as_resumed_at(ref, 3), "1f1b from dualpipe's checkpoint of iteration 3 vs 1f1b")
