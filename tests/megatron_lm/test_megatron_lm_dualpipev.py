@@ -22,6 +22,7 @@ output to fp32 as if it ended the model.
 """
 
 import os
+import re
 
 import pytest
 import torch
@@ -161,13 +162,14 @@ def test_dualpipev_moe_layer_freq_builds_each_stage_its_layers(tmp_path):
 #: Uneven V-stages (pp = 2, 6 layers) -> (1f1b's flags, dualpipev's flags, the chunks each rank holds).
 #: Megatron's own 1f1b runs the same model with stage t = V-stages 2t and 2t+1 (a layout: stage_layout.
 #: paired; the embedding and loss counted: the same flags), so its torch checkpoint cuts into the V-stages.
+V_CHUNKS_RE = re.compile(r"\[megatron-dualpipe\] dualpipev pipeline rank (\d+): (model\[0\] [^;\n]*; model\[1\] [^\n]*)")
 V_SPLITS = {
-    # four V-stages of 1, 3, 1 and 1 layers: rank 0 holds V-stages 0 and 3 (the embedding and the loss),
-    # rank 1 the heavy V-stage 1 and V-stage 2
-    "layout Et|ttt|t|tL": (
-        ("--pipeline-model-parallel-layout", "Et*4|ttL"), ("--pipeline-model-parallel-layout", "Et|ttt|t|tL"),
-        {0: "model[0] stage 0/4 layers 1-1 +embedding; model[1] stage 3/4 layers 6-6 +output",
-         1: "model[0] stage 1/4 layers 2-4; model[1] stage 2/4 layers 5-5"}),
+    # four V-stages of 0, 4, 2 and 0 layers: rank 0 holds only the embedding (V-stage 0) and the output
+    # layer with the loss (V-stage 3), as DeepSeek keeps them on one rank; rank 1 V-stages 1 and 2
+    "layout E|tttt|tt|L": (
+        ("--pipeline-model-parallel-layout", "Et*4|ttL"), ("--pipeline-model-parallel-layout", "E|tttt|tt|L"),
+        {0: "model[0] stage 0/4 no layers +embedding; model[1] stage 3/4 no layers +output",
+         1: "model[0] stage 1/4 layers 1-4; model[1] stage 2/4 layers 5-6"}),
     # Megatron's interleaved meaning: (6 + 2) / 4 per V-stage, V-stages 0 and 3 one layer fewer
     "embedding and loss counted as layers": (
         ("--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split"),
@@ -186,8 +188,6 @@ def test_dualpipev_uneven_v_stages_equal_megatron_1f1b(tmp_path, split):
     V-stages by the sizes built; an optimizer state laid out per stage does not cross schedules, so
     both start it afresh: --no-load-optim); every printed metric of dualpipev equal to 1f1b's, and
     each rank holds the V-stages the split names."""
-    from test_megatron_lm_dualpipe import CHUNKS_RE
-
     ref_flags, v_flags, expected = V_SPLITS[split]
     ckpt = str(tmp_path / "1f1b")
     flags = ("--num-layers", "6", "--ckpt-format", "torch")
@@ -195,7 +195,7 @@ def test_dualpipev_uneven_v_stages_equal_megatron_1f1b(tmp_path, split):
     resumed = {schedule: run_pretrain(schedule, *PP2, *flags, *more, "--load", ckpt, "--no-load-optim",
                                       with_metrics=True)
                for schedule, more in (("1f1b", ref_flags), ("dualpipev", v_flags))}
-    chunks = {int(r): text for s, r, text in CHUNKS_RE.findall(LAST_OUTPUT[0]) if s == "dualpipev"}
+    chunks = {int(r): text for r, text in V_CHUNKS_RE.findall(LAST_OUTPUT[0])}
     print(f"\n1f1b {' '.join(ref_flags)}; dualpipev {' '.join(v_flags)}\n"
           + "\n".join(f"rank {r}: {t}" for r, t in sorted(chunks.items())))
     assert chunks == expected
