@@ -64,13 +64,18 @@ def preload(script):
     sys.path.pop(0)
 
 
+#: In a job's environment: rank 0 hosts the TCPStore (a launch without torchrun's agent, e.g. srun),
+#: instead of the job process as torchrun's agent does.
+RANK0_STORE_ENV = "MEGATRON_DUALPIPE_TEST_RANK0_STORE"
+
+
 def _rank_environment(env, rank, nproc, port):
     env = dict(env)
     env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
                GROUP_RANK="0", GROUP_WORLD_SIZE="1", ROLE_RANK=str(rank), ROLE_WORLD_SIZE=str(nproc),
                ROLE_NAME="default", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="0", TORCHELASTIC_RUN_ID="preloaded",
-               TORCHELASTIC_USE_AGENT_STORE="True")
+               TORCHELASTIC_USE_AGENT_STORE=str(env.get(RANK0_STORE_ENV) != "1"))
     return env
 
 
@@ -181,8 +186,9 @@ def run_job(request):
 
     from torch.distributed import TCPStore  # after the forks: its server threads stay in this process
 
-    store = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,  # noqa: F841 (kept alive)
-                     timeout=timedelta(seconds=request["timeout"]))
+    if request["env"].get(RANK0_STORE_ENV) != "1":
+        store = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,  # noqa: F841 (kept alive)
+                         timeout=timedelta(seconds=request["timeout"]))
     deadline, failed_at, code = time.monotonic() + request["timeout"], None, 0
     while pids:
         pid, status = os.waitpid(-1, os.WNOHANG)
