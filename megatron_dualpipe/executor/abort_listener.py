@@ -10,6 +10,7 @@ in-process store: no server) are polled with an exponential backoff. The waits r
 """
 from __future__ import annotations
 
+import atexit
 import datetime
 import logging
 import threading
@@ -42,7 +43,17 @@ class Listener:
         self.started = time.monotonic()
         self._lock = threading.Lock()
         self._on_heard: list = []
-        threading.Thread(target=self._run, daemon=True, name="megatron-dualpipe-abort-listener").start()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="megatron-dualpipe-abort-listener")
+        self._thread.start()
+        atexit.register(self._join_at_exit)
+
+    def _join_at_exit(self) -> None:
+        """A failure was heard: the thread's wait returns (or returned) and it reads the key; let it
+        end before the interpreter does (a thread coming back from the store's C++ call while Python
+        finalizes aborts the process: "terminate called without an active exception"). Nothing
+        heard: it stays blocked in the wait, harmless."""
+        if self.message is not None:
+            self._thread.join(timeout=5.0)
 
     def hear(self, message: str) -> str:
         """Take ``message`` as the failure unless one was heard already; return the one kept."""
