@@ -442,7 +442,8 @@ HANDLED: Tuple[Handled, ...] = (
             '`--account-for-loss-in-pipeline-split` (Megatron\'s interleaved meaning: the embedding and the loss '
             'count as a layer of V-stages 0 and 2pp-1, both on rank 0; (layers + counted) divisible by 2 * pp)',
             'equal on CPU, every printed metric (pp=2, 6 layers: a layout E|tttt|tt|L, rank 0 holding only the '
-            'embedding and the output layer; embedding and loss as layers), against Megatron\'s 1f1b on the same model (its stage t = V-stages 2t, 2t+1), both from one '
+            'embedding and the output layer; embedding and loss as layers), against Megatron\'s 1f1b on the same '
+            'model (its stage t = V-stages 2t, 2t+1), both from one '
             'torch checkpoint. Refused before training, naming a layout that works: a layout of another stage '
             'count than pp (dualpipe) or 2 * pp (dualpipev), `--decoder-first/last-pipeline-num-layers` under '
             'dualpipev (Megatron\'s interleaved meaning puts the first stage\'s layers on ranks 0 and pp-1)',
@@ -472,8 +473,7 @@ HANDLED: Tuple[Handled, ...] = (
             "1f1b's torch_dist checkpoint (MTP on rank 0's V-stage 2pp-1, beside the embedding) and 1f1b from "
             "dualpipev's, tied dualpipev from 1f1b's torch checkpoint, `--dualpipe-shared-shard-group` and "
             "`--dualpipe-dp-first`, the fused F&B units with one layer. Refused before training: MTP with context "
-            "parallelism, "
-            'with `--pipeline-model-parallel-layout`, and more than one MTP layer in the fused units',
+            "parallelism, with `--pipeline-model-parallel-layout`, and more than one MTP layer in the fused units",
             '`tests/megatron_lm/test_megatron_lm_mtp.py`; A `dualpipe_mtp_ok`, `dualpipev_two_mtp_layers_ok`, '
             '`dualpipe_overlap_moe_two_mtp_layers`'),
     Handled('`dualpipev` with `--bf16` / `--fp16` (loss scaling), the distributed optimizer with overlapped grad '

@@ -97,7 +97,8 @@ def _cell(schedule: str, stages: Tuple[int, ...], costs: Sequence[float], load: 
         (f" (/2 {_fmt(load)})" if registry.get(schedule).mirrored else "")
 
 
-def report(stage_costs: Sequence[float], v_costs: Sequence[float], schedules: Sequence[str], unit: str = "") -> List[str]:
+def report(stage_costs: Sequence[float], v_costs: Sequence[float], schedules: Sequence[str],
+           unit: str = "") -> List[str]:
     """Per rank, the stages each schedule puts there and their summed cost; per schedule the slowest
     rank's load against the mean; and what the pairing does to the heaviest stage."""
     pp = len(stage_costs)

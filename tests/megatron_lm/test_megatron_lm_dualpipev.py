@@ -162,7 +162,8 @@ def test_dualpipev_moe_layer_freq_builds_each_stage_its_layers(tmp_path):
 #: Uneven V-stages (pp = 2, 6 layers) -> (1f1b's flags, dualpipev's flags, the chunks each rank holds).
 #: Megatron's own 1f1b runs the same model with stage t = V-stages 2t and 2t+1 (a layout: stage_layout.
 #: paired; the embedding and loss counted: the same flags), so its torch checkpoint cuts into the V-stages.
-V_CHUNKS_RE = re.compile(r"\[megatron-dualpipe\] dualpipev pipeline rank (\d+): (model\[0\] [^;\n]*; model\[1\] [^\n]*)")
+V_CHUNKS_RE = re.compile(r"\[megatron-dualpipe\] dualpipev pipeline rank (\d+): "
+                         r"(model\[0\] [^;\n]*; model\[1\] [^\n]*)")
 V_SPLITS = {
     # four V-stages of 0, 4, 2 and 0 layers: rank 0 holds only the embedding (V-stage 0) and the output
     # layer with the loss (V-stage 3), as DeepSeek keeps them on one rank; rank 1 V-stages 1 and 2
