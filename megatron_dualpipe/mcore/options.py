@@ -113,8 +113,24 @@ def _v_last_rank_without_moe_before_019(args) -> bool:
     if not getattr(args, "num_experts", None) or not version or parse(version) >= (0, 19) or not layers:
         return False
     pattern = [int(i % freq == 0) for i in range(layers)] if isinstance(freq, int) else list(freq)
-    per_stage = layers // (2 * pp)
-    return not any(pattern[(pp - 1) * per_stage:(pp + 1) * per_stage])
+    sizes = _v_stage_sizes(args, layers, pp)
+    start = sum(sizes[:pp - 1])
+    return not any(pattern[start:start + sizes[pp - 1] + sizes[pp]])
+
+
+def _v_stage_sizes(args, layers: int, pp: int) -> List[int]:
+    """Layers of each of DualPipeV's 2pp V-stages: the layout's, or Megatron's split (the embedding and
+    the loss counted as layers of V-stages 0 and 2pp-1 where asked)."""
+    from ..schedule import stage_layout
+
+    layout = getattr(args, "pipeline_model_parallel_layout", None)
+    if layout is not None:
+        return list(stage_layout.decoder_counts(stage_layout.parse(str(layout))))
+    counted = [bool(getattr(args, f"account_for_{what}_in_pipeline_split", False)) for what in ("embedding", "loss")]
+    sizes = [(layers + sum(counted)) // (2 * pp)] * (2 * pp)
+    sizes[0] -= counted[0]
+    sizes[-1] -= counted[1]
+    return sizes
 
 
 def _virtual_pipeline(source, side):
