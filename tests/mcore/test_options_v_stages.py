@@ -1,5 +1,6 @@
 """The options table's reading of DualPipeV's V-stages under uneven splits."""
 
+
 def test_the_moe_rule_of_core_016_reads_the_v_stages_an_uneven_split_gives():
     """options' rule for megatron-core 0.16.1 (a last pipeline rank without MoE layers prints an
     unaveraged load_balancing_loss) asks which layers V-stages pp-1 and pp hold: a layout's, or
