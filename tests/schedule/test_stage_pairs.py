@@ -96,4 +96,3 @@ def test_advise_reads_a_layout_of_v_stages():
         parse(argv + ["--pipeline-model-parallel-layout", "Et|tL"])
     with pytest.raises(ModelArgsError, match="drop --decoder-first/last"):
         parse(argv + ["--pipeline-model-parallel-layout", V3_V_STAGES, "--decoder-first-pipeline-num-layers", "3"])
-
