@@ -16,7 +16,7 @@ def init_model_parallel(*, tp: int = 1, pp: int = 1, ep: int = 1, vpp: Optional[
     """
     from megatron.core import parallel_state
 
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                             virtual_pipeline_model_parallel_size=vpp, expert_model_parallel_size=ep,
-                                             distributed_timeout_minutes=timeout_minutes, create_gloo_process_groups=False)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp,
+        expert_model_parallel_size=ep, distributed_timeout_minutes=timeout_minutes, create_gloo_process_groups=False)
     seed_all(seed)

@@ -173,8 +173,10 @@ def run_iteration(spec: ModelSpec, schedule: str, chunks: Sequence[torch.nn.Modu
 
 def grads_by_full_name(chunks: Sequence[torch.nn.Module], full_keys) -> List[Dict[str, Any]]:
     """Per chunk: gradient as a float64 numpy array under the full model's parameter name."""
-    return [names.by_full_name(c, full_keys, lambda p: None if p.grad is None else p.grad.detach().double().cpu().numpy())
-            for c in chunks]
+    def grad(p):
+        return None if p.grad is None else p.grad.detach().double().cpu().numpy()
+
+    return [names.by_full_name(c, full_keys, grad) for c in chunks]
 
 
 def zero_grads(chunks: Sequence[torch.nn.Module]) -> None:

@@ -29,7 +29,8 @@ def per_microbatch(model, batches: Sequence[dict]) -> Tuple[List[float], List[Di
         loss, _ = masked_loss_func(b["loss_mask"], out)
         loss.backward()
         losses.append(loss.item())
-        grads.append({k: p.grad.detach().to(torch.float64, copy=True).cpu() for k, p in model.named_parameters() if p.grad is not None})
+        grads.append({k: p.grad.detach().to(torch.float64, copy=True).cpu()
+                      for k, p in model.named_parameters() if p.grad is not None})
     return losses, grads
 
 

@@ -5,7 +5,8 @@ Stages, in order, each ending in one line ``[PASS|FAIL|SKIP] stage: numbers``; t
 at the first hard FAIL (speed and memory FAILs are soft)::
 
     environment   versions, devices, links; P2P latency/bandwidth of pipeline neighbours and bd pairs
-    equality      tiny GPT (+ MoE over EP with --ep): DualPipe, DualPipeV vs Megatron 1F1B, same weights
+    equality      tiny GPT (+ MoE over EP with --ep): DualPipe, DualPipeV vs Megatron 1F1B, same weights,
+                  and every schedule vs the pp=1 reference of the CPU tests (megatron_dualpipe/proof)
     no hang       odd M and pp <= M < 2pp, bounded by the deadline
     overlap       MoE all-to-all hidden in fused F&B units (GPU with --ep; SKIP otherwise)
     speed         bench: every schedule against its simulation (matmul stages on GPU)

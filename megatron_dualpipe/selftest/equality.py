@@ -109,18 +109,21 @@ def _vs_1f1b(ctx, name: str, by_coord: dict, schedule: str, tol: float, failures
     return {"max_rel_loss_diff": losses.worst, "max_rel_grad_diff": grads.worst, "where": grads.worst_where}
 
 
-def _vs_reference(name: str, payloads: List[dict], schedule: str, tol: float, failures: List[str]) -> Tuple[dict, str]:
-    """``schedule`` against the pp=1 reference: the losses, and the worst rank's gradients (over all its tensors)."""
+def _vs_reference(name: str, payloads: List[dict], schedule: str, tol: float,
+                  failures: List[str]) -> Tuple[dict, str]:
+    """``schedule`` against the pp=1 reference: the losses, and the worst rank's gradients (all its tensors)."""
     gaps = [p["models"][name]["vs_reference"][schedule] for p in payloads]
     loss = max((g["loss"] for g in gaps if g["loss"] is not None), default=0.0)
     worst = max(range(len(gaps)), key=lambda r: gaps[r]["grad"])
     if loss > tol:
-        failures.append(f"{name} {schedule}: losses differ from the pp=1 reference's by {loss:.2e} (relative) > {tol:g}")
+        failures.append(f"{name} {schedule}: losses differ from the pp=1 reference's by {loss:.2e} (relative) "
+                        f"> {tol:g}")
     if gaps[worst]["grad"] > tol:
         failures.append(f"{name} {schedule}: gradients of rank {worst} differ from the pp=1 reference's by "
                         f"{gaps[worst]['grad']:.2e} (relative) > {tol:g}, most at {gaps[worst]['where']}")
     return ({"rel_loss_diff": loss, "rel_grad_diff": gaps[worst]["grad"]},
-            f"{name} {schedule} vs the pp=1 reference: losses {loss:.2e} (relative); rank {worst}'s {gaps[worst]['line']}")
+            f"{name} {schedule} vs the pp=1 reference: losses {loss:.2e} (relative); "
+            f"rank {worst}'s {gaps[worst]['line']}")
 
 
 def _copies(by_coord: dict, pp: int) -> Tuple[int, List[str]]:

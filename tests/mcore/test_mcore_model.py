@@ -24,7 +24,7 @@ def _spec(num_layers, tied):
     return ModelSpec(layers=num_layers, tied=tied)
 
 
-def _provider(spec, seen_pp_ranks, v_layout=False):
+def _recording_provider(spec, seen_pp_ranks, v_layout=False):
     """The proof harness's provider, noting what parallel_state says while each chunk is built."""
     from megatron.core import parallel_state
 
@@ -123,7 +123,8 @@ def _worker(rank, world_size, port, pp, num_layers):
             full = full_state_dict(_spec(num_layers, tied))
             seed_all(SEED + 17 * rank)  # different per rank: only the broadcast makes copies equal
             seen = []
-            model = M.build_two_direction_model(_provider(_spec(num_layers, tied), seen), layout_kind="bidirectional")
+            recorded = _recording_provider(_spec(num_layers, tied), seen)
+            model = M.build_two_direction_model(recorded, layout_kind="bidirectional")
             config = model[0].config
             res = {"chunks": [_chunk_summary(c) for c in model], "seen_pp_ranks": seen,
                    "pp_rank_after": parallel_state.get_pipeline_model_parallel_rank()}
@@ -182,7 +183,8 @@ def _worker(rank, world_size, port, pp, num_layers):
         # ---- DualPipeV, tied
         seed_all(SEED + 17 * rank)
         seen = []
-        model = M.build_two_direction_model(_provider(_spec(num_layers, True), seen, v_layout=True), layout_kind="v")
+        recorded = _recording_provider(_spec(num_layers, True), seen, v_layout=True)
+        model = M.build_two_direction_model(recorded, layout_kind="v")
         res = {"chunks": [_chunk_summary(c) for c in model], "seen_pp_ranks": seen}
         _set_hand_grads(model, rank)
         G.finalize_dualpipe_grads(model, None)

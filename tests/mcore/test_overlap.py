@@ -296,12 +296,15 @@ def _run(schedule, runs):
                 losses.add(r["losses"], per_seed[r["dp"]][0][:m], f"dp {r['dp']}")
             for c, chunk_grads in enumerate(r["grads"]):
                 for key, g in chunk_grads.items():
-                    grads.add(g, _expected_grad(per_seed, key, r["dp"], m), f"(pp {r['pp']}, dp {r['dp']}) model[{c}] {key}")
+                    grads.add(g, _expected_grad(per_seed, key, r["dp"], m),
+                              f"(pp {r['pp']}, dp {r['dp']}) model[{c}] {key}")
         fused = [res[i]["fused"] for res in results]
         deferred = [res[i]["deferred"] for res in results]
         print(f"  M={m} zero_bubble={zb} overlap={overlap}: {losses.line('losses')}; {grads.line('gradients')}; "
-              f"fused units through the hook per rank: {fused}; deferred weight gradients run by W per rank: {deferred}")
-        assert losses.diff <= RTOL * 5 and grads.rel <= RTOL, (m, zb, overlap, losses.line("losses"), grads.line("gradients"))
+              f"fused units through the hook per rank: {fused}; deferred weight gradients run by W per rank: "
+              f"{deferred}")
+        assert losses.diff <= RTOL * 5 and grads.rel <= RTOL, (m, zb, overlap, losses.line("losses"),
+                                                               grads.line("gradients"))
         # Each rank's few B actions at pp=2 may all be fake micro-batches when M is padded.
         assert (all(n > 0 for n in deferred) if m == 8 else any(deferred)) if zb else not any(deferred)
         by_run[(m, zb, overlap, *delay)] = i
