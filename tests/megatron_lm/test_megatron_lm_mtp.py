@@ -51,6 +51,12 @@ def test_dualpipe_mtp_with_sharded_copies_equal_megatron_1f1b(sharding):
     _equal_to_1f1b("dualpipe", *MTP1, "--use-distributed-optimizer", own=(sharding,))
 
 
+@pytest.mark.parametrize("schedule", ["executor-1f1b", "zb-h1"])
+def test_one_chunk_executor_schedules_mtp_equal_megatron_1f1b(schedule):
+    """The executor's one-chunk orders compute MTP on the last stage, as 1f1b does (the same 1f1b run)."""
+    _equal_to_1f1b(schedule, *MTP1, "--use-distributed-optimizer")
+
+
 def test_dualpipe_two_mtp_layers_untied_equal_megatron_1f1b_and_its_checkpoint_resumed_by_1f1b(tmp_path):
     """Two MTP layers, untied output weights (the MTP stage's embedding still kept equal to stage 0's);
     dualpipe's torch_dist checkpoint of iteration 3 (1f1b's keys: the mirror, MTP copy included, is
