@@ -483,7 +483,7 @@ HANDLED: Tuple[Handled, ...] = (
             "sizes, as TE's does",
             '`tests/megatron_lm/test_megatron_lm_v3_recipe.py`'),
     Handled('`--mtp-num-layers` 1 and 2 (multi-token prediction), tied or untied output weights; one layer with '
-            '`--overlap-moe-expert-parallel-comm`',
+            '`--overlap-moe-expert-parallel-comm`; one layer under `executor-1f1b` and `zb-h1`',
             "equal on CPU, every printed metric including `mtp_N loss` (largest difference 1e-6, its print's last "
             "digit), at both tags: `dualpipe` from the start (MTP on both copies of stage pp-1), `dualpipev` from "
             "1f1b's torch_dist checkpoint (MTP on rank 0's V-stage 2pp-1, beside the embedding) and 1f1b from "
