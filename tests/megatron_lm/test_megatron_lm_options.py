@@ -121,10 +121,12 @@ def test_nan_in_one_microbatch_is_caught_as_under_1f1b(tmp_path):
     found = {}
     for schedule, loss_rank in (("1f1b", 3), ("dualpipe", 0)):
         rc, out = launch(schedule, "--train-iters", "4", "--ckpt-format", "torch", "--save", str(tmp_path / schedule), "--save-interval", "100",
-                         # unbuffered: should a run stop (Megatron's own 1f1b run of this test hung
-                         # once in 300 s, 2026-11-24), every rank's last lines are in its output
+                         # Megatron's own 1f1b run of this test hung once (300 s in send_forward_recv_backward,
+                         # torchrun, 2026-11-24), not since in 37 runs (21 torchrun, 16 preloaded, 2026-11-27):
+                         # should a run stop, it ends in 4 minutes with every rank's stacks in its output
+                         # (tests/harness/preloaded_launch.py), unbuffered, for the test's failure to show.
                          env_extra={"MEGATRON_DUALPIPE_TEST_NAN": "3,7", "PYTHONUNBUFFERED": "1"},
-                         pythonpath=(CHILD_HOOKS,))
+                         pythonpath=(CHILD_HOOKS,), timeout=240)
         reports = {(int(r), int(it), msg) for r, it, msg in UNEXPECTED_RE.findall(out)}
         logged = sorted(int(i) for i, _ in LOSS_RE.findall(out))
         print(f"\n{schedule}: exit code {rc}; iterations logged {logged}; "
