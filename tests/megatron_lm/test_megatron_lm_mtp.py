@@ -57,15 +57,20 @@ def test_one_chunk_executor_schedules_mtp_equal_megatron_1f1b(schedule):
     _equal_to_1f1b(schedule, *MTP1, "--use-distributed-optimizer")
 
 
-def test_dualpipe_two_mtp_layers_untied_equal_megatron_1f1b_and_its_checkpoint_resumed_by_1f1b(tmp_path):
-    """Two MTP layers, untied output weights (the MTP stage's embedding still kept equal to stage 0's);
-    dualpipe's torch_dist checkpoint of iteration 3 (1f1b's keys: the mirror, MTP copy included, is
-    not written) resumed by 1f1b: iterations 4-5 equal the uninterrupted 1f1b run's."""
+#: DeepSeek-V3's uneven split in small: first and last stage 1 layer of 10 (1+4+4+1, MTP after the last).
+UNEVEN = ("--num-layers", "10", "--decoder-first-pipeline-num-layers", "1", "--decoder-last-pipeline-num-layers", "1")
+
+
+def test_dualpipe_two_mtp_layers_untied_uneven_equal_megatron_1f1b_and_its_checkpoint_resumed_by_1f1b(tmp_path):
+    """Two MTP layers, untied output weights (the MTP stage's embedding still kept equal to stage 0's),
+    uneven stages; dualpipe's torch_dist checkpoint of iteration 3 (1f1b's keys: the mirror, MTP copy
+    included, is not written) resumed by 1f1b: iterations 4-5 equal the uninterrupted 1f1b run's."""
     ckpt = str(tmp_path / "dualpipe")
     saving = ("--ckpt-format", "torch_dist", "--save", ckpt, "--save-interval", "3")
-    ref = _equal_to_1f1b("dualpipe", *MTP2_UNTIED, own=saving)
+    ref = _equal_to_1f1b("dualpipe", *MTP2_UNTIED, *UNEVEN, own=saving)
     _set_latest(ckpt, 3)
-    back = run_pretrain("1f1b", *MTP2_UNTIED, "--ckpt-format", "torch_dist", "--load", ckpt, with_metrics=True)
+    back = run_pretrain("1f1b", *MTP2_UNTIED, *UNEVEN, "--ckpt-format", "torch_dist", "--load", ckpt,
+                        with_metrics=True)
     assert_metrics_close(back, _as_resumed_at(ref, 3), "1f1b from dualpipe's checkpoint of iteration 3 vs 1f1b")
 
 
