@@ -488,7 +488,8 @@ HANDLED: Tuple[Handled, ...] = (
             "digit), at both tags: `dualpipe` from the start (MTP on both copies of stage pp-1), `dualpipev` from "
             "1f1b's torch_dist checkpoint (MTP on rank 0's V-stage 2pp-1, beside the embedding) and 1f1b from "
             "dualpipev's, tied dualpipev from 1f1b's torch checkpoint, `--dualpipe-shared-shard-group` and "
-            "`--dualpipe-dp-first`, the fused F&B units with one layer. Refused before training: MTP with context "
+            "`--dualpipe-dp-first`, uneven stages (`--decoder-first/last-pipeline-num-layers`) under `dualpipe`, the "
+            "fused F&B units with one layer. Refused before training: MTP with context "
             "parallelism, with `--pipeline-model-parallel-layout`, and more than one MTP layer in the fused units",
             '`tests/megatron_lm/test_megatron_lm_mtp.py`; A `dualpipe_mtp_ok`, `dualpipev_two_mtp_layers_ok`, '
             '`dualpipe_overlap_moe_two_mtp_layers`'),
