@@ -44,3 +44,10 @@ def test_a_difference_beyond_the_print_fails():
     ref = metrics(_line(1))
     with pytest.raises(AssertionError, match="lm loss"):
         assert_metrics_close(metrics(_line(1, loss="4.878600E+00")), ref, "lm loss off by 1.2e-5")
+
+
+def test_metric_names_with_digits_are_kept():
+    """Multi-token prediction prints ``mtp_1 loss``, ``mtp_2 loss``: digits in a name (dropped before,
+    so no MTP loss was compared)."""
+    got = metrics(_line(1, norm="mtp_1 loss: 4.876717E+00 | mtp_2 loss: 4.850022E+00 | params norm: 25.122 | "))
+    assert got[1]["mtp_1 loss"] == "4.876717E+00" and got[1]["mtp_2 loss"] == "4.850022E+00", got[1]
