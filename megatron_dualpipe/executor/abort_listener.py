@@ -5,7 +5,8 @@ rank, ~40,000 at 4,096 ranks, on the one rendezvous store that NCCL's communicat
 uses. A ``TCPStore.wait`` is answered by the server when the key is set, so one thread per process,
 on a connection of its own (``clone``: a blocked wait would hold the shared client's lock),
 costs one WAIT and, when it times out, one CANCEL per :data:`REARM_S`. Other stores (a file or an
-in-process store: no server) are polled with an exponential backoff. The waits read
+in-process store: no server), and a TCPStore that rank 0 hosts (no torchrun agent: it goes with rank 0's
+exit), are polled with an exponential backoff. The waits read
 :attr:`Listener.message`, a local attribute: no request.
 """
 from __future__ import annotations
@@ -23,6 +24,18 @@ log = logging.getLogger("megatron_dualpipe")
 REARM_S = 600.0
 #: First and longest interval between two polls of a store that cannot block (not a TCPStore).
 BACKOFF_S = (0.1, 5.0)
+
+
+def outlives_the_ranks() -> bool:
+    """Whether the store is torchrun's agent's, which outlives every rank. Otherwise rank 0 hosts it
+    (a launch without torchrun's agent: srun, mpirun, or TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) and
+    goes with rank 0's exit: a wait blocked on it then fails in the C++ store client, and if that
+    happens while another rank's Python finalizes, that rank aborts ("terminate called without an
+    active exception", seen at the end of successful runs). Such a store is polled with the backoff,
+    so that no call on it is in flight at the exit."""
+    import os
+
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
 
 
 def base_store(store):
@@ -79,7 +92,7 @@ class Listener:
         try:
             from torch.distributed import TCPStore
 
-            blocking = isinstance(self.store, TCPStore)
+            blocking = isinstance(self.store, TCPStore) and outlives_the_ranks()
             store = self.store.clone() if blocking else self.store
             self.requests += int(blocking)
             (self._block if blocking else self._poll)(store)

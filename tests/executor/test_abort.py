@@ -44,11 +44,13 @@ def _counting_store(host: str, port: int):
     return Counting(host, port, is_master=False, wait_for_workers=False), counts
 
 
-def _worker(rank, world, port, on_host):
+def _worker(rank, world, port, on_host, agent_store=True):
     from megatron_dualpipe.executor import abort, stream_emulation
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    # what the listener reads: the store is torchrun's agent's (outlives the ranks) or rank 0's
+    os.environ["TORCHELASTIC_USE_AGENT_STORE"] = str(agent_store)
     store, counts = _counting_store("127.0.0.1", port)
     abort._store = lambda: store
     if hasattr(abort, "listener"):
@@ -110,6 +112,26 @@ def test_a_waiting_rank_hears_a_failure_without_polling_the_store(on_host):
     assert "global rank 1" in r1["msg"] and "global rank 0" in r1["msg"], r1
     assert r1["stopped"] - r0["signalled"] < 2.0, (r0, r1)
     assert rate < 1.0, f"{before} store requests in {quiet_s:.1f} s"
+
+
+def test_a_store_that_rank_0_hosts_is_polled_with_a_backoff():
+    """Without torchrun's agent (srun, mpirun) rank 0 hosts the store and takes it along when it
+    exits: no wait may be blocked on it then (tests/megatron_lm/test_preloaded_launch.py shows the
+    exit), so the listener polls, the interval doubling to BACKOFF_S[1]: a few requests in the first
+    seconds, then one per BACKOFF_S[1]; the failure is heard within that interval."""
+    from megatron_dualpipe.executor.abort_listener import BACKOFF_S
+
+    r0, r1 = run_workers(_worker, 2, args=(True, False), timeout=120)
+    quiet_s = r0["signalled"] - r1["started"]
+    before = sum(1 for t in r1["times"] if t < r0["signalled"])
+    late = r1["stopped"] - r0["signalled"]
+    print(f"\nrank 0 hosting the store: rank 1 {r1['kind']} {late:.3f} s after rank 0 signalled; {before} store "
+          f"requests in the {quiet_s:.2f} s before (then one per {BACKOFF_S[1]} s: at {RANKS_AT_SCALE} ranks "
+          f"{RANKS_AT_SCALE / BACKOFF_S[1]:,.0f} per second)")
+    assert r1["kind"] == "PeerFailedError" and "rank 0 failed on purpose" in r1["msg"], r1
+    assert late < BACKOFF_S[1] + 1.0, (r0, r1)
+    doublings = 1 + sum(1 for k in range(20) if BACKOFF_S[0] * (2 ** k - 1) < quiet_s + 1.0)
+    assert before <= doublings, f"{before} store requests in {quiet_s:.1f} s"
 
 
 def _between_worker(rank, world, port):

@@ -43,3 +43,14 @@ def test_the_interpreters_whole_exit_when_asked(monkeypatch):
     rc, out = launch("dualpipe", "--train-iters", "2", fast_exit=False)
     assert rc == 0, out[-3000:]
     assert_metrics_close(metrics(out), fast, "dualpipe: whole exit vs fast exit", slack={"num zeros": 0.0})
+
+
+def test_rank_0_hosting_the_store_ends_with_the_whole_exit(monkeypatch):
+    """Launched without torchrun's agent (srun and the like: rank 0 hosts the TCPStore), every rank
+    still ends cleanly through the interpreter's whole exit although rank 0, and its store, may be
+    gone while the others tear down: no thread of the plugin may be left waiting on the store then."""
+    monkeypatch.setenv(TORCHRUN_ENV, "0")
+    rc, out = launch("dualpipe", "--train-iters", "2", fast_exit=False,
+                     env_extra={"MEGATRON_DUALPIPE_TEST_RANK0_STORE": "1"})
+    print(f"rank 0 hosting the store, whole exit: exit code {rc}")
+    assert rc == 0 and "terminate called" not in out, out[-4000:]
