@@ -15,7 +15,9 @@
 # appended; default dualpipe), NNODES (1), NODE_RANK (0), MASTER_ADDR (localhost, required
 # when NNODES > 1), MASTER_PORT (6000), GPUS_PER_NODE (8), TORCHRUN (torchrun where it is on PATH,
 # else "PYTHON -m torch.distributed.run"), PYTHON (the interpreter TORCHRUN runs, read from its
-# first line; without torchrun: this checkout's .venv, else python3), DRY_RUN=1 to only print the command. PP, TP, EP, CP, ETP (expert
+# first line; without torchrun: this checkout's .venv, else python3), DRY_RUN=1 to only print the command,
+# then the stages each rank holds and `megatron-dualpipe advise`'s estimate per schedule on GPU (H100
+# unless set: A100, H200, B200). PP, TP, EP, CP, ETP (expert
 # tensor parallel, default TP), MICRO_BATCH, GLOBAL_BATCH override the config's values. PAIR_PLACEMENT=1
 # (dualpipe): put pipeline ranks i and pp-1-i on the same node, so that the bd sums stay inside a node
 # (the launcher's --pair-placement; refused with the fix when the node size does not allow it, e.g. TP
@@ -183,6 +185,13 @@ cmd=(
   --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT"
   -m megatron_dualpipe.launch "${launcher_opts[@]}" "${script[@]}"
 )
+if [ "${DRY_RUN:-0}" = 1 ]; then
+  # what this launch would do, before any GPU is held: the stages each rank holds and advise's
+  # estimate per schedule for this model on GPU (H100 unless set: A100, H200, B200); then, as the
+  # last two lines, the header and the command
+  "$PYTHON" -m megatron_dualpipe advise --gpu "${GPU:-H100}" --nodes "$NNODES" --gpus-per-node "$GPUS_PER_NODE" \
+    -- "${script[@]:1}" 2>&1 | sed 's/^/# advise: /' || true
+fi
 echo "# ${layout:-$SCHEDULE: $world processes (minimum $min_gpus), PP=$PP TP=$TP EP=$EP CP=$CP DP=$dp, $m micro-batches per iteration}${launcher_opts:+, bd pairs on one node}, CUDA_DEVICE_MAX_CONNECTIONS=$CUDA_DEVICE_MAX_CONNECTIONS"
 printf '%q ' "${cmd[@]}"; echo
 [ "${DRY_RUN:-0}" = 1 ] && exit 0

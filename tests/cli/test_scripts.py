@@ -436,3 +436,21 @@ def test_launcher_help_is_success_and_no_script_is_a_usage_error():
                           cwd=ROOT)
     assert bare.returncode == 2 and bare.stdout == "" and bare.stderr.startswith("usage: ")
     assert bare.stderr.count("\n") == 1
+
+
+def test_dry_run_of_deepseek_v3_prints_the_stages_and_the_advice(tmp_path):
+    """DRY_RUN=1 of the 671B config on 64 nodes x 8 GPUs: before the header and the torchrun command,
+    the stages each rank holds under each schedule and `advise`'s estimate per schedule for this
+    model (H100 unless GPU is set)."""
+    r = run(tmp_path, CONFIG="moe_deepseek_v3", NNODES=64, GPUS_PER_NODE=8, MASTER_ADDR="node0")
+    assert r.returncode == 0, r.stderr
+    print("\n" + r.stdout)
+    advice = [line[len("# advise: "):] for line in r.stdout.splitlines() if line.startswith("# advise: ")]
+    assert any(line.startswith("stages each rank holds") for line in advice), advice
+    ranks = [line.split()[0] for line in advice if re.match(r"\s+\d+\s+\d+: ", line)]
+    assert ranks == [str(i) for i in range(16)], ranks
+    assert re.search(r"^\s+0\s+0: \S+\s+0\+15: ", "\n".join(advice), re.M)  # DualPipe's pair of rank 0
+    table = [line.split()[0] for line in advice if re.match(r"\s+(1f1b|dualpipe|dualpipev)\s+128\s", line)]
+    assert table == ["1f1b", "dualpipe", "dualpipev"], advice[-6:]
+    header, command = r.stdout.strip().splitlines()[-2:]
+    assert header.startswith("# dualpipe: 512 processes") and "megatron_dualpipe.launch" in command
