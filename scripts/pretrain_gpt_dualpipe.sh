@@ -79,17 +79,19 @@ MASTER_ADDR=${MASTER_ADDR:-localhost}
 
 case "$SCHEDULE" in dualpipe|dualpipev|zb-h1|executor-1f1b|1f1b) ;; *) die "SCHEDULE=$SCHEDULE: use dualpipe, dualpipev, zb-h1, executor-1f1b or 1f1b (interleaved 1F1B: SCHEDULE=1f1b with --num-layers-per-virtual-pipeline-stage N)";; esac
 # The schedule's own rules first: they name the fix for PP itself, the world size only a GPU count.
+# An uneven split (the config's or appended) is checked by Megatron-LM's own validation and the
+# plugin's rules below (dualpipe: pp stages; dualpipev: a layout of 2*PP V-stages or the embedding /
+# loss counted as layers).
+uneven=0
+for arg in "${MODEL_ARGS[@]}" "$@"; do
+  case "$arg" in --decoder-first-pipeline-num-layers|--decoder-last-pipeline-num-layers|--pipeline-model-parallel-layout|--account-for-*-in-pipeline-split) uneven=1;; esac
+done
 if [ "$SCHEDULE" = dualpipe ]; then
   [ $((PP % 2)) -eq 0 ] && [ "$PP" -ge 2 ] || die "dualpipe needs an even PP >= 2, got PP=$PP (or use SCHEDULE=dualpipev)"
-  # An uneven split (the config's or appended) is checked by Megatron-LM's own validation below.
-  uneven=0
-  for arg in "${MODEL_ARGS[@]}" "$@"; do
-    case "$arg" in --decoder-first-pipeline-num-layers|--decoder-last-pipeline-num-layers|--pipeline-model-parallel-layout|--account-for-*-in-pipeline-split) uneven=1;; esac
-  done
   [ "$uneven" = 1 ] || [ $((NUM_LAYERS % PP)) -eq 0 ] || die "dualpipe needs NUM_LAYERS ($NUM_LAYERS) divisible by PP=$PP (or an uneven split: --decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers)"
 fi
 if [ "$SCHEDULE" = dualpipev ]; then
-  [ $((NUM_LAYERS % (2 * PP))) -eq 0 ] || die "dualpipev needs NUM_LAYERS ($NUM_LAYERS) divisible by 2*PP=$((2 * PP))"
+  [ "$uneven" = 1 ] || [ $((NUM_LAYERS % (2 * PP))) -eq 0 ] || die "dualpipev needs NUM_LAYERS ($NUM_LAYERS) divisible by 2*PP=$((2 * PP)) (or a --pipeline-model-parallel-layout of $((2 * PP)) V-stages)"
 fi
 world=$((NNODES * GPUS_PER_NODE))
 # Megatron's rules for the world size: a multiple of TP*PP*CP (dense layers) and of ETP*EP*PP (experts).

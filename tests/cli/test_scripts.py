@@ -95,9 +95,14 @@ def test_every_config_is_accepted_at_its_minimum_and_composed(tmp_path, config, 
     assert argv[argv.index("--nnodes") + 1] == str(nodes) and argv[-2:] == ["--seed", "7"]
     pp = int(argv[argv.index("--pipeline-model-parallel-size") + 1])
     layers = int(argv[argv.index("--num-layers") + 1])
-    uneven = "--decoder-first-pipeline-num-layers" in argv  # Megatron-LM's own check split them
-    assert uneven or layers % (2 * pp if schedule == "dualpipev" else pp) == 0
-    assert (schedule != "dualpipe" or pp % 2 == 0) and (schedule == "dualpipe" or not uneven)
+    first_last = "--decoder-first-pipeline-num-layers" in argv  # Megatron-LM's own check split them
+    layout = argv[argv.index("--pipeline-model-parallel-layout") + 1] if "--pipeline-model-parallel-layout" in argv else ""
+    assert first_last or layout or layers % (2 * pp if schedule == "dualpipev" else pp) == 0
+    assert (schedule != "dualpipe" or pp % 2 == 0) and (schedule == "dualpipe" or not first_last)
+    if layout and schedule == "dualpipev":  # 2pp V-stages of the model's layers (Megatron's layout syntax)
+        from megatron_dualpipe.schedule import stage_layout
+        stages = stage_layout.parse(layout)
+        assert len(stages) == 2 * pp and sum(stage_layout.decoder_counts(stages)) == layers, layout
     assert f"(minimum {min_gpus(config)})" in header
 
 
