@@ -72,6 +72,7 @@ def _assert_expert_biases_equal(got_out, ref_bias, what, iterations):
     assert any(set(v) - set("0.,-") for vs in bias.values() for v in vs), "expert_bias never moved"
 
 
+@pytest.mark.smoke  # also at core_v0.16.1 (.ci/run's oldest tier)
 def test_v3_recipe_dualpipe_and_dualpipev_equal_1f1b(tmp_path):
     """The whole V3 recipe: dualpipe from the start and dualpipev from 1f1b's checkpoint of
     iteration 2, every printed metric (lm loss, the sequence-wise load-balancing loss, grad norm,
