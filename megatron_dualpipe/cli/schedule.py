@@ -250,6 +250,30 @@ def configure_simulate(p: argparse.ArgumentParser) -> None:
 COMPARE_BUDGET = 3 * MAX_FORWARDS
 
 
+def _draw(args, padded, result, prog) -> list:
+    """Write the --svg / --png pictures of the simulated run; returns the files written."""
+    s, drawn = padded.schedule, []
+    fake = padded.is_fake if padded.fake_count else None
+    if args.svg:
+        from ..pictures.draw import to_svg
+
+        prog.phase(f"drawing {args.svg}")
+        write_output(args.svg, to_svg(s, result, fake=fake))
+        drawn.append(args.svg)
+    if args.png:
+        try:
+            from ..pictures.draw import to_png
+
+            prog.phase(f"drawing {args.png}")
+            to_png(s, result, args.png, fake=fake)
+        except ImportError:
+            raise CliError("--png needs matplotlib: pip install matplotlib") from None
+        except OSError as e:
+            raise CliError(f"cannot write {args.png}: {e.strerror or e}") from None
+        drawn.append(args.png)
+    return drawn
+
+
 def run_simulate(args) -> int:
     import sys
 
@@ -292,25 +316,7 @@ def run_simulate(args) -> int:
         if work <= COMPARE_BUDGET:
             prog.phase("simulating every schedule on the same model")
             rows = compare(s.pp, padded.real, stage, names, known={s.name: (padded, result)}, comm=comm)
-        drawn = []
-        fake = padded.is_fake if padded.fake_count else None
-        if args.svg:
-            from ..pictures.draw import to_svg
-
-            prog.phase(f"drawing {args.svg}")
-            write_output(args.svg, to_svg(s, result, fake=fake))
-            drawn.append(args.svg)
-        if args.png:
-            try:
-                from ..pictures.draw import to_png
-
-                prog.phase(f"drawing {args.png}")
-                to_png(s, result, args.png, fake=fake)
-            except ImportError:
-                raise CliError("--png needs matplotlib: pip install matplotlib") from None
-            except OSError as e:
-                raise CliError(f"cannot write {args.png}: {e.strerror or e}") from None
-            drawn.append(args.png)
+        drawn = _draw(args, padded, result, prog)
     if drawn:
         from ..pictures.draw import frame
 
