@@ -99,15 +99,17 @@ def _exit_code(exc):
     return 1
 
 
-#: The server's own descriptors (its answers), closed in the ranks.
-_SERVER_FDS = []
+#: The server's own files (its answers), closed in the ranks through their file objects: an
+#: ``os.close`` of the descriptor alone left the object to close it again at the interpreter's exit,
+#: by then a number reused by a TCPStore socket ("Bad file descriptor", then an abort).
+_SERVER_FILES = []
 
 
 def rank_main(argv, env, output, teardown):
     """In the forked rank: become torchrun's worker and run ``python ARGV``; never returns (with
     ``teardown``, it raises SystemExit through the server's frames: the interpreter's own exit)."""
-    for fd in _SERVER_FDS:
-        os.close(fd)
+    for server_file in _SERVER_FILES:
+        server_file.close()
     fd = os.open(output, os.O_WRONLY | os.O_APPEND)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
@@ -142,7 +144,6 @@ def rank_main(argv, env, output, teardown):
         traceback.print_exc()
         code = 1
     if teardown:
-        _SERVER_FDS.clear()
         raise SystemExit(code)
     _leave(code)
 
@@ -223,7 +224,7 @@ def serve(script):
     a JSON line; the server ends with its stdin (the pytest worker that started it)."""
     answer = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # what the imports print must not mix with the answers
-    _SERVER_FDS.append(answer.fileno())
+    _SERVER_FILES.append(answer)
     preload(script)
     print(json.dumps({"ready": os.getpid()}), file=answer, flush=True)
     for line in sys.stdin:
