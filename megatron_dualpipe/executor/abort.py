@@ -59,30 +59,37 @@ def listener() -> Optional[Listener]:
     return _LISTENING[1]
 
 
-def signal(message: str) -> None:
+def signal(message: str) -> Optional[str]:
     """Tell every rank that this one failed with ``message`` (best effort: never raises; the
-    first rank to signal is the one named)."""
+    first rank to signal is the one named). Returns the failure kept: another rank's when it
+    signalled first (None without a store)."""
     heard = listener()
     if heard is None:
-        return
+        return None
     message = f"global rank {dist.get_rank()} failed: {message}"
     try:
         first = heard.store.compare_set(KEY, "", message)  # atomic: the first signal stays
-        heard.hear(first.decode(errors="replace") if isinstance(first, bytes) else str(first))
+        return heard.hear(first.decode(errors="replace") if isinstance(first, bytes) else str(first))
     except Exception:  # noqa: BLE001 - the original error is what matters
-        heard.hear(message)
+        return heard.hear(message)
 
 
 @contextlib.contextmanager
 def signalling_failure():
     """Signal any exception raised inside (but the peers' own :class:`PeerFailedError`), then
-    let it propagate."""
+    let it propagate; an error that came after another rank had signalled (a connection that
+    rank's exit closed, before this rank's listener heard it) becomes the :class:`PeerFailedError`
+    naming that rank."""
     try:
         yield
     except PeerFailedError:
         raise
     except BaseException as e:
-        signal(f"{type(e).__name__}: {str(e)[:2000]}")
+        kept = signal(f"{type(e).__name__}: {str(e)[:2000]}")
+        own = f"global rank {dist.get_rank()} failed: " if dist.is_initialized() else None
+        if kept is not None and own is not None and not kept.startswith(own):
+            raise PeerFailedError(f"global rank {dist.get_rank()} stopped ({type(e).__name__}: {str(e)[:300]}) "
+                                  f"because {kept}") from e
         raise
 
 

@@ -173,3 +173,46 @@ def test_a_failure_between_iterations_aborts_the_communicators_on_an_accelerator
     print(f"\nrank 1, waiting in a collective outside any iteration: {r1['kind']} {delay:.3f} s after rank 0 signalled")
     assert r1["kind"] == "EmulatedCommunicatorAborted", r1
     assert 0 <= delay < 2.0, (r0, r1)
+
+
+def _late_error_worker(rank, world, port):
+    """Rank 0 signals a failure; rank 1 then raises a connection error of its own (as gloo's
+    'Connection closed by peer' when a stopped peer exits) before its listener heard: the listener
+    is replaced by one that never hears, so only the store's kept failure can name rank 0."""
+    from megatron_dualpipe.executor import abort
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    store = dist.distributed_c10d._get_default_store()
+    if rank == 0:
+        abort.signal("RuntimeError: rank 0 failed first")
+        store.set("rank0 signalled", "1")
+        store.wait(["rank1 done"], datetime.timedelta(seconds=60))
+        return None
+    store.wait(["rank0 signalled"], datetime.timedelta(seconds=60))
+    deaf = abort.Listener.__new__(abort.Listener)
+    deaf.store, deaf.key, deaf.message, deaf._on_heard = abort.base_store(store), abort.KEY, None, []
+    deaf._lock = __import__("threading").Lock()
+    abort._LISTENING[:] = [dist.distributed_c10d._get_default_group(), deaf]
+    errors = []
+    for error in (RuntimeError("Connection closed by peer"), ValueError("this rank's own bug")):
+        try:
+            with abort.signalling_failure():
+                raise error
+        except Exception as e:  # noqa: BLE001 - reported
+            errors.append((type(e).__name__, str(e), type(e.__cause__).__name__))
+    store.set("rank1 done", "1")
+    return errors
+
+
+def test_an_error_after_a_peer_signalled_names_that_peer():
+    """An error raised after another rank signalled (a connection that rank's exit closed, before
+    this rank's listener heard) becomes the PeerFailedError naming that rank, its own error chained;
+    the signal kept is the first, so every later error of this rank names rank 0 too."""
+    _, errors = run_workers(_late_error_worker, 2, timeout=120)
+    for kind, msg, cause in errors:
+        print(f"\nrank 1: {kind}: {msg} (from {cause})")
+    assert [e[0] for e in errors] == ["PeerFailedError", "PeerFailedError"], errors
+    assert all("because global rank 0 failed: RuntimeError: rank 0 failed first" in e[1] for e in errors), errors
+    assert errors[0][1].startswith("global rank 1 stopped (RuntimeError: Connection closed by peer)"), errors
+    assert [e[2] for e in errors] == ["RuntimeError", "ValueError"], errors

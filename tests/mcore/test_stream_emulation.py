@@ -89,8 +89,9 @@ def _inject(where: str, failed_at: list) -> None:
 
 def _failing_worker(rank, world, port, where, flag_dir, *args):
     """One iteration in which global rank ``FAILURES[where]`` raises; every rank returns (error type,
-    message, wall-clock time it stopped, the failing rank's raise time). The failing rank stays alive
-    until the others have reported (its exit would close their connections: not the path measured)."""
+    message, wall-clock time it stopped, the failing rank's raise time). Every rank stays alive until
+    all have reported: an exit (the failing rank's, or a peer's that stopped first and hosts the store)
+    would close the others' connections before their listeners heard: not the path measured."""
     import os
 
     from megatron_dualpipe.executor import stream_emulation as se
@@ -105,10 +106,9 @@ def _failing_worker(rank, world, port, where, flag_dir, *args):
     except Exception as e:  # noqa: BLE001 - reported to the test
         result = (type(e).__name__, str(e), time.time(), failed_at[0] if failed_at else None)
     open(os.path.join(flag_dir, f"rank{rank}"), "w").close()
-    if rank == FAILURES[where]:
-        end = time.monotonic() + 60
-        while len(os.listdir(flag_dir)) < world and time.monotonic() < end:
-            time.sleep(0.05)
+    end = time.monotonic() + 60
+    while len(os.listdir(flag_dir)) < world and time.monotonic() < end:
+        time.sleep(0.05)
     return result
 
 
