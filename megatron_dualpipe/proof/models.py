@@ -42,6 +42,7 @@ class ModelSpec:
     fp8: bool = False
     tied: bool = False
     config: Tuple[Tuple[str, Any], ...] = ()
+    model: Tuple[Tuple[str, Any], ...] = ()  # GPTModel arguments (position embedding, rotary settings)
 
     @property
     def torch_dtype(self):
@@ -49,12 +50,25 @@ class ModelSpec:
 
     def label(self) -> str:
         kind = f"MoE GPT ({self.experts} experts, alltoall)" if self.experts else "GPT"
-        return (f"{kind}, {self.layers} layers, hidden {self.hidden}, seq {self.seq}, micro-batch {self.mbs}, "
+        arch = ", RoPE + SwiGLU + RMSNorm" if dict(self.model).get("position_embedding_type") == "rope" else ""
+        return (f"{kind}{arch}, {self.layers} layers, hidden {self.hidden}, seq {self.seq}, micro-batch {self.mbs}, "
                 f"{self.dtype}{' fp8' if self.fp8 else ''}, {self.layer_spec} layers")
 
     def batches(self, n: int, seed: int = 7, short=()) -> List[dict]:
         """``n`` micro-batches of this model's shape (:func:`.data.make_gpt_batches`), on the CPU."""
         return make_gpt_batches(n, vocab=self.vocab, seq=self.seq, mbs=self.mbs, seed=seed, short=short)
+
+
+def users_architecture(spec: ModelSpec) -> ModelSpec:
+    """``spec`` with the architecture users train (every shipped config, Llama and DeepSeek alike)
+    instead of GPT-2's: rotary positions (base 500000 on half of each head, Llama 3.1's frequency
+    scaling), SwiGLU, RMSNorm, untied output weights."""
+    import torch.nn.functional as F
+
+    config = (("gated_linear_unit", True), ("activation_func", F.silu), ("normalization", "RMSNorm"))
+    model = (("position_embedding_type", "rope"), ("rotary_base", 500000), ("rotary_percent", 0.5),
+             ("rope_scaling", True), ("rope_scaling_factor", 8.0))
+    return dataclasses.replace(spec, tied=False, config=spec.config + config, model=spec.model + model)
 
 
 def config_of(spec: ModelSpec, *, full: bool = False, combined: bool = False):
@@ -84,7 +98,8 @@ def config_of(spec: ModelSpec, *, full: bool = False, combined: bool = False):
 
 def _build(spec: ModelSpec, config, **kwargs):
     return tiny_gpt.build_tiny_gpt(config, vocab_size=spec.vocab, max_sequence_length=spec.seq,
-                                   share_embeddings_and_output_weights=spec.tied, layer_spec=spec.layer_spec, **kwargs)
+                                   share_embeddings_and_output_weights=spec.tied, layer_spec=spec.layer_spec,
+                                   **dict(spec.model), **kwargs)
 
 
 def full_model(spec: ModelSpec):

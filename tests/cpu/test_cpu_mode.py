@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from megatron_dualpipe import cpu as cpu_mode
-from megatron_dualpipe.proof import names, reference, tiny_gpt
+from megatron_dualpipe.proof import models, names, reference, tiny_gpt
 from megatron_dualpipe.proof.compare import Gap
 from megatron_dualpipe.proof.data import forward_step, masked_loss_func as loss_func
 from megatron_dualpipe.proof.models import ModelSpec
@@ -81,12 +81,22 @@ def _dense_single_worker(rank, world_size, port):
         me.destroy_distributed()
 
 
-def _full_model_worker(rank, world_size, port, num_layers, tied, moe_kwargs):
+def _architecture(users: bool):
+    """(config fields, GPTModel arguments): GPT-2's defaults, or the architecture users train
+    (RoPE, SwiGLU, RMSNorm: ``proof.models.users_architecture``)."""
+    if not users:
+        return {}, {}
+    arch = models.users_architecture(models.ModelSpec(layers=1))
+    return dict(arch.config), dict(arch.model)
+
+
+def _full_model_worker(rank, world_size, port, num_layers, tied, moe_kwargs, users=False):
     """pp=1 reference: initial state dict, per-micro-batch losses, gradients."""
     me.init_distributed_cpu(rank, world_size, port)
     try:
-        config = tiny_gpt.tiny_gpt_config(num_layers=num_layers, **moe_kwargs)
-        model = tiny_gpt.build_tiny_gpt(config, share_embeddings_and_output_weights=tied)
+        fields, arguments = _architecture(users)
+        config = tiny_gpt.tiny_gpt_config(num_layers=num_layers, **moe_kwargs, **fields)
+        model = tiny_gpt.build_tiny_gpt(config, share_embeddings_and_output_weights=tied, **arguments)
         state = reference.weights(model)
         losses = reference_run(model, DATA.batches(M))
         return state, losses, grads(model)
@@ -94,15 +104,18 @@ def _full_model_worker(rank, world_size, port, num_layers, tied, moe_kwargs):
         me.destroy_distributed()
 
 
-def _pipeline_worker(rank, world_size, port, num_layers, tied, full_state):
+def _pipeline_worker(rank, world_size, port, num_layers, tied, full_state, users=False):
     """Megatron-core's 1F1B (`get_forward_backward_func()`) over pp=world_size stages."""
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     me.init_distributed_cpu(rank, world_size, port, pp=world_size)
     try:
-        config = tiny_gpt.tiny_gpt_config(num_layers=num_layers)
-        model = tiny_gpt.build_tiny_gpt(config, share_embeddings_and_output_weights=tied)
+        fields, arguments = _architecture(users)
+        config = tiny_gpt.tiny_gpt_config(num_layers=num_layers, **fields)
+        model = tiny_gpt.build_tiny_gpt(config, share_embeddings_and_output_weights=tied, **arguments)
+        if users:  # the rotary embedding of the CPU mode runs, not learned positions
+            assert model.position_embedding_type == "rope" and model.rotary_pos_emb is not None
         # With tied embeddings the last stage's output weight was zero-filled and then
         # all-reduced from the first stage at construction (the `Tensor.cuda` redirection).
         tied_copy = None
@@ -225,14 +238,18 @@ def test_dense_gpt_forward_backward_single_process():
 
 
 @pytest.mark.parametrize(
-    "pp,num_layers,tied", [(2, 4, False), (2, 4, True), (4, 4, False)], ids=["pp2", "pp2-tied", "pp4"]
+    "pp,num_layers,tied,users", [(2, 4, False, False), (2, 4, True, False), (4, 4, False, False), (2, 4, False, True)],
+    ids=["pp2", "pp2-tied", "pp4", "pp2-rope-swiglu-rmsnorm"]
 )
-def test_megatron_1f1b_matches_single_process(pp, num_layers, tied):
+def test_megatron_1f1b_matches_single_process(pp, num_layers, tied, users):
+    """Megatron's own 1F1B in the CPU mode equals one process running the whole model; the last
+    case with the architecture users train (RoPE: megatron-core's rotary embedding asks for
+    ``torch.cuda.current_device()``, which the CPU mode answers)."""
     ((state, ref_losses, ref_grads),) = me.run_workers(
-        _full_model_worker, world_size=1, args=(num_layers, tied, {})
+        _full_model_worker, world_size=1, args=(num_layers, tied, {}, users)
     )
-    results = me.run_workers(_pipeline_worker, world_size=pp, args=(num_layers, tied, state))
-    print(f"\npp={pp} tied={tied}: megatron 1F1B vs single-process loop")
+    results = me.run_workers(_pipeline_worker, world_size=pp, args=(num_layers, tied, state, users))
+    print(f"\npp={pp} tied={tied}{' RoPE + SwiGLU + RMSNorm' if users else ''}: megatron 1F1B vs single-process loop")
     last_losses = results[-1][0]
     assert all(r[0] is None for r in results[:-1])
     assert_close("per-micro-batch loss", np.array(last_losses), np.array(ref_losses))

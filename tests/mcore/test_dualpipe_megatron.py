@@ -33,20 +33,25 @@ RTOL = 1e-5
 MOE = (("num_moe_experts", 4), ("moe_router_load_balancing_type", "aux_loss"), ("moe_aux_loss_coeff", 1e-2))
 
 
-def spec(tied: bool = False, moe: bool = False) -> models.ModelSpec:
-    """The tiny GPT of these tests (and of the tests that import this module)."""
-    return models.ModelSpec(layers=LAYERS, tied=tied, config=MOE if moe else ())
+def spec(tied: bool = False, moe: bool = False, users: bool = False) -> models.ModelSpec:
+    """The tiny GPT of these tests (and of the tests that import this module); ``users``: with the
+    architecture users train (RoPE, SwiGLU, RMSNorm, untied: ``models.users_architecture``)."""
+    base = models.ModelSpec(layers=LAYERS, tied=tied, config=MOE if moe else ())
+    return models.users_architecture(base) if users else base
 
 
 SEQ, MBS = spec().seq, spec().mbs
 
 
-def _reference_worker(rank, world, port, tied, n, seed=7, moe=False):
+def _reference_worker(rank, world, port, tied, n, seed=7, moe=False, users=False):
     """With MoE the router's aux loss backpropagates with megatron's global scale, left at 1
     here: gradient k is unscaled like the main loss, and the expected mean divides both by M."""
     me.init_distributed_cpu(rank, world, port)
     try:
-        model = models.provider(spec(tied, moe))()
+        model = models.provider(spec(tied, moe, users))()
+        if users:  # rotary positions replace the learned ones (else both sides would skip them alike)
+            assert model.position_embedding_type == "rope" and model.rotary_pos_emb is not None, model
+            assert not hasattr(model.embedding, "position_embeddings"), model.embedding
         state = reference.weights(model)
         losses, per_mb = reference.per_microbatch(model, spec().batches(n, seed))
         return state, losses, per_mb
@@ -55,7 +60,7 @@ def _reference_worker(rank, world, port, tied, n, seed=7, moe=False):
 
 
 def _pipeline_worker(rank, world, port, schedule, tied, full_state, runs, dp=1, moe=False, overlap=False,
-                     param_gather=False):
+                     param_gather=False, users=False):
     """`runs`: list of (M, zero_bubble, forward_only[, schedule[, param_sync_func]]). Returns per run:
     losses, grads (and with ``param_gather`` what `_ParamGatherProbe` saw).
 
@@ -75,7 +80,7 @@ def _pipeline_worker(rank, world, port, schedule, tied, full_state, runs, dp=1, 
     try:
         build_bd_groups()
         layout = "v" if schedule == "dualpipev" else "bidirectional"
-        model = build_two_direction_model(models.provider(spec(tied, moe), layout == "v"), layout_kind=layout)
+        model = build_two_direction_model(models.provider(spec(tied, moe, users), layout == "v"), layout_kind=layout)
         full = {k: torch.from_numpy(v) for k, v in full_state.items()}
         if layout == "v":  # two different stages per rank: load both
             names.load_stage_from_full(model[0], full)
@@ -249,21 +254,21 @@ def _runs(pp, zero_bubble_off_at=4):
     return [(m, i != zero_bubble_off_at, False) for i, m in enumerate(ms)] + [(pp + 2, True, True)]
 
 
-def _references(tied, n, dp=1, moe=False):
+def _references(tied, n, dp=1, moe=False, users=False):
     refs = []
     for j in range(dp):
-        [(state, losses, per_mb)] = me.run_workers(_reference_worker, 1, args=(tied, n, 7 + j, moe), timeout=120)
+        [(state, losses, per_mb)] = me.run_workers(_reference_worker, 1, args=(tied, n, 7 + j, moe, users), timeout=120)
         refs.append((losses, per_mb))
     return state, refs
 
 
-def _run_and_check(schedule, pp, tied, runs, dp=1, moe=False, overlap=False, param_gather=False):
+def _run_and_check(schedule, pp, tied, runs, dp=1, moe=False, overlap=False, param_gather=False, users=False):
     n = max(r[0] for r in runs)
-    state, refs = _references(tied, n, dp, moe)
+    state, refs = _references(tied, n, dp, moe, users)
     results = me.run_workers(_pipeline_worker, pp * dp,
-                             args=(schedule, tied, state, runs, dp, moe, overlap, param_gather), timeout=400)
+                             args=(schedule, tied, state, runs, dp, moe, overlap, param_gather, users), timeout=400)
     label = (f"{schedule} pp={pp} dp={dp} tied={tied}{' moe' if moe else ''}{' overlap_grad_reduce' if overlap else ''}"
-             f"{' overlap_param_gather' if param_gather else ''}")
+             f"{' overlap_param_gather' if param_gather else ''}{' ' + spec(users=users).label() if users else ''}")
     print(f"\n{label}:")
     _check(label, results, refs, runs, pp * dp, dp)
     return results
@@ -303,6 +308,16 @@ def test_moe_with_aux_loss_equals_single_process(schedule):
     """MoE (SequentialMLP experts, allgather dispatcher, aux loss on): fake micro-batches add no
     aux loss, and the aux loss is scaled by the real number of micro-batches."""
     _run_and_check(schedule, 2, False, [(3, True, False), (4, True, False), (5, False, False)], moe=True)
+
+
+@pytest.mark.smoke
+@pytest.mark.parametrize("schedule", ["dualpipe", "dualpipev"])
+def test_users_architecture_equals_single_process(schedule):
+    """The architecture users train (RoPE with Llama 3.1's scaling on half of each head, SwiGLU,
+    RMSNorm, untied): megatron-core's rotary embedding runs in the CPU mode, every position of a
+    micro-batch rotated as in the pp=1 reference; with dp=2 and DDP's overlapped reduction."""
+    _run_and_check(schedule, 2, False, [(3, True, False), (4, False, False), (5, True, False)], dp=2, overlap=True,
+                   users=True)
 
 
 @pytest.mark.smoke
