@@ -551,7 +551,10 @@ def worker(args) -> int:
         one = trainer.train(registry.ONE_F_ONE_B, [stage], megatron_fb_func())
         if last:
             print("\n" + "\n".join(loss_table(dual, one)))
-            print(f" max |{dual.name} - 1f1b| over {len(dual.losses)} iterations: {max_difference(dual, one):.3e}")
+            largest = max_difference(dual, one)
+            print(f" max |{dual.name} - 1f1b| over {len(dual.losses)} iterations: {largest:.3e} "
+                  f"({largest / max(abs(x) for x in one.losses):.1e} of the loss; fp32 sums in another order, "
+                  f"which Adam's steps carry on)")
             for line in validation_lines(dual, one):
                 print(line)
             print(f" training time: {dual.name} {dual.seconds:.1f} s ({dual.tokens_per_second:,.0f} tokens/s), "
