@@ -498,8 +498,7 @@ def worker(args) -> int:
     from megatron_dualpipe.mcore.forward_backward import get_forward_backward_func
     from megatron_dualpipe.mcore.groups import build_bd_groups
     from megatron_dualpipe.mcore.model import broadcast_mirrors, build_two_direction_model
-    from megatron_dualpipe.apps.report import comparison_lines, loss_table, max_difference, simulated_pair, validation_lines
-    from megatron_dualpipe.apps.report import write_measured_timeline
+    from megatron_dualpipe.apps.report import print_comparison, write_measured_timeline
 
     args.nproc = world
     last = rank == world - 1
@@ -550,17 +549,7 @@ def worker(args) -> int:
         stage.config.finalize_model_grads_func = None
         one = trainer.train(registry.ONE_F_ONE_B, [stage], megatron_fb_func())
         if last:
-            print("\n" + "\n".join(loss_table(dual, one)))
-            largest = max_difference(dual, one)
-            print(f" max |{dual.name} - 1f1b| over {len(dual.losses)} iterations: {largest:.3e} "
-                  f"({largest / max(abs(x) for x in one.losses):.1e} of the loss; fp32 sums in another order, "
-                  f"which Adam's steps carry on)")
-            for line in validation_lines(dual, one):
-                print(line)
-            print(f" training time: {dual.name} {dual.seconds:.1f} s ({dual.tokens_per_second:,.0f} tokens/s), "
-                  f"1f1b {one.seconds:.1f} s ({one.tokens_per_second:,.0f} tokens/s)", flush=True)
-            for line in comparison_lines(simulated_pair(args.schedule, world, args.microbatches)[1]):
-                print(line, flush=True)
+            print_comparison(dual, one, args.schedule, world, args.microbatches)
             write_reports(args, data, world, device, dual, one)
     ps.destroy_model_parallel()
     dist.destroy_process_group()

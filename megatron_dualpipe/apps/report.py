@@ -33,6 +33,23 @@ def max_difference(a: RunResult, b: RunResult) -> float:
     return max((abs(d) for d in differences(a, b)), default=0.0)
 
 
+def print_comparison(dual: RunResult, one: RunResult, schedule: str, pp: int, microbatches: int) -> None:
+    """The job's last lines: both loss series, their largest difference (absolute, and relative to
+    the loss: not 0, fp32 sums in another order that Adam's steps carry on), the validation losses,
+    the training times and the simulated makespans."""
+    print("\n" + "\n".join(loss_table(dual, one)))
+    largest = max_difference(dual, one)
+    print(f" max |{dual.name} - 1f1b| over {len(dual.losses)} iterations: {largest:.3e} "
+          f"({largest / max(abs(x) for x in one.losses):.1e} of the loss; fp32 sums in another order, "
+          f"which Adam's steps carry on)")
+    for line in validation_lines(dual, one):
+        print(line)
+    print(f" training time: {dual.name} {dual.seconds:.1f} s ({dual.tokens_per_second:,.0f} tokens/s), "
+          f"1f1b {one.seconds:.1f} s ({one.tokens_per_second:,.0f} tokens/s)", flush=True)
+    for line in comparison_lines(simulated_pair(schedule, pp, microbatches)[1]):
+        print(line, flush=True)
+
+
 def loss_table(a: RunResult, b: RunResult, rows: Optional[Sequence[int]] = None) -> List[str]:
     """Side-by-side lines: iteration, both losses, |difference| (all iterations by default)."""
     lines = [f" {'iteration':>9} | {a.name:>12} | {b.name:>12} | difference"]
