@@ -3,7 +3,7 @@
 The communication plan (``comm``) proves that the P2P batches alone cannot deadlock. An
 iteration communicates more: the first all-reduce on the pipeline group, DualPipe's bd sums
 (the two copies of a stage summed over the bd pair, issued while the schedule runs), the
-data-parallel reductions started during the schedule (``--overlap-grad-reduce``), the loss
+data-parallel reductions (``--overlap-grad-reduce``, during or after the schedule), the loss
 gather to the last pipeline rank and the token all-reduce of the finalize. On a GPU with NCCL
 these interact through the streams, not only through the host:
 
@@ -21,26 +21,33 @@ waits) the way the executor issues them (``executor.runner.run_rank``,
 ``mcore.grad_reduction.GradReduction``, ``mcore.param_gather``, ``mcore.loss_gather``,
 ``mcore.finalize``), and
 :func:`check` runs them to completion under those rules or raises :class:`IterationPlanError`
-naming the cycle. The bd sums are issued at :attr:`IterationPlan.sum_points`, the points this
-plan decides (the partners in the same order of stages) and the executor reads.
+naming the cycle; ``one_queue=True`` adds ``CUDA_DEVICE_MAX_CONNECTIONS=1``'s rule (a post
+waits for every earlier work of its rank, whatever the communicator). Two places are decided
+here and read by the executor, so that what is checked is what runs: the bd sums' issue points
+(:attr:`IterationPlan.sum_points`, the partners in the same order of stages) and the
+data-parallel reductions' start points (:attr:`IterationPlan.dp_points`, :func:`dp_start_points`).
 
-Data parallelism: every data-parallel replica runs the same plan, so each data-parallel
-collective is started by all its ranks at the same point of the same plan; it completes as
-soon as it is started, and only a wait for it could hold anything. The model keeps those
-collectives (posted where the executor posts them, waited in the finalize), over one replica.
-The parameter all-gathers of ``--overlap-param-gather`` (``param_gather``) are posted before the
-first action and each waited at its chunk's first real forward (DDP's pre-hook).
+Data parallelism: the start points are data of the plan, computed from what every replica of
+a pipeline rank has alike (schedule, pp, M, options), never from a poll of a sum's completion,
+so every replica starts each reduction at the same point of the same plan: a data-parallel
+collective then completes as soon as it is started, and only a wait for it could hold
+anything. The model keeps those collectives (posted where GradReduction starts them, waited in
+the finalize) over one replica; :func:`replicated` joins replicas that differ (a test's made-up
+misorder: two orders, or a start where a poll saw a sum complete, which on one hardware queue
+deadlocks). A reduction is posted only after its chunk's bd sum is waited (the check names one
+that is not). The parameter all-gathers of ``--overlap-param-gather`` (``param_gather``) are
+posted before the first action and each waited at its chunk's first real forward (DDP's pre-hook).
 
 Standard library only.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from .actions import F, W, Action, units
 from .comm import RankPlan, describe
-from .layout import BIDIRECTIONAL, Layout
+from .layout import Layout
 
 #: The ops that finish a chunk's weight gradients: with deferred weight gradients (zero
 #: bubble) a B leaves them to its W.
@@ -49,6 +56,8 @@ FULL_GRAD_OPS = ("B", "BW")
 #: When GradReduction's stream waits for a bd sum: at the end of the schedule (now), or right
 #: after issuing it (before issue 17's fix; kept to show the plan check finds that cycle).
 WAIT_AT_FINISH, WAIT_AT_ISSUE = "finish", "issue"
+#: The queue of every work of a rank under ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (check's ``one_queue``).
+ONE_QUEUE = "one hardware queue"
 
 
 class IterationPlanError(RuntimeError):
@@ -96,6 +105,27 @@ def bd_sum_points(actions, partner_actions, is_fake: Callable, ops, lower_rank: 
     return points
 
 
+def dp_start_points(layout: Layout, r: int, actions, is_fake: Callable, ops, *,
+                    bd_sums: bool = True) -> List[Tuple[int, int]]:
+    """[(action index, chunk)] in start order: where rank ``r`` starts each chunk's data-parallel
+    reduction (``config.grad_sync_func``). Data of the plan, so the same on every data-parallel
+    replica (their collectives pair up by position), never a poll. Right after the chunk's last
+    real gradient action, unless its gradients still change after the schedule: then at
+    ``len(actions)`` (``GradReduction.finish``, after every sum is waited and the fold): every
+    chunk of a rank whose copies are summed (the bd sums, ``bd_sums``; the middle rank's local
+    sum), and the end chunks of a rank holding both ends of the model (the tied-embedding fold).
+    Ties in the order the chunks finish."""
+    end, last = len(actions), last_grad_action_index(actions, is_fake, ops)
+    chunks = range(len(layout.directions))
+    stages = layout.stages_on(r)
+    firsts = [c for c in chunks if layout.is_first(layout.directions[c], stages[c])]
+    lasts = [c for c in chunks if layout.is_last(layout.directions[c], stages[c])]
+    folded = set(firsts + lasts) if firsts and lasts else set()
+    summed = layout.mirrored and (bd_sums or layout.partner(r) == r)
+    at = {c: end if summed or c in folded else last.get(c, end) for c in chunks}
+    return sorted(((at[c], c) for c in chunks), key=lambda p: (p[0], last.get(p[1], end), p[1]))
+
+
 # ------------------------------------------------------------------------------------------
 # The model
 # ------------------------------------------------------------------------------------------
@@ -112,6 +142,7 @@ class Work:
     group: Tuple[int, ...] = ()     # collective: its ranks
     key: Optional[tuple] = None     # collective: what every member must call alike
     seq: int = 0                    # collective: its index on (group, comm)
+    after: Optional[tuple] = None   # the key of a collective this rank must have waited before posting it
 
 
 @dataclass
@@ -129,6 +160,9 @@ class IterationPlan:
     works: List[Work]
     items: List[List[Item]]
     sum_points: List[List[Tuple[int, int]]]   # per rank: (action index, chunk), issue order
+    #: per rank: (action index, chunk), start order of the data-parallel reductions; index
+    #: len(actions): in ``GradReduction.finish`` (:func:`dp_start_points`)
+    dp_points: List[List[Tuple[int, int]]] = field(default_factory=list)
 
 
 class _Where:
@@ -190,9 +224,9 @@ class _Builder:
             w.recvs.append((src, r, self._next((src, r, "r"))))
         return self.post(w)
 
-    def collective(self, r: int, comm: str, group: Tuple[int, ...], key: tuple, what: str) -> int:
+    def collective(self, r: int, comm: str, group: Tuple[int, ...], key: tuple, what, after=None) -> int:
         seq = self._next_coll((comm, group, r))
-        return self.post(Work(r, comm, what, group=group, key=key, seq=seq))
+        return self.post(Work(r, comm, what, group=group, key=key, seq=seq, after=after))
 
     def _next(self, k) -> int:
         self.channel[k] = self.channel.get(k, -1) + 1
@@ -205,98 +239,159 @@ class _Builder:
 
 def build(layout: Layout, ranks: Sequence[Sequence[Action]], plans: Sequence[RankPlan], *, is_fake: Callable,
           deferring: bool, overlap_grad_reduce: bool = False, dp: int = 1, forward_only: bool = False,
-          sum_wait: str = WAIT_AT_FINISH, param_gather: bool = False) -> IterationPlan:
+          sum_wait: str = WAIT_AT_FINISH, param_gather: bool = False, bd_sums: bool = True,
+          dp_points: Optional[Sequence[Sequence[Tuple[int, int]]]] = None) -> IterationPlan:
     """Every rank's stream items for one iteration, as the executor issues them. ``param_gather``:
-    ``config.param_sync_func`` is set (``mcore.param_gather``)."""
+    ``config.param_sync_func`` is set (``mcore.param_gather``); ``bd_sums``: the copies are summed
+    during the schedule (False: ``--dualpipe-shared-shard-group`` / ``--dualpipe-dp-first``);
+    ``dp_points``: where each rank starts its data-parallel reductions, default
+    :func:`dp_start_points` (what ``GradReduction`` reads; a test passes a misorder)."""
     pp = layout.pp
     b = _Builder(pp)
     ops = grad_ops(deferring)
-    bd = layout.kind == BIDIRECTIONAL and not forward_only
-    all_pp = tuple(range(pp))
-    points: List[List[Tuple[int, int]]] = []
+    bd = layout.mirrored and bd_sums and not forward_only
+    points = [bd_sum_points(ranks[r], ranks[layout.partner(r)], is_fake, ops, lower_rank=r < layout.partner(r))
+              if bd and layout.partner(r) != r else [] for r in range(pp)]
+    if dp_points is None:
+        dp_points = [[] if forward_only else dp_start_points(layout, r, ranks[r], is_fake, ops, bd_sums=bd_sums)
+                     for r in range(pp)]
+    reduces = overlap_grad_reduce and dp > 1 and not forward_only
+    dp_works: List[List[int]] = []
     for r in range(pp):
-        partner = pp - 1 - r
-        pts = bd_sum_points(ranks[r], ranks[partner], is_fake, ops, lower_rank=r < partner) \
-            if bd and partner != r else []
-        points.append(pts)
-    sum_works: List[Dict[int, int]] = [dict() for _ in range(pp)]
-    dp_works: List[List[int]] = [[] for _ in range(pp)]
+        gathers = param_gathers(b, r, ranks[r], is_fake) if param_gather and dp > 1 and not forward_only else {}
+        rank = _RankItems(b, layout, r, ranks[r], plans[r], is_fake, gathers, sum_wait,
+                          sum_points=points[r], dp_points=dp_points[r] if reduces else [])
+        rank.run()
+        dp_works.append(rank.dp_works)
+    _loss_gather(b, layout)
+    if not forward_only:
+        for r in range(pp):
+            k = b.collective(r, "pp", tuple(range(pp)), ("tokens all-reduce",), f"rank {r}'s token all-reduce (finalize)")
+            b.wait(r, k, "in the finalize")
+            for w_k in dp_works[r]:
+                b.wait(r, w_k, "in the finalize (finish_grad_sync)")
+    return IterationPlan(pp, b.works, b.items, points, [list(p) for p in dp_points])
 
-    def issue_sum(r: int, c: int, after: str) -> None:
-        partner = pp - 1 - r
-        stage = layout.stage_on(r, c)
-        k = b.collective(r, "bd", tuple(sorted((r, partner))), ("bd sum", stage),
-                         f"rank {r}'s bd sum of stage {stage} (issued {after})")
-        sum_works[r][c] = k
-        if sum_wait == WAIT_AT_ISSUE:
-            b.wait(r, k, f"right after issuing the bd sum of stage {stage}")
 
-    for r in range(pp):
-        acts, rp = ranks[r], plans[r]
-        k0 = b.collective(r, "pp", all_pp, ("first all-reduce",), f"rank {r}'s first all-reduce on the pipeline group")
+class _RankItems:
+    """One rank's items, in the order the executor issues them: the first all-reduce, per unit its
+    P2P batches, waits and compute, the bd sums and data-parallel reductions planned after its
+    actions; at the end the sends waited, then ``GradReduction.finish`` (every bd sum issued and
+    waited, then the reductions planned at the end)."""
+
+    def __init__(self, b: _Builder, layout: Layout, r: int, acts, rp: RankPlan, is_fake: Callable,
+                 gathers: Dict[int, int], sum_wait: str, *, sum_points, dp_points):
+        self.b, self.layout, self.r, self.acts, self.rp, self.is_fake = b, layout, r, acts, rp, is_fake
+        self.gathers, self.sum_wait, self.sum_points, self.dp_points = gathers, sum_wait, sum_points, dp_points
+        self.sum_works: Dict[int, int] = {}
+        self.sums_waited: set = set()
+        self.dp_works: List[int] = []
+        self.recv_batch: Dict[tuple, int] = {}
+        self.send_batch: Dict[tuple, int] = {}
+        self.sent_output: Dict[Tuple[int, int, int], tuple] = {}
+        self.bi = 0
+
+    def run(self) -> None:
+        b, r = self.b, self.r
+        k0 = b.collective(r, "pp", tuple(range(self.layout.pp)), ("first all-reduce",),
+                          f"rank {r}'s first all-reduce on the pipeline group")
         b.wait(r, k0, "before the first P2P batch")
-        gathers = param_gathers(b, r, acts, is_fake) if param_gather and dp > 1 and not forward_only else {}
-        recv_batch: Dict[tuple, int] = {}
-        send_batch: Dict[tuple, int] = {}
-        batch_work: List[int] = []
-        bi = 0
-        at_point = {}
-        for i, c in points[r]:
-            at_point.setdefault(i, []).append(c)
-
-        def post_batches(upto: int, where: str) -> None:
-            nonlocal bi
-            while bi < len(rp.batches) and rp.batches[bi].unit <= upto:
-                bt = rp.batches[bi]
-                k = b.p2p(r, "pp", _BatchText(r, where, bt), [t.peer for t in bt.sends], [t.peer for t in bt.recvs])
-                for t in bt.sends:
-                    send_batch[t.label] = k
-                for t in bt.recvs:
-                    recv_batch[t.label] = k
-                batch_work.append(k)
-                bi += 1
-
-        sent_output: Dict[Tuple[int, int, int], tuple] = {}
-        unit_list = units(acts)
+        sums_at, dp_at = _by_action(self.sum_points), _by_action(self.dp_points)
+        unit_list = units(self.acts)
         for u, unit in enumerate(unit_list):
-            where = _Where(unit[0], acts[unit[0]])
-            post_batches(u, where)
+            self.unit(u, unit)
             for i in unit:
-                for src, label in rp.inputs[i]:
-                    if src != r:
-                        b.wait(r, recv_batch[label], _Text("{}: its input, the {}", where, label))
-            for i in unit:
-                a = acts[i]
-                label = sent_output.pop((a.dir, a.mb, a.stage), None) if a.is_backward else None
-                if label is not None:
-                    b.wait(r, send_batch[label], _Text("{}: the send of its forward's output, released first", where))
-            for i in unit:
-                if acts[i].op == F and acts[i].dir in gathers:
-                    b.wait(r, gathers.pop(acts[i].dir), _Text("{}: DDP's pre-hook of its chunk's first forward", where))
-            b.compute(r, "")
-            for i in unit:
-                a = acts[i]
-                if a.op == F and not is_fake(a):
-                    for dst, label in rp.outputs[i]:
-                        if dst != r:
-                            sent_output[(a.dir, a.mb, a.stage)] = label
-                for c in at_point.get(i, ()):
-                    issue_sum(r, c, _Text("after action {} ({})", i, a))
-        post_batches(len(unit_list), "after its last action")
-        for label, k in sorted(send_batch.items()):
+                after = _Text("after action {} ({})", i, self.acts[i])
+                for c in sums_at.get(i, ()):
+                    self.issue_sum(c, after)
+                for c in dp_at.get(i, ()):
+                    self.start_dp(c, after)
+        self.post_batches(len(unit_list), "after its last action")
+        for label, k in sorted(self.send_batch.items()):
             b.wait(r, k, _Text("at the end of the schedule: the send of the {}", label))
-        # GradReduction.finish: the sums the plan left to the end, then every sum waited.
-        for i, c in points[r]:
-            if c not in sum_works[r]:
-                issue_sum(r, c, "at the end of the schedule")
-        for c, k in sum_works[r].items():
-            b.wait(r, k, "at the end of the schedule (GradReduction.finish)")
-        if not forward_only and overlap_grad_reduce and dp > 1:
-            for c in range(2 if layout.kind != "unidirectional" else 1):
-                dp_works[r].append(b.collective(r, "dp", (r,), ("dp reduction", c),
-                                                f"rank {r}'s data-parallel reduction of chunk {c}"))
-    # The loss gather: each direction's final-stage owner ships its entries to rank pp-1.
-    last = pp - 1
+        # GradReduction.finish: the sums the plan left to the end, every sum waited, then the
+        # data-parallel reductions the plan starts there.
+        for _, c in self.sum_points:
+            if c not in self.sum_works:
+                self.issue_sum(c, "at the end of the schedule")
+        for c in self.sum_works:
+            if c not in self.sums_waited:
+                self.wait_sum(c, "at the end of the schedule (GradReduction.finish)")
+        for c in dp_at.get(len(self.acts), ()):
+            self.start_dp(c, "at the end of the schedule (GradReduction.finish)")
+
+    def unit(self, u: int, unit) -> None:
+        """Unit ``u``'s batches posted, its waits (inputs, sends released, parameter gathers), its compute."""
+        b, r, acts, rp = self.b, self.r, self.acts, self.rp
+        where = _Where(unit[0], acts[unit[0]])
+        self.post_batches(u, where)
+        for i in unit:
+            for src, label in rp.inputs[i]:
+                if src != r:
+                    b.wait(r, self.recv_batch[label], _Text("{}: its input, the {}", where, label))
+        for i in unit:
+            a = acts[i]
+            label = self.sent_output.pop((a.dir, a.mb, a.stage), None) if a.is_backward else None
+            if label is not None:
+                b.wait(r, self.send_batch[label], _Text("{}: the send of its forward's output, released first", where))
+        for i in unit:
+            if acts[i].op == F and acts[i].dir in self.gathers:
+                b.wait(r, self.gathers.pop(acts[i].dir), _Text("{}: DDP's pre-hook of its chunk's first forward", where))
+        b.compute(r, "")
+        for i in unit:
+            a = acts[i]
+            if a.op == F and not self.is_fake(a):
+                for dst, label in rp.outputs[i]:
+                    if dst != r:
+                        self.sent_output[(a.dir, a.mb, a.stage)] = label
+
+    def post_batches(self, upto: int, where) -> None:
+        rp = self.rp
+        while self.bi < len(rp.batches) and rp.batches[self.bi].unit <= upto:
+            bt = rp.batches[self.bi]
+            k = self.b.p2p(self.r, "pp", _BatchText(self.r, where, bt), [t.peer for t in bt.sends],
+                           [t.peer for t in bt.recvs])
+            for t in bt.sends:
+                self.send_batch[t.label] = k
+            for t in bt.recvs:
+                self.recv_batch[t.label] = k
+            self.bi += 1
+
+    def issue_sum(self, c: int, after) -> None:
+        r, stage = self.r, self.layout.stage_on(self.r, c)
+        k = self.b.collective(r, "bd", tuple(sorted((r, self.layout.partner(r)))), ("bd sum", stage),
+                              _Text("rank {}'s bd sum of stage {} (issued {})", r, stage, after))
+        self.sum_works[c] = k
+        if self.sum_wait == WAIT_AT_ISSUE:
+            self.wait_sum(c, f"right after issuing the bd sum of stage {stage}")
+
+    def wait_sum(self, c: int, why) -> None:
+        self.b.wait(self.r, self.sum_works[c], why)
+        self.sums_waited.add(c)
+
+    def start_dp(self, c: int, where) -> None:
+        """Chunk ``c``'s data-parallel reduction, over this rank's replicas (one in the plan: they
+        all run it, so it completes once started), after its bd sum is waited (if it has one: a
+        stream wait here, if it is issued and not yet waited; the check names one not issued)."""
+        r = self.r
+        summed = ("bd sum", self.layout.stage_on(r, c)) if any(x == c for _, x in self.sum_points) else None
+        if c in self.sum_works and c not in self.sums_waited:
+            self.wait_sum(c, _Text("{}: the bd sum of its data-parallel reduction", where))
+        self.dp_works.append(self.b.collective(
+            r, "dp", (r,), ("dp reduction", c), _Text("rank {}'s data-parallel reduction of chunk {} (started {})",
+                                                      r, c, where), after=summed))
+
+
+def _by_action(points) -> Dict[int, List[int]]:
+    out: Dict[int, List[int]] = {}
+    for i, c in points:
+        out.setdefault(i, []).append(c)
+    return out
+
+
+def _loss_gather(b: _Builder, layout: Layout) -> None:
+    """Each direction's final-stage owner ships its entries to rank pp-1 (host-blocking)."""
+    last = layout.pp - 1
     for d in layout.directions:
         final = layout.stages(d)[-1]
         if not layout.is_last(d, final):
@@ -308,13 +403,6 @@ def build(layout: Layout, ranks: Sequence[Sequence[Action]], plans: Sequence[Ran
         kr = b.p2p(last, "pp", f"rank {last}'s loss-gather receive from rank {owner}", [], [owner])
         b.wait(owner, ks, "in the loss gather (host-blocking send_object_list)")
         b.wait(last, kr, "in the loss gather")
-    if not forward_only:
-        for r in range(pp):
-            k = b.collective(r, "pp", all_pp, ("tokens all-reduce",), f"rank {r}'s token all-reduce (finalize)")
-            b.wait(r, k, "in the finalize")
-            for w_k in dp_works[r]:
-                b.wait(r, w_k, "in the finalize (finish_grad_sync)")
-    return IterationPlan(pp, b.works, b.items, points)
 
 
 def chunks_with_real_forward(acts: Sequence[Action], is_fake: Callable) -> List[int]:
@@ -338,9 +426,11 @@ def param_gathers(b: _Builder, r: int, acts: Sequence[Action], is_fake: Callable
             for c in chunks_with_real_forward(acts, is_fake)}
 
 
-def check(ip: IterationPlan) -> None:
+def check(ip: IterationPlan, one_queue: bool = False) -> None:
     """Run every rank's items under NCCL stream semantics; raise :class:`IterationPlanError`
-    naming the cycle (or the mismatched collective) if they cannot all complete."""
+    naming the cycle (or the mismatched collective) if they cannot all complete. ``one_queue``:
+    ``CUDA_DEVICE_MAX_CONNECTIONS=1``, a rank's works start in posting order whatever their
+    communicator (a post waits for the rank's earlier work)."""
     works, items = ip.works, ip.items
     n = len(works)
     reached, started, completed = [False] * n, [False] * n, [False] * n
@@ -355,12 +445,13 @@ def check(ip: IterationPlan) -> None:
             recv_of[s] = k
         if w.group:
             members.setdefault((w.comm, w.group, w.seq), {})[w.rank] = k
-        queues.setdefault((w.rank, w.comm), []).append(k)
+        queues.setdefault((w.rank, ONE_QUEUE if one_queue else w.comm), []).append(k)
     for (comm, group, seq), by_rank in members.items():
         keys = {works[k].key for k in by_rank.values()}
         if len(keys) > 1 or set(by_rank) != set(group):
             raise IterationPlanError(f"collective {seq} on the {comm} communicator of ranks {list(group)} is not "
                                      f"the same on every rank: " + "; ".join(str(works[k].what) for k in by_rank.values()))
+    _check_waited_first(ip)
     for s in send_of:
         if s not in recv_of:
             raise IterationPlanError(f"{works[send_of[s]].what}: message {s[2]} from rank {s[0]} to rank {s[1]} "
@@ -403,6 +494,40 @@ def check(ip: IterationPlan) -> None:
                                       send_of, recv_of, members))
 
 
+def _check_waited_first(ip: IterationPlan) -> None:
+    """A work with ``after`` (a data-parallel reduction of a chunk with a bd sum) is posted after
+    its rank waited for that collective: else it reduces the chunk's unsummed copy."""
+    for its in ip.items:
+        waited = set()
+        for it in its:
+            w = ip.works[it.work] if it.work >= 0 else None
+            if it.kind == "wait":
+                waited.add(w.key)
+            elif it.kind == "post" and w.after is not None and w.after not in waited:
+                raise IterationPlanError(f"{w.what} is posted before its {w.after[0]} of stage {w.after[1]} is "
+                                         f"waited: it would reduce an unsummed copy")
+
+
+def replicated(ips: Sequence[IterationPlan]) -> IterationPlan:
+    """The plans of ``len(ips)`` data-parallel replicas as one (replica j's rank r is rank
+    r + j*pp), their data-parallel collectives over the ranks r + j*pp: what :func:`check` proves
+    of one replica holds for any number that run the same plan; a test checks replicas that do
+    not (e.g. a reduction started where a poll saw a sum complete, which differs between them)."""
+    pp, n = ips[0].pp, len(ips)
+    works: List[Work] = []
+    items: List[List[Item]] = []
+    for j, ip in enumerate(ips):
+        off, base = j * pp, len(works)
+        for w in ip.works:
+            group = tuple(w.group[0] + i * pp for i in range(n)) if w.comm == "dp" else tuple(x + off for x in w.group)
+            works.append(replace(w, rank=w.rank + off, what=_Text("replica {}: {}", j, w.what), group=group,
+                                 sends=[(a + off, b + off, i) for a, b, i in w.sends],
+                                 recvs=[(a + off, b + off, i) for a, b, i in w.recvs]))
+        items += [[replace(it, work=it.work + base if it.work >= 0 else -1) for it in its] for its in ip.items]
+    return IterationPlan(pp, works, items, [p for ip in ips for p in ip.sum_points],
+                         [p for ip in ips for p in ip.dp_points])
+
+
 def _explain(ip, stuck, pos, reached, started, completed, head, queues, send_of, recv_of, members) -> str:
     """Follow what waits for what from a stuck rank until it comes round: the cycle."""
     works, items = ip.works, ip.items
@@ -413,8 +538,9 @@ def _explain(ip, stuck, pos, reached, started, completed, head, queues, send_of,
             it = items[w.rank][pos[w.rank]]
             return it.work, f"rank {w.rank}'s stream has not posted it: it waits ({it.text}) for"
         if not started[k]:
-            q = queues[(w.rank, w.comm)]
-            return q[head[(w.rank, w.comm)]], f"it queues on rank {w.rank}'s {w.comm} communicator behind"
+            q = (w.rank, w.comm) if (w.rank, w.comm) in queues else (w.rank, ONE_QUEUE)
+            name = q[1] if q[1] == ONE_QUEUE else f"{q[1]} communicator"
+            return queues[q][head[q]], f"it queues on rank {w.rank}'s {name} behind"
         if w.group:
             j = next(j for j in members[(w.comm, w.group, w.seq)].values() if not started[j])
             return j, "it needs its partner to start"
@@ -441,12 +567,12 @@ def _explain(ip, stuck, pos, reached, started, completed, head, queues, send_of,
 
 def plan_for(spec, pp: int, real: int, padded_ranks, plans, *, zero_bubble: bool, overlap_grad_reduce: bool = False,
              dp: int = 1, forward_only: bool = False, sum_wait: str = WAIT_AT_FINISH,
-             param_gather: bool = False) -> IterationPlan:
+             param_gather: bool = False, bd_sums: bool = True) -> IterationPlan:
     """Build and check the iteration plan of a registry schedule ``spec`` with ``real`` real
     micro-batches (``padded_ranks``/``plans``: its padded actions and communication plan)."""
     deferring = zero_bubble and spec.defers_weight_grads and any(a.op == W for acts in padded_ranks for a in acts)
     ip = build(spec.layout(pp), padded_ranks, plans, is_fake=lambda a: spec.is_fake(real, a.dir, a.mb),
                deferring=deferring, overlap_grad_reduce=overlap_grad_reduce, dp=dp, forward_only=forward_only,
-               sum_wait=sum_wait, param_gather=param_gather)
+               sum_wait=sum_wait, param_gather=param_gather, bd_sums=bd_sums)
     check(ip)
     return ip
