@@ -8,12 +8,13 @@ schedule, ``mcore.finalize.allreduce_bd_grads`` outside it) and by the benchmark
   contiguous buffers (Megatron DDP's grad buffers, the benchmark's synthetic gradients), else
   flattened per dtype and copied back when waited;
 * :class:`PairSums` issues a rank's sums at the points the iteration plan gives
-  (``schedule.iteration_plan``) and never waits for one before :meth:`PairSums.finish`, the end
-  of the schedule, which the plan proves safe. Before that it only polls ``is_completed()``:
-  on an accelerator a ``wait()`` would make the compute stream wait, and with it every P2P
-  batch posted after it, for the partner's matching sum; where the partners finish their
-  chunks at different points the partner first needs one of those stalled tensors (issue 17:
-  pp=2 with an odd number of micro-batches hung).
+  (``schedule.iteration_plan``) and waits for none before :meth:`PairSums.finish`, the end of
+  the schedule, which the plan proves safe: on an accelerator a ``wait()`` would make the
+  compute stream wait, and with it every P2P batch posted after it, for the partner's matching
+  sum; where the partners finish their chunks at different points the partner first needs one
+  of those stalled tensors (issue 17: pp=2 with an odd number of micro-batches hung). It never
+  asks whether a sum has completed: what runs after a sum (the data-parallel reductions) starts
+  at a place of the plan, the same on every rank, not when a poll happens to see it done.
 
 Torch only (no Megatron); standard ``torch.distributed`` collectives.
 """
@@ -44,9 +45,6 @@ class PendingSum:
         self.chunk, self.works, self._copy_backs, self.what, self.on_host = chunk, works, copy_backs, what, on_host
         self.issued = time.monotonic()
         self.waited = False
-
-    def is_completed(self) -> bool:
-        return all(w.is_completed() for w in self.works)
 
     def wait(self, timeout_s: Optional[float] = None, describe: str = "") -> None:
         """Complete the sums: the host waits (gloo) or the current stream does (accelerator: then
@@ -104,24 +102,21 @@ class PairSums:
 
     ``issue_points``: {action key: chunks whose sums are issued right after that action, in
     order} from the iteration plan (both partners issue the pair's sums in the same order of
-    stages there). ``tensors_of(chunk)`` lists what is summed; ``on_summed(chunk)`` is called
-    once a chunk's sum is complete and waited, in issue order. :meth:`poll` takes in the sums
-    seen complete without waiting; :meth:`finish` waits for the rest.
+    stages there). ``tensors_of(chunk)`` lists what is summed; :meth:`finish` waits for all.
     """
 
     def __init__(self, issue_points: Dict[Hashable, List[int]], tensors_of: Callable[[int], Sequence[torch.Tensor]],
-                 group, *, in_place: Callable[[int], bool], on_summed: Callable[[int], None] = lambda c: None,
+                 group, *, in_place: Callable[[int], bool],
                  describe: Callable[[int], str] = lambda c: f"bd sum of chunk {c}", timeout_s: Optional[float] = None):
         self.issue_points = issue_points
         self.tensors_of, self.group, self.in_place = tensors_of, group, in_place
-        self.on_summed, self.describe, self.timeout_s = on_summed, describe, timeout_s
+        self.describe, self.timeout_s = describe, timeout_s
         self.pending: List[PendingSum] = []
         self.issued: List[int] = []
 
     def after_action(self, a) -> None:
         for c in self.issue_points.get(action_key(a), ()):
             self.issue(c)
-        self.poll()
 
     def issue(self, c: int) -> None:
         if c in self.issued:
@@ -134,18 +129,9 @@ class PairSums:
             for w in pending.works:
                 dog.track(w, pending.what, self.timeout_s)
 
-    def poll(self) -> None:
-        """Take in, in issue order, the sums already complete; never wait for one."""
-        while self.pending and self.pending[0].is_completed():
-            s = self.pending.pop(0)
-            s.wait(self.timeout_s)  # complete: costs the stream nothing
-            self.on_summed(s.chunk)
-
     def finish(self, chunks: Sequence[int]) -> None:
         """End of the schedule: issue what the plan left (none in a planned run), wait for all."""
         for c in chunks:
             self.issue(c)
         while self.pending:
-            s = self.pending.pop(0)
-            s.wait(self.timeout_s)
-            self.on_summed(s.chunk)
+            self.pending.pop(0).wait(self.timeout_s)

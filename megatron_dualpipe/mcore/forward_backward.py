@@ -15,7 +15,7 @@ docstring of ``megatron.core.pipeline_parallel.get_forward_backward_func``):
   by the number of micro-batches, MoE aux-loss scaling and ``calculate_per_token_loss`` behave
   as in Megatron;
 * ``config.no_sync_func`` holds data-parallel reduction off while the schedule runs; each
-  chunk's gradient reduction starts as soon as its last weight gradient is done
+  chunk's gradient reduction starts at the places the checked iteration plan gives
   (``grad_reduction.GradReduction``): the two copies of a DualPipe stage are summed over the bd pair
   (always: DualPipe itself needs it), tied embeddings folded, then ``config.grad_sync_func``
   (Megatron's data-parallel reduction under ``--overlap-grad-reduce``) is called for the chunk;
@@ -51,6 +51,7 @@ from ..executor.listeners import RunListener
 from ..executor.runner import Program, TensorSpec, compile_program, run_rank
 from ..executor import abort, watchdog
 from ..schedule import B, iteration_plan, registry
+from . import copy_sums
 from .data import MicrobatchSource
 from .finalize import finalize_dualpipe_grads
 from .grad_reduction import GradReduction, clear_deferred_output_wgrads
@@ -213,7 +214,8 @@ class ExecutorSchedule:
         program = compile_program(self.spec.name, len(global_ranks), padded, forward_only, real)
         checked = _checked_iteration(self.spec.name, len(global_ranks), padded, real, self.zero_bubble,
                                      config.grad_sync_func is not None, parallel_state.get_data_parallel_world_size(),
-                                     forward_only, config.param_sync_func is not None)
+                                     forward_only, config.param_sync_func is not None,
+                                     copy_sums.of(model).sums_in_schedule)
         if padded != real:
             self._report_padding(len(global_ranks), real, padded, forward_only)
         seq_length, micro_batch_size, decoder_seq_length = shape_args
@@ -241,7 +243,8 @@ class ExecutorSchedule:
         actions = it.program.actions[it.rank]
         last = iteration_plan.last_grad_action_index(actions, it.program.padded.is_fake,
                                                      iteration_plan.grad_ops(wgrad_store is not None))
-        return GradReduction(model, config, actions=actions, sum_points=it.plan.sum_points[it.rank], last_actions=last)
+        return GradReduction(model, config, actions=actions, sum_points=it.plan.sum_points[it.rank],
+                             dp_points=it.plan.dp_points[it.rank], last_actions=last)
 
     def _report_deferral(self, audit, rank: int) -> None:
         """Once per process: say how much weight-gradient work W holds if B kept some."""
@@ -262,7 +265,7 @@ class ExecutorSchedule:
              model, forward_only: bool, recorder=None) -> None:
         """Each chunk's parameter all-gathers started (``param_gather``), the schedule with
         data-parallel reduction held off (each chunk's reduction is started by the GradReduction, a
-        listener of the run, as soon as its gradients are final), then the rest of the reduction."""
+        listener of the run, at the place the iteration plan gives), then the rest of the reduction."""
         listeners = () if reduction is None else (_ReductionListener(reduction),)
         start_param_gathers(config, model, it.program.actions[it.rank], it.program.padding[it.rank],
                             forward_only=forward_only, describe=f"{self.spec.name} pipeline rank {it.rank}: ")
@@ -336,10 +339,12 @@ def _finalize(model, config, total_num_tokens, device, force_all_reduce) -> None
 
 @functools.lru_cache(maxsize=64)
 def _checked_iteration(name: str, pp: int, padded: int, real: int, zero_bubble: bool, overlap_grad_reduce: bool,
-                       dp: int, forward_only: bool, param_gather: bool = False) -> iteration_plan.IterationPlan:
+                       dp: int, forward_only: bool, param_gather: bool = False,
+                       bd_sums: bool = True) -> iteration_plan.IterationPlan:
     """The iteration's whole communication, checked under NCCL stream semantics before anything
-    runs (raises ``IterationPlanError`` naming the cycle); its bd-sum points drive GradReduction."""
+    runs (raises ``IterationPlanError`` naming the cycle); its bd-sum and data-parallel reduction
+    points drive GradReduction. ``bd_sums``: the copy-sum way sums during the schedule."""
     program = compile_program(name, pp, padded, forward_only, real)
     return iteration_plan.plan_for(registry.get(name), pp, real, program.actions, program.plans,
                                    zero_bubble=zero_bubble, overlap_grad_reduce=overlap_grad_reduce, dp=dp,
-                                   forward_only=forward_only, param_gather=param_gather)
+                                   forward_only=forward_only, param_gather=param_gather, bd_sums=bd_sums)

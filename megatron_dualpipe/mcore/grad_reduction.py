@@ -3,21 +3,26 @@
 The stage compute tells a `GradReduction` every backward / weight-gradient action it ran
 (`GradReduction.after_action`); `GradReduction.finish` completes the reduction after the
 schedule. That is its whole interface, so it can be attached to the runner as a listener.
+Every collective it issues is at a place the checked iteration plan gives
+(``schedule.iteration_plan``), the same on every rank that shares the communicator; nothing
+depends on when a sum happens to complete.
 
-Per chunk (one `_Chunk` state each), after its last real gradient action:
+Per chunk (one `_Chunk` state each):
 
-1. ``--defer-embedding-wgrad-compute``: Megatron's deferred output-layer weight gradients of the
-   chunk are computed (``schedules.finish_embedding_wgrad_compute``), as 1F1B does at its end;
+1. after its last real gradient action, ``--defer-embedding-wgrad-compute``: Megatron's
+   deferred output-layer weight gradients of the chunk are computed
+   (``schedules.finish_embedding_wgrad_compute``), as 1F1B does at its end;
 2. DualPipe: its bd sum (the two copies of the stage summed over the bd pair, in place over
    Megatron DDP's grad buffers) is issued at the point the iteration plan gives
-   (``schedule.iteration_plan.bd_sum_points``: both partners in the same order of stages) through
+   (``iteration_plan.bd_sum_points``: both partners in the same order of stages) through
    ``executor.pair_sums``, and never waited before `finish`: a wait on an accelerator makes the
    compute stream wait, and the partner may first need a tensor queued behind it (issue 17);
-3. once its sum is seen complete, the chunk's data-parallel reduction starts
-   (``config.grad_sync_func``, Megatron DDP's ``start_grad_sync`` under
-   ``--overlap-grad-reduce``) in the order the chunks finished (the same on every
-   data-parallel peer, so their collectives pair up). A chunk holding a tied-embedding copy on
-   a rank that holds both copies waits for `finish`, where the fold needs both sums.
+3. its data-parallel reduction (``config.grad_sync_func``, Megatron DDP's ``start_grad_sync``
+   under ``--overlap-grad-reduce``) starts at the plan's point (``iteration_plan.dp_start_points``,
+   read from ``IterationPlan.dp_points``): right after its last gradient action where nothing
+   changes its gradients later, else in `finish`. A poll once started it when the bd sum was
+   seen complete: a point that differed between the data-parallel replicas, whose collectives
+   on one hardware queue (``CUDA_DEVICE_MAX_CONNECTIONS=1``) can then wait for each other.
 
 With ``--dualpipe-shared-shard-group`` there is no bd sum: each chunk's reduce-scatter runs over
 both copies' ranks (``mcore.shard_groups``) in Megatron's finalize, in stage order
@@ -27,8 +32,9 @@ copies, and the reduce-scatter's sum over both ranks' folds is the tied gradient
 (``mcore.dp_first``, in Megatron's finalize, stage order), the fold as with the shared group.
 
 `finish` waits for every sum (the end of the schedule: the plan proves it safe), folds tied
-embeddings and starts the remaining data-parallel reductions. Megatron's finalize then waits for
-them as after its own 1F1B (``finish_grad_sync``; ``finalize.finalize_dualpipe_grads(copies_summed=True)``).
+embeddings and starts the data-parallel reductions the plan puts there, in its order. Megatron's
+finalize then waits for them as after its own 1F1B (``finish_grad_sync``;
+``finalize.finalize_dualpipe_grads(copies_summed=True)``).
 
 While the schedule runs (`GradReduction.during_schedule`), Megatron DDP's backward hooks only
 accumulate into ``main_grad`` (the schedule holds ``no_sync``), and ``overlap_grad_reduce`` is off
@@ -60,18 +66,18 @@ class _Chunk:
 
     index: int
     dp_start: Optional[Callable]  # what starts its data-parallel reduction, or None (finalize does)
-    held: bool                    # waits for finish (tied fold, or the middle rank's local sum)
-    done: bool = False            # its gradients are final
-    summed: bool = False          # its bd sum (if any) is complete
+    final_at_finish: bool         # its gradients change in finish (bd sum, local sum, tied fold)
+    done: bool = False            # its last gradient action ran
     dp_started: bool = False
 
 
 class GradReduction:
-    """See the module docstring. ``sum_points``: this rank's (action index, chunk) bd-sum issue
-    points from the iteration plan; ``actions``: this rank's actions (indexing ``sum_points``)."""
+    """See the module docstring. ``sum_points`` / ``dp_points``: this rank's (action index, chunk)
+    bd-sum issue points and data-parallel reduction start points from the iteration plan, index
+    ``len(actions)`` meaning `finish`; ``actions``: this rank's actions (indexing both)."""
 
     def __init__(self, model: Sequence[torch.nn.Module], config, *, actions, sum_points: Sequence[Tuple[int, int]],
-                 last_actions: Dict[int, int]):
+                 dp_points: Sequence[Tuple[int, int]], last_actions: Dict[int, int]):
         self.model, self.config = list(model), config
         n = len(self.model)
         bidirectional = chunk_layout(self.model) == BIDIRECTIONAL and n == 2
@@ -89,19 +95,15 @@ class GradReduction:
         emb, out = tied_copies(self.model)
         self._fold = bool(emb) and bool(out) and config.finalize_model_grads_func is not None
         starts = _dp_start_functions(config, self.model)
-        self.chunks = [_Chunk(c, starts[c], self._local_sum or (self._fold and _holds_tied_copy(self.model[c])),
-                              summed=not bd) for c in range(n)]
-        self._finished: List[int] = []  # chunks in the order their gradients became final
+        self.chunks = [_Chunk(c, starts[c], bd or self._local_sum or (self._fold and _holds_tied_copy(self.model[c])))
+                       for c in range(n)]
+        self._dp_at, self._dp_at_finish = _at_actions(actions, dp_points)
         self._sums = None
         if bd:
-            points: Dict[tuple, List[int]] = {}
-            for i, c in sum_points:
-                if i < len(actions):
-                    points.setdefault(pair_sums.action_key(actions[i]), []).append(c)
             pos = self._pos
             self._sums = pair_sums.PairSums(
-                points, lambda c: sum_tensors(self.model[c]), pos.group,
-                in_place=lambda c: is_wrapped(self.model[c]), on_summed=self._summed, timeout_s=BD_SUM_TIMEOUT_S,
+                _at_actions(actions, sum_points)[0], lambda c: sum_tensors(self.model[c]), pos.group,
+                in_place=lambda c: is_wrapped(self.model[c]), timeout_s=BD_SUM_TIMEOUT_S,
                 describe=lambda c: (f"global rank {pos.me}: the bd sum of stage {self._stage_of(c)} "
                                     f"with global rank {pos.partner}"))
         self._ddp_configs: dict = {}  # set while the schedule runs (during_schedule)
@@ -154,32 +156,29 @@ class GradReduction:
             self._chunk_done(c)
         if self._sums is not None:
             self._sums.after_action(a)  # issues the sums planned after ``a``; waits for none
-        self._start_ready_dp()
+        for c in self._dp_at.get(pair_sums.action_key(a), ()):
+            self._start_dp(c, in_schedule=True)
 
     def _chunk_done(self, c: int) -> None:
         state = self.chunks[c]
         if state.done:
             return
         state.done = True
-        self._finished.append(c)
         _finish_deferred_output_wgrads(self.config, self.model[c])
 
-    def _summed(self, c: int) -> None:
-        self.chunks[c].summed = True
-
-    def _start_ready_dp(self) -> None:
-        """Start the data-parallel reductions that may start, in the order the chunks finished."""
-        for c in self._finished:
-            state = self.chunks[c]
-            if state.dp_started or state.held:
-                continue
-            if not state.summed:
-                break
-            state.dp_started = True
-            if state.dp_start is not None:
-                with self._as_configured():
-                    state.dp_start(self.model[c].parameters())
-                watch_dp_reduction(self.model[c], f"global rank {dist.get_rank()}, chunk {c}")
+    def _start_dp(self, c: int, in_schedule: bool) -> None:
+        """Start chunk ``c``'s data-parallel reduction where the plan put it (the same place on every
+        replica). A plan that starts it before its gradients are final is a bug: raise, never
+        reduce a partial gradient."""
+        state = self.chunks[c]
+        if state.dp_started or (in_schedule and (state.final_at_finish or not state.done)):
+            raise RuntimeError(f"megatron-dualpipe: the iteration plan starts the data-parallel reduction of chunk {c} "
+                               f"{'twice' if state.dp_started else 'before its gradients are final'} (a bug)")
+        state.dp_started = True
+        if state.dp_start is not None:
+            with self._as_configured():
+                state.dp_start(self.model[c].parameters())
+            watch_dp_reduction(self.model[c], f"global rank {dist.get_rank()}, chunk {c}")
 
     # -- after the schedule -------------------------------------------------------------------------
     def finish(self) -> None:
@@ -195,9 +194,25 @@ class GradReduction:
             allreduce_bd_grads(self.model)  # the middle rank of an odd pipeline sums locally
         if self._fold:
             fold_tied_embedding_grads(self.model)
-        for state in self.chunks:
-            state.held, state.summed = False, True
-        self._start_ready_dp()
+        for c in self._dp_at_finish:
+            self._start_dp(c, in_schedule=False)
+        missed = [s.index for s in self.chunks if not s.dp_started]
+        if missed:
+            raise RuntimeError(f"megatron-dualpipe: the iteration plan starts no data-parallel reduction of "
+                               f"chunk(s) {missed} (a bug)")
+
+
+def _at_actions(actions, points: Sequence[Tuple[int, int]]) -> Tuple[Dict[tuple, List[int]], List[int]]:
+    """The plan's (action index, chunk) points as ({action key: chunks after it, in order},
+    chunks at the end of the schedule, in order)."""
+    at: Dict[tuple, List[int]] = {}
+    end: List[int] = []
+    for i, c in points:
+        if i < len(actions):
+            at.setdefault(pair_sums.action_key(actions[i]), []).append(c)
+        else:
+            end.append(c)
+    return at, end
 
 
 def _dp_start_functions(config, model) -> list:
