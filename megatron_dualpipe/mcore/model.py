@@ -227,7 +227,6 @@ def build_two_direction_model(
 
     Needs `groups.build_bd_groups()` to have run.
     """
-    from megatron.core.pipeline_parallel.utils import is_pp_first_stage, is_pp_last_stage
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     if layout_kind not in (BIDIRECTIONAL, V_SHAPE):
@@ -240,22 +239,7 @@ def build_two_direction_model(
         raise NotImplementedError("DualPipeV needs a pipeline of at least 2 ranks")
 
     base = pg_collection if pg_collection is not None else ProcessGroupCollection.use_mpu_process_groups()
-    pg0 = copy.copy(base)
-    pg1 = copy.copy(base)
-    pg1.pp = rev_group
-    pg1.embd = None
-    if layout_kind == BIDIRECTIONAL:
-        num_stages = pp
-        stages = (i, pp - 1 - i)
-        kwargs0 = dict(pre_process=is_pp_first_stage(pg0.pp), post_process=is_pp_last_stage(pg0.pp), vp_stage=None)
-        kwargs1 = dict(pre_process=is_pp_first_stage(rev_group), post_process=is_pp_last_stage(rev_group), vp_stage=None)
-    else:
-        num_stages = 2 * pp
-        stages = (i, 2 * pp - 1 - i)
-        pg0.embd = None
-        kwargs0 = dict(pre_process=is_pp_first_stage(pg0.pp), post_process=False, vp_stage=0)
-        kwargs1 = dict(pre_process=False, post_process=is_pp_last_stage(rev_group), vp_stage=1)
-
+    (pg0, kwargs0), (pg1, kwargs1), stages, num_stages = _chunk_arguments(layout_kind, base, rev_group, pp, i)
     with _v_stages_in_parallel_state(layout_kind):
         model0 = model_provider(pg_collection=pg0, **kwargs0)
         with _mirror_parallel_state(pp - 1 - i, list(reversed(pp_ranks))):
@@ -271,15 +255,35 @@ def build_two_direction_model(
     else:
         _tie_v_output_weight(model)
 
-    if wrap is not None:
-        wrapped = []
-        for chunk in model:
-            w = wrap(chunk)
-            if w is not chunk:
-                setattr(w, _INFO_ATTR, chunk_info(chunk))
-            wrapped.append(w)
-        model = wrapped
-    return model
+    return model if wrap is None else _wrapped(model, wrap)
+
+
+def _wrapped(model: List[torch.nn.Module], wrap: Callable) -> List[torch.nn.Module]:
+    """``wrap(chunk)`` of each chunk, model[0] first, the wrapper given the chunk's info."""
+    wrapped = []
+    for chunk in model:
+        w = wrap(chunk)
+        if w is not chunk:
+            setattr(w, _INFO_ATTR, chunk_info(chunk))
+        wrapped.append(w)
+    return wrapped
+
+
+def _chunk_arguments(layout_kind: str, base, rev_group, pp: int, i: int):
+    """((pg_collection, provider keywords) of model[0], the same of model[1], their stages, the
+    number of stages): the table of :func:`build_two_direction_model`'s docstring."""
+    from megatron.core.pipeline_parallel.utils import is_pp_first_stage, is_pp_last_stage
+
+    pg0, pg1 = copy.copy(base), copy.copy(base)
+    pg1.pp, pg1.embd = rev_group, None
+    if layout_kind == BIDIRECTIONAL:
+        kwargs0 = dict(pre_process=is_pp_first_stage(pg0.pp), post_process=is_pp_last_stage(pg0.pp), vp_stage=None)
+        kwargs1 = dict(pre_process=is_pp_first_stage(rev_group), post_process=is_pp_last_stage(rev_group), vp_stage=None)
+        return (pg0, kwargs0), (pg1, kwargs1), (i, pp - 1 - i), pp
+    pg0.embd = None
+    kwargs0 = dict(pre_process=is_pp_first_stage(pg0.pp), post_process=False, vp_stage=0)
+    kwargs1 = dict(pre_process=False, post_process=is_pp_last_stage(rev_group), vp_stage=1)
+    return (pg0, kwargs0), (pg1, kwargs1), (i, 2 * pp - 1 - i), 2 * pp
 
 
 def keeps_embedding_equal(m: torch.nn.Module) -> bool:

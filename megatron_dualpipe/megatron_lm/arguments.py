@@ -274,27 +274,9 @@ def dualpipe_problems(args):
                 "change --num-layers or --pipeline-model-parallel-size"
             )
 
-    # Micro-batches.
     if pp >= 2:
-        dp = getattr(args, "data_parallel_size", None) or 1
-        m = num_microbatches(args)
-        least = spec.min_real_microbatches(pp)
-        if m < least:
-            bad(
-                f"needs at least {least} micro-batches per step with pipeline size {pp}, got {m} = "
-                f"--global-batch-size {args.global_batch_size} // (--micro-batch-size "
-                f"{args.micro_batch_size} * data-parallel size {dp}); increase "
-                "--global-batch-size or decrease --micro-batch-size"
-            )
-        rampup = getattr(args, "rampup_batch_size", None)
-        if rampup:
-            start = int(rampup[0])
-            m0 = start // (args.micro_batch_size * dp)
-            if m0 < spec.min_real_microbatches(pp):
-                bad(
-                    f"--rampup-batch-size starts at global batch {start}, i.e. {m0} "
-                    f"micro-batches, fewer than the pipeline size ({pp}); raise its start value"
-                )
+        for problem in _microbatch_problems(spec, args, pp):
+            bad(problem)
 
     # Every option of the table (with --overlap-moe-expert-parallel-comm: what megatron-core's
     # combined step needs; training_hooks adapts the config so that no virtual pipeline is needed).
@@ -305,6 +287,25 @@ def dualpipe_problems(args):
     if timeout is not None and not timeout > 0:
         bad(f"--dualpipe-p2p-timeout must be a positive number of seconds (got {timeout})")
     return problems
+
+
+def _microbatch_problems(spec, args, pp: int):
+    """The micro-batch counts the schedule needs, at the start of a batch-size ramp-up too."""
+    dp = getattr(args, "data_parallel_size", None) or 1
+    m = num_microbatches(args)
+    least = spec.min_real_microbatches(pp)
+    if m < least:
+        yield (f"needs at least {least} micro-batches per step with pipeline size {pp}, got {m} = "
+               f"--global-batch-size {args.global_batch_size} // (--micro-batch-size "
+               f"{args.micro_batch_size} * data-parallel size {dp}); increase "
+               "--global-batch-size or decrease --micro-batch-size")
+    rampup = getattr(args, "rampup_batch_size", None)
+    if rampup:
+        start = int(rampup[0])
+        m0 = start // (args.micro_batch_size * dp)
+        if m0 < least:
+            yield (f"--rampup-batch-size starts at global batch {start}, i.e. {m0} "
+                   f"micro-batches, fewer than the pipeline size ({pp}); raise its start value")
 
 
 def _one_chunk_problems(spec, args, bad, problems):
