@@ -117,6 +117,21 @@ class SimResult:
                 "busy": self.busy}
 
 
+def _count_memory(timeline: RankTimeline, a: Action, live: List[int], wstate: List[int], r: int) -> None:
+    """Rank r's saved activations (a forward saves one, its backward frees it) and weight-gradient
+    states (a B without its W keeps one until the W), with their peaks."""
+    if a.op == F:
+        live[r] += 1
+    elif a.is_backward:
+        live[r] -= 1
+        if a.op == B:
+            wstate[r] += 1
+    elif a.op == W:
+        wstate[r] -= 1
+    timeline.peak_activations = max(timeline.peak_activations, live[r])
+    timeline.peak_weight_grad_states = max(timeline.peak_weight_grad_states, wstate[r])
+
+
 def simulate(layout: Layout, ranks: Sequence[Sequence[Action]], costs: Costs = Costs(),
              progress: Optional[Callable[[int, int], None]] = None,
              p2p: Optional[Callable[[int, int], float]] = None, overhead: float = 0.0) -> SimResult:
@@ -178,18 +193,8 @@ def simulate(layout: Layout, ranks: Sequence[Sequence[Action]], costs: Costs = C
             e = event_of(a)
             done[e] = (end, r)
             woken.extend(waiting.pop(e, ()))
-            if not costs.holds_memory(a):
-                continue
-            if a.op == F:
-                live[r] += 1
-            elif a.is_backward:
-                live[r] -= 1
-                if a.op == B:
-                    wstate[r] += 1
-            elif a.op == W:
-                wstate[r] -= 1
-            timelines[r].peak_activations = max(timelines[r].peak_activations, live[r])
-            timelines[r].peak_weight_grad_states = max(timelines[r].peak_weight_grad_states, wstate[r])
+            if costs.holds_memory(a):
+                _count_memory(timelines[r], a, live, wstate, r)
         timelines[r].busy += cost
         free_at[r] = end
         pos[r] += 1
