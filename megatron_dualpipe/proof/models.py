@@ -22,6 +22,9 @@ from ..schedule.registry import DUALPIPE, DUALPIPEV, ONE_F_ONE_B
 
 SEED = 1234
 SCHEDULES = (ONE_F_ONE_B, DUALPIPE, DUALPIPEV)
+#: Megatron's interleaved 1F1B, two virtual stages per rank, with its all-to-all overlap
+#: (``--overlap-moe-expert-parallel-comm``) when the spec asks for the combined step.
+INTERLEAVED = "interleaved-1f1b"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +54,8 @@ class ModelSpec:
     def label(self) -> str:
         kind = f"MoE GPT ({self.experts} experts, alltoall)" if self.experts else "GPT"
         arch = ", RoPE + SwiGLU + RMSNorm" if dict(self.model).get("position_embedding_type") == "rope" else ""
+        if dict(self.config).get("multi_latent_attention"):
+            kind, arch = f"DeepSeek-V3-shaped MoE GPT ({self.experts} experts, alltoall)", f", {V3_LABEL}"
         return (f"{kind}{arch}, {self.layers} layers, hidden {self.hidden}, seq {self.seq}, micro-batch {self.mbs}, "
                 f"{self.dtype}{' fp8' if self.fp8 else ''}, {self.layer_spec} layers")
 
@@ -59,16 +64,42 @@ class ModelSpec:
         return make_gpt_batches(n, vocab=self.vocab, seq=self.seq, mbs=self.mbs, seed=seed, short=short)
 
 
+def _swiglu_rmsnorm() -> Tuple[Tuple[str, Any], ...]:
+    import torch.nn.functional as F
+
+    return (("gated_linear_unit", True), ("activation_func", F.silu), ("normalization", "RMSNorm"))
+
+
 def users_architecture(spec: ModelSpec) -> ModelSpec:
     """``spec`` with the architecture users train (every shipped config, Llama and DeepSeek alike)
     instead of GPT-2's: rotary positions (base 500000 on half of each head, Llama 3.1's frequency
     scaling), SwiGLU, RMSNorm, untied output weights."""
-    import torch.nn.functional as F
-
-    config = (("gated_linear_unit", True), ("activation_func", F.silu), ("normalization", "RMSNorm"))
     model = (("position_embedding_type", "rope"), ("rotary_base", 500000), ("rotary_percent", 0.5),
              ("rope_scaling", True), ("rope_scaling_factor", 8.0))
-    return dataclasses.replace(spec, tied=False, config=spec.config + config, model=spec.model + model)
+    return dataclasses.replace(spec, tied=False, config=spec.config + _swiglu_rmsnorm(), model=spec.model + model)
+
+
+V3_LABEL = ("MLA + YaRN, SwiGLU, RMSNorm, untied; layer 1 dense; sigmoid routing with expert bias, top-2 "
+            "in 2 groups (1 picked), scaled 2.5, one shared expert, no aux loss")
+
+
+def deepseek_v3(spec: ModelSpec) -> ModelSpec:
+    """``spec`` (an MoE spec with an even number of experts) shaped as DeepSeek-V3 at tiny sizes
+    (configs/moe_deepseek_v3_cpu.sh's recipe without its auxiliary loss): multi-latent attention
+    with YaRN RoPE, SwiGLU, RMSNorm, untied output weights, the first layer dense, sigmoid scores
+    with expert bias, group-limited routing, the routed output scaled by 2.5, a shared expert.
+    The expert bias moves only in Megatron's finalize step, not inside one iteration."""
+    if not spec.experts or spec.experts % 2:
+        raise ValueError(f"the V3 model routes in 2 groups: it needs an even number of experts, got {spec.experts}")
+    head = spec.hidden // spec.heads
+    mla = (("multi_latent_attention", True), ("q_lora_rank", spec.hidden), ("kv_lora_rank", spec.hidden // 2),
+           ("qk_head_dim", head), ("qk_pos_emb_head_dim", head // 2), ("v_head_dim", head), ("rope_type", "yarn"),
+           ("rotary_scaling_factor", 40.0), ("mscale", 1.0), ("mscale_all_dim", 1.0))
+    moe = (("moe_router_score_function", "sigmoid"), ("moe_router_enable_expert_bias", True),
+           ("moe_router_num_groups", 2), ("moe_router_group_topk", 1), ("moe_router_topk_scaling_factor", 2.5),
+           ("moe_shared_expert_intermediate_size", spec.hidden), ("moe_layer_freq", [0] + [1] * (spec.layers - 1)))
+    return dataclasses.replace(spec, tied=False, config=spec.config + _swiglu_rmsnorm() + mla + moe,
+                               model=spec.model + (("position_embedding_type", "rope"),))
 
 
 def config_of(spec: ModelSpec, *, full: bool = False, combined: bool = False):
@@ -142,12 +173,38 @@ def batches(spec: ModelSpec, m: int, step: int = 0) -> List[dict]:
     return [{k: v.to(device) for k, v in b.items()} for b in spec.batches(m, seed)]
 
 
+def _interleaved(spec: ModelSpec) -> List[torch.nn.Module]:
+    """Interleaved 1F1B's two chunks on this rank (virtual stages ``r`` and ``pp + r``), as
+    ``pretrain_gpt.py`` builds them: one config with ``virtual_pipeline_model_parallel_size=2`` and
+    Megatron-LM's default with it, ``--overlap-p2p-communication`` (unbatched sends: batched ones
+    with pp=2, where the previous and the next rank are one peer, pair a gradient with an activation
+    on gloo; Megatron-LM refuses them for pp <= 2). The combined step's flag is set after
+    megatron-core's checks (:func:`..mcore.overlap.enable_combined_step`): its bf16/fp16 assertion
+    would refuse the fp32 proof; the fp32 path differs only by the loss cast, the identity there."""
+    from megatron.core import parallel_state as ps
+
+    config = dataclasses.replace(config_of(spec), virtual_pipeline_model_parallel_size=2, overlap_p2p_comm=True,
+                                 batch_p2p_comm=False)
+    if spec.combined_step:
+        from ..mcore.overlap import enable_combined_step
+
+        enable_combined_step(config)
+    rank, pp = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()
+    return [_build(spec, config, pre_process=v == 0 and rank == 0, post_process=v == 1 and rank == pp - 1,
+                   vp_stage=v) for v in range(2)]
+
+
 def build(spec: ModelSpec, schedule: str, full: Dict[str, torch.Tensor]) -> List[torch.nn.Module]:
     """The chunks ``schedule`` runs on this rank, loaded from ``full``: 1F1B one stage; DualPipe
-    model[0] loaded and broadcast to its partner's mirror; DualPipeV both chunks loaded."""
+    model[0] loaded and broadcast to its partner's mirror; DualPipeV and interleaved 1F1B both
+    chunks loaded."""
     from ..mcore.model import broadcast_mirrors, build_two_direction_model
 
-    if schedule == ONE_F_ONE_B:
+    if schedule == INTERLEAVED:
+        chunks = _interleaved(spec)
+        for chunk in chunks:
+            names.load_stage_from_full(chunk, full)
+    elif schedule == ONE_F_ONE_B:
         chunks = [provider(spec)()]
         names.load_stage_from_full(chunks[0], full)
     elif schedule == DUALPIPE:
@@ -159,7 +216,8 @@ def build(spec: ModelSpec, schedule: str, full: Dict[str, torch.Tensor]) -> List
         for chunk in chunks:
             names.load_stage_from_full(chunk, full)
     else:
-        raise ValueError(f"unknown schedule {schedule!r}: choose one of {', '.join(SCHEDULES)}")
+        known = ", ".join(SCHEDULES + (INTERLEAVED,))
+        raise ValueError(f"unknown schedule {schedule!r}: choose one of {known}")
     for chunk in chunks:
         chunk.config.finalize_model_grads_func = None  # plain modules: no data-parallel reduction
     return chunks
@@ -177,6 +235,14 @@ def run_iteration(spec: ModelSpec, schedule: str, chunks: Sequence[torch.nn.Modu
                   forward_only=forward_only)
     if schedule == ONE_F_ONE_B:
         out = schedules.get_forward_backward_func()(**kwargs)
+    elif schedule == INTERLEAVED:  # one iterator per chunk, each over all the micro-batches
+        from .. import hooks
+
+        kwargs["data_iterator"] = [iter(micro_batches) for _ in chunks]
+        # parallel_state says two virtual stages, as Megatron's initialize_model_parallel does with
+        # a virtual pipeline: the combined step asks it where the loss is taken
+        with hooks.scoped(hooks.entry("scoped", "_VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE").to(2)):
+            out = schedules.forward_backward_pipelining_with_interleaving(**kwargs)
     else:
         from ..mcore.forward_backward import forward_backward_dualpipe
 

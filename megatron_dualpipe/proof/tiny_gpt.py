@@ -31,10 +31,11 @@ def tiny_gpt_config(
 
     With `num_moe_experts` it is an MoE config (SequentialMLP experts, top-2 router, allgather
     dispatcher unless `moe_token_dispatcher_type` is overridden, no aux loss unless overridden,
-    no linear biases).
+    no linear biases). With ``multi_latent_attention=True`` it is megatron-core's
+    `MLATransformerConfig` (the MLA fields, ``q_lora_rank`` ..., among the overrides).
     """
     from megatron.core import parallel_state
-    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
     kwargs: Dict[str, Any] = dict(
         num_layers=num_layers,
@@ -75,7 +76,7 @@ def tiny_gpt_config(
             add_bias_linear=False,
         )
     kwargs.update(overrides)
-    return TransformerConfig(**kwargs)
+    return (MLATransformerConfig if kwargs.get("multi_latent_attention") else TransformerConfig)(**kwargs)
 
 
 def build_tiny_gpt(
@@ -91,7 +92,9 @@ def build_tiny_gpt(
 ):
     """`GPTModel` with the local layer spec (``layer_spec="te"``: Transformer Engine's).
 
-    `pre_process` / `post_process` default to the stage predicates of `parallel_state`.
+    `pre_process` / `post_process` default to the stage predicates of `parallel_state`. A config
+    with multi-latent attention or a per-layer ``moe_layer_freq`` list (dense and MoE layers mixed,
+    as DeepSeek-V3) gets megatron-core's decoder block spec, as ``pretrain_gpt.py`` builds it.
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
@@ -101,18 +104,23 @@ def build_tiny_gpt(
         pre_process = parallel_state.is_pipeline_first_stage()
     if post_process is None:
         post_process = parallel_state.is_pipeline_last_stage()
-    if layer_spec == "te":
+    if layer_spec not in ("local", "te"):
+        raise ValueError(f"layer_spec must be 'local' or 'te', got {layer_spec!r}")
+    if getattr(config, "multi_latent_attention", False) or isinstance(config.moe_layer_freq, list):
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=layer_spec == "te",
+                                          normalization=config.normalization, vp_stage=kwargs.get("vp_stage"))
+    elif layer_spec == "te":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
         spec = get_gpt_layer_with_transformer_engine_spec(
             num_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm
         )
-    elif layer_spec == "local":
+    else:
         spec = get_gpt_layer_local_spec(
             num_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm
         )
-    else:
-        raise ValueError(f"layer_spec must be 'local' or 'te', got {layer_spec!r}")
     return GPTModel(
         config,
         spec,
