@@ -7,6 +7,9 @@ at the first hard FAIL (speed and memory FAILs are soft)::
     environment   versions, devices, links; P2P latency/bandwidth of pipeline neighbours and bd pairs
     equality      tiny GPT (+ MoE over EP with --ep): DualPipe, DualPipeV vs Megatron 1F1B, same weights,
                   and every schedule vs the pp=1 reference of the CPU tests (megatron_dualpipe/proof)
+    deepseek-v3   DeepSeek-V3-shaped tiny model (MLA, V3 MoE routing, shared expert, dense first layer):
+                  DualPipe, DualPipeV (fused F&B units with --ep) and, with --ep, Megatron's interleaved
+                  1F1B with its all-to-all overlap vs Megatron 1F1B; tokens/s and peak GPU memory each
     no hang       odd M and pp <= M < 2pp, bounded by the deadline
     overlap       MoE all-to-all hidden in fused F&B units (GPU with --ep; SKIP otherwise)
     speed         bench: every schedule against its simulation (matmul stages on GPU)
@@ -35,7 +38,8 @@ def configure(p: argparse.ArgumentParser) -> None:
                         "its world size)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
     p.add_argument("--ep", type=int, default=1,
-                   help="expert-parallel size; > 1 adds a tiny MoE to the equality stage and the overlap stage")
+                   help="expert-parallel size; > 1 adds a tiny MoE to the equality stage and the overlap stage, "
+                        "and fused units and interleaved 1F1B with all-to-all overlap to the deepseek-v3 stage")
     p.add_argument("--te", action="store_true", help="build the layers with Transformer Engine (GPU), in bf16")
     p.add_argument("--fp8", action="store_true", help="with --te: FP8 (per-tensor current scaling, the tensorwise recipe)")
     p.add_argument("--out", default="selftest-out", metavar="DIR", help="where the report goes (default selftest-out)")

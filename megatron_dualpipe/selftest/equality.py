@@ -80,8 +80,11 @@ def run(ctx) -> dict:
     return out
 
 
-def _vs_1f1b(ctx, name: str, by_coord: dict, schedule: str, tol: float, failures: List[str]) -> dict:
-    """``schedule``'s losses and gradients against Megatron 1F1B's, each tensor relative to its own scale."""
+def vs_1f1b(ctx, name: str, by_coord: dict, schedule: str, tol: float, failures: List[str]) -> dict:
+    """``schedule``'s losses and gradients against Megatron 1F1B's, each tensor relative to its own scale.
+
+    ``by_coord``: every rank's ``{"losses": {schedule: ...}, "grads": {schedule: [per chunk]}}`` by
+    its (pp, tp, dp) coordinate (also the ``deepseek-v3`` stage's)."""
     pp = ctx.cfg.pp
     ref = {(tp, dp, key): g for (_, tp, dp), p in by_coord.items() for key, g in p["grads"][ONE_F_ONE_B][0].items()}
     losses, grads, missing = Gap(), Gap(), []
@@ -107,6 +110,12 @@ def _vs_1f1b(ctx, name: str, by_coord: dict, schedule: str, tol: float, failures
         failures.append(f"{name} {schedule}: gradient of {grads.worst_where} differs from 1F1B's by {grads.worst:.2e} "
                         f"(relative) > {tol:g}")
     return {"max_rel_loss_diff": losses.worst, "max_rel_grad_diff": grads.worst, "where": grads.worst_where}
+
+
+def vs_1f1b_line(name: str, schedule: str, m: int, n: dict) -> str:
+    """The report's line for :func:`vs_1f1b`'s numbers (takes ``where`` out of them)."""
+    return (f"{name} {schedule} vs Megatron 1F1B, M={m}: max relative loss difference {n['max_rel_loss_diff']:.2e}, "
+            f"max relative gradient difference {n['max_rel_grad_diff']:.2e} ({n.pop('where') or 'all bit-identical'})")
 
 
 def _vs_reference(name: str, payloads: List[dict], schedule: str, tol: float,
@@ -145,10 +154,8 @@ def _compare_model(ctx, name: str, payloads: List[dict], tol: float) -> Tuple[Li
     details, failures, numbers = [], [], {}
     by_coord = {tuple(p["coord"]): p["models"][name] for p in payloads}
     for schedule in (DUALPIPE, DUALPIPEV):
-        n = numbers[schedule] = _vs_1f1b(ctx, name, by_coord, schedule, tol, failures)
-        details.append(f"{name} {schedule} vs Megatron 1F1B, M={2 * pp}: max relative loss difference "
-                       f"{n['max_rel_loss_diff']:.2e}, max relative gradient difference {n['max_rel_grad_diff']:.2e} "
-                       f"({n.pop('where') or 'all bit-identical'})")
+        numbers[schedule] = vs_1f1b(ctx, name, by_coord, schedule, tol, failures)
+        details.append(vs_1f1b_line(name, schedule, 2 * pp, numbers[schedule]))
     numbers["vs_reference"] = {}
     for schedule in models.SCHEDULES:
         numbers["vs_reference"][schedule], line = _vs_reference(name, payloads, schedule, tol, failures)

@@ -5,7 +5,7 @@ import dataclasses
 import os
 from typing import Optional
 
-from ..proof.models import ModelSpec
+from ..proof.models import ModelSpec, deepseek_v3
 
 #: Relative tolerance of losses and gradients (largest |difference| over the largest |value| of each
 #: tensor) per dtype. fp32: the schedules add the same numbers in other orders (DualPipe sums the two
@@ -65,6 +65,11 @@ class SelftestConfig:
                          vocab=128 if self.gpu else 64, dtype="bf16" if self.dtype_key != "fp32" else "fp32",
                          layer_spec="te" if self.te else "local", experts=2 * self.ep if moe else None,
                          combined_step=moe and self.ep > 1, fp8=self.fp8)
+
+    def spec_v3(self) -> ModelSpec:
+        """The tiny DeepSeek-V3-shaped model (:func:`..proof.models.deepseek_v3`): 2 experts per
+        expert-parallel rank, at least 4 (2 groups of 2); fused F&B units with --ep."""
+        return deepseek_v3(dataclasses.replace(self.spec(moe=True), experts=2 * max(self.ep, 2)))
 
 
 def check(world: int, tp: int, ep: int, te: bool, fp8: bool, gpu: bool, gpus_here: int,

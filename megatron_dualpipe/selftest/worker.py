@@ -49,9 +49,9 @@ class Context:
 
 
 def _stages():
-    from . import environment, equality, memory, nohang, overlap, speed
+    from . import deepseek_v3, environment, equality, memory, nohang, overlap, speed
 
-    return [environment, equality, nohang.OddMicrobatches, overlap, speed, memory, nohang.RankRaises]
+    return [environment, equality, deepseek_v3, nohang.OddMicrobatches, overlap, speed, memory, nohang.RankRaises]
 
 
 def _setup(cfg: SelftestConfig, rank: int, world: int, device) -> Context:
