@@ -264,6 +264,60 @@ def _svg_fill(op: str, d: int) -> str:
     return f"url(#hatch-{op}-{d})" if d in HATCHED else COLORS[(op, d)]
 
 
+def _svg_cells(schedule, result: SimResult, fr, px: float, fake: Fake, font: str) -> List[str]:
+    """One ``<rect class="action">`` (and its label) per drawn action, the fused units' outlines on top."""
+    out: List[str] = []
+    fused_outlines: List[str] = []
+    for c in cells(schedule, result):
+        row = fr.row_of(c.rank)
+        if row is None:
+            continue
+        a = c.action
+        y = _TOP + row * (_ROW + _GAP)
+        is_fake = fake is not None and fake(a)
+        for x0, x1 in fr.clip(*c.span):
+            x, w = _LEFT + x0 * px, max((x1 - x0) * px, 0.5)
+            tip = f"rank {c.rank} #{c.index}: {a} stage {a.stage} [{_num(c.start)}, {_num(c.end)})" + \
+                (" fake" if is_fake else "")
+            fill = FAKE if is_fake else _svg_fill(a.op, a.dir)
+            mark = ' data-fake="1"' if is_fake else ""
+            out.append(
+                f'<rect class="action" data-rank="{c.rank}" data-index="{c.index}" data-op="{a.op}" '
+                f'data-dir="{a.dir}" data-mb="{a.mb}" data-stage="{a.stage}"{mark} '
+                f'x="{x:.2f}" y="{y:.2f}" width="{w:.2f}" height="{_ROW:.2f}" fill="{fill}" stroke="#ffffff" '
+                f'stroke-width="0.8"><title>{escape(tip)}</title></rect>')
+            size = _label_size(len(_label(a)), w, (11, 9))
+            if size and not is_fake:
+                out.append(f'<text x="{x + w / 2:.2f}" y="{y + _ROW / 2 + 4:.2f}" font-size="{size}" '
+                           f'text-anchor="middle" fill="{TEXT[a.dir]}" {font}>{_label(a)}</text>')
+        if c.fused and c.half == 0:
+            for x0, x1 in fr.clip(c.start, c.end):
+                fx, fw = _LEFT + x0 * px, (x1 - x0) * px
+                fused_outlines.append(
+                    f'<path class="fused" d="M{fx + 1:.2f},{y + 1:.2f} h{fw - 2:.2f} v{_ROW - 2:.2f} '
+                    f'h{-(fw - 2):.2f} Z" fill="none" stroke="#111111" stroke-width="2.2"/>')
+    return out + fused_outlines  # on top of every cell, so neighbours cannot hide them
+
+
+def _svg_legend(legend, extra, per_line: int, column: float, legend_top: float, font: str) -> List[str]:
+    """The legend under the timeline: the actions' colours, then the fused-unit and fake marks."""
+    out: List[str] = []
+    items = [(lab, col, None) for lab, col in legend] + [(lab, "", kind) for lab, kind in extra]
+    fill_of = {COLORS[(op, d)]: _svg_fill(op, d) for op in (F, BW, B, W) for d in (0, 1)}
+    for k, (label, colour, kind) in enumerate(items):
+        lx = _LEFT + (k % per_line) * column
+        ly = legend_top + (k // per_line) * 20
+        if kind == "fused":
+            out.append(f'<path class="legend" d="M{lx + 1:.1f},{ly + 1:.1f} h14 v10 h-14 Z" fill="none" '
+                       f'stroke="#111111" stroke-width="2.2"/>')
+        else:
+            out.append(f'<rect class="legend" x="{lx:.1f}" y="{ly:.1f}" width="16" height="12" '
+                       f'fill="{FAKE if kind == "fake" else fill_of[colour]}"/>')
+        out.append(f'<text class="legend" x="{lx + 22:.1f}" y="{ly + 10:.1f}" font-size="11" {font}>'
+                   f'{escape(label)}</text>')
+    return out
+
+
 def to_svg(schedule, result: SimResult, fake: Fake = None) -> str:
     """The timeline as a standalone SVG document (one ``<rect class="action">`` per drawn action).
 
@@ -312,50 +366,8 @@ def to_svg(schedule, result: SimResult, fake: Fake = None) -> str:
         text = f"rank {r}" if r is not None else "..."
         out.append(f'<text x="{_LEFT - 8:.1f}" y="{y + _ROW / 2 + 4:.1f}" font-size="12" text-anchor="end" '
                    f'{font}>{text}</text>')
-    fused_outlines: List[str] = []
-    for c in cells(schedule, result):
-        row = fr.row_of(c.rank)
-        if row is None:
-            continue
-        a = c.action
-        y = _TOP + row * (_ROW + _GAP)
-        is_fake = fake is not None and fake(a)
-        for x0, x1 in fr.clip(*c.span):
-            x, w = _LEFT + x0 * px, max((x1 - x0) * px, 0.5)
-            tip = f"rank {c.rank} #{c.index}: {a} stage {a.stage} [{_num(c.start)}, {_num(c.end)})" + \
-                (" fake" if is_fake else "")
-            fill = FAKE if is_fake else _svg_fill(a.op, a.dir)
-            mark = ' data-fake="1"' if is_fake else ""
-            out.append(
-                f'<rect class="action" data-rank="{c.rank}" data-index="{c.index}" data-op="{a.op}" '
-                f'data-dir="{a.dir}" data-mb="{a.mb}" data-stage="{a.stage}"{mark} '
-                f'x="{x:.2f}" y="{y:.2f}" width="{w:.2f}" height="{_ROW:.2f}" fill="{fill}" stroke="#ffffff" '
-                f'stroke-width="0.8"><title>{escape(tip)}</title></rect>')
-            size = _label_size(len(_label(a)), w, (11, 9))
-            if size and not is_fake:
-                out.append(f'<text x="{x + w / 2:.2f}" y="{y + _ROW / 2 + 4:.2f}" font-size="{size}" '
-                           f'text-anchor="middle" fill="{TEXT[a.dir]}" {font}>{_label(a)}</text>')
-        if c.fused and c.half == 0:
-            for x0, x1 in fr.clip(c.start, c.end):
-                fx, fw = _LEFT + x0 * px, (x1 - x0) * px
-                fused_outlines.append(
-                    f'<path class="fused" d="M{fx + 1:.2f},{y + 1:.2f} h{fw - 2:.2f} v{_ROW - 2:.2f} '
-                    f'h{-(fw - 2):.2f} Z" fill="none" stroke="#111111" stroke-width="2.2"/>')
-    out.extend(fused_outlines)  # on top of every cell, so neighbours cannot hide them
-    # Legend.
-    items = [(lab, col, None) for lab, col in legend] + [(lab, "", kind) for lab, kind in extra]
-    fill_of = {COLORS[(op, d)]: _svg_fill(op, d) for op in (F, BW, B, W) for d in (0, 1)}
-    for k, (label, colour, kind) in enumerate(items):
-        lx = _LEFT + (k % per_line) * column
-        ly = legend_top + (k // per_line) * 20
-        if kind == "fused":
-            out.append(f'<path class="legend" d="M{lx + 1:.1f},{ly + 1:.1f} h14 v10 h-14 Z" fill="none" '
-                       f'stroke="#111111" stroke-width="2.2"/>')
-        else:
-            out.append(f'<rect class="legend" x="{lx:.1f}" y="{ly:.1f}" width="16" height="12" '
-                       f'fill="{FAKE if kind == "fake" else fill_of[colour]}"/>')
-        out.append(f'<text class="legend" x="{lx + 22:.1f}" y="{ly + 10:.1f}" font-size="11" {font}>'
-                   f'{escape(label)}</text>')
+    out += _svg_cells(schedule, result, fr, px, fake, font)
+    out += _svg_legend(legend, extra, per_line, column, legend_top, font)
     out.append("</svg>")
     return "\n".join(out) + "\n"
 
