@@ -123,8 +123,9 @@ def judge(ctx, payloads: List[dict]) -> StageResult:
     for schedule in schedules(cfg)[1:]:
         numbers[schedule] = equality.vs_1f1b(ctx, "V3", by_coord, schedule, tol, failures)
         details.append(equality.vs_1f1b_line("V3", _label(schedule, spec), 2 * cfg.pp, numbers[schedule]))
+    numbers["combined_step_forwards"] = {}
     for schedule in schedules(cfg)[1:]:
-        plans = sum(p["plans"][schedule] for p in payloads)
+        plans = numbers["combined_step_forwards"][schedule] = sum(p["plans"][schedule] for p in payloads)
         if spec.combined_step and not plans:
             failures.append(f"V3 {schedule}: no forward went through megatron-core's combined step (the fused units "
                             f"or the all-to-all overlap did not run)")

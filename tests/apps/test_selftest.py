@@ -7,6 +7,8 @@ executor that the selftest must catch.
 * With the test-only fault (``MEGATRON_DUALPIPE_SELFTEST_FAULT=swap-microbatch``: the last pipeline
   rank reads micro-batches 0 and 1 in swapped order under DualPipe) the equality stage FAILs with
   the loss of micro-batch 0 against Megatron 1F1B's, the selftest stops there and exits 1.
+* With ``wrong-gradient`` (one router gradient of DualPipeV 0.1% off) the deepseek-v3 stage FAILs
+  naming that gradient and its relative difference.
 * Bad settings end in one line naming the fix, before any process starts.
 
 ``pytest -s`` prints the report of each run.
@@ -55,8 +57,9 @@ def test_quick_cpu_run_passes_end_to_end(tmp_path):
     code, stdout, report = _selftest(tmp_path, "--nproc", "4", "--ep", "2", "--deadline", "10")
     statuses = {s["stage"]: s["status"] for s in report["stages"]}
     assert code == 0 and not report["failed"], stdout
-    assert statuses == {"environment": "PASS", "equality": "PASS", "no hang (odd M, pp <= M < 2pp)": "PASS",
-                        "overlap": "SKIP", "speed": "PASS", "memory": "PASS", "no hang (a rank raises)": "PASS"}
+    assert statuses == {"environment": "PASS", "equality": "PASS", "deepseek-v3": "PASS",
+                        "no hang (odd M, pp <= M < 2pp)": "PASS", "overlap": "SKIP", "speed": "PASS", "memory": "PASS",
+                        "no hang (a rank raises)": "PASS"}
     for s in report["stages"]:
         assert f"[{s['status']}] {s['stage']}: " in stdout  # one line per stage as it ends
     # equality: the numbers behind the PASS are within the stated tolerance, and were compared at all
@@ -69,6 +72,7 @@ def test_quick_cpu_run_passes_end_to_end(tmp_path):
             assert 0 <= eq["vs_reference"][schedule]["rel_grad_diff"] <= TOLERANCE["fp32"]
             assert 0 <= eq["vs_reference"][schedule]["rel_loss_diff"] <= TOLERANCE["fp32"]
         assert eq["copies_identical"] is True
+    _check_deepseek_v3(_stage(report, "deepseek-v3"))
     # overlap: skipped here, saying why, after its node timer (CUDA events on a GPU, the host clock
     # here) recorded the dispatch and combine of every layer of every fused unit, forward and backward
     overlap = _stage(report, "overlap")
@@ -90,6 +94,37 @@ def test_quick_cpu_run_passes_end_to_end(tmp_path):
         png, js = tmp_path / f"timeline_{name}_pp4_m8.png", tmp_path / f"timeline_{name}_pp4_m8.json"
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert json.loads(js.read_text())["traceEvents"]
+
+
+def _check_deepseek_v3(v3):
+    """The V3-shaped model: every schedule, Megatron's interleaved 1F1B with its all-to-all overlap
+    included, within the tolerance of 1F1B, each through the combined step, and its speed measured."""
+    numbers = v3["numbers"]
+    for schedule in ("dualpipe", "dualpipev", "interleaved-1f1b"):
+        assert 0 <= numbers[schedule]["max_rel_grad_diff"] <= TOLERANCE["fp32"]
+        assert 0 <= numbers[schedule]["max_rel_loss_diff"] <= TOLERANCE["fp32"]
+        assert numbers["combined_step_forwards"][schedule] > 0  # fused units / the all-to-all overlap ran
+    speed = numbers["speed"]
+    assert set(speed) == {"1f1b", "dualpipe", "dualpipev", "interleaved-1f1b"}
+    assert all(s["tokens_per_s"] > 0 and s["peak_bytes"] is None for s in speed.values())
+    assert sum("peak memory not measured (CPU)" in line for line in v3["details"]) == 4
+
+
+def test_a_wrong_gradient_fails_the_deepseek_v3_stage_with_the_number(tmp_path):
+    """2 processes (pp=2, no expert parallelism: the V3 model's experts all local, no fused units):
+    DualPipeV's gradient of one router weight on pipeline rank 0 made 0.1% too large; the stage FAILs
+    with that gradient's relative difference, the scale the fault applied."""
+    code, stdout, report = _selftest(tmp_path, "--nproc", "2", env={faults.FAULT_ENV: "wrong-gradient"})
+    assert code == 1 and report["failed"]
+    assert [s["stage"] for s in report["stages"]] == ["environment", "equality", "deepseek-v3"]
+    v3 = _stage(report, "deepseek-v3")
+    m = re.search(r"V3 dualpipev: gradient of rank \(pp 0, .*\) model\[\d\] (\S+) differs from 1F1B's by (\S+) "
+                  r"\(relative\) >", v3["summary"])
+    assert v3["status"] == "FAIL" and m, v3["summary"]
+    assert "router" in m.group(1)
+    assert float(m.group(2)) == pytest.approx(faults.WRONG_GRADIENT_SCALE - 1, rel=1e-3)
+    assert v3["numbers"]["dualpipe"]["max_rel_grad_diff"] <= TOLERANCE["fp32"]  # the others still equal
+    assert "[FAIL] deepseek-v3: V3 dualpipev: gradient of" in stdout
 
 
 def test_a_broken_executor_fails_equality_with_the_number(tmp_path):
