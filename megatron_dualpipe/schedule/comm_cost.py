@@ -11,8 +11,10 @@ summed over the bd pair (ranks i and pp-1-i) first. The executor starts these wh
 * bidirectional layouts: the pair's sums run one after the other, in the order both partners
   issue them (``iteration_plan.bd_sum_order``), each when both copies are final and the previous
   sum is done; one all-reduce of the chunk's bytes over 2 ranks on the link between them;
-* data-parallel reduction of every chunk, in the order the chunks finished, each when its bd
-  sum (if any) is in and the previous reduction is done: a ring all-reduce over ``dp`` ranks
+* data-parallel reduction of every chunk, in the order the chunks finished, each at the point
+  the iteration plan starts it (``iteration_plan.dp_start_points``, what GradReduction reads:
+  with bd sums at the end of the schedule once every sum is in, else when the chunk is final)
+  and after the previous reduction: a ring all-reduce over ``dp`` ranks
   (a reduce-scatter with the distributed optimizer) on the data-parallel group's link. The bd
   sums and the data-parallel reductions are separate communicators: the two queues overlap;
 * Megatron's own schedules with ``--overlap-grad-reduce`` start a chunk's reduction when its
@@ -326,14 +328,22 @@ def grad_comm(schedule, sim, comm: CommModel, stage_fraction: float, deferring: 
                     row.bd_start, row.bd_end = start, t
 
     pairs = [(r, pp - 1 - r) for r in range(pp) if r < pp - 1 - r] if bidirectional else []
+    def planned(r: int, bd_sums: bool) -> Dict[int, float]:
+        """When GradReduction starts each chunk's data-parallel reduction: after the action at the
+        plan's point, or at the end of the rank's schedule and of its sums."""
+        acts, ends = schedule.ranks[r], sim.ranks[r].ends
+        finish = max([ends[-1] if acts else 0.0] + [rows[r][c].bd_end or 0.0 for c in orders[r]])
+        points = grad_order.dp_start_points(schedule.layout, r, acts, is_fake, ops, bd_sums=bd_sums)
+        return {c: ends[i] if i < len(acts) else finish for i, c in points}
+
     if mode == BD_FIRST:
         for r, partner in pairs:
             pair_queue(r, partner, ready, comm.bd_sum(r, chunk_bytes), as_dp=False)
         for r in range(pp):
-            dp_queue(r, lambda c, r=r: rows[r][c].bd_end or 0.0, chunk_bytes)
+            dp_queue(r, planned(r, True).__getitem__, chunk_bytes)
     elif mode == DP_FIRST:
         for r in range(pp):
-            dp_queue(r, lambda c: 0.0, chunk_bytes)
+            dp_queue(r, planned(r, False).__getitem__, chunk_bytes)
         shard = chunk_bytes / comm.placement.dp if comm.distributed_optimizer else chunk_bytes
 
         def after_schedule(rank: int, c: int) -> float:
