@@ -27,7 +27,7 @@ EXPERT_BIAS_RE = re.compile(r"\[test-expert-bias\] iteration (\d+) layer (\d+): 
 # name -> (arguments of every run, [(schedule, extra arguments)] compared with 1f1b on the same arguments)
 CASES = {
     # The bd sums start per chunk as soon as its last W is done; with --overlap-grad-reduce the
-    # data-parallel reduction of each chunk (Megatron's grad_sync_func) follows its bd sum.
+    # data-parallel reduction of each chunk (Megatron's grad_sync_func) follows every bd sum.
     "untied, full recompute, per-token loss, decoupled lr, overlap-grad-reduce": ((
         "--untie-embeddings-and-output-weights", "--recompute-granularity", "full", "--recompute-method", "uniform",
         "--recompute-num-layers", "1", "--calculate-per-token-loss", "--decoupled-lr", "3e-3",
