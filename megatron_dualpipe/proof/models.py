@@ -18,13 +18,13 @@ import torch
 from . import names, tiny_gpt
 from .data import forward_step, make_gpt_batches
 from .reference import weights
-from ..schedule.registry import DUALPIPE, DUALPIPEV, ONE_F_ONE_B
+from ..schedule.registry import DUALPIPE, DUALPIPEV, INTERLEAVED_1F1B, ONE_F_ONE_B
 
 SEED = 1234
 SCHEDULES = (ONE_F_ONE_B, DUALPIPE, DUALPIPEV)
 #: Megatron's interleaved 1F1B, two virtual stages per rank, with its all-to-all overlap
 #: (``--overlap-moe-expert-parallel-comm``) when the spec asks for the combined step.
-INTERLEAVED = "interleaved-1f1b"
+INTERLEAVED = INTERLEAVED_1F1B
 
 
 @dataclasses.dataclass(frozen=True)

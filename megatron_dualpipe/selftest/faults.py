@@ -33,7 +33,9 @@ def wrong_gradient(schedule: str, chunks) -> None:
     gradient (any parameter's if there is none) times :data:`WRONG_GRADIENT_SCALE`, in place."""
     from megatron.core import parallel_state as ps
 
-    if os.environ.get(FAULT_ENV) != "wrong-gradient" or schedule != "dualpipev":
+    from ..schedule.registry import DUALPIPEV
+
+    if os.environ.get(FAULT_ENV) != "wrong-gradient" or schedule != DUALPIPEV:
         return
     if ps.get_pipeline_model_parallel_rank():
         return
