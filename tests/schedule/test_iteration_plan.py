@@ -12,6 +12,12 @@ of a plan that cannot complete.
 * Every accepted (schedule, pp, M, zero bubble, overlap-grad-reduce, dp) over pp 2..8 even and
   M from pp to 4pp, and pp 16 at the edges of M, has no cycle with today's waits; the old waits'
   cycles are counted and printed.
+* The data-parallel reductions are posted at the plan's points (``dp_points``, what GradReduction
+  reads), after the chunk's gradients are final; replicas (``replicated``) that start them in
+  another order, or where a poll saw a bd sum complete (the rule before issue 28: a deadlock on
+  one hardware queue), or before the bd sum is waited, are caught and named.
+* One hardware queue (``CUDA_DEVICE_MAX_CONNECTIONS=1``): the schedules without bd sums have no
+  cycle; DualPipe's cycles are counted and printed.
 """
 from __future__ import annotations
 
