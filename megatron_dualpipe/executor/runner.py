@@ -20,6 +20,7 @@ from typing import Dict, List, Optional, Protocol, Sequence, Tuple
 import torch
 
 from ..schedule import F, W, Action, build_schedule
+from ..schedule import lowered
 from ..schedule.comm import Label, RankPlan, plan
 from ..schedule.padding import Padded
 from ..schedule.registry import Schedule
@@ -73,9 +74,9 @@ class TensorSpec:
 
 @dataclass(frozen=True)
 class Program:
-    """One iteration's checked schedule: each rank's actions and communication plan, and which
+    """One iteration's checked schedule: each rank's actions and communication plan, which
     actions are padding (fake micro-batches: no data, no compute) and the global index of the rest
-    (``padded``)."""
+    (``padded``), and each rank's lowered ops (``schedule.lowered``): what the runner executes."""
 
     schedule: Schedule
     actions: Tuple[Tuple[Action, ...], ...]
@@ -83,6 +84,7 @@ class Program:
     padded: Padded
     #: ``padding[rank][i]``: action ``i`` of ``rank`` is a fake micro-batch's.
     padding: Tuple[Tuple[bool, ...], ...]
+    ops: Tuple[Tuple[lowered.Op, ...], ...] = ()
 
 
 @functools.lru_cache(maxsize=64)
@@ -94,7 +96,10 @@ def compile_program(name: str, pp: int, microbatches: int, forward_only: bool, r
     acts = tuple(tuple(dataclasses.replace(a, overlap=False) for a in r if a.op == F) if forward_only else r
                  for r in sched.ranks)
     padded = Padded(sched, microbatches if real is None else real)
-    return Program(sched, acts, tuple(plan(sched.layout, acts)), padded, tuple(padded.padding(r) for r in acts))
+    plans = tuple(plan(sched.layout, acts))
+    padding = tuple(padded.padding(r) for r in acts)
+    ops = tuple(lowered.lower(r, plans[r], acts[r], padding[r]) for r in range(len(acts)))
+    return Program(sched, acts, plans, padded, padding, ops)
 
 
 def check_sendable(rank: int, a: Action, what: str, t: torch.Tensor, spec: TensorSpec) -> None:
@@ -139,13 +144,16 @@ def run_rank(program: Program, rank: int, compute: StageCompute, p2p: P2P, spec:
 
 
 class RankRun:
-    """One ``run_rank`` call. The runner owns the tensors in flight: ``local`` (handed over on this
-    rank at DualPipeV's turn), ``outbox`` (results waiting for their batch's send) and
-    ``unreleased`` (forward outputs being sent, whose storage a backward needs freed first)."""
+    """One ``run_rank`` call: the rank's lowered ops (``schedule.lowered``), executed in order. The
+    runner owns the tensors in flight: ``local`` (handed over on this rank at DualPipeV's turn),
+    ``outbox`` (results waiting for their batch's send) and ``received`` (receives waited, not yet
+    taken by their unit)."""
 
     def __init__(self, program: Program, rank: int, compute: StageCompute, p2p: P2P, spec: TensorSpec,
                  listeners: Sequence[RunListener] = ()):
         self.actions, self.plan = program.actions[rank], program.plans[rank]
+        self.ops = program.ops[rank] if program.ops else \
+            lowered.lower(rank, self.plan, self.actions, program.padding[rank])
         self.rank, self.compute, self.p2p, self.spec = rank, compute, p2p, spec
         self.listeners = tuple(listeners)
         self.padding = program.padding[rank]
@@ -154,70 +162,68 @@ class RankRun:
             functools.partial(StageComputeBase.forward_backward, compute)
         self.local: Dict[Label, torch.Tensor] = {}
         self.outbox: Dict[Label, Tuple[Action, torch.Tensor, bool]] = {}  # label -> (action, result, padding)
-        self.unreleased: Dict[Tuple[int, int, int], Label] = {}  # forward (dir, mb, stage) -> its output's send
-        self.next_batch = 0
+        self.received: Dict[Label, torch.Tensor] = {}
 
     def run(self) -> RunStats:
-        listeners, units = self.listeners, self.plan.units
         try:
-            for k, unit in enumerate(units):
-                self.post_batches(k)
-                self.p2p.reap()
-                for listener in listeners:
-                    listener.on_unit_waiting(unit)
-                inputs = self.take_inputs(unit)
-                for listener in listeners:
-                    listener.on_unit_start(unit)
-                self.hand_on(unit, self.compute_unit(unit, inputs))
-                self.tell_end(unit)
-            self.post_batches(len(units))
-            self.p2p.finish("after its last action")
+            for op in self.ops:
+                self.execute(op)
         finally:
             self.p2p.close()
         self.check_nothing_left()
-        for listener in listeners:
+        for listener in self.listeners:
             listener.on_run_end()
         return RunStats(peak_in_flight=self.p2p.peak_in_flight)
+
+    def execute(self, op: lowered.Op) -> None:
+        """One op: the only place the runner decides anything, and it decides nothing the op does not say."""
+        kind = op.kind
+        if kind == lowered.RUN:
+            unit = self.plan.units[op.index]
+            for listener in self.listeners:
+                listener.on_unit_start(unit)
+            self.hand_on(unit, self.compute_unit(unit, self.take_inputs(unit)))
+            self.tell_end(unit)
+        elif kind == lowered.RECV:
+            self.received[op.label] = self.p2p.receive(op.label, self.where(op.index))
+        elif kind == lowered.RELEASE:
+            self.p2p.complete_send(op.label, self.where(op.index))
+        elif kind == lowered.BEGIN:
+            self.p2p.reap()
+            for listener in self.listeners:
+                listener.on_unit_waiting(self.plan.units[op.index])
+        elif kind == lowered.POST:
+            self.post_batch(op.index)
+        elif kind == lowered.FINISH:
+            self.p2p.finish("after its last action")
+        else:
+            raise lowered.LoweringError(f"pipeline rank {self.rank}: unknown op {op.text()!r}")
 
     # -- the steps of one unit ------------------------------------------------------------------
     def where(self, k: int) -> str:
         """Where unit ``k`` stands, for errors."""
         units = self.plan.units
-        if k >= len(units):
+        if k < 0 or k >= len(units):
             return "after its last action"
         return f"before action {units[k][0]} ({self.actions[units[k][0]]})"
 
-    def post_batches(self, upto_unit: int) -> None:
-        """Post the planned batches up to unit ``upto_unit``: the results in the outbox, fresh
-        receive buffers."""
-        batches, spec = self.plan.batches, self.spec
-        while self.next_batch < len(batches) and batches[self.next_batch].unit <= upto_unit:
-            b = batches[self.next_batch]
-            sends = [self._send(t.peer, t.label) for t in b.sends]
-            recvs = [(t.peer, torch.empty(spec.shape, dtype=spec.dtype, device=spec.device,
-                                          requires_grad=t.label[0] == "act"), t.label) for t in b.recvs]
-            self.p2p.post(sends, recvs, self.where(upto_unit))
-            self.next_batch += 1
+    def post_batch(self, index: int) -> None:
+        """Post planned batch ``index``: the results in the outbox, fresh receive buffers."""
+        b, spec = self.plan.batches[index], self.spec
+        sends = [self._send(t.peer, t.label) for t in b.sends]
+        recvs = [(t.peer, torch.empty(spec.shape, dtype=spec.dtype, device=spec.device,
+                                      requires_grad=t.label[0] == "act"), t.label) for t in b.recvs]
+        self.p2p.post(sends, recvs, self.where(b.unit))
 
     def _send(self, peer: int, label: Label):
         """One send of a batch; a real forward's output is released once sent."""
         a, out, fake = self.outbox.pop(label)
-        release = None
-        if a.op == F and not fake:
-            release = functools.partial(self.compute.release, a, out)
-            self.unreleased[(a.dir, a.mb, a.stage)] = label
+        release = functools.partial(self.compute.release, a, out) if a.op == F and not fake else None
         return peer, out, label, release
 
     def take_inputs(self, unit: Unit) -> List[Optional[torch.Tensor]]:
-        """The tensors the unit's actions receive (None: data or loss); a backward's forward output
-        is released first (Megatron's ``custom_backward`` asserts it)."""
-        inputs = [self.take(i) for i in unit]
-        for i in unit:
-            a = self.actions[i]
-            label = self.unreleased.pop((a.dir, a.mb, a.stage), None) if a.is_backward else None
-            if label is not None:
-                self.p2p.complete_send(label, f"before action {i} ({a})")
-        return inputs
+        """The tensors the unit's actions receive (None: data or loss), waited by the ops before."""
+        return [self.take(i) for i in unit]
 
     def take(self, i: int) -> Optional[torch.Tensor]:
         """The tensor action ``i`` receives from the neighbouring stage (None: data or loss)."""
@@ -228,9 +234,7 @@ class RankRun:
             raise NotImplementedError(f"pipeline rank {self.rank}: action {self.actions[i]} takes {len(hands)} "
                                       f"tensors; a stage compute takes one")
         (src, label), = hands
-        if src == self.rank:
-            return self.local.pop(label)
-        return self.p2p.receive(label, f"before action {i} ({self.actions[i]})")
+        return self.local.pop(label) if src == self.rank else self.received.pop(label)
 
     def compute_unit(self, unit: Unit, inputs: List[Optional[torch.Tensor]]) -> Sequence[Optional[torch.Tensor]]:
         """Run the unit: a fused F&B in one call, else each action (padding as zeros, no compute)."""
@@ -277,6 +281,6 @@ class RankRun:
             listener.on_unit_end(unit)
 
     def check_nothing_left(self) -> None:
-        leftovers = list(self.outbox) + list(self.local)
+        leftovers = list(self.outbox) + list(self.local) + list(self.received)
         if leftovers:
             raise RuntimeError(f"pipeline rank {self.rank}: tensors left over after the schedule: {leftovers}")

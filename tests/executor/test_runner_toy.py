@@ -285,3 +285,93 @@ def test_toy_tests_never_import_megatron_core():
     print(f"\nmegatron modules imported: test process {len(found['parent'])}, "
           f"workers {[len(w) for w in found['workers']]}")
     assert found == {"parent": [], "workers": [[], []]}
+
+
+class _RecordingP2P(P2P):
+    """Records what the runner asks of the P2P layer, in order, as lowered ops' text."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.calls = []
+
+    def post(self, sends, recvs, where):
+        self.calls.append(("post", tuple(label for _, _, label, _ in sends), tuple(label for _, _, label in recvs)))
+        return super().post(sends, recvs, where)
+
+    def receive(self, label, where):
+        self.calls.append(("recv", label))
+        return super().receive(label, where)
+
+    def complete_send(self, label, where):
+        self.calls.append(("release", label))
+        return super().complete_send(label, where)
+
+    def finish(self, where):
+        self.calls.append(("finish",))
+        return super().finish(where)
+
+
+class _UnitRecorder:
+    def __init__(self, calls):
+        self.calls = calls
+
+    def on_unit_waiting(self, unit):
+        self.calls.append(("begin", unit))
+
+    def on_unit_start(self, unit):
+        self.calls.append(("run", unit))
+
+    def on_action_end(self, action):
+        pass
+
+    def on_unit_end(self, unit):
+        pass
+
+    def on_run_end(self):
+        pass
+
+
+def _recording_worker(rank, world, port, name, m):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    try:
+        prog = compile_program(name, world, m, False)
+        comp = ToyCompute(prog.padded, rank, prog.schedule.layout)
+        p2p = _RecordingP2P(None, list(range(world)), rank, timeout_s=30)
+        run_rank(prog, rank, comp, p2p, TensorSpec((MBS, H), torch.float32, torch.device("cpu")),
+                 listeners=(_UnitRecorder(p2p.calls),))
+        return p2p.calls
+    finally:
+        dist.destroy_process_group()
+
+
+def _expected_calls(prog, rank):
+    """What the rank's lowered ops say the runner does, in the recorders' terms."""
+    from megatron_dualpipe.schedule import lowered
+
+    plan, out = prog.plans[rank], []
+    for op in prog.ops[rank]:
+        if op.kind == lowered.POST:
+            b = plan.batches[op.index]
+            out.append(("post", tuple(t.label for t in b.sends), tuple(t.label for t in b.recvs)))
+        elif op.kind in (lowered.BEGIN, lowered.RUN):
+            out.append((op.kind, tuple(plan.units[op.index])))
+        elif op.kind in (lowered.RECV, lowered.RELEASE):
+            out.append((op.kind, op.label))
+        else:
+            out.append((op.kind,))
+    return out
+
+
+@pytest.mark.parametrize("name,pp,m", [("dualpipe", 4, 10), ("dualpipev", 3, 6)])
+def test_the_runner_executes_exactly_the_lowered_ops(name, pp, m):
+    """Every call the runner makes to the P2P layer and its listeners, in order, is the rank's
+    lowered program (``Program.ops``), the list the checks read; nothing in between."""
+    results = run_workers(_recording_worker, pp, args=(name, m), timeout=90)
+    prog = compile_program(name, pp, m, False)
+    for rank, calls in enumerate(results):
+        want = _expected_calls(prog, rank)
+        calls = [tuple(tuple(x) if isinstance(x, list) else x for x in c) for c in calls]
+        first = next((k for k, (a, b) in enumerate(zip(calls, want)) if a != b), None)
+        assert first is None and len(calls) == len(want), (rank, first, calls[first or 0], want[first or 0])
+        print(f"\n{name} pp={pp} M={m} rank {rank}: {len(calls)} calls, all as lowered")

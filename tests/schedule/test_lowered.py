@@ -1,0 +1,95 @@
+"""The lowered program: one rank's iteration as one list of ops (``schedule.lowered``).
+
+Its text form parses back to the same ops, for every schedule the executor runs, padded or not;
+and the list keeps the rules the runner relies on, checked here op by op against the plan: every
+batch posted once and in order, each remote input received once, after the post that holds its
+receive and before the run of its unit; each real forward's sent output released once, after its
+send was posted and before its backward runs; ``finish`` last.
+"""
+import pytest
+
+from megatron_dualpipe.executor.runner import compile_program
+from megatron_dualpipe.schedule import lowered, registry
+
+pytestmark = pytest.mark.schedule
+
+CASES = [("dualpipe", 4, 8, None), ("dualpipe", 4, 5, 5), ("dualpipev", 3, 6, None), ("dualpipev", 4, 4, 4),
+         ("1f1b", 3, 5, None), ("zb-h1", 4, 6, None), ("dualpipe", 8, 20, None), ("dualpipev", 2, 7, 7)]
+
+
+def _program(name, pp, m, real):
+    padded_m = registry.get(name).padded_microbatches(pp, real) if real is not None else m
+    return compile_program(name, pp, padded_m, False, real)
+
+
+@pytest.mark.parametrize("name,pp,m,real", CASES)
+def test_text_form_parses_back(name, pp, m, real):
+    prog = _program(name, pp, m, real)
+    for r in range(pp):
+        text = lowered.to_text(prog.ops[r], prog.actions[r], prog.plans[r])
+        assert lowered.parse(text) == prog.ops[r], (r, text[:400])
+    print(f"\n{name} pp={pp} M={m}: rank 0's first ops:\n" + "".join(text.splitlines(True)[:8]))
+
+
+def _check_rank(prog, r):
+    """Raise AssertionError naming the first op that breaks a rule the runner relies on."""
+    plan, acts, ops = prog.plans[r], prog.actions[r], prog.ops[r]
+    posted, receivable, releasable, received, released, ran = [], set(), {}, set(), set(), 0
+    for n, op in enumerate(ops):
+        where = f"rank {r} op {n} ({op.text()})"
+        if op.kind == lowered.POST:
+            assert op.index == len(posted), where
+            posted.append(op.index)
+            batch = plan.batches[op.index]
+            receivable |= {(t.peer, t.label) for t in batch.recvs}
+            releasable.update({t.label: t.peer for t in batch.sends})
+        elif op.kind == lowered.RECV:
+            assert (op.peer, op.label) in receivable and (op.peer, op.label) not in received, where
+            received.add((op.peer, op.label))
+        elif op.kind == lowered.RELEASE:
+            assert releasable.get(op.label) == op.peer and op.label not in released, where
+            released.add(op.label)
+            # the unit runs the backward of the forward that sent it (the label names the next stage)
+            kind, d, mb, stage = op.label
+            assert kind == "act" and any(acts[i].is_backward and (acts[i].dir, acts[i].mb, acts[i].stage) ==
+                                         (d, mb, stage - 1) for i in plan.units[op.index]), where
+        elif op.kind == lowered.RUN:
+            assert op.index == ran, where
+            for i in plan.units[op.index]:
+                for src, label in plan.inputs[i]:
+                    assert src == r or (src, label) in received, f"{where}: {label} from {src} not received"
+            ran += 1
+    assert ops[-1].kind == lowered.FINISH and ran == len(plan.units), ops[-3:]
+    assert posted == list(range(len(plan.batches))), posted
+    remote = {(src, label) for ins in plan.inputs for src, label in ins if src != r}
+    assert received == remote, remote ^ received
+    real_sent = {label for i, a in enumerate(acts) if a.op == "F" and not prog.padding[r][i]
+                 for dst, label in plan.outputs[i] if dst != r}
+    assert released == real_sent, real_sent ^ released
+    return len(ops), len(received), len(released)
+
+
+@pytest.mark.parametrize("name,pp,m,real", CASES)
+def test_the_ops_keep_the_runners_rules(name, pp, m, real):
+    prog = _program(name, pp, m, real)
+    counts = [_check_rank(prog, r) for r in range(pp)]
+    print(f"\n{name} pp={pp} M={m}: per rank (ops, receives, releases): {counts}")
+
+
+def test_a_receive_before_its_post_is_caught():
+    """The check above can fail: a receive moved before the post that holds it is named."""
+    prog = _program("dualpipe", 4, 8, None)
+    ops = list(prog.ops[1])
+    k = next(n for n, op in enumerate(ops) if op.kind == lowered.RECV)
+    post = max(n for n in range(k) if ops[n].kind == lowered.POST)
+    ops.insert(post, ops.pop(k))
+    broken = prog.__class__(prog.schedule, prog.actions, prog.plans, prog.padded, prog.padding,
+                            tuple(tuple(ops) if r == 1 else prog.ops[r] for r in range(4)))
+    with pytest.raises(AssertionError, match="rank 1 op"):
+        _check_rank(broken, 1)
+
+
+@pytest.mark.parametrize("text", ["post", "recv act:0:1 <- 2", "release act:0:1:2 <- 1", "run x", "finish 3", "jump 1"])
+def test_a_line_that_is_not_an_op_is_refused(text):
+    with pytest.raises(lowered.LoweringError, match="line 1"):
+        lowered.parse(text)
