@@ -93,11 +93,13 @@ def bd_sum_order(actions, partner_actions, is_fake: Callable, ops, lower_rank: b
     return mine if mine == theirs or lower_rank else theirs
 
 
-def bd_sum_points(actions, partner_actions, is_fake: Callable, ops, lower_rank: bool) -> List[Tuple[int, int]]:
+def bd_sum_points(actions, partner_actions, is_fake: Callable, ops, lower_rank: bool,
+                  at_end: bool = False) -> List[Tuple[int, int]]:
     """[(action index, chunk)] in issue order: each chunk's sum is issued right after the action
     at that index, the later of its own last gradient action and the previous sum's point.
-    ``len(actions)``: at the end of the schedule (no real gradient action)."""
-    last = last_grad_action_index(actions, is_fake, ops)
+    ``len(actions)``: at the end of the schedule (no real gradient action; every sum with
+    ``at_end``, what one hardware queue may need: :func:`plan_for`)."""
+    last = {} if at_end else last_grad_action_index(actions, is_fake, ops)
     points, at = [], -1
     for c in bd_sum_order(actions, partner_actions, is_fake, ops, lower_rank):
         at = max(at, last.get(c, len(actions)))
@@ -240,7 +242,7 @@ class _Builder:
 def build(layout: Layout, ranks: Sequence[Sequence[Action]], plans: Sequence[RankPlan], *, is_fake: Callable,
           deferring: bool, overlap_grad_reduce: bool = False, dp: int = 1, forward_only: bool = False,
           sum_wait: str = WAIT_AT_FINISH, param_gather: bool = False, bd_sums: bool = True,
-          dp_points: Optional[Sequence[Sequence[Tuple[int, int]]]] = None) -> IterationPlan:
+          dp_points: Optional[Sequence[Sequence[Tuple[int, int]]]] = None, sums_at_end: bool = False) -> IterationPlan:
     """Every rank's stream items for one iteration, as the executor issues them. ``param_gather``:
     ``config.param_sync_func`` is set (``mcore.param_gather``); ``bd_sums``: the copies are summed
     during the schedule (False: ``--dualpipe-shared-shard-group`` / ``--dualpipe-dp-first``);
@@ -250,8 +252,8 @@ def build(layout: Layout, ranks: Sequence[Sequence[Action]], plans: Sequence[Ran
     b = _Builder(pp)
     ops = grad_ops(deferring)
     bd = layout.mirrored and bd_sums and not forward_only
-    points = [bd_sum_points(ranks[r], ranks[layout.partner(r)], is_fake, ops, lower_rank=r < layout.partner(r))
-              if bd and layout.partner(r) != r else [] for r in range(pp)]
+    points = [bd_sum_points(ranks[r], ranks[layout.partner(r)], is_fake, ops, lower_rank=r < layout.partner(r),
+                            at_end=sums_at_end) if bd and layout.partner(r) != r else [] for r in range(pp)]
     if dp_points is None:
         dp_points = [[] if forward_only else dp_start_points(layout, r, ranks[r], is_fake, ops, bd_sums=bd_sums)
                      for r in range(pp)]
@@ -567,12 +569,45 @@ def _explain(ip, stuck, pos, reached, started, completed, head, queues, send_of,
 
 def plan_for(spec, pp: int, real: int, padded_ranks, plans, *, zero_bubble: bool, overlap_grad_reduce: bool = False,
              dp: int = 1, forward_only: bool = False, sum_wait: str = WAIT_AT_FINISH,
-             param_gather: bool = False, bd_sums: bool = True) -> IterationPlan:
+             param_gather: bool = False, bd_sums: bool = True, one_queue: Optional[bool] = None) -> IterationPlan:
     """Build and check the iteration plan of a registry schedule ``spec`` with ``real`` real
-    micro-batches (``padded_ranks``/``plans``: its padded actions and communication plan)."""
+    micro-batches (``padded_ranks``/``plans``: its padded actions and communication plan).
+
+    ``one_queue`` (default: :func:`one_hardware_queue`, ``CUDA_DEVICE_MAX_CONNECTIONS=1`` on a GPU, which
+    Megatron asks for with sequence parallelism and TP overlap): the check adds that rule, and where
+    the bd sums issued mid-schedule would deadlock under it (a sum's kernel holding the queue while
+    the partner still needs a send queued behind it: 32 of 64 DualPipe (pp <= 8, M) cases), the
+    plan issues every sum at the end of the schedule instead: the same on every rank, checked again."""
+    one_queue = one_hardware_queue() if one_queue is None else one_queue
     deferring = zero_bubble and spec.defers_weight_grads and any(a.op == W for acts in padded_ranks for a in acts)
-    ip = build(spec.layout(pp), padded_ranks, plans, is_fake=lambda a: spec.is_fake(real, a.dir, a.mb),
-               deferring=deferring, overlap_grad_reduce=overlap_grad_reduce, dp=dp, forward_only=forward_only,
-               sum_wait=sum_wait, param_gather=param_gather, bd_sums=bd_sums)
-    check(ip)
+    layout = spec.layout(pp)
+
+    def built(sums_at_end: bool) -> IterationPlan:
+        return build(layout, padded_ranks, plans, is_fake=lambda a: spec.is_fake(real, a.dir, a.mb),
+                     deferring=deferring, overlap_grad_reduce=overlap_grad_reduce, dp=dp, forward_only=forward_only,
+                     sum_wait=sum_wait, param_gather=param_gather, bd_sums=bd_sums, sums_at_end=sums_at_end)
+
+    ip = built(False)
+    try:
+        check(ip, one_queue=one_queue)
+    except IterationPlanError:
+        if not one_queue or not any(ip.sum_points):
+            raise
+        ip = built(True)
+        check(ip, one_queue=True)
     return ip
+
+
+def one_hardware_queue() -> bool:
+    """Whether every stream of this process shares one hardware queue: ``CUDA_DEVICE_MAX_CONNECTIONS=1``
+    with a GPU (without one, nothing queues kernels)."""
+    import os
+
+    if os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") != "1":
+        return False
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except ImportError:
+        return False

@@ -429,3 +429,36 @@ def test_training_steps_keep_copies_identical_and_match_reference(tied):
                 params.add(v, ref_params[k], f"rank {r} model[{c}] {k}")
     print("  " + params.line(f"parameters after {STEPS} steps vs reference") + "; mirrors bit-identical to their partners")
     assert params.rel <= RTOL
+
+
+def _one_queue_worker(rank, world, port, *args):
+    """``_pipeline_worker`` on a process that says it has one hardware queue
+    (``CUDA_DEVICE_MAX_CONNECTIONS=1`` on a GPU): the iteration plan then issues the bd sums where
+    they cannot hold a P2P the partner needs. Returns its results and rank 0's bd-sum points."""
+    from megatron_dualpipe.executor.runner import compile_program
+    from megatron_dualpipe.mcore.forward_backward import _checked_iteration
+    from megatron_dualpipe.schedule import iteration_plan, registry
+
+    iteration_plan.one_hardware_queue = lambda: True
+    results = _pipeline_worker(rank, world, port, *args)
+    name, _, _, runs, dp, _, overlap = args
+    (m, zero_bubble, _), pp = runs[0], world // dp
+    padded = registry.get(name).padded_microbatches(pp, m)
+    ip = _checked_iteration(name, pp, padded, m, zero_bubble, overlap, dp, False)  # what the run used
+    return results, ip.sum_points, len(compile_program(name, pp, padded, False, m).actions[0])
+
+
+def test_one_hardware_queue_moves_the_bd_sums_and_equals_single_process():
+    """pp=2 x dp=2, --overlap-grad-reduce, M=3: a case whose mid-schedule bd sums would deadlock on
+    one hardware queue (tests/schedule/test_iteration_plan.py::test_one_hardware_queue); planned
+    for one queue, every sum is issued at the end of the schedule (GradReduction.finish) and the
+    losses and gradients still equal the pp=1 reference."""
+    runs = [(3, True, False)]
+    state, refs = _references(True, 3, 2)
+    out = me.run_workers(_one_queue_worker, 4, args=("dualpipe", True, state, runs, 2, False, True), timeout=400)
+    results = [r[0] for r in out]
+    points, n_actions = out[0][1], out[0][2]
+    print(f"\ndualpipe pp=2 dp=2 M=3 on one hardware queue: rank 0 issues its bd sums after action "
+          f"{[i for i, _ in points[0]]} of {n_actions} (the end of the schedule)")
+    assert points[0] and all(i == n_actions for i, _ in points[0]), points
+    _check("dualpipe pp=2 dp=2 one hardware queue", results, refs, runs, 4, 2)
