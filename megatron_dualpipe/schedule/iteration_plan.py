@@ -17,9 +17,10 @@ these interact through the streams, not only through the host:
   when all its ranks started it.
 
 :func:`build` turns a schedule into every rank's list of stream items (compute units, posts,
-waits) the way the executor issues them (``executor.runner.run_rank``,
-``mcore.grad_reduction.GradReduction``, ``mcore.param_gather``, ``mcore.loss_gather``,
-``mcore.finalize``), and
+waits). The P2P batches, their waits and the compute come from the rank's lowered ops
+(``schedule.lowered``), the very list ``executor.runner`` executes; the collectives around them
+follow ``mcore.grad_reduction.GradReduction``, ``mcore.param_gather``, ``mcore.loss_gather`` and
+``mcore.finalize`` at the points this module decides (not yet ops of the lowered list), and
 :func:`check` runs them to completion under those rules or raises :class:`IterationPlanError`
 naming the cycle; ``one_queue=True`` adds ``CUDA_DEVICE_MAX_CONNECTIONS=1``'s rule (a post
 waits for every earlier work of its rank, whatever the communicator). Two places are decided
@@ -45,7 +46,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from .actions import F, W, Action, units
+from . import lowered
+from .actions import F, W, Action
 from .comm import RankPlan, describe
 from .layout import Layout
 
@@ -290,27 +292,17 @@ class _RankItems:
         self.dp_works: List[int] = []
         self.recv_batch: Dict[tuple, int] = {}
         self.send_batch: Dict[tuple, int] = {}
-        self.sent_output: Dict[Tuple[int, int, int], tuple] = {}
-        self.bi = 0
+        self.sums_at: Dict[int, List[int]] = {}
+        self.dp_at: Dict[int, List[int]] = {}
 
     def run(self) -> None:
         b, r = self.b, self.r
         k0 = b.collective(r, "pp", tuple(range(self.layout.pp)), ("first all-reduce",),
                           f"rank {r}'s first all-reduce on the pipeline group")
         b.wait(r, k0, "before the first P2P batch")
-        sums_at, dp_at = _by_action(self.sum_points), _by_action(self.dp_points)
-        unit_list = units(self.acts)
-        for u, unit in enumerate(unit_list):
-            self.unit(u, unit)
-            for i in unit:
-                after = _Text("after action {} ({})", i, self.acts[i])
-                for c in sums_at.get(i, ()):
-                    self.issue_sum(c, after)
-                for c in dp_at.get(i, ()):
-                    self.start_dp(c, after)
-        self.post_batches(len(unit_list), "after its last action")
-        for label, k in sorted(self.send_batch.items()):
-            b.wait(r, k, _Text("at the end of the schedule: the send of the {}", label))
+        self.sums_at, self.dp_at = _by_action(self.sum_points), _by_action(self.dp_points)
+        for op in lowered.lower(r, self.rp, self.acts, [self.is_fake(a) for a in self.acts]):
+            self.item(op)
         # GradReduction.finish: the sums the plan left to the end, every sum waited, then the
         # data-parallel reductions the plan starts there.
         for _, c in self.sum_points:
@@ -319,45 +311,48 @@ class _RankItems:
         for c in self.sum_works:
             if c not in self.sums_waited:
                 self.wait_sum(c, "at the end of the schedule (GradReduction.finish)")
-        for c in dp_at.get(len(self.acts), ()):
+        for c in self.dp_at.get(len(self.acts), ()):
             self.start_dp(c, "at the end of the schedule (GradReduction.finish)")
 
-    def unit(self, u: int, unit) -> None:
-        """Unit ``u``'s batches posted, its waits (inputs, sends released, parameter gathers), its compute."""
-        b, r, acts, rp = self.b, self.r, self.acts, self.rp
-        where = _Where(unit[0], acts[unit[0]])
-        self.post_batches(u, where)
-        for i in unit:
-            for src, label in rp.inputs[i]:
-                if src != r:
-                    b.wait(r, self.recv_batch[label], _Text("{}: its input, the {}", where, label))
-        for i in unit:
-            a = acts[i]
-            label = self.sent_output.pop((a.dir, a.mb, a.stage), None) if a.is_backward else None
-            if label is not None:
-                b.wait(r, self.send_batch[label], _Text("{}: the send of its forward's output, released first", where))
+    def where(self, u: int):
+        units = self.rp.units
+        return _Where(units[u][0], self.acts[units[u][0]]) if 0 <= u < len(units) else "after its last action"
+
+    def item(self, op: lowered.Op) -> None:
+        """The stream items of one lowered op: the same list the runner executes (``Program.ops``)."""
+        b, r = self.b, self.r
+        if op.kind == lowered.POST:
+            bt = self.rp.batches[op.index]
+            k = b.p2p(r, "pp", _BatchText(r, self.where(bt.unit), bt), [t.peer for t in bt.sends],
+                      [t.peer for t in bt.recvs])
+            self.send_batch.update({t.label: k for t in bt.sends})
+            self.recv_batch.update({t.label: k for t in bt.recvs})
+        elif op.kind == lowered.RECV:
+            b.wait(r, self.recv_batch[op.label], _Text("{}: its input, the {}", self.where(op.index), op.label))
+        elif op.kind == lowered.RELEASE:
+            b.wait(r, self.send_batch[op.label],
+                   _Text("{}: the send of its forward's output, released first", self.where(op.index)))
+        elif op.kind == lowered.RUN:
+            self.run_unit(op.index)
+        elif op.kind == lowered.FINISH:
+            for label, k in sorted(self.send_batch.items()):
+                b.wait(r, k, _Text("at the end of the schedule: the send of the {}", label))
+
+    def run_unit(self, u: int) -> None:
+        """Unit ``u``: DDP's pre-hook waits of its chunks' first forwards, its compute, then the bd
+        sums and data-parallel reductions the plan puts after its actions."""
+        b, r, acts, unit = self.b, self.r, self.acts, self.rp.units[u]
         for i in unit:
             if acts[i].op == F and acts[i].dir in self.gathers:
-                b.wait(r, self.gathers.pop(acts[i].dir), _Text("{}: DDP's pre-hook of its chunk's first forward", where))
+                b.wait(r, self.gathers.pop(acts[i].dir),
+                       _Text("{}: DDP's pre-hook of its chunk's first forward", self.where(u)))
         b.compute(r, "")
         for i in unit:
-            a = acts[i]
-            if a.op == F and not self.is_fake(a):
-                for dst, label in rp.outputs[i]:
-                    if dst != r:
-                        self.sent_output[(a.dir, a.mb, a.stage)] = label
-
-    def post_batches(self, upto: int, where) -> None:
-        rp = self.rp
-        while self.bi < len(rp.batches) and rp.batches[self.bi].unit <= upto:
-            bt = rp.batches[self.bi]
-            k = self.b.p2p(self.r, "pp", _BatchText(self.r, where, bt), [t.peer for t in bt.sends],
-                           [t.peer for t in bt.recvs])
-            for t in bt.sends:
-                self.send_batch[t.label] = k
-            for t in bt.recvs:
-                self.recv_batch[t.label] = k
-            self.bi += 1
+            after = _Text("after action {} ({})", i, acts[i])
+            for c in self.sums_at.get(i, ()):
+                self.issue_sum(c, after)
+            for c in self.dp_at.get(i, ()):
+                self.start_dp(c, after)
 
     def issue_sum(self, c: int, after) -> None:
         r, stage = self.r, self.layout.stage_on(self.r, c)

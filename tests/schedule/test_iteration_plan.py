@@ -29,6 +29,7 @@ import pytest
 
 from megatron_dualpipe.schedule import build_schedule, registry
 from megatron_dualpipe.schedule import iteration_plan as IP
+from megatron_dualpipe.schedule.actions import units
 from megatron_dualpipe.schedule.comm import plan
 
 
@@ -99,7 +100,7 @@ def test_param_gathers_start_before_the_first_action_and_wait_at_each_chunks_fir
     ip = _check(name, pp, m, True)
     ranks, _ = _program(name, pp, spec.padded_microbatches(pp, m))
     for r, acts in enumerate(ranks):
-        us = IP.units(acts)
+        us = units(acts)
         first = {}
         for u, unit in enumerate(us):
             for i in unit:
@@ -207,7 +208,7 @@ def test_dp_reductions_start_at_the_plans_points_after_the_gradients_are_final(n
     layout = spec.layout(pp)
     ops = IP.grad_ops(spec.defers_weight_grads and any(a.op == "W" for r in ranks for a in r))
     for r, acts in enumerate(ranks):
-        us = IP.units(acts)
+        us = units(acts)
         unit_of = {i: u for u, unit in enumerate(us) for i in unit}
         last = IP.last_grad_action_index(acts, lambda a: spec.is_fake(m, a.dir, a.mb), ops)
         posts = _dp_posts(ip, r)
