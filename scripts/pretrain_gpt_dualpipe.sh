@@ -187,10 +187,10 @@ cmd=(
   --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT"
   -m megatron_dualpipe.launch "${launcher_opts[@]}" "${script[@]}"
 )
-if [ "${DRY_RUN:-0}" = 1 ]; then
+if [ "${DRY_RUN:-0}" = 1 ] && [ "$NODE_RANK" = 0 ]; then
   # what this launch would do, before any GPU is held: the stages each rank holds and advise's
-  # estimate per schedule for this model on GPU (H100 unless set: A100, H200, B200); then, as the
-  # last two lines, the header and the command
+  # estimate per schedule for this model on GPU (H100 unless set: A100, H200, B200), once per job
+  # (the first node); then, as the last two lines, the header and the command
   "$PYTHON" -m megatron_dualpipe advise --gpu "${GPU:-H100}" --nodes "$NNODES" --gpus-per-node "$GPUS_PER_NODE" \
     -- "${script[@]:1}" 2>&1 | sed 's/^/# advise: /' || true
 fi

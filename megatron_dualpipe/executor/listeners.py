@@ -32,6 +32,10 @@ class RunListener:
     def on_unit_end(self, unit: Unit) -> None:
         """Every action of the unit ended (after their :meth:`on_action_end`)."""
 
+    def on_reduction(self, kind: str, chunk: int) -> None:
+        """A ``sum`` or ``dp`` op of the rank's lowered program (``schedule.lowered``): issue the bd
+        sum of ``chunk``, or start its data-parallel reduction, here."""
+
     def on_run_end(self) -> None:
         """The schedule ran to its end: every send completed, no tensor left over. Not called
         when the run raised."""

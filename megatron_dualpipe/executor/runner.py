@@ -128,7 +128,8 @@ class RunStats:
 
 
 def run_rank(program: Program, rank: int, compute: StageCompute, p2p: P2P, spec: TensorSpec,
-             trace: Optional[TraceRecorder] = None, listeners: Sequence[RunListener] = ()) -> RunStats:
+             trace: Optional[TraceRecorder] = None, listeners: Sequence[RunListener] = (),
+             ops: Optional[Sequence[lowered.Op]] = None) -> RunStats:
     """Run this rank's actions; raises on timeout naming the action that waited.
 
     Each planned batch is posted, not waited; a receive is waited right before the action that
@@ -140,7 +141,7 @@ def run_rank(program: Program, rank: int, compute: StageCompute, p2p: P2P, spec:
     recording = recorder.begin(program, rank, p2p.global_ranks) if recorder is not None else None
     if recording is not None:
         listeners = (*listeners, recording)
-    return RankRun(program, rank, compute, p2p, spec, listeners).run()
+    return RankRun(program, rank, compute, p2p, spec, listeners, ops).run()
 
 
 class RankRun:
@@ -150,9 +151,10 @@ class RankRun:
     taken by their unit)."""
 
     def __init__(self, program: Program, rank: int, compute: StageCompute, p2p: P2P, spec: TensorSpec,
-                 listeners: Sequence[RunListener] = ()):
+                 listeners: Sequence[RunListener] = (), ops: Optional[Sequence[lowered.Op]] = None):
         self.actions, self.plan = program.actions[rank], program.plans[rank]
-        self.ops = program.ops[rank] if program.ops else \
+        # the iteration plan's ops (with its bd sums and reductions) or the program's own
+        self.ops = ops if ops is not None else program.ops[rank] if program.ops else \
             lowered.lower(rank, self.plan, self.actions, program.padding[rank])
         self.rank, self.compute, self.p2p, self.spec = rank, compute, p2p, spec
         self.listeners = tuple(listeners)
@@ -194,6 +196,9 @@ class RankRun:
                 listener.on_unit_waiting(self.plan.units[op.index])
         elif kind == lowered.POST:
             self.post_batch(op.index)
+        elif kind in (lowered.SUM, lowered.DP):
+            for listener in self.listeners:
+                listener.on_reduction(kind, op.index)
         elif kind == lowered.FINISH:
             self.p2p.finish("after its last action")
         else:

@@ -271,7 +271,8 @@ class ExecutorSchedule:
                             forward_only=forward_only, describe=f"{self.spec.name} pipeline rank {it.rank}: ")
         with _no_sync(config, model, forward_only), \
                 (reduction.during_schedule() if reduction is not None else contextlib.nullcontext()):
-            run_rank(it.program, it.rank, compute, it.p2p, it.tensor_spec, trace=recorder, listeners=listeners)
+            run_rank(it.program, it.rank, compute, it.p2p, it.tensor_spec, trace=recorder, listeners=listeners,
+                     ops=it.plan.ops[it.rank] if it.plan.ops else None)
         if compute.wgrad_store is not None:
             compute.wgrad_store.assert_empty()
         if reduction is not None:
@@ -279,11 +280,13 @@ class ExecutorSchedule:
 
 
 class _ReductionListener(RunListener):
-    """Tells the gradient reduction of every action that ran: a chunk's sums start after its last
-    gradient action (its ``finish`` stays after the schedule, outside ``no_sync``)."""
+    """Tells the gradient reduction of every action that ran (a chunk's gradients are final after
+    its last) and of every ``sum`` / ``dp`` op of the plan's lowered program (its ``finish`` stays
+    after the schedule, outside ``no_sync``)."""
 
     def __init__(self, reduction: GradReduction):
         self.on_action_end = reduction.after_action
+        self.on_reduction = reduction.on_reduction
 
 
 #: Pipeline groups that have had their first collective (see ``P2P.first_collective``).

@@ -1,11 +1,11 @@
 """One iteration's gradient reduction, started chunk by chunk while the schedule runs.
 
-The stage compute tells a `GradReduction` every backward / weight-gradient action it ran
-(`GradReduction.after_action`); `GradReduction.finish` completes the reduction after the
-schedule. That is its whole interface, so it can be attached to the runner as a listener.
-Every collective it issues is at a place the checked iteration plan gives
-(``schedule.iteration_plan``), the same on every rank that shares the communicator; nothing
-depends on when a sum happens to complete.
+The runner tells a `GradReduction` every action it ran (`GradReduction.after_action`: a chunk's
+gradients are final after its last) and every ``sum`` / ``dp`` op of the rank's lowered program
+(`GradReduction.on_reduction`: the ops the checked iteration plan put into the list the runner
+executes, ``schedule.lowered.with_reductions``); `GradReduction.finish` completes the reduction
+after the schedule. Every collective it issues is at a place of that program, the same on every
+rank that shares the communicator; nothing depends on when a sum happens to complete.
 
 Per chunk (one `_Chunk` state each):
 
@@ -51,6 +51,7 @@ import torch
 import torch.distributed as dist
 
 from ..executor import pair_sums
+from ..schedule import lowered
 from . import bd_pairs, copy_sums
 from .finalize import (BD_SUM_TIMEOUT_S, is_wrapped, chunk_layout, tied_copies, allreduce_bd_grads,
                        check_buffer_layouts, fold_tied_embedding_grads, sum_tensors)
@@ -97,12 +98,13 @@ class GradReduction:
         starts = _dp_start_functions(config, self.model)
         self.chunks = [_Chunk(c, starts[c], bd or self._local_sum or (self._fold and _holds_tied_copy(self.model[c])))
                        for c in range(n)]
-        self._dp_at, self._dp_at_finish = _at_actions(actions, dp_points)
+        self._dp_at_finish = _at_actions(actions, dp_points)[1]
+        self._sum_order = [c for _, c in sum_points]  # the plan's issue order (what its check proves)
         self._sums = None
         if bd:
             pos = self._pos
-            self._sums = pair_sums.PairSums(
-                _at_actions(actions, sum_points)[0], lambda c: sum_tensors(self.model[c]), pos.group,
+            self._sums = pair_sums.PairSums(  # issued by the program's sum ops (on_reduction) and finish
+                {}, lambda c: sum_tensors(self.model[c]), pos.group,
                 in_place=lambda c: is_wrapped(self.model[c]), timeout_s=BD_SUM_TIMEOUT_S,
                 describe=lambda c: (f"global rank {pos.me}: the bd sum of stage {self._stage_of(c)} "
                                     f"with global rank {pos.partner}"))
@@ -150,14 +152,23 @@ class GradReduction:
                 self._set_overlap({k: False for k in during})
 
     def after_action(self, a) -> None:
-        """Called by the stage compute after each backward / weight-gradient action it ran."""
+        """Called after each action the runner ran: a chunk's gradients are final after its last."""
         c = self._last.get(pair_sums.action_key(a))
         if c is not None:
             self._chunk_done(c)
-        if self._sums is not None:
-            self._sums.after_action(a)  # issues the sums planned after ``a``; waits for none
-        for c in self._dp_at.get(pair_sums.action_key(a), ()):
+
+    def on_reduction(self, kind: str, c: int) -> None:
+        """A ``sum`` / ``dp`` op of the rank's lowered program (``schedule.lowered``), where the plan
+        put it: issue chunk ``c``'s bd sum (waited in `finish`), or start its data-parallel reduction."""
+        if kind == lowered.SUM:
+            if self._sums is None:
+                raise RuntimeError(f"megatron-dualpipe: the iteration plan sums chunk {c}'s copies, which this "
+                                   f"rank sums no other way than in its finalize (a bug)")
+            self._sums.issue(c)
+        elif kind == lowered.DP:
             self._start_dp(c, in_schedule=True)
+        else:
+            raise ValueError(f"not a reduction op: {kind!r}")
 
     def _chunk_done(self, c: int) -> None:
         state = self.chunks[c]
@@ -187,9 +198,10 @@ class GradReduction:
         for c in range(len(self.model)):
             self._chunk_done(c)
         if self._sums is not None:
-            # Leftovers in stage order, as the plan issues them: both partners then sum the same
-            # stage at the same time (chunk order is stage i, pp-1-i on one, the reverse on the other).
-            self._sums.finish(sorted(range(len(self.model)), key=self._stage_of))
+            # Leftovers in the plan's order (both partners sum the same stage at the same time there),
+            # then any chunk the plan gave no point (none in a planned run) in stage order.
+            rest = sorted((c for c in range(len(self.model)) if c not in self._sum_order), key=self._stage_of)
+            self._sums.finish(self._sum_order + rest)
         if self._local_sum:
             allreduce_bd_grads(self.model)  # the middle rank of an odd pipeline sums locally
         if self._fold:

@@ -167,6 +167,9 @@ class IterationPlan:
     #: per rank: (action index, chunk), start order of the data-parallel reductions; index
     #: len(actions): in ``GradReduction.finish`` (:func:`dp_start_points`)
     dp_points: List[List[Tuple[int, int]]] = field(default_factory=list)
+    #: per rank: the lowered ops with the sums and reductions of the schedule (``lowered.with_reductions``):
+    #: what the runner executes and what the items above were built from
+    ops: List[Tuple[lowered.Op, ...]] = field(default_factory=list)
 
 
 class _Where:
@@ -261,12 +264,16 @@ def build(layout: Layout, ranks: Sequence[Sequence[Action]], plans: Sequence[Ran
                      for r in range(pp)]
     reduces = overlap_grad_reduce and dp > 1 and not forward_only
     dp_works: List[List[int]] = []
+    rank_ops = []
     for r in range(pp):
         gathers = param_gathers(b, r, ranks[r], is_fake) if param_gather and dp > 1 and not forward_only else {}
+        ops = lowered.with_reductions(lowered.lower(r, plans[r], ranks[r], [is_fake(a) for a in ranks[r]]),
+                                      plans[r].units, points[r], dp_points[r])
         rank = _RankItems(b, layout, r, ranks[r], plans[r], is_fake, gathers, sum_wait,
-                          sum_points=points[r], dp_points=dp_points[r] if reduces else [])
-        rank.run()
+                          sum_points=points[r], dp_points=dp_points[r], reduces=reduces)
+        rank.run(ops)
         dp_works.append(rank.dp_works)
+        rank_ops.append(ops)
     _loss_gather(b, layout)
     if not forward_only:
         for r in range(pp):
@@ -274,7 +281,7 @@ def build(layout: Layout, ranks: Sequence[Sequence[Action]], plans: Sequence[Ran
             b.wait(r, k, "in the finalize")
             for w_k in dp_works[r]:
                 b.wait(r, w_k, "in the finalize (finish_grad_sync)")
-    return IterationPlan(pp, b.works, b.items, points, [list(p) for p in dp_points])
+    return IterationPlan(pp, b.works, b.items, points, [list(p) for p in dp_points], rank_ops)
 
 
 class _RankItems:
@@ -284,24 +291,25 @@ class _RankItems:
     waited, then the reductions planned at the end)."""
 
     def __init__(self, b: _Builder, layout: Layout, r: int, acts, rp: RankPlan, is_fake: Callable,
-                 gathers: Dict[int, int], sum_wait: str, *, sum_points, dp_points):
+                 gathers: Dict[int, int], sum_wait: str, *, sum_points, dp_points, reduces: bool):
         self.b, self.layout, self.r, self.acts, self.rp, self.is_fake = b, layout, r, acts, rp, is_fake
         self.gathers, self.sum_wait, self.sum_points, self.dp_points = gathers, sum_wait, sum_points, dp_points
+        self.reduces = reduces  # the dp ops start collectives (--overlap-grad-reduce, dp > 1)
         self.sum_works: Dict[int, int] = {}
         self.sums_waited: set = set()
         self.dp_works: List[int] = []
         self.recv_batch: Dict[tuple, int] = {}
         self.send_batch: Dict[tuple, int] = {}
-        self.sums_at: Dict[int, List[int]] = {}
         self.dp_at: Dict[int, List[int]] = {}
+        self.ran = -1  # the last unit run
 
-    def run(self) -> None:
+    def run(self, ops: Sequence[lowered.Op]) -> None:
         b, r = self.b, self.r
         k0 = b.collective(r, "pp", tuple(range(self.layout.pp)), ("first all-reduce",),
                           f"rank {r}'s first all-reduce on the pipeline group")
         b.wait(r, k0, "before the first P2P batch")
-        self.sums_at, self.dp_at = _by_action(self.sum_points), _by_action(self.dp_points)
-        for op in lowered.lower(r, self.rp, self.acts, [self.is_fake(a) for a in self.acts]):
+        self.dp_at = _by_action(self.dp_points)
+        for op in ops:
             self.item(op)
         # GradReduction.finish: the sums the plan left to the end, every sum waited, then the
         # data-parallel reductions the plan starts there.
@@ -334,25 +342,27 @@ class _RankItems:
                    _Text("{}: the send of its forward's output, released first", self.where(op.index)))
         elif op.kind == lowered.RUN:
             self.run_unit(op.index)
+            self.ran = op.index
+        elif op.kind == lowered.SUM:
+            self.issue_sum(op.index, self.after_unit())
+        elif op.kind == lowered.DP:
+            self.start_dp(op.index, self.after_unit())
         elif op.kind == lowered.FINISH:
             for label, k in sorted(self.send_batch.items()):
                 b.wait(r, k, _Text("at the end of the schedule: the send of the {}", label))
 
     def run_unit(self, u: int) -> None:
-        """Unit ``u``: DDP's pre-hook waits of its chunks' first forwards, its compute, then the bd
-        sums and data-parallel reductions the plan puts after its actions."""
+        """Unit ``u``: DDP's pre-hook waits of its chunks' first forwards, then its compute."""
         b, r, acts, unit = self.b, self.r, self.acts, self.rp.units[u]
         for i in unit:
             if acts[i].op == F and acts[i].dir in self.gathers:
                 b.wait(r, self.gathers.pop(acts[i].dir),
                        _Text("{}: DDP's pre-hook of its chunk's first forward", self.where(u)))
         b.compute(r, "")
-        for i in unit:
-            after = _Text("after action {} ({})", i, acts[i])
-            for c in self.sums_at.get(i, ()):
-                self.issue_sum(c, after)
-            for c in self.dp_at.get(i, ()):
-                self.start_dp(c, after)
+
+    def after_unit(self):
+        i = self.rp.units[self.ran][-1]
+        return _Text("after action {} ({})", i, self.acts[i])
 
     def issue_sum(self, c: int, after) -> None:
         r, stage = self.r, self.layout.stage_on(self.r, c)
@@ -371,6 +381,8 @@ class _RankItems:
         all run it, so it completes once started), after its bd sum is waited (if it has one: a
         stream wait here, if it is issued and not yet waited; the check names one not issued)."""
         r = self.r
+        if not self.reduces:  # GradReduction marks it started: Megatron's finalize reduces
+            return
         summed = ("bd sum", self.layout.stage_on(r, c)) if any(x == c for _, x in self.sum_points) else None
         if c in self.sum_works and c not in self.sums_waited:
             self.wait_sum(c, _Text("{}: the bd sum of its data-parallel reduction", where))

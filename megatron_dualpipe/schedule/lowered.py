@@ -12,9 +12,15 @@ Op kinds, in their text form (a ``#`` starts a comment the parser ignores)::
     recv KIND:D:MB:S <- P   wait for the receive of that tensor from pipeline rank P
     release KIND:D:MB:S -> P  wait for the send of a forward's output before its backward frees it
     run U                   run execution unit U (one action, or a fused F&B pair)
+    sum C                   issue the bd sum of chunk C (DualPipe: the two copies of a stage summed
+                            over the bd pair), at the point the iteration plan gives
+    dp C                    start chunk C's data-parallel reduction (``--overlap-grad-reduce``) there
     finish                  wait for every send still outstanding
 
-Labels are the plan's ``(kind, direction, micro-batch, consuming stage)``. Padding (fake
+``sum`` and ``dp`` ops are added by :func:`with_reductions` from the iteration plan's points
+(``schedule.iteration_plan``); the ones it puts at the end of the schedule stay with
+``GradReduction.finish``, after the runner. Labels are the plan's ``(kind, direction,
+micro-batch, consuming stage)``. Padding (fake
 micro-batches) is lowered like the rest, except that a fake forward's output is never released
 (nothing was saved for it). Standard library only.
 """
@@ -27,7 +33,8 @@ from .actions import F, Action
 from .comm import Label, RankPlan
 
 POST, BEGIN, RECV, RELEASE, RUN, FINISH = "post", "begin", "recv", "release", "run", "finish"
-KINDS = (POST, BEGIN, RECV, RELEASE, RUN, FINISH)
+SUM, DP = "sum", "dp"
+KINDS = (POST, BEGIN, RECV, RELEASE, RUN, SUM, DP, FINISH)
 
 
 class LoweringError(ValueError):
@@ -37,7 +44,7 @@ class LoweringError(ValueError):
 @dataclass(frozen=True)
 class Op:
     """One op. ``index``: the batch (post) or the unit (begin, run) or the unit the wait precedes
-    (recv, release; -1 after the last unit); ``label`` and ``peer`` for the waits."""
+    (recv, release; -1 after the last unit) or the chunk (sum, dp); ``label`` and ``peer`` for the waits."""
 
     kind: str
     index: int = -1
@@ -45,7 +52,7 @@ class Op:
     peer: int = -1
 
     def text(self) -> str:
-        if self.kind in (POST, BEGIN, RUN):
+        if self.kind in (POST, BEGIN, RUN, SUM, DP):
             return f"{self.kind} {self.index}"
         if self.kind in (RECV, RELEASE):
             arrow = "<-" if self.kind == RECV else "->"
@@ -75,6 +82,25 @@ def lower(rank: int, plan: RankPlan, actions: Sequence[Action], padding: Sequenc
     _post_due(plan, len(plan.units), posted, ops, senders, sent)
     ops.append(Op(FINISH))
     return tuple(ops)
+
+
+def with_reductions(ops: Sequence[Op], units: Sequence[Tuple[int, ...]], sum_points: Sequence[Tuple[int, int]],
+                    dp_points: Sequence[Tuple[int, int]]) -> Tuple[Op, ...]:
+    """``ops`` with a ``sum C`` / ``dp C`` after the ``run`` of the unit holding each point's action
+    (the plan's (action index, chunk) points, in their order; per action its sums, then its
+    reductions); points at the end of the schedule are left out."""
+    after: dict = {}
+    for i, c in sum_points:
+        after.setdefault(i, []).append(Op(SUM, c))
+    for i, c in dp_points:
+        after.setdefault(i, []).append(Op(DP, c))
+    out: List[Op] = []
+    for op in ops:
+        out.append(op)
+        if op.kind == RUN:
+            unit = units[op.index]
+            out += [x for i in unit for x in after.get(i, ())]
+    return tuple(out)
 
 
 def _remote_forward_senders(rank: int, plan: RankPlan, actions: Sequence[Action], padding: Sequence[bool]) -> dict:
@@ -130,7 +156,7 @@ def _parse_line(line: str, n: int, unit: int) -> Op:
     words = line.split()
     kind = words[0]
     try:
-        if kind in (POST, BEGIN, RUN) and len(words) == 2:
+        if kind in (POST, BEGIN, RUN, SUM, DP) and len(words) == 2:
             return Op(kind, int(words[1]))
         if kind in (RECV, RELEASE) and len(words) == 4 and words[2] == ("<-" if kind == RECV else "->"):
             what, d, mb, stage = words[1].split(":")

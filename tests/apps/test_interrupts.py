@@ -181,7 +181,10 @@ def test_launch_script_stops_torchrun_and_its_ranks(tmp_path, sig, group):
 # The main job
 # ---------------------------------------------------------------------------------------------
 
-DEMO = [sys.executable, "-m", "megatron_dualpipe.apps.main_job", "--iters", "3", "--no-compare", "--eval-iters", "0"]
+# a small job (2 processes, a tiny model): what is proven is how it stops, not what it trains
+DEMO = [sys.executable, "-m", "megatron_dualpipe.apps.main_job", "--iters", "3", "--no-compare", "--eval-iters", "0",
+        "--nproc", "2", "--num-layers", "2", "--hidden-size", "16", "--seq-length", "16", "--microbatches", "4",
+        "--micro-batch-size", "1"]
 PROG = "python -m megatron_dualpipe.apps.main_job"
 
 

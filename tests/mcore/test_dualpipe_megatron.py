@@ -439,13 +439,18 @@ def _one_queue_worker(rank, world, port, *args):
     from megatron_dualpipe.mcore.forward_backward import _checked_iteration
     from megatron_dualpipe.schedule import iteration_plan, registry
 
+    from megatron_dualpipe.executor import pair_sums
+
     iteration_plan.one_hardware_queue = lambda: True
+    issued, issue = [], pair_sums.issue_sum
+    pair_sums.issue_sum = lambda c, *a, **k: (c >= 0 and issued.append(c)) or issue(c, *a, **k)
     results = _pipeline_worker(rank, world, port, *args)
     name, _, _, runs, dp, _, overlap = args
     (m, zero_bubble, _), pp = runs[0], world // dp
     padded = registry.get(name).padded_microbatches(pp, m)
     ip = _checked_iteration(name, pp, padded, m, zero_bubble, overlap, dp, False)  # what the run used
-    return results, ip.sum_points, len(compile_program(name, pp, padded, False, m).actions[0])
+    pp_rank = results[0]["pp"]
+    return results, ip.sum_points[pp_rank], len(compile_program(name, pp, padded, False, m).actions[pp_rank]), issued
 
 
 def test_one_hardware_queue_moves_the_bd_sums_and_equals_single_process():
@@ -457,8 +462,10 @@ def test_one_hardware_queue_moves_the_bd_sums_and_equals_single_process():
     state, refs = _references(True, 3, 2)
     out = me.run_workers(_one_queue_worker, 4, args=("dualpipe", True, state, runs, 2, False, True), timeout=400)
     results = [r[0] for r in out]
-    points, n_actions = out[0][1], out[0][2]
-    print(f"\ndualpipe pp=2 dp=2 M=3 on one hardware queue: rank 0 issues its bd sums after action "
-          f"{[i for i, _ in points[0]]} of {n_actions} (the end of the schedule)")
-    assert points[0] and all(i == n_actions for i, _ in points[0]), points
+    for rank, (_, points, n_actions, issued) in enumerate(out):
+        print(f"\ndualpipe pp=2 dp=2 M=3 on one hardware queue: global rank {rank} issues its bd sums after "
+              f"action {[i for i, _ in points]} of {n_actions} (the end of the schedule), chunks in the plan's "
+              f"order {[c for _, c in points]}, issued {issued}")
+        assert points and all(i == n_actions for i, _ in points), points
+        assert issued == [c for _, c in points], (issued, points)  # GradReduction.finish: the plan's order
     _check("dualpipe pp=2 dp=2 one hardware queue", results, refs, runs, 4, 2)

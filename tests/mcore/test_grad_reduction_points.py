@@ -61,9 +61,16 @@ def _drive(actions, model, sum_points, dp_points, last):
     config = SimpleNamespace(grad_sync_func=grad_sync_func, finalize_model_grads_func=None)
     reduction = GradReduction(model, config, actions=actions, sum_points=sum_points, dp_points=dp_points,
                               last_actions=last)
+    ops: dict = {}  # the program's sum / dp ops after each action (lowered.with_reductions, one-action units)
+    for i, c in sum_points:
+        ops.setdefault(i, []).append(("sum", c))
+    for i, c in dp_points:
+        ops.setdefault(i, []).append(("dp", c))
     for i, a in enumerate(actions):
         at[0] = i
         reduction.after_action(a)
+        for kind, c in ops.get(i, ()):
+            reduction.on_reduction(kind, c)
     at[0] = len(actions)
     reduction.finish()
     return started

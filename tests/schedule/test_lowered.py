@@ -93,3 +93,34 @@ def test_a_receive_before_its_post_is_caught():
 def test_a_line_that_is_not_an_op_is_refused(text):
     with pytest.raises(lowered.LoweringError, match="line 1"):
         lowered.parse(text)
+
+
+@pytest.mark.parametrize("name,pp,m", [("dualpipe", 4, 8), ("dualpipev", 4, 9), ("zb-h1", 4, 8)])
+def test_the_plans_sums_and_reductions_are_ops_of_the_same_list(name, pp, m):
+    """The iteration plan's bd sums and data-parallel reductions (--overlap-grad-reduce, dp=2) are
+    ``sum`` / ``dp`` ops right after the ``run`` of the unit holding their point's action, in the
+    plan's order; those at the end of the schedule stay with GradReduction.finish. The list with
+    them parses back, and the plan's stream items were built from it."""
+    from megatron_dualpipe.schedule import iteration_plan as IP
+
+    spec = registry.get(name)
+    prog = _program(name, pp, m, None)
+    ip = IP.plan_for(spec, pp, m, prog.actions, prog.plans, zero_bubble=True, overlap_grad_reduce=True, dp=2,
+                     one_queue=False)
+    counts = []
+    for r in range(pp):
+        ops = ip.ops[r]
+        assert lowered.parse(lowered.to_text(ops)) == ops
+        units, n = prog.plans[r].units, len(prog.actions[r])
+        found, ran = [], -1
+        for op in ops:
+            if op.kind == lowered.RUN:
+                ran = op.index
+            elif op.kind in (lowered.SUM, lowered.DP):
+                found.append((op.kind, op.index, ran))
+        want = [(kind, c, next(k for k, u in enumerate(units) if i in u))
+                for kind, points in ((lowered.SUM, ip.sum_points[r]), (lowered.DP, ip.dp_points[r]))
+                for i, c in points if i < n]
+        assert sorted(found) == sorted(want), (r, found, want)
+        counts.append(len(found))
+    print(f"\n{name} pp={pp} M={m}: sum/dp ops inside the schedule per rank {counts}")
