@@ -39,11 +39,15 @@ script runs, ``LOCAL_RANK`` kept); with ``--check`` it checks that this can be d
 import os
 import runpy
 import sys
+import time
 
 USAGE = ("usage: python -m megatron_dualpipe.launch [--check] [--pair-placement] /path/to/Megatron-LM/pretrain_gpt.py "
          "[ARGS...]")
 PAIR_PLACEMENT = "--pair-placement"  # = launch_placement.FLAG
 SKIP_VERSION = "MEGATRON_DUALPIPE_SKIP_VERSION_CHECK"  # = versions.SKIP_ENV
+#: How long a rank other than 0 waits before it exits on refused arguments: the launcher (torchrun's
+#: agent) stops every rank at the first exit, and rank 0 prints the refusal.
+REFUSAL_WAIT_S = 3.0
 HELP = ("Runs a Megatron-LM training script (pretrain_gpt.py) with megatron-dualpipe installed, so that it takes\n"
         "--pipeline-schedule dualpipe|dualpipev; under torchrun: torchrun --nproc-per-node 8 -m megatron_dualpipe.launch\n"
         "PATH/pretrain_gpt.py ARGS...\n"
@@ -144,7 +148,9 @@ def main(argv=None):
             raise
         if os.environ.get("RANK", "0") == "0":  # every rank refuses the same arguments: rank 0 says it, once
             for line in launch_validation.explain(e):
-                print(f"megatron_dualpipe.launch: error: {line}", file=sys.stderr)
+                print(f"megatron_dualpipe.launch: error: {line}", file=sys.stderr, flush=True)
+        else:  # torchrun's agent stops every rank at the first exit: rank 0 must have said why by then
+            time.sleep(REFUSAL_WAIT_S)
         return 2
     return 0
 

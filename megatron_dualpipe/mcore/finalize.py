@@ -262,7 +262,7 @@ def finalize_dualpipe_grads(
     """
     from megatron.core import parallel_state
     from megatron.core.process_groups_config import ProcessGroupCollection
-    from megatron.core.utils import get_model_config, get_pg_size
+    from megatron.core.utils import get_model_config
 
     way = copy_sums.of(model)  # how the copies are summed (mcore.copy_sum)
     if not copies_summed:
@@ -275,28 +275,10 @@ def finalize_dualpipe_grads(
     if isinstance(num_tokens, torch.Tensor):
         dist.all_reduce(num_tokens, group=pp_group)
 
+    finalize_func = finalize_func if finalize_func is not None else _megatron_finalize(model, pg_collection)
     if finalize_func is None:
-        if all(is_wrapped(c) for c in model):
-            from megatron.core.distributed import finalize_model_grads as finalize_func
-        else:
-            if pg_collection is not None:
-                dp_cp, tp = pg_collection.dp_cp, pg_collection.tp
-            else:
-                dp_cp = parallel_state.get_data_parallel_group(with_context_parallel=True)
-                tp = parallel_state.get_tensor_model_parallel_group()
-            if get_pg_size(dp_cp) > 1 or get_pg_size(tp) > 1:
-                raise ValueError(
-                    "finalize_dualpipe_grads: the chunks are not wrapped in Megatron DDP, so "
-                    "megatron's finalize_model_grads cannot run, but data/context or tensor "
-                    "parallelism needs it: wrap the chunks (build_two_direction_model(wrap=...)) "
-                    "or pass finalize_func"
-                )
-            return num_tokens
-
-    config = get_model_config(model[0])
-    balancing = getattr(config, "moe_router_load_balancing_type", None)
-    if (getattr(config, "moe_router_enable_expert_bias", False)
-            or "quantile_balancing" in (balancing if isinstance(balancing, (list, tuple)) else [balancing])):
+        return num_tokens
+    if _moves_router_bias(get_model_config(model[0])):
         allreduce_bd_router_statistics(model)  # before Megatron's finalize moves the routers' bias
     pgc = copy.copy(pg_collection) if pg_collection is not None else ProcessGroupCollection.use_mpu_process_groups()
     pgc.embd = NO_EMBEDDING_GROUP
@@ -305,6 +287,39 @@ def finalize_dualpipe_grads(
         model = [model[c] for c in stage_order(model)]  # copies: in stage order on both partners
     finalize_func(model, num_tokens, pg_collection=pgc, force_all_reduce=force_all_reduce)
     return num_tokens
+
+
+def _megatron_finalize(model, pg_collection) -> Optional[Callable]:
+    """megatron-core's ``finalize_model_grads`` for chunks wrapped in Megatron DDP; None for plain
+    chunks, which it cannot finalize: allowed only without data/context or tensor parallelism."""
+    from megatron.core import parallel_state
+    from megatron.core.utils import get_pg_size
+
+    if all(is_wrapped(c) for c in model):
+        from megatron.core.distributed import finalize_model_grads
+
+        return finalize_model_grads
+    if pg_collection is not None:
+        dp_cp, tp = pg_collection.dp_cp, pg_collection.tp
+    else:
+        dp_cp = parallel_state.get_data_parallel_group(with_context_parallel=True)
+        tp = parallel_state.get_tensor_model_parallel_group()
+    if get_pg_size(dp_cp) > 1 or get_pg_size(tp) > 1:
+        raise ValueError(
+            "finalize_dualpipe_grads: the chunks are not wrapped in Megatron DDP, so "
+            "megatron's finalize_model_grads cannot run, but data/context or tensor "
+            "parallelism needs it: wrap the chunks (build_two_direction_model(wrap=...)) "
+            "or pass finalize_func"
+        )
+    return None
+
+
+def _moves_router_bias(config) -> bool:
+    """Whether Megatron's finalize updates the routers from their token counts (expert bias,
+    quantile balancing): the two copies' counts must be summed first."""
+    balancing = getattr(config, "moe_router_load_balancing_type", None)
+    return bool(getattr(config, "moe_router_enable_expert_bias", False)) or "quantile_balancing" in (
+        balancing if isinstance(balancing, (list, tuple)) else [balancing])
 
 
 def is_wrapped(chunk: torch.nn.Module) -> bool:
