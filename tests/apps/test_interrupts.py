@@ -217,7 +217,8 @@ def test_main_job_into_head_closes_cleanly(tmp_path):
     # for their own gloo groups (and their port may be taken again by now): a user's shell has none
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "MASTER_ADDR")}
     env[TOKEN] = token
-    shell = (f"bash {ROOT}/scripts/run_main.sh --iters 3 --no-compare --eval-iters 0 --out out 2>err.txt | head -3; "
+    shell = (f"bash {ROOT}/scripts/run_main.sh --iters 3 --no-compare --eval-iters 0 --num-layers 4 --hidden-size 16 "
+             f"--seq-length 16 --micro-batch-size 1 --out out 2>err.txt | head -3; "
              f"echo status ${{PIPESTATUS[0]}}")
     try:
         r = subprocess.run(["bash", "-c", shell], capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)

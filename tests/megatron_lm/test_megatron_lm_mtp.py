@@ -61,7 +61,7 @@ def test_one_chunk_executor_schedules_mtp_equal_megatron_1f1b(schedule):
 UNEVEN = ("--num-layers", "10", "--decoder-first-pipeline-num-layers", "1", "--decoder-last-pipeline-num-layers", "1")
 
 
-@pytest.mark.smoke  # also at core_v0.16.1 (.ci/run's oldest tier)
+# core_v0.19.0 only in CI (the oldest tier keeps MTP through the dualpipev test below)
 def test_dualpipe_two_mtp_layers_untied_uneven_equal_megatron_1f1b_and_its_checkpoint_resumed_by_1f1b(tmp_path):
     """Two MTP layers, untied output weights (the MTP stage's embedding still kept equal to stage 0's),
     uneven stages; dualpipe's torch_dist checkpoint of iteration 3 (1f1b's keys: the mirror, MTP copy
