@@ -16,6 +16,10 @@ Op kinds, in their text form (a ``#`` starts a comment the parser ignores)::
                             over the bd pair), at the point the iteration plan gives
     dp C                    start chunk C's data-parallel reduction (``--overlap-grad-reduce``) there
     finish                  wait for every send still outstanding
+    coll KIND over GROUP    issue collective KIND (a token, e.g. ``grad-norm``, ``reduce-scatter:3``)
+                            on communicator GROUP (e.g. ``mp``, ``shard:3``) and wait for it: the
+                            collectives after the schedule and around the optimizer step
+                            (``schedule.step_collectives``)
 
 ``sum`` and ``dp`` ops are added by :func:`with_reductions` from the iteration plan's points
 (``schedule.iteration_plan``); the ones it puts at the end of the schedule stay with
@@ -34,7 +38,8 @@ from .comm import Label, RankPlan
 
 POST, BEGIN, RECV, RELEASE, RUN, FINISH = "post", "begin", "recv", "release", "run", "finish"
 SUM, DP = "sum", "dp"
-KINDS = (POST, BEGIN, RECV, RELEASE, RUN, SUM, DP, FINISH)
+COLL = "coll"
+KINDS = (POST, BEGIN, RECV, RELEASE, RUN, SUM, DP, FINISH, COLL)
 
 
 class LoweringError(ValueError):
@@ -44,14 +49,19 @@ class LoweringError(ValueError):
 @dataclass(frozen=True)
 class Op:
     """One op. ``index``: the batch (post) or the unit (begin, run) or the unit the wait precedes
-    (recv, release; -1 after the last unit) or the chunk (sum, dp); ``label`` and ``peer`` for the waits."""
+    (recv, release; -1 after the last unit) or the chunk (sum, dp); ``label`` and ``peer`` for the waits;
+    ``what`` and ``group`` for a ``coll``."""
 
     kind: str
     index: int = -1
     label: Optional[Label] = None
     peer: int = -1
+    what: str = ""
+    group: str = ""
 
     def text(self) -> str:
+        if self.kind == COLL:
+            return f"{COLL} {self.what} over {self.group}"
         if self.kind in (POST, BEGIN, RUN, SUM, DP):
             return f"{self.kind} {self.index}"
         if self.kind in (RECV, RELEASE):
@@ -163,6 +173,8 @@ def _parse_line(line: str, n: int, unit: int) -> Op:
             return Op(kind, unit, (what, int(d), int(mb), int(stage)), int(words[3]))
         if kind == FINISH and len(words) == 1:
             return Op(FINISH)
+        if kind == COLL and len(words) == 4 and words[2] == "over":
+            return Op(COLL, what=words[1], group=words[3])
     except ValueError:
         pass
     raise LoweringError(f"line {n}: {line!r} is not an op (one of: {', '.join(KINDS)}; see schedule.lowered)")
