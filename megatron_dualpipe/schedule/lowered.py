@@ -20,13 +20,18 @@ Op kinds, in their text form (a ``#`` starts a comment the parser ignores)::
                             on communicator GROUP (e.g. ``mp``, ``shard:3``) and wait for it: the
                             collectives after the schedule and around the optimizer step
                             (``schedule.step_collectives``)
+    gather C                start chunk C's parameter all-gathers (``--overlap-param-gather``)
+    gathered C              chunk C's all-gathers are waited (DDP's pre-hook, in the ``run`` next)
+    summed C                wait for chunk C's bd sum
+    loss D -> P             send direction D's loss entries to pipeline rank P (``<- P``: receive)
+    finalize                Megatron's finalize: it waits for the data-parallel reductions started
 
-``sum`` and ``dp`` ops are added by :func:`with_reductions` from the iteration plan's points
-(``schedule.iteration_plan``); the ones it puts at the end of the schedule stay with
-``GradReduction.finish``, after the runner. Labels are the plan's ``(kind, direction,
-micro-batch, consuming stage)``. Padding (fake
-micro-batches) is lowered like the rest, except that a fake forward's output is never released
-(nothing was saved for it). Standard library only.
+The collectives around the schedule are ops too (``schedule.program``): the runner hands each
+op it does not run itself (:data:`DELEGATED`) to its listeners, and the ops after ``finish``
+(:func:`after_finish`) run after the schedule, in list order, by the Megatron glue
+(``mcore.program_ops``). Labels are the plan's ``(kind, direction, micro-batch, consuming
+stage)``. Padding (fake micro-batches) is lowered like the rest, except that a fake forward's
+output is never released (nothing was saved for it). Standard library only.
 """
 from __future__ import annotations
 
@@ -39,7 +44,13 @@ from .comm import Label, RankPlan
 POST, BEGIN, RECV, RELEASE, RUN, FINISH = "post", "begin", "recv", "release", "run", "finish"
 SUM, DP = "sum", "dp"
 COLL = "coll"
-KINDS = (POST, BEGIN, RECV, RELEASE, RUN, SUM, DP, FINISH, COLL)
+GATHER, GATHERED, SUMMED, FINALIZE = "gather", "gathered", "summed", "finalize"
+LOSS_SEND, LOSS_RECV = "loss ->", "loss <-"  # text: ``loss D -> P`` / ``loss D <- P``
+KINDS = (POST, BEGIN, RECV, RELEASE, RUN, SUM, DP, FINISH, COLL, GATHER, GATHERED, SUMMED, "loss", FINALIZE)
+#: The ops whose text is ``KIND C``.
+INDEXED = frozenset((POST, BEGIN, RUN, SUM, DP, GATHER, GATHERED, SUMMED))
+#: The ops the runner hands to its listeners (``RunListener.on_op``): collectives of the code around it.
+DELEGATED = frozenset((SUM, DP, GATHER, GATHERED, SUMMED, LOSS_SEND, LOSS_RECV, COLL, FINALIZE))
 
 
 class LoweringError(ValueError):
@@ -49,7 +60,8 @@ class LoweringError(ValueError):
 @dataclass(frozen=True)
 class Op:
     """One op. ``index``: the batch (post) or the unit (begin, run) or the unit the wait precedes
-    (recv, release; -1 after the last unit) or the chunk (sum, dp); ``label`` and ``peer`` for the waits;
+    (recv, release; -1 after the last unit) or the chunk (sum, dp, gather, gathered, summed) or the
+    direction (loss); ``label`` and ``peer`` for the waits, ``peer`` for the loss;
     ``what`` and ``group`` for a ``coll``."""
 
     kind: str
@@ -62,8 +74,10 @@ class Op:
     def text(self) -> str:
         if self.kind == COLL:
             return f"{COLL} {self.what} over {self.group}"
-        if self.kind in (POST, BEGIN, RUN, SUM, DP):
+        if self.kind in INDEXED:
             return f"{self.kind} {self.index}"
+        if self.kind in (LOSS_SEND, LOSS_RECV):
+            return f"loss {self.index} {self.kind[-2:]} {self.peer}"
         if self.kind in (RECV, RELEASE):
             arrow = "<-" if self.kind == RECV else "->"
             return f"{self.kind} {':'.join(str(x) for x in self.label)} {arrow} {self.peer}"
@@ -111,6 +125,14 @@ def with_reductions(ops: Sequence[Op], units: Sequence[Tuple[int, ...]], sum_poi
             unit = units[op.index]
             out += [x for i in unit for x in after.get(i, ())]
     return tuple(out)
+
+
+def after_finish(ops: Sequence[Op]) -> int:
+    """The position after ``finish``: ``ops[:n]`` is the schedule, ``ops[n:]`` what runs after it."""
+    for n in range(len(ops) - 1, -1, -1):
+        if ops[n].kind == FINISH:
+            return n + 1
+    raise LoweringError("the program has no finish op")
 
 
 def _remote_forward_senders(rank: int, plan: RankPlan, actions: Sequence[Action], padding: Sequence[bool]) -> dict:
@@ -166,13 +188,15 @@ def _parse_line(line: str, n: int, unit: int) -> Op:
     words = line.split()
     kind = words[0]
     try:
-        if kind in (POST, BEGIN, RUN, SUM, DP) and len(words) == 2:
+        if kind in INDEXED and len(words) == 2:
             return Op(kind, int(words[1]))
         if kind in (RECV, RELEASE) and len(words) == 4 and words[2] == ("<-" if kind == RECV else "->"):
             what, d, mb, stage = words[1].split(":")
             return Op(kind, unit, (what, int(d), int(mb), int(stage)), int(words[3]))
-        if kind == FINISH and len(words) == 1:
-            return Op(FINISH)
+        if kind in (FINISH, FINALIZE) and len(words) == 1:
+            return Op(kind)
+        if kind == "loss" and len(words) == 4 and words[2] in ("->", "<-"):
+            return Op(f"loss {words[2]}", int(words[1]), peer=int(words[3]))
         if kind == COLL and len(words) == 4 and words[2] == "over":
             return Op(COLL, what=words[1], group=words[3])
     except ValueError:
