@@ -60,6 +60,7 @@ from .loss_gather import gather_losses_on_last_rank, move_mtp_tracker_to_last_ra
 from .overlap import OverlappedStageCompute, offers_combined_step
 from .param_gather import start_param_gathers
 from .stage_compute import MegatronStageCompute
+from .step_options import StepOptions, step_options
 from .validation import DualPipeConfigError, check_call
 
 log = logging.getLogger("megatron_dualpipe")
@@ -212,10 +213,12 @@ class ExecutorSchedule:
         global_ranks = dist.get_process_group_ranks(group)
         rank = parallel_state.get_pipeline_model_parallel_rank()
         program = compile_program(self.spec.name, len(global_ranks), padded, forward_only, real)
+        step = None if forward_only else step_options(model, config, drift_check=bool(self.drift_check_every),
+                                                      advise=self._advice is not None)
         checked = _checked_iteration(self.spec.name, len(global_ranks), padded, real, self.zero_bubble,
                                      config.grad_sync_func is not None, parallel_state.get_data_parallel_world_size(),
                                      forward_only, config.param_sync_func is not None,
-                                     copy_sums.of(model).sums_in_schedule)
+                                     copy_sums.of(model).sums_in_schedule, step)
         if padded != real:
             self._report_padding(len(global_ranks), real, padded, forward_only)
         seq_length, micro_batch_size, decoder_seq_length = shape_args
@@ -343,11 +346,12 @@ def _finalize(model, config, total_num_tokens, device, force_all_reduce) -> None
 @functools.lru_cache(maxsize=64)
 def _checked_iteration(name: str, pp: int, padded: int, real: int, zero_bubble: bool, overlap_grad_reduce: bool,
                        dp: int, forward_only: bool, param_gather: bool = False,
-                       bd_sums: bool = True) -> iteration_plan.IterationPlan:
+                       bd_sums: bool = True, step: Optional[StepOptions] = None) -> iteration_plan.IterationPlan:
     """The iteration's whole communication, checked under NCCL stream semantics before anything
     runs (raises ``IterationPlanError`` naming the cycle); its bd-sum and data-parallel reduction
-    points drive GradReduction. ``bd_sums``: the copy-sum way sums during the schedule."""
+    points drive GradReduction. ``bd_sums``: the copy-sum way sums during the schedule; ``step``:
+    the job's options for the collectives after the schedule (``mcore.step_options``)."""
     program = compile_program(name, pp, padded, forward_only, real)
     return iteration_plan.plan_for(registry.get(name), pp, real, program.actions, program.plans,
                                    zero_bubble=zero_bubble, overlap_grad_reduce=overlap_grad_reduce, dp=dp,
-                                   forward_only=forward_only, param_gather=param_gather, bd_sums=bd_sums)
+                                   forward_only=forward_only, param_gather=param_gather, bd_sums=bd_sums, step=step)

@@ -46,7 +46,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from . import lowered
+from . import lowered, step_collectives
 from .actions import F, W, Action
 from .comm import RankPlan, describe
 from .layout import Layout
@@ -170,6 +170,9 @@ class IterationPlan:
     #: per rank: the lowered ops with the sums and reductions of the schedule (``lowered.with_reductions``):
     #: what the runner executes and what the items above were built from
     ops: List[Tuple[lowered.Op, ...]] = field(default_factory=list)
+    #: per rank: the ``coll`` ops after the schedule and around the optimizer step
+    #: (``step_collectives``), which Megatron and this package's finalize issue, not the runner
+    step_ops: List[Tuple[lowered.Op, ...]] = field(default_factory=list)
 
 
 class _Where:
@@ -247,12 +250,16 @@ class _Builder:
 def build(layout: Layout, ranks: Sequence[Sequence[Action]], plans: Sequence[RankPlan], *, is_fake: Callable,
           deferring: bool, overlap_grad_reduce: bool = False, dp: int = 1, forward_only: bool = False,
           sum_wait: str = WAIT_AT_FINISH, param_gather: bool = False, bd_sums: bool = True,
-          dp_points: Optional[Sequence[Sequence[Tuple[int, int]]]] = None, sums_at_end: bool = False) -> IterationPlan:
+          dp_points: Optional[Sequence[Sequence[Tuple[int, int]]]] = None, sums_at_end: bool = False,
+          step: Optional[step_collectives.StepOptions] = None,
+          step_ops: Optional[Sequence[Sequence[lowered.Op]]] = None) -> IterationPlan:
     """Every rank's stream items for one iteration, as the executor issues them. ``param_gather``:
     ``config.param_sync_func`` is set (``mcore.param_gather``); ``bd_sums``: the copies are summed
     during the schedule (False: ``--dualpipe-shared-shard-group`` / ``--dualpipe-dp-first``);
     ``dp_points``: where each rank starts its data-parallel reductions, default
-    :func:`dp_start_points` (what ``GradReduction`` reads; a test passes a misorder)."""
+    :func:`dp_start_points` (what ``GradReduction`` reads; a test passes a misorder); ``step``: the
+    run's options for the collectives after the schedule (``step_collectives.programs``; None:
+    none), ``step_ops`` those ops per rank instead (a test's misorder)."""
     pp = layout.pp
     b = _Builder(pp)
     ops = grad_ops(deferring)
@@ -281,7 +288,22 @@ def build(layout: Layout, ranks: Sequence[Sequence[Action]], plans: Sequence[Ran
             b.wait(r, k, "in the finalize")
             for w_k in dp_works[r]:
                 b.wait(r, w_k, "in the finalize (finish_grad_sync)")
-    return IterationPlan(pp, b.works, b.items, points, [list(p) for p in dp_points], rank_ops)
+    if step_ops is None:
+        step_ops = step_collectives.programs(layout, step, dp=dp, overlap_grad_reduce=overlap_grad_reduce,
+                                             forward_only=forward_only) if step is not None else [()] * pp
+    for r, coll_ops in enumerate(step_ops):
+        _step_items(b, layout, r, coll_ops)
+    return IterationPlan(pp, b.works, b.items, points, [list(p) for p in dp_points], rank_ops,
+                         [tuple(x) for x in step_ops])
+
+
+def _step_items(b: _Builder, layout: Layout, r: int, coll_ops: Sequence[lowered.Op]) -> None:
+    """Rank ``r``'s ``coll`` ops after the finalize's token all-reduce: each issued on its
+    communicator and waited before the next (``step_collectives``)."""
+    for n, op in enumerate(coll_ops):
+        k = b.collective(r, op.group, step_collectives.members(layout, r, op.group), (op.what,),
+                         _Text("rank {}'s {} over {} (op {} after the schedule)", r, op.what, op.group, n))
+        b.wait(r, k, _Text("for its {} over {}", op.what, op.group))
 
 
 class _RankItems:
@@ -458,8 +480,10 @@ def check(ip: IterationPlan, one_queue: bool = False) -> None:
     for (comm, group, seq), by_rank in members.items():
         keys = {works[k].key for k in by_rank.values()}
         if len(keys) > 1 or set(by_rank) != set(group):
+            missing = [f"rank {r} issues no collective {seq} there" for r in group if r not in by_rank]
             raise IterationPlanError(f"collective {seq} on the {comm} communicator of ranks {list(group)} is not "
-                                     f"the same on every rank: " + "; ".join(str(works[k].what) for k in by_rank.values()))
+                                     f"the same on every rank: " + "; ".join([str(works[k].what) for k in by_rank.values()]
+                                                                              + missing))
     _check_waited_first(ip)
     for s in send_of:
         if s not in recv_of:
@@ -517,18 +541,22 @@ def _check_waited_first(ip: IterationPlan) -> None:
                                          f"waited: it would reduce an unsummed copy")
 
 
-def replicated(ips: Sequence[IterationPlan]) -> IterationPlan:
-    """The plans of ``len(ips)`` data-parallel replicas as one (replica j's rank r is rank
-    r + j*pp), their data-parallel collectives over the ranks r + j*pp: what :func:`check` proves
-    of one replica holds for any number that run the same plan; a test checks replicas that do
-    not (e.g. a reduction started where a poll saw a sum complete, which differs between them)."""
+def replicated(ips: Sequence[IterationPlan], axis: str = "dp") -> IterationPlan:
+    """The plans of ``len(ips)`` replicas along ``axis`` (``dp``: data-parallel, ``tp``: tensor-
+    parallel) as one (replica j's rank r is rank r + j*pp), the collectives of the communicators
+    that span that axis (``step_collectives.SPANS``) over every replica's ranks: what :func:`check`
+    proves of one replica holds for any number that run the same plan; a test checks replicas
+    that do not (e.g. a reduction started where a poll saw a sum complete, which differs between
+    them)."""
     pp, n = ips[0].pp, len(ips)
     works: List[Work] = []
     items: List[List[Item]] = []
     for j, ip in enumerate(ips):
         off, base = j * pp, len(works)
         for w in ip.works:
-            group = tuple(w.group[0] + i * pp for i in range(n)) if w.comm == "dp" else tuple(x + off for x in w.group)
+            spans = axis in step_collectives.SPANS[step_collectives.comm_base(w.comm)]
+            group = tuple(sorted(x + i * pp for i in range(n) for x in w.group)) if spans else \
+                tuple(x + off for x in w.group)
             works.append(replace(w, rank=w.rank + off, what=_Text("replica {}: {}", j, w.what), group=group,
                                  sends=[(a + off, b + off, i) for a, b, i in w.sends],
                                  recvs=[(a + off, b + off, i) for a, b, i in w.recvs]))
@@ -576,9 +604,11 @@ def _explain(ip, stuck, pos, reached, started, completed, head, queues, send_of,
 
 def plan_for(spec, pp: int, real: int, padded_ranks, plans, *, zero_bubble: bool, overlap_grad_reduce: bool = False,
              dp: int = 1, forward_only: bool = False, sum_wait: str = WAIT_AT_FINISH,
-             param_gather: bool = False, bd_sums: bool = True, one_queue: Optional[bool] = None) -> IterationPlan:
+             param_gather: bool = False, bd_sums: bool = True, one_queue: Optional[bool] = None,
+             step: Optional[step_collectives.StepOptions] = None) -> IterationPlan:
     """Build and check the iteration plan of a registry schedule ``spec`` with ``real`` real
-    micro-batches (``padded_ranks``/``plans``: its padded actions and communication plan).
+    micro-batches (``padded_ranks``/``plans``: its padded actions and communication plan); ``step``:
+    the run's options for the collectives after the schedule (:func:`build`).
 
     ``one_queue`` (default: :func:`one_hardware_queue`, ``CUDA_DEVICE_MAX_CONNECTIONS=1`` on a GPU, which
     Megatron asks for with sequence parallelism and TP overlap): the check adds that rule, and where
@@ -592,7 +622,8 @@ def plan_for(spec, pp: int, real: int, padded_ranks, plans, *, zero_bubble: bool
     def built(sums_at_end: bool) -> IterationPlan:
         return build(layout, padded_ranks, plans, is_fake=lambda a: spec.is_fake(real, a.dir, a.mb),
                      deferring=deferring, overlap_grad_reduce=overlap_grad_reduce, dp=dp, forward_only=forward_only,
-                     sum_wait=sum_wait, param_gather=param_gather, bd_sums=bd_sums, sums_at_end=sums_at_end)
+                     sum_wait=sum_wait, param_gather=param_gather, bd_sums=bd_sums, sums_at_end=sums_at_end,
+                     step=step)
 
     ip = built(False)
     try:

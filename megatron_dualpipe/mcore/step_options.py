@@ -1,0 +1,54 @@
+"""The options of a running job that decide its collectives after the schedule.
+
+``schedule.step_collectives`` turns :class:`~..schedule.step_collectives.StepOptions` into each
+rank's ``coll`` ops, which the iteration plan checks with the schedule's communication before
+anything runs. This reads them from what a rank of the job has alike with every other: the model
+config, the DDP config, the parallel sizes and, under Megatron-LM, its arguments. Where it cannot
+tell (megatron-core without Megatron-LM), the collective counts as issued: a collective that every
+member leaves out only removes waits, so checking it proves the run without it too.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from megatron.core import parallel_state
+
+from ..schedule.step_collectives import StepOptions
+from . import copy_sums
+from .model import unwrap_chunk
+
+__all__ = ["StepOptions", "step_options"]
+
+
+def _megatron_lm_args():
+    """Megatron-LM's parsed arguments, or None (megatron-core alone, or not parsed)."""
+    try:
+        from megatron.training import get_args
+
+        return get_args()
+    except (ImportError, AssertionError):
+        return None
+
+
+def step_options(model: Sequence, config, *, drift_check: bool, advise: bool) -> StepOptions:
+    """This job's :class:`StepOptions` (module docstring)."""
+    ddp = getattr(model[0], "ddp_config", None)
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    balancing = getattr(config, "moe_router_load_balancing_type", None)
+    args = _megatron_lm_args()
+    inner = unwrap_chunk(model[0])
+    return StepOptions(
+        tp_grads=tp > 1 and bool(getattr(config, "sequence_parallel", False) or getattr(config, "qk_layernorm", False)),
+        moe=bool(getattr(config, "num_moe_experts", None)),
+        fp16=bool(getattr(config, "fp16", False)),
+        distributed_optimizer=bool(ddp is not None and ddp.use_distributed_optimizer),
+        overlap_param_gather=bool(ddp is not None and ddp.overlap_param_gather),
+        expert_bias=bool(getattr(config, "moe_router_enable_expert_bias", False)),
+        quantile_balancing="quantile_balancing" in (balancing if isinstance(balancing, (list, tuple)) else [balancing]),
+        copy_sum=copy_sums.of(model).name,
+        per_token_loss=bool(getattr(config, "calculate_per_token_loss", False)),
+        tied_embeddings=bool(getattr(inner, "share_embeddings_and_output_weights", False)
+                             or getattr(config, "mtp_num_layers", None)),
+        drift_check=drift_check, advise=advise,
+        log_zeros=True if args is None else bool(getattr(args, "log_num_zeros_in_grad", False)),
+        megatron_lm=True)

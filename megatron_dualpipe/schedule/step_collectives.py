@@ -1,0 +1,236 @@
+"""The collectives every rank issues after the schedule and around the optimizer step, as ops.
+
+Why: the iteration plan (``schedule.iteration_plan``) proved the schedule's communication and
+stopped at the finalize's token all-reduce, while a rank goes on to issue a dozen collectives
+more every iteration (Megatron's finalize, the optimizer step, Megatron-LM's train step, this
+package's copy sums, drift check and link probes) on communicators that overlap the pipeline's.
+Two ranks of one communicator that issue them in different orders hang on NCCL (or, where the
+sizes agree, add unrelated tensors), and on one hardware queue a collective holds the rank's
+later work. :func:`programs` gives each rank's list of ``coll KIND over GROUP`` ops
+(``schedule.lowered``) from the run's options, in the order the code issues them, and
+``iteration_plan.build`` appends them to the plan it checks under both stream rules.
+
+The order per rank (sources: megatron-core 0.16.1 / 0.19.2 ``distributed/finalize_model_grads.py``,
+``optimizer/optimizer.py``, ``optimizer/distrib_optimizer.py``, ``optimizer/clip_grads.py``,
+Megatron-LM ``training.train_step``; this package's ``mcore`` modules named below):
+
+1. ``--dualpipe-advise``, once per job: the costs' max over the pipeline and the link probes
+   (``mcore.live_advice``, ``mcore.comm_probe``; the code runs them before the loss gather, the
+   plan after the finalize's token all-reduce: a block every rank enters alike);
+2. the rest of the finalize (``mcore.finalize``, then Megatron's ``finalize_model_grads``): the
+   routers' statistics summed over the bd pair per stage (expert bias, quantile balancing);
+   each chunk's data-parallel reduction without ``--overlap-grad-reduce`` (over the shard group
+   of its stage with ``--dualpipe-shared-shard-group``), then dp-first's shard sums over the bd
+   pair, in stage order; the tensor-parallel all-reduce (sequence parallel, qk layernorm); the
+   embedding group's all-reduce (one-chunk schedules with tied embeddings); the expert-bias and
+   quantile-balancing all-reduces; the token count's broadcast and all-reduce (per-token loss);
+3. the optimizer step: per sub-optimizer (dense, experts; per stage under the shared shard
+   group) fp16's found-inf all-reduce, the grad norm and zero count over the gradient-statistics
+   group (the distributed optimizer's instance, else model parallel), the parameter all-gathers
+   after the step (distributed optimizer without ``--overlap-param-gather``; with it the next
+   iteration's pre-hook gathers, which the plan starts before the first action);
+4. Megatron-LM's train step: success, grad norm and zero count over model parallel, the loss
+   over data parallel on the last pipeline rank;
+5. the drift check before the next training call (``mcore.drift``, every N calls).
+
+Optional collectives (advise once, drift every N calls, the zero count) are in the plan every
+iteration: a collective that every member of its communicator leaves out only removes waits, so
+the plan with them proves the iterations without them too.
+
+Communicators are named by Megatron's groups. The plan holds one rank per pipeline rank, so a
+group is its members among those (:func:`members`); ``iteration_plan.replicated`` joins replicas
+along an axis (data or tensor parallel) and a group spans them where :data:`SPANS` says so.
+Standard library only.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Sequence, Tuple
+
+from .layout import Layout
+from .lowered import COLL, Op
+
+#: ``comm_cost``'s names of the ways of summing DualPipe's copies (``mcore.copy_sum``; not imported:
+#: ``comm_cost`` reads the iteration plan, which reads this module)
+BD_FIRST, DP_FIRST, SHARED_SHARD = "bd-first", "dp-first", "shared-shard"
+
+#: communicator -> the replica axes it spans (``iteration_plan.replicated``): Megatron's groups
+#: pp (pipeline), bd (DualPipe's pair of a stage's copies), embd (first and last pipeline rank),
+#: mp (tensor x pipeline), world (the distributed optimizer's instance: tensor x data x pipeline),
+#: tp, dp, dp-cp, tp-dp-cp, expt-dp (expert data parallel), expt-mp (expert tensor x pipeline),
+#: shard:S / expt-shard:S (stage S's shared shard groups: both copies' ranks x data parallel).
+SPANS = {"pp": (), "bd": (), "embd": (), "mp": ("tp",), "expt-mp": ("tp",), "world": ("tp", "dp"),
+         "tp": ("tp",), "dp": ("dp",), "dp-cp": ("dp",), "tp-dp-cp": ("tp", "dp"), "expt-dp": ("dp",),
+         "shard": ("dp",), "expt-shard": ("dp",)}
+
+
+@dataclass(frozen=True)
+class StepOptions:
+    """What decides the collectives after the schedule (``mcore.step_options`` reads them from a
+    run). Where a run cannot tell (megatron-core without Megatron-LM's arguments), the default
+    is the collective issued: more collectives, alike on every member, prove fewer."""
+
+    tp_grads: bool = False            # tp > 1 with sequence parallel or qk layernorm
+    moe: bool = False                 # expert parameters: expert bucket groups and optimizer
+    fp16: bool = False                # a loss scaler: the found-inf all-reduce
+    distributed_optimizer: bool = False
+    overlap_param_gather: bool = False
+    expert_bias: bool = False         # --moe-router-enable-expert-bias
+    quantile_balancing: bool = False  # --moe-router-load-balancing-type quantile_balancing (0.19)
+    copy_sum: str = BD_FIRST          # how DualPipe's copies are summed (mcore.copy_sum)
+    per_token_loss: bool = False      # --calculate-per-token-loss: the token count's collectives
+    tied_embeddings: bool = False     # shared embedding and output weight (or MTP)
+    drift_check: bool = False         # --dualpipe-drift-check-interval
+    advise: bool = False              # --dualpipe-advise
+    log_zeros: bool = True            # --log-num-zeros-in-grad
+    megatron_lm: bool = True          # Megatron-LM's train step (its reductions after the step)
+
+
+def comm_base(group: str) -> str:
+    return group.split(":", 1)[0]
+
+
+def members(layout: Layout, r: int, group: str) -> Tuple[int, ...]:
+    """Rank ``r``'s communicator ``group`` within one replica of the pipeline."""
+    base, pp = comm_base(group), layout.pp
+    if base in ("pp", "mp", "expt-mp", "world"):
+        return tuple(range(pp))
+    if base in ("bd", "shard", "expt-shard"):
+        return tuple(sorted({r, layout.partner(r)}))
+    if base == "embd":
+        return (0, pp - 1)
+    if base not in SPANS:
+        raise ValueError(f"unknown communicator {group!r} (one of: {', '.join(SPANS)})")
+    return (r,)
+
+
+def _coll(what: str, group: str) -> Op:
+    return Op(COLL, what=what, group=group)
+
+
+def programs(layout: Layout, opts: StepOptions, *, dp: int, overlap_grad_reduce: bool,
+             forward_only: bool = False) -> List[Tuple[Op, ...]]:
+    """Every rank's ops after the schedule's (module docstring); none in evaluation."""
+    if forward_only:
+        return [() for _ in range(layout.pp)]
+    return [tuple(_advise(layout, r, opts, dp) + _finalize(layout, r, opts, dp, overlap_grad_reduce)
+                  + _optimizer(layout, r, opts, dp) + _train_step(layout, r, opts) + _drift(layout, r, opts))
+            for r in range(layout.pp)]
+
+
+def _paired(layout: Layout, r: int) -> bool:
+    """DualPipe's rank with a partner holding its stages' other copies (not an odd pipeline's middle)."""
+    return layout.mirrored and layout.partner(r) != r
+
+
+def stage_ordered(layout: Layout, r: int) -> List[int]:
+    """Rank ``r``'s chunks in ascending stage order (``shard_groups.stage_order``)."""
+    chunks = range(len(layout.directions))
+    return sorted(chunks, key=lambda c: layout.stage_on(r, c)) if layout.mirrored else list(chunks)
+
+
+def _advise(layout: Layout, r: int, opts: StepOptions, dp: int) -> List[Op]:
+    if not opts.advise:
+        return []
+    out = [_coll("advice-costs", "pp"), _coll("probe-p2p", "pp")]
+    out += [_coll("probe-bd", "bd")] if _paired(layout, r) else []
+    return out + ([_coll("probe-dp", "dp")] if dp > 1 else [])
+
+
+def _finalize(layout: Layout, r: int, opts: StepOptions, dp: int, overlap: bool) -> List[Op]:
+    """The finalize after its token all-reduce over the pipeline and the waits for the reductions
+    ``GradReduction`` started (those the plan already holds)."""
+    out: List[Op] = []
+    if _paired(layout, r) and (opts.expert_bias or opts.quantile_balancing):
+        out += [_coll(f"router-stats:{layout.stage_on(r, c)}", "bd") for c in stage_ordered(layout, r)]
+    out += _grad_syncs(layout, r, opts, dp, overlap)
+    if opts.tp_grads:
+        out.append(_coll("tp-grads", "tp"))
+    if opts.tied_embeddings and len(layout.directions) == 1 and r in (0, layout.pp - 1):
+        out.append(_coll("embd-grads", "embd"))
+    if opts.expert_bias:
+        out.append(_coll("expert-bias", "tp-dp-cp"))
+    if opts.quantile_balancing:
+        out.append(_coll("qb-beta", "dp-cp"))
+    if opts.per_token_loss:
+        out += [_coll("tokens-broadcast", "pp"), _coll("tokens", "dp-cp")]
+    return out
+
+
+def _grad_syncs(layout: Layout, r: int, opts: StepOptions, dp: int, overlap: bool) -> List[Op]:
+    """Megatron's ``finish_grad_sync`` per chunk (stage order where the copy-sum way asks for it):
+    the reduction itself without overlap, then dp-first's sum of the shards over the bd pair."""
+    shared, dp_first = opts.copy_sum == SHARED_SHARD and layout.mirrored, opts.copy_sum == DP_FIRST and layout.mirrored
+    chunks = stage_ordered(layout, r) if shared or dp_first else list(range(len(layout.directions)))
+    out: List[Op] = []
+    for c in chunks:
+        s = layout.stage_on(r, c)
+        if shared:
+            out += [_coll(f"reduce-scatter:{s}", f"shard:{s}")]
+            out += [_coll(f"expert-reduce-scatter:{s}", f"expt-shard:{s}")] if opts.moe else []
+            continue
+        if not overlap and dp > 1:
+            out += [_coll(f"grad-sync:{c}", "dp")] + ([_coll(f"expert-grad-sync:{c}", "expt-dp")] if opts.moe else [])
+        if dp_first and _paired(layout, r):
+            out.append(_coll(f"shard-sum:{s}", "bd"))
+    return out
+
+
+def sub_optimizers(layout: Layout, r: int, opts: StepOptions) -> List[Tuple[str, bool, List[int]]]:
+    """(name, expert, chunks) of each optimizer of the chain, in step order: dense then experts;
+    under the shared shard group one pair per stage, in stage order (``shared_shard_wrap``)."""
+    parts = [("", False), ("expert", True)] if opts.moe else [("", False)]
+    if opts.copy_sum == SHARED_SHARD and layout.mirrored:
+        return [(f"{name}{'-' if name else ''}stage{layout.stage_on(r, c)}", expert, [c])
+                for c in stage_ordered(layout, r) for name, expert in parts]
+    return [(name or "dense", expert, list(range(len(layout.directions)))) for name, expert in parts]
+
+
+def _optimizer(layout: Layout, r: int, opts: StepOptions, dp: int) -> List[Op]:
+    """``optimizer.step()``: found-inf per sub-optimizer (fp16), the grad norm and zero count over
+    the gradient-statistics group (one all-reduce where every sub-optimizer shares it: the
+    distributed optimizer's instance), the parameter all-gathers after the step."""
+    subs = sub_optimizers(layout, r, opts)
+
+    def stats(expert: bool) -> str:
+        return "world" if opts.distributed_optimizer else ("expt-mp" if expert else "mp")
+
+    out = [_coll(f"found-inf:{name}", stats(expert)) for name, expert, _ in subs] if opts.fp16 else []
+    shared = len({stats(e) for _, e, _ in subs}) == 1
+    for kind, wanted in (("grad-norm", True), ("zeros", opts.log_zeros)):
+        if wanted:
+            out += [_coll(kind, stats(False))] if shared else [_coll(f"{kind}:{n}", stats(e)) for n, e, _ in subs]
+    if opts.distributed_optimizer and not opts.overlap_param_gather:
+        for _, _, chunks in subs:
+            out += [op for c in chunks for op in _param_gathers(layout, r, c, opts, dp)]
+    return out
+
+
+def _param_gathers(layout: Layout, r: int, c: int, opts: StepOptions, dp: int) -> List[Op]:
+    """``start_param_sync`` of chunk ``c``: its dense, then its expert bucket groups' all-gathers."""
+    if opts.copy_sum == SHARED_SHARD and layout.mirrored:
+        s = layout.stage_on(r, c)
+        return [_coll(f"param-gather:{s}", f"shard:{s}")] + (
+            [_coll(f"expert-param-gather:{s}", f"expt-shard:{s}")] if opts.moe else [])
+    if dp == 1:
+        return []
+    return [_coll(f"param-gather:{c}", "dp")] + ([_coll(f"expert-param-gather:{c}", "expt-dp")] if opts.moe else [])
+
+
+def _train_step(layout: Layout, r: int, opts: StepOptions) -> List[Op]:
+    if not opts.megatron_lm:
+        return []
+    out = [_coll("update-ok", "mp"), _coll("grad-norm-max", "mp")]
+    out += [_coll("zeros-max", "mp")] if opts.log_zeros else []
+    return out + ([_coll("loss", "dp-cp")] if r == layout.pp - 1 else [])
+
+
+def _drift(layout: Layout, r: int, opts: StepOptions) -> List[Op]:
+    if not (opts.drift_check and _paired(layout, r)):
+        return []
+    return [_coll(f"drift:{layout.stage_on(r, c)}", "bd") for c in stage_ordered(layout, r)]
+
+
+def kinds(ops: Sequence[Op]) -> List[str]:
+    """The kinds of ``ops``' collectives, without their stage or chunk (``reduce-scatter:3`` -> ``reduce-scatter``)."""
+    return [op.what.split(":", 1)[0] for op in ops if op.kind == COLL]

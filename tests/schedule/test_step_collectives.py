@@ -1,0 +1,176 @@
+"""schedule.step_collectives: the collectives after the schedule and around the optimizer step,
+appended to every rank's program as ``coll KIND over GROUP`` ops and checked by the iteration plan.
+
+Standard library only.
+
+* The ops' text form parses back; every rank's program is printed for one case.
+* With every option that adds collectives (each way of summing DualPipe's copies, fp16, the
+  distributed optimizer with and without --overlap-param-gather, MoE with expert bias, quantile
+  balancing, per-token loss, tied embeddings, drift check, advise, tp with sequence parallel) the
+  plan of dualpipe, dualpipev and a one-chunk order has no cycle under NCCL's per-communicator
+  streams and under one hardware queue, for one pipeline and for two replicas along data and
+  tensor parallelism.
+* For each collective kind, a made-up misorder (one rank issues it and the next collective on the
+  same communicator in the other order, or skips it where it is the only one there) is caught
+  under both stream rules, and the error names the kind and the communicator.
+"""
+from __future__ import annotations
+
+import functools
+import re
+
+import pytest
+
+from megatron_dualpipe.schedule import build_schedule, lowered, registry
+from megatron_dualpipe.schedule import iteration_plan as IP
+from megatron_dualpipe.schedule import step_collectives as SC
+from megatron_dualpipe.schedule.comm import plan
+
+EVERYTHING = dict(tp_grads=True, moe=True, fp16=True, distributed_optimizer=True, expert_bias=True,
+                  quantile_balancing=True, per_token_loss=True, tied_embeddings=True, drift_check=True, advise=True)
+#: Option sets that between them issue every kind (name -> (StepOptions, overlap-grad-reduce)).
+OPTION_SETS = {
+    "bd-first, fp16, MoE, no overlap": (SC.StepOptions(**EVERYTHING), False),
+    "bd-first, overlap-param-gather, overlap-grad-reduce": (
+        SC.StepOptions(**{**EVERYTHING, "overlap_param_gather": True}), True),
+    "shared shard group": (SC.StepOptions(**{**EVERYTHING, "fp16": False, "copy_sum": SC.SHARED_SHARD}), False),
+    "dp-first": (SC.StepOptions(**{**EVERYTHING, "copy_sum": SC.DP_FIRST}), False),
+    "dp-first, overlap-grad-reduce": (SC.StepOptions(**{**EVERYTHING, "copy_sum": SC.DP_FIRST}), True),
+    "plain optimizer, fp16": (SC.StepOptions(**{**EVERYTHING, "distributed_optimizer": False}), False),
+}
+CASES = [("dualpipe", 4, 8), ("dualpipe", 2, 4), ("dualpipev", 4, 8), ("executor-1f1b", 4, 6)]
+
+
+@functools.lru_cache(maxsize=None)
+def _program(name, pp, m):
+    spec = registry.get(name)
+    s = build_schedule(name, pp, spec.padded_microbatches(pp, m))
+    return spec, s.ranks, tuple(plan(s.layout, s.ranks))
+
+
+def _build(name, pp, m, opts, ogr, one_queue, step_ops=None):
+    """The plan (dp = 2, zero bubble) with the step collectives of ``opts`` (or ``step_ops``);
+    DualPipe's bd sums at the end of the schedule on one hardware queue (``plan_for``'s choice)."""
+    spec, ranks, plans = _program(name, pp, m)
+    bd_sums = opts.copy_sum == SC.BD_FIRST
+    return IP.build(spec.layout(pp), ranks, plans, is_fake=lambda a: spec.is_fake(m, a.dir, a.mb), deferring=True,
+                    overlap_grad_reduce=ogr, dp=2, param_gather=opts.overlap_param_gather, bd_sums=bd_sums,
+                    sums_at_end=one_queue, step=opts, step_ops=step_ops)
+
+
+def test_the_copy_sum_names_are_the_cost_models():
+    from megatron_dualpipe.schedule import comm_cost
+
+    assert (SC.BD_FIRST, SC.DP_FIRST, SC.SHARED_SHARD) == (comm_cost.BD_FIRST, comm_cost.DP_FIRST, comm_cost.SHARED_SHARD)
+
+
+def test_text_form_parses_back():
+    spec, _, _ = _program("dualpipe", 4, 8)
+    for opts, ogr in OPTION_SETS.values():
+        for r, ops in enumerate(SC.programs(spec.layout(4), opts, dp=2, overlap_grad_reduce=ogr)):
+            text = lowered.to_text(ops)
+            assert lowered.parse(text) == ops and all(op.kind == lowered.COLL for op in ops)
+    ip = _build("dualpipe", 4, 8, *OPTION_SETS["shared shard group"], False)
+    for r in (0, 3):
+        print(f"\ndualpipe pp=4, shared shard group, rank {r} after the schedule:\n" + lowered.to_text(ip.step_ops[r]))
+    assert ip.step_ops[0] == tuple(lowered.parse(lowered.to_text(ip.step_ops[0])))
+
+
+@pytest.mark.parametrize("name,pp,m", CASES)
+@pytest.mark.parametrize("one_queue", [False, True])
+def test_every_option_set_has_no_cycle_alone_and_replicated(name, pp, m, one_queue):
+    counts = []
+    for label, (opts, ogr) in OPTION_SETS.items():
+        ip = _build(name, pp, m, opts, ogr, one_queue)
+        IP.check(ip, one_queue=one_queue)
+        for axis in ("dp", "tp"):
+            IP.check(IP.replicated([ip, _build(name, pp, m, opts, ogr, one_queue)], axis=axis), one_queue=one_queue)
+        counts.append(f"{label}: {max(len(x) for x in ip.step_ops)}")
+        assert all(ip.step_ops)  # every rank has some
+    print(f"\n{name} pp={pp} M={m} one queue={one_queue}: no cycle; step collectives per rank (most): {counts}")
+
+
+def _kind_cases():
+    """(kind, option set, schedule case): the first place each kind appears."""
+    seen = {}
+    for name, pp, m in CASES:
+        spec, _, _ = _program(name, pp, m)
+        for label, (opts, ogr) in OPTION_SETS.items():
+            for ops in SC.programs(spec.layout(pp), opts, dp=2, overlap_grad_reduce=ogr):
+                for kind in SC.kinds(ops):
+                    seen.setdefault(kind, (label, (name, pp, m)))
+    return sorted((k, label, case) for k, (label, case) in seen.items())
+
+
+KIND_CASES = _kind_cases()
+
+
+def test_every_kind_has_a_misorder_case():
+    kinds = [k for k, _, _ in KIND_CASES]
+    print(f"\n{len(kinds)} kinds: {kinds}")
+    for expected in ("advice-costs", "probe-p2p", "probe-bd", "probe-dp", "router-stats", "grad-sync",
+                     "expert-grad-sync", "reduce-scatter", "expert-reduce-scatter", "shard-sum", "tp-grads",
+                     "embd-grads", "expert-bias", "qb-beta", "tokens-broadcast", "tokens", "found-inf", "grad-norm",
+                     "zeros", "param-gather", "expert-param-gather", "update-ok", "grad-norm-max", "zeros-max", "loss",
+                     "drift"):
+        assert expected in kinds, expected
+
+
+def _misordered(ops, kind):
+    """``ops`` with the first ``kind`` swapped with the next collective on its communicator, or
+    without it where none follows; and the communicator."""
+    ops = list(ops)
+    i = next(i for i, op in enumerate(ops) if op.what.split(":", 1)[0] == kind)
+    group = ops[i].group
+    j = next((j for j in range(i + 1, len(ops)) if ops[j].group == group), None)
+    if j is None:
+        del ops[i]
+    else:
+        ops[i], ops[j] = ops[j], ops[i]
+    return ops, group
+
+
+@pytest.mark.parametrize("kind,label,case", KIND_CASES, ids=[k for k, _, _ in KIND_CASES])
+@pytest.mark.parametrize("one_queue", [False, True])
+def test_a_misordered_collective_is_caught_and_named(kind, label, case, one_queue):
+    """One rank issues ``kind`` out of order (or not at all). Where its communicator has other
+    ranks in the pipeline (pp, bd, embd, mp, world, shard groups) the pipeline itself shows it; a
+    per-stage group (tp, dp, ...) needs a second replica along the axis it spans, whose rank does
+    the misorder."""
+    name, pp, m = case
+    opts, ogr = OPTION_SETS[label]
+    planned = _build(name, pp, m, opts, ogr, one_queue)
+    r = next(r for r, ops in enumerate(planned.step_ops) if kind in SC.kinds(ops))
+    bad, group = _misordered(planned.step_ops[r], kind)
+    step_ops = [bad if q == r else ops for q, ops in enumerate(planned.step_ops)]
+    if len(SC.members(registry.get(name).layout(pp), r, group)) > 1:
+        ip = _build(name, pp, m, opts, ogr, one_queue, step_ops=step_ops)
+    else:
+        axis = SC.SPANS[SC.comm_base(group)][0]
+        ip = IP.replicated([planned, _build(name, pp, m, opts, ogr, one_queue, step_ops=step_ops)], axis=axis)
+    with pytest.raises(IP.IterationPlanError) as e:
+        IP.check(ip, one_queue=one_queue)
+    msg = str(e.value)
+    print(f"\n{kind} ({label}, {name} pp={pp}, rank {r}, one queue={one_queue}): {msg}")
+    assert f"on the {group} communicator" in msg and "is not the same on every rank" in msg
+    assert re.search(rf"'s {re.escape(kind)}(:\S+)? over {re.escape(group)} ", msg), msg
+
+
+@pytest.mark.parametrize("one_queue", [False, True])
+def test_two_communicators_in_opposite_orders_deadlock_and_the_cycle_is_named(one_queue):
+    """Every communicator alike on its members, but rank 0 runs its drift check (bd pair with rank
+    3) before Megatron-LM's success all-reduce (model parallel) and rank 3 after: each waits for
+    the other's collective on a communicator the other has not reached (collective_order's rule 2,
+    here with the waits of the iteration)."""
+    opts, ogr = OPTION_SETS["bd-first, fp16, MoE, no overlap"]
+    planned = _build("dualpipe", 4, 8, opts, ogr, one_queue)
+    ops = list(planned.step_ops[0])
+    i, j = SC.kinds(ops).index("update-ok"), SC.kinds(ops).index("drift")
+    ops.insert(i, ops.pop(j))
+    ip = _build("dualpipe", 4, 8, opts, ogr, one_queue, step_ops=[ops] + list(planned.step_ops[1:]))
+    with pytest.raises(IP.IterationPlanError) as e:
+        IP.check(ip, one_queue=one_queue)
+    msg = str(e.value)
+    print("\n" + msg)
+    assert "deadlocks under NCCL stream semantics" in msg
+    assert "rank 0's drift:0 over bd" in msg and "update-ok over mp" in msg and "again" in msg
