@@ -176,14 +176,13 @@ def _grad_syncs(layout: Layout, r: int, opts: StepOptions, dp: int, overlap: boo
     return out
 
 
-def sub_optimizers(layout: Layout, r: int, opts: StepOptions) -> List[Tuple[str, bool, List[int]]]:
-    """(name, expert, chunks) of each optimizer of the chain, in step order: dense then experts;
-    under the shared shard group one pair per stage, in stage order (``shared_shard_wrap``)."""
-    parts = [("", False), ("expert", True)] if opts.moe else [("", False)]
+def sub_optimizers(layout: Layout, r: int, opts: StepOptions) -> List[Tuple[bool, List[int]]]:
+    """(expert, chunks) of each optimizer of the chain, in step order: dense then experts; under
+    the shared shard group one pair per stage, in stage order (``shared_shard_wrap``)."""
+    parts = [False, True] if opts.moe else [False]
     if opts.copy_sum == SHARED_SHARD and layout.mirrored:
-        return [(f"{name}{'-' if name else ''}stage{layout.stage_on(r, c)}", expert, [c])
-                for c in stage_ordered(layout, r) for name, expert in parts]
-    return [(name or "dense", expert, list(range(len(layout.directions)))) for name, expert in parts]
+        return [(expert, [c]) for c in stage_ordered(layout, r) for expert in parts]
+    return [(expert, list(range(len(layout.directions)))) for expert in parts]
 
 
 def _optimizer(layout: Layout, r: int, opts: StepOptions, dp: int) -> List[Op]:
@@ -195,13 +194,16 @@ def _optimizer(layout: Layout, r: int, opts: StepOptions, dp: int) -> List[Op]:
     def stats(expert: bool) -> str:
         return "world" if opts.distributed_optimizer else ("expt-mp" if expert else "mp")
 
-    out = [_coll(f"found-inf:{name}", stats(expert)) for name, expert, _ in subs] if opts.fp16 else []
-    shared = len({stats(e) for _, e, _ in subs}) == 1
+    # keyed by the position in the chain: NCCL pairs the scalars' all-reduces by position, whatever
+    # stage each rank's k-th sub-optimizer holds (the shared shard group's: not the same on all)
+    out = [_coll(f"found-inf:{k}", stats(e)) for k, (e, _) in enumerate(subs)] if opts.fp16 else []
+    shared = len({stats(e) for e, _ in subs}) == 1
     for kind, wanted in (("grad-norm", True), ("zeros", opts.log_zeros)):
         if wanted:
-            out += [_coll(kind, stats(False))] if shared else [_coll(f"{kind}:{n}", stats(e)) for n, e, _ in subs]
+            out += [_coll(kind, stats(False))] if shared else [_coll(f"{kind}:{k}", stats(e))
+                                                               for k, (e, _) in enumerate(subs)]
     if opts.distributed_optimizer and not opts.overlap_param_gather:
-        for _, _, chunks in subs:
+        for _, chunks in subs:
             out += [op for c in chunks for op in _param_gathers(layout, r, c, opts, dp)]
     return out
 
