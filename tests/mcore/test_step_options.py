@@ -1,0 +1,72 @@
+"""mcore.step_options: the options that decide a job's collectives after the schedule, read from
+the model config, the DDP config, the chunks' copy-sum mark and the tensor-parallel size.
+
+Each field is checked against a job that has it and one that has not: a field read from the wrong
+attribute would leave its collectives out of the plan check (the MoE and fp16 ones, the shared
+shard group's reduce-scatters), unnoticed.
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megatron_dualpipe.mcore import step_options as SO
+from megatron_dualpipe.mcore.dp_first import DP_FIRST_ATTR
+from megatron_dualpipe.schedule import step_collectives as SC
+
+PLAIN = dict(sequence_parallel=False, qk_layernorm=False, num_moe_experts=None, fp16=False,
+             moe_router_enable_expert_bias=False, moe_router_load_balancing_type="aux_loss",
+             calculate_per_token_loss=False, mtp_num_layers=None)
+
+
+class _Chunk(torch.nn.Module):
+    def __init__(self, ddp=None, tied=False, mark=None):
+        super().__init__()
+        self.module = torch.nn.Linear(1, 1)
+        self.module.share_embeddings_and_output_weights = tied
+        if ddp is not None:
+            self.ddp_config = SimpleNamespace(**ddp)
+        if mark:
+            setattr(self, mark, True)
+
+
+def _options(monkeypatch, tp=1, ddp=None, tied=False, mark=None, **config):
+    monkeypatch.setattr(SO.parallel_state, "get_tensor_model_parallel_world_size", lambda: tp)
+    monkeypatch.setattr(SO, "_megatron_lm_args", lambda: None)
+    model = [_Chunk(ddp, tied, mark), _Chunk(ddp, tied, mark)]
+    return SO.step_options(model, SimpleNamespace(**{**PLAIN, **config}), drift_check=False, advise=False)
+
+
+@pytest.mark.parametrize("field,job,value", [
+    ("tp_grads", dict(tp=2, sequence_parallel=True), True),
+    ("tp_grads", dict(tp=1, sequence_parallel=True), False),
+    ("tp_grads", dict(tp=2, qk_layernorm=True), True),
+    ("moe", dict(num_moe_experts=4), True),
+    ("fp16", dict(fp16=True), True),
+    ("distributed_optimizer", dict(ddp=dict(use_distributed_optimizer=True, overlap_param_gather=False)), True),
+    ("overlap_param_gather", dict(ddp=dict(use_distributed_optimizer=True, overlap_param_gather=True)), True),
+    ("expert_bias", dict(moe_router_enable_expert_bias=True), True),
+    ("quantile_balancing", dict(moe_router_load_balancing_type="quantile_balancing"), True),
+    ("quantile_balancing", dict(moe_router_load_balancing_type=["aux_loss", "quantile_balancing"]), True),
+    ("per_token_loss", dict(calculate_per_token_loss=True), True),
+    ("tied_embeddings", dict(tied=True), True),
+    ("tied_embeddings", dict(mtp_num_layers=1), True),
+    ("copy_sum", dict(mark=DP_FIRST_ATTR), SC.DP_FIRST),
+])
+def test_each_field_is_read_from_the_job(monkeypatch, field, job, value):
+    plain = _options(monkeypatch)
+    got = _options(monkeypatch, **job)
+    print(f"{field}: {getattr(plain, field)!r} without, {getattr(got, field)!r} with {job}")
+    assert getattr(got, field) == value
+    assert getattr(plain, field) != value or not value
+
+
+def test_without_megatron_lm_the_zero_count_is_checked(monkeypatch):
+    """megatron-core alone cannot tell --log-num-zeros-in-grad: its collectives count as issued."""
+    assert _options(monkeypatch).log_zeros
+    monkeypatch.setattr(SO.parallel_state, "get_tensor_model_parallel_world_size", lambda: 1)
+    monkeypatch.setattr(SO, "_megatron_lm_args", lambda: SimpleNamespace(log_num_zeros_in_grad=False))
+    assert not SO.step_options([_Chunk(), _Chunk()], SimpleNamespace(**PLAIN), drift_check=True,
+                               advise=True).log_zeros
