@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from ..executor.p2p import P2P
 from ..executor.runner import TensorSpec, compile_program, run_rank
-from ..schedule.iteration_plan import chunks_with_real_forward
+from ..schedule.program import chunks_with_real_forward
 from .synthetic import Spender, SyntheticCompute
 
 NONE, PRE_HOOK, PARAM_SYNC = "none", "pre-hook", "param_sync_func"

@@ -1,7 +1,7 @@
 """What the runner tells the code that watches a rank's schedule run.
 
 Anything that must happen at a point of the schedule but is not part of running it (recording a
-timeline, starting a chunk's gradient reduction once its last gradient action ran) is a
+timeline, starting a chunk's gradient reduction where the program says) is a
 :class:`RunListener` handed to ``run_rank``: the runner calls its hooks in schedule order and
 knows nothing else about it. ``unit`` is one execution unit: indices into the rank's actions
 (one action, or an overlapped F with the backward after it; see ``schedule.actions.units``).
@@ -32,9 +32,10 @@ class RunListener:
     def on_unit_end(self, unit: Unit) -> None:
         """Every action of the unit ended (after their :meth:`on_action_end`)."""
 
-    def on_reduction(self, kind: str, chunk: int) -> None:
-        """A ``sum`` or ``dp`` op of the rank's lowered program (``schedule.lowered``): issue the bd
-        sum of ``chunk``, or start its data-parallel reduction, here."""
+    def on_op(self, op) -> None:
+        """An op of the rank's lowered program that the runner does not run itself
+        (``schedule.lowered.DELEGATED``: a parameter gather or its wait, a bd sum or its wait, a
+        data-parallel reduction, the loss gather, a finalize collective): issue it here."""
 
     def on_run_end(self) -> None:
         """The schedule ran to its end: every send completed, no tensor left over. Not called

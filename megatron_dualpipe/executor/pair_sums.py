@@ -8,8 +8,8 @@ schedule, ``mcore.finalize.allreduce_bd_grads`` outside it) and by the benchmark
   contiguous buffers (Megatron DDP's grad buffers, the benchmark's synthetic gradients), else
   flattened per dtype and copied back when waited;
 * :class:`PairSums` issues a rank's sums at the points the iteration plan gives
-  (``schedule.iteration_plan``) and waits for none before :meth:`PairSums.finish`, the end of
-  the schedule, which the plan proves safe: on an accelerator a ``wait()`` would make the
+  (``schedule.iteration_plan``) and waits for none before the end of the schedule (the
+  program's ``summed`` ops, :meth:`PairSums.wait`; :meth:`PairSums.finish`), which the plan proves safe: on an accelerator a ``wait()`` would make the
   compute stream wait, and with it every P2P batch posted after it, for the partner's matching
   sum; where the partners finish their chunks at different points the partner first needs one
   of those stalled tensors (issue 17: pp=2 with an odd number of micro-batches hung). It never
@@ -128,6 +128,13 @@ class PairSums:
         if dog is not None and not pending.on_host:  # watched from its issue: the partner may never join
             for w in pending.works:
                 dog.track(w, pending.what, self.timeout_s)
+
+    def wait(self, c: int) -> None:
+        """Complete chunk ``c``'s sum (a ``summed`` op of the program); it must have been issued."""
+        k = next((k for k, p in enumerate(self.pending) if p.chunk == c), None)
+        if k is None:
+            raise RuntimeError(f"{self.describe(c)}: waited but {'already waited' if c in self.issued else 'never issued'}")
+        self.pending.pop(k).wait(self.timeout_s)
 
     def finish(self, chunks: Sequence[int]) -> None:
         """End of the schedule: issue what the plan left (none in a planned run), wait for all."""

@@ -7,7 +7,9 @@ takes and hands on, and from or to which rank. The runner owns the tensors in fl
 buffers, outputs waiting to be sent, and the local hand-over at the turn of DualPipeV's "V"
 (stage pp-1 to stage pp on the last rank). Padding actions (the compiled :class:`Program` marks
 them) run as nothing. What else must happen at a point of the schedule (a timeline, a chunk's
-gradient reduction) is a :class:`~.listeners.RunListener`.
+gradient reduction) is a :class:`~.listeners.RunListener`; the ops of the program whose
+collectives belong to the code around the runner (``lowered.DELEGATED``: parameter gathers, bd
+sums, reductions, the loss gather, the finalize) are handed to the listeners where the list has them.
 """
 from __future__ import annotations
 
@@ -196,9 +198,9 @@ class RankRun:
                 listener.on_unit_waiting(self.plan.units[op.index])
         elif kind == lowered.POST:
             self.post_batch(op.index)
-        elif kind in (lowered.SUM, lowered.DP):
+        elif kind in lowered.DELEGATED:
             for listener in self.listeners:
-                listener.on_reduction(kind, op.index)
+                listener.on_op(op)
         elif kind == lowered.FINISH:
             self.p2p.finish("after its last action")
         else:

@@ -260,10 +260,6 @@ def finalize_dualpipe_grads(
     (else ValueError), and gradients are then *not* divided by ``num_tokens``. Returns the
     summed ``num_tokens`` (or None).
     """
-    from megatron.core import parallel_state
-    from megatron.core.process_groups_config import ProcessGroupCollection
-    from megatron.core.utils import get_model_config
-
     way = copy_sums.of(model)  # how the copies are summed (mcore.copy_sum)
     if not copies_summed:
         if way.sums_in_finalize == copy_sum.ALWAYS or (
@@ -271,9 +267,28 @@ def finalize_dualpipe_grads(
             allreduce_bd_grads(model)
         fold_tied_embedding_grads(model)
 
-    pp_group = pg_collection.pp if pg_collection is not None else parallel_state.get_pipeline_model_parallel_group()
+    all_reduce_token_count(num_tokens, pg_collection)
+    return finalize_after_token_count(model, num_tokens, finalize_func=finalize_func, pg_collection=pg_collection,
+                                      force_all_reduce=force_all_reduce)
+
+
+def all_reduce_token_count(num_tokens: Optional[torch.Tensor], pg_collection=None) -> None:
+    """Step 3 of `finalize_dualpipe_grads` (the program's ``coll token-count over pp`` op): every
+    rank's count of the tokens whose loss it computed, summed over the pipeline group."""
+    from megatron.core import parallel_state
+
     if isinstance(num_tokens, torch.Tensor):
+        pp_group = pg_collection.pp if pg_collection is not None else parallel_state.get_pipeline_model_parallel_group()
         dist.all_reduce(num_tokens, group=pp_group)
+
+
+def finalize_after_token_count(model: Sequence[torch.nn.Module], num_tokens: Optional[torch.Tensor], *,
+                               finalize_func: Optional[Callable] = None, pg_collection=None,
+                               force_all_reduce: Optional[bool] = False) -> Optional[torch.Tensor]:
+    """Step 4 of `finalize_dualpipe_grads` (the program's ``finalize`` op): Megatron's finalize,
+    without its embedding all-reduces, the chunks in the order the copy-sum way asks for."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.utils import get_model_config
 
     finalize_func = finalize_func if finalize_func is not None else _megatron_finalize(model, pg_collection)
     if finalize_func is None:
@@ -283,8 +298,8 @@ def finalize_dualpipe_grads(
     pgc = copy.copy(pg_collection) if pg_collection is not None else ProcessGroupCollection.use_mpu_process_groups()
     pgc.embd = NO_EMBEDDING_GROUP
     pgc.pos_embd = None
-    if way.stage_ordered_finalize:  # Megatron's per-chunk loop issues the collectives that sum the
-        model = [model[c] for c in stage_order(model)]  # copies: in stage order on both partners
+    if copy_sums.of(model).stage_ordered_finalize:  # Megatron's per-chunk loop issues the collectives
+        model = [model[c] for c in stage_order(model)]  # that sum the copies: in stage order on both partners
     finalize_func(model, num_tokens, pg_collection=pgc, force_all_reduce=force_all_reduce)
     return num_tokens
 

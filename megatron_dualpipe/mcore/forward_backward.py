@@ -40,25 +40,21 @@ import math
 import weakref
 from typing import Any, Callable, List, Optional
 
-import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import schedules
 from megatron.core.utils import get_model_config
 
 from ..executor.p2p import DEFAULT_TIMEOUT_S, P2P
-from ..executor.listeners import RunListener
 from ..executor.runner import Program, TensorSpec, compile_program, run_rank
 from ..executor import abort, watchdog
-from ..schedule import B, iteration_plan, registry
+from ..schedule import B, iteration_plan, lowered, registry
 from . import copy_sums
 from .data import MicrobatchSource
-from .finalize import finalize_dualpipe_grads
 from .grad_reduction import GradReduction, clear_deferred_output_wgrads
 from .live_advice import DEFAULT_WARMUP as ADVISE_WARMUP, LiveAdvice
-from .loss_gather import gather_losses_on_last_rank, move_mtp_tracker_to_last_rank
 from .overlap import OverlappedStageCompute, offers_combined_step
-from .param_gather import start_param_gathers
+from .program_ops import ProgramOps
 from .stage_compute import MegatronStageCompute
 from .step_options import StepOptions, step_options
 from .validation import DualPipeConfigError, check_call
@@ -175,9 +171,12 @@ class ExecutorSchedule:
             config=config, forward_only=forward_only, collect_non_loss_data=collect_non_loss_data,
             first_val_step=first_val_step, global_ranks=it.global_ranks, wgrad_store=store, audit=self._wgrad.DeferralAudit() if store is not None and not self._audited else None)
         advice = self._advice if self._advice is not None and self._advice.wanted(forward_only) else None
+        ops = ProgramOps(it.plan.ops[it.rank], it=it, model=model, config=config, compute=compute, reduction=reduction,
+                         forward_only=forward_only, force_all_reduce=force_all_reduce, timeout_s=self.p2p_timeout,
+                         describe=f"{self.spec.name} pipeline rank {it.rank}: ")
         with _timer(config):
             with advice.measuring(model) if advice is not None else contextlib.nullcontext() as recorder:
-                self._run(it, compute, reduction, config, model, forward_only, recorder)
+                losses = self._run(it, compute, ops, config, model, forward_only, recorder)
             if forward_only:
                 clear_deferred_output_wgrads(config, model)  # evaluation: what its forwards deferred
             if advice is not None:
@@ -186,14 +185,6 @@ class ExecutorSchedule:
                               is_fake=it.program.padded.is_fake, device=it.tensor_spec.device,
                               message_bytes=math.prod(it.tensor_spec.shape) * it.tensor_spec.dtype.itemsize)
             self._report_deferral(compute.audit, it.rank)
-            losses = gather_losses_on_last_rank(compute.loss_store, it.program.schedule.layout, it.rank,
-                                                it.global_ranks, it.group, it.tensor_spec.device,
-                                                timeout_s=self.p2p_timeout)
-            if not forward_only:
-                if getattr(config, "mtp_num_layers", None):
-                    move_mtp_tracker_to_last_rank(it.program.schedule.layout, it.rank, it.global_ranks, it.group,
-                                                  it.tensor_spec.device, timeout_s=self.p2p_timeout)
-                _finalize(model, config, compute.total_num_tokens, it.tensor_spec.device, force_all_reduce)
         return losses
 
     def _check_drift(self, model, forward_only: bool) -> None:
@@ -246,8 +237,7 @@ class ExecutorSchedule:
         actions = it.program.actions[it.rank]
         last = iteration_plan.last_grad_action_index(actions, it.program.padded.is_fake,
                                                      iteration_plan.grad_ops(wgrad_store is not None))
-        return GradReduction(model, config, actions=actions, sum_points=it.plan.sum_points[it.rank],
-                             dp_points=it.plan.dp_points[it.rank], last_actions=last)
+        return GradReduction(model, config, actions=actions, last_actions=last)
 
     def _report_deferral(self, audit, rank: int) -> None:
         """Once per process: say how much weight-gradient work W holds if B kept some."""
@@ -264,32 +254,22 @@ class ExecutorSchedule:
         return self._wgrad.WeightGradStore()
 
     # -- run ---------------------------------------------------------------------------------------
-    def _run(self, it: _Iteration, compute: MegatronStageCompute, reduction: Optional[GradReduction], config,
-             model, forward_only: bool, recorder=None) -> None:
-        """Each chunk's parameter all-gathers started (``param_gather``), the schedule with
-        data-parallel reduction held off (each chunk's reduction is started by the GradReduction, a
-        listener of the run, at the place the iteration plan gives), then the rest of the reduction."""
-        listeners = () if reduction is None else (_ReductionListener(reduction),)
-        start_param_gathers(config, model, it.program.actions[it.rank], it.program.padding[it.rank],
-                            forward_only=forward_only, describe=f"{self.spec.name} pipeline rank {it.rank}: ")
+    def _run(self, it: _Iteration, compute: MegatronStageCompute, ops: ProgramOps, config, model,
+             forward_only: bool, recorder=None) -> list:
+        """The rank's program (``it.plan.ops``): the schedule with data-parallel reduction held off, its
+        collectives issued by ``ops`` where the list has them (the parameter gathers, the bd sums,
+        the reductions the plan starts in it), then the ops after it (``ops.after_schedule``: the
+        rest of the reduction, the loss gather, the finalize); returns the loss entries."""
+        program = it.plan.ops[it.rank]
+        end = lowered.after_finish(program)
+        reduction = ops.reduction
         with _no_sync(config, model, forward_only), \
                 (reduction.during_schedule() if reduction is not None else contextlib.nullcontext()):
-            run_rank(it.program, it.rank, compute, it.p2p, it.tensor_spec, trace=recorder, listeners=listeners,
-                     ops=it.plan.ops[it.rank] if it.plan.ops else None)
+            run_rank(it.program, it.rank, compute, it.p2p, it.tensor_spec, trace=recorder,
+                     listeners=() if forward_only else (ops,), ops=program[:end])
         if compute.wgrad_store is not None:
             compute.wgrad_store.assert_empty()
-        if reduction is not None:
-            reduction.finish()
-
-
-class _ReductionListener(RunListener):
-    """Tells the gradient reduction of every action that ran (a chunk's gradients are final after
-    its last) and of every ``sum`` / ``dp`` op of the plan's lowered program (its ``finish`` stays
-    after the schedule, outside ``no_sync``)."""
-
-    def __init__(self, reduction: GradReduction):
-        self.on_action_end = reduction.after_action
-        self.on_reduction = reduction.on_reduction
+        return ops.after_schedule(program[end:])
 
 
 #: Pipeline groups that have had their first collective (see ``P2P.first_collective``).
@@ -329,20 +309,6 @@ def _no_sync(config, model, forward_only: bool):
         yield
 
 
-def _finalize(model, config, total_num_tokens, device, force_all_reduce) -> None:
-    """Megatron's finalize, if configured (the GradReduction has summed the bd copies already)."""
-    finalize = config.finalize_model_grads_func
-    if finalize is None:
-        return
-    tokens = total_num_tokens if total_num_tokens is not None else torch.zeros([], dtype=torch.int, device=device)
-    tokens = tokens.to(device) if config.calculate_per_token_loss else None
-    if len(model) == 2:
-        finalize_dualpipe_grads(model, tokens, finalize_func=finalize, force_all_reduce=force_all_reduce,
-                                copies_summed=True)
-    else:
-        finalize(model, tokens, force_all_reduce=force_all_reduce)
-
-
 @functools.lru_cache(maxsize=64)
 def _checked_iteration(name: str, pp: int, padded: int, real: int, zero_bubble: bool, overlap_grad_reduce: bool,
                        dp: int, forward_only: bool, param_gather: bool = False,
@@ -354,4 +320,5 @@ def _checked_iteration(name: str, pp: int, padded: int, real: int, zero_bubble: 
     program = compile_program(name, pp, padded, forward_only, real)
     return iteration_plan.plan_for(registry.get(name), pp, real, program.actions, program.plans,
                                    zero_bubble=zero_bubble, overlap_grad_reduce=overlap_grad_reduce, dp=dp,
-                                   forward_only=forward_only, param_gather=param_gather, bd_sums=bd_sums, step=step)
+                                   forward_only=forward_only, param_gather=param_gather, bd_sums=bd_sums, step=step,
+                                   ops=program.ops)

@@ -1,11 +1,12 @@
-"""One iteration's gradient reduction, started chunk by chunk while the schedule runs.
+"""One iteration's gradient reduction, started chunk by chunk where the rank's program says.
 
 The runner tells a `GradReduction` every action it ran (`GradReduction.after_action`: a chunk's
-gradients are final after its last) and every ``sum`` / ``dp`` op of the rank's lowered program
-(`GradReduction.on_reduction`: the ops the checked iteration plan put into the list the runner
-executes, ``schedule.lowered.with_reductions``); `GradReduction.finish` completes the reduction
-after the schedule. Every collective it issues is at a place of that program, the same on every
-rank that shares the communicator; nothing depends on when a sum happens to complete.
+gradients are final after its last) and hands it every ``sum`` / ``summed`` / ``dp`` op of the
+rank's lowered program (`GradReduction.on_reduction`: the ops the checked iteration plan put into
+the list, ``schedule.program``); the ops after the schedule reach it the same way, in list order
+(``mcore.program_ops``), between `GradReduction.end_schedule` and `GradReduction.complete`. Every
+collective it issues is at a place of that program, the same on every rank that shares the
+communicator; it decides none itself, and nothing depends on when a sum happens to complete.
 
 Per chunk (one `_Chunk` state each):
 
@@ -15,12 +16,13 @@ Per chunk (one `_Chunk` state each):
 2. DualPipe: its bd sum (the two copies of the stage summed over the bd pair, in place over
    Megatron DDP's grad buffers) is issued at the point the iteration plan gives
    (``iteration_plan.bd_sum_points``: both partners in the same order of stages) through
-   ``executor.pair_sums``, and never waited before `finish`: a wait on an accelerator makes the
-   compute stream wait, and the partner may first need a tensor queued behind it (issue 17);
+   ``executor.pair_sums``, and waited by the program's ``summed`` ops after the schedule: a wait
+   on an accelerator makes the compute stream wait, and the partner may first need a tensor
+   queued behind it (issue 17);
 3. its data-parallel reduction (``config.grad_sync_func``, Megatron DDP's ``start_grad_sync``
    under ``--overlap-grad-reduce``) starts at the plan's point (``iteration_plan.dp_start_points``,
-   read from ``IterationPlan.dp_points``): right after its last gradient action where nothing
-   changes its gradients later, else in `finish`. A poll once started it when the bd sum was
+   the program's ``dp`` op): right after its last gradient action where nothing changes its
+   gradients later, else after the schedule. A poll once started it when the bd sum was
    seen complete: a point that differed between the data-parallel replicas, whose collectives
    on one hardware queue (``CUDA_DEVICE_MAX_CONNECTIONS=1``) can then wait for each other.
 
@@ -31,9 +33,10 @@ copies, and the reduce-scatter's sum over both ranks' folds is the tied gradient
 ``--dualpipe-dp-first`` neither: the pair sums the chunk's shards right after its reduce-scatter
 (``mcore.dp_first``, in Megatron's finalize, stage order), the fold as with the shared group.
 
-`finish` waits for every sum (the end of the schedule: the plan proves it safe), folds tied
-embeddings and starts the data-parallel reductions the plan puts there, in its order. Megatron's
-finalize then waits for them as after its own 1F1B (``finish_grad_sync``;
+After the schedule the program waits for every sum (``summed``: the plan proves it safe there);
+before the first reduction started there, tied embeddings are folded (and the middle rank of an
+odd pipeline sums its two copies locally); then the reductions the plan puts there start, in its
+order. Megatron's finalize waits for them as after its own 1F1B (``finish_grad_sync``;
 ``finalize.finalize_dualpipe_grads(copies_summed=True)``).
 
 While the schedule runs (`GradReduction.during_schedule`), Megatron DDP's backward hooks only
@@ -45,7 +48,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -73,12 +76,10 @@ class _Chunk:
 
 
 class GradReduction:
-    """See the module docstring. ``sum_points`` / ``dp_points``: this rank's (action index, chunk)
-    bd-sum issue points and data-parallel reduction start points from the iteration plan, index
-    ``len(actions)`` meaning `finish`; ``actions``: this rank's actions (indexing both)."""
+    """See the module docstring. ``actions``: this rank's actions; ``last_actions``: {chunk: index
+    of its last real gradient action}."""
 
-    def __init__(self, model: Sequence[torch.nn.Module], config, *, actions, sum_points: Sequence[Tuple[int, int]],
-                 dp_points: Sequence[Tuple[int, int]], last_actions: Dict[int, int]):
+    def __init__(self, model: Sequence[torch.nn.Module], config, *, actions, last_actions: Dict[int, int]):
         self.model, self.config = list(model), config
         n = len(self.model)
         bidirectional = chunk_layout(self.model) == BIDIRECTIONAL and n == 2
@@ -98,12 +99,11 @@ class GradReduction:
         starts = _dp_start_functions(config, self.model)
         self.chunks = [_Chunk(c, starts[c], bd or self._local_sum or (self._fold and _holds_tied_copy(self.model[c])))
                        for c in range(n)]
-        self._dp_at_finish = _at_actions(actions, dp_points)[1]
-        self._sum_order = [c for _, c in sum_points]  # the plan's issue order (what its check proves)
+        self._ended = self._settled = False
         self._sums = None
         if bd:
             pos = self._pos
-            self._sums = pair_sums.PairSums(  # issued by the program's sum ops (on_reduction) and finish
+            self._sums = pair_sums.PairSums(  # issued and waited by the program's sum / summed ops
                 {}, lambda c: sum_tensors(self.model[c]), pos.group,
                 in_place=lambda c: is_wrapped(self.model[c]), timeout_s=BD_SUM_TIMEOUT_S,
                 describe=lambda c: (f"global rank {pos.me}: the bd sum of stage {self._stage_of(c)} "
@@ -158,17 +158,17 @@ class GradReduction:
             self._chunk_done(c)
 
     def on_reduction(self, kind: str, c: int) -> None:
-        """A ``sum`` / ``dp`` op of the rank's lowered program (``schedule.lowered``), where the plan
-        put it: issue chunk ``c``'s bd sum (waited in `finish`), or start its data-parallel reduction."""
-        if kind == lowered.SUM:
-            if self._sums is None:
-                raise RuntimeError(f"megatron-dualpipe: the iteration plan sums chunk {c}'s copies, which this "
-                                   f"rank sums no other way than in its finalize (a bug)")
-            self._sums.issue(c)
-        elif kind == lowered.DP:
-            self._start_dp(c, in_schedule=True)
-        else:
+        """A ``sum`` / ``summed`` / ``dp`` op of the rank's program, where the plan put it: issue
+        chunk ``c``'s bd sum, wait for it, or start its data-parallel reduction."""
+        if kind == lowered.DP:
+            self._start_dp(c)
+            return
+        if kind not in (lowered.SUM, lowered.SUMMED):
             raise ValueError(f"not a reduction op: {kind!r}")
+        if self._sums is None:
+            raise RuntimeError(f"megatron-dualpipe: the iteration plan sums chunk {c}'s copies, which this "
+                               f"rank sums no other way than in its finalize (a bug)")
+        (self._sums.issue if kind == lowered.SUM else self._sums.wait)(c)
 
     def _chunk_done(self, c: int) -> None:
         state = self.chunks[c]
@@ -177,12 +177,14 @@ class GradReduction:
         state.done = True
         _finish_deferred_output_wgrads(self.config, self.model[c])
 
-    def _start_dp(self, c: int, in_schedule: bool) -> None:
-        """Start chunk ``c``'s data-parallel reduction where the plan put it (the same place on every
-        replica). A plan that starts it before its gradients are final is a bug: raise, never
-        reduce a partial gradient."""
+    def _start_dp(self, c: int) -> None:
+        """Start chunk ``c``'s data-parallel reduction where the program puts it (the same place on
+        every replica). A program that starts it before its gradients are final is a bug: raise,
+        never reduce a partial gradient."""
         state = self.chunks[c]
-        if state.dp_started or (in_schedule and (state.final_at_finish or not state.done)):
+        if self._ended:
+            self._settle()
+        if state.dp_started or not (state.done and (self._ended or not state.final_at_finish)):
             raise RuntimeError(f"megatron-dualpipe: the iteration plan starts the data-parallel reduction of chunk {c} "
                                f"{'twice' if state.dp_started else 'before its gradients are final'} (a bug)")
         state.dp_started = True
@@ -192,39 +194,33 @@ class GradReduction:
             watch_dp_reduction(self.model[c], f"global rank {dist.get_rank()}, chunk {c}")
 
     # -- after the schedule -------------------------------------------------------------------------
-    def finish(self) -> None:
-        """Complete the reduction: every chunk done, every sum waited (the first waits of the
-        iteration), tied embeddings folded, every data-parallel reduction started."""
+    def end_schedule(self) -> None:
+        """The schedule ran: every chunk's gradient actions are done; the program's ops after it follow."""
         for c in range(len(self.model)):
             self._chunk_done(c)
-        if self._sums is not None:
-            # Leftovers in the plan's order (both partners sum the same stage at the same time there),
-            # then any chunk the plan gave no point (none in a planned run) in stage order.
-            rest = sorted((c for c in range(len(self.model)) if c not in self._sum_order), key=self._stage_of)
-            self._sums.finish(self._sum_order + rest)
+        self._ended = True
+
+    def _settle(self) -> None:
+        """Once, after every sum is waited: the middle rank's local sum and the tied-embedding fold,
+        which change gradients that the reductions started after them reduce."""
+        if self._settled:
+            return
+        self._settled = True
+        if self._sums is not None and self._sums.pending:
+            raise RuntimeError(f"megatron-dualpipe: the program reduces chunks before waiting for the bd sums of "
+                               f"chunk(s) {[p.chunk for p in self._sums.pending]} (a bug)")
         if self._local_sum:
             allreduce_bd_grads(self.model)  # the middle rank of an odd pipeline sums locally
         if self._fold:
             fold_tied_embedding_grads(self.model)
-        for c in self._dp_at_finish:
-            self._start_dp(c, in_schedule=False)
+
+    def complete(self) -> None:
+        """The program's ops ran: every sum waited, the fold done, every reduction started."""
+        self._settle()
         missed = [s.index for s in self.chunks if not s.dp_started]
         if missed:
             raise RuntimeError(f"megatron-dualpipe: the iteration plan starts no data-parallel reduction of "
                                f"chunk(s) {missed} (a bug)")
-
-
-def _at_actions(actions, points: Sequence[Tuple[int, int]]) -> Tuple[Dict[tuple, List[int]], List[int]]:
-    """The plan's (action index, chunk) points as ({action key: chunks after it, in order},
-    chunks at the end of the schedule, in order)."""
-    at: Dict[tuple, List[int]] = {}
-    end: List[int] = []
-    for i, c in points:
-        if i < len(actions):
-            at.setdefault(pair_sums.action_key(actions[i]), []).append(c)
-        else:
-            end.append(c)
-    return at, end
 
 
 def _dp_start_functions(config, model) -> list:

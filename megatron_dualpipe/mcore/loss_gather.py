@@ -1,5 +1,8 @@
 """Bring every direction's loss entries to the last pipeline rank, where Megatron reads them.
 
+Each transfer is an op of the rank's program (``loss D -> P`` / ``loss D <- P``,
+``schedule.program``), issued by ``mcore.program_ops`` where the list has it.
+
 Megatron's training loop reads the per-micro-batch loss dicts from the last pipeline rank only.
 Under DualPipe, direction 1 ends on rank 0; under DualPipeV every micro-batch ends on rank 0.
 Their entries are shipped to rank pp-1 as tensors, in global micro-batch order (direction 0,
@@ -37,21 +40,23 @@ def _loss_owners(layout: Layout):
             yield d, layout.rank_of(d, final)
 
 
-def gather_losses_on_last_rank(loss_store, layout: Layout, rank: int, global_ranks, group, device,
-                               timeout_s: float = DEFAULT_TIMEOUT_S) -> List[Any]:
-    """The loss entries of every direction on rank pp-1 (``[]`` elsewhere)."""
-    last = layout.pp - 1
-    result: List[Any] = []
-    for d, owner in _loss_owners(layout):
-        entries = loss_store[d]
-        if owner == last:
-            if rank == last:
-                result.extend(entries)
-        elif rank == owner:
-            _send_entries(entries, _Peer(rank, last, global_ranks[last], group, timeout_s), device)
-        elif rank == last:
-            result.extend(_recv_entries(_Peer(rank, owner, global_ranks[owner], group, timeout_s), device))
-    return result if rank == last else []
+def send_losses(entries, rank: int, peer: int, global_ranks, group, device,
+                timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    """A direction's loss entries to pipeline rank ``peer`` (the program's ``loss D -> P`` op)."""
+    _send_entries(entries, _Peer(rank, peer, global_ranks[peer], group, timeout_s), device)
+
+
+def receive_losses(rank: int, peer: int, global_ranks, group, device, timeout_s: float = DEFAULT_TIMEOUT_S) -> list:
+    """A direction's loss entries from pipeline rank ``peer`` (the program's ``loss D <- P`` op)."""
+    return _recv_entries(_Peer(rank, peer, global_ranks[peer], group, timeout_s), device)
+
+
+def losses_on_last_rank(loss_store, layout: Layout, rank: int, received: dict) -> List[Any]:
+    """Every direction's loss entries, in direction order, on rank pp-1 (``[]`` elsewhere): its
+    own, and those the program's ``loss`` ops received ({direction: entries})."""
+    if rank != layout.pp - 1:
+        return []
+    return [e for d, owner in _loss_owners(layout) for e in (loss_store[d] if owner == rank else received[d])]
 
 
 #: What megatron-core's ``MTPLossLoggingHelper`` tracker sums per MTP layer over an iteration: the
@@ -59,10 +64,9 @@ def gather_losses_on_last_rank(loss_store, layout: Layout, rank: int, global_ran
 MTP_TRACKER_KEYS = ("values", "loss_values", "correct_values", "total_values")
 
 
-def move_mtp_tracker_to_last_rank(layout: Layout, rank: int, global_ranks, group, device,
-                                  timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-    """Multi-token prediction: add what the MTP loss tracker summed on a rank other than pp-1 to
-    rank pp-1's tracker, and zero it where it was.
+def send_mtp_tracker(rank: int, peer: int, global_ranks, group, device, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    """Multi-token prediction: add what the MTP loss tracker summed here to rank ``peer``'s (pp-1)
+    tracker, and zero it here (after the loss entries, the same pair: ``mcore.program_ops``).
 
     The MTP block records each micro-batch's MTP loss in ``MTPLossLoggingHelper.tracker`` on the
     rank that computes it; Megatron-LM's ``training_log`` prints ``mtp_1 loss`` from the last
@@ -70,26 +74,29 @@ def move_mtp_tracker_to_last_rank(layout: Layout, rank: int, global_ranks, group
     pipeline rank). DualPipe computes direction 1's MTP on rank 0 (its copy of stage pp-1),
     DualPipeV every micro-batch's on rank 0 (V-stage 2pp-1). Zeroed at the sender, so an
     iteration's values are counted once whatever the log interval. Every data-parallel replica
-    moves its own; the receiver's tracker gets megatron-core's data-parallel group to average over
-    (DualPipeV's rank pp-1 computes no MTP, so nothing set it)."""
+    moves its own."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    tracker = MTPLossLoggingHelper.tracker
+    values = {k: tracker[k] for k in MTP_TRACKER_KEYS if k in tracker}
+    _send_entries([values], _Peer(rank, peer, global_ranks[peer], group, timeout_s), device)
+    for v in values.values():
+        v.zero_()
+
+
+def receive_mtp_tracker(rank: int, peer: int, global_ranks, group, device,
+                        timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    """The other end of :func:`send_mtp_tracker`; the receiver's tracker gets megatron-core's
+    data-parallel group to average over (DualPipeV's rank pp-1 computes no MTP, so nothing set it)."""
     from megatron.core import parallel_state
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
-    tracker, last = MTPLossLoggingHelper.tracker, layout.pp - 1
-    for _, owner in _loss_owners(layout):
-        if owner == last or rank not in (owner, last):
-            continue
-        if rank == owner:
-            values = {k: tracker[k] for k in MTP_TRACKER_KEYS if k in tracker}
-            _send_entries([values], _Peer(rank, last, global_ranks[last], group, timeout_s), device)
-            for v in values.values():
-                v.zero_()
-            continue
-        (got,) = _recv_entries(_Peer(rank, owner, global_ranks[owner], group, timeout_s), device)
-        for k, v in got.items():
-            tracker[k] = tracker[k] + v if k in tracker else v.clone()
-        if got and tracker.get("avg_group") is None:
-            tracker["avg_group"] = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    tracker = MTPLossLoggingHelper.tracker
+    (got,) = _recv_entries(_Peer(rank, peer, global_ranks[peer], group, timeout_s), device)
+    for k, v in got.items():
+        tracker[k] = tracker[k] + v if k in tracker else v.clone()
+    if got and tracker.get("avg_group") is None:
+        tracker["avg_group"] = parallel_state.get_data_parallel_group(with_context_parallel=True)
 
 
 def _header(entries) -> list:

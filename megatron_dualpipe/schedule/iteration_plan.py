@@ -17,10 +17,9 @@ these interact through the streams, not only through the host:
   when all its ranks started it.
 
 :func:`build` turns a schedule into every rank's list of stream items (compute units, posts,
-waits). The P2P batches, their waits and the compute come from the rank's lowered ops
-(``schedule.lowered``), the very list ``executor.runner`` executes; the collectives around them
-follow ``mcore.grad_reduction.GradReduction``, ``mcore.param_gather``, ``mcore.loss_gather`` and
-``mcore.finalize`` at the points this module decides (not yet ops of the lowered list), and
+waits), one op of the rank's program at a time (``schedule.program``: the lowered schedule with
+the parameter gathers, bd sums, data-parallel reductions, loss gather and finalize at the points
+this module decides), the very list the runner and the Megatron glue execute, and
 :func:`check` runs them to completion under those rules or raises :class:`IterationPlanError`
 naming the cycle; ``one_queue=True`` adds ``CUDA_DEVICE_MAX_CONNECTIONS=1``'s rule (a post
 waits for every earlier work of its rank, whatever the communicator). Two places are decided
@@ -32,12 +31,12 @@ Data parallelism: the start points are data of the plan, computed from what ever
 a pipeline rank has alike (schedule, pp, M, options), never from a poll of a sum's completion,
 so every replica starts each reduction at the same point of the same plan: a data-parallel
 collective then completes as soon as it is started, and only a wait for it could hold
-anything. The model keeps those collectives (posted where GradReduction starts them, waited in
-the finalize) over one replica; :func:`replicated` joins replicas that differ (a test's made-up
+anything. The model keeps those collectives (posted at their ``dp`` ops, waited at ``finalize``)
+over one replica; :func:`replicated` joins replicas that differ (a test's made-up
 misorder: two orders, or a start where a poll saw a sum complete, which on one hardware queue
 deadlocks). A reduction is posted only after its chunk's bd sum is waited (the check names one
-that is not). The parameter all-gathers of ``--overlap-param-gather`` (``param_gather``) are
-posted before the first action and each waited at its chunk's first real forward (DDP's pre-hook).
+that is not). The parameter all-gathers of ``--overlap-param-gather`` are posted at their
+``gather`` ops and waited at their ``gathered`` ops, over one replica too.
 
 Standard library only.
 """
@@ -47,7 +46,8 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from . import lowered, step_collectives
-from .actions import F, W, Action
+from . import program
+from .actions import W, Action
 from .comm import RankPlan, describe
 from .layout import Layout
 
@@ -165,10 +165,10 @@ class IterationPlan:
     items: List[List[Item]]
     sum_points: List[List[Tuple[int, int]]]   # per rank: (action index, chunk), issue order
     #: per rank: (action index, chunk), start order of the data-parallel reductions; index
-    #: len(actions): in ``GradReduction.finish`` (:func:`dp_start_points`)
+    #: len(actions): after the schedule (:func:`dp_start_points`)
     dp_points: List[List[Tuple[int, int]]] = field(default_factory=list)
-    #: per rank: the lowered ops with the sums and reductions of the schedule (``lowered.with_reductions``):
-    #: what the runner executes and what the items above were built from
+    #: per rank: the program (``schedule.program.rank_program``): what the runner and the Megatron
+    #: glue execute (``mcore.program_ops``) and what the items above were built from
     ops: List[Tuple[lowered.Op, ...]] = field(default_factory=list)
     #: per rank: the ``coll`` ops after the schedule and around the optimizer step
     #: (``step_collectives``), which Megatron and this package's finalize issue, not the runner
@@ -251,15 +251,17 @@ def build(layout: Layout, ranks: Sequence[Sequence[Action]], plans: Sequence[Ran
           deferring: bool, overlap_grad_reduce: bool = False, dp: int = 1, forward_only: bool = False,
           sum_wait: str = WAIT_AT_FINISH, param_gather: bool = False, bd_sums: bool = True,
           dp_points: Optional[Sequence[Sequence[Tuple[int, int]]]] = None, sums_at_end: bool = False,
+          lowered_ops: Optional[Sequence[Sequence[lowered.Op]]] = None,
           step: Optional[step_collectives.StepOptions] = None,
           step_ops: Optional[Sequence[Sequence[lowered.Op]]] = None) -> IterationPlan:
     """Every rank's stream items for one iteration, as the executor issues them. ``param_gather``:
     ``config.param_sync_func`` is set (``mcore.param_gather``); ``bd_sums``: the copies are summed
     during the schedule (False: ``--dualpipe-shared-shard-group`` / ``--dualpipe-dp-first``);
     ``dp_points``: where each rank starts its data-parallel reductions, default
-    :func:`dp_start_points` (what ``GradReduction`` reads; a test passes a misorder); ``step``: the
-    run's options for the collectives after the schedule (``step_collectives.programs``; None:
-    none), ``step_ops`` those ops per rank instead (a test's misorder)."""
+    :func:`dp_start_points` (what ``GradReduction`` reads; a test passes a misorder);
+    ``lowered_ops``: each rank's ``lowered.lower`` (the executor's ``Program.ops``; default:
+    lowered here); ``step``: the run's options for the collectives after the schedule
+    (``step_collectives.programs``; None: none), ``step_ops`` those ops per rank instead (a test's misorder)."""
     pp = layout.pp
     b = _Builder(pp)
     ops = grad_ops(deferring)
@@ -270,24 +272,15 @@ def build(layout: Layout, ranks: Sequence[Sequence[Action]], plans: Sequence[Ran
         dp_points = [[] if forward_only else dp_start_points(layout, r, ranks[r], is_fake, ops, bd_sums=bd_sums)
                      for r in range(pp)]
     reduces = overlap_grad_reduce and dp > 1 and not forward_only
-    dp_works: List[List[int]] = []
     rank_ops = []
     for r in range(pp):
-        gathers = param_gathers(b, r, ranks[r], is_fake) if param_gather and dp > 1 and not forward_only else {}
-        ops = lowered.with_reductions(lowered.lower(r, plans[r], ranks[r], [is_fake(a) for a in ranks[r]]),
-                                      plans[r].units, points[r], dp_points[r])
-        rank = _RankItems(b, layout, r, ranks[r], plans[r], is_fake, gathers, sum_wait,
-                          sum_points=points[r], dp_points=dp_points[r], reduces=reduces)
-        rank.run(ops)
-        dp_works.append(rank.dp_works)
+        base = lowered_ops[r] if lowered_ops is not None else \
+            lowered.lower(r, plans[r], ranks[r], [is_fake(a) for a in ranks[r]])
+        ops = program.rank_program(base, layout, r, ranks[r], plans[r].units, is_fake, sum_points=points[r],
+                                   dp_points=dp_points[r], param_gather=param_gather and not forward_only,
+                                   forward_only=forward_only, wait_at_issue=sum_wait == WAIT_AT_ISSUE)
+        _RankItems(b, layout, r, ranks[r], plans[r], sum_points=points[r], reduces=reduces).run(ops)
         rank_ops.append(ops)
-    _loss_gather(b, layout)
-    if not forward_only:
-        for r in range(pp):
-            k = b.collective(r, "pp", tuple(range(pp)), ("tokens all-reduce",), f"rank {r}'s token all-reduce (finalize)")
-            b.wait(r, k, "in the finalize")
-            for w_k in dp_works[r]:
-                b.wait(r, w_k, "in the finalize (finish_grad_sync)")
     if step_ops is None:
         step_ops = step_collectives.programs(layout, step, dp=dp, overlap_grad_reduce=overlap_grad_reduce,
                                              forward_only=forward_only) if step is not None else [()] * pp
@@ -307,154 +300,119 @@ def _step_items(b: _Builder, layout: Layout, r: int, coll_ops: Sequence[lowered.
 
 
 class _RankItems:
-    """One rank's items, in the order the executor issues them: the first all-reduce, per unit its
-    P2P batches, waits and compute, the bd sums and data-parallel reductions planned after its
-    actions; at the end the sends waited, then ``GradReduction.finish`` (every bd sum issued and
-    waited, then the reductions planned at the end)."""
+    """One rank's items: the first all-reduce on the pipeline group, then the items of each op of
+    its program (``schedule.program``), the list the runner and the Megatron glue execute."""
 
-    def __init__(self, b: _Builder, layout: Layout, r: int, acts, rp: RankPlan, is_fake: Callable,
-                 gathers: Dict[int, int], sum_wait: str, *, sum_points, dp_points, reduces: bool):
-        self.b, self.layout, self.r, self.acts, self.rp, self.is_fake = b, layout, r, acts, rp, is_fake
-        self.gathers, self.sum_wait, self.sum_points, self.dp_points = gathers, sum_wait, sum_points, dp_points
+    def __init__(self, b: _Builder, layout: Layout, r: int, acts, rp: RankPlan, *, sum_points, reduces: bool):
+        self.b, self.layout, self.r, self.acts, self.rp, self.sum_points = b, layout, r, acts, rp, sum_points
         self.reduces = reduces  # the dp ops start collectives (--overlap-grad-reduce, dp > 1)
+        self.gathers: Dict[int, int] = {}
         self.sum_works: Dict[int, int] = {}
         self.sums_waited: set = set()
         self.dp_works: List[int] = []
         self.recv_batch: Dict[tuple, int] = {}
         self.send_batch: Dict[tuple, int] = {}
-        self.dp_at: Dict[int, List[int]] = {}
-        self.ran = -1  # the last unit run
+        self.ran = self.begun = -1  # the last unit run, begun
+        self.ended = False  # past ``finish``
 
     def run(self, ops: Sequence[lowered.Op]) -> None:
         b, r = self.b, self.r
         k0 = b.collective(r, "pp", tuple(range(self.layout.pp)), ("first all-reduce",),
                           f"rank {r}'s first all-reduce on the pipeline group")
         b.wait(r, k0, "before the first P2P batch")
-        self.dp_at = _by_action(self.dp_points)
         for op in ops:
             self.item(op)
-        # GradReduction.finish: the sums the plan left to the end, every sum waited, then the
-        # data-parallel reductions the plan starts there.
-        for _, c in self.sum_points:
-            if c not in self.sum_works:
-                self.issue_sum(c, "at the end of the schedule")
-        for c in self.sum_works:
-            if c not in self.sums_waited:
-                self.wait_sum(c, "at the end of the schedule (GradReduction.finish)")
-        for c in self.dp_at.get(len(self.acts), ()):
-            self.start_dp(c, "at the end of the schedule (GradReduction.finish)")
 
     def where(self, u: int):
         units = self.rp.units
         return _Where(units[u][0], self.acts[units[u][0]]) if 0 <= u < len(units) else "after its last action"
 
     def item(self, op: lowered.Op) -> None:
-        """The stream items of one lowered op: the same list the runner executes (``Program.ops``)."""
-        b, r = self.b, self.r
-        if op.kind == lowered.POST:
+        """The stream items of one op of the schedule; the collectives around it in :meth:`collective`."""
+        b, r, kind = self.b, self.r, op.kind
+        if kind == lowered.POST:
             bt = self.rp.batches[op.index]
             k = b.p2p(r, "pp", _BatchText(r, self.where(bt.unit), bt), [t.peer for t in bt.sends],
                       [t.peer for t in bt.recvs])
             self.send_batch.update({t.label: k for t in bt.sends})
             self.recv_batch.update({t.label: k for t in bt.recvs})
-        elif op.kind == lowered.RECV:
+        elif kind == lowered.RECV:
             b.wait(r, self.recv_batch[op.label], _Text("{}: its input, the {}", self.where(op.index), op.label))
-        elif op.kind == lowered.RELEASE:
+        elif kind == lowered.RELEASE:
             b.wait(r, self.send_batch[op.label],
                    _Text("{}: the send of its forward's output, released first", self.where(op.index)))
-        elif op.kind == lowered.RUN:
-            self.run_unit(op.index)
+        elif kind == lowered.RUN:
+            b.compute(r, "")
             self.ran = op.index
-        elif op.kind == lowered.SUM:
-            self.issue_sum(op.index, self.after_unit())
-        elif op.kind == lowered.DP:
-            self.start_dp(op.index, self.after_unit())
-        elif op.kind == lowered.FINISH:
+        elif kind == lowered.BEGIN:
+            self.begun = op.index
+        elif kind == lowered.FINISH:
             for label, k in sorted(self.send_batch.items()):
                 b.wait(r, k, _Text("at the end of the schedule: the send of the {}", label))
+            self.ended = True
+        else:
+            self.collective(op)
 
-    def run_unit(self, u: int) -> None:
-        """Unit ``u``: DDP's pre-hook waits of its chunks' first forwards, then its compute."""
-        b, r, acts, unit = self.b, self.r, self.acts, self.rp.units[u]
-        for i in unit:
-            if acts[i].op == F and acts[i].dir in self.gathers:
-                b.wait(r, self.gathers.pop(acts[i].dir),
-                       _Text("{}: DDP's pre-hook of its chunk's first forward", self.where(u)))
-        b.compute(r, "")
+    def collective(self, op: lowered.Op) -> None:
+        """The stream items of a collective op: the parameter gathers, bd sums, data-parallel
+        reductions, loss gather and finalize (``mcore.program_ops`` issues them)."""
+        b, r, kind, c = self.b, self.r, op.kind, op.index
+        if kind == lowered.GATHER:
+            self.gathers[c] = b.collective(r, "dp", (r,), ("param all-gather", c),
+                                           f"rank {r}'s parameter all-gathers of chunk {c}")
+        elif kind == lowered.GATHERED:
+            b.wait(r, self.gathers.pop(c), _Text("{}: DDP's pre-hook of its chunk's first forward",
+                                                 self.where(self.begun)))
+        elif kind == lowered.SUM:
+            self.issue_sum(c)
+        elif kind == lowered.SUMMED:
+            self.wait_sum(c)
+        elif kind == lowered.DP:
+            self.start_dp(c)
+        elif kind in (lowered.LOSS_SEND, lowered.LOSS_RECV):
+            sending = kind == lowered.LOSS_SEND
+            k = b.p2p(r, "pp", f"rank {r}'s loss-gather {'send to' if sending else 'receive from'} rank {op.peer}",
+                      [op.peer] if sending else [], [] if sending else [op.peer])
+            b.wait(r, k, "in the loss gather (host-blocking)")
+        elif kind == lowered.COLL:
+            k = b.collective(r, op.group, step_collectives.members(self.layout, r, op.group), (op.what,),
+                             _Text("rank {}'s {} over {}", r, op.what, op.group))
+            b.wait(r, k, _Text("for its {} over {}", op.what, op.group))
+        elif kind == lowered.FINALIZE:
+            for k in self.dp_works:
+                b.wait(r, k, "in the finalize (finish_grad_sync)")
+        else:
+            raise IterationPlanError(f"rank {r}: the plan has no model of op {op.text()!r}")
 
-    def after_unit(self):
+    def at(self):
+        """Where the rank is in its program, for a collective's name."""
+        if self.ended:
+            return "at the end of the schedule"
         i = self.rp.units[self.ran][-1]
         return _Text("after action {} ({})", i, self.acts[i])
 
-    def issue_sum(self, c: int, after) -> None:
+    def issue_sum(self, c: int) -> None:
         r, stage = self.r, self.layout.stage_on(self.r, c)
-        k = self.b.collective(r, "bd", tuple(sorted((r, self.layout.partner(r)))), ("bd sum", stage),
-                              _Text("rank {}'s bd sum of stage {} (issued {})", r, stage, after))
-        self.sum_works[c] = k
-        if self.sum_wait == WAIT_AT_ISSUE:
-            self.wait_sum(c, f"right after issuing the bd sum of stage {stage}")
+        self.sum_works[c] = self.b.collective(r, "bd", tuple(sorted((r, self.layout.partner(r)))), ("bd sum", stage),
+                                              _Text("rank {}'s bd sum of stage {} (issued {})", r, stage, self.at()))
 
-    def wait_sum(self, c: int, why) -> None:
+    def wait_sum(self, c: int) -> None:
+        stage = self.layout.stage_on(self.r, c)
+        why = "after the schedule (its summed op)" if self.ended else f"right after issuing the bd sum of stage {stage}"
         self.b.wait(self.r, self.sum_works[c], why)
         self.sums_waited.add(c)
 
-    def start_dp(self, c: int, where) -> None:
+    def start_dp(self, c: int) -> None:
         """Chunk ``c``'s data-parallel reduction, over this rank's replicas (one in the plan: they
-        all run it, so it completes once started), after its bd sum is waited (if it has one: a
-        stream wait here, if it is issued and not yet waited; the check names one not issued)."""
+        all run it, so it completes once started); :func:`check` names one posted before the
+        chunk's bd sum is waited."""
         r = self.r
         if not self.reduces:  # GradReduction marks it started: Megatron's finalize reduces
             return
         summed = ("bd sum", self.layout.stage_on(r, c)) if any(x == c for _, x in self.sum_points) else None
-        if c in self.sum_works and c not in self.sums_waited:
-            self.wait_sum(c, _Text("{}: the bd sum of its data-parallel reduction", where))
         self.dp_works.append(self.b.collective(
             r, "dp", (r,), ("dp reduction", c), _Text("rank {}'s data-parallel reduction of chunk {} (started {})",
-                                                      r, c, where), after=summed))
-
-
-def _by_action(points) -> Dict[int, List[int]]:
-    out: Dict[int, List[int]] = {}
-    for i, c in points:
-        out.setdefault(i, []).append(c)
-    return out
-
-
-def _loss_gather(b: _Builder, layout: Layout) -> None:
-    """Each direction's final-stage owner ships its entries to rank pp-1 (host-blocking)."""
-    last = layout.pp - 1
-    for d in layout.directions:
-        final = layout.stages(d)[-1]
-        if not layout.is_last(d, final):
-            continue
-        owner = layout.rank_of(d, final)
-        if owner == last:
-            continue
-        ks = b.p2p(owner, "pp", f"rank {owner}'s loss-gather send to rank {last}", [last], [])
-        kr = b.p2p(last, "pp", f"rank {last}'s loss-gather receive from rank {owner}", [], [owner])
-        b.wait(owner, ks, "in the loss gather (host-blocking send_object_list)")
-        b.wait(last, kr, "in the loss gather")
-
-
-def chunks_with_real_forward(acts: Sequence[Action], is_fake: Callable) -> List[int]:
-    """The chunks (model indices) of a rank with a real forward, in the order of their first real
-    forward: the ones whose parameter all-gathers ``mcore.param_gather`` starts, in the order it
-    starts them (one NCCL communicator runs them in that order; a gather no forward waits for
-    would still be in flight at the next iteration). DualPipe's second half of the ranks, and
-    DualPipeV nowhere, run chunk 1 first."""
-    order: List[int] = []
-    for a in acts:
-        if a.op == F and not is_fake(a) and a.dir not in order:
-            order.append(a.dir)
-    return order
-
-
-def param_gathers(b: _Builder, r: int, acts: Sequence[Action], is_fake: Callable) -> Dict[int, int]:
-    """The parameter all-gathers ``mcore.param_gather`` starts before the first action, in the order
-    of the chunks' first forwards, on the data-parallel communicator (one replica, as the
-    reductions): {chunk: work}, each waited by its chunk's first real forward."""
-    return {c: b.collective(r, "dp", (r,), ("param all-gather", c), f"rank {r}'s parameter all-gathers of chunk {c}")
-            for c in chunks_with_real_forward(acts, is_fake)}
+                                                      r, c, self.at()), after=summed))
 
 
 def check(ip: IterationPlan, one_queue: bool = False) -> None:
@@ -605,6 +563,7 @@ def _explain(ip, stuck, pos, reached, started, completed, head, queues, send_of,
 def plan_for(spec, pp: int, real: int, padded_ranks, plans, *, zero_bubble: bool, overlap_grad_reduce: bool = False,
              dp: int = 1, forward_only: bool = False, sum_wait: str = WAIT_AT_FINISH,
              param_gather: bool = False, bd_sums: bool = True, one_queue: Optional[bool] = None,
+             ops: Optional[Sequence[Sequence[lowered.Op]]] = None,
              step: Optional[step_collectives.StepOptions] = None) -> IterationPlan:
     """Build and check the iteration plan of a registry schedule ``spec`` with ``real`` real
     micro-batches (``padded_ranks``/``plans``: its padded actions and communication plan); ``step``:
@@ -616,13 +575,17 @@ def plan_for(spec, pp: int, real: int, padded_ranks, plans, *, zero_bubble: bool
     the partner still needs a send queued behind it: 32 of 64 DualPipe (pp <= 8, M) cases), the
     plan issues every sum at the end of the schedule instead: the same on every rank, checked again."""
     one_queue = one_hardware_queue() if one_queue is None else one_queue
+    if ops is None:  # lowered once, for both plans below (the executor passes its Program.ops)
+        ops = [lowered.lower(r, plans[r], padded_ranks[r], [spec.is_fake(real, a.dir, a.mb) for a in padded_ranks[r]])
+               for r in range(pp)]
     deferring = zero_bubble and spec.defers_weight_grads and any(a.op == W for acts in padded_ranks for a in acts)
     layout = spec.layout(pp)
 
     def built(sums_at_end: bool) -> IterationPlan:
         return build(layout, padded_ranks, plans, is_fake=lambda a: spec.is_fake(real, a.dir, a.mb),
                      deferring=deferring, overlap_grad_reduce=overlap_grad_reduce, dp=dp, forward_only=forward_only,
-                     sum_wait=sum_wait, param_gather=param_gather, bd_sums=bd_sums, sums_at_end=sums_at_end,
+                     sum_wait=sum_wait, param_gather=param_gather, bd_sums=bd_sums,
+                     sums_at_end=sums_at_end, lowered_ops=ops,
                      step=step)
 
     ip = built(False)

@@ -327,8 +327,21 @@ class _UnitRecorder:
     def on_unit_end(self, unit):
         pass
 
+    def on_op(self, op):
+        self.calls.append(("op", op.text()))
+
     def on_run_end(self):
         pass
+
+
+def _whole_program(prog, name, m):
+    """Every rank's program with the collectives around the schedule (--overlap-param-gather,
+    --overlap-grad-reduce, dp=2): what ``mcore.forward_backward`` runs, from the plan it checked."""
+    from megatron_dualpipe.schedule import iteration_plan, registry
+
+    return iteration_plan.plan_for(registry.get(name), len(prog.actions), m, prog.actions, prog.plans,
+                                   zero_bubble=True, overlap_grad_reduce=True, dp=2, param_gather=True,
+                                   one_queue=False, ops=prog.ops).ops
 
 
 def _recording_worker(rank, world, port, name, m):
@@ -339,18 +352,18 @@ def _recording_worker(rank, world, port, name, m):
         comp = ToyCompute(prog.padded, rank, prog.schedule.layout)
         p2p = _RecordingP2P(None, list(range(world)), rank, timeout_s=30)
         run_rank(prog, rank, comp, p2p, TensorSpec((MBS, H), torch.float32, torch.device("cpu")),
-                 listeners=(_UnitRecorder(p2p.calls),))
+                 listeners=(_UnitRecorder(p2p.calls),), ops=_whole_program(prog, name, m)[rank])
         return p2p.calls
     finally:
         dist.destroy_process_group()
 
 
-def _expected_calls(prog, rank):
-    """What the rank's lowered ops say the runner does, in the recorders' terms."""
+def _expected_calls(prog, rank, ops):
+    """What the rank's program says the runner does, in the recorders' terms."""
     from megatron_dualpipe.schedule import lowered
 
     plan, out = prog.plans[rank], []
-    for op in prog.ops[rank]:
+    for op in ops:
         if op.kind == lowered.POST:
             b = plan.batches[op.index]
             out.append(("post", tuple(t.label for t in b.sends), tuple(t.label for t in b.recvs)))
@@ -358,20 +371,33 @@ def _expected_calls(prog, rank):
             out.append((op.kind, tuple(plan.units[op.index])))
         elif op.kind in (lowered.RECV, lowered.RELEASE):
             out.append((op.kind, op.label))
+        elif op.kind in lowered.DELEGATED:
+            out.append(("op", op.text()))
         else:
             out.append((op.kind,))
     return out
 
 
-@pytest.mark.parametrize("name,pp,m", [("dualpipe", 4, 10), ("dualpipev", 3, 6)])
+@pytest.mark.parametrize("name,pp,m", [("dualpipe", 4, 10), ("dualpipev", 3, 6), ("zb-h1", 3, 6)])
 def test_the_runner_executes_exactly_the_lowered_ops(name, pp, m):
     """Every call the runner makes to the P2P layer and its listeners, in order, is the rank's
-    lowered program (``Program.ops``), the list the checks read; nothing in between."""
+    program (the plan's ``ops``: the lowered schedule with the parameter gathers, bd sums and their
+    waits, data-parallel reductions, loss gather and finalize), the list the checks read; nothing
+    in between. The collectives reach the listeners (``on_op``) where the list has them."""
+    from megatron_dualpipe.schedule import lowered
+
     results = run_workers(_recording_worker, pp, args=(name, m), timeout=90)
     prog = compile_program(name, pp, m, False)
+    programs = _whole_program(prog, name, m)
     for rank, calls in enumerate(results):
-        want = _expected_calls(prog, rank)
+        want = _expected_calls(prog, rank, programs[rank])
         calls = [tuple(tuple(x) if isinstance(x, list) else x for x in c) for c in calls]
         first = next((k for k, (a, b) in enumerate(zip(calls, want)) if a != b), None)
         assert first is None and len(calls) == len(want), (rank, first, calls[first or 0], want[first or 0])
-        print(f"\n{name} pp={pp} M={m} rank {rank}: {len(calls)} calls, all as lowered")
+        kinds = sorted({op.kind for op in programs[rank] if op.kind in lowered.DELEGATED})
+        print(f"\n{name} pp={pp} M={m} rank {rank}: {len(calls)} calls, all as the program says "
+              f"(handed on: {', '.join(kinds)})")
+    handed = {op.kind for ops in programs for op in ops if op.kind in lowered.DELEGATED}
+    assert handed >= ({lowered.GATHER, lowered.GATHERED, lowered.DP, lowered.FINALIZE} | (
+        {lowered.SUM, lowered.SUMMED, lowered.LOSS_SEND, lowered.LOSS_RECV, lowered.COLL} if name == "dualpipe"
+        else set())), handed

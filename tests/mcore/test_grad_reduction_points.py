@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from megatron_dualpipe.mcore.grad_reduction import GradReduction
 from megatron_dualpipe.mcore.model import V_SHAPE
-from megatron_dualpipe.schedule import build_schedule, iteration_plan as IP, registry
+from megatron_dualpipe.schedule import build_schedule, iteration_plan as IP, lowered, program, registry
 from megatron_dualpipe.schedule.comm import plan
 
 
@@ -37,10 +37,11 @@ def _one_rank(tmp_path):
 def _setup(name, pp, m):
     spec = registry.get(name)
     s = build_schedule(name, pp, spec.padded_microbatches(pp, m))
-    ip = IP.plan_for(spec, pp, m, s.ranks, plan(s.layout, s.ranks), zero_bubble=True, overlap_grad_reduce=True, dp=2)
+    plans = plan(s.layout, s.ranks)
+    ip = IP.plan_for(spec, pp, m, s.ranks, plans, zero_bubble=True, overlap_grad_reduce=True, dp=2)
     is_fake = lambda a: spec.is_fake(m, a.dir, a.mb)  # noqa: E731
     ops = IP.grad_ops(spec.defers_weight_grads and any(a.op == "W" for r in s.ranks for a in r))
-    return s, ip, is_fake, ops
+    return s, ip, is_fake, ops, plans
 
 
 def _chunks(n, layout):
@@ -50,8 +51,16 @@ def _chunks(n, layout):
     return chunks
 
 
-def _drive(actions, model, sum_points, dp_points, last):
-    """Run GradReduction as the runner does; [(action index after which, chunk)] of its starts."""
+def _program(s, ip, plans, r, is_fake, dp_points):
+    """Rank r's program with the reductions at ``dp_points`` (a test's misorder: the plan's elsewhere)."""
+    base = lowered.lower(r, plans[r], s.ranks[r], [is_fake(a) for a in s.ranks[r]])
+    return program.rank_program(base, s.layout, r, s.ranks[r], plans[r].units, is_fake, sum_points=ip.sum_points[r],
+                                dp_points=dp_points, param_gather=False, forward_only=False)
+
+
+def _drive(actions, units, model, ops, last):
+    """Run GradReduction as the runner and ``mcore.program_ops`` do, op by op of the program;
+    [(action index after which, chunk)] of its starts (``len(actions)``: after the schedule)."""
     started, at = [], [0]
 
     def grad_sync_func(params):
@@ -59,43 +68,42 @@ def _drive(actions, model, sum_points, dp_points, last):
         started.append((at[0], next(c for c, chunk in enumerate(model) if [id(p) for p in chunk.parameters()] == ids)))
 
     config = SimpleNamespace(grad_sync_func=grad_sync_func, finalize_model_grads_func=None)
-    reduction = GradReduction(model, config, actions=actions, sum_points=sum_points, dp_points=dp_points,
-                              last_actions=last)
-    ops: dict = {}  # the program's sum / dp ops after each action (lowered.with_reductions, one-action units)
-    for i, c in sum_points:
-        ops.setdefault(i, []).append(("sum", c))
-    for i, c in dp_points:
-        ops.setdefault(i, []).append(("dp", c))
-    for i, a in enumerate(actions):
-        at[0] = i
-        reduction.after_action(a)
-        for kind, c in ops.get(i, ()):
-            reduction.on_reduction(kind, c)
-    at[0] = len(actions)
-    reduction.finish()
+    reduction = GradReduction(model, config, actions=actions, last_actions=last)
+    for op in ops:
+        if op.kind == lowered.RUN:
+            for i in units[op.index]:
+                at[0] = i
+                reduction.after_action(actions[i])
+        elif op.kind == lowered.FINISH:
+            at[0] = len(actions)
+            reduction.end_schedule()
+        elif op.kind in (lowered.SUM, lowered.SUMMED, lowered.DP):
+            reduction.on_reduction(op.kind, op.index)
+    reduction.complete()
     return started
 
 
 @pytest.mark.parametrize("name,pp,m", [("dualpipev", 4, 9), ("dualpipev", 4, 8), ("executor-1f1b", 4, 6),
                                        ("zb-h1", 4, 8)])
 def test_grad_sync_starts_at_the_plans_points(name, pp, m):
-    s, ip, is_fake, ops = _setup(name, pp, m)
+    s, ip, is_fake, ops, plans = _setup(name, pp, m)
     for r, actions in enumerate(s.ranks):
         last = IP.last_grad_action_index(actions, is_fake, ops)
         model = _chunks(len(s.layout.directions), V_SHAPE if s.layout.kind == V_SHAPE else s.layout.kind)
-        got = _drive(actions, model, ip.sum_points[r], ip.dp_points[r], last)
+        got = _drive(actions, plans[r].units, model, ip.ops[r], last)
         print(f"{name} pp={pp} M={m} rank {r}: grad_sync_func after actions {got}; plan {ip.dp_points[r]}")
         assert got == ip.dp_points[r]
     assert any(i < len(s.ranks[r]) for r in range(pp) for i, _ in ip.dp_points[r])  # some overlap the schedule
 
 
 def test_a_plan_starting_a_reduction_too_early_or_never_is_refused():
-    s, ip, is_fake, ops = _setup("dualpipev", 4, 8)
-    actions = s.ranks[1]
+    s, ip, is_fake, ops, plans = _setup("dualpipev", 4, 8)
+    actions, units = s.ranks[1], plans[1].units
     last = IP.last_grad_action_index(actions, is_fake, ops)
     c = ip.dp_points[1][0][1]
     early = [(last[c] - 1 if cc == c else i, cc) for i, cc in ip.dp_points[1]]
     with pytest.raises(RuntimeError, match=f"data-parallel reduction of chunk {c} before its gradients are final"):
-        _drive(actions, _chunks(2, V_SHAPE), [], early, last)
+        _drive(actions, units, _chunks(2, V_SHAPE), _program(s, ip, plans, 1, is_fake, early), last)
+    never = [p for p in ip.dp_points[1] if p[1] != c]
     with pytest.raises(RuntimeError, match=r"starts no data-parallel reduction of chunk\(s\) \[" + str(c)):
-        _drive(actions, _chunks(2, V_SHAPE), [], [p for p in ip.dp_points[1] if p[1] != c], last)
+        _drive(actions, units, _chunks(2, V_SHAPE), _program(s, ip, plans, 1, is_fake, never), last)

@@ -94,8 +94,8 @@ def test_param_gathers_start_before_the_first_action_and_wait_at_each_chunks_fir
     """--overlap-param-gather: every rank posts each chunk's all-gathers before its first unit (a
     fixed place, the same on every data-parallel replica), in the order of the chunks' first real
     forwards (DualPipe's ranks pp/2.. run chunk 1 first), and its stream waits for them right before
-    the unit of the chunk's first real forward (fake micro-batches run nothing); at dp = 1 there are
-    none."""
+    the unit of the chunk's first real forward (fake micro-batches run nothing); at dp = 1 the same,
+    without --overlap-param-gather none."""
     spec = registry.get(name)
     ip = _check(name, pp, m, True)
     ranks, _ = _program(name, pp, spec.padded_microbatches(pp, m))
@@ -115,7 +115,10 @@ def test_param_gathers_start_before_the_first_action_and_wait_at_each_chunks_fir
         assert all(post < first_compute for post, _, _ in got.values())
         assert sorted(got, key=lambda c: got[c][0]) == sorted(first, key=first.get)  # first needed, first posted
         assert all(got[c][2] == first[c] for c in got)
-    assert not any(_param_gathers(_check(name, pp, m, True, dp=1), r) for r in range(pp))
+    # the program's gather ops, whatever dp (the executor calls param_sync_func wherever it is set);
+    # none without --overlap-param-gather
+    assert all(_param_gathers(_check(name, pp, m, True, dp=1), r) == _param_gathers(ip, r) for r in range(pp))
+    assert not any(_param_gathers(_check(name, pp, m, True, pg=False), r) for r in range(pp))
 
 
 def _accepted(name, pp):

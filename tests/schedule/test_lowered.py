@@ -95,18 +95,21 @@ def test_a_line_that_is_not_an_op_is_refused(text):
         lowered.parse(text)
 
 
+def _plan(name, pp, m, **kw):
+    from megatron_dualpipe.schedule import iteration_plan as IP
+
+    prog = _program(name, pp, m, m)  # padded where the schedule needs more micro-batches
+    return prog, IP.plan_for(registry.get(name), pp, m, prog.actions, prog.plans, zero_bubble=True,
+                             overlap_grad_reduce=True, dp=2, one_queue=False, ops=prog.ops, **kw)
+
+
 @pytest.mark.parametrize("name,pp,m", [("dualpipe", 4, 8), ("dualpipev", 4, 9), ("zb-h1", 4, 8)])
 def test_the_plans_sums_and_reductions_are_ops_of_the_same_list(name, pp, m):
     """The iteration plan's bd sums and data-parallel reductions (--overlap-grad-reduce, dp=2) are
     ``sum`` / ``dp`` ops right after the ``run`` of the unit holding their point's action, in the
-    plan's order; those at the end of the schedule stay with GradReduction.finish. The list with
+    plan's order, or after ``finish`` for the points at the end of the schedule. The list with
     them parses back, and the plan's stream items were built from it."""
-    from megatron_dualpipe.schedule import iteration_plan as IP
-
-    spec = registry.get(name)
-    prog = _program(name, pp, m, None)
-    ip = IP.plan_for(spec, pp, m, prog.actions, prog.plans, zero_bubble=True, overlap_grad_reduce=True, dp=2,
-                     one_queue=False)
+    prog, ip = _plan(name, pp, m)
     counts = []
     for r in range(pp):
         ops = ip.ops[r]
@@ -116,11 +119,78 @@ def test_the_plans_sums_and_reductions_are_ops_of_the_same_list(name, pp, m):
         for op in ops:
             if op.kind == lowered.RUN:
                 ran = op.index
+            elif op.kind == lowered.FINISH:
+                ran = len(units)
             elif op.kind in (lowered.SUM, lowered.DP):
                 found.append((op.kind, op.index, ran))
-        want = [(kind, c, next(k for k, u in enumerate(units) if i in u))
+        want = [(kind, c, len(units) if i >= n else next(k for k, u in enumerate(units) if i in u))
                 for kind, points in ((lowered.SUM, ip.sum_points[r]), (lowered.DP, ip.dp_points[r]))
-                for i, c in points if i < n]
+                for i, c in points]
         assert sorted(found) == sorted(want), (r, found, want)
-        counts.append(len(found))
-    print(f"\n{name} pp={pp} M={m}: sum/dp ops inside the schedule per rank {counts}")
+        for kind, points in ((lowered.SUM, ip.sum_points[r]), (lowered.DP, ip.dp_points[r])):
+            assert [c for k, c, _ in found if k == kind] == [c for _, c in points], (r, kind, found)  # plan's order
+        counts.append(sum(1 for _, _, u in found if u < len(units)))
+    print(f"\n{name} pp={pp} M={m}: sum/dp ops inside the schedule per rank {counts}, the rest after finish")
+
+
+def _check_collectives(prog, ip, r, name, m):
+    """Raise AssertionError naming the first collective op out of the place the plan gives."""
+    spec, ops, acts, units = registry.get(name), ip.ops[r], prog.actions[r], prog.plans[r].units
+    first = {}
+    for u, unit in enumerate(units):
+        for i in unit:
+            if acts[i].op == "F" and not spec.is_fake(m, acts[i].dir, acts[i].mb):
+                first.setdefault(acts[i].dir, u)
+    gathered, issued, waited, started, finished = [], [], [], [], False
+    for n, op in enumerate(ops):
+        where = f"rank {r} op {n} ({op.text()})"
+        if op.kind == lowered.GATHER:
+            assert all(x.kind == lowered.GATHER for x in ops[:n]), where  # before anything else
+        elif op.kind == lowered.GATHERED:
+            assert ops[n + 1] == lowered.Op(lowered.RUN, first[op.index]) and op.index not in gathered, where
+            gathered.append(op.index)
+        elif op.kind == lowered.SUM:
+            issued.append(op.index)
+        elif op.kind == lowered.SUMMED:
+            assert op.index in issued and op.index not in waited, where
+            waited.append(op.index)
+        elif op.kind == lowered.DP:
+            summed = any(c == op.index for _, c in ip.sum_points[r])
+            assert not summed or op.index in waited, where  # a reduction of the summed copy
+            started.append(op.index)
+        elif op.kind == lowered.FINISH:
+            finished = True
+        elif op.kind in (lowered.LOSS_SEND, lowered.LOSS_RECV, lowered.COLL, lowered.FINALIZE):
+            assert finished, where
+    assert [op.index for op in ops if op.kind == lowered.GATHER] == sorted(first, key=first.get), ops[:3]
+    assert sorted(gathered) == sorted(first) and sorted(waited) == sorted(issued) and ops[-1].kind == lowered.FINALIZE
+    assert sorted(started) == list(range(len(prog.schedule.layout.directions)))
+    return [op.text() for op in ops if op.kind not in (lowered.POST, lowered.BEGIN, lowered.RECV, lowered.RELEASE,
+                                                      lowered.RUN)]
+
+
+@pytest.mark.parametrize("name,pp,m", [("dualpipe", 4, 8), ("dualpipe", 2, 5), ("dualpipev", 4, 9), ("zb-h1", 4, 8),
+                                       ("executor-1f1b", 3, 5)])
+def test_the_collectives_around_the_schedule_are_ops_at_their_places(name, pp, m):
+    """--overlap-param-gather, --overlap-grad-reduce, dp=2: each chunk's ``gather`` before anything
+    else, in the order of the chunks' first real forwards, its ``gathered`` right before that
+    forward's ``run``; every ``sum`` waited once (``summed``) after it is issued, before its chunk's
+    ``dp``; every chunk's ``dp`` once; the loss gather and the finalize after ``finish``,
+    ``finalize`` last. The whole program parses back."""
+    prog, ip = _plan(name, pp, m, param_gather=True)
+    for r in range(pp):
+        assert lowered.parse(lowered.to_text(ip.ops[r])) == ip.ops[r]
+        shown = _check_collectives(prog, ip, r, name, m)
+        print(f"{name} pp={pp} M={m} rank {r}: {', '.join(shown)}")
+
+
+def test_a_sum_waited_before_it_is_issued_is_caught():
+    """The check above can fail: a ``summed`` moved before its ``sum`` is named."""
+    prog, ip = _plan("dualpipe", 4, 8, param_gather=True)
+    ops = list(ip.ops[1])
+    k = next(n for n, op in enumerate(ops) if op.kind == lowered.SUMMED)
+    s = next(n for n, op in enumerate(ops) if op == lowered.Op(lowered.SUM, ops[k].index))
+    ops.insert(s, ops.pop(k))
+    ip.ops[1] = tuple(ops)
+    with pytest.raises(AssertionError, match="rank 1 op"):
+        _check_collectives(prog, ip, 1, "dualpipe", 8)
