@@ -108,25 +108,6 @@ def lower(rank: int, plan: RankPlan, actions: Sequence[Action], padding: Sequenc
     return tuple(ops)
 
 
-def with_reductions(ops: Sequence[Op], units: Sequence[Tuple[int, ...]], sum_points: Sequence[Tuple[int, int]],
-                    dp_points: Sequence[Tuple[int, int]]) -> Tuple[Op, ...]:
-    """``ops`` with a ``sum C`` / ``dp C`` after the ``run`` of the unit holding each point's action
-    (the plan's (action index, chunk) points, in their order; per action its sums, then its
-    reductions); points at the end of the schedule are left out."""
-    after: dict = {}
-    for i, c in sum_points:
-        after.setdefault(i, []).append(Op(SUM, c))
-    for i, c in dp_points:
-        after.setdefault(i, []).append(Op(DP, c))
-    out: List[Op] = []
-    for op in ops:
-        out.append(op)
-        if op.kind == RUN:
-            unit = units[op.index]
-            out += [x for i in unit for x in after.get(i, ())]
-    return tuple(out)
-
-
 def after_finish(ops: Sequence[Op]) -> int:
     """The position after ``finish``: ``ops[:n]`` is the schedule, ``ops[n:]`` what runs after it."""
     for n in range(len(ops) - 1, -1, -1):
