@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import gc
 import logging
 import math
 import weakref
@@ -309,7 +310,26 @@ def _no_sync(config, model, forward_only: bool):
         yield
 
 
+def _cyclic_gc_paused(func: Callable) -> Callable:
+    """``func`` with Python's cyclic garbage collector paused while it runs. Building and checking
+    the plan allocates some hundred thousand small objects that hold no cycles, and the collector's
+    passes over them were half its cost (dualpipe pp=32 M=1024: 2.2 s of CPU, 1.2 s without)."""
+
+    @functools.wraps(func)
+    def paused(*args, **kwargs):
+        was_on = gc.isenabled()
+        gc.disable()
+        try:
+            return func(*args, **kwargs)
+        finally:
+            if was_on:
+                gc.enable()
+
+    return paused
+
+
 @functools.lru_cache(maxsize=64)
+@_cyclic_gc_paused
 def _checked_iteration(name: str, pp: int, padded: int, real: int, zero_bubble: bool, overlap_grad_reduce: bool,
                        dp: int, forward_only: bool, param_gather: bool = False,
                        bd_sums: bool = True, step: Optional[StepOptions] = None) -> iteration_plan.IterationPlan:
