@@ -14,16 +14,16 @@ The order per rank (sources: megatron-core 0.16.1 / 0.19.2 ``distributed/finaliz
 ``optimizer/optimizer.py``, ``optimizer/distrib_optimizer.py``, ``optimizer/clip_grads.py``,
 Megatron-LM ``training.train_step``; this package's ``mcore`` modules named below):
 
-1. ``--dualpipe-advise``, once per job: the costs' max over the pipeline and the link probes
-   (``mcore.live_advice``, ``mcore.comm_probe``; the code runs them before the loss gather, the
-   plan after the finalize's token all-reduce: a block every rank enters alike);
-2. the rest of the finalize (``mcore.finalize``, then Megatron's ``finalize_model_grads``): the
-   routers' statistics summed over the bd pair per stage (expert bias, quantile balancing);
+1. the rest of the finalize (``mcore.finalize``, then Megatron's ``finalize_model_grads``): the
+   routers' statistics summed over the bd pair per stage (expert bias, quantile balancing; the
+   code sums them before the waits for the reductions ``GradReduction`` started, the plan after);
    each chunk's data-parallel reduction without ``--overlap-grad-reduce`` (over the shard group
    of its stage with ``--dualpipe-shared-shard-group``), then dp-first's shard sums over the bd
    pair, in stage order; the tensor-parallel all-reduce (sequence parallel, qk layernorm); the
    embedding group's all-reduce (one-chunk schedules with tied embeddings); the expert-bias and
    quantile-balancing all-reduces; the token count's broadcast and all-reduce (per-token loss);
+2. ``--dualpipe-advise``, once per job, after the program: the costs' max over the pipeline and
+   the link probes (``mcore.live_advice``, ``mcore.comm_probe``);
 3. the optimizer step: per sub-optimizer (dense, experts; per stage under the shared shard
    group) fp16's found-inf all-reduce, the grad norm and zero count over the gradient-statistics
    group (the distributed optimizer's instance, else model parallel), the parameter all-gathers
@@ -113,7 +113,7 @@ def programs(layout: Layout, opts: StepOptions, *, dp: int, overlap_grad_reduce:
     """Every rank's ops after the schedule's (module docstring); none in evaluation."""
     if forward_only:
         return [() for _ in range(layout.pp)]
-    return [tuple(_advise(layout, r, opts, dp) + _finalize(layout, r, opts, dp, overlap_grad_reduce)
+    return [tuple(_finalize(layout, r, opts, dp, overlap_grad_reduce) + _advise(layout, r, opts, dp)
                   + _optimizer(layout, r, opts, dp) + _train_step(layout, r, opts) + _drift(layout, r, opts))
             for r in range(layout.pp)]
 
