@@ -36,6 +36,12 @@ TINY = [
     # A stuck rank is named (the executor's P2P deadline defaults to this) well before the test's
     # 600 s subprocess timeout would end the run without saying who waited for what.
     "--distributed-timeout-minutes", "5",
+    # The mock data are read in each rank's own process, not by data-loader workers: Megatron's
+    # default (2 workers per loader, 3 loaders) forks 6 copies of ranks 0 and pp-1 (1 GB each, gloo's
+    # threads running) for batches of 64 tokens: ~2.4 s of CPU per run on 2 cores, and the one wait
+    # of a rank that has no timeout (a worker that never answers; see issue 27's hang in
+    # test_megatron_lm_options.py). The batches are the same; the evaluation test keeps the workers.
+    "--num-workers", "0",
 ]  # fmt: skip
 MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-token-dispatcher-type", "alltoall",
        "--disable-bias-linear"]

@@ -125,8 +125,10 @@ def test_evaluation_losses_equal_and_advice_logged_once():
     --dualpipe-advise (warm-up 1) training iterations 2-4 are measured and the advice logged
     once, saying which, without changing the losses. Both runs end through the interpreter's
     whole exit (``fast_exit=False``; the other runs skip its module teardown), so that a hang or
-    an error there, under 1f1b or dualpipe, would show."""
-    args = ("--train-iters", "4", "--eval-iters", "2", "--eval-interval", "2")
+    an error there, under 1f1b or dualpipe, would show. With Megatron's default data-loader
+    workers (2 per loader; the other runs read the mock data in the rank's process): the
+    direction-aware iterator and the exit with persistent workers alive."""
+    args = ("--train-iters", "4", "--eval-iters", "2", "--eval-interval", "2", "--num-workers", "2")
     ref_train, ref_val = run_pretrain("1f1b", *args, evaluation=True, fast_exit=False)
     train, val = run_pretrain("dualpipe", *args, "--dualpipe-advise", "--dualpipe-advise-warmup", "1",
                               evaluation=True, fast_exit=False)

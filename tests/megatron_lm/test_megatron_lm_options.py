@@ -121,10 +121,14 @@ def test_nan_in_one_microbatch_is_caught_as_under_1f1b(tmp_path):
     found = {}
     for schedule, loss_rank in (("1f1b", 3), ("dualpipe", 0)):
         rc, out = launch(schedule, "--train-iters", "4", "--ckpt-format", "torch", "--save", str(tmp_path / schedule), "--save-interval", "100",
-                         # Megatron's own 1f1b run of this test hung once (300 s in send_forward_recv_backward,
-                         # torchrun, 2026-11-24), not since in 37 runs (21 torchrun, 16 preloaded, 2026-11-27):
-                         # should a run stop, it ends in 4 minutes with every rank's stacks in its output
-                         # (tests/harness/preloaded_launch.py), unbuffered, for the test's failure to show.
+                         # Megatron's own 1f1b run of this test hung once (2026-11-24, torchrun: a rank's send in
+                         # send_forward_recv_backward timed out after 300 s), not since in 87 runs (2026-11-27:
+                         # 36 torchrun, 51 preloaded, both schedules each). A gloo send waits for its receiver to
+                         # post the receive; the receivers of that call are ranks 1-3 in their forward, and the
+                         # only wait there without a timeout is rank pp-1's next batch from a data-loader worker
+                         # (forked with gloo's threads running); the runs now read the mock data in-process
+                         # (megatron_lm_runs.TINY). Should a run stop, it ends in 4 minutes with every rank's
+                         # stacks in its output (tests/harness/preloaded_launch.py), unbuffered.
                          env_extra={"MEGATRON_DUALPIPE_TEST_NAN": "3,7", "PYTHONUNBUFFERED": "1"},
                          pythonpath=(CHILD_HOOKS,), timeout=240)
         reports = {(int(r), int(it), msg) for r, it, msg in UNEXPECTED_RE.findall(out)}
