@@ -123,7 +123,7 @@ def test_nan_in_one_microbatch_is_caught_as_under_1f1b(tmp_path):
         rc, out = launch(schedule, "--train-iters", "4", "--ckpt-format", "torch", "--save", str(tmp_path / schedule), "--save-interval", "100",
                          # Megatron's own 1f1b run of this test hung once (2026-11-24, torchrun: a rank's send in
                          # send_forward_recv_backward timed out after 300 s), not since in 87 runs (2026-11-27:
-                         # 36 torchrun, 51 preloaded, both schedules each). A gloo send waits for its receiver to
+                         # 46 torchrun, 41 preloaded, both schedules each). A gloo send waits for its receiver to
                          # post the receive; the receivers of that call are ranks 1-3 in their forward, and the
                          # only wait there without a timeout is rank pp-1's next batch from a data-loader worker
                          # (forked with gloo's threads running); the runs now read the mock data in-process
