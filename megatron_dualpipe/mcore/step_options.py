@@ -51,4 +51,6 @@ def step_options(model: Sequence, config, *, drift_check: bool, advise: bool) ->
                              or getattr(config, "mtp_num_layers", None)),
         drift_check=drift_check, advise=advise,
         log_zeros=True if args is None else bool(getattr(args, "log_num_zeros_in_grad", False)),
-        megatron_lm=True)
+        megatron_lm=True,
+        rerun=True if args is None else getattr(args, "rerun_mode", "validate_results") != "disabled",
+        params_norm=True if args is None else bool(getattr(args, "log_params_norm", False)))

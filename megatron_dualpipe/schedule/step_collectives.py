@@ -24,14 +24,26 @@ Megatron-LM ``training.train_step``; this package's ``mcore`` modules named belo
    quantile-balancing all-reduces; the token count's broadcast and all-reduce (per-token loss);
 2. ``--dualpipe-advise``, once per job, after the program: the costs' max over the pipeline and
    the link probes (``mcore.live_advice``, ``mcore.comm_probe``);
-3. the optimizer step: per sub-optimizer (dense, experts; per stage under the shared shard
+3. Megatron-LM's rerun state machine (``--rerun-mode``, default ``validate_results``; not
+   ``disabled``): ``should_run_forward_backward``'s second call, after the schedule and before
+   the step, all-reduces whether any rank asks for a rerun over the default group (every rank
+   of the job). ``--check-for-nan-in-loss-and-grad`` adds none of its own: its checks
+   (``validate_result`` in the loss function and before each bucket's reduction) are rank-local
+   and travel in that all-reduce; a rerun repeats the whole iteration, alike on every rank;
+4. the optimizer step: per sub-optimizer (dense, experts; per stage under the shared shard
    group) fp16's found-inf all-reduce, the grad norm and zero count over the gradient-statistics
    group (the distributed optimizer's instance, else model parallel), the parameter all-gathers
    after the step (distributed optimizer without ``--overlap-param-gather``; with it the next
    iteration's pre-hook gathers, which the plan starts before the first action);
-4. Megatron-LM's train step: success, grad norm and zero count over model parallel, the loss
+5. Megatron-LM's train step: success, grad norm and zero count over model parallel, the loss
    over data parallel on the last pipeline rank;
-5. the drift check before the next training call (``mcore.drift``, every N calls).
+6. ``--log-params-norm``, every iteration after the train step (Megatron-LM's
+   ``calc_params_l2_norm``): the sharded main parameters' squared norms over data parallel
+   (core_v0.19.0: dense twice over dp-cp, experts twice over expert data parallel, whatever the
+   model; core_v0.16.1 the dense once: a subset every member issues alike, so the longer list
+   proves it), then the sum over model parallel (the experts' over their own model-parallel
+   group where it differs: MoE);
+7. the drift check before the next training call (``mcore.drift``, every N calls).
 
 Optional collectives (advise once, drift every N calls, the zero count) are in the plan every
 iteration: a collective that every member of its communicator leaves out only removes waits, so
@@ -58,8 +70,10 @@ BD_FIRST, DP_FIRST, SHARED_SHARD = "bd-first", "dp-first", "shared-shard"
 #: pp (pipeline), bd (DualPipe's pair of a stage's copies), embd (first and last pipeline rank),
 #: mp (tensor x pipeline), world (the distributed optimizer's instance: tensor x data x pipeline),
 #: tp, dp, dp-cp, tp-dp-cp, expt-dp (expert data parallel), expt-mp (expert tensor x pipeline),
-#: shard:S / expt-shard:S (stage S's shared shard groups: both copies' ranks x data parallel).
+#: shard:S / expt-shard:S (stage S's shared shard groups: both copies' ranks x data parallel),
+#: default (torch's default group, every rank of the job: Megatron-LM's rerun state machine).
 SPANS = {"pp": (), "bd": (), "embd": (), "mp": ("tp",), "expt-mp": ("tp",), "world": ("tp", "dp"),
+         "default": ("tp", "dp"),
          "tp": ("tp",), "dp": ("dp",), "dp-cp": ("dp",), "tp-dp-cp": ("tp", "dp"), "expt-dp": ("dp",),
          "shard": ("dp",), "expt-shard": ("dp",)}
 
@@ -84,6 +98,8 @@ class StepOptions:
     advise: bool = False              # --dualpipe-advise
     log_zeros: bool = True            # --log-num-zeros-in-grad
     megatron_lm: bool = True          # Megatron-LM's train step (its reductions after the step)
+    rerun: bool = True                # Megatron-LM's --rerun-mode is not disabled (its default)
+    params_norm: bool = False         # Megatron-LM's --log-params-norm
 
 
 def comm_base(group: str) -> str:
@@ -93,7 +109,7 @@ def comm_base(group: str) -> str:
 def members(layout: Layout, r: int, group: str) -> Tuple[int, ...]:
     """Rank ``r``'s communicator ``group`` within one replica of the pipeline."""
     base, pp = comm_base(group), layout.pp
-    if base in ("pp", "mp", "expt-mp", "world"):
+    if base in ("pp", "mp", "expt-mp", "world", "default"):
         return tuple(range(pp))
     if base in ("bd", "shard", "expt-shard"):
         return tuple(sorted({r, layout.partner(r)}))
@@ -113,8 +129,9 @@ def programs(layout: Layout, opts: StepOptions, *, dp: int, overlap_grad_reduce:
     """Every rank's ops after the schedule's (module docstring); none in evaluation."""
     if forward_only:
         return [() for _ in range(layout.pp)]
-    return [tuple(_finalize(layout, r, opts, dp, overlap_grad_reduce) + _advise(layout, r, opts, dp)
-                  + _optimizer(layout, r, opts, dp) + _train_step(layout, r, opts) + _drift(layout, r, opts))
+    return [tuple(_finalize(layout, r, opts, dp, overlap_grad_reduce) + _advise(layout, r, opts, dp) + _rerun(opts)
+                  + _optimizer(layout, r, opts, dp) + _train_step(layout, r, opts) + _params_norm(opts)
+                  + _drift(layout, r, opts))
             for r in range(layout.pp)]
 
 
@@ -225,6 +242,20 @@ def _train_step(layout: Layout, r: int, opts: StepOptions) -> List[Op]:
     out = [_coll("update-ok", "mp"), _coll("grad-norm-max", "mp")]
     out += [_coll("zeros-max", "mp")] if opts.log_zeros else []
     return out + ([_coll("loss", "dp-cp")] if r == layout.pp - 1 else [])
+
+
+def _rerun(opts: StepOptions) -> List[Op]:
+    """The rerun state machine's any-rank all-reduce (``_reduce_any``), once per iteration without a rerun."""
+    return [_coll("rerun", "default")] if opts.megatron_lm and opts.rerun else []
+
+
+def _params_norm(opts: StepOptions) -> List[Op]:
+    """``calc_params_l2_norm``'s all-reduces (module docstring, 6)."""
+    if not (opts.megatron_lm and opts.params_norm):
+        return []
+    out = [_coll(f"params-norm-sharded:{k}", "dp-cp") for k in range(2)]
+    out += [_coll(f"params-norm-expert-sharded:{k}", "expt-dp") for k in range(2)]
+    return out + [_coll("params-norm", "mp")] + ([_coll("params-norm-expert", "expt-mp")] if opts.moe else [])
 
 
 def _drift(layout: Layout, r: int, opts: StepOptions) -> List[Op]:

@@ -70,3 +70,54 @@ def test_without_megatron_lm_the_zero_count_is_checked(monkeypatch):
     monkeypatch.setattr(SO, "_megatron_lm_args", lambda: SimpleNamespace(log_num_zeros_in_grad=False))
     assert not SO.step_options([_Chunk(), _Chunk()], SimpleNamespace(**PLAIN), drift_check=True,
                                advise=True).log_zeros
+
+
+def _with_args(monkeypatch, **args):
+    monkeypatch.setattr(SO.parallel_state, "get_tensor_model_parallel_world_size", lambda: 1)
+    monkeypatch.setattr(SO, "_megatron_lm_args", lambda: SimpleNamespace(**args))
+    return SO.step_options([_Chunk(), _Chunk()], SimpleNamespace(**PLAIN), drift_check=False, advise=False)
+
+
+@pytest.mark.parametrize("field,args,value", [
+    ("rerun", dict(rerun_mode="disabled"), False),
+    ("rerun", dict(rerun_mode="validate_results"), True),
+    ("rerun", dict(rerun_mode="report_stats"), True),
+    ("params_norm", dict(log_params_norm=True), True),
+    ("params_norm", dict(log_params_norm=False), False),
+])
+def test_megatron_lms_arguments_are_read(monkeypatch, field, args, value):
+    """The rerun state machine's all-reduce and --log-params-norm's, from Megatron-LM's arguments;
+    without them (megatron-core alone) both count as issued."""
+    got = getattr(_with_args(monkeypatch, **args), field)
+    print(f"{field}: {got!r} with {args}")
+    assert got == value
+    assert getattr(_options(monkeypatch), field)
+
+
+def _megatron_lm_config(relative: str):
+    """A Megatron-LM config module (dataclasses, no Megatron-LM import) from MEGATRON_LM_PATH."""
+    import importlib.util
+    import os
+
+    root = os.environ.get("MEGATRON_LM_PATH")
+    paths = [os.path.join(root, "megatron", "training", sub, relative) for sub in ("config", "")] if root else []
+    path = next((p for p in paths if os.path.exists(p)), None)
+    if path is None:
+        pytest.skip(f"no Megatron-LM checkout with {relative} (MEGATRON_LM_PATH)")
+    spec = importlib.util.spec_from_file_location(f"_mlm_{relative[:-3]}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_argument_names_are_megatron_lms():
+    """The attributes read above are Megatron-LM's (its parser makes one per config field), and its
+    default rerun mode is one that all-reduces every iteration."""
+    import dataclasses
+
+    rerun = {f.name: f.default for f in dataclasses.fields(_megatron_lm_config("resilience_config.py")
+                                                            .RerunStateMachineConfig)}
+    logger = {f.name: f.default for f in dataclasses.fields(_megatron_lm_config("training_config.py").LoggerConfig)}
+    print(f"rerun_mode default {rerun['rerun_mode']!r}; log_params_norm default {logger['log_params_norm']!r}; "
+          f"log_num_zeros_in_grad default {logger['log_num_zeros_in_grad']!r}")
+    assert rerun["rerun_mode"] != "disabled" and logger["log_params_norm"] is False

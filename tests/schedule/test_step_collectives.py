@@ -6,7 +6,8 @@ Standard library only.
 * The ops' text form parses back; every rank's program is printed for one case.
 * With every option that adds collectives (each way of summing DualPipe's copies, fp16, the
   distributed optimizer with and without --overlap-param-gather, MoE with expert bias, quantile
-  balancing, per-token loss, tied embeddings, drift check, advise, tp with sequence parallel) the
+  balancing, per-token loss, tied embeddings, drift check, advise, tp with sequence parallel,
+  Megatron-LM's rerun state machine, --log-params-norm) the
   plan of dualpipe, dualpipev and a one-chunk order has no cycle under NCCL's per-communicator
   streams and under one hardware queue, for one pipeline and for two replicas along data and
   tensor parallelism.
@@ -27,7 +28,8 @@ from megatron_dualpipe.schedule import step_collectives as SC
 from megatron_dualpipe.schedule.comm import plan
 
 EVERYTHING = dict(tp_grads=True, moe=True, fp16=True, distributed_optimizer=True, expert_bias=True,
-                  quantile_balancing=True, per_token_loss=True, tied_embeddings=True, drift_check=True, advise=True)
+                  quantile_balancing=True, per_token_loss=True, tied_embeddings=True, drift_check=True, advise=True,
+                  params_norm=True)
 #: Option sets that between them issue every kind (name -> (StepOptions, overlap-grad-reduce)).
 OPTION_SETS = {
     "bd-first, fp16, MoE, no overlap": (SC.StepOptions(**EVERYTHING), False),
@@ -112,7 +114,8 @@ def test_every_kind_has_a_misorder_case():
                      "expert-grad-sync", "reduce-scatter", "expert-reduce-scatter", "shard-sum", "tp-grads",
                      "embd-grads", "expert-bias", "qb-beta", "tokens-broadcast", "tokens", "found-inf", "grad-norm",
                      "zeros", "param-gather", "expert-param-gather", "update-ok", "grad-norm-max", "zeros-max", "loss",
-                     "drift"):
+                     "drift", "rerun", "params-norm-sharded", "params-norm-expert-sharded", "params-norm",
+                     "params-norm-expert"):
         assert expected in kinds, expected
 
 
