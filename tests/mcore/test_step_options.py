@@ -81,7 +81,7 @@ def _with_args(monkeypatch, **args):
 @pytest.mark.parametrize("field,args,value", [
     ("rerun", dict(rerun_mode="disabled"), False),
     ("rerun", dict(rerun_mode="validate_results"), True),
-    ("rerun", dict(rerun_mode="report_stats"), True),
+    ("rerun", dict(rerun_mode="report_determinism_stats"), True),
     ("params_norm", dict(log_params_norm=True), True),
     ("params_norm", dict(log_params_norm=False), False),
 ])
