@@ -9,7 +9,7 @@ member leaves out only removes waits, so checking it proves the run without it t
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Sequence, Tuple
 
 from megatron.core import parallel_state
 
@@ -28,6 +28,17 @@ def _megatron_lm_args():
         return get_args()
     except (ImportError, AssertionError):
         return None
+
+
+def moe_logged(config) -> Tuple[str, ...]:
+    """The MoE metrics Megatron-LM's ``training_log`` tracks, in its order (its own tests: ``in``
+    the balancing type, a string or a list; a z-loss coefficient)."""
+    if not getattr(config, "num_moe_experts", None):
+        return ()
+    balancing = getattr(config, "moe_router_load_balancing_type", None) or ()
+    names = [name for key, name in (("aux_loss", "load_balancing_loss"), ("seq_aux_loss", "seq_load_balancing_loss"),
+                                    ("global_aux_loss", "global_load_balancing_loss")) if key in balancing]
+    return tuple(names + (["z_loss"] if getattr(config, "moe_z_loss_coeff", None) is not None else []))
 
 
 def step_options(model: Sequence, config, *, drift_check: bool, advise: bool) -> StepOptions:
@@ -53,4 +64,5 @@ def step_options(model: Sequence, config, *, drift_check: bool, advise: bool) ->
         log_zeros=True if args is None else bool(getattr(args, "log_num_zeros_in_grad", False)),
         megatron_lm=True,
         rerun=True if args is None else getattr(args, "rerun_mode", "validate_results") != "disabled",
-        params_norm=True if args is None else bool(getattr(args, "log_params_norm", False)))
+        params_norm=True if args is None else bool(getattr(args, "log_params_norm", False)),
+        moe_logged=moe_logged(config), mtp=bool(getattr(config, "mtp_num_layers", None)))

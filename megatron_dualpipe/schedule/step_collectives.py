@@ -43,7 +43,13 @@ Megatron-LM ``training.train_step``; this package's ``mcore`` modules named belo
    model; core_v0.16.1 the dense once: a subset every member issues alike, so the longer list
    proves it), then the sum over model parallel (the experts' over their own model-parallel
    group where it differs: MoE);
-7. the drift check before the next training call (``mcore.drift``, every N calls).
+7. Megatron-LM's ``training_log``, every iteration: per MoE metric it tracks (in its order:
+   load balancing, sequence, global load balancing, z loss) the sum over the pipeline, over the
+   metric's reduce group (tensor x context parallel; with data parallel for the global one), the
+   mean over data parallel (not the global one's); MTP's loss mean over dp-cp (core_v0.19.0 also
+   its acceptance counts). Ranks without such layers leave out the last two of a metric (and MTP's)
+   with every member of those groups, which are within their pipeline rank;
+8. the drift check before the next training call (``mcore.drift``, every N calls).
 
 Optional collectives (advise once, drift every N calls, the zero count) are in the plan every
 iteration: a collective that every member of its communicator leaves out only removes waits, so
@@ -71,9 +77,10 @@ BD_FIRST, DP_FIRST, SHARED_SHARD = "bd-first", "dp-first", "shared-shard"
 #: mp (tensor x pipeline), world (the distributed optimizer's instance: tensor x data x pipeline),
 #: tp, dp, dp-cp, tp-dp-cp, expt-dp (expert data parallel), expt-mp (expert tensor x pipeline),
 #: shard:S / expt-shard:S (stage S's shared shard groups: both copies' ranks x data parallel),
-#: default (torch's default group, every rank of the job: Megatron-LM's rerun state machine).
+#: default (torch's default group, every rank of the job: Megatron-LM's rerun state machine),
+#: tp-cp (tensor x context parallel: the MoE metrics' reduce group).
 SPANS = {"pp": (), "bd": (), "embd": (), "mp": ("tp",), "expt-mp": ("tp",), "world": ("tp", "dp"),
-         "default": ("tp", "dp"),
+         "default": ("tp", "dp"), "tp-cp": ("tp",),
          "tp": ("tp",), "dp": ("dp",), "dp-cp": ("dp",), "tp-dp-cp": ("tp", "dp"), "expt-dp": ("dp",),
          "shard": ("dp",), "expt-shard": ("dp",)}
 
@@ -100,6 +107,8 @@ class StepOptions:
     megatron_lm: bool = True          # Megatron-LM's train step (its reductions after the step)
     rerun: bool = True                # Megatron-LM's --rerun-mode is not disabled (its default)
     params_norm: bool = False         # Megatron-LM's --log-params-norm
+    moe_logged: Tuple[str, ...] = ()  # the MoE metrics training_log tracks, in its order
+    mtp: bool = False                 # multi-token prediction layers (training_log's MTP metrics)
 
 
 def comm_base(group: str) -> str:
@@ -131,7 +140,7 @@ def programs(layout: Layout, opts: StepOptions, *, dp: int, overlap_grad_reduce:
         return [() for _ in range(layout.pp)]
     return [tuple(_finalize(layout, r, opts, dp, overlap_grad_reduce) + _advise(layout, r, opts, dp) + _rerun(opts)
                   + _optimizer(layout, r, opts, dp) + _train_step(layout, r, opts) + _params_norm(opts)
-                  + _drift(layout, r, opts))
+                  + _logged(opts) + _drift(layout, r, opts))
             for r in range(layout.pp)]
 
 
@@ -256,6 +265,18 @@ def _params_norm(opts: StepOptions) -> List[Op]:
     out = [_coll(f"params-norm-sharded:{k}", "dp-cp") for k in range(2)]
     out += [_coll(f"params-norm-expert-sharded:{k}", "expt-dp") for k in range(2)]
     return out + [_coll("params-norm", "mp")] + ([_coll("params-norm-expert", "expt-mp")] if opts.moe else [])
+
+
+def _logged(opts: StepOptions) -> List[Op]:
+    """``training_log``'s MoE and MTP trackers (module docstring, 7)."""
+    if not opts.megatron_lm:
+        return []
+    out: List[Op] = []
+    for name in opts.moe_logged:
+        overall = name == "global_load_balancing_loss"
+        out += [_coll(f"moe-log:{name}", "pp"), _coll(f"moe-log-reduce:{name}", "tp-dp-cp" if overall else "tp-cp")]
+        out += [] if overall else [_coll(f"moe-log-dp:{name}", "dp")]
+    return out + ([_coll(f"mtp-log:{k}", "dp-cp") for k in range(3)] if opts.mtp else [])
 
 
 def _drift(layout: Layout, r: int, opts: StepOptions) -> List[Op]:

@@ -54,6 +54,12 @@ def _options(monkeypatch, tp=1, ddp=None, tied=False, mark=None, **config):
     ("tied_embeddings", dict(tied=True), True),
     ("tied_embeddings", dict(mtp_num_layers=1), True),
     ("copy_sum", dict(mark=DP_FIRST_ATTR), SC.DP_FIRST),
+    ("moe_logged", dict(num_moe_experts=4), ("load_balancing_loss",)),
+    ("moe_logged", dict(num_moe_experts=4, moe_router_load_balancing_type="seq_aux_loss", moe_z_loss_coeff=1e-3),
+     ("load_balancing_loss", "seq_load_balancing_loss", "z_loss")),  # Megatron-LM's own `in` on the string
+    ("moe_logged", dict(num_moe_experts=4, moe_router_load_balancing_type=["global_aux_loss"]),
+     ("global_load_balancing_loss",)),
+    ("mtp", dict(mtp_num_layers=1), True),
 ])
 def test_each_field_is_read_from_the_job(monkeypatch, field, job, value):
     plain = _options(monkeypatch)

@@ -7,7 +7,7 @@ Standard library only.
 * With every option that adds collectives (each way of summing DualPipe's copies, fp16, the
   distributed optimizer with and without --overlap-param-gather, MoE with expert bias, quantile
   balancing, per-token loss, tied embeddings, drift check, advise, tp with sequence parallel,
-  Megatron-LM's rerun state machine, --log-params-norm) the
+  Megatron-LM's rerun state machine, --log-params-norm, training_log's MoE and MTP metrics) the
   plan of dualpipe, dualpipev and a one-chunk order has no cycle under NCCL's per-communicator
   streams and under one hardware queue, for one pipeline and for two replicas along data and
   tensor parallelism.
@@ -29,7 +29,8 @@ from megatron_dualpipe.schedule.comm import plan
 
 EVERYTHING = dict(tp_grads=True, moe=True, fp16=True, distributed_optimizer=True, expert_bias=True,
                   quantile_balancing=True, per_token_loss=True, tied_embeddings=True, drift_check=True, advise=True,
-                  params_norm=True)
+                  params_norm=True, mtp=True,
+                  moe_logged=("load_balancing_loss", "global_load_balancing_loss", "z_loss"))
 #: Option sets that between them issue every kind (name -> (StepOptions, overlap-grad-reduce)).
 OPTION_SETS = {
     "bd-first, fp16, MoE, no overlap": (SC.StepOptions(**EVERYTHING), False),
@@ -115,7 +116,7 @@ def test_every_kind_has_a_misorder_case():
                      "embd-grads", "expert-bias", "qb-beta", "tokens-broadcast", "tokens", "found-inf", "grad-norm",
                      "zeros", "param-gather", "expert-param-gather", "update-ok", "grad-norm-max", "zeros-max", "loss",
                      "drift", "rerun", "params-norm-sharded", "params-norm-expert-sharded", "params-norm",
-                     "params-norm-expert"):
+                     "params-norm-expert", "moe-log", "moe-log-reduce", "moe-log-dp", "mtp-log"):
         assert expected in kinds, expected
 
 
