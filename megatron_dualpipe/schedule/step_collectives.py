@@ -45,9 +45,10 @@ Megatron-LM ``training.train_step``; this package's ``mcore`` modules named belo
    group where it differs: MoE);
 7. Megatron-LM's ``training_log``, every iteration: per MoE metric it tracks (in its order:
    load balancing, sequence, global load balancing, z loss) the sum over the pipeline, over the
-   metric's reduce group (tensor x context parallel; with data parallel for the global one), the
-   mean over data parallel (not the global one's); MTP's loss mean over dp-cp (core_v0.19.0 also
-   its acceptance counts). Ranks without such layers leave out the last two of a metric (and MTP's)
+   metric's reduce group (tensor x context parallel; with data parallel for the global one and,
+   core_v0.19.0, the z loss's mean), the mean over data parallel (not the global one's; the z
+   loss's core_v0.19.0 only: core_v0.16.1 sums it over the pipeline alone, a subset); MTP's loss
+   mean over dp-cp (core_v0.19.0 also its acceptance counts). Ranks without such layers leave out the last two of a metric (and MTP's)
    with every member of those groups, which are within their pipeline rank;
 8. the drift check before the next training call (``mcore.drift``, every N calls).
 
@@ -274,7 +275,8 @@ def _logged(opts: StepOptions) -> List[Op]:
     out: List[Op] = []
     for name in opts.moe_logged:
         overall = name == "global_load_balancing_loss"
-        out += [_coll(f"moe-log:{name}", "pp"), _coll(f"moe-log-reduce:{name}", "tp-dp-cp" if overall else "tp-cp")]
+        group = "tp-dp-cp" if overall or name == "z_loss" else "tp-cp"
+        out += [_coll(f"moe-log:{name}", "pp"), _coll(f"moe-log-reduce:{name}", group)]
         out += [] if overall else [_coll(f"moe-log-dp:{name}", "dp")]
     return out + ([_coll(f"mtp-log:{k}", "dp-cp") for k in range(3)] if opts.mtp else [])
 
