@@ -447,6 +447,10 @@ def check(ip: IterationPlan, one_queue: bool = False) -> None:
         if s not in recv_of:
             raise IterationPlanError(f"{works[send_of[s]].what}: message {s[2]} from rank {s[0]} to rank {s[1]} "
                                      f"is never received")
+    for s in recv_of:
+        if s not in send_of:
+            raise IterationPlanError(f"{works[recv_of[s]].what}: message {s[2]} from rank {s[0]} to rank {s[1]} "
+                                     f"is never sent")
     head = {q: 0 for q in queues}
     pos = [0] * len(items)
 
