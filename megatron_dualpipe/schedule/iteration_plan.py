@@ -443,14 +443,7 @@ def check(ip: IterationPlan, one_queue: bool = False) -> None:
                                      f"the same on every rank: " + "; ".join([str(works[k].what) for k in by_rank.values()]
                                                                               + missing))
     _check_waited_first(ip)
-    for s in send_of:
-        if s not in recv_of:
-            raise IterationPlanError(f"{works[send_of[s]].what}: message {s[2]} from rank {s[0]} to rank {s[1]} "
-                                     f"is never received")
-    for s in recv_of:
-        if s not in send_of:
-            raise IterationPlanError(f"{works[recv_of[s]].what}: message {s[2]} from rank {s[0]} to rank {s[1]} "
-                                     f"is never sent")
+    _check_paired(works, send_of, recv_of)
     head = {q: 0 for q in queues}
     pos = [0] * len(items)
 
@@ -487,6 +480,15 @@ def check(ip: IterationPlan, one_queue: bool = False) -> None:
         return
     raise IterationPlanError(_explain(ip, stuck, pos, reached, started, completed, head, queues,
                                       send_of, recv_of, members))
+
+
+def _check_paired(works: Sequence[Work], send_of: dict, recv_of: dict) -> None:
+    """Every P2P message is both sent and received."""
+    for here, there, never in ((send_of, recv_of, "received"), (recv_of, send_of, "sent")):
+        for s in here:
+            if s not in there:
+                raise IterationPlanError(f"{works[here[s]].what}: message {s[2]} from rank {s[0]} to rank {s[1]} "
+                                         f"is never {never}")
 
 
 def _check_waited_first(ip: IterationPlan) -> None:
