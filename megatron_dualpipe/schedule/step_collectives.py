@@ -40,16 +40,17 @@ Megatron-LM ``training.train_step``; this package's ``mcore`` modules named belo
 6. ``--log-params-norm``, every iteration after the train step (Megatron-LM's
    ``calc_params_l2_norm``): the sharded main parameters' squared norms over data parallel
    (core_v0.19.0: dense twice over dp-cp, experts twice over expert data parallel, whatever the
-   model; core_v0.16.1 the dense once: a subset every member issues alike, so the longer list
-   proves it), then the sum over model parallel (the experts' over their own model-parallel
-   group where it differs: MoE);
+   model, then the experts' over the expert GTP-remat group; core_v0.16.1 the dense once: a
+   subset every member issues alike, so the longer list proves it), then the sum over model
+   parallel (the experts' over their own model-parallel group where it differs: MoE);
 7. Megatron-LM's ``training_log``, every iteration: per MoE metric it tracks (in its order:
    load balancing, sequence, global load balancing, z loss) the sum over the pipeline, over the
    metric's reduce group (tensor x context parallel; with data parallel for the global one and,
    core_v0.19.0, the z loss's mean), the mean over data parallel (not the global one's; the z
    loss's core_v0.19.0 only: core_v0.16.1 sums it over the pipeline alone, a subset); MTP's loss
-   mean over dp-cp (core_v0.19.0 also its acceptance counts). Ranks without such layers leave out the last two of a metric (and MTP's)
-   with every member of those groups, which are within their pipeline rank;
+   mean over dp-cp (core_v0.19.0 also its acceptance counts). Ranks without such layers leave
+   out the last two of a metric (and MTP's) with every member of those groups, which are within
+   their pipeline rank;
 8. the drift check before the next training call (``mcore.drift``, every N calls).
 
 Optional collectives (advise once, drift every N calls, the zero count) are in the plan every
@@ -79,9 +80,10 @@ BD_FIRST, DP_FIRST, SHARED_SHARD = "bd-first", "dp-first", "shared-shard"
 #: tp, dp, dp-cp, tp-dp-cp, expt-dp (expert data parallel), expt-mp (expert tensor x pipeline),
 #: shard:S / expt-shard:S (stage S's shared shard groups: both copies' ranks x data parallel),
 #: default (torch's default group, every rank of the job: Megatron-LM's rerun state machine),
-#: tp-cp (tensor x context parallel: the MoE metrics' reduce group).
+#: tp-cp (tensor x context parallel: the MoE metrics' reduce group), expt-gtp (core_v0.19.0's expert
+#: GTP-remat group, --tensor-parallel-num-weight-shards: a part of expert data parallelism).
 SPANS = {"pp": (), "bd": (), "embd": (), "mp": ("tp",), "expt-mp": ("tp",), "world": ("tp", "dp"),
-         "default": ("tp", "dp"), "tp-cp": ("tp",),
+         "default": ("tp", "dp"), "tp-cp": ("tp",), "expt-gtp": ("dp",),
          "tp": ("tp",), "dp": ("dp",), "dp-cp": ("dp",), "tp-dp-cp": ("tp", "dp"), "expt-dp": ("dp",),
          "shard": ("dp",), "expt-shard": ("dp",)}
 
@@ -265,6 +267,7 @@ def _params_norm(opts: StepOptions) -> List[Op]:
         return []
     out = [_coll(f"params-norm-sharded:{k}", "dp-cp") for k in range(2)]
     out += [_coll(f"params-norm-expert-sharded:{k}", "expt-dp") for k in range(2)]
+    out.append(_coll("params-norm-gtp", "expt-gtp"))
     return out + [_coll("params-norm", "mp")] + ([_coll("params-norm-expert", "expt-mp")] if opts.moe else [])
 
 

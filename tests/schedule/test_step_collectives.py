@@ -115,7 +115,7 @@ def test_every_kind_has_a_misorder_case():
                      "expert-grad-sync", "reduce-scatter", "expert-reduce-scatter", "shard-sum", "tp-grads",
                      "embd-grads", "expert-bias", "qb-beta", "tokens-broadcast", "tokens", "found-inf", "grad-norm",
                      "zeros", "param-gather", "expert-param-gather", "update-ok", "grad-norm-max", "zeros-max", "loss",
-                     "drift", "rerun", "params-norm-sharded", "params-norm-expert-sharded", "params-norm",
+                     "drift", "rerun", "params-norm-sharded", "params-norm-expert-sharded", "params-norm", "params-norm-gtp",
                      "params-norm-expert", "moe-log", "moe-log-reduce", "moe-log-dp", "mtp-log"):
         assert expected in kinds, expected
 
