@@ -65,4 +65,6 @@ def step_options(model: Sequence, config, *, drift_check: bool, advise: bool) ->
         megatron_lm=True,
         rerun=True if args is None else getattr(args, "rerun_mode", "validate_results") != "disabled",
         params_norm=True if args is None else bool(getattr(args, "log_params_norm", False)),
-        moe_logged=moe_logged(config), mtp=bool(getattr(config, "mtp_num_layers", None)))
+        moe_logged=moe_logged(config), mtp=bool(getattr(config, "mtp_num_layers", None)),
+        exit_signal=True if args is None else bool(getattr(args, "exit_signal_handler", False)),
+        exit_duration=True if args is None else bool(getattr(args, "exit_duration_in_mins", None)))

@@ -51,7 +51,11 @@ Megatron-LM ``training.train_step``; this package's ``mcore`` modules named belo
    mean over dp-cp (core_v0.19.0 also its acceptance counts). Ranks without such layers leave
    out the last two of a metric (and MTP's) with every member of those groups, which are within
    their pipeline rank;
-8. the drift check before the next training call (``mcore.drift``, every N calls).
+8. Megatron-LM's ``checkpoint_and_decide_exit``, every iteration: ``--exit-signal-handler``'s
+   all-gather of the signals received, then ``--exit-duration-in-mins``'s all-reduce of "time is
+   up", both over the default group (the checkpoint saved between them at ``--save-interval``
+   is not in the plan);
+9. the drift check before the next training call (``mcore.drift``, every N calls).
 
 Optional collectives (advise once, drift every N calls, the zero count) are in the plan every
 iteration: a collective that every member of its communicator leaves out only removes waits, so
@@ -112,6 +116,8 @@ class StepOptions:
     params_norm: bool = False         # Megatron-LM's --log-params-norm
     moe_logged: Tuple[str, ...] = ()  # the MoE metrics training_log tracks, in its order
     mtp: bool = False                 # multi-token prediction layers (training_log's MTP metrics)
+    exit_signal: bool = False         # Megatron-LM's --exit-signal-handler
+    exit_duration: bool = False       # Megatron-LM's --exit-duration-in-mins
 
 
 def comm_base(group: str) -> str:
@@ -143,7 +149,7 @@ def programs(layout: Layout, opts: StepOptions, *, dp: int, overlap_grad_reduce:
         return [() for _ in range(layout.pp)]
     return [tuple(_finalize(layout, r, opts, dp, overlap_grad_reduce) + _advise(layout, r, opts, dp) + _rerun(opts)
                   + _optimizer(layout, r, opts, dp) + _train_step(layout, r, opts) + _params_norm(opts)
-                  + _logged(opts) + _drift(layout, r, opts))
+                  + _logged(opts) + _exit(opts) + _drift(layout, r, opts))
             for r in range(layout.pp)]
 
 
@@ -282,6 +288,12 @@ def _logged(opts: StepOptions) -> List[Op]:
         out += [_coll(f"moe-log:{name}", "pp"), _coll(f"moe-log-reduce:{name}", group)]
         out += [] if overall else [_coll(f"moe-log-dp:{name}", "dp")]
     return out + ([_coll(f"mtp-log:{k}", "dp-cp") for k in range(3)] if opts.mtp else [])
+
+
+def _exit(opts: StepOptions) -> List[Op]:
+    """``checkpoint_and_decide_exit``'s collectives (module docstring, 8)."""
+    wanted = (("exit-signal", opts.exit_signal), ("exit-duration", opts.exit_duration))
+    return [_coll(kind, "default") for kind, on in wanted if on and opts.megatron_lm]
 
 
 def _drift(layout: Layout, r: int, opts: StepOptions) -> List[Op]:

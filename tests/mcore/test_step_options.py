@@ -90,10 +90,14 @@ def _with_args(monkeypatch, **args):
     ("rerun", dict(rerun_mode="report_determinism_stats"), True),
     ("params_norm", dict(log_params_norm=True), True),
     ("params_norm", dict(log_params_norm=False), False),
+    ("exit_signal", dict(exit_signal_handler=True), True),
+    ("exit_signal", dict(exit_signal_handler=False), False),
+    ("exit_duration", dict(exit_duration_in_mins=30), True),
+    ("exit_duration", dict(exit_duration_in_mins=None), False),
 ])
 def test_megatron_lms_arguments_are_read(monkeypatch, field, args, value):
-    """The rerun state machine's all-reduce and --log-params-norm's, from Megatron-LM's arguments;
-    without them (megatron-core alone) both count as issued."""
+    """The rerun state machine's all-reduce, --log-params-norm's, the exit checks', from Megatron-LM's
+    arguments; without them (megatron-core alone) they count as issued."""
     got = getattr(_with_args(monkeypatch, **args), field)
     print(f"{field}: {got!r} with {args}")
     assert got == value
@@ -127,3 +131,5 @@ def test_the_argument_names_are_megatron_lms():
     print(f"rerun_mode default {rerun['rerun_mode']!r}; log_params_norm default {logger['log_params_norm']!r}; "
           f"log_num_zeros_in_grad default {logger['log_num_zeros_in_grad']!r}")
     assert rerun["rerun_mode"] != "disabled" and logger["log_params_norm"] is False
+    training = {f.name for f in dataclasses.fields(_megatron_lm_config("training_config.py").TrainingConfig)}
+    assert {"exit_signal_handler", "exit_duration_in_mins"} <= training
