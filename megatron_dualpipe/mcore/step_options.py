@@ -41,6 +41,15 @@ def moe_logged(config) -> Tuple[str, ...]:
     return tuple(names + (["z_loss"] if getattr(config, "moe_z_loss_coeff", None) is not None else []))
 
 
+def _timing_level(config, args) -> int:
+    """Megatron's timers' log level: Megatron-LM's argument; megatron-core alone: none without
+    timers, else their level (as issued where they do not say)."""
+    if args is not None:
+        return int(getattr(args, "timing_log_level", 0))
+    timers = getattr(config, "timers", None)
+    return 0 if timers is None else int(getattr(timers, "_log_level", 2))
+
+
 def step_options(model: Sequence, config, *, drift_check: bool, advise: bool) -> StepOptions:
     """This job's :class:`StepOptions` (module docstring)."""
     ddp = getattr(model[0], "ddp_config", None)
@@ -67,4 +76,6 @@ def step_options(model: Sequence, config, *, drift_check: bool, advise: bool) ->
         params_norm=True if args is None else bool(getattr(args, "log_params_norm", False)),
         moe_logged=moe_logged(config), mtp=bool(getattr(config, "mtp_num_layers", None)),
         exit_signal=True if args is None else bool(getattr(args, "exit_signal_handler", False)),
-        exit_duration=True if args is None else bool(getattr(args, "exit_duration_in_mins", None)))
+        exit_duration=True if args is None else bool(getattr(args, "exit_duration_in_mins", None)),
+        timing_level=_timing_level(config, args), l1_barrier=bool(getattr(config, "barrier_with_L1_time", True)),
+        timers_written=True if args is None else bool(getattr(args, "log_timers_to_tensorboard", False)))

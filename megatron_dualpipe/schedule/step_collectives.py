@@ -29,7 +29,9 @@ Megatron-LM ``training.train_step``; this package's ``mcore`` modules named belo
    the step, all-reduces whether any rank asks for a rerun over the default group (every rank
    of the job). ``--check-for-nan-in-loss-and-grad`` adds none of its own: its checks
    (``validate_result`` in the loss function and before each bucket's reduction) are rank-local
-   and travel in that all-reduce; a rerun repeats the whole iteration, alike on every rank;
+   and travel in that all-reduce; a rerun repeats the whole iteration, alike on every rank; then,
+   with ``--timing-log-level`` >= 1 and ``--barrier-with-L1-time`` (its default), the optimizer
+   timer's barrier over the default group;
 4. the optimizer step: per sub-optimizer (dense, experts; per stage under the shared shard
    group) fp16's found-inf all-reduce, the grad norm and zero count over the gradient-statistics
    group (the distributed optimizer's instance, else model parallel), the parameter all-gathers
@@ -50,16 +52,20 @@ Megatron-LM ``training.train_step``; this package's ``mcore`` modules named belo
    loss's core_v0.19.0 only: core_v0.16.1 sums it over the pipeline alone, a subset); MTP's loss
    mean over dp-cp (core_v0.19.0 also its acceptance counts). Ranks without such layers leave
    out the last two of a metric (and MTP's) with every member of those groups, which are within
-   their pipeline rank;
+   their pipeline rank; at every ``--log-interval``-th iteration, the interval timer's barrier, and
+   with ``--timing-log-level`` >= 1 the timers' all-gathers (twice more with
+   ``--log-timers-to-tensorboard``), all over the default group;
 8. Megatron-LM's ``checkpoint_and_decide_exit``, every iteration: ``--exit-signal-handler``'s
    all-gather of the signals received, then ``--exit-duration-in-mins``'s all-reduce of "time is
    up", both over the default group (the checkpoint saved between them at ``--save-interval``
    is not in the plan);
-9. the drift check before the next training call (``mcore.drift``, every N calls).
+9. the drift check before the next training call (``mcore.drift``, every N calls), then that
+   call's forward-backward timer's barrier over the default group (``mcore.forward_backward``,
+   Megatron's timers at level >= 1 with ``barrier_with_L1_time``), before its program.
 
-Optional collectives (advise once, drift every N calls, the zero count) are in the plan every
-iteration: a collective that every member of its communicator leaves out only removes waits, so
-the plan with them proves the iterations without them too.
+Optional collectives (advise once, drift every N calls, the zero count, the logging iteration's
+timers) are in the plan every iteration: a collective that every member of its communicator leaves
+out only removes waits, so the plan with them proves the iterations without them too.
 
 Communicators are named by Megatron's groups. The plan holds one rank per pipeline rank, so a
 group is its members among those (:func:`members`); ``iteration_plan.replicated`` joins replicas
@@ -118,6 +124,9 @@ class StepOptions:
     mtp: bool = False                 # multi-token prediction layers (training_log's MTP metrics)
     exit_signal: bool = False         # Megatron-LM's --exit-signal-handler
     exit_duration: bool = False       # Megatron-LM's --exit-duration-in-mins
+    timing_level: int = 0             # Megatron's timers' log level (--timing-log-level)
+    l1_barrier: bool = True           # the level-1 timers' barriers (--barrier-with-L1-time, its default)
+    timers_written: bool = False      # --log-timers-to-tensorboard
 
 
 def comm_base(group: str) -> str:
@@ -148,8 +157,9 @@ def programs(layout: Layout, opts: StepOptions, *, dp: int, overlap_grad_reduce:
     if forward_only:
         return [() for _ in range(layout.pp)]
     return [tuple(_finalize(layout, r, opts, dp, overlap_grad_reduce) + _advise(layout, r, opts, dp) + _rerun(opts)
-                  + _optimizer(layout, r, opts, dp) + _train_step(layout, r, opts) + _params_norm(opts)
-                  + _logged(opts) + _exit(opts) + _drift(layout, r, opts))
+                  + _timer_barrier(opts, "optimizer", opts.megatron_lm) + _optimizer(layout, r, opts, dp)
+                  + _train_step(layout, r, opts) + _params_norm(opts) + _logged(opts) + _timers_logged(opts)
+                  + _exit(opts) + _drift(layout, r, opts) + _timer_barrier(opts, "forward-backward", True))
             for r in range(layout.pp)]
 
 
@@ -288,6 +298,22 @@ def _logged(opts: StepOptions) -> List[Op]:
         out += [_coll(f"moe-log:{name}", "pp"), _coll(f"moe-log-reduce:{name}", group)]
         out += [] if overall else [_coll(f"moe-log-dp:{name}", "dp")]
     return out + ([_coll(f"mtp-log:{k}", "dp-cp") for k in range(3)] if opts.mtp else [])
+
+
+def _timer_barrier(opts: StepOptions, timer: str, issued: bool) -> List[Op]:
+    """A level-1 timer's barrier at its start (``Timer.start(barrier=...)``)."""
+    return [_coll(f"timer-barrier:{timer}", "default")] if issued and opts.timing_level >= 1 and opts.l1_barrier else []
+
+
+def _timers_logged(opts: StepOptions) -> List[Op]:
+    """``training_log`` at a logging iteration: the interval timer's barrier, then the timers' all-gathers."""
+    if not opts.megatron_lm:
+        return []
+    out = [_coll("interval-barrier", "default")]
+    if opts.timing_level >= 1:
+        out += [_coll(f"timers-write:{k}", "default") for k in range(2 if opts.timers_written else 0)]
+        out.append(_coll("timers-log", "default"))
+    return out
 
 
 def _exit(opts: StepOptions) -> List[Op]:

@@ -60,6 +60,8 @@ def _options(monkeypatch, tp=1, ddp=None, tied=False, mark=None, **config):
     ("moe_logged", dict(num_moe_experts=4, moe_router_load_balancing_type=["global_aux_loss"]),
      ("global_load_balancing_loss",)),
     ("mtp", dict(mtp_num_layers=1), True),
+    ("timing_level", dict(timers=SimpleNamespace(_log_level=1)), 1),  # megatron-core alone: its timers' level
+    ("l1_barrier", dict(barrier_with_L1_time=False), False),
 ])
 def test_each_field_is_read_from_the_job(monkeypatch, field, job, value):
     plain = _options(monkeypatch)
@@ -94,6 +96,10 @@ def _with_args(monkeypatch, **args):
     ("exit_signal", dict(exit_signal_handler=False), False),
     ("exit_duration", dict(exit_duration_in_mins=30), True),
     ("exit_duration", dict(exit_duration_in_mins=None), False),
+    ("timing_level", dict(timing_log_level=1), 1),
+    ("timing_level", dict(timing_log_level=0), 0),
+    ("timers_written", dict(log_timers_to_tensorboard=True), True),
+    ("timers_written", dict(log_timers_to_tensorboard=False), False),
 ])
 def test_megatron_lms_arguments_are_read(monkeypatch, field, args, value):
     """The rerun state machine's all-reduce, --log-params-norm's, the exit checks', from Megatron-LM's
@@ -101,7 +107,7 @@ def test_megatron_lms_arguments_are_read(monkeypatch, field, args, value):
     got = getattr(_with_args(monkeypatch, **args), field)
     print(f"{field}: {got!r} with {args}")
     assert got == value
-    assert getattr(_options(monkeypatch), field)
+    assert getattr(_options(monkeypatch), field) or field == "timing_level"  # no timers in PLAIN's config
 
 
 def _megatron_lm_config(relative: str):
@@ -133,3 +139,4 @@ def test_the_argument_names_are_megatron_lms():
     assert rerun["rerun_mode"] != "disabled" and logger["log_params_norm"] is False
     training = {f.name for f in dataclasses.fields(_megatron_lm_config("training_config.py").TrainingConfig)}
     assert {"exit_signal_handler", "exit_duration_in_mins"} <= training
+    assert {"timing_log_level", "log_timers_to_tensorboard"} <= set(logger)
