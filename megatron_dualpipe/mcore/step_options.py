@@ -77,5 +77,7 @@ def step_options(model: Sequence, config, *, drift_check: bool, advise: bool) ->
         moe_logged=moe_logged(config), mtp=bool(getattr(config, "mtp_num_layers", None)),
         exit_signal=True if args is None else bool(getattr(args, "exit_signal_handler", False)),
         exit_duration=True if args is None else bool(getattr(args, "exit_duration_in_mins", None)),
+        qk_logits=True if args is None else bool(getattr(args, "qk_clip", False)
+                                                 or getattr(args, "log_max_attention_logit", False)),
         timing_level=_timing_level(config, args), l1_barrier=bool(getattr(config, "barrier_with_L1_time", True)),
         timers_written=True if args is None else bool(getattr(args, "log_timers_to_tensorboard", False)))

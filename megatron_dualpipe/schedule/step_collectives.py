@@ -37,8 +37,10 @@ Megatron-LM ``training.train_step``; this package's ``mcore`` modules named belo
    group (the distributed optimizer's instance, else model parallel), the parameter all-gathers
    after the step (distributed optimizer without ``--overlap-param-gather``; with it the next
    iteration's pre-hook gathers, which the plan starts before the first action);
-5. Megatron-LM's train step: success, grad norm and zero count over model parallel, the loss
-   over data parallel on the last pipeline rank;
+5. Megatron-LM's train step: with ``--qk-clip`` or ``--log-max-attention-logit`` each attention
+   layer's largest logits' max over dp-cp (``clip_qk``; one op: every member has the same layers),
+   then success, grad norm and zero count over model parallel, the loss over data parallel on the
+   last pipeline rank;
 6. ``--log-params-norm``, every iteration after the train step (Megatron-LM's
    ``calc_params_l2_norm``): the sharded main parameters' squared norms over data parallel
    (core_v0.19.0: dense twice over dp-cp, experts twice over expert data parallel, whatever the
@@ -124,6 +126,7 @@ class StepOptions:
     mtp: bool = False                 # multi-token prediction layers (training_log's MTP metrics)
     exit_signal: bool = False         # Megatron-LM's --exit-signal-handler
     exit_duration: bool = False       # Megatron-LM's --exit-duration-in-mins
+    qk_logits: bool = False           # --qk-clip or --log-max-attention-logit (clip_qk's all-reduces)
     timing_level: int = 0             # Megatron's timers' log level (--timing-log-level)
     l1_barrier: bool = True           # the level-1 timers' barriers (--barrier-with-L1-time, its default)
     timers_written: bool = False      # --log-timers-to-tensorboard
@@ -267,7 +270,8 @@ def _param_gathers(layout: Layout, r: int, c: int, opts: StepOptions, dp: int) -
 def _train_step(layout: Layout, r: int, opts: StepOptions) -> List[Op]:
     if not opts.megatron_lm:
         return []
-    out = [_coll("update-ok", "mp"), _coll("grad-norm-max", "mp")]
+    out = [_coll("qk-logits", "dp-cp")] if opts.qk_logits else []
+    out += [_coll("update-ok", "mp"), _coll("grad-norm-max", "mp")]
     out += [_coll("zeros-max", "mp")] if opts.log_zeros else []
     return out + ([_coll("loss", "dp-cp")] if r == layout.pp - 1 else [])
 

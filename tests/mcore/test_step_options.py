@@ -100,6 +100,9 @@ def _with_args(monkeypatch, **args):
     ("timing_level", dict(timing_log_level=0), 0),
     ("timers_written", dict(log_timers_to_tensorboard=True), True),
     ("timers_written", dict(log_timers_to_tensorboard=False), False),
+    ("qk_logits", dict(qk_clip=True), True),
+    ("qk_logits", dict(log_max_attention_logit=True), True),
+    ("qk_logits", dict(qk_clip=False, log_max_attention_logit=False), False),
 ])
 def test_megatron_lms_arguments_are_read(monkeypatch, field, args, value):
     """The rerun state machine's all-reduce, --log-params-norm's, the exit checks', from Megatron-LM's
@@ -139,4 +142,4 @@ def test_the_argument_names_are_megatron_lms():
     assert rerun["rerun_mode"] != "disabled" and logger["log_params_norm"] is False
     training = {f.name for f in dataclasses.fields(_megatron_lm_config("training_config.py").TrainingConfig)}
     assert {"exit_signal_handler", "exit_duration_in_mins"} <= training
-    assert {"timing_log_level", "log_timers_to_tensorboard"} <= set(logger)
+    assert {"timing_log_level", "log_timers_to_tensorboard", "log_max_attention_logit"} <= set(logger)
