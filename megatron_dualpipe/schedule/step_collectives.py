@@ -65,6 +65,10 @@ Megatron-LM ``training.train_step``; this package's ``mcore`` modules named belo
    call's forward-backward timer's barrier over the default group (``mcore.forward_backward``,
    Megatron's timers at level >= 1 with ``barrier_with_L1_time``), before its program.
 
+In evaluation (forward only) Megatron-LM's ``evaluate`` issues, per evaluation step, the loss's
+sum over dp-cp on the last pipeline rank, then ``--exit-duration-in-mins``'s all-reduce (its timers
+are off there).
+
 Optional collectives (advise once, drift every N calls, the zero count, the logging iteration's
 timers) are in the plan every iteration: a collective that every member of its communicator leaves
 out only removes waits, so the plan with them proves the iterations without them too.
@@ -156,9 +160,9 @@ def _coll(what: str, group: str) -> Op:
 
 def programs(layout: Layout, opts: StepOptions, *, dp: int, overlap_grad_reduce: bool,
              forward_only: bool = False) -> List[Tuple[Op, ...]]:
-    """Every rank's ops after the schedule's (module docstring); none in evaluation."""
+    """Every rank's ops after the schedule's (module docstring)."""
     if forward_only:
-        return [() for _ in range(layout.pp)]
+        return [tuple(_evaluation(layout, r, opts)) for r in range(layout.pp)]
     return [tuple(_finalize(layout, r, opts, dp, overlap_grad_reduce) + _advise(layout, r, opts, dp) + _rerun(opts)
                   + _timer_barrier(opts, "optimizer", opts.megatron_lm) + _optimizer(layout, r, opts, dp)
                   + _train_step(layout, r, opts) + _params_norm(opts) + _logged(opts) + _timers_logged(opts)
@@ -318,6 +322,14 @@ def _timers_logged(opts: StepOptions) -> List[Op]:
         out += [_coll(f"timers-write:{k}", "default") for k in range(2 if opts.timers_written else 0)]
         out.append(_coll("timers-log", "default"))
     return out
+
+
+def _evaluation(layout: Layout, r: int, opts: StepOptions) -> List[Op]:
+    """``evaluate``'s collectives after a forward-only call (module docstring)."""
+    if not opts.megatron_lm:
+        return []
+    out = [_coll("eval-loss", "dp-cp")] if r == layout.pp - 1 else []
+    return out + ([_coll("exit-duration", "default")] if opts.exit_duration else [])
 
 
 def _exit(opts: StepOptions) -> List[Op]:

@@ -11,12 +11,15 @@ Standard library only.
   plan of dualpipe, dualpipev and a one-chunk order has no cycle under NCCL's per-communicator
   streams and under one hardware queue, for one pipeline and for two replicas along data and
   tensor parallelism.
+* Evaluation (forward only): Megatron-LM's loss sum and exit check after the program, no cycle;
+  a replica without the loss sum is named.
 * For each collective kind, a made-up misorder (one rank issues it and the next collective on the
   same communicator in the other order, or skips it where it is the only one there) is caught
   under both stream rules, and the error names the kind and the communicator.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 
@@ -181,3 +184,40 @@ def test_two_communicators_in_opposite_orders_deadlock_and_the_cycle_is_named(on
     print("\n" + msg)
     assert "deadlocks under NCCL stream semantics" in msg
     assert "rank 0's drift:0 over bd" in msg and "update-ok over mp" in msg and "again" in msg
+
+
+@functools.lru_cache(maxsize=None)
+def _evaluation(name, pp, m):
+    """The forward-only program as the executor compiles it (the forwards alone, none fused)."""
+    spec = registry.get(name)
+    s = build_schedule(name, pp, spec.padded_microbatches(pp, m, True))
+    ranks = [[dataclasses.replace(a, overlap=False) for a in r if a.op == "F"] for r in s.ranks]
+    return spec, ranks, tuple(plan(s.layout, ranks))
+
+
+def _evaluation_plan(name, pp, m, one_queue, step_ops=None):
+    spec, ranks, plans = _evaluation(name, pp, m)
+    return IP.build(spec.layout(pp), ranks, plans, is_fake=lambda a: spec.is_fake(m, a.dir, a.mb), deferring=False,
+                    dp=2, forward_only=True, sums_at_end=one_queue, step=SC.StepOptions(exit_duration=True),
+                    step_ops=step_ops)
+
+
+@pytest.mark.parametrize("name,pp,m", CASES)
+@pytest.mark.parametrize("one_queue", [False, True])
+def test_evaluation_has_no_cycle_and_a_replica_without_its_loss_sum_is_named(name, pp, m, one_queue):
+    """Megatron-LM's evaluate after a forward-only call: the loss summed over dp-cp on the last
+    pipeline rank, the exit check over every rank: no cycle, alone and as two data-parallel
+    replicas; a replica whose last rank skips the loss sum (no loss there) is named."""
+    planned = _evaluation_plan(name, pp, m, one_queue)
+    print(f"\n{name} pp={pp} M={m} evaluation, rank {pp - 1} after the program: "
+          + "; ".join(op.text() for op in planned.step_ops[pp - 1]))
+    assert SC.kinds(planned.step_ops[pp - 1]) == ["eval-loss", "exit-duration"]
+    IP.check(planned, one_queue=one_queue)
+    IP.check(IP.replicated([planned, _evaluation_plan(name, pp, m, one_queue)], axis="dp"), one_queue=one_queue)
+    step_ops = [ops if r < pp - 1 else tuple(op for op in ops if op.what != "eval-loss")
+                for r, ops in enumerate(planned.step_ops)]
+    with pytest.raises(IP.IterationPlanError) as e:
+        IP.check(IP.replicated([planned, _evaluation_plan(name, pp, m, one_queue, step_ops)], axis="dp"),
+                 one_queue=one_queue)
+    print(e.value)
+    assert "on the dp-cp communicator" in str(e.value) and f"rank {pp - 1}'s eval-loss over dp-cp" in str(e.value)
