@@ -221,3 +221,16 @@ def test_evaluation_has_no_cycle_and_a_replica_without_its_loss_sum_is_named(nam
                  one_queue=one_queue)
     print(e.value)
     assert "on the dp-cp communicator" in str(e.value) and f"rank {pp - 1}'s eval-loss over dp-cp" in str(e.value)
+
+
+def test_every_kind_has_a_row_in_the_coverage_table():
+    """docs/architecture.md's table of the collectives after the schedule names every kind (its
+    first column), so a kind added here without its row (where, when, which test) fails."""
+    import pathlib
+
+    doc = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "architecture.md").read_text(encoding="utf-8")
+    firsts = " ".join(line.split("|")[1] for line in doc.splitlines() if line.startswith("| "))
+    kinds = sorted({k for k, _, _ in KIND_CASES} | {"eval-loss"})
+    missing = [k for k in kinds if not re.search(rf"(?<![\w-]){re.escape(k)}(?![\w-])", firsts)]
+    print(f"\n{len(kinds)} kinds, without a row: {missing}")
+    assert missing == []
