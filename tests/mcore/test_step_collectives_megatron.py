@@ -30,16 +30,19 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU mode (the
 
 @pytest.fixture
 def recorded(monkeypatch):
-    """torch.distributed.all_reduce's calls (their ``group``), none of them run; CPU mode on."""
+    """torch.distributed.all_reduce's calls (their ``group``), none of them run; CPU mode on (and
+    off again after, unless an earlier test of this process left it on)."""
     from megatron_dualpipe import cpu
 
     calls = []
     monkeypatch.setattr(torch.distributed, "all_reduce", lambda tensor, *a, group=None, **k: calls.append(group))
+    was_on = cpu.active()
     cpu.enable()
     try:
         yield calls
     finally:
-        cpu.disable()
+        if not was_on:
+            cpu.disable()
 
 
 @pytest.mark.parametrize("mode", ["disabled", "validate_results", "report_determinism_stats"])
