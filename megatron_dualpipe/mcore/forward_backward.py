@@ -205,8 +205,8 @@ class ExecutorSchedule:
         global_ranks = dist.get_process_group_ranks(group)
         rank = parallel_state.get_pipeline_model_parallel_rank()
         program = compile_program(self.spec.name, len(global_ranks), padded, forward_only, real)
-        step = None if forward_only else step_options(model, config, drift_check=bool(self.drift_check_every),
-                                                      advise=self._advice is not None)
+        # forward only: evaluation's collectives after the program (step_collectives' evaluation)
+        step = step_options(model, config, drift_check=bool(self.drift_check_every), advise=self._advice is not None)
         checked = _checked_iteration(self.spec.name, len(global_ranks), padded, real, self.zero_bubble,
                                      config.grad_sync_func is not None, parallel_state.get_data_parallel_world_size(),
                                      forward_only, config.param_sync_func is not None,
