@@ -1,22 +1,26 @@
-"""A discrete-event simulator over per-rank action lists.
+"""A discrete-event simulator over each rank's lowered program: the ops the runner executes.
 
-Each rank runs its list in order, one action (or one fused F&B unit) at a time. An action
-starts when the rank is free and every event it waits for (``deps.waits_for``) has finished,
-plus ``p2p`` when that event happened on another rank. An F marked ``overlap`` and the
-backward right after it form one unit costing ``fb``; both actions get the unit's start and
-end. A set of lists that cannot complete raises :class:`DeadlockError` naming the stuck ranks
-and what each waits for.
+Why: timing a model of the runner (actions and their dependencies) could disagree with what
+runs; here each rank walks the same ops (``schedule.lowered``, built by ``comm.plan`` and
+``lowered.lower`` as ``executor.runner.compile_program`` builds them). ``run U`` occupies the rank
+for the unit's cost (an F marked ``overlap`` and the backward after it are one unit costing ``fb``;
+both actions get the unit's start and end); ``post K`` posts batch K's sends at the rank's clock;
+``recv L <- P`` completes no earlier than P's post of L plus ``p2p``; ``release L -> P`` no earlier
+than P's receive of L; the collectives cost nothing yet, in the program's order. A program that
+cannot complete raises :class:`DeadlockError` naming the stuck ranks and what each waits for.
 """
 from __future__ import annotations
 
-import heapq
+import functools
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from .actions import B, BW, F, W, Action, format_grid, units
+from .comm import CommPlanError, RankPlan, plan
 from .deps import Event, event_of, event_rank, waits_for
 from .layout import Layout
+from .lowered import POST, RECV, RELEASE, RUN, Op, lower
 
 
 class DeadlockError(RuntimeError):
@@ -132,90 +136,191 @@ def _count_memory(timeline: RankTimeline, a: Action, live: List[int], wstate: Li
     timeline.peak_weight_grad_states = max(timeline.peak_weight_grad_states, wstate[r])
 
 
+@functools.lru_cache(maxsize=16)
+def lowered_program(layout: Layout, ranks: Tuple[Tuple[Action, ...], ...],
+                    padding: Tuple[Tuple[bool, ...], ...]) -> Tuple[Tuple[RankPlan, ...], Tuple[Tuple[Op, ...], ...]]:
+    """Every rank's communication plan and lowered ops, as the executor builds them (``comm.plan``,
+    ``lowered.lower``); cached, as a schedule is timed under many costs."""
+    plans = tuple(plan(layout, ranks))
+    return plans, tuple(lower(r, plans[r], ranks[r], padding[r]) for r in range(len(ranks)))
+
+
+@functools.lru_cache(maxsize=16)
+def misordered(layout: Layout, ranks: Tuple[Tuple[Action, ...], ...]) -> Tuple[int, ...]:
+    """Per rank, the first unit waiting for an event of its own rank that comes later or never (a
+    deferred W without its B, a backward before its forward): it can never start. ``len(units)``
+    where there is none. The waits between ranks are the program's ``recv`` ops."""
+    where = {event_of(a): (r, i) for r, acts in enumerate(ranks) for i, a in enumerate(acts)}
+    out = []
+    for r, acts in enumerate(ranks):
+        us = units(acts)
+        out.append(len(us))
+        for k, unit in enumerate(us):
+            if any(_late(where.get(e), r, i) for i in unit for e in waits_for(layout, acts[i])):
+                out[-1] = k
+                break
+    return tuple(out)
+
+
+def _late(at: Optional[Tuple[int, int]], r: int, i: int) -> bool:
+    """Whether an event action ``i`` of rank ``r`` waits for, run ``at`` (rank, index), never comes first."""
+    return at is None or (at[0] == r and at[1] > i)
+
+
 def simulate(layout: Layout, ranks: Sequence[Sequence[Action]], costs: Costs = Costs(),
              progress: Optional[Callable[[int, int], None]] = None,
              p2p: Optional[Callable[[int, int], float]] = None, overhead: float = 0.0) -> SimResult:
-    """Time every rank's list; ``progress(done, total)`` is called every few thousand units.
+    """Time every rank's lowered program; ``progress(done, total)`` is called every few thousand units.
 
     ``p2p(src, dst)``: what a message from rank src to rank dst adds (``comm_cost.CommModel.p2p``:
     latency and bytes over the link between them); default ``costs.p2p`` for every pair.
     ``overhead``: what running one unit costs beyond its compute (a measured executor's own cost).
-
-    Event-driven: a rank's next unit enters a heap keyed by (start time, rank) as soon as
-    every event it waits for has finished (its start is then fixed), and a finished event
-    wakes only the ranks waiting for it. Popping the heap runs the ready unit that starts
-    earliest, lowest rank first on ties: O(units log pp), the same order a full scan of the
-    ranks at every step would pick.
+    A schedule the communication planner refuses raises :class:`DeadlockError` too.
     """
-    pp = len(ranks)
-    hop = p2p or (lambda src, dst: costs.p2p)
-    plans = [units(acts) for acts in ranks]
-    pos = [0] * pp
-    free_at = [0.0] * pp
-    done: Dict[Event, Tuple[float, int]] = {}
-    timelines = [RankTimeline(starts=[0.0] * len(a), ends=[0.0] * len(a)) for a in ranks]
-    live = [0] * pp
-    wstate = [0] * pp
-    ready: List[Tuple[float, int]] = []
-    waiting: Dict[Event, List[int]] = {}
+    frozen = tuple(tuple(acts) for acts in ranks)
+    fake = getattr(costs, "is_fake", None)
+    padding = tuple(tuple(bool(fake and fake(a)) for a in acts) for acts in frozen)
+    try:
+        plans, ops = lowered_program(layout, frozen, padding)
+    except CommPlanError as e:
+        raise DeadlockError(_unplannable(layout, frozen, e)) from e
+    return simulate_program(layout, frozen, plans, ops, costs, progress=progress, p2p=p2p, overhead=overhead)
 
-    def examine(r: int) -> None:
-        """Queue rank r's next unit if it can start, else wait for the first missing event."""
-        if pos[r] >= len(plans[r]):
-            return
-        unit = plans[r][pos[r]]
-        start = free_at[r]
-        for i in unit:
-            for e in waits_for(layout, ranks[r][i]):
-                if e in done:
-                    t, er = done[e]
-                    start = max(start, t + (hop(er, r) if er != r else 0.0))
-                elif not any(event_of(ranks[r][j]) == e for j in unit if j < i):
-                    waiting.setdefault(e, []).append(r)
-                    return
-        heapq.heappush(ready, (start, r))
 
-    for r in range(pp):
-        examine(r)
-    total = sum(len(p) for p in plans)
-    remaining = total
-    while remaining:
-        if not ready:
-            raise DeadlockError(_deadlock_message(layout, ranks, plans, pos, done))
-        start, r = heapq.heappop(ready)
-        unit = plans[r][pos[r]]
-        cost = costs.unit([ranks[r][i] for i in unit]) + overhead
+def simulate_program(layout: Layout, ranks: Sequence[Sequence[Action]], plans: Sequence[RankPlan],
+                     ops: Sequence[Sequence[Op]], costs: Costs = Costs(),
+                     progress: Optional[Callable[[int, int], None]] = None,
+                     p2p: Optional[Callable[[int, int], float]] = None, overhead: float = 0.0) -> SimResult:
+    """Time ``ops`` (each rank's program: ``lowered.lower``, or ``program.rank_program`` with its
+    collectives) walked in order; ``plans`` give each ``post``'s sends. Arguments as :func:`simulate`.
+
+    Dataflow: a rank walks its ops until a wait cannot complete yet, and a post wakes the rank
+    waiting for it, so every op is visited once and the times do not depend on the visiting order.
+    """
+    never = misordered(layout, tuple(tuple(acts) for acts in ranks))
+    walk = _Walk(ranks, plans, ops, never, costs, p2p or (lambda src, dst: costs.p2p), overhead, progress)
+    todo = list(range(len(ranks)))
+    while todo:
+        todo.extend(walk.advance(todo.pop()))
+    stuck = {r: walk.stuck_unit(r) for r in range(len(ranks)) if walk.pc[r] < len(ops[r])}
+    if stuck:
+        done = {event_of(ranks[r][i]) for r, p in enumerate(plans) for u in p.units[:walk.ran[r]] for i in u}
+        raise DeadlockError(_deadlock_message(layout, ranks, stuck, done))
+    return SimResult(max(walk.free_at, default=0.0), walk.timelines)
+
+
+class _Walk:
+    """The state of :func:`simulate_program`: each rank's position and clock, the posted sends and
+    completed receives with their times, and which rank waits for which of them."""
+
+    def __init__(self, ranks, plans, ops, never, costs, hop, overhead, progress):
+        self.ranks, self.plans, self.ops, self.never = ranks, plans, ops, never
+        self.costs, self.hop, self.overhead, self.progress = costs, hop, overhead, progress
+        pp = len(ranks)
+        self.pc, self.clock, self.free_at = [0] * pp, [0.0] * pp, [0.0] * pp
+        self.live, self.wstate = [0] * pp, [0] * pp
+        self.timelines = [RankTimeline(starts=[0.0] * len(a), ends=[0.0] * len(a)) for a in ranks]
+        self.posted: Dict[tuple, float] = {}    # (src, dst, label) -> when the send was posted
+        self.received: Dict[tuple, float] = {}  # (src, dst, label) -> when the receiver has it
+        self.wait_send: Dict[tuple, int] = {}   # (src, dst, label) -> the rank waiting for that post
+        self.wait_recv: Dict[tuple, int] = {}   # (src, dst, label) -> the rank waiting for that receive
+        self.ran = [0] * pp  # units run per rank
+        self.total = sum(len(p.units) for p in plans)
+
+    def advance(self, r: int) -> List[int]:
+        """Walk rank ``r`` until it waits or ends; return the ranks its posts and receives woke."""
+        ops, batches, woken = self.ops[r], self.plans[r].batches, []
+        posted, received, wait_send, wait_recv = self.posted, self.received, self.wait_send, self.wait_recv
+        pc, n = self.pc[r], len(ops)
+        while pc < n:
+            op = ops[pc]
+            kind = op.kind
+            if kind == RUN:
+                if op.index == self.never[r]:
+                    break
+                self.run(r, self.plans[r].units[op.index])
+            elif kind == POST:
+                for t in batches[op.index].sends:
+                    key = (r, t.peer, t.label)
+                    posted[key] = self.clock[r]
+                    if key in wait_send:
+                        woken.append(wait_send.pop(key))
+            elif kind == RECV:
+                key = (op.peer, r, op.label)
+                if key not in posted:
+                    wait_send[key] = r
+                    break
+                self.clock[r] = received[key] = max(self.clock[r], posted[key] + self.hop(op.peer, r))
+                if key in wait_recv:
+                    woken.append(wait_recv.pop(key))
+            elif kind == RELEASE:  # the forward's output must have been received before it is freed
+                key = (r, op.peer, op.label)
+                if key not in received:
+                    wait_recv[key] = r
+                    break
+                self.clock[r] = max(self.clock[r], received[key])
+            # begin, finish and the collectives (sum, dp, gather, loss, coll, finalize, ...) cost nothing yet
+            pc += 1
+        self.pc[r] = pc
+        return woken
+
+    def run(self, r: int, unit: Tuple[int, ...]) -> None:
+        """Run ``unit`` at rank ``r``'s clock."""
+        acts = self.ranks[r]
+        cost = self.costs.unit([acts[i] for i in unit]) + self.overhead
+        start = self.clock[r]
         end = start + cost
-        woken: List[int] = []
+        timeline = self.timelines[r]
         for i in unit:
-            a = ranks[r][i]
-            timelines[r].starts[i], timelines[r].ends[i] = start, end
-            e = event_of(a)
-            done[e] = (end, r)
-            woken.extend(waiting.pop(e, ()))
-            if costs.holds_memory(a):
-                _count_memory(timelines[r], a, live, wstate, r)
-        timelines[r].busy += cost
-        free_at[r] = end
-        pos[r] += 1
-        remaining -= 1
-        examine(r)
-        for w in woken:
-            if w != r:
-                examine(w)
-        if progress is not None and remaining % 4096 == 0:
-            progress(total - remaining, total)
-    return SimResult(max(free_at, default=0.0), timelines)
+            a = acts[i]
+            timeline.starts[i], timeline.ends[i] = start, end
+            if self.costs.holds_memory(a):
+                _count_memory(timeline, a, self.live, self.wstate, r)
+        timeline.busy += cost
+        self.clock[r] = self.free_at[r] = end
+        self.ran[r] += 1
+        if self.progress is not None and (self.total - sum(self.ran)) % 4096 == 0:
+            self.progress(sum(self.ran), self.total)
+
+    def stuck_unit(self, r: int) -> Tuple[int, ...]:
+        """The unit rank ``r`` is stuck before (the unit of the op it waits at)."""
+        op = self.ops[r][self.pc[r]]
+        return self.plans[r].units[op.index]
 
 
-def _deadlock_message(layout, ranks, plans, pos, done) -> str:
+def _ready(layout: Layout, acts: Sequence[Action], unit: Tuple[int, ...], done: Set[Event]) -> bool:
+    """Whether every event ``unit``'s actions wait for has happened (or happens earlier in the unit)."""
+    for n, i in enumerate(unit):
+        for e in waits_for(layout, acts[i]):
+            if e not in done and not any(event_of(acts[j]) == e for j in unit[:n]):
+                return False
+    return True
+
+
+def _unplannable(layout: Layout, ranks: Sequence[Sequence[Action]], err: CommPlanError) -> str:
+    """Why ``ranks`` cannot be planned: the actions stuck when every rank runs what it can, or the
+    planner's own reason where each could run (a message order the executor cannot match)."""
+    plans = [units(acts) for acts in ranks]
+    pos, done, moved = [0] * len(ranks), set(), True
+    while moved:
+        moved = False
+        for r, us in enumerate(plans):
+            while pos[r] < len(us) and _ready(layout, ranks[r], us[pos[r]], done):
+                done.update(event_of(ranks[r][i]) for i in us[pos[r]])
+                pos[r], moved = pos[r] + 1, True
+    stuck = {r: us[pos[r]] for r, us in enumerate(plans) if pos[r] < len(us)}
+    if not stuck:
+        return f"schedule cannot complete: {err}"
+    return _deadlock_message(layout, ranks, stuck, done)
+
+
+def _deadlock_message(layout, ranks, stuck: Dict[int, Tuple[int, ...]], done: Set[Event]) -> str:
+    """The stuck ranks (``stuck``: rank -> the unit it cannot start), what each waits for, and the grid."""
     lines = ["schedule cannot complete:"]
     mark = None
-    for r in range(len(ranks)):
-        if pos[r] >= len(plans[r]):
-            continue
-        i = plans[r][pos[r]][0]
-        missing = [e for j in plans[r][pos[r]] for e in waits_for(layout, ranks[r][j]) if e not in done]
+    for r, unit in sorted(stuck.items()):
+        i = unit[0]
+        missing = [e for j in unit for e in waits_for(layout, ranks[r][j]) if e not in done]
         what = ", ".join(f"{e[0]}{e[1]}.{e[2]} (stage {e[3]}, rank {event_rank(layout, e)})" for e in missing)
         lines.append(f"  rank {r} action {i} {ranks[r][i]} waits for {what}")
         mark = mark or (r, i)
