@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 import time
 import traceback
 from typing import Any, Callable, List, Optional, Sequence
+
+from .ports import free_port
 
 
 def under_torchrun() -> bool:
@@ -112,12 +113,6 @@ def _entry(rank: int, world: int, port: int, fn, args, collective_timeout_s: flo
         _destroy_within(DESTROY_S)
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _dead(procs) -> Optional[str]:
     """'rank R exited with code C, ...' for the processes that ended in failure, else None."""
     dead = [f"rank {r} " + (f"was killed by signal {-p.exitcode}" if p.exitcode < 0 else f"exited with code {p.exitcode}")
@@ -193,7 +188,7 @@ def spawn(fn: Callable[..., Any], world: int, args: Sequence[Any] = (), timeout_
     if method == "forkserver":
         ctx.set_forkserver_preload(["megatron_dualpipe.bench.own_session", "torch", "torch.distributed"])
     q = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     collective = timeout_s if collective_timeout_s is None else collective_timeout_s
     procs = [ctx.Process(target=_entry, args=(r, world, port, fn, tuple(args), collective, q), daemon=True)
              for r in range(world)]

@@ -7,21 +7,15 @@ tests that need megatron-core use :func:`harness.megatron_env.run_workers`, whic
 from __future__ import annotations
 
 import importlib
-import socket
 import traceback
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
+from megatron_dualpipe.bench.ports import free_port  # noqa: F401  (tests take it from here)
+
 #: What the worker processes' forkserver imports once before forking them.
 TORCH_PRELOAD = ("torch", "torch.distributed")
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def to_numpy(obj: Any) -> Any:

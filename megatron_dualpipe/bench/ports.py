@@ -1,0 +1,45 @@
+"""A TCP port for a job's rendezvous on this machine, picked below the kernel's ephemeral range.
+
+``bind(("127.0.0.1", 0))`` returns a port of the ephemeral range, which every outgoing connection
+(gloo's mesh, store clients, other jobs' ranks) draws from too: between the check and rank 0's
+listen, another connection took one once (EADDRINUSE in a CI run, 2026-11-27). Below that range
+only explicit binds compete, and the check still skips a port in use.
+"""
+from __future__ import annotations
+
+import random
+import socket
+
+#: The lowest port picked; the highest is just below the ephemeral range.
+LOWEST = 20000
+
+
+def _ephemeral_start(default: int = 32768) -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return default
+
+
+def _bindable(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that was free a moment ago, outside the range other connections take theirs from
+    (the kernel's choice where that range leaves none below it)."""
+    pick = random.SystemRandom()
+    end = _ephemeral_start()
+    for _ in range(100 if end > LOWEST else 0):
+        port = pick.randrange(LOWEST, end)
+        if _bindable(host, port):
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
