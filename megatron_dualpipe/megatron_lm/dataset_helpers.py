@@ -11,8 +11,16 @@ from ``sys.executable`` on the command line (which overrides the Makefile's vari
 installed in place of ``megatron.core.datasets.utils.compile_helpers`` (looked up at call time by
 ``megatron.training.initialize._compile_dependencies``) -- on any machine, GPU or not.
 It needs the ``pybind11`` package in the running environment and a C++ compiler.
+
+Jobs that start together from one checkout (two on a node, or a test run's two workers) each ran
+``make`` on rank 0, and the linker writes the library in place: one job's ranks could import it
+half-written by the other's (the likely cause of a CI failure, "MockGPTDataset failed to build").
+:func:`build` keeps make's rule (rebuild when older than ``helpers.cpp``) but holds a lock on the
+directory and links into a temporary file that is renamed into place: an import sees the old
+library or the new one.
 """
 
+import fcntl
 import logging
 import os
 import subprocess
@@ -22,7 +30,7 @@ import sysconfig
 logger = logging.getLogger(__name__)
 
 
-def make_command(datasets_dir: str):
+def make_command(datasets_dir: str, out: str = ""):
     try:
         import pybind11
     except ImportError as exc:  # pragma: no cover - environment dependent
@@ -38,15 +46,47 @@ def make_command(datasets_dir: str):
         datasets_dir,
         f"CPPFLAGS={cppflags}",
         f"LIBEXT={sysconfig.get_config_var('EXT_SUFFIX')}",
-    ]
+    ] + ([f"OUT={out}"] if out else [])
+
+
+def library_path(datasets_dir: str) -> str:
+    """The library this interpreter imports as ``helpers_cpp``."""
+    return os.path.join(datasets_dir, "helpers_cpp" + sysconfig.get_config_var("EXT_SUFFIX"))
+
+
+BUILT, UP_TO_DATE, FAILED = "built", "up to date", "failed"
+
+
+def build(datasets_dir: str) -> str:
+    """make's rule, once per checkout however many jobs ask at once, the library renamed into place:
+    BUILT, UP_TO_DATE or FAILED."""
+    final, source = library_path(datasets_dir), os.path.join(datasets_dir, "helpers.cpp")
+    fd = os.open(datasets_dir, os.O_RDONLY)  # a lock on the directory: no file left in the checkout
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:  # a file system without locks (some NFS): the rename still keeps imports whole
+            pass
+        if os.path.exists(final) and os.path.getmtime(final) >= os.path.getmtime(source):
+            return UP_TO_DATE
+        temporary = f".helpers_cpp.{os.getpid()}.tmp"
+        try:
+            built = subprocess.run(make_command(datasets_dir, out=temporary)).returncode == 0
+            if built:
+                os.replace(os.path.join(datasets_dir, temporary), final)
+            return BUILT if built else FAILED
+        finally:
+            if os.path.exists(os.path.join(datasets_dir, temporary)):
+                os.remove(os.path.join(datasets_dir, temporary))
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def compile_helpers():
     """Drop-in replacement for ``megatron.core.datasets.utils.compile_helpers``."""
     import megatron.core.datasets.utils as dutils
 
-    datasets_dir = os.path.abspath(os.path.dirname(dutils.__file__))
-    if subprocess.run(make_command(datasets_dir)).returncode != 0:
+    if build(os.path.abspath(os.path.dirname(dutils.__file__))) == FAILED:
         logger.error("Failed to compile the C++ dataset helper functions")
         sys.exit(1)
 
