@@ -56,16 +56,21 @@ class Listener:
         self.started = time.monotonic()
         self._lock = threading.Lock()
         self._on_heard: list = []
+        self._stop = threading.Event()
+        self._polls = False  # set by the thread: the store cannot block (or is rank 0's)
         self._thread = threading.Thread(target=self._run, daemon=True, name="megatron-dualpipe-abort-listener")
         self._thread.start()
         atexit.register(self._join_at_exit)
 
     def _join_at_exit(self) -> None:
-        """A failure was heard: the thread's wait returns (or returned) and it reads the key; let it
-        end before the interpreter does (a thread coming back from the store's C++ call while Python
-        finalizes aborts the process: "terminate called without an active exception"). Nothing
-        heard: it stays blocked in the wait, harmless."""
-        if self.message is not None:
+        """Let the thread end before the interpreter does: a thread coming back from the store's C++
+        call while Python finalizes aborts the process ("terminate called without an active
+        exception"). A polled store: the poll stops, one in flight returns (a CI run aborted at the
+        end of a successful run: rank 1 polled rank 0's store as rank 0 exited). A failure heard:
+        the wait returns and the thread reads the key. Nothing heard on a blocking wait: it stays
+        blocked on the agent's store, which outlives the ranks, harmless."""
+        self._stop.set()
+        if self.message is not None or self._polls:
             self._thread.join(timeout=5.0)
 
     def hear(self, message: str) -> str:
@@ -93,9 +98,12 @@ class Listener:
             from torch.distributed import TCPStore
 
             blocking = isinstance(self.store, TCPStore) and outlives_the_ranks()
+            self._polls = not blocking
             store = self.store.clone() if blocking else self.store
             self.requests += int(blocking)
             (self._block if blocking else self._poll)(store)
+            if self.message is None and self._stop.is_set():
+                return  # the interpreter's exit: no more store calls
             self.requests += 1
             self.hear(store.get(self.key).decode(errors="replace"))
         except Exception as e:  # noqa: BLE001 - a store gone away: the waits' own deadlines remain
@@ -115,9 +123,9 @@ class Listener:
 
     def _poll(self, store) -> None:
         interval = BACKOFF_S[0]
-        while self.message is None:
+        while self.message is None and not self._stop.is_set():
             self.requests += 1
             if store.check([self.key]):
                 return
-            time.sleep(interval)
+            self._stop.wait(interval)
             interval = min(2 * interval, BACKOFF_S[1])
