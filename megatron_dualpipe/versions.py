@@ -37,6 +37,28 @@ SUPPORTED_TEXT = ("megatron-core 0.16.1 with Megatron-LM core_v0.16.1, or megatr
                   "core_v0.19.0 (0.17 and 0.18 are not supported)")
 
 
+#: The oldest torch whose ``torch.distributed.new_group`` keeps the order of the ranks it is given
+#: (``sort_ranks=False``, new in torch 2.12): DualPipe and DualPipeV build their reversed pipeline group
+#: with it (:mod:`megatron_dualpipe.mcore.groups`). torch 2.11 has none: the first GPU check (one
+#: H100, torch 2.11.0, 2026-11-27) stopped there with a TypeError after the processes had started.
+TORCH_FOR_TWO_CHUNKS = "2.12"
+
+
+def torch_problem() -> Optional[str]:
+    """Why this torch cannot build DualPipe's process groups (one line, without the schedule's
+    flag), or None. Looks at ``new_group``'s signature: the feature, not a version number."""
+    import inspect
+
+    import torch
+    import torch.distributed as dist
+
+    if "sort_ranks" in inspect.signature(dist.new_group).parameters:
+        return None
+    return (f"needs torch >= {TORCH_FOR_TWO_CHUNKS} (torch.distributed.new_group(sort_ranks=False) builds its "
+            f"reversed pipeline group), found torch {torch.__version__}: pip install 'torch>={TORCH_FOR_TWO_CHUNKS}' "
+            f"(the build for your CUDA)")
+
+
 def parse(version: str) -> Tuple[int, ...]:
     """``"0.19.0rc2"`` -> ``(0, 19, 0)``: the leading numeric release parts."""
     parts = []

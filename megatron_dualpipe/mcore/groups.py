@@ -103,8 +103,13 @@ def build_bd_groups(*, timeout=None, backend=None) -> None:
     """
     from megatron.core import parallel_state
 
+    from .. import versions
+
     if _REGISTRY.initialized:
         raise RuntimeError("DualPipe bd groups are already initialized (destroy_bd_groups() first)")
+    problem = versions.torch_problem()
+    if problem:  # the launcher and the selftest say so before any process starts; direct callers here
+        raise RuntimeError(f"DualPipe's process groups: {problem}")
     if not parallel_state.model_parallel_is_initialized():
         raise RuntimeError(
             "build_bd_groups() needs megatron-core's parallel groups: call "

@@ -34,6 +34,7 @@ the three extra attributes; no check runs and no value is changed. With ``dualpi
 import functools
 from typing import List
 
+from .. import versions
 from ..mcore import options
 from ..schedule import registry
 
@@ -251,6 +252,9 @@ def dualpipe_problems(args):
 
     if spec.chunks_per_rank == 1:
         return _one_chunk_problems(spec, args, bad, problems)
+    torch_problem = versions.torch_problem()
+    if torch_problem:
+        bad(f"{torch_problem}, or use --pipeline-schedule {registry.DEFAULT}")
     for problem in layout_problems(args) + (v_split_problems(args) if schedule == registry.DUALPIPEV else []):
         bad(problem)
 

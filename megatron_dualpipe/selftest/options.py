@@ -5,6 +5,7 @@ import dataclasses
 import os
 from typing import Optional
 
+from .. import versions
 from ..proof.models import ModelSpec, deepseek_v3
 
 #: Relative tolerance of losses and gradients (largest |difference| over the largest |value| of each
@@ -99,13 +100,31 @@ def check(world: int, tp: int, ep: int, te: bool, fp8: bool, gpu: bool, gpus_her
                 return "--te: transformer-engine is not installed: pip install transformer-engine[pytorch]"
         except (ImportError, ValueError):
             return "--te: transformer-engine cannot be imported"
-    if gpu and not torchrun and world > gpus_here:
-        return (f"--nproc {world} needs {world} GPUs on this machine, found {gpus_here}: use --nproc {gpus_here} "
-                f"or torchrun across nodes")
-    return None
+    if gpu:
+        problem = _gpu_count_problem(world, tp * ep, gpus_here, torchrun)
+        if problem:
+            return problem
+    problem = versions.torch_problem()
+    return f"the selftest runs DualPipe, which {problem}" if problem else None
+
+
+def _gpu_count_problem(world: int, unit: int, gpus_here: int, torchrun: bool) -> Optional[str]:
+    """One rank per GPU (NCCL refuses two ranks on one device): the ranks started on this machine
+    against its GPUs, naming the largest count that works (an even pipeline of tp x ep groups)."""
+    here = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if torchrun else world
+    if here <= gpus_here:
+        return None
+    if torchrun:
+        return (f"torchrun starts {here} ranks on this node, which has {gpus_here} GPU(s) (one rank per GPU): "
+                f"use --nproc-per-node {gpus_here}")
+    fits = gpus_here // (2 * unit) * (2 * unit)
+    fix = (f"use --nproc {fits}, or torchrun across nodes" if fits else
+           f"the smallest selftest needs {2 * unit} (pp=2 x tp x ep): run it on a machine with more GPUs, or "
+           f"across nodes with torchrun")
+    return f"{world} ranks need {world} GPUs on this machine (one rank per GPU), found {gpus_here}: {fix}"
 
 
 def default_world(gpu: bool, gpus_here: int) -> int:
     if "WORLD_SIZE" in os.environ:
         return int(os.environ["WORLD_SIZE"])
-    return gpus_here if gpu and gpus_here >= 2 else 4
+    return gpus_here - gpus_here % 2 if gpu and gpus_here >= 2 else 4  # an even pipeline
