@@ -21,8 +21,9 @@ is the stage that consumes it.
 """
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from .actions import F, Action, units
 from .deps import Event, event_of, event_rank, hands_over, waits_for
@@ -149,86 +150,135 @@ def plan(layout: Layout, ranks: Sequence[Sequence[Action]]) -> List[RankPlan]:
     return plans
 
 
-def _prefetch_where_needed(plans: List[RankPlan]) -> None:
-    """Run the batches under strict semantics; when every rank is blocked, pull the receive
-    that matches a blocked send into the receiver's current batch (with any earlier receives
-    on the same channel, to keep the channel's order).
+#: A channel: (sending rank, receiving rank).
+Channel = Tuple[int, int]
+#: One batch's operations as (channel number, index of the message on its channel): (sends, receives).
+Posting = Tuple[List[Tuple[int, int]], List[Tuple[int, int]]]
 
-    Incremental: every transfer has its index on its channel, and a channel's state is how
-    many of its sends and receives have been posted, so a step costs the size of one batch.
-    """
-    n = len(plans)
-    index: Dict[Tuple[Tuple[int, int], Label], int] = {}
-    counts: Dict[Tuple[int, int], int] = {}
+
+class _Strict:
+    """Ranks posting their batches in order, each finishing only when all its operations are
+    matched (NCCL group semantics). A rank is re-checked only when a peer posts to it (a worklist,
+    not sweeps over every rank), so a run costs the operations, not ranks times sweeps; the state
+    it settles in is the same in any order, as posting only ever lets more batches finish.
+
+    ``order[r][k]``: batch k of rank r; channels are numbers into ``ends`` (lists, not dicts of
+    pairs: this runs once per operation of a schedule with thousands of ranks)."""
+
+    def __init__(self, order: List[List[Posting]], ends: List[Channel]):
+        self.order, self.ends = order, ends
+        self.at = [0] * len(order)         # the batch each rank is blocked in
+        self.sent = [0] * len(ends)        # sends posted per channel (a prefix of its order)
+        self.received = [0] * len(ends)    # receives posted per channel
+        for r in range(len(order)):
+            if order[r]:
+                self._post(r, [])
+
+    def finished(self, r: int) -> bool:
+        return self.at[r] >= len(self.order[r])
+
+    def _post(self, r: int, woken: List[int]) -> None:
+        """Post rank ``r``'s current batch (it has one); add the peers it may unblock to ``woken``."""
+        sends, recvs = self.order[r][self.at[r]]
+        for c, i in sends:
+            self.sent[c] = max(self.sent[c], i + 1)
+            woken.append(self.ends[c][1])
+        for c, i in recvs:
+            self.received[c] = max(self.received[c], i + 1)
+            woken.append(self.ends[c][0])
+
+    def settle(self, todo: List[int]) -> List[int]:
+        """Let the ranks in ``todo`` (and those they unblock) run on; return the ranks that moved."""
+        sent, received, at, moved = self.sent, self.received, self.at, []
+        while todo:
+            r = todo.pop()
+            batches = self.order[r]
+            while at[r] < len(batches):
+                sends, recvs = batches[at[r]]
+                if not (all(received[c] > i for c, i in sends) and all(sent[c] > i for c, i in recvs)):
+                    break
+                at[r] += 1
+                moved.append(r)
+                if at[r] < len(batches):
+                    self._post(r, todo)
+        return moved
+
+
+#: Per rank, (channel number, index) of each receive -> the batch that holds it.
+Where = List[Dict[Tuple[int, int], int]]
+
+
+def _channel_index(plans: List[RankPlan]) -> Tuple[List[List[Posting]], List[Channel], Where]:
+    """Each batch's operations as (channel number, index on the channel in the sender's order),
+    the channels' ends, and per rank which batch holds the receive of each (channel, index)."""
+    index: Dict[Tuple[Channel, Label], int] = {}
+    ids: Dict[Channel, int] = {}  # channel -> its number, in order of first sight
+    counts: List[int] = []
+    order: List[List[Posting]] = [[([], []) for _ in p.batches] for p in plans]
     for r, p in enumerate(plans):
-        for b in p.batches:
+        for k, b in enumerate(p.batches):
             for t in b.sends:
-                ch = (r, t.peer)
-                index[(ch, t.label)] = counts.get(ch, 0)
-                counts[ch] = counts.get(ch, 0) + 1
-    where: List[Dict[Tuple[Tuple[int, int], int], Batch]] = [dict() for _ in plans]
+                c = ids.setdefault((r, t.peer), len(ids))
+                if c == len(counts):
+                    counts.append(0)
+                index[((r, t.peer), t.label)] = counts[c]
+                order[r][k][0].append((c, counts[c]))
+                counts[c] += 1
+    where: Where = [dict() for _ in plans]
     for q, p in enumerate(plans):
-        for b in p.batches:
+        for k, b in enumerate(p.batches):
             for t in b.recvs:
                 ch = (t.peer, q)
                 if (ch, t.label) not in index:
                     raise CommPlanError(f"rank {q} receives {t.label} from rank {t.peer}, which never sends it")
-                where[q][(ch, index[(ch, t.label)])] = b
-    sent: Dict[Tuple[int, int], int] = {}      # sends posted per channel (a prefix of its order)
-    received: Dict[Tuple[int, int], int] = {}  # receives posted per channel
-    at = [0] * n
+                op = (ids[ch], index[(ch, t.label)])
+                order[q][k][1].append(op)
+                where[q][op] = k
+    return order, list(ids), where
 
-    def post(r: int) -> None:
-        if at[r] < len(plans[r].batches):
-            b = plans[r].batches[at[r]]
-            for t in b.sends:
-                ch = (r, t.peer)
-                sent[ch] = max(sent.get(ch, 0), index[(ch, t.label)] + 1)
-            for t in b.recvs:
-                ch = (t.peer, r)
-                received[ch] = max(received.get(ch, 0), index[(ch, t.label)] + 1)
 
-    def done(r: int) -> bool:
-        b = plans[r].batches[at[r]]
-        return all(received.get((r, t.peer), 0) > index[((r, t.peer), t.label)] for t in b.sends) and \
-            all(sent.get((t.peer, r), 0) > index[((t.peer, r), t.label)] for t in b.recvs)
+def _prefetch_where_needed(plans: List[RankPlan]) -> None:
+    """Run the batches under strict semantics; when every rank is blocked, pull the receive
+    that matches a blocked send into the receiver's current batch (with any earlier receives
+    on the same channel, to keep the channel's order). The send pulled for is the first one of
+    the lowest rank that has one, as the plan must not depend on the order ranks are visited.
+    """
+    order, ends, where = _channel_index(plans)
+    state = _Strict(order, ends)
+    # Ranks that may hold a send to pull for: a rank's chance only shrinks until it moves on.
+    candidates = list(range(len(plans)))
+    todo: Optional[List[int]] = candidates[:]
+    while todo is not None:  # None: every rank finished, or a true cycle that check() reports
+        for r in state.settle(todo):
+            heapq.heappush(candidates, r)
+        todo = _pull(plans, state, where, candidates)
 
-    for r in range(n):
-        post(r)
-    while True:
-        progress = True
-        while progress:
-            progress = False
-            for r in range(n):
-                while at[r] < len(plans[r].batches) and done(r):
-                    at[r] += 1
-                    post(r)
-                    progress = True
-        if all(at[r] >= len(plans[r].batches) for r in range(n)):
-            return
-        pulled = False
-        for r in range(n):
-            if at[r] >= len(plans[r].batches):
-                continue
-            for t in plans[r].batches[at[r]].sends:
-                q, ch = t.peer, (r, t.peer)
-                i = index[(ch, t.label)]
-                if received.get(ch, 0) > i or at[q] >= len(plans[q].batches):
-                    continue
-                target = plans[q].batches[at[q]]
-                for j in range(received.get(ch, 0), i + 1):
-                    b = where[q].pop((ch, j))
-                    x = next(x for x in b.recvs if x.peer == r and index[(ch, x.label)] == j)
-                    b.recvs.remove(x)
-                    target.recvs.append(x)
-                    where[q][(ch, j)] = target
-                received[ch] = i + 1
-                pulled = True
-                break
-            if pulled:
-                break
-        if not pulled:
-            return  # a true cycle; check() reports it
+
+def _pull(plans: List[RankPlan], state: _Strict, where: Where, candidates: List[int]) -> Optional[List[int]]:
+    """Pull receives for the first unmatched send of the lowest blocked rank; return the two ranks."""
+    while candidates:
+        r = candidates[0]
+        if not state.finished(r):
+            for c, i in state.order[r][state.at[r]][0]:
+                q = state.ends[c][1]
+                if state.received[c] <= i and not state.finished(q):
+                    _move_receives(plans[q], state.order[q], where[q], c, range(state.received[c], i + 1),
+                                   state.at[q])
+                    state.received[c] = i + 1
+                    return [r, q]
+        heapq.heappop(candidates)
+    return None
+
+
+def _move_receives(p: RankPlan, order: List[Posting], where: Dict[Tuple[int, int], int], c: int,
+                   indices: range, target: int) -> None:
+    """Move the receives ``indices`` of channel ``c`` into batch ``target`` (the plan's and ``order``'s)."""
+    for j in indices:
+        k = where[(c, j)]
+        x = order[k][1].index((c, j))
+        order[target][1].append(order[k][1].pop(x))
+        p.batches[target].recvs.append(p.batches[k].recvs.pop(x))
+        where[(c, j)] = target
 
 
 def check(plans: Sequence[RankPlan]) -> None:
@@ -252,56 +302,30 @@ def check(plans: Sequence[RankPlan]) -> None:
 
 def _check_progress(plans: Sequence[RankPlan]) -> None:
     """Batches complete only when every operation in them is matched (NCCL group semantics)."""
-    n = len(plans)
-    at = [0] * n                       # index of the batch each rank is blocked in
-    posted_s: Dict[Tuple[int, int], int] = {}  # how many sends on a channel have been posted
-    posted_r: Dict[Tuple[int, int], int] = {}
-    order_s: List[List[List[Tuple[Tuple[int, int], int]]]] = []  # per rank, per batch, (channel, index)
-    order_r: List[List[List[Tuple[Tuple[int, int], int]]]] = []
-    count_s: Dict[Tuple[int, int], int] = {}
-    count_r: Dict[Tuple[int, int], int] = {}
+    ids: Dict[Channel, int] = {}  # channel -> its number, in order of first sight
+    count_s: Dict[Channel, int] = {}
+    count_r: Dict[Channel, int] = {}
+    order: List[List[Posting]] = []  # per rank, per batch, (channel, index) of its sends and receives
     for r, p in enumerate(plans):
-        order_s.append([])
-        order_r.append([])
+        order.append([])
         for b in p.batches:
             ss, rr = [], []
             for t in b.sends:
                 ch = (r, t.peer)
-                ss.append((ch, count_s.get(ch, 0)))
+                ss.append((ids.setdefault(ch, len(ids)), count_s.get(ch, 0)))
                 count_s[ch] = count_s.get(ch, 0) + 1
             for t in b.recvs:
                 ch = (t.peer, r)
-                rr.append((ch, count_r.get(ch, 0)))
+                rr.append((ids.setdefault(ch, len(ids)), count_r.get(ch, 0)))
                 count_r[ch] = count_r.get(ch, 0) + 1
-            order_s[-1].append(ss)
-            order_r[-1].append(rr)
-
-    def post(r: int) -> None:
-        if at[r] < len(plans[r].batches):
-            for ch, i in order_s[r][at[r]]:
-                posted_s[ch] = max(posted_s.get(ch, 0), i + 1)
-            for ch, i in order_r[r][at[r]]:
-                posted_r[ch] = max(posted_r.get(ch, 0), i + 1)
-
-    for r in range(n):
-        post(r)
-    progress = True
-    while progress:
-        progress = False
-        for r in range(n):
-            if at[r] >= len(plans[r].batches):
-                continue
-            ok = all(posted_r.get(ch, 0) > i for ch, i in order_s[r][at[r]]) and \
-                all(posted_s.get(ch, 0) > i for ch, i in order_r[r][at[r]])
-            if ok:
-                at[r] += 1
-                post(r)
-                progress = True
-    stuck = [r for r in range(n) if at[r] < len(plans[r].batches)]
+            order[-1].append((ss, rr))
+    state = _Strict(order, list(ids))
+    state.settle(list(range(len(plans))))
+    stuck = [r for r in range(len(plans)) if not state.finished(r)]
     if stuck:
         parts = []
         for r in stuck:
-            b = plans[r].batches[at[r]]
+            b = plans[r].batches[state.at[r]]
             parts.append(f"rank {r} before unit {b.unit}: sends {[(t.peer, t.label) for t in b.sends]} "
                          f"recvs {[(t.peer, t.label) for t in b.recvs]}")
         raise CommPlanError("communication plan deadlocks: " + "; ".join(parts))

@@ -12,6 +12,7 @@ Standard library only, like the rest of ``schedule``.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -51,8 +52,11 @@ class Padded:
         return PaddedCosts.wrap(costs, self.is_fake) if self.fake_count else costs
 
 
+@functools.lru_cache(maxsize=16)
 def build_padded(name: str, pp: int, real: int, forward_only: bool = False) -> Padded:
-    """The schedule the executor runs for ``real`` micro-batches (:class:`ScheduleError` if none)."""
+    """The schedule the executor runs for ``real`` micro-batches (:class:`ScheduleError` if none).
+    Cached (a ``Padded`` is immutable): advise times one schedule under dozens of costs and
+    bandwidths while it looks for a break-even point."""
     spec = get(name)
     problem = spec.pp_problem(pp)
     if problem:
