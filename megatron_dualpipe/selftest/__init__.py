@@ -87,7 +87,7 @@ def _config(args):
 
 def run(args) -> int:
     from ..bench import launch
-    from .worker import worker
+    from .worker import preload, worker
 
     cfg, torchrun = _config(args)
     started = time.perf_counter()
@@ -100,6 +100,7 @@ def run(args) -> int:
         if gathered is None:
             return 0  # not rank 0: rank 0 reports
     else:
+        preload(cfg.gpu)
         try:
             gathered = launch.spawn(worker, cfg.world, (cfg,), timeout_s=budget,
                                     collective_timeout_s=cfg.collective_timeout_s)

@@ -46,7 +46,7 @@ def stage_costs(cfg, device):
     from ..bench.synthetic import Spender
 
     if not cfg.gpu:
-        scale = 0.5 if cfg.quick else 1.0
+        scale = 0.25 if cfg.quick else 1.0  # sleeps: the quick run's wall time, not its CPU
         return "sleep", 20 * scale, 40 * scale, 20 * scale, 1024, 4.0
     n = cfg.model_hidden
     rate = torch.tensor([Spender("matmul", device, n).per_ms * 2.0 * n ** 3], dtype=torch.float64, device=device)

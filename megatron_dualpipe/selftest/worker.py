@@ -13,6 +13,7 @@ the set-up limit (:mod:`.watchdog`).
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 import sys
 import time
@@ -48,6 +49,26 @@ class Context:
         return os.path.join(self.cfg.out, name)
 
 
+#: What every rank imports before its first stage (megatron-core: ~3 s of CPU per process), and the
+#: forkserver's fast exit.
+PRELOAD = ("megatron.core.parallel_state", "megatron_dualpipe.proof.models", __name__, f"{__package__}.forkserver_exit")
+
+
+def preload(gpu: bool) -> None:
+    """Start the forkserver that :func:`..bench.launch.spawn` forks the ranks from with :data:`PRELOAD`
+    imported (after spawn's own preload, ``own_session`` first), so that megatron-core is imported
+    once, not by every rank (4 ranks on 2 cores: 6 s before the first stage). spawn reuses a running
+    forkserver; without one (no forkserver on this platform) the ranks import it themselves, and so
+    they do with GPUs: an import that asked CUDA anything would leave the forked ranks unable to use it."""
+    import multiprocessing as mp
+    from multiprocessing import forkserver
+
+    if not gpu and "forkserver" in mp.get_all_start_methods():
+        mp.get_context("forkserver").set_forkserver_preload(
+            ["megatron_dualpipe.bench.own_session", "torch", "torch.distributed", *PRELOAD])
+        forkserver.ensure_running()
+
+
 def _stages():
     from . import deepseek_v3, environment, equality, memory, nohang, overlap, speed
 
@@ -62,8 +83,14 @@ def _setup(cfg: SelftestConfig, rank: int, world: int, device) -> Context:
     from ..proof.groups import init_model_parallel
 
     cpu_mode.enable()
+    if not cfg.gpu:
+        # Megatron's torch.compile'd helpers (jit_fuser: the V3 router's expert-bias count) run
+        # eagerly: inductor would compile C++ on every rank (~3 s each); the eager path computes the
+        # same function (the CPU mode turns Megatron's fusions off for the same reason).
+        torch.compiler.set_stance("force_eager")
     init_model_parallel(tp=cfg.tp, pp=cfg.pp, ep=cfg.ep, timeout_minutes=max(1, round(cfg.deadline_s / 60)))
     build_bd_groups()
+    gc.freeze()  # megatron-core's ~3,000 modules: a full collection walked them all (0.5 s each here)
     return Context(cfg, rank, world, device, ps.get_pipeline_model_parallel_rank(),
                    ps.get_tensor_model_parallel_rank(), ps.get_data_parallel_rank())
 
