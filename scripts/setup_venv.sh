@@ -87,7 +87,10 @@ fi
 stamp="$VENV/.megatron-dualpipe-setup-py"
 want=$(sha256sum setup.py | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  # One editable install at a time in this checkout (it writes megatron_dualpipe.egg-info here): .ci/run
+  # builds the two tiers' environments side by side.
+  lock=(); command -v flock >/dev/null && lock=(flock .venv-setup.lock)
   step 3 "installing megatron-dualpipe with megatron-core ${MEGATRON_CORE:-0.16.1} and the test tools" "1.5-4 min" \
-    "$VENV/bin/python" -m pip install -q -e ".[test,megatron-lm]"
+    "${lock[@]}" "$VENV/bin/python" -m pip install -q -e ".[test,megatron-lm]"
   echo "$want" > "$stamp"
 fi
