@@ -40,7 +40,8 @@ TINY = [
     # default (2 workers per loader, 3 loaders) forks 6 copies of ranks 0 and pp-1 (1 GB each, gloo's
     # threads running) for batches of 64 tokens: ~2.4 s of CPU per run on 2 cores, and the one wait
     # of a rank that has no timeout (a worker that never answers; see issue 27's hang in
-    # test_megatron_lm_options.py). The batches are the same; the evaluation test keeps the workers.
+    # test_megatron_lm_options.py; not reproduced by tools/dataloader_fork_stress.py). The batches are
+    # the same; the evaluation test keeps the workers.
     "--num-workers", "0",
 ]  # fmt: skip
 MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-token-dispatcher-type", "alltoall",
@@ -199,12 +200,24 @@ def metrics(out):
     return result
 
 
+def failure_excerpt(out, first_lines=60, tail_chars=5000):
+    """What a failed run printed that tells why: the first traceback (the rank that failed first;
+    the others' errors follow from it), the launcher's line naming that rank, and the end."""
+    lines = out.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last)")), None)
+    first = [] if start is None else lines[start:start + first_lines]
+    named = [line for line in lines if line.startswith("preloaded_launch: rank ")]
+    if start is not None and len(out) > tail_chars:
+        return "\n".join(["--- the first traceback ---", *first, *named, "--- the end ---", out[-tail_chars:]])
+    return "\n".join([*named, out[-tail_chars:]])
+
+
 def run_pretrain(schedule, *extra, timeout=600, evaluation=False, with_metrics=False, nproc=4, **launch_options):
     """Run and return {iteration: lm loss} (with ``evaluation``, {"iteration (set)": validation
     lm loss} as well; with ``with_metrics``, {iteration: {metric: printed value}} instead).
     ``launch_options``: ``env_extra`` / ``pythonpath`` / ``fast_exit`` of :func:`launch`."""
     rc, out = launch(schedule, *extra, timeout=timeout, nproc=nproc, **launch_options)
-    assert rc == 0, f"{schedule} {' '.join(extra)} failed:\n{out[-6000:]}"
+    assert rc == 0, f"{schedule} {' '.join(extra)} failed:\n{failure_excerpt(out)}"
     losses = {int(i): float(v) for i, v in LOSS_RE.findall(out)}
     assert losses, f"no 'lm loss' lines in the output:\n{out[-3000:]}"
     print(f"\n{schedule:14s} {' '.join(extra)[:100]}: " + ", ".join(f"{i}: {v:.6f}" for i, v in sorted(losses.items())))

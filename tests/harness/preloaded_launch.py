@@ -4,7 +4,8 @@ already imported torch and Megatron-LM.
 Why: a 4-rank pretrain_gpt.py run of the tiny GPT trains in about 1.5 s on this 2-core machine, but
 each rank first spends about 4 s of CPU importing torch, megatron-core, Megatron-LM and triton (the
 four ranks share two cores: about 9 s of wall time per run, for some 150 runs of a CI tier). A server
-per pytest worker imports them once; each run forks its ranks from it. What a rank executes after
+per pytest worker imports them once, and reads Megatron-LM's argument help texts once
+(:mod:`.argument_help`: ~1 s per rank otherwise); each run forks its ranks from it. What a rank executes after
 the fork is what torchrun's worker executes: the same environment (torchrun's rank variables), the
 same ``python -m megatron_dualpipe.launch pretrain_gpt.py ...``, the test hooks of its PYTHONPATH
 (``tests/child_hooks/sitecustomize.py``) imported as the interpreter would import them, stdout block
@@ -25,10 +26,16 @@ import io
 import json
 import os
 import signal
-import socket
 import sys
 import time
 import traceback
+
+from megatron_dualpipe.bench.ports import free_port
+
+try:
+    from . import argument_help
+except ImportError:  # run as a script (the server)
+    import argument_help
 
 #: torchrun's agent: SIGTERM to the surviving ranks once one fails, SIGKILL after this many seconds.
 GRACE_S = 30.0
@@ -37,9 +44,11 @@ STACKS_S = 5.0
 
 
 #: Imported by a run after pretrain_gpt.py's own imports, and heavy: the tokenizers (transformers,
-#: 4 s of CPU), checkpointing, the plugin's executor.
+#: 4 s of CPU), checkpointing, the plugin's executor, the multimodal model class that
+#: get_megatron_optimizer checks for.
 LATER_IMPORTS = ("megatron.core.tokenizers.text", "megatron.training.checkpointing", "megatron.core.dist_checkpointing",
-                 "megatron_dualpipe.mcore.forward_backward", "megatron_dualpipe.executor.runner")
+                 "megatron_dualpipe.mcore.forward_backward", "megatron_dualpipe.executor.runner",
+                 "megatron.core.models.mimo.model.base")
 
 
 def preload(script):
@@ -61,6 +70,7 @@ def preload(script):
             importlib.import_module(name)
         except Exception as e:
             print(f"preloaded_launch: not preloaded: {name}: {e!r}", file=sys.stderr)
+    argument_help.read_once(prefill=True)  # the same texts, read before the forks
     sys.path.pop(0)
 
 
@@ -165,17 +175,11 @@ def _leave(code):
         os._exit(code)
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_job(request):
     """Fork the ranks of one job, host their TCPStore and wait for them as torchrun's agent does
     (the store outlives every rank: rank 0's exit does not take it from the others); returns the
     exit code (None: the job ran past ``timeout`` and was killed)."""
-    nproc, port = request["nproc"], _free_port()
+    nproc, port = request["nproc"], free_port()
     pids = {}
     for rank in range(nproc):
         pid = os.fork()
@@ -204,11 +208,20 @@ def run_job(request):
                 _signal_all(pids, signal.SIGKILL)
             time.sleep(0.05)
             continue
-        pids.pop(pid, None)
+        rank = pids.pop(pid, None)
         if os.waitstatus_to_exitcode(status) != 0 and failed_at is None:
             failed_at, code = time.monotonic(), (1 if code is not None else None)
             _signal_all(pids, signal.SIGTERM)
+            _say_first_failure(request["output"], rank, os.waitstatus_to_exitcode(status))
     return code
+
+
+def _say_first_failure(output, rank, code):
+    """One line in the job's output naming the rank that failed first, as torchrun's summary does:
+    the others' errors (a closed connection, a failed barrier) follow from it."""
+    how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+    with open(output, "a") as fh:
+        fh.write(f"\npreloaded_launch: rank {rank} failed first ({how}); the other ranks were sent SIGTERM\n")
 
 
 def _signal_all(pids, sig):

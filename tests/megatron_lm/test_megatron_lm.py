@@ -44,9 +44,10 @@ def _require_training_deps(extra=()):
 
 
 def _env(**extra):
+    """The argument cases' subprocess: the package, Megatron-LM and the tests' harness importable."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (REPO_ROOT, MEGATRON_LM_PATH, env.get("PYTHONPATH")) if p
+        p for p in (REPO_ROOT, MEGATRON_LM_PATH, os.path.join(REPO_ROOT, "tests"), env.get("PYTHONPATH")) if p
     )
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
@@ -368,6 +369,8 @@ _ARGS_SCRIPT = textwrap.dedent(
     hooks.install(["python"])  # typing.override for core_v0.19.0 on Python 3.11
     import megatron.training.arguments as margs
     import megatron.training.initialize as minit
+    from harness import argument_help
+    argument_help.read_once()  # ~90 parses: the help texts read at the first
 
     def run(world, argv, installed, overrides=None):
         if installed:
@@ -446,6 +449,36 @@ def test_pipeline_schedule_arguments(arg_results, name):
     assert res["type"] == "DualPipeArgumentError", res["tb"]
     for fragment in expected:
         assert fragment in res["msg"], (fragment, res["msg"])
+
+
+#: torch 2.11's new_group (no sort_ranks), as the first GPU check found it (tests/cli/test_torch_and_gpu_requirements.py)
+_TORCH_2_11 = textwrap.dedent(
+    """
+    import torch.distributed as _dist
+    def _new_group(ranks=None, timeout=None, backend=None, pg_options=None, use_local_synchronization=False,
+                   group_desc=None, device_id=None):
+        raise AssertionError("no group may be built")
+    _dist.new_group = _new_group
+    """
+)
+
+
+def test_two_chunk_schedules_refuse_a_torch_without_ordered_groups_before_training():
+    """Megatron's own validation with the plugin installed, on a torch whose new_group cannot keep
+    a rank order: dualpipe and dualpipev stop in one line naming torch >= 2.12; 1f1b runs on."""
+    _require_training_deps()
+    cases = {name: [*CASES[name][:2], None] for name in ("default_is_1f1b", "dualpipe_ok", "dualpipev_ok")}
+    proc = subprocess.run([sys.executable, "-c", _TORCH_2_11 + _ARGS_SCRIPT, json.dumps(cases)], env=_env(),
+                          cwd=MEGATRON_LM_PATH, capture_output=True, text=True, timeout=300)
+    marker = [line for line in proc.stdout.splitlines() if line.startswith("@@RESULT@@")]
+    assert proc.returncode == 0 and marker, proc.stdout[-3000:] + proc.stderr[-5000:]
+    res = json.loads(marker[-1][len("@@RESULT@@"):])
+    for name in cases:
+        print(f"\n{name}: {'accepted' if res[name]['ok'] else res[name]['msg']}")
+    assert res["default_is_1f1b"]["ok"]
+    for name, schedule in (("dualpipe_ok", "dualpipe"), ("dualpipev_ok", "dualpipev")):
+        assert not res[name]["ok"] and res[name]["type"] == "DualPipeArgumentError", res[name]
+        assert f"--pipeline-schedule {schedule}: needs torch >= 2.12" in res[name]["msg"], res[name]["msg"]
 
 
 @pytest.mark.parametrize("flag", sorted(FAILS_AS_UNDER_1F1B))

@@ -441,7 +441,7 @@ def test_fp16_with_loss_scaling_tp2_sequence_parallel():
     runs = {}
     for schedule in ("1f1b", "dualpipe"):
         rc, out = launch(schedule, *PP2, "--train-iters", "5", *args, nproc=4)
-        assert rc == 0, out[-6000:]
+        assert rc == 0, megatron_lm_runs.failure_excerpt(out)
         scaling = [(it, SCALE_RE.search(line).group(1), SKIPPED_RE.search(line).group(1))
                    for it, line in ITERATION_LINE_RE.findall(out)]
         print(f"{schedule} --fp16 tp=2 sp: (iteration, loss scale, skipped) {scaling}")

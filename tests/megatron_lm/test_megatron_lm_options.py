@@ -127,8 +127,10 @@ def test_nan_in_one_microbatch_is_caught_as_under_1f1b(tmp_path):
                          # post the receive; the receivers of that call are ranks 1-3 in their forward, and the
                          # only wait there without a timeout is rank pp-1's next batch from a data-loader worker
                          # (forked with gloo's threads running); the runs now read the mock data in-process
-                         # (megatron_lm_runs.TINY). Should a run stop, it ends in 4 minutes with every rank's
-                         # stacks in its output (tests/harness/preloaded_launch.py), unbuffered.
+                         # (megatron_lm_runs.TINY). That suspect alone did not stall in 18,000 forks
+                         # (tools/dataloader_fork_stress.py), so the cause is not known. Should a run stop,
+                         # it ends in 4 minutes with every rank's stacks in its output
+                         # (tests/harness/preloaded_launch.py), unbuffered.
                          env_extra={"MEGATRON_DUALPIPE_TEST_NAN": "3,7", "PYTHONUNBUFFERED": "1"},
                          pythonpath=(CHILD_HOOKS,), timeout=240)
         reports = {(int(r), int(it), msg) for r, it, msg in UNEXPECTED_RE.findall(out)}
