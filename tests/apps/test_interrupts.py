@@ -55,9 +55,11 @@ def _kill_leftovers(token):
             pass
 
 
-def interrupt_at(cmd, marker, sig=signal.SIGINT, group=True, cwd=ROOT, env=None, timeout=600, after_s=0.0):
+def interrupt_at(cmd, marker, sig=signal.SIGINT, group=True, cwd=ROOT, env=None, timeout=600, after_s=0.0,
+                 until=None):
     """Run ``cmd`` (its own session); when a line containing ``marker`` shows (stdout and stderr
-    merged), wait ``after_s`` and send ``sig`` to its process group (``group``) or to it alone.
+    merged), wait ``after_s`` (and until ``until()`` holds, when given) and send ``sig`` to its
+    process group (``group``) or to it alone.
     Returns (lines before, lines after the signal, exit status, survivors after a grace)."""
     token = uuid.uuid4().hex
     full = dict(os.environ if env is None else env, **{TOKEN: token})
@@ -75,6 +77,9 @@ def interrupt_at(cmd, marker, sig=signal.SIGINT, group=True, cwd=ROOT, env=None,
         else:
             pytest.fail(f"the command ended before {marker!r}:\n" + "\n".join(before[-30:]))
         time.sleep(after_s)
+        while until is not None and not until():
+            assert time.monotonic() < deadline, f"{until.__doc__} not within {timeout} s"
+            time.sleep(0.05)
         (os.killpg if group else os.kill)(p.pid, sig)
         after = [line.rstrip("\n") for line in p.stdout]
         status = p.wait(timeout=120)
@@ -169,8 +174,14 @@ def test_launch_script_stops_torchrun_and_its_ranks(tmp_path, sig, group):
     env.update(MEGATRON_LM_PATH=str(fake), DATA_PATH=str(tmp_path / "text_document"), CONFIG="gpt_tiny_cpu",
                GPUS_PER_NODE="4", TORCHRUN=str(torchrun), PYTHON=sys.executable)
     script = os.path.join(ROOT, "scripts", "pretrain_gpt_dualpipe.sh")
+
+    def both_ranks_wrote():
+        """both ranks' first lines"""
+        return all((out / f"rank{r}.txt").is_file() and (out / f"rank{r}.txt").stat().st_size for r in (0, 1))
+
     _, after, status, left = interrupt_at(["bash", script, "--tokenizer-type", "NullTokenizer", "--vocab-size", "8"],
-                                          "ranks started", sig=sig, group=group, env=env, after_s=2.0, timeout=120)
+                                          "ranks started", sig=sig, group=group, env=env, until=both_ranks_wrote,
+                                          timeout=120)
     assert_one_line(after, status, left, "pretrain_gpt_dualpipe.sh")
     written = snapshot(out)
     time.sleep(1.0)
@@ -211,14 +222,17 @@ def test_main_job_interrupted_stops_every_rank_in_one_line(tmp_path, point, mark
 
 
 def test_main_job_into_head_closes_cleanly(tmp_path):
-    """`run_main.sh --iters 3 --no-compare | head -3`: three lines, status 141, no traceback, no rank left."""
+    """`run_main.sh --iters 3 --no-compare | head -3`: three lines, status 141, no traceback, no rank left.
+    The third line comes from the last rank once every rank has joined the process group, so the pipe
+    closes while the ranks run; two of them (NPROC, as run_main.sh documents) prove it as four would."""
     token = uuid.uuid4().hex
     # run_main.sh takes MASTER_PORT as --master-port; in-process tests of this pytest worker set it
     # for their own gloo groups (and their port may be taken again by now): a user's shell has none
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "MASTER_ADDR")}
     env[TOKEN] = token
-    shell = (f"bash {ROOT}/scripts/run_main.sh --iters 3 --no-compare --eval-iters 0 --num-layers 4 --hidden-size 16 "
-             f"--seq-length 16 --micro-batch-size 1 --out out 2>err.txt | head -3; "
+    env["NPROC"] = "2"
+    shell = (f"bash {ROOT}/scripts/run_main.sh --iters 3 --no-compare --eval-iters 0 --num-layers 2 --hidden-size 16 "
+             f"--seq-length 16 --microbatches 4 --micro-batch-size 1 --out out 2>err.txt | head -3; "
              f"echo status ${{PIPESTATUS[0]}}")
     try:
         r = subprocess.run(["bash", "-c", shell], capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
@@ -230,4 +244,5 @@ def test_main_job_into_head_closes_cleanly(tmp_path):
     lines = r.stdout.splitlines()
     assert len(lines) == 4 and lines[-1] == "status 141" and left == []
     assert "Traceback" not in err and "Error" not in err
-    assert (tmp_path / "out" / "dualpipe_pp4_m16.png").is_file()  # --out relative to the caller's directory
+    assert "starting 2 processes" in lines[0]  # NPROC reached the job
+    assert (tmp_path / "out" / "dualpipe_pp2_m4.png").is_file()  # --out relative to the caller's directory

@@ -1,12 +1,14 @@
 """The drawing: a colour-blind-safe palette with hatching for direction 1, one word per ``dir``,
 fake micro-batches marked, and pictures bounded in size for every schedule the CLI accepts."""
+import functools
 import math
 import xml.etree.ElementTree as ET
 
 import pytest
 
+from megatron_dualpipe.cli.schedule import MAX_FORWARDS
 from megatron_dualpipe.pictures import draw
-from megatron_dualpipe.schedule import build_schedule
+from megatron_dualpipe.schedule import build_schedule, registry
 from megatron_dualpipe.schedule.actions import OPS
 from megatron_dualpipe.schedule.padding import build_padded
 from megatron_dualpipe.schedule.registry import DUALPIPE, DUALPIPEV, ONE_F_ONE_B, ZB_H1
@@ -102,14 +104,30 @@ def test_fake_microbatches_are_marked():
     assert len(fakes) == want > 0 and all(e.get("fill") == draw.FAKE for e in fakes)
 
 
-LARGE = [(ONE_F_ONE_B, 64, 1024), (ZB_H1, 64, 1024), (DUALPIPE, 64, 1024), (DUALPIPEV, 32, 1024),
-         (DUALPIPE, 8, 8192), (ONE_F_ONE_B, 2048, 32)]
+#: The largest schedules the command line accepts (MAX_FORWARDS forward actions): the most ranks and
+#: units at once, and the longest rows.
+AT_THE_LIMIT = [(DUALPIPE, 8, 8192), (DUALPIPE, 64, 1024)]
+#: Each other shape, still well past both bounds where it has them (ranks past MAX_ROWS, actions per
+#: rank past 2 * MAX_UNITS_PER_ROW): the window is cut the same way at any size, and simulating
+#: these at the limit took most of this file's time. The last case is the one the PNG test draws.
+LARGE = [(ONE_F_ONE_B, 64, 256), (ZB_H1, 64, 256), (DUALPIPEV, 32, 256), (ONE_F_ONE_B, 256, 32)] + AT_THE_LIMIT
+
+
+@functools.lru_cache(maxsize=1)
+def _simulated(name, pp, m):
+    """The schedule and its unit-cost simulation; the last one kept (the PNG test draws LARGE's last)."""
+    s = build_schedule(name, pp, m)
+    return s, simulate(s.layout, s.ranks, Costs())
+
+
+def test_the_limit_cases_are_at_the_command_lines_limit():
+    for name, pp, m in AT_THE_LIMIT:
+        assert registry.get(name).model_stages(pp) * m == MAX_FORWARDS, (name, pp, m)
 
 
 @pytest.mark.parametrize("name,pp,m", LARGE)
 def test_large_schedules_draw_a_bounded_window_with_a_note(name, pp, m):
-    s = build_schedule(name, pp, m)
-    res = simulate(s.layout, s.ranks, Costs())
+    s, res = _simulated(name, pp, m)
     svg = draw.to_svg(s, res)
     root = ET.fromstring(svg)
     cells = [e for e in root.iter(NS + "rect") if e.get("class") == "action"]
@@ -120,9 +138,11 @@ def test_large_schedules_draw_a_bounded_window_with_a_note(name, pp, m):
           f"{len(svg) / 1e6:.2f} MB; {note}")
     assert len(ranks) <= draw.MAX_ROWS and len(svg) < 4_000_000
     assert len(cells) <= draw.MAX_ROWS * 3 * draw.MAX_UNITS_PER_ROW
+    longest = max(len(r) for r in s.ranks)
+    assert pp > draw.MAX_ROWS or longest > 2 * draw.MAX_UNITS_PER_ROW  # a case that a bound cuts
     if pp > draw.MAX_ROWS:
         assert ranks == set(range(16)) | set(range(pp - 16, pp)) and "not drawn" in note
-    if max(len(r) for r in s.ranks) > 2 * draw.MAX_UNITS_PER_ROW:
+    if longest > 2 * draw.MAX_UNITS_PER_ROW:
         assert "cut out" in note and "steady state" in note
 
 
@@ -134,8 +154,8 @@ def test_small_schedules_are_drawn_whole():
 
 def test_large_png_renders(tmp_path):
     pytest.importorskip("matplotlib")
-    s = build_schedule(DUALPIPE, 64, 1024)
+    s, res = _simulated(*LARGE[-1])
     path = tmp_path / "big.png"
-    draw.to_png(s, simulate(s.layout, s.ranks, Costs()), path)
-    print(f"\ndualpipe pp=64 M=1024 PNG: {path.stat().st_size / 1e6:.2f} MB")
+    draw.to_png(s, res, path)
+    print(f"\n{s.name} pp={s.pp} M={s.microbatches} PNG: {path.stat().st_size / 1e6:.2f} MB")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size < 4_000_000

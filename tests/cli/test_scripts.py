@@ -3,7 +3,10 @@
 Runs `scripts/pretrain_gpt_dualpipe.sh` with DRY_RUN=1 against a stand-in Megatron-LM folder
 (pretrain_gpt.py and megatron/core/package_info.py at 0.16.1) and a stand-in data prefix; every
 config in configs/ must pass at the minimum GPU count it states, and each missing or wrong setting
-must fail with one line naming the fix (never a bash error such as "unbound variable").
+must fail with one line naming the fix (never a bash error such as "unbound variable"). Where a
+test needs only the composed command, the script launches for real, a stand-in torchrun that
+records its arguments: the command printed is the one run, without DRY_RUN's `advise` (seconds per
+run at a config's global batch; its output is checked by the DeepSeek-V3 dry run).
 """
 import json
 import os
@@ -61,6 +64,22 @@ def run(tmp_path, tokenizer=True, extra=(), **env):
                           text=True, timeout=60)
 
 
+def stand_in_torchrun(tmp_path):
+    """A torchrun on ``tmp_path/bin`` that appends its arguments (shell-quoted, one line per call) to
+    ``tmp_path/torchrun-ran`` and exits 0."""
+    path = tmp_path / "bin" / "torchrun"
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(f"#!/bin/bash\n{{ printf '%q ' \"$@\"; echo; }} >> {shlex.quote(str(tmp_path / 'torchrun-ran'))}\n")
+    path.chmod(0o755)
+    return path
+
+
+def torchrun_calls(tmp_path):
+    """The argument lists the stand-in torchrun was called with, in order."""
+    ran = tmp_path / "torchrun-ran"
+    return [shlex.split(line) for line in ran.read_text().splitlines()] if ran.exists() else []
+
+
 def test_configs_exist():
     assert {"gpt_tiny_cpu", "gpt_345m", "gpt_8b", "moe_mixtral_8x7b", "moe_deepseek_v2_lite"} <= set(CONFIGS)
 
@@ -84,11 +103,14 @@ def test_readme_states_each_configs_minimum():
 def test_every_config_is_accepted_at_its_minimum_and_composed(tmp_path, config, schedule):
     gpus = min(min_gpus(config), 8)
     nodes = min_gpus(config) // gpus
-    r = run(tmp_path, CONFIG=config, SCHEDULE=schedule, NNODES=nodes, GPUS_PER_NODE=gpus, MASTER_ADDR="node0")
+    torchrun = stand_in_torchrun(tmp_path)
+    r = run(tmp_path, CONFIG=config, SCHEDULE=schedule, NNODES=nodes, GPUS_PER_NODE=gpus, MASTER_ADDR="node0",
+            DRY_RUN=None, TORCHRUN=torchrun)
     assert r.returncode == 0, r.stderr
     header, command = r.stdout.strip().splitlines()[-2:]
     print(f"\n{config} {schedule}: {header}")
     argv = shlex.split(command)
+    assert argv[0] == str(torchrun) and torchrun_calls(tmp_path) == [argv[1:]]  # printed, then run as printed
     last_m = max(i for i, a in enumerate(argv) if a == "-m")  # after "python -m torch.distributed.run" if any
     assert argv[last_m + 1] == "megatron_dualpipe.launch"
     assert argv[argv.index("--pipeline-schedule") + 1] == schedule
@@ -352,13 +374,16 @@ def run_sbatch(tmp_path, command=None, **env_vars):
 def test_slurm_example_gives_each_node_its_rank_and_the_first_node_as_master(tmp_path, how):
     """Both nodes compose their torchrun command, however the job was submitted: from the checkout
     (``sbatch scripts/slurm_dualpipe.sbatch``), from another directory (scontrol's Command= names
-    the script by its full path), or with DUALPIPE_DIR."""
+    the script by its full path), or with DUALPIPE_DIR; and each node runs (a stand-in torchrun) the
+    command it printed."""
     env = {"submitted from the checkout": dict(command="scripts/slurm_dualpipe.sbatch", SLURM_SUBMIT_DIR=str(ROOT)),
            "submitted from elsewhere": dict(command=str(ROOT / "scripts" / "slurm_dualpipe.sbatch")),
            "DUALPIPE_DIR": dict(DUALPIPE_DIR=str(ROOT))}[how]
-    r = run_sbatch(tmp_path, **env)
+    torchrun = stand_in_torchrun(tmp_path)
+    r = run_sbatch(tmp_path, DRY_RUN="0", TORCHRUN=str(torchrun), **env)
     assert r.returncode == 0, r.stderr
     commands = [shlex.split(line) for line in r.stdout.splitlines() if not line.startswith("#")]
+    assert [c[0] for c in commands] == [str(torchrun)] * 2 and torchrun_calls(tmp_path) == [c[1:] for c in commands]
     print(f"\n{how}:\n" + "\n".join(" ".join(c[:14]) for c in commands))
     assert [c[c.index("--node-rank") + 1] for c in commands] == ["0", "1"]
     assert all(c[c.index("--master-addr") + 1] == "gpu-node-a" and c[c.index("--nnodes") + 1] == "2"

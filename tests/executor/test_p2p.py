@@ -71,7 +71,7 @@ def test_accelerator_discipline_never_blocks_and_releases_completed_sends(fake_d
     send, recv = fake_dist
     t0 = time.monotonic()
     p2p.receive(GRAD, "before action 3 (B1.0)")
-    assert time.monotonic() - t0 < 1.0 and recv.wait_args == [()]  # a stream wait, no timeout
+    assert time.monotonic() - t0 < 10 and recv.wait_args == [()]  # a stream wait, no timeout (30 s)
     p2p.reap()
     assert released == []  # the send has not completed
     send.finished.set()

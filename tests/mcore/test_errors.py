@@ -217,7 +217,7 @@ def test_config_error_is_immediate_and_names_the_fix(config_errors, case):
     print(f"\n{case} ({elapsed * 1e3:.1f} ms, {len(comm)} communication calls): {kind}: {msg}")
     assert kind == "DualPipeConfigError", f"{case}: {kind}: {msg}"
     assert comm == [], f"{case}: communicated before failing: {comm}"
-    assert elapsed < 2.0, f"{case}: took {elapsed:.1f} s"
+    assert elapsed < 20, f"{case}: took {elapsed:.1f} s (the group's timeout: 60 s)"  # no wait on a peer
     for part in EXPECTED[case]:
         assert part in msg, f"{case}: {part!r} not in {msg!r}"
     assert FIX.search(msg), f"{case}: the message names no fix: {msg!r}"

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 
 import pytest
 import torch
@@ -23,15 +22,10 @@ from megatron.core.tensor_parallel.layers import (  # noqa: E402
     RowParallelLinear,
 )
 
+from megatron_dualpipe.bench.ports import free_port  # noqa: E402
 from megatron_dualpipe.mcore import wgrad  # noqa: E402
 
 TOL = 1e-5  # fp32; sums of two micro-batches in a different order
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -40,7 +34,7 @@ def dist_world_1():
     created = False
     if not torch.distributed.is_initialized():
         os.environ["MASTER_ADDR"] = "127.0.0.1"
-        os.environ["MASTER_PORT"] = str(_free_port())
+        os.environ["MASTER_PORT"] = str(free_port())
         torch.distributed.init_process_group(
             "gloo", rank=0, world_size=1, timeout=datetime.timedelta(minutes=2)
         )
