@@ -72,6 +72,8 @@ class StageWatchdog:
         with tempfile.TemporaryFile(mode="w+") as scratch:
             faulthandler.dump_traceback(file=scratch, all_threads=True)
             scratch.seek(0)
+            # faulthandler's "Current thread" is this timer's: name the thread that is stuck
+            lines.append(f"[rank {self.rank}] main thread 0x{threading.main_thread().ident:016x}")
             lines += [f"[rank {self.rank}] {line.rstrip()}" for line in scratch if line.strip()]
         for line in lines:
             self._write_line(line + "\n")

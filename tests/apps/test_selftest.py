@@ -223,7 +223,7 @@ def test_stuck_ranks_reporting_at_once_keep_their_lines_whole():
         lines = pipe.read().splitlines()
     assert [proc.wait(timeout=60) for proc in procs] == [0] * ranks
     line_shape = re.compile(r"(megatron-dualpipe selftest: rank (\d) still running stage 'x' after 1 s .*threads are:"
-                            r"|\[rank (\d)\] (Thread 0x[0-9a-f]+ \(most recent call first\):|Current thread 0x[0-9a-f]+"
+                            r"|\[rank (\d)\] (main thread 0x[0-9a-f]+|Thread 0x[0-9a-f]+ \(most recent call first\):|Current thread 0x[0-9a-f]+"
                             r" \(most recent call first\):|  File \".*\", line \d+ in \S+))$")
     torn = [line for line in lines if not line_shape.match(line)]
     headers = [line for line in lines if "still running stage" in line]

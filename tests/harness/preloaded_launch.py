@@ -27,6 +27,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 
@@ -115,6 +116,26 @@ def _exit_code(exc):
 _SERVER_FILES = []
 
 
+def stacks_path(output, rank):
+    """Where a rank's faulthandler writes (a crash, or the SIGABRT of a job past its timeout): its own
+    file, not the job's output, where the ranks' dumps would interleave mid-line; the client appends
+    each line to the output marked with the rank (``[rank R] ...``)."""
+    return f"{output}.stacks{rank}"
+
+
+def _stacks_to(path):
+    """Every thread's stack on a fatal signal, into ``path``, after a line naming the main thread as
+    faulthandler names threads (``tools/failed_tests.py`` shows that thread's innermost frames)."""
+    global _STACKS
+    _STACKS = open(path, "w")
+    _STACKS.write(f"main thread 0x{threading.main_thread().ident:016x}\n")
+    _STACKS.flush()
+    faulthandler.enable(file=_STACKS, all_threads=True)
+
+
+_STACKS = None
+
+
 def rank_main(argv, env, output, teardown):
     """In the forked rank: become torchrun's worker and run ``python ARGV``; never returns (with
     ``teardown``, it raises SystemExit through the server's frames: the interpreter's own exit)."""
@@ -134,7 +155,7 @@ def rank_main(argv, env, output, teardown):
         if path in sys.path:
             sys.path.remove(path)
         sys.path.insert(0, path)
-    faulthandler.enable(all_threads=True)  # a job past its timeout is sent SIGABRT: every thread's stack
+    _stacks_to(stacks_path(output, env["RANK"]))
     code = 0
     try:
         import torch
