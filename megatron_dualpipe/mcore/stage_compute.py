@@ -89,7 +89,10 @@ class MegatronStageCompute(StageComputeBase):
         return self.spec.global_index(self.real, a.dir, a.mb), is_first_mb
 
     def _end_forward(self, a: Action, input_tensor, output, num_tokens) -> None:
-        self.total_num_tokens = num_tokens if self.total_num_tokens is None else self.total_num_tokens + num_tokens
+        # Megatron sums into an int32 zero in place: the count is int32 on every pipeline rank, whatever
+        # dtype the loss function returns (an int64 count here made one all-reduce over mixed dtypes)
+        tokens = num_tokens.to(dtype=torch.int)
+        self.total_num_tokens = tokens if self.total_num_tokens is None else self.total_num_tokens + tokens
         if not self.forward_only:
             self.saved[(a.dir, a.mb, a.stage)] = (input_tensor, output)
 
