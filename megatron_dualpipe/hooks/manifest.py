@@ -148,6 +148,9 @@ SCOPED_PATCHES = (
             "mcore.model.build_two_direction_model (while the mirror is built)"),
     _scoped(_PS, "_PIPELINE_GLOBAL_RANKS", "the mirror chunk is built with the reversed pipeline group",
             "mcore.model.build_two_direction_model (while the mirror is built)"),
+    _scoped(_PS, "_PIPELINE_MODEL_PARALLEL_GROUP", "the mirror chunk's modules built without its pg_collection "
+            "(0.16.1: the MTP layer's transformer layer) take the reversed pipeline group, and number their layers "
+            "by its rank", "mcore.model.build_two_direction_model (while the mirror is built)"),
     _scoped(_PS, "_VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE", "DualPipeV's V-stages are megatron-core's two "
             "virtual stages: its layout (--pipeline-model-parallel-layout) reads the chunk's vp_stage only while "
             "parallel_state has a virtual pipeline", "mcore.model.build_two_direction_model (DualPipeV's two chunks)"),

@@ -121,13 +121,17 @@ def dualpipev_config(config):
     return copy_
 
 
-def _mirror_parallel_state(rev_rank: int, rev_ranks: Sequence[int]):
-    """parallel_state answers rank queries for the reversed pipeline group inside the block
-    (a ``hooks.scoped`` block: the two entries are in the hooks manifest)."""
+def _mirror_parallel_state(rev_rank: int, rev_ranks: Sequence[int], rev_group):
+    """parallel_state answers rank queries for the reversed pipeline group inside the block, and its
+    pipeline group is that group: a module megatron-core builds without the chunk's
+    ``pg_collection`` takes parallel_state's groups (at 0.16.1 the MTP layer's transformer layer:
+    numbered from the physical rank it was 3 instead of 1F1B's 9). ``hooks.scoped`` entries of the
+    hooks manifest."""
     from .. import hooks
 
     return hooks.scoped(hooks.entry("scoped", "_MPU_PIPELINE_MODEL_PARALLEL_RANK").to(rev_rank),
-                        hooks.entry("scoped", "_PIPELINE_GLOBAL_RANKS").to(list(rev_ranks)))
+                        hooks.entry("scoped", "_PIPELINE_GLOBAL_RANKS").to(list(rev_ranks)),
+                        hooks.entry("scoped", "_PIPELINE_MODEL_PARALLEL_GROUP").to(rev_group))
 
 
 def _v_stages_in_parallel_state(layout_kind: str):
@@ -143,23 +147,16 @@ def _v_stages_in_parallel_state(layout_kind: str):
     return hooks.scoped(hooks.entry("scoped", "_VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE").to(2))
 
 
-def _expected_first_layer(config, stage: int, num_stages: int) -> Optional[int]:
-    """1-based global number of the stage's first layer for an even split, or None when the
-    config uses an uneven split (then nothing is checked)."""
-    if (
-        getattr(config, "pipeline_model_parallel_layout", None) is not None
-        or getattr(config, "num_layers_in_first_pipeline_stage", None) is not None
-        or getattr(config, "num_layers_in_last_pipeline_stage", None) is not None
-        or getattr(config, "account_for_embedding_in_pipeline_split", False)
-        or getattr(config, "account_for_loss_in_pipeline_split", False)
-    ):
-        return None
-    if config.num_layers % num_stages:
-        return None
-    return stage * (config.num_layers // num_stages) + 1
+def _expected_first_layer(chunk, pp_rank: int, vp_stage: Optional[int]) -> int:
+    """1-based global number of the first decoder layer of the stage at (``pp_rank``, ``vp_stage``), by
+    megatron-core's own ``get_transformer_layer_offset`` (even and uneven splits, layouts). Called in
+    the parallel_state scope the chunk was built in: a layout reads the rank from there."""
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    return get_transformer_layer_offset(unwrap_chunk(chunk).config, vp_stage, pp_rank) + 1
 
 
-def _check_chunk(chunk, kind: str, direction: int, stage: int, num_stages: int) -> None:
+def _check_chunk(chunk, kind: str, direction: int, stage: int, num_stages: int, expected: int) -> None:
     config = chunk.config
     vp = config.virtual_pipeline_model_parallel_size
     if kind == V_SHAPE and vp != 2:
@@ -175,8 +172,7 @@ def _check_chunk(chunk, kind: str, direction: int, stage: int, num_stages: int) 
         )
     decoder = getattr(chunk, "decoder", None)
     layers = getattr(decoder, "layers", None)
-    expected = _expected_first_layer(config, stage, num_stages)
-    if layers is not None and len(layers) and expected is not None:
+    if layers is not None and len(layers):
         got = layers[0].layer_number
         if got != expected:
             raise RuntimeError(
@@ -242,11 +238,13 @@ def build_two_direction_model(
     (pg0, kwargs0), (pg1, kwargs1), stages, num_stages = _chunk_arguments(layout_kind, base, rev_group, pp, i)
     with _v_stages_in_parallel_state(layout_kind):
         model0 = model_provider(pg_collection=pg0, **kwargs0)
-        with _mirror_parallel_state(pp - 1 - i, list(reversed(pp_ranks))):
+        first = [_expected_first_layer(model0, i, kwargs0["vp_stage"])]
+        with _mirror_parallel_state(pp - 1 - i, list(reversed(pp_ranks)), rev_group):
             model1 = model_provider(pg_collection=pg1, **kwargs1)
+            first.append(_expected_first_layer(model1, pp - 1 - i, kwargs1["vp_stage"]))
     model = [model0, model1]
     for d, (chunk, stage) in enumerate(zip(model, stages)):
-        _check_chunk(unwrap_chunk(chunk), layout_kind, d, stage, num_stages)
+        _check_chunk(unwrap_chunk(chunk), layout_kind, d, stage, num_stages, first[d])
         setattr(chunk, _INFO_ATTR, dict(layout=layout_kind, direction=d, stage=stage, num_stages=num_stages))
 
     if layout_kind == BIDIRECTIONAL:
