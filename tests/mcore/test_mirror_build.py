@@ -47,7 +47,9 @@ def _mtp_provider(v_layout=False, cache=None, **config):
 def _numbers(chunk):
     """(first decoder layer, the MTP layers' transformer-layer numbers) of a built chunk."""
     layers = chunk.decoder.layers
-    mtp = [int(layer.transformer_layer.layer_number) for layer in chunk.mtp.layers] if chunk.mtp_process else []
+    inner = [getattr(layer, "transformer_layer", None) or layer.mtp_model_layer  # 0.16.1 / 0.19
+             for layer in chunk.mtp.layers] if chunk.mtp_process else []
+    mtp = [int(layer.layer_number) for layer in inner]
     return (int(layers[0].layer_number) if len(layers) else None), mtp
 
 
