@@ -32,6 +32,9 @@ __all__ = ["ARGS", "CONFIG", "Refused", "Handled", "REFUSED", "HANDLED", "COMBIN
            "combined_step_problems", "args_rules"]
 
 ARGS, CONFIG = "args", "config"
+#: A third side for the rules ``read`` can answer from a chunk's ``DistributedDataParallelConfig``
+#: (what a megatron-core API caller sets without Megatron-LM's args): checked at call time.
+DDP = "ddp"
 
 #: Schedule groups the rules name.
 EXECUTOR = registry.names(runs_on=registry.EXECUTOR)
@@ -74,6 +77,8 @@ class Refused:
         return getattr(source, name, None)
 
     def applies(self, side: str) -> bool:
+        if side == DDP:  # only the rules that say they read it
+            return self.read is not None and self.sides is not None and DDP in self.sides
         if self.read is not None:
             return self.sides is None or side in self.sides
         return (self.arg if side == ARGS else self.config) is not None
@@ -296,8 +301,9 @@ REFUSED: Tuple[Refused, ...] = (
             read=lambda source, side: (getattr(source, "use_distributed_optimizer", False)
                                        and getattr(source, "overlap_grad_reduce", False)
                                        and (getattr(source, "num_distributed_optimizer_instances", 1) or 1) > 1),
-            sides=(ARGS,), schedules=EXECUTOR,
-            fix="set --num-distributed-optimizer-instances 1, or remove --overlap-grad-reduce"),
+            sides=(ARGS, DDP), schedules=EXECUTOR,
+            fix="set --num-distributed-optimizer-instances 1 (DistributedDataParallelConfig."
+                "num_distributed_optimizer_instances), or remove --overlap-grad-reduce"),
     Refused("--moe-layer-freq", "megatron-core 0.16.1 prints the MoE load_balancing_loss of a last pipeline rank "
             "without MoE layers unaveraged over data parallel, and dualpipev's last rank holds V-stages pp-1 and pp",
             read=lambda source, side: _v_last_rank_without_moe_before_019(source), sides=(ARGS,),

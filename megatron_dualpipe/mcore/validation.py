@@ -33,8 +33,9 @@ def check_call(spec: ScheduleSpec, *, model: Sequence[torch.nn.Module], num_micr
     problem = spec.pp_problem(pp, flag="--pipeline-model-parallel-size")
     if problem:
         raise DualPipeConfigError(problem)
-    refused = options.problems(config, name, options.CONFIG)
-    if refused:  # the options table, read from the TransformerConfig (as Megatron-LM's check reads args)
+    ddp = next((c.ddp_config for c in model if getattr(c, "ddp_config", None) is not None), None)
+    refused = options.problems(config, name, options.CONFIG) + (options.problems(ddp, name, options.DDP) if ddp else [])
+    if refused:  # the options table, read from the TransformerConfig and the DDP config (as Megatron-LM's check reads args)
         raise DualPipeConfigError(f"{name}: " + f"; {name}: ".join(refused))
     _check_chunks(spec, model)
     if adjust_tensor_shapes_fn is not None:

@@ -89,9 +89,11 @@ class CommCounter:
 class Chunk(torch.nn.Module):
     """A stand-in model chunk: validation reads only its `config`."""
 
-    def __init__(self, **config_attrs):
+    def __init__(self, ddp_config=None, **config_attrs):
         super().__init__()
         self.config = models.config_of(SPEC)
+        if ddp_config is not None:  # as megatron-core's DistributedDataParallel holds it
+            self.ddp_config = ddp_config
         for k, v in config_attrs.items():  # set afterwards: TransformerConfig checks some combinations
             setattr(self.config, k, v)
         self.w = torch.nn.Parameter(torch.zeros(1))
@@ -112,6 +114,10 @@ def _bad_calls(pp):
         base.update(kw)
         return base
 
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    partial = DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_grad_reduce=True,
+                                            num_distributed_optimizer_instances=2)
     vp = (lambda: ps.set_virtual_pipeline_model_parallel_world_size(2),
           lambda: ps.set_virtual_pipeline_model_parallel_world_size(None))
     if pp % 2:
@@ -133,6 +139,9 @@ def _bad_calls(pp):
         ("three_chunks_for_dualpipev", call(model=[Chunk(), Chunk(), Chunk()], schedule="dualpipev"), None, None),
         ("two_chunks_for_zb_h1", call(schedule="zb-h1"), None, None),
         ("p2p_communicator", call(p2p_communicator=object()), None, None),
+        # a megatron-core API caller: the DDP config, not Megatron-LM's args (issue 35, finding 6)
+        ("partial_distributed_optimizer_with_overlap", call(model=[Chunk(ddp_config=partial), Chunk(ddp_config=partial)]),
+         None, None),
         ("data_iterator_list", call(data_iterator=[iter([]), iter([])]), None, None),
     ]
 
@@ -193,6 +202,8 @@ EXPECTED = {
     "three_chunks_for_dualpipev": ["2 model chunks", "got 3", "build_two_direction_model"],
     "two_chunks_for_zb_h1": ["one model chunk", "got 2"],
     "p2p_communicator": ["p2p_communicator"],
+    "partial_distributed_optimizer_with_overlap": ["--num-distributed-optimizer-instances", "6.0 and 6.5",
+                                                   "num_distributed_optimizer_instances", "remove --overlap-grad-reduce"],
     "data_iterator_list": ["one data iterator", "list of 2"],
     "unknown_schedule": ["'dual-pipe'", "1f1b, executor-1f1b, zb-h1, dualpipe, dualpipev"],
 }
