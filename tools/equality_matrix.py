@@ -36,7 +36,11 @@ def main(argv=None) -> int:
     p.add_argument("xml", help="a JUnit XML file written by pytest --junitxml with -o junit_logging=system-out")
     p.add_argument("--folder", default="tests.megatron_lm", help="test folder (dotted or slashed) to report")
     args = p.parse_args(argv)
-    cases = list(rows(args.xml, args.folder))
+    try:
+        cases = list(rows(args.xml, args.folder))
+    except (OSError, ET.ParseError) as e:  # a crashed tier: the summary at the end of CI's log says so
+        print(f"equality matrix: no readable JUnit file ({type(e).__name__}: {e})")
+        return 0
     if not cases:
         print(f"equality matrix: no test cases of {args.folder} in {args.xml}")
         return 0
