@@ -97,10 +97,25 @@ def pytest_configure(config):
                    "Megatron-LM core_v0.16.1); the whole suite runs on the newest")
 
 
+#: Every test's limit (pytest-timeout), unless ``--timeout`` or the ini's says otherwise: above each
+#: test's own deadlines (a job past its own timeout prints every rank's stacks, which CI's summary
+#: shortens), so that a wait without one still ends, and CI's summary names it HUNG with its frames
+#: instead of the whole run stopping silently.
+TEST_TIMEOUT_S = 900
+
+
+def _default_timeout(config):
+    given = config.getoption("timeout", None) if config.pluginmanager.hasplugin("timeout") else "none"
+    return None if given is not None or config.getini("timeout") else pytest.mark.timeout(TEST_TIMEOUT_S)
+
+
 def pytest_collection_modifyitems(config, items):
     astray = set()
     order = {}
+    limit = _default_timeout(config)
     for item in items:
+        if limit is not None and item.get_closest_marker("timeout") is None:
+            item.add_marker(limit)
         rel = os.path.relpath(str(item.path), _HERE).split(os.sep)
         layer = rel[0] if len(rel) > 1 and rel[0] in LAYERS else None
         order[item.nodeid] = RUN_ORDER.index(layer) if layer else len(RUN_ORDER)

@@ -191,7 +191,7 @@ def test_rank_killed_mid_iteration_restarts_and_continues_the_curve(tmp_path):
                        env_extra={"MEGATRON_DUALPIPE_TEST_SIGKILL": "2,4,3", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},
                        pythonpath=(CHILD_HOOKS,), torchrun_args=("--max-restarts", "1", "--monitor-interval", "0.5"))
     # one pipe for both streams: the attempts' lines stay in order
-    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=1200)
+    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
     out = proc.stdout
     (tmp_path / "output.txt").write_text(out)
     assert proc.returncode == 0, out[-6000:]
