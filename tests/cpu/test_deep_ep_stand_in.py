@@ -26,6 +26,8 @@ pytestmark = pytest.mark.skipif(
 )
 
 HIDDEN, EXPERTS, TOPK = 16, 8, 3
+#: Gradients of the two bfloat16 models: the same sums in another order round differently.
+RTOL_BF16 = 1e-2
 
 
 def _inputs(rank):
@@ -191,5 +193,58 @@ def test_dispatch_and_combine_equal_deepeps_contract():
         # one bfloat16 rounding of a float32 sum, against float64
         assert report["weighted combine gap"] <= 8e-3 and report["biased combine gap"] <= 8e-3
         for name, outcome in report["refusals"].items():
-            print(f"  refused {name}: {outcome}")
+            if rank == 0:
+                print(f"  refused {name}: {outcome}")
             assert outcome.startswith("DeepEP (CPU stand-in): assertion failed"), (name, outcome)
+
+
+# ----------------------------------------------------------------------------------------------
+# megatron-core's flex dispatcher on the stand-in
+
+
+#: The two ways to ask for the DeepEP backend: its name, and the deprecated switch that sets it.
+DEEPEP_FLAGS = {"backend": {"moe_flex_dispatcher_backend": "deepep"}, "enable_deepep": {"moe_enable_deepep": True}}
+
+
+def _flex_worker(rank, world, port, grouped, flag):
+    """The same tiny MoE GPT (ep=world) with the alltoall dispatcher and with flex / DeepEP."""
+    from harness import stand_in_moe as moe
+
+    moe.start(rank, world, port, ["deep_ep", "grouped_gemm"] if grouped else ["deep_ep"], ep=world)
+    try:
+        from megatron.core.transformer.moe import fused_a2a, token_dispatcher
+
+        assert fused_a2a.HAVE_DEEP_EP and token_dispatcher.fused_dispatch is fused_a2a.fused_dispatch
+        batch = moe.DATA.batches(world, seed=11)[rank]
+        reference = moe.build(moe.moe_config("alltoall"))
+        flex = moe.build(moe.moe_config("flex", grouped=grouped, **DEEPEP_FLAGS[flag]), moe.grouped_state(reference) if grouped
+                         else reference.module.state_dict())
+        mlp = flex.module.decoder.layers[0].mlp
+        assert type(mlp.token_dispatcher).__name__ == "MoEFlexTokenDispatcher", type(mlp.token_dispatcher)
+        assert type(mlp.experts).__name__ == ("GroupedMLP" if grouped else "SequentialMLP"), type(mlp.experts)
+        want_loss, want = moe.loss_and_grads(reference, batch)
+        got_loss, got = moe.loss_and_grads(flex, batch)
+        if grouped:
+            got = moe.sequential_grads(got, flex.config)
+        used = type(fused_a2a._buffer).__module__
+        return want_loss, got_loss, want, got, used
+    finally:
+        me.destroy_distributed()
+
+
+@pytest.mark.parametrize("grouped, flag", [(False, "backend"), (False, "enable_deepep"), (True, "backend")],
+                         ids=["sequential", "sequential-enable_deepep", "grouped_gemm"])
+def test_flex_dispatcher_equals_alltoall(grouped, flag):
+    from harness import stand_in_moe as moe
+
+    if grouped and not moe.has_legacy_grouped_mlp():
+        pytest.skip("megatron-core >= 0.19 has no legacy GroupedMLP (grouped_gemm is not used)")
+    results = me.run_workers(_flex_worker, world_size=2, args=(grouped, flag), timeout=120)
+    experts = "GroupedMLP on the grouped_gemm stand-in" if grouped else "SequentialMLP"
+    print(f"\nflex dispatcher (DeepEP stand-in, {DEEPEP_FLAGS[flag]}), {experts}, vs alltoall with "
+          "SequentialMLP, ep=2, bfloat16")
+    for rank, (want_loss, got_loss, want, got, used) in enumerate(results):
+        assert used == "megatron_dualpipe.cpu.stand_ins.deep_ep.buffer", used
+        print(f"  rank {rank}: loss {got_loss:.6f} vs {want_loss:.6f} (diff {abs(got_loss - want_loss):.2e})")
+        assert abs(got_loss - want_loss) <= 1e-6 * abs(want_loss)
+        moe.compare(f"rank {rank} gradients", got, want, rtol=RTOL_BF16)
