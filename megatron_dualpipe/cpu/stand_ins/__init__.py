@@ -54,6 +54,11 @@ class StandInFinder(importlib.abc.MetaPathFinder):
         top = fullname.partition(".")[0]
         if top not in self.names:
             return None
+        if fullname == top:
+            if importlib.machinery.PathFinder.find_spec(top) is not None:
+                return None  # installed since install(): the real library wins
+        elif getattr(sys.modules.get(top), "__name__", None) != STAND_INS[top]:
+            return None  # the package imported under that name is not ours: its submodules neither
         ours = STAND_INS[top] + fullname[len(top):]
         found = importlib.util.find_spec(ours)
         if found is None:
@@ -84,7 +89,10 @@ def install(names=tuple(STAND_INS)) -> List[str]:
         sys.meta_path.remove(_FINDER)
     _FINDER = StandInFinder(missing) if missing else None
     if _FINDER is not None:
-        sys.meta_path.append(_FINDER)  # after the path finders: a library installed later still wins
+        # First: after them, the path finders would find ``NAME.sub`` again through the stand-in
+        # package's own ``__path__`` and execute it a second time under the library's name (two
+        # copies of every class). A library installed later still wins (see find_spec).
+        sys.meta_path.insert(0, _FINDER)
     return list(missing)
 
 

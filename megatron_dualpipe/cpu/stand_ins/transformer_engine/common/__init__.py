@@ -1,0 +1,2 @@
+"""``transformer_engine.common``: the recipes (the real package also loads the CUDA library)."""
+from . import recipe  # noqa: F401
