@@ -93,9 +93,13 @@ _FC1, _FC2 = "linear_fc1.weight", "linear_fc2.weight"
 
 
 def has_legacy_grouped_mlp() -> bool:
-    from megatron.core.transformer.moe import experts
+    """Whether the installed megatron-core has the legacy GroupedMLP (0.16; gone in 0.19), read from
+    its source so that a test can skip before starting processes."""
+    import importlib.util
 
-    return hasattr(experts, "GroupedMLP")
+    spec = importlib.util.find_spec("megatron.core.transformer.moe.experts")
+    with open(spec.origin, encoding="utf-8") as source:
+        return "\nclass GroupedMLP(" in source.read()
 
 
 def _expert_weights(state, prefix: str, which: str):
