@@ -270,6 +270,8 @@ class ExecutorSchedule:
                      listeners=() if forward_only else (ops,), ops=program[:end])
         if compute.wgrad_store is not None:
             compute.wgrad_store.assert_empty()
+        if not forward_only:
+            compute.check_te_queues_empty()
         return ops.after_schedule(program[end:])
 
 

@@ -82,7 +82,7 @@ log = logging.getLogger("megatron_dualpipe")
 _CALC_LOSS = hooks.entry("scoped", "forward_step_calc_loss")
 
 __all__ = ["COMBINED_STEP_FLAGS", "OverlappedStageCompute", "combined_step_problems", "enable_combined_step",
-           "offers_combined_step"]
+           "enable_deferred_wgrads", "megatron_refuses", "offers_combined_step"]
 
 #: The config flags megatron-core's ``TransformerConfig`` checks against a virtual pipeline;
 #: :func:`enable_combined_step` sets them after its checks.
@@ -109,12 +109,57 @@ def enable_combined_step(config, delay_wgrad_compute: Optional[bool] = None):
     Raises :class:`DualPipeConfigError` listing what the combined step needs. Call it before the
     model is built (the chunks share the config object)."""
     problems = combined_step_problems(config)
-    if problems:
-        raise DualPipeConfigError("--overlap-moe-expert-parallel-comm with DualPipe: " + "; ".join(problems))
+    delay = bool(delay_wgrad_compute if delay_wgrad_compute is not None else config.delay_wgrad_compute)
+    refused = megatron_refuses(config, overlap=True, delay=delay)
+    if problems or refused:
+        raise DualPipeConfigError("--overlap-moe-expert-parallel-comm with DualPipe: " + "; ".join(
+            problems + ([f"megatron-core's TransformerConfig refuses it: {refused}"] if refused else [])))
     config.overlap_moe_expert_parallel_comm = True
-    if delay_wgrad_compute is not None:
-        config.delay_wgrad_compute = bool(delay_wgrad_compute)
+    config.delay_wgrad_compute = delay
     return config
+
+
+def enable_deferred_wgrads(config):
+    """Turn on ``delay_wgrad_compute`` alone (zero bubble through Transformer Engine's deferral: the
+    executor's W actions call ``backward_dw()``) on a config megatron-core has built; returns it.
+    megatron-core's own checks of the flag run first (:func:`megatron_refuses`)."""
+    refused = megatron_refuses(config, overlap=False, delay=True)
+    if refused:
+        raise DualPipeConfigError(f"--delay-wgrad-compute with DualPipe: megatron-core's TransformerConfig refuses "
+                                  f"it: {refused}")
+    config.delay_wgrad_compute = True
+    return config
+
+
+def megatron_refuses(config, *, overlap: bool, delay: bool) -> Optional[str]:
+    """megatron-core's own ``TransformerConfig`` checks of the flags the plugin turns on after the
+    config was validated without them (findings of issue 35: EP overlap with ``moe`` recomputed,
+    ``delay_wgrad_compute`` with ``overlap_dispatch_backward_with_experts_wgrad`` were never checked),
+    run on a probe copy. What DualPipe replaces is relaxed in the probe, nothing else: the pipeline
+    stands as one stage (its pp/vpp assertion), fp32 as bf16 (see the module docstring), and
+    ``delay_wgrad_compute`` alone is probed with the combined step's flag on only where megatron-core
+    asks for it: ``megatron-core's message``, or None."""
+    import dataclasses
+    import warnings
+
+    probe = dict(pipeline_model_parallel_size=1, virtual_pipeline_model_parallel_size=None,
+                 pipeline_model_parallel_layout=None, num_layers_in_first_pipeline_stage=None,
+                 num_layers_in_last_pipeline_stage=None, account_for_embedding_in_pipeline_split=False,
+                 account_for_loss_in_pipeline_split=False, overlap_moe_expert_parallel_comm=overlap,
+                 delay_wgrad_compute=delay and overlap)
+    if overlap and not (config.bf16 or config.fp16):
+        probe["bf16"] = True
+    if delay and not overlap and getattr(config, "overlap_dispatch_backward_with_experts_wgrad", False):
+        return ("delay_wgrad_compute and overlap_dispatch_backward_with_experts_wgrad are mutually exclusive; use "
+                "only one (megatron-core's rule, checked there only with the combined step on): remove "
+                "--overlap-dispatch-backward-with-experts-wgrad")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dataclasses.replace(config, **{k: v for k, v in probe.items() if hasattr(config, k)})
+    except (AssertionError, ValueError) as e:
+        return str(e) or type(e).__name__
+    return None
 
 
 def _loss_where(is_last_stage: bool, cp_size: int):
@@ -170,15 +215,16 @@ class OverlappedStageCompute(MegatronStageCompute):
             if ba is not None:
                 b_model = self.model[ba.dir]
                 b_input, b_output = self.saved.pop((ba.dir, ba.mb, ba.stage))
-                te_deferred = self._defer_weight_grads(ba, stack) and self.te_backward_dw[ba.dir]
+                queued = self._te_sizes(ba.dir)
+                te_deferred = self._defer_weight_grads(ba, stack) and queued is not None
                 if te_deferred:
                     _no_inline_weight_grads(b_output.schedule_plan)
             output, num_tokens, input_grad = combined_1f1b.combined_forward_backward_step(
                 self.forward_step_func, data, f_model, self.real, input_tensor, store, b_model, b_input, b_output,
                 output_grad, self.config, collect_non_loss_data=self.collect_non_loss_data,
                 is_first_microbatch=is_first_mb, current_microbatch=g)
-        if te_deferred:  # TE queued this B's weight gradients: its W runs backward_dw()
-            self._te_backward_dw(ba.dir, (ba.dir, ba.mb, ba.stage))
+        if ba is not None:  # what TE queued and megatron-core did not pop inline: W pops it (a B), or now
+            self._te_backward_dw(ba.dir, queued, (ba.dir, ba.mb, ba.stage) if te_deferred else None)
         if fa is not None:
             self._end_forward(fa, input_tensor, output, num_tokens)
         return output, input_grad

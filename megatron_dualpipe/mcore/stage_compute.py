@@ -19,7 +19,7 @@ from ..executor.runner import StageComputeBase
 from ..schedule import B, Action
 from ..schedule.layout import Layout
 from ..schedule.registry import ScheduleSpec
-from .wgrad import offers_te_backward_dw, run_te_backward_dw
+from .wgrad import TEQueues, offers_te_backward_dw
 from . import compat
 from .data import MicrobatchSource
 from .direction import direction_of
@@ -52,7 +52,7 @@ class MegatronStageCompute(StageComputeBase):
         self.first_val_step, self.global_ranks = first_val_step, global_ranks
         self.wgrad_store, self.audit = wgrad_store, audit
         self.unwrapped = [unwrap_chunk(chunk) for chunk in model]
-        self.te_backward_dw = [offers_te_backward_dw(chunk) for chunk in self.unwrapped]
+        self.te_queues = [TEQueues(chunk) if offers_te_backward_dw(chunk) else None for chunk in self.unwrapped]
         self.cp_size = parallel_state.get_context_parallel_world_size()
         self.model_type = get_model_type(model[0])
         self.saved: Dict[tuple, tuple] = {}
@@ -73,11 +73,11 @@ class MegatronStageCompute(StageComputeBase):
 
     def backward(self, a: Action, output_grad):
         input_tensor, output = self.saved.pop((a.dir, a.mb, a.stage))
+        queued = self._te_sizes(a.dir)
         with contextlib.ExitStack() as stack:
             deferring = self._defer_weight_grads(a, stack)
             input_grad = compat.backward_step(input_tensor, output, output_grad, self.model_type, self.config)
-        if self.te_backward_dw[a.dir]:
-            self._te_backward_dw(a.dir, (a.dir, a.mb, a.stage) if deferring else None)
+        self._te_backward_dw(a.dir, queued, (a.dir, a.mb, a.stage) if deferring else None)
         return input_grad
 
     # -- shared by the subclasses ---------------------------------------------------------------
@@ -105,12 +105,27 @@ class MegatronStageCompute(StageComputeBase):
             stack.enter_context(self.audit.watching(a.dir, f"stage {a.stage}", self.unwrapped[a.dir]))
         return True
 
-    def _te_backward_dw(self, chunk: int, key) -> None:
-        """TE left this backward's weight gradients queued: W computes them (``key``), or now."""
+    def _te_sizes(self, chunk: int):
+        """The chunk's TE queues before a backward (None: no module of it defers)."""
+        queues = self.te_queues[chunk]
+        return queues.sizes() if queues is not None else None
+
+    def _te_backward_dw(self, chunk: int, before, key) -> None:
+        """What this backward left in TE's queues (since ``before``): W pops it (``key``), or now."""
+        if before is None:
+            return
+        queues = self.te_queues[chunk]
+        pushed = queues.pushed_since(before)
         if key is None:
-            run_te_backward_dw(self.unwrapped[chunk])
-        else:
-            self.wgrad_store.record(key, functools.partial(run_te_backward_dw, self.unwrapped[chunk]))
+            queues.pop(pushed)
+        elif pushed:
+            self.wgrad_store.record(key, functools.partial(queues.pop, pushed))
+
+    def check_te_queues_empty(self) -> None:
+        """The end of an iteration: no TE module may hold a deferred weight gradient."""
+        for queues in self.te_queues:
+            if queues is not None:
+                queues.check_empty()
 
     def weight(self, a: Action) -> None:
         if self.wgrad_store is not None:

@@ -23,8 +23,8 @@ What is deferred
     reach): biases (see below), norms, embeddings, the router, frozen weights
     (``linear_with_frozen_weight``), the legacy ``GroupedMLP`` (``moe_grouped_gemm=True`` with the
     local spec: its ``gg.ops.gmm`` has no split backward), and Transformer Engine modules (they
-    have their own ``delay_wgrad_compute``: a chunk built with it defers through
-    ``run_te_backward_dw``, which ``mcore.stage_compute`` records under the B's key).
+    have their own ``delay_wgrad_compute``: a chunk built with it defers through its modules'
+    queues, :class:`TEQueues`, whose pops ``mcore.stage_compute`` records under the B's key).
     ``find_undeferred_weights`` lists the linear-like modules of a model whose weight gradients
     the local patch will *not* defer; ``DeferralAudit`` finds, whatever the layer kind, the weight
     tensors that actually got their gradient in B (the executor logs it once).
@@ -100,7 +100,7 @@ __all__ = [
     "find_undeferred_weights",
     "check_ddp_compatible",
     "offers_te_backward_dw",
-    "run_te_backward_dw",
+    "TEQueues",
     "DeferralAudit",
 ]
 
@@ -413,7 +413,7 @@ def find_undeferred_weights(model: torch.nn.Module) -> List[str]:
     """Names of trainable modules whose weight GEMMs the store will *not* defer.
 
     Reports the legacy ``GroupedMLP`` (grouped GEMM) and Transformer Engine modules (use
-    ``run_te_backward_dw``). Norms, embeddings and routers are not reported: they stay in B by
+    :class:`TEQueues`). Norms, embeddings and routers are not reported: they stay in B by
     design. Call once when building the executor, not per step.
     """
     from megatron.core.transformer.moe import experts
@@ -441,39 +441,58 @@ def check_ddp_compatible(model: torch.nn.Module) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# Transformer Engine path (GPU only; cannot run on this machine)
+# Transformer Engine path (on the CPU through the CPU mode's stand-in)
 
 
 def offers_te_backward_dw(model_chunk: torch.nn.Module) -> bool:
-    """True if ``model_chunk`` was built with ``config.delay_wgrad_compute`` (TE modules).
-
-    Under the local spec ``Attention.backward_dw`` raises (``RowParallelLinear`` has no
-    ``backward_dw``), so only a TE-built chunk qualifies. Pass the unwrapped model (GPTModel).
-    """
+    """True if ``model_chunk`` was built with ``config.delay_wgrad_compute`` (TE modules defer).
+    Pass the unwrapped model (GPTModel)."""
     config = getattr(model_chunk, "config", None)
-    return bool(getattr(config, "delay_wgrad_compute", False)) and hasattr(model_chunk, "decoder")
+    return bool(getattr(config, "delay_wgrad_compute", False))
 
 
-def run_te_backward_dw(model_chunk: torch.nn.Module) -> None:
-    """W step for a TE-built chunk: ``backward_dw()`` of each layer, last layer first.
+def _te_queue(module):
+    """The first-in first-out queue of deferred weight-gradient contexts a Transformer Engine module
+    built with ``delay_wgrad_compute`` keeps (``module.wgrad_store.context``), or None."""
+    store = getattr(module, "wgrad_store", None)
+    queue = getattr(store, "context", None)
+    return queue if queue is not None and callable(getattr(module, "backward_dw", None)) else None
 
-    Per layer it calls ``mlp.backward_dw()`` (MoE: routed, then shared experts) and then
-    ``self_attention.backward_dw()``, as megatron-core's ``TransformerLayerSchedulePlan`` does.
-    TE queues deferred contexts first-in first-out per module, so one call computes the weight
-    gradients of the chunk's oldest backward that is still pending: ``mcore.stage_compute``
-    records one call per B (run by its W) and makes one right after each BW, so every backward
-    is matched by exactly one call and the summed gradients are complete after the last W.
-    Tested on CPU with a fake TE layer (``tests/mcore/test_wgrad.py``); real TE kernels need a GPU. MTP
-    layers and the output layer (a local ``ColumnParallelLinear``, deferred by the patch) are
-    not covered here.
-    """
-    for layer in reversed(model_chunk.decoder.layers):
-        mlp = layer.mlp
-        if getattr(layer, "is_moe_layer", False):
-            mlp.backward_dw(routed_experts=True, shared_experts=True)
-        else:
-            mlp.backward_dw()
-        layer.self_attention.backward_dw()
+
+class TEQueues:
+    """Every Transformer Engine module of a chunk that queues its weight gradients, whatever holds it.
+
+    TE's backward pushes one context per module and per backward onto that module's queue, and
+    ``backward_dw()`` pops the oldest. megatron-core calls ``backward_dw()`` through its layers
+    (attention, MLP, MoE, MLA), and a walk of ``decoder.layers`` missed what megatron-core's own
+    walk skips or does not hold there: MTP layers, overlapped shared experts, latent-MoE
+    projections (issue 35, finding 1): their gradients were missing and their queues grew every
+    iteration. Here the modules are found once per chunk by the queue itself; a backward's W pops
+    exactly what that backward pushed (:meth:`pushed_since`), and :meth:`check_empty` at the end
+    of each iteration names any module left with contexts."""
+
+    def __init__(self, chunk: torch.nn.Module):
+        self.modules = [(name, m, q) for name, m in chunk.named_modules() for q in [_te_queue(m)] if q is not None]
+
+    def sizes(self) -> List[int]:
+        return [q.qsize() for _, _, q in self.modules]
+
+    def pushed_since(self, before: List[int]) -> List[Tuple[int, int]]:
+        """(module index, contexts pushed) since ``before`` (a :meth:`sizes`), for the modules that grew."""
+        return [(i, n - b) for i, (n, b) in enumerate(zip(self.sizes(), before)) if n > b]
+
+    def pop(self, pushed: List[Tuple[int, int]]) -> None:
+        """``backward_dw()`` as many times per module as it was pushed to (its oldest contexts)."""
+        for i, count in pushed:
+            module = self.modules[i][1]
+            for _ in range(count):
+                module.backward_dw()
+
+    def check_empty(self) -> None:
+        left = [f"{name or type(m).__name__} ({q.qsize()})" for name, m, q in self.modules if q.qsize()]
+        if left:
+            raise RuntimeError("Transformer Engine weight gradients left queued at the end of the iteration "
+                               f"(a W step missed them; their gradients are missing): {', '.join(left)}")
 
 
 # ----------------------------------------------------------------------------------------------

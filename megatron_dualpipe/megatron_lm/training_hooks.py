@@ -334,7 +334,7 @@ def log_state_bytes(schedule: str, model, optimizer) -> None:
 def wrap_config_from_args(orig):
     @functools.wraps(orig)
     def core_transformer_config_from_args(args, *a, **kw):
-        from ..mcore.overlap import COMBINED_STEP_FLAGS, enable_combined_step
+        from ..mcore.overlap import COMBINED_STEP_FLAGS, enable_combined_step, enable_deferred_wgrads
 
         flags = {name: getattr(args, name, False) for name in COMBINED_STEP_FLAGS}
         if not any(flags.values()) or registry.get(schedule_of(args)).runs_on != registry.EXECUTOR:
@@ -346,11 +346,9 @@ def wrap_config_from_args(orig):
         finally:
             for name, value in flags.items():
                 setattr(args, name, value)
-        delay = flags["delay_wgrad_compute"]
         if flags["overlap_moe_expert_parallel_comm"]:
-            return enable_combined_step(config, delay_wgrad_compute=delay)
-        config.delay_wgrad_compute = delay  # TE defers; the executor's W actions run backward_dw()
-        return config
+            return enable_combined_step(config, delay_wgrad_compute=flags["delay_wgrad_compute"])
+        return enable_deferred_wgrads(config)  # TE defers; the executor's W actions run backward_dw()
 
     return core_transformer_config_from_args
 

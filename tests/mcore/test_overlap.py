@@ -232,21 +232,23 @@ def _count_deferred_weight_grads():
 def _stand_in_for_te():
     """The local spec as a stand-in for Transformer Engine with ``delay_wgrad_compute``: every
     ``backward_dw`` is a no-op (RowParallelLinear has none: added), the local linears compute their
-    weight gradients in autograd as usual. Counts the calls that matter: ``run_te_backward_dw``
-    (the W action's, recorded by a B) and schedule-plan nodes that run ``backward_dw`` inline."""
+    weight gradients in autograd as usual. Counts the calls that matter: a B handing the W action
+    what TE queued (``_te_backward_dw`` with the B's key; the local linears queue nothing) and
+    schedule-plan nodes that run ``backward_dw`` inline. The TE stand-in's queues are tested in
+    tests/mcore/test_wgrad.py and through pretrain_gpt.py."""
     from megatron.core.tensor_parallel.layers import RowParallelLinear
     from megatron_dualpipe.mcore import stage_compute
     from megatron_dualpipe.mcore.compat import transformer_layer_node_class
 
     counts = {"te_backward_dw": 0, "inline_dw": 0}
     RowParallelLinear.backward_dw = lambda self: None
-    run_te = stage_compute.run_te_backward_dw
+    handed = stage_compute.MegatronStageCompute._te_backward_dw
 
-    def counted_run_te(chunk):
-        counts["te_backward_dw"] += 1
-        return run_te(chunk)
+    def counted_hand_over(self, chunk, before, key):
+        counts["te_backward_dw"] += int(key is not None)
+        return handed(self, chunk, before, key)
 
-    stage_compute.run_te_backward_dw = counted_run_te
+    stage_compute.MegatronStageCompute._te_backward_dw = counted_hand_over
     layer_node = transformer_layer_node_class()
     node_dw = layer_node.backward_dw
 
@@ -405,3 +407,46 @@ def test_enable_combined_step_adapter_and_dualpipev_config_keep_the_flags():
     v = dualpipev_config(config)
     assert [getattr(config, f) for f in COMBINED_STEP_FLAGS] == [True, False]
     assert [getattr(v, f) for f in COMBINED_STEP_FLAGS] == [True, False] and v.virtual_pipeline_model_parallel_size == 2
+
+
+def _refusal(make):
+    try:
+        make()
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_megatron_cores_own_checks_run_on_the_flags_the_plugin_turns_on():
+    """Issue 35, finding 2: the plugin sets the combined step's flags (and delay_wgrad_compute alone)
+    after megatron-core validated the config without them; megatron-core's own rules for them now run
+    on a probe copy (the pipeline DualPipe replaces relaxed, nothing else). The reference is what
+    megatron-core itself says of the same fields on a one-stage pipeline, where it has no pp/vpp rule."""
+    from megatron.core.transformer import TransformerConfig
+    from megatron_dualpipe.mcore.overlap import enable_combined_step, enable_deferred_wgrads
+
+    base = dict(num_layers=4, hidden_size=32, num_attention_heads=4, num_moe_experts=4, use_cpu_initialization=True,
+                pipeline_model_parallel_size=2, pipeline_dtype=torch.float32, moe_token_dispatcher_type="alltoall",
+                expert_model_parallel_size=2)
+    one_stage = dict(base, pipeline_model_parallel_size=1, bf16=True, overlap_moe_expert_parallel_comm=True)
+    newer = "overlap_dispatch_backward_with_experts_wgrad" in TransformerConfig.__dataclass_fields__  # 0.19's rules
+    cases = {"shared expert overlap": dict(moe_shared_expert_intermediate_size=32, moe_shared_expert_overlap=True),
+             "full recomputation": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)}
+    if newer:
+        cases["moe recomputed"] = dict(recompute_granularity="selective", recompute_modules=["moe"])
+    for name, fields in cases.items():
+        with pytest.raises(AssertionError) as megatron_says:
+            TransformerConfig(**one_stage, **fields)
+        got = _refusal(lambda: enable_combined_step(TransformerConfig(**base, **fields)))
+        print(f"\n{name}: megatron-core: {megatron_says.value}; the plugin: {got}")
+        assert got is not None and str(megatron_says.value) in got, got
+    if newer:  # megatron-core asks TE >= 2.3 for this flag at construction: set afterwards, as a user's hook could
+        exclusive = TransformerConfig(**base)
+        exclusive.overlap_dispatch_backward_with_experts_wgrad = True
+        got = _refusal(lambda: enable_deferred_wgrads(exclusive))
+        print(f"delay_wgrad_compute with overlap_dispatch_backward_with_experts_wgrad: {got}")
+        assert got is not None and "mutually exclusive" in got and "--overlap-dispatch-backward" in got
+    accepted = enable_deferred_wgrads(TransformerConfig(**base))
+    assert accepted.delay_wgrad_compute and not accepted.overlap_moe_expert_parallel_comm
+    fine = enable_combined_step(TransformerConfig(**base), delay_wgrad_compute=True)
+    assert fine.delay_wgrad_compute and fine.overlap_moe_expert_parallel_comm
