@@ -16,7 +16,7 @@ blocks everything the rank issues later, which is what a stream wait does to the
   wait: the rank stops until the operation completed, at most ``deadline_s``, after which
   :class:`EmulatedStreamDeadlock` names the rank and what the stream waited for (on a GPU the
   rank would sit there until NCCL's watchdog, or forever);
-* aborting the communicators (``_abort_process_group``, which the watchdog calls) ends every
+* aborting the communicators (each group's ``ProcessGroup.abort()``, which the watchdog calls) ends every
   emulated stream wait of the process with :class:`EmulatedCommunicatorAborted`, as NCCL's
   abort ends the waits on its communicators; the waits of a coalesced collective (Megatron
   DDP's handle, ``_CoalescingManager.wait``) are emulated stream waits too.
@@ -46,7 +46,7 @@ class EmulatedCommunicatorAborted(RuntimeError):
     """The communicators were aborted while an emulated stream waited (NCCL: the wait errors)."""
 
 
-#: Set by the emulated ``_abort_process_group``: every emulated stream wait then ends.
+#: Set by the emulated ``ProcessGroup.abort``: every emulated stream wait then ends.
 _ABORTED = threading.Event()
 
 
@@ -139,8 +139,8 @@ def emulate_nccl(deadline_s: float = 20.0):
             if getattr(mod, name, None) is fn:
                 saved[(mod, name)] = fn
                 setattr(mod, name, new)
-    saved[(c10d, "_abort_process_group")] = c10d._abort_process_group
-    c10d._abort_process_group = lambda group=None: _ABORTED.set()
+    saved[(dist.ProcessGroup, "abort")] = dist.ProcessGroup.abort
+    dist.ProcessGroup.abort = lambda group: _ABORTED.set()
     saved[(c10d._CoalescingManager, "wait")] = c10d._CoalescingManager.wait
     c10d._CoalescingManager.wait = _coalesced_stream_wait(deadline_s)
     _ABORTED.clear()

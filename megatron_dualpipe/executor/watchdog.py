@@ -4,7 +4,12 @@ On an accelerator ``work.wait()`` only makes the stream wait and the host runs o
 whose peer raised or hangs holds the stream, and the next host sync, until NCCL's own timeout,
 whose error names no peer. Every such wait of an iteration is handed to the iteration's
 :class:`Watchdog` with what it is (this rank, the peer, the collective) and a deadline. One thread
-polls ``is_completed()`` and the abort flag (:func:`.abort.failure`: local, no store request). On
+polls ``is_completed()`` and the abort flag (:func:`.abort.failure`: local, no store request). A
+deadline counts from when the device reaches the wait, not from when the host issued it: the host
+runs ahead of the device, and a healthy iteration whose earlier kernels outlast a short
+``--dualpipe-p2p-timeout`` was aborted everywhere (issue 35, finding 5). :func:`device_marker`
+records an event on the current stream where the wait is issued; the clock starts once it has
+completed. On
 a missed deadline or a peer's failure it keeps a named error, logs it, tells every rank (a
 deadline: :func:`.abort.signal`) and aborts the communicators, so that a host blocked on the
 stream gets an error; :func:`watching` raises the named error instead. At the end of the
@@ -43,23 +48,73 @@ class Tracked:
 
     work: object
     what: str
-    deadline: float
+    deadline: Optional[float]  # None until the device reached the wait (``reached``)
     timeout_s: float
     on_done: Optional[Callable[[], None]] = None
     #: builds the error of a missed deadline from the seconds waited (default: StreamWaitTimeoutError)
     on_timeout: Optional[Callable[[float], BaseException]] = None
+    #: completes when the device reaches the wait (an event recorded where it was issued); None: now
+    reached: object = None
     done: bool = False
     issued: float = field(default_factory=time.monotonic)
+
+    def started(self, now: float) -> bool:
+        """Whether the deadline runs (it starts when the device has reached the wait)."""
+        if self.deadline is None and (self.reached is None or self.reached.query()):
+            self.deadline = now + self.timeout_s
+        return self.deadline is not None
+
+
+def device_marker():
+    """An event recorded on the current stream where a stream wait is issued (the device reaches the
+    wait once it completes), or None where the host is the device (it reaches the wait now)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
 
 
 def abort_communicators() -> None:
     """Abort every communicator of this process so that a host blocked on a stream sees an error
-    (best effort; NCCL only: the CPU emulation replaces it)."""
+    (best effort; the CPU emulation replaces it). Each group's own ``ProcessGroup.abort()``, the
+    backend's documented abort, NCCL's inside one group start/end as torch's own abort of the world
+    does (communicators aborted one by one can deadlock each other: pytorch#119797). torch's group
+    registry is left alone: this runs on the watchdog's thread while the main thread may read it,
+    and the job ends with the named error. ``abort()`` is idempotent: NCCL's own watchdog aborting
+    the same communicators (``TORCH_NCCL_ASYNC_ERROR_HANDLING``) does no harm."""
+    from torch.distributed import distributed_c10d as c10d
+
     try:
-        from torch.distributed.distributed_c10d import _abort_process_group
-        _abort_process_group()
+        groups = sorted(c10d._world.pg_names, key=lambda g: c10d._world.pg_names[g], reverse=True)
+        nccl = _nccl_backend(groups)
+        if nccl is not None:
+            nccl._group_start()
+        try:
+            for group in groups:
+                group.abort()
+        finally:
+            if nccl is not None:
+                nccl._group_end()
     except Exception as e:  # noqa: BLE001 - the error is already logged and will be raised
         log.error("megatron-dualpipe: could not abort the communicators: %s", e)
+
+
+def _nccl_backend(groups):
+    """The NCCL backend of the default group, whose group start/end brackets the aborts, or None."""
+    import torch
+    from torch.distributed import distributed_c10d as c10d
+
+    default = c10d.GroupMember.WORLD
+    if default is None or not c10d.is_nccl_available():
+        return None
+    try:
+        backend = default._get_backend(torch.device("cuda"))
+    except RuntimeError:
+        return None
+    return backend if isinstance(backend, c10d.ProcessGroupNCCL) else None
 
 
 class Watchdog:
@@ -78,7 +133,8 @@ class Watchdog:
         """Watch ``work`` from now on, within ``timeout_s`` (default: the watchdog's)."""
         self.check()
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        entry = Tracked(work, what, time.monotonic() + timeout_s, timeout_s, on_done, on_timeout)
+        entry = Tracked(work, what, None, timeout_s, on_done, on_timeout, reached=device_marker())
+        entry.started(time.monotonic())
         with self._lock:
             known = next((t for t in self._tracked if t.work is work), None)
             if known is not None:  # a bd sum watched from its issue, then waited
@@ -135,7 +191,7 @@ class Watchdog:
                 t.done = True
                 if t.on_done is not None:
                     t.on_done()
-            elif now > t.deadline:
+            elif t.started(now) and now > t.deadline:
                 waited = now - t.deadline + t.timeout_s
                 self._fail(t.on_timeout(waited) if t.on_timeout is not None else StreamWaitTimeoutError(
                     f"{t.what}: did not complete within {t.timeout_s:g} s (set --dualpipe-p2p-timeout or "

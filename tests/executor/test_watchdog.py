@@ -74,3 +74,68 @@ def test_a_failed_iteration_stops_its_watchdog_at_once(aborts):
             raise ValueError("this rank's own error")
     time.sleep(0.4)
     assert not dog.is_alive() and not aborts["aborted"] and not aborts["signalled"]
+
+
+class LateDevice:
+    """Where the device is when the host issues a stream wait: its earlier kernels still run, and
+    the recorded event completes ``delay_s`` later (``torch.cuda.Event.query()``'s contract)."""
+
+    def __init__(self, delay_s):
+        self.at = time.monotonic() + delay_s
+
+    def query(self):
+        return time.monotonic() >= self.at
+
+
+def test_a_deadline_counts_from_when_the_device_reaches_the_wait(aborts, monkeypatch):
+    """Issue 35, finding 5. The host issues the wait at once and runs on; the device reaches it 0.6 s
+    later (its earlier kernels), and the work completes 0.1 s after that. With a 0.3 s deadline a
+    healthy run is not aborted: the clock starts at 0.6 s (counted from the issue, as before, it was
+    aborted at 0.3 s). A wait the device reaches that never completes still misses its deadline,
+    counted from the device's arrival (0.6 + 0.3 s)."""
+    monkeypatch.setattr(watchdog, "device_marker", lambda: LateDevice(0.6))
+    work = FakeWork()
+    threading.Timer(0.7, work.finished.set).start()
+    t0 = time.monotonic()
+    with watchdog.watching(timeout_s=600):
+        abort.wait_work(work, 0.3, WHAT, on_host=False)
+    healthy = time.monotonic() - t0
+    print(f"\nhealthy: the iteration ended after {healthy:.2f} s, aborts {aborts['aborted']}")
+    assert work.is_completed() and not aborts["aborted"]
+    t0 = time.monotonic()
+    with pytest.raises(watchdog.StreamWaitTimeoutError) as e:
+        with watchdog.watching(timeout_s=600):
+            abort.wait_work(FakeWork(), 0.3, WHAT, on_host=False)
+            while not aborts["aborted"]:
+                time.sleep(0.01)
+            raise RuntimeError("NCCL communicator was aborted")
+    stuck = time.monotonic() - t0
+    print(f"stuck: aborted after {stuck:.2f} s: {e.value}")
+    assert 0.9 <= stuck < 30 and WHAT in str(e.value)
+
+
+def test_the_abort_calls_each_groups_own_abort_and_leaves_torchs_registry(monkeypatch):
+    """Issue 35, finding 5: the watchdog's thread aborts every group through the backend's own
+    ``ProcessGroup.abort()`` and no longer through torch's experimental ``_abort_process_group()``,
+    which also rewrites torch's group registry under the main thread's feet."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    from megatron_dualpipe.bench.ports import free_port
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        extra = dist.new_group([0])
+        aborted = []
+        monkeypatch.setattr(dist.ProcessGroup, "abort", lambda self: aborted.append(self), raising=False)
+        monkeypatch.setattr(c10d, "_abort_process_group", lambda *a: pytest.fail("the experimental abort was called"))
+        before = dict(c10d._world.pg_names)
+        thread = threading.Thread(target=watchdog.abort_communicators)
+        thread.start()
+        thread.join()
+        print(f"\naborted {len(aborted)} of {len(before)} groups; registry kept: {dict(c10d._world.pg_names) == before}")
+        assert set(aborted) == set(before) and extra in aborted and dict(c10d._world.pg_names) == before
+    finally:
+        dist.destroy_process_group()
