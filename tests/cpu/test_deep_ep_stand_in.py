@@ -182,7 +182,8 @@ def test_dispatch_and_combine_equal_deepeps_contract():
     for rank, report in enumerate(reports):
         print(f"\nrank {rank}: {report['received rows']} rows received, per local expert {report['counts'][0]} "
               f"(reference {report['counts'][1]}); layout equal {report['layout equal']}")
-        print("  " + ", ".join(f"{k} {report[k]:.3g}" for k in exact + ("weighted combine gap", "biased combine gap")))
+        rounded = ("weighted combine gap", "biased combine gap")
+        print("  " + ", ".join(f"{k} {report[k]:.3g}" for k in exact + rounded))
         assert report["module"] == "megatron_dualpipe.cpu.stand_ins.deep_ep"
         assert report["layout equal"] and report["layout dtypes"] == (torch.int32, torch.int32, torch.bool)
         assert report["topk idx equal"] and report["source equal"]
@@ -217,8 +218,8 @@ def _flex_worker(rank, world, port, grouped, flag):
         assert fused_a2a.HAVE_DEEP_EP and token_dispatcher.fused_dispatch is fused_a2a.fused_dispatch
         batch = moe.DATA.batches(world, seed=11)[rank]
         reference = moe.build(moe.moe_config("alltoall"))
-        flex = moe.build(moe.moe_config("flex", grouped=grouped, **DEEPEP_FLAGS[flag]), moe.grouped_state(reference) if grouped
-                         else reference.module.state_dict())
+        state = moe.grouped_state(reference) if grouped else reference.module.state_dict()
+        flex = moe.build(moe.moe_config("flex", grouped=grouped, **DEEPEP_FLAGS[flag]), state)
         mlp = flex.module.decoder.layers[0].mlp
         assert type(mlp.token_dispatcher).__name__ == "MoEFlexTokenDispatcher", type(mlp.token_dispatcher)
         assert type(mlp.experts).__name__ == ("GroupedMLP" if grouped else "SequentialMLP"), type(mlp.experts)

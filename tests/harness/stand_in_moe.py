@@ -111,7 +111,8 @@ def _expert_weights(state, prefix: str, which: str):
 
 
 def grouped_state(sequential_model) -> dict:
-    """``sequential_model``'s (the inner model of :func:`build`) state dict with each layer's experts as GroupedMLP's weight1 / weight2."""
+    """The state dict of ``sequential_model`` (built by :func:`build`) with each layer's experts as
+    GroupedMLP's weight1 / weight2."""
     state = sequential_model.module.state_dict()
     prefixes = {k.split("local_experts.")[0] for k in state if "local_experts." in k}
     for prefix in prefixes:

@@ -41,8 +41,8 @@ def _copies_of(module: types.ModuleType, old: dict) -> List[tuple]:
 
 
 def rebind(libraries=tuple(READERS)) -> List[str]:
-    """Re-import the readers of ``libraries`` that are already imported; returns the names rebound
-    (``module.name``), the readers themselves included."""
+    """Re-import the readers of ``libraries`` that are already imported; returns the readers re-run
+    and the copied names that changed (``module.name``)."""
     rebound = []
     for library in libraries:
         module = sys.modules.get(READERS[library])
@@ -53,7 +53,7 @@ def rebind(libraries=tuple(READERS)) -> List[str]:
         importlib.reload(module)
         rebound.append(module.__name__)
         for importer, name in copies:
-            if hasattr(module, name):
+            if hasattr(module, name) and getattr(module, name) is not old[name]:
                 setattr(importer, name, getattr(module, name))
                 rebound.append(f"{importer.__name__}.{name}")
     return rebound

@@ -56,8 +56,8 @@ class Buffer:
         if low_latency_mode:
             raise unsupported("low-latency mode")
         self.rank, self.group, self.group_size = group.rank(), group, group.size()
-        ep_assert(num_nvl_bytes % cfg.NUM_BUFFER_ALIGNMENT_BYTES == 0, "num_nvl_bytes % NUM_BUFFER_ALIGNMENT_BYTES == 0")
-        ep_assert(num_rdma_bytes % cfg.NUM_BUFFER_ALIGNMENT_BYTES == 0, "num_rdma_bytes % NUM_BUFFER_ALIGNMENT_BYTES == 0")
+        for name, size in (("num_nvl_bytes", num_nvl_bytes), ("num_rdma_bytes", num_rdma_bytes)):
+            ep_assert(size % cfg.NUM_BUFFER_ALIGNMENT_BYTES == 0, f"{name} % NUM_BUFFER_ALIGNMENT_BYTES == 0")
         ep_assert(self.group_size < cfg.NUM_MAX_NVL_PEERS or self.group_size % cfg.NUM_MAX_NVL_PEERS == 0,
                   "num_ranks < NUM_MAX_NVL_PEERS or num_ranks % NUM_MAX_NVL_PEERS == 0")
         if self.group_size > cfg.NUM_MAX_NVL_PEERS:
@@ -110,7 +110,8 @@ class Buffer:
     def dispatch(self, x: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]], handle: Optional[Tuple] = None,
                  num_tokens_per_rank: Optional[torch.Tensor] = None,
                  num_tokens_per_rdma_rank: Optional[torch.Tensor] = None,
-                 is_token_in_rank: Optional[torch.Tensor] = None, num_tokens_per_expert: Optional[torch.Tensor] = None,
+                 is_token_in_rank: Optional[torch.Tensor] = None,
+                 num_tokens_per_expert: Optional[torch.Tensor] = None,
                  topk_idx: Optional[torch.Tensor] = None, topk_weights: Optional[torch.Tensor] = None,
                  expert_alignment: int = 1, num_worst_tokens: int = 0, config: Optional[cfg.Config] = None,
                  previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
@@ -132,7 +133,8 @@ class Buffer:
                                   topk_idx, topk_weights, expert_alignment, config, async_finish)
 
     def _cached_dispatch(self, tokens, scales, handle, topk_idx, topk_weights, config, async_finish):
-        ep_assert(topk_idx is None and topk_weights is None, "topk_idx is None and topk_weights is None (cached mode)")
+        ep_assert(topk_idx is None and topk_weights is None,
+                  "topk_idx is None and topk_weights is None (cached mode)")
         check_dispatch_bytes(self.num_nvl_bytes, config, self.group_size, tokens.size(1) * tokens.element_size(),
                              0, 0 if scales is None else scales.size(1), None)
         recv_x, recv_scales = intranode.cached_dispatch(self.group, tokens, scales, handle)

@@ -74,7 +74,8 @@ def check_topk(x, topk_idx, topk_weights) -> None:
         return
     check_topk_idx(topk_idx)
     ep_assert(topk_weights.dim() == 2 and topk_weights.is_contiguous(), "topk_weights 2-d, contiguous")
-    ep_assert(topk_idx.size(0) == x.size(0) == topk_weights.size(0), "num_tokens == topk_idx.size(0) == topk_weights.size(0)")
+    ep_assert(topk_idx.size(0) == x.size(0) == topk_weights.size(0),
+              "num_tokens == topk_idx.size(0) == topk_weights.size(0)")
     ep_assert(topk_idx.size(1) == topk_weights.size(1), "num_topk == topk_weights.size(1)")
     ep_assert(topk_weights.dtype == torch.float32, f"float32 topk_weights, got {topk_weights.dtype}")
 
@@ -83,13 +84,15 @@ def check_combine(x, num_recv_rows: int, topk_weights, biases, num_tokens: int) 
     ep_assert(x.dim() == 2 and x.is_contiguous(), "x.dim() == 2 and x.is_contiguous()")
     ep_assert(x.dtype == torch.bfloat16, f"a bfloat16 x in combine (Unsupported type: {x.dtype})")
     ep_assert(x.size(1) * x.element_size() % INT4_BYTES == 0, "(hidden * x.element_size()) % sizeof(int4) == 0")
-    ep_assert(x.size(0) == num_recv_rows, f"src_idx.size(0) == num_tokens ({num_recv_rows} rows were received, got {x.size(0)})")
+    ep_assert(x.size(0) == num_recv_rows,
+              f"src_idx.size(0) == num_tokens ({num_recv_rows} rows were received, got {x.size(0)})")
     if topk_weights is not None:
         ep_assert(topk_weights.dim() == 2 and topk_weights.is_contiguous(), "topk_weights 2-d, contiguous")
         ep_assert(topk_weights.size(0) == x.size(0), "topk_weights->size(0) == num_tokens")
         ep_assert(topk_weights.dtype == torch.float32, f"float32 topk_weights, got {topk_weights.dtype}")
     for bias in biases:
-        ep_assert(bias.dim() == 2 and bias.is_contiguous() and bias.dtype == x.dtype, "bias 2-d, contiguous, x's dtype")
+        ep_assert(bias.dim() == 2 and bias.is_contiguous() and bias.dtype == x.dtype,
+                  "bias 2-d, contiguous, of x's dtype")
         ep_assert(tuple(bias.shape) == (num_tokens, x.size(1)), "bias of [num_recv_tokens, hidden]")
 
 

@@ -68,7 +68,8 @@ class Config:
 
     def __repr__(self) -> str:
         return (f"Config(num_sms={self.num_sms}, nvl_send={self.num_max_nvl_chunked_send_tokens}, "
-                f"nvl_recv={self.num_max_nvl_chunked_recv_tokens}, rdma_send={self.num_max_rdma_chunked_send_tokens}, "
+                f"nvl_recv={self.num_max_nvl_chunked_recv_tokens}, "
+                f"rdma_send={self.num_max_rdma_chunked_send_tokens}, "
                 f"rdma_recv={self.num_max_rdma_chunked_recv_tokens})")
 
 

@@ -38,7 +38,8 @@ def unpack_rows(rows: torch.Tensor, layout: Sequence[Part]) -> List[torch.Tensor
     return out
 
 
-def all_to_all_rows(rows: torch.Tensor, send_counts: Sequence[int], recv_counts: Sequence[int], group) -> torch.Tensor:
+def all_to_all_rows(rows: torch.Tensor, send_counts: Sequence[int], recv_counts: Sequence[int],
+                    group) -> torch.Tensor:
     """Rows ``[sum(send_counts), B]`` sent in rank order; the rows received, in source-rank order."""
     received = torch.empty(int(sum(recv_counts)), rows.size(1), dtype=rows.dtype)
     dist.all_to_all_single(received, rows.contiguous(), [int(c) for c in recv_counts],
