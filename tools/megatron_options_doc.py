@@ -35,7 +35,7 @@ def _schedules(names) -> str:
 
 
 def _sides(rule) -> str:
-    return " and ".join(side for side in (options.ARGS, options.CONFIG) if rule.applies(side))
+    return " and ".join(side for side in (options.ARGS, options.CONFIG, options.DDP) if rule.applies(side))
 
 
 def _test(rule) -> str:
@@ -46,7 +46,8 @@ def report() -> str:
     lines = [INTRO.rstrip("\n"), "", "## Handled", "", "| option | status | test |", "|---|---|---|"]
     lines += [f"| {h.option} | {h.status} | {h.test} |" for h in options.HANDLED]
     lines += ["", "## Refused", "",
-              "Checked on: `args` by Megatron-LM's argument check, `config` by megatron-core's call-time check.",
+              "Checked on: `args` by Megatron-LM's argument check, `config` by megatron-core's call-time check (`ddp`: from the "
+              "chunks' DistributedDataParallelConfig, at the same call).",
               "", "| option | schedules | why (the message names the fix) | checked on | test |", "|---|---|---|---|---|"]
     for rule in options.REFUSED:
         option = f"`{rule.flag}`" + (f" (what `{rule.needs}` needs)" if rule.needs else "")

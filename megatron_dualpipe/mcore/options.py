@@ -303,7 +303,8 @@ REFUSED: Tuple[Refused, ...] = (
                                        and (getattr(source, "num_distributed_optimizer_instances", 1) or 1) > 1),
             sides=(ARGS, DDP), schedules=EXECUTOR,
             fix="set --num-distributed-optimizer-instances 1 (DistributedDataParallelConfig."
-                "num_distributed_optimizer_instances), or remove --overlap-grad-reduce"),
+                "num_distributed_optimizer_instances), or remove --overlap-grad-reduce",
+            test="A `refused --num-distributed-optimizer-instances`; E `partial_distributed_optimizer_with_overlap`"),
     Refused("--moe-layer-freq", "megatron-core 0.16.1 prints the MoE load_balancing_loss of a last pipeline rank "
             "without MoE layers unaveraged over data parallel, and dualpipev's last rank holds V-stages pp-1 and pp",
             read=lambda source, side: _v_last_rank_without_moe_before_019(source), sides=(ARGS,),
