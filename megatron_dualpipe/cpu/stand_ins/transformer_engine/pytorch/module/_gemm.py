@@ -62,6 +62,7 @@ class _WeightGradWork:
     def __init__(self, main_grads: List[Optional[torch.Tensor]], accumulate: bool, with_bias: bool) -> None:
         self.main_grads, self.accumulate, self.with_bias = main_grads, accumulate, with_bias
 
+    @torch.no_grad()  # backward_dw runs outside autograd's backward: no graph of the GEMMs (TE's are C++)
     def __call__(self, xs: List[torch.Tensor], dys: List[torch.Tensor]) -> WeightGrads:
         wgrads, bgrads = [], []
         for x, dy, main_grad in zip(xs, dys, self.main_grads):
