@@ -2,11 +2,14 @@
 stand-in against its local spec, in a fresh interpreter (the stand-in must be importable before
 megatron-core is first imported: its modules decide ``HAVE_TE`` at import).
 
-``python te_stand_in_worker.py PORT`` prints one JSON line: per case the relative gaps of the losses and
-of every parameter's gradient (``proof.compare.Gap``) and their printed lines. Cases:
+``python te_stand_in_worker.py PORT [tp2]`` prints one JSON line: per case the relative gaps of the losses
+and of every parameter's gradient (``proof.compare.Gap``) and their printed lines. Cases:
 
 * ``dense`` / ``moe``: a tiny GPT (an MoE with grouped experts: ``TEGroupedMLP`` against ``SequentialMLP``)
   built with both specs, the local spec's weights copied into the TE one, two micro-batches.
+* ``dropout``: the dense GPT with attention and hidden dropout, both runs from the same RNG states (the
+  TE attention draws its mask from megatron's tracker, as the local one does).
+* ``tp2``: two gloo ranks, tensor parallel with sequence parallelism (dense and MoE) and without (dense).
 * ``deferred`` / ``deferred_fused``: the TE model with ``delay_wgrad_compute`` under megatron DDP
   (``ddp_config.delay_wgrad_compute``: DDP hooks the TE modules), two backwards and then the plugin's W step
   (``mcore.wgrad.TEQueues``) once per backward; ``main_grad`` against the local spec under DDP.
@@ -34,7 +37,7 @@ def local_name(te_name: str) -> str:
     return re.sub(r"experts\.linear_fc(\d)\.weight(\d+)$", r"experts.local_experts.\2.linear_fc\1.weight", te_name)
 
 
-def setup(port: str) -> None:
+def setup(port: str, rank: int = 0, world_size: int = 1, tp: int = 1) -> None:
     from megatron_dualpipe.cpu import stand_ins
 
     assert "megatron.core" not in sys.modules
@@ -46,8 +49,8 @@ def setup(port: str) -> None:
 
     cpu_mode.enable(force=True)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    init_model_parallel(tp=1, pp=1, ep=1, vpp=None, timeout_minutes=2, seed=1234)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    init_model_parallel(tp=tp, pp=1, ep=1, vpp=None, timeout_minutes=2, seed=1234)
 
 
 def build_pair(moe: bool, delay: bool = False, **overrides):
@@ -100,16 +103,26 @@ def compare(local, te_model, local_losses, te_losses, grad_of) -> Dict[str, obje
         got = grad_of(param)
         assert got is not None, f"{name}: no gradient"
         grad_gap.add(got.detach().numpy(), want.detach().numpy(), name)
-    return {"loss": loss_gap.rel, "grads": grad_gap.rel,
+    return {"loss": loss_gap.rel, "grads": grad_gap.rel, "pairs": grad_gap.pairs,
             "lines": [loss_gap.line("losses"), grad_gap.line(f"gradients of {grad_gap.pairs} parameters")]}
 
 
-def equality_case(moe: bool) -> Dict[str, object]:
+def equality_case(moe: bool, **overrides) -> Dict[str, object]:
+    """Both specs from the same RNG states (the tracker reseeded in place: TE's attention keeps the
+    tracker object it was built with, as real TE does)."""
+    import torch
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
     from megatron_dualpipe.proof.models import ModelSpec
 
-    local, te_model = build_pair(moe)
+    local, te_model = build_pair(moe, **overrides)
     batches = ModelSpec(layers=2).batches(2)
-    return compare(local, te_model, run(local, batches), run(te_model, batches), lambda p: p.grad)
+    losses = []
+    for model in (local, te_model):
+        torch.manual_seed(99)
+        model_parallel_cuda_manual_seed(99)
+        losses.append(run(model, batches))
+    return compare(local, te_model, *losses, lambda p: p.grad)
 
 
 def ddp(model, delay: bool):
@@ -188,12 +201,42 @@ def bias_order_case(order: str, remark_biases: bool) -> str:
     return _w_error(queues, [backward_and_queue(te_ddp, queues, b) for b in batches])
 
 
+def tp_rank(rank: int, port: str, queue) -> None:
+    """One of two tensor-parallel ranks: both specs, dense and MoE with sequence parallelism, dense without."""
+    setup(port, rank=rank, world_size=2, tp=2)
+    cases = {"dense": (False, True), "moe": (True, True), "dense without sp": (False, False)}
+    queue.put((rank, {case: equality_case(moe=moe, sequence_parallel=sp) for case, (moe, sp) in cases.items()}))
+
+
+def tp_main(port: str) -> None:
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    ranks = [ctx.Process(target=tp_rank, args=(rank, port, queue)) for rank in range(2)]
+    for process in ranks:
+        process.start()
+    for process in ranks:
+        process.join(timeout=600)
+    found = {}
+    while not queue.empty():
+        rank, cases = queue.get()
+        found[rank] = cases
+    assert all(p.exitcode == 0 for p in ranks) and len(found) == 2, f"rank exit codes {[p.exitcode for p in ranks]}"
+    print("RESULTS " + json.dumps({f"tp2 {case} rank {rank}": found[rank][case] for rank in (0, 1)
+                                   for case in found[0]}))
+
+
 def main() -> None:
+    if sys.argv[2:] == ["tp2"]:
+        return tp_main(sys.argv[1])
     setup(sys.argv[1])
     import transformer_engine
     from megatron.core.utils import get_te_version
 
-    results = {"te_version": [transformer_engine.__version__, str(get_te_version())],"dense": equality_case(moe=False), "moe": equality_case(moe=True),
+    results = {"te_version": [transformer_engine.__version__, str(get_te_version())],
+               "dense": equality_case(moe=False), "moe": equality_case(moe=True),
+               "dropout": equality_case(moe=False, attention_dropout=0.2, hidden_dropout=0.2),
                "deferred": deferred_case(fused=False), "deferred_fused": deferred_case(fused=True),
                "bias_order": {f"{order}{' remarked' if remark else ''}": bias_order_case(order, remark)
                               for order, remark in (("BWBW", False), ("BWBW", True), ("BBWW", True))}}

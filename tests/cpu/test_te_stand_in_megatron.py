@@ -2,9 +2,11 @@
 its local spec, and ``delay_wgrad_compute`` defers exactly the TE layers' weight gradients to the W step.
 
 One fresh interpreter (tests/cpu/te_stand_in_worker.py) builds both specs with the same weights: a tiny
-GPT, a tiny MoE (TE's grouped experts against the local sequential ones), and the TE GPT with deferred
-weight gradients under megatron DDP, driven by the plugin's W step (``mcore.wgrad.TEQueues``). Under
-whichever megatron-core this interpreter has (CI runs the suite with 0.16.1 and with 0.19.2).
+GPT (also with dropout), a tiny MoE (TE's grouped experts against the local sequential ones), and the TE
+GPT with deferred weight gradients under megatron DDP, driven by the plugin's W step
+(``mcore.wgrad.TEQueues``); two more ranks run both specs tensor parallel (with and without sequence
+parallelism).
+Under whichever megatron-core this interpreter has (CI runs the suite with 0.16.1 and with 0.19.2).
 """
 from __future__ import annotations
 
@@ -26,13 +28,18 @@ RTOL = 1e-5
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "te_stand_in_worker.py")
 
 
-@pytest.fixture(scope="module")
-def results():
-    """The worker's cases, run once for this file."""
-    done = subprocess.run([sys.executable, WORKER, str(free_port())], capture_output=True, text=True, timeout=600)
+def run_worker(*args):
+    done = subprocess.run([sys.executable, WORKER, str(free_port()), *args], capture_output=True, text=True,
+                          timeout=600)
     found = [line for line in done.stdout.splitlines() if line.startswith("RESULTS ")]
     assert done.returncode == 0 and found, (done.stdout + done.stderr)[-4000:]
     return json.loads(found[-1][len("RESULTS "):])
+
+
+@pytest.fixture(scope="module")
+def results():
+    """The worker's single-rank cases, run once for this file."""
+    return run_worker()
 
 
 def check(case):
@@ -50,10 +57,19 @@ def test_the_stand_in_claims_the_te_release_of_this_megatron_core(results):
     assert claimed == megatron_sees == ("2.17.0" if major_minor >= (0, 19) else "2.11.0")
 
 
-@pytest.mark.parametrize("case", ["dense", "moe"])
+@pytest.mark.parametrize("case", ["dense", "moe", "dropout"])
 def test_te_spec_equals_local_spec_on_the_same_weights(results, case):
     """Losses and every parameter's gradient, two micro-batches (MoE: TEGroupedMLP vs SequentialMLP)."""
     check(results[case])
+
+
+def test_te_spec_equals_local_spec_tensor_and_sequence_parallel():
+    """tp=2 over gloo, each rank's shards: dense and MoE with sequence parallelism, dense without."""
+    found = run_worker("tp2")
+    for name, case in sorted(found.items()):
+        print(f"  {name}:")
+        check(case)
+    assert len(found) == 6
 
 
 @pytest.mark.parametrize("case", ["deferred", "deferred_fused"])
