@@ -9,6 +9,7 @@ and of every parameter's gradient (``proof.compare.Gap``) and their printed line
   built with both specs, the local spec's weights copied into the TE one, two micro-batches.
 * ``dropout``: the dense GPT with attention and hidden dropout, both runs from the same RNG states (the
   TE attention draws its mask from megatron's tracker, as the local one does).
+* ``dense bf16`` / ``moe bf16``: both in BF16 parameters and activations.
 * ``tp2``: two gloo ranks, tensor parallel with sequence parallelism (dense and MoE) and without (dense).
 * ``deferred`` / ``deferred_fused``: the TE model with ``delay_wgrad_compute`` under megatron DDP
   (``ddp_config.delay_wgrad_compute``: DDP hooks the TE modules), two backwards and then the plugin's W step
@@ -67,6 +68,8 @@ def build_pair(moe: bool, delay: bool = False, **overrides):
     te_config.delay_wgrad_compute = delay
     tiny_gpt.seed_all(4321)
     te_model = tiny_gpt.build_tiny_gpt(te_config, layer_spec="te")
+    if te_config.bf16:  # as megatron's Float16Module does (the learned position embedding is built FP32)
+        local, te_model = local.bfloat16(), te_model.bfloat16()
     kinds = {type(m).__name__ for m in te_model.modules()}
     assert {"TELayerNormColumnParallelLinear", "TEDotProductAttention"} <= kinds, kinds
     assert not moe or "TEGroupedMLP" in kinds, kinds
@@ -96,13 +99,14 @@ def compare(local, te_model, local_losses, te_losses, grad_of) -> Dict[str, obje
     from megatron_dualpipe.proof.compare import Gap
 
     loss_gap, grad_gap = Gap(), Gap()
-    loss_gap.add(te_losses, local_losses, "losses")
+    for i, (got, want) in enumerate(zip(te_losses, local_losses)):
+        loss_gap.add(got, want, f"micro-batch {i}")
     grads = {n: p for n, p in local.named_parameters()}
     for name, param in te_model.named_parameters():
         want = grad_of(grads[local_name(name)])
         got = grad_of(param)
         assert got is not None, f"{name}: no gradient"
-        grad_gap.add(got.detach().numpy(), want.detach().numpy(), name)
+        grad_gap.add(got.detach().float().numpy(), want.detach().float().numpy(), name)
     return {"loss": loss_gap.rel, "grads": grad_gap.rel, "pairs": grad_gap.pairs,
             "lines": [loss_gap.line("losses"), grad_gap.line(f"gradients of {grad_gap.pairs} parameters")]}
 
@@ -123,6 +127,12 @@ def equality_case(moe: bool, **overrides) -> Dict[str, object]:
         model_parallel_cuda_manual_seed(99)
         losses.append(run(model, batches))
     return compare(local, te_model, *losses, lambda p: p.grad)
+
+
+def bf16():
+    import torch
+
+    return {"params_dtype": torch.bfloat16, "pipeline_dtype": torch.bfloat16, "bf16": True}
 
 
 def ddp(model, delay: bool):
@@ -237,6 +247,7 @@ def main() -> None:
     results = {"te_version": [transformer_engine.__version__, str(get_te_version())],
                "dense": equality_case(moe=False), "moe": equality_case(moe=True),
                "dropout": equality_case(moe=False, attention_dropout=0.2, hidden_dropout=0.2),
+               **{f"{case} bf16": equality_case(moe=case == "moe", **bf16()) for case in ("dense", "moe")},
                "deferred": deferred_case(fused=False), "deferred_fused": deferred_case(fused=True),
                "bias_order": {f"{order}{' remarked' if remark else ''}": bias_order_case(order, remark)
                               for order, remark in (("BWBW", False), ("BWBW", True), ("BBWW", True))}}
