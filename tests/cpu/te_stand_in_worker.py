@@ -15,7 +15,7 @@ and of every parameter's gradient (``proof.compare.Gap``) and their printed line
   (``ddp_config.delay_wgrad_compute``: DDP hooks the TE modules), two backwards and then the plugin's W step
   (``mcore.wgrad.TEQueues``) once per backward; ``main_grad`` against the local spec under DDP.
   Also how much of the TE layers' gradient existed before W (nothing may). ``_fused``: the TE layers
-  accumulate into ``main_grad`` themselves (``fuse_wgrad_accumulation``).
+  accumulate into ``main_grad`` themselves (``fuse_wgrad_accumulation``); ``_moe``: with grouped experts.
 * ``bias_order``: with biases, backward_dw right after each backward works and two backwards before
   two backward_dw fail in W as in TE (see the stand-in's ``backward_dw``).
 """
@@ -64,7 +64,8 @@ def build_pair(moe: bool, delay: bool = False, **overrides):
     experts = {"num_moe_experts": 4} if moe else {}
     tiny_gpt.seed_all(1234)
     local = tiny_gpt.build_tiny_gpt(tiny_gpt.tiny_gpt_config(num_layers=2, **experts, **overrides))
-    te_config = tiny_gpt.tiny_gpt_config(num_layers=2, **experts, **overrides, **({"moe_grouped_gemm": True} if moe else {}))
+    grouped = {"moe_grouped_gemm": True} if moe else {}
+    te_config = tiny_gpt.tiny_gpt_config(num_layers=2, **experts, **overrides, **grouped)
     te_config.delay_wgrad_compute = delay
     tiny_gpt.seed_all(4321)
     te_model = tiny_gpt.build_tiny_gpt(te_config, layer_spec="te")
@@ -144,7 +145,9 @@ def ddp(model, delay: bool):
 
 
 def te_layer_weights(model):
-    return [p for n, p in model.named_parameters() if n.endswith(".weight") and ".linear_" in n]
+    """The weights of the TE linears (grouped experts' ``weight{i}`` included)."""
+    pattern = re.compile(r"\.linear_fc\d\.weight\d*$|\.linear_(qkv|proj)\.weight$")
+    return [p for n, p in model.named_parameters() if pattern.search(n)]
 
 
 def backward_and_queue(model, queues, batch, num_microbatches=2):
@@ -154,12 +157,12 @@ def backward_and_queue(model, queues, batch, num_microbatches=2):
     return queues.pushed_since(before)
 
 
-def deferred_case(fused: bool) -> Dict[str, object]:
+def deferred_case(fused: bool, moe: bool = False) -> Dict[str, object]:
     """B, B, W, W under DDP: TE's weight gradients only from backward_dw, equal to the local spec's."""
     from megatron_dualpipe.mcore.wgrad import TEQueues
     from megatron_dualpipe.proof.models import ModelSpec
 
-    local, te_model = build_pair(False, delay=True, add_bias_linear=False)
+    local, te_model = build_pair(moe, delay=True, add_bias_linear=False)
     if fused:
         for module in te_model.modules():
             if hasattr(module, "fuse_wgrad_accumulation"):
@@ -175,7 +178,8 @@ def deferred_case(fused: bool) -> Dict[str, object]:
     queues.check_empty()
     te_losses = [float(x) for x in run(te_ddp, batches, backward=False)]
     result = compare(local, te_model, local_losses, te_losses, lambda p: p.main_grad)
-    result.update(before_w=before_w, queued_modules=len(queues.modules), pushed_per_backward=sum(n for _, n in pushed[0]))
+    result.update(before_w=before_w, weights=len(te_layer_weights(te_model)), queued_modules=len(queues.modules),
+                  pushed_per_backward=sum(n for _, n in pushed[0]))
     return result
 
 
@@ -249,6 +253,7 @@ def main() -> None:
                "dropout": equality_case(moe=False, attention_dropout=0.2, hidden_dropout=0.2),
                **{f"{case} bf16": equality_case(moe=case == "moe", **bf16()) for case in ("dense", "moe")},
                "deferred": deferred_case(fused=False), "deferred_fused": deferred_case(fused=True),
+               "deferred_moe": deferred_case(fused=False, moe=True),
                "bias_order": {f"{order}{' remarked' if remark else ''}": bias_order_case(order, remark)
                               for order, remark in (("BWBW", False), ("BWBW", True), ("BBWW", True))}}
     print("RESULTS " + json.dumps(results))

@@ -1,4 +1,4 @@
-"""The CPU mode's Transformer Engine stand-in keeps TE's contract (``megatron_dualpipe.cpu.stand_ins.transformer_engine``).
+"""The CPU mode's Transformer Engine stand-in (``cpu/stand_ins/transformer_engine``) keeps TE's contract.
 
 Each layer is checked against an independent reference written here in plain torch (autograd on the
 same math), and the ``delay_wgrad_compute`` protocol as TE's source defines it: a backward leaves the
