@@ -11,19 +11,11 @@ from typing import Optional
 import torch
 
 from .config import NUM_MAX_LOCAL_EXPERTS, NUM_MAX_NVL_PEERS, Config, topk_idx_t
+from .errors import ep_assert, unsupported  # noqa: F401 - the checks' callers take them from here too
 
 #: ``SWITCH_RANKS``: the rank counts the intranode kernels are instantiated for.
 INTRANODE_RANKS = (2, 4, 8)
 INT_BYTES, FLOAT_BYTES, INT4_BYTES = 4, 4, 16
-
-
-def ep_assert(condition: bool, what: str) -> None:
-    if not condition:
-        raise RuntimeError(f"DeepEP (CPU stand-in): assertion failed: {what}")
-
-
-def unsupported(what: str) -> NotImplementedError:
-    return NotImplementedError(f"DeepEP (CPU stand-in): {what} is not stood in for on the CPU")
 
 
 def check_stream_arguments(previous_event, async_finish: bool, allocate_on_comm_stream: bool) -> None:

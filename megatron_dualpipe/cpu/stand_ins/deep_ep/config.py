@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from .errors import ep_assert, unsupported
+
 NUM_MAX_NVL_PEERS = 8
 NUM_MAX_LOCAL_EXPERTS = 1024
 NUM_BUFFER_ALIGNMENT_BYTES = 128
@@ -29,7 +31,6 @@ class Config:
     def __init__(self, num_sms: int = 20, num_max_nvl_chunked_send_tokens: int = 6,
                  num_max_nvl_chunked_recv_tokens: int = 256, num_max_rdma_chunked_send_tokens: int = 6,
                  num_max_rdma_chunked_recv_tokens: int = 256) -> None:
-        from .checks import ep_assert
 
         ep_assert(num_sms >= 0, "num_sms >= 0")
         ep_assert(0 < num_max_nvl_chunked_send_tokens < num_max_nvl_chunked_recv_tokens,
@@ -47,7 +48,6 @@ class Config:
 
     def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
         """Bytes of the NVLink buffer that one dispatch / combine of this config may use."""
-        from .checks import ep_assert
 
         ep_assert(num_ranks < NUM_MAX_NVL_PEERS or num_ranks % NUM_MAX_NVL_PEERS == 0,
                   "num_ranks < NUM_MAX_NVL_PEERS or num_ranks % NUM_MAX_NVL_PEERS == 0")
@@ -62,7 +62,6 @@ class Config:
         """0 within one node (at most 8 ranks); internode is not stood in for."""
         if num_ranks <= NUM_MAX_NVL_PEERS:
             return 0
-        from .checks import unsupported
 
         raise unsupported(f"the internode RDMA buffer ({num_ranks} ranks)")
 
