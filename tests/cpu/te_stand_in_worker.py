@@ -15,7 +15,8 @@ and of every parameter's gradient (``proof.compare.Gap``) and their printed line
   (``ddp_config.delay_wgrad_compute``: DDP hooks the TE modules), two backwards and then the plugin's W step
   (``mcore.wgrad.TEQueues``) once per backward; ``main_grad`` against the local spec under DDP.
   Also how much of the TE layers' gradient existed before W (nothing may). ``_fused``: the TE layers
-  accumulate into ``main_grad`` themselves (``fuse_wgrad_accumulation``); ``_moe``: with grouped experts.
+  accumulate into ``main_grad`` themselves (``fuse_wgrad_accumulation``); ``_moe``: with grouped experts;
+  ``_megatron_layers``: W through megatron-core's own ``Attention`` / ``MLP`` / ``MoELayer.backward_dw``.
 * ``bias_order``: with biases, backward_dw right after each backward works and two backwards before
   two backward_dw fail in W as in TE (see the stand-in's ``backward_dw``).
 """
@@ -157,8 +158,19 @@ def backward_and_queue(model, queues, batch, num_microbatches=2):
     return queues.pushed_since(before)
 
 
-def deferred_case(fused: bool, moe: bool = False) -> Dict[str, object]:
-    """B, B, W, W under DDP: TE's weight gradients only from backward_dw, equal to the local spec's."""
+def layers_backward_dw(model) -> None:
+    """megatron-core's own W of a chunk (its schedule plan's order): each layer's MLP, then attention."""
+    for layer in reversed(model.decoder.layers):
+        if getattr(layer, "is_moe_layer", False):
+            layer.mlp.backward_dw(routed_experts=True, shared_experts=True)
+        else:
+            layer.mlp.backward_dw()
+        layer.self_attention.backward_dw()
+
+
+def deferred_case(fused: bool, moe: bool = False, megatron_layers: bool = False) -> Dict[str, object]:
+    """B, B, W, W under DDP: TE's weight gradients only from backward_dw, equal to the local spec's.
+    W is the plugin's (``TEQueues``) or, with ``megatron_layers``, megatron-core's layers' ``backward_dw``."""
     from megatron_dualpipe.mcore.wgrad import TEQueues
     from megatron_dualpipe.proof.models import ModelSpec
 
@@ -174,7 +186,7 @@ def deferred_case(fused: bool, moe: bool = False) -> Dict[str, object]:
     pushed = [backward_and_queue(te_ddp, queues, b) for b in batches]
     before_w = sum(float(p.main_grad.abs().sum()) for p in te_layer_weights(te_model))
     for each in pushed:
-        queues.pop(each)
+        layers_backward_dw(te_model) if megatron_layers else queues.pop(each)
     queues.check_empty()
     te_losses = [float(x) for x in run(te_ddp, batches, backward=False)]
     result = compare(local, te_model, local_losses, te_losses, lambda p: p.main_grad)
@@ -254,6 +266,7 @@ def main() -> None:
                **{f"{case} bf16": equality_case(moe=case == "moe", **bf16()) for case in ("dense", "moe")},
                "deferred": deferred_case(fused=False), "deferred_fused": deferred_case(fused=True),
                "deferred_moe": deferred_case(fused=False, moe=True),
+               "deferred_megatron_layers": deferred_case(fused=False, moe=True, megatron_layers=True),
                "bias_order": {f"{order}{' remarked' if remark else ''}": bias_order_case(order, remark)
                               for order, remark in (("BWBW", False), ("BWBW", True), ("BBWW", True))}}
     print("RESULTS " + json.dumps(results))

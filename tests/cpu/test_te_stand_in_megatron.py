@@ -73,14 +73,15 @@ def test_te_spec_equals_local_spec_tensor_and_sequence_parallel():
     assert len(found) == 6
 
 
-@pytest.mark.parametrize("case", ["deferred", "deferred_fused", "deferred_moe"])
+@pytest.mark.parametrize("case", ["deferred", "deferred_fused", "deferred_moe", "deferred_megatron_layers"])
 def test_deferred_te_weight_gradients_arrive_in_w_and_equal_the_local_spec(results, case):
-    """Two backwards leave the TE layers' main_grad at zero; one W per backward fills it (directly with
-    fuse_wgrad_accumulation), equal to the local spec's undeferred gradients; every queue ends empty."""
+    """Two backwards leave the TE layers' main_grad at zero; one W per backward (the plugin's, or
+    megatron-core's layers' backward_dw) fills it (directly with fuse_wgrad_accumulation), equal to the
+    local spec's undeferred gradients; every queue ends empty."""
     found = results[case]
     print(f"  |main_grad| of the TE layers' {found['weights']} weights before W: {found['before_w']}; "
           f"{found['pushed_per_backward']} contexts pushed per backward onto {found['queued_modules']} queues")
-    assert found["before_w"] == 0.0 and found["weights"] == (20 if case == "deferred_moe" else 8)
+    assert found["before_w"] == 0.0 and found["weights"] == (8 if case in ("deferred", "deferred_fused") else 20)
     # per layer: qkv, proj, fc1, fc2 (MoE: qkv, proj, the grouped fc1 and fc2 of the experts)
     assert found["queued_modules"] == found["pushed_per_backward"] == 8
     check(found)
