@@ -5,6 +5,10 @@ expert, zeros allowed); GEMM ``i`` multiplies rows ``sum(m_splits[:i]) : sum(m_s
 ``weight{i}``. TE leaves the tensor-parallel communication of experts to megatron's token dispatcher, so
 this module communicates nothing. Deferred weight gradients (``delay_wgrad_compute``) queue one entry per
 backward holding every expert's work; ``backward_dw()`` computes them all.
+
+One deliberate difference: without ``fuse_wgrad_accumulation`` TE's deferring backward hands autograd the
+weight-gradient buffers it has only allocated (their contents are computed later, in ``backward_dw``, which
+assigns ``.grad`` anyway); the stand-in hands autograd None, so a missed W shows as a missing gradient.
 """
 from __future__ import annotations
 
