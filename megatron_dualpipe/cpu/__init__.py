@@ -60,6 +60,7 @@ def enable(*, megatron_lm: bool = False, force: bool = False) -> bool:
                 "drop the request (e.g. megatron_lm.install.install(cpu=True) -> install())."
             )
         return False
+    _stand_in_for_gpu_libraries()
     wanted = ["megatron-core"] + (["megatron-lm"] if megatron_lm else [])
     for part in wanted:
         if part not in _SETS:
@@ -77,9 +78,43 @@ def disable() -> None:
     overwritten = []
     for part in reversed(list(_SETS)):
         overwritten += _SETS.pop(part).uninstall()
+    _no_stand_ins()
     if overwritten:
         warnings.warn("megatron_dualpipe CPU mode: restored attributes that had been replaced "
                       "again after CPU mode patched them: " + ", ".join(overwritten), stacklevel=2)
+
+
+_EAGER: list = []  # [True] while enable() holds torch.compile eager
+
+
+def _stand_in_for_gpu_libraries() -> None:
+    """The GPU users' libraries that are not installed (Transformer Engine, grouped_gemm, DeepEP,
+    apex's wgrad GEMM) as the CPU mode's stand-ins (:mod:`.stand_ins`). Megatron reads whether they
+    exist when its modules are imported: a process that means to use them must get here (or call
+    ``stand_ins.install()``) before it imports megatron-core, as the launcher does
+    (``megatron_lm.install``); a module imported earlier keeps its answer (``stand_ins.
+    megatron_rebind`` re-reads the MoE ones). torch.compile runs eagerly: Megatron's ``jit_fuser``
+    functions (the flex dispatcher's, the experts' activations) would compile C++ for every rank of
+    a CPU run, for the same numbers."""
+    import torch
+
+    from . import stand_ins
+
+    stand_ins.install()
+    if not _EAGER:
+        torch.compiler.set_stance("force_eager")
+        _EAGER.append(True)
+
+
+def _no_stand_ins() -> None:
+    from . import stand_ins
+
+    stand_ins.uninstall()
+    if _EAGER:
+        import torch
+
+        _EAGER.pop()
+        torch.compiler.set_stance("default")
 
 
 def active() -> bool:

@@ -268,6 +268,10 @@ _VIEWS = (
      "(--mtp-num-layers)"),
     ("megatron.core.transformer.moe.token_dispatcher",
      "the alltoall dispatcher creates a torch.cuda.Stream() for device-to-host copies"),
+    ("megatron.core.extensions.transformer_engine",
+     "the TE layers (on the CPU mode's Transformer Engine stand-in) are placed on "
+     "torch.cuda.current_device() without --use-cpu-initialization; FP8 extra state calls "
+     "torch.cuda.synchronize()"),
     ("megatron.core.distributed.param_and_grad_buffer",
      'DDP param/grad buffers on torch.cuda.current_device(); warm-up tensor on "cuda"; '
      "communication-stream waits on torch.cuda.default_stream()"),

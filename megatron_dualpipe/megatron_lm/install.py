@@ -7,6 +7,9 @@ optional ``patches/megatron-lm-core_v0.16.1.patch`` calls it from the top of the
 
 What it installs, in order (each step idempotent):
 
+0. ``cpu.stand_ins.install()`` -- only where the CPU mode will be on: the stand-ins for the GPU
+   libraries that are not installed (Transformer Engine, grouped_gemm, DeepEP, apex's wgrad GEMM),
+   before the next steps import megatron.
 1. ``triton_stub.preimport_triton_users()`` -- only if no real ``triton`` is installed: import the
    Megatron modules that ``import triton`` unconditionally, against a scoped placeholder.
 2. the Megatron-LM parts of the hooks manifest (``megatron_dualpipe.hooks``, listed by
@@ -36,6 +39,8 @@ def install(cpu=None):
     from ..hooks.manifest import MEGATRON_LM_PARTS
     from . import triton_stub
 
+    if cpu is not False and "stand_ins" not in _INSTALLED:
+        _INSTALLED["stand_ins"] = _stand_ins_first()
     if "base" not in _INSTALLED:
         _INSTALLED["triton_stub"] = triton_stub.preimport_triton_users()
         hooks.install(MEGATRON_LM_PARTS)
@@ -47,6 +52,19 @@ def install(cpu=None):
         if cpu_mode.enable(megatron_lm=True, force=cpu is True):
             _INSTALLED["cpu"] = True
     return dict(_INSTALLED)
+
+
+def _stand_ins_first():
+    """The CPU mode's stand-ins for the GPU libraries that are not installed, before anything imports
+    megatron (the next steps do): Megatron decides at import whether Transformer Engine exists, and
+    its TE classes subclass TE's. Only where the CPU mode will be on (no CUDA)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return []
+    from ..cpu import stand_ins
+
+    return stand_ins.install()
 
 
 def uninstall():

@@ -28,6 +28,7 @@ STAND_INS: Dict[str, str] = {
     "transformer_engine": f"{__name__}.transformer_engine",
     "grouped_gemm": f"{__name__}.grouped_gemm",
     "deep_ep": f"{__name__}.deep_ep",
+    "fused_weight_gradient_mlp_cuda": f"{__name__}.fused_weight_gradient_mlp_cuda",
 }
 
 
