@@ -79,8 +79,9 @@ CHILD_HOOKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "child_ho
 PRINT_EXPERT_BIAS = {"env_extra": {"MEGATRON_DUALPIPE_TEST_EXPERT_BIAS": "1"}, "pythonpath": (CHILD_HOOKS,)}
 
 
-def command(schedule, *extra, env_extra=None, pythonpath=(), torchrun_args=(), nproc=4, fast_exit=True):
-    """(argv, environment) of a torchrun of pretrain_gpt.py (``nproc`` ranks) through the launcher.
+def command(schedule, *extra, env_extra=None, pythonpath=(), torchrun_args=(), nproc=4, fast_exit=True, without=()):
+    """(argv, environment) of a torchrun of pretrain_gpt.py (``nproc`` ranks) through the launcher;
+    ``without``: flags of :data:`TINY` (those without a value) left out.
     ``fast_exit``: once pretrain_gpt.py has returned, each rank runs its atexit handlers and leaves
     without the interpreter's module teardown (3-5 s per rank: MEGATRON_DUALPIPE_TEST_FAST_EXIT of
     tests/child_hooks)."""
@@ -96,7 +97,7 @@ def command(schedule, *extra, env_extra=None, pythonpath=(), torchrun_args=(), n
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     cmd = [torchrun if os.path.exists(torchrun) else "torchrun", "--standalone", "--nproc-per-node", str(nproc),
            *torchrun_args, "-m", "megatron_dualpipe.launch", os.path.join(MEGATRON_LM_PATH, "pretrain_gpt.py"),
-           *TINY, "--pipeline-schedule", schedule, *extra]
+           *[a for a in TINY if a not in without], "--pipeline-schedule", schedule, *extra]
     return cmd, env
 
 
@@ -108,12 +109,12 @@ _RUNS = {}
 SHARED_RUNS_ENV = "MEGATRON_DUALPIPE_TEST_RUNS"
 
 
-def launch(schedule, *extra, timeout=600, env_extra=None, pythonpath=(), nproc=4, fast_exit=True):
+def launch(schedule, *extra, timeout=600, env_extra=None, pythonpath=(), nproc=4, fast_exit=True, without=()):
     """torchrun pretrain_gpt.py (``nproc`` ranks) through the launcher; returns (returncode, output).
     A run identical to an earlier successful one of the session (same command and environment, no
     ``--save`` / ``--load``) is not run again: its output is returned."""
     cmd, env = command(schedule, *extra, env_extra=env_extra, pythonpath=pythonpath, nproc=nproc,
-                       fast_exit=fast_exit)
+                       fast_exit=fast_exit, without=without)
     if "--save" in cmd or "--load" in cmd:  # a checkpoint changes between runs
         proc = _run(cmd, env, timeout, fast_exit)
         LAST_OUTPUT[0] = proc.stdout + proc.stderr

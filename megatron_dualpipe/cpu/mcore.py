@@ -268,6 +268,8 @@ _VIEWS = (
      "(--mtp-num-layers)"),
     ("megatron.core.transformer.moe.token_dispatcher",
      "the alltoall dispatcher creates a torch.cuda.Stream() for device-to-host copies"),
+    ("megatron.core.transformer.moe.shared_experts",
+     "--moe-shared-expert-overlap: the shared experts run on a torch.cuda.Stream() of their own"),
     ("megatron.core.extensions.transformer_engine",
      "the TE layers (on the CPU mode's Transformer Engine stand-in) are placed on "
      "torch.cuda.current_device() without --use-cpu-initialization; FP8 extra state calls "

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 
 from .redirection import Versions, replace, torch_view, wrap
-from .torch_view import scoped_cuda_identity
+from .torch_view import GroupedGemmCapableView, scoped_cuda_identity
 
 _TRAINING = "megatron.training.training"
 _INITIALIZE = "megatron.training.initialize"
@@ -149,6 +149,9 @@ REDIRECTIONS = (
             "which CPU mode turns off"),
     replace("megatron.legacy.fused_kernels", "load", _do_nothing,
             "at this tag it only runs nvcc -V and creates a build directory; loads no kernel", _UNTIL_019),
+    replace("megatron.training.arguments", "torch", GroupedGemmCapableView(),
+            "validate_args asks torch.cuda.get_device_capability() >= 8 for --moe-grouped-gemm (its only "
+            "device question): the CPU mode's grouped_gemm stand-in runs those kernels"),
     wrap("megatron.training.arguments", "validate_args", _validate_then_disable_fusions,
          "after validation, the fused-kernel switches are turned off: " + ", ".join(FUSION_FLAGS)),
     wrap(_INITIALIZE, "validate_args", _validate_then_disable_fusions,

@@ -225,6 +225,22 @@ class TorchView:
 TORCH_VIEW = TorchView()
 
 
+class _GroupedGemmCapableCuda(CpuCuda):
+    """The CPU device, as able as the grouped GEMM kernels ask (compute capability 8.0): the CPU mode's
+    grouped_gemm stand-in runs them (:mod:`.stand_ins.grouped_gemm`)."""
+
+    get_device_capability = staticmethod(lambda device=None: (8, 0))
+
+
+class GroupedGemmCapableView(TorchView):
+    """:class:`TorchView` for Megatron-LM's argument check, which refuses ``--moe-grouped-gemm`` below
+    compute capability 8 (its only question to the device)."""
+
+    def __init__(self):
+        super().__init__()
+        self.cuda = _GroupedGemmCapableCuda()
+
+
 def _tensor_cuda(self, device=None, non_blocking=False, memory_format=torch.preserve_format):
     return self
 

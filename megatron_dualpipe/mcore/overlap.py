@@ -135,18 +135,22 @@ def megatron_refuses(config, *, overlap: bool, delay: bool) -> Optional[str]:
     """megatron-core's own ``TransformerConfig`` checks of the flags the plugin turns on after the
     config was validated without them (findings of issue 35: EP overlap with ``moe`` recomputed,
     ``delay_wgrad_compute`` with ``overlap_dispatch_backward_with_experts_wgrad`` were never checked),
-    run on a probe copy. What DualPipe replaces is relaxed in the probe, nothing else: the pipeline
-    stands as one stage (its pp/vpp assertion), fp32 as bf16 (see the module docstring), and
-    ``delay_wgrad_compute`` alone is probed with the combined step's flag on only where megatron-core
-    asks for it: ``megatron-core's message``, or None."""
+    run on a probe copy. What DualPipe replaces is relaxed in the probe, nothing else: its two chunks
+    per rank stand as megatron-core's virtual pipeline of two (its pp/vpp assertion; the split is
+    probed as 2 x pp even layers, the split's own checks having run on the config), fp32 as bf16
+    (see the module docstring), and ``delay_wgrad_compute`` alone is probed with the combined step's
+    flag on only where megatron-core asks for it: ``megatron-core's message``, or None."""
     import dataclasses
     import warnings
 
-    probe = dict(pipeline_model_parallel_size=1, virtual_pipeline_model_parallel_size=None,
-                 pipeline_model_parallel_layout=None, num_layers_in_first_pipeline_stage=None,
+    pp = config.pipeline_model_parallel_size
+    probe = dict(pipeline_model_parallel_layout=None, num_layers_in_first_pipeline_stage=None,
                  num_layers_in_last_pipeline_stage=None, account_for_embedding_in_pipeline_split=False,
                  account_for_loss_in_pipeline_split=False, overlap_moe_expert_parallel_comm=overlap,
                  delay_wgrad_compute=delay and overlap)
+    if pp > 1:
+        probe.update(virtual_pipeline_model_parallel_size=2, num_layers=2 * pp,
+                     moe_layer_freq=config.moe_layer_freq if isinstance(config.moe_layer_freq, int) else 1)
     if overlap and not (config.bf16 or config.fp16):
         probe["bf16"] = True
     if delay and not overlap and getattr(config, "overlap_dispatch_backward_with_experts_wgrad", False):

@@ -172,6 +172,13 @@ CASES = {
         BASE + MOE_EP2[:-2] + ["--pipeline-schedule", "dualpipe", "--overlap-moe-expert-parallel-comm"],
         ["--overlap-moe-expert-parallel-comm", "--expert-model-parallel-size > 1"],
     ),
+    "dualpipe_overlap_moe_mtp_half_precision": (
+        4,
+        _set(_set(BASE, "--pipeline-model-parallel-size", "2"), "--num-layers", "8") + MOE_EP2
+        + ["--pipeline-schedule", "dualpipe", "--overlap-moe-expert-parallel-comm", "--mtp-num-layers", "1",
+           "--position-embedding-type", "rope", "--bf16"],
+        ["--overlap-moe-expert-parallel-comm", "half precision", "remove --mtp-num-layers"],
+    ),
     "dualpipe_overlap_moe_two_mtp_layers": (
         4,
         _set(_set(BASE, "--pipeline-model-parallel-size", "2"), "--num-layers", "8") + MOE_EP2
