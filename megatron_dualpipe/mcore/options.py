@@ -201,6 +201,18 @@ def _needs_of_a_dualpipe_flag(needs: str, test: str, rows) -> Tuple[Refused, ...
                  for flag, why, refused, fix in rows)
 
 
+#: Checked on ``args`` by the table and at megatron-core call time by ``mcore.validation`` (which knows
+#: whether the call runs zero bubble; a config does not say).
+TE_BIASES_IN_W = Refused(
+    "--add-bias-linear", "Transformer Engine's backward_dw loses a linear bias's gradient when two backwards of one "
+    "module wait for their W (zero bubble's B, B, W, W with --delay-wgrad-compute: TE raises at the second W)",
+    read=lambda source, side: bool(getattr(source, "delay_wgrad_compute", False)
+                                   and getattr(source, "add_bias_linear", False)
+                                   and getattr(source, "dualpipe_zero_bubble", True)),
+    sides=(ARGS,), schedules=EXECUTOR,
+    fix="add --disable-bias-linear, remove --delay-wgrad-compute, or add --no-dualpipe-zero-bubble",
+    test="A `dualpipe_te_biases_deferred`; E `te_biases_deferred`")
+
 REFUSED: Tuple[Refused, ...] = (
     # The pipeline's structure.
     Refused(_VP_FLAGS, "the schedule places its own chunks on every rank; a virtual pipeline would add more",
@@ -305,6 +317,7 @@ REFUSED: Tuple[Refused, ...] = (
             fix="set --num-distributed-optimizer-instances 1 (DistributedDataParallelConfig."
                 "num_distributed_optimizer_instances), or remove --overlap-grad-reduce",
             test="A `refused --num-distributed-optimizer-instances`; E `partial_distributed_optimizer_with_overlap`"),
+    TE_BIASES_IN_W,
     Refused("--moe-layer-freq", "megatron-core 0.16.1 prints the MoE load_balancing_loss of a last pipeline rank "
             "without MoE layers unaveraged over data parallel, and dualpipev's last rank holds V-stages pp-1 and pp",
             read=lambda source, side: _v_last_rank_without_moe_before_019(source), sides=(ARGS,),

@@ -35,6 +35,8 @@ def check_call(spec: ScheduleSpec, *, model: Sequence[torch.nn.Module], num_micr
         raise DualPipeConfigError(problem)
     ddp = next((c.ddp_config for c in model if getattr(c, "ddp_config", None) is not None), None)
     refused = options.problems(config, name, options.CONFIG) + (options.problems(ddp, name, options.DDP) if ddp else [])
+    if zero_bubble and name in options.TE_BIASES_IN_W.schedules and options.TE_BIASES_IN_W.value(config, options.CONFIG):
+        refused.append(options.TE_BIASES_IN_W.message())
     if refused:  # the options table, read from the TransformerConfig and the DDP config (as Megatron-LM's check reads args)
         raise DualPipeConfigError(f"{name}: " + f"; {name}: ".join(refused))
     _check_chunks(spec, model)

@@ -139,6 +139,8 @@ def _bad_calls(pp):
         ("three_chunks_for_dualpipev", call(model=[Chunk(), Chunk(), Chunk()], schedule="dualpipev"), None, None),
         ("two_chunks_for_zb_h1", call(schedule="zb-h1"), None, None),
         ("p2p_communicator", call(p2p_communicator=object()), None, None),
+        ("te_biases_deferred", call(model=[Chunk(delay_wgrad_compute=True, add_bias_linear=True),
+                                           Chunk(delay_wgrad_compute=True, add_bias_linear=True)]), None, None),
         # a megatron-core API caller: the DDP config, not Megatron-LM's args (issue 35, finding 6)
         ("partial_distributed_optimizer_with_overlap", call(model=[Chunk(ddp_config=partial), Chunk(ddp_config=partial)]),
          None, None),
@@ -202,6 +204,7 @@ EXPECTED = {
     "three_chunks_for_dualpipev": ["2 model chunks", "got 3", "build_two_direction_model"],
     "two_chunks_for_zb_h1": ["one model chunk", "got 2"],
     "p2p_communicator": ["p2p_communicator"],
+    "te_biases_deferred": ["--add-bias-linear", "B, B, W, W", "add --disable-bias-linear"],
     "partial_distributed_optimizer_with_overlap": ["--num-distributed-optimizer-instances", "6.0 and 6.5",
                                                    "num_distributed_optimizer_instances", "remove --overlap-grad-reduce"],
     "data_iterator_list": ["one data iterator", "list of 2"],

@@ -172,6 +172,13 @@ CASES = {
         BASE + MOE_EP2[:-2] + ["--pipeline-schedule", "dualpipe", "--overlap-moe-expert-parallel-comm"],
         ["--overlap-moe-expert-parallel-comm", "--expert-model-parallel-size > 1"],
     ),
+    "dualpipe_te_biases_deferred": (
+        4,
+        # with fusion: Megatron's own check of --delay-wgrad-compute asks TE >= 2.7 without it, and no TE is here
+        [a for a in BASE if a != "--no-gradient-accumulation-fusion"]
+        + ["--pipeline-schedule", "dualpipe", "--transformer-impl", "transformer_engine", "--delay-wgrad-compute"],
+        ["--add-bias-linear", "B, B, W, W", "add --disable-bias-linear"],
+    ),
     "dualpipe_overlap_moe_mtp_half_precision": (
         4,
         _set(_set(BASE, "--pipeline-model-parallel-size", "2"), "--num-layers", "8") + MOE_EP2
