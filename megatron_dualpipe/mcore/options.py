@@ -211,7 +211,7 @@ TE_BIASES_IN_W = Refused(
                                    and getattr(source, "dualpipe_zero_bubble", True)),
     sides=(ARGS,), schedules=EXECUTOR,
     fix="add --disable-bias-linear, remove --delay-wgrad-compute, or add --no-dualpipe-zero-bubble",
-    test="A `dualpipe_te_biases_deferred`; E `te_biases_deferred`")
+    test="A `refused --add-bias-linear`; E `te_biases_deferred`")
 
 REFUSED: Tuple[Refused, ...] = (
     # The pipeline's structure.
@@ -666,20 +666,27 @@ HANDLED: Tuple[Handled, ...] = (
             "bd sum; it needs APEX's fused wgrad kernel (`--gradient-accumulation-fusion`)",
             '—'),
     Handled("`--transformer-impl transformer_engine` (zero bubble through TE's `delay_wgrad_compute` / "
-            '`backward_dw`)',
-            'GPU, not verified',
-            'M (a fake TE layer)'),
-    Handled('`--moe-grouped-gemm`',
-            "cannot run on CPU: Megatron's own `validate_args` calls `torch.cuda.get_device_capability()` "
-            '(needs >= 8) and stops with `Torch not compiled with CUDA enabled` under 1f1b, dualpipe and '
-            "dualpipev alike; its `GroupedMLP` needs the CUDA-only `grouped_gemm` package (TE's `TEGroupedMLP`:"
-            " GPU). On a GPU the legacy `GroupedMLP`'s weight GEMMs are not deferred by zero bubble "
-            '(`wgrad.find_undeferred_weights` reports it)',
-            'A `test_fails_as_under_1f1b`'),
-    Handled('`--tp-comm-overlap`, `--context-parallel-size` > 1, `--moe-shared-expert-overlap`, `--fp8-format` '
-            '/ `--fp8-param-gather` / `--first-last-layers-bf16`, `--log-max-attention-logit`, '
-            '`--use-precision-aware-optimizer`, `--optimizer-cpu-offload`',
-            'GPU, not verified (Transformer Engine / CUDA kernels)',
+            '`backward_dw`), with and without `--gradient-accumulation-fusion`',
+            "equal on CPU through the CPU mode's Transformer Engine stand-in (TE's contract at 2.11 / 2.17: its "
+            "first-in first-out wgrad queues, `main_grad` fusion; every TE queue checked empty after each "
+            "iteration): dualpipe and dualpipev from 1f1b's checkpoint, every printed metric",
+            'T `test_te_layers_dualpipe_and_dualpipev_equal_megatron_1f1b`, '
+            'T `test_te_dense_without_fusion_defers_every_weight_gradient_to_w`'),
+    Handled('`--moe-grouped-gemm`, `--moe-shared-expert-overlap`, `--moe-token-dispatcher-type flex` '
+            '(`--moe-enable-deepep`)',
+            "equal on CPU with Transformer Engine's grouped experts (TEGroupedMLP), overlapped shared experts and "
+            "the flex dispatcher on the CPU mode's stand-ins (TE, DeepEP over gloo all-to-all; at 0.16.1 the legacy "
+            "GroupedMLP on the grouped_gemm stand-in equals SequentialMLP: tests/cpu). The legacy GroupedMLP's "
+            "weight GEMMs are not deferred by zero bubble (`wgrad.find_undeferred_weights` reports it)",
+            'T `test_te_layers_dualpipe_and_dualpipev_equal_megatron_1f1b`; tests/cpu/test_deep_ep_stand_in.py, '
+            'tests/cpu/test_grouped_gemm_stand_in.py'),
+    Handled('`--fp8-format` with `--fp8-recipe tensorwise`',
+            "equal on CPU through the stand-in's FP8 autocast, a no-op for the numerics (every recipe enters; the "
+            "quantisation itself: GPU, the selftest's `--te --fp8` stage)",
+            'T `test_te_layers_dualpipe_and_dualpipev_equal_megatron_1f1b`'),
+    Handled('`--tp-comm-overlap`, `--context-parallel-size` > 1, `--fp8-param-gather` / `--first-last-layers-bf16`, '
+            '`--log-max-attention-logit`, `--use-precision-aware-optimizer`, `--optimizer-cpu-offload`',
+            'GPU, not verified (Transformer Engine / CUDA kernels the stand-ins do not run)',
             '—'),
     Handled('`--bf16`',
             'equal on CPU (every printed metric bitwise equal to 1f1b `--bf16`, pp=2 x dp=2 with the distributed '

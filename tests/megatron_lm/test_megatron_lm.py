@@ -172,13 +172,6 @@ CASES = {
         BASE + MOE_EP2[:-2] + ["--pipeline-schedule", "dualpipe", "--overlap-moe-expert-parallel-comm"],
         ["--overlap-moe-expert-parallel-comm", "--expert-model-parallel-size > 1"],
     ),
-    "dualpipe_te_biases_deferred": (
-        4,
-        # with fusion: Megatron's own check of --delay-wgrad-compute asks TE >= 2.7 without it, and no TE is here
-        [a for a in BASE if a != "--no-gradient-accumulation-fusion"]
-        + ["--pipeline-schedule", "dualpipe", "--transformer-impl", "transformer_engine", "--delay-wgrad-compute"],
-        ["--add-bias-linear", "B, B, W, W", "add --disable-bias-linear"],
-    ),
     "dualpipe_overlap_moe_mtp_half_precision": (
         4,
         _set(_set(BASE, "--pipeline-model-parallel-size", "2"), "--num-layers", "8") + MOE_EP2
@@ -280,6 +273,7 @@ REFUSED_CASES = {
     "--num-distributed-optimizer-instances": ("zb-h1", [], {"use_distributed_optimizer": True, "overlap_grad_reduce": True,
                                                            "num_distributed_optimizer_instances": 2}),
     "--moe-use-upcycling": ("dualpipe", [], {"moe_use_upcycling": True}),
+    "--add-bias-linear": ("dualpipe", ["--transformer-impl", "transformer_engine"], {"delay_wgrad_compute": True}),
     "--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank": (
         "executor-1f1b", ["--num-layers-per-virtual-pipeline-stage", "1"], None),
     "--pipeline-model-parallel-layout": ("executor-1f1b", [], {"pipeline_model_parallel_layout": "Ett|tt|tt|ttL"}),
