@@ -19,7 +19,7 @@ import os
 import torch
 
 from .redirection import Versions, define_if_missing, replace, torch_view, wrap
-from .torch_view import scoped_cuda_identity, scoped_cuda_type_names, scoped_record_stream_noop
+from .torch_view import generator_state_for, scoped_cuda_identity, scoped_cuda_type_names, scoped_record_stream_noop
 
 _RANDOM = "megatron.core.tensor_parallel.random"
 _CLIP = "clip_grad_by_total_norm_fp32"
@@ -41,11 +41,7 @@ def _cpu_rng_tracker_class(original):
             self.seeds_.add(seed)
             if name in self.states_:
                 raise Exception(f"rng state {name} already exists")
-            gen = torch.default_generator
-            orig = gen.get_state()
-            gen.manual_seed(seed)
-            self.states_[name] = gen.get_state()
-            gen.set_state(orig)
+            self.states_[name] = generator_state_for(seed)
 
         @contextlib.contextmanager
         def fork(self, name=default_name):

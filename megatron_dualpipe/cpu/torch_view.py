@@ -221,6 +221,19 @@ class TorchView:
         return "<torch with CUDA redirected to the CPU (megatron_dualpipe.cpu.torch_view)>"
 
 
+def generator_state_for(seed: int) -> torch.Tensor:
+    """The CPU default generator's state after ``manual_seed(seed)``, the generator left as it was:
+    what the CPU mode's RNG trackers (Megatron's and Transformer Engine's stand-in) keep per named
+    state, where a CUDA tracker keeps a CUDA generator's."""
+    generator = torch.default_generator
+    outer = generator.get_state()
+    generator.manual_seed(seed)
+    try:
+        return generator.get_state()
+    finally:
+        generator.set_state(outer)
+
+
 #: The single instance every redirected module sees as ``torch``.
 TORCH_VIEW = TorchView()
 

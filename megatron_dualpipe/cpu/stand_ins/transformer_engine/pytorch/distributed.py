@@ -13,6 +13,8 @@ from typing import Any, Callable, Dict, Iterator, Optional
 
 import torch
 
+from megatron_dualpipe.cpu.torch_view import generator_state_for
+
 from ._collectives import all_gather_first_dim, all_reduce, reduce_scatter_first_dim, world_size
 from .quantization import FP8GlobalStateManager, autocast
 
@@ -52,11 +54,7 @@ class CudaRNGStatesTracker:
         self.seeds_.add(seed)
         if name in self.states_:
             raise RuntimeError(f"cuda rng state {name} already exists")
-        generator = torch.default_generator
-        outer = generator.get_state()
-        generator.manual_seed(seed)
-        self.states_[name] = generator.get_state()
-        generator.set_state(outer)
+        self.states_[name] = generator_state_for(seed)
         set_all_rng_states(self.states_)
 
     @contextlib.contextmanager

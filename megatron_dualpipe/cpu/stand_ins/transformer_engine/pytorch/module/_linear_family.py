@@ -28,6 +28,23 @@ def divide(numerator: int, denominator: int) -> int:
     return numerator // denominator
 
 
+#: The constructor arguments TE's Linear and LayerNormLinear share, as :meth:`LinearFamily._setup_linear` takes them.
+_SETUP = ("in_features", "out_features", "bias", "return_bias", "parallel_mode", "tp_group", "tp_size",
+          "sequence_parallel", "fuse_wgrad_accumulation", "delay_wgrad_compute", "params_dtype", "device",
+          "init_method", "get_rng_state_tracker")
+_USERBUFFERS = ("ub_overlap_ag", "ub_overlap_rs", "ub_overlap_rs_dgrad", "ub_bulk_dgrad", "ub_bulk_wgrad")
+
+
+def linear_arguments(given: dict) -> dict:
+    """:meth:`LinearFamily._setup_linear`'s keywords out of a TE constructor's own arguments (its
+    ``locals()``), with the options the stand-in refuses: Userbuffers, symmetric all-reduce, split parameters."""
+    kwargs = {name: given[name] for name in _SETUP}
+    kwargs["unsupported"] = {"Userbuffers overlap (ub_*)": any(given[name] for name in _USERBUFFERS),
+                             "symmetric_ar_type": given["symmetric_ar_type"],
+                             "parameters_split": given["parameters_split"]}
+    return kwargs
+
+
 class LinearFamily(TransformerEngineBaseModule):
     """Base of Linear and LayerNormLinear (see module doc)."""
 

@@ -6,7 +6,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from .._collectives import gather_from_sequence
-from ._linear_family import LinearFamily
+from ._linear_family import LinearFamily, linear_arguments
 from ._norm import NORMALIZATIONS, normalize
 from .base import cpu_device, init_method_constant, refuse
 
@@ -36,15 +36,7 @@ class LayerNormLinear(LinearFamily):
         self.return_layernorm_output_gathered = return_layernorm_output_gathered and return_layernorm_output
         self.ub_name, self.symmetric_ar_type = ub_name, symmetric_ar_type
         self._setup_norm(in_features, params_dtype, device)
-        self._setup_linear(
-            in_features, out_features, bias=bias, return_bias=return_bias, parallel_mode=parallel_mode,
-            tp_group=tp_group, tp_size=tp_size, sequence_parallel=sequence_parallel,
-            fuse_wgrad_accumulation=fuse_wgrad_accumulation, delay_wgrad_compute=delay_wgrad_compute,
-            params_dtype=params_dtype, device=device, init_method=init_method,
-            get_rng_state_tracker=get_rng_state_tracker,
-            unsupported={"Userbuffers overlap (ub_*)": any((ub_overlap_ag, ub_overlap_rs, ub_overlap_rs_dgrad,
-                                                           ub_bulk_dgrad, ub_bulk_wgrad)),
-                         "symmetric_ar_type": symmetric_ar_type, "parameters_split": parameters_split})
+        self._setup_linear(**linear_arguments(locals()))
         self.reset_parameters(defer_init=self.weight.device.type == "meta")
 
     def _setup_norm(self, in_features: int, params_dtype: Optional[torch.dtype], device: Any) -> None:
