@@ -291,10 +291,12 @@ REFUSED: Tuple[Refused, ...] = (
     Refused("--qk-clip", "each copy of a stage would clip its weights by the largest attention logit of its own "
             "direction's micro-batches, so the copies would drift apart", arg="qk_clip", config="qk_clip",
             schedules=MIRRORED),
-    Refused("--fp8-recipe delayed", "each copy of a stage would keep its own amax history of its own direction's "
-            "micro-batches, so the two copies would quantise with different scales and drift apart",
-            read=_fp8_delayed, schedules=MIRRORED,
-            fix="use --fp8-recipe tensorwise, blockwise or mxfp8, or --pipeline-schedule dualpipev",
+    Refused("--fp8-recipe delayed", "its scales come from an amax history of the forwards and backwards in the order "
+            "they ran: under dualpipe each copy of a stage would keep its own direction's and the two would drift "
+            "apart; under dualpipev the order is not 1F1B's, and no CPU run can show the scales equal (the CPU "
+            "mode's FP8 does not quantise)",
+            read=_fp8_delayed, schedules=TWO_CHUNKS,
+            fix="use --fp8-recipe tensorwise, blockwise or mxfp8",
             test="A `refused --fp8-recipe delayed`; E `fp8_delayed_recipe`"),
     Refused("--moe-enable-routing-replay", "its process-wide list of routers would hold both copies of every MoE layer",
             arg="moe_enable_routing_replay", config="moe_enable_routing_replay", schedules=MIRRORED),

@@ -295,11 +295,12 @@ for _flag, (_schedule, _argv, _over) in REFUSED_CASES.items():
     CASES["refused " + _flag] = (4, BASE + ["--pipeline-schedule", _schedule] + _argv, ["does not support " + _flag], _over)
 if parse_version(installed_core_version() or "0") >= (0, 19):  # megatron-core 0.19 prints that MoE loss equal
     CASES["refused --moe-layer-freq"] = CASES["refused --moe-layer-freq"][:2] + (None, None)
-# FP8's delayed recipe is refused for dualpipe only (each copy of a stage would keep its own amax history).
+# FP8's delayed recipe is refused under both (its amax history follows the schedule's order); tensorwise runs.
 CASES["fp8 tensorwise_dualpipe_ok"] = (4, BASE + ["--pipeline-schedule", "dualpipe"], None,
                                        {"fp8": "e4m3", "fp8_recipe": "tensorwise"})
-CASES["fp8 delayed_dualpipev_ok"] = (4, BASE + ["--pipeline-schedule", "dualpipev"], None,
-                                     {"fp8": "e4m3", "fp8_recipe": "delayed"})
+CASES["fp8 delayed_dualpipev_refused"] = (4, BASE + ["--pipeline-schedule", "dualpipev"],
+                                          ["does not support --fp8-recipe delayed", "use --fp8-recipe tensorwise"],
+                                          {"fp8": "e4m3", "fp8_recipe": "delayed"})
 CASES["global_aux_loss_dualpipev_ok"] = (
     4, BASE + ["--pipeline-schedule", "dualpipev"] + REFUSED_CASES["--moe-router-load-balancing-type global_aux_loss"][1],
     None)
