@@ -137,5 +137,19 @@ def test_the_abort_calls_each_groups_own_abort_and_leaves_torchs_registry(monkey
         thread.join()
         print(f"\naborted {len(aborted)} of {len(before)} groups; registry kept: {dict(c10d._world.pg_names) == before}")
         assert set(aborted) == set(before) and extra in aborted and dict(c10d._world.pg_names) == before
+        # NCCL (emulated): the aborts inside one group start / end of the default group's NCCL backend
+        calls = []
+
+        class FakeNCCL:
+            _group_start = staticmethod(lambda: calls.append("start"))
+            _group_end = staticmethod(lambda: calls.append("end"))
+
+        monkeypatch.setattr(c10d, "is_nccl_available", lambda: True)
+        monkeypatch.setattr(c10d, "ProcessGroupNCCL", FakeNCCL, raising=False)
+        monkeypatch.setattr(dist.ProcessGroup, "_get_backend", lambda self, device: FakeNCCL())
+        monkeypatch.setattr(dist.ProcessGroup, "abort", lambda self: calls.append("abort"), raising=False)
+        watchdog.abort_communicators()
+        print(f"with NCCL: {calls}")
+        assert calls == ["start"] + ["abort"] * len(before) + ["end"]
     finally:
         dist.destroy_process_group()
