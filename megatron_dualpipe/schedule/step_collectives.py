@@ -57,7 +57,9 @@ Megatron-LM ``training.train_step``; this package's ``mcore`` modules named belo
    their pipeline rank; at every ``--log-interval``-th iteration, the interval timer's barrier, and
    with ``--timing-log-level`` >= 1 the timers' all-gathers (twice more with
    ``--log-timers-to-tensorboard``), all over the default group;
-8. Megatron-LM's ``checkpoint_and_decide_exit``, every iteration: ``--exit-signal-handler``'s
+8. with ``--async-save``, Megatron-LM's ``maybe_finalize_async_save`` after the step: the all-reduce
+   over the default group of whether every rank's save in flight has finished (while one is);
+   then ``checkpoint_and_decide_exit``, every iteration: ``--exit-signal-handler``'s
    all-gather of the signals received, then ``--exit-duration-in-mins``'s all-reduce of "time is
    up", both over the default group (the checkpoint saved between them at ``--save-interval``
    is not in the plan);
@@ -130,6 +132,7 @@ class StepOptions:
     mtp: bool = False                 # multi-token prediction layers (training_log's MTP metrics)
     exit_signal: bool = False         # Megatron-LM's --exit-signal-handler
     exit_duration: bool = False       # Megatron-LM's --exit-duration-in-mins
+    async_save: bool = False          # Megatron-LM's --async-save (its finalization's all-reduce)
     qk_logits: bool = False           # --qk-clip or --log-max-attention-logit (clip_qk's all-reduces)
     timing_level: int = 0             # Megatron's timers' log level (--timing-log-level)
     l1_barrier: bool = True           # the level-1 timers' barriers (--barrier-with-L1-time, its default)
@@ -333,8 +336,8 @@ def _evaluation(layout: Layout, r: int, opts: StepOptions) -> List[Op]:
 
 
 def _exit(opts: StepOptions) -> List[Op]:
-    """``checkpoint_and_decide_exit``'s collectives (module docstring, 8)."""
-    wanted = (("exit-signal", opts.exit_signal), ("exit-duration", opts.exit_duration))
+    """``maybe_finalize_async_save``'s and ``checkpoint_and_decide_exit``'s collectives (module docstring, 8)."""
+    wanted = (("async-save", opts.async_save), ("exit-signal", opts.exit_signal), ("exit-duration", opts.exit_duration))
     return [_coll(kind, "default") for kind, on in wanted if on and opts.megatron_lm]
 
 

@@ -32,7 +32,7 @@ from megatron_dualpipe.schedule.comm import plan
 
 EVERYTHING = dict(tp_grads=True, moe=True, fp16=True, distributed_optimizer=True, expert_bias=True,
                   quantile_balancing=True, per_token_loss=True, tied_embeddings=True, drift_check=True, advise=True,
-                  params_norm=True, mtp=True, exit_signal=True, exit_duration=True, timing_level=1,
+                  params_norm=True, mtp=True, exit_signal=True, exit_duration=True, async_save=True, timing_level=1,
                   timers_written=True, qk_logits=True,
                   moe_logged=("load_balancing_loss", "global_load_balancing_loss", "z_loss"))
 #: Option sets that between them issue every kind (name -> (StepOptions, overlap-grad-reduce)).
@@ -121,7 +121,7 @@ def test_every_kind_has_a_misorder_case():
                      "zeros", "param-gather", "expert-param-gather", "update-ok", "grad-norm-max", "zeros-max", "loss",
                      "drift", "rerun", "params-norm-sharded", "params-norm-expert-sharded", "params-norm",
                      "params-norm-gtp", "params-norm-expert", "moe-log", "moe-log-reduce", "moe-log-dp", "mtp-log",
-                     "exit-signal", "exit-duration", "timer-barrier", "interval-barrier", "timers-write", "timers-log",
+                     "async-save", "exit-signal", "exit-duration", "timer-barrier", "interval-barrier", "timers-write", "timers-log",
                      "qk-logits"):
         assert expected in kinds, expected
 
