@@ -77,7 +77,7 @@ def step_options(model: Sequence, config, *, drift_check: bool, advise: bool) ->
         moe_logged=moe_logged(config), mtp=bool(getattr(config, "mtp_num_layers", None)),
         exit_signal=True if args is None else bool(getattr(args, "exit_signal_handler", False)),
         exit_duration=True if args is None else bool(getattr(args, "exit_duration_in_mins", None)),
-        async_save=False if args is None else bool(getattr(args, "async_save", False)),
+        async_save=True if args is None else bool(getattr(args, "async_save", False)),
         qk_logits=True if args is None else bool(getattr(args, "qk_clip", False)
                                                  or getattr(args, "log_max_attention_logit", False)),
         timing_level=_timing_level(config, args), l1_barrier=bool(getattr(config, "barrier_with_L1_time", True)),

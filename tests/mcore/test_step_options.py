@@ -96,6 +96,8 @@ def _with_args(monkeypatch, **args):
     ("exit_signal", dict(exit_signal_handler=False), False),
     ("exit_duration", dict(exit_duration_in_mins=30), True),
     ("exit_duration", dict(exit_duration_in_mins=None), False),
+    ("async_save", dict(async_save=True), True),
+    ("async_save", dict(async_save=False), False),
     ("timing_level", dict(timing_log_level=1), 1),
     ("timing_level", dict(timing_log_level=0), 0),
     ("timers_written", dict(log_timers_to_tensorboard=True), True),
@@ -142,4 +144,6 @@ def test_the_argument_names_are_megatron_lms():
     assert rerun["rerun_mode"] != "disabled" and logger["log_params_norm"] is False
     training = {f.name for f in dataclasses.fields(_megatron_lm_config("training_config.py").TrainingConfig)}
     assert {"exit_signal_handler", "exit_duration_in_mins"} <= training
+    checkpoint = {f.name for f in dataclasses.fields(_megatron_lm_config("training_config.py").CheckpointConfig)}
+    assert "async_save" in checkpoint
     assert {"timing_log_level", "log_timers_to_tensorboard", "log_max_attention_logit"} <= set(logger)
