@@ -298,6 +298,26 @@ REFUSED: Tuple[Refused, ...] = (
             read=_fp8_delayed, schedules=TWO_CHUNKS,
             fix="use --fp8-recipe tensorwise, blockwise or mxfp8",
             test="A `refused --fp8-recipe delayed`; E `fp8_delayed_recipe`"),
+    # Accepted once but never run (issue 35, finding 8): no CPU path, no stand-in, no selftest stage yet.
+    Refused("--tp-comm-overlap", "Transformer Engine's Userbuffers overlap of the tensor-parallel communication is "
+            "not proven with the executor's schedules (the CPU mode's Transformer Engine refuses Userbuffers, and "
+            "no selftest stage runs it)", arg="tp_comm_overlap", config="tp_comm_overlap", schedules=EXECUTOR),
+    Refused("--context-parallel-size", "context parallelism is not proven equal to 1F1B under the executor's "
+            "schedules: no CPU path runs it (Megatron's local attention has none; the CPU mode's Transformer Engine "
+            "attention runs one context rank)", arg="context_parallel_size", config="context_parallel_size",
+            is_set=lambda v: (v or 1) > 1, schedules=EXECUTOR, fix="set --context-parallel-size 1"),
+    Refused("--fp8-param-gather", "FP8 parameters (Transformer Engine's quantised weights of both chunks) are not "
+            "stood in for on the CPU, so their gathers are not proven", arg="fp8_param_gather", config="fp8_param"),
+    Refused("--log-max-attention-logit", "each chunk would record the largest attention logit of its own "
+            "micro-batches (under dualpipe, the copies of a stage each their direction's), and no CPU run logs it",
+            arg="log_max_attention_logit"),
+    Refused("--use-precision-aware-optimizer", "it needs Transformer Engine's FusedAdam, which the CPU mode does not "
+            "stand in for: not proven with two chunks per rank", arg="use_precision_aware_optimizer"),
+    Refused("--optimizer-cpu-offload", "its hybrid CPU/GPU optimizer is not proven with two chunks per rank (no CPU "
+            "path runs it)", arg="optimizer_cpu_offload"),
+    Refused("--overlap-param-gather-with-optimizer-step", "its parameter all-gathers run inside the optimizer step, "
+            "which the plan check does not model for DualPipeV's two chunks", arg="overlap_param_gather_with_optimizer_step",
+            schedules=(registry.DUALPIPEV,)),
     Refused("--moe-enable-routing-replay", "its process-wide list of routers would hold both copies of every MoE layer",
             arg="moe_enable_routing_replay", config="moe_enable_routing_replay", schedules=MIRRORED),
     Refused("--save-dgrads-interval",
@@ -686,10 +706,10 @@ HANDLED: Tuple[Handled, ...] = (
             "equal on CPU through the stand-in's FP8 autocast, a no-op for the numerics (every recipe enters; the "
             "quantisation itself: GPU, the selftest's `--te --fp8` stage)",
             'T `test_te_layers_dualpipe_and_dualpipev_equal_megatron_1f1b`'),
-    Handled('`--tp-comm-overlap`, `--context-parallel-size` > 1, `--fp8-param-gather` / `--first-last-layers-bf16`, '
-            '`--log-max-attention-logit`, `--use-precision-aware-optimizer`, `--optimizer-cpu-offload`',
-            'GPU, not verified (Transformer Engine / CUDA kernels the stand-ins do not run)',
-            '—'),
+    Handled('`--first-last-layers-bf16` (with `--fp8-format`)',
+            "equal on CPU through the stand-in's FP8 autocast (a no-op for the numerics, so the bf16 layers at the "
+            "ends run as the others; the quantisation itself: GPU)",
+            'T `test_te_layers_dualpipe_and_dualpipev_equal_megatron_1f1b`'),
     Handled('`--bf16`',
             'equal on CPU (every printed metric bitwise equal to 1f1b `--bf16`, pp=2 x dp=2 with the distributed '
             'optimizer: dualpipe, the shared shard group, dp-first)',

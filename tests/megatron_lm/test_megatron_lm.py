@@ -274,6 +274,13 @@ REFUSED_CASES = {
                                                            "num_distributed_optimizer_instances": 2}),
     "--moe-use-upcycling": ("dualpipe", [], {"moe_use_upcycling": True}),
     "--add-bias-linear": ("dualpipe", ["--transformer-impl", "transformer_engine"], {"delay_wgrad_compute": True}),
+    "--tp-comm-overlap": ("zb-h1", [], {"tp_comm_overlap": True}),
+    "--context-parallel-size": ("dualpipe", [], {"context_parallel_size": 2}),
+    "--fp8-param-gather": ("dualpipev", [], {"fp8_param_gather": True}),
+    "--log-max-attention-logit": ("dualpipe", [], {"log_max_attention_logit": True}),
+    "--use-precision-aware-optimizer": ("dualpipev", [], {"use_precision_aware_optimizer": True}),
+    "--optimizer-cpu-offload": ("dualpipe", [], {"optimizer_cpu_offload": True}),
+    "--overlap-param-gather-with-optimizer-step": ("dualpipev", [], {"overlap_param_gather_with_optimizer_step": True}),
     "--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank": (
         "executor-1f1b", ["--num-layers-per-virtual-pipeline-stage", "1"], None),
     "--pipeline-model-parallel-layout": ("executor-1f1b", [], {"pipeline_model_parallel_layout": "Ett|tt|tt|ttL"}),

@@ -30,8 +30,9 @@ PARTLY = "zero bubble partly inactive"
 CASES = {
     # fp32: with MTP in bf16 the local and TE layers alike differ from 1f1b by ~1e-5 in lm loss from the third
     # iteration on (the summing order of the MTP stage's embedding gradient, not yet tied down); bf16 runs below
-    "dense, gradient-accumulation fusion, MTP, FP8 tensorwise": (
-        (*TE, *MTP, "--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"), (), (FUSION,)),
+    "dense, gradient-accumulation fusion, MTP, FP8 tensorwise, first and last layers bf16": (
+        (*TE, *MTP, "--fp8-format", "hybrid", "--fp8-recipe", "tensorwise", "--first-last-layers-bf16",
+         "--num-layers-at-start-in-bf16", "1", "--num-layers-at-end-in-bf16", "1"), (), (FUSION,)),
     "MoE EP2, grouped GEMM, overlapped shared experts": (
         (*TE, *MOE_EP2, "--moe-grouped-gemm", "--moe-shared-expert-intermediate-size", "64",
          "--moe-shared-expert-overlap"), (), ()),
