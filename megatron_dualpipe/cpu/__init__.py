@@ -85,6 +85,12 @@ def disable() -> None:
 
 
 _EAGER: list = []  # [True] while enable() holds torch.compile eager
+#: megatron-core modules that decide at import whether the GPU libraries exist: once one of them is
+#: imported without the stand-ins, installing them would leave megatron half with and half without
+#: (attention's HAVE_TE true, the TE extension's classes None).
+_READ_AT_IMPORT = ("megatron.core.extensions.transformer_engine", "megatron.core.tensor_parallel.layers",
+                   "megatron.core.transformer.attention", "megatron.core.transformer.moe.fused_a2a",
+                   "megatron.core.transformer.moe.grouped_gemm_util")
 
 
 def _stand_in_for_gpu_libraries() -> None:
@@ -92,15 +98,18 @@ def _stand_in_for_gpu_libraries() -> None:
     apex's wgrad GEMM) as the CPU mode's stand-ins (:mod:`.stand_ins`). Megatron reads whether they
     exist when its modules are imported: a process that means to use them must get here (or call
     ``stand_ins.install()``) before it imports megatron-core, as the launcher does
-    (``megatron_lm.install``); a module imported earlier keeps its answer (``stand_ins.
-    megatron_rebind`` re-reads the MoE ones). torch.compile runs eagerly: Megatron's ``jit_fuser``
+    (``megatron_lm.install``); once megatron-core has read their absence, none is installed
+    (``stand_ins.megatron_rebind`` re-reads the MoE ones for a caller that installs them itself). torch.compile runs eagerly: Megatron's ``jit_fuser``
     functions (the flex dispatcher's, the experts' activations) would compile C++ for every rank of
     a CPU run, for the same numbers."""
+    import sys
+
     import torch
 
     from . import stand_ins
 
-    stand_ins.install()
+    if not any(reader in sys.modules for reader in _READ_AT_IMPORT):  # else: a world without them, consistently
+        stand_ins.install()
     if not _EAGER:
         torch.compiler.set_stance("force_eager")
         _EAGER.append(True)

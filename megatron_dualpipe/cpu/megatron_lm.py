@@ -27,9 +27,11 @@ _SINCE_019 = Versions("0.19")
 #: Argument switches turned off in CPU mode: they need CUDA / apex kernels or run
 #: ``torch.compile`` (Megatron's ``jit_fuser``), which would compile C++ with inductor on every
 #: rank. The unfused paths compute the same functions.
+#: (``--gradient-accumulation-fusion`` stays: the CPU mode stands in for apex's wgrad GEMM and
+#: Transformer Engine's ``main_grad`` fusion, ``cpu/stand_ins``.)
 FUSION_FLAGS = (
     "bias_gelu_fusion", "bias_swiglu_fusion", "bias_dropout_fusion", "masked_softmax_fusion",
-    "apply_rope_fusion", "cross_entropy_loss_fusion", "gradient_accumulation_fusion",
+    "apply_rope_fusion", "cross_entropy_loss_fusion",
 )  # fmt: skip
 
 

@@ -238,16 +238,24 @@ def generator_state_for(seed: int) -> torch.Tensor:
 TORCH_VIEW = TorchView()
 
 
-class _GroupedGemmCapableCuda(CpuCuda):
-    """The CPU device, as able as the grouped GEMM kernels ask (compute capability 8.0): the CPU mode's
-    grouped_gemm stand-in runs them (:mod:`.stand_ins.grouped_gemm`)."""
+def _grouped_gemm_capability(device=None):
+    """8.0 while the CPU mode stands in for grouped_gemm (:mod:`.stand_ins.grouped_gemm` runs those
+    kernels); else torch's own answer (without a GPU an error: a login node checking a GPU job's
+    arguments leaves the question to the GPU nodes)."""
+    from .stand_ins import active
 
-    get_device_capability = staticmethod(lambda device=None: (8, 0))
+    return (8, 0) if "grouped_gemm" in active() else torch.cuda.get_device_capability(device)
+
+
+class _GroupedGemmCapableCuda(CpuCuda):
+    """The CPU device, as able as the grouped GEMM kernels ask where the CPU mode runs them."""
+
+    get_device_capability = staticmethod(_grouped_gemm_capability)
 
 
 class GroupedGemmCapableView(TorchView):
     """:class:`TorchView` for Megatron-LM's argument check, which refuses ``--moe-grouped-gemm`` below
-    compute capability 8 (its only question to the device)."""
+    compute capability 8 (its only question to the device): see :func:`_grouped_gemm_capability`."""
 
     def __init__(self):
         super().__init__()

@@ -300,6 +300,10 @@ class _WeightGrad:
         self.fusion = fusion
 
     def __call__(self) -> None:
+        with torch.no_grad():  # as inside the autograd engine, where the undeferred backward runs
+            self._compute()
+
+    def _compute(self) -> None:
         weight, grad_output, total_input = self.weight, self.grad_output, self.total_input
         self.grad_output = self.total_input = None  # free as soon as this returns
         if not self.fusion:
@@ -525,9 +529,12 @@ class DeferralAudit:
     @contextlib.contextmanager
     def watching(self, chunk: Hashable, label: str, module: torch.nn.Module) -> Iterator[None]:
         """Around one B of ``chunk`` (``module`` unwrapped): record which weight tensors get a
-        gradient in it."""
+        gradient in it. A Transformer Engine module that queued its weight gradient in this B
+        deferred it, whatever reached autograd (with ``main_grad`` fusion, megatron's dummy)."""
         weights = _weight_tensors(module)
         in_b: Set[str] = set()
+        queues = TEQueues(module)
+        before = queues.sizes()
 
         def hook(name: str) -> Callable:
             def got(grad):
@@ -541,6 +548,9 @@ class DeferralAudit:
         finally:
             for h in handles:
                 h.remove()
+        for i, _ in queues.pushed_since(before):
+            name, queued, _ = queues.modules[i]
+            in_b.difference_update(f"{name}.{p}" if name else p for p, _ in queued.named_parameters())
         self._seen[chunk] = (label, {n: p.numel() for n, p in weights.items()}, in_b)
 
     def report(self, limit: int = 8) -> Optional[str]:
