@@ -551,6 +551,8 @@ class DeferralAudit:
         for i, _ in queues.pushed_since(before):
             name, queued, _ = queues.modules[i]
             in_b.difference_update(f"{name}.{p}" if name else p for p, _ in queued.named_parameters())
+        for name, buffered in _deferring_by_megatron(module):
+            in_b.difference_update(f"{name}.{p}" if name else p for p, _ in buffered.named_parameters())
         self._seen[chunk] = (label, {n: p.numel() for n, p in weights.items()}, in_b)
 
     def report(self, limit: int = 8) -> Optional[str]:
@@ -573,6 +575,15 @@ class DeferralAudit:
                 f"(computed in B): {shown}{more}. Only megatron-core's local ColumnParallelLinear/"
                 f"RowParallelLinear and Transformer Engine layers built with delay_wgrad_compute defer "
                 f"their weight gradients")
+
+
+def _deferring_by_megatron(module: torch.nn.Module):
+    """(name, module) of the linears megatron-core defers itself: the output layer with
+    ``--defer-embedding-wgrad-compute`` keeps its inputs and output gradients in its buffers and
+    computes its weight gradient at their drain (below the ``wgrad_deferral_limit``), not in B."""
+    return [(name, m) for name, m in module.named_modules()
+            if getattr(m, "embedding_activation_buffer", None) is not None
+            and getattr(getattr(m, "config", None), "defer_embedding_wgrad_compute", False)]
 
 
 #: Module kinds whose weights stay in B by design (matched in the class name).

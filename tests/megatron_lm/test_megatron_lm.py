@@ -274,6 +274,7 @@ REFUSED_CASES = {
                                                            "num_distributed_optimizer_instances": 2}),
     "--moe-use-upcycling": ("dualpipe", [], {"moe_use_upcycling": True}),
     "--add-bias-linear": ("dualpipe", ["--transformer-impl", "transformer_engine"], {"delay_wgrad_compute": True}),
+    "--defer-embedding-wgrad-compute": ("dualpipe", MTP_ARGS, {"defer_embedding_wgrad_compute": True}),
     "--tp-comm-overlap": ("zb-h1", [], {"tp_comm_overlap": True}),
     "--context-parallel-size": ("dualpipe", [], {"context_parallel_size": 2}),
     "--fp8-param-gather": ("dualpipev", [], {"fp8_param_gather": True}),
