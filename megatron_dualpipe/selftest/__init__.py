@@ -40,7 +40,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ep", type=int, default=1,
                    help="expert-parallel size; > 1 adds a tiny MoE to the equality stage and the overlap stage, "
                         "and fused units and interleaved 1F1B with all-to-all overlap to the deepseek-v3 stage")
-    p.add_argument("--te", action="store_true", help="build the layers with Transformer Engine (GPU), in bf16")
+    p.add_argument("--te", action="store_true", help="build the layers with Transformer Engine, in bf16 on GPUs "
+                   "(without a GPU: the CPU mode's stand-in for it, fp32)")
     p.add_argument("--fp8", action="store_true", help="with --te: FP8 (per-tensor current scaling, the tensorwise recipe)")
     p.add_argument("--out", default="selftest-out", metavar="DIR", help="where the report goes (default selftest-out)")
     p.add_argument("--quick", action="store_true", help="fewer repetitions (what CI runs)")

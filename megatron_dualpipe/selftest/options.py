@@ -53,7 +53,9 @@ class SelftestConfig:
 
     @property
     def dtype_key(self) -> str:
-        return "fp8" if self.fp8 else ("bf16" if self.gpu and self.te else "fp32")
+        if not self.gpu:  # the CPU mode: fp32, and FP8 (the stand-in's) a no-op for the numbers
+            return "fp32"
+        return "fp8" if self.fp8 else ("bf16" if self.te else "fp32")
 
     @property
     def tolerance(self) -> float:
@@ -90,9 +92,13 @@ def check(world: int, tp: int, ep: int, te: bool, fp8: bool, gpu: bool, gpus_her
                 f"give pp={pp}: use --nproc {good}")
     if fp8 and not te:
         return "--fp8 runs Transformer Engine's FP8 layers: add --te"
-    if te and not gpu:
-        return "--te needs a GPU with transformer-engine installed (this machine has no GPU): leave out --te/--fp8"
-    if te:
+    if te and not gpu:  # the CPU mode's Transformer Engine stand-in runs the layers, FP8 as a no-op
+        from ..cpu import stand_ins
+
+        if stand_ins.real_library("transformer_engine"):
+            return ("--te without a GPU runs the CPU mode's Transformer Engine stand-in, which never shadows the "
+                    "transformer-engine installed here (it needs a GPU): leave out --te/--fp8")
+    elif te:
         try:
             import importlib.util
 

@@ -54,6 +54,11 @@ class Context:
 PRELOAD = ("megatron.core.parallel_state", "megatron_dualpipe.proof.models", __name__, f"{__package__}.forkserver_exit")
 
 
+#: Imported by the CPU forkserver before megatron-core (the CPU mode's stand-ins for the GPU libraries:
+#: megatron-core reads at import whether Transformer Engine exists; ``--te`` builds its layers).
+STAND_INS_FIRST = f"{__package__}.stand_ins_first"
+
+
 def preload(gpu: bool) -> None:
     """Start the forkserver that :func:`..bench.launch.spawn` forks the ranks from with :data:`PRELOAD`
     imported (after spawn's own preload, ``own_session`` first), so that megatron-core is imported
@@ -65,7 +70,7 @@ def preload(gpu: bool) -> None:
 
     if not gpu and "forkserver" in mp.get_all_start_methods():
         mp.get_context("forkserver").set_forkserver_preload(
-            ["megatron_dualpipe.bench.own_session", "torch", "torch.distributed", *PRELOAD])
+            ["megatron_dualpipe.bench.own_session", STAND_INS_FIRST, "torch", "torch.distributed", *PRELOAD])
         forkserver.ensure_running()
 
 

@@ -140,11 +140,25 @@ def test_a_broken_executor_fails_equality_with_the_number(tmp_path):
     assert "[FAIL] equality: GPT dualpipe: loss of micro-batch 0" in stdout
 
 
+def test_quick_cpu_run_with_transformer_engine_layers_passes(tmp_path):
+    """``--te --fp8`` without a GPU: the layers are the CPU mode's Transformer Engine stand-in's (FP8 a
+    no-op for the numbers, fp32), the dense GPT, the MoE with fused F&B units and the DeepSeek-V3
+    shape alike, every schedule's losses and gradients against Megatron's 1F1B on the same layers."""
+    code, stdout, report = _selftest(tmp_path, "--nproc", "4", "--ep", "2", "--te", "--fp8", "--deadline", "10")
+    statuses = {s["stage"]: s["status"] for s in report["stages"]}
+    assert code == 0 and not report["failed"], stdout
+    assert statuses["equality"] == statuses["deepseek-v3"] == "PASS", statuses
+    for model in ("GPT", "MoE"):
+        eq = _stage(report, "equality")["numbers"][model]
+        for schedule in ("dualpipe", "dualpipev"):
+            assert 0 <= eq[schedule]["max_rel_grad_diff"] <= TOLERANCE["fp32"]
+    _check_deepseek_v3(_stage(report, "deepseek-v3"))
+
+
 BAD = [
     (["--nproc", "3"], "use --nproc 4"),
     (["--nproc", "1"], "at least 2 processes"),
     (["--nproc", "4", "--tp", "3"], "multiple of 3"),
-    (["--nproc", "4", "--te"], "--te needs a GPU"),
     (["--nproc", "4", "--fp8"], "add --te"),
     (["--nproc", "4", "--deadline", "0"], "--deadline"),
     (["--nproc", "4", "--model-hidden", "0"], "--model-hidden"),
