@@ -10,7 +10,7 @@
 # SLURM and containers: scripts/slurm_dualpipe.sbatch, docs/multi-node.md.
 #
 # Variables: MEGATRON_LM_PATH (a Megatron-LM checkout at core_v0.16.1 or core_v0.19.0), CONFIG (a name in
-# configs/ or a path), DATA_PATH (unless the config uses --mock-data), SCHEDULE (dualpipe,
+# configs/ or a path), DATA_PATH (unless the config or the command has --mock-data), SCHEDULE (dualpipe,
 # dualpipev, zb-h1, executor-1f1b or 1f1b -- Megatron's own, interleaved with --num-layers-per-virtual-pipeline-stage N
 # appended; default dualpipe), NNODES (1), NODE_RANK (0), MASTER_ADDR (localhost, required
 # when NNODES > 1), MASTER_PORT (6000), GPUS_PER_NODE (8), TORCHRUN (torchrun where it is on PATH,
@@ -128,9 +128,10 @@ if [ -z "${CUDA_DEVICE_MAX_CONNECTIONS:-}" ]; then
 fi
 export CUDA_DEVICE_MAX_CONNECTIONS
 
+# --mock-data, in the config or appended to the command, needs no data (DATA_PATH is then not passed).
 data_args=()
-if [[ " ${MODEL_ARGS[*]} " != *" --mock-data "* ]]; then
-  [ -n "${DATA_PATH:-}" ] || die "set DATA_PATH to the Megatron-preprocessed data prefix (the path without .bin/.idx; megatron-dualpipe prepare-data prints one), or use a config with --mock-data"
+if [[ " ${MODEL_ARGS[*]} $* " != *" --mock-data "* ]]; then
+  [ -n "${DATA_PATH:-}" ] || die "set DATA_PATH to the Megatron-preprocessed data prefix (the path without .bin/.idx; megatron-dualpipe prepare-data prints one), or append --mock-data (synthetic data)"
   # DATA_PATH is a prefix, or a blend "weight prefix weight prefix ...": the preflight below checks each.
   read -r -a data_words <<< "$DATA_PATH"
   data_args=(--data-path "${data_words[@]}")

@@ -248,6 +248,17 @@ def test_blended_data_path_checks_every_prefix(tmp_path):
     assert argv[i + 1:i + 5] == ["0.7", str(tmp_path / "text_document"), "0.3", str(tmp_path / "other")]
 
 
+def test_appended_mock_data_needs_no_data_path(tmp_path):
+    """``--mock-data`` appended to the command (not only in the config) means synthetic data: no
+    DATA_PATH asked for, no --data-path passed (it used to be refused: "use a config with --mock-data")."""
+    torchrun = stand_in_torchrun(tmp_path)
+    r = run(tmp_path, extra=("--mock-data",), CONFIG="gpt_345m", DATA_PATH=None, DRY_RUN=None, TORCHRUN=torchrun)
+    print(f"\n{r.stderr.strip() or r.stdout.strip().splitlines()[-2]}")
+    assert r.returncode == 0, r.stderr
+    argv = torchrun_calls(tmp_path)[0]
+    assert "--mock-data" in argv and "--data-path" not in argv
+
+
 # ---------------------------------------------------------------------------------------------
 # Checked before torchrun (megatron_dualpipe/launch_checks.py through launch --check)
 # ---------------------------------------------------------------------------------------------
