@@ -25,7 +25,8 @@
 #
 # Everything torchrun or Megatron would refuse is refused here first, with the fix: numbers that are
 # not positive integers, a world size that is not a multiple of TP*PP*CP and of ETP*EP*PP (the
-# message names the nearest valid GPU count; each config states its minimum), the batch split,
+# message names the nearest valid GPU count on these nodes, with its NNODES, and PP/TP/EP for the
+# GPUs given; each config states its minimum), the batch split (naming the nearest valid GLOBAL_BATCH),
 # DualPipe's rules, a missing DATA_PATH, and (through `python -m megatron_dualpipe.launch --check`
 # with the arguments about to be passed, run by the Python that torchrun will run: one check,
 # megatron_dualpipe/launch_checks.py) a checkout at neither core_v0.16.1 nor core_v0.19.0, missing training
@@ -39,16 +40,6 @@ die() { echo "pretrain_gpt_dualpipe.sh: error: $*" >&2; exit 2; }
 trap 'echo "pretrain_gpt_dualpipe.sh: interrupted" >&2; exit 130' INT TERM HUP
 # A positive integer of at most 9 digits (bash arithmetic then neither fails nor overflows).
 is_count() { [[ "$1" =~ ^[1-9][0-9]{0,8}$ ]]; }
-gcd() { local a=$1 b=$2 t; while [ "$b" -ne 0 ]; do t=$((a % b)); a=$b; b=$t; done; echo "$a"; }
-# How to lay out GPU count $1 (a multiple of $2) on nodes of GPUS_PER_NODE GPUs: whole nodes where it
-# divides; fewer than a node on one node; else fewer GPUs per node, or more nodes of this size.
-node_layout() {
-  local n=$1 unit=$2 g=$GPUS_PER_NODE k
-  if [ $((n % g)) -eq 0 ]; then echo "GPUS_PER_NODE=$g with NNODES=$((n / g))"; return; fi
-  if [ "$n" -lt "$g" ]; then echo "GPUS_PER_NODE=$n with NNODES=1"; return; fi
-  k=$g; while [ $((n % k)) -ne 0 ]; do k=$((k - 1)); done
-  echo "GPUS_PER_NODE=$k with NNODES=$((n / k)), or NNODES=$((unit / $(gcd "$unit" "$g"))) of GPUS_PER_NODE=$g"
-}
 
 [ -n "${MEGATRON_LM_PATH:-}" ] || die "set MEGATRON_LM_PATH to a Megatron-LM checkout at tag core_v0.16.1 or core_v0.19.0"
 [ -f "$MEGATRON_LM_PATH/pretrain_gpt.py" ] || die "no pretrain_gpt.py in MEGATRON_LM_PATH=$MEGATRON_LM_PATH"
@@ -93,50 +84,6 @@ fi
 if [ "$SCHEDULE" = dualpipev ]; then
   [ "$uneven" = 1 ] || [ $((NUM_LAYERS % (2 * PP))) -eq 0 ] || die "dualpipev needs NUM_LAYERS ($NUM_LAYERS) divisible by 2*PP=$((2 * PP)) (or a --pipeline-model-parallel-layout of $((2 * PP)) V-stages)"
 fi
-world=$((NNODES * GPUS_PER_NODE))
-# Megatron's rules for the world size: a multiple of TP*PP*CP (dense layers) and of ETP*EP*PP (experts).
-dense=$((TP * PP * CP)); expert=$((ETP * EP * PP))
-min_gpus=$((dense / $(gcd "$dense" "$expert") * expert))
-if [ $((world % min_gpus)) -ne 0 ]; then
-  below=$((world / min_gpus * min_gpus)); above=$((below + min_gpus))
-  nearest=$above; [ "$below" -gt 0 ] && [ $((world - below)) -le $((above - world)) ] && nearest=$below
-  how=$(node_layout "$nearest" "$min_gpus")
-  die "$world GPUs (NNODES=$NNODES x GPUS_PER_NODE=$GPUS_PER_NODE): Megatron needs a multiple of TP*PP*CP=$dense and of ETP*EP*PP=$expert, i.e. of $min_gpus; the nearest valid count is $nearest ($how), or change PP, TP, EP, CP, ETP"
-fi
-experts=""
-for ((i = 0; i < ${#MODEL_ARGS[@]} - 1; i++)); do
-  [ "${MODEL_ARGS[i]}" = --num-experts ] && experts=${MODEL_ARGS[i + 1]}
-done
-if [ -n "$experts" ] && [ $((experts % EP)) -ne 0 ]; then
-  die "EP=$EP does not divide the config's $experts experts: use an EP that divides $experts"
-fi
-dp=$((world / dense))
-[ $((GLOBAL_BATCH % (MICRO_BATCH * dp))) -eq 0 ] || die "GLOBAL_BATCH=$GLOBAL_BATCH is not a multiple of MICRO_BATCH*DP=$((MICRO_BATCH * dp))"
-m=$((GLOBAL_BATCH / (MICRO_BATCH * dp)))
-if [[ "$SCHEDULE" == dualpipe* ]] && [ "$m" -lt "$PP" ]; then
-  die "$SCHEDULE needs at least PP=$PP micro-batches per iteration, got GLOBAL_BATCH/(MICRO_BATCH*DP)=$m: raise GLOBAL_BATCH to $((PP * MICRO_BATCH * dp))"
-fi
-
-# Megatron asserts CUDA_DEVICE_MAX_CONNECTIONS=1 with TP or CP > 1 (before Blackwell), as its own examples
-# set it; the MoE all-to-all overlap of the fused F&B units wants more streams (Megatron suggests 32). A
-# value already set is kept.
-if [ -z "${CUDA_DEVICE_MAX_CONNECTIONS:-}" ]; then
-  CUDA_DEVICE_MAX_CONNECTIONS=1
-  if [ "$TP" = 1 ] && [ "$CP" = 1 ] && [[ " ${MODEL_ARGS[*]} $* " == *" --overlap-moe-expert-parallel-comm "* ]]; then
-    CUDA_DEVICE_MAX_CONNECTIONS=32
-  fi
-fi
-export CUDA_DEVICE_MAX_CONNECTIONS
-
-# --mock-data, in the config or appended to the command, needs no data (DATA_PATH is then not passed).
-data_args=()
-if [[ " ${MODEL_ARGS[*]} $* " != *" --mock-data "* ]]; then
-  [ -n "${DATA_PATH:-}" ] || die "set DATA_PATH to the Megatron-preprocessed data prefix (the path without .bin/.idx; megatron-dualpipe prepare-data prints one), or append --mock-data (synthetic data)"
-  # DATA_PATH is a prefix, or a blend "weight prefix weight prefix ...": the preflight below checks each.
-  read -r -a data_words <<< "$DATA_PATH"
-  data_args=(--data-path "${data_words[@]}")
-fi
-
 # The Python that will run: torchrun's own interpreter (its first line) where torchrun is found;
 # without torchrun, python -m torch.distributed.run with this checkout's .venv (.venv-mcoreX with MEGATRON_CORE=X) or python3.
 torchrun_cmd=()
@@ -158,6 +105,36 @@ else
   torchrun_cmd=("$PYTHON" -m torch.distributed.run)
 fi
 command -v "$PYTHON" >/dev/null || die "PYTHON=$PYTHON not found: set PYTHON to the interpreter of the training environment"
+export PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}"
+
+world=$((NNODES * GPUS_PER_NODE))
+# Megatron's rules for the world size (a multiple of TP*PP*CP and of ETP*EP*PP), the experts and the
+# batch, each refusal naming values that pass (megatron_dualpipe/launch_sizes.py); it prints the
+# fewest GPUs, DP and the micro-batches per iteration.
+sizes=$("$PYTHON" -m megatron_dualpipe.launch_sizes --nodes "$NNODES" --gpus-per-node "$GPUS_PER_NODE" \
+  --pp "$PP" --tp "$TP" --cp "$CP" --ep "$EP" ${etp_set:+--etp "$ETP"} --micro-batch "$MICRO_BATCH" \
+  --global-batch "$GLOBAL_BATCH" --schedule "$SCHEDULE" -- "${MODEL_ARGS[@]}" "$@" 2>&1) || die "$sizes"
+read -r min_gpus dp m <<< "$sizes"
+
+# Megatron asserts CUDA_DEVICE_MAX_CONNECTIONS=1 with TP or CP > 1 (before Blackwell), as its own examples
+# set it; the MoE all-to-all overlap of the fused F&B units wants more streams (Megatron suggests 32). A
+# value already set is kept.
+if [ -z "${CUDA_DEVICE_MAX_CONNECTIONS:-}" ]; then
+  CUDA_DEVICE_MAX_CONNECTIONS=1
+  if [ "$TP" = 1 ] && [ "$CP" = 1 ] && [[ " ${MODEL_ARGS[*]} $* " == *" --overlap-moe-expert-parallel-comm "* ]]; then
+    CUDA_DEVICE_MAX_CONNECTIONS=32
+  fi
+fi
+export CUDA_DEVICE_MAX_CONNECTIONS
+
+# --mock-data, in the config or appended to the command, needs no data (DATA_PATH is then not passed).
+data_args=()
+if [[ " ${MODEL_ARGS[*]} $* " != *" --mock-data "* ]]; then
+  [ -n "${DATA_PATH:-}" ] || die "set DATA_PATH to the Megatron-preprocessed data prefix (the path without .bin/.idx; megatron-dualpipe prepare-data prints one), or append --mock-data (synthetic data)"
+  # DATA_PATH is a prefix, or a blend "weight prefix weight prefix ...": the preflight below checks each.
+  read -r -a data_words <<< "$DATA_PATH"
+  data_args=(--data-path "${data_words[@]}")
+fi
 
 script=(
   "$MEGATRON_LM_PATH/pretrain_gpt.py"
@@ -168,7 +145,6 @@ script=(
   --pipeline-schedule "$SCHEDULE"
   "$@"
 )
-export PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}"
 # The launcher's preflight with the Python torchrun will run and the arguments it will get (one
 # line per problem, each naming the fix). Its output is kept until it ends, so that a Ctrl-C here
 # prints only the trap's line.

@@ -136,7 +136,31 @@ def test_below_the_stated_minimum_is_refused_naming_it(tmp_path, config):
     r = run(tmp_path, CONFIG=config, NNODES=1, GPUS_PER_NODE=gpus)
     print(f"\n{config} on {gpus} GPUs: {r.stderr.strip()}")
     assert r.returncode == 2 and r.stdout == "" and r.stderr.count("\n") == 1
-    assert f"the nearest valid count is {least}" in r.stderr
+    assert f"use {least} GPUs (NNODES=2 x GPUS_PER_NODE={gpus}: the nearest valid count" in r.stderr
+
+
+#: A GPU count the launch script names, with the node layout it names for it.
+NAMED_COUNT = re.compile(r"use (\d+) GPUs \(NNODES=(\d+) x GPUS_PER_NODE=(\d+)|or (\d+) GPUs \(NNODES=(\d+) x "
+                         r"GPUS_PER_NODE=(\d+)")
+
+
+@pytest.mark.parametrize("env", [dict(CONFIG="gpt_8b", GPUS_PER_NODE=6, NNODES=2), dict(CONFIG="gpt_345m", GPUS_PER_NODE=6),
+                                 dict(CONFIG="moe_deepseek_v2_lite", GPUS_PER_NODE=6, NNODES=3),
+                                 dict(CONFIG="gpt_8b", GPUS_PER_NODE=12, NNODES=3)])
+def test_every_gpu_count_named_is_whole_nodes_that_megatron_accepts(tmp_path, env):
+    """Each GPU count a refusal names is NNODES x GPUS_PER_NODE as it says, and Megatron accepts the
+    launch with that NNODES and GPUS_PER_NODE (it used to name 16 GPUs for nodes of 6 beside 8 such nodes)."""
+    r = run(tmp_path, MASTER_ADDR="n0", **env)
+    print(f"\n{env}: {r.stderr.strip()}")
+    named = [[int(x) for x in m.groups() if x] for m in NAMED_COUNT.finditer(r.stderr)]
+    assert r.returncode == 2 and named, r.stderr
+    torchrun = stand_in_torchrun(tmp_path)
+    for count, nodes, per_node in named:
+        assert count == nodes * per_node
+        again = run(tmp_path, MASTER_ADDR="n0", DRY_RUN=None, TORCHRUN=torchrun,
+                    **{**env, "NNODES": nodes, "GPUS_PER_NODE": per_node})
+        print(f"  NNODES={nodes} GPUS_PER_NODE={per_node}: {again.stderr.strip() or 'accepted'}")
+        assert "Megatron needs a multiple" not in again.stderr
 
 
 @pytest.mark.parametrize("env,expected", [
@@ -149,17 +173,19 @@ def test_below_the_stated_minimum_is_refused_naming_it(tmp_path, config):
     (dict(CONFIG="gpt_345m", GLOBAL_BATCH=8), "raise GLOBAL_BATCH to 32"),
     (dict(CONFIG="gpt_345m", DATA_PATH=None), "set DATA_PATH"),
     (dict(CONFIG="gpt_345m", SCHEDULE="gpipe"), "use dualpipe, dualpipev, zb-h1, executor-1f1b or 1f1b"),
-    (dict(CONFIG="gpt_345m", GPUS_PER_NODE=6), "multiple of TP*PP*CP=4 and of ETP*EP*PP=4, i.e. of 4; the nearest "
-                                               "valid count is 4"),
-    (dict(CONFIG="moe_mixtral_8x7b"), "multiple of TP*PP*CP=8 and of ETP*EP*PP=64, i.e. of 64; the nearest valid "
-                                      "count is 64 (GPUS_PER_NODE=8 with NNODES=8)"),
-    (dict(CONFIG="moe_deepseek_v2_lite", GPUS_PER_NODE=8, NNODES=5, MASTER_ADDR="n0"), "nearest valid count is 32"),
+    (dict(CONFIG="gpt_345m", GPUS_PER_NODE=6), "multiple of TP*PP*CP=4 and of ETP*EP*PP=4, i.e. of 4: use 12 GPUs "
+                                               "(NNODES=2 x GPUS_PER_NODE=6: the nearest valid count on nodes of 6 "
+                                               "GPUs), or 4 GPUs (NNODES=1 x GPUS_PER_NODE=4: 4 of each node's 6)"),
+    (dict(CONFIG="moe_mixtral_8x7b"), "multiple of TP*PP*CP=8 and of ETP*EP*PP=64, i.e. of 64: use 64 GPUs "
+                                      "(NNODES=8 x GPUS_PER_NODE=8: the nearest valid count"),
+    (dict(CONFIG="moe_deepseek_v2_lite", GPUS_PER_NODE=8, NNODES=5, MASTER_ADDR="n0"),
+     "use 32 GPUs (NNODES=4 x GPUS_PER_NODE=8: the nearest valid count"),
     (dict(CONFIG="moe_mixtral_8x7b", EP=3, PP=2, GPUS_PER_NODE=6), "EP=3 does not divide the config's 8 experts"),
     (dict(CONFIG="gpt_345m", DATA_PATH="/no/such/prefix"), "no /no/such/prefix.bin or /no/such/prefix.idx"),
     (dict(CONFIG="gpt_345m", PYTHON="/no/such/python"), "PYTHON=/no/such/python not found"),
     (dict(CONFIG="gpt_345m", PP=3), "dualpipe needs an even PP >= 2, got PP=3"),
     (dict(CONFIG="gpt_8b", GPUS_PER_NODE=6, NNODES=2, MASTER_ADDR="n0"),
-     "the nearest valid count is 16 (GPUS_PER_NODE=4 with NNODES=4, or NNODES=8 of GPUS_PER_NODE=6)"),
+     "use 48 GPUs (NNODES=8 x GPUS_PER_NODE=6: the nearest valid count on nodes of 6 GPUs)"),
     (dict(CONFIG="gpt_345m", MEGATRON_LM_PATH=""), "set MEGATRON_LM_PATH"),
     (dict(CONFIG=""), "set CONFIG to one of"),
     (dict(CONFIG="gpt_345m", DATA_PATH=""), "set DATA_PATH"),
