@@ -14,7 +14,7 @@ import tempfile
 from dataclasses import dataclass
 from typing import Optional
 
-from .. import versions
+from .. import project_files, versions
 
 #: The Megatron-LM tags the hook is written for (one patch file each in patches/), oldest first.
 TAGS = tuple(versions.TAGS)
@@ -131,7 +131,7 @@ def checkout_patch_file(path: str) -> str:
 def _cannot_write(script: str, why: str) -> str:
     tag = versions.tag_of(core_version(os.path.dirname(os.path.abspath(script)))) or TAGS[-1]
     return (f"cannot change {script}: {why}; run this as a user who can write the checkout, or apply "
-            f"{patch_file(tag)} (git apply) as one")
+            f"{project_files.path(patch_file(tag))} (git apply) as one")
 
 
 def _write_atomically(path: str, text: str) -> None:

@@ -145,6 +145,9 @@ def test_a_failed_write_is_one_line_and_leaves_the_file(tmp_path, monkeypatch, c
     assert main(["patch", str(root)]) == 2
     out, err = capsys.readouterr()
     assert err.count("\n") == 1 and "Permission denied" in err and "git apply" in err
+    named = err.split("or apply ")[1].split(" (git apply)")[0]
+    print(f"the patch the message names: {named}")
+    assert os.path.isfile(named), f"the message names a patch that is not there (a wheel carries a copy): {named}"
     assert (root / "pretrain_gpt.py").read_bytes() == before and not list(root.glob(".pretrain_gpt.*"))
 
 

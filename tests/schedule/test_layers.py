@@ -24,6 +24,8 @@ MAY_IMPORT: Dict[str, Set[str]] = {
     "versions": set(),
     "interrupts": set(),
     "schedule": set(),
+    # configs/, patches/, scripts/: the checkout's or the wheel's copies
+    "project_files": set(),
     # the one patching mechanism for Megatron (and its manifest)
     "hooks": {"versions"},
     "executor": {"schedule"},
@@ -31,7 +33,7 @@ MAY_IMPORT: Dict[str, Set[str]] = {
     "bench": {"schedule", "executor", "pictures", "interrupts"},
     "cpu": {"hooks", "versions"},
     "mcore": {"schedule", "executor", "cpu", "hooks", "versions"},
-    "megatron_lm": {"schedule", "executor", "mcore", "cpu", "hooks", "versions"},
+    "megatron_lm": {"schedule", "executor", "mcore", "cpu", "hooks", "versions", "project_files"},
     "launch_checks": {"versions", "megatron_lm"},
     "launch_placement": {"schedule"},
     "launch_validation": {"schedule", "executor", "mcore", "cpu", "hooks", "versions", "megatron_lm"},
@@ -44,7 +46,7 @@ MAY_IMPORT: Dict[str, Set[str]] = {
     "selftest": {"schedule", "executor", "pictures", "bench", "mcore", "cpu", "hooks", "versions", "megatron_lm",
                  "apps", "interrupts", "proof"},
     "cli": {"schedule", "executor", "pictures", "bench", "mcore", "cpu", "hooks", "versions", "megatron_lm", "apps",
-            "selftest", "launch", "launch_checks", "launch_placement", "interrupts"},
+            "selftest", "launch", "launch_checks", "launch_placement", "interrupts", "project_files"},
     "__main__": {"cli"},
     "(root)": set(),
 }
