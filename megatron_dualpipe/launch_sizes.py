@@ -17,7 +17,7 @@ import argparse
 import math
 import sys
 from dataclasses import dataclass
-from typing import Dict, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from .launch_validation import fewest_gpus
 from .schedule import registry
@@ -66,24 +66,85 @@ def model_values(argv: Sequence[str]) -> Dict[str, int]:
 
 
 # ---------------------------------------------------------------------------------------------
+# The batch
+# ---------------------------------------------------------------------------------------------
+
+def valid_batches(global_batch: int, unit: int, least: int) -> List[int]:
+    """The valid GLOBAL_BATCH values next to ``global_batch`` (below, above): multiples of ``unit``
+    (MICRO_BATCH*DP) of at least ``least`` micro-batches."""
+    below, above = global_batch // unit * unit, -(-global_batch // unit) * unit
+    return sorted({max(below, least * unit), max(above, least * unit)})
+
+
+def nearest_batch(global_batch: int, unit: int, least: int) -> int:
+    """The valid GLOBAL_BATCH nearest to ``global_batch`` (the lower one on a tie)."""
+    return min(valid_batches(global_batch, unit, least), key=lambda b: (abs(b - global_batch), b))
+
+
+def batch_rule(launch: Launch, world: int, pp: int, tp: int) -> Tuple[int, int]:
+    """(MICRO_BATCH*DP, the fewest micro-batches the schedule runs) on ``world`` GPUs with these
+    sizes: GLOBAL_BATCH must be a multiple of the first (Megatron), of at least the second
+    (the registry's rule, e.g. PP for DualPipe)."""
+    return launch.micro * (world // (tp * pp * launch.cp)), registry.get(launch.schedule).min_real_microbatches(pp)
+
+
+def _passes(global_batch: int, unit: int, least: int) -> bool:
+    return global_batch % unit == 0 and global_batch // unit >= least
+
+
+def batch_fix(launch: Launch, world: int, pp: int, tp: int) -> str:
+    """'' where GLOBAL_BATCH passes on ``world`` GPUs with these sizes, else the GLOBAL_BATCH to use."""
+    unit, least = batch_rule(launch, world, pp, tp)
+    if _passes(launch.global_batch, unit, least):
+        return ""
+    return f" with GLOBAL_BATCH={nearest_batch(launch.global_batch, unit, least)}"
+
+
+def _counted(launch: Launch, batch: int, unit: int) -> str:
+    """``batch`` with its micro-batches per iteration, and the padding the executor adds."""
+    spec, m = registry.get(launch.schedule), batch // unit
+    padded = spec.padded_microbatches(launch.pp, m) if spec.runs_on == registry.EXECUTOR else m
+    return f"{batch} ({m} micro-batch{'es' if m != 1 else ''}{f', padded to {padded}' if padded != m else ''})"
+
+
+def batch_problem(launch: Launch) -> Optional[str]:
+    """Why Megatron or the schedule would refuse GLOBAL_BATCH, naming the nearest valid ones, or None."""
+    unit, least = batch_rule(launch, launch.world, launch.pp, launch.tp)
+    gb, dp, m = launch.global_batch, unit // launch.micro, launch.global_batch // unit
+    if _passes(gb, unit, least):
+        return None
+    batches = valid_batches(gb, unit, least)
+    use = " or ".join(_counted(launch, b, unit) for b in batches)
+    spec = registry.get(launch.schedule)
+    fill = spec.min_microbatches(launch.pp)
+    filled = (f"; {fill} micro-batches (GLOBAL_BATCH={fill * unit}) fill the pipeline"
+              if spec.runs_on == registry.EXECUTOR and batches[0] // unit < fill else "")
+    if gb % unit:
+        return (f"GLOBAL_BATCH={gb} is not a multiple of MICRO_BATCH*DP={launch.micro}*{dp}={unit}: use "
+                f"GLOBAL_BATCH={use}{filled}")
+    return (f"{launch.schedule} needs at least {least} micro-batches per iteration with PP={launch.pp}, got "
+            f"GLOBAL_BATCH/(MICRO_BATCH*DP)={m}: raise GLOBAL_BATCH to {use}{filled}")
+
+
+# ---------------------------------------------------------------------------------------------
 # The GPU count
 # ---------------------------------------------------------------------------------------------
 
-def _layout(count: int, nodes: int, per_node: int) -> str:
-    return f"{count} GPUs (NNODES={nodes} x GPUS_PER_NODE={per_node})"
-
-
-def valid_counts(world: int, nodes: int, per_node: int, unit: int) -> str:
-    """The GPU counts to use instead of ``world``: the nearest multiple of ``unit`` on nodes of
-    ``per_node`` GPUs, and, where one exists, ``nodes`` nodes with fewer GPUs each."""
+def valid_counts(launch: Launch) -> str:
+    """The GPU counts to use instead of the world size: the nearest multiple of the unit on nodes
+    of GPUS_PER_NODE, and, where one exists, NNODES nodes with fewer GPUs each; each with the
+    GLOBAL_BATCH to use where the given one would not pass there."""
+    world, nodes, per_node, unit = launch.world, launch.nodes, launch.per_node, launch.unit()
     step = unit * per_node // math.gcd(unit, per_node)  # a multiple of the unit on whole nodes
     below = world // step * step
     nearest = below if below > 0 and world - below <= below + step - world else below + step
-    text = f"use {nearest} GPUs (NNODES={nearest // per_node} x GPUS_PER_NODE={per_node}: the nearest valid count " \
-        f"on nodes of {per_node} GPUs)"
+    text = (f"use {nearest} GPUs (NNODES={nearest // per_node} x GPUS_PER_NODE={per_node}: the nearest valid count "
+            f"on nodes of {per_node} GPUs){batch_fix(launch, nearest, launch.pp, launch.tp)}")
     fewer = [k for k in range(per_node - 1, 0, -1) if (k * nodes) % unit == 0]
     if fewer:
-        text += f", or {fewer[0] * nodes} GPUs (NNODES={nodes} x GPUS_PER_NODE={fewer[0]}: {fewer[0]} of each node's {per_node})"
+        k = fewer[0]
+        text += (f", or {k * nodes} GPUs (NNODES={nodes} x GPUS_PER_NODE={k}: {k} of each node's {per_node})"
+                 f"{batch_fix(launch, k * nodes, launch.pp, launch.tp)}")
     return text
 
 
@@ -93,9 +154,9 @@ def world_problem(launch: Launch) -> Optional[str]:
     if world % unit == 0:
         return None
     etp = launch.etp or launch.tp
-    return (f"{_layout(world, launch.nodes, launch.per_node)}: Megatron needs a multiple of "
+    return (f"{world} GPUs (NNODES={launch.nodes} x GPUS_PER_NODE={launch.per_node}): Megatron needs a multiple of "
             f"TP*PP*CP={launch.tp * launch.pp * launch.cp} and of ETP*EP*PP={etp * launch.ep * launch.pp}, "
-            f"i.e. of {unit}: {valid_counts(world, launch.nodes, launch.per_node, unit)}, or change PP, TP, EP, "
+            f"i.e. of {unit}: {valid_counts(launch)}, or change PP, TP, EP, "
             f"CP, ETP")
 
 
@@ -105,23 +166,6 @@ def experts_problem(launch: Launch) -> Optional[str]:
     if experts is None or experts % launch.ep == 0:
         return None
     return f"EP={launch.ep} does not divide the config's {experts} experts: use an EP that divides {experts}"
-
-
-# ---------------------------------------------------------------------------------------------
-# The batch
-# ---------------------------------------------------------------------------------------------
-
-def batch_problem(launch: Launch) -> Optional[str]:
-    """Why Megatron or the schedule would refuse GLOBAL_BATCH, or None."""
-    dp = launch.world // (launch.tp * launch.pp * launch.cp)
-    unit = launch.micro * dp
-    if launch.global_batch % unit:
-        return f"GLOBAL_BATCH={launch.global_batch} is not a multiple of MICRO_BATCH*DP={unit}"
-    m = launch.global_batch // unit
-    if launch.schedule.startswith(registry.DUALPIPE) and m < launch.pp:
-        return (f"{launch.schedule} needs at least PP={launch.pp} micro-batches per iteration, got "
-                f"GLOBAL_BATCH/(MICRO_BATCH*DP)={m}: raise GLOBAL_BATCH to {launch.pp * unit}")
-    return None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -48,3 +48,47 @@ def test_the_nearest_count_on_these_nodes_keeps_their_size():
     print(f"\n{found}")
     assert "use 48 GPUs (NNODES=8 x GPUS_PER_NODE=6: the nearest valid count on nodes of 6 GPUs)" in found
     assert "16 GPUs" not in found
+
+
+def least_microbatches(schedule, pp):
+    """The schedules' rule, restated: DualPipe and DualPipeV run at least pp micro-batches."""
+    return pp if schedule in ("dualpipe", "dualpipev") else 1
+
+
+@pytest.mark.parametrize("schedule", ["dualpipe", "dualpipev", "zb-h1", "1f1b"])
+def test_every_global_batch_named_is_the_nearest_valid_one(schedule):
+    """Each GLOBAL_BATCH a batch refusal names is a multiple of MICRO_BATCH*DP with enough
+    micro-batches, and no valid value lies closer to the one given."""
+    checked = 0
+    for micro in (1, 3, 4):
+        for world in (4, 8, 12):
+            for gb in range(1, 130, 7):
+                found = launch_sizes.batch_problem(launch(1, world, pp=4, micro=micro, global_batch=gb,
+                                                          schedule=schedule))
+                unit, least = micro * world // 4, least_microbatches(schedule, 4)
+                valid = [b for b in range(unit, 4 * gb + 8 * unit, unit) if b // unit >= least]
+                if found is None:
+                    assert gb in valid
+                    continue
+                named = [int(b) for b in re.findall(r"(?:GLOBAL_BATCH=|GLOBAL_BATCH to |or )(\d+) \(", found)]
+                if (micro, world, gb) == (3, 8, 99):
+                    print(f"\n{schedule}: {found}")
+                assert named and all(b in valid for b in named), found
+                closest = min(abs(b - gb) for b in valid)
+                assert min(abs(b - gb) for b in named) == closest, found
+                checked += 1
+    assert checked > 50
+
+
+def test_global_batch_100_with_micro_batch_3_names_96_and_102():
+    """The issue's case: gpt_345m's PP=4 on 8 GPUs (DP=2), MICRO_BATCH=3: 6 per micro-batch step."""
+    found = launch_sizes.batch_problem(launch(1, 8, pp=4, micro=3, global_batch=100))
+    print(f"\n{found}")
+    assert found == ("GLOBAL_BATCH=100 is not a multiple of MICRO_BATCH*DP=3*2=6: use GLOBAL_BATCH=96 "
+                     "(16 micro-batches) or 102 (17 micro-batches, padded to 18)")
+
+
+def test_too_few_micro_batches_names_the_least_and_the_filling_batch():
+    found = launch_sizes.batch_problem(launch(1, 8, pp=4, micro=4, global_batch=8))
+    print(f"\n{found}")
+    assert "raise GLOBAL_BATCH to 32 (4 micro-batches, padded to 8); 8 micro-batches (GLOBAL_BATCH=64) fill" in found

@@ -139,28 +139,28 @@ def test_below_the_stated_minimum_is_refused_naming_it(tmp_path, config):
     assert f"use {least} GPUs (NNODES=2 x GPUS_PER_NODE={gpus}: the nearest valid count" in r.stderr
 
 
-#: A GPU count the launch script names, with the node layout it names for it.
-NAMED_COUNT = re.compile(r"use (\d+) GPUs \(NNODES=(\d+) x GPUS_PER_NODE=(\d+)|or (\d+) GPUs \(NNODES=(\d+) x "
-                         r"GPUS_PER_NODE=(\d+)")
+#: A GPU count the launch script names, with the node layout (and the GLOBAL_BATCH) it names for it.
+NAMED_COUNT = re.compile(r"(?:use|or) (\d+) GPUs \(NNODES=(\d+) x GPUS_PER_NODE=(\d+)[^)]*\)(?: with GLOBAL_BATCH=(\d+))?")
 
 
 @pytest.mark.parametrize("env", [dict(CONFIG="gpt_8b", GPUS_PER_NODE=6, NNODES=2), dict(CONFIG="gpt_345m", GPUS_PER_NODE=6),
                                  dict(CONFIG="moe_deepseek_v2_lite", GPUS_PER_NODE=6, NNODES=3),
                                  dict(CONFIG="gpt_8b", GPUS_PER_NODE=12, NNODES=3)])
 def test_every_gpu_count_named_is_whole_nodes_that_megatron_accepts(tmp_path, env):
-    """Each GPU count a refusal names is NNODES x GPUS_PER_NODE as it says, and Megatron accepts the
-    launch with that NNODES and GPUS_PER_NODE (it used to name 16 GPUs for nodes of 6 beside 8 such nodes)."""
+    """Each GPU count a refusal names is NNODES x GPUS_PER_NODE as it says, and the launch with that
+    NNODES and GPUS_PER_NODE (and the GLOBAL_BATCH it names where the batch would not split) passes
+    (it used to name 16 GPUs for nodes of 6 beside 8 such nodes, and no batch)."""
     r = run(tmp_path, MASTER_ADDR="n0", **env)
     print(f"\n{env}: {r.stderr.strip()}")
-    named = [[int(x) for x in m.groups() if x] for m in NAMED_COUNT.finditer(r.stderr)]
+    named = [m.groups() for m in NAMED_COUNT.finditer(r.stderr)]
     assert r.returncode == 2 and named, r.stderr
     torchrun = stand_in_torchrun(tmp_path)
-    for count, nodes, per_node in named:
-        assert count == nodes * per_node
-        again = run(tmp_path, MASTER_ADDR="n0", DRY_RUN=None, TORCHRUN=torchrun,
-                    **{**env, "NNODES": nodes, "GPUS_PER_NODE": per_node})
-        print(f"  NNODES={nodes} GPUS_PER_NODE={per_node}: {again.stderr.strip() or 'accepted'}")
-        assert "Megatron needs a multiple" not in again.stderr
+    for count, nodes, per_node, batch in named:
+        assert int(count) == int(nodes) * int(per_node)
+        use = {"NNODES": nodes, "GPUS_PER_NODE": per_node, **({"GLOBAL_BATCH": batch} if batch else {})}
+        again = run(tmp_path, MASTER_ADDR="n0", DRY_RUN=None, TORCHRUN=torchrun, **{**env, **use})
+        print(f"  {use}: {again.stderr.strip() or 'accepted'}")
+        assert again.returncode == 0, again.stderr
 
 
 @pytest.mark.parametrize("env,expected", [
@@ -171,11 +171,14 @@ def test_every_gpu_count_named_is_whole_nodes_that_megatron_accepts(tmp_path, en
     (dict(CONFIG="gpt_345m", PP=3, GPUS_PER_NODE=3), "even PP"),
     (dict(CONFIG="gpt_345m", SCHEDULE="dualpipev", PP=5, GPUS_PER_NODE=5), "divisible by 2*PP=10"),
     (dict(CONFIG="gpt_345m", GLOBAL_BATCH=8), "raise GLOBAL_BATCH to 32"),
+    (dict(CONFIG="gpt_345m", GLOBAL_BATCH=100, MICRO_BATCH=3),
+     "GLOBAL_BATCH=100 is not a multiple of MICRO_BATCH*DP=3*2=6: use GLOBAL_BATCH=96 (16 micro-batches) or 102"),
     (dict(CONFIG="gpt_345m", DATA_PATH=None), "set DATA_PATH"),
     (dict(CONFIG="gpt_345m", SCHEDULE="gpipe"), "use dualpipe, dualpipev, zb-h1, executor-1f1b or 1f1b"),
     (dict(CONFIG="gpt_345m", GPUS_PER_NODE=6), "multiple of TP*PP*CP=4 and of ETP*EP*PP=4, i.e. of 4: use 12 GPUs "
                                                "(NNODES=2 x GPUS_PER_NODE=6: the nearest valid count on nodes of 6 "
-                                               "GPUs), or 4 GPUs (NNODES=1 x GPUS_PER_NODE=4: 4 of each node's 6)"),
+                                               "GPUs) with GLOBAL_BATCH=252, or 4 GPUs (NNODES=1 x GPUS_PER_NODE=4: 4 "
+                                               "of each node's 6)"),
     (dict(CONFIG="moe_mixtral_8x7b"), "multiple of TP*PP*CP=8 and of ETP*EP*PP=64, i.e. of 64: use 64 GPUs "
                                       "(NNODES=8 x GPUS_PER_NODE=8: the nearest valid count"),
     (dict(CONFIG="moe_deepseek_v2_lite", GPUS_PER_NODE=8, NNODES=5, MASTER_ADDR="n0"),
