@@ -10,6 +10,7 @@
 PP=${PP:-4}; TP=${TP:-1}; EP=${EP:-1}
 MICRO_BATCH=${MICRO_BATCH:-4}; GLOBAL_BATCH=${GLOBAL_BATCH:-256}  # M = 64/dp >= 2*pp for dp <= 8
 NUM_LAYERS=24
+VOCAB_SIZE=${VOCAB_SIZE:-50257}   # GPT-2's BPE vocabulary, for `megatron-dualpipe advise` (training reads the tokenizer's)
 MODEL_ARGS=(
   --num-layers $NUM_LAYERS --hidden-size 1024 --num-attention-heads 16 --seq-length 2048
   --max-position-embeddings 2048 --bf16 --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine

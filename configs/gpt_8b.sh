@@ -9,6 +9,7 @@
 PP=${PP:-8}; TP=${TP:-2}; EP=${EP:-1}
 MICRO_BATCH=${MICRO_BATCH:-1}; GLOBAL_BATCH=${GLOBAL_BATCH:-512}   # M = 512/dp >= 2*pp for dp <= 32
 NUM_LAYERS=32
+VOCAB_SIZE=${VOCAB_SIZE:-128256}   # Llama 3's vocabulary, for `megatron-dualpipe advise` (training reads the tokenizer's)
 MODEL_ARGS=(
   --num-layers $NUM_LAYERS --hidden-size 4096 --ffn-hidden-size 14336 --num-attention-heads 32
   --group-query-attention --num-query-groups 8 --seq-length 8192 --max-position-embeddings 8192

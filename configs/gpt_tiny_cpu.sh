@@ -8,6 +8,7 @@
 PP=${PP:-4}; TP=${TP:-1}; EP=${EP:-1}
 MICRO_BATCH=${MICRO_BATCH:-2}; GLOBAL_BATCH=${GLOBAL_BATCH:-16}   # M = 16/(2*dp) = 8 = 2*pp at dp=1
 NUM_LAYERS=8                                                       # divisible by pp and by 2*pp (dualpipev)
+VOCAB_SIZE=${VOCAB_SIZE:-1024}   # prepare-data's byte-level BPE vocabulary, for `megatron-dualpipe advise` (training reads the tokenizer's)
 MODEL_ARGS=(
   --num-layers $NUM_LAYERS --hidden-size 64 --num-attention-heads 4 --seq-length 64
   --max-position-embeddings 64

@@ -9,6 +9,7 @@
 PP=${PP:-4}; TP=${TP:-1}; EP=${EP:-8}
 MICRO_BATCH=${MICRO_BATCH:-1}; GLOBAL_BATCH=${GLOBAL_BATCH:-256}
 NUM_LAYERS=24
+VOCAB_SIZE=${VOCAB_SIZE:-102400}   # DeepSeek-V2's vocabulary, for `megatron-dualpipe advise` (training reads the tokenizer's)
 MODEL_ARGS=(
   --num-layers $NUM_LAYERS --hidden-size 2048 --ffn-hidden-size 10944 --num-attention-heads 16
   --multi-latent-attention --kv-lora-rank 512 --qk-head-dim 128 --qk-pos-emb-head-dim 64 --v-head-dim 128

@@ -11,6 +11,7 @@
 PP=${PP:-2}; TP=${TP:-1}; EP=${EP:-2}
 MICRO_BATCH=${MICRO_BATCH:-2}; GLOBAL_BATCH=${GLOBAL_BATCH:-16}   # M = 16/(2*dp) = 4 = 2*pp at dp=2
 NUM_LAYERS=4                                                       # divisible by pp and by 2*pp (dualpipev)
+VOCAB_SIZE=${VOCAB_SIZE:-1024}   # prepare-data's byte-level BPE vocabulary, for `megatron-dualpipe advise` (training reads the tokenizer's)
 MODEL_ARGS=(
   --num-layers $NUM_LAYERS --hidden-size 64 --num-attention-heads 4 --seq-length 64 --max-position-embeddings 64
   --multi-latent-attention --q-lora-rank 32 --kv-lora-rank 16 --qk-head-dim 16 --qk-pos-emb-head-dim 8

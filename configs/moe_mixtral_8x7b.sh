@@ -10,6 +10,7 @@
 PP=${PP:-8}; TP=${TP:-1}; EP=${EP:-8}
 MICRO_BATCH=${MICRO_BATCH:-1}; GLOBAL_BATCH=${GLOBAL_BATCH:-256}
 NUM_LAYERS=32
+VOCAB_SIZE=${VOCAB_SIZE:-32000}   # Mixtral's vocabulary, for `megatron-dualpipe advise` (training reads the tokenizer's)
 MODEL_ARGS=(
   --num-layers $NUM_LAYERS --hidden-size 4096 --ffn-hidden-size 14336 --num-attention-heads 32
   --group-query-attention --num-query-groups 8 --seq-length 4096 --max-position-embeddings 32768

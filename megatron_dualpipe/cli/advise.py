@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from typing import List
 
 from ..schedule.advice import advise
@@ -74,6 +75,8 @@ def configure(p) -> None:
     add_comm_args(p)
     p.set_defaults(intra_bw=None, inter_bw=None, dp=None, tp=None)  # measured: 200, 25, 1, 1; a model: its own
     p.add_argument("--json", action="store_true", help="print the advice as JSON")
+    p.add_argument("--launch-check", action="store_true", help="(the launch script's) one line on the model's "
+                   "--pipeline-schedule: exit 3 when it does not fit the GPU's memory, naming one that does")
     advise_model.configure(p)
 
 
@@ -103,35 +106,71 @@ def run(args) -> int:
 
 
 def _run_model(args) -> int:
+    if args.launch_check:
+        from .advise_launch import check
+
+        return check(args)
+    s, advice, dropped, extra = model_advice(args)
+    if args.json:
+        print(json.dumps(dict(advice.to_json(), model=s.lines, not_compared=dropped, overlap=extra)))
+        return 0
+    print("\n".join(s.lines + ([f"not compared: {'; '.join(dropped)}"] if dropped else []) + extra
+                    + ["", "times in ms per iteration or micro-batch, memory in GB per GPU", advice.format()]))
+    return 0
+
+
+def model_advice(args):
+    """(setup, advice, schedules not compared, the all-to-all overlap's line) for the model of ``args``."""
     from . import advise_model
     from ..schedule.model_cost import GB
-    from ..schedule.registry import INTERLEAVED_1F1B_A2A, MODELLED_SPECS, interleaved_name
 
     s = advise_model.setup(args)
     m = s.model
+    names, dropped = _model_schedules(args, m)
+    limit = args.memory_limit if args.memory_limit is not None else s.gpu.hbm_gb
+    mem = s.memory
+    run = dict(pp=m.pp, counts=[s.microbatches], act=mem.activations / GB, par=mem.states / GB, limit=limit,
+               wgrad=args.weight_grad_memory, comm=advise_model.comm(args, s), tokens=None, num_layers=m.num_layers,
+               optimizer=mem.optimizer / GB, once=mem.activations_once / GB, shared=m.shared_shard,
+               hint=advise_model.no_fit_hint(m, limit))
+    overlap = bool(m.num_experts and m.ep > 1)
+    costs = s.costs if m.a2a_overlap else replace(s.costs, fb=None)
+    advice = _simulate(costs=costs, names=[n for n in names if m.a2a_overlap or not _a2a(n)], **run)
+    extra = []
+    if overlap and not m.a2a_overlap:
+        dropped += [f"{n} (needs --overlap-moe-expert-parallel-comm: below)" for n in names if _a2a(n)]
+        extra = [advise_model.overlap_line(m, advice, _simulate(costs=s.costs, names=names, **run))]
+    return s, advice, dropped, extra
+
+
+def _a2a(name: str) -> bool:
+    from ..schedule.registry import INTERLEAVED_1F1B_A2A
+
+    return name.startswith(INTERLEAVED_1F1B_A2A)
+
+
+def _model_schedules(args, m):
+    """The schedules advise compares for model ``m``, and those it cannot (with why)."""
+    from . import advise_model
+    from ..schedule.registry import MODELLED_SPECS, interleaved_name
+
     v = advise_model.interleaved_virtual(m, args.virtual_pipeline)
     names = [get(n).name for n in args.schedules.split(",")] if args.schedules else list(distinct_orders())
     names = [interleaved_name(n, v) if n in MODELLED_SPECS else n for n in names if n not in MODELLED_SPECS or v]
     dropped = advise_model.unsplittable(m, names)
     if not (m.num_experts and m.ep > 1):  # Megatron refuses --overlap-moe-expert-parallel-comm without EP
         dropped += [f"{n} (its overlap is MoE expert parallel's all-to-all: the model has none)" for n in names
-                    if n.startswith(INTERLEAVED_1F1B_A2A)]
+                    if _a2a(n)]
     names = [n for n in names if not any(d.startswith(n + " ") for d in dropped)]
     if not names:
         raise CliError("no schedule splits the model's layers: " + "; ".join(dropped))
-    limit = args.memory_limit if args.memory_limit is not None else s.gpu.hbm_gb
-    advice = _simulate(m.pp, [s.microbatches], s.costs, s.memory.activations / GB, s.memory.states / GB, limit,
-                       args.weight_grad_memory, names, advise_model.comm(args, s), None, m.num_layers,
-                       s.memory.optimizer / GB)
-    if args.json:
-        print(json.dumps(dict(advice.to_json(), model=s.lines, not_compared=dropped)))
-        return 0
-    print("\n".join(s.lines + ([f"not compared: {'; '.join(dropped)}"] if dropped else []) + ["", advice.format()]))
-    return 0
+    return names, dropped
 
 
-def _simulate(pp, counts, costs, act, par, limit, wgrad, names, comm, tokens, num_layers=None, optimizer=None):
+def _simulate(pp, counts, costs, act, par, limit, wgrad, names, comm, tokens, num_layers=None, optimizer=None,
+              once=0.0, shared=False, hint=None):
     from ..apps.progress import Progress
+    from ..schedule.advice import NO_FIT_HINT
     from .schedule import MAX_FORWARDS
 
     biggest = max(get(n).model_stages(pp) * max(counts) for n in names)
@@ -141,7 +180,8 @@ def _simulate(pp, counts, costs, act, par, limit, wgrad, names, comm, tokens, nu
                        f"smaller micro-batch counts (for a model: a smaller --global-batch-size)")
     with Progress(f"advise pp={pp}") as prog:
         prog.phase(f"simulating {len(names)} schedules x {len(counts)} micro-batch counts")
-        advice = advise(pp, counts, costs, act, par, limit, wgrad, names, comm, tokens, num_layers, optimizer)
+        advice = advise(pp, counts, costs, act, par, limit, wgrad, names, comm, tokens, num_layers, optimizer,
+                        once, shared, hint or NO_FIT_HINT)
     if any(not math.isfinite(o.row.makespan) for ch in advice.choices for o in ch.options):
         raise CliError("the costs are too large: the simulated time overflows; use smaller values or units")
     return advice

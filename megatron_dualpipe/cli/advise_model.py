@@ -16,7 +16,8 @@ CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.a
 CONFIG_VARIABLES = (("TP", "--tensor-model-parallel-size"), ("PP", "--pipeline-model-parallel-size"),
                     ("EP", "--expert-model-parallel-size"), ("CP", "--context-parallel-size"),
                     ("ETP", "--expert-tensor-parallel-size"), ("MICRO_BATCH", "--micro-batch-size"),
-                    ("GLOBAL_BATCH", "--global-batch-size"))
+                    ("GLOBAL_BATCH", "--global-batch-size"), ("SCHEDULE", "--pipeline-schedule"),
+                    ("VOCAB_SIZE", "--vocab-size"))
 
 
 def configure(p) -> None:
@@ -41,10 +42,10 @@ def config_names() -> List[str]:
         return []
 
 
-def config_argv(name: str) -> List[str]:
-    """The pretrain_gpt.py arguments the launch script builds from config ``name`` (its
-    MODEL_ARGS and parallel sizes, the config's defaults: PP, TP, ... of this environment are not
-    read)."""
+def config_argv(name: str, nodes: int = 1, gpus_per_node: int = 8) -> List[str]:
+    """The pretrain_gpt.py arguments the launch script builds from config ``name`` on ``nodes`` x
+    ``gpus_per_node`` GPUs (its MODEL_ARGS and parallel sizes, the config's defaults: PP, TP, ...
+    of this environment are not read; a config may size them by NNODES and GPUS_PER_NODE)."""
     path = name if os.path.isfile(name) else os.path.join(CONFIGS, f"{name[:-3] if name.endswith('.sh') else name}.sh")
     if not os.path.isfile(path):
         raise CliError(f"--config {name}: no such config; use one of {', '.join(config_names())} or a path")
@@ -52,6 +53,7 @@ def config_argv(name: str) -> List[str]:
     script = ('set -eu; source "$1"; printf "%s\\n" "${MODEL_ARGS[@]}"; echo @@; '
               + "; ".join(f'echo "${{{v}:-}}"' for v in names))
     env = {k: v for k, v in os.environ.items() if k not in names}
+    env.update(NNODES=str(nodes), GPUS_PER_NODE=str(gpus_per_node))
     proc = subprocess.run(["bash", "-c", script, "config", path], env=env, capture_output=True, text=True, timeout=30)
     if proc.returncode != 0 or "@@" not in proc.stdout.splitlines():
         raise CliError(f"--config {name}: {path} does not define MODEL_ARGS ({proc.stderr.strip()[:200]})")
@@ -113,7 +115,8 @@ def setup(args) -> Setup:
         raise CliError("--nodes and --gpus-per-node must be positive integers")
     if not (0 < mfu <= 1):
         raise CliError(f"--mfu must be in (0, 1], got {mfu}: the share of the peak rate, e.g. 0.4")
-    argv = (config_argv(args.config) if args.config else []) + [a for a in args.model_args if a != "--"]
+    argv = ((config_argv(args.config, nodes, args.gpus_per_node) if args.config else [])
+            + [a for a in args.model_args if a != "--"])
     try:
         m = parse(argv)
     except ModelArgsError as e:
@@ -227,5 +230,55 @@ def comm(args, s: Setup):
         placement = Placement(m.pp, s.dp, m.tp, args.gpus_per_node, args.placement == "paired")
     except ValueError as e:
         raise CliError(f"--placement {args.placement}: {e}") from None
+    from ..schedule.comm_cost import DP_FIRST, SHARED_SHARD
+
+    mode = SHARED_SHARD if m.shared_shard else DP_FIRST if m.dp_first else args.bd_reduction
     return CommModel(placement, network, per_rank * 4, message, m.distributed_optimizer, m.overlap_grad_reduce,
-                     bd_mode=args.bd_reduction)
+                     bd_mode=mode)
+
+
+def no_fit_hint(m, limit: float) -> str:
+    """What the user can still change when no schedule fits ``limit``: only what this run does not
+    already do."""
+    out = []
+    if m.recompute != "full":
+        more = [x for x in ("layernorm", "mla_up_proj" if m.mla else "", "moe_act" if m.num_experts else "",
+                            "moe" if m.num_experts else "mlp") if x and x not in m.recompute_modules]
+        if more:
+            out.append("--recompute-granularity selective --recompute-modules "
+                       + " ".join(sorted(set(m.recompute_modules) | set(more))))
+        out.append("--recompute-granularity full (not with --overlap-moe-expert-parallel-comm)")
+    if not m.distributed_optimizer:
+        out.append("--use-distributed-optimizer")
+    elif not m.shared_shard:
+        out.append("--dualpipe-shared-shard-group (dualpipe keeps one optimizer state for both copies)")
+    if m.micro_batch > 1:
+        out.append(f"--micro-batch-size {m.micro_batch // 2}")
+    out.append("more GPUs per model copy (a larger PP or EP)")
+    return f"try {'; or '.join(out)}"
+
+
+def overlap_line(m, now, with_overlap) -> str:
+    """What ``--overlap-moe-expert-parallel-comm`` (off in this run) would buy: DualPipe's fused F&B
+    units and Megatron's interleaved 1F1B both hide the expert all-to-all with it."""
+    from ..schedule.compare import fmt
+    from ..schedule.registry import INTERLEAVED_1F1B_A2A
+
+    def best(advice):
+        ch = advice.choices[0]
+        return next((o for o in ch.options if o.row.name == ch.best), None)
+
+    a, b = best(now), best(with_overlap)
+    head = "the all-to-all overlap (--overlap-moe-expert-parallel-comm, off in this run, so not assumed): "
+    if m.recompute == "full" or "moe" in m.recompute_modules:
+        return head + ("not with --recompute-granularity full" if m.recompute == "full" else
+                       "not with --recompute-modules moe") + " (refused together: drop it first)"
+    if b is None:
+        return head + "with it still nothing fits"
+    inter = next((o for o in with_overlap.choices[0].options if o.row.name.startswith(INTERLEAVED_1F1B_A2A)
+                  and not o.row.problem), None)
+    gain = (f", {100 * (a.row.iteration - b.row.iteration) / a.row.iteration:.1f}% shorter than {a.row.name} "
+            f"without it ({fmt(a.row.iteration)})" if a is not None else "")
+    other = (f"; Megatron's interleaved 1F1B with it: {fmt(inter.row.iteration)}"
+             f"{'' if inter.fits else ' (over the memory limit)'}" if inter is not None else "")
+    return head + f"with it {b.row.name} would take {fmt(b.row.iteration)}{gain}{other}"

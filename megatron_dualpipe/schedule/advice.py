@@ -5,9 +5,11 @@ Give what one pipeline stage of the model costs per micro-batch when 1F1B runs i
 ``fb``), how much memory one micro-batch's activations take on a stage, and how much one
 stage's parameters take with their gradients and optimizer state. :func:`advise` simulates
 every schedule on that model (``schedule.compare``: DualPipeV runs chunks of half a stage at
-half the costs) for each micro-batch count, and picks the fastest that fits the memory limit;
-within 1% of the fastest it prefers less memory, then Megatron's own 1F1B. The reason names
-the numbers: makespan, bubble, peak activations and parameter memory against 1F1B.
+half the costs) for each micro-batch count, and picks the fastest that fits the memory limit
+(never one the model says is slower); on an exact tie the one with less memory, then the table's
+order (Megatron's own 1F1B first). The reason names the numbers against the best other schedule
+that fits (and Megatron's plain 1F1B): iteration, bubble, memory; a schedule within 1% that needs
+less memory is named, not chosen.
 
 The Megatron-LM integration can call it once with the first iteration's measured costs::
 
@@ -35,6 +37,10 @@ from .simulate import Costs
 
 #: Schedules within this fraction of the fastest count as equally fast.
 TIE = 0.01
+#: What ``advise`` suggests when nothing fits, unless its caller knows the model (``no_fit_hint``).
+NO_FIT_HINT = "use a larger pp, recomputation, or a smaller micro-batch"
+
+
 #: A gain over 1F1B below this fraction, bought with more memory, is called small in the reason.
 SMALL_GAIN = 0.05
 
@@ -281,7 +287,8 @@ def advise(pp: int, microbatches: Sequence[int], costs: Costs, activation_memory
            parameter_memory: float, memory_limit: Optional[float] = None, weight_grad_memory: float = 0.0,
            names: Optional[Sequence[str]] = None, comm: Optional[CommModel] = None,
            tokens: Optional[float] = None, num_layers: Optional[int] = None,
-           optimizer_memory: Optional[float] = None) -> Advice:
+           optimizer_memory: Optional[float] = None, once_memory: float = 0.0,
+           shared_optimizer: bool = False, no_fit_hint: str = NO_FIT_HINT) -> Advice:
     """Simulate every schedule (or ``names``) on the model and choose one per micro-batch count.
 
     ``costs``: one stage's costs per micro-batch under 1F1B. ``activation_memory``: one
@@ -294,7 +301,10 @@ def advise(pp: int, microbatches: Sequence[int], costs: Costs, activation_memory
     gets its break-even bandwidth and micro-batch size (``tokens``: the tokens of one
     micro-batch the costs are for). ``num_layers``: the model's, for the interleaved schedule's
     ``--num-layers-per-virtual-pipeline-stage`` in the advice. ``optimizer_memory``: the optimizer
-    state within ``parameter_memory`` (what DualPipe's shared shard group keeps once, not twice)."""
+    state within ``parameter_memory`` (what DualPipe's shared shard group keeps once, not twice);
+    ``shared_optimizer``: the run has that group, so the table counts it once. ``once_memory``:
+    activations a rank keeps once whatever the schedule (the output layer's logits: its backward
+    follows the loss directly), added to every schedule's activations."""
     for name, v in (("activation memory", activation_memory), ("parameter memory", parameter_memory),
                     ("weight-gradient memory", weight_grad_memory), ("memory limit", memory_limit)):
         _check(name, v)
@@ -308,12 +318,14 @@ def advise(pp: int, microbatches: Sequence[int], costs: Costs, activation_memory
             if row.problem:
                 options.append(Option(row, fits=False))
                 continue
-            act = row.peak_activations * activation_memory
+            act = row.peak_activations * activation_memory + once_memory
             wgrad = row.peak_weight_grad_states * weight_grad_memory
             par = row.parameter_copies * parameter_memory
+            if shared_optimizer and optimizer_memory:
+                par -= (row.parameter_copies - 1) * optimizer_memory
             fits = memory_limit is None or act + wgrad + par <= memory_limit
             options.append(Option(row, act, wgrad, par, fits))
-        best, reason = _choose(options, memory_limit)
+        best, reason = _choose(options, memory_limit, no_fit_hint)
         even = None
         if best is not None and comm is not None:
             even = _break_even(pp, m, costs, comm, options, best, tokens)
@@ -419,8 +431,9 @@ def _reduction_effects(pp, m, costs, comm: CommModel, options: List[Option], lim
             t = run(o.row.name, pp, m, costs, comm=other).iteration
             rivals = [x.row.iteration for x in options if not x.row.problem and x.fits and x is not o]
             fits = o.fits
-            if mode == SHARED_SHARD and optimizer_memory is not None:
-                memory = o.memory - optimizer_memory * (o.row.parameter_copies - 1)
+            shared = (mode == SHARED_SHARD) - (comm.bd_mode == SHARED_SHARD)  # +1: one copy less, -1: one more
+            if shared and optimizer_memory is not None:
+                memory = o.memory - shared * optimizer_memory * (o.row.parameter_copies - 1)
                 fits = limit is None or memory <= limit
             out.append(ReductionEffect(o.row.name, mode, comm.bd_mode, o.row.iteration, t,
                                        fits and all(t < r for r in rivals), fits=fits))
@@ -431,7 +444,7 @@ def _pct(a: float, b: float) -> str:
     return f"{100 * (b - a) / b:.1f}%" if b > 0 else "0%"
 
 
-def _choose(options: List[Option], limit: Optional[float]):
+def _choose(options: List[Option], limit: Optional[float], hint: str = NO_FIT_HINT):
     """The fastest schedule that fits (by the model's iteration time: never one it says is
     slower); on an exact tie the one with less memory, then the table's order. The reason names
     schedules within ``TIE`` that need less memory, and faster ones over the limit."""
@@ -442,47 +455,59 @@ def _choose(options: List[Option], limit: Optional[float]):
     if not fitting:
         least = min(runnable, key=lambda o: o.memory)
         return None, (f"no schedule fits the memory limit {fmt(limit)}: the least memory is {least.row.name}'s "
-                      f"{fmt(least.memory)}; use a larger pp, recomputation, or a smaller micro-batch")
+                      f"{fmt(least.memory)}; {hint}")
     order = {n: i for i, n in enumerate(distinct_orders())}
     best = min(fitting, key=lambda o: (o.row.iteration, o.memory, order.get(o.row.name, len(order))))
     r = best.row
     comm = r.grad is not None
     what = "iteration" if comm else "makespan"
-    base = next((o for o in runnable if o.row.name == ONE_F_ONE_B), None)
+    rival = min((o for o in fitting if o is not best), key=lambda o: o.row.iteration, default=None)
     parts = [f"{what} {fmt(r.iteration)}" + (f" = makespan {fmt(r.makespan)} + exposed gradient communication "
-                                              f"{fmt(r.exposed)}" if comm else "") + f", bubble {fmt(r.bubble)}"]
-    if base is not None and best is not base:
-        parts.append(f"{_pct(r.iteration, base.row.iteration)} shorter than {ONE_F_ONE_B}'s {fmt(base.row.iteration)}"
-                     + (f" (exposed {fmt(base.row.exposed)})" if comm else f" (bubble {fmt(base.row.bubble)})"))
-    memory = (f"peak memory {fmt(best.memory)} = activations {fmt(best.activation_memory)} + parameters "
-              f"{fmt(best.parameter_memory)}"
+                                                 f"{fmt(r.exposed)}" if comm else "") + f", bubble {fmt(r.bubble)}"]
+    base = next((o for o in runnable if o.row.name == ONE_F_ONE_B), None)
+    if rival is not None and best is base and rival.row.iteration <= r.iteration * (1 + TIE):
+        parts.append(f"nothing that fits is faster ({rival.row.name}: {fmt(rival.row.iteration)}), and "
+                     f"{ONE_F_ONE_B} is Megatron's own")
+    elif rival is not None:
+        parts.append(f"{_pct(r.iteration, rival.row.iteration)} shorter than the best other schedule that fits, "
+                     f"{_named(rival.row.name)} ({fmt(rival.row.iteration)})")
+    if base is not None and base is not best and base is not rival:
+        parts.append(f"{_pct(r.iteration, base.row.iteration)} shorter than Megatron's plain 1F1B "
+                     f"({fmt(base.row.iteration)}{'' if base.fits else ', over the memory limit'})")
+    memory = (f"peak memory {fmt(best.memory)} = activations {fmt(best.activation_memory)} + parameters, "
+              f"gradients and optimizer state {fmt(best.parameter_memory)}"
               + (f" + pending W {fmt(best.weight_grad_memory)}" if best.weight_grad_memory else ""))
-    if base is not None and best is not base:
-        extra = best.memory - base.memory
-        memory += f" ({'+' if extra >= 0 else ''}{fmt(extra)} against {ONE_F_ONE_B})"
+    if rival is not None:
+        extra = best.memory - rival.memory
+        memory += f" ({'+' if extra >= 0 else ''}{fmt(extra)} against {rival.row.name})"
     parts.append(memory)
-    if base is not None and best is not base and best.memory > base.memory and \
-            r.iteration > base.row.iteration * (1 - SMALL_GAIN):
-        more = 100 * (best.memory - base.memory) / base.memory if base.memory else math.inf
-        parts.append(f"a small gain: {_pct(r.iteration, base.row.iteration)} shorter for {more:.0f}% more memory "
-                     f"than {ONE_F_ONE_B} (parameters x{fmt(best.row.parameter_copies)}); {ONE_F_ONE_B} leaves that "
-                     f"memory to a larger micro-batch or less recomputation")
+    if rival is not None and best.memory > rival.memory and r.iteration > rival.row.iteration * (1 - SMALL_GAIN):
+        more = 100 * (best.memory - rival.memory) / rival.memory if rival.memory else math.inf
+        parts.append(f"a small gain: {_pct(r.iteration, rival.row.iteration)} shorter for {more:.0f}% more memory "
+                     f"than {rival.row.name}, which leaves that memory to less recomputation")
     lighter = [o for o in fitting if o is not best and o.row.iteration <= r.iteration * (1 + TIE)
                and o.memory < best.memory]
     if lighter:
         q = min(lighter, key=lambda o: o.memory)
         parts.append(f"{q.row.name} is within {_pct(r.iteration, q.row.iteration)} ({fmt(q.row.iteration)}) and needs "
                      f"{fmt(best.memory - q.memory)} less memory")
-    elif best is base and len(fitting) > 1:
-        nxt = min((o for o in fitting if o is not best), key=lambda o: o.row.iteration)
-        parts.append(f"nothing that fits is faster (next: {nxt.row.name}, {fmt(nxt.row.iteration)}), and "
-                     f"{ONE_F_ONE_B} is Megatron's own")
     faster = [o for o in runnable if not o.fits and o.row.iteration < r.iteration]
     if faster:
         f = min(faster, key=lambda o: o.row.iteration)
         parts.append(f"{f.row.name} would be {_pct(f.row.iteration, r.iteration)} faster but needs {fmt(f.memory)}, "
                      f"over the limit {fmt(limit)}")
     return best.row.name, f"{best.row.name}: " + "; ".join(parts)
+
+
+def _named(name: str) -> str:
+    """A schedule as a Megatron user knows it."""
+    from .registry import INTERLEAVED_1F1B_A2A
+
+    if name.startswith(INTERLEAVED_1F1B_A2A):
+        return f"Megatron's interleaved 1F1B with the all-to-all overlap ({name})"
+    if name.startswith("interleaved-1f1b"):
+        return f"Megatron's interleaved 1F1B ({name})"
+    return "Megatron's 1F1B (1f1b)" if name == ONE_F_ONE_B else name
 
 
 def _links_text(c: CommModel) -> str:

@@ -62,7 +62,14 @@ _FLAGS: Dict[str, Tuple[str, Optional[type], object]] = {
     "--decoder-first-pipeline-num-layers": ("first_stage_layers", int, None),
     "--decoder-last-pipeline-num-layers": ("last_stage_layers", int, None),
     "--pipeline-model-parallel-layout": ("layout", str, None),
+    "--recompute-modules": ("recompute_modules", list, None),
+    "--overlap-moe-expert-parallel-comm": ("a2a_overlap", None, False),
+    "--fp8-format": ("fp8", str, None),
+    "--dualpipe-shared-shard-group": ("shared_shard", None, False),
+    "--dualpipe-dp-first": ("dp_first", None, False),
 }
+#: ``--recompute-modules``' values at both supported tags (gdn_norm_out: 0.19's GatedDeltaNet, not GPT's).
+RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")
 _NEEDED = ("--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length")
 
 
@@ -111,6 +118,14 @@ class ModelArgs:
     last_stage_layers: Optional[int] = None
     #: ``--pipeline-model-parallel-layout``: pp stages, or DualPipeV's 2*pp V-stages
     layout: Optional[str] = None
+    #: what selective recomputation recomputes (Megatron's default: core_attn)
+    recompute_modules: Tuple[str, ...] = ()
+    #: ``--overlap-moe-expert-parallel-comm``: the fused F&B units hide the all-to-all
+    a2a_overlap: bool = False
+    #: ``--fp8-format``: GEMM inputs kept for the backward in FP8 (one byte)
+    fp8: Optional[str] = None
+    shared_shard: bool = False
+    dp_first: bool = False
 
     @property
     def padded_vocab(self) -> int:
@@ -169,6 +184,12 @@ def _values(argv: Sequence[str]) -> Dict[str, object]:
         if kind is None:
             found[name] = True
             continue
+        if kind is list:  # nargs='+': the words up to the next flag
+            end = next((k for k in range(i + 1, len(args)) if args[k].startswith("--")), len(args))
+            if end == i + 1:
+                raise ModelArgsError(f"{flag} needs at least one value")
+            found[name] = tuple(args[i + 1:end])
+            continue
         raw = val if eq else (args[i + 1] if i + 1 < len(args) else None)
         if raw is None or (not eq and raw.startswith("--")):
             raise ModelArgsError(f"{flag} needs a value")
@@ -201,6 +222,11 @@ def parse(argv: Sequence[str]) -> ModelArgs:
     v["moe_ffn_hidden"] = v["moe_ffn_hidden"] or v["ffn_hidden"]
     v["etp"] = v["etp"] or v["tp"]
     v["sequence_parallel"] = v["sequence_parallel"] and v["tp"] > 1  # Megatron turns it off without TP
+    selective = v["recompute"] == "selective"
+    v["recompute_modules"] = tuple(v["recompute_modules"] or ("core_attn",)) if selective else ()
+    unknown = sorted(set(v["recompute_modules"]) - set(RECOMPUTE_MODULES))
+    if unknown:
+        raise ModelArgsError(f"--recompute-modules {' '.join(unknown)}: not one of {', '.join(RECOMPUTE_MODULES)}")
     freq = v.pop("moe_layer_freq")
     v["moe_pattern"] = moe_pattern(str(freq), v["num_layers"]) if v["num_experts"] else (0,) * v["num_layers"]
     if v["layout"] is not None:

@@ -56,6 +56,7 @@ class Gpu:
 GPUS = {g.name: g for g in (
     Gpu("A100", 312.0, 80.0, 300.0, 25.0),
     Gpu("H100", 989.0, 80.0, 450.0, 50.0),
+    Gpu("H800", 989.0, 80.0, 200.0, 50.0),  # H100's compute, NVLink cut to 400 GB/s both ways
     Gpu("H200", 989.0, 141.0, 450.0, 50.0),
     Gpu("B200", 2250.0, 180.0, 900.0, 50.0),
 )}
@@ -224,14 +225,41 @@ class StageCosts:
     all_to_all: float
 
 
+def recompute_flops(m: ModelArgs, moe: bool) -> float:
+    """Forward FLOPs per token that one layer's recomputation runs again in its backward (full: the
+    whole layer; selective: the modules of ``--recompute-modules`` with GEMMs or core attention)."""
+    linear, core = layer_flops(m, moe)
+    if m.recompute == "full":
+        return linear + core
+    mods, gate = set(m.recompute_modules), 3 if m.swiglu else 2
+    out = core if "core_attn" in mods else 0.0
+    if m.mla and "mla_up_proj" in mods:
+        qk = m.qk_head_dim + m.qk_pos_emb_head_dim
+        out += 2.0 * m.heads * ((m.q_lora_rank or 0) * qk + m.kv_lora_rank * (m.qk_head_dim + m.v_head_dim))
+    if not moe and "mlp" in mods:
+        out += mlp_flops(m, False)
+    if moe and "moe" in mods:
+        out += mlp_flops(m, True)
+    elif moe and "shared_experts" in mods:
+        out += 2.0 * m.hidden * m.shared_expert * gate
+    return out
+
+
+def _reruns_all_to_all(m: ModelArgs) -> bool:
+    return m.recompute == "full" or "moe" in m.recompute_modules
+
+
 def stage_costs(m: ModelArgs, gpu: Gpu, mfu: float, gpus_per_node: int, stage: int,
                 a2a_bandwidth: Optional[float] = None) -> StageCosts:
     rate = gpu.peak_tflops * 1e12 * mfu / 1e3  # FLOPs per ms
     linear, core = stage_flops(m, stage)
     fc, wc = (linear + core) / rate, linear / rate
     a2a = moe_layers(m, stage) * all_to_all_ms(m, gpu, gpus_per_node, a2a_bandwidth)
-    f, b, w = fc + a2a, 2 * fc + a2a, wc
-    fb = max(fc + 2 * fc, 2 * a2a, f, b - w) if a2a else None
+    tokens = m.micro_batch * m.seq_length / (m.tp * m.cp)
+    again = tokens * sum(recompute_flops(m, bool(x)) for x in stage_layers(m, stage)) / rate
+    again_a2a = a2a if _reruns_all_to_all(m) else 0.0
+    f, b, w = fc + a2a, 2 * fc + a2a + again + again_a2a, wc
+    fb = max(fc + 2 * fc + again, 2 * a2a + again_a2a, f, b - w) if a2a else None
     return StageCosts(stage, f, b, w, fb, fc, a2a)
 
 
@@ -308,6 +336,8 @@ class Memory:
     gradients: float
     optimizer: float
     activations: float
+    #: the output layer's logits, kept once per rank whatever the schedule (freed by the loss's backward)
+    activations_once: float = 0.0
 
     @property
     def states(self) -> float:
@@ -327,7 +357,8 @@ def rank_bytes(m: ModelArgs, p: Params, world: int) -> Tuple[float, float, float
 
 
 def activation_bytes(m: ModelArgs) -> float:
-    """One micro-batch's activations on the first stage (Megatron-LM's formulas: with sequence
+    """Megatron-LM's own figure, for comparison: one micro-batch's activations on the first stage
+    (its formulas: with sequence
     parallel and selective recomputation s*b*h*(18 + 4F/h)/TP per layer, otherwise
     s*b*h*(10 + 24/TP) and 5% more; full recomputation keeps each layer's input)."""
     s, b, h = m.seq_length / m.cp, m.micro_batch, m.hidden
@@ -348,15 +379,32 @@ def activation_bytes(m: ModelArgs) -> float:
     return (per + embedding + output) * 1.05
 
 
+def stage_activations(m: ModelArgs, stage: int) -> Tuple[float, float]:
+    """(per micro-batch in flight, once) activations on one rank of ``stage``
+    (``activation_memory``: tensor by tensor, with recomputation, FP8 and MTP; the output layer's
+    logits once)."""
+    from .activation_memory import OUTPUT, stage_terms
+
+    terms = stage_terms(m, stage_layers(m, stage), stage == 0, stage == m.pp - 1)
+    once = terms.pop(OUTPUT, 0.0)
+    return sum(terms.values()), once
+
+
 def stage_memory(m: ModelArgs, world: int, stage: int) -> Memory:
     layers, ends, mtp = stage_params(m, stage)
     par, grad, opt = rank_bytes(m, layers + ends + mtp, world)
-    return Memory(stage, par, grad, opt, activation_bytes(m))
+    return Memory(stage, par, grad, opt, *stage_activations(m, stage))
 
 
 def heaviest_memory(m: ModelArgs, world: int) -> Memory:
-    """The stage whose parameters, gradients and optimizer state take the most memory."""
-    return max((stage_memory(m, world, s) for s in range(m.pp)), key=lambda x: x.states)
+    """The stage whose parameters, gradients and optimizer state take the most memory, with the
+    activations of the stage that keeps the most per micro-batch (every schedule's peak counts
+    micro-batch-stages alike, so the heaviest stage's paces the limit)."""
+    from dataclasses import replace
+
+    stages = [stage_memory(m, world, s) for s in range(m.pp)]
+    return replace(max(stages, key=lambda x: x.states), activations=max(x.activations for x in stages),
+                   activations_once=max(x.activations_once for x in stages))
 
 
 def stages_problem(m: ModelArgs) -> Optional[str]:

@@ -70,7 +70,8 @@ def test_moe_all_to_all_is_in_the_stage_costs(capsys):
 BAD = [
     (["advise", "--config", "gpt_8b", "--nodes", "2"], "needs --gpu"),
     (["advise", "--config", "nope", "--gpu", "H100"], "--config nope: no such config"),
-    (["advise", "--config", "gpt_8b", "--gpu", "H100", "--nodes", "2"], "give --vocab-size N"),
+    (["advise", "--gpu", "H100", "--", "--num-layers", "2", "--hidden-size", "8", "--num-attention-heads", "2",
+      "--seq-length", "8"], "give --vocab-size N"),
     (["advise", "--config", "gpt_8b", "--gpu", "H100", "--nodes", "2", "--mfu", "1.5", "--", "--vocab-size", "8"],
      "--mfu must be in (0, 1]"),
     (["advise", "--config", "gpt_8b", "--gpu", "H100", "--nodes", "1", "--gpus-per-node", "12", "--", "--vocab-size",

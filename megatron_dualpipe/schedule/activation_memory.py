@@ -1,0 +1,122 @@
+"""What one micro-batch's activations take on one rank of a pipeline stage, tensor by tensor.
+
+Megatron-LM's ``report_theoretical_memory`` prices a layer with one formula (Korthikanti et al.,
+Table 2: ``s*b*h*(18 + 4F/h)`` bytes with sequence parallelism) for multi-head attention with a
+4h GELU MLP. It has no term for what DeepSeek-V3-class runs change: multi-latent attention's
+projections, SwiGLU, MoE's permuted token copies, ``--recompute-modules`` beyond core_attn, FP8
+copies of GEMM inputs, MTP and the output layer on the last stage. Here a layer is the list of
+tensors its backward keeps (per token, bytes), each tagged with the ``--recompute-modules`` entry
+that frees it and whether it is a GEMM input (kept in FP8 under ``--fp8-format``); for the layer
+Megatron's formula assumes the list sums to that formula (``tests/cli/test_activation_memory.py``)
+and ``tests/mcore/test_activation_memory_measured.py`` checks it against the tensors autograd saves
+in the CPU mode. Core attention keeps no s x s scores (flash attention, or core_attn recomputed),
+as Megatron's formula assumes. Standard library only.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Sequence, Tuple
+
+from .model_args import ModelArgs
+
+BF16 = 2
+#: The term a rank keeps once, not per micro-batch in flight (the loss's backward follows it directly).
+OUTPUT = "output layer and loss"
+
+
+@dataclass(frozen=True)
+class Saved:
+    """One tensor a layer's backward keeps: bytes per token (bf16), the recompute modules that free
+    it, whether a GEMM reads it (FP8 keeps one byte), whether TP splits it without sequence parallel."""
+
+    what: str
+    bytes: float
+    freed_by: Tuple[str, ...] = ()
+    gemm_input: bool = False
+    tp_split: bool = True
+
+
+def _attention(m: ModelArgs) -> List[Saved]:
+    h, n = m.hidden, m.heads
+    if not m.mla:
+        q, kv = m.kv_channels * n, m.kv_channels * m.query_groups
+        return [Saved("query", BF16 * q), Saved("key", BF16 * kv), Saved("value", BF16 * kv),
+                Saved("attention output (projection input)", BF16 * q, gemm_input=True)]
+    qk, v, up = m.qk_head_dim + m.qk_pos_emb_head_dim, m.v_head_dim, ("mla_up_proj",)
+    out = []
+    if m.q_lora_rank is not None:
+        out += [Saved("query down-projection (its norm's input)", BF16 * m.q_lora_rank),
+                Saved("query latent (up-projection input)", BF16 * m.q_lora_rank, gemm_input=True)]
+    out += [Saved("key-value down-projection (its norm's input)", BF16 * (m.kv_lora_rank + m.qk_pos_emb_head_dim)),
+            Saved("key-value latent (up-projection input)", BF16 * m.kv_lora_rank, gemm_input=True),
+            Saved("query after up-projection and RoPE", BF16 * n * qk, up),
+            Saved("key after up-projection and RoPE", BF16 * n * qk, up),
+            Saved("value after up-projection", BF16 * n * v, up),
+            Saved("attention output (projection input)", BF16 * n * v, gemm_input=True)]
+    return out
+
+
+def _mlp(m: ModelArgs, moe: bool) -> List[Saved]:
+    gate = 2 if m.swiglu else 1
+    if not moe:
+        f = m.ffn_hidden
+        return [Saved("MLP fc1 output", BF16 * gate * f, ("mlp",)),
+                Saved("MLP activation (fc2 input)", BF16 * f, ("mlp",), gemm_input=True)]
+    k, fe, fs, h = m.topk, m.moe_ffn_hidden, m.shared_expert, m.hidden
+    out = [Saved("tokens dispatched to experts (top-k copies)", BF16 * k * h, ("moe",), gemm_input=True),
+           Saved("expert fc1 output", BF16 * k * gate * fe, ("moe",)),
+           Saved("expert activation (fc2 input)", BF16 * k * fe, ("moe", "moe_act"), gemm_input=True),
+           Saved("expert output before combine", BF16 * k * h, ("moe",))]
+    if fs:
+        out += [Saved("shared expert fc1 output", BF16 * gate * fs, ("moe", "shared_experts")),
+                Saved("shared expert activation (fc2 input)", BF16 * fs, ("moe", "shared_experts"), gemm_input=True)]
+    return out
+
+
+def layer_tensors(m: ModelArgs, moe: bool) -> List[Saved]:
+    """Everything one layer's backward keeps, per token, before TP and recomputation."""
+    h = m.hidden
+    norm = [Saved("input norm's input", BF16 * h, tp_split=False),
+            Saved("input norm's output (QKV input)", BF16 * h, ("layernorm",), True, tp_split=False)]
+    pre_mlp = [Saved("pre-MLP norm's input", BF16 * h, tp_split=False),
+               Saved("pre-MLP norm's output (MLP input)", BF16 * h, ("layernorm",), True, tp_split=False)]
+    masks = [Saved("attention dropout mask", h, tp_split=False), Saved("MLP dropout mask", h, tp_split=False)]
+    return norm + _attention(m) + pre_mlp + _mlp(m, moe) + masks
+
+
+def megatron_layer(h: int, ffn: int) -> float:
+    """Megatron-LM's per-layer term with sequence parallelism (bytes per token, before TP)."""
+    return h * (18 + 4 * ffn / h)
+
+
+def layer_bytes(m: ModelArgs, moe: bool) -> float:
+    """One layer's activations per token on one rank, after recomputation, FP8 and TP."""
+    if m.recompute == "full":
+        return BF16 * m.hidden / (m.tp if m.sequence_parallel else 1)  # the layer's input only
+    total = 0.0
+    for t in layer_tensors(m, moe):
+        if set(t.freed_by) & set(m.recompute_modules):
+            continue
+        size = t.bytes / 2 if (m.fp8 and t.gemm_input) else t.bytes
+        total += size / m.tp if (t.tp_split or m.sequence_parallel) else size
+    return total
+
+
+def _output_bytes(m: ModelArgs) -> float:
+    """The output layer's input and the cross entropy's fp32 logits, per token on one rank (Megatron's
+    pp == 1 term: ``4h(1 + V/h)``), once for the main head and once per MTP depth."""
+    return (4 * m.hidden + 4 * m.padded_vocab) / m.tp * (1 + m.mtp_layers)
+
+
+def stage_terms(m: ModelArgs, moe_flags: Sequence[int], first: bool, last: bool) -> Dict[str, float]:
+    """One micro-batch's activations on one rank of a stage with these layers, in bytes, by term."""
+    tokens = m.seq_length / m.cp * m.micro_batch
+    terms = {"layers": tokens * sum(layer_bytes(m, bool(moe)) for moe in moe_flags)}
+    if first:
+        terms["embedding"] = tokens * (8 + m.hidden)  # token ids and the embedding dropout (Megatron's)
+    if last:
+        if m.mtp_layers:
+            terms["MTP layers"] = tokens * m.mtp_layers * (layer_bytes(m, bool(m.moe_pattern[-1]))
+                                                           + 4 * BF16 * m.hidden / m.tp)
+        terms[OUTPUT] = tokens * _output_bytes(m)
+    return terms
