@@ -3,8 +3,11 @@
 ``scripts/pretrain_gpt_dualpipe.sh`` refuses, before any process starts, a world size Megatron
 would refuse (not a multiple of TP*PP*CP and of ETP*EP*PP), an EP that does not divide the
 experts, and a global batch Megatron or the schedule would refuse. A refusal that says "change
-PP, TP" or names a GPU count the nodes cannot hold leaves the user to search; each count named
-here is a multiple of the parallel sizes' unit and of its own GPUS_PER_NODE, with the NNODES to use.
+PP, TP" or names a GPU count the nodes cannot hold leaves the user to search; each value named here
+passes these rules: GPU counts that are multiples of the parallel sizes' unit and of their own
+GPUS_PER_NODE, with the NNODES to use; PP, TP and EP for the GPUs given (the schedule's pipeline
+and layer rules from :mod:`.schedule.registry`, Megatron's heads, query groups and experts); the
+nearest valid GLOBAL_BATCH (and one with each of those where the given batch would not split).
 
 ``python -m megatron_dualpipe.launch_sizes --nodes N --gpus-per-node G --pp P --tp T --cp C --ep E
 [--etp X] --micro-batch B --global-batch GB --schedule S -- PRETRAIN_GPT_ARGS...`` prints
@@ -23,7 +26,16 @@ from .launch_validation import fewest_gpus
 from .schedule import registry
 
 #: pretrain_gpt.py flags read from the arguments (the last one wins, as with argparse).
-_MODEL_FLAGS = {"--num-experts": "experts"}
+_MODEL_FLAGS = {"--num-experts": "experts", "--num-layers": "layers", "--num-attention-heads": "heads",
+                "--num-query-groups": "groups", "--ffn-hidden-size": "ffn",
+                "--num-layers-per-virtual-pipeline-stage": "vpp_layers"}
+#: Flags whose presence is read (as 1): grouped-query attention, and the splits of the layers over
+#: the stages that Megatron-LM checks itself (uneven: PP is then kept as given).
+_MODEL_SWITCHES = {"--group-query-attention": "gqa", **{f"--{flag}": "uneven" for flag in (
+    "decoder-first-pipeline-num-layers", "decoder-last-pipeline-num-layers", "pipeline-model-parallel-layout",
+    "account-for-embedding-in-pipeline-split", "account-for-loss-in-pipeline-split")}}
+#: Parallel-size options named per refusal, and the largest world searched for them.
+SIZES_NAMED, SIZES_WORLD_LIMIT = 2, 1 << 20
 
 
 @dataclass(frozen=True)
@@ -55,13 +67,16 @@ class Launch:
 
 
 def model_values(argv: Sequence[str]) -> Dict[str, int]:
-    """The integer values of :data:`_MODEL_FLAGS` in ``argv`` (absent ones left out)."""
+    """The integer values of :data:`_MODEL_FLAGS` in ``argv`` and :data:`_MODEL_SWITCHES` present
+    (as 1); absent ones left out."""
     found: Dict[str, int] = {}
     for i, a in enumerate(argv):
         flag, eq, val = a.partition("=")
         text = val if eq else (argv[i + 1] if i + 1 < len(argv) else "")
         if flag in _MODEL_FLAGS and text.isdigit():
             found[_MODEL_FLAGS[flag]] = int(text)
+        elif flag in _MODEL_SWITCHES:
+            found[_MODEL_SWITCHES[flag]] = 1
     return found
 
 
@@ -127,6 +142,70 @@ def batch_problem(launch: Launch) -> Optional[str]:
 
 
 # ---------------------------------------------------------------------------------------------
+# PP, TP and EP for the GPUs given
+# ---------------------------------------------------------------------------------------------
+
+def _divisors(n: int) -> List[int]:
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+def pp_fits(launch: Launch, pp: int) -> bool:
+    """Whether the schedule runs on ``pp`` stages (the registry's rules, as the plugin's argument
+    check applies them) and the layers divide into its stages (Megatron's rule, unless uneven)."""
+    spec, model = registry.get(launch.schedule), launch.model
+    vpp = model.get("vpp_layers")
+    if spec.pp_problem(pp) or (pp < 2 and (spec.runs_on == registry.EXECUTOR or vpp)):
+        return False
+    if model.get("uneven") or "layers" not in model:
+        return True
+    return model["layers"] % (spec.model_stages(pp) * (vpp or 1)) == 0
+
+
+def tp_fits(launch: Launch, tp: int) -> bool:
+    """Whether Megatron splits the model over ``tp`` GPUs of one node: the attention heads, the
+    query groups (a multiple or a divisor of TP) and the MLP's hidden size."""
+    model = launch.model
+    groups = model.get("groups") if model.get("gqa") else None
+    return (launch.per_node % tp == 0 and model.get("heads", tp) % tp == 0 and model.get("ffn", tp) % tp == 0
+            and (groups is None or groups % tp == 0 or tp % groups == 0))
+
+
+def fitting_sizes(launch: Launch) -> List[Tuple[int, int, int]]:
+    """(PP, TP, EP) that run on the GPUs given, the closest to the given sizes first: the
+    GLOBAL_BATCH passing, the model-parallel products nearest the given ones, the fewest changed."""
+    world = launch.world
+    if world > SIZES_WORLD_LIMIT:
+        return []
+    experts = launch.model.get("experts")
+    found = [(pp, tp, ep) for pp in ([launch.pp] if launch.model.get("uneven") else _divisors(world))
+             if pp_fits(launch, pp) for tp in _divisors(launch.per_node) if tp_fits(launch, tp)
+             for ep in (_divisors(experts) if experts else [1]) if world % launch.unit(pp, tp, ep) == 0]
+    given = (launch.pp, launch.tp, launch.ep)
+
+    def distance(c: Tuple[int, int, int]) -> tuple:
+        pp, tp, ep = c  # the products: of the dense layers' sizes, of the experts' (CP and ETP as given)
+        gap = abs(math.log2(pp * tp / (launch.pp * launch.tp))) + \
+            abs(math.log2(pp * (launch.etp or tp) * ep / (launch.pp * (launch.etp or launch.tp) * launch.ep)))
+        moved = sum(abs(math.log2(new / old)) for new, old in zip(c, given))
+        changed = sum(new != old for new, old in zip(c, given))
+        return bool(batch_fix(launch, world, pp, tp)), round(gap, 9), changed, round(moved, 9), -pp
+
+    return sorted(found, key=distance)
+
+
+def sizes_text(launch: Launch) -> str:
+    """PP, TP (and EP for a model with experts) for the GPUs given, each with its GLOBAL_BATCH where
+    the given one would not split; or "change ..." where none fits."""
+    options = fitting_sizes(launch)[:SIZES_NAMED]
+    if not options:
+        return f"or change PP, TP, EP, CP, ETP (no PP, TP, EP fits {launch.world} GPUs with CP={launch.cp})"
+    named = [f"PP={pp} TP={tp}{f' EP={ep}' if 'experts' in launch.model else ''}"
+             f"{batch_fix(launch, launch.world, pp, tp)}" for pp, tp, ep in options]
+    return f"or keep {launch.world} GPUs with {' or '.join(named)}"
+
+
+# ---------------------------------------------------------------------------------------------
 # The GPU count
 # ---------------------------------------------------------------------------------------------
 
@@ -156,8 +235,7 @@ def world_problem(launch: Launch) -> Optional[str]:
     etp = launch.etp or launch.tp
     return (f"{world} GPUs (NNODES={launch.nodes} x GPUS_PER_NODE={launch.per_node}): Megatron needs a multiple of "
             f"TP*PP*CP={launch.tp * launch.pp * launch.cp} and of ETP*EP*PP={etp * launch.ep * launch.pp}, "
-            f"i.e. of {unit}: {valid_counts(launch)}, or change PP, TP, EP, "
-            f"CP, ETP")
+            f"i.e. of {unit}: {valid_counts(launch)}, {sizes_text(launch)}")
 
 
 def experts_problem(launch: Launch) -> Optional[str]:

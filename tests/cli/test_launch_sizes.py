@@ -92,3 +92,46 @@ def test_too_few_micro_batches_names_the_least_and_the_filling_batch():
     found = launch_sizes.batch_problem(launch(1, 8, pp=4, micro=4, global_batch=8))
     print(f"\n{found}")
     assert "raise GLOBAL_BATCH to 32 (4 micro-batches, padded to 8); 8 micro-batches (GLOBAL_BATCH=64) fill" in found
+
+
+#: PP, TP (EP) and the GLOBAL_BATCH where one is named, as a refusal names them for the GPUs given.
+NAMED_SIZES = re.compile(r"PP=(\d+) TP=(\d+)(?: EP=(\d+))?(?: with GLOBAL_BATCH=(\d+))?")
+#: Models as the launch script reads them from the config (gpt_8b's, Mixtral's, a 30-layer one).
+MODELS = {"gpt_8b": dict(layers=32, heads=32, groups=8, gqa=1, ffn=14336),
+          "mixtral": dict(layers=32, heads=32, groups=8, gqa=1, ffn=14336, experts=8),
+          "odd": dict(layers=30, heads=24, ffn=4096)}
+
+
+def schedule_accepts(schedule, pp, layers):
+    """The schedules' rules, restated: DualPipe an even PP dividing the layers, DualPipeV 2*PP V-stages,
+    the executor's schedules PP >= 2."""
+    stages = 2 * pp if schedule == "dualpipev" else pp
+    return layers % stages == 0 and (schedule != "dualpipe" or pp % 2 == 0) and (schedule == "1f1b" or pp >= 2)
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("schedule", ["dualpipe", "dualpipev", "zb-h1", "1f1b"])
+def test_every_pp_tp_ep_named_runs_on_the_gpus_given(model, schedule):
+    """The sizes named for the GPUs given: Megatron's world rule, heads / query groups / MLP over TP
+    within a node, experts over EP, the schedule's PP rules, and the batch (with the GLOBAL_BATCH named)."""
+    m, checked = MODELS[model], 0
+    for per_node in (2, 4, 6, 8):
+        for nodes in (1, 2, 3):
+            given = launch(nodes, per_node, pp=8, tp=2, ep=8 if "experts" in m else 1, global_batch=512,
+                           schedule=schedule, **m)
+            found = launch_sizes.world_problem(given)
+            if found is None:
+                continue
+            named = [m2.groups() for m2 in NAMED_SIZES.finditer(found.partition("or keep ")[2])]
+            if (per_node, nodes) == (8, 1):
+                print(f"\n{model} {schedule}: {found}")
+            world = nodes * per_node
+            for pp, tp, ep, batch in [(int(a), int(b), int(c or 1), int(d or 512)) for a, b, c, d in named]:
+                assert megatron_accepts(world, pp, tp, ep, None, 1), found
+                assert schedule_accepts(schedule, pp, m["layers"]) and per_node % tp == 0, found
+                assert m["heads"] % tp == 0 and m["ffn"] % tp == 0 and (m.get("groups", tp) % tp == 0), found
+                assert m.get("experts", 1) % ep == 0, found
+                unit = world // (pp * tp)
+                assert batch % unit == 0 and batch // unit >= least_microbatches(schedule, pp), found
+                checked += 1
+    assert checked > 10

@@ -140,10 +140,12 @@ def test_below_the_stated_minimum_is_refused_naming_it(tmp_path, config):
 
 
 #: A GPU count the launch script names, with the node layout (and the GLOBAL_BATCH) it names for it.
-NAMED_COUNT = re.compile(r"(?:use|or) (\d+) GPUs \(NNODES=(\d+) x GPUS_PER_NODE=(\d+)[^)]*\)(?: with GLOBAL_BATCH=(\d+))?")
+NAMED_COUNT = re.compile(r"(?:use|or) (\d+) GPUs \(NNODES=(\d+) x GPUS_PER_NODE=(\d+)[^)]*\)"
+                         r"(?: with GLOBAL_BATCH=(\d+))?")
 
 
-@pytest.mark.parametrize("env", [dict(CONFIG="gpt_8b", GPUS_PER_NODE=6, NNODES=2), dict(CONFIG="gpt_345m", GPUS_PER_NODE=6),
+@pytest.mark.parametrize("env", [dict(CONFIG="gpt_8b", GPUS_PER_NODE=6, NNODES=2),
+                                 dict(CONFIG="gpt_345m", GPUS_PER_NODE=6),
                                  dict(CONFIG="moe_deepseek_v2_lite", GPUS_PER_NODE=6, NNODES=3),
                                  dict(CONFIG="gpt_8b", GPUS_PER_NODE=12, NNODES=3)])
 def test_every_gpu_count_named_is_whole_nodes_that_megatron_accepts(tmp_path, env):
@@ -160,6 +162,34 @@ def test_every_gpu_count_named_is_whole_nodes_that_megatron_accepts(tmp_path, en
         use = {"NNODES": nodes, "GPUS_PER_NODE": per_node, **({"GLOBAL_BATCH": batch} if batch else {})}
         again = run(tmp_path, MASTER_ADDR="n0", DRY_RUN=None, TORCHRUN=torchrun, **{**env, **use})
         print(f"  {use}: {again.stderr.strip() or 'accepted'}")
+        assert again.returncode == 0, again.stderr
+
+
+#: PP, TP (EP) and the GLOBAL_BATCH where one is named, as a refusal names them for the GPUs given.
+NAMED_SIZES = re.compile(r"PP=(\d+) TP=(\d+)(?: EP=(\d+))?(?: with GLOBAL_BATCH=(\d+))?")
+#: A Megatron-LM checkout to validate the named sizes with (Megatron's validate_args), where one is set.
+REAL_MEGATRON_LM = os.environ.get("MEGATRON_LM_PATH", "")
+
+
+@pytest.mark.parametrize("env", [dict(CONFIG="gpt_8b"), dict(CONFIG="gpt_8b", SCHEDULE="dualpipev"),
+                                 dict(CONFIG="moe_mixtral_8x7b"), dict(CONFIG="gpt_345m", GPUS_PER_NODE=6),
+                                 dict(CONFIG="gpt_8b", GPUS_PER_NODE=6, NNODES=2, MASTER_ADDR="n0")])
+def test_the_sizes_named_for_the_gpus_given_run_on_them(tmp_path, env):
+    """gpt_8b on 1 node x 8 GPUs used to get "change PP, TP, EP, CP, ETP" and no values: the refusal
+    names PP/TP (EP) that run on these GPUs, and the launch with them passes (Megatron-LM's own
+    validation too where MEGATRON_LM_PATH names a checkout)."""
+    r = run(tmp_path, **env)
+    keep = r.stderr.partition("or keep ")[2]
+    print(f"\n{env}: {r.stderr.strip()}")
+    named = [m.groups() for m in NAMED_SIZES.finditer(keep)]
+    assert r.returncode == 2 and named, r.stderr
+    torchrun = stand_in_torchrun(tmp_path)
+    real = {"MEGATRON_LM_PATH": REAL_MEGATRON_LM} if os.path.isfile(os.path.join(REAL_MEGATRON_LM, "pretrain_gpt.py")) \
+        else {}
+    for pp, tp, ep, batch in named:
+        use = {"PP": pp, "TP": tp, **({"EP": ep} if ep else {}), **({"GLOBAL_BATCH": batch} if batch else {})}
+        again = run(tmp_path, DRY_RUN=None, TORCHRUN=torchrun, **{**env, **use, **real})
+        print(f"  {use}: {again.stderr.strip() or again.stdout.strip().splitlines()[-2]}")
         assert again.returncode == 0, again.stderr
 
 
