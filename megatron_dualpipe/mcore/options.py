@@ -171,6 +171,13 @@ def _full_recompute(source, side):
             or bool(getattr(source, "recompute_num_layers", None)))
 
 
+def _moe_layer_recomputed(source, side):
+    """``moe`` among the selective recompute modules (``--moe-layer-recompute`` adds it in megatron-core)."""
+    modules = getattr(source, "recompute_modules", None) or ()
+    return getattr(source, "recompute_granularity", None) == "selective" and (
+        "moe" in modules or bool(getattr(source, "moe_layer_recompute", False)))
+
+
 def _fp8_delayed(source, side):
     recipe = getattr(source, "fp8_recipe", None)
     return bool(getattr(source, "fp8", None)) and getattr(recipe, "value", recipe) == "delayed"
@@ -306,6 +313,11 @@ REFUSED: Tuple[Refused, ...] = (
             "schedules: no CPU path runs it (Megatron's local attention has none; the CPU mode's Transformer Engine "
             "attention runs one context rank)", arg="context_parallel_size", config="context_parallel_size",
             is_set=lambda v: (v or 1) > 1, schedules=EXECUTOR, fix="set --context-parallel-size 1"),
+    Refused("--experimental-attention-variant", "neither variant is proven equal to 1F1B under the executor's "
+            "schedules: gated_delta_net's kernels (flash-linear-attention) have no CPU path, and no CPU run or selftest "
+            "stage builds dsa (so neither is --recompute-modules gdn_norm_out, megatron-core 0.19)",
+            arg="experimental_attention_variant", config="experimental_attention_variant",
+            is_set=lambda v: v is not None, schedules=EXECUTOR),
     Refused("--fp8-param-gather", "FP8 parameters (Transformer Engine's quantised weights of both chunks) are not "
             "stood in for on the CPU, so their gathers are not proven", arg="fp8_param_gather", config="fp8_param"),
     Refused("--log-max-attention-logit", "each chunk would record the largest attention logit of its own "
@@ -369,6 +381,12 @@ REFUSED: Tuple[Refused, ...] = (
     Refused("--recompute-granularity full", "it cannot recompute full layers", read=_full_recompute,
             fix="remove --recompute-granularity full / --recompute-method / --recompute-num-layers",
             needs=COMBINED_STEP, test="—"),
+    Refused("--recompute-modules moe", "it cannot recompute whole MoE layers (--recompute-modules moe): its fused "
+            "F&B units run a layer's parts one by one (router, dispatch, experts, combine), never the checkpointed "
+            "layer, so nothing would be recomputed (megatron-core 0.19 refuses the pair in its own check)",
+            read=_moe_layer_recomputed,
+            fix="remove moe from --recompute-modules (and --moe-layer-recompute)", needs=COMBINED_STEP,
+            test="A `dualpipe_overlap_moe_recompute_moe`"),
     Refused("--mtp-num-layers", "it runs at most one MTP layer (megatron-core's own limit)",
             read=lambda source, side: (getattr(source, "mtp_num_layers", None) or 0) > 1, fix="set --mtp-num-layers 1",
             needs=COMBINED_STEP, test="A `dualpipe_overlap_moe_two_mtp_layers`"),
@@ -571,6 +589,16 @@ HANDLED: Tuple[Handled, ...] = (
     Handled('`--recompute-granularity selective`',
             'equal on CPU',
             'O `MoE aux-loss-free ...`'),
+    Handled('`--recompute-modules` `core_attn`, `mlp`, `layernorm`, `moe_act`, `moe`, `shared_experts`, `mla_up_proj` '
+            '(selective recomputation) with Transformer Engine layers and zero bubble through `--delay-wgrad-compute`',
+            "equal on CPU at both tags, every printed metric (lm loss and mtp_1 loss within 1e-6, their print's last "
+            "digit; the others 0): `dualpipe` from the start, `dualpipev` from 1f1b's checkpoint. `moe` recomputes "
+            "the MoE layer (its all-to-all again) in B, with grouped GEMM and overlapped shared experts; "
+            "`shared_experts` and `mla_up_proj` in the fused F&B units with MTP. Refused: `moe` with "
+            "`--overlap-moe-expert-parallel-comm` (below); `shared_experts` with `--moe-shared-expert-overlap` is "
+            "megatron-core's own refusal; `gdn_norm_out` (core_v0.19.0) needs `--experimental-attention-variant`, "
+            "refused",
+            '`tests/megatron_lm/test_megatron_lm_te.py` `MoE EP2, grouped GEMM, ...`, `MoE EP2, shared experts, MLA, ...`'),
     Handled('`--calculate-per-token-loss`',
             'equal on CPU',
             'O `untied, full recompute, ...`'),

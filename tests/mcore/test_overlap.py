@@ -403,6 +403,11 @@ def test_enable_combined_step_adapter_and_dualpipev_config_keep_the_flags():
     assert str(refused.value).startswith("--overlap-moe-expert-parallel-comm with DualPipe: it overlaps the "
                                          "expert-parallel all-to-all: set --expert-model-parallel-size > 1")
     assert "alltoall or flex" in str(refused.value)
+    # the fused units never run the checkpointed MoE layer: refused at every tag (megatron-core 0.16.1 says nothing)
+    with pytest.raises(ValueError) as moe_recomputed:
+        enable_combined_step(TransformerConfig(**base, expert_model_parallel_size=2, recompute_granularity="selective",
+                                               recompute_modules=["core_attn", "moe"]))
+    assert "--recompute-modules moe" in str(moe_recomputed.value) and "remove moe from" in str(moe_recomputed.value)
     config = enable_combined_step(TransformerConfig(**base, expert_model_parallel_size=2))
     v = dualpipev_config(config)
     assert [getattr(config, f) for f in COMBINED_STEP_FLAGS] == [True, False]

@@ -186,6 +186,14 @@ CASES = {
            "--position-embedding-type", "rope"],
         ["--overlap-moe-expert-parallel-comm", "at most one MTP layer", "--mtp-num-layers 1"],
     ),
+    # the fused units call an MoE layer's parts, never the layer 'moe' recomputes (megatron-core 0.19 refuses it too)
+    "dualpipe_overlap_moe_recompute_moe": (
+        4,
+        _set(BASE, "--pipeline-model-parallel-size", "2") + MOE_EP2
+        + ["--pipeline-schedule", "dualpipe", "--overlap-moe-expert-parallel-comm", "--recompute-granularity",
+           "selective", "--recompute-modules", "core_attn", "moe"],
+        ["--overlap-moe-expert-parallel-comm", "--recompute-modules moe", "remove moe from --recompute-modules"],
+    ),
     "dualpipev_overlap_moe_allgather": (
         4,
         _set(_set(BASE, "--pipeline-model-parallel-size", "2"), "--num-layers", "8")
@@ -278,6 +286,7 @@ REFUSED_CASES = {
     "--tp-comm-overlap": ("zb-h1", [], {"tp_comm_overlap": True}),
     "--context-parallel-size": ("dualpipe", [], {"context_parallel_size": 2}),
     "--fp8-param-gather": ("dualpipev", [], {"fp8_param_gather": True}),
+    "--experimental-attention-variant": ("zb-h1", [], {"experimental_attention_variant": "gated_delta_net"}),
     "--log-max-attention-logit": ("dualpipe", [], {"log_max_attention_logit": True}),
     "--use-precision-aware-optimizer": ("dualpipev", [], {"use_precision_aware_optimizer": True}),
     "--optimizer-cpu-offload": ("dualpipe", [], {"optimizer_cpu_offload": True}),

@@ -10,6 +10,12 @@ iteration ends checking that no queue is left). Megatron's 1F1B cannot take that
 combined step (megatron-core's own rule), so its TE modules compute their weight gradients inline:
 the same numbers by another order. Linear biases are off: TE's ``backward_dw`` loses a bias gradient
 when two backwards of one module are pending (B, B, W, W), refused before training.
+
+Every ``--recompute-modules`` value of megatron-core 0.16.1 runs under the B/W split: core_attn, mlp (on
+the dense layers of ``--moe-layer-freq 2``: an MoE layer ignores it), layernorm, moe_act and moe (the
+whole MoE layer, its all-to-all again in B) in the grouped-GEMM case; shared_experts and mla_up_proj in
+the fused F&B units. Refused before training: moe with the fused units (they never run the checkpointed
+layer), gdn_norm_out of 0.19 with the ``--experimental-attention-variant`` it needs.
 """
 import pytest
 
@@ -23,6 +29,9 @@ TE = ("--transformer-impl", "transformer_engine", "--disable-bias-linear")
 ZERO_BUBBLE_THROUGH_TE = ("--delay-wgrad-compute",)
 #: Untied: Megatron's own 1f1b cannot save tied embeddings with MTP in torch_dist (test_megatron_lm_mtp.py).
 MTP = ("--mtp-num-layers", "1", "--position-embedding-type", "rope", "--untie-embeddings-and-output-weights")
+#: Multi-latent attention (low-rank q and kv, decoupled RoPE heads; rope type YaRN, MLA's default).
+MLA = ("--multi-latent-attention", "--q-lora-rank", "32", "--kv-lora-rank", "16", "--qk-head-dim", "16",
+       "--qk-pos-emb-head-dim", "8", "--v-head-dim", "16")
 FUSION = "--no-gradient-accumulation-fusion"  # left out of the tiny GPT's flags: fusion on
 PARTLY = "zero bubble partly inactive"
 
@@ -37,14 +46,16 @@ CASES = {
          "--num-layers-at-start-in-bf16", "1", "--num-layers-at-end-in-bf16", "1", "--defer-embedding-wgrad-compute",
          "--wgrad-deferral-limit", "2"), ZERO_BUBBLE_THROUGH_TE, (FUSION,)),
     "MoE EP2, grouped GEMM, overlapped shared experts, selective recomputation": (
-        (*TE, *MOE_EP2, "--moe-grouped-gemm", "--moe-shared-expert-intermediate-size", "64",
+        (*TE, *MOE_EP2, "--moe-layer-freq", "2", "--moe-grouped-gemm", "--moe-shared-expert-intermediate-size", "64",
          "--moe-shared-expert-overlap", "--recompute-granularity", "selective", "--recompute-modules", "core_attn",
-         "mlp", "layernorm", "moe_act"), ZERO_BUBBLE_THROUGH_TE, ()),
+         "mlp", "layernorm", "moe_act", "moe"), ZERO_BUBBLE_THROUGH_TE, ()),
     "MoE EP2, grouped GEMM, flex dispatcher (DeepEP), fused F&B units, bf16": (
         (*TE, *MOE_EP2, "--moe-grouped-gemm", "--moe-token-dispatcher-type", "flex", "--moe-enable-deepep", "--bf16"),
         ("--overlap-moe-expert-parallel-comm", *ZERO_BUBBLE_THROUGH_TE), ()),
-    "MoE EP2, fused F&B units, MTP": ((*TE, *MOE_EP2, *MTP), ("--overlap-moe-expert-parallel-comm",
-                                                              *ZERO_BUBBLE_THROUGH_TE), ()),
+    "MoE EP2, shared experts, MLA, fused F&B units, MTP, selective recomputation": (
+        (*TE, *MOE_EP2, *MTP, *MLA, "--moe-shared-expert-intermediate-size", "64", "--recompute-granularity",
+         "selective", "--recompute-modules", "shared_experts", "mla_up_proj"),
+        ("--overlap-moe-expert-parallel-comm", *ZERO_BUBBLE_THROUGH_TE), ()),
     # the local layers' zero bubble (the plugin's own deferral) into main_grad through apex's wgrad GEMM
     "local layers, gradient-accumulation fusion": (("--disable-bias-linear",), (), (FUSION,)),
 }
