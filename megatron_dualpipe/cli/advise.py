@@ -130,7 +130,8 @@ def model_advice(args):
     limit = args.memory_limit if args.memory_limit is not None else s.gpu.hbm_gb
     mem = s.memory
     run = dict(pp=m.pp, counts=[s.microbatches], act=mem.activations / GB, par=mem.states / GB, limit=limit,
-               wgrad=args.weight_grad_memory, comm=advise_model.comm(args, s), tokens=None, num_layers=m.num_layers,
+               wgrad=args.weight_grad_memory, comm=advise_model.comm(args, s), tokens=m.micro_batch * m.seq_length,
+               num_layers=m.num_layers,
                optimizer=mem.optimizer / GB, once=mem.activations_once / GB, shared=m.shared_shard,
                hint=advise_model.no_fit_hint(m, limit))
     overlap = bool(m.num_experts and m.ep > 1)

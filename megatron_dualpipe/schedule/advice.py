@@ -107,7 +107,7 @@ class BreakEven:
                          f"at no inter-node bandwidth within 1000x of {fmt(self.bandwidth_now)} GB/s")
         if self.scale is not None:
             size = (f"{fmt(round(self.tokens))} tokens per micro-batch (now {fmt(tokens)})" if self.tokens is not None
-                    else f"{fmt(round(self.scale, 3))}x the micro-batch")
+                    else f"micro-batches {fmt(round(self.scale, 3))} times as large as now")
             parts.append(f"at {size}")
         else:
             parts.append("at no micro-batch size within 1000x of this one")
@@ -136,11 +136,12 @@ class PlacementEffect:
     def text(self) -> str:
         from .comm_cost import PAIRED
 
-        how = ("with the bd pairs on one node (launcher --pair-placement, PAIR_PLACEMENT=1)" if self.placement == PAIRED
+        how = ("with pipeline ranks i and pp-1-i on one node (launcher --pair-placement, PAIR_PLACEMENT=1)"
+               if self.placement == PAIRED
                else "in Megatron's own rank placement (advise --placement megatron)")
         if self.problem:  # the launcher's refusal names --pair-placement, which advise's user did not give
             problem = re.sub(r",? or drop --pair-placement", "", self.problem)
-            return f"{self.schedule} cannot have its bd pairs on one node here: {problem}"
+            return f"{self.schedule} cannot have pipeline ranks i and pp-1-i on one node here: {problem}"
         return (f"{self.schedule} {how}: iteration {fmt(self.iteration)} instead of {fmt(self.now)} "
                 f"({_change(self.iteration, self.now)}), {_standing(self.fastest, self.fits)}")
 
@@ -148,6 +149,10 @@ class PlacementEffect:
 #: Training's flag for each way DualPipe combines the copies of a stage (``comm_cost.BD_MODES``).
 REDUCTION_FLAGS = {"bd-first": "no flag", "dp-first": "--dualpipe-dp-first",
                    "shared-shard": "--dualpipe-shared-shard-group"}
+#: The same in words.
+REDUCTION_WORDS = {"bd-first": "the default: the pair of ranks sums each stage's two copies, then data parallel",
+                   "dp-first": "data-parallel reduce-scatter first, then the pair sums the shards",
+                   "shared-shard": "both copies in one distributed-optimizer group"}
 
 
 @dataclass(frozen=True)
@@ -172,8 +177,8 @@ class ReductionEffect:
 
     def text(self) -> str:
         memory = ", optimizer state as 1F1B's" if self.mode == "shared-shard" else ""
-        return (f"{self.schedule} {self.mode} ({REDUCTION_FLAGS[self.mode]}{memory}): iteration "
-                f"{fmt(self.iteration)} instead of {fmt(self.now)} ({self.now_mode}): "
+        return (f"{self.schedule} with {REDUCTION_FLAGS[self.mode]} ({REDUCTION_WORDS[self.mode]}{memory}): iteration "
+                f"{fmt(self.iteration)} instead of {fmt(self.now)} ({REDUCTION_WORDS[self.now_mode]}): "
                 f"{_change(self.iteration, self.now)}, {_standing(self.fastest, self.fits)}")
 
 
@@ -514,11 +519,23 @@ def _links_text(c: CommModel) -> str:
     def one(link) -> str:
         return f"{fmt(round(link.bandwidth, 3))} GB/s + {fmt(round(link.latency, 4))} ms"
 
-    measured = [(w, k) for w, k in (("P2P", c.p2p_link), ("bd pair", c.bd_link), ("data parallel", c.dp_link)) if k]
+    measured = [(w, k) for w, k in (("P2P", c.p2p_link), ("pair sum", c.bd_link), ("data parallel", c.dp_link)) if k]
     if measured:
         return "measured " + ", ".join(f"{w} {one(k)}" for w, k in measured) + (
             f" (others as {one(c.network.inter)})" if len(measured) < 3 else "")
     return f"inside a node {one(c.network.intra)}, between nodes {one(c.network.inter)}"
+
+
+#: Each printed term once, in Megatron's words.
+GLOSSARY = (
+    "terms: f, b, w: one micro-batch's forward, backward and the backward's weight-gradient part on one stage; "
+    "fb: a fused forward-and-backward unit (DualPipe overlaps one micro-batch's forward with another's backward); "
+    "makespan: the pipeline's compute from first forward to last backward; bubble: the busiest rank's idle time in it; "
+    "exposed: gradient communication not hidden behind compute (data-parallel reduce-scatter, and DualPipe's sum of "
+    "the two copies of a stage held by pipeline ranks i and pp-1-i); iteration: makespan + exposed; peak act.: "
+    "micro-batches whose activations one rank holds at once, counted in whole stages; params: stage copies a rank "
+    "holds (DualPipe: 2); memory: activations + parameters with their gradients and optimizer state; "
+    "break-even: where the pick stops being faster than the runner-up")
 
 
 def _format(a: Advice) -> List[str]:
@@ -534,7 +551,7 @@ def _format(a: Advice) -> List[str]:
     if comm:
         p, n = a.comm.placement, a.comm.network
         out.append(f"communication (ms): dp={p.dp} tp={p.tp}, {p.gpus_per_node} GPUs per node, "
-                   f"{'paired (bd pairs on one node)' if p.paired else 'Megatron'} placement; gradients "
+                   f"{'paired (ranks i and pp-1-i on one node)' if p.paired else 'Megatron'} placement; gradients "
                    f"{fmt(a.comm.stage_grad_bytes / 1e6)} "
                    f"MB per stage, P2P messages {fmt(a.comm.message_bytes / 1e6)} MB; links: " + _links_text(a.comm)
                    + "; data-parallel "
@@ -548,7 +565,7 @@ def _format(a: Advice) -> List[str]:
         if ch.best:
             out.append(f"  run it: {run_flags(ch.best, a.pp, a.num_layers)}")
         out.extend(f"  placement: {p.text()}" for p in ch.placement)
-        out.extend(f"  bd reduction: {r.text()}" for r in ch.reduction)
+        out.extend(f"  summing the two copies: {r.text()}" for r in ch.reduction)
         table = [head]
         for o in ch.options:
             r = o.row
@@ -562,7 +579,7 @@ def _format(a: Advice) -> List[str]:
                           fmt(o.activation_memory), fmt(r.parameter_copies), fmt(o.parameter_memory), fmt(o.memory),
                           "yes" if o.fits else "no") + (("<- best",) if r.name == ch.best else ()))
         out.extend("  " + line for line in align(table, left=(0, len(head) - 1)))
-    return out
+    return out + ["", GLOSSARY]
 
 
 # ---------------------------------------------------------------------------------------------

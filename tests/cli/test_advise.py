@@ -234,7 +234,7 @@ def test_effect_lines_say_what_the_user_did_and_whether_it_fits(capsys):
     assert main(common + ["--dp", "2", "--tp", "8"]) == 0
     out = capsys.readouterr().out
     placement = next(line for line in out.splitlines() if line.startswith("  placement: "))
-    assert "cannot have its bd pairs on one node here" in placement and "--pair-placement" not in placement
+    assert "cannot have pipeline ranks i and pp-1-i on one node here" in placement and "--pair-placement" not in placement
     assert main(common + ["--dp", "4", "--memory-limit", "10"]) == 0  # dualpipe needs 11
     out = capsys.readouterr().out
     effects = [line for line in out.splitlines() if line.startswith(("  placement: ", "  bd reduction: "))]

@@ -120,6 +120,6 @@ def test_the_shared_shard_group_is_judged_on_one_optimizer_state(capsys):
     rows = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith("  dualpipe ")}
     act = float(rows["dualpipe"][8])  # the table's activation memory of dualpipe
     shared = 2 * (mem.parameters + mem.gradients) / 1e9 + mem.optimizer / 1e9 + act
-    line = next(x for x in out.splitlines() if "shared-shard (--dualpipe-shared-shard-group" in x)
+    line = next(x for x in out.splitlines() if "with --dualpipe-shared-shard-group (" in x)
     print(f"\n{line}\n  memory with one optimizer state: {shared:.4g} GB")
     assert rows["dualpipe"][-1] == "no" and (("does not fit" in line) == (shared > 80))
