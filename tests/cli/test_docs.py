@@ -1,6 +1,7 @@
 """Generated docs are current: the test regenerates them and compares (tools/gen_docs.py)."""
 import importlib.util
 import pathlib
+import re
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -48,3 +49,13 @@ def test_every_dualpipe_flag_is_documented():
     print(f"\n{len(flags)} flags, {len(rows)} rows in docs/megatron-lm.md")
     missing = [f for f in flags if not any(f"`{f}" in row for row in rows)]
     assert not missing, f"docs/megatron-lm.md has no row for {missing}"
+
+
+def test_megatron_lm_md_lists_every_config():
+    """docs/megatron-lm.md's list of configs names each of configs/ with its minimum GPU count (both
+    DeepSeek-V3 configs were missing)."""
+    doc = (ROOT / "docs" / "megatron-lm.md").read_text(encoding="utf-8")
+    configs = sorted(p.stem for p in (ROOT / "configs").glob("*.sh"))
+    missing = [c for c in configs if not re.search(rf"`{c}` \(\d+", doc)]
+    print(f"\n{len(configs)} configs, missing from docs/megatron-lm.md: {missing}")
+    assert not missing
