@@ -28,7 +28,8 @@ process (:mod:`megatron_dualpipe.launch_validation`; world size from ``WORLD_SIZ
 Under torchrun, a refusal of the arguments (a
 :class:`~megatron_dualpipe.megatron_lm.arguments.DualPipeArgumentError`, or an assertion of
 Megatron-LM's ``validate_args``: every rank refuses the same arguments) is printed by rank 0 only,
-one line per problem, no traceback, exit status 2.
+one line per problem, no traceback, exit status 2; so is a checkpoint the schedule cannot load (a
+:class:`~megatron_dualpipe.megatron_lm.refusal.Refusal`), by the first rank that refuses it.
 
 ``--pair-placement`` (:mod:`megatron_dualpipe.launch_placement`): each process takes the Megatron
 global rank that puts pipeline ranks i and pp-1-i on the same node (``RANK`` rewritten before the
@@ -45,9 +46,12 @@ USAGE = ("usage: python -m megatron_dualpipe.launch [--check] [--pair-placement]
          "[ARGS...]")
 PAIR_PLACEMENT = "--pair-placement"  # = launch_placement.FLAG
 SKIP_VERSION = "MEGATRON_DUALPIPE_SKIP_VERSION_CHECK"  # = versions.SKIP_ENV
-#: How long a rank other than 0 waits before it exits on refused arguments: the launcher (torchrun's
-#: agent) stops every rank at the first exit, and rank 0 prints the refusal.
+#: How long a rank that does not say the refusal waits before it exits: the launcher (torchrun's
+#: agent) stops every rank at the first exit, and the rank that says it (rank 0 for refused arguments,
+#: the first to refuse a checkpoint) prints it first.
 REFUSAL_WAIT_S = 3.0
+#: The counter in torch.distributed's store that names the first rank to refuse.
+REFUSAL_KEY = "megatron_dualpipe/refusal"
 HELP = ("Runs a Megatron-LM training script (pretrain_gpt.py) with megatron-dualpipe installed, so that it takes\n"
         "--pipeline-schedule dualpipe|dualpipev; under torchrun: torchrun --nproc-per-node 8 -m megatron_dualpipe.launch\n"
         "PATH/pretrain_gpt.py ARGS...\n"
@@ -143,16 +147,39 @@ def main(argv=None):
 
     try:
         runpy.run_path(script, run_name="__main__")
-    except (ValueError, AssertionError) as e:
+    except Exception as e:  # noqa: BLE001 - a refusal is said once; anything else keeps its traceback
         if not launch_validation.is_refusal(e):
             raise
-        if os.environ.get("RANK", "0") == "0":  # every rank refuses the same arguments: rank 0 says it, once
-            for line in launch_validation.explain(e):
-                print(f"megatron_dualpipe.launch: error: {line}", file=sys.stderr, flush=True)
-        else:  # torchrun's agent stops every rank at the first exit: rank 0 must have said why by then
-            time.sleep(REFUSAL_WAIT_S)
-        return 2
+        return say_refusal(e)
     return 0
+
+
+def first_to_refuse() -> bool:
+    """Whether this rank is the one that says the job's refusal: the first to count itself in
+    torch.distributed's store (which every rank of every node reaches) once the process group is up
+    (a checkpoint refused at load, by some ranks or all); before that (the arguments, refused alike
+    by every rank), rank 0."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return os.environ.get("RANK", "0") == "0"
+    key = f"{REFUSAL_KEY}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    try:
+        return dist.distributed_c10d._get_default_store().add(key, 1) == 1
+    except Exception:  # noqa: BLE001 - the store's host is gone: the rank that ended first said why
+        return False
+
+
+def say_refusal(error) -> int:
+    """One line per problem of a refusal (:func:`launch_validation.is_refusal`), said by one rank
+    (:func:`first_to_refuse`), no traceback; exit status 2."""
+    from megatron_dualpipe import launch_validation
+
+    if first_to_refuse():
+        for line in launch_validation.explain(error):
+            print(f"megatron_dualpipe.launch: error: {line}", file=sys.stderr, flush=True)
+    else:  # torchrun's agent stops every rank at the first exit: the rank that says why has said it by then
+        time.sleep(REFUSAL_WAIT_S)
+    return 2
 
 
 if __name__ == "__main__":

@@ -97,9 +97,12 @@ def _parse_and_validate(script: str, argv: Sequence[str]):
 def explain(error: BaseException, parser_output: str = "") -> List[str]:
     """One line per problem in ``error`` (what a rank would have raised)."""
     from .megatron_lm.arguments import DualPipeArgumentError
+    from .megatron_lm.refusal import Refusal
 
     if isinstance(error, DualPipeArgumentError):
         return problem_lines(error)
+    if isinstance(error, Refusal):
+        return [" ".join(str(error).split())]
     if isinstance(error, SystemExit):  # argparse: usage and "error: ..." went to stderr
         said = [line.split("error: ", 1)[1] for line in parser_output.splitlines() if "error: " in line]
         return [f"Megatron-LM's parser: {said[-1] if said else 'exit status ' + str(error.code)}"]
@@ -112,12 +115,14 @@ def explain(error: BaseException, parser_output: str = "") -> List[str]:
 
 def is_refusal(error: BaseException) -> bool:
     """Whether ``error`` refuses the arguments, the same on every rank: the plugin's
-    :class:`DualPipeArgumentError`, or an assertion of Megatron-LM's ``validate_args`` (or
+    :class:`DualPipeArgumentError` or :class:`~megatron_dualpipe.megatron_lm.refusal.Refusal` (a
+    checkpoint the schedule cannot load), or an assertion of Megatron-LM's ``validate_args`` (or
     ``validate_yaml``) itself, in ``megatron/training/`` (an assertion elsewhere, possibly on some
     ranks only, keeps its traceback on each)."""
     from .megatron_lm.arguments import DualPipeArgumentError
+    from .megatron_lm.refusal import Refusal
 
-    if isinstance(error, DualPipeArgumentError):
+    if isinstance(error, (DualPipeArgumentError, Refusal)):
         return True
     frames = traceback.extract_tb(error.__traceback__)
     in_training = [f for f in frames if "megatron/training/" in f.filename.replace(os.sep, "/")]

@@ -176,6 +176,48 @@ def test_a_refusal_inside_a_rank_is_one_line_from_rank_0_only(tmp_path, monkeypa
     assert err == want and issubclass(DualPipeArgumentError, ValueError)
 
 
+#: A rank's script that refuses a checkpoint at load, as strategies.load_reshardable_state does.
+CHECKPOINT_REFUSAL = ("from megatron_dualpipe.megatron_lm.refusal import Refusal\n"
+                      "raise Refusal('--pipeline-schedule dualpipev: this torch_dist checkpoint cannot load: save "
+                      "it with --dist-ckpt-optim-fully-reshardable, or load with --no-load-optim')\n")
+SAID = ("megatron_dualpipe.launch: error: --pipeline-schedule dualpipev: this torch_dist checkpoint cannot load: "
+        "save it with --dist-ckpt-optim-fully-reshardable, or load with --no-load-optim\n")
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_a_checkpoint_refusal_before_the_process_group_is_said_by_rank_0_only(tmp_path, monkeypatch, capsys, rank):
+    """A checkpoint the schedule cannot load used to be a traceback from every rank: one line,
+    rank 0's, exit status 2."""
+    monkeypatch.setattr(launch, "REFUSAL_WAIT_S", 0.0)
+    assert _run_in_rank(tmp_path, monkeypatch, rank, CHECKPOINT_REFUSAL) == 2
+    err = capsys.readouterr().err
+    print(f"\nrank {rank}: {err!r}")
+    assert err == (SAID if rank == "0" else "")
+
+
+def test_a_checkpoint_refusal_is_said_by_the_first_rank_that_meets_it(tmp_path, monkeypatch, capsys):
+    """With the process group up (a checkpoint is loaded after it), the first rank to refuse says it,
+    whichever it is (rank 0 may wait in a collective): rank 3 here, then no other."""
+    import torch.distributed as dist
+
+    monkeypatch.setattr(launch, "REFUSAL_WAIT_S", 0.0)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        said = []
+        for rank in ("3", "0", "1"):
+            assert _run_in_rank(tmp_path, monkeypatch, rank, CHECKPOINT_REFUSAL) == 2
+            said.append(capsys.readouterr().err)
+    finally:
+        dist.destroy_process_group()
+    print(f"\nranks 3, 0, 1 refuse in turn: {said}")
+    assert said == [SAID, "", ""]
+
+
+def test_other_errors_in_a_rank_keep_their_traceback(tmp_path, monkeypatch):
+    with pytest.raises(RuntimeError, match="a bug"):
+        _run_in_rank(tmp_path, monkeypatch, "0", "raise RuntimeError('a bug')\n")
+
+
 def _script(tmp_path, *extra):
     """scripts/pretrain_gpt_dualpipe.sh, CONFIG=gpt_8b on 2 x 8 GPUs, DRY_RUN, with the checkout of
     MEGATRON_LM_PATH and this interpreter, ``extra`` appended."""

@@ -9,7 +9,9 @@ from types import SimpleNamespace
 
 import pytest
 
+from megatron_dualpipe import launch_validation
 from megatron_dualpipe.megatron_lm.checkpoint import strategies as st
+from megatron_dualpipe.megatron_lm.refusal import Refusal
 from megatron_dualpipe.schedule import registry
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -137,6 +139,8 @@ def test_dualpipev_torch_dist_refuses_dp_reshardable_state_of_another_layout_in_
         load(orig(CheckpointException("plan", {0: (mismatch, None)})), None, ["m0", "m1"], None, None)
     print(f"\nrefused: {refused.value}")
     assert "\n" not in str(refused.value)
+    # a refusal the launcher says once, not a traceback per rank (tests/cli/test_launch_validation.py)
+    assert isinstance(refused.value, Refusal) and launch_validation.is_refusal(refused.value)
     assert "--dist-ckpt-optim-fully-reshardable" in str(refused.value) and "--no-load-optim" in str(refused.value)
     other = CheckpointException("plan", {0: (ValueError("Global shape mismatch for key decoder.layers.0.x"), None)})
     with pytest.raises(CheckpointException):

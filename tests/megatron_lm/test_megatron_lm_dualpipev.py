@@ -28,7 +28,7 @@ import pytest
 import torch
 
 from megatron_lm_runs import (HAVE_MEGATRON_LM, LAST_OUTPUT, MOE_EP2, RTOL, SKIP_MESSAGE, VAL_RE, assert_metrics_close,
-                              run_pretrain)
+                              launch, run_pretrain)
 
 pytestmark = [
     pytest.mark.skipif(not HAVE_MEGATRON_LM, reason=SKIP_MESSAGE),
@@ -93,6 +93,22 @@ def test_dualpipev_bf16_distributed_optimizer_overlap_torch_dist_across_schedule
     back = run_pretrain("1f1b", *PP2, *flags, "--ckpt-format", "torch_dist", "--load", dv_ckpt, with_metrics=True)
     assert_metrics_close(back, {4: ref[4]}, "1f1b from dualpipev's torch_dist checkpoint of iteration 3, bf16, "
                          "distributed optimizer dp=2 vs 1f1b")
+
+
+def test_dualpipev_refuses_another_layouts_dp_reshardable_state_once(tmp_path):
+    """Megatron's default torch_dist optimizer state (dp_reshardable: keyed by grad buffer) of a 1f1b
+    run holds 1F1B's stages: every dualpipev rank refuses it (strategies.load_reshardable_state). The
+    refusal used to come as a traceback from every rank; it is one line, said once (by the first rank
+    that refuses), naming the fix, no traceback, and the job fails."""
+    ckpt = str(tmp_path / "1f1b")
+    flags = (*PP2, "--use-distributed-optimizer", "--ckpt-format", "torch_dist")
+    run_pretrain("1f1b", *flags, "--save", ckpt, "--save-interval", "2", "--exit-interval", "2")
+    rc, out = launch("dualpipev", *flags, "--load", ckpt)
+    said = [line for line in out.splitlines() if "--dist-ckpt-optim-fully-reshardable" in line]
+    print(f"\ndualpipev --load of 1f1b's dp_reshardable checkpoint: exit {rc}, {said}")
+    assert rc != 0 and "Traceback" not in out, out[-5000:]
+    assert len(said) == 1 and said[0].startswith("megatron_dualpipe.launch: error: --pipeline-schedule dualpipev: ")
+    assert "--no-load-optim" in said[0]
 
 
 def test_dualpipev_fp16_loss_scaling_tp2_sequence_parallel(tmp_path):

@@ -9,6 +9,7 @@ import torch
 mapping = pytest.importorskip("megatron.core.dist_checkpointing.mapping")
 
 from megatron_dualpipe.megatron_lm.checkpoint import torch_dist_mirror as tdm  # noqa: E402
+from megatron_dualpipe.megatron_lm.refusal import Refusal  # noqa: E402
 
 
 def _tensor(key, replica_id):
@@ -70,3 +71,4 @@ def test_dp_reshardable_load_keeps_the_mirror_buffers_and_refuses_other_buckets(
     with pytest.raises(RuntimeError, match="--dist-ckpt-optim-fully-reshardable.*--no-load-optim") as err:
         tdm._home_load(_FakeDistributedOptimizer([[6], [6]]), 1)(bucketed)
     print(f"refused: {err.value}")
+    assert isinstance(err.value, Refusal)  # said once by the launcher, not a traceback per rank

@@ -22,6 +22,7 @@ Before any torch-format load, optimizer state across the DualPipeV and 1F1B layo
 from typing import Callable, Dict, Tuple
 
 from ...schedule import registry
+from ..refusal import Refusal
 from . import dualpipev_layers, torch_dist_mirror
 from .megatron_io import generated_state_dict_edited
 from .mirrors import sync_mirrors
@@ -140,13 +141,14 @@ def load_reshardable_state(orig, args, model, optimizer, file, *a, **kw):
     """dualpipev, torch_dist: as Megatron loads (global keys); the distributed optimizer's
     dp_reshardable state of another layout (1F1B's stages i and i+pp are DualPipeV's i and
     2pp-1-i, so its grad buffers hold other parameters) is refused in one line naming the fix,
-    instead of DCP's shape-mismatch traceback."""
+    instead of DCP's shape-mismatch traceback (a :class:`Refusal`: every rank meets it, the launcher
+    says it once)."""
     try:
         return orig(model, optimizer, *a, **kw)
     except BaseException as err:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
         if isinstance(err, (KeyboardInterrupt, SystemExit)) or not all(text in str(err) for text in _OTHER_BUFFERS):
             raise
-        raise NotImplementedError(
+        raise Refusal(
             f"--pipeline-schedule {registry.DUALPIPEV}: this torch_dist checkpoint's distributed-optimizer state "
             "(dp_reshardable) was written for another pipeline layout's grad buffers: save it with "
             "--dist-ckpt-optim-fully-reshardable, or load with --no-load-optim") from None

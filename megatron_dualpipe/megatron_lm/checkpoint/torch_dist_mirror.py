@@ -25,6 +25,7 @@ reads the stage's stored shards like any other replica. At *save* it must not ta
 import functools
 
 from ... import hooks
+from ..refusal import Refusal
 from .optimizers import home_buffers, inner_optimizers, is_distributed_optimizer, model0_ids
 
 _SHARDED_STATE_DICT = hooks.entry("per object", "DistributedOptimizer.sharded_state_dict")
@@ -181,7 +182,7 @@ def _home_load(opt, n_home):
         state_dict = dict(state_dict)
         saved = state_dict.pop("per_bucket_numel_unpadded", None)
         if saved is not None and list(saved) != list(opt.per_bucket_numel_unpadded[:n_home]):
-            raise RuntimeError(
+            raise Refusal(
                 f"the checkpoint's distributed-optimizer buckets hold {saved} elements, this rank's model[0] "
                 f"{opt.per_bucket_numel_unpadded[:n_home]} (DualPipe does not bucket its chunks; a 1f1b run with "
                 "--overlap-grad-reduce does): save it with --dist-ckpt-optim-fully-reshardable, or load with "
