@@ -106,11 +106,11 @@ def run(args) -> int:
 
 
 def _run_model(args) -> int:
+    s, advice, dropped, extra = model_advice(args)
     if args.launch_check:
         from .advise_launch import check
 
-        return check(args)
-    s, advice, dropped, extra = model_advice(args)
+        return check(s, advice)
     if args.json:
         print(json.dumps(dict(advice.to_json(), model=s.lines, not_compared=dropped, overlap=extra)))
         return 0

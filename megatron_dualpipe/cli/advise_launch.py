@@ -21,11 +21,10 @@ def _modelled_name(m, names) -> str:
     return m.schedule
 
 
-def check(args) -> int:
-    from .advise import model_advice
+def check(s, advice) -> int:
+    """``s``: the model's setup (``advise_model.Setup``); ``advice``: advise's for it."""
     from ..schedule.compare import fmt
 
-    s, advice, _, _ = model_advice(args)
     ch = advice.choices[0]
     rows = {o.row.name: o for o in ch.options if not o.row.problem}
     name = _modelled_name(s.model, list(rows))

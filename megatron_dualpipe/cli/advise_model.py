@@ -9,9 +9,10 @@ import subprocess
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
+from .. import project_files
 from .args import CliError
 
-CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs")
+CONFIGS = project_files.path("configs")  # the wheel's copy, else the checkout's
 #: The launch script's variables a config sets, and the pretrain_gpt.py flag each becomes.
 CONFIG_VARIABLES = (("TP", "--tensor-model-parallel-size"), ("PP", "--pipeline-model-parallel-size"),
                     ("EP", "--expert-model-parallel-size"), ("CP", "--context-parallel-size"),
