@@ -7,10 +7,11 @@ projections, SwiGLU, MoE's permuted token copies, ``--recompute-modules`` beyond
 copies of GEMM inputs, MTP and the output layer on the last stage. Here a layer is the list of
 tensors its backward keeps (per token, bytes), each tagged with the ``--recompute-modules`` entry
 that frees it and whether it is a GEMM input (kept in FP8 under ``--fp8-format``); for the layer
-Megatron's formula assumes the list sums to that formula (``tests/cli/test_activation_memory.py``)
+Megatron's formula assumes the list sums to that formula (``tests/cli/test_advise_memory.py``)
 and ``tests/mcore/test_activation_memory_measured.py`` checks it against the tensors autograd saves
 in the CPU mode. Core attention keeps no s x s scores (flash attention, or core_attn recomputed),
-as Megatron's formula assumes. Standard library only.
+as Megatron's formula assumes. Not counted: RoPE's copies of the query and the key (``model_args``
+does not read ``--position-embedding-type``; that test measures them). Standard library only.
 """
 from __future__ import annotations
 
@@ -40,8 +41,13 @@ def _attention(m: ModelArgs) -> List[Saved]:
     h, n = m.hidden, m.heads
     if not m.mla:
         q, kv = m.kv_channels * n, m.kv_channels * m.query_groups
-        return [Saved("query", BF16 * q), Saved("key", BF16 * kv), Saved("value", BF16 * kv),
-                Saved("attention output (projection input)", BF16 * q, gemm_input=True)]
+        out = [Saved("query", BF16 * q), Saved("key", BF16 * kv), Saved("value", BF16 * kv)]
+        if m.query_groups < n:
+            # attention.py get_query_key_value_tensors: with GQA ``query.reshape`` copies the query out of
+            # the [s, b, groups, (heads/groups + 2) * d] QKV output, whose whole storage the key's and
+            # value's views keep for core attention (its checkpoint, or flash attention's saved inputs)
+            out.append(Saved("query copy (GQA: reshaped out of the QKV output that key and value keep)", BF16 * q))
+        return out + [Saved("attention output (projection input)", BF16 * q, gemm_input=True)]
     qk, v, up = m.qk_head_dim + m.qk_pos_emb_head_dim, m.v_head_dim, ("mla_up_proj",)
     out = []
     if m.q_lora_rank is not None:
@@ -65,8 +71,10 @@ def _mlp(m: ModelArgs, moe: bool) -> List[Saved]:
     k, fe, fs, h = m.topk, m.moe_ffn_hidden, m.shared_expert, m.hidden
     out = [Saved("tokens dispatched to experts (top-k copies)", BF16 * k * h, ("moe",), gemm_input=True),
            Saved("expert fc1 output", BF16 * k * gate * fe, ("moe",)),
-           Saved("expert activation (fc2 input)", BF16 * k * fe, ("moe", "moe_act"), gemm_input=True),
-           Saved("expert output before combine", BF16 * k * h, ("moe",))]
+           Saved("expert activation (fc2 input)", BF16 * k * fe, ("moe", "moe_act"), gemm_input=True)]
+    # No expert output is kept: the experts apply the router's probabilities in their activation
+    # (weighted_bias_swiglu / activation_func_with_probs) and the combine's unpermute (moe_utils.py,
+    # scatter_add or TE's fused unpermute without merging probs) keeps only the token indices.
     if fs:
         out += [Saved("shared expert fc1 output", BF16 * gate * fs, ("moe", "shared_experts")),
                 Saved("shared expert activation (fc2 input)", BF16 * fs, ("moe", "shared_experts"), gemm_input=True)]
