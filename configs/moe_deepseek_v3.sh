@@ -15,7 +15,7 @@
 # 78.0 GB per GPU at 2048 GPUs (dualpipe, 14% shorter iterations than 1F1B). At 512 GPUs (EP32) only
 # dualpipev fits (75.7 GB): the launcher refuses dualpipe there and names SCHEDULE=dualpipev.
 # Tokenizer: none set: pass --tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR (DeepSeek-V3's).
-# Minimum GPUs: 1024 with EP64 (a multiple of ETP*EP*PP = 1*64*16); 512 with EP=32.
+# Minimum GPUs: 512 (EP=32 below 1024 GPUs: a multiple of ETP*EP*PP = 1*32*16; EP64 from 1024).
 PP=${PP:-16}; TP=${TP:-1}
 EP=${EP:-$(( ${NNODES:-1} * ${GPUS_PER_NODE:-8} >= 1024 ? 64 : 32 ))}
 MICRO_BATCH=${MICRO_BATCH:-1}; GLOBAL_BATCH=${GLOBAL_BATCH:-4096}   # M = 4096/128 = 32 = 2pp at 2048 GPUs

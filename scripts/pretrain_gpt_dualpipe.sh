@@ -17,7 +17,9 @@
 # else "PYTHON -m torch.distributed.run"), PYTHON (the interpreter TORCHRUN runs, read from its
 # first line; without torchrun: this checkout's .venv, else python3), DRY_RUN=1 to only print the command,
 # then the stages each rank holds and `megatron-dualpipe advise`'s estimate per schedule on GPU (H100
-# unless set: A100, H200, B200). PP, TP, EP, CP, ETP (expert
+# unless set: A100, H800, H200, B200). Before torchrun a schedule advise says does not fit the GPU's
+# memory is refused, naming one that fits (MEMORY_CHECK=0 launches anyway); a schedule that fits
+# but is not advise's pick gets one note naming the pick and its gain. PP, TP, EP, CP, ETP (expert
 # tensor parallel, default TP), MICRO_BATCH, GLOBAL_BATCH override the config's values. PAIR_PLACEMENT=1
 # (dualpipe): put pipeline ranks i and pp-1-i on the same node, so that the bd sums stay inside a node
 # (the launcher's --pair-placement; refused with the fix when the node size does not allow it, e.g. TP
@@ -159,6 +161,23 @@ fi
 layout=$(printf '%s\n' "$checked" | sed -n 's/^layout: //p')
 printf '%s\n' "$checked" | sed -n 's/^megatron_dualpipe.launch: note: /pretrain_gpt_dualpipe.sh: note: /p' >&2
 
+# advise's memory gate (GPU runs, every node alike): a schedule advise says does not fit the GPU's
+# memory (GPU: H100 unless set) is refused here, naming one that fits; MEMORY_CHECK=0 skips it.
+advise_args=(--gpu "${GPU:-H100}" --nodes "$NNODES" --gpus-per-node "$GPUS_PER_NODE" --)
+[ -n "${VOCAB_SIZE:-}" ] && advise_args+=(--vocab-size "$VOCAB_SIZE")
+advise_args+=("${script[@]:1}")
+gloo=0
+for arg in "${script[@]}"; do [ "$arg" = gloo ] && gloo=1; done
+if [ "${MEMORY_CHECK:-1}" != 0 ] && [ "$gloo" = 0 ]; then
+  case "${GPU:-H100}" in A100|H100|H800|H200|B200) ;; *) die "GPU=$GPU: use A100, H100, H800, H200 or B200 (advise's memory estimate), or MEMORY_CHECK=0";; esac
+  fit_status=0
+  fit=$("$PYTHON" -m megatron_dualpipe advise --launch-check "${advise_args[@]}" 2>&1) || fit_status=$?
+  fit_line=$(printf '%s\n' "$fit" | grep '^advise: ' | tail -n 1 || true)
+  if [ "$fit_status" = 3 ]; then die "${fit_line#advise: error: }"; fi
+  if [ "$fit_status" = 0 ]; then echo "pretrain_gpt_dualpipe.sh: note: ${fit_line#advise: }" >&2
+  else echo "pretrain_gpt_dualpipe.sh: note: no memory estimate ($(printf '%s\n' "$fit" | tail -n 1))" >&2; fi
+fi
+
 cmd=(
   "${torchrun_cmd[@]}" --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$GPUS_PER_NODE"
   --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT"
@@ -166,10 +185,9 @@ cmd=(
 )
 if [ "${DRY_RUN:-0}" = 1 ] && [ "$NODE_RANK" = 0 ]; then
   # what this launch would do, before any GPU is held: the stages each rank holds and advise's
-  # estimate per schedule for this model on GPU (H100 unless set: A100, H200, B200), once per job
+  # estimate per schedule for this model on GPU (H100 unless set: A100, H800, H200, B200), once per job
   # (the first node); then, as the last two lines, the header and the command
-  "$PYTHON" -m megatron_dualpipe advise --gpu "${GPU:-H100}" --nodes "$NNODES" --gpus-per-node "$GPUS_PER_NODE" \
-    -- "${script[@]:1}" 2>&1 | sed 's/^/# advise: /' || true
+  "$PYTHON" -m megatron_dualpipe advise "${advise_args[@]}" 2>&1 | sed 's/^/# advise: /' || true
 fi
 echo "# ${layout:-$SCHEDULE: $world processes (minimum $min_gpus), PP=$PP TP=$TP EP=$EP CP=$CP DP=$dp, $m micro-batches per iteration}${launcher_opts:+, bd pairs on one node}, CUDA_DEVICE_MAX_CONNECTIONS=$CUDA_DEVICE_MAX_CONNECTIONS"
 printf '%q ' "${cmd[@]}"; echo

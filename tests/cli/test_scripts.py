@@ -105,7 +105,7 @@ def test_every_config_is_accepted_at_its_minimum_and_composed(tmp_path, config, 
     nodes = min_gpus(config) // gpus
     torchrun = stand_in_torchrun(tmp_path)
     r = run(tmp_path, CONFIG=config, SCHEDULE=schedule, NNODES=nodes, GPUS_PER_NODE=gpus, MASTER_ADDR="node0",
-            DRY_RUN=None, TORCHRUN=torchrun)
+            DRY_RUN=None, TORCHRUN=torchrun, MEMORY_CHECK=0)  # the memory gate: test_a_schedule_advise_says_...
     assert r.returncode == 0, r.stderr
     header, command = r.stdout.strip().splitlines()[-2:]
     print(f"\n{config} {schedule}: {header}")
@@ -188,7 +188,8 @@ def test_the_sizes_named_for_the_gpus_given_run_on_them(tmp_path, env):
         else {}
     for pp, tp, ep, batch in named:
         use = {"PP": pp, "TP": tp, **({"EP": ep} if ep else {}), **({"GLOBAL_BATCH": batch} if batch else {})}
-        again = run(tmp_path, DRY_RUN=None, TORCHRUN=torchrun, **{**env, **use, **real})
+        # sizes Megatron accepts; whether they fit the GPUs' memory is the memory gate's (MEMORY_CHECK, tested below)
+        again = run(tmp_path, DRY_RUN=None, TORCHRUN=torchrun, MEMORY_CHECK=0, **{**env, **use, **real})
         print(f"  {use}: {again.stderr.strip() or again.stdout.strip().splitlines()[-2]}")
         assert again.returncode == 0, again.stderr
 
@@ -542,9 +543,10 @@ def test_dry_run_of_deepseek_v3_prints_the_stages_and_the_advice(tmp_path):
     """DRY_RUN=1 of the 671B config on 64 nodes x 8 GPUs: before the header and the torchrun command,
     the stages each rank holds under each schedule and `advise`'s estimate per schedule for this
     model (H100 unless GPU is set)."""
-    r = run(tmp_path, CONFIG="moe_deepseek_v3", NNODES=64, GPUS_PER_NODE=8, MASTER_ADDR="node0")
+    r = run(tmp_path, CONFIG="moe_deepseek_v3", NNODES=64, GPUS_PER_NODE=8, MASTER_ADDR="node0", SCHEDULE="dualpipev")
     assert r.returncode == 0, r.stderr
-    print("\n" + r.stdout)
+    print("\n" + r.stdout + r.stderr)
+    assert "note: SCHEDULE=dualpipev fits (" in r.stderr
     advice = [line[len("# advise: "):] for line in r.stdout.splitlines() if line.startswith("# advise: ")]
     assert any(line.startswith("stages each rank holds") for line in advice), advice
     ranks = [line.split()[0] for line in advice if re.match(r"\s+\d+\s+\d+: ", line)]
@@ -553,4 +555,22 @@ def test_dry_run_of_deepseek_v3_prints_the_stages_and_the_advice(tmp_path):
     table = [line.split()[0] for line in advice if re.match(r"\s+(1f1b|dualpipe|dualpipev)\s+128\s", line)]
     assert table == ["1f1b", "dualpipe", "dualpipev"], advice[-6:]
     header, command = r.stdout.strip().splitlines()[-2:]
-    assert header.startswith("# dualpipe: 512 processes") and "megatron_dualpipe.launch" in command
+    assert header.startswith("# dualpipev: 512 processes") and "megatron_dualpipe.launch" in command
+
+
+def test_a_schedule_advise_says_does_not_fit_is_refused_before_torchrun(tmp_path):
+    """DeepSeek-V3's default dualpipe on 512 GPUs (EP32, DP32) needs more than an H800's 80 GB by
+    advise's estimate: one line naming dualpipev, which fits; MEMORY_CHECK=0 launches anyway; at the
+    config's stated 2048 GPUs dualpipe fits (one note with the figure)."""
+    v3 = dict(CONFIG="moe_deepseek_v3", GPUS_PER_NODE=8, MASTER_ADDR="node0", GPU="H800")
+    r = run(tmp_path, NNODES=64, **v3)
+    print("\n" + r.stderr)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "use SCHEDULE=dualpipev" in r.stderr
+    assert "MEMORY_CHECK=0" in r.stderr and "dualpipe needs" in r.stderr
+    anyway = run(tmp_path, NNODES=64, MEMORY_CHECK=0, **v3)
+    assert anyway.returncode == 0, anyway.stderr
+    stated = run(tmp_path, NNODES=256, **v3)
+    print(stated.stderr)
+    assert stated.returncode == 0 and "note: SCHEDULE=dualpipe fits (" in stated.stderr
+    bad = run(tmp_path, NNODES=256, **dict(v3, GPU="V100"))
+    assert bad.returncode == 2 and "GPU=V100: use A100, H100, H800, H200 or B200" in bad.stderr
