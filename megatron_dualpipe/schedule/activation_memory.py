@@ -47,6 +47,11 @@ def _attention(m: ModelArgs) -> List[Saved]:
             # the [s, b, groups, (heads/groups + 2) * d] QKV output, whose whole storage the key's and
             # value's views keep for core attention (its checkpoint, or flash attention's saved inputs)
             out.append(Saved("query copy (GQA: reshaped out of the QKV output that key and value keep)", BF16 * q))
+        if m.position_embedding == "rope":
+            # apply_rotary_pos_emb returns a new key (and a new query; under GQA it replaces the copy above)
+            out.append(Saved("key after RoPE", BF16 * kv))
+            if m.query_groups == n:
+                out.append(Saved("query after RoPE", BF16 * q))
         return out + [Saved("attention output (projection input)", BF16 * q, gemm_input=True)]
     qk, v, up = m.qk_head_dim + m.qk_pos_emb_head_dim, m.v_head_dim, ("mla_up_proj",)
     out = []

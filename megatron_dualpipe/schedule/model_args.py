@@ -67,6 +67,7 @@ _FLAGS: Dict[str, Tuple[str, Optional[type], object]] = {
     "--fp8-format": ("fp8", str, None),
     "--dualpipe-shared-shard-group": ("shared_shard", None, False),
     "--dualpipe-dp-first": ("dp_first", None, False),
+    "--position-embedding-type": ("position_embedding", str, "learned_absolute"),
 }
 #: ``--recompute-modules``' values at both supported tags (gdn_norm_out: 0.19's GatedDeltaNet, not GPT's).
 RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")
@@ -126,6 +127,7 @@ class ModelArgs:
     fp8: Optional[str] = None
     shared_shard: bool = False
     dp_first: bool = False
+    position_embedding: str = "learned_absolute"
 
     @property
     def padded_vocab(self) -> int:
