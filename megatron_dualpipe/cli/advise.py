@@ -162,6 +162,11 @@ def _model_schedules(args, m):
     if not (m.num_experts and m.ep > 1):  # Megatron refuses --overlap-moe-expert-parallel-comm without EP
         dropped += [f"{n} (its overlap is MoE expert parallel's all-to-all: the model has none)" for n in names
                     if _a2a(n)]
+    if m.offload:  # the plugin refuses it: its handlers are advanced by Megatron's own schedules
+        from ..schedule.registry import MEGATRON
+
+        dropped += [f"{n} (refuses --fine-grained-activation-offloading: Megatron's own schedules run it)"
+                    for n in names if get(n).runs_on != MEGATRON and not n.startswith("interleaved")]
     names = [n for n in names if not any(d.startswith(n + " ") for d in dropped)]
     if not names:
         raise CliError("no schedule splits the model's layers: " + "; ".join(dropped))

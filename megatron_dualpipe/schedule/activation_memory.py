@@ -97,18 +97,33 @@ def layer_tensors(m: ModelArgs, moe: bool) -> List[Saved]:
     return norm + _attention(m) + pre_mlp + _mlp(m, moe) + masks
 
 
+#: ``--offload-modules`` (megatron-core 0.19's fine-grained activation offloading) -> the tensors whose
+#: copies move to host memory: names of :func:`layer_tensors`' entries (core_attn: its inputs).
+OFFLOADED = {"attn_norm": ("input norm's input",), "qkv_linear": ("input norm's output (QKV input)",),
+             "attn_proj": ("attention output (projection input)",), "mlp_norm": ("pre-MLP norm's input",),
+             "expert_fc1": ("tokens dispatched to experts (top-k copies)",), "moe_act": ("expert fc1 output",)}
+
+
+def offloaded(m: ModelArgs, t: Saved) -> bool:
+    """Whether ``--fine-grained-activation-offloading`` keeps ``t`` in host memory, not on the GPU."""
+    mods = set(m.offload_modules) if m.offload else set()
+    core_input = t.what in ("query", "key", "value") or t.what.startswith(("query copy", "query after", "key after",
+                                                                             "value after"))
+    return ("core_attn" in mods and core_input) or any(t.what in OFFLOADED.get(x, ()) for x in mods)
+
+
 def megatron_layer(h: int, ffn: int) -> float:
     """Megatron-LM's per-layer term with sequence parallelism (bytes per token, before TP)."""
     return h * (18 + 4 * ffn / h)
 
 
 def layer_bytes(m: ModelArgs, moe: bool) -> float:
-    """One layer's activations per token on one rank, after recomputation, FP8 and TP."""
+    """One layer's activations per token on one GPU, after recomputation, offloading, FP8 and TP."""
     if m.recompute == "full":
         return BF16 * m.hidden / (m.tp if m.sequence_parallel else 1)  # the layer's input only
     total = 0.0
     for t in layer_tensors(m, moe):
-        if set(t.freed_by) & set(m.recompute_modules):
+        if set(t.freed_by) & set(m.recompute_modules) or offloaded(m, t):
             continue
         size = t.bytes / 2 if (m.fp8 and t.gemm_input) else t.bytes
         total += size / m.tp if (t.tp_split or m.sequence_parallel) else size

@@ -68,6 +68,8 @@ _FLAGS: Dict[str, Tuple[str, Optional[type], object]] = {
     "--dualpipe-shared-shard-group": ("shared_shard", None, False),
     "--dualpipe-dp-first": ("dp_first", None, False),
     "--position-embedding-type": ("position_embedding", str, "learned_absolute"),
+    "--fine-grained-activation-offloading": ("offload", None, False),
+    "--offload-modules": ("offload_modules", list, ()),
 }
 #: ``--recompute-modules``' values at both supported tags (gdn_norm_out: 0.19's GatedDeltaNet, not GPT's).
 RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")
@@ -128,6 +130,9 @@ class ModelArgs:
     shared_shard: bool = False
     dp_first: bool = False
     position_embedding: str = "learned_absolute"
+    #: megatron-core 0.19's ``--fine-grained-activation-offloading`` and its ``--offload-modules``
+    offload: bool = False
+    offload_modules: Tuple[str, ...] = ()
 
     @property
     def padded_vocab(self) -> int:
@@ -226,6 +231,8 @@ def parse(argv: Sequence[str]) -> ModelArgs:
     v["sequence_parallel"] = v["sequence_parallel"] and v["tp"] > 1  # Megatron turns it off without TP
     selective = v["recompute"] == "selective"
     v["recompute_modules"] = tuple(v["recompute_modules"] or ("core_attn",)) if selective else ()
+    if v["offload"] and not v["offload_modules"]:
+        raise ModelArgsError("--fine-grained-activation-offloading needs --offload-modules (e.g. core_attn expert_fc1)")
     unknown = sorted(set(v["recompute_modules"]) - set(RECOMPUTE_MODULES))
     if unknown:
         raise ModelArgsError(f"--recompute-modules {' '.join(unknown)}: not one of {', '.join(RECOMPUTE_MODULES)}")

@@ -121,3 +121,19 @@ def test_nothing_fits_suggests_only_what_the_run_can_still_change():
     print("\n" + hint)
     assert "--micro-batch-size" not in hint and "shared-shard" not in hint and "layernorm mla_up_proj moe moe_act" in hint
     assert "--micro-batch-size 2" in no_fit_hint(parse(BASE + ["--micro-batch-size", "4"]), 80)
+
+
+def test_activation_offloading_moves_its_modules_inputs_off_the_gpu_and_only_megatrons_schedules_run_it():
+    """megatron-core 0.19's --fine-grained-activation-offloading: each --offload-modules entry's
+    tensors leave the GPU; the plugin's schedules refuse the flag, so advise compares Megatron's own."""
+    plain = parse(BASE + MOE)
+    off = parse(BASE + MOE + ["--fine-grained-activation-offloading", "--offload-modules", "core_attn", "expert_fc1"])
+    moved = [t for t in am.layer_tensors(plain, True) if am.offloaded(off, t)]
+    print(f"\noffloaded: {[t.what for t in moved]}")
+    assert {t.what for t in moved} >= {"query after up-projection and RoPE", "tokens dispatched to experts (top-k copies)"}
+    assert am.layer_bytes(plain, True) - am.layer_bytes(off, True) == pytest.approx(sum(t.bytes for t in moved))
+    out = _advise("--config", "moe_mixtral_8x7b", "--gpu", "H100", "--nodes", "8", "--",
+                  "--fine-grained-activation-offloading", "--offload-modules", "core_attn").stdout
+    assert "dualpipe (refuses --fine-grained-activation-offloading" in out and "use interleaved-1f1b" in out
+    with pytest.raises(Exception, match="needs --offload-modules"):
+        parse(BASE + ["--fine-grained-activation-offloading"])
