@@ -7,6 +7,7 @@ grad buffers only. Load: the inverse, the mirror's entries filled with zero plac
 ``mirrors.sync_mirrors`` then overwrites from the home copy.
 """
 
+from ..refusal import Refusal
 from .optimizers import home_buffers, inner_optimizers, is_distributed_optimizer, kind, main_to_model
 
 
@@ -166,7 +167,7 @@ class OneChunkOptimizerView:
         import torch
 
         if update_legacy_format:
-            raise NotImplementedError("--pipeline-schedule dualpipe cannot convert a legacy distributed-optimizer "
+            raise Refusal("--pipeline-schedule dualpipe cannot convert a legacy distributed-optimizer "
                                       "checkpoint; convert it under --pipeline-schedule 1f1b first")
         rank0 = self._inner[0].data_parallel_group.rank() == 0
         states = torch.load(filename) if rank0 else None

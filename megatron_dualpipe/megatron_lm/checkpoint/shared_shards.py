@@ -29,6 +29,7 @@ optimizer state, which each sub-optimizer loaded itself).
 """
 from typing import Dict, List
 
+from ..refusal import Refusal
 from .optimizers import inner_optimizers, model0_ids
 
 
@@ -124,7 +125,7 @@ class SharedShardOptimizerView:
         import torch
 
         if update_legacy_format:
-            raise NotImplementedError("--dualpipe-shared-shard-group cannot convert a legacy distributed-optimizer "
+            raise Refusal("--dualpipe-shared-shard-group cannot convert a legacy distributed-optimizer "
                                       "checkpoint; convert it under --pipeline-schedule 1f1b first")
         file = None
         for o in self._subs:  # stage order, as saved

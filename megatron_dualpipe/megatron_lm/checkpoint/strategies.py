@@ -174,7 +174,7 @@ def refuse_shared_layout_format(model, fmt: str) -> None:
     """The shared shard group's optimizer state is written and read in --ckpt-format torch and
     torch_dist (the argument check refuses saving in another; this catches a --load that finds one)."""
     if fmt not in ("torch", "torch_dist") and is_shared_layout(model):
-        raise NotImplementedError(
+        raise Refusal(
             f"--dualpipe-shared-shard-group loads --ckpt-format torch and torch_dist checkpoints, this one is {fmt}: "
             "convert it under --pipeline-schedule 1f1b, or remove --dualpipe-shared-shard-group")
 
@@ -194,7 +194,7 @@ def refuse_optimizer_across_layouts(args, optimizer, schedule: str, file) -> Non
     crosses = (schedule == registry.DUALPIPEV) != (saved == registry.DUALPIPEV) or (
         schedule == registry.DUALPIPEV and one_chunk_file(file))
     if crosses:
-        raise NotImplementedError(
+        raise Refusal(
             f"--pipeline-schedule {schedule} can load the weights of this --ckpt-format torch checkpoint (written by "
             f"--pipeline-schedule {saved}), remapped to its stages, but not its optimizer state, which is laid out per "
             "stage: pass --no-load-optim (or --finetune)")
