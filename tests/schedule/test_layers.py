@@ -34,9 +34,12 @@ MAY_IMPORT: Dict[str, Set[str]] = {
     "cpu": {"hooks", "versions"},
     "mcore": {"schedule", "executor", "cpu", "hooks", "versions"},
     "megatron_lm": {"schedule", "executor", "mcore", "cpu", "hooks", "versions", "project_files"},
+    # Megatron-Bridge's pretrain(): the same megatron-core glue, hooked into Bridge's training loop
+    "bridge": {"schedule", "executor", "mcore", "cpu", "hooks", "versions", "megatron_lm"},
     "launch_checks": {"versions", "megatron_lm"},
     "launch_placement": {"schedule"},
     "launch_validation": {"schedule", "executor", "mcore", "cpu", "hooks", "versions", "megatron_lm"},
+    "launch_sizes": {"schedule", "launch_validation"},
     "launch": {"schedule", "executor", "mcore", "cpu", "hooks", "versions", "megatron_lm", "launch_checks",
                "launch_placement", "launch_validation"},
     "apps": {"schedule", "executor", "pictures", "bench", "mcore", "cpu", "hooks", "versions", "megatron_lm",
