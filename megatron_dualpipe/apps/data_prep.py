@@ -1,4 +1,5 @@
-"""``megatron-dualpipe prepare-data``: text -> tokenizer -> Megatron's indexed dataset (.bin/.idx).
+"""What ``megatron-dualpipe prepare-data`` does: text -> tokenizer -> Megatron's indexed dataset (.bin/.idx)
+(its arguments and output: :mod:`megatron_dualpipe.cli.prepare_data`).
 
     megatron-dualpipe prepare-data [TEXT ...] [--tokenizer DIR] [--vocab-size 1024] [--split 90,10,0]
 
@@ -45,8 +46,6 @@ import hashlib
 import json
 import math
 import os
-import re
-import shlex
 import shutil
 import sys
 import tempfile
@@ -500,9 +499,6 @@ def write_indexed_dataset(prefix: str, documents: Sequence[Sequence[int]], vocab
 # Command line
 # ---------------------------------------------------------------------------------------------
 
-HELP = "text -> tokenizer -> Megatron's indexed dataset (.bin/.idx), cached; prints pretrain_gpt.py's data arguments"
-
-
 def add_data_arguments(p: argparse.ArgumentParser, text_flag: Optional[str] = None) -> None:
     """The data options shared by ``prepare-data`` and the main job (TEXT positional unless a
     flag name is given)."""
@@ -534,15 +530,3 @@ def prepare_from_args(args: argparse.Namespace, progress: Progress) -> Tuple[Pre
     progress.say(f"split {args.split}: " + ", ".join(
         f"{name} {'-' if n is None else n}" for name, n in zip(SPLIT_NAMES, counts)) + " documents")
     return data, counts
-
-
-def configure(p: argparse.ArgumentParser) -> None:
-    add_data_arguments(p)
-
-
-def run(args: argparse.Namespace) -> int:
-    progress = Progress()
-    data, _ = prepare_from_args(args, progress)
-    progress.say("arguments for Megatron-LM's pretrain_gpt.py (stdout):")
-    print(shlex.join(data.megatron_args(args.split)), flush=True)
-    return 0

@@ -7,9 +7,9 @@ from dataclasses import replace
 from typing import List
 
 from ..schedule.advice import advise
-from .args import CliError
 from ..schedule.registry import distinct_orders
 from ..schedule.registry import spec as get
+from .args import CliError, Command
 
 HELP = ("which schedule to use, for measured stage costs and memory or for a model's shape on a GPU kind "
         "(bubble, activations, parameters per schedule)")
@@ -20,8 +20,6 @@ MAX_COUNTS = 16
 
 def parse_counts(text: str) -> List[int]:
     """``16`` | ``8,12,16`` | ``8:64`` (8, 16, 32, 64: doubling) | ``8:64:8`` (step 8)."""
-    from .args import CliError
-
     try:
         if ":" in text:
             parts = [int(x) for x in text.split(":")]
@@ -51,7 +49,7 @@ def parse_counts(text: str) -> List[int]:
 def configure(p) -> None:
     from . import advise_model
     from .args import add_cost_args
-    from .schedule import add_comm_args
+    from .comm_args import add_comm_args
 
     p.add_argument("--pp", type=int, metavar="P", help="pipeline-parallel size (ranks; measured costs)")
     p.add_argument("--microbatches", "-m", metavar="RANGE",
@@ -177,7 +175,7 @@ def _simulate(pp, counts, costs, act, par, limit, wgrad, names, comm, tokens, nu
               once=0.0, shared=False, hint=None):
     from ..apps.progress import Progress
     from ..schedule.advice import NO_FIT_HINT
-    from .schedule import MAX_FORWARDS
+    from .build import MAX_FORWARDS
 
     biggest = max(get(n).model_stages(pp) * max(counts) for n in names)
     if biggest > MAX_FORWARDS:
@@ -195,7 +193,7 @@ def _simulate(pp, counts, costs, act, par, limit, wgrad, names, comm, tokens, nu
 
 def _run_measured(args) -> int:
     from .args import costs_from_args
-    from .schedule import comm_from_args
+    from .comm_args import comm_from_args
     from ..schedule.registry import MODELLED_SPECS, interleaved_name
 
     if args.pp < 1:
@@ -213,3 +211,6 @@ def _run_measured(args) -> int:
                        args.weight_grad_memory, names, comm, args.tokens)
     print(json.dumps(advice.to_json()) if args.json else advice.format())
     return 0
+
+
+COMMAND = Command("advise", HELP, configure, run)

@@ -1,26 +1,26 @@
-"""What the commands share: the one-line user error, the schedule and cost arguments, output files.
+"""What the commands share: a command, the one-line user error, the cost arguments, output files.
 
 Every command module imports these from here (never from the package's ``__init__``, which imports
-every command to register it)."""
+every command to list it)."""
 from __future__ import annotations
 
 import argparse
-from typing import Optional
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 
 class CliError(Exception):
     """A user error: printed as one line, exit status 2."""
 
 
+@dataclass(frozen=True)
+class Command:
+    """One subcommand: each command module exports its own as ``COMMAND``; ``run`` returns the exit status."""
 
-
-def add_schedule_args(p: argparse.ArgumentParser) -> None:
-    from ..schedule.registry import NAMES
-
-    p.add_argument("--schedule", required=True, metavar="NAME", help=f"one of {', '.join(NAMES)}")
-    p.add_argument("--pp", required=True, type=int, metavar="P", help="pipeline-parallel size (ranks)")
-    p.add_argument("--microbatches", "-m", required=True, type=int, metavar="M",
-                   help="micro-batches per step (dualpipe: both directions together)")
+    name: str
+    help: str
+    configure: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
 
 
 def add_cost_args(p: argparse.ArgumentParser, title: str, defaults: bool = True, required: bool = True) -> None:

@@ -22,6 +22,7 @@ import os
 from typing import Dict, List, Tuple
 
 from ..schedule import registry
+from .args import Command
 
 HELP = "time the executor on synthetic stages against the simulator (and torch's schedules)"
 #: The schedules the executor runs (the registry's); ``executor-1f1b`` is the 1F1B order.
@@ -208,3 +209,6 @@ def run(args) -> int:
         if any(r.schedule == registry.DUALPIPEV for r in all_rows):
             print(f"\nnote: {V_NOTE}")
     return 0
+
+
+COMMAND = Command("bench", HELP, configure, run)

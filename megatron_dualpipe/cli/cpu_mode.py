@@ -13,6 +13,10 @@ import json
 import sys
 import textwrap
 
+from .args import Command
+
+HELP = "list every CPU-mode redirection and whether it is active (--enable: try it here)"
+
 
 def configure(p):
     p.add_argument("--enable", action="store_true",
@@ -93,3 +97,6 @@ def _print_table(rows, cuda, restored):
     if restored is not None:
         verdict = "every patched attribute is back" if not restored else f"NOT restored: {', '.join(restored)}"
         print(f"\ndisable(): {verdict}")
+
+
+COMMAND = Command("cpu-mode", HELP, configure, run)

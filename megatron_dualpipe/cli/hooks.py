@@ -14,6 +14,8 @@ import json
 import sys
 import textwrap
 
+from .args import Command
+
 HELP = "list every Megatron attribute megatron-dualpipe patches, and whether it is active (--install: try it here)"
 
 
@@ -81,3 +83,6 @@ def _print_table(rows, version, restored):
     if restored is not None:
         verdict = "every patched attribute is back" if not restored else f"NOT restored: {', '.join(restored)}"
         print(f"\nuninstall(): {verdict}")
+
+
+COMMAND = Command("hooks", HELP, configure, run)

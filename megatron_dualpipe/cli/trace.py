@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import argparse
 
-from ..pictures.timeline import HELP, run  # noqa: F401 - the command's help and work
-from .args import png_path
+from ..pictures.timeline import HELP, run
+from .args import Command, png_path
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -17,3 +17,6 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="which recorded run_rank call (default: the last one every rank recorded)")
     p.add_argument("--global-rank", type=int, default=None, help="the pipeline holding this global rank "
                    "(default: the lowest)")
+
+
+COMMAND = Command("trace", HELP, configure, run)

@@ -6,7 +6,7 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from megatron_dualpipe.cli.schedule import MAX_FORWARDS
+from megatron_dualpipe.cli.build import MAX_FORWARDS
 from megatron_dualpipe.pictures import draw
 from megatron_dualpipe.schedule import build_schedule, registry
 from megatron_dualpipe.schedule.actions import OPS
