@@ -40,6 +40,8 @@ def check_call(spec: ScheduleSpec, *, model: Sequence[torch.nn.Module], num_micr
     if refused:  # the options table, read from the TransformerConfig and the DDP config (as Megatron-LM's check reads args)
         raise DualPipeConfigError(f"{name}: " + f"; {name}: ".join(refused))
     _check_chunks(spec, model)
+    if not forward_only:
+        _check_te_deferral(name, config, model)
     if adjust_tensor_shapes_fn is not None:
         raise DualPipeConfigError(f"{name} does not support adjust_tensor_shapes_fn (ModelOpt distillation): run "
                                   f"distillation with --pipeline-schedule 1f1b, or pass adjust_tensor_shapes_fn=None")
@@ -53,6 +55,24 @@ def check_call(spec: ScheduleSpec, *, model: Sequence[torch.nn.Module], num_micr
         return spec.padded_microbatches(pp, num_microbatches, forward_only)
     except ScheduleError as e:
         raise DualPipeConfigError(str(e)) from None
+
+
+def _check_te_deferral(name: str, config, model: Sequence[torch.nn.Module]) -> None:
+    """Transformer Engine's ``backward_dw`` assigns each deferred weight gradient to ``param.grad``
+    (it does not add); only megatron DDP built with ``delay_wgrad_compute`` hooks the deferring modules
+    to add it to ``main_grad``. Without it every micro-batch's weight gradient would replace the
+    previous one's, silently (Megatron-LM's DDP config takes the flag from its args)."""
+    if not getattr(config, "delay_wgrad_compute", False):
+        return
+    for chunk in model:
+        if getattr(getattr(chunk, "ddp_config", None), "delay_wgrad_compute", False):
+            continue
+        if any(getattr(p, "skip_backward_post_hook", False) for p in chunk.parameters()):
+            raise DualPipeConfigError(
+                f"{name}: delay_wgrad_compute: Transformer Engine's backward_dw assigns each weight gradient to "
+                f"param.grad, and only megatron DDP's hooks add it up (without them each micro-batch's would replace "
+                f"the last one's): set DistributedDataParallelConfig(delay_wgrad_compute=True) on the megatron DDP "
+                f"wrapping every chunk, or turn off delay_wgrad_compute")
 
 
 def _check_chunks(spec: ScheduleSpec, model: Sequence[torch.nn.Module]) -> None:

@@ -44,14 +44,19 @@ def masked_loss_func(loss_mask, output_tensor):
 def forward_step(data_iterator, model, return_schedule_plan: bool = False):
     """``pretrain_gpt.forward_step``'s contract: the first stage reads tokens, the last labels and
     the loss mask (``parallel_state`` answers for the direction being computed; the other stages
-    read nothing); with ``return_schedule_plan`` the model's plan for the combined step."""
+    read nothing), a stage with MTP layers tokens too and hands the model the loss mask (its MTP
+    loss's); with ``return_schedule_plan`` the model's plan for the combined step."""
     from megatron.core import parallel_state as ps
 
-    first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
-    b = next(data_iterator) if (first or last) else None
-    tokens, position_ids = (b["tokens"], b["position_ids"]) if first else (None, None)
+    inner = model
+    while hasattr(inner, "module"):  # megatron DDP
+        inner = inner.module
+    first, last, mtp = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage(), getattr(inner, "mtp_process", False)
+    b = next(data_iterator) if (first or last or mtp) else None
+    tokens, position_ids = (b["tokens"], b["position_ids"]) if (first or mtp) else (None, None)
     labels = b["labels"] if last else None
     loss = functools.partial(masked_loss_func, b["loss_mask"] if last else None)
+    extra = {"loss_mask": b["loss_mask"]} if mtp else {}
     if return_schedule_plan:
-        return model.build_schedule_plan(tokens, position_ids, None, labels=labels), loss
-    return model(tokens, position_ids, None, labels=labels), loss
+        return model.build_schedule_plan(tokens, position_ids, None, labels=labels, **extra), loss
+    return model(tokens, position_ids, None, labels=labels, **extra), loss

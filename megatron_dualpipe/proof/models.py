@@ -42,6 +42,9 @@ class ModelSpec:
     layer_spec: str = "local"  # local | te
     experts: Optional[int] = None  # MoE with this many experts (alltoall dispatcher)
     combined_step: bool = False  # fused F&B units through megatron-core's combined step (MoE, EP > 1)
+    #: zero bubble through Transformer Engine: the executor's chunks defer TE's weight gradients to W
+    #: (``delay_wgrad_compute``; Megatron's 1F1B cannot take it)
+    te_deferral: bool = False
     fp8: bool = False
     tied: bool = False
     config: Tuple[Tuple[str, Any], ...] = ()
@@ -91,20 +94,28 @@ def deepseek_v3(spec: ModelSpec) -> ModelSpec:
     The expert bias moves only in Megatron's finalize step, not inside one iteration."""
     if not spec.experts or spec.experts % 2:
         raise ValueError(f"the V3 model routes in 2 groups: it needs an even number of experts, got {spec.experts}")
+    moe = (("moe_router_score_function", "sigmoid"), ("moe_router_enable_expert_bias", True),
+           ("moe_router_num_groups", 2), ("moe_router_group_topk", 1), ("moe_router_topk_scaling_factor", 2.5),
+           ("moe_shared_expert_intermediate_size", spec.hidden), ("moe_layer_freq", [0] + [1] * (spec.layers - 1)))
+    mla = multi_latent(spec)
+    return dataclasses.replace(mla, config=mla.config + _swiglu_rmsnorm() + moe)
+
+
+def multi_latent(spec: ModelSpec) -> ModelSpec:
+    """``spec`` with DeepSeek-V3's multi-latent attention (low-rank q and kv, decoupled RoPE heads,
+    YaRN), untied output weights."""
     head = spec.hidden // spec.heads
     mla = (("multi_latent_attention", True), ("q_lora_rank", spec.hidden), ("kv_lora_rank", spec.hidden // 2),
            ("qk_head_dim", head), ("qk_pos_emb_head_dim", head // 2), ("v_head_dim", head), ("rope_type", "yarn"),
            ("rotary_scaling_factor", 40.0), ("mscale", 1.0), ("mscale_all_dim", 1.0))
-    moe = (("moe_router_score_function", "sigmoid"), ("moe_router_enable_expert_bias", True),
-           ("moe_router_num_groups", 2), ("moe_router_group_topk", 1), ("moe_router_topk_scaling_factor", 2.5),
-           ("moe_shared_expert_intermediate_size", spec.hidden), ("moe_layer_freq", [0] + [1] * (spec.layers - 1)))
-    return dataclasses.replace(spec, tied=False, config=spec.config + _swiglu_rmsnorm() + mla + moe,
+    return dataclasses.replace(spec, tied=False, config=spec.config + mla,
                                model=spec.model + (("position_embedding_type", "rope"),))
 
 
-def config_of(spec: ModelSpec, *, full: bool = False, combined: bool = False):
-    """The ``TransformerConfig`` (``full``: of the pp=1 model; ``combined``: with the combined step
-    on if the spec asks for it: only the executor's schedules run it)."""
+def config_of(spec: ModelSpec, *, full: bool = False, executor: bool = False):
+    """The ``TransformerConfig`` (``full``: of the pp=1 model; ``executor``: of the executor's chunks,
+    with the combined step and TE's weight-gradient deferral on where the spec asks: Megatron's
+    1F1B runs neither)."""
     # On a GPU the parameters are made on the device (as Megatron does): the chunks' constructors
     # and the mirror broadcast then run on NCCL with CUDA tensors.
     overrides = dict(params_dtype=spec.torch_dtype, pipeline_dtype=spec.torch_dtype,
@@ -120,10 +131,14 @@ def config_of(spec: ModelSpec, *, full: bool = False, combined: bool = False):
     overrides.update(spec.config)
     config = tiny_gpt.tiny_gpt_config(num_layers=spec.layers, hidden_size=spec.hidden,
                                       num_attention_heads=spec.heads, **overrides)
-    if spec.combined_step and combined:
+    if executor and spec.combined_step:
         from ..mcore.overlap import enable_combined_step
 
-        enable_combined_step(config)
+        enable_combined_step(config, delay_wgrad_compute=spec.te_deferral)
+    elif executor and spec.te_deferral:
+        from ..mcore.overlap import enable_deferred_wgrads
+
+        enable_deferred_wgrads(config)
     return config
 
 
@@ -138,11 +153,17 @@ def full_model(spec: ModelSpec):
     the source of every schedule's weights and the reference (:mod:`.reference`)."""
     from megatron.core.process_groups_config import ProcessGroupCollection
 
+    from .. import hooks
+
     tiny_gpt.seed_all(SEED)
     pgc = copy.copy(ProcessGroupCollection.use_mpu_process_groups())
     pgc.pp = None  # a one-stage pipeline
     pgc.embd = None
-    return _build(spec, config_of(spec, full=True), pre_process=True, post_process=True, pg_collection=pgc)
+    # megatron-core asks parallel_state whether this is the last stage, where MTP layers are built
+    one_stage = (hooks.entry("scoped", name).to(lambda *a, **k: True)
+                 for name in ("is_pipeline_first_stage", "is_pipeline_last_stage"))
+    with hooks.scoped(*one_stage):
+        return _build(spec, config_of(spec, full=True), pre_process=True, post_process=True, pg_collection=pgc)
 
 
 def full_state_dict(spec: ModelSpec) -> Dict[str, torch.Tensor]:
@@ -150,12 +171,12 @@ def full_state_dict(spec: ModelSpec) -> Dict[str, torch.Tensor]:
     return weights(full_model(spec))
 
 
-def provider(spec: ModelSpec, v_layout: bool = False, combined: bool = False):
+def provider(spec: ModelSpec, v_layout: bool = False, executor: bool = False):
     """``model_provider`` for ``build_two_direction_model`` (and, called plainly, 1F1B's stage)."""
     from ..mcore.model import dualpipev_config
 
     def build(pre_process=None, post_process=None, pg_collection=None, vp_stage=None):
-        config = config_of(spec, combined=combined)
+        config = config_of(spec, executor=executor)
         if v_layout:
             config = dualpipev_config(config)
         return _build(spec, config, pre_process=pre_process, post_process=post_process,
@@ -197,7 +218,7 @@ def _interleaved(spec: ModelSpec) -> List[torch.nn.Module]:
 def build(spec: ModelSpec, schedule: str, full: Dict[str, torch.Tensor]) -> List[torch.nn.Module]:
     """The chunks ``schedule`` runs on this rank, loaded from ``full``: 1F1B one stage; DualPipe
     model[0] loaded and broadcast to its partner's mirror; DualPipeV and interleaved 1F1B both
-    chunks loaded."""
+    chunks loaded. With ``te_deferral``, every schedule's chunks in megatron DDP (:func:`_in_ddp`)."""
     from ..mcore.model import broadcast_mirrors, build_two_direction_model
 
     if schedule == INTERLEAVED:
@@ -208,11 +229,11 @@ def build(spec: ModelSpec, schedule: str, full: Dict[str, torch.Tensor]) -> List
         chunks = [provider(spec)()]
         names.load_stage_from_full(chunks[0], full)
     elif schedule == DUALPIPE:
-        chunks = list(build_two_direction_model(provider(spec, combined=True), layout_kind="bidirectional"))
+        chunks = list(build_two_direction_model(provider(spec, executor=True), layout_kind="bidirectional"))
         names.load_stage_from_full(chunks[0], full)
         broadcast_mirrors(chunks)
     elif schedule == DUALPIPEV:
-        chunks = list(build_two_direction_model(provider(spec, v_layout=True, combined=True), layout_kind="v"))
+        chunks = list(build_two_direction_model(provider(spec, v_layout=True, executor=True), layout_kind="v"))
         for chunk in chunks:
             names.load_stage_from_full(chunk, full)
     else:
@@ -220,7 +241,20 @@ def build(spec: ModelSpec, schedule: str, full: Dict[str, torch.Tensor]) -> List
         raise ValueError(f"unknown schedule {schedule!r}: choose one of {known}")
     for chunk in chunks:
         chunk.config.finalize_model_grads_func = None  # plain modules: no data-parallel reduction
-    return chunks
+    return _in_ddp(chunks) if spec.te_deferral else chunks
+
+
+def _in_ddp(chunks: List[torch.nn.Module]) -> List[torch.nn.Module]:
+    """Each chunk in megatron DDP (one unbucketed buffer, nothing reduced: finalize is off), its
+    ``delay_wgrad_compute`` the chunk's: TE's ``backward_dw`` assigns each weight gradient to
+    ``param.grad``, and only DDP's hooks on the deferring modules add it to ``main_grad``, as
+    Megatron-LM's training sets them up (without them every micro-batch's would replace the last)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    # gradients accumulated in fp32, as Megatron-LM's --bf16 sets (--accumulate-allreduce-grads-in-fp32)
+    ddp_config = DistributedDataParallelConfig(delay_wgrad_compute=bool(chunks[0].config.delay_wgrad_compute),
+                                               grad_reduce_in_fp32=True)
+    return [DistributedDataParallel(chunk.config, ddp_config, chunk, disable_bucketing=True) for chunk in chunks]
 
 
 def run_iteration(spec: ModelSpec, schedule: str, chunks: Sequence[torch.nn.Module], micro_batches: List[dict],
@@ -252,14 +286,33 @@ def run_iteration(spec: ModelSpec, schedule: str, chunks: Sequence[torch.nn.Modu
     return [float(d["lm loss"]) for d in out]
 
 
-def grads_by_full_name(chunks: Sequence[torch.nn.Module], full_keys) -> List[Dict[str, Any]]:
-    """Per chunk: gradient as a float64 numpy array under the full model's parameter name."""
-    def grad(p):
-        return None if p.grad is None else p.grad.detach().double().cpu().numpy()
+#: The key of a last stage's copy of the word embedding (MTP's, or the tied output weight): until
+#: Megatron's finalize sums the copies each holds its own stage's part, compared with 1F1B's copy.
+LAST_STAGE_EMBEDDING = "embedding.word_embeddings.weight (the last stage's copy)"
 
-    return [names.by_full_name(c, full_keys, grad) for c in chunks]
+
+def grads_by_full_name(chunks: Sequence[torch.nn.Module], full_keys) -> List[Dict[str, Any]]:
+    """Per chunk: gradient as a float64 numpy array under the full model's parameter name (the last
+    stage's copy of the word embedding under :data:`LAST_STAGE_EMBEDDING`)."""
+    from ..mcore.model import embedding_copy
+
+    def grad(p):  # DDP's main_grad where the chunk is wrapped
+        g = names.grad_of(p)
+        return None if g is None else g.double().cpu().numpy()
+
+    out = []
+    for chunk in chunks:
+        found = embedding_copy(chunk)
+        copy = found[1] if found is not None and found[0] == "output" else None
+        grads = names.by_full_name(chunk, full_keys, lambda p: None if p is copy else grad(p))
+        if copy is not None and copy.grad is not None:
+            grads[LAST_STAGE_EMBEDDING] = grad(copy)
+        out.append(grads)
+    return out
 
 
 def zero_grads(chunks: Sequence[torch.nn.Module]) -> None:
     for chunk in chunks:
         chunk.zero_grad(set_to_none=True)
+        if hasattr(chunk, "zero_grad_buffer"):  # megatron DDP: main_grad
+            chunk.zero_grad_buffer()

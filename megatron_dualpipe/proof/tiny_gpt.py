@@ -94,7 +94,9 @@ def build_tiny_gpt(
 
     `pre_process` / `post_process` default to the stage predicates of `parallel_state`. A config
     with multi-latent attention or a per-layer ``moe_layer_freq`` list (dense and MoE layers mixed,
-    as DeepSeek-V3) gets megatron-core's decoder block spec, as ``pretrain_gpt.py`` builds it.
+    as DeepSeek-V3) gets megatron-core's decoder block spec, as ``pretrain_gpt.py`` builds it, and
+    one with ``mtp_num_layers`` its multi-token prediction block (megatron-core builds it where the
+    stage is the pipeline's last).
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
@@ -121,6 +123,11 @@ def build_tiny_gpt(
         spec = get_gpt_layer_local_spec(
             num_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm
         )
+    if getattr(config, "mtp_num_layers", None):
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+        kwargs["mtp_block_spec"] = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=layer_spec == "te",
+                                                          vp_stage=kwargs.get("vp_stage"))
     return GPTModel(
         config,
         spec,

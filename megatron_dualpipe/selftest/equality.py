@@ -6,7 +6,8 @@ the same weights under Megatron's own 1F1B, DualPipe and DualPipeV, on the same 
 * every schedule, 1F1B included, within the tolerance of the pp=1 reference (the whole model on
   each rank in a plain loop, :mod:`..proof.reference`: what the CPU tests hold every schedule to);
 * after a few SGD steps with DualPipe, the two copies of every stage (model[0] on rank i,
-  model[1] on rank pp-1-i) are bit-identical.
+  model[1] on rank pp-1-i) are bit-identical;
+* with ``--te``, the TE matrix's combinations against 1F1B, one line each (:mod:`.te_matrix`).
 
 The references run on the user's layers (local or Transformer Engine), backend and devices: what
 the CPU tests prove, proven here through the same code (:mod:`..proof`).
@@ -18,7 +19,7 @@ from typing import Dict, List, Tuple
 import numpy as np
 import torch
 
-from . import faults
+from . import faults, te_matrix
 from ..proof import models, names, reference
 from ..proof.compare import Gap, rel_diff
 from .result import FAIL, PASS, StageResult
@@ -77,6 +78,8 @@ def run(ctx) -> dict:
     out = {"coord": ctx.coord, "models": {"GPT": _one_model(ctx, ctx.cfg.spec())}}
     if ctx.cfg.ep > 1:
         out["models"]["MoE"] = _one_model(ctx, ctx.cfg.spec(moe=True))
+    if ctx.cfg.te:
+        out["te_matrix"] = te_matrix.run(ctx)
     return out
 
 
@@ -194,8 +197,15 @@ def judge(ctx, payloads: List[dict]) -> StageResult:
                      f"grad {max(n[s]['max_rel_grad_diff'] for s in (DUALPIPE, DUALPIPEV)):.1e}, "
                      f"pp=1 reference {max(v['rel_grad_diff'] for v in n['vs_reference'].values()):.1e}"
                      f"{', copies bit-identical' if n['copies_identical'] else ', COPIES DIFFER'}")
+    lines = []
+    if ctx.cfg.te:
+        lines, more, matrix_failures, numbers["te_matrix"] = te_matrix.judge(ctx, payloads)
+        details += more
+        failures += matrix_failures
+        parts.append(f"TE matrix: {sum(line.startswith('[PASS]') for line in lines)} of {len(lines)} combinations "
+                     f"equal, {sum(line.startswith('[SKIP]') for line in lines)} skipped")
     head = f"DualPipe and DualPipeV vs Megatron 1F1B (tolerance {tol:g}): " + "; ".join(parts)
     if failures:
         return StageResult(NAME, FAIL, failures[0] + (f" (+{len(failures) - 1} more)" if len(failures) > 1 else ""),
-                           failures + details, numbers)
-    return StageResult(NAME, PASS, head, details, numbers)
+                           failures + details, numbers, lines=lines)
+    return StageResult(NAME, PASS, head, details, numbers, lines=lines)

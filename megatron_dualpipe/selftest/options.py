@@ -61,6 +61,13 @@ class SelftestConfig:
     def tolerance(self) -> float:
         return TOLERANCE[self.dtype_key]
 
+    def tolerance_of(self, spec: ModelSpec) -> float:
+        """The tolerance of one model, whose dtype may differ from the run's (the TE matrix's combinations;
+        FP8 quantises only on a GPU)."""
+        if spec.dtype == "fp32":
+            return TOLERANCE["fp32"]
+        return TOLERANCE["fp8" if spec.fp8 and self.gpu else "bf16"]
+
     def spec(self, moe: bool = False) -> ModelSpec:
         """The tiny model: two layers per DualPipe stage (one per DualPipeV chunk)."""
         hidden = 64 if self.gpu else 32

@@ -26,6 +26,8 @@ class StageResult:
     numbers: Dict[str, Any] = dataclasses.field(default_factory=dict)
     hard: bool = True  # a FAIL here stops the selftest
     seconds: float = 0.0
+    #: one result line per part the stage judges apart (printed under the stage's line, first in its report)
+    lines: List[str] = dataclasses.field(default_factory=list)
 
     @property
     def stops(self) -> bool:
@@ -59,8 +61,8 @@ def markdown(command: str, results: List[StageResult], wall_s: float, files: Lis
     for r in results:
         out.append(f"| {r.stage} | {r.status} | {r.summary.replace('|', '/')} | {r.seconds:.1f} s |")
     for r in results:
-        if r.details:
-            out += ["", f"## {r.stage}", "", "```", *r.details, "```"]
+        if r.details or r.lines:
+            out += ["", f"## {r.stage}", "", "```", *r.lines, *r.details, "```"]
     if files:
         out += ["", "Files: " + ", ".join(f"`{f}`" for f in files)]
     return "\n".join(out) + "\n"

@@ -143,7 +143,7 @@ def worker(rank: int, world: int, device, cfg: SelftestConfig) -> Optional[List[
             res = R.failed_on(stage.NAME, errors) if errors else stage.judge(ctx, [p for p, _ in gathered])
             res.seconds = time.perf_counter() - t0
             results.append(res)
-            print(res.line(), flush=True)
+            print("\n".join([res.line(), *(f"    {line}" for line in res.lines)]), flush=True)
             if res.status == R.FAIL:
                 for line in res.details[:20]:
                     print(f"    {line}", flush=True)

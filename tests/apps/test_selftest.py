@@ -15,6 +15,7 @@ executor that the selftest must catch.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import pathlib
@@ -140,10 +141,21 @@ def test_a_broken_executor_fails_equality_with_the_number(tmp_path):
     assert "[FAIL] equality: GPT dualpipe: loss of micro-batch 0" in stdout
 
 
+#: The TE matrix's combinations the selftest runs with --te (tests/megatron_lm/test_megatron_lm_te.py) ->
+#: the tolerance they are held to on the CPU (the flex dispatcher runs bf16: DeepEP combines bf16 only).
+TE_MATRIX = {"MTP, zero bubble through TE's delayed wgrad": "fp32",
+             "MoE, grouped GEMM, overlapped shared experts, selective recomputation": "fp32",
+             "MoE, shared experts, MLA, fused F&B units, MTP, selective recomputation": "fp32",
+             "FP8 tensorwise, first and last layers in bf16": "fp32",
+             "MoE, flex dispatcher (DeepEP), grouped GEMM, fused F&B units": "bf16"}
+
+
 def test_quick_cpu_run_with_transformer_engine_layers_passes(tmp_path):
     """``--te --fp8`` without a GPU: the layers are the CPU mode's Transformer Engine stand-in's (FP8 a
     no-op for the numbers, fp32), the dense GPT, the MoE with fused F&B units and the DeepSeek-V3
-    shape alike, every schedule's losses and gradients against Megatron's 1F1B on the same layers."""
+    shape alike, every schedule's losses and gradients against Megatron's 1F1B on the same layers; and
+    the TE matrix's combinations (grouped GEMM and DeepEP through their stand-ins, zero bubble through
+    TE's deferral), one result line each with its largest difference."""
     code, stdout, report = _selftest(tmp_path, "--nproc", "4", "--ep", "2", "--te", "--fp8", "--deadline", "10")
     statuses = {s["stage"]: s["status"] for s in report["stages"]}
     assert code == 0 and not report["failed"], stdout
@@ -153,6 +165,36 @@ def test_quick_cpu_run_with_transformer_engine_layers_passes(tmp_path):
         for schedule in ("dualpipe", "dualpipev"):
             assert 0 <= eq[schedule]["max_rel_grad_diff"] <= TOLERANCE["fp32"]
     _check_deepseek_v3(_stage(report, "deepseek-v3"))
+    matrix = _stage(report, "equality")["numbers"]["te_matrix"]
+    for prefix, dtype in TE_MATRIX.items():
+        [name] = [n for n in matrix if n.startswith(prefix)]
+        line = next(line for line in stdout.splitlines() if line.startswith(f"    [PASS] {name}: "))
+        assert re.search(r"dualpipe loss \S+ grad \S+, dualpipev loss \S+ grad \S+", line), line
+        for schedule in ("dualpipe", "dualpipev"):
+            assert 0 <= matrix[name][schedule]["max_rel_grad_diff"] <= TOLERANCE[dtype], (name, matrix[name])
+            assert 0 <= matrix[name][schedule]["max_rel_loss_diff"] <= TOLERANCE[dtype], (name, matrix[name])
+            assert matrix[name][schedule]["gradients_of_1f1b_compared"] > 0
+    assert len(matrix) == len(TE_MATRIX)
+
+
+def test_transformer_engine_combinations_say_what_they_need():
+    """What a combination needs that the run lacks is its SKIP reason, naming the flag that runs it:
+    expert parallelism (--ep 2), FP8 (--fp8); on a GPU, DeepEP installed."""
+    from megatron_dualpipe.selftest import te_matrix
+    from megatron_dualpipe.selftest.options import SelftestConfig
+
+    def why(**settings):
+        return {name[:12]: reason for name, _, reason in te_matrix.combinations(SelftestConfig(**settings))}
+
+    plain = why(world=2, te=True)
+    print("\n" + "\n".join(f"{name}: {reason}" for name, reason in plain.items()))
+    assert plain["MTP, zero bu"] is None
+    assert all("run with --ep 2" in plain[name] for name in plain if name.startswith("MoE"))
+    assert "run with --fp8" in plain["FP8 tensorwi"]
+    full = why(world=4, ep=2, te=True, fp8=True)
+    assert importlib.util.find_spec("deep_ep") is None  # this process has no stand-ins: as a GPU without DeepEP
+    assert "DeepEP is not installed" in full.pop("MoE, flex di")
+    assert all(reason is None for reason in full.values()), full
 
 
 BAD = [

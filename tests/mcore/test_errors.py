@@ -145,7 +145,17 @@ def _bad_calls(pp):
         ("partial_distributed_optimizer_with_overlap", call(model=[Chunk(ddp_config=partial), Chunk(ddp_config=partial)]),
          None, None),
         ("data_iterator_list", call(data_iterator=[iter([]), iter([])]), None, None),
+        # TE's backward_dw assigns param.grad: without DDP's hooks a micro-batch's would replace the last one's
+        ("te_deferral_without_ddp_hooks", call(model=[_te_deferring(), _te_deferring()]), None, None),
     ]
+
+
+def _te_deferring():
+    """A chunk built with delay_wgrad_compute whose weight a Transformer Engine module defers (TE marks
+    such parameters), not in megatron DDP."""
+    chunk = Chunk(delay_wgrad_compute=True, add_bias_linear=False)
+    chunk.w.skip_backward_post_hook = True
+    return chunk
 
 
 def _try(fn):
@@ -208,6 +218,8 @@ EXPECTED = {
     "partial_distributed_optimizer_with_overlap": ["--num-distributed-optimizer-instances", "6.0 and 6.5",
                                                    "num_distributed_optimizer_instances", "remove --overlap-grad-reduce"],
     "data_iterator_list": ["one data iterator", "list of 2"],
+    "te_deferral_without_ddp_hooks": ["delay_wgrad_compute", "assigns each weight gradient",
+                                      "DistributedDataParallelConfig(delay_wgrad_compute=True)"],
     "unknown_schedule": ["'dual-pipe'", "1f1b, executor-1f1b, zb-h1, dualpipe, dualpipev"],
 }
 # A fix is named: an imperative after a colon ("...: remove --x", "...: raise --y", ...).
