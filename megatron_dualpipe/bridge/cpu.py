@@ -63,16 +63,32 @@ _SETS: List[PatchSet] = []
 
 
 def enable() -> bool:
-    """The CPU mode (megatron-core's, then Bridge's list); False where CUDA is available."""
+    """The CPU mode (megatron-core's, Bridge imported, then Bridge's list); False where CUDA is available."""
     from .. import cpu
 
     if not cpu.enable():
         return False
+    import_bridge()
     if not _SETS:
         patches = PatchSet("cpu megatron-bridge", REDIRECTIONS)
         patches.install()
         _SETS.append(patches)
     return True
+
+
+def import_bridge() -> None:
+    """Import Bridge's training modules. ``import megatron.bridge`` imports megatron-core's Mamba mixer,
+    whose triton kernels are decorated at import: without triton (a CPU-only torch), under the package's
+    placeholder (``megatron_lm.triton_stub``), which fails only if a kernel is launched."""
+    import importlib
+
+    from ..megatron_lm.triton_stub import placeholder_triton
+
+    importlib.import_module("torch._dynamo")  # torch's compiler stack probes triton: it must see the truth
+    importlib.import_module("megatron.core")
+    with placeholder_triton():
+        for name in ("megatron.bridge", "megatron.bridge.training.pretrain"):
+            importlib.import_module(name)
 
 
 def disable() -> None:

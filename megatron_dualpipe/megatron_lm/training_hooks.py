@@ -197,15 +197,21 @@ def _unbucketed_ddp(module, wrap=None):
     def unbucketed(orig):
         if wrap is not None:  # ``ddp_for_dualpipe``
             orig = wrap(orig)
-
-        class UnbucketedDDP(orig):
-            def __init__(self, *args, **kwargs):
-                kwargs["disable_bucketing"] = True
-                super().__init__(*args, **kwargs)
-
-        return UnbucketedDDP
+        return unbucketed_ddp_class(orig)
 
     return hooks.entry("scoped", "DDP").made_by(unbucketed, on=module)
+
+
+def unbucketed_ddp_class(ddp_class):
+    """``ddp_class`` that builds every chunk with ``disable_bucketing=True`` (see `_unbucketed_ddp`;
+    also Megatron-Bridge's ``_ddp_wrap``, ``bridge/model.py``)."""
+
+    class UnbucketedDDP(ddp_class):
+        def __init__(self, *args, **kwargs):
+            kwargs["disable_bucketing"] = True
+            super().__init__(*args, **kwargs)
+
+    return UnbucketedDDP
 
 
 def _parameter_count_rewritten(module, built):

@@ -1,0 +1,57 @@
+"""Every attribute of Megatron-Bridge the adapter replaces while a two-chunk schedule is enabled, with
+why (the same mechanism and form as ``hooks/manifest.py``'s Megatron entries; installed as one set by
+:mod:`.enable`, undone by ``disable``)."""
+from __future__ import annotations
+
+from typing import Tuple
+
+from ..hooks.mechanism import INSTANCE, Patch
+from ..schedule import registry
+
+_TRAINING = "megatron.bridge.training"
+_PROVIDER = "megatron.bridge.models.model_provider"
+_HERE = "megatron_dualpipe.bridge."
+
+#: Both two-chunk schedules.
+COMMON: Tuple[Patch, ...] = (
+    Patch(_TRAINING + ".train", "get_forward_backward_func", _HERE + "schedule:wrap_get_forward_backward_func",
+          "train() imports megatron-core's by name and calls it with pp_size / vp_size: the executor's schedule"),
+    Patch(_TRAINING + ".eval", "get_forward_backward_func", _HERE + "schedule:wrap_get_forward_backward_func",
+          "evaluate() imports it by name too: the executor's schedule, forward only"),
+    Patch(_PROVIDER, "_create_model", _HERE + "model:wrap_create_model",
+          "get_model's raw chunks (looked up at call time): both chunks of the rank through the provider's provide()"),
+)
+#: DualPipe only (mirrored copies).
+MIRRORED: Tuple[Patch, ...] = (
+    Patch(_PROVIDER, "DistributedDataParallel", _HERE + "model:unbucketed_ddp",
+          "_ddp_wrap buckets chunk 0 only: both copies of a stage are summed in place and need one buffer layout"),
+    Patch(_TRAINING + ".train", "calc_params_l2_norm", _HERE + "schedule:wrap_calc_params_l2_norm",
+          "logger.log_params_norm: the mirror's parameters are counted once, at home"),
+)
+
+
+#: DualPipeV only (the provider says two virtual stages from the model build on).
+V_STAGES: Tuple[Patch, ...] = (
+    Patch(_TRAINING + ".setup", "setup_data_iterators", _HERE + "enable:without_v_stages",
+          "it builds one data iterator per virtual stage: one, which the executor splits into the directions"),
+)
+
+
+def for_schedule(schedule: str) -> Tuple[Patch, ...]:
+    """The patches ``schedule`` needs (none for Bridge's own 1f1b)."""
+    if registry.get(schedule).chunks_per_rank != 2:
+        return ()
+    return COMMON + (MIRRORED if schedule == registry.DUALPIPE else V_STAGES)
+
+
+# --- per object (the recipe's model provider, which is also the chunks' TransformerConfig) -------------
+
+#: The provider's process groups, which ``provide()`` reads (``self._pg_collection``): the mirror's
+#: for the time it is built.
+PROVIDER_GROUPS = Patch("megatron.bridge.models.gpt_provider", "GPTModelProvider._pg_collection", None,
+                        "the chunk's pg_collection (the mirror's: the reversed pipeline group) while provide() builds it",
+                        kind=INSTANCE, where="bridge.model.wrap_create_model (one chunk)")
+#: DualPipeV: the provider (the chunks' TransformerConfig) says two virtual stages while the run lasts.
+PROVIDER_V_STAGES = Patch("megatron.bridge.models.gpt_provider", "GPTModelProvider.virtual_pipeline_model_parallel_size",
+                          None, "dualpipev: the V-stages are megatron-core's two virtual stages (the chunks' config; "
+                          "parallel_state has none)", kind=INSTANCE, where="bridge.enable (dualpipev, for the run)")
