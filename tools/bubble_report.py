@@ -5,7 +5,7 @@
 
 Costs are hypothetical time units (no measurement); in the first table they are per action,
 so DualPipeV's are per chunk (half a stage); the second table puts every schedule on the same
-model (``schedule.compare``). Bubble = makespan - busy time of a rank, maximum over ranks.
+model (``costs.compare``). Bubble = makespan - busy time of a rank, maximum over ranks.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_dualpipe.schedule import build_schedule  # noqa: E402
 from megatron_dualpipe.schedule.registry import spec as get  # noqa: E402
-from megatron_dualpipe.schedule.compare import compare  # noqa: E402
+from megatron_dualpipe.costs.compare import compare  # noqa: E402
 from megatron_dualpipe.schedule.registry import DUALPIPE, DUALPIPEV, ONE_F_ONE_B, distinct_orders  # noqa: E402
 from megatron_dualpipe.schedule.simulate import Costs, simulate  # noqa: E402
 

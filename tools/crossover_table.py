@@ -1,6 +1,6 @@
 """The crossover table of docs/benchmarks.md: which schedule the model picks for dense GPTs of
 several sizes, pipeline sizes, micro-batch counts and inter-node bandwidths, gradient
-communication included (``schedule.comm_cost``), Megatron's interleaved 1F1B among them.
+communication included (``costs.comm_cost``), Megatron's interleaved 1F1B among them.
 
     python tools/crossover_table.py            # markdown on stdout
 
@@ -15,9 +15,9 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from megatron_dualpipe.schedule.advice import DenseModel  # noqa: E402
-from megatron_dualpipe.schedule.comm_cost import CommModel, Link, Network, Placement  # noqa: E402
-from megatron_dualpipe.schedule.compare import run  # noqa: E402
+from megatron_dualpipe.costs.advice import DenseModel  # noqa: E402
+from megatron_dualpipe.costs.comm_cost import CommModel, Link, Network, Placement  # noqa: E402
+from megatron_dualpipe.costs.compare import run  # noqa: E402
 from megatron_dualpipe.schedule.registry import (DUALPIPE, DUALPIPEV, INTERLEAVED_1F1B, ONE_F_ONE_B,  # noqa: E402
                                                  ZB_H1)
 

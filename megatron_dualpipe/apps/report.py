@@ -171,7 +171,7 @@ def compare_file(name: str, pp: int, real: int) -> str:
 def simulated_pair(name: str, pp: int, real: int):
     """``name`` and megatron-core's 1F1B on the same model (stage costs f=1, b=2, w=1; DualPipeV's
     chunks half a stage; fake micro-batches free): [(heading, schedule, timeline)] and their makespans."""
-    from ..schedule.compare import build_padded, stage_fraction
+    from ..costs.compare import build_padded, stage_fraction
     from ..schedule.registry import ONE_F_ONE_B
     from ..schedule.simulate import Costs, simulate
 

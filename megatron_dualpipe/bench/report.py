@@ -24,7 +24,7 @@ Definitions (per schedule, pp and M):
   any schedule runs: the simulated makespan with the measured one-message latency on every hop
   and the executor's own cost per unit (from a probe run of the 1F1B order at M=2pp on the same
   stage costs: the per-unit cost that makes the simulation of that run match it),
-  plus the exposed gradient communication (``schedule.comm_cost``) with the bd sum's time from
+  plus the exposed gradient communication (``costs.comm_cost``) with the bd sum's time from
   the probe of all pairs summing ``--grad-mb`` at once (the slowest rank's median). ``x pred``:
   measured over predicted.
 """
@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..schedule import build_schedule
-from ..schedule.comm_cost import CommModel, Link, Network, Placement, grad_comm
+from ..costs.comm_cost import CommModel, Link, Network, Placement, grad_comm
 from ..schedule.registry import spec as schedule_spec
 from ..schedule.simulate import Costs, simulate
 from .measure import BenchConfig, RankRun

@@ -1,4 +1,4 @@
-"""``megatron-dualpipe advise``: the command line of :func:`megatron_dualpipe.schedule.advice.advise`."""
+"""``megatron-dualpipe advise``: the command line of :func:`megatron_dualpipe.costs.advice.advise`."""
 from __future__ import annotations
 
 import json
@@ -6,7 +6,7 @@ import math
 from dataclasses import replace
 from typing import List
 
-from ..schedule.advice import advise
+from ..costs.advice import advise
 from ..schedule.registry import distinct_orders
 from ..schedule.registry import spec as get
 from .args import CliError, Command
@@ -120,7 +120,7 @@ def _run_model(args) -> int:
 def model_advice(args):
     """(setup, advice, schedules not compared, the all-to-all overlap's line) for the model of ``args``."""
     from . import advise_model
-    from ..schedule.model_cost import GB
+    from ..costs.model_cost import GB
 
     s = advise_model.setup(args)
     m = s.model
@@ -174,7 +174,7 @@ def _model_schedules(args, m):
 def _simulate(pp, counts, costs, act, par, limit, wgrad, names, comm, tokens, num_layers=None, optimizer=None,
               once=0.0, shared=False, hint=None):
     from ..apps.progress import Progress
-    from ..schedule.advice import NO_FIT_HINT
+    from ..costs.advice import NO_FIT_HINT
     from .build import MAX_FORWARDS
 
     biggest = max(get(n).model_stages(pp) * max(counts) for n in names)

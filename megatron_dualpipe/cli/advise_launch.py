@@ -23,7 +23,7 @@ def _modelled_name(m, names) -> str:
 
 def check(s, advice) -> int:
     """``s``: the model's setup (``advise_model.Setup``); ``advice``: advise's for it."""
-    from ..schedule.compare import fmt
+    from ..costs.compare import fmt
 
     ch = advice.choices[0]
     rows = {o.row.name: o for o in ch.options if not o.row.problem}

@@ -1,6 +1,6 @@
 """``advise`` from the model's shape: a config of ``configs/`` and/or ``pretrain_gpt.py``'s
 arguments, a GPU kind and the node layout -> the stage costs and memory that
-:func:`megatron_dualpipe.schedule.advice.advise` simulates (:mod:`..schedule.model_cost`)."""
+:func:`megatron_dualpipe.costs.advice.advise` simulates (:mod:`..costs.model_cost`)."""
 from __future__ import annotations
 
 import math
@@ -22,7 +22,7 @@ CONFIG_VARIABLES = (("TP", "--tensor-model-parallel-size"), ("PP", "--pipeline-m
 
 
 def configure(p) -> None:
-    from ..schedule.model_cost import DEFAULT_MFU, GPUS
+    from ..costs.model_cost import DEFAULT_MFU, GPUS
 
     g = p.add_argument_group("from the model instead of measured costs (pretrain_gpt.py's arguments after --)")
     g.add_argument("--config", metavar="NAME", help="a config of configs/ (" + ", ".join(config_names())
@@ -84,7 +84,7 @@ class Setup:
 
 def _layout(m, world: int):
     """(dp, micro-batches per iteration) of ``m`` on ``world`` GPUs, or the refusal with the fix."""
-    from ..schedule.model_cost import stages_problem
+    from ..costs.model_cost import stages_problem
 
     problem = stages_problem(m)
     if problem:
@@ -104,8 +104,8 @@ def _layout(m, world: int):
 
 def setup(args) -> Setup:
     """The model of ``args`` (``--config`` and the arguments after ``--``) on ``--gpu`` x world."""
-    from ..schedule import model_cost as mc
-    from ..schedule.model_args import ModelArgsError, parse
+    from ..costs import model_cost as mc
+    from ..costs.model_args import ModelArgsError, parse
     from ..schedule.simulate import Costs
 
     if not args.gpu:
@@ -138,11 +138,10 @@ def setup(args) -> Setup:
 
 def stage_pairs_lines(m, gpu, mfu: float, gpus_per_node: int, a2a_bw) -> List[str]:
     """Uneven stages: which stages each rank holds under 1F1B, DualPipe and DualPipeV, and their
-    summed forward time (``schedule.stage_pairs``)."""
-    from ..schedule import model_cost as mc
-    from ..schedule import registry, stage_pairs
-
-    from ..schedule import stage_layout
+    summed forward time (``costs.stage_pairs``)."""
+    from ..costs import model_cost as mc
+    from ..costs import stage_pairs
+    from ..schedule import registry, stage_layout
 
     forward = [mc.partition_f(m, gpu, mfu, gpus_per_node, sizes, a2a_bw)
                for sizes in (mc.stage_sizes(m), mc.v_stage_sizes(m))]
@@ -157,7 +156,7 @@ def stage_pairs_lines(m, gpu, mfu: float, gpus_per_node: int, a2a_bw) -> List[st
 
 
 def _summary(m, gpu, mfu, nodes, per_node, dp, micro, sc, mem) -> List[str]:
-    from ..schedule.model_cost import GB, activation_bytes, describe, iteration_flops
+    from ..costs.model_cost import GB, activation_bytes, describe, iteration_flops
 
     gb = micro * m.micro_batch * dp
     flops = iteration_flops(m, gb)
@@ -219,7 +218,7 @@ def unsplittable(m, names: Sequence[str]) -> List[str]:
 def comm(args, s: Setup):
     """The communication model of the run: gradients of the heaviest stage, P2P messages of one
     micro-batch, the model's DP/TP and optimizer flags, the GPU's links (unless given)."""
-    from ..schedule.comm_cost import CommModel, Link, Network, Placement
+    from ..costs.comm_cost import CommModel, Link, Network, Placement
 
     m = s.model
     per_rank = s.memory.parameters / 2  # bf16 parameters -> count
@@ -231,7 +230,7 @@ def comm(args, s: Setup):
         placement = Placement(m.pp, s.dp, m.tp, args.gpus_per_node, args.placement == "paired")
     except ValueError as e:
         raise CliError(f"--placement {args.placement}: {e}") from None
-    from ..schedule.comm_cost import DP_FIRST, SHARED_SHARD
+    from ..costs.comm_cost import DP_FIRST, SHARED_SHARD
 
     mode = SHARED_SHARD if m.shared_shard else DP_FIRST if m.dp_first else args.bd_reduction
     return CommModel(placement, network, per_rank * 4, message, m.distributed_optimizer, m.overlap_grad_reduce,
@@ -262,7 +261,7 @@ def no_fit_hint(m, limit: float) -> str:
 def overlap_line(m, now, with_overlap) -> str:
     """What ``--overlap-moe-expert-parallel-comm`` (off in this run) would buy: DualPipe's fused F&B
     units and Megatron's interleaved 1F1B both hide the expert all-to-all with it."""
-    from ..schedule.compare import fmt
+    from ..costs.compare import fmt
     from ..schedule.registry import INTERLEAVED_1F1B_A2A
 
     def best(advice):

@@ -8,7 +8,7 @@ from .args import CliError
 
 
 def add_comm_args(p: argparse.ArgumentParser) -> None:
-    """The gradient communication and P2P links (``schedule.comm_cost``); costs are then ms."""
+    """The gradient communication and P2P links (``costs.comm_cost``); costs are then ms."""
     g = p.add_argument_group("communication (with --stage-params or --message-bytes: costs are in ms; "
                              "the iteration is the makespan plus the exposed gradient communication)")
     g.add_argument("--stage-params", type=float, default=None, metavar="N",
@@ -43,9 +43,9 @@ def add_comm_args(p: argparse.ArgumentParser) -> None:
 
 
 def comm_from_args(args, pp: int):
-    """The :class:`~.schedule.comm_cost.CommModel` of ``args``, or None when neither gradients nor
+    """The :class:`~.costs.comm_cost.CommModel` of ``args``, or None when neither gradients nor
     messages were given (then P2P costs ``--p2p`` and gradients nothing)."""
-    from ..schedule.comm_cost import DTYPE_BYTES, CommModel, Link, Network, Placement
+    from ..costs.comm_cost import DTYPE_BYTES, CommModel, Link, Network, Placement
 
     if args.stage_params is None and args.message_bytes is None:
         return None

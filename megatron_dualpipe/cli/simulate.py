@@ -8,7 +8,7 @@ import math
 from typing import List
 
 from ..apps.progress import Progress
-from ..schedule.compare import fmt, table
+from ..costs.compare import fmt, table
 from .args import CliError, Command, add_cost_args, check_writable, costs_from_args, png_path, write_output
 from .build import MAX_FORWARDS, add_schedule_args, build, padding_note, per_direction
 from .comm_args import add_comm_args, comm_from_args
@@ -26,7 +26,7 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 
 def add_stage_cost_args(p: argparse.ArgumentParser) -> None:
-    """Uneven stages (``schedule.stage_pairs``): each stage's cost, or a layout priced per layer."""
+    """Uneven stages (``costs.stage_pairs``): each stage's cost, or a layout priced per layer."""
     g = p.add_argument_group("uneven stages (which stages each rank holds under 1F1B, DualPipe and DualPipeV, and "
                              "their summed cost)")
     g.add_argument("--stage-costs", metavar="C0,C1,...", help="each stage's cost per micro-batch: pp values (a "
@@ -39,7 +39,7 @@ def add_stage_cost_args(p: argparse.ArgumentParser) -> None:
 
 def stage_cost_views(args, pp: int):
     """(pp stage costs, 2pp V-stage costs) of ``--stage-costs`` or ``--layout``, or None."""
-    from ..schedule import stage_pairs
+    from ..costs import stage_pairs
     from ..schedule.stage_layout import LayoutError
 
     if args.stage_costs is not None and args.layout is not None:
@@ -58,7 +58,8 @@ def stage_cost_views(args, pp: int):
 
 
 def stage_pairs_lines(views) -> List[str]:
-    from ..schedule import registry, stage_pairs
+    from ..costs import stage_pairs
+    from ..schedule import registry
 
     if views is None:
         return []
@@ -97,8 +98,8 @@ def _draw(args, padded, result, prog) -> list:
 def run(args) -> int:
     import sys
 
-    from ..schedule.comm_cost import grad_comm
-    from ..schedule.compare import compare, in_other_placement, orders_with, stage_fraction
+    from ..costs.comm_cost import grad_comm
+    from ..costs.compare import compare, in_other_placement, orders_with, stage_fraction
     from ..schedule.registry import spec as get
     from ..schedule.simulate import DeadlockError, simulate
 

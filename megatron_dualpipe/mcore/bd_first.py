@@ -6,7 +6,7 @@ reduces over its data-parallel replicas as after Megatron's 1F1B. No DDP wrapper
 """
 from __future__ import annotations
 
-from ..schedule.comm_cost import BD_FIRST
+from ..costs.comm_cost import BD_FIRST
 from .copy_sum import ALWAYS, CopySum
 
 WAY = CopySum(BD_FIRST, flag=None, marker=None, wrap_ddp=None, sums_in_schedule=True, sums_in_finalize=ALWAYS,

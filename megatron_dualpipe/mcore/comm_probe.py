@@ -1,6 +1,6 @@
 """The links of a running job, timed for ``--dualpipe-advise``: the bd pair, data parallel, P2P.
 
-The advice's communication model (``schedule.comm_cost``) needs, per group, a latency and a
+The advice's communication model (``costs.comm_cost``) needs, per group, a latency and a
 bandwidth. Timing the sums that ``GradReduction`` issues while the schedule runs would not give
 them: those overlap compute, and on an accelerator they complete on a stream the host does not
 watch. So the same collectives are timed here, once, right after the measured iteration, on the
@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..schedule.comm_cost import Link
+from ..costs.comm_cost import Link
 
 SMALL, LARGE = 64 << 10, 16 << 20
 ROUNDS = 5

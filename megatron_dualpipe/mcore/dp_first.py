@@ -7,7 +7,7 @@ comes first and the pair sums only the rank's ``1/dp`` shard of every bucket (by
 sum is the same (both are sums over disjoint rank sets), the shard each copy's optimizer steps is
 the same on both copies (the partners have the same data-parallel coordinates, so the same shard
 index), and so are the parameters the all-gather returns. Where the pair crosses nodes and the
-replicas do not, this is the cheapest reduction the cost model knows (``schedule.comm_cost``,
+replicas do not, this is the cheapest reduction the cost model knows (``costs.comm_cost``,
 ``bd_mode="dp-first"``).
 
 How: :func:`summing_shards_over_pairs` subclasses megatron-core's ``DistributedDataParallel``:
@@ -26,7 +26,7 @@ from typing import List, Sequence
 
 import torch
 
-from ..schedule.comm_cost import DP_FIRST
+from ..costs.comm_cost import DP_FIRST
 from . import bd_pairs
 from .copy_sum import MIDDLE_RANK, CopySum
 

@@ -2,7 +2,7 @@
 
 A user who already trains with an executor schedule (``--dualpipe-advise`` in Megatron-LM,
 ``get_forward_backward_func(schedule, advise=True)`` in megatron-core) gets, once, what
-:func:`megatron_dualpipe.schedule.advice.advise` says for the costs measured in training iterations
+:func:`megatron_dualpipe.costs.advice.advise` says for the costs measured in training iterations
 after the warm-up, on global rank 0's log. The first iterations are skipped
 (``advise_warmup``, ``--dualpipe-advise-warmup``, default :data:`DEFAULT_WARMUP`): they hold
 one-time costs (allocations, kernel selection, caches) in *every* unit -- a first iteration
@@ -189,7 +189,7 @@ def comm_model(links, pp: int, grad_bytes: float, message_bytes: float, **reduct
     """The communication model of the measured links (None when none was measured); a link not
     measured (no bd pair, dp=1) is taken as the first measured one of bd, dp, P2P. ``reduction``:
     :func:`reduction_of` the job."""
-    from ..schedule.comm_cost import CommModel, Network, Placement
+    from ..costs.comm_cost import CommModel, Network, Placement
 
     known = links.bd or links.dp or links.p2p
     if known is None:
@@ -211,7 +211,7 @@ def advice_text(schedule: str, pp: int, microbatches: int, per_op: dict, activat
                 parameter_bytes: float, limit_bytes: Optional[float], measured: Optional[str] = None,
                 comm=None) -> str:
     """The advice for measured per-op costs (ms) and memory (bytes), as the log prints it."""
-    from ..schedule.advice import advise
+    from ..costs.advice import advise
     from ..executor.trace import slowest_costs
 
     costs = slowest_costs([per_op])

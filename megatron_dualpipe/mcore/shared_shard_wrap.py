@@ -28,7 +28,7 @@ from typing import List
 
 import torch
 
-from ..schedule.comm_cost import SHARED_SHARD
+from ..costs.comm_cost import SHARED_SHARD
 from .copy_sum import NEVER, CopySum
 from .shard_groups import SHARED_ATTR, chunk_of, is_shared_layout, partial_groups_of, stage_order
 

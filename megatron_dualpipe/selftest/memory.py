@@ -116,7 +116,7 @@ def run(ctx) -> dict:
 def _advise_activations(pp: int, m: int, per_forward: float) -> Dict[str, float]:
     """``advise``'s activation memory (MiB, its busiest rank) per schedule, given what one forward of
     one 1F1B stage saves."""
-    from ..schedule.advice import advise
+    from ..costs.advice import advise
     from ..schedule.simulate import Costs
 
     advice = advise(pp, [m], Costs(f=1, b=2, w=1), activation_memory=per_forward / _MIB, parameter_memory=0.0,

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from megatron_dualpipe.cli.advise import parse_counts
-from megatron_dualpipe.schedule.advice import TIE, advise
+from megatron_dualpipe.costs.advice import TIE, advise
 from megatron_dualpipe.cli import main
 from megatron_dualpipe.cli import CliError
 from megatron_dualpipe.schedule.registry import (DUALPIPE, DUALPIPEV, INTERLEAVED_1F1B, INTERLEAVED_1F1B_A2A,
@@ -208,7 +208,7 @@ def test_a_small_gain_bought_with_memory_is_called_so():
 def test_the_recommended_schedule_is_named_with_the_flags_that_run_it(capsys):
     """Interleaved 1F1B is Megatron's 1f1b with a virtual pipeline: its flag is named (with the
     layer count unknown, as the formula); an executor schedule by the launch script's SCHEDULE."""
-    from megatron_dualpipe.schedule.advice import run_flags
+    from megatron_dualpipe.costs.advice import run_flags
 
     assert run_flags(INTERLEAVED_1F1B, 8) == ("SCHEDULE=1f1b with --num-layers-per-virtual-pipeline-stage "
                                               "(--num-layers / 16: 2 chunks per rank) appended, i.e. Megatron's own "

@@ -11,9 +11,9 @@ import sys
 import pytest
 
 from megatron_dualpipe.cli.advise_model import config_argv, no_fit_hint
-from megatron_dualpipe.schedule import activation_memory as am
-from megatron_dualpipe.schedule import model_cost as mc
-from megatron_dualpipe.schedule.model_args import parse
+from megatron_dualpipe.costs import activation_memory as am
+from megatron_dualpipe.costs import model_cost as mc
+from megatron_dualpipe.costs.model_args import parse
 
 BASE = ["--num-layers", "8", "--hidden-size", "1024", "--num-attention-heads", "16", "--seq-length", "2048",
         "--vocab-size", "32000", "--pipeline-model-parallel-size", "4"]

@@ -6,8 +6,8 @@ import json
 import pytest
 
 from megatron_dualpipe.cli import main
-from megatron_dualpipe.schedule import model_cost as mc
-from megatron_dualpipe.schedule.model_args import parse
+from megatron_dualpipe.costs import model_cost as mc
+from megatron_dualpipe.costs.model_args import parse
 from megatron_dualpipe.cli.advise_model import config_argv
 
 #: gpt_8b with a batch small enough for a fast test (M = 64 on 2 x 8 GPUs).

@@ -25,7 +25,7 @@ def test_generated_docs_are_current():
 
 def test_same_model_table_doubles_1f1b_against_dualpipev_chunks():
     """The case the issue names: chunk costs f=1 b=2 w=1 fb=2.5 at pp=4 -> DualPipeV 4.5, same-model 1F1B 18."""
-    from megatron_dualpipe.schedule.compare import compare
+    from megatron_dualpipe.costs.compare import compare
     from megatron_dualpipe.schedule.registry import DUALPIPEV, ONE_F_ONE_B
     from megatron_dualpipe.schedule.simulate import Costs
 

@@ -1,4 +1,4 @@
-"""The activation model (``schedule/activation_memory.py``) against what autograd keeps in real
+"""The activation model (``costs/activation_memory.py``) against what autograd keeps in real
 megatron-core layers: one bf16 layer of the local spec per case, one forward of an [s, b, h] input
 in the CPU mode, every tensor saved for the backward collected with ``saved_tensors_hooks``.
 
@@ -36,8 +36,8 @@ import torch
 import torch.nn.functional as F
 
 from harness import megatron_env as me
-from megatron_dualpipe.schedule import activation_memory as am
-from megatron_dualpipe.schedule.model_args import parse
+from megatron_dualpipe.costs import activation_memory as am
+from megatron_dualpipe.costs.model_args import parse
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-mode tests")
 

@@ -1,12 +1,12 @@
 """``mcore.comm_probe``: the link fitted from two timed sizes is the link that produced them.
 
-The timings are made here from known links with the ring cost model of ``schedule.comm_cost``
+The timings are made here from known links with the ring cost model of ``costs.comm_cost``
 (all-reduce over n ranks, one P2P message), independently of the probe's own arithmetic.
 """
 import pytest
 
 from megatron_dualpipe.mcore.comm_probe import LARGE, SMALL, _fit
-from megatron_dualpipe.schedule.comm_cost import Link, all_reduce_ms, p2p_ms
+from megatron_dualpipe.costs.comm_cost import Link, all_reduce_ms, p2p_ms
 
 
 @pytest.mark.parametrize("bandwidth,latency", [(0.3, 2.0), (25.0, 0.02), (200.0, 0.005)])

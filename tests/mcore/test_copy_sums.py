@@ -13,7 +13,7 @@ import re
 from types import SimpleNamespace
 
 from megatron_dualpipe.mcore import copy_sums
-from megatron_dualpipe.schedule.comm_cost import BD_MODES
+from megatron_dualpipe.costs.comm_cost import BD_MODES
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "megatron_dualpipe"
 WAY_MODULES = {"mcore/copy_sum.py", "mcore/copy_sums.py", "mcore/bd_first.py", "mcore/dp_first.py",

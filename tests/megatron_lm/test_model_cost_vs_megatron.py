@@ -6,8 +6,8 @@ DeepSeek-V3-like model (MLA, 3 dense + 61 MoE layers with a shared expert, MTP).
 Megatron-LM's side: its ``parse_args`` / ``validate_args`` on the same arguments (the world size
 of each layout), then ``megatron.training.training.num_floating_point_operations`` and
 ``theoretical_memory_usage.report_theoretical_memory``, in one child process (needs
-``MEGATRON_LM_PATH``; skipped when unset). Ours: :mod:`megatron_dualpipe.schedule.model_cost` on
-:func:`~megatron_dualpipe.schedule.model_args.parse` of the same arguments. Megatron's weight
+``MEGATRON_LM_PATH``; skipped when unset). Ours: :mod:`megatron_dualpipe.costs.model_cost` on
+:func:`~megatron_dualpipe.costs.model_args.parse` of the same arguments. Megatron's weight
 memory (core_v0.19.0's accounting; 0.16.1's is older, printed only) is its most loaded shard, which it takes as the average stage's layers plus the MTP block
 and one embedding: our per-stage parameters are summed the same way for the comparison, and our
 own heaviest stage is printed beside it."""
@@ -19,8 +19,8 @@ import sys
 
 import pytest
 
-from megatron_dualpipe.schedule import model_cost as mc
-from megatron_dualpipe.schedule.model_args import parse
+from megatron_dualpipe.costs import model_cost as mc
+from megatron_dualpipe.costs.model_args import parse
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 MEGATRON_LM_PATH = os.environ.get("MEGATRON_LM_PATH")

@@ -4,7 +4,7 @@ import pytest
 
 from megatron_dualpipe.schedule import build_schedule
 from megatron_dualpipe.schedule.actions import F
-from megatron_dualpipe.schedule.compare import compare, parameter_copies
+from megatron_dualpipe.costs.compare import compare, parameter_copies
 from megatron_dualpipe.schedule.padding import build_padded
 from megatron_dualpipe.schedule.deps import event_of, waits_for
 from megatron_dualpipe.schedule.registry import DUALPIPE, DUALPIPEV, NAMES, ONE_F_ONE_B, ZB_H1, get

@@ -24,15 +24,17 @@ MAY_IMPORT: Dict[str, Set[str]] = {
     "versions": set(),
     "interrupts": set(),
     "schedule": set(),
+    # what a schedule costs on a model, and which to use (standard library only too)
+    "costs": {"schedule"},
     # configs/, patches/, scripts/: the checkout's or the wheel's copies
     "project_files": set(),
     # the one patching mechanism for Megatron (and its manifest)
     "hooks": {"versions"},
     "executor": {"schedule"},
     "pictures": {"schedule", "executor"},
-    "bench": {"schedule", "executor", "pictures", "interrupts"},
+    "bench": {"schedule", "costs", "executor", "pictures", "interrupts"},
     "cpu": {"hooks", "versions"},
-    "mcore": {"schedule", "executor", "cpu", "hooks", "versions"},
+    "mcore": {"schedule", "costs", "executor", "cpu", "hooks", "versions"},
     "megatron_lm": {"schedule", "executor", "mcore", "cpu", "hooks", "versions", "project_files"},
     # Megatron-Bridge's pretrain(): the same megatron-core glue, hooked into Bridge's training loop
     "bridge": {"schedule", "executor", "mcore", "cpu", "hooks", "versions", "megatron_lm"},
@@ -42,14 +44,14 @@ MAY_IMPORT: Dict[str, Set[str]] = {
     "launch_sizes": {"schedule", "launch_validation"},
     "launch": {"schedule", "executor", "mcore", "cpu", "hooks", "versions", "megatron_lm", "launch_checks",
                "launch_placement", "launch_validation"},
-    "apps": {"schedule", "executor", "pictures", "bench", "mcore", "cpu", "hooks", "versions", "megatron_lm",
-             "interrupts", "launch_checks"},
+    "apps": {"schedule", "costs", "executor", "pictures", "bench", "mcore", "cpu", "hooks", "versions",
+             "megatron_lm", "interrupts", "launch_checks"},
     # the proof harness: the tiny GPT and the equality and no-hang checks (the tests and the selftest)
     "proof": {"schedule", "executor", "mcore", "cpu", "hooks", "versions"},
-    "selftest": {"schedule", "executor", "pictures", "bench", "mcore", "cpu", "hooks", "versions", "megatron_lm",
-                 "apps", "interrupts", "proof"},
-    "cli": {"schedule", "executor", "pictures", "bench", "mcore", "cpu", "hooks", "versions", "megatron_lm", "apps",
-            "selftest", "launch", "launch_checks", "launch_placement", "interrupts", "project_files"},
+    "selftest": {"schedule", "costs", "executor", "pictures", "bench", "mcore", "cpu", "hooks", "versions",
+                 "megatron_lm", "apps", "interrupts", "proof"},
+    "cli": {"schedule", "costs", "executor", "pictures", "bench", "mcore", "cpu", "hooks", "versions", "megatron_lm",
+            "apps", "selftest", "launch", "launch_checks", "launch_placement", "interrupts", "project_files"},
     "__main__": {"cli"},
     "(root)": set(),
 }

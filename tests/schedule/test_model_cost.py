@@ -3,8 +3,8 @@ the MoE all-to-all at NVLink or network bandwidth. (Its FLOPs and memory against
 figures: tests/megatron_lm/test_model_cost_vs_megatron.py.)"""
 import pytest
 
-from megatron_dualpipe.schedule import model_cost as mc
-from megatron_dualpipe.schedule.model_args import parse
+from megatron_dualpipe.costs import model_cost as mc
+from megatron_dualpipe.costs.model_args import parse
 
 GPT_8B = ("--num-layers 32 --hidden-size 4096 --ffn-hidden-size 14336 --num-attention-heads 32 --group-query-attention "
           "--num-query-groups 8 --seq-length 8192 --vocab-size 128256 --swiglu --normalization RMSNorm "

@@ -4,10 +4,10 @@ from the schedules' placement: DualPipe's rank i runs stage i and pp-1-i, each f
 micro-batches; DualPipeV's runs V-stages i and 2pp-1-i)."""
 import pytest
 
-from megatron_dualpipe.schedule import model_cost as mc
+from megatron_dualpipe.costs import model_cost as mc
 from megatron_dualpipe.schedule import stage_layout as sl
-from megatron_dualpipe.schedule import stage_pairs as sp
-from megatron_dualpipe.schedule.model_args import ModelArgsError, parse
+from megatron_dualpipe.costs import stage_pairs as sp
+from megatron_dualpipe.costs.model_args import ModelArgsError, parse
 
 #: DeepSeek-V3's 61 layers over pp = 16: 3 + 14 x 4 + 2 (its config), and as 32 V-stages.
 V3_STAGES = "Et*3|(t*4|)*14,ttL"

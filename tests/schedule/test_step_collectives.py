@@ -66,7 +66,7 @@ def _build(name, pp, m, opts, ogr, one_queue, step_ops=None):
 
 
 def test_the_copy_sum_names_are_the_cost_models():
-    from megatron_dualpipe.schedule import comm_cost
+    from megatron_dualpipe.costs import comm_cost
 
     assert (SC.BD_FIRST, SC.DP_FIRST, SC.SHARED_SHARD) == (comm_cost.BD_FIRST, comm_cost.DP_FIRST, comm_cost.SHARED_SHARD)
 

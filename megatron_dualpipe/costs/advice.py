@@ -4,7 +4,7 @@ Give what one pipeline stage of the model costs per micro-batch when 1F1B runs i
 ``f``, full backward ``b``, its weight-gradient part ``w``, optionally a fused F&B unit
 ``fb``), how much memory one micro-batch's activations take on a stage, and how much one
 stage's parameters take with their gradients and optimizer state. :func:`advise` simulates
-every schedule on that model (``schedule.compare``: DualPipeV runs chunks of half a stage at
+every schedule on that model (``costs.compare``: DualPipeV runs chunks of half a stage at
 half the costs) for each micro-batch count, and picks the fastest that fits the memory limit
 (never one the model says is slower); on an exact tie the one with less memory, then the table's
 order (Megatron's own 1F1B first). The reason names the numbers against the best other schedule
@@ -13,7 +13,7 @@ less memory is named, not chosen.
 
 The Megatron-LM integration can call it once with the first iteration's measured costs::
 
-    from megatron_dualpipe.schedule.advice import advise
+    from megatron_dualpipe.costs.advice import advise
     from megatron_dualpipe.schedule.simulate import Costs
 
     advice = advise(pp=8, microbatches=[32], costs=Costs(f=12.0, b=25.0, w=11.0),
@@ -29,11 +29,11 @@ import re
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence
 
+from ..schedule.registry import ONE_F_ONE_B, SPECS as SPECS_RUN, distinct_orders
+from ..schedule.registry import spec as get
+from ..schedule.simulate import Costs
 from .comm_cost import CommModel
 from .compare import Row, align, compare, fmt, in_other_placement
-from .registry import ONE_F_ONE_B, SPECS as SPECS_RUN, distinct_orders
-from .registry import spec as get
-from .simulate import Costs
 
 #: Schedules within this fraction of the fastest count as equally fast.
 TIE = 0.01
@@ -48,7 +48,7 @@ SMALL_GAIN = 0.05
 def run_flags(name: str, pp: int, num_layers: Optional[int] = None) -> str:
     """How to run schedule ``name``: the launch script's SCHEDULE and the pretrain_gpt.py flags.
     Interleaved 1F1B is Megatron's own 1f1b with a virtual pipeline of v chunks per rank."""
-    from .registry import INTERLEAVED_1F1B_A2A, MODELLED_SPECS
+    from ..schedule.registry import INTERLEAVED_1F1B_A2A, MODELLED_SPECS
 
     s = get(name)
     if s.name in SPECS_RUN:
@@ -301,7 +301,7 @@ def advise(pp: int, microbatches: Sequence[int], costs: Costs, activation_memory
     their gradients and optimizer state. ``weight_grad_memory``: what one deferred weight
     gradient keeps alive on a stage until its W runs (0: not counted). ``memory_limit``: per
     rank, any unit as long as the memories use it too (None: no limit). ``comm``: the
-    gradient communication and P2P links (``schedule.comm_cost``; costs then in ms): schedules
+    gradient communication and P2P links (``costs.comm_cost``; costs then in ms): schedules
     are ranked by the iteration (makespan plus exposed gradient communication), and the pick
     gets its break-even bandwidth and micro-batch size (``tokens``: the tokens of one
     micro-batch the costs are for). ``num_layers``: the model's, for the interleaved schedule's
@@ -506,7 +506,7 @@ def _choose(options: List[Option], limit: Optional[float], hint: str = NO_FIT_HI
 
 def _named(name: str) -> str:
     """A schedule as a Megatron user knows it."""
-    from .registry import INTERLEAVED_1F1B_A2A
+    from ..schedule.registry import INTERLEAVED_1F1B_A2A
 
     if name.startswith(INTERLEAVED_1F1B_A2A):
         return f"Megatron's interleaved 1F1B with the all-to-all overlap ({name})"

@@ -2,8 +2,8 @@
 
 ``megatron-dualpipe advise`` takes the arguments a training run would get (a config of
 ``configs/`` plus whatever is appended) and needs only the ones that set the model's shape and
-its parallel sizes; this reads them without Megatron's parser (standard library only, like the
-rest of ``schedule``), with Megatron-LM's defaults, the last occurrence winning as with argparse.
+its parallel sizes; this reads them without Megatron's parser (standard library only, like
+``schedule``), with Megatron-LM's defaults, the last occurrence winning as with argparse.
 Every other argument is ignored: it changes neither the FLOPs nor the memory modelled here.
 """
 from __future__ import annotations
@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from . import registry
+from ..schedule import registry
 
 
 class ModelArgsError(ValueError):
@@ -250,8 +250,8 @@ def parse(argv: Sequence[str]) -> ModelArgs:
 
 def _check_layout(text: str, num_layers: int, pp: int) -> None:
     """A layout of pp stages (1F1B, DualPipe) or 2*pp V-stages (DualPipeV) holding every layer."""
-    from .stage_layout import LayoutError, decoder_counts
-    from .stage_layout import parse as parse_layout
+    from ..schedule.stage_layout import LayoutError, decoder_counts
+    from ..schedule.stage_layout import parse as parse_layout
 
     try:
         stages = parse_layout(text)

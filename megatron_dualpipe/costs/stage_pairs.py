@@ -8,14 +8,14 @@ its copy of ``pp-1-i`` for direction 1's half, ``(c[i] + c[pp-1-i]) / 2``; DualP
 V-stages ``i`` and ``2pp-1-i`` for every micro-batch, ``v[i] + v[2pp-1-i]``. Every load averages
 to the model's cost over ``pp``; the slowest rank's share of that mean is what uneven stages cost.
 
-Standard library only, like the rest of ``schedule``.
+Standard library only, like ``schedule``.
 """
 from __future__ import annotations
 
 from typing import Dict, List, Sequence, Tuple
 
-from . import registry, stage_layout
-from .layout import BIDIRECTIONAL, UNIDIRECTIONAL, V_SHAPE, Layout
+from ..schedule import registry, stage_layout
+from ..schedule.layout import BIDIRECTIONAL, UNIDIRECTIONAL, V_SHAPE, Layout
 
 __all__ = ["held", "loads", "views", "layout_costs", "parse_costs", "parse_layer_costs", "report"]
 

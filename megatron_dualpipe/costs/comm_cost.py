@@ -43,9 +43,9 @@ from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from . import iteration_plan as grad_order  # when a chunk is final; the pair's sum order
-from .layout import BIDIRECTIONAL
-from .placement import RankOrder, invert, megatron_placement, pair_placement
+from ..schedule import iteration_plan as grad_order  # when a chunk is final; the pair's sum order
+from ..schedule.layout import BIDIRECTIONAL
+from ..schedule.placement import RankOrder, invert, megatron_placement, pair_placement
 
 #: How a bidirectional schedule combines the two copies of a stage with data parallel:
 #: ``bd-first`` (the executor's ``GradReduction``): sum over the bd pair, then reduce over dp;

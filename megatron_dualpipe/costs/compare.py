@@ -6,10 +6,10 @@ runs at half those costs per chunk, and its activation counts (in chunks) are ha
 stages. Comparing the schedules at the same per-chunk costs instead would make 1F1B's stage
 as cheap as half a stage.
 
-A short batch runs padded, as the executor runs it (:mod:`.padding`): fake micro-batches
+A short batch runs padded, as the executor runs it (:mod:`megatron_dualpipe.schedule.padding`): fake micro-batches
 compute nothing and cost nothing (``PaddedCosts``).
 
-Standard library only, like the rest of ``schedule``.
+Standard library only, like ``schedule``.
 """
 from __future__ import annotations
 
@@ -17,11 +17,11 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from .padding import Padded, build_padded
-from .registry import ScheduleError, ScheduleSpec, distinct_orders
-from .registry import spec as get
+from ..schedule.padding import Padded, build_padded
+from ..schedule.registry import ScheduleError, ScheduleSpec, distinct_orders
+from ..schedule.registry import spec as get
+from ..schedule.simulate import Costs, SimResult, simulate
 from .comm_cost import CommModel, GradComm, grad_comm
-from .simulate import Costs, SimResult, simulate
 
 
 def stage_fraction(spec: ScheduleSpec, pp: int) -> float:
@@ -111,7 +111,7 @@ def in_other_placement(name: str, pp: int, real: int, stage_costs: Costs,
     or the bd pairs on one node (the launcher's ``--pair-placement``). Returns the placement's
     name, the row there, or why the pairs cannot be placed so (then the row is None)."""
     from .comm_cost import MEGATRON, PAIRED
-    from .placement import PlacementError
+    from ..schedule.placement import PlacementError
 
     paired = not comm.placement.paired
     try:

@@ -23,14 +23,14 @@ its memory. Without a run to measure them, this module derives them from a
   and the activations of one micro-batch on the first stage by the formulas it uses (Korthikanti
   et al., Table 2), with an MoE layer's MLP as wide as the experts a token visits.
 
-Standard library only, like the rest of ``schedule``.
+Standard library only, like ``schedule``.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
-from . import stage_layout
+from ..schedule import stage_layout
 from .model_args import ModelArgs
 
 GB = 1e9
