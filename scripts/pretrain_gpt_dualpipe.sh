@@ -31,7 +31,7 @@
 # GPUs given; each config states its minimum), the batch split (naming the nearest valid GLOBAL_BATCH),
 # DualPipe's rules, a missing DATA_PATH, and (through `python -m megatron_dualpipe.launch --check`
 # with the arguments about to be passed, run by the Python that torchrun will run: one check,
-# megatron_dualpipe/launch_checks.py) a checkout at neither core_v0.16.1 nor core_v0.19.0, missing training
+# megatron_dualpipe/launch/checks.py) a checkout at neither core_v0.16.1 nor core_v0.19.0, missing training
 # dependencies, torch or torchrun missing from that Python, a missing or unloadable tokenizer,
 # data prefixes without .bin/.idx, and data whose token ids exceed the tokenizer's vocabulary.
 # Ctrl-C or SIGTERM stops torchrun and every rank (megatron_dualpipe/interrupts.py) in one line.
@@ -111,9 +111,9 @@ export PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}"
 
 world=$((NNODES * GPUS_PER_NODE))
 # Megatron's rules for the world size (a multiple of TP*PP*CP and of ETP*EP*PP), the experts and the
-# batch, each refusal naming values that pass (megatron_dualpipe/launch_sizes.py); it prints the
+# batch, each refusal naming values that pass (megatron_dualpipe/launch/sizes.py); it prints the
 # fewest GPUs, DP and the micro-batches per iteration.
-sizes=$("$PYTHON" -m megatron_dualpipe.launch_sizes --nodes "$NNODES" --gpus-per-node "$GPUS_PER_NODE" \
+sizes=$("$PYTHON" -m megatron_dualpipe.launch.sizes --nodes "$NNODES" --gpus-per-node "$GPUS_PER_NODE" \
   --pp "$PP" --tp "$TP" --cp "$CP" --ep "$EP" ${etp_set:+--etp "$ETP"} --micro-batch "$MICRO_BATCH" \
   --global-batch "$GLOBAL_BATCH" --schedule "$SCHEDULE" -- "${MODEL_ARGS[@]}" "$@" 2>&1) || die "$sizes"
 read -r min_gpus dp m <<< "$sizes"

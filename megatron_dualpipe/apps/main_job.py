@@ -170,7 +170,7 @@ def resolve_data(args) -> PreparedData:
     """The prepared data the workers will read (built now on a cache miss), split checked."""
     progress = Progress()
     if args.data_path:
-        from ..launch_checks import largest_token_id
+        from ..launch.checks import largest_token_id
 
         data = describe_indexed(args.data_path, args.tokenizer, args.eod_token)
         check_split(args.split, data.documents)

@@ -1,5 +1,5 @@
-"""One torchrun worker of ``test_launch_placement.py``: what ``launch.main`` does with
-``--pair-placement`` (``launch_placement.apply_from_launcher``), then gloo initialised with the
+"""One torchrun worker of ``test_launch_placement.py``: what ``launcher.main`` does with
+``--pair-placement`` (``placement.apply_from_launcher``), then gloo initialised with the
 rewritten ``RANK`` as Megatron does, and every rank's (slot, rank, LOCAL_RANK, GROUP_RANK)
 gathered; global rank 0 writes them to the JSON file named by argv[1]."""
 import json
@@ -9,7 +9,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from megatron_dualpipe import launch_placement
+from megatron_dualpipe.launch import placement as launch_placement
 
 if __name__ == "__main__":
     out, script_args = sys.argv[1], sys.argv[2:]

@@ -16,8 +16,8 @@ import sys
 import pytest
 from harness.workers import free_port
 
-from megatron_dualpipe import launch_placement
-from megatron_dualpipe.launch_placement import FLAG, TORCHRUN_RANK_ENV
+from megatron_dualpipe.launch import placement as launch_placement
+from megatron_dualpipe.launch.placement import FLAG, TORCHRUN_RANK_ENV
 
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parents[1]

@@ -1,4 +1,4 @@
-"""What the launch script names when it refuses its sizes (megatron_dualpipe/launch_sizes.py): every
+"""What the launch script names when it refuses its sizes (megatron_dualpipe/launch/sizes.py): every
 GPU count is whole nodes that Megatron accepts, checked over many node shapes and parallel sizes.
 The rules are restated here (a multiple of TP*PP*CP and of ETP*EP*PP), not taken from the module."""
 import math
@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from megatron_dualpipe import launch_sizes
+from megatron_dualpipe.launch import sizes as launch_sizes
 
 NAMED = re.compile(r"(\d+) GPUs \(NNODES=(\d+) x GPUS_PER_NODE=(\d+)")
 

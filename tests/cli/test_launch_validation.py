@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from megatron_dualpipe import launch
+from megatron_dualpipe.launch import launcher
 from megatron_dualpipe.megatron_lm.arguments import DualPipeArgumentError
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -60,9 +60,9 @@ ASKS_THE_GPU = "--moe-grouped-gemm"
 
 _CHILD = """
 import json, sys
-from megatron_dualpipe import launch_validation
+from megatron_dualpipe.launch import validation
 script, base, cases = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
-out = {c: launch_validation.check(script, base + c.split()) for c in cases}
+out = {c: validation.check(script, base + c.split()) for c in cases}
 print("@@" + json.dumps(out))
 """
 
@@ -118,24 +118,24 @@ def test_what_megatron_asks_the_gpu_is_left_to_the_ranks_without_one_here(refusa
 
 def test_without_a_parser_in_the_checkout_nothing_is_checked(tmp_path):
     """The launch script tests' stand-in checkout (no megatron/training/arguments.py)."""
-    from megatron_dualpipe import launch_validation
+    from megatron_dualpipe.launch import validation
 
     (tmp_path / "pretrain_gpt.py").write_text("")
-    assert launch_validation.problems(str(tmp_path / "pretrain_gpt.py"), ["--num-layers", "30"]) == []
+    assert validation.problems(str(tmp_path / "pretrain_gpt.py"), ["--num-layers", "30"]) == []
 
 
 def _run_in_rank(tmp_path, monkeypatch, rank, body):
-    """launch.main on a script whose body is ``body``, as torchrun's rank ``rank`` would run it."""
+    """launcher.main on a script whose body is ``body``, as torchrun's rank ``rank`` would run it."""
     import megatron_dualpipe.megatron_lm.install as install
 
     script = tmp_path / "pretrain_gpt.py"
     script.write_text(body)
     monkeypatch.setattr(install, "install", lambda: None)
-    monkeypatch.setattr(launch, "preflight", lambda s: None)
+    monkeypatch.setattr(launcher, "preflight", lambda s: None)
     monkeypatch.setenv("RANK", rank)
     monkeypatch.setattr(sys, "path", list(sys.path))
     monkeypatch.setattr(sys, "argv", list(sys.argv))
-    return launch.main([str(script), "--tokenizer-type", "NullTokenizer", "--vocab-size", "8", "--mock-data"])
+    return launcher.main([str(script), "--tokenizer-type", "NullTokenizer", "--vocab-size", "8", "--mock-data"])
 
 
 @pytest.mark.parametrize("rank", ["0", "3"])
@@ -188,7 +188,7 @@ SAID = ("megatron_dualpipe.launch: error: --pipeline-schedule dualpipev: this to
 def test_a_checkpoint_refusal_before_the_process_group_is_said_by_rank_0_only(tmp_path, monkeypatch, capsys, rank):
     """A checkpoint the schedule cannot load used to be a traceback from every rank: one line,
     rank 0's, exit status 2."""
-    monkeypatch.setattr(launch, "REFUSAL_WAIT_S", 0.0)
+    monkeypatch.setattr(launcher, "REFUSAL_WAIT_S", 0.0)
     assert _run_in_rank(tmp_path, monkeypatch, rank, CHECKPOINT_REFUSAL) == 2
     err = capsys.readouterr().err
     print(f"\nrank {rank}: {err!r}")
@@ -200,7 +200,7 @@ def test_a_checkpoint_refusal_is_said_by_the_first_rank_that_meets_it(tmp_path, 
     whichever it is (rank 0 may wait in a collective): rank 3 here, then no other."""
     import torch.distributed as dist
 
-    monkeypatch.setattr(launch, "REFUSAL_WAIT_S", 0.0)
+    monkeypatch.setattr(launcher, "REFUSAL_WAIT_S", 0.0)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         said = []

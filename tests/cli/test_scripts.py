@@ -320,7 +320,7 @@ def test_appended_mock_data_needs_no_data_path(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
-# Checked before torchrun (megatron_dualpipe/launch_checks.py through launch --check)
+# Checked before torchrun (megatron_dualpipe/launch/checks.py through launch --check)
 # ---------------------------------------------------------------------------------------------
 
 def gpt2_files(tmp_path, entries):

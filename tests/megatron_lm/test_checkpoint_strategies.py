@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron_dualpipe import launch_validation
+from megatron_dualpipe.launch import validation as launch_validation
 from megatron_dualpipe.megatron_lm.checkpoint import strategies as st
 from megatron_dualpipe.megatron_lm.refusal import Refusal
 from megatron_dualpipe.schedule import registry

@@ -57,7 +57,7 @@ def argv(name):
 
 _CHILD = """
 import contextlib, io, json, os, sys
-from megatron_dualpipe import launch_validation
+from megatron_dualpipe.launch import validation as launch_validation
 root, cases = sys.argv[1], json.loads(sys.argv[2])
 out = {}
 for name, (world, argv) in cases.items():

@@ -38,20 +38,16 @@ MAY_IMPORT: Dict[str, Set[str]] = {
     "megatron_lm": {"schedule", "executor", "mcore", "cpu", "hooks", "versions", "project_files"},
     # Megatron-Bridge's pretrain(): the same megatron-core glue, hooked into Bridge's training loop
     "bridge": {"schedule", "executor", "mcore", "cpu", "hooks", "versions", "megatron_lm"},
-    "launch_checks": {"versions", "megatron_lm"},
-    "launch_placement": {"schedule"},
-    "launch_validation": {"schedule", "executor", "mcore", "cpu", "hooks", "versions", "megatron_lm"},
-    "launch_sizes": {"schedule", "launch_validation"},
-    "launch": {"schedule", "executor", "mcore", "cpu", "hooks", "versions", "megatron_lm", "launch_checks",
-               "launch_placement", "launch_validation"},
+    # the launcher and the checks before torchrun
+    "launch": {"schedule", "executor", "mcore", "cpu", "hooks", "versions", "megatron_lm", "interrupts"},
     "apps": {"schedule", "costs", "executor", "pictures", "bench", "mcore", "cpu", "hooks", "versions",
-             "megatron_lm", "interrupts", "launch_checks"},
+             "megatron_lm", "interrupts", "launch"},
     # the proof harness: the tiny GPT and the equality and no-hang checks (the tests and the selftest)
     "proof": {"schedule", "executor", "mcore", "cpu", "hooks", "versions"},
     "selftest": {"schedule", "costs", "executor", "pictures", "bench", "mcore", "cpu", "hooks", "versions",
                  "megatron_lm", "apps", "interrupts", "proof"},
     "cli": {"schedule", "costs", "executor", "pictures", "bench", "mcore", "cpu", "hooks", "versions", "megatron_lm",
-            "apps", "selftest", "launch", "launch_checks", "launch_placement", "interrupts", "project_files"},
+            "apps", "selftest", "launch", "interrupts", "project_files"},
     "__main__": {"cli"},
     "(root)": set(),
 }

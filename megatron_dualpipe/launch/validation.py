@@ -23,7 +23,7 @@ import sys
 import traceback
 from typing import List, NamedTuple, Optional, Sequence
 
-from .schedule import registry
+from ..schedule import registry
 
 #: ``pretrain_gpt.py``'s ``args_defaults`` (core_v0.16.1 and core_v0.19.0).
 PRETRAIN_GPT_DEFAULTS = {"tokenizer_type": "GPT2BPETokenizer"}
@@ -57,8 +57,8 @@ def _install(root: str) -> None:
     if root in sys.path:
         sys.path.remove(root)
     sys.path.insert(0, root)
-    from . import cpu, hooks
-    from .megatron_lm import triton_stub
+    from .. import cpu, hooks
+    from ..megatron_lm import triton_stub
 
     triton_stub.preimport_triton_users()
     hooks.install(["python", "megatron-lm arguments"])
@@ -96,8 +96,8 @@ def _parse_and_validate(script: str, argv: Sequence[str]):
 
 def explain(error: BaseException, parser_output: str = "") -> List[str]:
     """One line per problem in ``error`` (what a rank would have raised)."""
-    from .megatron_lm.arguments import DualPipeArgumentError
-    from .megatron_lm.refusal import Refusal
+    from ..megatron_lm.arguments import DualPipeArgumentError
+    from ..megatron_lm.refusal import Refusal
 
     if isinstance(error, DualPipeArgumentError):
         return problem_lines(error)
@@ -119,8 +119,8 @@ def is_refusal(error: BaseException) -> bool:
     checkpoint the schedule cannot load), or an assertion of Megatron-LM's ``validate_args`` (or
     ``validate_yaml``) itself, in ``megatron/training/`` (an assertion elsewhere, possibly on some
     ranks only, keeps its traceback on each)."""
-    from .megatron_lm.arguments import DualPipeArgumentError
-    from .megatron_lm.refusal import Refusal
+    from ..megatron_lm.arguments import DualPipeArgumentError
+    from ..megatron_lm.refusal import Refusal
 
     if isinstance(error, (DualPipeArgumentError, Refusal)):
         return True

@@ -20,10 +20,10 @@ later: a missing script, a checkout that is not one of the Megatron-LM tags the 
 written for (``megatron_dualpipe.versions.TAGS``: core_v0.16.1, core_v0.19.0;
 ``MEGATRON_DUALPIPE_SKIP_VERSION_CHECK=1`` tries anyway), missing training dependencies (named,
 with the pip command), and with ``--check`` the script's arguments as well
-(:mod:`megatron_dualpipe.launch_checks`: torch and torchrun importable here, the tokenizer, the
+(:mod:`.checks`: torch and torchrun importable here, the tokenizer, the
 data prefixes and the data's token ids against the vocabulary), then Megatron-LM's own
 ``parse_args`` / ``validate_args`` and the plugin's checks on the whole argument list, in this one
-process (:mod:`megatron_dualpipe.launch_validation`; world size from ``WORLD_SIZE``).
+process (:mod:`.validation`; world size from ``WORLD_SIZE``).
 ``scripts/pretrain_gpt_dualpipe.sh`` runs ``--check`` with the arguments it is about to pass.
 Under torchrun, a refusal of the arguments (a
 :class:`~megatron_dualpipe.megatron_lm.arguments.DualPipeArgumentError`, or an assertion of
@@ -31,7 +31,7 @@ Megatron-LM's ``validate_args``: every rank refuses the same arguments) is print
 one line per problem, no traceback, exit status 2; so is a checkpoint the schedule cannot load (a
 :class:`~megatron_dualpipe.megatron_lm.refusal.Refusal`), by the first rank that refuses it.
 
-``--pair-placement`` (:mod:`megatron_dualpipe.launch_placement`): each process takes the Megatron
+``--pair-placement`` (:mod:`.placement`): each process takes the Megatron
 global rank that puts pipeline ranks i and pp-1-i on the same node (``RANK`` rewritten before the
 script runs, ``LOCAL_RANK`` kept); with ``--check`` it checks that this can be done for torchrun's
 ``WORLD_SIZE`` and ``LOCAL_WORLD_SIZE`` as set in the environment.
@@ -44,7 +44,7 @@ import time
 
 USAGE = ("usage: python -m megatron_dualpipe.launch [--check] [--pair-placement] /path/to/Megatron-LM/pretrain_gpt.py "
          "[ARGS...]")
-PAIR_PLACEMENT = "--pair-placement"  # = launch_placement.FLAG
+PAIR_PLACEMENT = "--pair-placement"  # = placement.FLAG
 SKIP_VERSION = "MEGATRON_DUALPIPE_SKIP_VERSION_CHECK"  # = versions.SKIP_ENV
 #: How long a rank that does not say the refusal waits before it exits: the launcher (torchrun's
 #: agent) stops every rank at the first exit, and the rank that says it (rank 0 for refused arguments,
@@ -62,7 +62,7 @@ HELP = ("Runs a Megatron-LM training script (pretrain_gpt.py) with megatron-dual
 
 def preflight(script):
     """Why ``script`` cannot run with the plugin (one line naming the fix), or None."""
-    from megatron_dualpipe.megatron_lm import patching, requirements
+    from ..megatron_lm import patching, requirements
 
     if not os.path.isfile(script):
         return f"no such script: {script}"
@@ -75,17 +75,17 @@ def preflight(script):
 
 
 def argument_problems(script, argv, check: bool):
-    """The problems :mod:`.launch_checks` finds: with ``--check``, torch and torchrun here; for
+    """The problems :mod:`.checks` finds: with ``--check``, torch and torchrun here; for
     ``pretrain_gpt.py`` (and any script with ``--check`` and arguments) its tokenizer and data
     arguments. Under torchrun every rank checks the arguments, but only rank 0 reads the data's
     token ids."""
-    from megatron_dualpipe import launch_checks
+    from . import checks
 
     found = []
     if check:
-        found += [p for p in [launch_checks.torch_problem()] if p]
+        found += [p for p in [checks.torch_problem()] if p]
     if (check and argv) or os.path.basename(script) == "pretrain_gpt.py" and not check:
-        found += launch_checks.argument_problems(argv, scan=check or os.environ.get("RANK", "0") == "0")
+        found += checks.argument_problems(argv, scan=check or os.environ.get("RANK", "0") == "0")
     return found
 
 
@@ -108,14 +108,14 @@ def main(argv=None):
     if os.path.isfile(script) and (check or not problem) and not wants_help:
         found += argument_problems(script, argv[1:], check)
     if paired and not wants_help:
-        from megatron_dualpipe import launch_placement
+        from . import placement
 
-        found += [p for p in [launch_placement.problem(argv[1:], os.environ)] if p]
+        found += [p for p in [placement.problem(argv[1:], os.environ)] if p]
     layout = note = None
     if check and not found and not wants_help:
-        from megatron_dualpipe import launch_validation
+        from . import validation
 
-        refused, layout, note = launch_validation.check(script, argv[1:])
+        refused, layout, note = validation.check(script, argv[1:])
         found += refused
     for line in found:
         print(f"megatron_dualpipe.launch: error: {line}", file=sys.stderr)
@@ -136,19 +136,19 @@ def main(argv=None):
     sys.path.insert(0, script_dir)
     sys.argv = [script] + argv[1:]
     if paired:
-        from megatron_dualpipe import launch_placement
+        from . import placement
 
-        launch_placement.apply_from_launcher(argv[1:])  # before Megatron reads RANK
+        placement.apply_from_launcher(argv[1:])  # before Megatron reads RANK
 
-    from megatron_dualpipe.megatron_lm.install import install
+    from ..megatron_lm.install import install
 
     install()
-    from megatron_dualpipe import launch_validation
+    from . import validation
 
     try:
         runpy.run_path(script, run_name="__main__")
     except Exception as e:  # noqa: BLE001 - a refusal is said once; anything else keeps its traceback
-        if not launch_validation.is_refusal(e):
+        if not validation.is_refusal(e):
             raise
         return say_refusal(e)
     return 0
@@ -170,21 +170,14 @@ def first_to_refuse() -> bool:
 
 
 def say_refusal(error) -> int:
-    """One line per problem of a refusal (:func:`launch_validation.is_refusal`), said by one rank
+    """One line per problem of a refusal (:func:`.validation.is_refusal`), said by one rank
     (:func:`first_to_refuse`), no traceback; exit status 2."""
-    from megatron_dualpipe import launch_validation
+    from . import validation
 
     if first_to_refuse():
-        for line in launch_validation.explain(error):
+        for line in validation.explain(error):
             print(f"megatron_dualpipe.launch: error: {line}", file=sys.stderr, flush=True)
     else:  # torchrun's agent stops every rank at the first exit: the rank that says why has said it by then
         time.sleep(REFUSAL_WAIT_S)
     return 2
 
-
-if __name__ == "__main__":
-    if "--check" in sys.argv[1:3]:
-        from megatron_dualpipe import interrupts
-
-        sys.exit(interrupts.guarded(main, "megatron_dualpipe.launch"))
-    sys.exit(main())

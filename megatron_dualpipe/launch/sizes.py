@@ -9,7 +9,7 @@ GPUS_PER_NODE, with the NNODES to use; PP, TP and EP for the GPUs given (the sch
 and layer rules from :mod:`.schedule.registry`, Megatron's heads, query groups and experts); the
 nearest valid GLOBAL_BATCH (and one with each of those where the given batch would not split).
 
-``python -m megatron_dualpipe.launch_sizes --nodes N --gpus-per-node G --pp P --tp T --cp C --ep E
+``python -m megatron_dualpipe.launch.sizes --nodes N --gpus-per-node G --pp P --tp T --cp C --ep E
 [--etp X] --micro-batch B --global-batch GB --schedule S -- PRETRAIN_GPT_ARGS...`` prints
 ``MIN_GPUS DP MICRO_BATCHES`` (exit 0), or the one problem naming the fix (exit 2). Standard
 library only: the script runs it before the training environment is checked.
@@ -22,8 +22,8 @@ import sys
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from .launch_validation import fewest_gpus
-from .schedule import registry
+from ..schedule import registry
+from .validation import fewest_gpus
 
 #: pretrain_gpt.py flags read from the arguments (the last one wins, as with argparse).
 _MODEL_FLAGS = {"--num-experts": "experts", "--num-layers": "layers", "--num-attention-heads": "heads",
@@ -254,7 +254,7 @@ def parse(argv: Sequence[str]) -> Launch:
     """The launch script's call: its variables as options, then ``--`` and pretrain_gpt.py's arguments."""
     argv = list(argv)
     cut = argv.index("--") if "--" in argv else len(argv)
-    p = argparse.ArgumentParser(prog="python -m megatron_dualpipe.launch_sizes")
+    p = argparse.ArgumentParser(prog="python -m megatron_dualpipe.launch.sizes")
     for name in ("nodes", "gpus-per-node", "pp", "tp", "cp", "ep", "micro-batch", "global-batch"):
         p.add_argument(f"--{name}", type=int, required=True)
     p.add_argument("--etp", type=int)

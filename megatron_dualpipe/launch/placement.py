@@ -21,8 +21,8 @@ from __future__ import annotations
 import os
 from typing import Dict, List, Mapping, MutableMapping, Optional, Sequence, Tuple
 
-from .schedule import registry
-from .schedule.placement import DEFAULT_ORDER, TP_PP_DP_ORDER, RankOrder, pair_placement, pair_problem
+from ..schedule import registry
+from ..schedule.placement import DEFAULT_ORDER, TP_PP_DP_ORDER, RankOrder, pair_placement, pair_problem
 
 FLAG = "--pair-placement"
 #: torchrun's ``RANK`` (the slot) before the rewrite.
@@ -143,7 +143,7 @@ def describe(argv: Sequence[str], env: Mapping[str, str]) -> str:
 
 
 def apply_from_launcher(argv: Sequence[str]) -> None:
-    """What ``launch.main`` does with ``--pair-placement``: rewrite ``os.environ``, slot 0 prints the
+    """What ``launcher.main`` does with ``--pair-placement``: rewrite ``os.environ``, slot 0 prints the
     node map."""
     slot, rank = apply(argv, os.environ)
     if slot == 0:
