@@ -47,12 +47,13 @@ import json
 import math
 import os
 import shutil
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, List, Optional, Sequence, TextIO, Tuple
+from typing import Iterator, List, Optional, Sequence, Tuple
+
+from .progress import Progress
 
 FORMAT_VERSION = 1
 EOD_TOKEN = "<|endoftext|>"
@@ -284,34 +285,6 @@ def save_tokenizer(tok, eod_token: str, directory: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Progress on stderr
-# ---------------------------------------------------------------------------------------------
-
-class Progress:
-    """Step lines, and a count that updates in place on a terminal (else at most every 2 s)."""
-
-    def __init__(self, stream: Optional[TextIO] = None, prefix: str = "prepare-data: "):
-        self.stream = stream if stream is not None else sys.stderr
-        self.prefix = prefix
-        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
-        self._last = time.monotonic()
-
-    def say(self, message: str) -> None:
-        print(self.prefix + message, file=self.stream, flush=True)
-
-    def count(self, done: int, total: int, what: str) -> None:
-        now = time.monotonic()
-        if done < total and now - self._last < (0.2 if self.tty else 2.0):
-            return
-        self._last = now
-        line = f"{self.prefix}{what}: {done}/{total} ({100 * done // max(total, 1)}%)"
-        if self.tty:
-            print("\r" + line, end="\n" if done >= total else "", file=self.stream, flush=True)
-        elif done < total:
-            print(line, file=self.stream, flush=True)
-
-
-# ---------------------------------------------------------------------------------------------
 # The prepared data and its cache
 # ---------------------------------------------------------------------------------------------
 
@@ -408,7 +381,7 @@ def prepare(corpus: Corpus, cache_dir: str, tokenizer: Optional[str] = None,
             vocab_size: int = DEFAULT_VOCAB_SIZE, eod_token: Optional[str] = None,
             progress: Optional[Progress] = None) -> PreparedData:
     """Tokenize ``corpus`` and write Megatron's indexed dataset, or return the cached entry."""
-    progress = progress or Progress()
+    progress = progress or Progress("prepare-data")
     given = tokenizer_file(tokenizer).read_bytes() if tokenizer else None
     if given is None and vocab_size < MIN_VOCAB_SIZE:
         raise DataError(f"--vocab-size {vocab_size}: a byte-level BPE needs at least {MIN_VOCAB_SIZE} "
@@ -472,9 +445,10 @@ def tokenize(tok, documents: Sequence[str], eod: int, progress: Progress) -> Lis
     """Token ids of each document followed by ``eod``, in batches so progress can be shown."""
     out: List[List[int]] = []
     batch = max(1, min(256, len(documents) // 20))
+    progress.phase("tokenizing documents")
     for i in range(0, len(documents), batch):
         out.extend(enc.ids + [eod] for enc in tok.encode_batch(list(documents[i:i + batch]), add_special_tokens=False))
-        progress.count(len(out), len(documents), "tokenizing documents")
+        progress.update(len(out), len(documents))
     return out
 
 

@@ -42,10 +42,11 @@ import time
 from typing import Dict, Iterator, List, Optional
 
 from .. import interrupts
-from .data_prep import DataError, PreparedData, Progress, add_data_arguments, check_split, default_cache_dir
+from .data_prep import DataError, PreparedData, add_data_arguments, check_split, default_cache_dir
 from .data_prep import SPLIT_NAMES, describe_indexed, documents_per_split, prepare_from_args, split_weights
 from ..schedule import registry
 from ..schedule.layout import V_SHAPE
+from .progress import Progress
 
 #: The schedules the main job compares with 1F1B: those holding two model chunks per rank.
 SCHEDULES = registry.names(chunks_per_rank=2)
@@ -168,9 +169,8 @@ def to_argv(parser: argparse.ArgumentParser, args) -> List[str]:
 
 def resolve_data(args) -> PreparedData:
     """The prepared data the workers will read (built now on a cache miss), split checked."""
-    progress = Progress()
     if args.data_path:
-        from ..launch.checks import largest_token_id
+        from ..launch_checks import largest_token_id
 
         data = describe_indexed(args.data_path, args.tokenizer, args.eod_token)
         check_split(args.split, data.documents)
@@ -180,7 +180,8 @@ def resolve_data(args) -> PreparedData:
                             f"{data.tokenizer_dir} has only {data.vocab_size} entries: pass the --tokenizer the "
                             f"data was tokenized with")
     else:
-        data, _ = prepare_from_args(args, progress)
+        with Progress("prepare-data") as progress:
+            data, _ = prepare_from_args(args, progress)
     return data
 
 

@@ -1,4 +1,5 @@
-"""Progress on stderr for command-line work that may take more than a second.
+"""Progress on stderr for command-line work that may take more than a second: the one progress
+reporter of the commands (``simulate``, ``advise``, ``prepare-data``, the main job's data).
 
 Nothing is printed for work that ends within :data:`QUIET_SECONDS`, so quick commands stay
 quiet. Past that, a background thread reports the current phase (and its fraction when the
@@ -10,6 +11,9 @@ otherwise. The work itself needs no change beyond naming its phases::
         s = build_schedule(...)
         p.phase("simulating")
         simulate(..., progress=p.update)
+
+A finished step worth keeping on screen is one line of its own, printed at once (:meth:`say`,
+also outside a ``with``); it ends the phase until the next one is named.
 """
 from __future__ import annotations
 
@@ -33,6 +37,7 @@ class Progress:
         self._start = time.monotonic()
         self._stop = threading.Event()
         self._printed = False
+        self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._tick, name="progress", daemon=True)
 
     def __enter__(self) -> "Progress":
@@ -51,6 +56,12 @@ class Progress:
     def update(self, done: int, total: int) -> None:
         self._fraction = done / total if total else None
 
+    def say(self, message: str) -> None:
+        """One line now, ``what: message`` (clearing the phase line on a terminal)."""
+        self._phase, self._fraction = "", None
+        with self._lock:
+            self._write(("\r\033[K" if self._printed and self.tty else "") + f"{self.what}: {message}\n")
+
     def line(self) -> str:
         frac = "" if self._fraction is None else f" {100 * self._fraction:.0f}%"
         return f"{self.what}: {self._phase}{frac} ({time.monotonic() - self._start:.0f} s)"
@@ -59,8 +70,10 @@ class Progress:
         if self._stop.wait(QUIET_SECONDS):
             return
         while True:
-            self._write(("\r\033[K" + self.line()) if self.tty else self.line() + "\n")
-            self._printed = True
+            with self._lock:
+                if self._phase:  # between a said step and the next phase: nothing to report
+                    self._write(("\r\033[K" + self.line()) if self.tty else self.line() + "\n")
+                    self._printed = True
             if self._stop.wait(self.interval):
                 return
 

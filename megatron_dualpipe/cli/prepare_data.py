@@ -4,16 +4,17 @@ from __future__ import annotations
 import argparse
 import shlex
 
-from ..apps.data_prep import Progress, add_data_arguments, prepare_from_args
+from ..apps.data_prep import add_data_arguments, prepare_from_args
+from ..apps.progress import Progress
 from .args import Command
 
 HELP = "text -> tokenizer -> Megatron's indexed dataset (.bin/.idx), cached; prints pretrain_gpt.py's data arguments"
 
 
 def run(args: argparse.Namespace) -> int:
-    progress = Progress()
-    data, _ = prepare_from_args(args, progress)
-    progress.say("arguments for Megatron-LM's pretrain_gpt.py (stdout):")
+    with Progress("prepare-data") as progress:
+        data, _ = prepare_from_args(args, progress)
+        progress.say("arguments for Megatron-LM's pretrain_gpt.py (stdout):")
     print(shlex.join(data.megatron_args(args.split)), flush=True)
     return 0
 
