@@ -11,6 +11,7 @@ tests/mcore        mcore         megatron-core in gloo processes, against single
 tests/cpu          cpu           the CPU mode of megatron-core (and of Megatron-LM with its checkout)
 tests/megatron_lm  megatron_lm   Megatron-LM's pretrain_gpt.py (``MEGATRON_LM_PATH``): minutes per test
 tests/apps         apps          the main job and the selftest end to end
+tests/bridge       bridge        Megatron-Bridge's own pretrain() (skipped without Megatron-Bridge)
 =================  ============  =====================================================================
 
 ``slow`` marks the folders that start megatron-core or Megatron-LM processes (mcore, cpu,
@@ -49,15 +50,16 @@ LAYERS = {
     "cpu": "the CPU mode",
     "megatron_lm": "Megatron-LM's pretrain_gpt.py (needs MEGATRON_LM_PATH)",
     "apps": "the main job and the selftest end to end",
+    "bridge": "Megatron-Bridge's pretrain() under DualPipe (needs Megatron-Bridge 0.3.x: docs/megatron-bridge.md)",
 }
 #: Folders whose tests start megatron-core or Megatron-LM processes.
-SLOW = ("mcore", "cpu", "megatron_lm", "apps")
+SLOW = ("mcore", "cpu", "megatron_lm", "apps", "bridge")
 #: The order the folders run in, the longest first (seconds of test time in .ci/run's newest tier):
 #: with ``-n 2 --dist loadfile`` (scripts/run_tests.sh, with --no-loadscope-reorder so that xdist
 #: keeps this order instead of putting the files with the most tests first) a worker takes the next
 #: file when it is done with its own, and the quick files fill the end instead of one long
 #: pretrain_gpt.py file keeping one worker busy while the other waits.
-RUN_ORDER = ("megatron_lm", "apps", "mcore", "cli", "schedule", "executor", "cpu", "bench")
+RUN_ORDER = ("megatron_lm", "apps", "mcore", "bridge", "cli", "schedule", "executor", "cpu", "bench")
 assert sorted(RUN_ORDER) == sorted(LAYERS)
 #: The development loop (``scripts/run_tests.sh -m quick``, under 2 minutes): the schedule layer whole
 #: and, from every other layer, a test that drives it end to end (test ids, or their beginnings).
@@ -76,6 +78,7 @@ QUICK = {
                     "test_dualpipe_and_megatron_1f1b_equal_on_the_users_architecture",),
     "apps": ("tests/apps/test_main_job.py::test_bad_arguments_give_one_usage_before_any_process_starts",
              "tests/apps/test_selftest.py::test_bad_settings_are_one_line_before_anything_starts"),
+    "bridge": ("tests/bridge/test_bridge.py::test_a_recipe_dualpipe_cannot_run_is_refused_in_one_line_naming_each_field",),
 }
 assert sorted(QUICK) == sorted(LAYERS)
 

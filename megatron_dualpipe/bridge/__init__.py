@@ -7,7 +7,7 @@ The one-line change in a recipe script::
 
 or ``enable(config, "dualpipe")`` before Bridge's own ``pretrain(config, forward_step)``.
 
-* :mod:`.enable`: ``enable`` / ``disable`` / the drop-in ``pretrain``;
+* :mod:`.switch`: ``enable`` / ``disable`` / the drop-in ``pretrain``;
 * :mod:`.checks`: what is refused before training, one line naming the config fields;
 * :mod:`.patches`: every Bridge attribute replaced, and why; :mod:`.model` builds the two chunks
   through the recipe's provider, :mod:`.schedule` hands Bridge's calls to the executor;
@@ -22,21 +22,21 @@ __all__ = ["pretrain", "enable", "disable"]
 
 
 def pretrain(config, forward_step_func, callbacks=None, *, schedule: str = "dualpipe", **options):
-    """See :func:`.enable.pretrain`."""
-    from .enable import pretrain as run
+    """See :func:`.switch.pretrain`."""
+    from .switch import pretrain as run
 
     return run(config, forward_step_func, callbacks, schedule=schedule, **options)
 
 
 def enable(config, schedule: str = "dualpipe", **options) -> None:
-    """See :func:`.enable.enable`."""
-    from .enable import enable as switch_on
+    """See :func:`.switch.enable`."""
+    from .switch import enable as switch_on
 
     switch_on(config, schedule, **options)
 
 
 def disable():
-    """See :func:`.enable.disable`."""
-    from .enable import disable as switch_off
+    """See :func:`.switch.disable`."""
+    from .switch import disable as switch_off
 
     return switch_off()

@@ -22,9 +22,9 @@ def wrap_create_model(orig):
 
     @functools.wraps(orig)
     def _create_model(model_provider, model_type, pg_collection):
-        from . import enable
+        from . import switch
 
-        schedule = enable.active_schedule()
+        schedule = switch.active_schedule()
         if schedule is None or registry.get(schedule).chunks_per_rank != 2:
             return orig(model_provider, model_type, pg_collection=pg_collection)
         return build_chunks(model_provider, model_type, pg_collection, schedule)
@@ -40,11 +40,11 @@ def build_chunks(provider, model_type, pg_collection, schedule: str) -> list:
     from ..mcore.model import build_two_direction_model
     from ..megatron_lm.training_hooks import two_chunk_model_built
 
-    from . import enable
+    from . import switch
 
     if not groups.bd_groups_initialized():
         groups.build_bd_groups()
-    enable.with_v_stages(provider)
+    switch.with_v_stages(provider)
     layout = registry.get(schedule).layout_kind
 
     def one_chunk(pre_process, post_process, pg_collection, vp_stage):

@@ -1,6 +1,6 @@
 """Every attribute of Megatron-Bridge the adapter replaces while a two-chunk schedule is enabled, with
 why (the same mechanism and form as ``hooks/manifest.py``'s Megatron entries; installed as one set by
-:mod:`.enable`, undone by ``disable``)."""
+:mod:`.switch`, undone by ``disable``)."""
 from __future__ import annotations
 
 from typing import Tuple
@@ -32,7 +32,7 @@ MIRRORED: Tuple[Patch, ...] = (
 
 #: DualPipeV only (the provider says two virtual stages from the model build on).
 V_STAGES: Tuple[Patch, ...] = (
-    Patch(_TRAINING + ".setup", "setup_data_iterators", _HERE + "enable:without_v_stages",
+    Patch(_TRAINING + ".setup", "setup_data_iterators", _HERE + "switch:without_v_stages",
           "it builds one data iterator per virtual stage: one, which the executor splits into the directions"),
 )
 
@@ -54,4 +54,4 @@ PROVIDER_GROUPS = Patch("megatron.bridge.models.gpt_provider", "GPTModelProvider
 #: DualPipeV: the provider (the chunks' TransformerConfig) says two virtual stages while the run lasts.
 PROVIDER_V_STAGES = Patch("megatron.bridge.models.gpt_provider", "GPTModelProvider.virtual_pipeline_model_parallel_size",
                           None, "dualpipev: the V-stages are megatron-core's two virtual stages (the chunks' config; "
-                          "parallel_state has none)", kind=INSTANCE, where="bridge.enable (dualpipev, for the run)")
+                          "parallel_state has none)", kind=INSTANCE, where="bridge.switch (dualpipev, for the run)")

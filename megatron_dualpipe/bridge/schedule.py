@@ -49,12 +49,12 @@ def wrap_get_forward_backward_func(orig):
 
     @functools.wraps(orig)
     def get_forward_backward_func(*args, **kwargs):
-        from . import enable
+        from . import switch
 
-        schedule = enable.active_schedule()
+        schedule = switch.active_schedule()
         if schedule is None or registry.get(schedule).runs_on != registry.EXECUTOR:
             return orig(*args, **kwargs)
-        return BridgeCall(schedule, enable.active_options())
+        return BridgeCall(schedule, switch.active_options())
 
     return get_forward_backward_func
 

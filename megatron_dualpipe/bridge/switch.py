@@ -63,6 +63,9 @@ def disable() -> List[str]:
     installed = _STATE.pop("patches", None)
     if installed is not None:
         overwritten += installed.uninstall()
+        from ..mcore import groups
+
+        groups.destroy_bd_groups()  # Bridge's pretrain destroys parallel_state when it ends: a next one rebuilds both
     _STATE.clear()
     return overwritten
 

@@ -1,0 +1,214 @@
+"""The tiny GPT recipe the Bridge tests train, and the worker that trains it under each schedule.
+
+One set of gloo processes runs Bridge's own ``pretrain()`` once per schedule, one after the other
+(the process group is made here, so Bridge keeps it between runs), and the last rank returns every
+metric Bridge logged: the arguments of its ``training_log`` each iteration (losses, learning rate,
+loss scale, grad norm, params norm, zeros in the gradients, skipped iterations) and the evaluation
+losses. The weights start from a function of each parameter's place in the model (layer number,
+name), the same under every schedule: DualPipeV's ranks build other layers than 1F1B's and Megatron
+seeds per pipeline rank, so its own initialisation would differ.
+"""
+from __future__ import annotations
+
+import os
+import zlib
+
+PP, LAYERS, SEQ, ITERS, GLOBAL_BATCH = 4, 8, 32, 4, 8
+
+
+def recipe(schedule: str):
+    """A ConfigContainer as a Bridge recipe builds one: tied embeddings, TE layer spec, Adam, clipping,
+    the distributed optimizer and overlapped gradient reduction, mock data, an evaluation."""
+    import torch
+    from megatron.bridge.models.gpt_provider import GPTModelProvider
+    from megatron.bridge.training.config import (CheckpointConfig, ConfigContainer, DistributedDataParallelConfig,
+                                                 DistributedInitConfig, LoggerConfig, MockGPTDatasetConfig,
+                                                 OptimizerConfig, RNGConfig, SchedulerConfig, TokenizerConfig,
+                                                 TrainingConfig)
+
+    model = GPTModelProvider(num_layers=LAYERS, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+                             seq_length=SEQ, pipeline_model_parallel_size=PP, pipeline_dtype=torch.float32,
+                             make_vocab_size_divisible_by=128, hidden_dropout=0.0, attention_dropout=0.0)
+    model.register_pre_wrap_hook(same_weights)
+    return ConfigContainer(
+        model=model,
+        train=TrainingConfig(train_iters=ITERS, global_batch_size=GLOBAL_BATCH, micro_batch_size=1, eval_interval=2,
+                             eval_iters=1),
+        optimizer=OptimizerConfig(optimizer="adam", lr=1e-3, min_lr=1e-5, weight_decay=0.01, clip_grad=1.0,
+                                  use_distributed_optimizer=True, log_num_zeros_in_grad=True),
+        scheduler=SchedulerConfig(start_weight_decay=0.01, end_weight_decay=0.01, weight_decay_incr_style="constant",
+                                  lr_warmup_iters=1, lr_warmup_init=0.0, lr_decay_iters=ITERS, lr_decay_style="cosine"),
+        ddp=DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_grad_reduce=True,
+                                          grad_reduce_in_fp32=True),
+        dataset=MockGPTDatasetConfig(random_seed=1234, seq_length=SEQ, reset_attention_mask=False,
+                                     reset_position_ids=False, eod_mask_loss=False, num_dataset_builder_threads=1,
+                                     dataloader_type="single", num_workers=0),
+        logger=LoggerConfig(log_interval=1, log_params_norm=True),
+        tokenizer=TokenizerConfig(tokenizer_type="NullTokenizer", vocab_size=256),
+        checkpoint=CheckpointConfig(save=None),
+        dist=DistributedInitConfig(distributed_backend="gloo"),
+        rng=RNGConfig(seed=1234),
+    )
+
+
+def same_weights(model):
+    """Bridge's pre-wrap hook: every non-constant parameter drawn from a generator seeded by its logical
+    name (decoder layers by their global layer number; a tied output weight is the embedding)."""
+    import torch
+
+    for chunk in model:
+        for name, param in logical_names(chunk):
+            if param.numel() > 1 and param.detach().std() > 0:
+                gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+                with torch.no_grad():
+                    param.copy_(0.02 * torch.randn(param.shape, generator=gen, dtype=torch.float32))
+    return model
+
+
+def logical_names(chunk):
+    """(name, parameter) with the decoder layers numbered as in the whole model."""
+    layers = {id(p): f"layer{layer.layer_number}.{n}" for layer in chunk.decoder.layers
+              for n, p in layer.named_parameters()}
+    tied = getattr(chunk, "share_embeddings_and_output_weights", False)
+    for name, param in chunk.named_parameters():
+        if name == "output_layer.weight" and tied:
+            name = "embedding.word_embeddings.weight"
+        yield layers.get(id(param), name), param
+
+
+def train_each(rank: int, world: int, port: int, schedules):
+    """Train the recipe under each schedule; the last rank returns {schedule: its logged metrics}."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    import torch.distributed as dist
+
+    from megatron_dualpipe.bridge import cpu
+
+    cpu.enable()
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    logged = {schedule: train_once(schedule) for schedule in schedules}
+    return logged if rank == world - 1 else None
+
+
+def train_once(schedule: str) -> dict:
+    """One run of Bridge's pretrain (the package's drop-in, or Bridge's own for Bridge's 1F1B)."""
+    import megatron.bridge.training.eval as bridge_eval
+    import megatron.bridge.training.train as bridge_train
+    from megatron.bridge.training.gpt_step import forward_step
+    from megatron.bridge.training.pretrain import pretrain as bridge_pretrain
+
+    from megatron_dualpipe.bridge import pretrain
+
+    metrics = {"train": [], "eval": []}
+    log, evaluate = bridge_train.training_log, bridge_eval.evaluate
+    bridge_train.training_log = _recording_training_log(log, metrics["train"])
+    bridge_eval.evaluate = _recording_evaluate(evaluate, metrics["eval"])
+    try:
+        if schedule == "bridge-1f1b":
+            bridge_pretrain(recipe(schedule), forward_step)
+        else:
+            pretrain(recipe(schedule), forward_step, schedule=schedule)
+    finally:
+        bridge_train.training_log, bridge_eval.evaluate = log, evaluate
+    return metrics
+
+
+def _number(value):
+    return float(value.item() if hasattr(value, "item") else value) if value is not None else None
+
+
+def _recording_training_log(training_log, into: list):
+    def record(loss_dict, total_loss_dict, learning_rate, decoupled_learning_rate, loss_scale, report_memory_flag,
+               skipped_iter, grad_norm, params_norm, num_zeros_in_grad, *args, **kwargs):
+        row = {f"loss/{k}": _number(v) for k, v in loss_dict.items()}
+        row.update({"learning rate": _number(learning_rate), "loss scale": _number(loss_scale),
+                    "grad norm": _number(grad_norm), "params norm": _number(params_norm),
+                    "num zeros": _number(num_zeros_in_grad), "skipped": _number(skipped_iter)})
+        into.append(row)
+        return training_log(loss_dict, total_loss_dict, learning_rate, decoupled_learning_rate, loss_scale,
+                            report_memory_flag, skipped_iter, grad_norm, params_norm, num_zeros_in_grad, *args,
+                            **kwargs)
+
+    return record
+
+
+def _recording_evaluate(evaluate, into: list):
+    def record(*args, **kwargs):
+        out = evaluate(*args, **kwargs)
+        total = out[0] if isinstance(out, tuple) else out
+        into.append({f"eval/{k}": _number(v) for k, v in (total or {}).items()})
+        return out
+
+    return record
+
+
+#: (schedule, {field: bad value}) -> the fields the one-line refusal must name.
+MISTAKES = (
+    ("dualpipe", {"model.virtual_pipeline_model_parallel_size": 2, "checkpoint.save": "/tmp/ckpt",
+                  "model.num_layers": 6, "train.global_batch_size": 2, "model.cuda_graph_impl": "local",
+                  "dist.use_decentralized_pg": True, "model.pipeline_model_parallel_layout": "Et|tt|tt|tL"}),
+    ("dualpipe", {"model.pipeline_model_parallel_size": 3}),
+    ("dualpipev", {"model.num_layers": 12, "dist.use_megatron_fsdp": True}),
+    ("zb-h1", {}),
+)
+
+
+def _set(cfg, path: str, value) -> None:
+    *parents, name = path.split(".")
+    owner = cfg
+    for part in parents:
+        owner = getattr(owner, part)
+    setattr(owner, name, value)
+
+
+def refusals(rank: int, world: int, port: int):
+    """What ``enable`` says about each of :data:`MISTAKES` (one process, nothing started), and
+    whether Bridge's names were left alone."""
+    os.environ.update(RANK="0", WORLD_SIZE=str(PP))
+    from megatron_dualpipe.bridge import cpu, enable
+
+    cpu.enable()  # before anything imports megatron-core: it reads at import whether TE exists
+    import megatron.bridge.training.train as bridge_train
+
+    from megatron_dualpipe.bridge.checks import BridgeConfigError
+
+    before, said = bridge_train.get_forward_backward_func, []
+    for schedule, mistakes in MISTAKES:
+        cfg = recipe(schedule)
+        for path, value in mistakes.items():
+            _set(cfg, path, value)
+        try:
+            enable(cfg, schedule)
+            said.append(None)
+        except BridgeConfigError as e:
+            said.append(str(e))
+    return said, bridge_train.get_forward_backward_func is before
+
+
+def enable_twice_then_disable(rank: int, world: int, port: int):
+    """Bridge's patched names after enable, a second enable, disable, and enable of Bridge's own 1f1b."""
+    os.environ.update(RANK="0", WORLD_SIZE=str(PP))
+    from megatron_dualpipe.bridge import cpu, disable, enable
+
+    cpu.enable()
+    import megatron.bridge.models.model_provider as provider
+    import megatron.bridge.training.eval as bridge_eval
+    import megatron.bridge.training.train as bridge_train
+
+    def names():
+        return (bridge_train.get_forward_backward_func, bridge_eval.get_forward_backward_func,
+                provider._create_model, provider.DistributedDataParallel, bridge_train.calc_params_l2_norm)
+
+    original, cfg = names(), recipe("dualpipe")
+    enable(cfg, "dualpipe")
+    first = names()
+    enable(cfg, "dualpipe")
+    second = names()
+    disable()
+    restored = names()
+    enable(cfg, "1f1b")
+    own = names()
+    disable()
+    changed = [a is not b for a, b in zip(first, original)]
+    return changed, [a is b for a, b in zip(second, first)], [a is b for a, b in zip(restored, original)], \
+        [a is b for a, b in zip(own, original)]
