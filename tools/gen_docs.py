@@ -21,7 +21,8 @@ sys.path.insert(0, os.path.join(ROOT, "tools"))
 import bubble_report  # noqa: E402
 import megatron_options_doc  # noqa: E402
 
-from megatron_dualpipe.pictures.draw import to_png, to_svg  # noqa: E402
+from megatron_dualpipe.pictures.draw import to_svg  # noqa: E402
+from megatron_dualpipe.pictures.figure import to_png  # noqa: E402
 
 
 def generated() -> dict:

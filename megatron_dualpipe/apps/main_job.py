@@ -189,7 +189,7 @@ def draw_schedule(args) -> Optional[str]:
     """The simulated timeline of the schedule the workers run (unit costs), and the same schedule
     above megatron-core's 1F1B at the same scale (:func:`report.write_schedule_comparison`); the
     first one's path."""
-    from ..pictures.draw import to_png
+    from ..pictures.figure import to_png
     from .report import write_schedule_comparison
     from ..schedule.simulate import Costs, simulate
 

@@ -118,13 +118,9 @@ def loss_figure(a: RunResult, b: RunResult, title: str, dpi: int = 100):
 
 
 def write_loss_png(path: str, a: RunResult, b: RunResult, title: str) -> None:
-    from ..pictures.plotting import agg_pyplot
+    from ..pictures.plotting import save_png
 
-    fig = loss_figure(a, b, title)
-    try:
-        fig.savefig(path, format="png")
-    finally:
-        agg_pyplot().close(fig)
+    save_png(loss_figure(a, b, title), path)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -196,7 +192,7 @@ def comparison_lines(makespans) -> List[str]:
 def write_schedule_comparison(out_dir: str, name: str, pp: int, real: int) -> str:
     """``<name>_vs_1f1b_pp<P>_m<M>.png`` in ``out_dir``: the two simulated timelines one above
     the other on one time axis, makespans in their titles; its path."""
-    from ..pictures.draw import to_png_compared
+    from ..pictures.figure import to_png_compared
 
     panels, _ = simulated_pair(name, pp, real)
     path = os.path.join(out_dir, compare_file(name, pp, real))

@@ -83,7 +83,7 @@ def _draw(args, padded, result, prog) -> list:
         drawn.append(args.svg)
     if args.png:
         try:
-            from ..pictures.draw import to_png
+            from ..pictures.figure import to_png
 
             prog.phase(f"drawing {args.png}")
             to_png(s, result, args.png, fake=fake)

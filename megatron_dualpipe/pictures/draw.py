@@ -14,13 +14,15 @@ are more) and about :data:`MAX_UNITS_PER_ROW` units per rank (the start and the 
 run with the repeating steady state cut out), and says so under the title, so any schedule
 the command line accepts renders in seconds, stays legible, and its SVG stays a few MB.
 
-:func:`to_svg` is written by hand and needs nothing; :func:`to_png` imports matplotlib only
-when called.
+One renderer: :func:`boxes` and :func:`outlines` say what is drawn where (rows, and spans on the
+drawn time axis of a :class:`Frame`); :func:`to_svg` writes them as SVG (by hand: one
+``<rect class="action">`` per drawn action, its rank, index and micro-batch as attributes) and
+:mod:`.figure` paints the same with matplotlib (PNG, and timelines one above the other).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 from xml.sax.saxutils import escape
 
 from ..schedule.actions import B, BW, F, W, Action
@@ -49,8 +51,8 @@ MAX_ROWS = 32
 #: run (the steady state, which repeats) is cut out.
 MAX_UNITS_PER_ROW = 120
 
-# Geometry (pixels) for the SVG; the PNG uses the same proportions in inches.
-_UNIT_PX = 27.0   # width of an average unit of the busiest rank
+# Geometry (pixels) for the SVG; the PNG uses the same proportions in inches (UNIT_PX too).
+UNIT_PX = 27.0   # width of an average unit of the busiest rank
 _MAX_W = 6000.0   # widest drawing area
 _ROW = 24.0       # row height
 _GAP = 4.0        # vertical gap between rows
@@ -62,7 +64,7 @@ _CHAR_PX = 7.0    # widest average character width of the 11 px legend font
 def title(schedule, result: SimResult) -> str:
     bub = result.bubble
     return (f"{schedule.name}  pp={schedule.pp}  M={schedule.microbatches}  "
-            f"makespan={_num(result.makespan)}  bubble max={_num(max(bub))} min={_num(min(bub))}")
+            f"makespan={num(result.makespan)}  bubble max={num(max(bub))} min={num(min(bub))}")
 
 
 def key(schedule) -> str:
@@ -74,11 +76,11 @@ def key(schedule) -> str:
     return f"{layout.dir_label(0)}: solid;  {layout.dir_label(1)}: light, hatched"
 
 
-def _num(x: float) -> str:
+def num(x: float) -> str:
     return f"{x:.3f}".rstrip("0").rstrip(".")
 
 
-class _Cell:
+class Cell:
     """One drawn action: its rank, index, time span and the part of the span it fills."""
 
     __slots__ = ("rank", "index", "action", "start", "end", "fused", "half")
@@ -96,7 +98,7 @@ class _Cell:
         return (self.start, mid) if self.half == 0 else (mid, self.end)
 
 
-def cells(schedule, result: SimResult) -> Iterator[_Cell]:
+def cells(schedule, result: SimResult) -> Iterator[Cell]:
     """Every action of every rank with its simulated span, fused halves marked."""
     for r, acts in enumerate(schedule.ranks):
         tl = result.ranks[r]
@@ -104,30 +106,39 @@ def cells(schedule, result: SimResult) -> Iterator[_Cell]:
         while i < len(acts):
             a = acts[i]
             if a.overlap and i + 1 < len(acts):
-                yield _Cell(r, i, a, tl.starts[i], tl.ends[i], True, 0)
-                yield _Cell(r, i + 1, acts[i + 1], tl.starts[i + 1], tl.ends[i + 1], True, 1)
+                yield Cell(r, i, a, tl.starts[i], tl.ends[i], True, 0)
+                yield Cell(r, i + 1, acts[i + 1], tl.starts[i + 1], tl.ends[i + 1], True, 1)
                 i += 2
             else:
-                yield _Cell(r, i, a, tl.starts[i], tl.ends[i], False, 0)
+                yield Cell(r, i, a, tl.starts[i], tl.ends[i], False, 0)
                 i += 1
 
 
 def legend_entries(schedule) -> List[Tuple[str, str]]:
     """(label, colour) for the op/direction pairs the schedule uses, in a fixed order."""
-    keys = _legend_keys(schedule)
+    keys = legend_keys(schedule)
     multi = len({d for _, d in keys}) > 1
     word = schedule.layout.dir_word
     return [(f"{op} {OP_NAMES[op]}" + (f", {word} {d}" if multi else ""), COLORS[(op, d)]) for op, d in keys]
 
 
-def _legend_keys(schedule) -> List[Tuple[str, int]]:
+def legend_keys(schedule) -> List[Tuple[str, int]]:
     """The (op, dir) pairs the schedule uses, in the legend's order."""
     used = {(a.op, a.dir) for acts in schedule.ranks for a in acts}
     return [(op, d) for op in (F, BW, B, W) for d in (0, 1) if (op, d) in used]
 
 
-def _label(a: Action) -> str:
+def label(a: Action) -> str:
+    """A cell's text: its micro-batch number."""
     return str(a.mb)
+
+
+def label_size(chars: int, width: float, sizes: Sequence[int]) -> int:
+    """The largest font size (same unit as ``width``: px or points) whose label fits the cell, or 0."""
+    for size in sizes:
+        if chars * 0.62 * size + 2 <= width:
+            return size
+    return 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -194,12 +205,12 @@ def frame(schedule, result: SimResult) -> Frame:
     if per_rank > MAX_UNITS_PER_ROW:
         keep = span * (MAX_UNITS_PER_ROW / 2) / per_rank
         segments, gap = [(0.0, keep), (span - keep, span)], 3 * avg
-        notes.append(f"time {_num(keep)}-{_num(span - keep)} of {_num(span)} cut out (the steady state repeats; "
+        notes.append(f"time {num(keep)}-{num(span - keep)} of {num(span)} cut out (the steady state repeats; "
                      f"fewer micro-batches draw it all)")
     return Frame(rows, segments, gap, "; ".join(notes), avg)
 
 
-def _ticks(frame: Frame, per_segment: int) -> List[Tuple[float, float]]:
+def ticks(frame: Frame, per_segment: int) -> List[Tuple[float, float]]:
     """(drawn position, time) of the axis ticks, ``per_segment`` or fewer in each segment."""
     out = []
     for (s, e), off in zip(frame.segments, frame.offsets()):
@@ -211,10 +222,10 @@ def _ticks(frame: Frame, per_segment: int) -> List[Tuple[float, float]]:
     return out
 
 
-def _ticks_that_fit(fr: Frame, points_per_time: float, font_pt: float = 10.0) -> int:
+def ticks_that_fit(fr: Frame, points_per_time: float, font_pt: float = 10.0) -> int:
     """Ticks per segment whose labels (the longest time's digits at ``font_pt``, a label's width
     apart at least) do not run together on the narrowest segment."""
-    chars = max(len(_num(e)) for _, e in fr.segments)
+    chars = max(len(num(e)) for _, e in fr.segments)
     label_pt = 2 * (chars * 0.62 * font_pt + 6)
     narrowest = min(e - s for s, e in fr.segments) * points_per_time
     return max(1, int(narrowest // label_pt))
@@ -233,15 +244,45 @@ def _tick_step(raw: float) -> float:
     return 10 * mag
 
 
+def whole(schedule, result: SimResult) -> Frame:
+    """Every rank and the whole run (the timelines drawn one above the other: each schedule the
+    main job and ``trace`` draw is small)."""
+    span = max(result.makespan, 1e-9)
+    return Frame(list(range(schedule.pp)), [(0.0, span)], 0.0, "", span / max(1, max(
+        len(units(acts)) for acts in schedule.ranks)))
+
+
 Fake = Optional[Callable[[Action], bool]]
 
 
-def _label_size(chars: int, width: float, sizes: Sequence[int]) -> int:
-    """The largest font size (same unit as ``width``: px or points) whose label fits the cell, or 0."""
-    for size in sizes:
-        if chars * 0.62 * size + 2 <= width:
-            return size
-    return 0
+class Box(NamedTuple):
+    """One drawn span of an action: its cell, the row it is drawn in, its drawn span, padding or not."""
+
+    cell: Cell
+    row: int
+    x0: float
+    x1: float
+    fake: bool
+
+
+def boxes(schedule, result: SimResult, fr: Frame, fake: Fake = None) -> Iterator[Box]:
+    """Every drawn span of every action in ``fr``, in rank and action order."""
+    for c in cells(schedule, result):
+        row = fr.row_of(c.rank)
+        if row is None:
+            continue
+        is_fake = fake is not None and fake(c.action)
+        for x0, x1 in fr.clip(*c.span):
+            yield Box(c, row, x0, x1, is_fake)
+
+
+def outlines(schedule, result: SimResult, fr: Frame) -> Iterator[Tuple[int, float, float]]:
+    """(row, x0, x1) of every fused F&B unit's outline in ``fr``, drawn over the cells."""
+    for c in cells(schedule, result):
+        row = fr.row_of(c.rank)
+        if row is not None and c.fused and c.half == 0:
+            for x0, x1 in fr.clip(c.start, c.end):
+                yield row, x0, x1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -267,36 +308,27 @@ def _svg_fill(op: str, d: int) -> str:
 def _svg_cells(schedule, result: SimResult, fr, px: float, fake: Fake, font: str) -> List[str]:
     """One ``<rect class="action">`` (and its label) per drawn action, the fused units' outlines on top."""
     out: List[str] = []
-    fused_outlines: List[str] = []
-    for c in cells(schedule, result):
-        row = fr.row_of(c.rank)
-        if row is None:
-            continue
-        a = c.action
-        y = _TOP + row * (_ROW + _GAP)
-        is_fake = fake is not None and fake(a)
-        for x0, x1 in fr.clip(*c.span):
-            x, w = _LEFT + x0 * px, max((x1 - x0) * px, 0.5)
-            tip = f"rank {c.rank} #{c.index}: {a} stage {a.stage} [{_num(c.start)}, {_num(c.end)})" + \
-                (" fake" if is_fake else "")
-            fill = FAKE if is_fake else _svg_fill(a.op, a.dir)
-            mark = ' data-fake="1"' if is_fake else ""
-            out.append(
-                f'<rect class="action" data-rank="{c.rank}" data-index="{c.index}" data-op="{a.op}" '
-                f'data-dir="{a.dir}" data-mb="{a.mb}" data-stage="{a.stage}"{mark} '
-                f'x="{x:.2f}" y="{y:.2f}" width="{w:.2f}" height="{_ROW:.2f}" fill="{fill}" stroke="#ffffff" '
-                f'stroke-width="0.8"><title>{escape(tip)}</title></rect>')
-            size = _label_size(len(_label(a)), w, (11, 9))
-            if size and not is_fake:
-                out.append(f'<text x="{x + w / 2:.2f}" y="{y + _ROW / 2 + 4:.2f}" font-size="{size}" '
-                           f'text-anchor="middle" fill="{TEXT[a.dir]}" {font}>{_label(a)}</text>')
-        if c.fused and c.half == 0:
-            for x0, x1 in fr.clip(c.start, c.end):
-                fx, fw = _LEFT + x0 * px, (x1 - x0) * px
-                fused_outlines.append(
-                    f'<path class="fused" d="M{fx + 1:.2f},{y + 1:.2f} h{fw - 2:.2f} v{_ROW - 2:.2f} '
-                    f'h{-(fw - 2):.2f} Z" fill="none" stroke="#111111" stroke-width="2.2"/>')
-    return out + fused_outlines  # on top of every cell, so neighbours cannot hide them
+    for c, row, x0, x1, is_fake in boxes(schedule, result, fr, fake):
+        a, y = c.action, _TOP + row * (_ROW + _GAP)
+        x, w = _LEFT + x0 * px, max((x1 - x0) * px, 0.5)
+        tip = f"rank {c.rank} #{c.index}: {a} stage {a.stage} [{num(c.start)}, {num(c.end)})" + \
+            (" fake" if is_fake else "")
+        fill = FAKE if is_fake else _svg_fill(a.op, a.dir)
+        mark = ' data-fake="1"' if is_fake else ""
+        out.append(
+            f'<rect class="action" data-rank="{c.rank}" data-index="{c.index}" data-op="{a.op}" '
+            f'data-dir="{a.dir}" data-mb="{a.mb}" data-stage="{a.stage}"{mark} '
+            f'x="{x:.2f}" y="{y:.2f}" width="{w:.2f}" height="{_ROW:.2f}" fill="{fill}" stroke="#ffffff" '
+            f'stroke-width="0.8"><title>{escape(tip)}</title></rect>')
+        size = label_size(len(label(a)), w, (11, 9))
+        if size and not is_fake:
+            out.append(f'<text x="{x + w / 2:.2f}" y="{y + _ROW / 2 + 4:.2f}" font-size="{size}" '
+                       f'text-anchor="middle" fill="{TEXT[a.dir]}" {font}>{label(a)}</text>')
+    for row, x0, x1 in outlines(schedule, result, fr):  # on top of every cell, so neighbours cannot hide them
+        y, fx, fw = _TOP + row * (_ROW + _GAP), _LEFT + x0 * px, (x1 - x0) * px
+        out.append(f'<path class="fused" d="M{fx + 1:.2f},{y + 1:.2f} h{fw - 2:.2f} v{_ROW - 2:.2f} '
+                   f'h{-(fw - 2):.2f} Z" fill="none" stroke="#111111" stroke-width="2.2"/>')
+    return out
 
 
 def _svg_legend(legend, extra, per_line: int, column: float, legend_top: float, font: str) -> List[str]:
@@ -323,7 +355,7 @@ def to_svg(schedule, result: SimResult, fake: Fake = None) -> str:
 
     ``fake(action)`` marks padding micro-batches (drawn as thin grey marks)."""
     fr = frame(schedule, result)
-    px = min(_UNIT_PX / max(fr.avg_unit, 1e-12), _MAX_W / max(fr.width, 1e-12))
+    px = min(UNIT_PX / max(fr.avg_unit, 1e-12), _MAX_W / max(fr.width, 1e-12))
     rows_h = len(fr.rows) * (_ROW + _GAP)
     legend = legend_entries(schedule)
     legend_top = _TOP + rows_h + 36
@@ -349,12 +381,12 @@ def to_svg(schedule, result: SimResult, fake: Fake = None) -> str:
     if sub:
         out.append(f'<text class="note" x="{_LEFT:.1f}" y="40" font-size="11" fill="#444444" {font}>'
                    f'{escape(sub)}</text>')
-    for x_t, t in _ticks(fr, max(2, int(fr.width * px / 45) // len(fr.segments))):
+    for x_t, t in ticks(fr, max(2, int(fr.width * px / 45) // len(fr.segments))):
         x = _LEFT + x_t * px
         out.append(f'<line x1="{x:.1f}" y1="{_TOP - 4:.1f}" x2="{x:.1f}" y2="{_TOP + rows_h:.1f}" '
                    f'stroke="#e4e4e4" stroke-width="1"/>')
         out.append(f'<text x="{x:.1f}" y="{_TOP + rows_h + 14:.1f}" font-size="10" text-anchor="middle" '
-                   f'fill="#666666" {font}>{_num(t)}</text>')
+                   f'fill="#666666" {font}>{num(t)}</text>')
     if len(fr.segments) > 1:
         gx = _LEFT + (fr.segments[0][1] - fr.segments[0][0]) * px
         out.append(f'<rect class="cut" x="{gx:.1f}" y="{_TOP - 4:.1f}" width="{fr.gap * px:.1f}" '
@@ -372,223 +404,7 @@ def to_svg(schedule, result: SimResult, fake: Fake = None) -> str:
     return "\n".join(out) + "\n"
 
 
-# ---------------------------------------------------------------------------------------------
-# PNG
-# ---------------------------------------------------------------------------------------------
-
 def _legend_column_width(labels) -> float:
     """Pixels for one SVG legend column: the swatch, and the longest label at 11 px (at most
     :data:`_CHAR_PX` per character, a bound for DejaVu Sans and Helvetica)."""
     return 22 + _CHAR_PX * max(len(label) for label in labels) + 16
-
-
-def _hatch_kwargs(d: int, op: str) -> dict:
-    """matplotlib keyword arguments for a hatched cell (``hatchcolor`` where matplotlib has it)."""
-    if d not in HATCHED:
-        return {}
-    import matplotlib
-
-    major, minor = (int(x) for x in matplotlib.__version__.split(".")[:2])
-    return {"hatch": "///", **({"hatchcolor": COLORS[(op, 0)]} if (major, minor) >= (3, 10) else {})}
-
-
-def _box(x0: float, x1: float, y: float, h: float):
-    return ((x0, y), (x1, y), (x1, y + h), (x0, y + h))
-
-
-def to_png(schedule, result: SimResult, path, dpi: int = 110, fake: Fake = None) -> None:
-    """Render the timeline with matplotlib (imported here, Agg backend) to ``path``."""
-    _save(png_figure(schedule, result, dpi, fake), path)
-
-
-def png_figure(schedule, result: SimResult, dpi: int = 110, fake: Fake = None):
-    """The matplotlib figure :func:`to_png` saves: legend and labels inside it at any size."""
-    from matplotlib.collections import PolyCollection
-    from matplotlib.patches import Patch
-
-    from .plotting import agg_pyplot, legend_below
-
-    plt = agg_pyplot()
-
-    fr = frame(schedule, result)
-    n_rows = len(fr.rows)
-    unit_in = _UNIT_PX / 106.0  # inches per average unit (0.255: 0.17 per time unit at f=1, b=2)
-    width = max(8.0, min(60.0, 1.0 + fr.width / max(fr.avg_unit, 1e-12) * unit_in))
-    height = 1.8 + 0.36 * n_rows + 0.5
-    fig, ax = plt.subplots(figsize=(width, height), dpi=dpi)
-    points_per_time = (width - 1.2) * 72 / max(fr.width, 1e-12)
-    row, gap = 1.0, 0.14
-    # One collection per fill (not a patch per cell) and labels kept out of tight_layout: a
-    # few thousand cells then render in seconds.
-    groups: Dict[object, List] = {}
-    for c in cells(schedule, result):
-        i = fr.row_of(c.rank)
-        if i is None:
-            continue
-        a = c.action
-        y = (n_rows - 1 - i) * (row + gap)
-        is_fake = fake is not None and fake(a)
-        for x0, x1 in fr.clip(*c.span):
-            if is_fake:
-                groups.setdefault("fake", []).append(_box(x0, max(x1, x0 + fr.avg_unit * 0.05), y, row))
-                continue
-            groups.setdefault((a.op, a.dir), []).append(_box(x0, x1, y, row))
-            size = _label_size(len(_label(a)), (x1 - x0) * points_per_time, LABEL_SIZES)
-            if size:
-                ax.text((x0 + x1) / 2, y + row / 2, _label(a), ha="center", va="center",
-                        fontsize=size, color=TEXT[a.dir]).set_in_layout(False)
-        if c.fused and c.half == 0:
-            groups.setdefault("fused", []).extend(_box(x0, x1, y, row) for x0, x1 in fr.clip(c.start, c.end))
-    for k, rects in groups.items():
-        if k == "fake":
-            style = dict(facecolor=FAKE, edgecolor="none")
-        elif k == "fused":
-            style = dict(facecolor="none", edgecolor="#111111", linewidth=1.8, zorder=3)
-        else:
-            style = dict(facecolor=COLORS[k], edgecolor="white", linewidth=0.6, **_hatch_kwargs(k[1], k[0]))
-        coll = PolyCollection(rects, **style)
-        coll.set_in_layout(False)
-        ax.add_collection(coll)
-    fused = groups.get("fused")
-    if len(fr.segments) > 1:
-        gx = fr.segments[0][1] - fr.segments[0][0]
-        ax.axvspan(gx, gx + fr.gap, color="#f0f0f0", zorder=0)
-        ax.text(gx + fr.gap / 2, n_rows * (row + gap) / 2, "...", ha="center", va="center", color="#666666")
-    ax.set_xlim(0, fr.width)
-    ax.set_ylim(-gap, n_rows * (row + gap))
-    ax.set_yticks([(n_rows - 1 - i) * (row + gap) + row / 2 for i in range(n_rows)])
-    ax.set_yticklabels([f"rank {r}" if r is not None else "..." for r in fr.rows])
-    ticks = _ticks(fr, _ticks_that_fit(fr, points_per_time))
-    ax.set_xticks([x for x, _ in ticks])
-    ax.set_xticklabels([_num(t) for _, t in ticks])
-    ax.set_xlabel("simulated time")
-    ax.tick_params(axis="y", length=0)
-    for side in ("top", "right", "left"):
-        ax.spines[side].set_visible(False)
-    ax.grid(axis="x", color="#e4e4e4", linewidth=0.6)
-    ax.set_axisbelow(True)
-    sub = "\n".join(x for x in (key(schedule), fr.note) if x)
-    ax.set_title(title(schedule, result) + ("\n" + sub if sub else ""), fontsize=11, loc="left")
-    handles = [Patch(facecolor=col, edgecolor="white", label=lab, **_hatch_kwargs(d, op))
-               for (lab, col), (op, d) in zip(legend_entries(schedule), _legend_keys(schedule))]
-    if fused:
-        handles.append(Patch(facecolor="white", edgecolor="#111111", linewidth=1.8, label="fused F&B unit"))
-    if fake is not None:
-        handles.append(Patch(facecolor=FAKE, edgecolor="none", label="fake micro-batch (padding, no compute)"))
-    legend_below(fig, handles)
-    return fig
-
-
-def _save(fig, path) -> None:
-    from .plotting import agg_pyplot
-
-    try:
-        fig.savefig(path, format="png")
-    finally:
-        agg_pyplot().close(fig)
-
-
-# ---------------------------------------------------------------------------------------------
-# Timelines one above the other: a measured run and its simulation, or two schedules compared
-# ---------------------------------------------------------------------------------------------
-
-#: Label sizes (points) tried per cell, largest first; a cell too narrow for 5 pt gets none.
-LABEL_SIZES = (8, 7, 6, 5)
-#: Width of the drawing area of a stacked figure, in inches.
-STACKED_WIDTH = 16.0
-
-
-def to_png_stacked(schedule, panels: Sequence[Tuple[str, SimResult]], path, time_label: str = "ms",
-                   dpi: int = 110) -> None:
-    """Draw ``panels`` ((title, timeline) pairs over the same schedule, e.g. a measured run and
-    its simulation) one above the other, each on a time axis that fits it, with the colours,
-    labels and fused outlines of :func:`to_png`; matplotlib is imported here."""
-    _save(stacked_figure(schedule, panels, time_label, dpi), path)
-
-
-def stacked_figure(schedule, panels: Sequence[Tuple[str, SimResult]], time_label: str = "ms", dpi: int = 110):
-    """The figure :func:`to_png_stacked` saves. Each panel gets its own time axis: a measured
-    iteration on a busy machine can take many times its simulation, which on a shared axis
-    would shrink to an unreadable strip; a note under the first title says so."""
-    return panels_figure([(h, schedule, r) for h, r in panels], shared_axis=False, time_label=time_label, dpi=dpi)
-
-
-def to_png_compared(panels: Sequence[Tuple[str, object, SimResult]], path, time_label: str = "time",
-                    dpi: int = 110) -> None:
-    """Draw different schedules' timelines ((title, schedule, timeline) triples) one above the
-    other on one time axis, so that their lengths compare at a glance."""
-    _save(panels_figure(panels, shared_axis=True, time_label=time_label, dpi=dpi), path)
-
-
-def scale_note(makespans: Sequence[float]) -> str:
-    """The note a figure with one time axis per panel carries when their lengths differ."""
-    longest, shortest = max(makespans), min(makespans)
-    if shortest <= 0 or longest / shortest < 1.2:
-        return ""
-    return (f"each panel has its own time axis, fitted to it: the longest is {longest / shortest:.1f}x "
-            f"the shortest")
-
-
-def panels_figure(panels: Sequence[Tuple[str, object, SimResult]], shared_axis: bool, time_label: str = "ms",
-                  dpi: int = 110):
-    """Timelines one above the other, each labelled with its heading; on one shared time axis
-    (``shared_axis``: lengths compare) or each on its own (details readable). Micro-batch labels
-    are sized to their cells (:data:`LABEL_SIZES`); legend and labels stay inside the figure."""
-    from matplotlib.patches import Patch
-
-    from .plotting import agg_pyplot, legend_below
-
-    spans = [max(r.makespan, 1e-9) for _, _, r in panels]
-    heights = [1.0 + 0.36 * s.pp for _, s, _ in panels]
-    fig, axes = agg_pyplot().subplots(len(panels), 1, figsize=(STACKED_WIDTH, sum(heights)), dpi=dpi,
-                                      sharex=shared_axis, squeeze=False, gridspec_kw={"height_ratios": heights})
-    axes_points = (STACKED_WIDTH - 1.4) * 72  # drawing width left of the rank labels, in points
-    note = "" if shared_axis else scale_note(spans)
-    for i, (ax, (heading, schedule, result)) in enumerate(zip(axes[:, 0], panels)):
-        span = max(spans) if shared_axis else spans[i]
-        _draw_timeline(ax, schedule, result, points_per_time=axes_points / span)
-        ax.set_xlim(0, span)
-        ax.set_title(heading + (f"\n({note})" if note and i == 0 else ""), fontsize=10, loc="left")
-        if not shared_axis:
-            ax.set_xlabel(time_label, fontsize=8)
-    axes[-1, 0].set_xlabel(time_label)
-    handles, seen = [], set()
-    for _, schedule, _ in panels:
-        for (lab, col), (op, d) in zip(legend_entries(schedule), _legend_keys(schedule)):
-            if (op, d) not in seen:  # the same fill means the same thing in every panel
-                seen.add((op, d))
-                handles.append(Patch(facecolor=col, edgecolor="white", label=lab, **_hatch_kwargs(d, op)))
-    if any(a.overlap for _, s, _ in panels for acts in s.ranks for a in acts):
-        handles.append(Patch(facecolor="white", edgecolor="#111111", linewidth=1.8, label="fused F&B unit"))
-    legend_below(fig, handles)
-    return fig
-
-
-def _draw_timeline(ax, schedule, result: SimResult, points_per_time: float) -> None:
-    """One timeline on ``ax``: a row per rank, a cell per action (its micro-batch number in the
-    largest of :data:`LABEL_SIZES` that fits the cell's width, none if 5 pt does not), thick
-    outlines on fused units."""
-    from matplotlib.patches import Rectangle
-
-    pp = schedule.pp
-    row, gap = 1.0, 0.14
-    for c in cells(schedule, result):
-        x0, x1 = c.span
-        y = (pp - 1 - c.rank) * (row + gap)
-        ax.add_patch(Rectangle((x0, y), x1 - x0, row, facecolor=COLORS[(c.action.op, c.action.dir)],
-                               edgecolor="white", linewidth=0.6, **_hatch_kwargs(c.action.dir, c.action.op)))
-        size = _label_size(len(_label(c.action)), (x1 - x0) * points_per_time, LABEL_SIZES)
-        if size:
-            ax.text((x0 + x1) / 2, y + row / 2, _label(c.action), ha="center", va="center", fontsize=size,
-                    color=TEXT[c.action.dir], clip_on=True)
-        if c.fused and c.half == 0:
-            ax.add_patch(Rectangle((c.start, y), c.end - c.start, row, facecolor="none", edgecolor="#111111",
-                                   linewidth=1.8, zorder=3))
-    ax.set_ylim(-gap, pp * (row + gap))
-    ax.set_yticks([(pp - 1 - r) * (row + gap) + row / 2 for r in range(pp)])
-    ax.set_yticklabels([f"rank {r}" for r in range(pp)])
-    ax.tick_params(axis="y", length=0)
-    for side in ("top", "right", "left"):
-        ax.spines[side].set_visible(False)
-    ax.grid(axis="x", color="#e4e4e4", linewidth=0.6)
-    ax.set_axisbelow(True)

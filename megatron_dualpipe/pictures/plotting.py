@@ -27,6 +27,14 @@ def agg_pyplot():
     return plt
 
 
+def save_png(fig, path) -> None:
+    """Write ``fig`` to ``path`` as PNG and close it (also when the write fails)."""
+    try:
+        fig.savefig(path, format="png")
+    finally:
+        agg_pyplot().close(fig)
+
+
 def legend_below(fig, handles: Sequence, fontsize: float = 8, max_columns: int = 5):
     """Place a legend of ``handles`` below the axes, inside ``fig``; return it.
 

@@ -11,18 +11,16 @@ pipeline holding the lowest global rank), aligns the ranks on their wall clocks,
   "wait" slice where the rank waited for its input; process "simulated" with the same schedule
   simulated with the costs measured in this iteration (per op, the slowest rank's median; P2P
   latency 0);
-* ``--png FILE``: the simulator's drawing (``megatron_dualpipe.pictures.draw``) of both, one above the other.
+* ``--png FILE``: the simulator's drawing (``megatron_dualpipe.pictures.figure``) of both, one above the other.
 
 It prints the measured and simulated iteration time, their ratio and the costs it used.
 """
 from __future__ import annotations
 
-import argparse
 import glob
 import json
 import os
-import statistics
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 from ..executor.trace import op_medians, slowest_costs  # noqa: F401 - the trace command's costs
 
@@ -133,7 +131,7 @@ def run(args) -> int:
         with open(args.json, "w", encoding="utf-8") as fh:
             json.dump(chrome_trace(schedule, [("measured", real), ("simulated", sim)], waits), fh)
     if args.png:
-        from .draw import to_png_stacked
+        from .figure import to_png_stacked
 
         to_png_stacked(schedule, panels, args.png)
     print(f"{schedule.name} pp={schedule.pp} M={schedule.microbatches}, iteration {ranks[0]['call']} of pipeline "

@@ -7,7 +7,7 @@ import xml.etree.ElementTree as ET
 import pytest
 
 from megatron_dualpipe.cli.build import MAX_FORWARDS
-from megatron_dualpipe.pictures import draw
+from megatron_dualpipe.pictures import draw, figure
 from megatron_dualpipe.schedule import build_schedule, registry
 from megatron_dualpipe.schedule.actions import OPS
 from megatron_dualpipe.schedule.padding import build_padded
@@ -156,6 +156,6 @@ def test_large_png_renders(tmp_path):
     pytest.importorskip("matplotlib")
     s, res = _simulated(*LARGE[-1])
     path = tmp_path / "big.png"
-    draw.to_png(s, res, path)
+    figure.to_png(s, res, path)
     print(f"\n{s.name} pp={s.pp} M={s.microbatches} PNG: {path.stat().st_size / 1e6:.2f} MB")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size < 4_000_000

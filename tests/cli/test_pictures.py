@@ -11,7 +11,8 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-from megatron_dualpipe.pictures.draw import _CHAR_PX, png_figure, stacked_figure, to_png, to_svg  # noqa: E402
+from megatron_dualpipe.pictures.draw import _CHAR_PX, to_svg  # noqa: E402
+from megatron_dualpipe.pictures.figure import png_figure, stacked_figure, to_png  # noqa: E402
 from megatron_dualpipe.pictures.plotting import agg_pyplot, outside_figure  # noqa: E402
 from megatron_dualpipe.apps.report import RunResult, loss_figure, write_loss_png  # noqa: E402
 from megatron_dualpipe.schedule import build_schedule  # noqa: E402
@@ -101,18 +102,18 @@ def test_timeline_png_is_written(tmp_path):
 
 def _labels_and_cells(fig):
     """(font size, label width, cell width) in pixels for every micro-batch label drawn."""
-    from matplotlib.patches import Rectangle
+    from matplotlib.collections import PolyCollection
 
     fig.canvas.draw()
     renderer = fig.canvas.get_renderer()
     found = []
     for ax in fig.axes:
-        cells = [p for p in ax.patches if isinstance(p, Rectangle) and p.get_facecolor()[3] > 0]
+        cells = [p.get_extents() for c in ax.collections if isinstance(c, PolyCollection)
+                 and c.get_facecolor().size and c.get_facecolor()[0][3] > 0 for p in c.get_paths()]
         for t in ax.texts:
             x, y = t.get_position()
-            cell = next(c for c in cells if c.get_x() <= x <= c.get_x() + c.get_width()
-                        and c.get_y() <= y <= c.get_y() + c.get_height())
-            box = cell.get_window_extent(renderer)
+            cell = next(c for c in cells if c.x0 <= x <= c.x1 and c.y0 <= y <= c.y1)
+            box = cell.transformed(ax.transData)
             found.append((t.get_fontsize(), t.get_window_extent(renderer).width, box.width))
     return found
 
@@ -159,7 +160,7 @@ def test_narrow_cells_get_no_label_rather_than_an_unreadable_one():
 def test_schedule_against_1f1b_on_one_axis_with_makespans(tmp_path, name):
     """The main job's <schedule>_vs_1f1b picture: both simulated on one time axis, makespans in the
     titles, equal to the simulator's (an independent run of it here)."""
-    from megatron_dualpipe.pictures.draw import panels_figure
+    from megatron_dualpipe.pictures.figure import panels_figure
     from megatron_dualpipe.apps.report import simulated_pair, write_schedule_comparison
 
     panels, makespans = simulated_pair(name, 4, 16)
