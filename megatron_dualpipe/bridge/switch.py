@@ -32,17 +32,15 @@ def enable(config, schedule: str = registry.DUALPIPE, **options) -> None:
                                        f"choose from {', '.join(OPTIONS)}")
     if schedule != registry.DEFAULT:
         checks.check(config, schedule, get_world_size_safe())
-    elif schedule not in checks.SCHEDULES:
-        checks.check(config, schedule, 1)
-    wanted = dict(schedule=schedule, config=config, options=_executor_options(config, options))
-    if _STATE and all(_STATE[k] == v for k, v in wanted.items()):
+    wanted = dict(schedule=schedule, options=_executor_options(config, options))
+    if _STATE.get("config") is config and all(_STATE[k] == v for k, v in wanted.items()):
         return
     disable()
     if schedule == registry.DEFAULT:
         return
     installed = PatchSet(f"megatron-bridge {schedule}", patches.for_schedule(schedule))
     installed.install()
-    _STATE.update(wanted, patches=installed)
+    _STATE.update(wanted, config=config, patches=installed)
 
 
 def _executor_options(config, options) -> Dict[str, Any]:

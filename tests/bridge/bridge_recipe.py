@@ -16,7 +16,7 @@ import zlib
 PP, LAYERS, SEQ, ITERS, GLOBAL_BATCH = 4, 8, 32, 4, 8
 
 
-def recipe(schedule: str):
+def recipe():
     """A ConfigContainer as a Bridge recipe builds one: tied embeddings, TE layer spec, Adam, clipping,
     the distributed optimizer and overlapped gradient reduction, mock data, an evaluation."""
     import torch
@@ -99,15 +99,15 @@ def train_once(schedule: str) -> dict:
 
     from megatron_dualpipe.bridge import pretrain
 
-    metrics = {"train": [], "eval": []}
+    metrics = {"train": [], "eval": [], "stages": []}
     log, evaluate = bridge_train.training_log, bridge_eval.evaluate
-    bridge_train.training_log = _recording_training_log(log, metrics["train"])
+    bridge_train.training_log = _recording_training_log(log, metrics["train"], metrics["stages"])
     bridge_eval.evaluate = _recording_evaluate(evaluate, metrics["eval"])
     try:
         if schedule == "bridge-1f1b":
-            bridge_pretrain(recipe(schedule), forward_step)
+            bridge_pretrain(recipe(), forward_step)
         else:
-            pretrain(recipe(schedule), forward_step, schedule=schedule)
+            pretrain(recipe(), forward_step, schedule=schedule)
     finally:
         bridge_train.training_log, bridge_eval.evaluate = log, evaluate
     return metrics
@@ -117,7 +117,10 @@ def _number(value):
     return float(value.item() if hasattr(value, "item") else value) if value is not None else None
 
 
-def _recording_training_log(training_log, into: list):
+def _recording_training_log(training_log, into: list, stages: list):
+    """Bridge's ``training_log``, recording its metrics in ``into`` and the stages the rank's chunks hold."""
+    from megatron_dualpipe.mcore.model import chunk_info
+
     def record(loss_dict, total_loss_dict, learning_rate, decoupled_learning_rate, loss_scale, report_memory_flag,
                skipped_iter, grad_norm, params_norm, num_zeros_in_grad, *args, **kwargs):
         row = {f"loss/{k}": _number(v) for k, v in loss_dict.items()}
@@ -125,6 +128,8 @@ def _recording_training_log(training_log, into: list):
                     "grad norm": _number(grad_norm), "params norm": _number(params_norm),
                     "num zeros": _number(num_zeros_in_grad), "skipped": _number(skipped_iter)})
         into.append(row)
+        model = args[3] if len(args) > 3 else kwargs["model"]
+        stages[:] = [(chunk_info(c) or {}).get("stage") for c in model]
         return training_log(loss_dict, total_loss_dict, learning_rate, decoupled_learning_rate, loss_scale,
                             report_memory_flag, skipped_iter, grad_norm, params_norm, num_zeros_in_grad, *args,
                             **kwargs)
@@ -174,7 +179,7 @@ def refusals(rank: int, world: int, port: int):
 
     before, said = bridge_train.get_forward_backward_func, []
     for schedule, mistakes in MISTAKES:
-        cfg = recipe(schedule)
+        cfg = recipe()
         for path, value in mistakes.items():
             _set(cfg, path, value)
         try:
@@ -199,7 +204,7 @@ def enable_twice_then_disable(rank: int, world: int, port: int):
         return (bridge_train.get_forward_backward_func, bridge_eval.get_forward_backward_func,
                 provider._create_model, provider.DistributedDataParallel, bridge_train.calc_params_l2_norm)
 
-    original, cfg = names(), recipe("dualpipe")
+    original, cfg = names(), recipe()
     enable(cfg, "dualpipe")
     first = names()
     enable(cfg, "dualpipe")

@@ -74,6 +74,9 @@ def test_dualpipe_and_dualpipev_log_what_bridges_1f1b_logs():
     ref = logged["bridge-1f1b"]
     losses = [row["loss/lm loss"] for row in ref["train"]]
     assert losses[-1] < losses[0], f"Bridge's 1F1B did not train: lm loss {losses}"
+    held = {schedule: logged[schedule]["stages"] for schedule in logged}
+    print(f"stages held by the last pipeline rank: {held}")
+    assert held == {"bridge-1f1b": [None], "dualpipe": [3, 0], "dualpipev": [3, 4]}, held
     for schedule in ("dualpipe", "dualpipev"):
         gaps = _gaps(logged[schedule], ref, schedule)
         for key, (relative, absolute, where) in sorted(gaps.items()):
