@@ -34,7 +34,7 @@
 # megatron_dualpipe/launch/checks.py) a checkout at neither core_v0.16.1 nor core_v0.19.0, missing training
 # dependencies, torch or torchrun missing from that Python, a missing or unloadable tokenizer,
 # data prefixes without .bin/.idx, and data whose token ids exceed the tokenizer's vocabulary.
-# Ctrl-C or SIGTERM stops torchrun and every rank (megatron_dualpipe/interrupts.py) in one line.
+# Ctrl-C or SIGTERM stops torchrun and every rank (megatron_dualpipe/launch/interrupts.py) in one line.
 # CUDA_DEVICE_MAX_CONNECTIONS: 1 unless set (32 with --overlap-moe-expert-parallel-comm and TP=CP=1).
 set -euo pipefail
 here="$(cd "$(dirname "$0")/.." && pwd)"
@@ -193,4 +193,4 @@ echo "# ${layout:-$SCHEDULE: $world processes (minimum $min_gpus), PP=$PP TP=$TP
 printf '%q ' "${cmd[@]}"; echo
 [ "${DRY_RUN:-0}" = 1 ] && exit 0
 # torchrun and every rank in a process group of their own: Ctrl-C / SIGTERM stops them all, one line.
-exec "$PYTHON" -m megatron_dualpipe.interrupts --prog pretrain_gpt_dualpipe.sh -- "${cmd[@]}"
+exec "$PYTHON" -m megatron_dualpipe.launch.interrupts --prog pretrain_gpt_dualpipe.sh -- "${cmd[@]}"

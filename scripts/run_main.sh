@@ -8,7 +8,7 @@
 # megatron-core release (the newest supported) in its own environment .venv-mcore0.19.2 (setup_venv.sh).
 #
 # Ctrl-C, SIGTERM or a closed pipe stops every process of the job and prints one line
-# (megatron_dualpipe/interrupts.py); the set-up runs in the background so that a signal to this
+# (megatron_dualpipe/launch/interrupts.py); the set-up runs in the background so that a signal to this
 # shell reaches it at once.
 set -euo pipefail
 here="$(cd "$(dirname "$0")/.." && pwd)"

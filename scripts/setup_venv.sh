@@ -18,7 +18,7 @@
 # setuptools' BuildBackendWarning box about the editable install -- goes to $VENV/setup.log
 # (steps timed there) and shows only when a step fails.
 # A set-up venv prints nothing. Ctrl-C / SIGTERM stops pip and its build processes
-# (megatron_dualpipe/interrupts.py), prints one line and exits 130.
+# (megatron_dualpipe/launch/interrupts.py), prints one line and exits 130.
 set -euo pipefail
 here="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$here"
@@ -44,7 +44,7 @@ step() {
   local n=$1 text=$2 took=$3; shift 3
   echo "setup $n/3: $text (about $took)" >&2
   echo "### $(date -u +%T) $text: $*" >>"$log"
-  PYTHONPATH="$here" "$PYTHON" -m megatron_dualpipe.interrupts --prog "$prog" -- "$@" >>"$log" 2>&1 &
+  PYTHONPATH="$here" "$PYTHON" -m megatron_dualpipe.launch.interrupts --prog "$prog" -- "$@" >>"$log" 2>&1 &
   child=$!
   local status=0
   wait "$child" || status=$?

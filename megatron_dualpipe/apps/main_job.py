@@ -41,9 +41,9 @@ import sys
 import time
 from typing import Dict, Iterator, List, Optional
 
-from .. import interrupts
 from .data_prep import DataError, PreparedData, add_data_arguments, check_split, default_cache_dir
 from .data_prep import SPLIT_NAMES, describe_indexed, documents_per_split, prepare_from_args, split_weights
+from ..launch import interrupts, processes
 from ..schedule import registry
 from ..schedule.layout import V_SHAPE
 from .progress import Progress
@@ -170,7 +170,7 @@ def to_argv(parser: argparse.ArgumentParser, args) -> List[str]:
 def resolve_data(args) -> PreparedData:
     """The prepared data the workers will read (built now on a cache miss), split checked."""
     if args.data_path:
-        from ..launch_checks import largest_token_id
+        from ..launch.checks import largest_token_id
 
         data = describe_indexed(args.data_path, args.tokenizer, args.eod_token)
         check_split(args.split, data.documents)
@@ -241,7 +241,7 @@ def launch(parser: argparse.ArgumentParser, args) -> int:
     print(f"starting {args.nproc} processes: torchrun {shlex.join(cmd[3:])}", flush=True)
     # torchrun and its ranks in a session of their own, all stopped (and silenced) on Ctrl-C,
     # SIGTERM or a closed stdout before KeyboardInterrupt / BrokenPipeError reaches main().
-    code = interrupts.run(cmd, env=env)
+    code = processes.run(cmd, env=env)
     if code != 0:
         print(f"{parser.prog}: error: the training processes failed (exit status {code}); the failing "
               f"rank's message is above", file=sys.stderr)

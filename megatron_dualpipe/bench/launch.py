@@ -14,7 +14,7 @@ import time
 import traceback
 from typing import Any, Callable, List, Optional, Sequence
 
-from .ports import free_port
+from ..launch.ports import free_port
 
 
 def under_torchrun() -> bool:
@@ -186,7 +186,7 @@ def spawn(fn: Callable[..., Any], world: int, args: Sequence[Any] = (), timeout_
     method = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
     ctx = mp.get_context(method)
     if method == "forkserver":
-        ctx.set_forkserver_preload(["megatron_dualpipe.bench.own_session", "torch", "torch.distributed"])
+        ctx.set_forkserver_preload(["megatron_dualpipe.launch.own_session", "torch", "torch.distributed"])
     q = ctx.Queue()
     port = free_port()
     collective = timeout_s if collective_timeout_s is None else collective_timeout_s

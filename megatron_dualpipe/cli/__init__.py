@@ -15,7 +15,7 @@ import argparse
 import sys
 from typing import Dict, Optional, Sequence
 
-from .. import interrupts
+from ..launch import interrupts
 from . import advise, bench, cpu_mode, hooks, patch, prepare_data, schedule, selftest, simulate, trace
 from .args import CliError, Command
 

@@ -6,7 +6,7 @@ from .launcher import main
 
 if __name__ == "__main__":
     if "--check" in sys.argv[1:3]:
-        from .. import interrupts
+        from . import interrupts
 
         sys.exit(interrupts.guarded(main, "megatron_dualpipe.launch"))
     sys.exit(main())

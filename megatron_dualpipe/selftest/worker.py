@@ -70,7 +70,7 @@ def preload(gpu: bool) -> None:
 
     if not gpu and "forkserver" in mp.get_all_start_methods():
         mp.get_context("forkserver").set_forkserver_preload(
-            ["megatron_dualpipe.bench.own_session", STAND_INS_FIRST, "torch", "torch.distributed", *PRELOAD])
+            ["megatron_dualpipe.launch.own_session", STAND_INS_FIRST, "torch", "torch.distributed", *PRELOAD])
         forkserver.ensure_running()
 
 

@@ -104,7 +104,7 @@ def snapshot(folder):
 
 
 # ---------------------------------------------------------------------------------------------
-# The shared helper (megatron_dualpipe/interrupts.py)
+# The shared helper (megatron_dualpipe/launch/interrupts.py)
 # ---------------------------------------------------------------------------------------------
 
 ESCAPING = ("setsid sleep 300 & sleep 300 & "  # one child leaves the group, as torchrun's ranks do
@@ -114,7 +114,7 @@ ESCAPING = ("setsid sleep 300 & sleep 300 & "  # one child leaves the group, as 
 @pytest.mark.parametrize("sig,group", [(signal.SIGINT, True), (signal.SIGTERM, False), (signal.SIGHUP, False)],
                          ids=["ctrl-c to the group", "SIGTERM to the pid", "SIGHUP to the pid"])
 def test_helper_stops_every_descendant_even_in_another_session(sig, group):
-    cmd = [sys.executable, "-m", "megatron_dualpipe.interrupts", "--prog", "job", "--", "bash", "-c", ESCAPING]
+    cmd = [sys.executable, "-m", "megatron_dualpipe.launch.interrupts", "--prog", "job", "--", "bash", "-c", ESCAPING]
     _, after, status, left = interrupt_at(cmd, "3", sig=sig, group=group, timeout=60)
     assert_one_line(after[-1:], status, left, "job")  # numbers printed before the signal arrived are fine
     assert all(line.isdigit() for line in after[:-1])
@@ -123,7 +123,7 @@ def test_helper_stops_every_descendant_even_in_another_session(sig, group):
 def test_helper_closed_pipe_is_silent_and_stops_everything():
     token = uuid.uuid4().hex
     env = dict(os.environ, PYTHONPATH=ROOT, **{TOKEN: token})
-    shell = (f"{sys.executable} -m megatron_dualpipe.interrupts --prog job -- bash -c \"{ESCAPING}\" 2>err.txt "
+    shell = (f"{sys.executable} -m megatron_dualpipe.launch.interrupts --prog job -- bash -c \"{ESCAPING}\" 2>err.txt "
              f"| head -3; echo status ${{PIPESTATUS[0]}}")
     try:
         r = subprocess.run(["bash", "-c", shell], capture_output=True, text=True, env=env, timeout=120,

@@ -2,7 +2,7 @@
 between the pick and rank 0's listen (a CI run lost one that way: EADDRINUSE, 2026-11-27)."""
 import socket
 
-from megatron_dualpipe.bench import ports
+from megatron_dualpipe.launch import ports
 
 
 def test_ports_are_picked_below_the_ephemeral_range_and_free():

@@ -14,7 +14,7 @@ import subprocess
 import sys
 
 import pytest
-from harness.workers import free_port
+from megatron_dualpipe.launch.ports import free_port
 
 from megatron_dualpipe.launch import placement as launch_placement
 from megatron_dualpipe.launch.placement import FLAG, TORCHRUN_RANK_ENV

@@ -484,7 +484,7 @@ FAKE_PYTHON = """#!/bin/bash
 # (pip prints setuptools' BuildBackendWarning box, as a real editable install does; the megatron-core
 # it was asked for is the version it then reports).
 case "$1 $2" in
-  "-m megatron_dualpipe.interrupts") exec REAL "$@";;
+  "-m megatron_dualpipe.launch.interrupts") exec REAL "$@";;
   "-m venv") mkdir -p "$3/bin"; cp "$0" "$3/bin/python"; exit 0;;
 esac
 here="$(dirname "$0")"

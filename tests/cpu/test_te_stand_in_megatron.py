@@ -18,7 +18,7 @@ import sys
 import pytest
 import torch
 
-from harness.workers import free_port
+from megatron_dualpipe.launch.ports import free_port
 
 pytestmark = pytest.mark.skipif(
     torch.cuda.is_available(), reason="CPU-mode tests; on a GPU machine CPU mode is never active"

@@ -121,7 +121,7 @@ def test_the_abort_calls_each_groups_own_abort_and_leaves_torchs_registry(monkey
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
 
-    from megatron_dualpipe.bench.ports import free_port
+    from megatron_dualpipe.launch.ports import free_port
 
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(free_port()))

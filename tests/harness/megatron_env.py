@@ -30,7 +30,6 @@ from megatron_dualpipe import cpu as cpu_mode
 from megatron_dualpipe.proof.groups import init_model_parallel
 
 from . import workers
-from .workers import free_port, to_numpy  # noqa: F401  (tests reach them through this module)
 
 #: What the workers of megatron-core tests import before forking (once per forkserver).
 MEGATRON_PRELOAD = workers.TORCH_PRELOAD + (

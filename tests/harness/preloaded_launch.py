@@ -31,7 +31,7 @@ import threading
 import time
 import traceback
 
-from megatron_dualpipe.bench.ports import free_port
+from megatron_dualpipe.launch.ports import free_port
 
 try:
     from . import argument_help

@@ -12,7 +12,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from megatron_dualpipe.bench.ports import free_port  # noqa: F401  (tests take it from here)
+from megatron_dualpipe.launch.ports import free_port
 
 #: What the worker processes' forkserver imports once before forking them.
 TORCH_PRELOAD = ("torch", "torch.distributed")

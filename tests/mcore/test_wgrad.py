@@ -22,7 +22,7 @@ from megatron.core.tensor_parallel.layers import (  # noqa: E402
     RowParallelLinear,
 )
 
-from megatron_dualpipe.bench.ports import free_port  # noqa: E402
+from megatron_dualpipe.launch.ports import free_port  # noqa: E402
 from megatron_dualpipe.mcore import wgrad  # noqa: E402
 
 TOL = 1e-5  # fp32; sums of two micro-batches in a different order

@@ -1,39 +1,21 @@
-"""Ctrl-C, SIGTERM and a closed pipe end a command in one line, with every process it started.
+"""The processes a command starts, and how they end: in their own session, relayed, stopped with
+every descendant.
 
 A command that starts other processes (``torchrun`` and its ranks, ``pip``, benchmark workers)
 must not leave them running when the user interrupts it: ``torchrun`` starts each rank in a
 session of its own, so the ranks neither get the terminal's Ctrl-C nor die with ``torchrun``
-when it is killed -- re-parented to PID 1 they would go on training and writing files. And an
-interrupted Python process prints a traceback per process unless someone catches it.
-
-This module is that someone, standard library only (the setup and launch scripts run it with
-any ``python3``):
+when it is killed -- re-parented to PID 1 they would go on training and writing files.
+Standard library only (the setup and launch scripts run it with any ``python3``):
 
 - :func:`run` starts a command in its own session (process group) and relays its output
-  through this process. When this process is interrupted (SIGINT, SIGTERM, SIGHUP) or the
-  reader of its stdout goes away, it stops relaying (so nothing the stopping processes say gets
-  through), sends SIGTERM to the group *and to every descendant* (found in ``/proc``, wherever
-  it moved to), SIGKILL after :data:`GRACE_SECONDS`, waits until all are gone, then raises
-  :class:`KeyboardInterrupt` (or :class:`BrokenPipeError`).
-- :func:`guarded` runs a command's main function: a :class:`KeyboardInterrupt` anywhere becomes
-  one line ``PROG: interrupted`` on stderr and exit status 130; a closed stdout exits with 141
-  (128 + SIGPIPE, what a shell reports for ``yes | head``) silently, as ``cat`` does. Either way
-  stdout and stderr then point at ``/dev/null``, so nothing is written afterwards (not by a
-  background thread, not by the interpreter's final flush).
-- ``python -m megatron_dualpipe.interrupts --prog NAME -- CMD ...`` is both for shell scripts:
-  ``exec`` it (or start it in the background and ``wait``, so that a signal to the shell itself is
-  handled at once) instead of running ``CMD`` directly.
+  through this process. When this process is interrupted or the reader of its stdout goes away,
+  it stops relaying (so nothing the stopping processes say gets through), sends SIGTERM to the
+  group *and to every descendant* (found in ``/proc``, wherever it moved to), SIGKILL after
+  :data:`GRACE_SECONDS`, waits until all are gone, then raises :class:`KeyboardInterrupt` (or
+  :class:`BrokenPipeError`);
+- :func:`stop_descendants` is the safety net for processes started otherwise (multiprocessing's).
 
-Usage from Python::
-
-    from megatron_dualpipe import interrupts
-
-    def main():
-        ...
-        code = interrupts.run(["torchrun", ...])   # KeyboardInterrupt once everything is stopped
-        ...
-
-    sys.exit(interrupts.guarded(main, prog="my-command"))
+:mod:`.interrupts` ends a command in one line on top of these.
 """
 from __future__ import annotations
 
@@ -43,39 +25,19 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Callable, Dict, List, Mapping, Optional, Sequence, Set
+from typing import Dict, List, Mapping, Optional, Sequence, Set
 
-#: Exit status after an interruption (128 + SIGINT, as a shell reports it).
-EXIT_INTERRUPTED = 130
-#: Exit status when the reader of stdout went away (128 + SIGPIPE).
-EXIT_BROKEN_PIPE = 141
 #: Seconds the stopped processes get to exit after SIGTERM before SIGKILL.
 GRACE_SECONDS = 5.0
-#: Signals that interrupt (SIGINT raises KeyboardInterrupt by itself).
-_SIGNALS = ("SIGTERM", "SIGHUP")
+#: The signals that interrupt a command (:mod:`.interrupts`).
+INTERRUPTING = ("SIGINT", "SIGTERM", "SIGHUP")
 
 
-def _raise_interrupt(signum, frame):  # noqa: ARG001 - signal handler signature
-    raise KeyboardInterrupt
-
-
-def install() -> None:
-    """Make SIGTERM and SIGHUP raise :class:`KeyboardInterrupt` in the main thread, as Ctrl-C
-    does (no-op outside the main thread). SIGINT keeps Python's handler unless it is ignored --
-    a background job of a non-interactive shell starts with SIGINT ignored -- which stays so."""
-    if threading.current_thread() is not threading.main_thread():
-        return
-    for name in _SIGNALS:
-        sig = getattr(signal, name, None)
-        if sig is not None:
-            signal.signal(sig, _raise_interrupt)
-
-
-def _ignore_interrupts() -> None:
+def ignore_interrupts() -> None:
     """While stopping and reporting, a second Ctrl-C must not start a traceback."""
     if threading.current_thread() is not threading.main_thread():
         return
-    for name in ("SIGINT",) + _SIGNALS:
+    for name in INTERRUPTING:
         sig = getattr(signal, name, None)
         if sig is not None:
             signal.signal(sig, signal.SIG_IGN)
@@ -246,8 +208,8 @@ def run(cmd: Sequence[str], env: Optional[Mapping[str, str]] = None, cwd: Option
     """Run ``cmd`` in its own session, its output relayed to ``stdout``/``stderr`` (default: ours;
     binary file objects). Returns its exit status. On an interruption, or when our stdout's reader
     goes away, every process it started is stopped first (:func:`stop`), then
-    :class:`KeyboardInterrupt` or :class:`BrokenPipeError` is raised."""
-    install()
+    :class:`KeyboardInterrupt` or :class:`BrokenPipeError` is raised (SIGTERM and SIGHUP too, once
+    :func:`.interrupts.install` ran: :func:`.interrupts.guarded` runs it)."""
     child_env = dict(os.environ if env is None else env)
     child_env.setdefault("PYTHONUNBUFFERED", "1")  # through the relay, lines come as they are written
     out_sink = _binary(stdout if stdout is not None else sys.stdout)
@@ -266,7 +228,7 @@ def run(cmd: Sequence[str], env: Optional[Mapping[str, str]] = None, cwd: Option
         if reader_gone.is_set():
             raise BrokenPipeError("the reader of stdout went away")
     except BaseException:
-        _ignore_interrupts()
+        ignore_interrupts()
         for r in relays:
             r.stopped.set()
         stop(proc)
@@ -276,88 +238,3 @@ def run(cmd: Sequence[str], env: Optional[Mapping[str, str]] = None, cwd: Option
     proc.stdout.close()
     proc.stderr.close()
     return proc.returncode
-
-
-# ---------------------------------------------------------------------------------------------
-# Ending a command
-# ---------------------------------------------------------------------------------------------
-
-def _to_devnull() -> None:
-    """Point stdout and stderr at /dev/null: after the last line, nothing more gets out."""
-    try:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-    except OSError:
-        return
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-        try:
-            os.dup2(devnull, stream.fileno())
-        except (OSError, ValueError, AttributeError):
-            pass
-
-
-def interrupted(prog: str) -> int:
-    """Stop what is left of the processes we started, print ``PROG: interrupted`` (one line),
-    silence our output, return 130."""
-    _ignore_interrupts()
-    stop_descendants()
-    try:
-        sys.stdout.flush()
-    except (OSError, ValueError):
-        pass
-    try:
-        print(f"{prog}: interrupted", file=sys.stderr, flush=True)
-    except (OSError, ValueError):
-        pass
-    _to_devnull()
-    return EXIT_INTERRUPTED
-
-
-def reader_gone() -> int:
-    """Our stdout's reader went away: stop the processes we started, silence our output, return 141."""
-    _ignore_interrupts()
-    stop_descendants()
-    _to_devnull()
-    return EXIT_BROKEN_PIPE
-
-
-def guarded(main: Callable[[], Optional[int]], prog: str) -> int:
-    """``main()``'s exit status; an interruption or a closed stdout ends in one line (or none)."""
-    install()
-    try:
-        status = main()
-        sys.stdout.flush()  # a closed pipe shows up here
-        return int(status or 0)
-    except KeyboardInterrupt:
-        return interrupted(prog)
-    except BrokenPipeError:
-        return reader_gone()
-
-
-def _main(argv: Sequence[str]) -> int:
-    usage = "usage: python -m megatron_dualpipe.interrupts [--prog NAME] -- CMD [ARGS...]"
-    argv = list(argv)
-    prog = "interrupted command"
-    if argv[:1] == ["--prog"] and len(argv) > 1:
-        prog, argv = argv[1], argv[2:]
-    if argv[:1] == ["--"]:
-        argv = argv[1:]
-    if not argv:
-        print(usage, file=sys.stderr)
-        return 2
-    # A script may start this in the background (so that its own trap runs at once), where the
-    # shell leaves SIGINT ignored: interrupting is what this entry point is for.
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        status = guarded(lambda: run(argv), prog)
-        return 128 - status if status < 0 else status  # killed by a signal: as a shell reports it
-    except FileNotFoundError:
-        print(f"{prog}: error: {argv[0]}: command not found", file=sys.stderr)
-        return 127
-
-
-if __name__ == "__main__":
-    sys.exit(_main(sys.argv[1:]))

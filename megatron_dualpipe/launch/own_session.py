@@ -1,7 +1,7 @@
-"""Imported first by the benchmark's forkserver (its preload list, :func:`..launch.spawn`).
+"""Imported first by the benchmark's forkserver (its preload list, :func:`..bench.launch.spawn`).
 
 The forkserver and the workers it forks leave the terminal's process group here, so a Ctrl-C
-reaches only the parent, which stops them all (:mod:`megatron_dualpipe.interrupts`); otherwise
+reaches only the parent, which stops them all (:mod:`.processes`); otherwise
 each of them would print its own ``KeyboardInterrupt`` traceback while importing torch.
 """
 import os

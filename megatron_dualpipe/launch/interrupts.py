@@ -1,0 +1,138 @@
+"""Ctrl-C, SIGTERM and a closed pipe end a command in one line, with every process it started.
+
+An interrupted Python process prints a traceback per process unless someone catches it; this module
+is that someone (standard library only, on top of :mod:`.processes`):
+
+- :func:`guarded` runs a command's main function: a :class:`KeyboardInterrupt` anywhere becomes
+  one line ``PROG: interrupted`` on stderr and exit status 130; a closed stdout exits with 141
+  (128 + SIGPIPE, what a shell reports for ``yes | head``) silently, as ``cat`` does. Either way
+  what the command started is stopped, and stdout and stderr then point at ``/dev/null``, so
+  nothing is written afterwards (not by a background thread, not by the interpreter's final flush).
+- ``python -m megatron_dualpipe.launch.interrupts --prog NAME -- CMD ...`` is both for shell
+  scripts: ``exec`` it (or start it in the background and ``wait``, so that a signal to the shell
+  itself is handled at once) instead of running ``CMD`` directly.
+
+Usage from Python::
+
+    from megatron_dualpipe.launch import interrupts, processes
+
+    def main():
+        ...
+        code = processes.run(["torchrun", ...])   # KeyboardInterrupt once everything is stopped
+        ...
+
+    sys.exit(interrupts.guarded(main, prog="my-command"))
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+from typing import Callable, Optional, Sequence
+
+from . import processes
+
+#: Exit status after an interruption (128 + SIGINT, as a shell reports it).
+EXIT_INTERRUPTED = 130
+#: Exit status when the reader of stdout went away (128 + SIGPIPE).
+EXIT_BROKEN_PIPE = 141
+#: Signals that interrupt besides SIGINT (which raises KeyboardInterrupt by itself).
+_SIGNALS = ("SIGTERM", "SIGHUP")
+
+
+def _raise_interrupt(signum, frame):  # noqa: ARG001 - signal handler signature
+    raise KeyboardInterrupt
+
+
+def install() -> None:
+    """Make SIGTERM and SIGHUP raise :class:`KeyboardInterrupt` in the main thread, as Ctrl-C
+    does (no-op outside the main thread). SIGINT keeps Python's handler unless it is ignored --
+    a background job of a non-interactive shell starts with SIGINT ignored -- which stays so."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for name in _SIGNALS:
+        sig = getattr(signal, name, None)
+        if sig is not None:
+            signal.signal(sig, _raise_interrupt)
+
+
+def _to_devnull() -> None:
+    """Point stdout and stderr at /dev/null: after the last line, nothing more gets out."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+    except OSError:
+        return
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+        try:
+            os.dup2(devnull, stream.fileno())
+        except (OSError, ValueError, AttributeError):
+            pass
+
+
+def interrupted(prog: str) -> int:
+    """Stop what is left of the processes we started, print ``PROG: interrupted`` (one line),
+    silence our output, return 130."""
+    processes.ignore_interrupts()
+    processes.stop_descendants()
+    try:
+        sys.stdout.flush()
+    except (OSError, ValueError):
+        pass
+    try:
+        print(f"{prog}: interrupted", file=sys.stderr, flush=True)
+    except (OSError, ValueError):
+        pass
+    _to_devnull()
+    return EXIT_INTERRUPTED
+
+
+def reader_gone() -> int:
+    """Our stdout's reader went away: stop the processes we started, silence our output, return 141."""
+    processes.ignore_interrupts()
+    processes.stop_descendants()
+    _to_devnull()
+    return EXIT_BROKEN_PIPE
+
+
+def guarded(main: Callable[[], Optional[int]], prog: str) -> int:
+    """``main()``'s exit status; an interruption or a closed stdout ends in one line (or none)."""
+    install()
+    try:
+        status = main()
+        sys.stdout.flush()  # a closed pipe shows up here
+        return int(status or 0)
+    except KeyboardInterrupt:
+        return interrupted(prog)
+    except BrokenPipeError:
+        return reader_gone()
+
+
+def _main(argv: Sequence[str]) -> int:
+    usage = "usage: python -m megatron_dualpipe.launch.interrupts [--prog NAME] -- CMD [ARGS...]"
+    argv = list(argv)
+    prog = "interrupted command"
+    if argv[:1] == ["--prog"] and len(argv) > 1:
+        prog, argv = argv[1], argv[2:]
+    if argv[:1] == ["--"]:
+        argv = argv[1:]
+    if not argv:
+        print(usage, file=sys.stderr)
+        return 2
+    # A script may start this in the background (so that its own trap runs at once), where the
+    # shell leaves SIGINT ignored: interrupting is what this entry point is for.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        status = guarded(lambda: processes.run(argv), prog)
+        return 128 - status if status < 0 else status  # killed by a signal: as a shell reports it
+    except FileNotFoundError:
+        print(f"{prog}: error: {argv[0]}: command not found", file=sys.stderr)
+        return 127
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))
