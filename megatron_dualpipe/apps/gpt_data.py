@@ -10,6 +10,9 @@ Samples are addressed by a global index: iteration ``it`` of a run with M micro-
 samples reads samples ``[it*M*b, (it+1)*M*b)``, micro-batch ``g`` the ``g``-th block of b. Both
 schedules therefore read the same samples in the same micro-batches, whatever order they run
 them in.
+
+Only the main job's workers import it, after :func:`.quiet.silence_known_warnings` (megatron-core's
+import warns without Transformer Engine or Apex).
 """
 from __future__ import annotations
 
@@ -18,14 +21,11 @@ from collections import OrderedDict
 from typing import Dict, List, Optional, Tuple
 
 import torch
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+from megatron.core.tokenizers import MegatronTokenizerBase
 
 from .data_prep import PreparedData, tokenizer_file
-from .quiet import silence_known_warnings
-
-silence_known_warnings()
-from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder  # noqa: E402
-from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig  # noqa: E402
-from megatron.core.tokenizers import MegatronTokenizerBase  # noqa: E402
 
 #: The fields of a GPTDataset sample a training step uses.
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")

@@ -11,8 +11,7 @@ numerics: :mod:`.pytorch.quantization`), the RNG tracker and activation checkpoi
 ``stand_ins.install()`` hands it out under the library's name, only while the CPU mode is on and only where
 the real library is absent. Its version (:mod:`._version`) follows the megatron-core installed next to it.
 """
+from . import common, pytorch  # noqa: F401  (TE's own __init__ imports both)
 from ._version import claimed_version
 
 __version__ = claimed_version()
-
-from . import common, pytorch  # noqa: E402,F401  (TE's own __init__ imports both)
