@@ -16,9 +16,10 @@ import zlib
 PP, LAYERS, SEQ, ITERS, GLOBAL_BATCH = 4, 8, 32, 4, 8
 
 
-def recipe():
-    """A ConfigContainer as a Bridge recipe builds one: tied embeddings, TE layer spec, Adam, clipping,
-    the distributed optimizer and overlapped gradient reduction, mock data, an evaluation."""
+def recipe(tied: bool = True):
+    """A ConfigContainer as a Bridge recipe builds one: tied embeddings (Bridge's default; ``tied=False``
+    as the Llama 3 and DeepSeek-V3 recipes), TE layer spec, Adam, clipping, the distributed optimizer and
+    overlapped gradient reduction, mock data, an evaluation."""
     import torch
     from megatron.bridge.models.gpt_provider import GPTModelProvider
     from megatron.bridge.training.config import (CheckpointConfig, ConfigContainer, DistributedDataParallelConfig,
@@ -28,7 +29,8 @@ def recipe():
 
     model = GPTModelProvider(num_layers=LAYERS, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
                              seq_length=SEQ, pipeline_model_parallel_size=PP, pipeline_dtype=torch.float32,
-                             make_vocab_size_divisible_by=128, hidden_dropout=0.0, attention_dropout=0.0)
+                             make_vocab_size_divisible_by=128, hidden_dropout=0.0, attention_dropout=0.0,
+                             share_embeddings_and_output_weights=tied)
     model.register_pre_wrap_hook(same_weights)
     return ConfigContainer(
         model=model,
@@ -76,7 +78,7 @@ def logical_names(chunk):
         yield layers.get(id(param), name), param
 
 
-def train_each(rank: int, world: int, port: int, schedules):
+def train_each(rank: int, world: int, port: int, schedules, tied: bool = True):
     """Train the recipe under each schedule; the last rank returns {schedule: its logged metrics}."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
@@ -86,11 +88,11 @@ def train_each(rank: int, world: int, port: int, schedules):
 
     cpu.enable()
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    logged = {schedule: train_once(schedule) for schedule in schedules}
+    logged = {schedule: train_once(schedule, tied) for schedule in schedules}
     return logged if rank == world - 1 else None
 
 
-def train_once(schedule: str) -> dict:
+def train_once(schedule: str, tied: bool) -> dict:
     """One run of Bridge's pretrain (the package's drop-in, or Bridge's own for Bridge's 1F1B)."""
     import megatron.bridge.training.eval as bridge_eval
     import megatron.bridge.training.train as bridge_train
@@ -105,9 +107,9 @@ def train_once(schedule: str) -> dict:
     bridge_eval.evaluate = _recording_evaluate(evaluate, metrics["eval"])
     try:
         if schedule == "bridge-1f1b":
-            bridge_pretrain(recipe(), forward_step)
+            bridge_pretrain(recipe(tied), forward_step)
         else:
-            pretrain(recipe(), forward_step, schedule=schedule)
+            pretrain(recipe(tied), forward_step, schedule=schedule)
     finally:
         bridge_train.training_log, bridge_eval.evaluate = log, evaluate
     return metrics

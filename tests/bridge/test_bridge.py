@@ -1,6 +1,6 @@
 """Megatron-Bridge's own ``pretrain()`` under DualPipe and DualPipeV, against Bridge's own 1F1B.
 
-A tiny GPT recipe (``bridge_recipe.py``: tied embeddings, the TE layer spec through the CPU mode's
+A tiny GPT recipe (``bridge_recipe.py``: tied embeddings and untied, the TE layer spec through the CPU mode's
 stand-ins, the distributed optimizer, overlapped gradient reduction, an evaluation) trains on 4 gloo
 processes (pp=4) through Bridge's ``pretrain``: its own, and the package's drop-in with
 ``schedule="dualpipe"`` / ``"dualpipev"``. Every metric Bridge logs is compared, each iteration.
@@ -67,9 +67,10 @@ def _table(logged: dict) -> str:
     return "\n".join(lines)
 
 
-def test_dualpipe_and_dualpipev_log_what_bridges_1f1b_logs():
-    logged = run_workers(bridge_recipe.train_each, bridge_recipe.PP, args=(("bridge-1f1b", "dualpipe", "dualpipev"),),
-                         timeout=600)[-1]
+@pytest.mark.parametrize("tied", [True, False], ids=["tied-embeddings", "untied-embeddings"])
+def test_dualpipe_and_dualpipev_log_what_bridges_1f1b_logs(tied):
+    logged = run_workers(bridge_recipe.train_each, bridge_recipe.PP,
+                         args=(("bridge-1f1b", "dualpipe", "dualpipev"), tied), timeout=600)[-1]
     print("\n" + _table(logged))
     ref = logged["bridge-1f1b"]
     losses = [row["loss/lm loss"] for row in ref["train"]]
