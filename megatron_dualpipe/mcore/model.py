@@ -50,6 +50,7 @@ from typing import Callable, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from ..schedule.layout import BIDIRECTIONAL, V_SHAPE  # re-exported: the layouts' one definition
 from . import bd_pairs, groups
 
 __all__ = [
@@ -63,8 +64,6 @@ __all__ = [
     "BIDIRECTIONAL",
     "V_SHAPE",
 ]
-
-from ..schedule.layout import BIDIRECTIONAL, V_SHAPE  # noqa: E402 - re-exported: the layouts' one definition
 
 # Attributes set on every chunk (and on its wrapper) by build_two_direction_model.
 _INFO_ATTR = "dualpipe_chunk_info"

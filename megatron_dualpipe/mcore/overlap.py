@@ -74,6 +74,7 @@ from .. import hooks
 from . import compat
 from ..schedule import Action
 from . import options
+from .options import COMBINED_STEP_FLAGS  # re-exported: the flags enable_combined_step sets after its checks
 from .direction import direction_of
 from .stage_compute import MegatronStageCompute
 from .validation import DualPipeConfigError
@@ -83,10 +84,6 @@ _CALC_LOSS = hooks.entry("scoped", "forward_step_calc_loss")
 
 __all__ = ["COMBINED_STEP_FLAGS", "OverlappedStageCompute", "combined_step_problems", "enable_combined_step",
            "enable_deferred_wgrads", "megatron_refuses", "offers_combined_step"]
-
-#: The config flags megatron-core's ``TransformerConfig`` checks against a virtual pipeline;
-#: :func:`enable_combined_step` sets them after its checks.
-from .options import COMBINED_STEP_FLAGS  # noqa: E402 - re-exported
 
 
 def offers_combined_step(config, forward_only: bool = False) -> bool:
