@@ -192,11 +192,12 @@ def comparison_lines(makespans) -> List[str]:
 def write_schedule_comparison(out_dir: str, name: str, pp: int, real: int) -> str:
     """``<name>_vs_1f1b_pp<P>_m<M>.png`` in ``out_dir``: the two simulated timelines one above
     the other on one time axis, makespans in their titles; its path."""
-    from ..pictures.figure import to_png_compared
+    from ..pictures.figure import panels_figure
+    from ..pictures.plotting import save_png
 
     panels, _ = simulated_pair(name, pp, real)
     path = os.path.join(out_dir, compare_file(name, pp, real))
-    to_png_compared(panels, path, time_label="simulated time (forward = 1)")
+    save_png(panels_figure(panels, shared_axis=True, time_label="simulated time (forward = 1)"), path)
     return path
 
 

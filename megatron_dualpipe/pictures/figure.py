@@ -160,21 +160,8 @@ def panels_figure(panels: Sequence[Tuple[str, object, SimResult]], shared_axis: 
 
 
 def stacked_figure(schedule, panels: Sequence[Tuple[str, SimResult]], time_label: str = "ms", dpi: int = 110):
-    """The figure :func:`to_png_stacked` saves. Each panel gets its own time axis: a measured
-    iteration on a busy machine can take many times its simulation, which on a shared axis
-    would shrink to an unreadable strip; a note under the first title says so."""
+    """``panels`` ((title, timeline) pairs over the same schedule: a measured run and its
+    simulation) one above the other (``trace --png``, the main job's timeline). Each panel gets its
+    own time axis: a measured iteration on a busy machine can take many times its simulation, which
+    on a shared axis would shrink to an unreadable strip; a note under the first title says so."""
     return panels_figure([(h, schedule, r) for h, r in panels], shared_axis=False, time_label=time_label, dpi=dpi)
-
-
-def to_png_stacked(schedule, panels: Sequence[Tuple[str, SimResult]], path, time_label: str = "ms",
-                   dpi: int = 110) -> None:
-    """Draw ``panels`` ((title, timeline) pairs over the same schedule, e.g. a measured run and
-    its simulation) one above the other, each on a time axis that fits it."""
-    save_png(stacked_figure(schedule, panels, time_label, dpi), path)
-
-
-def to_png_compared(panels: Sequence[Tuple[str, object, SimResult]], path, time_label: str = "time",
-                    dpi: int = 110) -> None:
-    """Draw different schedules' timelines ((title, schedule, timeline) triples) one above the
-    other on one time axis, so that their lengths compare at a glance."""
-    save_png(panels_figure(panels, shared_axis=True, time_label=time_label, dpi=dpi), path)

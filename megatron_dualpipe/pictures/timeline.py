@@ -131,9 +131,10 @@ def run(args) -> int:
         with open(args.json, "w", encoding="utf-8") as fh:
             json.dump(chrome_trace(schedule, [("measured", real), ("simulated", sim)], waits), fh)
     if args.png:
-        from .figure import to_png_stacked
+        from .figure import stacked_figure
+        from .plotting import save_png
 
-        to_png_stacked(schedule, panels, args.png)
+        save_png(stacked_figure(schedule, panels), args.png)
     print(f"{schedule.name} pp={schedule.pp} M={schedule.microbatches}, iteration {ranks[0]['call']} of pipeline "
           f"{ranks[0]['pipeline']}: measured {real.makespan:.1f} ms, simulated {sim.makespan:.1f} ms "
           f"({real.makespan / sim.makespan if sim.makespan else float('nan'):.3f}x) with {cost_text}")
