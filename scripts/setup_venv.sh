@@ -10,6 +10,10 @@
 #                         with --ignore-requires-python (see docs/versions.md). Its import needs triton
 #                         (megatron/core/transformer/moe/ops/paged_stash.py), which CUDA builds of torch bring and
 #                         the CPU build does not: installed when missing.
+#   BRIDGE=0.3.1          also Megatron-Bridge at that release (megatron-core 0.16.1's), --no-deps: its wheel
+#                         declares CUDA builds (transformer-engine, nvidia-resiliency-ext's extensions); the pure
+#                         Python packages it imports are installed, the CPU mode stands in for the rest
+#                         (docs/megatron-bridge.md). CI's oldest tier runs tests/bridge with it.
 #   VENV, PYTHON, TORCH_VERSION  where, with which interpreter, which torch.
 #
 # Each step that has work to do prints one line with the time it takes on a 2-core machine (the
@@ -93,4 +97,10 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   step 3 "installing megatron-dualpipe with megatron-core ${MEGATRON_CORE:-0.16.1} and the test tools" "1.5-4 min" \
     "${lock[@]}" "$VENV/bin/python" -m pip install -q -e ".[test,megatron-lm]"
   echo "$want" > "$stamp"
+fi
+if [ -n "${BRIDGE:-}" ] && ! has megatron.bridge; then
+  step 3 "installing megatron-bridge==$BRIDGE (--no-deps) and the pure-Python packages it imports" "15-60 s" \
+    bash -c '"$1" -m pip install -q --no-deps "megatron-bridge==$2" nvidia-resiliency-ext==0.4.1 nvidia-modelopt==0.42.0 \
+      && "$1" -m pip install -q omegaconf einops psutil defusedxml datasets pulp scipy nvidia-ml-py ninja tensorboard' \
+    _ "$VENV/bin/python" "$BRIDGE"
 fi

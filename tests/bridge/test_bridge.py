@@ -27,7 +27,8 @@ def _why_not() -> str:
 
 
 WHY_NOT = _why_not()
-pytestmark = pytest.mark.skipif(bool(WHY_NOT), reason=WHY_NOT or "-")
+#: smoke: CI's oldest tier installs Bridge 0.3.1 (BRIDGE=0.3.1 scripts/setup_venv.sh) and runs these
+pytestmark = [pytest.mark.skipif(bool(WHY_NOT), reason=WHY_NOT or "-"), pytest.mark.smoke]
 
 #: Relative difference allowed between a schedule's metric and Bridge's 1F1B's: the same sums in
 #: another order (DualPipeV's ranks group the stages otherwise), carried by Adam. ``num zeros``
