@@ -21,7 +21,7 @@ from typing import List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from . import equality, faults
+from . import against_1f1b, faults
 from ..proof import data, models
 from .result import FAIL, PASS, StageResult
 from ..schedule.registry import DUALPIPE, DUALPIPEV, ONE_F_ONE_B
@@ -121,8 +121,8 @@ def judge(ctx, payloads: List[dict]) -> StageResult:
                                       f"loss/tensor; same full weights, same micro-batches, one iteration"]
     failures, numbers = [], {}
     for schedule in schedules(cfg)[1:]:
-        numbers[schedule] = equality.vs_1f1b(ctx, "V3", by_coord, schedule, tol, failures)
-        details.append(equality.vs_1f1b_line("V3", _label(schedule, spec), 2 * cfg.pp, numbers[schedule]))
+        numbers[schedule] = against_1f1b.vs_1f1b(ctx, "V3", by_coord, schedule, tol, failures)
+        details.append(against_1f1b.vs_1f1b_line("V3", _label(schedule, spec), 2 * cfg.pp, numbers[schedule]))
     numbers["combined_step_forwards"] = {}
     for schedule in schedules(cfg)[1:]:
         plans = numbers["combined_step_forwards"][schedule] = sum(p["plans"][schedule] for p in payloads)

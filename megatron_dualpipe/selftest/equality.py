@@ -20,8 +20,9 @@ import numpy as np
 import torch
 
 from . import faults, te_matrix
+from .against_1f1b import vs_1f1b, vs_1f1b_line
 from ..proof import models, names, reference
-from ..proof.compare import Gap, rel_diff
+from ..proof.compare import Gap
 from .result import FAIL, PASS, StageResult
 from ..schedule.registry import DUALPIPE, DUALPIPEV, ONE_F_ONE_B
 
@@ -81,52 +82,6 @@ def run(ctx) -> dict:
     if ctx.cfg.te:
         out["te_matrix"] = te_matrix.run(ctx)
     return out
-
-
-def vs_1f1b(ctx, name: str, by_coord: dict, schedule: str, tol: float, failures: List[str]) -> dict:
-    """``schedule``'s losses and gradients against Megatron 1F1B's, each tensor relative to its own scale.
-
-    ``by_coord``: every rank's ``{"losses": {schedule: ...}, "grads": {schedule: [per chunk]}}`` by
-    its (pp, tp, dp) coordinate (also the ``deepseek-v3`` stage's)."""
-    pp = ctx.cfg.pp
-    ref = {(tp, dp, key): g for (_, tp, dp), p in by_coord.items() for key, g in p["grads"][ONE_F_ONE_B][0].items()}
-    losses, grads, missing, compared = Gap(), Gap(), [], set()
-    for (pp_rank, tp, dp), p in sorted(by_coord.items()):
-        if pp_rank == pp - 1:
-            want, got = p["losses"][ONE_F_ONE_B], p["losses"][schedule]
-            if got is None or len(got) != len(want):
-                failures.append(f"{name} {schedule}: the last rank returned {got} losses, 1F1B {len(want)}")
-                continue
-            for k, (a, b) in enumerate(zip(got, want)):
-                if losses.add(a, b, f"micro-batch {k}") > tol:
-                    failures.append(f"{name} {schedule}: loss of micro-batch {k} (dp {dp}) {a:.7g} vs 1F1B "
-                                    f"{b:.7g}: relative difference {rel_diff(a, b):.2e} > {tol:g}")
-        for c, chunk in enumerate(p["grads"][schedule]):
-            for key, g in chunk.items():
-                if (tp, dp, key) not in ref:
-                    missing.append(key)
-                    continue
-                grads.add(g, ref[(tp, dp, key)], f"rank (pp {pp_rank}, tp {tp}, dp {dp}) model[{c}] {key}")
-                compared.add((tp, dp, key))
-    if missing:
-        failures.append(f"{name} {schedule}: {len(missing)} gradients with no 1F1B counterpart, e.g. {missing[0]}")
-    unmatched = sorted(set(ref) - compared)
-    if unmatched:
-        tp, dp, key = unmatched[0]
-        failures.append(f"{name} {schedule}: {len(unmatched)} of 1F1B's gradients never computed, e.g. {key} "
-                        f"(tp {tp}, dp {dp})")
-    if grads.worst > tol:
-        failures.append(f"{name} {schedule}: gradient of {grads.worst_where} differs from 1F1B's by {grads.worst:.2e} "
-                        f"(relative) > {tol:g}")
-    return {"max_rel_loss_diff": losses.worst, "max_rel_grad_diff": grads.worst, "where": grads.worst_where,
-            "gradients_of_1f1b_compared": len(compared)}
-
-
-def vs_1f1b_line(name: str, schedule: str, m: int, n: dict) -> str:
-    """The report's line for :func:`vs_1f1b`'s numbers (takes ``where`` out of them)."""
-    return (f"{name} {schedule} vs Megatron 1F1B, M={m}: max relative loss difference {n['max_rel_loss_diff']:.2e}, "
-            f"max relative gradient difference {n['max_rel_grad_diff']:.2e} ({n.pop('where') or 'all bit-identical'}; "
-            f"every one of 1F1B's {n['gradients_of_1f1b_compared']} gradient tensors compared)")
 
 
 def _vs_reference(name: str, payloads: List[dict], schedule: str, tol: float,

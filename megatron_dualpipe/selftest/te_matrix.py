@@ -13,6 +13,7 @@ import importlib.util
 from typing import List, Optional, Tuple
 
 from ..proof import models
+from .against_1f1b import vs_1f1b, vs_1f1b_line
 from ..schedule.registry import DUALPIPE, DUALPIPEV
 
 NEEDS_EP = "needs expert parallelism: run with --ep 2"
@@ -105,8 +106,6 @@ def _described(spec: models.ModelSpec) -> str:
 def judge(ctx, payloads: List[dict]) -> Tuple[List[str], List[str], List[str], dict]:
     """(result lines, details, failures, numbers) of the combinations, compared as the equality
     stage compares its models."""
-    from .equality import vs_1f1b, vs_1f1b_line
-
     matrix = payloads[0]["te_matrix"]
     lines, details, failures, numbers = [], [], [], {}
     for name, spec, why in combinations(ctx.cfg):
