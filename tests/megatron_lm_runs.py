@@ -9,12 +9,15 @@ import contextlib
 import fcntl
 import hashlib
 import importlib.util
+import io
 import os
 import re
 import subprocess
 import sys
 
 import pytest
+
+from megatron_dualpipe.launch import processes
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MEGATRON_LM_PATH = os.environ.get("MEGATRON_LM_PATH")
@@ -139,14 +142,23 @@ TORCHRUN_ENV = "MEGATRON_DUALPIPE_TEST_TORCHRUN"
 
 
 def _run(cmd, env, timeout, fast_exit):
-    """subprocess.run of a torchrun command; the ranks are forked from a preloaded server
+    """A torchrun command's (returncode, stdout, stderr); the ranks are forked from a preloaded server
     (tests/harness/preloaded_launch.py) unless torchrun's own options are asked for; without
     ``fast_exit`` each rank ends with the interpreter's whole exit there too."""
     if os.environ.get(TORCHRUN_ENV) == "1" or cmd[2] != "--nproc-per-node" or cmd[4] != "-m":
-        return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+        return _torchrun(cmd, env, timeout)
     from harness import preloaded_client
 
     return preloaded_client.run(cmd[4:], env, int(cmd[3]), timeout, teardown=not fast_exit)
+
+
+def _torchrun(cmd, env, timeout):
+    """torchrun itself, through the package's one way to run a command (its ranks, in sessions of their
+    own, stopped with it past ``timeout``: subprocess.TimeoutExpired)."""
+    out, err = io.BytesIO(), io.BytesIO()
+    code = processes.run(cmd, env=env, stdout=out, stderr=err, timeout_s=timeout)
+    return subprocess.CompletedProcess(cmd, code, out.getvalue().decode(errors="replace"),
+                                       err.getvalue().decode(errors="replace"))
 
 
 class _Shared:

@@ -45,7 +45,7 @@ FRAMES = 3
 MOST_RERUN = 5
 
 #: What a test stopped by a timeout says: pytest-timeout's failure, the preloaded launch's job
-#: (tests/harness/preloaded_client.py), subprocess.run's TimeoutExpired, bench.launch.spawn's.
+#: (tests/harness/preloaded_client.py), subprocess.TimeoutExpired (a torchrun past its timeout), launch.spawn.run's.
 HANG_RE = re.compile(r"Timeout \(>[\d.]+s\) from pytest-timeout|ran past its [\d.]+ s timeout|"
                      r"TimeoutExpired|timed out after [\d.]+ seconds|gave no result within [\d.]+ s")
 #: A rank's labelled stack line, as the preloaded launch and the selftest's watchdog print them

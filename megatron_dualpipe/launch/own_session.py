@@ -1,8 +1,8 @@
-"""Imported first by the benchmark's forkserver (its preload list, :func:`..bench.launch.spawn`).
+"""Imported first by the forkserver that :func:`.spawn.run` forks the ranks from (its preload list).
 
-The forkserver and the workers it forks leave the terminal's process group here, so a Ctrl-C
-reaches only the parent, which stops them all (:mod:`.processes`); otherwise
-each of them would print its own ``KeyboardInterrupt`` traceback while importing torch.
+The forkserver and the ranks it forks leave the terminal's process group here, so a Ctrl-C
+reaches only the parent, which stops them all (:func:`.spawn.run`); otherwise each of them would
+print its own ``KeyboardInterrupt`` traceback while importing torch.
 """
 import os
 

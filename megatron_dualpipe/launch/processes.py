@@ -204,12 +204,13 @@ def _binary(stream):
 
 
 def run(cmd: Sequence[str], env: Optional[Mapping[str, str]] = None, cwd: Optional[str] = None,
-        stdout=None, stderr=None) -> int:
+        stdout=None, stderr=None, timeout_s: Optional[float] = None) -> int:
     """Run ``cmd`` in its own session, its output relayed to ``stdout``/``stderr`` (default: ours;
     binary file objects). Returns its exit status. On an interruption, or when our stdout's reader
     goes away, every process it started is stopped first (:func:`stop`), then
     :class:`KeyboardInterrupt` or :class:`BrokenPipeError` is raised (SIGTERM and SIGHUP too, once
-    :func:`.interrupts.install` ran: :func:`.interrupts.guarded` runs it)."""
+    :func:`.interrupts.install` ran: :func:`.interrupts.guarded` runs it); past ``timeout_s``,
+    :class:`subprocess.TimeoutExpired` (where ``subprocess.run`` would leave torchrun's ranks running)."""
     child_env = dict(os.environ if env is None else env)
     child_env.setdefault("PYTHONUNBUFFERED", "1")  # through the relay, lines come as they are written
     out_sink = _binary(stdout if stdout is not None else sys.stdout)
@@ -220,8 +221,9 @@ def run(cmd: Sequence[str], env: Optional[Mapping[str, str]] = None, cwd: Option
     relays = [_Relay(proc.stdout, out_sink, reader_gone), _Relay(proc.stderr, err_sink, threading.Event())]
     for r in relays:
         r.start()
+    end = None if timeout_s is None else time.monotonic() + timeout_s
     try:
-        while proc.poll() is None and not reader_gone.is_set():
+        while proc.poll() is None and not reader_gone.is_set() and (end is None or time.monotonic() < end):
             reader_gone.wait(0.1)
             if _reader_closed(out_sink):
                 reader_gone.set()
@@ -233,8 +235,13 @@ def run(cmd: Sequence[str], env: Optional[Mapping[str, str]] = None, cwd: Option
             r.stopped.set()
         stop(proc)
         raise
+    timed_out = proc.poll() is None
+    if timed_out:
+        stop(proc)  # what the processes said until then is relayed
     for r in relays:
         r.join(timeout=5)  # a descendant that outlived the command may hold the pipe open
     proc.stdout.close()
     proc.stderr.close()
+    if timed_out:
+        raise subprocess.TimeoutExpired(list(cmd), timeout_s)
     return proc.returncode

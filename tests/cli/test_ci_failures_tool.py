@@ -6,8 +6,11 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 TOOL = ROOT / "tools" / "failed_tests.py"
@@ -138,8 +141,7 @@ def test_a_test_stopped_by_pytest_timeout_is_hung_with_its_innermost_frames(tmp_
 
 STUCK_RANK = """
 import sys, threading, time
-sys.path.insert(0, sys.argv[2])
-import preloaded_launch
+from megatron_dualpipe.launch import spawn
 
 def a_helper_thread():
     time.sleep(60)
@@ -147,7 +149,7 @@ def a_helper_thread():
 def stuck_in_the_main_thread():
     threading.Event().wait(60)
 
-preloaded_launch._stacks_to(sys.argv[1])
+spawn.stacks_to(sys.argv[1])
 threading.Thread(target=a_helper_thread, daemon=True).start()
 print("ready", flush=True)
 stuck_in_the_main_thread()
@@ -155,15 +157,14 @@ stuck_in_the_main_thread()
 
 
 def test_a_job_past_its_timeout_names_where_each_ranks_main_thread_waited(tmp_path):
-    """Two 'ranks' stopped as the preloaded launch stops a job past its timeout (SIGABRT, faulthandler
-    into each rank's file), labelled by the client as it labels them; the summary shows each rank's
+    """Two 'ranks' stopped as the spawner stops a job past its timeout (SIGABRT, faulthandler into each
+    rank's file), labelled as the preloaded launch's client labels them; the summary shows each rank's
     main thread, not its helper thread."""
-    sys.path.insert(0, str(ROOT / "tests"))
-    from harness import preloaded_client
+    from megatron_dualpipe.launch import spawn
 
     output = tmp_path / "job.log"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    ranks = [subprocess.Popen([sys.executable, "-c", STUCK_RANK, f"{output}.stacks{r}", str(ROOT / "tests" / "harness")],
+    ranks = [subprocess.Popen([sys.executable, "-c", STUCK_RANK, spawn.stacks_path(str(output), r)],
                               stdout=subprocess.PIPE, text=True, env=env) for r in range(2)]
     for p in ranks:
         assert p.stdout.readline() == "ready\n"
@@ -171,7 +172,7 @@ def test_a_job_past_its_timeout_names_where_each_ranks_main_thread_waited(tmp_pa
     for p in ranks:
         p.send_signal(signal.SIGABRT)
         p.wait(timeout=30)
-    stacks = preloaded_client._stacks(str(output), 2)
+    stacks = spawn.labelled_stacks(str(output), 2)
     text = f"AssertionError: job\n{stacks}preloaded_launch: the job ran past its 240 s timeout: every rank's stacks"
     xml = write(tmp_path / "r.xml", f'<testcase classname="tests.megatron_lm.test_x" name="test_nan">'
                 f'<failure message="AssertionError: job">{_escape(text)}</failure></testcase>')
@@ -182,7 +183,37 @@ def test_a_job_past_its_timeout_names_where_each_ranks_main_thread_waited(tmp_pa
     assert [w.split(":")[0] for w in waits] == ["    rank 0", "    rank 1"]
     for w in waits:
         assert "< wait (threading.py:" in w and "stuck_in_the_main_thread (<string>:" in w and "helper" not in w
-    assert not list(tmp_path.glob("job.log.stacks*"))  # the client removed the ranks' files
+    assert not list(tmp_path.glob("job.log.stacks*"))  # the ranks' files are removed once read
+
+
+def stuck_rank(rank, world, port):
+    """Rank 1 waits for ever; rank 0 returns."""
+    if rank == 1:
+        stuck_in_the_main_thread()
+
+
+def stuck_in_the_main_thread():
+    threading.Event().wait(120)
+
+
+def test_spawned_ranks_past_their_timeout_show_where_they_waited(tmp_path):
+    """The package's spawner (bench, the selftest and the tests' workers start their ranks through it):
+    past the timeout every rank still running writes its stacks, the error names the ranks without a
+    result, and the summary shows where rank 1 waited."""
+    from megatron_dualpipe.launch import spawn
+
+    with pytest.raises(RuntimeError) as raised:
+        spawn.run(stuck_rank, 2, timeout_s=3)
+    text = str(raised.value)
+    print(text[-1500:])
+    assert "ranks [1] gave no result within 3 s" in text.splitlines()[-1]
+    xml = write(tmp_path / "r.xml", f'<testcase classname="tests.bench.test_x" name="test_hang">'
+                f'<failure message="RuntimeError">{_escape(text)}</failure></testcase>')
+    out = run("report", *tier("newest", xml), code=1)
+    lines = out.splitlines()
+    hung = next(i for i, line in enumerate(lines) if line.startswith("HUNG [newest]"))
+    assert lines[hung + 1].startswith("    rank 1: ") and "stuck_in_the_main_thread (test_ci_failures_tool.py:" \
+        in lines[hung + 1], lines[hung + 1]
 
 
 def _escape(text):

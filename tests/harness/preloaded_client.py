@@ -8,6 +8,8 @@ import subprocess
 import sys
 import tempfile
 
+from megatron_dualpipe.launch import spawn
+
 _SERVERS = {}
 #: CPU seconds (user + system) of the last job's ranks, for benchmarks.
 LAST_CPU_S = [0.0]
@@ -28,23 +30,6 @@ def _server(script, env):
     return server
 
 
-def _stacks(output, nproc):
-    """The ranks' faulthandler dumps (a crash, or a job past its timeout), each line marked with its
-    rank, as the selftest's watchdog marks them; the files are removed."""
-    lines = []
-    for rank in range(nproc):
-        path = f"{output}.stacks{rank}"
-        try:
-            with open(path, errors="replace") as f:
-                dump = [line.rstrip() for line in f if line.strip()]
-            os.remove(path)
-        except OSError:
-            continue
-        if len(dump) > 1:  # more than the line naming the main thread
-            lines += [f"[rank {rank}] {line}" for line in dump]
-    return "".join(f"{line}\n" for line in lines)
-
-
 def run(argv, env, nproc, timeout, teardown=False):
     """Run ``python ARGV`` on ``nproc`` ranks forked from the server (argv: ["-m", module, script, ...]);
     ``teardown``: each rank ends with the interpreter's whole exit."""
@@ -60,7 +45,7 @@ def run(argv, env, nproc, timeout, teardown=False):
         answer = json.loads(answer)
         LAST_CPU_S[0] = answer["cpu_s"]
         code = answer["returncode"]
-        output = out.read() + _stacks(out.name, nproc)
+        output = out.read() + spawn.labelled_stacks(out.name, nproc)  # a crash, or past the timeout
     if code is None:  # the ranks printed their stacks (SIGABRT, faulthandler) before they were killed
         return subprocess.CompletedProcess(argv, 124, output + f"\npreloaded_launch: the job ran past its {timeout} s "
                                            "timeout: every rank's Python stacks are above\n", "")

@@ -20,29 +20,21 @@ restarts and options, and one string hash seed for every rank (forked, where tor
 draw one).
 """
 import ast
-import faulthandler
 import importlib
 import io
 import json
 import os
 import signal
 import sys
-import threading
-import time
 import traceback
 
+from megatron_dualpipe.launch import spawn
 from megatron_dualpipe.launch.ports import free_port
 
 try:
     from . import argument_help
 except ImportError:  # run as a script (the server)
     import argument_help
-
-#: torchrun's agent: SIGTERM to the surviving ranks once one fails, SIGKILL after this many seconds.
-GRACE_S = 30.0
-#: A job past its timeout: SIGABRT (each rank prints every thread's Python stack), SIGKILL this much later.
-STACKS_S = 5.0
-
 
 #: Imported by a run after pretrain_gpt.py's own imports, and heavy: the tokenizers (transformers,
 #: 4 s of CPU), checkpointing, the plugin's executor, the multimodal model class that
@@ -81,11 +73,10 @@ RANK0_STORE_ENV = "MEGATRON_DUALPIPE_TEST_RANK0_STORE"
 
 
 def _rank_environment(env, rank, nproc, port):
-    env = dict(env)
-    env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
-               GROUP_RANK="0", GROUP_WORLD_SIZE="1", ROLE_RANK=str(rank), ROLE_WORLD_SIZE=str(nproc),
-               ROLE_NAME="default", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-               TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="0", TORCHELASTIC_RUN_ID="preloaded",
+    """torchrun's variables: the rendezvous (:func:`spawn.rank_environment`) and its agent's."""
+    env = {**env, **spawn.rank_environment(rank, nproc, port)}
+    env.update(GROUP_RANK="0", GROUP_WORLD_SIZE="1", ROLE_RANK=str(rank), ROLE_WORLD_SIZE=str(nproc),
+               ROLE_NAME="default", TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="0", TORCHELASTIC_RUN_ID="preloaded",
                TORCHELASTIC_USE_AGENT_STORE=str(env.get(RANK0_STORE_ENV) != "1"))
     return env
 
@@ -116,26 +107,6 @@ def _exit_code(exc):
 _SERVER_FILES = []
 
 
-def stacks_path(output, rank):
-    """Where a rank's faulthandler writes (a crash, or the SIGABRT of a job past its timeout): its own
-    file, not the job's output, where the ranks' dumps would interleave mid-line; the client appends
-    each line to the output marked with the rank (``[rank R] ...``)."""
-    return f"{output}.stacks{rank}"
-
-
-def _stacks_to(path):
-    """Every thread's stack on a fatal signal, into ``path``, after a line naming the main thread as
-    faulthandler names threads (``tools/failed_tests.py`` shows that thread's innermost frames)."""
-    global _STACKS
-    _STACKS = open(path, "w")
-    _STACKS.write(f"main thread 0x{threading.main_thread().ident:016x}\n")
-    _STACKS.flush()
-    faulthandler.enable(file=_STACKS, all_threads=True)
-
-
-_STACKS = None
-
-
 def rank_main(argv, env, output, teardown):
     """In the forked rank: become torchrun's worker and run ``python ARGV``; never returns (with
     ``teardown``, it raises SystemExit through the server's frames: the interpreter's own exit)."""
@@ -155,7 +126,6 @@ def rank_main(argv, env, output, teardown):
         if path in sys.path:
             sys.path.remove(path)
         sys.path.insert(0, path)
-    _stacks_to(stacks_path(output, env["RANK"]))
     code = 0
     try:
         import torch
@@ -197,17 +167,17 @@ def _leave(code):
 
 
 def run_job(request):
-    """Fork the ranks of one job, host their TCPStore and wait for them as torchrun's agent does
-    (the store outlives every rank: rank 0's exit does not take it from the others); returns the
-    exit code (None: the job ran past ``timeout`` and was killed)."""
-    nproc, port = request["nproc"], free_port()
-    pids = {}
-    for rank in range(nproc):
-        pid = os.fork()
-        if pid == 0:
-            rank_main(request["argv"], _rank_environment(request["env"], rank, nproc, port), request["output"],
-                      request.get("teardown", False))
-        pids[pid] = rank
+    """Fork the ranks of one job (:func:`spawn.fork`), host their TCPStore and wait for them as
+    torchrun's agent does (:func:`spawn.wait`; the store outlives every rank: rank 0's exit does not
+    take it from the others); returns the exit code (None: the job ran past ``timeout`` and was killed,
+    after each rank wrote its stacks next to the output: :func:`spawn.stacks_path`)."""
+    nproc, port, output = request["nproc"], free_port(), request["output"]
+
+    def rank(r):
+        rank_main(request["argv"], _rank_environment(request["env"], r, nproc, port), output,
+                  request.get("teardown", False))
+
+    ranks = spawn.fork(nproc, rank, output)
     from datetime import timedelta
 
     from torch.distributed import TCPStore  # after the forks: its server threads stay in this process
@@ -215,26 +185,7 @@ def run_job(request):
     if request["env"].get(RANK0_STORE_ENV) != "1":
         store = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,  # noqa: F841 (kept alive)
                          timeout=timedelta(seconds=request["timeout"]))
-    deadline, failed_at, code = time.monotonic() + request["timeout"], None, 0
-    while pids:
-        pid, status = os.waitpid(-1, os.WNOHANG)
-        if pid == 0:
-            now = time.monotonic()
-            if now > deadline and code is not None:  # the stacks first (faulthandler), then the end
-                _signal_all(pids, signal.SIGABRT)
-                code, deadline = None, now + STACKS_S
-            elif now > deadline:
-                _signal_all(pids, signal.SIGKILL)
-            elif failed_at is not None and now > failed_at + GRACE_S:
-                _signal_all(pids, signal.SIGKILL)
-            time.sleep(0.05)
-            continue
-        rank = pids.pop(pid, None)
-        if os.waitstatus_to_exitcode(status) != 0 and failed_at is None:
-            failed_at, code = time.monotonic(), (1 if code is not None else None)
-            _signal_all(pids, signal.SIGTERM)
-            _say_first_failure(request["output"], rank, os.waitstatus_to_exitcode(status))
-    return code
+    return spawn.wait(ranks, request["timeout"], on_failure=lambda rank, code: _say_first_failure(output, rank, code))
 
 
 def _say_first_failure(output, rank, code):
@@ -243,14 +194,6 @@ def _say_first_failure(output, rank, code):
     how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
     with open(output, "a") as fh:
         fh.write(f"\npreloaded_launch: rank {rank} failed first ({how}); the other ranks were sent SIGTERM\n")
-
-
-def _signal_all(pids, sig):
-    for pid in pids:
-        try:
-            os.kill(pid, sig)
-        except ProcessLookupError:
-            pass
 
 
 def serve(script):

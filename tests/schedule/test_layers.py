@@ -55,7 +55,7 @@ MAY_IMPORT: Dict[str, Set[str]] = {
 
 #: Modules of launch/ that form a foundation of their own, standard library only: starting and
 #: stopping processes, Ctrl-C (the launcher beside them sits above megatron_lm).
-PROCESSES = {"launch.processes", "launch.interrupts", "launch.ports", "launch.own_session"}
+PROCESSES = {"launch.processes", "launch.interrupts", "launch.ports", "launch.own_session", "launch.spawn"}
 
 
 def _modules() -> Dict[str, str]:

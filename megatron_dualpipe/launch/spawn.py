@@ -1,0 +1,325 @@
+"""The one way a job's ranks are started on this machine, and watched until they end.
+
+Used by the benchmark and the selftest (:func:`..bench.launch.spawn`), the tests' workers
+(``tests/harness/workers.py``) and the tests' torchrun stand-in (``tests/harness/preloaded_launch.py``).
+What every rank gets here, however it is started:
+
+- the rendezvous variables (:func:`rank_environment`: ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, a
+  ``MASTER_PORT`` from :mod:`.ports`);
+- a file of its own that faulthandler writes every thread's Python stack into on a fatal signal
+  (:func:`stacks_to`): a crash, or the SIGABRT each rank gets once the job is past its deadline. The
+  parent reads them back with each line labelled ``[rank R]`` (:func:`labelled_stacks`), which is what
+  CI's failure summary (``tools/failed_tests.py``) shows of a hang: where each rank's main thread waited;
+- :class:`Ranks` watching it as torchrun's agent watches its ranks: the first that fails is named, the
+  others are stopped, nothing is left running.
+
+Two ways to start them: :func:`run` (``fn(rank, world, port, *args)`` in processes that
+multiprocessing's forkserver forks after importing ``preload`` once; each rank's return value or
+traceback comes back) and :func:`fork` (ranks forked from this process, which has imported what they
+need: the preloaded stand-in, whose ranks run a whole script and end as an interpreter does).
+:func:`run`'s ranks leave the terminal's process group: a Ctrl-C reaches only the parent, which stops
+them (no rank prints a ``KeyboardInterrupt`` traceback of its own).
+"""
+from __future__ import annotations
+
+import faulthandler
+import os
+import shutil
+import signal
+import tempfile
+import threading
+import time
+import traceback
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+from .ports import free_port
+
+#: After the first failure (torchrun's agent): SIGTERM to the other ranks, SIGKILL this much later.
+GRACE_S = 30.0
+#: Past the deadline: SIGABRT (each rank writes its stacks), SIGKILL this much later.
+STACKS_S = 5.0
+#: :func:`run`: how long the other ranks may still report after the first failure (their errors, a
+#: selftest watchdog's stacks) before they are stopped.
+REPORT_GRACE_S = 5.0
+#: Imported first by the forkserver: it, and the ranks it forks, leave the terminal's process group.
+OWN_SESSION = "megatron_dualpipe.launch.own_session"
+#: :func:`run`: how long a rank that sent its result may take to end (``finish``: tearing down).
+ENDING_S = 10.0
+POLL_S = 0.05
+
+
+def rank_environment(rank: int, world: int, port: int) -> Dict[str, str]:
+    """The rendezvous variables (``env://``) of rank ``rank`` of ``world``, all on this machine."""
+    return dict(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+
+def stacks_path(prefix: str, rank: int) -> str:
+    """Where rank ``rank`` writes its stacks: a file of its own, where the ranks' dumps cannot
+    interleave mid-line."""
+    return f"{prefix}.stacks{rank}"
+
+
+#: The open file faulthandler writes into (kept open for the life of the rank).
+_STACKS: List[Any] = []
+
+
+def stacks_to(path: str) -> None:
+    """Every thread's stack on a fatal signal, into ``path``, after a line naming the main thread as
+    faulthandler names threads (the failure summary shows that thread's innermost frames)."""
+    stacks = open(path, "w")
+    stacks.write(f"main thread 0x{threading.main_thread().ident:016x}\n")
+    stacks.flush()
+    faulthandler.enable(file=stacks, all_threads=True)
+    _STACKS.append(stacks)
+
+
+def labelled_stacks(prefix: str, world: int) -> str:
+    """The ranks' dumps (a crash, or a job past its deadline), each line marked with its rank as the
+    selftest's watchdog marks them; the files are removed."""
+    lines = []
+    for rank in range(world):
+        path = stacks_path(prefix, rank)
+        try:
+            with open(path, errors="replace") as f:
+                dump = [line.rstrip() for line in f if line.strip()]
+            os.remove(path)
+        except OSError:
+            continue
+        if len(dump) > 1:  # more than the line naming the main thread
+            lines += [f"[rank {rank}] {line}" for line in dump]
+    return "".join(f"{line}\n" for line in lines)
+
+
+class _Forked:
+    """A rank forked from this process, with the ``pid``, ``exitcode`` and ``join`` of a
+    :class:`multiprocessing.Process`."""
+
+    def __init__(self, pid: int):
+        self.pid, self._code = pid, None
+
+    @property
+    def exitcode(self) -> Optional[int]:
+        if self._code is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self._code = os.waitstatus_to_exitcode(status)
+        return self._code
+
+    def join(self, timeout: Optional[float] = None) -> None:
+        end = None if timeout is None else time.monotonic() + timeout
+        while self.exitcode is None and (end is None or time.monotonic() < end):
+            time.sleep(POLL_S)
+
+
+class Ranks:
+    """A job's processes, by rank, and how they are stopped; ``stacks_prefix``: their stack files."""
+
+    def __init__(self, procs: Sequence[Any], stacks_prefix: str):
+        self.procs, self.stacks_prefix = list(procs), stacks_prefix
+        self.ended: List[int] = []  # ranks in the order their ends were seen
+
+    def poll(self) -> List[int]:
+        """The ranks still running; notes the ends seen since the last call."""
+        running = []
+        for rank, proc in enumerate(self.procs):
+            if proc.exitcode is None:  # running, or not started
+                running.append(rank)
+            elif rank not in self.ended:
+                self.ended.append(rank)
+        return running
+
+    def failed(self) -> List[int]:
+        return [r for r in self.ended if self.procs[r].exitcode != 0]
+
+    def describe(self, ranks: Sequence[int]) -> str:
+        """'rank R exited with code C, rank S was killed by signal N'."""
+        codes = [(r, self.procs[r].exitcode) for r in ranks]
+        return ", ".join(f"rank {r} " + (f"was killed by signal {-c}" if c < 0 else f"exited with code {c}")
+                         for r, c in codes)
+
+    def send(self, sig: int) -> None:
+        for rank in self.poll():
+            if self.procs[rank].pid is not None:
+                try:
+                    os.kill(self.procs[rank].pid, sig)
+                except ProcessLookupError:
+                    pass
+
+    def stop(self, grace: float, first: Optional[int] = signal.SIGTERM) -> None:
+        """``first`` (SIGTERM; None: nothing) to the running ranks, SIGKILL to those left after
+        ``grace``; returns when all have ended."""
+        if first is not None:
+            self.send(first)
+        end = time.monotonic() + grace
+        while self.poll() and time.monotonic() < end:
+            time.sleep(POLL_S)
+        self.send(signal.SIGKILL)
+        for proc in self.procs:
+            if proc.pid is not None:
+                proc.join()
+        self.poll()
+
+    def dump(self) -> None:
+        """Every running rank writes its stacks (SIGABRT: faulthandler), then it is killed; the
+        files are read with :func:`labelled_stacks`."""
+        self.send(signal.SIGABRT)
+        self.stop(STACKS_S, first=None)
+
+
+def wait(ranks: Ranks, timeout_s: float, on_failure: Callable[[int, int], None] = lambda rank, code: None,
+         grace: float = GRACE_S) -> Optional[int]:
+    """Wait for every rank as torchrun's agent does: 0 when all succeeded; 1 once one failed (it is
+    told to ``on_failure(rank, exit code)``, the others get SIGTERM, SIGKILL ``grace`` later); None when
+    ``timeout_s`` passed first (each rank wrote its stacks: :meth:`Ranks.dump`, :func:`labelled_stacks`)."""
+    deadline, failed_at = time.monotonic() + timeout_s, None
+    while ranks.poll():
+        now = time.monotonic()
+        if now > deadline:
+            ranks.dump()
+            return None
+        if failed_at is None and ranks.failed():
+            failed_at, first = now, ranks.failed()[0]
+            ranks.send(signal.SIGTERM)
+            on_failure(first, ranks.procs[first].exitcode)
+        elif failed_at is not None and now > failed_at + grace:
+            ranks.send(signal.SIGKILL)
+        time.sleep(POLL_S)
+    return 1 if ranks.failed() else 0
+
+
+def fork(world: int, child: Callable[[int], None], stacks_prefix: str) -> Ranks:
+    """``world`` ranks forked from this process (in its process group: a Ctrl-C reaches them);
+    ``child(rank)`` runs in each (its stacks to :func:`stacks_path`) and ends the process (an exception
+    ends it as an interpreter does)."""
+    procs = []
+    for rank in range(world):
+        pid = os.fork()
+        if pid == 0:
+            stacks_to(stacks_path(stacks_prefix, rank))
+            child(rank)
+            os._exit(0)
+        procs.append(_Forked(pid))
+    return Ranks(procs, stacks_prefix)
+
+
+def _rank(rank, world, port, fn, args, results, prefix, finish) -> None:
+    """One rank of :func:`run` (in its forkserver's session: :data:`OWN_SESSION`): its result (or its
+    traceback) goes to the parent, then ``finish()``."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops the ranks
+    os.environ.update(rank_environment(rank, world, port))
+    stacks_to(stacks_path(prefix, rank))
+    status = 0
+    try:
+        results.put((rank, "ok", fn(rank, world, port, *args)))
+    except BaseException:  # noqa: BLE001 - reported to the parent with the traceback
+        results.put((rank, "error", f"rank {rank}:\n{traceback.format_exc()}"))
+        status = 1
+    if finish is not None:
+        finish()
+    raise SystemExit(status)
+
+
+def _context(start_method: Optional[str], preload: Sequence[str]):
+    """multiprocessing's context: the forkserver where there is one, made to import ``preload``."""
+    import importlib
+    import multiprocessing
+
+    if start_method is None:
+        start_method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+    ctx = multiprocessing.get_context(start_method)
+    if start_method == "forkserver":
+        _preloading(ctx, [OWN_SESSION, *preload])
+    elif start_method == "fork":
+        for name in preload:
+            importlib.import_module(name)
+    return ctx
+
+
+def _preloading(ctx, modules: Sequence[str]) -> None:
+    """Make the (process-wide) forkserver preload at least ``modules``, in their order after what it
+    has: a running forkserver keeps the list it was started with, so one started with less (the
+    benchmark's torch) is stopped and restarted once more is asked for (megatron-core). Uses CPython's
+    private ``ForkServer._stop``; without it the ranks import what they need."""
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver
+    have = [m for m in getattr(server, "_preload_modules", []) if m != "__main__"]
+    if set(modules) <= set(have):
+        return
+    if getattr(server, "_forkserver_pid", None) is not None and hasattr(server, "_stop"):
+        server._stop()
+    ctx.set_forkserver_preload(have + [m for m in modules if m not in have])
+
+
+def _last_line(report: str) -> str:
+    """'rank R: <the exception's line>' from a rank's 'rank R:\\n<traceback>' report."""
+    lines = [line.strip() for line in report.splitlines() if line.strip()]
+    return f"{lines[0]} {lines[-1]}" if len(lines) > 1 else (lines[0] if lines else "")
+
+
+def _failure(errors: List[str], silent: str, stacks: str) -> str:
+    """Why :func:`run` failed, its last line naming the cause: a rank that died without a report (a
+    crash, a watchdog, the OOM killer) before a neighbour's error, which is often its echo (gloo's
+    "connection closed by peer"); else the first rank's error."""
+    if not silent:
+        return f"{stacks}a rank failed: {errors[0]}"
+    echo = f"; after it, {_last_line(errors[0])}" if errors else ""
+    return (f"{errors[0] if errors else ''}\n{stacks}ranks ended without a result: {silent} (their own output, "
+            f"above, says why){echo}")
+
+
+def _collect(results, ranks: Ranks, timeout_s: float) -> List[Any]:
+    """Every rank's result, in rank order. Raises once a rank failed, after the others had
+    :data:`REPORT_GRACE_S` to report or end; or past ``timeout_s``, with every rank's stacks."""
+    world, got, errors, failed_at = len(ranks.procs), {}, [], None
+    end = time.monotonic() + timeout_s
+    while True:
+        running = ranks.poll()  # before the queue: a rank's report is sent before it ends
+        while not results.empty():
+            rank, status, payload = results.get()
+            got[rank] = payload if status == "ok" else None
+            if status != "ok":
+                errors.append(payload)
+        if len(got) == world and not errors:
+            return [got[r] for r in range(world)]
+        silent = [r for r in ranks.ended if r not in got]
+        now = time.monotonic()
+        if failed_at is None and (errors or silent):
+            failed_at = now
+        if failed_at is not None and (now > failed_at + REPORT_GRACE_S or not running):
+            stacks = labelled_stacks(ranks.stacks_prefix, world)
+            raise RuntimeError(_failure(errors, ranks.describe(silent), stacks))
+        if now > end:
+            waiting = [r for r in range(world) if r not in got]
+            ranks.dump()
+            raise RuntimeError(f"{labelled_stacks(ranks.stacks_prefix, world)}ranks {waiting} gave no result within "
+                               f"{timeout_s:.0f} s (where each waited: its stacks, above)")
+        time.sleep(POLL_S)
+
+
+def run(fn: Callable[..., Any], world: int, args: Sequence[Any] = (), *, timeout_s: float,
+        preload: Sequence[str] = (), start_method: Optional[str] = None,
+        finish: Optional[Callable[[], None]] = None) -> List[Any]:
+    """``fn(rank, world, port, *args)`` in ``world`` new processes (``fn`` importable: a module-level
+    function); returns what each returned, in rank order. ``finish()`` runs in each rank after its
+    result is sent. Raises as :func:`_collect` says; whatever ends this call (Ctrl-C too) ends every rank."""
+    ctx = _context(start_method, preload)
+    results = ctx.SimpleQueue()
+    folder = tempfile.mkdtemp(prefix="megatron-dualpipe-ranks-")
+    prefix, port = os.path.join(folder, "rank"), free_port()
+    procs = [ctx.Process(target=_rank, args=(r, world, port, fn, tuple(args), results, prefix, finish))
+             for r in range(world)]
+    ranks = Ranks(procs, prefix)
+    try:
+        for proc in procs:
+            proc.start()
+        got = _collect(results, ranks, timeout_s)
+    except BaseException:  # a failure, Ctrl-C, SIGTERM: stop everyone now
+        ranks.stop(0.0)
+        raise
+    else:
+        ranks.stop(ENDING_S, first=None)  # they end by themselves once their result is sent
+        return got
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
