@@ -12,16 +12,8 @@ is that someone (standard library only, on top of :mod:`.processes`):
   scripts: ``exec`` it (or start it in the background and ``wait``, so that a signal to the shell
   itself is handled at once) instead of running ``CMD`` directly.
 
-Usage from Python::
-
-    from megatron_dualpipe.launch import interrupts, processes
-
-    def main():
-        ...
-        code = processes.run(["torchrun", ...])   # KeyboardInterrupt once everything is stopped
-        ...
-
-    sys.exit(interrupts.guarded(main, prog="my-command"))
+From Python: ``sys.exit(interrupts.guarded(main, prog))``, ``main`` running its commands with
+:func:`.processes.run` (which raises KeyboardInterrupt once everything it started is stopped).
 """
 from __future__ import annotations
 

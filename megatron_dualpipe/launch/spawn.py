@@ -1,24 +1,15 @@
-"""The one way a job's ranks are started on this machine, and watched until they end.
+"""The one way a job's ranks start on this machine and are watched until they end: the benchmark and
+the selftest (:func:`..bench.launch.spawn`), the tests' workers and their torchrun stand-in.
 
-Used by the benchmark and the selftest (:func:`..bench.launch.spawn`), the tests' workers
-(``tests/harness/workers.py``) and the tests' torchrun stand-in (``tests/harness/preloaded_launch.py``).
-What every rank gets here, however it is started:
-
-- the rendezvous variables (:func:`rank_environment`: ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, a
-  ``MASTER_PORT`` from :mod:`.ports`);
-- a file of its own that faulthandler writes every thread's Python stack into on a fatal signal
-  (:func:`stacks_to`): a crash, or the SIGABRT each rank gets once the job is past its deadline. The
-  parent reads them back with each line labelled ``[rank R]`` (:func:`labelled_stacks`), which is what
-  CI's failure summary (``tools/failed_tests.py``) shows of a hang: where each rank's main thread waited;
-- :class:`Ranks` watching it as torchrun's agent watches its ranks: the first that fails is named, the
-  others are stopped, nothing is left running.
-
-Two ways to start them: :func:`run` (``fn(rank, world, port, *args)`` in processes that
-multiprocessing's forkserver forks after importing ``preload`` once; each rank's return value or
-traceback comes back) and :func:`fork` (ranks forked from this process, which has imported what they
-need: the preloaded stand-in, whose ranks run a whole script and end as an interpreter does).
-:func:`run`'s ranks leave the terminal's process group: a Ctrl-C reaches only the parent, which stops
-them (no rank prints a ``KeyboardInterrupt`` traceback of its own).
+Each rank gets the rendezvous variables (:func:`rank_environment`, a port from :mod:`.ports`) and a
+file faulthandler writes every thread's stack into on a fatal signal (:func:`stacks_to`). :class:`Ranks`
+watches them as torchrun's agent does: the first failure named; past the deadline SIGABRT (each
+rank's stacks), then SIGKILL; the stacks read back labelled ``[rank R]`` (:func:`labelled_stacks`,
+what CI's failure summary shows of a hang); nothing left running. :func:`run` starts
+``fn(rank, world, port, *args)`` per rank from multiprocessing's forkserver (``preload`` imported once;
+its ranks leave the terminal's process group: a Ctrl-C reaches only the parent, which stops them) and
+returns what each returned; :func:`fork` forks ranks from this process, which has imported what they
+need (the tests' preloaded stand-in).
 """
 from __future__ import annotations
 
@@ -92,7 +83,7 @@ def labelled_stacks(prefix: str, world: int) -> str:
 
 
 class _Forked:
-    """A rank forked from this process, with the ``pid``, ``exitcode`` and ``join`` of a
+    """A rank forked from this process, with the ``pid`` and ``exitcode`` of a
     :class:`multiprocessing.Process`."""
 
     def __init__(self, pid: int):
@@ -106,11 +97,6 @@ class _Forked:
                 self._code = os.waitstatus_to_exitcode(status)
         return self._code
 
-    def join(self, timeout: Optional[float] = None) -> None:
-        end = None if timeout is None else time.monotonic() + timeout
-        while self.exitcode is None and (end is None or time.monotonic() < end):
-            time.sleep(POLL_S)
-
 
 class Ranks:
     """A job's processes, by rank, and how they are stopped; ``stacks_prefix``: their stack files."""
@@ -120,12 +106,12 @@ class Ranks:
         self.ended: List[int] = []  # ranks in the order their ends were seen
 
     def poll(self) -> List[int]:
-        """The ranks still running; notes the ends seen since the last call."""
+        """The ranks still running (not those never started); notes the ends seen since the last call."""
         running = []
         for rank, proc in enumerate(self.procs):
-            if proc.exitcode is None:  # running, or not started
+            if proc.exitcode is None and proc.pid is not None:
                 running.append(rank)
-            elif rank not in self.ended:
+            elif proc.exitcode is not None and rank not in self.ended:
                 self.ended.append(rank)
         return running
 
@@ -140,11 +126,10 @@ class Ranks:
 
     def send(self, sig: int) -> None:
         for rank in self.poll():
-            if self.procs[rank].pid is not None:
-                try:
-                    os.kill(self.procs[rank].pid, sig)
-                except ProcessLookupError:
-                    pass
+            try:
+                os.kill(self.procs[rank].pid, sig)
+            except ProcessLookupError:
+                pass
 
     def stop(self, grace: float, first: Optional[int] = signal.SIGTERM) -> None:
         """``first`` (SIGTERM; None: nothing) to the running ranks, SIGKILL to those left after
@@ -155,10 +140,8 @@ class Ranks:
         while self.poll() and time.monotonic() < end:
             time.sleep(POLL_S)
         self.send(signal.SIGKILL)
-        for proc in self.procs:
-            if proc.pid is not None:
-                proc.join()
-        self.poll()
+        while self.poll():
+            time.sleep(POLL_S)
 
     def dump(self) -> None:
         """Every running rank writes its stacks (SIGABRT: faulthandler), then it is killed; the
@@ -167,10 +150,9 @@ class Ranks:
         self.stop(STACKS_S, first=None)
 
 
-def wait(ranks: Ranks, timeout_s: float, on_failure: Callable[[int, int], None] = lambda rank, code: None,
-         grace: float = GRACE_S) -> Optional[int]:
+def wait(ranks: Ranks, timeout_s: float, on_failure: Callable[[int, int], None]) -> Optional[int]:
     """Wait for every rank as torchrun's agent does: 0 when all succeeded; 1 once one failed (it is
-    told to ``on_failure(rank, exit code)``, the others get SIGTERM, SIGKILL ``grace`` later); None when
+    told to ``on_failure(rank, exit code)``, the others get SIGTERM, SIGKILL :data:`GRACE_S` later); None when
     ``timeout_s`` passed first (each rank wrote its stacks: :meth:`Ranks.dump`, :func:`labelled_stacks`)."""
     deadline, failed_at = time.monotonic() + timeout_s, None
     while ranks.poll():
@@ -182,7 +164,7 @@ def wait(ranks: Ranks, timeout_s: float, on_failure: Callable[[int, int], None] 
             failed_at, first = now, ranks.failed()[0]
             ranks.send(signal.SIGTERM)
             on_failure(first, ranks.procs[first].exitcode)
-        elif failed_at is not None and now > failed_at + grace:
+        elif failed_at is not None and now > failed_at + GRACE_S:
             ranks.send(signal.SIGKILL)
         time.sleep(POLL_S)
     return 1 if ranks.failed() else 0
