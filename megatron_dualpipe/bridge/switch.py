@@ -31,7 +31,7 @@ def enable(config, schedule: str = registry.DUALPIPE, **options) -> None:
         raise checks.BridgeConfigError(f"megatron_dualpipe.bridge: unknown option(s) {', '.join(unknown)}: "
                                        f"choose from {', '.join(OPTIONS)}")
     if schedule != registry.DEFAULT:
-        checks.check(config, schedule, get_world_size_safe())
+        checks.check(config, schedule, get_world_size_safe(), options)
     wanted = dict(schedule=schedule, options=_executor_options(config, options))
     if _STATE.get("config") is config and all(_STATE[k] == v for k, v in wanted.items()):
         return

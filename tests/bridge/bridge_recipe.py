@@ -14,12 +14,19 @@ import os
 import zlib
 
 PP, LAYERS, SEQ, ITERS, GLOBAL_BATCH = 4, 8, 32, 4, 8
+#: The tiny MoE (as tests/megatron_lm_runs.py's MOE_EP2_AUX_LOSS, with one MTP layer): 4 experts, top-2,
+#: the alltoall dispatcher, aux loss and z-loss, expert parallel 2 x pp=2 x dp=2 on the 4 ranks, 4 layers
+#: (DualPipeV at pp=2 needs a multiple of 4), MTP with rotary positions (as Megatron-LM requires).
+MOE = dict(pipeline_model_parallel_size=2, num_layers=4, expert_model_parallel_size=2, num_moe_experts=4,
+           moe_router_topk=2, moe_token_dispatcher_type="alltoall", moe_router_load_balancing_type="aux_loss",
+           moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3, add_bias_linear=False, mtp_num_layers=1,
+           position_embedding_type="rope")
 
 
-def recipe(tied: bool = True):
+def recipe(tied: bool = True, moe: bool = False):
     """A ConfigContainer as a Bridge recipe builds one: tied embeddings (Bridge's default; ``tied=False``
     as the Llama 3 and DeepSeek-V3 recipes), TE layer spec, Adam, clipping, the distributed optimizer and
-    overlapped gradient reduction, mock data, an evaluation."""
+    overlapped gradient reduction, mock data, an evaluation; ``moe``: the tiny MoE of :data:`MOE`."""
     import torch
     from megatron.bridge.models.gpt_provider import GPTModelProvider
     from megatron.bridge.training.config import (CheckpointConfig, ConfigContainer, DistributedDataParallelConfig,
@@ -31,6 +38,8 @@ def recipe(tied: bool = True):
                              seq_length=SEQ, pipeline_model_parallel_size=PP, pipeline_dtype=torch.float32,
                              make_vocab_size_divisible_by=128, hidden_dropout=0.0, attention_dropout=0.0,
                              share_embeddings_and_output_weights=tied)
+    for name, value in (MOE if moe else {}).items():
+        setattr(model, name, value)
     model.register_pre_wrap_hook(same_weights)
     return ConfigContainer(
         model=model,
@@ -68,18 +77,25 @@ def same_weights(model):
 
 
 def logical_names(chunk):
-    """(name, parameter) with the decoder layers numbered as in the whole model."""
+    """(name, parameter) with the decoder layers numbered as in the whole model, an expert's weights
+    named by its expert-parallel rank too (each holds other experts), the MTP block by its own name."""
+    from megatron.core import parallel_state
+
     layers = {id(p): f"layer{layer.layer_number}.{n}" for layer in chunk.decoder.layers
               for n, p in layer.named_parameters()}
     tied = getattr(chunk, "share_embeddings_and_output_weights", False)
     for name, param in chunk.named_parameters():
         if name == "output_layer.weight" and tied:
             name = "embedding.word_embeddings.weight"
-        yield layers.get(id(param), name), param
+        name = layers.get(id(param), name)
+        if not getattr(param, "allreduce", True):
+            name += f".ep{parallel_state.get_expert_model_parallel_rank()}"
+        yield name, param
 
 
-def train_each(rank: int, world: int, port: int, schedules, tied: bool = True):
-    """Train the recipe under each schedule; the last rank returns {schedule: its logged metrics}."""
+def train_each(rank: int, world: int, port: int, schedules, tied: bool = True, moe: bool = False):
+    """Train the recipe under each schedule; the last rank returns {schedule: its logged metrics}.
+    The MoE recipe (one MTP layer) runs dualpipev without the zero-bubble split (refused with MTP)."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     import torch.distributed as dist
@@ -88,31 +104,53 @@ def train_each(rank: int, world: int, port: int, schedules, tied: bool = True):
 
     cpu.enable()
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    logged = {schedule: train_once(schedule, tied) for schedule in schedules}
+    logged = {schedule: train_once(schedule, tied, moe) for schedule in schedules}
     return logged if rank == world - 1 else None
 
 
-def train_once(schedule: str, tied: bool) -> dict:
+def train_once(schedule: str, tied: bool, moe: bool = False) -> dict:
     """One run of Bridge's pretrain (the package's drop-in, or Bridge's own for Bridge's 1F1B)."""
     import megatron.bridge.training.eval as bridge_eval
     import megatron.bridge.training.train as bridge_train
+    import megatron.bridge.training.utils.train_utils as train_utils
     from megatron.bridge.training.gpt_step import forward_step
     from megatron.bridge.training.pretrain import pretrain as bridge_pretrain
 
     from megatron_dualpipe.bridge import pretrain
 
     metrics = {"train": [], "eval": [], "stages": []}
-    log, evaluate = bridge_train.training_log, bridge_eval.evaluate
+    log, evaluate, helper = bridge_train.training_log, bridge_eval.evaluate, train_utils.MTPLossLoggingHelper
+    moe_metrics = train_utils.track_moe_metrics
     bridge_train.training_log = _recording_training_log(log, metrics["train"], metrics["stages"])
     bridge_eval.evaluate = _recording_evaluate(evaluate, metrics["eval"])
+    train_utils.track_moe_metrics = _recording_tracker(moe_metrics, metrics["train"])
+    train_utils.MTPLossLoggingHelper = type("RecordingMTPHelper", (helper,), {
+        "track_mtp_metrics": staticmethod(_recording_tracker(helper.track_mtp_metrics, metrics["train"]))})
     try:
         if schedule == "bridge-1f1b":
-            bridge_pretrain(recipe(tied), forward_step)
+            bridge_pretrain(recipe(tied, moe), forward_step)
         else:
-            pretrain(recipe(tied), forward_step, schedule=schedule)
+            options = {"zero_bubble": False} if moe and schedule == "dualpipev" else {}
+            pretrain(recipe(tied, moe), forward_step, schedule=schedule, **options)
     finally:
         bridge_train.training_log, bridge_eval.evaluate = log, evaluate
+        train_utils.track_moe_metrics, train_utils.MTPLossLoggingHelper = moe_metrics, helper
     return metrics
+
+
+def _recording_tracker(track, into: list):
+    """Bridge's MoE / MTP metric call inside ``training_log``: what it adds to ``total_loss_dict``
+    (``load_balancing_loss``, ``z_loss``, ``mtp_1 loss``; one iteration's, at log interval 1) goes into
+    the iteration's row."""
+
+    def record(*args, **kwargs):
+        total = kwargs.get("total_loss_dict", args[4] if len(args) > 4 else None)
+        before = {k: _number(v) for k, v in (total or {}).items()}
+        out = track(*args, **kwargs)
+        into[-1].update({f"loss/{k}": _number(v) for k, v in (total or {}).items() if _number(v) != before.get(k)})
+        return out
+
+    return record
 
 
 def _number(value):
@@ -155,7 +193,7 @@ MISTAKES = (
                   "model.num_layers": 6, "train.global_batch_size": 2, "model.cuda_graph_impl": "local",
                   "dist.use_decentralized_pg": True, "model.pipeline_model_parallel_layout": "Et|tt|tt|tL"}),
     ("dualpipe", {"model.pipeline_model_parallel_size": 3}),
-    ("dualpipev", {"model.num_layers": 12, "dist.use_megatron_fsdp": True}),
+    ("dualpipev", {"model.num_layers": 12, "dist.use_megatron_fsdp": True, "model.mtp_num_layers": 1}),
     ("zb-h1", {}),
 )
 

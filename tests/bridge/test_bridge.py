@@ -68,19 +68,18 @@ def _table(logged: dict) -> str:
     return "\n".join(lines)
 
 
-@pytest.mark.parametrize("tied", [True, False], ids=["tied-embeddings", "untied-embeddings"])
-def test_dualpipe_and_dualpipev_log_what_bridges_1f1b_logs(tied):
-    logged = run_workers(bridge_recipe.train_each, bridge_recipe.PP,
-                         args=(("bridge-1f1b", "dualpipe", "dualpipev"), tied), timeout=600)[-1]
+def _compare(logged: dict, stages: dict) -> dict:
+    """Print and check every metric of dualpipe and dualpipev against Bridge's 1F1B; their largest gaps."""
     print("\n" + _table(logged))
     ref = logged["bridge-1f1b"]
     losses = [row["loss/lm loss"] for row in ref["train"]]
     assert losses[-1] < losses[0], f"Bridge's 1F1B did not train: lm loss {losses}"
     held = {schedule: logged[schedule]["stages"] for schedule in logged}
     print(f"stages held by the last pipeline rank: {held}")
-    assert held == {"bridge-1f1b": [None], "dualpipe": [3, 0], "dualpipev": [3, 4]}, held
+    assert held == stages, held
+    worst = {}
     for schedule in ("dualpipe", "dualpipev"):
-        gaps = _gaps(logged[schedule], ref, schedule)
+        worst[schedule] = gaps = _gaps(logged[schedule], ref, schedule)
         for key, (relative, absolute, where) in sorted(gaps.items()):
             print(f"{schedule} vs Bridge's 1F1B: {key}: largest difference {absolute:.3g} (relative {relative:.3g}), "
                   f"{where}")
@@ -89,6 +88,24 @@ def test_dualpipe_and_dualpipev_log_what_bridges_1f1b_logs(tied):
                 assert absolute <= SLACK[key], f"{schedule}: {key} {where}, more than {SLACK[key]} apart"
             else:
                 assert relative <= RELATIVE, f"{schedule}: {key} {where}, relative difference {relative:.3g}"
+    return worst
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied-embeddings", "untied-embeddings"])
+def test_dualpipe_and_dualpipev_log_what_bridges_1f1b_logs(tied):
+    logged = run_workers(bridge_recipe.train_each, bridge_recipe.PP,
+                         args=(("bridge-1f1b", "dualpipe", "dualpipev"), tied), timeout=600)[-1]
+    _compare(logged, {"bridge-1f1b": [None], "dualpipe": [3, 0], "dualpipev": [3, 4]})
+
+
+def test_moe_with_expert_parallel_and_mtp_logs_what_bridges_1f1b_logs():
+    """The tiny MoE (expert parallel 2 x pp=2 x dp=2, alltoall, aux loss and z-loss, one MTP layer):
+    Bridge's MoE and MTP lines (load_balancing_loss, z_loss, mtp_1 loss) compared with the rest."""
+    logged = run_workers(bridge_recipe.train_each, 4,
+                         args=(("bridge-1f1b", "dualpipe", "dualpipev"), True, True), timeout=600)[-1]
+    worst = _compare(logged, {"bridge-1f1b": [None], "dualpipe": [1, 0], "dualpipev": [1, 2]})
+    for schedule, gaps in worst.items():
+        assert {"loss/load_balancing_loss", "loss/z_loss", "loss/mtp_1 loss"} <= set(gaps), (schedule, sorted(gaps))
 
 
 def test_a_recipe_dualpipe_cannot_run_is_refused_in_one_line_naming_each_field():
