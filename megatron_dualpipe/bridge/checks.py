@@ -27,9 +27,13 @@ NOT_RUN: Tuple[Tuple[str, Callable[[Any], bool], str], ...] = (
     ("dist.use_megatron_fsdp", bool, "FSDP shards what DualPipe keeps as two chunks: set it to False"),
     ("dist.use_torch_fsdp2", bool, "FSDP shards what DualPipe keeps as two chunks: set it to False"),
     ("inprocess_restart.enabled", bool, "in-process restart is not run under DualPipe: set it to False"),
-    ("checkpoint.save", lambda v: v is not None,
-     "checkpoints in 1F1B's layout are done for Megatron-LM's loop, not yet for Bridge's: set it to None"),
-    ("checkpoint.load", lambda v: v is not None, "loading into the two chunks is not done for Bridge yet: set it to None"),
+    ("checkpoint.ckpt_format", lambda v: v != "torch_dist",
+     "Bridge's checkpoints under DualPipe are written and read in 1F1B's keys in torch_dist only: set it to "
+     "'torch_dist'"),
+    ("checkpoint.async_save", bool, "the save's edits (the mirror left out) are not run in the async worker: set it "
+     "to False"),
+    ("checkpoint.non_persistent_save_interval", lambda v: v is not None,
+     "local (non-persistent) checkpoints of the two chunks are not done: set it to None"),
     ("checkpoint.pretrained_checkpoint", lambda v: v is not None,
      "loading into the two chunks is not done for Bridge yet: set it to None"),
     ("peft", lambda v: v is not None, "PEFT's pre-wrap hook has not run on two chunks: set it to None"),

@@ -37,6 +37,7 @@ _VIEWS = (
     (_TRAINING + ".utils.train_utils", "params-norm and stat tensors on 'cuda', memory statistics"),
     ("megatron.bridge.models.model_provider", "the DDP-init side stream in _ddp_wrap, current_device()"),
     ("megatron.bridge.data.loaders", "the do_train/do_valid/do_test broadcast of a device='cuda' tensor"),
+    (_TRAINING + ".checkpointing", "the torch.cuda RNG state in the checkpoint, the iteration all-reduce (save / load)"),
 )  # fmt: skip
 
 #: Every Bridge redirection, in the order it is applied (after megatron-core's CPU mode).

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Tuple
 
-from ..hooks.mechanism import INSTANCE, Patch
+from ..hooks.mechanism import INSTANCE, SCOPED, Patch
 from ..schedule import registry
 
 _TRAINING = "megatron.bridge.training"
@@ -20,6 +20,10 @@ COMMON: Tuple[Patch, ...] = (
           "evaluate() imports it by name too: the executor's schedule, forward only"),
     Patch(_PROVIDER, "_create_model", _HERE + "model:wrap_create_model",
           "get_model's raw chunks (looked up at call time): both chunks of the rank through the provider's provide()"),
+    Patch(_TRAINING + ".train", "save_checkpoint", _HERE + "checkpoint:wrap_save_checkpoint",
+          "save_checkpoint_and_time calls it by name: torch_dist in 1F1B's keys (megatron_lm.checkpoint's strategies)"),
+    Patch(_TRAINING + ".setup", "load_checkpoint", _HERE + "checkpoint:wrap_load_checkpoint",
+          "setup() loads by name: DualPipe's mirrors synced from their home copies after the load"),
 )
 #: DualPipe only (mirrored copies).
 MIRRORED: Tuple[Patch, ...] = (
@@ -42,6 +46,12 @@ def for_schedule(schedule: str) -> Tuple[Patch, ...]:
     if registry.get(schedule).chunks_per_rank != 2:
         return ()
     return COMMON + (MIRRORED if schedule == registry.DUALPIPE else V_STAGES)
+
+
+#: Bridge's state dict of a save, the mirror's entries left out (``bridge.checkpoint``, during a save).
+GENERATE_STATE_DICT = Patch(_TRAINING + ".checkpointing", "generate_state_dict", None,
+                            "dualpipe / dualpipev torch_dist: the mirror's entries (non-main replicas) are not written",
+                            kind=SCOPED, where="bridge.checkpoint.wrap_save_checkpoint")
 
 
 # --- per object (the recipe's model provider, which is also the chunks' TransformerConfig) -------------

@@ -23,10 +23,12 @@ MOE = dict(pipeline_model_parallel_size=2, num_layers=4, expert_model_parallel_s
            position_embedding_type="rope")
 
 
-def recipe(tied: bool = True, moe: bool = False):
+def recipe(tied: bool = True, moe: bool = False, save=None, load=None):
     """A ConfigContainer as a Bridge recipe builds one: tied embeddings (Bridge's default; ``tied=False``
     as the Llama 3 and DeepSeek-V3 recipes), TE layer spec, Adam, clipping, the distributed optimizer and
-    overlapped gradient reduction, mock data, an evaluation; ``moe``: the tiny MoE of :data:`MOE`."""
+    overlapped gradient reduction, mock data, an evaluation; ``moe``: the tiny MoE of :data:`MOE`;
+    ``save`` / ``load``: a torch_dist checkpoint every 2 iterations (the distributed optimizer's state
+    fully reshardable: 1F1B buckets its chunk, DualPipe does not), loaded at iteration 2."""
     import torch
     from megatron.bridge.models.gpt_provider import GPTModelProvider
     from megatron.bridge.training.config import (CheckpointConfig, ConfigContainer, DistributedDataParallelConfig,
@@ -56,7 +58,8 @@ def recipe(tied: bool = True, moe: bool = False):
                                      dataloader_type="single", num_workers=0),
         logger=LoggerConfig(log_interval=1, log_params_norm=True),
         tokenizer=TokenizerConfig(tokenizer_type="NullTokenizer", vocab_size=256),
-        checkpoint=CheckpointConfig(save=None),
+        checkpoint=CheckpointConfig(save=save, load=load, save_interval=2 if save else None,
+                                    ckpt_step=2 if load else None, dist_ckpt_optim_fully_reshardable=True),
         dist=DistributedInitConfig(distributed_backend="gloo"),
         rng=RNGConfig(seed=1234),
     )
@@ -108,7 +111,7 @@ def train_each(rank: int, world: int, port: int, schedules, tied: bool = True, m
     return logged if rank == world - 1 else None
 
 
-def train_once(schedule: str, tied: bool, moe: bool = False) -> dict:
+def train_once(schedule: str, tied: bool, moe: bool = False, **ckpt) -> dict:
     """One run of Bridge's pretrain (the package's drop-in, or Bridge's own for Bridge's 1F1B)."""
     import megatron.bridge.training.eval as bridge_eval
     import megatron.bridge.training.train as bridge_train
@@ -128,10 +131,10 @@ def train_once(schedule: str, tied: bool, moe: bool = False) -> dict:
         "track_mtp_metrics": staticmethod(_recording_tracker(helper.track_mtp_metrics, metrics["train"]))})
     try:
         if schedule == "bridge-1f1b":
-            bridge_pretrain(recipe(tied, moe), forward_step)
+            bridge_pretrain(recipe(tied, moe, **ckpt), forward_step)
         else:
             options = {"zero_bubble": False} if moe and schedule == "dualpipev" else {}
-            pretrain(recipe(tied, moe), forward_step, schedule=schedule, **options)
+            pretrain(recipe(tied, moe, **ckpt), forward_step, schedule=schedule, **options)
     finally:
         bridge_train.training_log, bridge_eval.evaluate = log, evaluate
         train_utils.track_moe_metrics, train_utils.MTPLossLoggingHelper = moe_metrics, helper
@@ -151,6 +154,26 @@ def _recording_tracker(track, into: list):
         return out
 
     return record
+
+
+def save_then_resume(rank: int, world: int, port: int, directory: str, pairs):
+    """Bridge's 1F1B for 4 iterations; then for each (saver, resumer): the saver's run saved at
+    iterations 2 and 4 (torch_dist), the resumer's iterations 3-4 from iteration 2's checkpoint. The last rank
+    returns {"uninterrupted": metrics, "saver->resumer": the resumer's metrics}."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    import torch.distributed as dist
+
+    from megatron_dualpipe.bridge import cpu
+
+    cpu.enable()
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    logged = {"uninterrupted": train_once("bridge-1f1b", True)}
+    for saver, resumer in pairs:
+        path = os.path.join(directory, f"{saver}-{resumer}")
+        train_once(saver, True, save=path)
+        logged[f"{saver}->{resumer}"] = train_once(resumer, True, load=path)
+    return logged if rank == world - 1 else None
 
 
 def _number(value):
@@ -189,7 +212,7 @@ def _recording_evaluate(evaluate, into: list):
 
 #: (schedule, {field: bad value}) -> the fields the one-line refusal must name.
 MISTAKES = (
-    ("dualpipe", {"model.virtual_pipeline_model_parallel_size": 2, "checkpoint.save": "/tmp/ckpt",
+    ("dualpipe", {"model.virtual_pipeline_model_parallel_size": 2, "checkpoint.ckpt_format": "zarr",
                   "model.num_layers": 6, "train.global_batch_size": 2, "model.cuda_graph_impl": "local",
                   "dist.use_decentralized_pg": True, "model.pipeline_model_parallel_layout": "Et|tt|tt|tL"}),
     ("dualpipe", {"model.pipeline_model_parallel_size": 3}),

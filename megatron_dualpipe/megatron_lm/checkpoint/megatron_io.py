@@ -10,8 +10,9 @@ import functools
 from ... import hooks
 
 
-def generated_state_dict_edited(edit):
-    """Within the block, ``edit(state_dict)`` runs on every state dict Megatron's save generates."""
+def state_dict_editor(edit):
+    """``orig -> generate``: a state-dict generator whose result ``edit`` changes in place (also for
+    Megatron-Bridge's ``generate_state_dict``, ``bridge.checkpoint``)."""
 
     def editing(orig):
         @functools.wraps(orig)
@@ -22,7 +23,12 @@ def generated_state_dict_edited(edit):
 
         return generate
 
-    return hooks.scoped(hooks.entry("scoped", "generate_state_dict").made_by(editing))
+    return editing
+
+
+def generated_state_dict_edited(edit):
+    """Within the block, ``edit(state_dict)`` runs on every state dict Megatron's save generates."""
+    return hooks.scoped(hooks.entry("scoped", "generate_state_dict").made_by(state_dict_editor(edit)))
 
 
 def loaded_state_dict_edited(edit):
