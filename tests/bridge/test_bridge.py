@@ -108,6 +108,25 @@ def test_moe_with_expert_parallel_and_mtp_logs_what_bridges_1f1b_logs():
         assert {"loss/load_balancing_loss", "loss/z_loss", "loss/mtp_1 loss"} <= set(gaps), (schedule, sorted(gaps))
 
 
+def test_a_checkpoint_saved_under_dualpipe_resumes_under_bridges_1f1b_and_back(tmp_path):
+    """torch_dist through Bridge's save / load: dualpipe's checkpoint of iteration 2 resumed by Bridge's
+    1F1B for iterations 3-4, and 1F1B's by dualpipe, each equal to an uninterrupted 1F1B run."""
+    pairs = (("dualpipe", "bridge-1f1b"), ("bridge-1f1b", "dualpipe"))
+    logged = run_workers(bridge_recipe.save_then_resume, bridge_recipe.PP, args=(str(tmp_path), pairs),
+                         timeout=600)[-1]
+    print("\n" + _table(logged))
+    ref = logged["uninterrupted"]
+    for saver, resumer in pairs:
+        got = logged[f"{saver}->{resumer}"]
+        assert len(got["train"]) == 2, f"{saver}->{resumer}: resumed {len(got['train'])} iterations, not 3-4"
+        tail = {"train": ref["train"][2:], "eval": ref["eval"][-len(got["eval"]):], "stages": ref["stages"]}
+        for key, (relative, absolute, where) in sorted(_gaps(got, tail, f"{saver}->{resumer}").items()):
+            print(f"{saver} saved, {resumer} resumed, vs uninterrupted 1F1B: {key}: largest difference {absolute:.3g} "
+                  f"(relative {relative:.3g}), {where}")
+            limit = SLACK.get(key)
+            assert (absolute <= limit) if limit is not None else (relative <= RELATIVE), f"{saver}->{resumer}: {key}"
+
+
 def test_a_recipe_dualpipe_cannot_run_is_refused_in_one_line_naming_each_field():
     said, untouched = run_workers(bridge_recipe.refusals, 1, timeout=300)[0]
     for (schedule, mistakes), message in zip(bridge_recipe.MISTAKES, said):
