@@ -216,7 +216,8 @@ MISTAKES = (
                   "model.num_layers": 6, "train.global_batch_size": 2, "model.cuda_graph_impl": "local",
                   "dist.use_decentralized_pg": True, "model.pipeline_model_parallel_layout": "Et|tt|tt|tL"}),
     ("dualpipe", {"model.pipeline_model_parallel_size": 3}),
-    ("dualpipev", {"model.num_layers": 12, "dist.use_megatron_fsdp": True, "model.mtp_num_layers": 1}),
+    ("dualpipev", {"model.num_layers": 12, "dist.use_megatron_fsdp": True, "model.mtp_num_layers": 1,
+                   "checkpoint.save": "/tmp/ckpt"}),
     ("zb-h1", {}),
 )
 
@@ -261,11 +262,13 @@ def enable_twice_then_disable(rank: int, world: int, port: int):
     cpu.enable()
     import megatron.bridge.models.model_provider as provider
     import megatron.bridge.training.eval as bridge_eval
+    import megatron.bridge.training.setup as bridge_setup
     import megatron.bridge.training.train as bridge_train
 
     def names():
         return (bridge_train.get_forward_backward_func, bridge_eval.get_forward_backward_func,
-                provider._create_model, provider.DistributedDataParallel, bridge_train.calc_params_l2_norm)
+                provider._create_model, provider.DistributedDataParallel, bridge_train.calc_params_l2_norm,
+                bridge_train.save_checkpoint, bridge_setup.load_checkpoint)
 
     original, cfg = names(), recipe()
     enable(cfg, "dualpipe")
