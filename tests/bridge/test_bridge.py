@@ -4,6 +4,9 @@ A tiny GPT recipe (``bridge_recipe.py``: tied embeddings and untied, the TE laye
 stand-ins, the distributed optimizer, overlapped gradient reduction, an evaluation) trains on 4 gloo
 processes (pp=4) through Bridge's ``pretrain``: its own, and the package's drop-in with
 ``schedule="dualpipe"`` / ``"dualpipev"``. Every metric Bridge logs is compared, each iteration.
+The tiny MoE recipe (expert parallel 2 x pp=2 x dp=2, alltoall, aux loss and z-loss, one MTP layer)
+the same way, its MoE and MTP lines included; a torch_dist checkpoint of iteration 2 saved under
+dualpipe is resumed by Bridge's 1F1B and 1F1B's by dualpipe, each against an uninterrupted 1F1B run.
 Skipped where Megatron-Bridge is not installed (docs/megatron-bridge.md says how to make its venv).
 """
 from __future__ import annotations
