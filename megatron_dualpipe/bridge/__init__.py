@@ -18,17 +18,19 @@ Bridge is imported only when these are called.
 """
 from __future__ import annotations
 
+from ..schedule.registry import DUALPIPE
+
 __all__ = ["pretrain", "enable", "disable"]
 
 
-def pretrain(config, forward_step_func, callbacks=None, *, schedule: str = "dualpipe", **options):
+def pretrain(config, forward_step_func, callbacks=None, *, schedule: str = DUALPIPE, **options):
     """See :func:`.switch.pretrain`."""
     from .switch import pretrain as run
 
     return run(config, forward_step_func, callbacks, schedule=schedule, **options)
 
 
-def enable(config, schedule: str = "dualpipe", **options) -> None:
+def enable(config, schedule: str = DUALPIPE, **options) -> None:
     """See :func:`.switch.enable`."""
     from .switch import enable as switch_on
 

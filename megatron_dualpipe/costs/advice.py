@@ -506,11 +506,11 @@ def _choose(options: List[Option], limit: Optional[float], hint: str = NO_FIT_HI
 
 def _named(name: str) -> str:
     """A schedule as a Megatron user knows it."""
-    from ..schedule.registry import INTERLEAVED_1F1B_A2A
+    from ..schedule.registry import INTERLEAVED_1F1B, INTERLEAVED_1F1B_A2A
 
     if name.startswith(INTERLEAVED_1F1B_A2A):
         return f"Megatron's interleaved 1F1B with the all-to-all overlap ({name})"
-    if name.startswith("interleaved-1f1b"):
+    if name.startswith(INTERLEAVED_1F1B):
         return f"Megatron's interleaved 1F1B ({name})"
     return "Megatron's 1F1B (1f1b)" if name == ONE_F_ONE_B else name
 

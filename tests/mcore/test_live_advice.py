@@ -160,9 +160,9 @@ def test_first_training_iteration_logs_advice_once_on_rank_0():
     text = logged[0][0]
     assert "advice for pp=4, M=8 from training iterations 2-4 of dualpipe, the first 1 skipped as warm-up" in text
     assert "\nM=8: use " in text
-    # The links were timed on the job's groups: P2P between neighbours and the bd pair (dp=1 here).
+    # The links were timed on the job's groups: P2P between neighbours and the pair sum (dp=1 here).
     comm_line = next(line for line in text.splitlines() if line.startswith("communication (ms): "))
-    assert "measured P2P " in comm_line and "bd pair " in comm_line and " exposed " in text
+    assert "measured P2P " in comm_line and "pair sum " in comm_line and " exposed " in text
     memory_line = next(line for line in text.splitlines() if line.startswith("memory: activations "))
     activation_mib = float(memory_line.split()[2])
     got = activation_mib * 2**20
