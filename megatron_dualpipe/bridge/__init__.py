@@ -10,7 +10,8 @@ or ``enable(config, "dualpipe")`` before Bridge's own ``pretrain(config, forward
 * :mod:`.switch`: ``enable`` / ``disable`` / the drop-in ``pretrain``;
 * :mod:`.checks`: what is refused before training, one line naming the config fields;
 * :mod:`.patches`: every Bridge attribute replaced, and why; :mod:`.model` builds the two chunks
-  through the recipe's provider, :mod:`.schedule` hands Bridge's calls to the executor;
+  through the recipe's provider, :mod:`.schedule` hands Bridge's calls to the executor,
+  :mod:`.checkpoint` routes Bridge's torch_dist save / load through Megatron-LM's strategies (1F1B's keys);
 * :mod:`.version_gate`: the Bridge releases it knows; :mod:`.cpu`: the CPU mode's redirections for
   Bridge's training loop (tests on gloo).
 
