@@ -1,32 +1,14 @@
 """The main job: train a small megatron-core GPT on text with DualPipe, then with 1F1B.
 
     python -m megatron_dualpipe.apps.main_job [--schedule dualpipe] [--iters 30] [--text PATH ...]
-    bash scripts/run_main.sh [the same arguments]     # makes .venv first
 
-Started like this, the module is the *launcher*, one process that
-
-1. checks every argument, so that a mistake costs one usage message before anything starts;
-2. prepares the data (``megatron-dualpipe prepare-data``: Python's own help texts unless
-   ``--text`` or ``--data-path`` says otherwise; cached, so only the first run tokenizes);
-3. draws the schedule's simulated timeline (``out/<schedule>_pp<P>_m<M>.png``);
-4. starts ``torchrun`` with ``--nproc`` *workers* (this module again, ``LOCAL_RANK`` set);
-5. lists the files written.
-
-The workers form a pp=nproc pipeline (gloo and the CPU mode without a GPU; NCCL with GPUs) and
-read megatron-core's ``GPTDataset`` built by ``BlendedMegatronDatasetBuilder`` over the indexed
-dataset, as ``pretrain_gpt.py`` does (:mod:`megatron_dualpipe.apps.gpt_data`). The same initial
-weights are trained on the same batches twice: first with the chosen DualPipe schedule through
-``forward_backward_dualpipe``, then with megatron-core's own 1F1B
-(``get_forward_backward_func()``); each run ends with the loss on held-out validation batches.
-The executor records the last DualPipe training iteration (``MEGATRON_DUALPIPE_TRACE``, raw records
-in ``out/trace_records/``). The last rank prints Megatron-style progress lines, the measured
-against the simulated iteration time, both loss series side by side with their largest
-difference, and writes ``out/loss.png``, ``out/timeline.png`` (the measured iteration above its
-simulation), ``out/trace.json`` (Perfetto) and ``out/summary.md`` (:mod:`megatron_dualpipe.apps.report`).
-
-Embeddings are untied because megatron-core's 1F1B reference needs megatron DDP for the
-tied-embedding all-reduce; DualPipe itself supports tied embeddings (see the tests). The 1F1B
-run gets the DualPipe run's initial weights, gathered by global layer number.
+Started like this, the module is the *launcher*: it checks every argument (one usage message
+before anything starts), prepares the data (:mod:`.data_prep`), draws the simulated schedule,
+starts ``torchrun`` with ``--nproc`` *workers* (this module again) and lists the files written.
+The workers train the same initial weights on the same ``GPTDataset`` batches twice, with the
+chosen schedule and with megatron-core's own 1F1B, and the last rank writes the report
+(:mod:`.report`). Embeddings are untied: megatron-core's 1F1B needs megatron DDP for the
+tied-embedding all-reduce (docs/main-job.md).
 """
 from __future__ import annotations
 
@@ -60,24 +42,21 @@ RECORDED_ITERATIONS = 5
 # Arguments
 # ---------------------------------------------------------------------------------------------
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
-    return value
+def _int_at_least(least: int, what: str):
+    """An argparse type: an integer >= ``least``, named ``what`` in the error."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text}")
+        return value
+    return parse
 
 
-def _count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text}")
-    return value
+_positive_int = _int_at_least(1, "a positive integer")
+_count = _int_at_least(0, "an integer >= 0")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -261,18 +240,14 @@ def _size(n: int) -> str:
 # Workers
 # ---------------------------------------------------------------------------------------------
 
-def loss_func(loss_mask, output_tensor):
-    """pretrain_gpt's loss: the mean of the per-token losses where the mask is 1."""
-    mask = loss_mask.reshape(-1).float()
-    loss = (output_tensor.float().reshape(-1) * mask).sum() / mask.sum().clamp(min=1)
-    return loss, {"lm loss": loss.detach().clone()}
-
-
 def forward_step(data_iterator, model):
-    """pretrain_gpt-style: only the first and the last stage read the batch."""
+    """pretrain_gpt-style: only the first and the last stage read the batch; the proofs' masked loss."""
     import functools
 
     from megatron.core import parallel_state as ps
+
+    from ..proof.data import masked_loss_func
+
     first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
     b = next(data_iterator) if (first or last) else None
     device = next(model.parameters()).device
@@ -280,20 +255,14 @@ def forward_step(data_iterator, model):
     position_ids = b["position_ids"].to(device) if first else None
     labels = b["labels"].to(device) if last else None
     loss_mask = b["loss_mask"].to(device) if last else None
-    return model(tokens, position_ids, None, labels=labels), functools.partial(loss_func, loss_mask)
+    return model(tokens, position_ids, None, labels=labels), functools.partial(masked_loss_func, loss_mask)
 
 
 def model_config(args, v_layout):
-    import torch
-    from megatron.core import parallel_state as ps
-    from megatron.core.transformer import TransformerConfig
-    config = TransformerConfig(
-        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=HEADS,
-        ffn_hidden_size=4 * args.hidden_size, use_cpu_initialization=True, params_dtype=torch.float32,
-        pipeline_dtype=torch.float32, hidden_dropout=0.0, attention_dropout=0.0, bias_activation_fusion=False,
-        bias_dropout_fusion=False, masked_softmax_fusion=False, gradient_accumulation_fusion=False,
-        persist_layer_norm=False, apply_rope_fusion=False,
-        pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size())
+    """The proofs' tiny-GPT config (fp32, dropout and fusions off) at the job's size."""
+    from ..proof.tiny_gpt import tiny_gpt_config
+
+    config = tiny_gpt_config(num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=HEADS)
     if v_layout:
         from megatron_dualpipe.mcore.model import dualpipev_config
         config = dualpipev_config(config)
@@ -301,28 +270,14 @@ def model_config(args, v_layout):
 
 
 def gpt_provider(args, vocab_size, v_layout):
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from ..proof.tiny_gpt import build_tiny_gpt
 
     def provider(pre_process, post_process, pg_collection=None, vp_stage=None):
         kwargs = {} if pg_collection is None else {"pg_collection": pg_collection}
-        return GPTModel(model_config(args, v_layout), get_gpt_layer_local_spec(), vocab_size=vocab_size,
-                        max_sequence_length=args.seq_length, pre_process=pre_process, post_process=post_process,
-                        share_embeddings_and_output_weights=False, vp_stage=vp_stage, **kwargs)
+        return build_tiny_gpt(model_config(args, v_layout), vocab_size=vocab_size,
+                              max_sequence_length=args.seq_length, pre_process=pre_process,
+                              post_process=post_process, vp_stage=vp_stage, **kwargs)
     return provider
-
-
-def _layer_offset(chunk) -> int:
-    layers = chunk.decoder.layers
-    return layers[0].layer_number - 1 if len(layers) else 0
-
-
-def _global_key(key: str, offset: int) -> str:
-    prefix = "decoder.layers."
-    if not key.startswith(prefix):
-        return key
-    index, rest = key[len(prefix):].split(".", 1)
-    return f"{prefix}{int(index) + offset}.{rest}"
 
 
 def gather_full_state(model):
@@ -330,24 +285,18 @@ def gather_full_state(model):
     model: all_gather_object is fine), so the 1F1B run can start from the same weights."""
     import torch
     import torch.distributed as dist
+
+    from ..proof.names import layer_offset, stage_layer_key
+
     mine = {}
     for chunk in model:
-        offset = _layer_offset(chunk)
+        offset = layer_offset(chunk)
         for k, v in chunk.state_dict().items():
             if isinstance(v, torch.Tensor):
-                mine[_global_key(k, offset)] = v.detach().cpu().clone()
+                mine[stage_layer_key(k, offset)] = v.detach().cpu().clone()
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     return {k: v for part in everyone for k, v in part.items()}
-
-
-def load_full_state(stage, full):
-    import torch
-    offset = _layer_offset(stage)
-    with torch.no_grad():
-        for k, v in stage.state_dict().items():
-            if isinstance(v, torch.Tensor):
-                v.copy_(full[_global_key(k, offset)])
 
 
 class Trainer:
@@ -500,6 +449,7 @@ def worker(args) -> int:
     from megatron_dualpipe.mcore.groups import build_bd_groups
     from megatron_dualpipe.mcore.model import broadcast_mirrors, build_two_direction_model
     from megatron_dualpipe.apps.report import print_comparison, write_measured_timeline
+    from megatron_dualpipe.proof.names import load_stage_from_full
 
     args.nproc = world
     last = rank == world - 1
@@ -546,7 +496,7 @@ def worker(args) -> int:
     if not args.no_compare:
         # 1F1B over the same initial weights: stage i of pp holds layers [i*L/pp, (i+1)*L/pp).
         stage = gpt_provider(args, data.vocab_size, False)(pre_process=rank == 0, post_process=last)
-        load_full_state(stage, initial)
+        load_stage_from_full(stage, initial)
         stage.config.finalize_model_grads_func = None
         one = trainer.train(registry.ONE_F_ONE_B, [stage], megatron_fb_func())
         if last:
