@@ -1,42 +1,12 @@
-"""What ``megatron-dualpipe prepare-data`` does: text -> tokenizer -> Megatron's indexed dataset (.bin/.idx)
-(its arguments and output: :mod:`megatron_dualpipe.cli.prepare_data`).
+"""What ``megatron-dualpipe prepare-data`` does: text -> tokenizer -> Megatron's indexed dataset
+(.bin/.idx), cached by a hash of the documents and settings (docs/main-job.md; its arguments and
+output: :mod:`megatron_dualpipe.cli.prepare_data`).
 
-    megatron-dualpipe prepare-data [TEXT ...] [--tokenizer DIR] [--vocab-size 1024] [--split 90,10,0]
-
-TEXT is any mix of directories (every ``*.txt`` and ``*.jsonl`` below them, sorted), ``.txt``
-files (one document each) and ``.jsonl`` files (one document per line, its ``"text"`` field, as
-Megatron-LM's ``tools/preprocess_data.py`` reads). Without TEXT the help texts that ship with
-Python are used (``pydoc_data.topics``: 79 documents, 465 KB), so the command works offline on
-any machine.
-
-Three steps, each reported on stderr with its time:
-
-1. read the documents (empty ones are dropped);
-2. train a byte-level BPE tokenizer with HuggingFace ``tokenizers`` (or take a given
-   ``tokenizer.json``) and save it as a directory that Megatron-LM's
-   ``--tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR`` loads: ``tokenizer.json`` plus
-   a ``tokenizer_config.json`` naming ``PreTrainedTokenizerFast``, which
-   ``transformers.AutoTokenizer`` reads from the directory without any network access;
-3. tokenize every document, append the end-of-document token (``preprocess_data.py
-   --append-eod`` does the same) and write ``text_document.bin/.idx`` with megatron-core's own
-   ``IndexedDatasetBuilder``.
-
-The result lives in ``<cache>/data/<key>/`` where ``key`` hashes the documents and the tokenizer
-settings: a rerun on the same input is a cache hit that reads only the manifest. An entry is
-built in a temporary directory and renamed into place, so an interrupted run leaves nothing
-half-written behind.
-
-The split is checked here because Megatron does not check it: a split with a positive weight
-whose share of the documents rounds to zero makes ``GPTDataset._get_num_epochs`` loop forever
-(``--split 949,50,1`` on 79 documents gives the test split none; 1F1B hangs the same way).
-:func:`documents_per_split` reproduces megatron-core's rounding
-(``BlendedMegatronDatasetBuilder._build_megatron_dataset_splits``) and :func:`check_split`
-refuses such a split, naming one that works.
-
-stdout gets one line: the arguments for ``pretrain_gpt.py``, shell-quoted, so that a script can
-say ``args=$(megatron-dualpipe prepare-data)``. This module imports only the standard library
-at import time (the command line loads it for ``--help``); ``tokenizers`` and megatron-core are
-imported when needed.
+A cache entry is built in a temporary directory and renamed into place, so an interrupted run
+leaves nothing half-written. The split is checked here because Megatron does not: a split of
+positive weight whose share of the documents rounds to zero makes ``GPTDataset._get_num_epochs``
+loop forever; :func:`documents_per_split` reproduces megatron-core's rounding. Standard library
+only at import (the command line loads it for ``--help``).
 """
 from __future__ import annotations
 
@@ -301,11 +271,6 @@ class PreparedData:
     eod_token: str
     source: str
     cached: bool = False
-
-    @property
-    def files(self) -> List[str]:
-        return [self.prefix + ".bin", self.prefix + ".idx", os.path.join(self.tokenizer_dir, "tokenizer.json"),
-                os.path.join(self.tokenizer_dir, "tokenizer_config.json")]
 
     def megatron_args(self, split: str) -> List[str]:
         """The data and tokenizer arguments for Megatron-LM's ``pretrain_gpt.py``."""

@@ -1,18 +1,9 @@
-"""The main job's batches: megatron-core's ``GPTDataset`` over a prepared indexed dataset.
+"""The main job's batches: megatron-core's ``GPTDataset`` over a prepared indexed dataset, built
+as Megatron-LM's ``pretrain_gpt.py`` builds it (``BlendedMegatronDatasetBuilder``; collective, so
+every rank calls :func:`build_datasets`).
 
-Built exactly as Megatron-LM's ``pretrain_gpt.py`` builds it: a ``GPTDatasetConfig`` with one
-``--data-path`` prefix and a ``--split``, handed to ``BlendedMegatronDatasetBuilder``; the
-returned train and validation ``GPTDataset``s shuffle documents, concatenate them (with their
-end-of-document tokens) and cut samples of ``seq_length + 1`` tokens. The builder is collective
-(rank 0 writes the shuffle indices, then a barrier), so every rank calls :func:`build_datasets`.
-
-Samples are addressed by a global index: iteration ``it`` of a run with M micro-batches of b
-samples reads samples ``[it*M*b, (it+1)*M*b)``, micro-batch ``g`` the ``g``-th block of b. Both
-schedules therefore read the same samples in the same micro-batches, whatever order they run
-them in.
-
-Only the main job's workers import it, after :func:`.quiet.silence_known_warnings` (megatron-core's
-import warns without Transformer Engine or Apex).
+Micro-batch ``g`` of iteration ``it`` reads the samples from ``(it*M + g) * b`` on, so every
+schedule reads the same samples in the same micro-batches, whatever order it runs them in.
 """
 from __future__ import annotations
 
@@ -84,12 +75,8 @@ def build_datasets(data: PreparedData, seq_length: int, split: str, train_sample
     return train, valid
 
 
-def micro_batches(dataset: GPTDataset, first_sample: int, count: int, micro_batch_size: int) -> List[Dict[str, torch.Tensor]]:
-    """``count`` micro-batches of ``micro_batch_size`` consecutive samples from ``first_sample``:
-    tokens, labels, loss_mask, position_ids, each ``[micro_batch_size, seq_length]``."""
-    out = []
-    for g in range(count):
-        start = first_sample + g * micro_batch_size
-        rows = [dataset[start + r] for r in range(micro_batch_size)]
-        out.append({k: torch.stack([row[k] for row in rows]) for k in BATCH_KEYS})
-    return out
+def micro_batch(dataset: GPTDataset, first_sample: int, micro_batch_size: int) -> Dict[str, torch.Tensor]:
+    """``micro_batch_size`` consecutive samples from ``first_sample``: tokens, labels, loss_mask,
+    position_ids, each ``[micro_batch_size, seq_length]``."""
+    rows = [dataset[first_sample + r] for r in range(micro_batch_size)]
+    return {k: torch.stack([row[k] for row in rows]) for k in BATCH_KEYS}

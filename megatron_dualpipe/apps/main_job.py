@@ -309,11 +309,11 @@ class Trainer:
 
     def batches(self, dataset, iteration: int) -> Iterator[Dict]:
         """The iteration's micro-batches, read lazily (middle stages read none)."""
-        from .gpt_data import micro_batches
+        from .gpt_data import micro_batch
 
         for g in range(self.args.microbatches):
             first = iteration * self.samples_per_iteration + g * self.args.micro_batch_size
-            yield micro_batches(dataset, first, 1, self.args.micro_batch_size)[0]
+            yield micro_batch(dataset, first, self.args.micro_batch_size)
 
     def _run(self, fb_func, model, dataset, iteration, forward_only):
         a = self.args

@@ -1,19 +1,10 @@
-"""Progress on stderr for command-line work that may take more than a second: the one progress
-reporter of the commands (``simulate``, ``advise``, ``prepare-data``, the main job's data).
+"""Progress on stderr for command-line work that may take more than a second (``simulate``,
+``advise``, ``prepare-data``, the main job's data).
 
-Nothing is printed for work that ends within :data:`QUIET_SECONDS`, so quick commands stay
-quiet. Past that, a background thread reports the current phase (and its fraction when the
-work reports one) once a second: rewriting one line on a terminal, one line every few seconds
-otherwise. The work itself needs no change beyond naming its phases::
-
-    with Progress("simulate dualpipe pp=64 M=1024") as p:
-        p.phase("building the schedule")
-        s = build_schedule(...)
-        p.phase("simulating")
-        simulate(..., progress=p.update)
-
-A finished step worth keeping on screen is one line of its own, printed at once (:meth:`say`,
-also outside a ``with``); it ends the phase until the next one is named.
+Nothing is printed for work that ends within :data:`QUIET_SECONDS`. Past that, a background
+thread reports the current :meth:`~Progress.phase` (and its fraction, :meth:`~Progress.update`)
+once a second, rewriting one line on a terminal, one line every few seconds otherwise.
+:meth:`~Progress.say` prints a finished step as a line of its own at once.
 """
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
-"""Silence the warnings megatron-core prints on every run without Transformer Engine or Apex.
-
-On a CPU machine (and on any machine without those optional packages) each process prints
-seven of them at import and model build -- 28 lines for a 4-process run before the first
-iteration -- and none asks the user to do anything: megatron-core falls back to its local
-layers and torch's optimizers, which is what the CPU mode wants. :func:`silence_known_warnings`
-filters exactly those messages (matched by their beginning) and nothing else; callers print
-one line instead (:data:`SUMMARY`).
+"""Silence the warnings megatron-core prints on every run without Transformer Engine or Apex
+(seven per process, none asking anything of the user: megatron-core falls back to its local layers
+and torch's optimizers, which the CPU mode wants). Callers print one line instead (:data:`SUMMARY`).
 """
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""What the main job shows at the end: the loss table, ``loss.png`` and ``summary.md``.
-
-Pure functions of the two runs' results (:class:`RunResult`), so they are tested without
-training anything. matplotlib is imported only by :func:`loss_figure`.
+"""What the main job shows at the end: the loss table, ``loss.png`` and ``summary.md``; pure
+functions of the two runs' results (:class:`RunResult`), tested without training anything.
 """
 from __future__ import annotations
 
@@ -127,9 +125,6 @@ def write_loss_png(path: str, a: RunResult, b: RunResult, title: str) -> None:
 # Measured timeline: timeline.png + trace.json from the executor's recording of one iteration
 # ---------------------------------------------------------------------------------------------
 
-MEASURED_TIMELINE_FILES = ("timeline.png", "trace.json")
-
-
 def write_measured_timeline(records_dir: str, out_dir: str) -> None:
     """``timeline.png`` (a measured iteration above its simulation with the measured median
     costs) and ``trace.json`` (Chrome / Perfetto) in ``out_dir``, from the executor's recording
@@ -145,7 +140,7 @@ def write_measured_timeline(records_dir: str, out_dir: str) -> None:
     calls = sorted({r["call"] for r in records})
     fastest = min(calls, key=lambda c: timeline.measured(timeline.pick(records, c))[1].makespan)
     print(f"measured timeline: the fastest of {len(calls)} recorded DualPipe iterations (recorded call {fastest})")
-    png, trace = (os.path.join(out_dir, f) for f in MEASURED_TIMELINE_FILES)
+    png, trace = (os.path.join(out_dir, f) for f in ("timeline.png", "trace.json"))
     timeline.run(argparse.Namespace(directory=records_dir, png=png, json=trace, iteration=fastest, global_rank=None))
 
 
