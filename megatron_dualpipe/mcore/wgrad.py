@@ -1,87 +1,29 @@
 """Zero-bubble weight-gradient splitting (B/W) for megatron-core's local linear layers.
 
-A DualPipe "B" step computes only input gradients; its weight gradients are recorded and computed
-later by a "W" step. Usage, once per process::
+A B step computes only input gradients; the weight-gradient GEMMs it skips are recorded and run by a
+later W step. ``install()`` once per process; one :class:`WeightGradStore` per executor, never global::
 
-    wgrad.install()                      # patch megatron-core once (reversible: uninstall())
-    store = wgrad.WeightGradStore()      # one per executor; passed around, never global
-
-    with store.deferring((chunk, mb)):   # B step: input grads now, weight grads recorded
+    with store.deferring((chunk, mb)):   # B: input grads now, weight grads recorded
         backward_step(...)
-    ...
-    store.run((chunk, mb))               # W step, for any recorded key, in any order
-    ...
-    store.assert_empty()                 # end of the iteration: nothing may be left over
+    store.run((chunk, mb))               # W, for any recorded key, in any order
+    store.assert_empty()                 # end of the iteration
 
-What is deferred
-    Every backward through ``LinearWithGradAccumulationAndAsyncCommunication`` (megatron-core's
-    ``tensor_parallel/layers.py``), i.e. the weight gradient of every ``ColumnParallelLinear`` and
-    ``RowParallelLinear``: with ``get_gpt_layer_local_spec`` that is ``linear_qkv``,
-    ``linear_proj``, ``linear_fc1``, ``linear_fc2``, the output layer, and, for MoE with
-    ``moe_grouped_gemm=False``, the ``SequentialMLP`` experts (they are ``MLP`` modules made of the
-    same two classes) and the shared experts. Not deferred (computed in B as usual, cheap or out of
-    reach): biases (see below), norms, embeddings, the router, frozen weights
-    (``linear_with_frozen_weight``), the legacy ``GroupedMLP`` (``moe_grouped_gemm=True`` with the
-    local spec: its ``gg.ops.gmm`` has no split backward), and Transformer Engine modules (they
-    have their own ``delay_wgrad_compute``: a chunk built with it defers through its modules'
-    queues, :class:`TEQueues`, whose pops ``mcore.stage_compute`` records under the B's key).
-    ``find_undeferred_weights`` lists the linear-like modules of a model whose weight gradients
-    the local patch will *not* defer; ``DeferralAudit`` finds, whatever the layer kind, the weight
-    tensors that actually got their gradient in B (the executor logs it once).
+Deferred: every backward through ``LinearWithGradAccumulationAndAsyncCommunication`` (Column/RowParallelLinear,
+so the local spec's linears, the output layer, SequentialMLP and shared experts). Not deferred: biases (a cheap
+column sum; keeping it in B leaves the bias's autograd path and DDP hook untouched), norms, embeddings, the
+router, frozen weights, the legacy GroupedMLP (no split backward) and Transformer Engine modules, which defer
+through their own ``delay_wgrad_compute`` queues (:class:`TEQueues`). :class:`DeferralAudit` finds, for any
+layer kind, the weights that got their gradient in B anyway.
 
-Bias gradients stay in B: a column sum of the output gradient is cheap, and keeping it in B leaves
-the bias parameter's autograd path (and DDP hook) exactly as without deferral.
-
-How it hooks into megatron-core
-    ``install()`` replaces the static ``backward`` of
-    ``LinearWithGradAccumulationAndAsyncCommunication`` once. PyTorch looks that method up on the
-    class when a node runs, so graphs built before ``install()`` are covered too. The replacement
-    reads one module-level slot: the store (and key) of the ``deferring()`` block in force.
-    Without one (or for the output layer's own ``defer_embedding_wgrad_compute`` buffer) it calls
-    megatron-core's original backward unchanged, so outside ``deferring()`` nothing differs.
-    The slot is the one process-wide piece of state, and deliberately not thread-local: on a GPU
-    the autograd engine runs backward nodes on its per-device worker threads, which do not see the
-    caller's thread-locals. Hence only one ``deferring()`` block may be open at a time per process
-    (checked).
-
-    In B, the replacement does what megatron-core's backward does except the weight-gradient GEMM:
-    input gradient, the async TP all-reduce (``allreduce_dgrad``) or the sequence-parallel
-    reduce-scatter, the bias gradient; it returns ``None`` as the weight's gradient and records a
-    closure holding the (2-D, contiguous) output gradient and the input.
-
-    In W (``store.run(key)``), each closure computes the weight gradient and hands it on exactly
-    as the original backward would have:
-
-    - without ``gradient_accumulation_fusion``: it feeds ``grad_output.T @ input`` to the weight's
-      own gradient accumulator via ``torch.autograd.backward(weight, grad)``. So ``param.grad`` is
-      set or accumulated by PyTorch's ``AccumulateGrad``, and every hook on that accumulator runs,
-      including megatron DDP's backward post-hook, which adds ``param.grad`` into
-      ``param.main_grad`` and clears ``param.grad``. ``main_grad`` ends up the same as without
-      deferral.
-    - with ``gradient_accumulation_fusion``: it accumulates into ``weight.main_grad`` (APEX's
-      ``wgrad_gemm_accum_fp32/fp16`` when importable, else ``main_grad += grad_output.T @ input``),
-      then, if the weight has ``grad_added_to_main_grad`` (i.e. it is DDP-managed), sets it and
-      feeds the same dummy gradient megatron-core feeds, so the DDP hook runs and skips the add.
-
-    In B the weight's accumulator still runs (with no gradient), so DDP's hook fires once in B as
-    a no-op (``param.grad`` is None) and once in W. With ``overlap_grad_reduce=True`` its
-    ``param.grad is not None`` assertion fails in B: the bucket's grad-ready accounting would
-    need moving to W (as the TE path does). Use ``overlap_grad_reduce=False`` with deferral, or
-    call ``check_ddp_compatible(model)`` up front.
-
-Tensor parallelism
-    tp > 1 without sequence parallelism needs nothing extra (the closure keeps the local input).
-    With sequence parallelism B all-gathers the input into a buffer of its own (not megatron's
-    shared global buffer, which the next layer reuses) and the closure keeps it until W: W needs
-    no collective, at the cost of tp x the layer's input shard in memory per pending W. Only the
-    tp=1, no-sequence-parallel, no-fusion path is exercised on this machine.
-
-Caveats
-    - A closure keeps ``grad_output`` and the input alive until W; nothing may modify them in place
-      in between (megatron-core does not). PyTorch's gradient buffers do not: they only accumulate
-      in place into a tensor whose storage nobody else references.
-    - W runs on the caller's current stream, outside the autocast state of B (megatron-core trains
-      without autocast). If W runs on another CUDA stream than B, the caller must order them.
+``install()`` replaces the class's static ``backward``, which PyTorch looks up when a node runs (graphs built
+before are covered). The replacement reads one process-wide slot, not thread-local because the autograd engine
+runs backward nodes on its own device threads; hence one ``deferring()`` block per process. Outside one it is
+megatron-core's backward unchanged. In W the gradient is handed on as the original would: through the weight's
+``AccumulateGrad`` (so DDP's hook adds it to ``main_grad``), or with ``gradient_accumulation_fusion`` into
+``main_grad`` followed by megatron's dummy gradient. DDP's hook fires in B with no gradient, which
+``overlap_grad_reduce`` asserts against (:func:`check_ddp_compatible`). With sequence parallelism B gathers the
+input into its own buffer (not megatron's shared one) and keeps it until W. A closure keeps ``grad_output`` and
+the input alive until W; W runs on the caller's stream, outside B's autocast.
 """
 
 from __future__ import annotations
@@ -91,29 +33,18 @@ from typing import Any, Callable, Dict, Hashable, Iterator, List, Optional, Set,
 
 import torch
 
-__all__ = [
-    "WeightGradStore",
-    "install",
-    "uninstall",
-    "is_installed",
-    "installed",
-    "find_undeferred_weights",
-    "check_ddp_compatible",
-    "offers_te_backward_dw",
-    "TEQueues",
-    "DeferralAudit",
-]
+__all__ = ["WeightGradStore", "install", "uninstall", "is_installed", "installed", "find_undeferred_weights",
+           "check_ddp_compatible", "offers_te_backward_dw", "TEQueues", "DeferralAudit"]
 
 
 class _Active:
     """The one hook point between ``WeightGradStore.deferring`` and the patched backward."""
 
-    __slots__ = ("sink", "key", "store")
+    __slots__ = ("sink", "key")
 
     def __init__(self) -> None:
         self.sink: Optional[List[Callable[[], None]]] = None
         self.key: Hashable = None
-        self.store: Optional["WeightGradStore"] = None
 
 
 _ACTIVE = _Active()
@@ -122,73 +53,53 @@ _ACTIVE = _Active()
 class _Patch:
     """What ``install()`` replaced, so that ``uninstall()`` can put it back."""
 
-    __slots__ = ("cls", "original", "original_fn", "deferred")
+    __slots__ = ("cls", "original_fn", "deferred")
 
     def __init__(self) -> None:
         self.cls: Any = None
-        self.original: Any = None  # the original staticmethod object
-        self.original_fn: Any = None  # its function
+        self.original_fn: Any = None  # the original staticmethod's function
         self.deferred: Any = None  # megatron's custom_bwd(_deferred_backward)
 
 
 _PATCH = _Patch()
 
-# Bound at install() from megatron-core, so the hot path does no imports or attribute lookups
-# through megatron modules.
+# Bound at install() from megatron-core, so the hot path looks nothing up in megatron's modules.
 _mc: Dict[str, Any] = {}
 
 
 class WeightGradStore:
-    """Deferred weight-gradient work, keyed (e.g. by ``(chunk, mb)``), not a FIFO.
-
-    An instance is passed to whoever runs B and W steps; there is no class-level state.
-    """
+    """Deferred weight-gradient work, keyed (e.g. by ``(chunk, mb)``), not a FIFO; no class-level state."""
 
     def __init__(self) -> None:
         self._pending: Dict[Hashable, List[Callable[[], None]]] = {}
 
     @contextlib.contextmanager
     def deferring(self, key: Hashable) -> Iterator[None]:
-        """While active, backward passes through megatron-core's local linears record their
-        weight-gradient work under ``key`` instead of doing it.
-
-        Entering registers ``key`` even if no linear is traversed, so ``run(key)`` is always valid
-        after a B step. Entering again with a pending key appends to it. Blocks do not nest and at
-        most one is open per process (the patched backward reads a process-wide slot).
-        """
+        """Record the local linears' weight-gradient work under ``key`` instead of doing it. ``key`` is
+        registered even if no linear runs, so ``run(key)`` is valid after any B; blocks do not nest."""
         if _PATCH.cls is None:
-            raise RuntimeError(
-                "megatron_dualpipe.mcore.wgrad is not installed: call wgrad.install() once before "
-                "WeightGradStore.deferring()"
-            )
+            raise RuntimeError("megatron_dualpipe.mcore.wgrad is not installed: call wgrad.install() once before "
+                               "WeightGradStore.deferring()")
         if _ACTIVE.sink is not None:
-            raise RuntimeError(
-                f"cannot defer weight gradients under key {key!r}: a deferring() block for key "
-                f"{_ACTIVE.key!r} is already open (blocks do not nest; one per process)"
-            )
+            raise RuntimeError(f"cannot defer weight gradients under key {key!r}: a deferring() block for key "
+                               f"{_ACTIVE.key!r} is already open (blocks do not nest; one per process)")
         sink = self._pending.setdefault(key, [])
-        _ACTIVE.sink, _ACTIVE.key, _ACTIVE.store = sink, key, self
+        _ACTIVE.sink, _ACTIVE.key = sink, key
         try:
             yield
         finally:
-            _ACTIVE.sink, _ACTIVE.key, _ACTIVE.store = None, None, None
+            _ACTIVE.sink, _ACTIVE.key = None, None
 
     def record(self, key: Hashable, fn: Callable[[], None]) -> None:
         """Add a weight-gradient closure under ``key`` (e.g. a TE ``backward_dw`` call)."""
         self._pending.setdefault(key, []).append(fn)
 
     def run(self, key: Hashable) -> int:
-        """Run (and forget) every closure recorded under ``key``, in recording order.
-
-        Returns how many ran. Raises ``KeyError`` naming the pending keys if ``key`` has nothing
-        recorded (never deferred, or already run).
-        """
+        """Run (and forget) the closures recorded under ``key``, in recording order; returns how many ran."""
         fns = self._pending.pop(key, None)
         if fns is None:
-            raise KeyError(
-                f"no deferred weight gradients under key {key!r} (never deferred, or already "
-                f"run); pending keys: {self.pending()!r}"
-            )
+            raise KeyError(f"no deferred weight gradients under key {key!r} (never deferred, or already "
+                           f"run); pending keys: {self.pending()!r}")
         for fn in fns:
             fn()
         return len(fns)
@@ -201,24 +112,12 @@ class WeightGradStore:
         """Raise ``RuntimeError`` naming every leftover key (with its closure count)."""
         if self._pending:
             leftovers = ", ".join(f"{k!r} ({len(v)} closures)" for k, v in self._pending.items())
-            raise RuntimeError(
-                f"WeightGradStore has {len(self._pending)} key(s) whose weight gradients were "
-                f"never computed (W step missing): {leftovers}"
-            )
+            raise RuntimeError(f"WeightGradStore has {len(self._pending)} key(s) whose weight gradients were "
+                               f"never computed (W step missing): {leftovers}")
 
     def clear(self) -> None:
         """Drop all pending work (e.g. after a failed iteration), freeing the kept tensors."""
         self._pending.clear()
-
-    def __len__(self) -> int:
-        return len(self._pending)
-
-    def __repr__(self) -> str:
-        return f"WeightGradStore(pending={self.pending()!r})"
-
-
-# ----------------------------------------------------------------------------------------------
-# The patched backward
 
 
 def _backward(ctx, grad_output):
@@ -232,21 +131,15 @@ def _backward(ctx, grad_output):
 
 
 def _deferred_backward(ctx, grad_output, sink):
-    """megatron-core's backward minus the weight-gradient GEMM, which goes to ``sink``.
-
-    Mirrors ``tensor_parallel/layers.py`` 0.16.1 lines 495-626 (wgrad_compute=True path; the
-    same at 0.19 apart from GTP, which :func:`_backward` leaves to the original). One gradient is
-    returned per forward input: 9 at 0.16.1, 10 at 0.19 (``gtp_remat_size`` was added).
-    """
+    """megatron-core's backward minus the weight-gradient GEMM, which goes to ``sink``: ``tensor_parallel/layers.py``
+    0.16.1 lines 495-626 (the same at 0.19 but GTP). One gradient per forward input: 9 at 0.16.1, 10 at 0.19."""
     untouched = (None,) * (len(ctx.needs_input_grad) - 3)  # the non-tensor forward arguments
     input, weight = ctx.saved_tensors
     main_grad = ctx.main_grad
     tp_group = ctx.tp_group
     if ctx.gradient_accumulation_fusion:
         if main_grad is None:
-            raise RuntimeError(
-                "gradient_accumulation_fusion is on but the weight had no main_grad at forward"
-            )
+            raise RuntimeError("gradient_accumulation_fusion is on but the weight had no main_grad at forward")
         weight.main_grad = main_grad
 
     handle = None
@@ -269,15 +162,12 @@ def _deferred_backward(ctx, grad_output, sink):
         handle = torch.distributed.all_reduce(grad_input, group=tp_group, async_op=True)
     if ctx.sequence_parallel:
         assert not ctx.allreduce_dgrad
-        sub_grad_input = torch.empty(
-            list(input.size()), dtype=input.dtype, device=grad_input.device, requires_grad=False
-        )
+        sub_grad_input = torch.empty(list(input.size()), dtype=input.dtype, device=grad_input.device,
+                                     requires_grad=False)
         handle = _mc["reduce_scatter"](sub_grad_input, grad_input, group=tp_group, async_op=True)
 
     grad_bias = grad_output.sum(dim=0) if ctx.use_bias else None
-    sink.append(
-        _WeightGrad(weight, grad_output, total_input, main_grad, ctx.gradient_accumulation_fusion)
-    )
+    sink.append(_WeightGrad(weight, grad_output, total_input, main_grad, ctx.gradient_accumulation_fusion))
 
     if ctx.sequence_parallel:
         handle.wait()
@@ -318,12 +208,8 @@ class _WeightGrad:
         else:
             _accumulate_wgrad(total_input, grad_output, weight.main_grad)
         if hasattr(weight, "grad_added_to_main_grad"):
-            shape = weight.main_grad.shape
-            device = weight.main_grad.device
-            if getattr(weight, "zero_out_wgrad", False):
-                dummy = torch.zeros(shape, dtype=total_input.dtype, device=device)
-            else:
-                dummy = torch.empty(shape, dtype=total_input.dtype, device=device)
+            new = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
+            dummy = new(weight.main_grad.shape, dtype=total_input.dtype, device=weight.main_grad.device)
             weight.grad_added_to_main_grad = True
             torch.autograd.backward(weight, dummy)
         # else: the original returned None for the weight, and its accumulator already ran in B.
@@ -342,14 +228,8 @@ def _accumulate_wgrad(total_input, grad_output, main_grad) -> None:
     main_grad.add_(grad_output.t().matmul(total_input))
 
 
-# ----------------------------------------------------------------------------------------------
-# install / uninstall
-
-
 def deferrable_backward(original):
-    """The hooks manifest's replacement of ``LinearWithGradAccumulationAndAsyncCommunication.backward``
-    (``original``: the class's function): :func:`_backward`, which defers inside ``deferring()``
-    and runs the original otherwise. Binds what the hot path needs from megatron-core."""
+    """The hooks manifest's replacement of the linear's ``backward``; binds what the hot path needs."""
     from megatron.core import utils as mc_utils
     from megatron.core.tensor_parallel import layers
 
@@ -363,7 +243,6 @@ def deferrable_backward(original):
     _mc["fused_wgrad"] = getattr(layers, "fused_weight_gradient_mlp_cuda", None)
     # Same autocast handling as megatron-core's own backward.
     _PATCH.deferred = layers.custom_bwd(_deferred_backward)
-    _PATCH.original = stored
     _PATCH.original_fn = stored.__func__
     _PATCH.cls = cls
     return staticmethod(_backward)
@@ -373,8 +252,7 @@ _PART = "zero bubble"  # hooks/manifest.py
 
 
 def install() -> None:
-    """Patch megatron-core's local linear backward (idempotent; the ``zero bubble`` part of the
-    hooks manifest). Cheap; call once per process."""
+    """Patch megatron-core's local linear backward (idempotent; the hooks manifest's ``zero bubble`` part)."""
     from .. import hooks
 
     hooks.install([_PART])
@@ -389,7 +267,7 @@ def uninstall() -> None:
     from .. import hooks
 
     hooks.uninstall([_PART])
-    _PATCH.cls = _PATCH.original = _PATCH.original_fn = _PATCH.deferred = None
+    _PATCH.cls = _PATCH.original_fn = _PATCH.deferred = None
     _mc.clear()
 
 
@@ -409,17 +287,9 @@ def installed() -> Iterator[None]:
             uninstall()
 
 
-# ----------------------------------------------------------------------------------------------
-# Checks
-
-
 def find_undeferred_weights(model: torch.nn.Module) -> List[str]:
-    """Names of trainable modules whose weight GEMMs the store will *not* defer.
-
-    Reports the legacy ``GroupedMLP`` (grouped GEMM) and Transformer Engine modules (use
-    :class:`TEQueues`). Norms, embeddings and routers are not reported: they stay in B by
-    design. Call once when building the executor, not per step.
-    """
+    """Names of the legacy ``GroupedMLP`` and Transformer Engine modules, whose weight GEMMs the local patch
+    does not defer (norms, embeddings and routers stay in B by design and are not named)."""
     from megatron.core.transformer.moe import experts
 
     grouped_mlp = getattr(experts, "GroupedMLP", None)  # removed in megatron-core 0.19
@@ -437,20 +307,13 @@ def check_ddp_compatible(model: torch.nn.Module) -> None:
     """Raise if ``model`` is megatron DDP with ``overlap_grad_reduce`` (see module docstring)."""
     ddp_config = getattr(model, "ddp_config", None)
     if ddp_config is not None and getattr(ddp_config, "overlap_grad_reduce", False):
-        raise ValueError(
-            "deferred local weight gradients need DistributedDataParallelConfig("
-            "overlap_grad_reduce=False): DDP's grad-ready hook would fire in B, before W "
-            "computed the gradient"
-        )
-
-
-# ----------------------------------------------------------------------------------------------
-# Transformer Engine path (on the CPU through the CPU mode's stand-in)
+        raise ValueError("deferred local weight gradients need DistributedDataParallelConfig("
+                         "overlap_grad_reduce=False): DDP's grad-ready hook would fire in B, before W "
+                         "computed the gradient")
 
 
 def offers_te_backward_dw(model_chunk: torch.nn.Module) -> bool:
-    """True if ``model_chunk`` was built with ``config.delay_wgrad_compute`` (TE modules defer).
-    Pass the unwrapped model (GPTModel)."""
+    """True if the unwrapped ``model_chunk`` was built with ``config.delay_wgrad_compute`` (TE modules defer)."""
     config = getattr(model_chunk, "config", None)
     return bool(getattr(config, "delay_wgrad_compute", False))
 
@@ -464,16 +327,11 @@ def _te_queue(module):
 
 
 class TEQueues:
-    """Every Transformer Engine module of a chunk that queues its weight gradients, whatever holds it.
+    """Every Transformer Engine module of a chunk that queues its weight gradients, found by the queue itself.
 
-    TE's backward pushes one context per module and per backward onto that module's queue, and
-    ``backward_dw()`` pops the oldest. megatron-core calls ``backward_dw()`` through its layers
-    (attention, MLP, MoE, MLA), and a walk of ``decoder.layers`` missed what megatron-core's own
-    walk skips or does not hold there: MTP layers, overlapped shared experts, latent-MoE
-    projections (issue 35, finding 1): their gradients were missing and their queues grew every
-    iteration. Here the modules are found once per chunk by the queue itself; a backward's W pops
-    exactly what that backward pushed (:meth:`pushed_since`), and :meth:`check_empty` at the end
-    of each iteration names any module left with contexts."""
+    TE's backward pushes one context per module and backward, ``backward_dw()`` pops the oldest. A walk of
+    ``decoder.layers`` missed MTP layers, overlapped shared experts and latent-MoE projections (issue 35,
+    finding 1), so a W pops exactly what its B pushed (:meth:`pushed_since`)."""
 
     def __init__(self, chunk: torch.nn.Module):
         self.modules = [(name, m, q) for name, m in chunk.named_modules() for q in [_te_queue(m)] if q is not None]
@@ -499,25 +357,13 @@ class TEQueues:
                                f"(a W step missed them; their gradients are missing): {', '.join(left)}")
 
 
-# ----------------------------------------------------------------------------------------------
-# What W actually holds, whatever the layer kind
-
-
 class DeferralAudit:
     """Which weight tensors a B step computed the gradient of itself instead of leaving it to W.
 
-    The splitter defers megatron-core's local linears and, through ``backward_dw``, Transformer
-    Engine layers built with ``delay_wgrad_compute``; any other layer (a plain
-    ``torch.nn.Linear``, a custom GEMM, TE without ``delay_wgrad_compute``) computes its weight
-    gradient in B, and zero bubble is then partly inactive without any error. The executor
-    watches the first B of each model chunk once (a gradient hook per weight tensor, removed
-    right after) and logs :meth:`report`.
-
-    A *weight tensor* is a trainable parameter with two or more dimensions, except embedding
-    tables and MoE routers (a cheap scatter and a tiny GEMM that stay in B by design); biases and
-    norms (1-D) do not count. A weight tensor whose gradient reaches it during B is *not
-    deferred*; every other weight tensor of the chunk is work that W holds.
-    """
+    Any layer the splitter does not reach (a plain ``torch.nn.Linear``, TE without ``delay_wgrad_compute``)
+    leaves zero bubble partly inactive without an error, so the executor watches the first B of each chunk
+    once and logs :meth:`report`. A weight tensor: a trainable parameter of 2+ dimensions, except embeddings
+    and routers, which stay in B by design."""
 
     def __init__(self) -> None:
         self._seen: Dict[Hashable, Tuple[str, Dict[str, int], Set[str]]] = {}
@@ -528,9 +374,8 @@ class DeferralAudit:
 
     @contextlib.contextmanager
     def watching(self, chunk: Hashable, label: str, module: torch.nn.Module) -> Iterator[None]:
-        """Around one B of ``chunk`` (``module`` unwrapped): record which weight tensors get a
-        gradient in it. A Transformer Engine module that queued its weight gradient in this B
-        deferred it, whatever reached autograd (with ``main_grad`` fusion, megatron's dummy)."""
+        """Around one B of ``chunk`` (``module`` unwrapped): record which weight tensors get a gradient in it.
+        A TE module that queued its weight gradient deferred it, whatever reached autograd (megatron's dummy)."""
         weights = _weight_tensors(module)
         in_b: Set[str] = set()
         queues = TEQueues(module)
@@ -579,8 +424,7 @@ class DeferralAudit:
 
 def _deferring_by_megatron(module: torch.nn.Module):
     """(name, module) of the linears megatron-core defers itself: the output layer with
-    ``--defer-embedding-wgrad-compute`` keeps its inputs and output gradients in its buffers and
-    computes its weight gradient at their drain (below the ``wgrad_deferral_limit``), not in B."""
+    ``--defer-embedding-wgrad-compute`` computes its weight gradient at its buffers' drain, not in B."""
     return [(name, m) for name, m in module.named_modules()
             if getattr(m, "embedding_activation_buffer", None) is not None
             and getattr(getattr(m, "config", None), "defer_embedding_wgrad_compute", False)]
