@@ -1,20 +1,9 @@
 """What ``pretrain_gpt.py`` would fail on after ``torchrun`` started, checked before it starts.
 
 Megatron-LM finds a missing tokenizer file with a bare ``assert`` in every rank 20 s into the run,
-and a tokenizer smaller than the data's token ids with an ``IndexError`` in the embedding 40 s
-in. :func:`problems` finds these in the arguments, in a second, with one line each naming the
-fix; ``python -m megatron_dualpipe.launch --check pretrain_gpt.py ARGS...`` runs it, and
-``scripts/pretrain_gpt_dualpipe.sh`` calls that with the arguments it is about to pass, with the
-Python that ``torchrun`` will run -- so the launcher and the script share this one check:
-
-- torch importable, with ``torch.distributed.run`` (what ``torchrun`` is), by this interpreter;
-- a ``--tokenizer-type``, and the files that type needs (Megatron-LM's ``build_tokenizer``
-  asserts them), present (a HuggingFace directory holding tokenizer files) and loadable where this
-  can be done offline and cheaply;
-- each ``--data-path`` prefix with its ``.bin`` and ``.idx`` (present, not empty, the ``.idx`` with
-  Megatron's header), and the largest token id in the
-  ``.bin`` below the tokenizer's vocabulary (the first :data:`SCAN_BYTES` of each file are read).
-
+and a tokenizer smaller than the data's token ids with an ``IndexError`` 40 s in; here each is one
+line naming the fix, in a second: torch and torchrun importable, the tokenizer's files, each
+``--data-path`` prefix's ``.bin`` / ``.idx``, and the data's largest token id below the vocabulary.
 Standard library only, plus numpy and ``tokenizers`` where they are installed.
 """
 from __future__ import annotations
@@ -75,13 +64,10 @@ def parse(argv: Sequence[str]) -> Dict[str, object]:
     return found
 
 
-# ---------------------------------------------------------------------------------------------
 # torch
-# ---------------------------------------------------------------------------------------------
 
 def torch_problem() -> Optional[str]:
-    """Why this interpreter cannot run ``torchrun`` (torch.distributed.run), or None. Looks for
-    the files only: importing torch takes seconds."""
+    """Why this interpreter cannot run ``torchrun``, or None (files only: importing torch takes seconds)."""
     try:
         spec = importlib.util.find_spec("torch")
     except (ImportError, ValueError):
@@ -95,9 +81,7 @@ def torch_problem() -> Optional[str]:
     return None
 
 
-# ---------------------------------------------------------------------------------------------
 # Tokenizer
-# ---------------------------------------------------------------------------------------------
 
 def _vocab_of_file(kind: str, path: str) -> Tuple[Optional[int], Optional[str]]:
     """(vocabulary size, problem) of a tokenizer file; (None, None) where it cannot be told cheaply."""
@@ -185,9 +169,7 @@ def tokenizer_problem(opts: Dict[str, object]) -> Tuple[Optional[str], Optional[
     return problem, size
 
 
-# ---------------------------------------------------------------------------------------------
 # Data
-# ---------------------------------------------------------------------------------------------
 
 def data_prefixes(opts: Dict[str, object]) -> List[str]:
     """The prefixes of ``--data-path`` (a prefix, or a blend ``weight prefix weight prefix ...``)."""
@@ -231,8 +213,8 @@ def _prepared_tokenizer(prefix: str) -> str:
 
 
 def _files_problem(prefix: str) -> Optional[str]:
-    """Why ``prefix.bin`` / ``prefix.idx`` are not an indexed dataset Megatron can read, or None:
-    missing, empty (an interrupted preprocessing leaves 0 bytes), or an ``.idx`` without Megatron's header."""
+    """Why ``prefix.bin`` / ``.idx`` are not an indexed dataset Megatron can read (missing, empty after an
+    interrupted preprocessing, no header), or None."""
     fix = "give the prefix that tools/preprocess_data.py or megatron-dualpipe prepare-data wrote, without .bin/.idx"
     missing = [prefix + s for s in (".bin", ".idx") if not os.path.isfile(prefix + s)]
     if missing:
@@ -287,9 +269,3 @@ def argument_problems(argv: Sequence[str], scan: bool = True) -> List[str]:
     if data:
         found.append(data)
     return found
-
-
-
-def problems(argv: Sequence[str], scan: bool = True) -> List[str]:
-    """Every problem of running ``torchrun ... pretrain_gpt.py ARGV`` with this interpreter."""
-    return [p for p in [torch_problem()] if p] + argument_problems(argv, scan)

@@ -1,19 +1,10 @@
 """Ctrl-C, SIGTERM and a closed pipe end a command in one line, with every process it started.
 
-An interrupted Python process prints a traceback per process unless someone catches it; this module
-is that someone (standard library only, on top of :mod:`.processes`):
-
-- :func:`guarded` runs a command's main function: a :class:`KeyboardInterrupt` anywhere becomes
-  one line ``PROG: interrupted`` on stderr and exit status 130; a closed stdout exits with 141
-  (128 + SIGPIPE, what a shell reports for ``yes | head``) silently, as ``cat`` does. Either way
-  what the command started is stopped, and stdout and stderr then point at ``/dev/null``, so
-  nothing is written afterwards (not by a background thread, not by the interpreter's final flush).
-- ``python -m megatron_dualpipe.launch.interrupts --prog NAME -- CMD ...`` is both for shell
-  scripts: ``exec`` it (or start it in the background and ``wait``, so that a signal to the shell
-  itself is handled at once) instead of running ``CMD`` directly.
-
-From Python: ``sys.exit(interrupts.guarded(main, prog))``, ``main`` running its commands with
-:func:`.processes.run` (which raises KeyboardInterrupt once everything it started is stopped).
+:func:`guarded` runs a command's main function: an interruption becomes ``PROG: interrupted`` and
+exit status 130, a closed stdout a silent 141 (as ``cat`` does); either way what the command started
+is stopped and our output then goes to ``/dev/null``, so nothing is written afterwards. Shell scripts
+``exec`` ``python -m megatron_dualpipe.launch.interrupts --prog NAME -- CMD ...`` for the same.
+Standard library only.
 """
 from __future__ import annotations
 
@@ -38,9 +29,8 @@ def _raise_interrupt(signum, frame):  # noqa: ARG001 - signal handler signature
 
 
 def install() -> None:
-    """Make SIGTERM and SIGHUP raise :class:`KeyboardInterrupt` in the main thread, as Ctrl-C
-    does (no-op outside the main thread). SIGINT keeps Python's handler unless it is ignored --
-    a background job of a non-interactive shell starts with SIGINT ignored -- which stays so."""
+    """Make SIGTERM and SIGHUP raise :class:`KeyboardInterrupt` in the main thread, as Ctrl-C does
+    (SIGINT keeps its handler: a background job of a non-interactive shell keeps it ignored)."""
     if threading.current_thread() is not threading.main_thread():
         return
     for name in _SIGNALS:
@@ -67,8 +57,7 @@ def _to_devnull() -> None:
 
 
 def interrupted(prog: str) -> int:
-    """Stop what is left of the processes we started, print ``PROG: interrupted`` (one line),
-    silence our output, return 130."""
+    """Stop the processes we started, print ``PROG: interrupted``, silence our output, return 130."""
     processes.ignore_interrupts()
     processes.stop_descendants()
     try:

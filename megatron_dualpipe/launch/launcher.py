@@ -1,40 +1,15 @@
-"""Run a Megatron-LM training script with megatron-dualpipe installed.
+"""Run a Megatron-LM training script with megatron-dualpipe installed::
 
-Usage::
+    torchrun --nproc-per-node 4 -m megatron_dualpipe.launch /path/to/Megatron-LM/pretrain_gpt.py ...
+    python -m megatron_dualpipe.launch --check /path/to/Megatron-LM/pretrain_gpt.py ...   # preflight only
 
-    torchrun --nproc-per-node 4 -m megatron_dualpipe.launch /path/to/Megatron-LM/pretrain_gpt.py \\
-        --pipeline-model-parallel-size 4 --pipeline-schedule dualpipe ...
-
-    python -m megatron_dualpipe.launch --check /path/to/Megatron-LM/pretrain_gpt.py   # preflight only
-    torchrun ... -m megatron_dualpipe.launch --pair-placement /path/to/Megatron-LM/pretrain_gpt.py ...
-
-The script runs unmodified: this module puts the script's directory (the Megatron-LM checkout)
-first on ``sys.path`` -- exactly where ``python pretrain_gpt.py`` would put it, so
-``megatron.*`` resolves to that checkout rather than to an installed ``megatron-core`` wheel --,
-calls :func:`megatron_dualpipe.megatron_lm.install.install` (argument extension, environment
-fixes, and CPU-mode redirections when no GPU is present), then executes the script with
-``runpy.run_path(..., run_name="__main__")`` and the remaining command-line arguments.
-
-Before any of that, a preflight refuses (one line per problem, exit status 2) what would fail
-later: a missing script, a checkout that is not one of the Megatron-LM tags the plugin's hooks are
-written for (``megatron_dualpipe.versions.TAGS``: core_v0.16.1, core_v0.19.0;
-``MEGATRON_DUALPIPE_SKIP_VERSION_CHECK=1`` tries anyway), missing training dependencies (named,
-with the pip command), and with ``--check`` the script's arguments as well
-(:mod:`.checks`: torch and torchrun importable here, the tokenizer, the
-data prefixes and the data's token ids against the vocabulary), then Megatron-LM's own
-``parse_args`` / ``validate_args`` and the plugin's checks on the whole argument list, in this one
-process (:mod:`.validation`; world size from ``WORLD_SIZE``).
-``scripts/pretrain_gpt_dualpipe.sh`` runs ``--check`` with the arguments it is about to pass.
-Under torchrun, a refusal of the arguments (a
-:class:`~megatron_dualpipe.megatron_lm.arguments.DualPipeArgumentError`, or an assertion of
-Megatron-LM's ``validate_args``: every rank refuses the same arguments) is printed by rank 0 only,
-one line per problem, no traceback, exit status 2; so is a checkpoint the schedule cannot load (a
-:class:`~megatron_dualpipe.megatron_lm.refusal.Refusal`), by the first rank that refuses it.
-
-``--pair-placement`` (:mod:`.placement`): each process takes the Megatron
-global rank that puts pipeline ranks i and pp-1-i on the same node (``RANK`` rewritten before the
-script runs, ``LOCAL_RANK`` kept); with ``--check`` it checks that this can be done for torchrun's
-``WORLD_SIZE`` and ``LOCAL_WORLD_SIZE`` as set in the environment.
+The script runs unmodified: its directory goes first on ``sys.path`` (as ``python pretrain_gpt.py``
+would put it, so ``megatron.*`` is the checkout's, not an installed wheel's), ``install()`` runs, then
+``runpy`` runs the script. The preflight refuses, one line per problem and exit status 2, what would
+fail later on every rank: the script, the checkout's tag, the training dependencies and, with
+``--check``, the arguments (:mod:`.checks`, :mod:`.validation`). A refusal raised under torchrun
+(:func:`.validation.is_refusal`) is said once, by one rank, without a traceback.
+``--pair-placement``: :mod:`.placement`.
 """
 
 import os
@@ -46,9 +21,8 @@ USAGE = ("usage: python -m megatron_dualpipe.launch [--check] [--pair-placement]
          "[ARGS...]")
 PAIR_PLACEMENT = "--pair-placement"  # = placement.FLAG
 SKIP_VERSION = "MEGATRON_DUALPIPE_SKIP_VERSION_CHECK"  # = versions.SKIP_ENV
-#: How long a rank that does not say the refusal waits before it exits: the launcher (torchrun's
-#: agent) stops every rank at the first exit, and the rank that says it (rank 0 for refused arguments,
-#: the first to refuse a checkpoint) prints it first.
+#: How long a rank that does not say the refusal waits before it exits: torchrun's agent stops every
+#: rank at the first exit, so the rank that says it must print first.
 REFUSAL_WAIT_S = 3.0
 #: The counter in torch.distributed's store that names the first rank to refuse.
 REFUSAL_KEY = "megatron_dualpipe/refusal"
@@ -62,23 +36,22 @@ HELP = ("Runs a Megatron-LM training script (pretrain_gpt.py) with megatron-dual
 
 def preflight(script):
     """Why ``script`` cannot run with the plugin (one line naming the fix), or None."""
+    from .. import versions
     from ..megatron_lm import patching, requirements
 
     if not os.path.isfile(script):
         return f"no such script: {script}"
     root = os.path.dirname(os.path.abspath(script))
     if os.environ.get(SKIP_VERSION) != "1":
-        problem = patching.tag_problem(root, patching.core_version(root))
+        problem = patching.tag_problem(root, versions.checkout_core_version(root))
         if problem:
             return f"{problem}, or set {SKIP_VERSION}=1 to try anyway"
     return requirements.problem()
 
 
 def argument_problems(script, argv, check: bool):
-    """The problems :mod:`.checks` finds: with ``--check``, torch and torchrun here; for
-    ``pretrain_gpt.py`` (and any script with ``--check`` and arguments) its tokenizer and data
-    arguments. Under torchrun every rank checks the arguments, but only rank 0 reads the data's
-    token ids."""
+    """The problems :mod:`.checks` finds (torch only with ``--check``); under torchrun only rank 0
+    reads the data's token ids."""
     from . import checks
 
     found = []
@@ -155,10 +128,8 @@ def main(argv=None):
 
 
 def first_to_refuse() -> bool:
-    """Whether this rank is the one that says the job's refusal: the first to count itself in
-    torch.distributed's store (which every rank of every node reaches) once the process group is up
-    (a checkpoint refused at load, by some ranks or all); before that (the arguments, refused alike
-    by every rank), rank 0."""
+    """Whether this rank says the job's refusal: the first to count itself in torch.distributed's
+    store once the process group is up (a checkpoint some ranks refuse); before that, rank 0."""
     dist = sys.modules.get("torch.distributed")
     if dist is None or not dist.is_available() or not dist.is_initialized():
         return os.environ.get("RANK", "0") == "0"
@@ -170,8 +141,7 @@ def first_to_refuse() -> bool:
 
 
 def say_refusal(error) -> int:
-    """One line per problem of a refusal (:func:`.validation.is_refusal`), said by one rank
-    (:func:`first_to_refuse`), no traceback; exit status 2."""
+    """One line per problem of a refusal, said by one rank, no traceback; exit status 2."""
     from . import validation
 
     if first_to_refuse():

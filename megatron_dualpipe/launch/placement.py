@@ -1,20 +1,10 @@
 """``--pair-placement``: the launcher puts pipeline ranks i and pp-1-i on the same node.
 
-torchrun numbers the processes node by node (``RANK = GROUP_RANK * LOCAL_WORLD_SIZE +
-LOCAL_RANK``) and Megatron takes ``RANK`` as its global rank, so Megatron's order decides which
-node a pipeline stage lands on: the ranks of one stage are consecutive, and DualPipe's bd sum
-(stage i's two copies, on pipeline ranks i and pp-1-i) crosses the link between nodes. With
-``python -m megatron_dualpipe.launch --pair-placement pretrain_gpt.py ...`` each process, before
-Megatron reads its environment (and so before any communication), replaces ``RANK`` by
-``pair_placement(...)[RANK]`` (:mod:`megatron_dualpipe.schedule.placement`, a pure function every
-process computes alike), so each node hosts complete bd pairs. ``LOCAL_RANK`` (the GPU) and
-Megatron's rank order (which global rank has which tensor, data and pipeline rank) stay as they
-are; rank 0 stays rank 0. torchrun's own ``RANK`` is kept in :data:`TORCHRUN_RANK_ENV`.
-
-The parallel sizes come from the script's arguments (Megatron's flags, the last one wins as with
-argparse), the world and node sizes from torchrun's environment; every problem is one line naming
-the fix (:func:`problem`). Only schedules with bd pairs (``dualpipe``) take it: for the others it
-would only move pipeline neighbours apart.
+torchrun numbers the processes node by node and Megatron takes ``RANK`` as its global rank, so
+DualPipe's bd sum (stage i's copies on pipeline ranks i and pp-1-i) crosses nodes. Before Megatron
+reads its environment, each process replaces ``RANK`` by ``pair_placement(...)[RANK]`` (a pure
+function every process computes alike); ``LOCAL_RANK`` and Megatron's rank order stay, torchrun's
+``RANK`` is kept in :data:`TORCHRUN_RANK_ENV`. Only ``dualpipe`` has bd pairs to place.
 """
 from __future__ import annotations
 
@@ -143,8 +133,7 @@ def describe(argv: Sequence[str], env: Mapping[str, str]) -> str:
 
 
 def apply_from_launcher(argv: Sequence[str]) -> None:
-    """What ``launcher.main`` does with ``--pair-placement``: rewrite ``os.environ``, slot 0 prints the
-    node map."""
+    """``--pair-placement`` in the launcher: rewrite ``os.environ``; slot 0 prints the node map."""
     slot, rank = apply(argv, os.environ)
     if slot == 0:
         print(f"[megatron-dualpipe] {FLAG}: the bd pairs share nodes\n{describe(argv, os.environ)}", flush=True)

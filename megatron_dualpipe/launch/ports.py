@@ -1,10 +1,6 @@
-"""A TCP port for a job's rendezvous on this machine, picked below the kernel's ephemeral range.
-
-``bind(("127.0.0.1", 0))`` returns a port of the ephemeral range, which every outgoing connection
-(gloo's mesh, store clients, other jobs' ranks) draws from too: between the check and rank 0's
-listen, another connection took one once (EADDRINUSE in a CI run, 2026-11-27). Below that range
-only explicit binds compete, and the check still skips a port in use.
-"""
+"""A TCP port for a job's rendezvous on this machine, picked below the kernel's ephemeral range:
+every outgoing connection draws from that range, and one took the port between the check and rank
+0's listen once (EADDRINUSE in CI, 2026-11-27). Below it only explicit binds compete."""
 from __future__ import annotations
 
 import random

@@ -1,21 +1,10 @@
-"""The processes a command starts, and how they end: in their own session, relayed, stopped with
-every descendant.
+"""The processes a command starts: in their own session, relayed, stopped with every descendant.
 
-A command that starts other processes (``torchrun`` and its ranks, ``pip``, benchmark workers)
-must not leave them running when the user interrupts it: ``torchrun`` starts each rank in a
-session of its own, so the ranks neither get the terminal's Ctrl-C nor die with ``torchrun``
-when it is killed -- re-parented to PID 1 they would go on training and writing files.
-Standard library only (the setup and launch scripts run it with any ``python3``):
-
-- :func:`run` starts a command in its own session (process group) and relays its output
-  through this process. When this process is interrupted or the reader of its stdout goes away,
-  it stops relaying (so nothing the stopping processes say gets through), sends SIGTERM to the
-  group *and to every descendant* (found in ``/proc``, wherever it moved to), SIGKILL after
-  :data:`GRACE_SECONDS`, waits until all are gone, then raises :class:`KeyboardInterrupt` (or
-  :class:`BrokenPipeError`);
-- :func:`stop_descendants` is the safety net for processes started otherwise (multiprocessing's).
-
-:mod:`.interrupts` ends a command in one line on top of these.
+``torchrun`` starts each rank in a session of its own, so the ranks neither get the terminal's
+Ctrl-C nor die with ``torchrun``: re-parented to PID 1 they would go on training. :func:`run` stops
+the command's group and every descendant found in ``/proc`` before it raises; :func:`stop_descendants`
+is the safety net for processes started otherwise. Standard library only (scripts run it with any
+``python3``).
 """
 from __future__ import annotations
 
@@ -43,9 +32,7 @@ def ignore_interrupts() -> None:
             signal.signal(sig, signal.SIG_IGN)
 
 
-# ---------------------------------------------------------------------------------------------
 # Finding and stopping processes
-# ---------------------------------------------------------------------------------------------
 
 def _parents() -> Dict[int, int]:
     """pid -> parent pid of every process visible in /proc (empty where there is no /proc)."""
@@ -150,9 +137,7 @@ def stop(proc: subprocess.Popen, grace: float = GRACE_SECONDS) -> None:
         time.sleep(0.05)
 
 
-# ---------------------------------------------------------------------------------------------
 # Running a command
-# ---------------------------------------------------------------------------------------------
 
 class _Relay(threading.Thread):
     """Copies a child's output to ours until stopped; notes when our reader has gone."""
@@ -205,12 +190,10 @@ def _binary(stream):
 
 def run(cmd: Sequence[str], env: Optional[Mapping[str, str]] = None, cwd: Optional[str] = None,
         stdout=None, stderr=None, timeout_s: Optional[float] = None) -> int:
-    """Run ``cmd`` in its own session, its output relayed to ``stdout``/``stderr`` (default: ours;
-    binary file objects). Returns its exit status. On an interruption, or when our stdout's reader
-    goes away, every process it started is stopped first (:func:`stop`), then
-    :class:`KeyboardInterrupt` or :class:`BrokenPipeError` is raised (SIGTERM and SIGHUP too, once
-    :func:`.interrupts.install` ran: :func:`.interrupts.guarded` runs it); past ``timeout_s``,
-    :class:`subprocess.TimeoutExpired` (where ``subprocess.run`` would leave torchrun's ranks running)."""
+    """Run ``cmd`` in its own session, its output relayed to ``stdout``/``stderr`` (binary; default
+    ours); its exit status. On an interruption or a closed stdout every process it started is stopped
+    (:func:`stop`) before :class:`KeyboardInterrupt` / :class:`BrokenPipeError` is raised; past
+    ``timeout_s``, :class:`subprocess.TimeoutExpired` (``subprocess.run`` would leave torchrun's ranks)."""
     child_env = dict(os.environ if env is None else env)
     child_env.setdefault("PYTHONUNBUFFERED", "1")  # through the relay, lines come as they are written
     out_sink = _binary(stdout if stdout is not None else sys.stdout)

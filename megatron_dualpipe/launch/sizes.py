@@ -1,18 +1,11 @@
 """The launch script's GPU count and batch, each refusal naming values that pass.
 
-``scripts/pretrain_gpt_dualpipe.sh`` refuses, before any process starts, a world size Megatron
-would refuse (not a multiple of TP*PP*CP and of ETP*EP*PP), an EP that does not divide the
-experts, and a global batch Megatron or the schedule would refuse. A refusal that says "change
-PP, TP" or names a GPU count the nodes cannot hold leaves the user to search; each value named here
-passes these rules: GPU counts that are multiples of the parallel sizes' unit and of their own
-GPUS_PER_NODE, with the NNODES to use; PP, TP and EP for the GPUs given (the schedule's pipeline
-and layer rules from :mod:`.schedule.registry`, Megatron's heads, query groups and experts); the
-nearest valid GLOBAL_BATCH (and one with each of those where the given batch would not split).
-
-``python -m megatron_dualpipe.launch.sizes --nodes N --gpus-per-node G --pp P --tp T --cp C --ep E
-[--etp X] --micro-batch B --global-batch GB --schedule S -- PRETRAIN_GPT_ARGS...`` prints
-``MIN_GPUS DP MICRO_BATCHES`` (exit 0), or the one problem naming the fix (exit 2). Standard
-library only: the script runs it before the training environment is checked.
+``scripts/pretrain_gpt_dualpipe.sh`` refuses, before any process starts, a world size, an EP or a
+global batch Megatron or the schedule would refuse; a refusal that only says "change PP, TP" leaves
+the user to search, so each value named here passes every rule (GPU counts on whole nodes, PP, TP
+and EP for the GPUs given, the nearest valid GLOBAL_BATCH). ``python -m megatron_dualpipe.launch.sizes
+--nodes N ... --schedule S -- PRETRAIN_GPT_ARGS`` prints ``MIN_GPUS DP MICRO_BATCHES`` or the problem
+(exit 2). Standard library only: the script runs it before the training environment is checked.
 """
 from __future__ import annotations
 
@@ -80,9 +73,7 @@ def model_values(argv: Sequence[str]) -> Dict[str, int]:
     return found
 
 
-# ---------------------------------------------------------------------------------------------
 # The batch
-# ---------------------------------------------------------------------------------------------
 
 def valid_batches(global_batch: int, unit: int, least: int) -> List[int]:
     """The valid GLOBAL_BATCH values next to ``global_batch`` (below, above): multiples of ``unit``
@@ -141,9 +132,7 @@ def batch_problem(launch: Launch) -> Optional[str]:
             f"GLOBAL_BATCH/(MICRO_BATCH*DP)={m}: raise GLOBAL_BATCH to {use}{filled}")
 
 
-# ---------------------------------------------------------------------------------------------
 # PP, TP and EP for the GPUs given
-# ---------------------------------------------------------------------------------------------
 
 def _divisors(n: int) -> List[int]:
     small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
@@ -205,9 +194,7 @@ def sizes_text(launch: Launch) -> str:
     return f"or keep {launch.world} GPUs with {' or '.join(named)}"
 
 
-# ---------------------------------------------------------------------------------------------
 # The GPU count
-# ---------------------------------------------------------------------------------------------
 
 def valid_counts(launch: Launch) -> str:
     """The GPU counts to use instead of the world size: the nearest multiple of the unit on nodes
@@ -246,9 +233,7 @@ def experts_problem(launch: Launch) -> Optional[str]:
     return f"EP={launch.ep} does not divide the config's {experts} experts: use an EP that divides {experts}"
 
 
-# ---------------------------------------------------------------------------------------------
 # Command line
-# ---------------------------------------------------------------------------------------------
 
 def parse(argv: Sequence[str]) -> Launch:
     """The launch script's call: its variables as options, then ``--`` and pretrain_gpt.py's arguments."""

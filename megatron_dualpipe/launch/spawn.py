@@ -1,15 +1,10 @@
-"""The one way a job's ranks start on this machine and are watched until they end: the benchmark and
-the selftest (:func:`..bench.launch.spawn`), the tests' workers and their torchrun stand-in.
+"""The one way a job's ranks start on this machine and are watched until they end (the benchmark,
+the selftest, the tests' workers and their torchrun stand-in).
 
-Each rank gets the rendezvous variables (:func:`rank_environment`, a port from :mod:`.ports`) and a
-file faulthandler writes every thread's stack into on a fatal signal (:func:`stacks_to`). :class:`Ranks`
-watches them as torchrun's agent does: the first failure named; past the deadline SIGABRT (each
-rank's stacks), then SIGKILL; the stacks read back labelled ``[rank R]`` (:func:`labelled_stacks`,
-what CI's failure summary shows of a hang); nothing left running. :func:`run` starts
-``fn(rank, world, port, *args)`` per rank from multiprocessing's forkserver (``preload`` imported once;
-its ranks leave the terminal's process group: a Ctrl-C reaches only the parent, which stops them) and
-returns what each returned; :func:`fork` forks ranks from this process, which has imported what they
-need (the tests' preloaded stand-in).
+:class:`Ranks` watches them as torchrun's agent does: the first failure named; past the deadline
+SIGABRT, so each rank writes its stacks (:func:`labelled_stacks`: what CI shows of a hang), then
+SIGKILL; nothing left running. :func:`run` starts the ranks from multiprocessing's forkserver and
+returns their results; :func:`fork` forks them from this process (the tests' preloaded stand-in).
 """
 from __future__ import annotations
 

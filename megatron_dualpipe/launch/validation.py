@@ -1,18 +1,10 @@
 """Megatron-LM's own argument validation and the plugin's, run once before ``torchrun`` starts.
 
-Without it, ``--mtp-num-layers 1 --pipeline-schedule dualpipev`` or a ``--num-layers`` that the
-pipeline does not divide passes the launch script and is refused after every rank started: one
-traceback per rank. :func:`problems` runs, in this one process, what each rank would run first:
-Megatron-LM's ``parse_args`` and ``validate_args`` (with ``pretrain_gpt.py``'s defaults), whose
-wrapped form (the hooks manifest's ``megatron-lm arguments`` part) also runs the DualPipe checks
-(:func:`megatron_dualpipe.megatron_lm.arguments.dualpipe_problems`). Nothing initialises
-``torch.distributed``; the world size is torchrun's (``WORLD_SIZE``, which the launch script sets
-from its node layout), or, where unset, the fewest GPUs the parallel sizes need. Without a GPU here
-the CPU mode answers Megatron's device queries (an architecture-0 device: Blackwell-only branches
-of ``validate_args`` are not taken).
-
-A checkout without ``megatron/training/arguments.py`` (the launch script tests' stand-in) has no
-validation to run: nothing is checked.
+Otherwise arguments Megatron or the plugin refuse are refused after every rank started, one
+traceback per rank. :func:`check` runs in this one process what each rank runs first: ``parse_args``
+and ``validate_args`` (wrapped by the ``megatron-lm arguments`` hooks, so the DualPipe checks too),
+without ``torch.distributed``; the world size is ``WORLD_SIZE`` or the fewest GPUs the sizes need.
+A checkout without ``megatron/training/arguments.py`` (the launch script tests' stand-in) is not checked.
 """
 from __future__ import annotations
 
@@ -114,11 +106,8 @@ def explain(error: BaseException, parser_output: str = "") -> List[str]:
 
 
 def is_refusal(error: BaseException) -> bool:
-    """Whether ``error`` refuses the arguments, the same on every rank: the plugin's
-    :class:`DualPipeArgumentError` or :class:`~megatron_dualpipe.megatron_lm.refusal.Refusal` (a
-    checkpoint the schedule cannot load), or an assertion of Megatron-LM's ``validate_args`` (or
-    ``validate_yaml``) itself, in ``megatron/training/`` (an assertion elsewhere, possibly on some
-    ranks only, keeps its traceback on each)."""
+    """Whether ``error`` refuses the arguments alike on every rank: the plugin's refusals, or an
+    assertion of ``validate_args`` / ``validate_yaml`` itself (one elsewhere keeps its traceback)."""
     from ..megatron_lm.arguments import DualPipeArgumentError
     from ..megatron_lm.refusal import Refusal
 
@@ -138,8 +127,7 @@ def problem_lines(error) -> List[str]:
 
 
 def layout(args) -> str:
-    """The run ``args`` describe, as the launch script's header says it: schedule, processes,
-    parallel sizes, micro-batches per iteration (from the validated, final arguments)."""
+    """The run the validated ``args`` describe, as the launch script's header says it."""
     dp = args.data_parallel_size
     m = args.global_batch_size // (args.micro_batch_size * dp)
     vpp = getattr(args, "virtual_pipeline_model_parallel_size", None)
@@ -149,15 +137,9 @@ def layout(args) -> str:
             f"CP={args.context_parallel_size} DP={dp}, {m} micro-batches per iteration")
 
 
-def problems(script: str, argv: Sequence[str]) -> List[str]:
-    """What Megatron-LM's argument validation and the plugin's refuse in ``script ARGV``, one
-    line each naming the flag; empty when both accept it (or when the checkout has no parser)."""
-    return check(script, argv)[0]
-
-
 class Checked(NamedTuple):
-    """:func:`problems`; the :func:`layout` of the accepted arguments (None when refused or not
-    checked); ``note``: why the validation could not run here, when it could not."""
+    """What Megatron and the plugin refuse, one line each; the :func:`layout` of accepted arguments;
+    ``note``: why the validation could not run here, when it could not."""
 
     problems: List[str]
     layout: Optional[str] = None
@@ -165,8 +147,7 @@ class Checked(NamedTuple):
 
 
 def needs_a_gpu_here(error: BaseException) -> bool:
-    """Whether ``error`` is Megatron's validation asking a GPU this machine does not have (e.g.
-    ``--moe-grouped-gemm``'s compute capability): not a refusal of the arguments."""
+    """Whether ``error`` is Megatron asking a GPU this machine lacks: not a refusal of the arguments."""
     frames = traceback.extract_tb(error.__traceback__)
     if not any("/torch/cuda/" in f.filename.replace(os.sep, "/") for f in frames):
         return False

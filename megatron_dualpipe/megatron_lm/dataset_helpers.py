@@ -1,23 +1,11 @@
 """Build Megatron's dataset C++ helper (``helpers_cpp``) for the *running* interpreter.
 
-``megatron.core.datasets.utils.compile_helpers`` runs ``make -C megatron/core/datasets``. Its
-Makefile asks whatever ``python3`` / ``python3-config`` come first on ``PATH`` for the pybind11
-include flags and the extension suffix. In a virtualenv launched as ``/venv/bin/torchrun`` (with
-the venv not on ``PATH``) those are a different interpreter: pybind11 is not found, or the
-library is built as ``helpers_cpp.cpython-312-...so`` for a 3.11 process and then fails to import.
-
-:func:`compile_helpers` runs the same ``make`` but passes ``CPPFLAGS`` and ``LIBEXT`` computed
-from ``sys.executable`` on the command line (which overrides the Makefile's variables). It is
-installed in place of ``megatron.core.datasets.utils.compile_helpers`` (looked up at call time by
-``megatron.training.initialize._compile_dependencies``) -- on any machine, GPU or not.
-It needs the ``pybind11`` package in the running environment and a C++ compiler.
-
-Jobs that start together from one checkout (two on a node, or a test run's two workers) each ran
-``make`` on rank 0, and the linker writes the library in place: one job's ranks could import it
-half-written by the other's (the likely cause of a CI failure, "MockGPTDataset failed to build").
-:func:`build` keeps make's rule (rebuild when older than ``helpers.cpp``) but holds a lock on the
-directory and links into a temporary file that is renamed into place: an import sees the old
-library or the new one.
+Megatron's Makefile asks whatever ``python3-config`` comes first on ``PATH``; under
+``/venv/bin/torchrun`` without the venv on ``PATH`` that is another interpreter (no pybind11, or a
+library for the wrong Python). :func:`compile_helpers` runs the same ``make`` with ``CPPFLAGS`` and
+``LIBEXT`` of ``sys.executable``. Two jobs from one checkout each ran ``make`` and could import the
+other's half-written library (a CI failure): :func:`build` holds a lock on the directory and renames
+the library into place.
 """
 
 import fcntl
@@ -34,19 +22,12 @@ def make_command(datasets_dir: str, out: str = ""):
     try:
         import pybind11
     except ImportError as exc:  # pragma: no cover - environment dependent
-        raise RuntimeError(
-            "building Megatron's dataset helper needs pybind11 in this Python environment: "
-            f"{sys.executable} -m pip install pybind11"
-        ) from exc
+        raise RuntimeError("building Megatron's dataset helper needs pybind11 in this Python environment: "
+                           f"{sys.executable} -m pip install pybind11") from exc
     includes = [sysconfig.get_paths()["include"], pybind11.get_include()]
     cppflags = " ".join(f"-I{p}" for p in dict.fromkeys(includes))
-    return [
-        "make",
-        "-C",
-        datasets_dir,
-        f"CPPFLAGS={cppflags}",
-        f"LIBEXT={sysconfig.get_config_var('EXT_SUFFIX')}",
-    ] + ([f"OUT={out}"] if out else [])
+    return (["make", "-C", datasets_dir, f"CPPFLAGS={cppflags}", f"LIBEXT={sysconfig.get_config_var('EXT_SUFFIX')}"]
+            + ([f"OUT={out}"] if out else []))
 
 
 def library_path(datasets_dir: str) -> str:
@@ -58,8 +39,7 @@ BUILT, UP_TO_DATE, FAILED = "built", "up to date", "failed"
 
 
 def build(datasets_dir: str) -> str:
-    """make's rule, once per checkout however many jobs ask at once, the library renamed into place:
-    BUILT, UP_TO_DATE or FAILED."""
+    """make's rule, once per checkout however many jobs ask at once: BUILT, UP_TO_DATE or FAILED."""
     final, source = library_path(datasets_dir), os.path.join(datasets_dir, "helpers.cpp")
     fd = os.open(datasets_dir, os.O_RDONLY)  # a lock on the directory: no file left in the checkout
     try:
@@ -94,10 +74,3 @@ def compile_helpers():
 def replace_compile_helpers(original):
     """The hooks manifest's replacement for ``megatron.core.datasets.utils.compile_helpers``."""
     return compile_helpers
-
-
-def install():
-    """Install the ``megatron-lm dataset helper`` part of the hooks manifest (idempotent)."""
-    from .. import hooks
-
-    hooks.install(["megatron-lm dataset helper"])

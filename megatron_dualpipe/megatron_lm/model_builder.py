@@ -1,28 +1,12 @@
 """DualPipe / DualPipeV chunks through Megatron-LM core_v0.19.0's model builder.
 
-From core_v0.19.0 on, ``pretrain_gpt.py`` no longer builds the model with
-``training.get_model(model_provider)`` (what :func:`.training_hooks.wrap_get_model` hooks at
-core_v0.16.1): it hands ``pretrain`` a config container, and ``GPTModelBuilder.
-build_distributed_models`` calls ``models.dist_utils.unimodal_build_distributed_models(
-self.build_model, ...)``, which builds the stages (``build_virtual_pipeline_stages``), counts the
-parameters, places, wraps (``Float16Module``) and DDP-wraps them (``_ddp_wrap``). The hook here
-(manifest entry ``megatron.training.models.gpt.unimodal_build_distributed_models``, megatron-core
-0.19 and later) does for that path what ``wrap_get_model`` does for the other, with the same
-pieces:
-
-1. ``build_virtual_pipeline_stages`` is swapped, for the call, for one that builds both chunks
-   with ``mcore.model.build_two_direction_model`` from the builder's own ``build_model`` (for
-   DualPipeV the builder's ``TransformerConfig`` is the ``dualpipev_config`` copy meanwhile);
-2. DualPipe: ``_ddp_wrap`` buckets no chunk (as ``_unbucketed_ddp`` does at 0.16.1: the two
-   copies of a stage are summed buffer by buffer and need one layout); with
-   ``--dualpipe-shared-shard-group`` its ``DistributedDataParallel`` is the subclass that builds
-   each chunk over its shard group (``mcore.shared_shard_wrap``);
-3. the parameter-count line says the logical and physical counts;
-4. after the build: the mirror is marked for torch_dist, and each rank says what it holds.
-
-Everything else (Float16Module, DDP per chunk, ``--data-parallel-random-init``) is Megatron's
-code, unchanged. With ``--pipeline-schedule 1f1b`` / ``executor-1f1b`` / ``zb-h1`` the call goes
-straight to Megatron's function.
+From core_v0.19.0 on ``pretrain_gpt.py`` builds the model through ``GPTModelBuilder``, which calls
+``dist_utils.unimodal_build_distributed_models`` instead of ``training.get_model`` (what
+:func:`.training_hooks.wrap_get_model` hooks at core_v0.16.1). The hook here does the same for that
+path by swapping, for the call, the pieces it calls: both chunks built by
+``mcore.model.build_two_direction_model``, DualPipe's chunks unbucketed (the two copies of a stage
+are summed buffer by buffer), the parameter-count line. Everything else is Megatron's code; one-chunk
+schedules go straight to Megatron's function.
 """
 from __future__ import annotations
 
@@ -53,7 +37,7 @@ def wrap_unimodal_build_distributed_models(orig):
         import importlib
 
         from ..mcore.model import V_SHAPE
-        from .training_hooks import build_pair_groups, ddp_for_dualpipe
+        from .training_hooks import build_pair_groups, ddp_for_dualpipe, two_chunk_model_built
 
         build_pair_groups(args_)
         dist_utils = importlib.import_module(_DIST_UTILS)
@@ -70,7 +54,7 @@ def wrap_unimodal_build_distributed_models(orig):
                 swaps.append(_SCOPED["DistributedDataParallel"].made_by(wrap, on=dist_utils))
         with hooks.scoped(*swaps):
             model = orig(build_model_func, transformer_config, pg_collection, *args, **kwargs)
-        return _after_build(list(model), schedule)
+        return two_chunk_model_built(list(model), schedule)
 
     return unimodal_build_distributed_models
 
@@ -107,12 +91,9 @@ def _two_chunk_stages(build_model_func, spec, transformer_config, built):
 
 
 def _wrapped_with_chunk_config(wrap_with_mp_wrapper):
-    """``_wrap_with_mp_wrapper`` that hands each chunk's mixed-precision wrapper the chunk's own
-    config. DualPipeV's chunks are built with ``dualpipev_config`` (two V-stages); the builder's
-    config has none, and ``Float16Module`` decides "first / last stage" from that config's
-    virtual size with the physical pipeline rank: V-stage ``pp-1`` (``model[0]`` on the last rank)
-    would upcast its output to fp32 as if it ended the model, and V-stage ``pp`` would fail
-    ``is_vp_first_stage``'s check of ``vp_stage=1``."""
+    """``_wrap_with_mp_wrapper`` that hands each chunk's wrapper the chunk's own config: with the
+    builder's (no V-stages) ``Float16Module`` would take DualPipeV's V-stage ``pp-1`` for the model's
+    end (an fp32 upcast) and fail ``is_vp_first_stage`` for V-stage ``pp``."""
     from megatron.core.utils import get_model_config
 
     @functools.wraps(wrap_with_mp_wrapper)
@@ -123,9 +104,8 @@ def _wrapped_with_chunk_config(wrap_with_mp_wrapper):
 
 
 def _unbucketed(ddp_wrap):
-    """``_ddp_wrap`` with every chunk unbucketed: its ``overlap_param_gather_with_optimizer_step``
-    argument (4th) is what disables bucketing for chunk 0 (and for the parameter layout of the
-    distributed optimizer alike); the flag has no other use there."""
+    """``_ddp_wrap`` with every chunk unbucketed: its 4th argument
+    (``overlap_param_gather_with_optimizer_step``) only disables bucketing there."""
 
     @functools.wraps(ddp_wrap)
     def wrapped(model, data_parallel_random_init, ddp_config, overlap_param_gather_with_optimizer_step, *a, **kw):
@@ -145,12 +125,6 @@ def _count_printer(built):
         return builtins.print(*args, **kwargs)
 
     return print_
-
-
-def _after_build(model, schedule):
-    from .training_hooks import two_chunk_model_built
-
-    return two_chunk_model_built(model, schedule)
 
 
 def _entries():

@@ -1,10 +1,7 @@
-"""``megatron-dualpipe patch PATH``: add (or remove) the 3-line hook in Megatron-LM's pretrain_gpt.py.
-
-The hook makes ``pretrain_gpt.py`` install the plugin itself, so ``torchrun pretrain_gpt.py
---pipeline-schedule dualpipe ...`` works without the launcher. It is the same change as
-``patches/megatron-lm-<tag>.patch`` for each tag of :data:`TAGS` (a test keeps them equal), applied in Python so that
-it needs neither git nor patch, checks the checkout first, is idempotent, and never leaves a
-half-written file (the new text is written beside the old and renamed over it).
+"""``megatron-dualpipe patch PATH``: add (or remove) the 3-line hook in Megatron-LM's pretrain_gpt.py,
+so that ``torchrun pretrain_gpt.py`` installs the plugin without the launcher. The same change as
+``patches/megatron-lm-<tag>.patch`` (a test keeps them equal), applied in Python: no git needed, the
+checkout checked first, idempotent, the file replaced whole (never half-written).
 """
 from __future__ import annotations
 
@@ -41,11 +38,6 @@ class Checkout:
     state: str  # "clean", "applied"
 
 
-def core_version(path: str) -> Optional[str]:
-    """The megatron-core version of the checkout at ``path`` (from package_info.py), or None."""
-    return versions.checkout_core_version(path)
-
-
 def tag_problem(path: str, version: Optional[str], tag: Optional[str] = None) -> Optional[str]:
     """Why the checkout at ``path`` (megatron-core ``version``) is not one of :data:`TAGS`, or None."""
     if versions.tag_of(version) is not None:
@@ -70,7 +62,7 @@ def inspect(path: str, require_tag: bool = True) -> Checkout:
     if not os.path.isfile(script):
         raise PatchError(f"no pretrain_gpt.py in {path}: give the root of a Megatron-LM checkout at tag "
                          f"{' or '.join(TAGS)}")
-    version, tag = core_version(path), _git_tag(path)
+    version, tag = versions.checkout_core_version(path), _git_tag(path)
     problem = tag_problem(path, version, tag) if require_tag else None
     if problem:
         raise PatchError(problem + " and run this command again")
@@ -118,41 +110,28 @@ def patch_file(tag: str) -> str:
     return f"patches/megatron-lm-{tag}.patch"
 
 
-def checkout_patch_file(path: str) -> str:
-    """The patch file (relative to the project's root) for the Megatron-LM checkout at ``path``,
-    recognised by its megatron-core version; :class:`PatchError` naming the tags when it is none of them."""
-    version = core_version(path)
-    tag = versions.tag_of(version)
-    if tag is None:
-        raise PatchError(tag_problem(path, version))
-    return patch_file(tag)
-
-
 def _cannot_write(script: str, why: str) -> str:
-    tag = versions.tag_of(core_version(os.path.dirname(os.path.abspath(script)))) or TAGS[-1]
+    tag = versions.tag_of(versions.checkout_core_version(os.path.dirname(os.path.abspath(script)))) or TAGS[-1]
     return (f"cannot change {script}: {why}; run this as a user who can write the checkout, or apply "
             f"{project_files.path(patch_file(tag))} (git apply) as one")
 
 
 def _write_atomically(path: str, text: str) -> None:
+    """The new text beside the old, renamed over it: never a half-written file."""
     try:
-        _replace(path, text)
+        mode = os.stat(path).st_mode
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".pretrain_gpt.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
+                f.write(text)
+            os.chmod(tmp, mode)
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
     except OSError as e:
         raise PatchError(_cannot_write(path, e.strerror or str(e))) from None
-
-
-def _replace(path: str, text: str) -> None:
-    mode = os.stat(path).st_mode
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".pretrain_gpt.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
-            f.write(text)
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def apply(path: str, *, revert: bool = False, check: bool = False) -> str:
@@ -162,25 +141,21 @@ def apply(path: str, *, revert: bool = False, check: bool = False) -> str:
     removed); ``check`` fails where the real run would, e.g. on a read-only checkout."""
     co = inspect(path, require_tag=not revert)
     lines = _read_lines(co.script)
-    if not revert:
-        if co.state == "applied":
-            return f"already applied to {co.script}; nothing to do"
-        problem = _writable_problem(co.script)
-        if problem:
-            raise PatchError(problem)
-        if check:
-            return f"would add the megatron-dualpipe hook ({len(HOOK)} lines) to {co.script}"
-        at = _anchor_index(lines) + 1
-        eol = lines[at - 1][len(_bare(lines[at - 1])):] or "\n"  # the anchor line's own ending
-        _write_atomically(co.script, "".join(lines[:at] + [_bare(h) + eol for h in HOOK] + lines[at:]))
-        return f"added the megatron-dualpipe hook ({len(HOOK)} lines) to {co.script}"
-    if co.state == "clean":
-        return f"not applied to {co.script}; nothing to revert"
+    if co.state == ("clean" if revert else "applied"):
+        return f"not applied to {co.script}; nothing to revert" if revert else \
+            f"already applied to {co.script}; nothing to do"
     problem = _writable_problem(co.script)
     if problem:
         raise PatchError(problem)
+    if revert:
+        if check:
+            return f"would remove the megatron-dualpipe hook from {co.script}"
+        i = next(i for i, line in enumerate(lines) if MARKER in line) - 2
+        _write_atomically(co.script, "".join(lines[:i] + lines[i + len(HOOK):]))
+        return f"removed the megatron-dualpipe hook from {co.script}"
     if check:
-        return f"would remove the megatron-dualpipe hook from {co.script}"
-    i = next(i for i, line in enumerate(lines) if MARKER in line) - 2
-    _write_atomically(co.script, "".join(lines[:i] + lines[i + len(HOOK):]))
-    return f"removed the megatron-dualpipe hook from {co.script}"
+        return f"would add the megatron-dualpipe hook ({len(HOOK)} lines) to {co.script}"
+    at = _anchor_index(lines) + 1
+    eol = lines[at - 1][len(_bare(lines[at - 1])):] or "\n"  # the anchor line's own ending
+    _write_atomically(co.script, "".join(lines[:at] + [_bare(h) + eol for h in HOOK] + lines[at:]))
+    return f"added the megatron-dualpipe hook ({len(HOOK)} lines) to {co.script}"

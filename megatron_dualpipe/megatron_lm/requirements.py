@@ -1,10 +1,6 @@
-"""What Megatron-LM's training code needs beyond torch and megatron-core, and a check for it.
-
-``pretrain_gpt.py`` and ``megatron/training`` import these unconditionally (``pybind11``
-builds the dataset helper when training starts). ``setup.py`` reads :data:`PACKAGES` for the
-``megatron-lm`` install extra, so the extra and the launcher's preflight cannot disagree.
-
-Standard library only, and no relative imports: ``setup.py`` runs this file on its own.
+"""What Megatron-LM's training code imports beyond torch and megatron-core, and a check for it.
+``setup.py`` reads :data:`PACKAGES` for the ``megatron-lm`` extra, so the extra and the launcher's
+preflight agree; standard library only, no relative imports (``setup.py`` runs this file on its own).
 """
 import importlib.util
 import sys

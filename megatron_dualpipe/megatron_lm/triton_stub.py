@@ -1,16 +1,10 @@
 """A placeholder ``triton`` package for machines where triton is not installed.
 
-``megatron.training.initialize`` imports
-``megatron.core.transformer.custom_layers.batch_invariant_kernels`` at module level, and that
-module does ``import triton`` / ``import triton.language as tl`` and decorates kernels with
-``@triton.jit`` at import time. Without triton (e.g. a CPU-only torch wheel, which does not
-depend on it) ``pretrain_gpt.py`` cannot even be imported.
-
-:func:`preimport_triton_users` imports those modules with a stub in ``sys.modules`` -- *only*
-when no real triton can be found, and only for the duration of that import. The stub lets such modules import (decorators, ``tl.constexpr`` annotations and
-``triton.Config`` work), but launching or calling anything raises ``RuntimeError`` naming the
-missing package, so nothing silently runs without the real kernels. Megatron only launches these
-kernels with ``--batch-invariant-mode``, which needs a GPU anyway.
+``megatron.training.initialize`` imports a module that decorates kernels with ``@triton.jit`` at
+import time, so without triton (a CPU-only torch wheel) ``pretrain_gpt.py`` cannot be imported.
+:func:`preimport_triton_users` imports such modules against a stub, only while importing them;
+calling anything of the stub raises ``RuntimeError`` naming the package (Megatron launches these
+kernels only with ``--batch-invariant-mode``, which needs a GPU anyway).
 """
 
 import contextlib
@@ -100,12 +94,8 @@ def _stub_modules():
 
 @contextlib.contextmanager
 def placeholder_triton():
-    """While active, ``import triton`` yields the stub (only if no real triton exists).
-
-    The stub is removed from ``sys.modules`` on exit, so code imported later (including torch's
-    own ``has_triton_package()`` checks, which decide torch.compile backends) still sees that
-    triton is missing; only the modules imported inside the block keep references to it.
-    """
+    """While active, ``import triton`` yields the stub (only if no real triton exists). Removed on
+    exit: code imported later (torch's ``has_triton_package()``) must still see triton missing."""
     if triton_available():
         yield False
         return

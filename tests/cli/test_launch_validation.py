@@ -121,7 +121,7 @@ def test_without_a_parser_in_the_checkout_nothing_is_checked(tmp_path):
     from megatron_dualpipe.launch import validation
 
     (tmp_path / "pretrain_gpt.py").write_text("")
-    assert validation.problems(str(tmp_path / "pretrain_gpt.py"), ["--num-layers", "30"]) == []
+    assert validation.check(str(tmp_path / "pretrain_gpt.py"), ["--num-layers", "30"]) == ([], None, None)
 
 
 def _run_in_rank(tmp_path, monkeypatch, rank, body):

@@ -21,8 +21,8 @@ import textwrap
 
 import pytest
 
-from megatron_dualpipe.megatron_lm.patching import checkout_patch_file
-from megatron_dualpipe.versions import installed_core_version
+from megatron_dualpipe.megatron_lm.patching import patch_file
+from megatron_dualpipe.versions import checkout_core_version, installed_core_version, tag_of
 from megatron_dualpipe.versions import parse as parse_version
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -614,7 +614,7 @@ def test_pretrain_gpt_cpu_pp4_1f1b():
 def test_patch_applies():
     if shutil.which("git") is None:
         pytest.skip("needs git")
-    patch = os.path.join(REPO_ROOT, checkout_patch_file(MEGATRON_LM_PATH))  # the patch of the checkout's tag
+    patch = os.path.join(REPO_ROOT, patch_file(tag_of(checkout_core_version(MEGATRON_LM_PATH))))  # the checkout's tag
     proc = subprocess.run(
         ["git", "apply", "--check", "--reverse", patch], cwd=MEGATRON_LM_PATH, capture_output=True, text=True
     )
