@@ -1,14 +1,6 @@
-"""The one mechanism by which megatron-dualpipe changes Megatron, and the list of every change.
-
-* :mod:`.mechanism`: what a patch is (attribute, replacement, reason, megatron-core versions);
-  :class:`~.mechanism.PatchSet` installs and uninstalls patches as a set; :func:`scoped` swaps
-  attributes for the duration of one block. The CPU mode (:mod:`megatron_dualpipe.cpu`) uses it
-  for its redirections.
-* :mod:`.manifest`: every Megatron attribute the project changes, by part.
-* :func:`install` / :func:`uninstall` / :func:`status` here; ``megatron-dualpipe hooks`` prints the
-  manifest and what is active in this process.
-
-Standard library only until a patch is applied.
+"""The one mechanism by which megatron-dualpipe changes Megatron (:mod:`.mechanism`), the list of
+every change (:mod:`.manifest`), and :func:`install` / :func:`uninstall` / :func:`status` of its
+parts (``megatron-dualpipe hooks`` prints them). Standard library only until a patch is applied.
 """
 
 from __future__ import annotations

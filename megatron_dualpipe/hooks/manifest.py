@@ -1,19 +1,10 @@
-"""Every Megatron attribute megatron-dualpipe changes, in one list (the CPU mode's are in ``cpu/``).
+"""Every Megatron attribute megatron-dualpipe changes, in one list (the CPU mode's are in ``cpu/``),
+grouped in :data:`PARTS` by who applies them: installed sets (:mod:`megatron_dualpipe.hooks`),
+``scoped`` ones (replaced inside one ``hooks.scoped(...)`` block by the module in ``where``) and
+``instance`` ones (an attribute of one object, never of the class).
 
-Each entry (:class:`~.mechanism.Patch`) names the attribute, its replacement, why, and the
-megatron-core versions it applies to; :data:`PARTS` groups them by who applies them:
-
-* installed sets (``install(part)`` / ``uninstall(part)``, :mod:`megatron_dualpipe.hooks`):
-  the Megatron-LM hooks (``megatron_lm.install.install()`` installs the three ``megatron-lm``
-  parts) and the zero-bubble weight-gradient deferral (``wgrad.install()``);
-* ``scoped``: replaced only inside one ``hooks.scoped(...)`` block by the module named in
-  ``where``, and restored when it ends;
-* ``instance``: an attribute of one object (a model chunk, an optimizer), never of the class.
-
-A change that differs between Megatron versions is two entries on the same attribute with
-disjoint ``versions``; an entry whose versions exclude the installed megatron-core is skipped and
-listed as such (``megatron-dualpipe hooks``). Standard library only: the replacements are named
-as ``"module:function"`` and imported when applied.
+A change that differs between Megatron versions is two entries with disjoint ``versions``.
+Standard library only: replacements are named ``"module:function"`` and imported when applied.
 """
 
 from __future__ import annotations

@@ -1,22 +1,11 @@
-"""What one change of a Megatron attribute is, and how it is applied, undone and scoped.
+"""What one change of a Megatron attribute is (:class:`Patch`: attribute, replacement, why,
+megatron-core versions), and how it is applied, undone and scoped.
 
-A :class:`Patch` names a module attribute (``module`` + ``attribute``, which may be a class
-attribute such as ``"GlobalMemoryBuffer.get_tensor"``), says how to build its replacement from
-the original object, why the project needs it, and which megatron-core versions it applies to.
-:func:`apply` records the exact object it replaced (or that there was none) so that
-:func:`restore` puts that same object back.
-
-Three ways a patch is used (``Patch.kind``):
-
-* ``installed``: part of a :class:`PatchSet`, applied by ``install()`` and undone by
-  ``uninstall()`` as a set (the Megatron-LM hooks, the CPU mode's redirections);
-* ``scoped``: replaced only inside :func:`scoped` (``with scoped(P.to(value), ...)``), and back
-  when the block ends, also on an exception;
-* ``instance``: an attribute of one object (``on=obj``) replaced for that object's life, or
-  inside :func:`scoped`; the class itself is never changed.
-
-Standard library only (the lists and the CLI that prints them import no torch); a replacement
-given as ``"package.module:name"`` is imported when it is first applied.
+:func:`apply` records the exact object it replaced (or that there was none), so :func:`restore`
+puts that same object back. A patch is ``installed`` (a :class:`PatchSet`, applied and undone as
+a set), ``scoped`` (replaced only inside :func:`scoped`, back on exit, also on an exception) or
+``instance`` (one object's attribute, never the class's). Standard library only; a replacement
+given as ``"package.module:name"`` is imported when first applied.
 """
 
 from __future__ import annotations
@@ -143,10 +132,6 @@ class Applied:
     saved: Any  # the owner's own attribute before (MISSING if it had none)
     replacement: Any
 
-    @property
-    def redirection(self) -> Patch:  # the CPU mode's name for it
-        return self.patch
-
 
 def resolve(patch: Patch, on=None) -> Tuple[Any, str]:
     """The object that holds the attribute (module, class, or ``on``) and the attribute's name."""
@@ -264,15 +249,12 @@ class PatchSet:
     restores what was applied). Patches for other megatron-core versions are skipped and listed."""
 
     name: str
-    patches: Union[Sequence[Patch], Callable[[], Sequence[Patch]]]
+    patches: Sequence[Patch]
     applied: List[Applied] = field(default_factory=list)
     not_needed: List[Patch] = field(default_factory=list)
     other_version: List[Patch] = field(default_factory=list)
     installed: bool = False
     version: Optional[str] = None  # the megatron-core version it was installed for
-
-    def entries(self) -> Tuple[Patch, ...]:
-        return tuple(self.patches() if callable(self.patches) else self.patches)
 
     def install(self, version: Optional[str] = None) -> bool:
         """Apply every patch of the set that applies to ``version`` (default: the installed
@@ -282,7 +264,7 @@ class PatchSet:
         version = megatron_core_version() if version is None else version
         applied, not_needed, other = [], [], []
         try:
-            for patch in self.entries():
+            for patch in self.patches:
                 if version not in patch.versions:
                     other.append(patch)
                     continue
@@ -319,4 +301,4 @@ class PatchSet:
         return "inactive"
 
     def status(self) -> List[Tuple[Patch, str]]:
-        return [(p, self.state(p)) for p in self.entries()]
+        return [(p, self.state(p)) for p in self.patches]
