@@ -1,23 +1,12 @@
-"""Draw a simulated schedule the way DeepSeek's DualPipe figure does.
+"""Draw a simulated schedule the way DeepSeek's DualPipe figure does: a row per rank, a cell per
+action at its simulated times, labelled with its micro-batch.
 
-One row per pipeline rank, one cell per action placed at its simulated start and end times
-and labelled with its micro-batch number. The colour tells the op (F, B, BW, W) from the
-Okabe-Ito palette, whose hues stay apart for the common colour-vision deficiencies; the
-second direction (DualPipeV: chunk 1) is a light tint of the same hue *and* hatched, so the
-direction reads without colour too. A fused F&B unit (an F with ``overlap=True`` and the
-backward after it, which the simulator runs as one unit) is one cell split in two halves,
-outlined with a thick border. Fake micro-batches (padding) are thin grey marks: they run no
-compute.
-
-Size: a picture shows at most :data:`MAX_ROWS` ranks (the first and last halves when there
-are more) and about :data:`MAX_UNITS_PER_ROW` units per rank (the start and the end of the
-run with the repeating steady state cut out), and says so under the title, so any schedule
-the command line accepts renders in seconds, stays legible, and its SVG stays a few MB.
-
-One renderer: :func:`boxes` and :func:`outlines` say what is drawn where (rows, and spans on the
-drawn time axis of a :class:`Frame`); :func:`to_svg` writes them as SVG (by hand: one
-``<rect class="action">`` per drawn action, its rank, index and micro-batch as attributes) and
-:mod:`.figure` paints the same with matplotlib (PNG, and timelines one above the other).
+The colour tells the op (Okabe-Ito, apart under the common colour-vision deficiencies); the
+second direction is a light tint *and* hatched, so it reads without colour too. A fused F&B unit
+is one cell in two halves with a thick outline; fake micro-batches are thin grey marks. A large
+schedule is cut to :data:`MAX_ROWS` ranks and about :data:`MAX_UNITS_PER_ROW` units per rank
+(a note says so), so any schedule renders in seconds. :func:`boxes` and :func:`outlines` place
+what is drawn; :func:`to_svg` writes it as SVG and :mod:`.figure` paints it with matplotlib.
 """
 from __future__ import annotations
 
@@ -39,8 +28,8 @@ COLORS: Dict[Tuple[str, int], str] = {
 }
 #: Directions drawn hatched (the shape tells the direction, not only the shade).
 HATCHED = frozenset({1})
-#: Text colour per direction (dark text reads on every fill above).
-TEXT = {0: "#111111", 1: "#111111"}
+#: Text colour (dark text reads on every fill above, either direction).
+TEXT = "#111111"
 #: Fake micro-batches (padding).
 FAKE = "#9a9a9a"
 OP_NAMES = {F: "forward", B: "input backward", BW: "full backward", W: "weight backward"}
@@ -323,7 +312,7 @@ def _svg_cells(schedule, result: SimResult, fr, px: float, fake: Fake, font: str
         size = label_size(len(label(a)), w, (11, 9))
         if size and not is_fake:
             out.append(f'<text x="{x + w / 2:.2f}" y="{y + _ROW / 2 + 4:.2f}" font-size="{size}" '
-                       f'text-anchor="middle" fill="{TEXT[a.dir]}" {font}>{label(a)}</text>')
+                       f'text-anchor="middle" fill="{TEXT}" {font}>{label(a)}</text>')
     for row, x0, x1 in outlines(schedule, result, fr):  # on top of every cell, so neighbours cannot hide them
         y, fx, fw = _TOP + row * (_ROW + _GAP), _LEFT + x0 * px, (x1 - x0) * px
         out.append(f'<path class="fused" d="M{fx + 1:.2f},{y + 1:.2f} h{fw - 2:.2f} v{_ROW - 2:.2f} '

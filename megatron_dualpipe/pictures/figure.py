@@ -1,10 +1,6 @@
-"""The drawing of :mod:`.draw` painted with matplotlib: one timeline (PNG), or several one above the other.
-
-One painter, :func:`_paint`, draws what :func:`.draw.boxes` and :func:`.draw.outlines` place, for
-the single timeline of ``simulate --png`` (a large schedule cut to its ends, fakes marked) and for
-the stacked panels of ``trace`` and the main job (each schedule whole). One collection per fill
-(not a patch per cell) and labels kept out of ``tight_layout``: a few thousand cells render in
-seconds. matplotlib is imported when a figure is made (Agg backend).
+"""The drawing of :mod:`.draw` painted with matplotlib (Agg, imported when a figure is made): one
+timeline (PNG), or several one above the other. One collection per fill, not a patch per cell,
+and labels kept out of ``tight_layout``: a few thousand cells render in seconds.
 """
 from __future__ import annotations
 
@@ -54,7 +50,7 @@ def _paint(ax, schedule, result: SimResult, fr: Frame, points_per_time: float, f
         size = label_size(len(label(a)), (x1 - x0) * points_per_time, LABEL_SIZES)
         if size:
             ax.text((x0 + x1) / 2, y + _ROW / 2, label(a), ha="center", va="center", fontsize=size,
-                    color=TEXT[a.dir], clip_on=True).set_in_layout(False)
+                    color=TEXT, clip_on=True).set_in_layout(False)
     for row, x0, x1 in outlines(schedule, result, fr):
         groups.setdefault("fused", []).append(_box(x0, x1, (n - 1 - row) * (_ROW + _GAP), _ROW))
     for k, rects in groups.items():
@@ -160,8 +156,7 @@ def panels_figure(panels: Sequence[Tuple[str, object, SimResult]], shared_axis: 
 
 
 def stacked_figure(schedule, panels: Sequence[Tuple[str, SimResult]], time_label: str = "ms", dpi: int = 110):
-    """``panels`` ((title, timeline) pairs over the same schedule: a measured run and its
-    simulation) one above the other (``trace --png``, the main job's timeline). Each panel gets its
-    own time axis: a measured iteration on a busy machine can take many times its simulation, which
-    on a shared axis would shrink to an unreadable strip; a note under the first title says so."""
+    """``panels`` ((title, timeline) pairs over one schedule: a measured run and its simulation)
+    one above the other, each on its own time axis: a measured iteration on a busy machine can
+    take many times its simulation, which on a shared axis would shrink to a strip."""
     return panels_figure([(h, schedule, r) for h, r in panels], shared_axis=False, time_label=time_label, dpi=dpi)

@@ -1,13 +1,6 @@
-"""Figure layout that keeps every legend and label inside the image, at any size.
-
-A legend laid out with a fixed number of columns can be wider than its figure (the pp=4 timeline
-lost both ends of its legend that way), and ``tight_layout`` does not know about a figure
-legend. :func:`legend_below` measures the legend it places instead: it takes as many columns as
-fit the figure's width (widening the figure only when one column is still too wide), then makes
-the figure taller by the legend's height and lays the axes out above it.
-:func:`outside_figure` lists what still sticks out; the tests call it on every drawing.
-
-matplotlib is imported by the callers (Agg backend); nothing here imports it at module level.
+"""Figure layout that keeps every legend and label inside the image, at any size: ``tight_layout``
+does not know about a figure legend, and one with a fixed number of columns can be wider than its
+figure. :func:`outside_figure` lists what still sticks out (the tests call it on every drawing).
 """
 from __future__ import annotations
 

@@ -1,19 +1,10 @@
-"""``megatron-dualpipe trace DIR``: a recorded run as a Perfetto trace and as the simulator's
-picture, the measured timeline above the simulated one.
+"""``megatron-dualpipe trace DIR``: a recorded run (``MEGATRON_DUALPIPE_TRACE=DIR``, one JSON line
+per rank and iteration, :mod:`megatron_dualpipe.executor.trace`) as a Perfetto trace (``--json``)
+and as the simulator's picture (``--png``): the measured timeline above the same schedule
+simulated with the costs measured in that iteration (per op, the slowest rank's median; P2P 0).
 
-``DIR`` holds the files the executor writes with ``MEGATRON_DUALPIPE_TRACE=DIR`` (see
-:mod:`megatron_dualpipe.executor.trace`): one JSON line per rank and iteration. The command
-takes one iteration of one pipeline (default: the last iteration every rank recorded, of the
-pipeline holding the lowest global rank), aligns the ranks on their wall clocks, and writes
-
-* ``--json FILE``: a Chrome / Perfetto trace (open it in https://ui.perfetto.dev): process
-  "measured" with a track per rank, a slice per action (a fused F&B unit is one slice) and a
-  "wait" slice where the rank waited for its input; process "simulated" with the same schedule
-  simulated with the costs measured in this iteration (per op, the slowest rank's median; P2P
-  latency 0);
-* ``--png FILE``: the simulator's drawing (``megatron_dualpipe.pictures.figure``) of both, one above the other.
-
-It prints the measured and simulated iteration time, their ratio and the costs it used.
+One iteration of one pipeline (default: the last one every rank recorded, of the pipeline
+holding the lowest global rank), the ranks aligned on their wall clocks.
 """
 from __future__ import annotations
 
