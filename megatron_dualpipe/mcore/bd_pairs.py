@@ -1,19 +1,11 @@
 """The walk over a bd pair: the one place that knows which chunk holds which stage copy.
 
-Under DualPipe, pipeline rank ``i`` and its partner ``pp-1-i`` (the bd pair, see `groups`) hold
-the same two stages: stage ``i`` is ``model[0]`` on rank ``i`` (its home copy) and ``model[1]``
-on rank ``pp-1-i`` (its mirror); stage ``pp-1-i`` the other way round. Everything that must keep
-the two copies of a stage equal walks the pair's two stages the same way, in stage order
-(stage ``min(i, pp-1-i)`` first) on both ranks, so that the collectives pair up:
-
-* `broadcast_home_to_mirror` -- home copy -> mirror (parameters after construction, parameters,
-  main parameters and optimizer state after a checkpoint load);
-* `sum_copies` -- both copies := their sum (weight gradients, MoE router token counts).
-
-Each takes a function ``tensors_of(chunk) -> list of tensors`` that lists the tensors of one
-copy in an order both copies share (e.g. ``named_parameters`` order); the tensors are flattened
-per dtype into one buffer per collective (`flat_collective`). On the middle rank of an odd
-pipeline (its own partner) the copy / sum is local.
+Pipeline rank ``i`` and its partner ``pp-1-i`` hold the same two stages, each as ``model[0]`` (its home copy)
+on one and ``model[1]`` (its mirror) on the other. Everything that keeps the copies equal walks the two stages
+in stage order on both ranks, so that the collectives pair up: `broadcast_home_to_mirror` (after construction
+and checkpoint loads) and `sum_copies` (gradients, router statistics). Each takes ``tensors_of(chunk)``, listing
+one copy's tensors in an order both share, flattened per dtype into one buffer per collective. On the middle
+rank of an odd pipeline the copy / sum is local.
 """
 from __future__ import annotations
 
@@ -99,10 +91,8 @@ def flat_collective(tensors: Sequence[torch.Tensor], op: Callable[[torch.Tensor]
 
 
 def _pair_collective(issue: Callable[[torch.Tensor], object], waiting: str) -> Callable[[torch.Tensor], None]:
-    """``issue(flat)`` (an ``async_op=True`` collective over the bd pair) waited for the way the
-    executor waits (:func:`..executor.abort.wait_work`): a partner that raised before joining it
-    stops this rank through the abort signal, naming both, instead of holding it in the collective
-    for the process group's timeout. On an accelerator the stream waits and the host runs on."""
+    """``issue(flat)`` (an async collective over the bd pair) waited for as the executor waits: a partner that
+    raised stops this rank through the abort signal instead of holding it until the group's timeout."""
     from ..executor import abort
     from ..executor.streams import waits_order_stream
 
@@ -114,8 +104,8 @@ def _pair_collective(issue: Callable[[torch.Tensor], object], waiting: str) -> C
 
 def check_same_structure(signature: list, what: str, pos: Optional[BDPosition] = None,
                          timeout_s: float = STRUCTURE_TIMEOUT_S) -> None:
-    """Exchange ``signature`` (any picklable list) with the partner; raise naming both ranks if
-    they differ (instead of hanging or mixing tensors up in the collective that follows)."""
+    """Exchange ``signature`` (any picklable list) with the partner; raise naming both ranks if they differ
+    (instead of hanging or mixing tensors up in the collective that follows)."""
     pos = pos or position()
     if pos.is_middle:
         return
@@ -132,10 +122,9 @@ _EXCHANGES: Dict[Tuple[int, int], int] = {}
 
 
 def _exchange_with_partner(pos: BDPosition, signature: list, what: str, timeout_s: float) -> list:
-    """The partner's ``signature``, through the default group's store: a wait with a deadline of
-    its own that checks the shared abort signal (``executor.abort``), naming both ranks and what
-    was awaited. Both partners exchange in the same order (a counter per pair keys the exchange),
-    as the collectives that follow require anyway. Without a store: ``all_gather_object``."""
+    """The partner's ``signature`` through the default group's store (``all_gather_object`` without one): a
+    wait with its own deadline that checks the abort signal. A counter per pair keys the exchanges, which
+    both partners make in the same order."""
     from ..executor import abort
 
     store = abort._store()
@@ -166,11 +155,8 @@ def _shapes(tensors: Sequence[torch.Tensor]) -> list:
 
 def broadcast_home_to_mirror(model: Sequence[torch.nn.Module], tensors_of: TensorsOf, what: str,
                              signature_of: Optional[Callable[[torch.nn.Module], list]] = None) -> None:
-    """Copy ``tensors_of(model[0])`` on every rank into ``tensors_of(model[1])`` on its partner.
-
-    Collective within each bd pair. For each stage both partners first exchange the structure
-    (``signature_of(chunk)``, default: shapes and dtypes of its tensors) and raise if it differs.
-    """
+    """Copy ``tensors_of(model[0])`` on every rank into ``tensors_of(model[1])`` on its partner, after checking
+    each stage's structure (``signature_of(chunk)``, default: its tensors' shapes and dtypes)."""
     pos = position()
     with torch.no_grad():
         if pos.is_middle:
@@ -193,9 +179,8 @@ def broadcast_home_to_mirror(model: Sequence[torch.nn.Module], tensors_of: Tenso
 
 
 def sum_copies(model: Sequence[torch.nn.Module], tensors_of: TensorsOf) -> None:
-    """Set ``tensors_of(chunk)`` of both copies of each stage to their sum (all-reduce over the bd
-    pair, one per dtype and stage; local on the middle rank). No structure check: the callers run
-    it every iteration on structures `broadcast_home_to_mirror` has checked."""
+    """Set ``tensors_of(chunk)`` of both copies of each stage to their sum (one all-reduce per dtype and stage).
+    No structure check: it runs every iteration on structures `broadcast_home_to_mirror` checked."""
     pos = position()
     with torch.no_grad():
         if pos.is_middle:

@@ -1,16 +1,10 @@
 """The links of a running job, timed for ``--dualpipe-advise``: the bd pair, data parallel, P2P.
 
-The advice's communication model (``costs.comm_cost``) needs, per group, a latency and a
-bandwidth. Timing the sums that ``GradReduction`` issues while the schedule runs would not give
-them: those overlap compute, and on an accelerator they complete on a stream the host does not
-watch. So the same collectives are timed here, once, right after the measured iteration, on the
-same process groups (the bd pair's, Megatron's data-parallel group, the pipeline group for P2P)
-and with scratch buffers (the gradients are left alone): each at two sizes, the small one giving
-the latency and the difference the bandwidth (ring all-reduce: 2(n-1)/n x bytes / bandwidth +
-2(n-1) latencies; a P2P message: latency + bytes / bandwidth). The large size is capped so that
-the probe never allocates much: what it measures is per byte.
-
-Every rank of the job must call :func:`measure` at the same point (it is collective on each group).
+The sums ``GradReduction`` issues during the schedule overlap compute (and on an accelerator finish on a
+stream the host does not watch), so the same collectives are timed here once, right after the measured
+iteration, on the same groups with scratch buffers: each at two sizes, the small one giving the latency and
+the difference the bandwidth (ring all-reduce: 2(n-1)/n x bytes / bandwidth + 2(n-1) latencies). Collective:
+every rank calls :func:`measure` at the same point.
 """
 from __future__ import annotations
 

@@ -1,18 +1,9 @@
 """Direction-aware data: which micro-batch of the global batch each direction reads.
 
-Megatron hands the schedule one data iterator per rank (``None`` where the rank reads no
-data), which yields the global batch's micro-batches in order, the same sequence on the first
-and the last pipeline stage. We keep that: one iterator, split inside.
-
-Which global micro-batch a (direction, micro-batch) pair is, and which are padding, is the
-schedule's fact (``ScheduleSpec.split`` / ``global_index`` / ``is_fake``): in DualPipe rank 0
-reads direction 0's inputs and direction 1's labels, rank pp-1 the other way round, and both
-read the same M samples.
-
-:class:`MicrobatchSource` reads the underlying iterator lazily and in order, so a rank reads
-exactly the micro-batches its ``forward_step_func`` asks for (middle stages read none, as
-with 1F1B), each at most once, and a fake (padding) micro-batch reads nothing. A dict
-micro-batch is handed to each forward as its own (shallow) copy.
+Megatron hands the schedule one data iterator per rank (``None`` where the rank reads no data); we keep it
+and split inside. Which global micro-batch a (direction, micro-batch) pair is, and which are padding, is the
+schedule's fact (``ScheduleSpec.global_index`` / ``is_fake``). :class:`MicrobatchSource` reads lazily and in
+order, so a rank reads exactly what its ``forward_step_func`` asks for, each at most once.
 """
 from __future__ import annotations
 

@@ -1,10 +1,8 @@
 """The data-parallel reductions a chunk started, handed to the iteration's watchdog.
 
-Megatron DDP's ``start_grad_sync`` (``--overlap-grad-reduce``) leaves a handle per bucket group
-that its ``finish_grad_sync`` waits for in Megatron's finalize: on an accelerator a stream wait
-with no deadline of ours, and a data-parallel peer that raised would hold it until NCCL's
-timeout. Watched (:mod:`..executor.watchdog`), the handle's works keep the iteration's deadline
-and stop at the abort signal, naming this rank, the chunk and the ranks of the reduction.
+Megatron DDP's ``finish_grad_sync`` waits for ``start_grad_sync``'s handles with no deadline of ours: on an
+accelerator a data-parallel peer that raised would hold it until NCCL's timeout. Watched, the works keep the
+iteration's deadline and stop at the abort signal, naming this rank, the chunk and the reduction's ranks.
 """
 from __future__ import annotations
 
@@ -15,8 +13,8 @@ from ..executor.streams import waits_order_stream
 
 
 def watch_dp_reduction(chunk, what: str) -> None:
-    """Track the works of ``chunk``'s started data-parallel reductions (accelerator only: on the host
-    Megatron's wait blocks and is gloo's). ``what`` names this rank and the chunk."""
+    """Track the works of ``chunk``'s started data-parallel reductions (accelerator only: on the host the wait
+    is gloo's). ``what`` names this rank and the chunk."""
     dog = watchdog.current()
     if dog is None or not waits_order_stream(next(chunk.parameters())):
         return

@@ -1,14 +1,10 @@
 """Opt-in drift check: both copies of every DualPipe stage must stay bit-identical.
 
-DualPipe keeps stage i on rank i (``model[0]``) and on rank pp-1-i (``model[1]``); the bd sum
-gives both copies the same gradient, so the same optimizer step keeps them equal, bit for bit.
-Anything that treats the copies differently (a per-copy statistic, an FP8 amax history, a
-non-deterministic kernel, a missed reduction) makes them drift apart silently. Every N training
-iterations (``get_forward_backward_func(..., drift_check_every=N)``, Megatron-LM's
-``--dualpipe-drift-check-interval N``) the two copies exchange one cheap checksum per
-parameter (an all-gather of a few integers per parameter over the bd pair, with a deadline)
-and :class:`CopiesDriftedError` names the first parameter that differs. A no-op for DualPipeV
-(its two chunks are different stages).
+The bd sum gives both copies of a stage the same gradient, so the same optimizer step keeps them equal bit
+for bit; anything that treats them differently (a per-copy statistic, an FP8 amax history, a missed
+reduction) makes them drift apart silently. Every N iterations (``drift_check_every=N``,
+``--dualpipe-drift-check-interval N``) the pair exchanges two integers per parameter and
+:class:`CopiesDriftedError` names the first that differs. A no-op for DualPipeV (no copies).
 """
 from __future__ import annotations
 
@@ -41,8 +37,8 @@ def _parameter_names(chunk: torch.nn.Module) -> List[str]:
 
 
 def _checksum_tensor(chunk: torch.nn.Module, device) -> torch.Tensor:
-    """Two int64 per parameter: the sum of its words and their sum weighted by position (so that
-    a change, or two words swapped, shows). Bit-identical copies give identical checksums."""
+    """Two int64 per parameter: the sum of its words and their sum weighted by position (two words swapped
+    show)."""
     sums = []
     for _, p in unwrap_chunk(chunk).named_parameters():
         w = _bits(p)

@@ -1,35 +1,18 @@
 """Process groups for DualPipe on top of megatron-core's ``parallel_state``.
 
-Two kinds of groups are built per pipeline group ``[r_0, ..., r_{pp-1}]`` (global ranks in
-pipeline order):
+Per pipeline group ``[r_0, ..., r_{pp-1}]`` (global ranks in pipeline order):
 
-* **bd groups** ("bidirectional" pairs): ``{r_i, r_{pp-1-i}}`` for ``i < pp // 2``. Rank ``r_i``
-  holds stage ``i`` of direction 0 in ``model[0]`` and its partner ``r_{pp-1-i}`` holds the
-  mirrored copy of the same stage in ``model[1]``; the pair broadcasts parameters once after
-  construction and all-reduces gradients every iteration. With an odd ``pp`` the middle rank
-  ``r_{(pp-1)/2}`` is its own partner: it holds both copies of its stage, **no group is built**
-  for it, ``get_bd_group()`` returns None there and ``get_bd_mirror_rank()`` returns the rank
-  itself; callers (``model.broadcast_mirrors``, ``finalize.allreduce_bd_grads``) then copy/sum
-  locally. (Megatron's DualPipe schedule itself needs an even pp; DualPipeV does not use bd
-  groups at all because its two chunks are different stages.)
-* **reversed pipeline group**: the same ranks in reverse order, created with
-  ``torch.distributed.new_group(reversed(ranks), sort_ranks=False)`` so that
-  ``group.rank() == pp-1-i`` on pipeline rank ``i`` (checked at build time; torch 2.13 keeps the
-  order; torch versions that always sort the ranks are reported with a clear error). It is
-  passed as ``pg_collection.pp`` when ``model[1]`` is built, which makes megatron-core compute
-  the layer offset, ``pre_process``/``post_process`` and the tied-embedding setup of the
-  mirrored stage. It is meant for construction-time rank queries; all communication of the
-  schedule uses the physical pipeline group.
+* **bd groups** ("bidirectional" pairs) ``{r_i, r_{pp-1-i}}`` for ``i < pp // 2``: rank ``r_i`` holds stage
+  ``i`` in ``model[0]`` and its partner the mirrored copy in ``model[1]``; the pair broadcasts parameters once
+  and sums gradients every iteration. The middle rank of an odd pipeline is its own partner: no group
+  (``get_bd_group()`` is None, ``get_bd_mirror_rank()`` the rank itself) and callers copy / sum locally.
+* **reversed pipeline group**: the same ranks reversed (``new_group(sort_ranks=False)``, checked at build
+  time), so that ``group.rank() == pp-1-i``; passed as ``pg_collection.pp`` when ``model[1]`` is built, for
+  construction-time rank queries only (the schedule communicates over the physical group).
 
-``torch.distributed.new_group`` is collective over the whole world: every rank calls it for
-every group, in the same order, even for groups it is not a member of. The pipeline groups are
-therefore enumerated identically on every rank by all-gathering each rank's pipeline-group
-ranks over the default group and sorting the distinct lists.
-
-The result is kept in one module-level registry object (``_REGISTRY``), for the same reason
-megatron-core's ``parallel_state`` keeps its groups in module globals: process groups are
-per-process singletons created once, collectively, and looked up from many places (model
-building, finalize, checkpointing) that should not have to pass them around.
+``new_group`` is collective over the whole world, so every rank enumerates every pipeline group in the same
+order (all-gathered and sorted). The groups live in one module-level registry, as megatron-core's
+``parallel_state`` keeps its own: per-process singletons looked up from many places.
 """
 from __future__ import annotations
 
@@ -38,16 +21,8 @@ from typing import List, Optional
 
 import torch.distributed as dist
 
-__all__ = [
-    "build_bd_groups",
-    "bd_groups_initialized",
-    "destroy_bd_groups",
-    "get_bd_group",
-    "get_bd_mirror_rank",
-    "get_bd_ranks",
-    "get_reversed_pp_group",
-    "get_pp_global_ranks",
-]
+__all__ = ["build_bd_groups", "bd_groups_initialized", "destroy_bd_groups", "get_bd_group", "get_bd_mirror_rank",
+           "get_bd_ranks", "get_reversed_pp_group", "get_pp_global_ranks"]
 
 
 @dataclass
@@ -71,11 +46,9 @@ class BDGroupsNotInitializedError(RuntimeError):
 
 def _require() -> _BDRegistry:
     if not _REGISTRY.initialized:
-        raise BDGroupsNotInitializedError(
-            "DualPipe bd groups are not initialized: call "
-            "megatron_dualpipe.mcore.groups.build_bd_groups() after "
-            "parallel_state.initialize_model_parallel(...)"
-        )
+        raise BDGroupsNotInitializedError("DualPipe bd groups are not initialized: call "
+                                          "megatron_dualpipe.mcore.groups.build_bd_groups() after "
+                                          "parallel_state.initialize_model_parallel(...)")
     return _REGISTRY
 
 
@@ -87,20 +60,14 @@ def _all_pipeline_groups(pp_ranks: List[int]) -> List[List[int]]:
     distinct = sorted({tuple(g) for g in gathered})
     covered = sorted(r for g in distinct for r in g)
     if covered != list(range(world)):
-        raise RuntimeError(
-            f"pipeline groups do not partition the world (world size {world}): {distinct}"
-        )
+        raise RuntimeError(f"pipeline groups do not partition the world (world size {world}): {distinct}")
     return [list(g) for g in distinct]
 
 
 def build_bd_groups(*, timeout=None, backend=None) -> None:
-    """Create the bd groups and the reversed pipeline groups (collective over all ranks).
-
-    Call once, on every rank, after ``parallel_state.initialize_model_parallel(...)`` and before
-    ``model.build_two_direction_model``. ``timeout`` / ``backend`` are passed to
-    ``torch.distributed.new_group`` (defaults: the default group's). Calling it again without
-    `destroy_bd_groups` raises.
-    """
+    """Create the bd groups and the reversed pipeline groups (collective over all ranks), once, after
+    ``parallel_state.initialize_model_parallel`` and before ``model.build_two_direction_model``.
+    ``timeout`` / ``backend`` go to ``torch.distributed.new_group``."""
     from megatron.core import parallel_state
 
     from .. import versions
@@ -111,16 +78,12 @@ def build_bd_groups(*, timeout=None, backend=None) -> None:
     if problem:  # the launcher and the selftest say so before any process starts; direct callers here
         raise RuntimeError(f"DualPipe's process groups: {problem}")
     if not parallel_state.model_parallel_is_initialized():
-        raise RuntimeError(
-            "build_bd_groups() needs megatron-core's parallel groups: call "
-            "parallel_state.initialize_model_parallel(...) first"
-        )
+        raise RuntimeError("build_bd_groups() needs megatron-core's parallel groups: call "
+                           "parallel_state.initialize_model_parallel(...) first")
     pp_group = parallel_state.get_pipeline_model_parallel_group()
     if isinstance(pp_group, list):
-        raise NotImplementedError(
-            "this rank belongs to several pipeline groups (heterogeneous encoder/decoder "
-            "pipelines); DualPipe supports one pipeline group per rank"
-        )
+        raise NotImplementedError("this rank belongs to several pipeline groups (heterogeneous encoder/decoder "
+                                  "pipelines); DualPipe supports one pipeline group per rank")
     my_ranks = dist.get_process_group_ranks(pp_group)
     me = dist.get_rank()
     pp = len(my_ranks)
@@ -131,42 +94,26 @@ def build_bd_groups(*, timeout=None, backend=None) -> None:
         if len(ranks) != pp:
             raise RuntimeError(f"pipeline groups of different sizes: {ranks} vs {my_ranks}")
         # Reversed pipeline group: group rank pp-1-i on pipeline rank i.
-        rev = dist.new_group(
-            list(reversed(ranks)),
-            sort_ranks=False,
-            use_local_synchronization=False,
-            group_desc="DUALPIPE_REVERSED_PIPELINE_GROUP",
-            **kwargs,
-        )
+        rev = dist.new_group(list(reversed(ranks)), sort_ranks=False, use_local_synchronization=False,
+                             group_desc="DUALPIPE_REVERSED_PIPELINE_GROUP", **kwargs)
         if me in ranks:
             reg.reversed_pp_group = rev
         # bd pairs, outermost first.
         for i in range(pp // 2):
             pair = [ranks[i], ranks[pp - 1 - i]]
-            g = dist.new_group(
-                pair,
-                use_local_synchronization=False,
-                group_desc="DUALPIPE_BD_GROUP",
-                **kwargs,
-            )
+            g = dist.new_group(pair, use_local_synchronization=False, group_desc="DUALPIPE_BD_GROUP", **kwargs)
             if me in pair:
-                reg.bd_group = g
-                reg.bd_ranks = pair
+                reg.bd_group, reg.bd_ranks = g, pair
                 reg.mirror_rank = pair[1] if me == pair[0] else pair[0]
     if reg.mirror_rank is None:  # odd pp: the middle rank mirrors itself
-        reg.mirror_rank = me
-        reg.bd_ranks = [me]
+        reg.mirror_rank, reg.bd_ranks = me, [me]
 
     i = my_ranks.index(me)
     got = reg.reversed_pp_group.rank()
-    if got != pp - 1 - i or dist.get_process_group_ranks(reg.reversed_pp_group) != list(
-        reversed(my_ranks)
-    ):
-        raise RuntimeError(
-            f"torch.distributed.new_group(sort_ranks=False) did not keep the rank order "
-            f"(pipeline rank {i} got group rank {got}, expected {pp - 1 - i}); this torch "
-            f"version cannot build the reversed pipeline group"
-        )
+    if got != pp - 1 - i or dist.get_process_group_ranks(reg.reversed_pp_group) != list(reversed(my_ranks)):
+        raise RuntimeError(f"torch.distributed.new_group(sort_ranks=False) did not keep the rank order "
+                           f"(pipeline rank {i} got group rank {got}, expected {pp - 1 - i}); this torch "
+                           f"version cannot build the reversed pipeline group")
     reg.initialized = True
     globals()["_REGISTRY"] = reg
 
@@ -177,12 +124,7 @@ def bd_groups_initialized() -> bool:
 
 
 def destroy_bd_groups() -> None:
-    """Forget the groups of `build_bd_groups` (local, no communication).
-
-    Like megatron-core's ``destroy_model_parallel``, this only drops the references; the
-    communicators are released with ``torch.distributed.destroy_process_group()``. Harmless when
-    nothing was built.
-    """
+    """Forget the groups of `build_bd_groups` (local; like ``destroy_model_parallel``, only the references)."""
     global _REGISTRY
     _REGISTRY = _BDRegistry()
 
@@ -193,16 +135,12 @@ def get_bd_group():
 
 
 def get_bd_mirror_rank() -> int:
-    """Global rank of the partner: pipeline rank pp-1-i of this rank's pipeline group.
-
-    Equals this rank's own global rank on the middle rank of an odd pipeline.
-    """
+    """Global rank of the partner, pipeline rank pp-1-i (this rank itself in the middle of an odd pipeline)."""
     return _require().mirror_rank
 
 
 def get_bd_ranks() -> List[int]:
-    """Global ranks of this rank's bd pair, ordered by pipeline rank (one rank in the middle
-    of an odd pipeline)."""
+    """Global ranks of this rank's bd pair, ordered by pipeline rank (one in the middle of an odd pipeline)."""
     return list(_require().bd_ranks)
 
 

@@ -1,34 +1,13 @@
-"""``megatron-dualpipe advise`` from a real run: measure training iterations, log the choice.
+"""``megatron-dualpipe advise`` from a real run: measure training iterations, log the choice once.
 
-A user who already trains with an executor schedule (``--dualpipe-advise`` in Megatron-LM,
-``get_forward_backward_func(schedule, advise=True)`` in megatron-core) gets, once, what
-:func:`megatron_dualpipe.costs.advice.advise` says for the costs measured in training iterations
-after the warm-up, on global rank 0's log. The first iterations are skipped
-(``advise_warmup``, ``--dualpipe-advise-warmup``, default :data:`DEFAULT_WARMUP`): they hold
-one-time costs (allocations, kernel selection, caches) in *every* unit -- a first iteration
-measured f=97.6 ms and b=28.5 ms, and a fused F&B cheaper than F alone --, which no median
-over its units removes. Then :data:`MEASURED_ITERATIONS` iterations are measured and pooled,
-and the log names them. Costs that no real run can have (a fused F&B unit cheaper than the
-larger of its forward and its backward) are not advised from: the log says why instead.
-Nothing is guessed:
-
-* stage costs: every rank's units are timed (the trace's in-memory recorder); per op the
-  median over the rank's units of the measured iterations, then the largest over the pipeline
-  ranks (one ``all_reduce`` of a few numbers over the pipeline group: the slowest stage sets
-  the pace);
-* activation memory of one micro-batch on one stage: per forward unit of the rank (not fused
-  with a backward), the bytes of the distinct storages autograd saved for backward while it
-  ran (parameters excluded; nothing it saves is freed before its backward, so addresses are
-  not reused within it); the mean over the rank's forwards, the largest over the ranks;
-* parameter memory of one stage: its parameters, their fp32 gradients and Adam's two fp32
-  moments (plus an fp32 master copy for 16-bit parameters), i.e. what Megatron's plain
-  optimizer holds; the distributed optimizer shards the optimizer part over data parallel;
-* memory limit: the accelerator's total memory when there is one (none on the CPU);
-* communication: the links of the job (P2P between pipeline neighbours, the bd pair, data
-  parallel) timed right after the iteration by :mod:`.comm_probe`, the gradient bytes of a stage
-  (its parameters' main-gradient bytes) and one P2P message's bytes: the advice then ranks the
-  schedules by the iteration, makespan plus exposed gradient communication.
-
+With ``--dualpipe-advise`` (Megatron-LM) or ``advise=True`` (megatron-core), global rank 0 logs what
+:func:`megatron_dualpipe.costs.advice.advise` says for costs measured in :data:`MEASURED_ITERATIONS` training
+iterations after a warm-up (:data:`DEFAULT_WARMUP`): the first iterations carry one-time costs in *every* unit
+(a first iteration measured f=97.6 ms, b=28.5 ms, a fused F&B cheaper than F), which no median removes. Costs no
+real run can have are not advised from (:func:`cost_problem`). Nothing is guessed: per-op medians of the timed
+units, the largest over the pipeline ranks (the slowest stage sets the pace); the distinct storages autograd
+saved during a lone forward (parameters excluded); a stage's parameters with Megatron's plain optimizer state;
+the accelerator's memory; and the job's links timed right after by :mod:`.comm_probe`.
 """
 from __future__ import annotations
 
@@ -104,9 +83,8 @@ class LiveAdvice:
 
     def report(self, *, spec_name: str, pp: int, microbatches: int, model, group, actions, is_fake,
                device: torch.device, message_bytes: float = 0.0) -> None:
-        """Every rank of the job calls it after each training call; after the last measured one it
-        all-reduces the costs over the pipeline, times the job's links (collectives on the
-        pipeline, bd pair and data-parallel groups) and rank 0 logs the advice."""
+        """Called by every rank after each training call; after the last measured one the costs are all-reduced
+        over the pipeline, the job's links timed, and rank 0 logs the advice."""
         from ..executor.trace import op_medians
 
         if not self._measuring_now or len(self._records) < self.measured:
@@ -137,12 +115,10 @@ class LiveAdvice:
 
 
 def cost_problem(per_op: Dict[str, float]) -> Optional[str]:
-    """Why measured per-op medians (ms) cannot be a real run's, or None: a fused F&B unit runs a
-    forward and a backward together, so it costs at least the larger of the two."""
-    fb = per_op.get("FB")
-    f = per_op.get("F")
+    """Why measured per-op medians (ms) cannot be a real run's, or None: a fused F&B unit costs at least the
+    larger of its forward and backward."""
     b_key = "B" if "B" in per_op else "BW"
-    b = per_op.get(b_key)
+    fb, f, b = per_op.get("FB"), per_op.get("F"), per_op.get(b_key)
     if fb is None or f is None or b is None:
         return None
     if fb < max(f, b):
@@ -174,9 +150,7 @@ def _links(spec_name: str, group, device):
 
 
 def reduction_of(model) -> dict:
-    """How the running job reduces its gradients, as ``CommModel`` fields: the distributed
-    optimizer's reduce-scatter or an all-reduce, during the schedule or after it, and how
-    DualPipe's copies are summed (``--dualpipe-dp-first``, ``--dualpipe-shared-shard-group``)."""
+    """How the running job reduces its gradients, as ``CommModel`` fields (optimizer, overlap, copy sum)."""
     from .copy_sums import of
 
     cfg = getattr(model[0], "ddp_config", None)
@@ -186,9 +160,8 @@ def reduction_of(model) -> dict:
 
 
 def comm_model(links, pp: int, grad_bytes: float, message_bytes: float, **reduction):
-    """The communication model of the measured links (None when none was measured); a link not
-    measured (no bd pair, dp=1) is taken as the first measured one of bd, dp, P2P. ``reduction``:
-    :func:`reduction_of` the job."""
+    """The communication model of the measured links (None when none was measured); an unmeasured link (no bd
+    pair, dp=1) is taken as the first measured one of bd, dp, P2P."""
     from ..costs.comm_cost import CommModel, Network, Placement
 
     known = links.bd or links.dp or links.p2p
@@ -225,13 +198,10 @@ def advice_text(schedule: str, pp: int, microbatches: int, per_op: dict, activat
 
 
 def stage_parameter_bytes(chunk: torch.nn.Module) -> float:
-    """A stage's parameters with fp32 gradients and Adam's fp32 moments (+ an fp32 master copy
-    of 16-bit parameters): bytes."""
-    total = 0
-    for p in chunk.parameters():
-        per = p.element_size() + 4 + 8 + (4 if p.element_size() < 4 else 0)
-        total += p.numel() * per
-    return float(total)
+    """Bytes of a stage's parameters with fp32 gradients and Adam's fp32 moments (+ an fp32 master copy of
+    16-bit parameters)."""
+    return float(sum(p.numel() * (p.element_size() + 12 + (4 if p.element_size() < 4 else 0))
+                     for p in chunk.parameters()))
 
 
 def memory_limit_bytes(device: torch.device) -> Optional[float]:

@@ -1,17 +1,11 @@
 """Bring every direction's loss entries to the last pipeline rank, where Megatron reads them.
 
-Each transfer is an op of the rank's program (``loss D -> P`` / ``loss D <- P``,
-``schedule.program``), issued by ``mcore.program_ops`` where the list has it.
-
-Megatron's training loop reads the per-micro-batch loss dicts from the last pipeline rank only.
-Under DualPipe, direction 1 ends on rank 0; under DualPipeV every micro-batch ends on rank 0.
-Their entries are shipped to rank pp-1 as tensors, in global micro-batch order (direction 0,
-then direction 1): first a small header of keys, shapes and dtypes (its length, then its
-pickled bytes), then the tensors in one batched P2P, so they stay on the device they were
-computed on. Every wait has a deadline (``timeout_s``) and checks the shared abort signal
-(``executor.abort``); its error names this rank, the peer and what was awaited. The receiver
-needs the header on the host: on an accelerator it polls ``is_completed()`` before reading it,
-so the deadline holds there too.
+Megatron's training loop reads the loss dicts from the last pipeline rank only; DualPipe's direction 1 and
+all of DualPipeV end on rank 0. Each transfer is an op of the rank's program (``loss D -> P`` / ``loss D <- P``):
+a header of keys, shapes and dtypes (its length, then its pickled bytes), then the tensors in one batched P2P,
+on the device they were computed on. Every wait has a deadline and checks the abort signal, naming this rank,
+the peer and what was awaited; on an accelerator the receiver polls ``is_completed()`` before reading the
+header on the host, so the deadline holds there too.
 """
 from __future__ import annotations
 
@@ -52,8 +46,8 @@ def receive_losses(rank: int, peer: int, global_ranks, group, device, timeout_s:
 
 
 def losses_on_last_rank(loss_store, layout: Layout, rank: int, received: dict) -> List[Any]:
-    """Every direction's loss entries, in direction order, on rank pp-1 (``[]`` elsewhere): its
-    own, and those the program's ``loss`` ops received ({direction: entries})."""
+    """Every direction's loss entries, in direction order, on rank pp-1 (``[]`` elsewhere): its own, and those
+    the program's ``loss`` ops received ({direction: entries})."""
     if rank != layout.pp - 1:
         return []
     return [e for d, owner in _loss_owners(layout) for e in (loss_store[d] if owner == rank else received[d])]
@@ -65,16 +59,9 @@ MTP_TRACKER_KEYS = ("values", "loss_values", "correct_values", "total_values")
 
 
 def send_mtp_tracker(rank: int, peer: int, global_ranks, group, device, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-    """Multi-token prediction: add what the MTP loss tracker summed here to rank ``peer``'s (pp-1)
-    tracker, and zero it here (after the loss entries, the same pair: ``mcore.program_ops``).
-
-    The MTP block records each micro-batch's MTP loss in ``MTPLossLoggingHelper.tracker`` on the
-    rank that computes it; Megatron-LM's ``training_log`` prints ``mtp_1 loss`` from the last
-    pipeline rank after averaging over data parallel only (it takes MTP to live on the last
-    pipeline rank). DualPipe computes direction 1's MTP on rank 0 (its copy of stage pp-1),
-    DualPipeV every micro-batch's on rank 0 (V-stage 2pp-1). Zeroed at the sender, so an
-    iteration's values are counted once whatever the log interval. Every data-parallel replica
-    moves its own."""
+    """Add what the MTP loss tracker summed here to rank ``peer``'s (pp-1) and zero it here (counted once
+    whatever the log interval). Megatron-LM prints ``mtp_1 loss`` from the last pipeline rank's
+    ``MTPLossLoggingHelper.tracker``, and DualPipe (direction 1) and DualPipeV compute MTP on rank 0."""
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
     tracker = MTPLossLoggingHelper.tracker
@@ -86,8 +73,8 @@ def send_mtp_tracker(rank: int, peer: int, global_ranks, group, device, timeout_
 
 def receive_mtp_tracker(rank: int, peer: int, global_ranks, group, device,
                         timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-    """The other end of :func:`send_mtp_tracker`; the receiver's tracker gets megatron-core's
-    data-parallel group to average over (DualPipeV's rank pp-1 computes no MTP, so nothing set it)."""
+    """The other end of :func:`send_mtp_tracker`; the tracker gets the data-parallel group to average over
+    (DualPipeV's rank pp-1 computes no MTP, so nothing set it)."""
     from megatron.core import parallel_state
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
@@ -118,8 +105,8 @@ class _Peer:
         self.rank, self.peer, self.global_peer, self.group, self.timeout_s = rank, peer, global_peer, group, timeout_s
 
     def exchange(self, op, tensors, what: str, host_reads: bool = False) -> None:
-        """One batched P2P of ``tensors`` with the peer, waited with a deadline. ``host_reads``:
-        the host reads the result next (on an accelerator: poll until complete, then wait)."""
+        """One batched P2P of ``tensors`` with the peer, waited with a deadline. ``host_reads``: the host reads
+        the result next (on an accelerator: poll until complete, then wait)."""
         if not tensors:
             return
         works = dist.batch_isend_irecv([dist.P2POp(op, t, self.global_peer, self.group) for t in tensors])

@@ -1,45 +1,17 @@
 """Build the two model chunks of a DualPipe / DualPipeV rank with megatron-core.
 
-On pipeline rank ``i`` of ``pp`` (see ``megatron_dualpipe.schedule.layout``):
+On pipeline rank ``i`` of ``pp``: DualPipe's ``model[0]`` is stage ``i`` and ``model[1]`` the mirrored copy of
+stage ``pp-1-i`` (the copies start equal, `broadcast_mirrors`, and stay equal by summing their gradients);
+DualPipeV's ``model[0]`` is V-stage ``i`` and ``model[1]`` V-stage ``2pp-1-i`` (no copies).
 
-* ``layout_kind="bidirectional"`` (DualPipe): ``model[0]`` is stage ``i`` of direction 0 and
-  ``model[1]`` is the *mirrored copy* of stage ``pp-1-i`` (direction 1 runs from rank ``pp-1``
-  down to rank 0). Every stage exists twice, once as ``model[0]`` on its home rank ``s`` and
-  once as ``model[1]`` on rank ``pp-1-s``; the copies start equal (`broadcast_mirrors`) and
-  are kept equal by summing their gradients (``finalize.allreduce_bd_grads``).
-* ``layout_kind="v"`` (DualPipeV): one route of ``2*pp`` stages; ``model[0]`` is stage ``i``
-  and ``model[1]`` is stage ``2*pp-1-i``. There are no copies, so no broadcast and no
-  ``shared`` marks.
-
-How megatron-core is made to build the right layers for ``model[1]``: megatron-core 0.16.1
-derives the layer offset, the number of layers, ``pre_process``/``post_process`` checks and
-the tied-embedding setup from ``pg_collection.pp`` (``get_pg_rank``). ``model[1]`` is built
-with a copy of the ``ProcessGroupCollection`` whose ``pp`` is the *reversed* pipeline group of
-``groups.build_bd_groups`` (group rank ``pp-1-i`` on rank ``i``):
-
-* DualPipe: the reversed rank ``pp-1-i`` is exactly the mirrored stage; ``vp_stage=None``.
-* DualPipeV: the ``2*pp`` stages are megatron's interleaved layout with two virtual stages:
-  stage ``s < pp`` is (vp_stage 0, pp rank ``s``) and stage ``2*pp-1-i`` is (vp_stage 1,
-  pp rank ``pp-1-i``), i.e. vp_stage 1 on the reversed group. The chunks are therefore built
-  with ``vp_stage=0`` (physical group) and ``vp_stage=1`` (reversed group) and **the model
-  config must have** ``virtual_pipeline_model_parallel_size=2`` (use `dualpipev_config` to make
-  one). megatron-core's ``parallel_state`` must *not* be initialised with a virtual pipeline:
-  only the config carries it.
-
-While ``model[1]`` is built, ``parallel_state.get_pipeline_model_parallel_rank()`` (the rank
-override ``_MPU_PIPELINE_MODEL_PARALLEL_RANK``) returns ``pp-1-i`` and the pipeline's global
-rank list is reversed, for provider code that still asks ``parallel_state`` (e.g. megatron's
-``gpt_builder`` slicing MoE / heterogeneous layer specs via ``get_gpt_decoder_block_spec``
-without ``pp_rank``). Both are restored afterwards.
-
-Embedding group: ``model[1]`` gets ``pg_collection.embd = None``, so megatron's constructor
-all-reduce that initialises a tied output weight from the embedding is skipped for it (with
-the reversed group it would be skipped anyway; None makes that independent of the ranks'
-first/last positions). For DualPipe ``model[0]`` keeps the physical embedding group: rank
-``pp-1``'s ``model[0]`` output weight is initialised from rank 0's embedding as usual, and
-`broadcast_mirrors` copies both into the ``model[1]`` copies. For DualPipeV the embedding and
-the (tied) output layer are both on rank 0, so both chunks get ``embd=None`` and the output
-weight is copied locally from the embedding after construction.
+megatron-core derives a chunk's layer offset, ``pre_process``/``post_process`` and tied-embedding setup from
+``pg_collection.pp``, so ``model[1]`` is built with the *reversed* pipeline group (group rank ``pp-1-i``). For
+DualPipeV that is megatron's interleaved layout with two virtual stages (vp_stage 1 on the reversed group), so
+its config must say ``virtual_pipeline_model_parallel_size=2`` (`dualpipev_config`) while ``parallel_state`` has
+no virtual pipeline. While ``model[1]`` is built, parallel_state's pipeline rank, ranks and group are the
+reversed ones, for provider code that still asks it. ``model[1]`` gets ``embd=None``, so megatron's constructor
+all-reduce of a tied output weight skips it: DualPipe's mirrors are filled by `broadcast_mirrors`, DualPipeV's
+output weight (on rank 0 with the embedding) is copied locally.
 """
 from __future__ import annotations
 
@@ -53,17 +25,8 @@ import torch.distributed as dist
 from ..schedule.layout import BIDIRECTIONAL, V_SHAPE  # re-exported: the layouts' one definition
 from . import bd_pairs, groups
 
-__all__ = [
-    "build_two_direction_model",
-    "broadcast_mirrors",
-    "mark_mirror_shared",
-    "dualpipev_config",
-    "unwrap_chunk",
-    "chunk_info",
-    "embedding_copy",
-    "BIDIRECTIONAL",
-    "V_SHAPE",
-]
+__all__ = ["build_two_direction_model", "broadcast_mirrors", "mark_mirror_shared", "dualpipev_config",
+           "unwrap_chunk", "chunk_info", "embedding_copy", "BIDIRECTIONAL", "V_SHAPE"]
 
 # Attributes set on every chunk (and on its wrapper) by build_two_direction_model.
 _INFO_ATTR = "dualpipe_chunk_info"
@@ -105,10 +68,8 @@ def describe_chunks(model: Sequence[torch.nn.Module]) -> str:
 
 
 def dualpipev_config(config):
-    """A copy of a ``TransformerConfig`` with ``virtual_pipeline_model_parallel_size=2``, as
-    DualPipeV chunks must be built with (see the module docstring). ``num_layers`` must be
-    divisible by ``2 * pipeline_model_parallel_size``. The combined step's flags
-    (``mcore.overlap.enable_combined_step``) are carried over, not checked again."""
+    """A copy of a ``TransformerConfig`` with ``virtual_pipeline_model_parallel_size=2``, as DualPipeV chunks
+    are built; the combined step's flags are carried over without the config's checks running again."""
     import dataclasses
 
     from .options import COMBINED_STEP_FLAGS
@@ -121,11 +82,9 @@ def dualpipev_config(config):
 
 
 def _mirror_parallel_state(rev_rank: int, rev_ranks: Sequence[int], rev_group):
-    """parallel_state answers rank queries for the reversed pipeline group inside the block, and its
-    pipeline group is that group: a module megatron-core builds without the chunk's
-    ``pg_collection`` takes parallel_state's groups (at 0.16.1 the MTP layer's transformer layer:
-    numbered from the physical rank it was 3 instead of 1F1B's 9). ``hooks.scoped`` entries of the
-    hooks manifest."""
+    """parallel_state's pipeline rank, ranks and group are the reversed group's inside the block: a module
+    megatron-core builds without the chunk's ``pg_collection`` asks it (at 0.16.1 the MTP layer's transformer
+    layer, numbered 3 instead of 1F1B's 9 from the physical rank)."""
     from .. import hooks
 
     return hooks.scoped(hooks.entry("scoped", "_MPU_PIPELINE_MODEL_PARALLEL_RANK").to(rev_rank),
@@ -134,9 +93,8 @@ def _mirror_parallel_state(rev_rank: int, rev_ranks: Sequence[int], rev_group):
 
 
 def _v_stages_in_parallel_state(layout_kind: str):
-    """DualPipeV: parallel_state says two virtual stages while the chunks are built, so that
-    megatron-core's ``PipelineParallelLayerLayout`` (which otherwise takes ``vp_stage`` as 0) gives
-    V-stage ``2pp-1-i`` its layers; nothing else megatron-core builds asks it."""
+    """DualPipeV: parallel_state says two virtual stages while the chunks are built, so that megatron-core's
+    ``PipelineParallelLayerLayout`` (which otherwise takes ``vp_stage`` as 0) gives V-stage ``2pp-1-i`` its layers."""
     import contextlib
 
     from .. import hooks
@@ -147,9 +105,8 @@ def _v_stages_in_parallel_state(layout_kind: str):
 
 
 def _expected_first_layer(chunk, pp_rank: int, vp_stage: Optional[int]) -> int:
-    """1-based global number of the first decoder layer of the stage at (``pp_rank``, ``vp_stage``), by
-    megatron-core's own ``get_transformer_layer_offset`` (even and uneven splits, layouts). Called in
-    the parallel_state scope the chunk was built in: a layout reads the rank from there."""
+    """1-based number of the stage's first decoder layer by megatron-core's own ``get_transformer_layer_offset``;
+    called in the parallel_state scope the chunk was built in (a layout reads the rank there)."""
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     return get_transformer_layer_offset(unwrap_chunk(chunk).config, vp_stage, pp_rank) + 1
@@ -159,26 +116,17 @@ def _check_chunk(chunk, kind: str, direction: int, stage: int, num_stages: int, 
     config = chunk.config
     vp = config.virtual_pipeline_model_parallel_size
     if kind == V_SHAPE and vp != 2:
-        raise ValueError(
-            "DualPipeV chunks must be built with a config whose "
-            f"virtual_pipeline_model_parallel_size is 2 (got {vp}); build it with "
-            "megatron_dualpipe.mcore.model.dualpipev_config(config)"
-        )
+        raise ValueError("DualPipeV chunks must be built with a config whose "
+                         f"virtual_pipeline_model_parallel_size is 2 (got {vp}); build it with "
+                         "megatron_dualpipe.mcore.model.dualpipev_config(config)")
     if kind == BIDIRECTIONAL and vp is not None and vp > 1:
-        raise ValueError(
-            f"DualPipe chunks must be built without a virtual pipeline (config has "
-            f"virtual_pipeline_model_parallel_size={vp})"
-        )
-    decoder = getattr(chunk, "decoder", None)
-    layers = getattr(decoder, "layers", None)
-    if layers is not None and len(layers):
-        got = layers[0].layer_number
-        if got != expected:
-            raise RuntimeError(
-                f"model[{direction}] should hold stage {stage} of {num_stages} (first layer "
-                f"{expected}) but megatron-core built layers from {got}: does the model "
-                "provider pass pg_collection and vp_stage through to GPTModel?"
-            )
+        raise ValueError(f"DualPipe chunks must be built without a virtual pipeline (config has "
+                         f"virtual_pipeline_model_parallel_size={vp})")
+    layers = getattr(getattr(chunk, "decoder", None), "layers", None)
+    if layers is not None and len(layers) and layers[0].layer_number != expected:
+        raise RuntimeError(f"model[{direction}] should hold stage {stage} of {num_stages} (first layer "
+                           f"{expected}) but megatron-core built layers from {layers[0].layer_number}: does the "
+                           "model provider pass pg_collection and vp_stage through to GPTModel?")
 
 
 def build_two_direction_model(
@@ -188,15 +136,11 @@ def build_two_direction_model(
     wrap: Optional[Callable[[torch.nn.Module], torch.nn.Module]] = None,
     pg_collection=None,
 ) -> List[torch.nn.Module]:
-    """Build ``[model_dir0, model_dir1]`` for this rank (collective over all ranks).
+    """Build ``[model_dir0, model_dir1]`` for this rank (collective over all ranks; needs
+    `groups.build_bd_groups()`).
 
-    ``model_provider`` is called twice, always with keyword arguments only::
-
-        model_provider(pre_process=bool, post_process=bool, pg_collection=ProcessGroupCollection,
-                       vp_stage=Optional[int])
-
-    first for ``model[0]`` (on every rank), then for ``model[1]`` (on every rank), so that
-    constructor collectives match across ranks. It must pass ``pg_collection`` and
+    ``model_provider(pre_process=, post_process=, pg_collection=, vp_stage=)`` is called for ``model[0]``, then
+    for ``model[1]``, on every rank, so that constructor collectives match; it must pass ``pg_collection`` and
     ``vp_stage`` through to ``GPTModel`` (megatron's own providers do). The arguments:
 
     =============  =================================  ==================================
@@ -210,17 +154,10 @@ def build_two_direction_model(
                    post = False, vp_stage 0           post = (i == 0), vp_stage 1
     =============  =================================  ==================================
 
-    (``pg_collection`` defaults to ``ProcessGroupCollection.use_mpu_process_groups()``; pass one
-    to override the base collection.) For ``"v"`` the provider's config must have
-    ``virtual_pipeline_model_parallel_size=2`` (`dualpipev_config`).
-
-    Then, for DualPipe: `broadcast_mirrors` (model[0] on rank i -> model[1] on rank pp-1-i) and
-    `mark_mirror_shared` on ``model[1]``; for DualPipeV with tied embeddings: the output weight
-    on rank 0 is set to the embedding. Finally ``wrap(chunk)`` (e.g. Megatron DDP) is applied
-    to each chunk, model[0] first. Each chunk (and its wrapper) gets a
-    ``dualpipe_chunk_info`` dict (`chunk_info`) that `grads` uses.
-
-    Needs `groups.build_bd_groups()` to have run.
+    ``pg_collection`` defaults to ``ProcessGroupCollection.use_mpu_process_groups()``. Then DualPipe's mirrors
+    are filled (`broadcast_mirrors`) and marked (`mark_mirror_shared`), DualPipeV's tied output weight set to
+    the embedding, and ``wrap(chunk)`` (e.g. Megatron DDP) applied, model[0] first; every chunk and wrapper
+    carries its `chunk_info`.
     """
     from megatron.core.process_groups_config import ProcessGroupCollection
 
@@ -257,18 +194,15 @@ def build_two_direction_model(
 
 def _wrapped(model: List[torch.nn.Module], wrap: Callable) -> List[torch.nn.Module]:
     """``wrap(chunk)`` of each chunk, model[0] first, the wrapper given the chunk's info."""
-    wrapped = []
-    for chunk in model:
-        w = wrap(chunk)
-        if w is not chunk:
-            setattr(w, _INFO_ATTR, chunk_info(chunk))
-        wrapped.append(w)
+    wrapped = [wrap(chunk) for chunk in model]
+    for chunk, w in zip(model, wrapped):
+        setattr(w, _INFO_ATTR, chunk_info(chunk))
     return wrapped
 
 
 def _chunk_arguments(layout_kind: str, base, rev_group, pp: int, i: int):
-    """((pg_collection, provider keywords) of model[0], the same of model[1], their stages, the
-    number of stages): the table of :func:`build_two_direction_model`'s docstring."""
+    """((pg_collection, provider keywords) of each chunk, their stages, the number of stages): the table of
+    :func:`build_two_direction_model`'s docstring."""
     from megatron.core.pipeline_parallel.utils import is_pp_first_stage, is_pp_last_stage
 
     pg0, pg1 = copy.copy(base), copy.copy(base)
@@ -284,9 +218,8 @@ def _chunk_arguments(layout_kind: str, base, rev_group, pp: int, i: int):
 
 
 def keeps_embedding_equal(m: torch.nn.Module) -> bool:
-    """Whether Megatron keeps copies of this model's word embedding equal over its embedding group:
-    tied output weights, or multi-token prediction (the MTP stage's own embedding copy, even with
-    untied output weights: ``finalize_model_grads._get_shared_word_embedding_weight``)."""
+    """Whether Megatron keeps copies of this model's word embedding equal over its embedding group: tied output
+    weights, or MTP (its stage's own embedding copy: ``finalize_model_grads._get_shared_word_embedding_weight``)."""
     config = getattr(m, "config", None)
     return bool(getattr(m, "share_embeddings_and_output_weights", False) or getattr(config, "mtp_num_layers", None))
 
@@ -341,16 +274,8 @@ def _require_bidirectional(model: Sequence[torch.nn.Module], what: str) -> None:
 
 
 def broadcast_mirrors(model: Sequence[torch.nn.Module]) -> None:
-    """Copy every parameter of ``model[0]`` on pipeline rank i into ``model[1]`` on rank pp-1-i.
-
-    Collective within each bd pair. Both partners walk the pair's two stages in stage order
-    (stage min(i, pp-1-i) first); for each stage the home rank (``model[0]``) is the source and
-    the partner's ``model[1]`` receives, one broadcast per dtype of the flattened parameters in
-    ``named_parameters`` order. Before that, the partners exchange the (name, shape, dtype)
-    lists of each stage and raise if they differ (instead of hanging or mixing tensors up). On
-    the middle rank of an odd pipeline the copy is local. Only parameters are copied, not
-    buffers.
-    """
+    """Copy every parameter of ``model[0]`` on pipeline rank i into ``model[1]`` on rank pp-1-i (collective
+    within each bd pair; the partners first compare the stage's (name, shape, dtype) lists). Not buffers."""
     _require_bidirectional(model, "broadcast_mirrors")
     bd_pairs.broadcast_home_to_mirror(model, lambda chunk: [p.data for p in _named_params(chunk).values()],
                                       "parameters", signature_of=lambda chunk: _signature(_named_params(chunk)))
@@ -361,17 +286,10 @@ MEGATRON_SHARED_ATTR = "_dualpipe_megatron_shared"
 
 
 def mark_mirror_shared(chunk: torch.nn.Module) -> None:
-    """Set ``param.shared = True`` on every parameter of the mirrored copy ``model[1]``.
-
-    megatron-core counts a parameter in the gradient norm and zero count only if
-    ``param_is_not_shared(param)`` (``not getattr(param, 'shared', False)``,
-    ``transformer/module.py``; used by ``MegatronOptimizer.get_main_grads_for_grad_norm`` and
-    ``clip_grads.count_zeros_fp32``), and the optimizers copy ``shared`` onto their main
-    params when they are constructed, so this must run before ``get_megatron_optimizer``.
-    Megatron-LM's ``calc_params_l2_norm`` (``--log-params-norm``) skips shared params too, but
-    asserts that expert params (``allreduce=False``) are not shared: with MoE and
-    ``--log-params-norm`` this mark trips that assert.
-    """
+    """Set ``param.shared = True`` on every parameter of the mirrored copy ``model[1]``, so that megatron-core
+    leaves the mirror out of the gradient norm and zero count (``param_is_not_shared``). The optimizers copy
+    the mark onto their main params, so this runs before ``get_megatron_optimizer``. Megatron-LM's
+    ``calc_params_l2_norm`` asserts expert params are not shared: MoE with ``--log-params-norm`` trips it."""
     inner = unwrap_chunk(chunk)
     # Megatron's own marks (the tied output weight of a last stage), which the shared shard group's
     # optimizer keeps on the mirror's shards (mcore.shared_shard_wrap.megatron_marks).

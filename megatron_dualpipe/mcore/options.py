@@ -1,20 +1,10 @@
 """The one table of Megatron options: for each, the schedules it is refused for and why, or the proof
 that it is handled.
 
-Read by both checks, from the same rules:
-
-* Megatron-LM's argument check (``megatron_lm.arguments.dualpipe_problems``), right after
-  ``validate_args``, from ``args`` (:func:`problems` with ``side=ARGS``);
-* megatron-core's call-time check (``mcore.validation.check_call``), from the model's
-  ``TransformerConfig`` (``side=CONFIG``), for users who call the schedule without Megatron-LM.
-
-A rule names the ``args`` attribute and the ``TransformerConfig`` attribute it reads (either may be
-absent: an option Megatron-LM turns off itself, such as ``overlap_p2p_comm`` without a virtual
-pipeline, is checked on the config only). ``docs/megatron-options.md`` is generated from
-:data:`REFUSED` and :data:`HANDLED` (``tools/gen_docs.py``; ``tests/cli/test_docs.py`` checks it is
-current).
-
-Standard library only (the registry); the one rule that asks ``parallel_state`` imports it when read.
+Both checks read the same rules: Megatron-LM's, from ``args`` after ``validate_args`` (``side=ARGS``), and
+megatron-core's call-time check (``mcore.validation``), from the model's ``TransformerConfig`` (``side=CONFIG``).
+A rule names the attribute it reads on each side (None: not checked there). ``docs/megatron-options.md`` is
+generated from :data:`REFUSED` and :data:`HANDLED` (``tools/gen_docs.py``). Standard library only.
 """
 from __future__ import annotations
 
@@ -107,10 +97,9 @@ def _has_global_aux_loss(value) -> bool:
 
 
 def _v_last_rank_without_moe_before_019(args) -> bool:
-    """dualpipev on megatron-core < 0.19 whose last pipeline rank (V-stages pp-1 and pp) holds no MoE
-    layer: 0.16.1 averages the printed load_balancing_loss over data parallel only on ranks whose
-    MoE layers recorded their groups, and the rank that prints is that one (printed 1.004467 for
-    1f1b's 1.002724; lm loss and gradients equal). 0.19 prints it equal."""
+    """dualpipev on megatron-core < 0.19 whose last pipeline rank (V-stages pp-1 and pp) holds no MoE layer:
+    0.16.1 averages the printed load_balancing_loss over data parallel only on ranks whose MoE layers recorded
+    their groups, and that rank prints it (1.004467 for 1f1b's 1.002724; lm loss and gradients equal)."""
     from ..versions import installed_core_version, parse
 
     version, layers = installed_core_version(), getattr(args, "num_layers", None)
@@ -474,21 +463,15 @@ def _shared_layout_format(args) -> bool:
     return fmt == "torch" or (fmt == "torch_dist" and bool(getattr(args, "dist_ckpt_optim_fully_reshardable", False)))
 
 
-def _combined_step_on(source, side) -> bool:
-    return bool(getattr(source, "overlap_moe_expert_parallel_comm", False))
-
-
 #: ``needs`` flag -> whether it is on.
-_NEEDS_ON = {COMBINED_STEP: _combined_step_on,
+_NEEDS_ON = {COMBINED_STEP: lambda source, side: bool(getattr(source, "overlap_moe_expert_parallel_comm", False)),
              SHARED_SHARDS: lambda source, side: bool(getattr(source, "dualpipe_shared_shard_group", False)),
              DP_FIRST: lambda source, side: bool(getattr(source, "dualpipe_dp_first", False))}
 
 
 def problems(source, schedule: str, side: str) -> List[str]:
-    """Messages (without the schedule's name) for every rule of :data:`REFUSED` that ``source``
-    (``args`` for ``side=ARGS``, a ``TransformerConfig`` for ``side=CONFIG``) breaks under
-    ``schedule``. The combined step's requirements come as ``--overlap-moe-expert-parallel-comm:
-    ...`` and only while it is on."""
+    """Messages (without the schedule's name) for every rule of :data:`REFUSED` that ``source`` breaks under
+    ``schedule``; a ``needs`` rule only while its flag is on, prefixed with the flag."""
     out = []
     for rule in REFUSED:
         if schedule not in rule.schedules or not rule.applies(side):
@@ -502,8 +485,7 @@ def problems(source, schedule: str, side: str) -> List[str]:
 
 
 def combined_step_problems(source, side: str = CONFIG) -> List[str]:
-    """What megatron-core's combined step (``--overlap-moe-expert-parallel-comm``) needs that
-    ``source`` lacks, whether or not the flag is on yet (``mcore.overlap.enable_combined_step``)."""
+    """What megatron-core's combined step needs that ``source`` lacks, whether or not the flag is on yet."""
     return [rule.message() for rule in REFUSED if rule.needs == COMBINED_STEP and rule.value(source, side)]
 
 

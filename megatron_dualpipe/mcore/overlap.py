@@ -1,64 +1,24 @@
 """Fused F&B units through megatron-core's combined forward-backward step.
 
-DualPipe's point on a GPU: in a fused unit one direction's forward runs together with the other
-direction's backward, so that the MoE expert-parallel all-to-all of one hides behind the other's
-compute. megatron-core 0.16.1 already has that machinery for its interleaved 1F1B
-(``--overlap-moe-expert-parallel-comm``): ``pipeline_parallel.combined_1f1b.
-combined_forward_backward_step`` takes a forward model chunk and a *different* backward model
-chunk, and ``models.common.model_chunk_schedule_plan.TransformerModelChunkSchedulePlan.run``
-interleaves them layer by layer (forward of layer ``k`` with backward of layer ``L-1-k``; per
-layer: combine-backward, attention-forward, MLP-backward, dispatch-forward, MLP weight
-gradient, dispatch-backward, MLP-forward, combine-forward, attention-backward, attention weight
-gradient; the dispatch and combine run on a communication stream). This module runs DualPipe's
-units through it; it adds no scheduling of its own.
+In a fused unit one direction's forward runs with the other's backward, so that the MoE all-to-all of one
+hides behind the other's compute. megatron-core has that machinery for its interleaved 1F1B
+(``--overlap-moe-expert-parallel-comm``): ``combined_1f1b.combined_forward_backward_step`` takes a forward and a
+*different* backward chunk and interleaves them layer by layer (dispatch and combine on a communication stream).
+:class:`OverlappedStageCompute` sends every F, B, BW and fused unit of the iteration through it (a backward
+needs the schedule plan its forward left on the output) and adds no scheduling of its own; loss scaling, aux
+losses and token counts stay megatron-core's ``forward_step_calc_loss``.
 
-:class:`OverlappedStageCompute` is the stage compute when the model offers the combined step
-(``config.overlap_moe_expert_parallel_comm``; the MoE layers need the alltoall or flex
-dispatcher and expert parallelism, which megatron-core checks): every forward and backward of the
-iteration goes through ``combined_forward_backward_step`` (the backward needs the schedule plan
-its forward left on the output tensor), a lone F with no backward model, a lone B/BW with no
-forward model, a fused unit (the runner's ``forward_backward`` hook) with both. Everything else
-(loss scaling, MoE aux-loss scale, ``calculate_per_token_loss``, token counts) is megatron-core's
-own ``forward_step_calc_loss``, as in ``schedules.forward_step``.
+Inside the combined step: ``parallel_state`` answers for the forward's stage (``direction.direction_of``); the
+loss is computed where the forward's *direction* ends (the step asks ``is_pipeline_last_stage()``, wrong for
+DualPipeV's direction 0 on the last rank and DualPipe's direction 1, so ``forward_step_calc_loss`` is told);
+a B action defers its weight gradients to W (TE layers are told not to run ``backward_dw()`` inline), fused
+units carry full backwards as in DeepSeek's reference.
 
-What holds inside the combined step, for both chunks and every layout:
-
-* the forward's direction: ``parallel_state`` answers for the forward's stage while the user's
-  ``forward_step_func`` runs (``direction.direction_of``, as in a plain F);
-* the loss is computed where the forward's *direction* ends, not where the physical pipeline
-  ends: the combined step asks ``parallel_state.is_pipeline_last_stage()``, which is wrong for
-  DualPipeV's direction 0 on the last rank (its stage ``pp-1`` is the turn of the V, not the
-  end) and for DualPipe's direction 1. For the duration of the call,
-  ``schedules.forward_step_calc_loss`` (looked up by the combined step at call time) receives
-  ``is_last_stage`` from the layout and the context-parallel size, exactly as the executor's
-  plain forward passes them;
-* the embedding: each chunk was built with its own ``pre_process``/``post_process``
-  (``mcore.model``), which is what the schedule plan's pre- and post-process nodes read;
-* zero bubble: a B action runs inside ``WeightGradStore.deferring`` (local linears defer their
-  weight gradients to W); fused units carry full backwards (BW), as in DeepSeek's reference.
-
-The pp/vpp assertion: megatron-core's ``TransformerConfig`` refuses
-``overlap_moe_expert_parallel_comm`` with ``pipeline_model_parallel_size > 1`` unless a virtual
-pipeline is configured, because its only combined path with pipelining is the interleaved one.
-DualPipe supplies the fused units itself, so :func:`enable_combined_step` sets the flag on a
-config that megatron-core has already checked, after checking the remaining requirements of the
-combined step itself (an adapter: megatron-core is not modified). DualPipeV's chunks are built
-with ``virtual_pipeline_model_parallel_size=2`` (``mcore.model.dualpipev_config``) and pass the
-assertion as they are. megatron-core also asks for bf16/fp16; the adapter does not: the combined
-step calls the unwrapped ``GPTModel`` (bypassing ``Float16Module``'s casts) and its only
-dtype-specific step is the fp16-to-fp32 cast of the loss, which is the identity in fp32 (the CPU
-proof runs in fp32).
-
-* Transformer Engine with ``delay_wgrad_compute``: the schedule plan calls each layer's
-  ``backward_dw()`` itself. For a B action its layer nodes are told not to
-  (``_no_inline_weight_grads``) and the chunk's ``backward_dw()`` is recorded for the W action, as
-  in the plain path; fused units and BW keep megatron-core's inline calls (full backwards). The
-  wiring is tested on CPU with the local spec standing in for TE (its ``backward_dw`` are no-ops);
-  the TE kernels need a GPU.
-
-MTP: one layer (megatron-core's own limit; more are refused), its loss as the plan's post-process
-node, proven in tests/megatron_lm/test_megatron_lm_mtp.py. Not covered: CUDA graphs. On the CPU the sub-steps run in order on one stream:
-the order and the numbers are verified there, the overlap itself only exists on a GPU.
+megatron-core's ``TransformerConfig`` refuses the flag with pp > 1 unless a virtual pipeline is configured:
+:func:`enable_combined_step` sets it on a config megatron-core already checked, after probing the remaining
+checks (:func:`megatron_refuses`; megatron-core is not modified). Its bf16/fp16 demand is not needed: the step
+calls the unwrapped model, and its one dtype step (the loss's fp16-to-fp32 cast) is the identity in fp32. On
+the CPU the sub-steps run in order on one stream: the order and numbers are proven there, the overlap on a GPU.
 """
 from __future__ import annotations
 
@@ -92,19 +52,14 @@ def offers_combined_step(config, forward_only: bool = False) -> bool:
 
 
 def combined_step_problems(config) -> List[str]:
-    """What megatron-core's combined step needs besides the virtual pipeline (its
-    ``TransformerConfig`` checks, minus pp/vpp and bf16/fp16: see the module docstring; CUDA
-    graphs, which it also restricts, DualPipe refuses anyway): the ``needs`` rules of the options
+    """What megatron-core's combined step needs besides the virtual pipeline: the ``needs`` rules of the options
     table (:mod:`.options`), read from a ``TransformerConfig``."""
     return options.combined_step_problems(config, options.CONFIG)
 
 
 def enable_combined_step(config, delay_wgrad_compute: Optional[bool] = None):
-    """Turn on ``overlap_moe_expert_parallel_comm`` (and ``delay_wgrad_compute`` if given) on a
-    ``TransformerConfig`` that megatron-core has built and checked; returns it.
-
-    Raises :class:`DualPipeConfigError` listing what the combined step needs. Call it before the
-    model is built (the chunks share the config object)."""
+    """Turn on ``overlap_moe_expert_parallel_comm`` (and ``delay_wgrad_compute`` if given) on a checked
+    ``TransformerConfig`` before the model is built; returns it. Raises :class:`DualPipeConfigError`."""
     problems = combined_step_problems(config)
     delay = bool(delay_wgrad_compute if delay_wgrad_compute is not None else config.delay_wgrad_compute)
     refused = megatron_refuses(config, overlap=True, delay=delay)
@@ -117,9 +72,8 @@ def enable_combined_step(config, delay_wgrad_compute: Optional[bool] = None):
 
 
 def enable_deferred_wgrads(config):
-    """Turn on ``delay_wgrad_compute`` alone (zero bubble through Transformer Engine's deferral: the
-    executor's W actions call ``backward_dw()``) on a config megatron-core has built; returns it.
-    megatron-core's own checks of the flag run first (:func:`megatron_refuses`)."""
+    """Turn on ``delay_wgrad_compute`` alone (W actions call TE's ``backward_dw()``) on a built config, after
+    megatron-core's own checks of the flag (:func:`megatron_refuses`); returns it."""
     refused = megatron_refuses(config, overlap=False, delay=True)
     if refused:
         raise DualPipeConfigError(f"--delay-wgrad-compute with DualPipe: megatron-core's TransformerConfig refuses "
@@ -129,14 +83,9 @@ def enable_deferred_wgrads(config):
 
 
 def megatron_refuses(config, *, overlap: bool, delay: bool) -> Optional[str]:
-    """megatron-core's own ``TransformerConfig`` checks of the flags the plugin turns on after the
-    config was validated without them (findings of issue 35: EP overlap with ``moe`` recomputed,
-    ``delay_wgrad_compute`` with ``overlap_dispatch_backward_with_experts_wgrad`` were never checked),
-    run on a probe copy. What DualPipe replaces is relaxed in the probe, nothing else: its two chunks
-    per rank stand as megatron-core's virtual pipeline of two (its pp/vpp assertion; the split is
-    probed as 2 x pp even layers, the split's own checks having run on the config), fp32 as bf16
-    (see the module docstring), and ``delay_wgrad_compute`` alone is probed with the combined step's
-    flag on only where megatron-core asks for it: ``megatron-core's message``, or None."""
+    """megatron-core's message refusing the flags the plugin turns on after validation, or None: its own
+    ``TransformerConfig`` checks on a probe copy (issue 35 found them never run). Only what DualPipe replaces is
+    relaxed: the two chunks stand as a virtual pipeline of two (2 x pp even layers), fp32 as bf16."""
     import dataclasses
     import warnings
 
@@ -164,8 +113,8 @@ def megatron_refuses(config, *, overlap: bool, delay: bool) -> Optional[str]:
 
 
 def _loss_where(is_last_stage: bool, cp_size: int):
-    """Inside the combined step, ``forward_step_calc_loss`` is told where the direction ends
-    (a ``hooks.scoped`` swap of ``schedules.forward_step_calc_loss``, looked up at call time)."""
+    """Inside the combined step, ``forward_step_calc_loss`` (looked up at call time) is told where the direction
+    ends."""
 
     def told(original):
         def forward_step_calc_loss(*args, **kwargs):
@@ -178,8 +127,7 @@ def _loss_where(is_last_stage: bool, cp_size: int):
 
 
 class OverlappedStageCompute(MegatronStageCompute):
-    """:class:`MegatronStageCompute` whose F, B, BW and fused F&B units all run through
-    megatron-core's ``combined_forward_backward_step`` (see the module docstring)."""
+    """:class:`MegatronStageCompute` whose F, B, BW and fused F&B units all run through the combined step."""
 
     #: Whether this process has said once that the combined step is in use.
     announced = False

@@ -1,8 +1,6 @@
-"""What F, B, BW and W mean for this rank's megatron-core model chunks.
-
-The runner (``executor.runner``) calls these methods in schedule order; this class turns them
-into megatron-core's own ``schedules.forward_step`` / ``backward_step``, so loss scaling, MoE
-aux-loss scaling and ``calculate_per_token_loss`` behave exactly as in Megatron.
+"""What F, B, BW and W mean for this rank's megatron-core model chunks: megatron-core's own
+``schedules.forward_step`` / ``backward_step``, so loss scaling, MoE aux-loss scaling and
+``calculate_per_token_loss`` behave exactly as in Megatron.
 """
 from __future__ import annotations
 
@@ -27,20 +25,12 @@ from .model import unwrap_chunk
 
 
 class MegatronStageCompute(StageComputeBase):
-    """Chunk ``d`` of ``model`` serves direction ``d`` (single-direction schedules use chunk 0).
+    """Chunk ``d`` of ``model`` serves direction ``d``; saved activations and deferred weight gradients are
+    keyed by (direction, micro-batch, stage), never by order.
 
-    Saved activations and deferred weight gradients are keyed by (direction, micro-batch,
-    stage), never by order. ``loss_store[d]`` collects direction ``d``'s loss entries where its
-    last stage runs; ``total_num_tokens`` sums what ``forward_step`` reports.
-
-    Weight gradients: under a B action (``wgrad_store`` set) megatron-core's local linears defer
-    theirs through ``wgrad.WeightGradStore.deferring``; a chunk built with Transformer Engine and
-    ``config.delay_wgrad_compute`` has TE defer its own, and B records the chunk's
-    ``backward_dw()`` under the same key, so the W action runs both. TE queues the deferred work
-    first-in first-out per module, and every backward of such a chunk (B or BW) leaves one entry:
-    a BW therefore calls ``backward_dw()`` at once, and W pops the entries of a chunk's Bs in the
-    order they ran (the schedules pop W first-in first-out too). ``audit`` (a
-    ``wgrad.DeferralAudit``) watches the first B of each chunk.
+    Under a B action (``wgrad_store`` set) the local linears defer through ``WeightGradStore.deferring``, and
+    what Transformer Engine (``delay_wgrad_compute``) queued is recorded under the same key, so W runs both.
+    Every backward of a TE chunk queues, so a BW pops its entries at once. ``audit`` watches each chunk's first B.
     """
 
     def __init__(self, *, spec: ScheduleSpec, model: Sequence[torch.nn.Module], layout: Layout, rank: int,
@@ -89,8 +79,7 @@ class MegatronStageCompute(StageComputeBase):
         return self.spec.global_index(self.real, a.dir, a.mb), is_first_mb
 
     def _end_forward(self, a: Action, input_tensor, output, num_tokens) -> None:
-        # Megatron sums into an int32 zero in place: the count is int32 on every pipeline rank, whatever
-        # dtype the loss function returns (an int64 count here made one all-reduce over mixed dtypes)
+        # int32 on every pipeline rank, as Megatron's in-place sum (int64 made one all-reduce mix dtypes)
         tokens = num_tokens.to(dtype=torch.int)
         self.total_num_tokens = tokens if self.total_num_tokens is None else self.total_num_tokens + tokens
         if not self.forward_only:

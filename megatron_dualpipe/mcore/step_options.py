@@ -1,11 +1,9 @@
 """The options of a running job that decide its collectives after the schedule.
 
-``schedule.step_collectives`` turns :class:`~..schedule.step_collectives.StepOptions` into each
-rank's ``coll`` ops, which the iteration plan checks with the schedule's communication before
-anything runs. This reads them from what a rank of the job has alike with every other: the model
-config, the DDP config, the parallel sizes and, under Megatron-LM, its arguments. Where it cannot
-tell (megatron-core without Megatron-LM), the collective counts as issued: a collective that every
-member leaves out only removes waits, so checking it proves the run without it too.
+:class:`~..schedule.step_collectives.StepOptions` becomes each rank's ``coll`` ops, checked with the
+schedule's communication before anything runs, so they are read from what every rank of the job has alike
+(configs, parallel sizes, Megatron-LM's arguments). Where it cannot tell (megatron-core alone), a collective
+counts as issued: one every member leaves out only removes waits, so the proof covers the run without it.
 """
 from __future__ import annotations
 
@@ -31,8 +29,7 @@ def _megatron_lm_args():
 
 
 def moe_logged(config) -> Tuple[str, ...]:
-    """The MoE metrics Megatron-LM's ``training_log`` tracks, in its order (its own tests: ``in``
-    the balancing type, a string or a list; a z-loss coefficient)."""
+    """The MoE metrics Megatron-LM's ``training_log`` tracks, in its order and by its own tests."""
     if not getattr(config, "num_moe_experts", None):
         return ()
     balancing = getattr(config, "moe_router_load_balancing_type", None) or ()
@@ -42,8 +39,7 @@ def moe_logged(config) -> Tuple[str, ...]:
 
 
 def _timing_level(config, args) -> int:
-    """Megatron's timers' log level: Megatron-LM's argument; megatron-core alone: none without
-    timers, else their level (as issued where they do not say)."""
+    """Megatron's timers' log level: Megatron-LM's argument, else the config's timers' (0 without)."""
     if args is not None:
         return int(getattr(args, "timing_log_level", 0))
     timers = getattr(config, "timers", None)
