@@ -1,16 +1,11 @@
 """A failing rank stops its peers within seconds: a shared abort signal, and waits that check it.
 
-Without it a rank that raises (a shape error in its forward, a NaN check) leaves its peers
-waiting for it until their deadline (600 s by default), and their error then blames a receive.
-With it, the failing rank writes its error into the rendezvous store (:func:`signal`), one
-thread per rank hears it without polling (:mod:`.abort_listener`), and every wait the project
-issues checks that local flag: a host wait (:func:`wait_work`, used by the P2P receives and
-sends, the bd sums, the loss gather) every :data:`POLL_S`; a stream wait on an accelerator
-through the iteration's watchdog (:mod:`.watchdog`), which also keeps its deadline. Either
-raises :class:`PeerFailedError` naming this rank, what it waited for, and the rank that failed.
-
-One key per job attempt: an abort ends the attempt (``torch.distributed`` groups are unusable
-after a half-completed batch anyway); a restarted attempt (torchrun ``--max-restarts``) starts clean.
+Without it a rank that raises leaves its peers waiting until their deadline (600 s by default), and their
+error then blames a receive. The failing rank writes its error into the rendezvous store (:func:`signal`), one
+thread per rank hears it (:mod:`.abort_listener`), and every wait checks that local flag: a host wait
+(:func:`wait_work`) every :data:`POLL_S`, a stream wait through the iteration's watchdog. Either raises
+:class:`PeerFailedError` naming this rank, what it waited for and the rank that failed. One key per job
+attempt: a restarted attempt (torchrun ``--max-restarts``) starts clean.
 """
 from __future__ import annotations
 
@@ -60,9 +55,8 @@ def listener() -> Optional[Listener]:
 
 
 def signal(message: str) -> Optional[str]:
-    """Tell every rank that this one failed with ``message`` (best effort: never raises; the
-    first rank to signal is the one named). Returns the failure kept: another rank's when it
-    signalled first (None without a store)."""
+    """Tell every rank that this one failed (best effort: never raises); returns the failure kept, another
+    rank's when it signalled first (None without a store)."""
     heard = listener()
     if heard is None:
         return None
@@ -76,10 +70,9 @@ def signal(message: str) -> Optional[str]:
 
 @contextlib.contextmanager
 def signalling_failure():
-    """Signal any exception raised inside (but the peers' own :class:`PeerFailedError`), then
-    let it propagate; an error that came after another rank had signalled (a connection that
-    rank's exit closed, before this rank's listener heard it) becomes the :class:`PeerFailedError`
-    naming that rank."""
+    """Signal any exception raised inside (but a :class:`PeerFailedError`), then let it propagate; an error
+    that came after another rank had signalled (a connection its exit closed) becomes the
+    :class:`PeerFailedError` naming that rank."""
     try:
         yield
     except PeerFailedError:
@@ -108,10 +101,9 @@ def raise_if_failed(waiting: str) -> None:
 
 def wait_work(work, timeout_s: Optional[float], waiting: str, timeout_error: Type[Exception] = TimeoutError,
               on_host: bool = True) -> None:
-    """Wait for a ``torch.distributed`` work within ``timeout_s`` (None: no deadline of ours),
-    checking the abort signal. ``on_host=False`` (an accelerator): ``work.wait()`` only makes the
-    stream wait, handed to the iteration's watchdog (:data:`WATCHING`; outside an iteration a
-    bare stream wait). ``waiting`` names this rank, the peer and what was awaited."""
+    """Wait for a ``torch.distributed`` work within ``timeout_s`` (None: no deadline of ours), checking the
+    abort signal. ``on_host=False``: the stream waits, the iteration's watchdog (:data:`WATCHING`) keeps the
+    deadline. ``waiting`` names this rank, the peer and what was awaited."""
     if not on_host:
         raise_if_failed(waiting)
         if WATCHING[0] is not None:

@@ -1,13 +1,9 @@
 """Hear another rank's failure without polling the store: one thread per process blocks on it.
 
-Why: every rank polling the abort key ten times a second is ~10 store requests per second per
-rank, ~40,000 at 4,096 ranks, on the one rendezvous store that NCCL's communicator creation also
-uses. A ``TCPStore.wait`` is answered by the server when the key is set, so one thread per process,
-on a connection of its own (``clone``: a blocked wait would hold the shared client's lock),
-costs one WAIT and, when it times out, one CANCEL per :data:`REARM_S`. Other stores (a file or an
-in-process store: no server), and a TCPStore that rank 0 hosts (no torchrun agent: it goes with rank 0's
-exit), are polled with an exponential backoff. The waits read
-:attr:`Listener.message`, a local attribute: no request.
+Every rank polling ten times a second is ~40,000 requests per second at 4,096 ranks on the rendezvous store
+NCCL also uses. A ``TCPStore.wait``, on a connection of its own (``clone``: a blocked wait holds the client's
+lock), costs one WAIT and one CANCEL per :data:`REARM_S`. Other stores, and a TCPStore rank 0 hosts, are polled
+with an exponential backoff. The waits read :attr:`Listener.message`, a local attribute.
 """
 from __future__ import annotations
 
@@ -27,12 +23,9 @@ BACKOFF_S = (0.1, 5.0)
 
 
 def outlives_the_ranks() -> bool:
-    """Whether the store is torchrun's agent's, which outlives every rank. Otherwise rank 0 hosts it
-    (a launch without torchrun's agent: srun, mpirun, or TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) and
-    goes with rank 0's exit: a wait blocked on it then fails in the C++ store client, and if that
-    happens while another rank's Python finalizes, that rank aborts ("terminate called without an
-    active exception", seen at the end of successful runs). Such a store is polled with the backoff,
-    so that no call on it is in flight at the exit."""
+    """Whether the store is torchrun's agent's, which outlives every rank. Otherwise rank 0 hosts it and goes
+    with its exit; a wait blocked on it would then fail in C++ while another rank's Python finalizes, aborting
+    it ("terminate called without an active exception"), so such a store is polled."""
     import os
 
     return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
@@ -63,12 +56,9 @@ class Listener:
         atexit.register(self._join_at_exit)
 
     def _join_at_exit(self) -> None:
-        """Let the thread end before the interpreter does: a thread coming back from the store's C++
-        call while Python finalizes aborts the process ("terminate called without an active
-        exception"). A polled store: the poll stops, one in flight returns (a CI run aborted at the
-        end of a successful run: rank 1 polled rank 0's store as rank 0 exited). A failure heard:
-        the wait returns and the thread reads the key. Nothing heard on a blocking wait: it stays
-        blocked on the agent's store, which outlives the ranks, harmless."""
+        """Let the thread end before the interpreter does: a thread returning from the store's C++ call while
+        Python finalizes aborts the process. A blocking wait with nothing heard stays on the agent's store,
+        which outlives the ranks, harmless."""
         self._stop.set()
         if self.message is not None or self._polls:
             self._thread.join(timeout=5.0)

@@ -1,12 +1,8 @@
 """What the runner tells the code that watches a rank's schedule run.
 
-Anything that must happen at a point of the schedule but is not part of running it (recording a
-timeline, starting a chunk's gradient reduction where the program says) is a
-:class:`RunListener` handed to ``run_rank``: the runner calls its hooks in schedule order and
-knows nothing else about it. ``unit`` is one execution unit: indices into the rank's actions
-(one action, or an overlapped F with the backward after it; see ``schedule.actions.units``).
-
-The hooks run once per unit per rank (the hot path): keep them cheap. Standard library only.
+What must happen at a point of the schedule without being part of running it (a timeline, a chunk's
+gradient reduction) is a :class:`RunListener` handed to ``run_rank``, called in schedule order once per
+unit (one action, or an overlapped F with its backward): the hot path, so keep the hooks cheap.
 """
 from __future__ import annotations
 
@@ -33,10 +29,7 @@ class RunListener:
         """Every action of the unit ended (after their :meth:`on_action_end`)."""
 
     def on_op(self, op) -> None:
-        """An op of the rank's lowered program that the runner does not run itself
-        (``schedule.lowered.DELEGATED``: a parameter gather or its wait, a bd sum or its wait, a
-        data-parallel reduction, the loss gather, a finalize collective): issue it here."""
+        """Issue an op of the rank's program the runner does not run itself (``schedule.lowered.DELEGATED``)."""
 
     def on_run_end(self) -> None:
-        """The schedule ran to its end: every send completed, no tensor left over. Not called
-        when the run raised."""
+        """The schedule ran to its end (not called when the run raised)."""

@@ -1,34 +1,16 @@
 """Point-to-point communication that waits only for what the next action needs.
 
-The runner posts each planned batch with :meth:`P2P.post` (one ``batch_isend_irecv``) and does
-not wait for it. A receive is waited by :meth:`P2P.receive` right before the action that
-consumes it; a send is never waited on the compute path: :meth:`P2P.reap` releases the buffers
-of the sends that have completed (so memory stays bounded), and :meth:`P2P.finish` waits for
-the rest at the end of the iteration.
+The runner posts each planned batch (:meth:`P2P.post`, one ``batch_isend_irecv``) without waiting. A receive
+is waited right before the action that consumes it (:meth:`P2P.receive`); a send never on the compute path:
+:meth:`P2P.reap` releases completed sends, :meth:`P2P.finish` waits for the rest at the end of the iteration.
 
-How "waited" and "completed" are known depends on where the tensors live:
-
-* On the host (gloo, CPU tensors) ``work.wait(timeout)`` blocks until the data is there, and is
-  the deadline. A gloo send completes only when the receiver has posted the matching receive,
-  and its ``is_completed()`` stays False until someone waits, so one thread per peer waits on
-  that peer's sends in order and marks them done.
-* On an accelerator (NCCL) ``work.wait()`` makes the current stream wait and returns at once;
-  the host never blocks. The iteration's watchdog (:mod:`.watchdog`; a P2P used on its own has
-  its own, drained and stopped by :meth:`P2P.finish`) polls ``is_completed()`` of every
-  outstanding operation, marks completed sends, and enforces the deadlines (``wait(timeout)``
-  would block the host there): a timeout is logged at once, naming rank, peer and action,
-  raised by the next P2P call of the runner, and the communicators are aborted so that a host
-  blocked on the stream (a ``.item()``) gets an error instead of hanging.
-
-Streams (NCCL): the operations of one communicator run on one stream in posting order, and a
-``batch_isend_irecv`` uses the group's communicator, so on the GPU a receive still completes
-only after the sends posted before it. :func:`channel_groups` gives each channel (a direction
-between two ranks) its own two-rank group, hence its own stream: then a receive waits only for
-its own channel. It is optional (one communicator per channel) and verified on gloo only.
-
-Deadlines: a send must complete within ``timeout_s`` of being posted; a receive within
-``timeout_s`` of the moment the action that consumes it starts waiting. Every error names this
-rank, the peer, the tensor and the action.
+On the host (gloo) ``work.wait(timeout)`` blocks and is the deadline; a gloo send's ``is_completed()`` stays
+False until someone waits, so one thread per peer waits on its sends in order. On an accelerator (NCCL)
+``wait()`` only makes the stream wait, so the iteration's watchdog (:mod:`.watchdog`) polls ``is_completed()``,
+marks sends done and enforces the deadlines, aborting the communicators so that a host blocked on the stream
+gets an error. One communicator runs its operations in posting order on one stream, so :func:`channel_groups`
+may give each channel its own group. A send must complete within ``timeout_s`` of being posted, a receive
+within ``timeout_s`` of its consumer starting to wait; every error names this rank, the peer, tensor and action.
 """
 from __future__ import annotations
 
@@ -79,13 +61,10 @@ class _Op:
 
 
 class P2P:
-    """Sends and receives between the ranks of one pipeline group, for one iteration.
+    """Sends and receives between the ranks of one pipeline group (peers are pipeline ranks), for one iteration.
 
-    ``global_ranks[i]`` is the global rank of pipeline rank ``i``; peers are pipeline ranks.
-    ``describe`` turns a label into words for error messages. ``host_waits`` chooses the waiting
-    discipline (None: from the device of the first tensor posted, the host for CPU tensors).
-    ``channel_groups`` (from :func:`channel_groups`) carries each channel on its own group.
-    ``peak_in_flight`` is the most receives and unfinished sends held at once.
+    ``host_waits``: the waiting discipline (None: from the device of the first tensor posted).
+    ``peak_in_flight``: the most receives and unfinished sends held at once.
     """
 
     def __init__(self, group, global_ranks: Sequence[int], my_pp_rank: int, timeout_s: float = DEFAULT_TIMEOUT_S,
@@ -106,15 +85,9 @@ class P2P:
         self._watchdog: Optional[Watchdog] = None  # accelerator: the iteration's, or its own
         self._own_watchdog = False
 
-    # -----------------------------------------------------------------------------------------
-    # The runner's calls
-    # -----------------------------------------------------------------------------------------
-
     def first_collective(self, device) -> None:
-        """One all-reduce on the pipeline group before its first batched P2P, with the same
-        deadline: with NCCL, a group's first collective must involve all its ranks
-        (``batch_isend_irecv``'s documented rule), and DualPipe's first batches involve only some.
-        Call it once per group, on every rank of the group."""
+        """One all-reduce on the pipeline group before its first batched P2P (once per group, every rank): with
+        NCCL a group's first collective must involve all its ranks, and DualPipe's first batches do not."""
         start = time.monotonic()
         try:
             work = dist.all_reduce(torch.zeros(1, device=device), group=self.group, async_op=True)
@@ -129,8 +102,7 @@ class P2P:
                 f"exited; look at the other ranks' logs. Underlying error: {e}") from e
 
     def post(self, sends: Sequence[Send], recvs: Sequence[Recv], where: str) -> None:
-        """Post one planned batch, as one ``batch_isend_irecv`` on the pipeline group or, with
-        ``channel_groups``, as one operation per channel group; wait for nothing."""
+        """Post one planned batch (one ``batch_isend_irecv``, or one operation per channel group); wait for nothing."""
         if not sends and not recvs:
             return
         self._raise_failure()
@@ -165,8 +137,7 @@ class P2P:
         return works * len(ops) if len(works) == 1 else works  # a coalescing backend: one work per batch
 
     def receive(self, label, where: str) -> torch.Tensor:
-        """Wait for the receive of ``label`` (on an accelerator: make the stream wait) and
-        return its buffer. ``where`` names the action that needs it."""
+        """Wait for the receive of ``label`` (on an accelerator: make the stream wait) and return its buffer."""
         self._raise_failure()
         op = self._recvs[label]
         start = time.monotonic()
@@ -186,8 +157,7 @@ class P2P:
         return op.tensor
 
     def reap(self) -> None:
-        """Release the buffers of the sends that have completed; raise if one failed or is
-        past its deadline."""
+        """Release the buffers of the completed sends; raise if one failed or is past its deadline."""
         self._raise_failure()
         if not self._sends:
             return
@@ -203,8 +173,7 @@ class P2P:
         self._sends = keep
 
     def finish(self, where: str) -> None:
-        """End of the iteration: every send completes (on an accelerator: the stream waits for
-        it, the watchdog keeps its deadline) and its buffer is released; helpers stop."""
+        """End of the iteration: every send completes and its buffer is released; helpers stop."""
         try:
             self._raise_failure()
             if self._recvs:
@@ -220,10 +189,8 @@ class P2P:
             self.close()
 
     def complete_send(self, label, where: str) -> None:
-        """The buffer of the send of ``label`` is needed now (Megatron's backward requires the
-        forward's output to have been released): complete that send, release it. Nothing to do
-        if it was released already. Its receiver has it by then in every schedule (the gradient
-        this rank is about to use came back through it), so this waits for bookkeeping only."""
+        """Complete and release the send of ``label`` now, if not yet (Megatron's backward needs the forward's
+        output released); its receiver has it by then, so this waits for bookkeeping only."""
         for k, op in enumerate(self._sends):
             if op.label == label:
                 self._await_send(op, where)
@@ -232,8 +199,7 @@ class P2P:
                 return
 
     def _await_send(self, op: _Op, where: str) -> None:
-        """Host: block until the peer's waiter saw the send complete, within its deadline.
-        Accelerator: nothing (``_complete`` makes the stream wait)."""
+        """Host: block until the peer's waiter saw the send complete, within its deadline."""
         while self.host_waits and not op.done:
             now = time.monotonic()
             if now > op.deadline:
@@ -243,18 +209,13 @@ class P2P:
                                       f"{self._what(op)}")
 
     def close(self) -> None:
-        """Stop the helpers: the waiter threads, and its own watchdog (the iteration's stops with the
-        iteration): a watchdog never outlives its iteration, so a failed iteration's deadlines cannot
-        abort the communicators later (a waiter blocked on a dead peer exits with the process)."""
+        """Stop the waiter threads and its own watchdog: a watchdog never outlives its iteration, so a failed
+        iteration's deadlines cannot abort the communicators later."""
         if self._own_watchdog:
             self._watchdog.stop()
         for q in self._waiters.values():
             q.put(None)
         self._waiters = {}
-
-    # -----------------------------------------------------------------------------------------
-    # Completion of sends
-    # -----------------------------------------------------------------------------------------
 
     def _track_send(self, op: _Op) -> None:
         if not self.host_waits:
@@ -275,10 +236,6 @@ class P2P:
         if op.on_done is not None:
             op.on_done()
 
-    # -----------------------------------------------------------------------------------------
-    # Accelerator watchdog
-    # -----------------------------------------------------------------------------------------
-
     def _watch_op(self, op: _Op) -> None:
         """Hand ``op`` to the watchdog: it marks it done, or raises its deadline naming it."""
         if self._watchdog is None:
@@ -293,10 +250,6 @@ class P2P:
     def _raise_failure(self) -> None:
         if self._watchdog is not None:
             self._watchdog.check()
-
-    # -----------------------------------------------------------------------------------------
-    # Errors
-    # -----------------------------------------------------------------------------------------
 
     def _describe(self, send: bool, peer: int, label) -> str:
         where = f"pipeline rank {peer} (global {self.global_ranks[peer]})"
@@ -327,23 +280,18 @@ def channels_of(plans) -> List[Tuple[int, int]]:
 
 
 def channel_groups(global_ranks: Sequence[int], channels: Iterable[Tuple[int, int]]) -> Dict[Tuple[int, int], object]:
-    """One two-rank process group per channel (sending, receiving pipeline rank), for
-    ``P2P(channel_groups=...)``.
+    """One two-rank process group per channel (sending, receiving pipeline rank), for ``P2P(channel_groups=...)``.
 
-    Why: NCCL runs the operations of one communicator on one stream, in posting order, and a
-    ``batch_isend_irecv`` uses the group's communicator, so a receive there completes only after
-    every send posted before it, which waits for its receiver: the waiting the protocol avoids
-    comes back on the GPU. With a group per direction of each pair of neighbours, each channel
-    is its own in-order stream and a receive waits only for its own channel. ``new_group`` is
-    collective: every rank of the default group calls this with the same arguments, in the same
-    order (with several pipelines, for each of them). Costs one communicator per channel.
+    NCCL runs one communicator's operations in posting order on one stream, so on the pipeline group a receive
+    completes only after every send posted before it; a channel's own group waits only for that channel.
+    Collective (``new_group``): every rank calls it with the same arguments, in the same order.
     """
     return {(s, d): dist.new_group([global_ranks[s], global_ranks[d]]) for s, d in sorted(channels)}
 
 
 def _wait_sends(q) -> None:
-    """A host waiter thread: the sends to one peer complete in posting order; wait for each
-    (``is_completed()`` of a gloo send stays False until someone waits)."""
+    """A host waiter thread: wait for each send to one peer in posting order (a gloo send's ``is_completed()``
+    stays False until someone waits)."""
     while True:
         op = q.get()
         if op is None:

@@ -1,22 +1,11 @@
 """The bd sum: both copies of a DualPipe stage := their sum, one all-reduce over the bd pair.
 
-One implementation, used by training (``mcore.grad_reduction.GradReduction`` during the
-schedule, ``mcore.finalize.allreduce_bd_grads`` outside it) and by the benchmark
-(``bench.bd_sum``), so that the benchmark's figures come from the code path training runs:
-
-* :func:`issue_sum` starts the sums of one chunk's tensors asynchronously: in place for
-  contiguous buffers (Megatron DDP's grad buffers, the benchmark's synthetic gradients), else
-  flattened per dtype and copied back when waited;
-* :class:`PairSums` issues a rank's sums at the points the iteration plan gives
-  (``schedule.iteration_plan``) and waits for none before the end of the schedule (the
-  program's ``summed`` ops, :meth:`PairSums.wait`; :meth:`PairSums.finish`), which the plan proves safe: on an accelerator a ``wait()`` would make the
-  compute stream wait, and with it every P2P batch posted after it, for the partner's matching
-  sum; where the partners finish their chunks at different points the partner first needs one
-  of those stalled tensors (issue 17: pp=2 with an odd number of micro-batches hung). It never
-  asks whether a sum has completed: what runs after a sum (the data-parallel reductions) starts
-  at a place of the plan, the same on every rank, not when a poll happens to see it done.
-
-Torch only (no Megatron); standard ``torch.distributed`` collectives.
+One implementation for training (``mcore.grad_reduction``, ``mcore.finalize``) and the benchmark
+(``bench.bd_sum``), so the benchmark's figures come from the path training runs. :class:`PairSums` issues a
+rank's sums where the iteration plan says and waits for none before the program's ``summed`` ops or the end:
+on an accelerator a ``wait()`` stalls the compute stream, and every P2P batch behind it, until the partner's
+matching sum (issue 17: pp=2 with an odd number of micro-batches hung). It never polls whether a sum
+completed: what follows one starts at a place of the plan, the same on every rank.
 """
 from __future__ import annotations
 
@@ -38,8 +27,7 @@ class BdSumTimeoutError(RuntimeError):
 
 
 class PendingSum:
-    """The asynchronous sums of one chunk's tensors (one all-reduce per contiguous buffer or per
-    dtype), completed by :meth:`wait`."""
+    """The asynchronous sums of one chunk's tensors (one all-reduce per contiguous buffer or per dtype)."""
 
     def __init__(self, chunk: int, works: list, copy_backs: list, what: str, on_host: bool):
         self.chunk, self.works, self._copy_backs, self.what, self.on_host = chunk, works, copy_backs, what, on_host
@@ -47,8 +35,7 @@ class PendingSum:
         self.waited = False
 
     def wait(self, timeout_s: Optional[float] = None, describe: str = "") -> None:
-        """Complete the sums: the host waits (gloo) or the current stream does (accelerator: then
-        a completed sum costs nothing). Host waits poll the deadline and the shared abort signal."""
+        """Complete the sums: the host waits (gloo, checking the deadline and abort signal) or the stream does."""
         if self.waited:
             return
         for w in self.works:
@@ -60,8 +47,8 @@ class PendingSum:
 
 
 def issue_sum(chunk: int, tensors: Sequence[torch.Tensor], group, *, in_place: bool, what: str = "") -> PendingSum:
-    """Start all-reduce(SUM) of ``tensors`` over ``group``: one per tensor with ``in_place`` (each
-    must be contiguous), else one per dtype over a flattened copy written back by ``wait``."""
+    """Start all-reduce(SUM) of ``tensors`` over ``group``: one per (contiguous) tensor with ``in_place``, else
+    one per dtype over a flattened copy written back by ``wait``."""
     works, copy_backs = [], []
     if in_place:
         works = [dist.all_reduce(t, group=group, async_op=True) for t in tensors]
@@ -98,12 +85,8 @@ def action_key(a) -> ActionKey:
 
 
 class PairSums:
-    """One rank's bd sums of one iteration.
-
-    ``issue_points``: {action key: chunks whose sums are issued right after that action, in
-    order} from the iteration plan (both partners issue the pair's sums in the same order of
-    stages there). ``tensors_of(chunk)`` lists what is summed; :meth:`finish` waits for all.
-    """
+    """One rank's bd sums of one iteration. ``issue_points``: {action key: chunks whose sums are issued right
+    after that action, in order}, from the iteration plan; ``tensors_of(chunk)`` lists what is summed."""
 
     def __init__(self, issue_points: Dict[Hashable, List[int]], tensors_of: Callable[[int], Sequence[torch.Tensor]],
                  group, *, in_place: Callable[[int], bool],

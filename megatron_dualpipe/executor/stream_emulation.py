@@ -1,25 +1,12 @@
 """A CPU emulation of NCCL's stream semantics, so that the accelerator branches run in CI.
 
-On a GPU, ``Work.wait()`` makes the current stream wait; every later compute, P2P batch and
-collective of that rank starts after the stream's work before it, so all of it waits too,
-while the host runs on. The CPU runs gloo, where ``wait()`` blocks the host. Blocking the host
-blocks everything the rank issues later, which is what a stream wait does to the executor
-(all it issues is stream-ordered), so the emulation is:
-
-* :func:`waits_order_stream` is True for CPU tensors (``streams.emulating_stream_waits``): the
-  package takes its accelerator branches (no host deadline of its own, watchdog polling,
-  ``is_completed()`` instead of waiting);
-* every ``Work`` that ``all_reduce(async_op=True)``, ``batch_isend_irecv``, ``isend`` and
-  ``irecv`` return behaves like NCCL's (:class:`EmulatedWork`): ``is_completed()`` turns True
-  by itself once the operation completed (a thread waits on gloo's work; a gloo send's own
-  ``is_completed()`` stays False until someone waits), and ``wait()`` stands for the stream
-  wait: the rank stops until the operation completed, at most ``deadline_s``, after which
-  :class:`EmulatedStreamDeadlock` names the rank and what the stream waited for (on a GPU the
-  rank would sit there until NCCL's watchdog, or forever);
-* aborting the communicators (each group's ``ProcessGroup.abort()``, which the watchdog calls) ends every
-  emulated stream wait of the process with :class:`EmulatedCommunicatorAborted`, as NCCL's
-  abort ends the waits on its communicators; the waits of a coalesced collective (Megatron
-  DDP's handle, ``_CoalescingManager.wait``) are emulated stream waits too.
+On a GPU ``Work.wait()`` makes the stream wait, and everything the rank issues later with it; on gloo it
+blocks the host, which does the same to the executor (all it issues is stream-ordered). So within
+:func:`emulate_nccl` CPU tensors take the accelerator branches, and the works of ``all_reduce``,
+``batch_isend_irecv``, ``isend`` and ``irecv`` behave like NCCL's (:class:`EmulatedWork`): ``is_completed()``
+turns True by itself, ``wait()`` stands for the stream wait and after ``deadline_s`` raises
+:class:`EmulatedStreamDeadlock` (a GPU would hang); ``ProcessGroup.abort()`` ends every emulated wait with
+:class:`EmulatedCommunicatorAborted`, as NCCL's abort does, coalesced collectives (Megatron DDP's) included.
 """
 from __future__ import annotations
 
@@ -58,8 +45,7 @@ class EmulatedWork:
     """A gloo work with NCCL's behaviour (see the module docstring)."""
 
     def __init__(self, works, what: str, deadline_s: float):
-        """``works``: one gloo work, or the works of one batch (then it completes when all did,
-        as NCCL's one work of a coalesced batch)."""
+        """``works``: one gloo work, or a batch's (completed when all are, as NCCL's one work of a batch)."""
         self._works = works if isinstance(works, list) else [works]
         self.what, self.deadline_s = what, deadline_s
         self.issued = time.monotonic()

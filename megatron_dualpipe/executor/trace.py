@@ -1,14 +1,10 @@
 """Timelines of real runs: when each action of each rank waited, started and ended.
 
-Off by default. On with ``run_rank(..., trace=TraceRecorder(DIR))`` or with the environment
-variable ``MEGATRON_DUALPIPE_TRACE=DIR`` (``MEGATRON_DUALPIPE_TRACE_EVERY=N`` keeps every N-th
-iteration). Each rank appends one JSON line per recorded ``run_rank`` call to
-``DIR/rank{global rank:05d}.jsonl``: the schedule, the rank's actions, and for every execution
-unit the seconds (from the call's wall-clock start) at which it began waiting for its inputs,
-started computing and ended. Recording costs three clock reads per unit and one file write per
-iteration. ``megatron-dualpipe trace DIR`` turns the files into a Perfetto trace and a picture
-(:mod:`megatron_dualpipe.pictures.timeline`). :class:`KeptRecorder` keeps the records in memory instead
-(the live advice measures an iteration with it). Standard library only.
+Off by default; on with ``run_rank(..., trace=TraceRecorder(DIR))`` or ``MEGATRON_DUALPIPE_TRACE=DIR``
+(``MEGATRON_DUALPIPE_TRACE_EVERY=N``: every N-th iteration). Each rank appends one JSON line per recorded call
+to ``DIR/rank{global rank:05d}.jsonl``: the schedule, its actions, and per unit the seconds at which it began
+waiting, started and ended (three clock reads per unit). ``megatron-dualpipe trace DIR`` draws them;
+:class:`KeptRecorder` keeps the records in memory (the live advice). Standard library only.
 """
 from __future__ import annotations
 
@@ -50,8 +46,8 @@ class TraceRecorder:
 
 
 class KeptRecorder:
-    """Records every ``run_rank`` call it is given into :attr:`records` (same dicts as the files),
-    with the ``perf_counter`` time each call's unit times count from in :attr:`origins`."""
+    """Records every ``run_rank`` call into :attr:`records` (the files' dicts), with the ``perf_counter`` time
+    each call's unit times count from in :attr:`origins`."""
 
     def __init__(self):
         self.records: List[dict] = []
@@ -64,8 +60,7 @@ class KeptRecorder:
 
 
 class IterationRecord(RunListener):
-    """One rank's timings of one ``run_rank`` call, recorded as a listener of the run; at its end
-    they go to ``sink``."""
+    """One rank's timings of one ``run_rank`` call, a listener of the run; at its end they go to ``sink``."""
 
     def __init__(self, call: int, program, rank: int, global_ranks: List[int], sink: Callable[[dict], None]):
         self.call, self.program, self.rank, self.sink = call, program, rank, sink
@@ -115,8 +110,7 @@ def _recorder(directory: str, every: int) -> TraceRecorder:
 
 
 def op_medians(record: dict, *more: dict) -> Dict[str, float]:
-    """One rank's recorded call (or several calls, pooled): per op (``F``, ``B``, ``W``, ``BW``;
-    ``FB`` for a fused unit) the median duration in ms of its units."""
+    """Per op (``FB`` for a fused unit) the median duration in ms of the units of one or more recorded calls."""
     from ..schedule import Action
 
     spans: Dict[str, List[float]] = {}
@@ -129,9 +123,8 @@ def op_medians(record: dict, *more: dict) -> Dict[str, float]:
 
 
 def slowest_costs(per_rank: Sequence[Dict[str, float]]):
-    """The simulator's costs from the ranks' :func:`op_medians`: per op the largest (the simulator
-    takes one cost per op, and the slowest stage sets the pipeline's pace); a full backward is
-    ``BW``, or ``B`` + ``W`` when the schedule split it."""
+    """The simulator's costs from the ranks' :func:`op_medians`: per op the largest (the slowest stage sets the
+    pace); a full backward is ``BW``, or ``B`` + ``W`` when the schedule split it."""
     from ..schedule.actions import B, BW, F, W
     from ..schedule.simulate import Costs
 

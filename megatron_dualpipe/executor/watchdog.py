@@ -1,21 +1,13 @@
 """Deadlines and the abort signal for the waits the host does not see: stream waits on an accelerator.
 
-On an accelerator ``work.wait()`` only makes the stream wait and the host runs on: a collective
-whose peer raised or hangs holds the stream, and the next host sync, until NCCL's own timeout,
-whose error names no peer. Every such wait of an iteration is handed to the iteration's
-:class:`Watchdog` with what it is (this rank, the peer, the collective) and a deadline. One thread
-polls ``is_completed()`` and the abort flag (:func:`.abort.failure`: local, no store request). A
-deadline counts from when the device reaches the wait, not from when the host issued it: the host
-runs ahead of the device, and a healthy iteration whose earlier kernels outlast a short
-``--dualpipe-p2p-timeout`` was aborted everywhere (issue 35, finding 5). :func:`device_marker`
-records an event on the current stream where the wait is issued; the clock starts once it has
-completed. On
-a missed deadline or a peer's failure it keeps a named error, logs it, tells every rank (a
-deadline: :func:`.abort.signal`) and aborts the communicators, so that a host blocked on the
-stream gets an error; :func:`watching` raises the named error instead. At the end of the
-iteration the host waits, under the same deadlines and signal, for what is still outstanding
-(Megatron's optimizer step syncs right after anyway), and the watchdog stops: it never acts on
-a later iteration's communicators.
+There a collective whose peer raised or hangs holds the stream, and the next host sync, until NCCL's timeout,
+whose error names no peer. Every stream wait of an iteration is handed to its :class:`Watchdog` with what it is
+and a deadline; one thread polls ``is_completed()`` and the abort flag. A deadline counts from when the device
+reaches the wait (:func:`device_marker`), not when the host issued it: the host runs ahead, and a healthy
+iteration with a short ``--dualpipe-p2p-timeout`` was aborted everywhere (issue 35, finding 5). On a missed
+deadline or a peer's failure it keeps a named error, tells every rank and aborts the communicators, so that a
+host blocked on the stream gets an error; :func:`watching` raises the named error. It never acts on a later
+iteration's communicators.
 """
 from __future__ import annotations
 
@@ -66,8 +58,7 @@ class Tracked:
 
 
 def device_marker():
-    """An event recorded on the current stream where a stream wait is issued (the device reaches the
-    wait once it completes), or None where the host is the device (it reaches the wait now)."""
+    """An event recorded on the current stream where a stream wait is issued, or None without an accelerator."""
     import torch
 
     if not torch.cuda.is_available():
@@ -78,13 +69,10 @@ def device_marker():
 
 
 def abort_communicators() -> None:
-    """Abort every communicator of this process so that a host blocked on a stream sees an error
-    (best effort; the CPU emulation replaces it). Each group's own ``ProcessGroup.abort()``, the
-    backend's documented abort, NCCL's inside one group start/end as torch's own abort of the world
-    does (communicators aborted one by one can deadlock each other: pytorch#119797). torch's group
-    registry is left alone: this runs on the watchdog's thread while the main thread may read it,
-    and the job ends with the named error. ``abort()`` is idempotent: NCCL's own watchdog aborting
-    the same communicators (``TORCH_NCCL_ASYNC_ERROR_HANDLING``) does no harm."""
+    """Abort every communicator of this process so that a host blocked on a stream sees an error (best
+    effort): each group's ``ProcessGroup.abort()``, NCCL's inside one group start/end as torch's own abort of
+    the world does (aborted one by one they can deadlock: pytorch#119797). torch's group registry is left alone
+    (the main thread may read it); ``abort()`` is idempotent."""
     from torch.distributed import distributed_c10d as c10d
 
     try:
@@ -161,8 +149,7 @@ class Watchdog:
         self.check()
 
     def stop(self) -> None:
-        """Stop watching at once (what is outstanding is no longer this watchdog's); returns once
-        the thread has ended, so nothing of this watchdog acts later."""
+        """Stop watching at once; returns once the thread has ended, so nothing of this watchdog acts later."""
         self._stop.set()
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
@@ -214,9 +201,8 @@ _BETWEEN: list = [None]  # the listener told to abort the communicators between 
 
 
 def _abort_between_iterations() -> None:
-    """Once this process waits on a stream: a failure heard while no iteration runs (this rank is in
-    Megatron's optimizer step, its grad-norm all-reduce waiting for the failed rank) aborts the
-    communicators too, so the host sync there raises instead of waiting for NCCL's timeout."""
+    """Once this process waits on a stream: a failure heard between iterations (e.g. in the optimizer step's
+    grad-norm all-reduce) aborts the communicators too, instead of waiting for NCCL's timeout."""
     heard = abort.listener()
     if heard is None or _BETWEEN[0] is heard:
         return
