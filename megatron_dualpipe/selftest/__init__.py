@@ -1,25 +1,11 @@
 """``megatron-dualpipe selftest``: on the user's own machines, in a few minutes, does DualPipe give
-Megatron's 1F1B numbers, does it hang, is it faster, how much memory does it take.
+Megatron's 1F1B numbers, does it hang, is it faster, how much memory does it take (the stages:
+:func:`.worker._stages`, docs/selftest.md).
 
-Stages, in order, each ending in one line ``[PASS|FAIL|SKIP] stage: numbers``; the selftest stops
-at the first hard FAIL (speed and memory FAILs are soft)::
-
-    environment   versions, devices, links; P2P latency/bandwidth of pipeline neighbours and bd pairs
-    equality      tiny GPT (+ MoE over EP with --ep): DualPipe, DualPipeV vs Megatron 1F1B, same weights,
-                  and every schedule vs the pp=1 reference of the CPU tests (megatron_dualpipe/proof)
-    deepseek-v3   DeepSeek-V3-shaped tiny model (MLA, V3 MoE routing, shared expert, dense first layer):
-                  DualPipe, DualPipeV (fused F&B units with --ep) and, with --ep, Megatron's interleaved
-                  1F1B with its all-to-all overlap vs Megatron 1F1B; tokens/s and peak GPU memory each
-    no hang       odd M and pp <= M < 2pp, bounded by the deadline
-    overlap       MoE all-to-all hidden in fused F&B units (GPU with --ep; SKIP otherwise)
-    speed         bench: every schedule against its simulation (matmul stages on GPU)
-    memory        peak saved activations per rank against the simulator and advise
-    no hang       one rank raises: its peers stop with a named error within the deadline (last)
-
-It writes ``OUT/selftest.md``, ``OUT/selftest.json`` and the timelines (PNG and Perfetto JSON) and
-exits 1 on any FAIL. One process per rank: started here (``--nproc``, one machine; NCCL with GPUs,
-gloo and the CPU mode without) or by torchrun (``torchrun ... -m megatron_dualpipe selftest``,
-several nodes). This module only parses arguments (no torch import until it runs).
+Each stage ends in one line ``[PASS|FAIL|SKIP] stage: numbers``; the selftest stops at the first
+hard FAIL, writes ``OUT/selftest.md`` and ``OUT/selftest.json`` and exits 1 on any FAIL. One
+process per rank, started here (``--nproc``) or by torchrun. This module only parses arguments
+(no torch import until it runs).
 """
 from __future__ import annotations
 

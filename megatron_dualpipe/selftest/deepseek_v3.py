@@ -1,15 +1,8 @@
-"""Stage ``deepseek-v3``: the tiny DeepSeek-V3-shaped model (:func:`..proof.models.deepseek_v3`:
-multi-latent attention, SwiGLU, RMSNorm, untied, the first layer dense, sigmoid routing with
-expert bias in 2 groups, a shared expert) from the same full weights under Megatron's own 1F1B,
-DualPipe and DualPipeV (fused F&B units through the combined step with ``--ep``) and, with
-``--ep``, the incumbent a Megatron user would pick: Megatron's interleaved 1F1B (two virtual
-stages per rank) with its all-to-all overlap (``--overlap-moe-expert-parallel-comm``).
-
-Every schedule's losses and gradients are held to 1F1B's within the dtype's tolerance (the
-equality stage's comparison). Then a few more iterations of each are timed (the compared one
-was the warm-up): tokens per second of the slowest rank and the peak memory allocated on the GPU
-(the chunks' weights, gradients and activations). The speed is reported, never judged: on the
-CPU the ranks share the cores; on a GPU the tiny model measures latency, not the overlap.
+"""Stage ``deepseek-v3``: the tiny DeepSeek-V3-shaped model (:func:`..proof.models.deepseek_v3`)
+from the same weights under Megatron's 1F1B, DualPipe and DualPipeV (fused F&B units with
+``--ep``) and, with ``--ep``, Megatron's interleaved 1F1B with its all-to-all overlap: losses and
+gradients held to 1F1B's, then a few timed iterations each (tokens/s of the slowest rank, peak GPU
+memory), reported and never judged: the CPU ranks share cores, a tiny model measures latency.
 """
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
-"""Stage ``environment``: versions, devices and links, and the point-to-point latency and
-bandwidth between the ranks a pipeline uses (neighbours i, i+1 and the bd pairs i, pp-1-i), with
-the bd pairs' placement (DualPipe sums each stage's two copies over its bd pair every iteration:
-across nodes that sum crosses the slower link).
+"""Stage ``environment``: versions, devices and links, and the point-to-point latency and bandwidth
+of pipeline neighbours and bd pairs (i, pp-1-i), with the bd pairs' placement (DualPipe sums each
+stage's two copies over its bd pair every iteration: across nodes, over the slower link).
 """
 from __future__ import annotations
 

@@ -1,12 +1,6 @@
-"""Test-only fault injection, so that the tests can show the selftest catching a broken executor.
-
-``swap-microbatch`` makes the DualPipe runs of the equality stage read micro-batches 0 and 1 in
-swapped order on the last pipeline rank (a broken executor delivering the wrong micro-batch to a
-stage). ``tests/apps/test_selftest.py`` checks that the selftest then FAILs with the loss
-difference; nothing else sets it. ``wrong-gradient`` makes DualPipeV's gradient of one router weight
-on pipeline rank 0 of the ``deepseek-v3`` stage 0.1% too large (a broken executor accumulating a
-gradient wrongly), which that stage must catch. ``stall:STAGE`` makes rank 1 never end STAGE (a rank stuck where
-no timeout of its own applies), which the watchdog must stop.
+"""Test-only fault injection (``MEGATRON_DUALPIPE_SELFTEST_FAULT``), so that
+``tests/apps/test_selftest.py`` can show the selftest catching a broken executor: ``swap-microbatch``
+(equality stage), ``wrong-gradient`` (deepseek-v3 stage) and ``stall:STAGE`` (the watchdog).
 """
 from __future__ import annotations
 

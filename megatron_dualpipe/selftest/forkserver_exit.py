@@ -1,9 +1,6 @@
-"""Imported by the selftest's forkserver only (the last of :data:`.worker.PRELOAD`): when the
-selftest's process ends, the forkserver leaves with ``os._exit``, without the teardown of the
-megatron-core modules it preloaded (1-2 s here), during which it still held the selftest's stdout
-and stderr open: whoever reads the selftest's output to its end waited for it. Nothing else imports
-this module; the ranks the forkserver forks leave with ``os._exit`` anyway (multiprocessing's
-forkserver children), so the handler never runs in them.
+"""Imported by the selftest's forkserver only (:data:`.worker.PRELOAD`): it leaves with ``os._exit``
+at exit, skipping the teardown of the preloaded megatron-core (1-2 s) during which it held the
+selftest's stdout open (its forked ranks leave with ``os._exit`` anyway).
 """
 import atexit
 import os

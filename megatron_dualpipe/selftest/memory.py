@@ -1,13 +1,10 @@
-"""Stage ``memory``: the activation memory each rank holds at its peak under Megatron's 1F1B,
-DualPipe and DualPipeV, against the simulator's prediction (its peak count of live micro-batch
-activations on the rank, times what one forward of the rank's larger chunk saves) and ``advise``'s.
+"""Stage ``memory``: each rank's peak activation memory under 1F1B, DualPipe and DualPipeV, against
+the simulator's prediction (its peak count of live activations x one forward of the rank's larger
+chunk) and ``advise``'s.
 
-Measured two ways: the bytes of the distinct storages autograd saved for backward that are still
-alive (every backend: a saved tensor counts until the graph and any deferred weight gradient
-holding it let it go), and on a GPU the peak allocated memory above what the rank held before the
-iteration (``torch.cuda.max_memory_allocated``; it also holds temporaries and the communication
-buffers, so it is reported, not judged). The verdict is soft: a rank holding more than
-:data:`OVER` times the prediction FAILs without stopping the selftest.
+Measured as the live bytes of the distinct storages autograd saved (every backend) and, on a GPU,
+the peak allocated memory above the start (reported only: it holds temporaries and buffers). Soft:
+a rank above :data:`OVER` times the prediction FAILs without stopping the selftest.
 """
 from __future__ import annotations
 

@@ -1,11 +1,7 @@
-"""Stages ``no hang``: the runs a pipeline schedule is most likely to deadlock on, bounded by the
-deadline (every point-to-point wait of the executor times out after it, naming the peer).
-
-* :class:`OddMicrobatches`: DualPipe and DualPipeV with an odd M and with pp <= M < 2pp (padded
-  with fake micro-batches), each checked for finishing and for 1F1B's losses on the same data;
-* :class:`RankRaises`: one rank raises in its second forward; every other rank of its pipeline
-  must stop with an error that names a rank, within the deadline. It runs last: afterwards the
-  pipeline's point-to-point traffic is in an unknown state.
+"""Stages ``no hang``, bounded by the deadline: :class:`OddMicrobatches` (DualPipe and DualPipeV
+with an odd M and with pp <= M < 2pp, finishing with 1F1B's losses) and :class:`RankRaises` (one
+rank raises in its second forward; its pipeline peers must stop with an error naming a rank within
+the deadline; it runs last, as afterwards the point-to-point traffic is in an unknown state).
 """
 from __future__ import annotations
 

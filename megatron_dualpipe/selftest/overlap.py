@@ -1,18 +1,11 @@
-"""Stage ``overlap``: how much of the MoE all-to-all the fused F&B units hide.
+"""Stage ``overlap``: how much of the MoE all-to-all DualPipe's fused F&B units hide (with ``--ep``).
 
-DualPipe's fused units run one direction's forward with the other's backward through megatron-
-core's combined step: the ``moe_dispatch`` / ``moe_combine`` schedule nodes run on the
-communication stream while the other micro-batch's ``attn`` / ``mlp`` nodes compute. This stage
-times every schedule node inside the fused units of one DualPipe iteration of the tiny MoE (after
-a warm-up iteration) and reports, per rank, the fraction of the all-to-all nodes' time that lies
-inside the time of the unit's compute nodes.
-
-How a node is timed: megatron-core enters every node through ``stream_acquire_context`` (wait
-for the previous node's event, run on the node's stream, record the event; a function of
-``pipeline_parallel.utils`` in 0.16, a method of ``ScheduleNode`` from 0.19). :class:`NodeTimer`
-swaps it, for the measured iteration only, for one that marks the start after the wait and the
-end before the record, on the node's own stream: CUDA timing events on a GPU; on the CPU the host clock, where the nodes
-run one after another, so nothing is hidden and the stage reports SKIP with what it recorded.
+Every schedule node of the fused units of one DualPipe iteration (after a warm-up) is timed on
+its own stream: :class:`NodeTimer` swaps megatron-core's ``stream_acquire_context`` (a function of
+``pipeline_parallel.utils`` in 0.16, a method of ``ScheduleNode`` from 0.19) to mark each node's
+start after its wait and its end before its record (CUDA events; the host clock on the CPU, where
+the nodes run one after another, so the stage SKIPs). Per rank: the ``moe_dispatch`` /
+``moe_combine`` time inside the unit's compute nodes' time.
 """
 from __future__ import annotations
 

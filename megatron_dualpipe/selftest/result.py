@@ -1,10 +1,6 @@
-"""One stage's verdict and the report built from all of them (``selftest.md``, ``selftest.json``).
-
-A stage ends in PASS, FAIL or SKIP with a one-line summary holding the deciding numbers, the
-details (lines for the report) and the numbers themselves (for the JSON). A FAIL is *hard* when
-what follows cannot be trusted (the environment is broken, the schedules compute something else,
-a run hangs): the selftest stops there. Speed and memory FAILs are soft: the run goes on and the
-exit status is still non-zero.
+"""One stage's verdict (PASS, FAIL or SKIP, a one-line summary, details, numbers) and the report
+built from all of them (``selftest.md``, ``selftest.json``). A *hard* FAIL (what follows cannot be
+trusted) stops the selftest; speed and memory FAILs are soft.
 """
 from __future__ import annotations
 

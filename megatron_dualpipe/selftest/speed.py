@@ -1,21 +1,10 @@
-"""Stage ``speed``: ``megatron-dualpipe bench`` on this machine, every schedule the executor runs
-(1F1B's order, ZB-H1, DualPipe, DualPipeV) against the simulated makespan of the same costs (with
-the measured P2P latency), with the bd gradient sums in (``--grad-mb``).
+"""Stage ``speed``: ``megatron-dualpipe bench`` over all ranks (pp = world size), every schedule the
+executor runs against the simulated makespan of the same costs, with the bd gradient sums in.
 
-On a GPU the stages multiply matrices (``--compute matmul``) sized to the user's model: a stage's
-forward costs what ``--model-layers-per-stage`` transformer layers of hidden size ``--model-hidden``
-on ``--model-seq`` tokens cost at this GPU's measured matrix-multiply rate (backward twice that,
-half of it the weight gradient), and the bd sums carry the stage's fp32 gradients. ``bench``'s
-matrices are float32: a stage spends the model's FLOPs at the fp32 rate, so its milliseconds are
-longer than a bf16 model's; the ratios between schedules and against the simulation are what the
-stage is for. On the CPU the
-stages sleep their costs (four processes multiplying matrices on a few cores would measure the
-cores' sharing, not the schedule).
-
-The pipeline is all the ranks (pp = world size), as ``bench`` under torchrun runs it. On a GPU the
-verdict is soft: a schedule whose iteration takes more than :data:`SLOWER` times its simulation
-FAILs without stopping the selftest. On the CPU the figures are reported, not judged: the ranks
-share a few cores with each other and with whatever else runs there.
+On a GPU the stages multiply fp32 matrices sized to the user's model (``--model-*``: the FLOPs of
+its layers at this GPU's measured rate) and a schedule slower than :data:`SLOWER` times its
+simulation FAILs softly; on the CPU they sleep their costs and nothing is judged (the ranks share
+a few cores).
 """
 from __future__ import annotations
 

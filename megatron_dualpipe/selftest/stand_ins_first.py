@@ -1,8 +1,6 @@
-"""Imported by the selftest's CPU forkserver first (:data:`.worker.STAND_INS_FIRST`), before it preloads
-megatron-core: the CPU mode's stand-ins for the GPU libraries that are not installed go on the import
-path, so that the ranks it forks can build Transformer Engine layers (``--te``). megatron-core reads
-at import whether those libraries exist; installed later, the stand-ins would not be seen. Only the
-CPU forkserver imports this module (never next to a GPU).
+"""Imported first by the selftest's CPU forkserver (:data:`.worker.STAND_INS_FIRST`): megatron-core
+reads at import whether the GPU libraries exist, so the CPU mode's stand-ins (``--te``) must be on
+the import path before it is preloaded.
 """
 from ..cpu import stand_ins
 

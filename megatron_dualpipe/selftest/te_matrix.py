@@ -1,10 +1,7 @@
-"""With ``--te``, the equality stage also runs the combinations of the TE matrix
-(tests/megatron_lm/test_megatron_lm_te.py, proven on the CPU through the stand-ins) as options on
-its tiny model, so that a GPU user proves them with the real Transformer Engine, grouped GEMM and
-DeepEP: DualPipe's and DualPipeV's losses and gradients against Megatron's 1F1B from the same
-weights. Each combination ends in one line naming it with its largest difference, or SKIP with
-what it needs. Zero bubble runs through TE's deferral (``delay_wgrad_compute``) on the executor's
-chunks; Megatron's 1F1B computes the same weight gradients inline.
+"""With ``--te``, the equality stage also runs the TE matrix's combinations
+(tests/megatron_lm/test_megatron_lm_te.py, proven on the CPU through the stand-ins) on its tiny
+model, so that a GPU user proves them with the real Transformer Engine, grouped GEMM and DeepEP:
+each one line, DualPipe and DualPipeV against Megatron's 1F1B, or SKIP with what it needs.
 """
 from __future__ import annotations
 

@@ -1,12 +1,9 @@
-"""Bound every stage of the selftest on every rank: a rank still in one phase of a stage after the
-stage limit says so on stderr, with the Python stack of each of its threads (what it waits for),
-and exits with :data:`STUCK_EXIT`.
+"""Bound every phase of every selftest stage on every rank: a rank past the limit prints the phase
+and each thread's Python stack on stderr and exits with :data:`STUCK_EXIT`.
 
-Why a watchdog and not only timeouts: the executor's point-to-point waits time out after
-``--deadline``, but a stage also runs collectives (barriers, the bd sums, the gathering of the
-findings on rank 0) and code that is not the executor's; one rank stuck there would otherwise hold
-every other rank in its next collective for the whole process group's timeout, silently. The
-parent (:func:`..bench.launch.spawn`, or torchrun) sees the exit and stops the others.
+Timeouts alone do not do it: besides the executor's point-to-point waits a stage runs collectives
+(barriers, bd sums, the gathering on rank 0), and one rank stuck there would hold every other rank
+silently for the process group's timeout. The parent (spawn or torchrun) then stops the others.
 """
 from __future__ import annotations
 

@@ -1,14 +1,10 @@
 """What every rank of the selftest runs: the stages in order, each rank's findings gathered on
-rank 0, which judges them, prints the verdict line, rewrites the report, and tells every rank
-whether to go on.
+rank 0, which judges them, prints the verdict, rewrites the report and tells every rank whether to
+go on.
 
-A stage is a module with ``NAME``, ``run(ctx) -> payload`` (every rank; any picklable value) and
-``judge(ctx, payloads) -> StageResult`` (rank 0; ``payloads[r]`` is rank r's). A stage that raises
-on a rank becomes a FAIL naming the rank; the rank also prints its error at once, in case its
-peers, still inside the stage's collectives, never reach the gathering. The stage that makes a
-rank raise on purpose runs last: after it the pipeline's point-to-point traffic cannot be trusted
-any more. Every phase of every stage is bounded by the stage limit, the set-up before them by
-the set-up limit (:mod:`.watchdog`).
+A stage is a module with ``NAME``, ``run(ctx) -> payload`` (every rank) and ``judge(ctx, payloads)
+-> StageResult`` (rank 0). A stage that raises on a rank is a FAIL naming the rank, printed at
+once in case its peers never reach the gathering. Every phase is bounded (:mod:`.watchdog`).
 """
 from __future__ import annotations
 
@@ -54,17 +50,14 @@ class Context:
 PRELOAD = ("megatron.core.parallel_state", "megatron_dualpipe.proof.models", __name__, f"{__package__}.forkserver_exit")
 
 
-#: Imported by the CPU forkserver before megatron-core (the CPU mode's stand-ins for the GPU libraries:
-#: megatron-core reads at import whether Transformer Engine exists; ``--te`` builds its layers).
+#: Imported by the CPU forkserver before megatron-core (the CPU mode's stand-ins, :mod:`.stand_ins_first`).
 STAND_INS_FIRST = f"{__package__}.stand_ins_first"
 
 
 def preload(gpu: bool) -> None:
     """Start the forkserver that :func:`..bench.launch.spawn` forks the ranks from with :data:`PRELOAD`
-    imported (after spawn's own preload, ``own_session`` first), so that megatron-core is imported
-    once, not by every rank (4 ranks on 2 cores: 6 s before the first stage). spawn reuses a running
-    forkserver; without one (no forkserver on this platform) the ranks import it themselves, and so
-    they do with GPUs: an import that asked CUDA anything would leave the forked ranks unable to use it."""
+    imported, so that megatron-core is imported once, not by every rank (4 ranks on 2 cores: 6 s).
+    Not with GPUs: an import that asked CUDA anything would leave the forked ranks unable to use it."""
     import multiprocessing as mp
     from multiprocessing import forkserver
 
@@ -87,12 +80,7 @@ def _setup(cfg: SelftestConfig, rank: int, world: int, device) -> Context:
     from ..mcore.groups import build_bd_groups
     from ..proof.groups import init_model_parallel
 
-    cpu_mode.enable()
-    if not cfg.gpu:
-        # Megatron's torch.compile'd helpers (jit_fuser: the V3 router's expert-bias count) run
-        # eagerly: inductor would compile C++ on every rank (~3 s each); the eager path computes the
-        # same function (the CPU mode turns Megatron's fusions off for the same reason).
-        torch.compiler.set_stance("force_eager")
+    cpu_mode.enable()  # without a GPU also torch.compile eager: no C++ compiled on every rank
     init_model_parallel(tp=cfg.tp, pp=cfg.pp, ep=cfg.ep, timeout_minutes=max(1, round(cfg.deadline_s / 60)))
     build_bd_groups()
     gc.freeze()  # megatron-core's ~3,000 modules: a full collection walked them all (0.5 s each here)
