@@ -1,9 +1,5 @@
-"""The equality check: how far numbers under test are from a reference, as one printed line.
-
-A :class:`Gap` collects pairs of arrays (a loss list, a gradient) and keeps the largest absolute
-difference, the largest reference value (the scale) and the worst pair's own relative difference
-with its name. Relative to the scale, so that one tolerance serves any loss and any layer; a
-reference of zeros leaves the absolute difference.
+"""The equality check: how far numbers under test are from a reference, as one printed line;
+relative to the largest reference value, so one tolerance serves any loss and any layer.
 """
 from __future__ import annotations
 

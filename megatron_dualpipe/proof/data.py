@@ -1,8 +1,5 @@
-"""What the tiny GPT reads and how its loss is taken: random micro-batches, Megatron's masked loss,
-and a ``forward_step`` with ``pretrain_gpt.forward_step``'s contract.
-
-The tests and the selftest feed every schedule through these, so that the reference and the
-schedule under test read the same numbers the same way.
+"""What the tiny GPT reads and how its loss is taken (random micro-batches, Megatron's masked loss,
+``pretrain_gpt.forward_step``'s contract), the same for the reference and every schedule.
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""megatron-core's parallel groups for a proof, on the process group already started: the same
-call for the tests (gloo on the CPU) and the selftest (NCCL on GPUs, or gloo)."""
+"""megatron-core's parallel groups for a proof, on the process group already started (gloo on the
+CPU for the tests, NCCL or gloo for the selftest)."""
 from __future__ import annotations
 
 from typing import Optional

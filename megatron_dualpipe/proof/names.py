@@ -1,11 +1,9 @@
-"""A stage's parameters under the full (pp=1) model's names, so that stage i of 1F1B, model[0] on
-rank i and model[1] on rank pp-1-i (DualPipe), the chunk holding the same layers (DualPipeV) and a
-single-process model can be loaded from one state dict and compared name by name.
+"""A stage's parameters under the full (pp=1) model's names, so that every schedule's stages and
+a single-process model load from one state dict and compare name by name.
 
-Stage models number their layers from 0: a stage holding global layers [o, o+n) has
-``decoder.layers.i.*`` for global layer ``o + i`` (``TransformerLayer.layer_number`` is 1-based and
-global; the module index is local). With tied embeddings the last stage's ``output_layer.weight``
-is the full model's ``embedding.word_embeddings.weight``.
+A stage holding global layers [o, o+n) has ``decoder.layers.i.*`` for global layer ``o + i``
+(``layer_number`` is 1-based and global, the module index local). With tied embeddings the last
+stage's ``output_layer.weight`` is the full model's ``embedding.word_embeddings.weight``.
 """
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""The no-hang check: when one rank fails, every peer of its pipeline must stop with an error that
-names a rank, within a bound, rather than wait for its own deadline or hang.
-
-:func:`attempt` runs one rank's part and records how it stopped; :func:`peers_stopped` judges the
-peers' records. The tests (a micro-batch of the wrong shape) and the selftest (a rank that raises
-in its second forward) judge their runs with the same function.
+"""The no-hang check: when one rank fails, every peer of its pipeline must stop within a bound with
+an error that names a rank. :func:`attempt` records how one rank's run stopped; :func:`peers_stopped`
+judges the peers' records (the tests and the selftest alike).
 """
 from __future__ import annotations
 

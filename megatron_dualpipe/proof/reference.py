@@ -1,8 +1,6 @@
 """The single-process reference: the whole (pp=1) model over every micro-batch in a plain loop.
-
-Each micro-batch's loss and its own (unscaled) gradient are kept, so one reference run serves
-every number of micro-batches M and every data-parallel split: the gradient a schedule must give
-for M micro-batches is the mean of the first M (:func:`mean_grad`).
+Each micro-batch's own gradient is kept, so one run serves every M and data-parallel split
+(:func:`mean_grad`).
 """
 from __future__ import annotations
 

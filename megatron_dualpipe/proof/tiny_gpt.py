@@ -1,9 +1,4 @@
-"""The tiny megatron-core GPT every proof builds: its config, the model, the seeds.
-
-One definition for the tests and ``megatron-dualpipe selftest``, so that both prove their claims on
-the same model. ``build_tiny_gpt(..., layer_spec="te")`` builds it with Transformer Engine layers (GPU).
-"""
-
+"""The tiny megatron-core GPT of the tests, the selftest and the main job: config, model, seeds."""
 from __future__ import annotations
 
 from typing import Any, Dict, Optional
