@@ -1,10 +1,6 @@
-"""Processes for the benchmark: one per pipeline rank, started here or by torchrun.
-
-Under torchrun (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` set) this process is one rank and the
-world is the pipeline: the ranks' results reach rank 0 through ``gather_object`` (:func:`run_here`).
-Otherwise :func:`spawn` starts ``world`` processes on this machine through the package's one spawner
-(:mod:`..launch.spawn`), which returns each rank's result. The backend follows the device: NCCL when
-there is a GPU, gloo otherwise.
+"""Processes for the benchmark and the selftest: one per pipeline rank, started here (:func:`spawn`,
+through the package's one spawner, :mod:`..launch.spawn`) or by torchrun (:func:`run_here`; the
+ranks' results reach rank 0 through ``gather_object``). NCCL with a GPU, gloo otherwise.
 """
 from __future__ import annotations
 
@@ -48,19 +44,6 @@ DESTROY_S = 60.0
 TORCH = ("torch", "torch.distributed")
 
 
-def _gathered(fn: Callable[..., Any], args: Sequence[Any], timeout_s: float) -> Optional[Any]:
-    """Join the group, run ``fn(rank, world, device, *args)``; rank 0 gets every rank's result.
-    Leaves the process group up (:func:`_destroy_within` tears it down)."""
-    import torch.distributed as dist
-
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    device = init(rank, world, timeout_s)
-    mine = fn(rank, world, device, *args)
-    gathered: List[Any] = [None] * world if rank == 0 else []
-    dist.gather_object(mine, gathered if rank == 0 else None, dst=0)
-    return gathered if rank == 0 else None
-
-
 def _destroy_within(seconds: float = DESTROY_S) -> None:
     """``destroy_process_group``, bounded: after a rank raised on purpose (the selftest's last
     stage) a peer's connection may be half closed, and tearing the group down must not keep a
@@ -90,8 +73,14 @@ def _destroy_within(seconds: float = DESTROY_S) -> None:
 
 def run_here(fn: Callable[..., Any], args: Sequence[Any], timeout_s: float) -> Optional[Any]:
     """Run ``fn(rank, world, device, *args)`` as the torchrun rank; rank 0 gets every rank's result."""
+    import torch.distributed as dist
+
     try:
-        return _gathered(fn, args, timeout_s)
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        mine = fn(rank, world, init(rank, world, timeout_s), *args)
+        gathered: List[Any] = [None] * world if rank == 0 else []
+        dist.gather_object(mine, gathered if rank == 0 else None, dst=0)
+        return gathered if rank == 0 else None
     finally:
         _destroy_within()
 

@@ -1,32 +1,22 @@
-"""Rank 0's view of a benchmark: the ranks' figures against the simulator, as rows, a table
-and JSON.
+"""Rank 0's view of a benchmark: the ranks' figures against the simulator, as rows, a table and JSON.
 
-Definitions (per schedule, pp and M):
+Per schedule, pp and M:
 
 * measured: per iteration the slowest rank's time; median and range over the timed iterations.
-* simulated: the project simulator's makespan for the same costs. ``x sim``: measured over
-  simulated with ``p2p=0``; ``x +lat``: over simulated with the measured one-message latency on
-  every cross-rank dependency (the gloo part); ``x exec``: over simulated with that latency and
-  the costs as the stages really spent them (see "spent"): what remains is the executor's own
-  cost, and noise.
-* overhead/action: per rank, (iteration time - time in compute - time in P2P calls) / actions:
-  the executor's own bookkeeping. The slowest rank's median is shown.
-* P2P ms: per rank, time inside the P2P layer's calls (posting and waiting, so it includes
-  waiting for a peer that is still computing); median over iterations.
-* spent: the compute time the stages really spent (sleeps wake late on a loaded machine) over
-  the nominal costs, slowest rank; above 1 it inflates ``x sim`` for every schedule alike.
-* peak activations: forwards whose backward has not run yet, counted by the stage compute, against
-  the simulator's count; "in flight" is the executor's receive buffers and unfinished sends.
-* bd sum (``--grad-mb``, two-copy schedules): per rank, the median time the iteration waited for
-  its stages' bd gradient sums after its last action (exposed), and what the same sums take when
-  only started after the schedule (alone) -- see :mod:`.bd_sum`.
-* predicted: what ``simulate``/``advise`` predict from the bench's own probes only, taken before
-  any schedule runs: the simulated makespan with the measured one-message latency on every hop
-  and the executor's own cost per unit (from a probe run of the 1F1B order at M=2pp on the same
-  stage costs: the per-unit cost that makes the simulation of that run match it),
-  plus the exposed gradient communication (``costs.comm_cost``) with the bd sum's time from
-  the probe of all pairs summing ``--grad-mb`` at once (the slowest rank's median). ``x pred``:
-  measured over predicted.
+* ``x sim``: measured over the simulated makespan with ``p2p=0``; ``x +lat``: with the measured
+  one-message latency on every cross-rank dependency; ``x exec``: with that latency and the costs
+  as the stages really spent them ("spent": sleeps wake late on a loaded machine), leaving the
+  executor's own cost, and noise.
+* overhead/action: per rank, (iteration - compute - P2P calls) / actions, the slowest rank's median.
+* P2P ms: per rank, time inside the P2P layer's calls, waiting for a peer included.
+* peak activations: forwards whose backward has not run, against the simulator's count; "in
+  flight": the executor's receive buffers and unfinished sends.
+* bd sum (``--grad-mb``): per rank, the time the iteration waited for its bd gradient sums after its
+  last action (exposed), and what they take started after the schedule (alone; :mod:`.bd_sum`).
+* predicted (``x pred``): from the bench's probes alone, before any schedule runs: the simulated
+  makespan with the measured latency and the executor's cost per unit (fitted to a probe run of
+  the 1F1B order at M=2pp), plus the exposed gradient communication (``costs.comm_cost``) with the
+  probed bd sum time.
 """
 from __future__ import annotations
 

@@ -1,12 +1,8 @@
-"""The same synthetic stages under ``torch.distributed.pipelining``'s own schedules.
-
-``torch-1f1b`` is ``Schedule1F1B`` (one stage per rank, pp stages, the project's ``1f1b``
-counterpart); ``torch-dualpipev`` (``ScheduleDualPipeV``) and ``torch-zbv``
-(``ScheduleZBVZeroBubble``) hold stages ``rank`` and ``2pp-1-rank`` (2pp stages, the project's
-``dualpipev`` counterpart); ``torch-interleaved`` (``ScheduleInterleaved1F1B``) holds stages
-``rank`` and ``rank+pp`` (Megatron's layer placement with a virtual pipeline of 2): the incumbent,
-which the executor does not run; it is compared with the simulation of Megatron's interleaved
-order (``interleaved-1f1b``). Every stage spends the same F, B and W as the project's stages.
+"""The same synthetic stages under ``torch.distributed.pipelining``'s own schedules
+(:data:`TORCH_SCHEDULES`: each with the project schedule holding the same stages). V-shaped ones
+hold stages ``rank`` and ``2pp-1-rank``; ``torch-interleaved`` holds ``rank`` and ``rank+pp``
+(Megatron's placement with a virtual pipeline of 2: the incumbent, which the executor does not
+run, compared with the simulation of Megatron's interleaved order).
 """
 from __future__ import annotations
 
