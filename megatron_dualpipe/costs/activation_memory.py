@@ -1,17 +1,10 @@
 """What one micro-batch's activations take on one rank of a pipeline stage, tensor by tensor.
 
-Megatron-LM's ``report_theoretical_memory`` prices a layer with one formula (Korthikanti et al.,
-Table 2: ``s*b*h*(18 + 4F/h)`` bytes with sequence parallelism) for multi-head attention with a
-4h GELU MLP. It has no term for what DeepSeek-V3-class runs change: multi-latent attention's
-projections, SwiGLU, MoE's permuted token copies, ``--recompute-modules`` beyond core_attn, FP8
-copies of GEMM inputs, MTP and the output layer on the last stage. Here a layer is the list of
-tensors its backward keeps (per token, bytes), each tagged with the ``--recompute-modules`` entry
-that frees it and whether it is a GEMM input (kept in FP8 under ``--fp8-format``); for the layer
-Megatron's formula assumes the list sums to that formula (``tests/cli/test_advise_memory.py``)
-and ``tests/mcore/test_activation_memory_measured.py`` checks it against the tensors autograd saves
-in the CPU mode. Core attention keeps no s x s scores (flash attention, or core_attn recomputed),
-as Megatron's formula assumes. Not counted: RoPE's copies of the query and the key (``model_args``
-does not read ``--position-embedding-type``; that test measures them). Standard library only.
+Megatron-LM's ``report_theoretical_memory`` has one formula for an MHA layer with a GELU MLP, no term
+for MLA, SwiGLU, MoE's token copies, ``--recompute-modules``, FP8 or MTP. Here a layer is the list of
+tensors its backward keeps, each tagged with the recompute module that frees it and whether a GEMM
+reads it; ``tests/mcore/test_activation_memory_measured.py`` checks it against what autograd saves.
+Core attention keeps no s x s scores (flash attention), as Megatron's formula assumes. Standard library only.
 """
 from __future__ import annotations
 
@@ -110,11 +103,6 @@ def offloaded(m: ModelArgs, t: Saved) -> bool:
     core_input = t.what in ("query", "key", "value") or t.what.startswith(("query copy", "query after", "key after",
                                                                              "value after"))
     return ("core_attn" in mods and core_input) or any(t.what in OFFLOADED.get(x, ()) for x in mods)
-
-
-def megatron_layer(h: int, ffn: int) -> float:
-    """Megatron-LM's per-layer term with sequence parallelism (bytes per token, before TP)."""
-    return h * (18 + 4 * ffn / h)
 
 
 def layer_bytes(m: ModelArgs, moe: bool) -> float:

@@ -1,15 +1,9 @@
 """One model under every schedule: what each would cost, from the simulator.
 
-Costs here are per *stage* of a pp-stage pipeline: one rank's share of the model under 1F1B,
-ZB-H1 and DualPipe. DualPipeV cuts the same model into 2*pp chunks of half a stage, so it
-runs at half those costs per chunk, and its activation counts (in chunks) are halved to
-stages. Comparing the schedules at the same per-chunk costs instead would make 1F1B's stage
-as cheap as half a stage.
-
-A short batch runs padded, as the executor runs it (:mod:`megatron_dualpipe.schedule.padding`): fake micro-batches
-compute nothing and cost nothing (``PaddedCosts``).
-
-Standard library only, like ``schedule``.
+Costs are per *stage* of a pp-stage pipeline; DualPipeV's chunks are half a stage, so it runs at
+half those costs and its activations are counted in stages (equal per-chunk costs would make 1F1B's
+stage as cheap as half a stage). A short batch runs padded, as the executor runs it, fakes costing
+nothing. Standard library only, like ``schedule``.
 """
 from __future__ import annotations
 
@@ -107,9 +101,8 @@ def run(name: str, pp: int, real: int, stage_costs: Costs, progress: Progress = 
 
 def in_other_placement(name: str, pp: int, real: int, stage_costs: Costs,
                        comm: CommModel) -> Tuple[str, Optional[Row], Optional[str]]:
-    """``name`` (a schedule with bd pairs) in the other rank placement than ``comm``'s: Megatron's,
-    or the bd pairs on one node (the launcher's ``--pair-placement``). Returns the placement's
-    name, the row there, or why the pairs cannot be placed so (then the row is None)."""
+    """``name`` (a schedule with bd pairs) in the other rank placement than ``comm``'s: (the
+    placement's name, the row there or None, why the pairs cannot be placed so or None)."""
     from .comm_cost import MEGATRON, PAIRED
     from ..schedule.placement import PlacementError
 

@@ -1,11 +1,6 @@
-"""A GPT model and its parallel layout, read from ``pretrain_gpt.py``'s arguments.
-
-``megatron-dualpipe advise`` takes the arguments a training run would get (a config of
-``configs/`` plus whatever is appended) and needs only the ones that set the model's shape and
-its parallel sizes; this reads them without Megatron's parser (standard library only, like
-``schedule``), with Megatron-LM's defaults, the last occurrence winning as with argparse.
-Every other argument is ignored: it changes neither the FLOPs nor the memory modelled here.
-"""
+"""A GPT model and its parallel layout, read from ``pretrain_gpt.py``'s arguments without Megatron's
+parser (standard library only, like ``schedule``): Megatron-LM's defaults, the last occurrence
+winning as with argparse, every argument that changes neither FLOPs nor memory ignored."""
 from __future__ import annotations
 
 import re

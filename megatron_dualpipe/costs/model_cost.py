@@ -1,29 +1,10 @@
 """A pipeline stage's costs and memory from the model's shape, for advice before any run.
 
-``advise`` simulates schedules on one stage's forward, backward and weight-gradient times and on
-its memory. Without a run to measure them, this module derives them from a
-:class:`~.model_args.ModelArgs` and a GPU kind:
-
-* FLOPs per token of each layer -- dense MLP (SwiGLU or not), MoE (the routed experts a token
-  goes to plus the shared ones), attention (MHA/GQA, or MLA with its low-rank projections; the
-  causal core ``QK^T`` and ``softmax V`` counted separately) -- the output layer, and MTP's
-  extra layers, projections and logits; the same terms as Megatron-LM's
-  ``num_floating_point_operations`` (``tests/megatron_lm/test_model_cost_vs_megatron.py`` prints both). A
-  weight gradient costs what its forward GEMM costs; the core attention has no weights, so its
-  backward is all input gradient.
-* times: a rank's share of a stage's FLOPs (divided by TP x CP) at ``mfu`` of the GPU's peak dense
-  bf16 rate, plus, for MoE layers with expert parallelism, the all-to-all dispatch and combine
-  (bf16 hidden states of each routed token, (EP-1)/EP of them leaving the rank) at the GPU's
-  NVLink or network bandwidth, in both directions. With expert parallelism a fused F&B unit
-  (DualPipe's, ``--overlap-moe-expert-parallel-comm``) overlaps one's all-to-all with the other's
-  compute. Tensor-parallel communication is not modelled (inside a node, largely overlapped).
-* memory per rank: bf16 parameters, fp32 main gradients and fp32 Adam state (master weights and
-  two moments; divided by the data-parallel size, or the expert data-parallel size for experts,
-  with the distributed optimizer) -- Megatron-LM's ``report_theoretical_memory`` accounting --
-  and the activations of one micro-batch on the first stage by the formulas it uses (Korthikanti
-  et al., Table 2), with an MoE layer's MLP as wide as the experts a token visits.
-
-Standard library only, like ``schedule``.
+FLOPs per token take the terms of Megatron-LM's ``num_floating_point_operations`` (a weight gradient
+costs its forward GEMM; core attention has no weights); times are a rank's share of them at ``mfu``
+of the GPU's peak bf16 rate, plus MoE's all-to-all at NVLink or network bandwidth (tensor-parallel
+communication is not modelled); memory is ``report_theoretical_memory``'s accounting (bf16
+parameters, fp32 gradients and Adam state). Standard library only, like ``schedule``.
 """
 from __future__ import annotations
 
@@ -62,9 +43,7 @@ GPUS = {g.name: g for g in (
 )}
 
 
-# ---------------------------------------------------------------------------------------------
 # FLOPs (forward, per token)
-# ---------------------------------------------------------------------------------------------
 
 def attention_flops(m: ModelArgs) -> Tuple[float, float]:
     """(linear, core) forward FLOPs per token of one attention layer: the projections, and the
@@ -122,14 +101,11 @@ def iteration_flops(m: ModelArgs, global_batch: int) -> float:
     return 3.0 * global_batch * m.seq_length * (linear + core + lin + c + output_flops(m))
 
 
-# ---------------------------------------------------------------------------------------------
 # Stages
-# ---------------------------------------------------------------------------------------------
 
 def stage_sizes(m: ModelArgs) -> Tuple[int, ...]:
-    """Layers per pipeline stage as Megatron splits them: the layout's (a layout of DualPipeV's 2*pp
-    V-stages: stage t = V-stages 2t and 2t+1), ``--decoder-first/last-pipeline-num-layers`` where
-    given, the rest evenly over the other stages."""
+    """Layers per pipeline stage as Megatron splits them (a DualPipeV layout's stage t: V-stages 2t
+    and 2t+1)."""
     if m.layout is not None:
         counts = stage_layout.decoder_counts(stage_layout.parse(m.layout))
         return counts if len(counts) == m.pp else tuple(counts[i] + counts[i + 1] for i in range(0, 2 * m.pp, 2))
@@ -179,8 +155,8 @@ def stage_flops(m: ModelArgs, stage: int) -> Tuple[float, float]:
 
 
 def _span_flops(m: ModelArgs, moe_flags: Sequence[int], last: bool) -> Tuple[float, float]:
-    """(weight GEMMs, core attention) forward FLOPs of layers with these MoE flags, with the output
-    layer and MTP where ``last``, on one rank."""
+    """(weight GEMMs, core attention) forward FLOPs on one rank of these layers (``last``: with the
+    output layer and MTP)."""
     linear, core = 0.0, 0.0
     for moe in moe_flags:
         lin, c = layer_flops(m, bool(moe))
@@ -199,8 +175,8 @@ def moe_layers(m: ModelArgs, stage: int) -> int:
 
 
 def all_to_all_ms(m: ModelArgs, gpu: Gpu, gpus_per_node: int, bandwidth: Optional[float] = None) -> float:
-    """One MoE layer's dispatch and combine on a rank, one direction (ms): the bf16 hidden state of
-    every routed token of its micro-batch share, (EP-1)/EP of them to other ranks."""
+    """One MoE layer's dispatch and combine on a rank, one direction (ms): (EP-1)/EP of the routed
+    tokens' bf16 hidden states leave the rank."""
     if m.ep == 1 or not m.num_experts:
         return 0.0
     tokens = m.micro_batch * m.seq_length / m.cp / (m.tp if m.sequence_parallel else 1)
@@ -212,9 +188,7 @@ def all_to_all_ms(m: ModelArgs, gpu: Gpu, gpus_per_node: int, bandwidth: Optiona
 
 @dataclass(frozen=True)
 class StageCosts:
-    """One stage's times per micro-batch (ms) as 1F1B runs it: forward ``f``, full backward ``b``,
-    its weight-gradient part ``w``, a fused F&B unit ``fb`` (None: f + b), and their compute and
-    all-to-all parts."""
+    """One stage's times per micro-batch (ms) as 1F1B runs it (``fb`` None: f + b)."""
 
     stage: int
     f: float
@@ -226,8 +200,7 @@ class StageCosts:
 
 
 def recompute_flops(m: ModelArgs, moe: bool) -> float:
-    """Forward FLOPs per token that one layer's recomputation runs again in its backward (full: the
-    whole layer; selective: the modules of ``--recompute-modules`` with GEMMs or core attention)."""
+    """Forward FLOPs per token that one layer's recomputation runs again in its backward."""
     linear, core = layer_flops(m, moe)
     if m.recompute == "full":
         return linear + core
@@ -270,9 +243,7 @@ def heaviest_stage(m: ModelArgs, gpu: Gpu, mfu: float, gpus_per_node: int,
                key=lambda c: c.f + c.b)
 
 
-# ---------------------------------------------------------------------------------------------
 # Memory
-# ---------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class Params:
@@ -358,9 +329,7 @@ def rank_bytes(m: ModelArgs, p: Params, world: int) -> Tuple[float, float, float
 
 def activation_bytes(m: ModelArgs) -> float:
     """Megatron-LM's own figure, for comparison: one micro-batch's activations on the first stage
-    (its formulas: with sequence
-    parallel and selective recomputation s*b*h*(18 + 4F/h)/TP per layer, otherwise
-    s*b*h*(10 + 24/TP) and 5% more; full recomputation keeps each layer's input)."""
+    (Korthikanti et al., Table 2)."""
     s, b, h = m.seq_length / m.cp, m.micro_batch, m.hidden
     layers = stage_layers(m, 0)
     embedding = 8 * s * b + s * b * h
@@ -380,9 +349,7 @@ def activation_bytes(m: ModelArgs) -> float:
 
 
 def stage_activations(m: ModelArgs, stage: int) -> Tuple[float, float]:
-    """(per micro-batch in flight, once) activations on one rank of ``stage``
-    (``activation_memory``: tensor by tensor, with recomputation, FP8 and MTP; the output layer's
-    logits once)."""
+    """(per micro-batch in flight, once) activations on one rank of ``stage`` (``activation_memory``)."""
     from .activation_memory import OUTPUT, stage_terms
 
     terms = stage_terms(m, stage_layers(m, stage), stage == 0, stage == m.pp - 1)
@@ -397,9 +364,8 @@ def stage_memory(m: ModelArgs, world: int, stage: int) -> Memory:
 
 
 def heaviest_memory(m: ModelArgs, world: int) -> Memory:
-    """The stage whose parameters, gradients and optimizer state take the most memory, with the
-    activations of the stage that keeps the most per micro-batch (every schedule's peak counts
-    micro-batch-stages alike, so the heaviest stage's paces the limit)."""
+    """The stage with the most parameter memory, with the largest activations of any stage (every
+    schedule's peak counts micro-batch-stages alike)."""
     from dataclasses import replace
 
     stages = [stage_memory(m, world, s) for s in range(m.pp)]

@@ -1,14 +1,9 @@
 """Which stages each rank holds under a schedule, and what they cost together: how DualPipe's
-pairing of stage ``i`` with ``pp-1-i`` (DualPipeV: V-stage ``i`` with ``2pp-1-i``) evens out a
-heavy first or last stage (the embedding, the output layer, MTP) that 1F1B leaves on one rank.
+pairing of stage ``i`` with ``pp-1-i`` evens out a heavy first or last stage that 1F1B leaves alone.
 
-A rank's load is its work per micro-batch of the whole model: 1F1B's rank ``i`` runs stage ``i``
-for every micro-batch; DualPipe's runs stage ``i`` for direction 0's half of the micro-batches and
-its copy of ``pp-1-i`` for direction 1's half, ``(c[i] + c[pp-1-i]) / 2``; DualPipeV's runs
-V-stages ``i`` and ``2pp-1-i`` for every micro-batch, ``v[i] + v[2pp-1-i]``. Every load averages
-to the model's cost over ``pp``; the slowest rank's share of that mean is what uneven stages cost.
-
-Standard library only, like ``schedule``.
+A rank's load is its work per micro-batch: 1F1B ``c[i]``, DualPipe ``(c[i] + c[pp-1-i]) / 2`` (each
+copy runs one direction's half), DualPipeV ``v[i] + v[2pp-1-i]``; the slowest rank's share of the
+mean is what uneven stages cost. Standard library only, like ``schedule``.
 """
 from __future__ import annotations
 
