@@ -1,13 +1,8 @@
-"""``megatron-dualpipe`` command line (also ``python -m megatron_dualpipe``).
+"""``megatron-dualpipe`` command line (also ``python -m megatron_dualpipe``): one module per command,
+each exporting its ``args.Command`` as ``COMMAND``, listed once in :data:`COMMANDS`.
 
-Each command is one module of this package exporting ``COMMAND`` (``args.Command``: its name, help,
-``configure(parser)`` adding its arguments and ``run(args) -> int``), listed once in :data:`COMMANDS`.
-
-Every bad argument ends with one line on stderr, ``megatron-dualpipe: error: ...``, and exit
-status 2: raise :class:`CliError` (or ``ScheduleError`` / ``ValueError``) from ``run``. Ctrl-C
-(130), a closed pipe (141, silent), an ``OSError`` such as a permission error (1) and an
-``OverflowError`` (2) end in one line too; ``tests/cli/test_no_traceback.py`` runs every listed
-command with bad input.
+A user's mistake ends in one line, ``megatron-dualpipe: error: ...``, never a traceback: raise
+:class:`CliError` (or ``ValueError``) from ``run`` (``tests/cli/test_no_traceback.py`` tries them all).
 """
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""``advise --launch-check``: the launch script's memory gate, one line.
-
-The launch script runs it before torchrun with the arguments it is about to pass: a schedule that
-``advise`` says does not fit the GPU's memory is refused (exit 3) with the one that fits and is
-fastest; a schedule that fits but is not the fastest gets a note with what the other would gain."""
+"""``advise --launch-check``: the launch script's memory gate before torchrun, one line: a schedule
+that does not fit the GPU's memory is refused (exit 3) naming the fastest that fits."""
 from __future__ import annotations
 
 import sys

@@ -1,7 +1,5 @@
-"""What the commands share: a command, the one-line user error, the cost arguments, output files.
-
-Every command module imports these from here (never from the package's ``__init__``, which imports
-every command to list it)."""
+"""What the commands share: a command, the one-line user error, the cost arguments, output files,
+the patch tables. Imported from here, never from the package's ``__init__`` (which imports every command)."""
 from __future__ import annotations
 
 import argparse
@@ -36,9 +34,8 @@ def add_cost_args(p: argparse.ArgumentParser, title: str, defaults: bool = True,
 
 
 def fused_cost_problem(f: float, b: float, w: float, fb) -> Optional[str]:
-    """Why ``fb`` cannot be a fused F&B unit's cost, or None: the unit runs a forward and an input
-    backward (``b - w``) together, so it costs at least the larger of the two (and at most both
-    in a row is what overlap saves from, so anything between is a real run's)."""
+    """Why ``fb`` cannot be a fused F&B unit's cost, or None: it runs a forward and an input backward
+    (``b - w``) together, so it costs at least the larger of the two."""
     if fb is None:
         return None
     least = max(f, b - w)
@@ -92,3 +89,41 @@ def check_writable(path: str) -> None:
         raise CliError(f"cannot write {path}: directory {d} does not exist")
     if not os.access(d, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
         raise CliError(f"cannot write {path}: permission denied")
+
+
+def snapshot(patches) -> dict:
+    """target -> (owner, name, object) of each patch that applies to this megatron-core: what an
+    undo must give back (the others are skipped by the install too: their module may not exist)."""
+    from ..hooks.mechanism import current, megatron_core_version, resolve
+
+    version, found = megatron_core_version(), {}
+    for patch in patches:
+        if version in patch.versions:
+            owner, name = resolve(patch)
+            found[patch.target] = (owner, name, current(owner, name))
+    return found
+
+
+def not_restored(saved: dict) -> list:
+    """The targets of :func:`snapshot` that do not hold their object again."""
+    from ..hooks.mechanism import current
+
+    return [target for target, (owner, name, obj) in saved.items() if current(owner, name) is not obj]
+
+
+def print_by_part(rows, noun: str, describe, restored, undo: str) -> None:
+    """``hooks`` / ``cpu-mode``'s table: the (part, patch, state) rows by part, ``describe(patch,
+    state)`` giving each its line and its why; then whether ``undo()`` restored every attribute."""
+    import textwrap
+
+    part = None
+    for p, patch, state in rows:
+        if p != part:
+            part = p
+            print(f"\n{p}: {sum(1 for q, _, _ in rows if q == p)} {noun}")
+        line, why = describe(patch, state)
+        print(line)
+        print(textwrap.fill(why, width=100, initial_indent=" " * 13, subsequent_indent=" " * 13))
+    if restored is not None:
+        verdict = "every patched attribute is back" if not restored else f"NOT restored: {', '.join(restored)}"
+        print(f"\n{undo}(): {verdict}")

@@ -1,18 +1,9 @@
 """``megatron-dualpipe bench``: the executor on synthetic stages against the simulator (and
-against ``torch.distributed.pipelining`` with ``--peer torch``).
+``torch.distributed.pipelining`` with ``--peer torch``), with its own processes or under torchrun.
 
-Every stage spends fixed F, B and W times (sleeping by default, so that pp processes on a few
-cores measure the schedule and the communication, not the cores; ``--compute matmul`` for
-GPUs). For each schedule, pp and M it prints the measured iteration time, the simulated
-makespan of the same costs with and without the measured P2P latency, their ratio, the
-executor's overhead per action, the time in P2P per rank and the peak activations per rank
-against the simulator's (definitions in :mod:`.report`). Started with its own processes (one
-per pipeline rank) or under torchrun::
-
-    megatron-dualpipe bench --pp 4 8 -m 2pp 4pp --f 20 --b 40 --w 20 --peer torch
-    torchrun --nproc-per-node 8 -m megatron_dualpipe bench --compute matmul
-
-This module only parses arguments (no torch import): the work is in :mod:`megatron_dualpipe.bench.measure`.
+Stages sleep their F, B and W times by default, so that pp processes on a few cores measure the
+schedule and the communication, not the cores. Only the arguments here (no torch import): the work
+is :mod:`megatron_dualpipe.bench.measure`.
 """
 from __future__ import annotations
 

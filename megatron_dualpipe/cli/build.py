@@ -1,10 +1,6 @@
-"""The schedule ``schedule`` and ``simulate`` build from --schedule, --pp and --microbatches.
-
-Both build what the executor runs: a micro-batch count the order cannot take on its own
-(DualPipe: odd, or below 2*pp) is padded with fake micro-batches, as in training, unless
-``--no-pad``. Sizes are bounded (:data:`MAX_FORWARDS`) so that every accepted command ends in
-seconds, with progress on stderr past a second.
-"""
+"""The schedule ``schedule`` and ``simulate`` build from --schedule, --pp and --microbatches: what the
+executor runs (padded with fake micro-batches unless ``--no-pad``), bounded by :data:`MAX_FORWARDS`
+so that every accepted command ends in seconds."""
 from __future__ import annotations
 
 import argparse
@@ -13,9 +9,8 @@ from typing import Optional
 from ..apps.progress import Progress
 from .args import CliError
 
-#: Largest schedule built: forward actions (micro-batches x model stages, fakes included). At
-#: this size the simulator takes a few seconds; a larger M only lengthens the steady state,
-#: while the bubble and the peak memory stop changing once M >= 2*pp.
+#: Largest schedule built: forward actions (fakes included), a few seconds of simulation; the bubble
+#: and the peak memory stop changing once M >= 2*pp.
 MAX_FORWARDS = 65536
 
 

@@ -1,19 +1,13 @@
-"""``megatron-dualpipe cpu-mode``: list every CPU redirection and whether it is active.
-
-A fresh process has CPU mode off, so by default every row reads ``inactive``; ``--enable``
-switches it on in this process first (the megatron-core part, plus Megatron-LM's with
-``--megatron-lm PATH``), prints the table, then switches it off and checks that every patched
-attribute holds its original object again (when CPU mode was already on in this process, it is
-listed as it is and left on).
-"""
+"""``megatron-dualpipe cpu-mode``: list every CPU redirection and whether it is active. ``--enable``
+switches CPU mode on here, prints, then off, and checks that every patched attribute holds its
+original object again (a CPU mode already on is listed and left on)."""
 
 from __future__ import annotations
 
 import json
 import sys
-import textwrap
 
-from .args import Command
+from .args import Command, not_restored, print_by_part, snapshot
 
 HELP = "list every CPU-mode redirection and whether it is active (--enable: try it here)"
 
@@ -42,7 +36,7 @@ def run(args) -> int:
     restored = None
     if snapshot is not None:
         cpu.disable()
-        restored = _changed_since(snapshot)
+        restored = not_restored(snapshot)
     if args.json:
         print(json.dumps({"cuda_available": cuda, "restore_mismatches": restored, "redirections": [
             {"part": part, "target": r.target, "state": state, "why": r.why} for part, r, state in rows]},
@@ -54,31 +48,15 @@ def run(args) -> int:
 
 def _enable(megatron_lm_path):
     from .. import cpu
-    from ..cpu.redirection import current, resolve
-    from ..hooks.mechanism import megatron_core_version
 
     if megatron_lm_path:
         sys.path.insert(0, megatron_lm_path)
         from ..megatron_lm import triton_stub
 
         triton_stub.preimport_triton_users()
-    wanted = [p for p in cpu.PARTS if megatron_lm_path or p == "megatron-core"]
-    version = megatron_core_version()
-    snapshot = {}
-    for part in wanted:
-        for r in cpu.redirections(part):
-            if version not in r.versions:  # enable() skips it too: its module may not exist here
-                continue
-            owner, name = resolve(r)
-            snapshot[r.target] = (owner, name, current(owner, name))
+    saved = snapshot([r for p in cpu.PARTS if megatron_lm_path or p == "megatron-core" for r in cpu.redirections(p)])
     cpu.enable(megatron_lm=bool(megatron_lm_path))
-    return snapshot
-
-
-def _changed_since(snapshot):
-    from ..cpu.redirection import current
-
-    return [target for target, (owner, name, obj) in snapshot.items() if current(owner, name) is not obj]
+    return saved
 
 
 def _print_table(rows, cuda, restored):
@@ -87,16 +65,7 @@ def _print_table(rows, cuda, restored):
     else:
         print("No CUDA here: CPU mode switches on by itself where megatron_dualpipe runs Megatron "
               "(tests, demo, pretrain_gpt.py through the launcher or the patch).")
-    part = None
-    for p, r, state in rows:
-        if p != part:
-            part = p
-            print(f"\n{p}: {sum(1 for q, _, _ in rows if q == p)} redirections")
-        print(f"  {state:10s} {r.target}")
-        print(textwrap.fill(r.why, width=100, initial_indent=" " * 13, subsequent_indent=" " * 13))
-    if restored is not None:
-        verdict = "every patched attribute is back" if not restored else f"NOT restored: {', '.join(restored)}"
-        print(f"\ndisable(): {verdict}")
+    print_by_part(rows, "redirections", lambda r, state: (f"  {state:10s} {r.target}", r.why), restored, "disable")
 
 
 COMMAND = Command("cpu-mode", HELP, configure, run)

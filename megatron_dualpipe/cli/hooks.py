@@ -1,20 +1,13 @@
 """``megatron-dualpipe hooks``: every Megatron attribute megatron-dualpipe changes, and which are active.
-
-A fresh process has nothing installed, so by default the installed parts read ``inactive``;
-``--install`` installs them here first (with ``--megatron-lm PATH``: a Megatron-LM checkout put
-on ``sys.path``), prints the table, then uninstalls them and checks that every patched attribute
-holds its original object again. Scoped patches are active only inside the block that swaps them
-and per-object ones only on their object; both are listed with who applies them. The CPU mode's
-redirections are the same mechanism, listed by ``megatron-dualpipe cpu-mode``.
-"""
+``--install`` installs the parts here, prints, then uninstalls them and checks that every patched
+attribute holds its original object again. (The CPU mode's redirections: ``cpu-mode``.)"""
 
 from __future__ import annotations
 
 import json
 import sys
-import textwrap
 
-from .args import Command
+from .args import Command, not_restored, print_by_part, snapshot
 
 HELP = "list every Megatron attribute megatron-dualpipe patches, and whether it is active (--install: try it here)"
 
@@ -30,7 +23,7 @@ def configure(p):
 def run(args) -> int:
     from .. import hooks
     from ..hooks import manifest
-    from ..hooks.mechanism import current, megatron_core_version, resolve
+    from ..hooks.mechanism import megatron_core_version
 
     if args.megatron_lm:
         sys.path.insert(0, args.megatron_lm)
@@ -42,20 +35,15 @@ def run(args) -> int:
             from ..megatron_lm import triton_stub
 
             triton_stub.preimport_triton_users()
-        snapshot = {}
-        version = megatron_core_version()
+        saved = {}
         for part in parts:
-            for patch in manifest.PARTS[part]:
-                if version not in patch.versions:  # skipped by install(): its module may not exist here
-                    continue
-                owner, name = resolve(patch)
-                snapshot[patch.target] = (owner, name, current(owner, name))
+            saved.update(snapshot(manifest.PARTS[part]))
             if part == "python":  # before resolving Megatron-LM's modules (typing.override on 3.11)
                 hooks.install([part])
         hooks.install(parts)
         rows = hooks.status()
         hooks.uninstall(parts)
-        restored = [t for t, (owner, name, obj) in snapshot.items() if current(owner, name) is not obj]
+        restored = not_restored(saved)
     else:
         rows = hooks.status()
     version = megatron_core_version()
@@ -71,18 +59,12 @@ def run(args) -> int:
 def _print_table(rows, version, restored):
     print(f"megatron-core here: {version or 'not importable'}. {len(rows)} Megatron attributes are changed by "
           f"megatron-dualpipe (CPU-mode redirections: megatron-dualpipe cpu-mode).")
-    part = None
-    for p, patch, state in rows:
-        if p != part:
-            part = p
-            print(f"\n{p}: {sum(1 for q, _, _ in rows if q == p)} patches")
-        versions = "" if str(patch.versions) == "all" else f"  [megatron-core {patch.versions}]"
-        print(f"  {state:10s} {patch.target}{versions}")
-        print(textwrap.fill(f"{patch.why} -> {patch.describe_make()}", width=100, initial_indent=" " * 13,
-                            subsequent_indent=" " * 13))
-    if restored is not None:
-        verdict = "every patched attribute is back" if not restored else f"NOT restored: {', '.join(restored)}"
-        print(f"\nuninstall(): {verdict}")
+    print_by_part(rows, "patches", _describe, restored, "uninstall")
+
+
+def _describe(patch, state):
+    versions = "" if str(patch.versions) == "all" else f"  [megatron-core {patch.versions}]"
+    return f"  {state:10s} {patch.target}{versions}", f"{patch.why} -> {patch.describe_make()}"
 
 
 COMMAND = Command("hooks", HELP, configure, run)
