@@ -52,13 +52,8 @@ class Versions:
                 and (self.below is None or v < _version_tuple(self.below)))
 
     def __str__(self) -> str:
-        if self.first is None and self.below is None:
-            return "all"
-        if self.below is None:
-            return f">= {self.first}"
-        if self.first is None:
-            return f"< {self.below}"
-        return f">= {self.first}, < {self.below}"
+        bounds = [f">= {self.first}" if self.first else "", f"< {self.below}" if self.below else ""]
+        return ", ".join(b for b in bounds if b) or "all"
 
 
 ALL_VERSIONS = Versions()
