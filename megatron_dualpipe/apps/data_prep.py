@@ -43,9 +43,7 @@ class DataError(ValueError):
     """A user error in the data set-up; its message is one line that names the fix."""
 
 
-# ---------------------------------------------------------------------------------------------
-# Reading text
-# ---------------------------------------------------------------------------------------------
+# --- Reading text -----------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class Corpus:
@@ -118,9 +116,7 @@ def _jsonl_documents(path: Path, key: str) -> Iterator[str]:
             yield obj[key]
 
 
-# ---------------------------------------------------------------------------------------------
-# The split, with megatron-core's rounding
-# ---------------------------------------------------------------------------------------------
+# --- The split, with megatron-core's rounding -------------------------------------------------
 
 def split_weights(split: str) -> List[float]:
     """``"90,10,0"`` -> normalised train/validation/test weights (missing parts are 0)."""
@@ -184,9 +180,7 @@ def check_split(split: str, documents: int) -> List[Optional[int]]:
                     f"{fix}, or give the {' and '.join(empty)} split weight 0 (--split {zero})")
 
 
-# ---------------------------------------------------------------------------------------------
-# Tokenizer
-# ---------------------------------------------------------------------------------------------
+# --- Tokenizer --------------------------------------------------------------------------------
 
 def train_tokenizer(documents: Sequence[str], vocab_size: int):
     """A byte-level BPE tokenizer (GPT-2 style) with :data:`EOD_TOKEN` as its only special token."""
@@ -254,9 +248,7 @@ def save_tokenizer(tok, eod_token: str, directory: Path) -> None:
     (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
 
 
-# ---------------------------------------------------------------------------------------------
-# The prepared data and its cache
-# ---------------------------------------------------------------------------------------------
+# --- The prepared data and its cache ----------------------------------------------------------
 
 @dataclass(frozen=True)
 class PreparedData:
@@ -434,9 +426,7 @@ def write_indexed_dataset(prefix: str, documents: Sequence[Sequence[int]], vocab
     builder.finalize(prefix + ".idx")
 
 
-# ---------------------------------------------------------------------------------------------
-# Command line
-# ---------------------------------------------------------------------------------------------
+# --- Command line -----------------------------------------------------------------------------
 
 def add_data_arguments(p: argparse.ArgumentParser, text_flag: Optional[str] = None) -> None:
     """The data options shared by ``prepare-data`` and the main job (TEXT positional unless a

@@ -38,9 +38,7 @@ HEADS = 4
 RECORDED_ITERATIONS = 5
 
 
-# ---------------------------------------------------------------------------------------------
-# Arguments
-# ---------------------------------------------------------------------------------------------
+# --- Arguments --------------------------------------------------------------------------------
 
 def _int_at_least(least: int, what: str):
     """An argparse type: an integer >= ``least``, named ``what`` in the error."""
@@ -142,9 +140,7 @@ def to_argv(parser: argparse.ArgumentParser, args) -> List[str]:
     return out
 
 
-# ---------------------------------------------------------------------------------------------
-# Launcher
-# ---------------------------------------------------------------------------------------------
+# --- Launcher ---------------------------------------------------------------------------------
 
 def resolve_data(args) -> PreparedData:
     """The prepared data the workers will read (built now on a cache miss), split checked."""
@@ -236,9 +232,7 @@ def _size(n: int) -> str:
     return f"{n} B" if n < 1024 else f"{n / 1024:,.0f} KB" if n < 1024 ** 2 else f"{n / 1024 ** 2:,.1f} MB"
 
 
-# ---------------------------------------------------------------------------------------------
-# Workers
-# ---------------------------------------------------------------------------------------------
+# --- Workers ----------------------------------------------------------------------------------
 
 def forward_step(data_iterator, model):
     """pretrain_gpt-style: only the first and the last stage read the batch; the proofs' masked loss."""

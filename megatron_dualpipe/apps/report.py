@@ -72,11 +72,9 @@ def validation_lines(a: RunResult, b: RunResult) -> List[str]:
             f"{b.name} {b.valid_loss:.6f}, difference {abs(a.valid_loss - b.valid_loss):.2e}"]
 
 
-# ---------------------------------------------------------------------------------------------
-# loss.png
-# ---------------------------------------------------------------------------------------------
+# --- loss.png ---------------------------------------------------------------------------------
 
-def loss_figure(a: RunResult, b: RunResult, title: str, dpi: int = 100):
+def loss_figure(a: RunResult, b: RunResult, title: str):
     """Both training curves (validation losses as markers) above their difference."""
     from matplotlib.lines import Line2D
     from matplotlib.ticker import MaxNLocator
@@ -84,7 +82,7 @@ def loss_figure(a: RunResult, b: RunResult, title: str, dpi: int = 100):
     from ..pictures.plotting import agg_pyplot, legend_below
 
     plt = agg_pyplot()
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7.0, 4.6), dpi=dpi, sharex=True,
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7.0, 4.6), dpi=100, sharex=True,
                                       gridspec_kw={"height_ratios": [3, 1.3]})
     its = list(range(1, len(a.losses) + 1))
     top.plot(its, a.losses, color="#3c78b5", linewidth=2.4)
@@ -121,9 +119,7 @@ def write_loss_png(path: str, a: RunResult, b: RunResult, title: str) -> None:
     save_png(loss_figure(a, b, title), path)
 
 
-# ---------------------------------------------------------------------------------------------
-# Measured timeline: timeline.png + trace.json from the executor's recording of one iteration
-# ---------------------------------------------------------------------------------------------
+# --- Measured timeline: timeline.png + trace.json from the executor's recording of one iteration ---
 
 def write_measured_timeline(records_dir: str, out_dir: str) -> None:
     """``timeline.png`` (a measured iteration above its simulation with the measured median
@@ -144,9 +140,7 @@ def write_measured_timeline(records_dir: str, out_dir: str) -> None:
     timeline.run(argparse.Namespace(directory=records_dir, png=png, json=trace, iteration=fastest, global_rank=None))
 
 
-# ---------------------------------------------------------------------------------------------
-# DualPipe against 1F1B, simulated on the same model at the same scale
-# ---------------------------------------------------------------------------------------------
+# --- DualPipe against 1F1B, simulated on the same model at the same scale ---------------------
 
 #: Why the main job's wall times do not show DualPipe's smaller bubbles (printed and in summary.md).
 WHY_NOT_WALL_TIME = ("CPU wall time does not show bubbles: the ranks share a few cores, so while one rank "
@@ -196,9 +190,7 @@ def write_schedule_comparison(out_dir: str, name: str, pp: int, real: int) -> st
     return path
 
 
-# ---------------------------------------------------------------------------------------------
-# summary.md
-# ---------------------------------------------------------------------------------------------
+# --- summary.md -------------------------------------------------------------------------------
 
 def summary_markdown(a: RunResult, b: RunResult, settings: Sequence[str], data: Sequence[str],
                      pictures: Sequence[str], simulated: Sequence[Tuple[str, float]] = ()) -> str:

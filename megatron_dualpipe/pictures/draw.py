@@ -130,9 +130,7 @@ def label_size(chars: int, width: float, sizes: Sequence[int]) -> int:
     return 0
 
 
-# ---------------------------------------------------------------------------------------------
-# What part of a large schedule is drawn
-# ---------------------------------------------------------------------------------------------
+# --- What part of a large schedule is drawn ---------------------------------------------------
 
 @dataclass
 class Frame:
@@ -274,9 +272,7 @@ def outlines(schedule, result: SimResult, fr: Frame) -> Iterator[Tuple[int, floa
                 yield row, x0, x1
 
 
-# ---------------------------------------------------------------------------------------------
-# SVG
-# ---------------------------------------------------------------------------------------------
+# --- SVG --------------------------------------------------------------------------------------
 
 def _svg_patterns() -> List[str]:
     """One hatch pattern per op for the hatched direction: the light tint crossed by the strong hue."""

@@ -13,6 +13,8 @@ from .plotting import agg_pyplot, legend_below, save_png
 
 #: Label sizes (points) tried per cell, largest first; a cell too narrow for 5 pt gets none.
 LABEL_SIZES = (8, 7, 6, 5)
+#: Resolution of every figure here.
+DPI = 110
 #: Width of the drawing area of a stacked figure, in inches.
 STACKED_WIDTH = 16.0
 #: Row height and the gap between rows, in the axes' units.
@@ -95,13 +97,13 @@ def _legend_handles(schedules: Sequence, fused: bool, fake: bool) -> list:
     return handles
 
 
-def png_figure(schedule, result: SimResult, dpi: int = 110, fake: Fake = None):
+def png_figure(schedule, result: SimResult, fake: Fake = None):
     """The figure :func:`to_png` saves: a large schedule cut to its ends (:func:`.draw.frame`),
     legend and labels inside it at any size."""
     fr = frame(schedule, result)
     unit_in = UNIT_PX / 106.0  # inches per average unit (0.255: 0.17 per time unit at f=1, b=2)
     width = max(8.0, min(60.0, 1.0 + fr.width / max(fr.avg_unit, 1e-12) * unit_in))
-    fig, ax = agg_pyplot().subplots(figsize=(width, 1.8 + 0.36 * len(fr.rows) + 0.5), dpi=dpi)
+    fig, ax = agg_pyplot().subplots(figsize=(width, 1.8 + 0.36 * len(fr.rows) + 0.5), dpi=DPI)
     points_per_time = (width - 1.2) * 72 / max(fr.width, 1e-12)
     _paint(ax, schedule, result, fr, points_per_time, fake)
     ax.set_xlim(0, fr.width)
@@ -116,9 +118,9 @@ def png_figure(schedule, result: SimResult, dpi: int = 110, fake: Fake = None):
     return fig
 
 
-def to_png(schedule, result: SimResult, path, dpi: int = 110, fake: Fake = None) -> None:
+def to_png(schedule, result: SimResult, path, fake: Fake = None) -> None:
     """Render the timeline with matplotlib (Agg backend) to ``path``."""
-    save_png(png_figure(schedule, result, dpi, fake), path)
+    save_png(png_figure(schedule, result, fake), path)
 
 
 def scale_note(makespans: Sequence[float]) -> str:
@@ -130,14 +132,13 @@ def scale_note(makespans: Sequence[float]) -> str:
             f"the shortest")
 
 
-def panels_figure(panels: Sequence[Tuple[str, object, SimResult]], shared_axis: bool, time_label: str = "ms",
-                  dpi: int = 110):
+def panels_figure(panels: Sequence[Tuple[str, object, SimResult]], shared_axis: bool, time_label: str = "ms"):
     """Timelines one above the other, each labelled with its heading; on one shared time axis
     (``shared_axis``: lengths compare) or each on its own (details readable). Micro-batch labels
     are sized to their cells (:data:`LABEL_SIZES`); legend and labels stay inside the figure."""
     spans = [max(r.makespan, 1e-9) for _, _, r in panels]
     heights = [1.0 + 0.36 * s.pp for _, s, _ in panels]
-    fig, axes = agg_pyplot().subplots(len(panels), 1, figsize=(STACKED_WIDTH, sum(heights)), dpi=dpi,
+    fig, axes = agg_pyplot().subplots(len(panels), 1, figsize=(STACKED_WIDTH, sum(heights)), dpi=DPI,
                                       sharex=shared_axis, squeeze=False, gridspec_kw={"height_ratios": heights})
     axes_points = (STACKED_WIDTH - 1.4) * 72  # drawing width left of the rank labels, in points
     note = "" if shared_axis else scale_note(spans)
@@ -155,8 +156,8 @@ def panels_figure(panels: Sequence[Tuple[str, object, SimResult]], shared_axis: 
     return fig
 
 
-def stacked_figure(schedule, panels: Sequence[Tuple[str, SimResult]], time_label: str = "ms", dpi: int = 110):
+def stacked_figure(schedule, panels: Sequence[Tuple[str, SimResult]]):
     """``panels`` ((title, timeline) pairs over one schedule: a measured run and its simulation)
     one above the other, each on its own time axis: a measured iteration on a busy machine can
     take many times its simulation, which on a shared axis would shrink to a strip."""
-    return panels_figure([(h, schedule, r) for h, r in panels], shared_axis=False, time_label=time_label, dpi=dpi)
+    return panels_figure([(h, schedule, r) for h, r in panels], shared_axis=False)
