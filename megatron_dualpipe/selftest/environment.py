@@ -95,9 +95,7 @@ def run(ctx) -> dict:
     from megatron.core import parallel_state as ps
 
     group_ranks = dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group())
-    first_pipeline = [None]
-    if ctx.rank == 0:
-        first_pipeline = [group_ranks]
+    first_pipeline = [group_ranks if ctx.rank == 0 else None]
     dist.broadcast_object_list(first_pipeline, src=0)
     small = torch.zeros(8, device=ctx.device)
     big_mib = 4 if ctx.device.type == "cpu" else 64

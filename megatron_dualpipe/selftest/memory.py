@@ -16,13 +16,11 @@ import torch
 
 from ..proof import models
 from .result import FAIL, PASS, StageResult
-from ..schedule.registry import DUALPIPE, DUALPIPEV, ONE_F_ONE_B
+from ..schedule.registry import ONE_F_ONE_B
 
 NAME = "memory"
 OVER = 1.10
 _MIB = float(1 << 20)
-#: The simulator's name for each schedule the stage runs.
-SIMULATED = {ONE_F_ONE_B: ONE_F_ONE_B, DUALPIPE: DUALPIPE, DUALPIPEV: DUALPIPEV}
 
 
 class SavedBytes:
@@ -117,7 +115,7 @@ def _advise_activations(pp: int, m: int, per_forward: float) -> Dict[str, float]
     from ..schedule.simulate import Costs
 
     advice = advise(pp, [m], Costs(f=1, b=2, w=1), activation_memory=per_forward / _MIB, parameter_memory=0.0,
-                    names=list(SIMULATED.values()))
+                    names=list(models.SCHEDULES))
     return {o.row.name: o.activation_memory for o in advice.choices[0].options if not o.row.problem}
 
 
@@ -133,8 +131,8 @@ def judge(ctx, payloads: List[dict]) -> StageResult:
     # advise takes one micro-batch's activations on one stage as 1F1B runs it (a DualPipeV chunk: half)
     stage_bytes = max(max(p["schedules"][ONE_F_ONE_B]["per_forward"]) for p in pipeline)
     advised = _advise_activations(pp, m, stage_bytes)
-    for schedule, sim_name in SIMULATED.items():
-        s = build_schedule(sim_name, pp, m)
+    for schedule in models.SCHEDULES:
+        s = build_schedule(schedule, pp, m)
         peaks = simulate(s.layout, s.ranks).peak_activations
         rows, worst = [], 0.0
         for p in pipeline:
@@ -149,7 +147,7 @@ def judge(ctx, payloads: List[dict]) -> StageResult:
                         f"{got['parameter_bytes'] / _MIB:.3f} MiB")
             if ratio > OVER:
                 failures.append(f"{schedule} rank {r} holds {ratio:.2f}x the predicted activations")
-        adv = advised.get(sim_name)
+        adv = advised.get(schedule)
         measured_max = max(p["schedules"][schedule]["saved_peak"] for p in pipeline) / _MIB
         details.append(f"{schedule}: busiest rank {measured_max:.3f} MiB; advise predicts "
                        f"{'-' if adv is None else f'{adv:.3f}'} MiB for its busiest rank")
