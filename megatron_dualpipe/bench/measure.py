@@ -1,8 +1,6 @@
 """What every rank of the benchmark does: time the executor (and torch's schedules) on the
-synthetic stages, and the latency of one point-to-point message.
-
-Per iteration, every rank enters a barrier, then times its own run. The iteration time is the
-slowest rank's; rank 0 combines the ranks' figures in :mod:`.report`.
+synthetic stages, and the latency of one point-to-point message. Each iteration starts with a
+barrier; its time is the slowest rank's (:mod:`.report` combines the ranks' figures).
 """
 from __future__ import annotations
 

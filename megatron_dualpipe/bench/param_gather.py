@@ -1,26 +1,13 @@
-"""The parameter all-gathers of ``--overlap-param-gather`` on synthetic stages (``bench --param-gather-mb``).
+"""The parameter all-gathers of ``--overlap-param-gather`` on synthetic stages (``bench
+--param-gather-mb``; method and results: docs/benchmarks.md).
 
-With the distributed optimizer each data-parallel replica updates its shard of every chunk's
-parameters, and the shards are all-gathered before the chunk's first forward of the next
-iteration. Here two replicas of the pipeline run the same schedule (2 x pp processes: replica j
-is global ranks j*pp .. j*pp + pp-1; pipeline rank r of both replicas forms r's data-parallel
-group), each chunk holding ``--param-gather-mb`` MiB of synthetic parameters, half of it each
-replica's shard. Every iteration runs the schedule three ways, in turn:
-
-* ``none``: no gathers: what the cost model (``advise``, ``simulate``) times; it has no term for
-  the gathers, i.e. it takes them as hidden;
-* ``pre-hook``: each chunk's gather started at its first forward and waited at once, as DDP's
-  forward pre-hook does when no schedule calls ``config.param_sync_func`` (the executor before
-  ``mcore.param_gather``);
-* ``param_sync_func``: every chunk's gather started before the first action and waited at its
-  first forward, as ``mcore.param_gather`` does.
-
-The exposed gather time of a way is the slowest rank's iteration time minus ``none``'s in the
-same iteration (median over the timed iterations). ``alone``: both chunks' gathers of every
-rank started with all ranks in step and waited (what nothing hides); hidden = alone - exposed.
-Each rank's host time in the waits is reported too. The gathers run on a thread of the rank, in
-issue order (as on one NCCL communicator), and the host waits for them: CPU (gloo) only, refused
-on a GPU, where ``Work.wait()`` holds the stream, not the host.
+Two replicas of the pipeline (2 x pp processes; pipeline rank r of both forms r's data-parallel
+group) run each iteration three ways in turn: ``none`` (no gathers: what the cost model times),
+``pre-hook`` (each chunk's gather started and waited at its first forward, as DDP's pre-hook does)
+and ``param_sync_func`` (started before the first action, waited at the first forward, as
+``mcore.param_gather`` does). Exposed = the slowest rank's iteration minus ``none``'s; ``alone`` =
+every gather started with all ranks in step. The gathers run on a thread of the rank, in issue
+order (as on one NCCL communicator), and the host waits for them: CPU (gloo) only.
 """
 from __future__ import annotations
 
