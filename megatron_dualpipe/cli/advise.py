@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from dataclasses import replace
 from typing import List
 
@@ -48,8 +49,7 @@ def parse_counts(text: str) -> List[int]:
 
 def configure(p) -> None:
     from . import advise_model
-    from .args import add_cost_args
-    from .comm_args import add_comm_args
+    from .args import add_comm_args, add_cost_args
 
     p.add_argument("--pp", type=int, metavar="P", help="pipeline-parallel size (ranks; measured costs)")
     p.add_argument("--microbatches", "-m", metavar="RANGE",
@@ -106,9 +106,7 @@ def run(args) -> int:
 def _run_model(args) -> int:
     s, advice, dropped, extra = model_advice(args)
     if args.launch_check:
-        from .advise_launch import check
-
-        return check(s, advice)
+        return launch_check(s, advice)
     if args.json:
         print(json.dumps(dict(advice.to_json(), model=s.lines, not_compared=dropped, overlap=extra)))
         return 0
@@ -142,6 +140,11 @@ def model_advice(args):
     return s, advice, dropped, extra
 
 
+def _names(args) -> List[str]:
+    """``--schedules``, or one schedule per distinct order."""
+    return [get(n).name for n in args.schedules.split(",")] if args.schedules else list(distinct_orders())
+
+
 def _a2a(name: str) -> bool:
     from ..schedule.registry import INTERLEAVED_1F1B_A2A
 
@@ -154,8 +157,7 @@ def _model_schedules(args, m):
     from ..schedule.registry import MODELLED_SPECS, interleaved_name
 
     v = advise_model.interleaved_virtual(m, args.virtual_pipeline)
-    names = [get(n).name for n in args.schedules.split(",")] if args.schedules else list(distinct_orders())
-    names = [interleaved_name(n, v) if n in MODELLED_SPECS else n for n in names if n not in MODELLED_SPECS or v]
+    names = [interleaved_name(n, v) if n in MODELLED_SPECS else n for n in _names(args) if n not in MODELLED_SPECS or v]
     dropped = advise_model.unsplittable(m, names)
     if not (m.num_experts and m.ep > 1):  # Megatron refuses --overlap-moe-expert-parallel-comm without EP
         dropped += [f"{n} (its overlap is MoE expert parallel's all-to-all: the model has none)" for n in names
@@ -192,8 +194,7 @@ def _simulate(pp, counts, costs, act, par, limit, wgrad, names, comm, tokens, nu
 
 
 def _run_measured(args) -> int:
-    from .args import costs_from_args
-    from .comm_args import comm_from_args
+    from .args import comm_from_args, costs_from_args
     from ..schedule.registry import MODELLED_SPECS, interleaved_name
 
     if args.pp < 1:
@@ -203,13 +204,56 @@ def _run_measured(args) -> int:
     if args.tokens is not None and not (math.isfinite(args.tokens) and args.tokens > 0):
         raise CliError(f"--tokens must be a positive number, got {args.tokens}")
     counts = parse_counts(args.microbatches)
-    names = [get(n).name for n in args.schedules.split(",")] if args.schedules else list(distinct_orders())
-    names = [interleaved_name(n, args.virtual_pipeline) if n in MODELLED_SPECS else n for n in names]
+    names = [interleaved_name(n, args.virtual_pipeline) if n in MODELLED_SPECS else n for n in _names(args)]
     costs = costs_from_args(args)
     comm = comm_from_args(args, args.pp)
     advice = _simulate(args.pp, counts, costs, args.activation_memory, args.parameter_memory, args.memory_limit,
                        args.weight_grad_memory, names, comm, args.tokens)
     print(json.dumps(advice.to_json()) if args.json else advice.format())
+    return 0
+
+
+#: Exit status of a launch whose schedule does not fit.
+DOES_NOT_FIT = 3
+
+
+def _modelled_name(m, names) -> str:
+    """The advise row of the run's schedule: Megatron's 1f1b with a virtual pipeline is interleaved."""
+    from ..schedule.registry import INTERLEAVED_1F1B, INTERLEAVED_1F1B_A2A, ONE_F_ONE_B
+
+    if m.schedule == ONE_F_ONE_B and m.layers_per_virtual_stage:
+        kind = INTERLEAVED_1F1B_A2A if m.a2a_overlap else INTERLEAVED_1F1B
+        return next((n for n in names if n.startswith(kind)), kind)
+    return m.schedule
+
+
+def launch_check(s, advice) -> int:
+    """``--launch-check``: the launch script's memory gate before torchrun, one line: a schedule that does not
+    fit the GPU's memory is refused (exit 3) naming the fastest that fits. ``s``: ``advise_model.Setup``."""
+    from ..costs.compare import fmt
+
+    ch = advice.choices[0]
+    rows = {o.row.name: o for o in ch.options if not o.row.problem}
+    name = _modelled_name(s.model, list(rows))
+    mine = rows.get(name)
+    best = rows.get(ch.best) if ch.best else None
+    limit = fmt(advice.memory_limit)
+    if mine is None:
+        print(f"advise: {name} is not modelled; no memory estimate")
+        return 0
+    where = f"{fmt(mine.memory)} GB per GPU by advise's estimate (limit {limit} GB, GPU={s.gpu.name})"
+    if not mine.fits:
+        fix = (f"use SCHEDULE={best.row.name} ({fmt(best.memory)} GB, fits)" if best is not None else
+               ch.reason[ch.reason.find("try "):] if "try " in ch.reason else "no schedule fits")
+        print(f"advise: error: SCHEDULE={name} needs {where}: {fix}; or set MEMORY_CHECK=0 to launch anyway",
+              file=sys.stderr)
+        return DOES_NOT_FIT
+    if best is not None and best is not mine:
+        gain = 100 * (mine.row.iteration - best.row.iteration) / mine.row.iteration
+        print(f"advise: SCHEDULE={name} fits ({where}); {best.row.name} would be {gain:.1f}% shorter per iteration "
+              f"({fmt(best.row.iteration)} ms against {fmt(mine.row.iteration)}) and fits ({fmt(best.memory)} GB)")
+    else:
+        print(f"advise: SCHEDULE={name} fits ({where}) and is the fastest that fits")
     return 0
 
 

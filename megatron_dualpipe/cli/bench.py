@@ -140,22 +140,28 @@ def _config(args, pps: List[int]):
                        per_channel=args.channel_groups, grad_mb=args.grad_mb, param_gather_mb=args.param_gather_mb)
 
 
-def _run_param_gathers(cfg, pps: List[int], torchrun: bool) -> int:
-    """``--param-gather-mb``: the exposed parameter all-gathers (:mod:`..bench.param_gather`)."""
+def _ranks(worker, cfg, world: int, torchrun: bool, what: str, runs: str):
+    """Every rank's result of ``worker`` (None on a torchrun rank but 0: rank 0 prints)."""
     import sys
 
-    from ..bench import launch, param_gather
+    from ..bench import launch
+
+    print(f"bench: {what}: {'this rank of torchrun' if torchrun else f'starting {world} processes'}, {runs} of "
+          f"{cfg.warmup} + {cfg.iters} iterations", file=sys.stderr, flush=True)
+    if torchrun:
+        return launch.run_here(worker, (cfg,), timeout_s=cfg.timeout_s + 60)
+    return launch.spawn(worker, world, (cfg,), timeout_s=1800)
+
+
+def _run_param_gathers(cfg, pps: List[int], torchrun: bool) -> int:
+    """``--param-gather-mb``: the exposed parameter all-gathers (:mod:`..bench.param_gather`)."""
+    from ..bench import param_gather
 
     for pp in pps:
-        print(f"bench: pp={pp}, 2 replicas: {'this rank of torchrun' if torchrun else f'starting {2 * pp} processes'}, "
-              f"{len(cfg.microbatches[pp]) * len(cfg.schedules)} x 3 runs of {cfg.warmup} + {cfg.iters} iterations",
-              file=sys.stderr, flush=True)
-        if torchrun:
-            ranks = launch.run_here(param_gather.worker, (cfg,), timeout_s=cfg.timeout_s + 60)
-            if ranks is None:
-                return 0  # not rank 0: rank 0 prints
-        else:
-            ranks = launch.spawn(param_gather.worker, 2 * pp, (cfg,), timeout_s=1800)
+        runs = f"{len(cfg.microbatches[pp]) * len(cfg.schedules)} x 3 runs"
+        ranks = _ranks(param_gather.worker, cfg, 2 * pp, torchrun, f"pp={pp}, 2 replicas", runs)
+        if ranks is None:
+            return 0
         env = {"backend": ranks[0]["backend"], "device": ranks[0]["device"]}
         print(param_gather.table(param_gather.summary(ranks, pp), cfg.param_gather_mb, env))
     return 0
@@ -177,18 +183,11 @@ def run(args) -> int:
     if cfg.param_gather_mb:
         return _run_param_gathers(cfg, pps, torchrun)
     latencies, all_rows, env = {}, [], {}
-    import sys
-
     for pp in pps:
-        runs = sum(len(ms) for ms in [cfg.microbatches[pp]]) * len(cfg.schedules) * (1 + len(cfg.peers))
-        print(f"bench: pp={pp}: {'this rank of torchrun' if torchrun else f'starting {pp} processes'}, {runs} run{'s' if runs != 1 else ''} of "
-              f"{cfg.warmup} + {cfg.iters} iterations", file=sys.stderr, flush=True)
-        if torchrun:
-            ranks = launch.run_here(worker, (cfg,), timeout_s=cfg.timeout_s + 60)
-            if ranks is None:
-                return 0  # not rank 0: rank 0 prints
-        else:
-            ranks = launch.spawn(worker, pp, (cfg,), timeout_s=1800)
+        runs = len(cfg.microbatches[pp]) * len(cfg.schedules) * (1 + len(cfg.peers))
+        ranks = _ranks(worker, cfg, pp, torchrun, f"pp={pp}", f"{runs} run{'s' if runs != 1 else ''}")
+        if ranks is None:
+            return 0
         latencies[pp], got = report.rows(cfg, pp, ranks)
         all_rows.extend(got)
         env = {"backend": ranks[0]["backend"], "device": ranks[0]["device"], "cores": os.cpu_count(),

@@ -9,9 +9,9 @@ from typing import List
 
 from ..apps.progress import Progress
 from ..costs.compare import fmt, table
-from .args import CliError, Command, add_cost_args, check_writable, costs_from_args, png_path, write_output
+from .args import (CliError, Command, add_comm_args, add_cost_args, check_writable, comm_from_args, costs_from_args,
+                   png_path, write_output)
 from .build import MAX_FORWARDS, add_schedule_args, build, padding_note, per_direction
-from .comm_args import add_comm_args, comm_from_args
 
 
 def configure(p: argparse.ArgumentParser) -> None:
