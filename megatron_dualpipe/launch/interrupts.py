@@ -39,8 +39,20 @@ def install() -> None:
             signal.signal(sig, _raise_interrupt)
 
 
-def _to_devnull() -> None:
-    """Point stdout and stderr at /dev/null: after the last line, nothing more gets out."""
+def _end(last_line: str = "") -> None:
+    """Stop the processes we started, print ``last_line``, then point stdout and stderr at /dev/null:
+    nothing more gets out (not a background thread, not the interpreter's final flush)."""
+    processes.ignore_interrupts()
+    processes.stop_descendants()
+    try:
+        sys.stdout.flush()
+    except (OSError, ValueError):
+        pass
+    try:
+        if last_line:
+            print(last_line, file=sys.stderr, flush=True)
+    except (OSError, ValueError):
+        pass
     try:
         devnull = os.open(os.devnull, os.O_WRONLY)
     except OSError:
@@ -58,25 +70,13 @@ def _to_devnull() -> None:
 
 def interrupted(prog: str) -> int:
     """Stop the processes we started, print ``PROG: interrupted``, silence our output, return 130."""
-    processes.ignore_interrupts()
-    processes.stop_descendants()
-    try:
-        sys.stdout.flush()
-    except (OSError, ValueError):
-        pass
-    try:
-        print(f"{prog}: interrupted", file=sys.stderr, flush=True)
-    except (OSError, ValueError):
-        pass
-    _to_devnull()
+    _end(f"{prog}: interrupted")
     return EXIT_INTERRUPTED
 
 
 def reader_gone() -> int:
     """Our stdout's reader went away: stop the processes we started, silence our output, return 141."""
-    processes.ignore_interrupts()
-    processes.stop_descendants()
-    _to_devnull()
+    _end()
     return EXIT_BROKEN_PIPE
 
 

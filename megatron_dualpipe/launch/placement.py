@@ -75,20 +75,20 @@ def problem(argv: Sequence[str], env: Mapping[str, str]) -> Optional[str]:
     if nodes is not None and nodes * per_node != world:
         return (f"{FLAG} needs the same number of processes on every node: WORLD_SIZE={world} is not "
                 f"GROUP_WORLD_SIZE={nodes} x LOCAL_WORLD_SIZE={per_node}")
-    tp, cp, pp = int(sizes["tp"]), int(sizes["cp"]), int(sizes["pp"])
-    if world % (tp * cp * pp):
+    if world % (int(sizes["tp"]) * int(sizes["cp"]) * int(sizes["pp"])):
         return None  # Megatron refuses it, naming the sizes
-    return pair_problem(world, per_node, tp, cp, world // (tp * cp * pp), pp, str(sizes["order"]),
-                        int(sizes["ep"]), sizes["etp"])
+    return pair_problem(*_grid(sizes, world, per_node))
+
+
+def _grid(sizes: Dict[str, object], world: int, per_node: int) -> tuple:
+    """``pair_placement``'s arguments: world, per node, tp, cp, dp, pp, order, ep, etp."""
+    tp, cp, pp = int(sizes["tp"]), int(sizes["cp"]), int(sizes["pp"])
+    return world, per_node, tp, cp, world // (tp * cp * pp), pp, str(sizes["order"]), int(sizes["ep"]), sizes["etp"]
 
 
 def placement(argv: Sequence[str], env: Mapping[str, str]) -> List[int]:
     """``perm[slot]``: the Megatron global rank of every torchrun slot (``problem`` must be None)."""
-    sizes, _ = script_sizes(argv)
-    world, per_node = int(env["WORLD_SIZE"]), int(env["LOCAL_WORLD_SIZE"])
-    tp, cp, pp = int(sizes["tp"]), int(sizes["cp"]), int(sizes["pp"])
-    return pair_placement(world, per_node, tp, cp, world // (tp * cp * pp), pp, str(sizes["order"]),
-                          int(sizes["ep"]), sizes["etp"])
+    return pair_placement(*_grid(script_sizes(argv)[0], int(env["WORLD_SIZE"]), int(env["LOCAL_WORLD_SIZE"])))
 
 
 def apply(argv: Sequence[str], env: MutableMapping[str, str]) -> Tuple[int, int]:
@@ -116,11 +116,9 @@ def apply(argv: Sequence[str], env: MutableMapping[str, str]) -> Tuple[int, int]
 
 def describe(argv: Sequence[str], env: Mapping[str, str]) -> str:
     """One line per node: the pipeline ranks it hosts (printed by slot 0)."""
-    sizes, _ = script_sizes(argv)
     perm = placement(argv, env)
-    world, per_node = int(env["WORLD_SIZE"]), int(env["LOCAL_WORLD_SIZE"])
-    tp, cp, pp = int(sizes["tp"]), int(sizes["cp"]), int(sizes["pp"])
-    order = RankOrder(tp, cp, world // (tp * cp * pp), pp, str(sizes["order"]))
+    world, per_node, *grid = _grid(script_sizes(argv)[0], int(env["WORLD_SIZE"]), int(env["LOCAL_WORLD_SIZE"]))
+    order = RankOrder(*grid[:5])
     lines = []
     nodes = world // per_node
     for n in range(min(nodes, MAX_NODES_SHOWN)):
