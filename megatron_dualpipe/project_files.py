@@ -1,11 +1,6 @@
-"""The project's files outside the Python package (``configs/``, ``patches/``, ``scripts/``), wherever
-the package was installed from.
-
-A checkout (and an editable install of it) has them at the repository's root, beside the package; a
-wheel has no repository around it, so ``setup.py`` copies them into the package as
-``megatron_dualpipe/_project/`` (what ``advise --config`` reads and what a refusal of ``patch`` names
-must exist there too). Standard library only, no relative imports: ``setup.py`` runs this file on its own.
-"""
+"""The project's files outside the package (``configs/``, ``patches/``, ``scripts/``): beside it in a
+checkout; a wheel has no repository around it, so ``setup.py`` copies them into the package. Standard
+library only, no relative imports: ``setup.py`` runs this file on its own."""
 from __future__ import annotations
 
 import os
@@ -21,9 +16,8 @@ CHECKOUT = os.path.dirname(PACKAGE)
 
 
 def path(relative: str) -> str:
-    """The absolute path of ``relative`` (``configs``, ``patches/megatron-lm-core_v0.16.1.patch``, ...):
-    the wheel's copy when there is one, else the checkout's. The copy goes first: in site-packages the
-    folder beside the package could be any other distribution's ``configs``."""
+    """The absolute path of ``relative``: the wheel's copy first (in site-packages the folder beside
+    the package could be any other distribution's ``configs``), else the checkout's."""
     packaged = os.path.join(PACKAGED, relative)
     if os.path.exists(packaged):
         return packaged

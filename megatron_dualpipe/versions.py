@@ -1,14 +1,7 @@
-"""Which Megatron versions megatron-dualpipe supports: the one place that says so.
-
-``setup.py`` reads :data:`REQUIREMENT`; ``import megatron_dualpipe.mcore`` and the launcher's
-preflight call :func:`problem` and refuse, in one line naming the supported versions, a
-megatron-core or Megatron-LM checkout outside the range; ``megatron-dualpipe patch`` takes the
-patch of :data:`TAGS`. What differs *between* the supported versions (a changed signature, a
-new per-micro-batch duty of a schedule) is not here but in :mod:`megatron_dualpipe.mcore.compat`
-(megatron-core) and :mod:`megatron_dualpipe.cpu` (the CPU redirections that exist at one tag
-only), each entry naming the versions it applies to.
-
-Standard library only, no relative imports: ``setup.py`` runs this file on its own.
+"""Which Megatron versions megatron-dualpipe supports: the one place that says so (``setup.py``, the
+imports' and the launcher's refusals, ``patch``). What differs *between* them is where it is used,
+each entry naming its versions. Standard library only, no relative imports: ``setup.py`` runs this
+file on its own.
 """
 from __future__ import annotations
 
@@ -16,17 +9,12 @@ import os
 import re
 from typing import Optional, Tuple
 
-#: Megatron-LM tags the plugin is tested with -> the megatron-core version its
-#: ``megatron/core/package_info.py`` says (core_v0.19.0's says 0.19.1), by which a checkout is
-#: recognised. CI runs pretrain_gpt.py with both.
+#: Megatron-LM tags the plugin is tested with -> the megatron-core version its ``package_info.py``
+#: says (core_v0.19.0's says 0.19.1), by which a checkout is recognised.
 TAGS = {"core_v0.16.1": "0.16.1", "core_v0.19.0": "0.19.1"}
-#: The supported megatron-core release series -> its lowest supported release. CI tests the pip package
-#: 0.16.1 with core_v0.16.1 and 0.19.2 with core_v0.19.0. 0.17.x and 0.18.x lie between but are not
-#: supported: nothing was ever run with them, and no Megatron-LM tag of theirs has hooks written for it.
+#: The supported megatron-core release series -> its lowest supported release (0.17 and 0.18 were
+#: never run, and no Megatron-LM tag of theirs has hooks written for it).
 SERIES = {(0, 16): (0, 16, 1), (0, 19): (0, 19, 0)}
-#: The megatron-core versions the test suite runs with: the packages pip installs (0.16.1,
-#: 0.19.2) and the checkouts of :data:`TAGS`.
-TESTED_CORE = ("0.16.1", "0.19.1", "0.19.2")
 #: pip's form of :data:`SERIES` (setup.py).
 REQUIREMENT = "megatron-core>=0.16.1,!=0.17.*,!=0.18.*,<0.20"
 #: Set to 1 to run with a version outside the range anyway (at your own risk).
@@ -37,16 +25,13 @@ SUPPORTED_TEXT = ("megatron-core 0.16.1 with Megatron-LM core_v0.16.1, or megatr
                   "core_v0.19.0 (0.17 and 0.18 are not supported)")
 
 
-#: The oldest torch whose ``torch.distributed.new_group`` keeps the order of the ranks it is given
-#: (``sort_ranks=False``, new in torch 2.12): DualPipe and DualPipeV build their reversed pipeline group
-#: with it (:mod:`megatron_dualpipe.mcore.groups`). torch 2.11 has none: the first GPU check (one
-#: H100, torch 2.11.0, 2026-11-27) stopped there with a TypeError after the processes had started.
+#: The oldest torch whose ``new_group`` keeps the order of the ranks given (``sort_ranks=False``), which
+#: the reversed pipeline group needs (:mod:`megatron_dualpipe.mcore.groups`).
 TORCH_FOR_TWO_CHUNKS = "2.12"
 
 
 def torch_problem() -> Optional[str]:
-    """Why this torch cannot build DualPipe's process groups (one line, without the schedule's
-    flag), or None. Looks at ``new_group``'s signature: the feature, not a version number."""
+    """Why this torch cannot build DualPipe's process groups, or None (the feature, not a version)."""
     import inspect
 
     import torch
@@ -84,9 +69,8 @@ def skipped() -> bool:
 
 
 def problem(version: Optional[str], where: str = "megatron-core") -> Optional[str]:
-    """One line saying that ``version`` is outside the supported range (and what to do), or None.
-
-    None as well when :data:`SKIP_ENV` is 1."""
+    """One line saying that ``version`` is outside the supported range (and what to do), or None
+    (also when :data:`SKIP_ENV` is 1)."""
     if skipped() or (version is not None and supported(version)):
         return None
     found = f"{where} {version}" if version else f"no version of {where}"
