@@ -163,20 +163,24 @@ def suggest_split(split: str, documents: int) -> Optional[str]:
     return text if ok else None
 
 
+def split_counts(counts: Sequence[Optional[int]]) -> str:
+    """``train 71, validation 8, test -`` (``-``: a split of weight 0)."""
+    return ", ".join(f"{name} {'-' if n is None else n}" for name, n in zip(SPLIT_NAMES, counts))
+
+
 def check_split(split: str, documents: int) -> List[Optional[int]]:
     """The documents per split, or :class:`DataError` if a split of positive weight gets none."""
     counts = documents_per_split(split, documents)
     empty = [name for name, n in zip(SPLIT_NAMES, counts) if n == 0]
     if not empty:
         return counts
-    got = ", ".join(f"{name} {'-' if n is None else n}" for name, n in zip(SPLIT_NAMES, counts))
     better = suggest_split(split, documents)
     fix = (f"use --split {better} (document counts work as weights)" if better else
            f"add documents (each split of positive weight needs at least one)")
     zero = ",".join("0" if name in empty else p for name, p in
                     zip(SPLIT_NAMES, (split.split(",") + ["0"] * 3)[:3]))
     raise DataError(f"--split {split} on {documents} documents leaves the {' and '.join(empty)} split "
-                    f"empty ({got}) and Megatron's GPTDataset then loops forever in _get_num_epochs: "
+                    f"empty ({split_counts(counts)}) and Megatron's GPTDataset then loops forever in _get_num_epochs: "
                     f"{fix}, or give the {' and '.join(empty)} split weight 0 (--split {zero})")
 
 
@@ -456,6 +460,5 @@ def prepare_from_args(args: argparse.Namespace, progress: Progress) -> Tuple[Pre
     counts = check_split(args.split, len(corpus.documents))
     data = prepare(corpus, args.cache_dir or default_cache_dir(), args.tokenizer, args.vocab_size,
                    args.eod_token, progress)
-    progress.say(f"split {args.split}: " + ", ".join(
-        f"{name} {'-' if n is None else n}" for name, n in zip(SPLIT_NAMES, counts)) + " documents")
+    progress.say(f"split {args.split}: {split_counts(counts)} documents")
     return data, counts

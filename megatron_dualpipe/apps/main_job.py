@@ -24,7 +24,7 @@ import time
 from typing import Dict, Iterator, List, Optional
 
 from .data_prep import DataError, PreparedData, add_data_arguments, check_split, default_cache_dir
-from .data_prep import SPLIT_NAMES, describe_indexed, documents_per_split, prepare_from_args, split_weights
+from .data_prep import describe_indexed, documents_per_split, prepare_from_args, split_counts, split_weights
 from ..launch import interrupts, processes
 from ..schedule import registry
 from ..schedule.layout import V_SHAPE
@@ -407,8 +407,7 @@ def write_reports(args, data: PreparedData, pp: int, device: str, dual, one) -> 
                 f"{args.seq_length} tokens, Adam lr {args.lr:g}, seed {args.seed}",
                 f"validation: {args.eval_iters} batches of {args.microbatches} micro-batches after training"]
     data_lines = [f"{data.source}: {data.documents} documents, {data.tokens:,} tokens",
-                  f"split {args.split}: " + ", ".join(f"{n} {'-' if c is None else c}"
-                                                     for n, c in zip(SPLIT_NAMES, counts)) + " documents",
+                  f"split {args.split}: {split_counts(counts)} documents",
                   f"megatron-core GPTDataset over `{_home(data.prefix)}`, tokenizer `{_home(data.tokenizer_dir)}`"]
     picture = f"{args.schedule}_pp{pp}_m"
     pictures = ["loss.png"] + [f for f in ("timeline.png",) if os.path.isfile(os.path.join(args.out, f))]
