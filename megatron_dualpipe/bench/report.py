@@ -185,12 +185,11 @@ def table(cfg: BenchConfig, latencies: Dict[int, Optional[float]], all_rows: Seq
     for pp in sorted({r.pp for r in all_rows}):
         lat = latencies.get(pp)
         first = next(r for r in all_rows if r.pp == pp)
-        overheads, probes = {pp: first.unit_overhead_ms}, {pp: first.bd_probe_ms}
         lines.append("")
         lines.append(f"pp={pp}: one P2P message (rank 0 <-> 1, half a round trip) {_f(lat, '.2f')} ms; the executor's "
-                     f"own cost per unit (probe) {_f(overheads.get(pp), '.2f')} ms"
-                     + (f"; one bd sum of {cfg.grad_mb:g} MiB, all pairs at once, {_f(probes.get(pp), '.1f')} ms"
-                        if probes.get(pp) else ""))
+                     f"own cost per unit (probe) {_f(first.unit_overhead_ms, '.2f')} ms"
+                     + (f"; one bd sum of {cfg.grad_mb:g} MiB, all pairs at once, {_f(first.bd_probe_ms, '.1f')} ms"
+                        if first.bd_probe_ms else ""))
         head = (f"{'runner':<8} {'schedule':<16} {'M':>3} {'measured ms':>11} {'(min-max)':>13} {'sim ms':>7} "
                 f"{'x sim':>6} {'x +lat':>6} {'pred':>7} {'x pred':>6} {'spent':>5} {'x exec':>6} {'ovh/act':>7}  "
                 f"{'P2P ms per rank':<22} "
