@@ -69,8 +69,7 @@ def skipped() -> bool:
 
 
 def problem(version: Optional[str], where: str = "megatron-core") -> Optional[str]:
-    """One line saying that ``version`` is outside the supported range (and what to do), or None
-    (also when :data:`SKIP_ENV` is 1)."""
+    """One line saying that ``version`` is unsupported and what to do, or None (also under :data:`SKIP_ENV`)."""
     if skipped() or (version is not None and supported(version)):
         return None
     found = f"{where} {version}" if version else f"no version of {where}"
@@ -98,8 +97,7 @@ def installed_core_version() -> Optional[str]:
 
 
 def checkout_core_version(root: str) -> Optional[str]:
-    """The megatron-core version in ``root/megatron/core/package_info.py`` (a Megatron-LM checkout
-    or a site-packages folder), or None."""
+    """The megatron-core version in ``root/megatron/core/package_info.py``, or None."""
     info = os.path.join(root, "megatron", "core", "package_info.py")
     try:
         text = open(info, encoding="utf-8").read()

@@ -44,8 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Run one command. A user's mistake or an interruption ends in one line on stderr and a
-    non-zero status, never a traceback; only a bug in this package shows one."""
+    """Run one command; only a bug in this package ends in a traceback."""
     interrupts.install()  # SIGTERM and SIGHUP end a command as Ctrl-C does
     try:
         parser = build_parser()

@@ -24,8 +24,7 @@ class Command:
 
 
 def add_cost_args(p: argparse.ArgumentParser, title: str, defaults: bool = True, required: bool = True) -> None:
-    """--f --b --w --fb --p2p: the simulator's cost model (``schedule.simulate.Costs``); without
-    ``defaults`` they are ``required`` (or left None, for the command to check)."""
+    """--f --b --w --fb --p2p: the simulator's ``Costs``; without ``defaults`` ``required`` or None."""
     g = p.add_argument_group(title)
     for flag, default, text in (("--f", 1.0, "forward"), ("--b", 2.0, "full backward, input + weight grads"),
                                 ("--w", 1.0, "weight-grad part of the backward")):
@@ -94,8 +93,7 @@ def add_comm_args(p: argparse.ArgumentParser) -> None:
 
 
 def comm_from_args(args, pp: int):
-    """The :class:`~.costs.comm_cost.CommModel` of ``args``, or None when neither gradients nor
-    messages were given (then P2P costs ``--p2p`` and gradients nothing)."""
+    """The ``CommModel`` of ``args``, or None when neither gradients nor messages were given."""
     from ..costs.comm_cost import DTYPE_BYTES, CommModel, Link, Network, Placement
 
     if args.stage_params is None and args.message_bytes is None:
@@ -123,8 +121,7 @@ def comm_from_args(args, pp: int):
 
 
 def png_path(text: str) -> str:
-    """An argparse type for ``--png FILE``: the picture is PNG whatever the name says, so a name
-    that says otherwise (``x.jpg``) is refused rather than written with PNG bytes."""
+    """``--png FILE``'s type: a name that says other than PNG (``x.jpg``) is refused, not written with PNG bytes."""
     import os
 
     if not text.strip():

@@ -24,8 +24,7 @@ def stage_fraction(spec: ScheduleSpec, pp: int) -> float:
 
 
 def parameter_copies(spec: ScheduleSpec, pp: int) -> float:
-    """Stages' worth of parameters (and their gradients and optimizer state) one rank holds:
-    DualPipe 2 (a stage and its partner's mirror), every other schedule 1."""
+    """Stages' worth of parameters one rank holds: DualPipe 2 (its partner's mirror too), others 1."""
     return spec.chunks_per_rank * stage_fraction(spec, pp)
 
 
@@ -115,8 +114,7 @@ def in_other_placement(name: str, pp: int, real: int, stage_costs: Costs,
 
 
 def orders_with(name: str) -> List[str]:
-    """One schedule per distinct order, ``name`` standing for its own order (``executor-1f1b``
-    for ``1f1b``)."""
+    """One schedule per distinct order, ``name`` standing for its own (``executor-1f1b`` for ``1f1b``)."""
     mine = get(name)
     return [name if (get(n).generator, get(n).layout_kind) == (mine.generator, mine.layout_kind) else n
             for n in distinct_orders()]
@@ -142,8 +140,7 @@ def fmt(x: Optional[float]) -> str:
 
 
 def table(rows: Sequence[Row], mark: Optional[str] = None) -> List[str]:
-    """Rows of :func:`compare` as an aligned text table; ``mark`` flags one schedule. With the
-    gradient communication, the exposed part and the iteration too."""
+    """Rows of :func:`compare` as an aligned text table; ``mark`` flags one schedule."""
     comm = any(r.grad is not None for r in rows)
     cells: List[Sequence[str]] = [("schedule", "M", "makespan", "bubble", "closed form", "peak act.", "params")
                                   + (("exposed", "iteration") if comm else ()),
@@ -162,8 +159,7 @@ def table(rows: Sequence[Row], mark: Optional[str] = None) -> List[str]:
 
 
 def align(rows: Sequence[Sequence[str]], left: Sequence[int] = (0,)) -> List[str]:
-    """Text columns, right-aligned but for ``left``; a row of two cells (a name and a sentence)
-    is printed as it is."""
+    """Text columns, right-aligned but for ``left``; a row of two cells is printed as it is."""
     full = [r for r in rows if len(r) > 2]
     widths = [max(len(r[i]) for r in full if i < len(r)) for i in range(max(len(r) for r in full))]
     out = []

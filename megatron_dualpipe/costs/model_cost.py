@@ -61,8 +61,7 @@ def attention_flops(m: ModelArgs) -> Tuple[float, float]:
 
 
 def mlp_width(m: ModelArgs, moe: bool) -> int:
-    """The MLP hidden width a token goes through: the dense one, or its routed experts' plus the
-    shared experts'."""
+    """The MLP hidden width a token goes through (MoE: its routed experts' plus the shared ones)."""
     return m.topk * m.moe_ffn_hidden + m.shared_expert if moe else m.ffn_hidden
 
 
@@ -104,8 +103,7 @@ def iteration_flops(m: ModelArgs, global_batch: int) -> float:
 # Stages
 
 def stage_sizes(m: ModelArgs) -> Tuple[int, ...]:
-    """Layers per pipeline stage as Megatron splits them (a DualPipeV layout's stage t: V-stages 2t
-    and 2t+1)."""
+    """Layers per pipeline stage as Megatron splits them (a DualPipeV layout's stage t: V-stages 2t, 2t+1)."""
     if m.layout is not None:
         counts = stage_layout.decoder_counts(stage_layout.parse(m.layout))
         return counts if len(counts) == m.pp else tuple(counts[i] + counts[i + 1] for i in range(0, 2 * m.pp, 2))
@@ -129,8 +127,7 @@ def v_stage_sizes(m: ModelArgs) -> Tuple[int, ...]:
 
 def partition_f(m: ModelArgs, gpu: Gpu, mfu: float, gpus_per_node: int, sizes: Sequence[int],
                 a2a_bandwidth: Optional[float] = None) -> Tuple[float, ...]:
-    """Forward ms per micro-batch of each of consecutive stages of ``sizes`` layers (the last with
-    the output layer and MTP), priced as :func:`stage_costs` prices a stage's forward."""
+    """Forward ms per micro-batch of consecutive stages of ``sizes`` layers, priced as :func:`stage_costs`."""
     rate, a2a = gpu.peak_tflops * 1e12 * mfu / 1e3, all_to_all_ms(m, gpu, gpus_per_node, a2a_bandwidth)
     out, start = [], 0
     for i, n in enumerate(sizes):
@@ -155,8 +152,7 @@ def stage_flops(m: ModelArgs, stage: int) -> Tuple[float, float]:
 
 
 def _span_flops(m: ModelArgs, moe_flags: Sequence[int], last: bool) -> Tuple[float, float]:
-    """(weight GEMMs, core attention) forward FLOPs on one rank of these layers (``last``: with the
-    output layer and MTP)."""
+    """(weight GEMMs, core attention) forward FLOPs on one rank of these layers (``last``: + output, MTP)."""
     linear, core = 0.0, 0.0
     for moe in moe_flags:
         lin, c = layer_flops(m, bool(moe))
@@ -299,8 +295,7 @@ def stage_params(m: ModelArgs, stage: int) -> Tuple[Params, Params, Params]:
 
 @dataclass(frozen=True)
 class Memory:
-    """One rank's memory in bytes: its stage's parameters, gradients and optimizer state, and the
-    activations one micro-batch leaves on the first stage."""
+    """One rank's memory in bytes: parameters, gradients, optimizer state, one micro-batch's activations."""
 
     stage: int
     parameters: float
@@ -328,8 +323,7 @@ def rank_bytes(m: ModelArgs, p: Params, world: int) -> Tuple[float, float, float
 
 
 def activation_bytes(m: ModelArgs) -> float:
-    """Megatron-LM's own figure, for comparison: one micro-batch's activations on the first stage
-    (Korthikanti et al., Table 2)."""
+    """Megatron-LM's own figure for one micro-batch's activations on the first stage, for comparison."""
     s, b, h = m.seq_length / m.cp, m.micro_batch, m.hidden
     layers = stage_layers(m, 0)
     embedding = 8 * s * b + s * b * h

@@ -34,9 +34,8 @@ def loads(schedule: str, costs: Sequence[float]) -> List[float]:
 
 
 def views(costs: Sequence[float], pp: int) -> Tuple[List[float], List[float]]:
-    """(the ``pp`` stages' costs, the ``2*pp`` V-stages') from either: ``pp`` stage costs are cut
-    in two equal V-stages each (give ``2*pp`` or a layout for the exact halves); ``2*pp`` V-stage
-    costs are paired into stages ``2t`` + ``2t+1`` (1F1B's stage t, as in ``stage_layout.paired``)."""
+    """(the ``pp`` stages' costs, the ``2*pp`` V-stages') from either: a stage is two equal V-stages,
+    V-stages ``2t`` + ``2t+1`` are stage t (as in ``stage_layout.paired``)."""
     if len(costs) == pp:
         return list(costs), [c / 2 for c in costs for _ in (0, 1)]
     if len(costs) == 2 * pp:
@@ -46,8 +45,7 @@ def views(costs: Sequence[float], pp: int) -> Tuple[List[float], List[float]]:
 
 
 def layout_costs(text: str, layer_costs: Dict[str, float], pp: int) -> Tuple[List[float], List[float]]:
-    """``views`` of a layout of ``pp`` or ``2*pp`` stages priced per layer letter: a ``pp``-stage
-    layout's V-stages are its stages cut in two by layers (``stage_layout.halved``)."""
+    """``views`` of a layout of ``pp`` or ``2*pp`` stages (``stage_layout.halved``) priced per layer letter."""
     stages = stage_layout.parse(text)
     price = dict(DEFAULT_LAYER_COSTS, **layer_costs)
     if len(stages) == pp:

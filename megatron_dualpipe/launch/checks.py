@@ -184,8 +184,7 @@ def data_prefixes(opts: Dict[str, object]) -> List[str]:
 
 
 def largest_token_id(prefix: str, scan_bytes: int = SCAN_BYTES) -> Optional[int]:
-    """The largest token id in the first ``scan_bytes`` of ``prefix.bin`` (dtype from ``.idx``);
-    None where numpy is missing or the ``.idx`` is not Megatron's."""
+    """The largest token id in the first ``scan_bytes`` of ``prefix.bin``, or None (no numpy, not Megatron's)."""
     try:
         import numpy as np
     except ImportError:

@@ -50,8 +50,7 @@ def preflight(script):
 
 
 def argument_problems(script, argv, check: bool):
-    """The problems :mod:`.checks` finds (torch only with ``--check``); under torchrun only rank 0
-    reads the data's token ids."""
+    """The problems :mod:`.checks` finds; under torchrun only rank 0 reads the data's token ids."""
     from . import checks
 
     found = []

@@ -54,8 +54,7 @@ def _env_int(env: Mapping[str, str], name: str) -> Optional[int]:
 
 
 def problem(argv: Sequence[str], env: Mapping[str, str]) -> Optional[str]:
-    """Why ``--pair-placement`` cannot run with these script arguments under this torchrun
-    environment (``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``), or None."""
+    """Why ``--pair-placement`` cannot run with these arguments under this torchrun environment, or None."""
     sizes, bad = script_sizes(argv)
     if bad:
         return bad
@@ -92,8 +91,7 @@ def placement(argv: Sequence[str], env: Mapping[str, str]) -> List[int]:
 
 
 def apply(argv: Sequence[str], env: MutableMapping[str, str]) -> Tuple[int, int]:
-    """Rewrite ``env["RANK"]`` to this slot's Megatron global rank; returns (slot, global rank).
-    Raises ``ValueError`` naming the fix (nothing is changed then)."""
+    """Rewrite ``env["RANK"]`` to this slot's global rank: (slot, rank), or ``ValueError`` naming the fix."""
     found = problem(argv, env)
     if found:
         raise ValueError(found)

@@ -28,8 +28,7 @@ def _bindable(host: str, port: int) -> bool:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free a moment ago, outside the range other connections take theirs from
-    (the kernel's choice where that range leaves none below it)."""
+    """A port that was free a moment ago, below the ephemeral range where it leaves any."""
     pick = random.SystemRandom()
     end = _ephemeral_start()
     for _ in range(100 if end > LOWEST else 0):

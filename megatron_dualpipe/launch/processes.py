@@ -100,8 +100,7 @@ def _alive(pid: int) -> bool:
 
 
 def stop_descendants(grace: float = GRACE_SECONDS) -> None:
-    """Stop every process below this one (SIGTERM, SIGKILL after ``grace``): the safety net for
-    processes started other than through :func:`run` (multiprocessing's workers and forkserver)."""
+    """Stop every process below this one (SIGTERM, SIGKILL after ``grace``): those :func:`run` did not start."""
     family = descendants(os.getpid())
     if not family:
         return
@@ -118,8 +117,7 @@ def stop_descendants(grace: float = GRACE_SECONDS) -> None:
 
 
 def stop(proc: subprocess.Popen, grace: float = GRACE_SECONDS) -> None:
-    """Stop ``proc`` (started with ``start_new_session=True``), its process group and every
-    descendant, even those that started sessions of their own; return when all are gone."""
+    """Stop ``proc``, its process group and every descendant, even in sessions of their own; wait for all."""
     family = descendants(proc.pid)
     _signal_all(proc.pid, family | {proc.pid}, signal.SIGTERM)
     deadline = time.monotonic() + grace

@@ -60,8 +60,7 @@ class Launch:
 
 
 def model_values(argv: Sequence[str]) -> Dict[str, int]:
-    """The integer values of :data:`_MODEL_FLAGS` in ``argv`` and :data:`_MODEL_SWITCHES` present
-    (as 1); absent ones left out."""
+    """The integer values of :data:`_MODEL_FLAGS` in ``argv``, and 1 for :data:`_MODEL_SWITCHES` present."""
     found: Dict[str, int] = {}
     for i, a in enumerate(argv):
         flag, eq, val = a.partition("=")
@@ -76,8 +75,7 @@ def model_values(argv: Sequence[str]) -> Dict[str, int]:
 # The batch
 
 def valid_batches(global_batch: int, unit: int, least: int) -> List[int]:
-    """The valid GLOBAL_BATCH values next to ``global_batch`` (below, above): multiples of ``unit``
-    (MICRO_BATCH*DP) of at least ``least`` micro-batches."""
+    """The valid GLOBAL_BATCH values below and above ``global_batch``: multiples of ``unit``, >= ``least`` of it."""
     below, above = global_batch // unit * unit, -(-global_batch // unit) * unit
     return sorted({max(below, least * unit), max(above, least * unit)})
 
@@ -88,9 +86,8 @@ def nearest_batch(global_batch: int, unit: int, least: int) -> int:
 
 
 def batch_rule(launch: Launch, world: int, pp: int, tp: int) -> Tuple[int, int]:
-    """(MICRO_BATCH*DP, the fewest micro-batches the schedule runs) on ``world`` GPUs with these
-    sizes: GLOBAL_BATCH must be a multiple of the first (Megatron), of at least the second
-    (the registry's rule, e.g. PP for DualPipe)."""
+    """(MICRO_BATCH*DP, the fewest micro-batches the schedule runs): GLOBAL_BATCH must be a multiple of
+    the first (Megatron's rule), of at least the second (the registry's)."""
     return launch.micro * (world // (tp * pp * launch.cp)), registry.get(launch.schedule).min_real_microbatches(pp)
 
 
@@ -140,8 +137,7 @@ def _divisors(n: int) -> List[int]:
 
 
 def pp_fits(launch: Launch, pp: int) -> bool:
-    """Whether the schedule runs on ``pp`` stages (the registry's rules, as the plugin's argument
-    check applies them) and the layers divide into its stages (Megatron's rule, unless uneven)."""
+    """Whether the schedule runs on ``pp`` stages and the layers divide into them (unless uneven)."""
     spec, model = registry.get(launch.schedule), launch.model
     vpp = model.get("vpp_layers")
     if spec.pp_problem(pp) or (pp < 2 and (spec.runs_on == registry.EXECUTOR or vpp)):
@@ -152,8 +148,7 @@ def pp_fits(launch: Launch, pp: int) -> bool:
 
 
 def tp_fits(launch: Launch, tp: int) -> bool:
-    """Whether Megatron splits the model over ``tp`` GPUs of one node: the attention heads, the
-    query groups (a multiple or a divisor of TP) and the MLP's hidden size."""
+    """Whether Megatron splits the model's heads, query groups and MLP over ``tp`` GPUs of one node."""
     model = launch.model
     groups = model.get("groups") if model.get("gqa") else None
     return (launch.per_node % tp == 0 and model.get("heads", tp) % tp == 0 and model.get("ffn", tp) % tp == 0
@@ -184,8 +179,7 @@ def fitting_sizes(launch: Launch) -> List[Tuple[int, int, int]]:
 
 
 def sizes_text(launch: Launch) -> str:
-    """PP, TP (and EP for a model with experts) for the GPUs given, each with its GLOBAL_BATCH where
-    the given one would not split; or "change ..." where none fits."""
+    """PP, TP (and EP) for the GPUs given, each with a GLOBAL_BATCH that splits; or "change ..."."""
     options = fitting_sizes(launch)[:SIZES_NAMED]
     if not options:
         return f"or change PP, TP, EP, CP, ETP (no PP, TP, EP fits {launch.world} GPUs with CP={launch.cp})"
@@ -197,9 +191,8 @@ def sizes_text(launch: Launch) -> str:
 # The GPU count
 
 def valid_counts(launch: Launch) -> str:
-    """The GPU counts to use instead of the world size: the nearest multiple of the unit on nodes
-    of GPUS_PER_NODE, and, where one exists, NNODES nodes with fewer GPUs each; each with the
-    GLOBAL_BATCH to use where the given one would not pass there."""
+    """The GPU counts to use instead: the nearest on whole nodes, and NNODES nodes with fewer GPUs each
+    where that works; each with a GLOBAL_BATCH that passes there."""
     world, nodes, per_node, unit = launch.world, launch.nodes, launch.per_node, launch.unit()
     step = unit * per_node // math.gcd(unit, per_node)  # a multiple of the unit on whole nodes
     below = world // step * step

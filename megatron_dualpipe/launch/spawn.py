@@ -41,8 +41,7 @@ def rank_environment(rank: int, world: int, port: int) -> Dict[str, str]:
 
 
 def stacks_path(prefix: str, rank: int) -> str:
-    """Where rank ``rank`` writes its stacks: a file of its own, where the ranks' dumps cannot
-    interleave mid-line."""
+    """Where rank ``rank`` writes its stacks: a file of its own, so dumps cannot interleave."""
     return f"{prefix}.stacks{rank}"
 
 
@@ -61,8 +60,7 @@ def stacks_to(path: str) -> None:
 
 
 def labelled_stacks(prefix: str, world: int) -> str:
-    """The ranks' dumps (a crash, or a job past its deadline), each line marked with its rank as the
-    selftest's watchdog marks them; the files are removed."""
+    """The ranks' dumps, each line marked ``[rank R]`` as the selftest's watchdog marks them; removed."""
     lines = []
     for rank in range(world):
         path = stacks_path(prefix, rank)
@@ -78,8 +76,7 @@ def labelled_stacks(prefix: str, world: int) -> str:
 
 
 class _Forked:
-    """A rank forked from this process, with the ``pid`` and ``exitcode`` of a
-    :class:`multiprocessing.Process`."""
+    """A rank forked from this process, with a ``multiprocessing.Process``'s ``pid`` and ``exitcode``."""
 
     def __init__(self, pid: int):
         self.pid, self._code = pid, None
@@ -127,8 +124,7 @@ class Ranks:
                 pass
 
     def stop(self, grace: float, first: Optional[int] = signal.SIGTERM) -> None:
-        """``first`` (SIGTERM; None: nothing) to the running ranks, SIGKILL to those left after
-        ``grace``; returns when all have ended."""
+        """``first`` (None: nothing) to the running ranks, SIGKILL after ``grace``; wait until all ended."""
         if first is not None:
             self.send(first)
         end = time.monotonic() + grace
@@ -139,16 +135,14 @@ class Ranks:
             time.sleep(POLL_S)
 
     def dump(self) -> None:
-        """Every running rank writes its stacks (SIGABRT: faulthandler), then it is killed; the
-        files are read with :func:`labelled_stacks`."""
+        """Every running rank writes its stacks (SIGABRT: faulthandler), then it is killed."""
         self.send(signal.SIGABRT)
         self.stop(STACKS_S, first=None)
 
 
 def wait(ranks: Ranks, timeout_s: float, on_failure: Callable[[int, int], None]) -> Optional[int]:
-    """Wait for every rank as torchrun's agent does: 0 when all succeeded; 1 once one failed (it is
-    told to ``on_failure(rank, exit code)``, the others get SIGTERM, SIGKILL :data:`GRACE_S` later); None when
-    ``timeout_s`` passed first (each rank wrote its stacks: :meth:`Ranks.dump`, :func:`labelled_stacks`)."""
+    """Wait for every rank as torchrun's agent does: 0 when all succeeded; 1 once one failed (told to
+    ``on_failure(rank, code)``; the others stopped); None past ``timeout_s`` (each rank wrote its stacks)."""
     deadline, failed_at = time.monotonic() + timeout_s, None
     while ranks.poll():
         now = time.monotonic()
@@ -166,9 +160,7 @@ def wait(ranks: Ranks, timeout_s: float, on_failure: Callable[[int, int], None])
 
 
 def fork(world: int, child: Callable[[int], None], stacks_prefix: str) -> Ranks:
-    """``world`` ranks forked from this process (in its process group: a Ctrl-C reaches them);
-    ``child(rank)`` runs in each (its stacks to :func:`stacks_path`) and ends the process (an exception
-    ends it as an interpreter does)."""
+    """``world`` ranks forked from this process (a Ctrl-C reaches them), each running ``child(rank)``."""
     procs = []
     for rank in range(world):
         pid = os.fork()
@@ -181,8 +173,7 @@ def fork(world: int, child: Callable[[int], None], stacks_prefix: str) -> Ranks:
 
 
 def _rank(rank, world, port, fn, args, results, prefix, finish) -> None:
-    """One rank of :func:`run` (in its forkserver's session: :data:`OWN_SESSION`): its result (or its
-    traceback) goes to the parent, then ``finish()``."""
+    """One rank of :func:`run`: its result (or its traceback) goes to the parent, then ``finish()``."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops the ranks
     os.environ.update(rank_environment(rank, world, port))
     stacks_to(stacks_path(prefix, rank))
@@ -214,10 +205,9 @@ def _context(start_method: Optional[str], preload: Sequence[str]):
 
 
 def _preloading(ctx, modules: Sequence[str]) -> None:
-    """Make the (process-wide) forkserver preload at least ``modules``, in their order after what it
-    has: a running forkserver keeps the list it was started with, so one started with less (the
-    benchmark's torch) is stopped and restarted once more is asked for (megatron-core). Uses CPython's
-    private ``ForkServer._stop``; without it the ranks import what they need."""
+    """Make the process-wide forkserver preload at least ``modules``: a running one keeps its list, so
+    one started with less is stopped (CPython's private ``ForkServer._stop``; without it the ranks
+    import what they need)."""
     from multiprocessing import forkserver
 
     server = forkserver._forkserver
@@ -278,9 +268,8 @@ def _collect(results, ranks: Ranks, timeout_s: float) -> List[Any]:
 def run(fn: Callable[..., Any], world: int, args: Sequence[Any] = (), *, timeout_s: float,
         preload: Sequence[str] = (), start_method: Optional[str] = None,
         finish: Optional[Callable[[], None]] = None) -> List[Any]:
-    """``fn(rank, world, port, *args)`` in ``world`` new processes (``fn`` importable: a module-level
-    function); returns what each returned, in rank order. ``finish()`` runs in each rank after its
-    result is sent. Raises as :func:`_collect` says; whatever ends this call (Ctrl-C too) ends every rank."""
+    """``fn(rank, world, port, *args)`` (importable) in ``world`` new processes: what each returned, in
+    rank order; ``finish()`` runs in each after. Whatever ends this call (Ctrl-C too) ends every rank."""
     ctx = _context(start_method, preload)
     results = ctx.SimpleQueue()
     folder = tempfile.mkdtemp(prefix="megatron-dualpipe-ranks-")

@@ -44,8 +44,7 @@ def _silenced():
 
 
 def _install(root: str) -> None:
-    """What a rank installs before Megatron parses its arguments: the checkout first on
-    ``sys.path``, the plugin's argument hooks, CPU mode where there is no GPU."""
+    """What a rank installs before Megatron parses its arguments."""
     if root in sys.path:
         sys.path.remove(root)
     sys.path.insert(0, root)

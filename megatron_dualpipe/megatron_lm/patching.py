@@ -135,10 +135,8 @@ def _write_atomically(path: str, text: str) -> None:
 
 
 def apply(path: str, *, revert: bool = False, check: bool = False) -> str:
-    """Apply (or revert) the hook; with ``check`` change nothing. Returns what was (or would be) done.
-
-    Reverting works on any version (a hook left in a checkout that moved to another tag can be
-    removed); ``check`` fails where the real run would, e.g. on a read-only checkout."""
+    """Apply (or revert, at any version) the hook; with ``check`` change nothing but fail where the
+    real run would. Returns what was (or would be) done."""
     co = inspect(path, require_tag=not revert)
     lines = _read_lines(co.script)
     if co.state == ("clean" if revert else "applied"):

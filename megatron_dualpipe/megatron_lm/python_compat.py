@@ -3,8 +3,7 @@
 
 
 def typing_override(original):
-    """``typing.override`` for Python < 3.12: ``typing_extensions.override`` (a decorator that only
-    marks the method)."""
+    """``typing.override`` for Python < 3.12: ``typing_extensions.override``."""
     from typing_extensions import override
 
     return override

@@ -4,5 +4,4 @@ library only: the launcher imports it before Megatron-LM."""
 
 
 class Refusal(NotImplementedError):
-    """One line naming the fix. A ``NotImplementedError`` (so a ``RuntimeError``), as these
-    refusals were before, for code that catches those."""
+    """One line naming the fix; a ``NotImplementedError``, as these refusals were before."""
