@@ -111,6 +111,13 @@ def legend_entries(schedule) -> List[Tuple[str, str]]:
     return [(f"{op} {OP_NAMES[op]}" + (f", {word} {d}" if multi else ""), COLORS[(op, d)]) for op, d in keys]
 
 
+def legend_marks(schedules, fake: bool) -> List[Tuple[str, str]]:
+    """(label, kind) of the marks drawn besides the fills: the fused units' outline, the fake mark."""
+    fused = any(a.overlap for s in schedules for acts in s.ranks for a in acts)
+    return [(lab, kind) for lab, kind, drawn in (("fused F&B unit", "fused", fused),
+                                                 ("fake micro-batch (padding, no compute)", "fake", fake)) if drawn]
+
+
 def legend_keys(schedule) -> List[Tuple[str, int]]:
     """The (op, dir) pairs the schedule uses, in the legend's order."""
     used = {(a.op, a.dir) for acts in schedule.ranks for a in acts}
@@ -344,10 +351,7 @@ def to_svg(schedule, result: SimResult, fake: Fake = None) -> str:
     rows_h = len(fr.rows) * (_ROW + _GAP)
     legend = legend_entries(schedule)
     legend_top = _TOP + rows_h + 36
-    has_fused = any(a.overlap for acts in schedule.ranks for a in acts)
-    extra = [("fused F&B unit", "fused")] if has_fused else []
-    if fake is not None:
-        extra.append(("fake micro-batch (padding, no compute)", "fake"))
+    extra = legend_marks([schedule], fake is not None)
     n_entries = len(legend) + len(extra)
     per_line = min(4, n_entries)
     column = _legend_column_width([lab for lab, _ in legend] + [lab for lab, _ in extra])

@@ -8,7 +8,7 @@ from typing import Dict, List, Sequence, Tuple
 
 from ..schedule.simulate import SimResult
 from .draw import (COLORS, FAKE, HATCHED, TEXT, UNIT_PX, Fake, Frame, boxes, frame, key, label, label_size,
-                   legend_entries, legend_keys, num, outlines, ticks, ticks_that_fit, title, whole)
+                   legend_entries, legend_keys, legend_marks, num, outlines, ticks, ticks_that_fit, title, whole)
 from .plotting import agg_pyplot, legend_below, save_png
 
 #: Label sizes (points) tried per cell, largest first; a cell too narrow for 5 pt gets none.
@@ -79,7 +79,7 @@ def _paint(ax, schedule, result: SimResult, fr: Frame, points_per_time: float, f
     ax.set_axisbelow(True)
 
 
-def _legend_handles(schedules: Sequence, fused: bool, fake: bool) -> list:
+def _legend_handles(schedules: Sequence, fake: bool) -> list:
     """One legend entry per fill the schedules use (the same fill means the same in every panel),
     then the fused outline and the fake mark where drawn."""
     from matplotlib.patches import Patch
@@ -90,10 +90,9 @@ def _legend_handles(schedules: Sequence, fused: bool, fake: bool) -> list:
             if (op, d) not in seen:
                 seen.add((op, d))
                 handles.append(Patch(facecolor=col, edgecolor="white", label=lab, **_hatch_kwargs(d, op)))
-    if fused:
-        handles.append(Patch(facecolor="white", edgecolor="#111111", linewidth=1.8, label="fused F&B unit"))
-    if fake:
-        handles.append(Patch(facecolor=FAKE, edgecolor="none", label="fake micro-batch (padding, no compute)"))
+    for lab, kind in legend_marks(schedules, fake):
+        handles.append(Patch(facecolor="white", edgecolor="#111111", linewidth=1.8, label=lab) if kind == "fused"
+                       else Patch(facecolor=FAKE, edgecolor="none", label=lab))
     return handles
 
 
@@ -113,8 +112,7 @@ def png_figure(schedule, result: SimResult, fake: Fake = None):
     ax.set_xlabel("simulated time")
     sub = "\n".join(x for x in (key(schedule), fr.note) if x)
     ax.set_title(title(schedule, result) + ("\n" + sub if sub else ""), fontsize=11, loc="left")
-    fused = any(a.overlap for acts in schedule.ranks for a in acts)
-    legend_below(fig, _legend_handles([schedule], fused, fake is not None))
+    legend_below(fig, _legend_handles([schedule], fake is not None))
     return fig
 
 
@@ -150,9 +148,7 @@ def panels_figure(panels: Sequence[Tuple[str, object, SimResult]], shared_axis: 
         if not shared_axis:
             ax.set_xlabel(time_label, fontsize=8)
     axes[-1, 0].set_xlabel(time_label)
-    schedules = [s for _, s, _ in panels]
-    fused = any(a.overlap for s in schedules for acts in s.ranks for a in acts)
-    legend_below(fig, _legend_handles(schedules, fused, fake=False))
+    legend_below(fig, _legend_handles([s for _, s, _ in panels], fake=False))
     return fig
 
 
