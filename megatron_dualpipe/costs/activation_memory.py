@@ -1,10 +1,7 @@
-"""What one micro-batch's activations take on one rank of a pipeline stage, tensor by tensor.
-
-Megatron-LM's ``report_theoretical_memory`` has one formula for an MHA layer with a GELU MLP, no term
-for MLA, SwiGLU, MoE's token copies, ``--recompute-modules``, FP8 or MTP. Here a layer is the list of
-tensors its backward keeps, each tagged with the recompute module that frees it and whether a GEMM
-reads it; ``tests/mcore/test_activation_memory_measured.py`` checks it against what autograd saves.
-Core attention keeps no s x s scores (flash attention), as Megatron's formula assumes. Standard library only.
+"""What one micro-batch's activations take on one rank of a pipeline stage, tensor by tensor: Megatron's
+``report_theoretical_memory`` has one formula for MHA with a GELU MLP, no term for MLA, SwiGLU, MoE,
+recomputed modules, FP8 or MTP. ``tests/mcore/test_activation_memory_measured.py`` checks the list
+against what autograd saves. Standard library only.
 """
 from __future__ import annotations
 

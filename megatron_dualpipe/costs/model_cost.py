@@ -1,10 +1,7 @@
-"""A pipeline stage's costs and memory from the model's shape, for advice before any run.
-
-FLOPs per token take the terms of Megatron-LM's ``num_floating_point_operations`` (a weight gradient
-costs its forward GEMM; core attention has no weights); times are a rank's share of them at ``mfu``
-of the GPU's peak bf16 rate, plus MoE's all-to-all at NVLink or network bandwidth (tensor-parallel
-communication is not modelled); memory is ``report_theoretical_memory``'s accounting (bf16
-parameters, fp32 gradients and Adam state). Standard library only, like ``schedule``.
+"""A pipeline stage's costs and memory from the model's shape, for advice before any run: FLOPs as
+Megatron-LM's ``num_floating_point_operations`` counts them at ``mfu`` of the GPU's peak, MoE's
+all-to-all at link bandwidth (tensor parallel's not modelled), memory as ``report_theoretical_memory``
+accounts it. Standard library only, like ``schedule``.
 """
 from __future__ import annotations
 
@@ -92,12 +89,19 @@ def mtp_flops(m: ModelArgs) -> Tuple[float, float]:
 
 def iteration_flops(m: ModelArgs, global_batch: int) -> float:
     """The model FLOPs of one iteration (forward and backward, three GEMMs per weight)."""
+    return 3.0 * global_batch * m.seq_length * sum(_token_flops(m, m.moe_pattern, True))
+
+
+def _token_flops(m: ModelArgs, moe_flags: Sequence[int], last: bool) -> Tuple[float, float]:
+    """(linear, core) forward FLOPs per token of layers with these MoE flags (``last``: + output, MTP)."""
     linear, core = 0.0, 0.0
-    for moe in m.moe_pattern:
+    for moe in moe_flags:
         lin, c = layer_flops(m, bool(moe))
         linear, core = linear + lin, core + c
-    lin, c = mtp_flops(m)
-    return 3.0 * global_batch * m.seq_length * (linear + core + lin + c + output_flops(m))
+    if last:
+        lin, c = mtp_flops(m)
+        linear, core = linear + lin + output_flops(m), core + c
+    return linear, core
 
 
 # Stages
@@ -153,13 +157,7 @@ def stage_flops(m: ModelArgs, stage: int) -> Tuple[float, float]:
 
 def _span_flops(m: ModelArgs, moe_flags: Sequence[int], last: bool) -> Tuple[float, float]:
     """(weight GEMMs, core attention) forward FLOPs on one rank of these layers (``last``: + output, MTP)."""
-    linear, core = 0.0, 0.0
-    for moe in moe_flags:
-        lin, c = layer_flops(m, bool(moe))
-        linear, core = linear + lin, core + c
-    if last:
-        lin, c = mtp_flops(m)
-        linear, core = linear + lin + output_flops(m), core + c
+    linear, core = _token_flops(m, moe_flags, last)
     tokens = m.micro_batch * m.seq_length
     return tokens * linear / (m.tp * m.cp), tokens * core / (m.tp * m.cp)
 

@@ -1,10 +1,7 @@
-"""What ``pretrain_gpt.py`` would fail on after ``torchrun`` started, checked before it starts.
-
-Megatron-LM finds a missing tokenizer file with a bare ``assert`` in every rank 20 s into the run,
-and a tokenizer smaller than the data's token ids with an ``IndexError`` 40 s in; here each is one
-line naming the fix, in a second: torch and torchrun importable, the tokenizer's files, each
-``--data-path`` prefix's ``.bin`` / ``.idx``, and the data's largest token id below the vocabulary.
-Standard library only, plus numpy and ``tokenizers`` where they are installed.
+"""What ``pretrain_gpt.py`` would fail on after ``torchrun`` started, checked in a second before it
+starts: Megatron-LM meets a missing tokenizer file as a bare ``assert`` in every rank 20 s in, token
+ids past the vocabulary as an ``IndexError`` 40 s in. Standard library, plus numpy and ``tokenizers``
+where installed.
 """
 from __future__ import annotations
 

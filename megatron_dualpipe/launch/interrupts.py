@@ -1,10 +1,6 @@
-"""Ctrl-C, SIGTERM and a closed pipe end a command in one line, with every process it started.
-
-:func:`guarded` runs a command's main function: an interruption becomes ``PROG: interrupted`` and
-exit status 130, a closed stdout a silent 141 (as ``cat`` does); either way what the command started
-is stopped and our output then goes to ``/dev/null``, so nothing is written afterwards. Shell scripts
-``exec`` ``python -m megatron_dualpipe.launch.interrupts --prog NAME -- CMD ...`` for the same.
-Standard library only.
+"""Ctrl-C, SIGTERM and a closed pipe end a command in one line, with every process it started
+stopped and our output then silenced: :func:`guarded` for a main function (130, or a silent 141 as
+``cat`` does); ``python -m megatron_dualpipe.launch.interrupts --prog NAME -- CMD`` for shell scripts.
 """
 from __future__ import annotations
 

@@ -1,15 +1,10 @@
-"""Run a Megatron-LM training script with megatron-dualpipe installed::
+"""Run a Megatron-LM training script, unmodified, with megatron-dualpipe installed::
 
     torchrun --nproc-per-node 4 -m megatron_dualpipe.launch /path/to/Megatron-LM/pretrain_gpt.py ...
-    python -m megatron_dualpipe.launch --check /path/to/Megatron-LM/pretrain_gpt.py ...   # preflight only
 
-The script runs unmodified: its directory goes first on ``sys.path`` (as ``python pretrain_gpt.py``
-would put it, so ``megatron.*`` is the checkout's, not an installed wheel's), ``install()`` runs, then
-``runpy`` runs the script. The preflight refuses, one line per problem and exit status 2, what would
-fail later on every rank: the script, the checkout's tag, the training dependencies and, with
-``--check``, the arguments (:mod:`.checks`, :mod:`.validation`). A refusal raised under torchrun
-(:func:`.validation.is_refusal`) is said once, by one rank, without a traceback.
-``--pair-placement``: :mod:`.placement`.
+Its directory goes first on ``sys.path`` (so ``megatron.*`` is the checkout's, not a wheel's). A
+preflight (``--check``: only that) refuses in one line each what would fail later on every rank; a
+refusal raised under torchrun (:func:`.validation.is_refusal`) is said once, without a traceback.
 """
 
 import os

@@ -1,10 +1,7 @@
-"""``--pair-placement``: the launcher puts pipeline ranks i and pp-1-i on the same node.
-
-torchrun numbers the processes node by node and Megatron takes ``RANK`` as its global rank, so
-DualPipe's bd sum (stage i's copies on pipeline ranks i and pp-1-i) crosses nodes. Before Megatron
-reads its environment, each process replaces ``RANK`` by ``pair_placement(...)[RANK]`` (a pure
-function every process computes alike); ``LOCAL_RANK`` and Megatron's rank order stay, torchrun's
-``RANK`` is kept in :data:`TORCHRUN_RANK_ENV`. Only ``dualpipe`` has bd pairs to place.
+"""``--pair-placement``: put pipeline ranks i and pp-1-i (DualPipe's bd pairs) on the same node.
+torchrun numbers processes node by node and Megatron takes ``RANK`` as its global rank, so before
+Megatron reads it each process replaces ``RANK`` by ``pair_placement(...)[RANK]`` (a pure function
+every process computes alike), keeping torchrun's in :data:`TORCHRUN_RANK_ENV`.
 """
 from __future__ import annotations
 

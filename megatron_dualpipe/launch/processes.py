@@ -1,10 +1,6 @@
 """The processes a command starts: in their own session, relayed, stopped with every descendant.
-
-``torchrun`` starts each rank in a session of its own, so the ranks neither get the terminal's
-Ctrl-C nor die with ``torchrun``: re-parented to PID 1 they would go on training. :func:`run` stops
-the command's group and every descendant found in ``/proc`` before it raises; :func:`stop_descendants`
-is the safety net for processes started otherwise. Standard library only (scripts run it with any
-``python3``).
+``torchrun`` starts each rank in a session of its own, so the ranks neither get the terminal's Ctrl-C
+nor die with ``torchrun``: re-parented to PID 1 they would go on training. Standard library only.
 """
 from __future__ import annotations
 
@@ -34,26 +30,25 @@ def ignore_interrupts() -> None:
 
 # Finding and stopping processes
 
+def _stat(pid) -> Optional[List[bytes]]:
+    """The fields after ``(comm)`` of ``/proc/PID/stat`` (state, ppid, ...), or None. comm may hold
+    spaces and parentheses: the last ")" ends it."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            stat = fh.read()
+    except OSError:
+        return None
+    return stat[stat.rfind(b")") + 2:].split()
+
+
 def _parents() -> Dict[int, int]:
     """pid -> parent pid of every process visible in /proc (empty where there is no /proc)."""
-    out: Dict[int, int] = {}
     try:
-        names = os.listdir("/proc")
+        names = [name for name in os.listdir("/proc") if name.isdigit()]
     except OSError:
-        return out
-    for name in names:
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as fh:
-                stat = fh.read()
-        except OSError:
-            continue
-        # "pid (comm) state ppid ...": comm may hold spaces and parentheses; the last ")" ends it.
-        fields = stat[stat.rfind(b")") + 2:].split()
-        if len(fields) > 1:
-            out[int(name)] = int(fields[1])
-    return out
+        return {}
+    fields = {int(name): _stat(name) for name in names}
+    return {pid: int(f[1]) for pid, f in fields.items() if f and len(f) > 1}
 
 
 def descendants(pid: int) -> Set[int]:
@@ -91,12 +86,8 @@ def _alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    try:  # a zombie has exited: it only waits for its parent to reap it
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            stat = fh.read()
-        return stat[stat.rfind(b")") + 2:][:1] != b"Z"
-    except OSError:
-        return True
+    fields = _stat(pid)  # a zombie has exited: it only waits for its parent to reap it
+    return fields is None or fields[:1] != [b"Z"]
 
 
 def stop_descendants(grace: float = GRACE_SECONDS) -> None:

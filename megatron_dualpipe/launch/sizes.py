@@ -1,11 +1,7 @@
-"""The launch script's GPU count and batch, each refusal naming values that pass.
-
-``scripts/pretrain_gpt_dualpipe.sh`` refuses, before any process starts, a world size, an EP or a
-global batch Megatron or the schedule would refuse; a refusal that only says "change PP, TP" leaves
-the user to search, so each value named here passes every rule (GPU counts on whole nodes, PP, TP
-and EP for the GPUs given, the nearest valid GLOBAL_BATCH). ``python -m megatron_dualpipe.launch.sizes
---nodes N ... --schedule S -- PRETRAIN_GPT_ARGS`` prints ``MIN_GPUS DP MICRO_BATCHES`` or the problem
-(exit 2). Standard library only: the script runs it before the training environment is checked.
+"""The launch script's GPU count and batch, each refusal naming values that pass every rule (GPU
+counts on whole nodes, PP, TP and EP for the GPUs given, the nearest valid GLOBAL_BATCH): "change PP,
+TP" would leave the user to search. Prints ``MIN_GPUS DP MICRO_BATCHES`` or the problem (exit 2).
+Standard library only: the script runs it before the training environment is checked.
 """
 from __future__ import annotations
 

@@ -1,10 +1,7 @@
-"""The one way a job's ranks start on this machine and are watched until they end (the benchmark,
-the selftest, the tests' workers and their torchrun stand-in).
-
-:class:`Ranks` watches them as torchrun's agent does: the first failure named; past the deadline
-SIGABRT, so each rank writes its stacks (:func:`labelled_stacks`: what CI shows of a hang), then
-SIGKILL; nothing left running. :func:`run` starts the ranks from multiprocessing's forkserver and
-returns their results; :func:`fork` forks them from this process (the tests' preloaded stand-in).
+"""The one way a job's ranks start on this machine and are watched until they end, as torchrun's agent
+watches them: the first failure named; past the deadline each rank's stacks (what CI shows of a
+hang), then SIGKILL; nothing left running. :func:`run` starts them from the forkserver, :func:`fork`
+from this process (the tests' preloaded stand-in).
 """
 from __future__ import annotations
 

@@ -1,10 +1,7 @@
-"""Megatron-LM's own argument validation and the plugin's, run once before ``torchrun`` starts.
-
-Otherwise arguments Megatron or the plugin refuse are refused after every rank started, one
-traceback per rank. :func:`check` runs in this one process what each rank runs first: ``parse_args``
-and ``validate_args`` (wrapped by the ``megatron-lm arguments`` hooks, so the DualPipe checks too),
-without ``torch.distributed``; the world size is ``WORLD_SIZE`` or the fewest GPUs the sizes need.
-A checkout without ``megatron/training/arguments.py`` (the launch script tests' stand-in) is not checked.
+"""Megatron-LM's argument validation and the plugin's, run once before ``torchrun`` starts instead of
+refused on every rank, one traceback each: ``parse_args`` and ``validate_args`` (wrapped by the
+``megatron-lm arguments`` hooks) in this process, without ``torch.distributed``. A checkout without
+``megatron/training/arguments.py`` (the launch script tests' stand-in) is not checked.
 """
 from __future__ import annotations
 
@@ -30,15 +27,15 @@ def _silenced():
     saved = [os.dup(1), os.dup(2)]
     null = os.open(os.devnull, os.O_WRONLY)
     try:
-        os.dup2(null, 1)
-        os.dup2(null, 2)
+        for fd in (1, 2):
+            os.dup2(null, fd)
         with contextlib.redirect_stdout(open(os.devnull, "w")), contextlib.redirect_stderr(open(os.devnull, "w")):
             yield
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
-        os.dup2(saved[0], 1)
-        os.dup2(saved[1], 2)
+        for fd, copy in zip((1, 2), saved):
+            os.dup2(copy, fd)
         for fd in saved + [null]:
             os.close(fd)
 

@@ -1,11 +1,7 @@
-"""Build Megatron's dataset C++ helper (``helpers_cpp``) for the *running* interpreter.
-
-Megatron's Makefile asks whatever ``python3-config`` comes first on ``PATH``; under
-``/venv/bin/torchrun`` without the venv on ``PATH`` that is another interpreter (no pybind11, or a
-library for the wrong Python). :func:`compile_helpers` runs the same ``make`` with ``CPPFLAGS`` and
-``LIBEXT`` of ``sys.executable``. Two jobs from one checkout each ran ``make`` and could import the
-other's half-written library (a CI failure): :func:`build` holds a lock on the directory and renames
-the library into place.
+"""Build Megatron's dataset C++ helper for the *running* interpreter: Megatron's Makefile asks the
+``python3-config`` first on ``PATH``, another interpreter under ``/venv/bin/torchrun``. :func:`build`
+locks the directory and renames the library into place: two jobs from one checkout once imported
+each other's half-written library (a CI failure).
 """
 
 import fcntl

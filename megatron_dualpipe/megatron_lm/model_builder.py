@@ -1,12 +1,7 @@
-"""DualPipe / DualPipeV chunks through Megatron-LM core_v0.19.0's model builder.
-
-From core_v0.19.0 on ``pretrain_gpt.py`` builds the model through ``GPTModelBuilder``, which calls
-``dist_utils.unimodal_build_distributed_models`` instead of ``training.get_model`` (what
-:func:`.training_hooks.wrap_get_model` hooks at core_v0.16.1). The hook here does the same for that
-path by swapping, for the call, the pieces it calls: both chunks built by
-``mcore.model.build_two_direction_model``, DualPipe's chunks unbucketed (the two copies of a stage
-are summed buffer by buffer), the parameter-count line. Everything else is Megatron's code; one-chunk
-schedules go straight to Megatron's function.
+"""DualPipe / DualPipeV chunks through Megatron-LM core_v0.19.0's model builder, which calls
+``dist_utils.unimodal_build_distributed_models`` instead of ``training.get_model`` (hooked at
+core_v0.16.1 by :func:`.training_hooks.wrap_get_model`): the same hook for that path, by swapping the
+pieces it calls for the call; everything else is Megatron's code.
 """
 from __future__ import annotations
 

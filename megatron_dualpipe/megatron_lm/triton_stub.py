@@ -1,10 +1,7 @@
-"""A placeholder ``triton`` package for machines where triton is not installed.
-
-``megatron.training.initialize`` imports a module that decorates kernels with ``@triton.jit`` at
-import time, so without triton (a CPU-only torch wheel) ``pretrain_gpt.py`` cannot be imported.
-:func:`preimport_triton_users` imports such modules against a stub, only while importing them;
-calling anything of the stub raises ``RuntimeError`` naming the package (Megatron launches these
-kernels only with ``--batch-invariant-mode``, which needs a GPU anyway).
+"""A placeholder ``triton`` package for machines where triton is not installed: a module Megatron
+imports decorates kernels with ``@triton.jit`` at import time, so ``pretrain_gpt.py`` would not import.
+The stub is there only while those modules import; calling it raises ``RuntimeError`` naming the
+package (the kernels run only with ``--batch-invariant-mode``, which needs a GPU anyway).
 """
 
 import contextlib
@@ -99,10 +96,17 @@ def placeholder_triton():
     if triton_available():
         yield False
         return
-    mods = _stub_modules()
+    with modules_placed(_stub_modules()):
+        yield True
+
+
+@contextlib.contextmanager
+def modules_placed(mods):
+    """``sys.modules`` holds ``mods`` (name -> module) within the block; on exit each is removed
+    unless something replaced it meanwhile (also Bridge's placeholder, ``bridge.cpu``)."""
     sys.modules.update(mods)
     try:
-        yield True
+        yield
     finally:
         for name, mod in mods.items():
             if sys.modules.get(name) is mod:
