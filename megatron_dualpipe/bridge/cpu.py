@@ -8,12 +8,16 @@ after the CPU mode, :func:`disable` puts every attribute back.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+import importlib.util
+import types
 from typing import List
 
 from ..cpu.redirection import Redirection, replace, torch_view, wrap
 from ..cpu.torch_view import scoped_cuda_identity
 from ..hooks.mechanism import PatchSet
+from .version_gate import CORE_OF_BRIDGE_06
 
 _TRAINING = "megatron.bridge.training"
 _INIT = _TRAINING + ".initialize"
@@ -50,6 +54,8 @@ REDIRECTIONS = (
             "initialize_megatron builds megatron-core's dataset helper through make with the python3 on PATH and the "
             "Makefile a megatron-core wheel lacks; megatron_lm.dataset_helpers builds it for the running interpreter "
             "and keeps a library that is up to date"),
+    torch_view("megatron.training.models.dist_utils", "Bridge 0.6's _ddp_wrap is megatron-core 0.19's: the DDP-init "
+               "side stream, current_device()", CORE_OF_BRIDGE_06),
     replace(_INIT, "_warmup_jit_function", _do_nothing,
             "allocates its warm-up inputs with device='cuda' to pre-compile fused kernels the CPU runs unfused"),
     wrap("megatron.bridge.models.model_provider", "get_model", scoped_cuda_identity,
@@ -80,16 +86,46 @@ def enable() -> bool:
 def import_bridge() -> None:
     """Import Bridge's training modules. ``import megatron.bridge`` imports megatron-core's Mamba mixer,
     whose triton kernels are decorated at import: without triton (a CPU-only torch), under the package's
-    placeholder (``megatron_lm.triton_stub``), which fails only if a kernel is launched."""
+    placeholder (``megatron_lm.triton_stub``), which fails only if a kernel is launched. Bridge 0.6's
+    ``training/pretrain.py`` imports nvidia-resiliency-ext's ``CallWrapper`` unconditionally: without
+    that package, under :func:`placeholder_resiliency`."""
     import importlib
 
     from ..megatron_lm.triton_stub import placeholder_triton
 
     importlib.import_module("torch._dynamo")  # torch's compiler stack probes triton: it must see the truth
-    importlib.import_module("megatron.core")
-    with placeholder_triton():
+    importlib.import_module("megatron.core")  # it must see the truth about nvidia-resiliency-ext too
+    with placeholder_triton(), placeholder_resiliency():
         for name in ("megatron.bridge", "megatron.bridge.training.pretrain"):
             importlib.import_module(name)
+
+
+_NVRX = "nvidia_resiliency_ext"
+
+
+class _NoInProcessRestart:
+    """Bridge's type of the in-process restart wrapper, where nvidia-resiliency-ext is not installed."""
+
+    def __init__(self, *args, **kwargs):
+        raise RuntimeError("in-process restart needs nvidia-resiliency-ext (megatron-core 0.19 asks for >= 0.6.0)")
+
+
+@contextlib.contextmanager
+def placeholder_resiliency():
+    """While Bridge is imported, where nvidia-resiliency-ext is not installed: ``nvidia_resiliency_ext.inprocess``
+    holding only ``CallWrapper`` (Bridge 0.6's ``pretrain.py`` imports it for a type; in-process restart is
+    refused, ``bridge.checks``). The package cannot simply be installed: megatron-core 0.19 asserts >= 0.6.0
+    at import once its async-checkpoint modules import, and the newest on PyPI here is 0.4.1. Its other
+    users in Bridge import it inside ``try`` and see it missing (the placeholder has no other submodule)."""
+    if importlib.util.find_spec(_NVRX) is not None:
+        yield False
+        return
+    from ..megatron_lm.triton_stub import modules_placed
+
+    root, inprocess = types.ModuleType(_NVRX), types.ModuleType(_NVRX + ".inprocess")
+    root.__path__, root.inprocess, inprocess.CallWrapper = [], inprocess, _NoInProcessRestart
+    with modules_placed({_NVRX: root, _NVRX + ".inprocess": inprocess}):
+        yield True
 
 
 def disable() -> None:

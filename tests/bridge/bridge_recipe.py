@@ -255,20 +255,17 @@ def refusals(rank: int, world: int, port: int):
 
 
 def enable_twice_then_disable(rank: int, world: int, port: int):
-    """Bridge's patched names after enable, a second enable, disable, and enable of Bridge's own 1f1b."""
+    """Bridge's patched names (every entry of ``bridge.patches`` for this Bridge's series) after enable,
+    a second enable, disable, and enable of Bridge's own 1f1b."""
     os.environ.update(RANK="0", WORLD_SIZE=str(PP))
-    from megatron_dualpipe.bridge import cpu, disable, enable
+    from megatron_dualpipe.bridge import cpu, disable, enable, patches
+    from megatron_dualpipe.hooks.mechanism import megatron_core_version, resolve
 
     cpu.enable()
-    import megatron.bridge.models.model_provider as provider
-    import megatron.bridge.training.eval as bridge_eval
-    import megatron.bridge.training.setup as bridge_setup
-    import megatron.bridge.training.train as bridge_train
+    here = [p for p in patches.for_schedule("dualpipe") if megatron_core_version() in p.versions]
 
     def names():
-        return (bridge_train.get_forward_backward_func, bridge_eval.get_forward_backward_func,
-                provider._create_model, provider.DistributedDataParallel, bridge_train.calc_params_l2_norm,
-                bridge_train.save_checkpoint, bridge_setup.load_checkpoint)
+        return tuple(getattr(*resolve(patch)) for patch in here)
 
     original, cfg = names(), recipe()
     enable(cfg, "dualpipe")

@@ -145,4 +145,5 @@ def test_enable_is_idempotent_and_disable_puts_back_every_bridge_name():
     changed, kept, restored, own = run_workers(bridge_recipe.enable_twice_then_disable, 1, timeout=300)[0]
     print(f"replaced by enable: {changed}; kept by a second enable: {kept}; restored by disable: {restored}; "
           f"untouched by enable(schedule='1f1b'): {own}")
+    assert len(changed) == 7, "dualpipe replaces 7 Bridge names (bridge.patches: 5 common, 2 for the mirror)"
     assert all(changed) and all(kept) and all(restored) and all(own)
