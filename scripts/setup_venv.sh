@@ -14,6 +14,13 @@
 #                         declares CUDA builds (transformer-engine, nvidia-resiliency-ext's extensions); the pure
 #                         Python packages it imports are installed, the CPU mode stands in for the rest
 #                         (docs/megatron-bridge.md). CI's oldest tier runs tests/bridge with it.
+#   BRIDGE=0.6.2          the same for Bridge 0.6.x, which needs Python 3.12 (PYTHON=) and megatron-core 0.19
+#                         (MEGATRON_CORE defaults to 0.19.2 then): torch 2.13 for 3.12 is the CUDA build (it runs
+#                         on CPU), transformers within Bridge's range, megatron-energon; no nvidia-resiliency-ext
+#                         (megatron-core 0.19 asserts >= 0.6.0 at import once it is there; PyPI here has 0.4.1):
+#                         bridge/cpu.py stands in for the one name Bridge's pretrain.py imports from it.
+#                         Its VENV defaults to .venv-bridge0.6-py312:
+#                           PYTHON=~/.pyenv/versions/3.12.1/bin/python BRIDGE=0.6.2 bash scripts/setup_venv.sh
 #   VENV, PYTHON, TORCH_VERSION  where, with which interpreter, which torch.
 #
 # Each step that has work to do prints one line with the time it takes on a 2-core machine (the
@@ -26,6 +33,9 @@
 set -euo pipefail
 here="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$here"
+case "${BRIDGE:-}" in  # Bridge 0.6 imports megatron.training from megatron-core 0.19's wheel, and needs Python 3.12
+  0.6.*) MEGATRON_CORE=${MEGATRON_CORE:-0.19.2}; VENV=${VENV:-.venv-bridge0.6-py312};;
+esac
 MEGATRON_CORE=${MEGATRON_CORE:-}
 VENV=${VENV:-.venv${MEGATRON_CORE:+-mcore$MEGATRON_CORE}}
 PYTHON=${PYTHON:-python3}
@@ -64,6 +74,8 @@ step() {
 
 if [ ! -x "$VENV/bin/python" ]; then
   command -v "$PYTHON" >/dev/null || { echo "$prog: error: PYTHON=$PYTHON not found: set PYTHON to a Python >= 3.10" >&2; exit 2; }
+  case "${BRIDGE:-}" in 0.6.*) "$PYTHON" -c "import sys; sys.exit(sys.version_info[:2] != (3, 12))" \
+    || { echo "$prog: error: Megatron-Bridge $BRIDGE needs Python 3.12: set PYTHON to one" >&2; exit 2; };; esac
   mkdir -p "$VENV"
   : >"$log"
   step 1 "creating $VENV with the newest pip" "10-20 s" \
@@ -99,8 +111,14 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "$want" > "$stamp"
 fi
 if [ -n "${BRIDGE:-}" ] && ! has megatron.bridge; then
+  case "$BRIDGE" in
+    0.6.*) pinned="nvidia-modelopt==0.47.0"
+           imported="transformers==5.12.1 megatron-energon~=7.0 requests";;
+    *)     pinned="nvidia-resiliency-ext==0.4.1 nvidia-modelopt==0.42.0"
+           imported="";;
+  esac
   step 3 "installing megatron-bridge==$BRIDGE (--no-deps) and the pure-Python packages it imports" "15-60 s" \
-    bash -c '"$1" -m pip install -q --no-deps "megatron-bridge==$2" nvidia-resiliency-ext==0.4.1 nvidia-modelopt==0.42.0 \
-      && "$1" -m pip install -q omegaconf einops psutil defusedxml datasets pulp scipy nvidia-ml-py ninja tensorboard' \
-    _ "$VENV/bin/python" "$BRIDGE"
+    bash -c '"$1" -m pip install -q --no-deps "megatron-bridge==$2" $3 \
+      && "$1" -m pip install -q omegaconf einops psutil defusedxml datasets pulp scipy nvidia-ml-py ninja tensorboard $4' \
+    _ "$VENV/bin/python" "$BRIDGE" "$pinned" "$imported"
 fi
