@@ -334,7 +334,6 @@ class Trainer:
                 out = self._run(fb_func, model, self.train_ds, it, forward_only=False)
             opt.step()
             ms = (time.perf_counter() - t0) * 1000
-            result.iteration_ms.append(ms)
             if out:
                 loss = torch.stack([d["lm loss"] for d in out]).mean().item()
                 result.losses.append(loss)

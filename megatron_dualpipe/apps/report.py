@@ -4,7 +4,7 @@ functions of the two runs' results (:class:`RunResult`), tested without training
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
 #: How many first and last rows of the loss table ``summary.md`` shows.
@@ -20,7 +20,6 @@ class RunResult:
     valid_loss: Optional[float] = None  # mean lm loss on the held-out batches after training
     seconds: float = 0.0                # wall time of the training iterations
     tokens_per_second: float = 0.0
-    iteration_ms: List[float] = field(default_factory=list)
 
 
 def differences(a: RunResult, b: RunResult) -> List[float]:
