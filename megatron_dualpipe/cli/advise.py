@@ -7,10 +7,16 @@ import sys
 from dataclasses import replace
 from typing import List
 
-from ..costs.advice import advise
-from ..schedule.registry import distinct_orders
+from ..apps.progress import Progress
+from ..costs.advice import NO_FIT_HINT, advise
+from ..costs.compare import fmt
+from ..costs.model_cost import GB
+from ..schedule.registry import (INTERLEAVED_1F1B, INTERLEAVED_1F1B_A2A, MEGATRON, MODELLED_SPECS, ONE_F_ONE_B,
+                                 distinct_orders, interleaved_name)
 from ..schedule.registry import spec as get
-from .args import CliError, Command
+from . import advise_model
+from .args import CliError, Command, add_comm_args, add_cost_args, comm_from_args, costs_from_args
+from .build import MAX_FORWARDS
 
 HELP = ("which schedule to use, for measured stage costs and memory or for a model's shape on a GPU kind "
         "(bubble, activations, parameters per schedule)")
@@ -48,9 +54,6 @@ def parse_counts(text: str) -> List[int]:
 
 
 def configure(p) -> None:
-    from . import advise_model
-    from .args import add_comm_args, add_cost_args
-
     p.add_argument("--pp", type=int, metavar="P", help="pipeline-parallel size (ranks; measured costs)")
     p.add_argument("--microbatches", "-m", metavar="RANGE",
                    help="micro-batches per iteration: 16, 8,12,16, 8:64 (doubling) or 8:64:8 (measured costs)")
@@ -85,8 +88,6 @@ COMM_DEFAULTS = {"intra_bw": 200.0, "inter_bw": 25.0, "dp": 1, "tp": 1}
 
 
 def run(args) -> int:
-    from . import advise_model
-
     if args.config or args.model_args or args.gpu:
         given = advise_model.measured_flags_given(args)
         if given:
@@ -117,9 +118,6 @@ def _run_model(args) -> int:
 
 def model_advice(args):
     """(setup, advice, schedules not compared, the all-to-all overlap's line) for the model of ``args``."""
-    from . import advise_model
-    from ..costs.model_cost import GB
-
     s = advise_model.setup(args)
     m = s.model
     names, dropped = _model_schedules(args, m)
@@ -146,16 +144,11 @@ def _names(args) -> List[str]:
 
 
 def _a2a(name: str) -> bool:
-    from ..schedule.registry import INTERLEAVED_1F1B_A2A
-
     return name.startswith(INTERLEAVED_1F1B_A2A)
 
 
 def _model_schedules(args, m):
     """The schedules advise compares for model ``m``, and those it cannot (with why)."""
-    from . import advise_model
-    from ..schedule.registry import MODELLED_SPECS, interleaved_name
-
     v = advise_model.interleaved_virtual(m, args.virtual_pipeline)
     names = [interleaved_name(n, v) if n in MODELLED_SPECS else n for n in _names(args) if n not in MODELLED_SPECS or v]
     dropped = advise_model.unsplittable(m, names)
@@ -163,8 +156,6 @@ def _model_schedules(args, m):
         dropped += [f"{n} (its overlap is MoE expert parallel's all-to-all: the model has none)" for n in names
                     if _a2a(n)]
     if m.offload:  # the plugin refuses it: its handlers are advanced by Megatron's own schedules
-        from ..schedule.registry import MEGATRON
-
         dropped += [f"{n} (refuses --fine-grained-activation-offloading: Megatron's own schedules run it)"
                     for n in names if get(n).runs_on != MEGATRON and not n.startswith("interleaved")]
     names = [n for n in names if not any(d.startswith(n + " ") for d in dropped)]
@@ -175,10 +166,6 @@ def _model_schedules(args, m):
 
 def _simulate(pp, counts, costs, act, par, limit, wgrad, names, comm, tokens, num_layers=None, optimizer=None,
               once=0.0, shared=False, hint=None):
-    from ..apps.progress import Progress
-    from ..costs.advice import NO_FIT_HINT
-    from .build import MAX_FORWARDS
-
     biggest = max(get(n).model_stages(pp) * max(counts) for n in names)
     if biggest > MAX_FORWARDS:
         raise CliError(f"pp={pp} with M={max(counts)} simulates {biggest} forward actions, more than the limit "
@@ -194,9 +181,6 @@ def _simulate(pp, counts, costs, act, par, limit, wgrad, names, comm, tokens, nu
 
 
 def _run_measured(args) -> int:
-    from .args import comm_from_args, costs_from_args
-    from ..schedule.registry import MODELLED_SPECS, interleaved_name
-
     if args.pp < 1:
         raise CliError(f"--pp must be a positive integer, got {args.pp}")
     if args.virtual_pipeline < 2:
@@ -219,8 +203,6 @@ DOES_NOT_FIT = 3
 
 def _modelled_name(m, names) -> str:
     """The advise row of the run's schedule: Megatron's 1f1b with a virtual pipeline is interleaved."""
-    from ..schedule.registry import INTERLEAVED_1F1B, INTERLEAVED_1F1B_A2A, ONE_F_ONE_B
-
     if m.schedule == ONE_F_ONE_B and m.layers_per_virtual_stage:
         kind = INTERLEAVED_1F1B_A2A if m.a2a_overlap else INTERLEAVED_1F1B
         return next((n for n in names if n.startswith(kind)), kind)
@@ -230,8 +212,6 @@ def _modelled_name(m, names) -> str:
 def launch_check(s, advice) -> int:
     """``--launch-check``: the launch script's memory gate before torchrun, one line: a schedule that does not
     fit the GPU's memory is refused (exit 3) naming the fastest that fits. ``s``: ``advise_model.Setup``."""
-    from ..costs.compare import fmt
-
     ch = advice.choices[0]
     rows = {o.row.name: o for o in ch.options if not o.row.problem}
     name = _modelled_name(s.model, list(rows))

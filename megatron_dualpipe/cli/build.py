@@ -7,6 +7,9 @@ import argparse
 from typing import Optional
 
 from ..apps.progress import Progress
+from ..schedule.padding import Padded
+from ..schedule.registry import NAMES, ScheduleError, build_schedule
+from ..schedule.registry import spec as get
 from .args import CliError
 
 #: Largest schedule built: forward actions (fakes included), a few seconds of simulation; the bubble
@@ -15,8 +18,6 @@ MAX_FORWARDS = 65536
 
 
 def add_schedule_args(p: argparse.ArgumentParser) -> None:
-    from ..schedule.registry import NAMES
-
     p.add_argument("--schedule", required=True, metavar="NAME", help=f"one of {', '.join(NAMES)}")
     p.add_argument("--pp", required=True, type=int, metavar="P", help="pipeline-parallel size (ranks)")
     p.add_argument("--microbatches", "-m", required=True, type=int, metavar="M",
@@ -29,10 +30,6 @@ def add_schedule_args(p: argparse.ArgumentParser) -> None:
 
 def build(args, progress: Optional[Progress] = None):
     """The (padded) schedule for ``args``, refusing sizes past :data:`MAX_FORWARDS` before building."""
-    from ..schedule.padding import Padded
-    from ..schedule.registry import ScheduleError, build_schedule
-    from ..schedule.registry import spec as get
-
     spec = get(args.schedule)
     pp, m = args.pp, args.microbatches
     if pp < 1:

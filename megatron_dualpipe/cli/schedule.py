@@ -5,6 +5,7 @@ import argparse
 import json
 
 from ..apps.progress import Progress
+from ..schedule import format_grid
 from .args import Command
 from .build import add_schedule_args, build, padding_note, per_direction
 
@@ -15,8 +16,6 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    from ..schedule import format_grid
-
     with Progress(f"schedule {args.schedule} pp={args.pp} M={args.microbatches}") as prog:
         padded = build(args, prog)
         s = padded.schedule

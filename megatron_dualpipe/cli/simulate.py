@@ -5,10 +5,17 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from typing import List
 
 from ..apps.progress import Progress
-from ..costs.compare import fmt, table
+from ..costs import stage_pairs
+from ..costs.comm_cost import grad_comm
+from ..costs.compare import compare, fmt, in_other_placement, orders_with, stage_fraction, table
+from ..schedule import registry
+from ..schedule.registry import ScheduleError
+from ..schedule.simulate import DeadlockError, simulate
+from ..schedule.stage_layout import LayoutError
 from .args import (CliError, Command, add_comm_args, add_cost_args, check_writable, comm_from_args, costs_from_args,
                    png_path, write_output)
 from .build import MAX_FORWARDS, add_schedule_args, build, padding_note, per_direction
@@ -39,9 +46,6 @@ def add_stage_cost_args(p: argparse.ArgumentParser) -> None:
 
 def stage_cost_views(args, pp: int):
     """(pp stage costs, 2pp V-stage costs) of ``--stage-costs`` or ``--layout``, or None."""
-    from ..costs import stage_pairs
-    from ..schedule.stage_layout import LayoutError
-
     if args.stage_costs is not None and args.layout is not None:
         raise CliError("--stage-costs and --layout both price the stages: give one")
     if args.layer_costs and args.layout is None:
@@ -58,9 +62,6 @@ def stage_cost_views(args, pp: int):
 
 
 def stage_pairs_lines(views) -> List[str]:
-    from ..costs import stage_pairs
-    from ..schedule import registry
-
     if views is None:
         return []
     return [""] + stage_pairs.report(*views, (registry.ONE_F_ONE_B, registry.DUALPIPE, registry.DUALPIPEV))
@@ -96,13 +97,6 @@ def _draw(args, padded, result, prog) -> list:
 
 
 def run(args) -> int:
-    import sys
-
-    from ..costs.comm_cost import grad_comm
-    from ..costs.compare import compare, in_other_placement, orders_with, stage_fraction
-    from ..schedule.registry import spec as get
-    from ..schedule.simulate import DeadlockError, simulate
-
     costs = costs_from_args(args)
     comm = comm_from_args(args, args.pp)
     views = stage_cost_views(args, args.pp)
@@ -132,7 +126,7 @@ def run(args) -> int:
             prog.phase("simulating the other rank placement")
             other = in_other_placement(s.name, s.pp, padded.real, stage, comm)
         names = orders_with(s.name)
-        work = sum(_forwards(get(n), s.pp, padded.real) for n in names)
+        work = sum(_forwards(registry.spec(n), s.pp, padded.real) for n in names)
         rows = None
         if work <= COMPARE_BUDGET:
             prog.phase("simulating every schedule on the same model")
@@ -162,8 +156,6 @@ def run(args) -> int:
 
 def _forwards(spec, pp: int, real: int) -> int:
     """Forward actions ``spec`` simulates for ``real`` micro-batches (0 where it cannot run)."""
-    from ..schedule.registry import ScheduleError
-
     if spec.pp_problem(pp) or real < spec.min_real_microbatches(pp):
         return 0
     try:
