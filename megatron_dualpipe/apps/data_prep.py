@@ -210,12 +210,9 @@ def tokenizer_file(path: str) -> Path:
 
 
 def load_tokenizer(path: str, eod_token: Optional[str] = None):
-    """(tokenizers.Tokenizer, end-of-document token) of a given tokenizer directory or file.
-
-    The end-of-document token is ``eod_token``, else the ``eos_token`` of a
-    ``tokenizer_config.json`` beside the file, else the first of :data:`KNOWN_EOD_TOKENS` in the
-    vocabulary.
-    """
+    """(tokenizers.Tokenizer, end-of-document token) of a given tokenizer directory or file; the
+    token is ``eod_token``, else the ``eos_token`` of a ``tokenizer_config.json`` beside the file,
+    else the first of :data:`KNOWN_EOD_TOKENS` in the vocabulary."""
     from tokenizers import Tokenizer
 
     f = tokenizer_file(path)

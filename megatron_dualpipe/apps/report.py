@@ -121,12 +121,8 @@ def write_loss_png(path: str, a: RunResult, b: RunResult, title: str) -> None:
 # --- Measured timeline: timeline.png + trace.json from the executor's recording of one iteration ---
 
 def write_measured_timeline(records_dir: str, out_dir: str) -> None:
-    """``timeline.png`` (a measured iteration above its simulation with the measured median
-    costs) and ``trace.json`` (Chrome / Perfetto) in ``out_dir``, from the executor's recording
-    (``MEGATRON_DUALPIPE_TRACE``) in ``records_dir``; prints measured against simulated time.
-    Of several recorded iterations it draws the fastest (the least disturbed by other work on
-    the machine); otherwise the same as ``megatron-dualpipe trace records_dir --iteration N
-    --png ... --json ...``."""
+    """``megatron-dualpipe trace records_dir --png timeline.png --json trace.json`` into ``out_dir``,
+    for the fastest recorded iteration (the least disturbed by other work on the machine)."""
     import argparse
 
     from ..pictures import timeline

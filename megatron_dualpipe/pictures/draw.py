@@ -141,11 +141,9 @@ def label_size(chars: int, width: float, sizes: Sequence[int]) -> int:
 
 @dataclass
 class Frame:
-    """The ranks and time ranges a picture shows, and where they go.
-
-    ``rows`` lists the rank of each drawn row (``None``: a row saying which ranks are left
-    out); ``segments`` the simulated time ranges drawn left to right, ``gap`` time units apart
-    (a cut-out steady state). :meth:`x` maps a time inside a segment to the drawn axis."""
+    """The ranks and time ranges a picture shows: ``rows`` the rank of each drawn row (``None``: a
+    row saying which ranks are left out); ``segments`` the time ranges drawn, ``gap`` apart (a
+    cut-out steady state). :meth:`clip` maps a time span to the drawn axis."""
 
     rows: List[Optional[int]]
     segments: List[Tuple[float, float]]

@@ -12,11 +12,8 @@ import torch
 def make_gpt_batches(n: int, *, vocab: int, seq: int, mbs: int, seed: int = 7,
                      short: Container[int] = ()) -> List[Dict[str, torch.Tensor]]:
     """``n`` random micro-batches (tokens, labels, position ids, loss mask), the same for a seed.
-
-    The last three positions of every sample are masked out, so a per-token average that
-    ignored the mask would not match. The micro-batches whose index is in ``short`` are 4 tokens
-    shorter (a data error the executor must name).
-    """
+    The last three positions are masked out (an average ignoring the mask would not match); those
+    whose index is in ``short`` are 4 tokens shorter (a data error the executor must name)."""
     gen = torch.Generator().manual_seed(seed)
     batches = []
     for i in range(n):

@@ -98,7 +98,7 @@ def _speed(ctx, spec, payloads: List[dict], schedule: str) -> dict:
             "peak_rank": None if peak is None else peaks.index(peak)}
 
 
-def _speed_line(schedule: str, label: str, s: dict) -> str:
+def _speed_line(label: str, s: dict) -> str:
     memory = ("not measured (CPU)" if s["peak_bytes"] is None
               else f"{s['peak_bytes'] / 2 ** 20:.1f} MiB (rank {s['peak_rank']})")
     return (f"{label}: {s['tokens_per_s']:.0f} tokens/s ({s['tokens_per_iteration']} tokens in "
@@ -128,7 +128,7 @@ def judge(ctx, payloads: List[dict]) -> StageResult:
     if cfg.ep == 1:
         details.append(f"not run: {INTERLEAVED_NEEDS}")
     speed = {schedule: _speed(ctx, spec, payloads, schedule) for schedule in schedules(cfg)}
-    details += [_speed_line(s, _label(s, spec), v) for s, v in speed.items()]
+    details += [_speed_line(_label(s, spec), v) for s, v in speed.items()]
     details.append("speed not judged: " + ("the ranks share this machine's CPU cores" if not cfg.gpu else
                                            "the tiny model measures latency, not the all-to-all overlap"))
     numbers["speed"] = speed

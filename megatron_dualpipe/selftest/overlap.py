@@ -54,14 +54,23 @@ class NodeTimer:
         return event
 
     @contextlib.contextmanager
-    def _acquire(self, stream, event) -> Iterator[None]:
-        event.wait(stream)
+    def _timing(self, stream, name: str) -> Iterator[None]:
+        """Mark the node ``name`` running inside the block on ``stream`` (inside a fused unit only)."""
         start = self._mark(stream) if self.unit is not None else None
         try:
             yield
         finally:
             if start is not None:
-                self.marks.append((self.unit, self.node[-1] if self.node else "?", start, self._mark(stream)))
+                self.marks.append((self.unit, name, start, self._mark(stream)))
+
+    @contextlib.contextmanager
+    def _acquire(self, stream, event) -> Iterator[None]:
+        """megatron-core 0.16's module function: wait, run on ``stream``, record."""
+        event.wait(stream)
+        try:
+            with self._timing(stream, self.node[-1] if self.node else "?"):
+                yield
+        finally:
             event.record(stream)
 
     def intervals(self) -> Dict[int, Tuple[List[Interval], List[Interval]]]:
@@ -88,13 +97,8 @@ class NodeTimer:
 
         @contextlib.contextmanager
         def acquire(node, name=None):
-            with original(node, name):
-                start = timer._mark(node.stream) if timer.unit is not None else None
-                try:
-                    yield
-                finally:
-                    if start is not None:
-                        timer.marks.append((timer.unit, getattr(node, "name", "?"), start, timer._mark(node.stream)))
+            with original(node, name), timer._timing(node.stream, getattr(node, "name", "?")):
+                yield
         return acquire
 
     @contextlib.contextmanager

@@ -48,7 +48,7 @@ def combinations(cfg) -> List[Tuple[str, Optional[models.ModelSpec], Optional[st
         ("MoE, shared experts, MLA, fused F&B units, MTP, selective recomputation (shared_experts, mla_up_proj)",
          fused_mtp, ep),
         ("FP8 tensorwise, first and last layers in bf16, zero bubble through TE", fp8, _fp8_problem(cfg)),
-        ("MoE, flex dispatcher (DeepEP), grouped GEMM, fused F&B units", flex, ep or _deepep_problem(cfg)),
+        ("MoE, flex dispatcher (DeepEP), grouped GEMM, fused F&B units", flex, ep or _deepep_problem()),
     ]
     return [(name, None if why else spec, why) for name, spec, why in rows]
 
@@ -71,7 +71,7 @@ def _fp8_problem(cfg) -> Optional[str]:
     return None if ok else f"this GPU cannot run FP8: {why}"
 
 
-def _deepep_problem(cfg) -> Optional[str]:
+def _deepep_problem() -> Optional[str]:
     if importlib.util.find_spec("deep_ep") is None:  # on the CPU the stand-in answers
         return "DeepEP is not installed here (the deep_ep package, built for this GPU's CUDA)"
     return None

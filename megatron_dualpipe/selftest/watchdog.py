@@ -56,12 +56,9 @@ class StageWatchdog:
         os._exit(STUCK_EXIT)
 
     def report(self, phase: str, limit_s: Optional[float] = None) -> None:
-        """Say which phase is stuck and where every thread is, one line per write.
-
-        Every rank of a stuck job tends to fire within the same second, into the same stderr pipe;
-        :func:`faulthandler.dump_traceback` writes a line in pieces, so the stacks of two ranks
-        would merge mid-line. The stacks go to a scratch file first, and each line leaves in one
-        write (atomic on a pipe below PIPE_BUF), marked with the rank."""
+        """Say which phase is stuck and where every thread is, one line per write (atomic on a pipe):
+        the ranks of a stuck job fire together into one stderr, and ``faulthandler`` writes a line in
+        pieces, so the stacks go to a scratch file first and leave line by line, marked with the rank."""
         why = (f"the stage limit, {LIMIT_PER_DEADLINE:g} x --deadline {self.deadline_s:g}; raise --deadline on a slow "
                f"or busy machine" if limit_s is None else "the set-up limit")
         lines = [f"megatron-dualpipe selftest: rank {self.rank} still {phase} after "
