@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Dict, Tuple
 
-from .mechanism import INSTANCE, SCOPED, Patch, Versions
+from .mechanism import INSTANCE, SCOPED, Patch, Versions, megatron_core_version
 
 _ARGS = "megatron.training.arguments"
 _INIT = "megatron.training.initialize"
@@ -210,23 +210,19 @@ PARTS: Dict[str, Tuple[Patch, ...]] = {
     "per object": INSTANCE_PATCHES + (V_CONFIG,),
 }
 
-#: The parts that ``hooks.install`` applies as a set.
-INSTALLED_PARTS = ("python", "megatron-lm arguments", "megatron-lm training", "megatron-lm model builder", "megatron-lm dataset helper",
-                   "zero bubble")
 #: What ``megatron_lm.install.install()`` installs.
 MEGATRON_LM_PARTS = ("python", "megatron-lm arguments", "megatron-lm training", "megatron-lm model builder",
                      "megatron-lm dataset helper")
+#: The parts that ``hooks.install`` applies as a set.
+INSTALLED_PARTS = MEGATRON_LM_PARTS + ("zero bubble",)
 
 
 def entry(part: str, attribute: str) -> Patch:
     """The entry of ``part`` for ``attribute`` (the name after the module); where entries for
     several megatron-core versions exist, the one for the installed version."""
-    from .mechanism import megatron_core_version
-
     found = [p for p in PARTS[part] if p.attribute == attribute]
     if len(found) > 1:
-        version = megatron_core_version()
-        found = [p for p in found if version in p.versions]
+        found = [p for p in found if megatron_core_version() in p.versions]
     if len(found) != 1:
         raise KeyError(f"{part!r} has {len(found)} entries for {attribute!r}")
     return found[0]
