@@ -41,10 +41,11 @@ MAY_IMPORT: Dict[str, Set[str]] = {
     "bridge": {"schedule", "executor", "mcore", "cpu", "hooks", "versions", "megatron_lm"},
     # the launcher and the checks before torchrun
     "launch": {"schedule", "executor", "mcore", "cpu", "hooks", "versions", "megatron_lm", "processes"},
-    "apps": {"schedule", "costs", "executor", "pictures", "bench", "mcore", "cpu", "hooks", "versions",
-             "megatron_lm", "processes", "launch"},
-    # the proof harness: the tiny GPT and the equality and no-hang checks (the tests and the selftest)
+    # the proof harness: the tiny GPT and the equality and no-hang checks (the tests, the selftest; the
+    # main job builds the same tiny GPT)
     "proof": {"schedule", "executor", "mcore", "cpu", "hooks", "versions"},
+    "apps": {"schedule", "costs", "executor", "pictures", "bench", "mcore", "cpu", "hooks", "versions",
+             "megatron_lm", "processes", "launch", "proof"},
     "selftest": {"schedule", "costs", "executor", "pictures", "bench", "mcore", "cpu", "hooks", "versions",
                  "megatron_lm", "apps", "processes", "proof"},
     "cli": {"schedule", "costs", "executor", "pictures", "bench", "mcore", "cpu", "hooks", "versions", "megatron_lm",
