@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
+import textwrap
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -122,8 +124,6 @@ def comm_from_args(args, pp: int):
 
 def png_path(text: str) -> str:
     """``--png FILE``'s type: a name that says other than PNG (``x.jpg``) is refused, not written with PNG bytes."""
-    import os
-
     if not text.strip():
         raise argparse.ArgumentTypeError("--png needs a file name, got an empty one")
     ext = os.path.splitext(text)[1].lower()
@@ -143,8 +143,6 @@ def write_output(path: str, data, binary: bool = False) -> None:
 
 def check_writable(path: str) -> None:
     """Fail before the work if ``path`` cannot be created (without leaving a file behind)."""
-    import os
-
     d = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
         raise CliError(f"cannot write {path}: is a directory")
@@ -177,8 +175,6 @@ def not_restored(saved: dict) -> list:
 def print_by_part(rows, noun: str, describe, restored, undo: str) -> None:
     """``hooks`` / ``cpu-mode``'s table: the (part, patch, state) rows by part, ``describe(patch,
     state)`` giving each its line and its why; then whether ``undo()`` restored every attribute."""
-    import textwrap
-
     part = None
     for p, patch, state in rows:
         if p != part:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from typing import Dict, List, Tuple
 
 from ..schedule import registry
@@ -142,8 +143,6 @@ def _config(args, pps: List[int]):
 
 def _ranks(worker, cfg, world: int, torchrun: bool, what: str, runs: str):
     """Every rank's result of ``worker`` (None on a torchrun rank but 0: rank 0 prints)."""
-    import sys
-
     from ..bench import launch
 
     print(f"bench: {what}: {'this rank of torchrun' if torchrun else f'starting {world} processes'}, {runs} of "

@@ -12,10 +12,11 @@ from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from ..schedule.padding import Padded, build_padded
+from ..schedule.placement import PlacementError
 from ..schedule.registry import ScheduleError, ScheduleSpec, distinct_orders
 from ..schedule.registry import spec as get
 from ..schedule.simulate import Costs, SimResult, simulate
-from .comm_cost import CommModel, GradComm, grad_comm
+from .comm_cost import MEGATRON, PAIRED, CommModel, GradComm, grad_comm
 
 
 def stage_fraction(spec: ScheduleSpec, pp: int) -> float:
@@ -102,9 +103,6 @@ def in_other_placement(name: str, pp: int, real: int, stage_costs: Costs,
                        comm: CommModel) -> Tuple[str, Optional[Row], Optional[str]]:
     """``name`` (a schedule with bd pairs) in the other rank placement than ``comm``'s: (the
     placement's name, the row there or None, why the pairs cannot be placed so or None)."""
-    from .comm_cost import MEGATRON, PAIRED
-    from ..schedule.placement import PlacementError
-
     paired = not comm.placement.paired
     try:
         other = comm.with_placement(paired)

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..schedule import registry
+from ..schedule.stage_layout import LayoutError, decoder_counts
+from ..schedule.stage_layout import parse as parse_layout
 
 
 class ModelArgsError(ValueError):
@@ -245,9 +247,6 @@ def parse(argv: Sequence[str]) -> ModelArgs:
 
 def _check_layout(text: str, num_layers: int, pp: int) -> None:
     """A layout of pp stages (1F1B, DualPipe) or 2*pp V-stages (DualPipeV) holding every layer."""
-    from ..schedule.stage_layout import LayoutError, decoder_counts
-    from ..schedule.stage_layout import parse as parse_layout
-
     try:
         stages = parse_layout(text)
     except LayoutError as e:

@@ -5,10 +5,11 @@ accounts it. Standard library only, like ``schedule``.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import List, Optional, Sequence, Tuple
 
 from ..schedule import stage_layout
+from .activation_memory import OUTPUT, stage_terms
 from .model_args import ModelArgs
 
 GB = 1e9
@@ -342,8 +343,6 @@ def activation_bytes(m: ModelArgs) -> float:
 
 def stage_activations(m: ModelArgs, stage: int) -> Tuple[float, float]:
     """(per micro-batch in flight, once) activations on one rank of ``stage`` (``activation_memory``)."""
-    from .activation_memory import OUTPUT, stage_terms
-
     terms = stage_terms(m, stage_layers(m, stage), stage == 0, stage == m.pp - 1)
     once = terms.pop(OUTPUT, 0.0)
     return sum(terms.values()), once
@@ -358,8 +357,6 @@ def stage_memory(m: ModelArgs, world: int, stage: int) -> Memory:
 def heaviest_memory(m: ModelArgs, world: int) -> Memory:
     """The stage with the most parameter memory, with the largest activations of any stage (every
     schedule's peak counts micro-batch-stages alike)."""
-    from dataclasses import replace
-
     stages = [stage_memory(m, world, s) for s in range(m.pp)]
     return replace(max(stages, key=lambda x: x.states), activations=max(x.activations for x in stages),
                    activations_once=max(x.activations_once for x in stages))

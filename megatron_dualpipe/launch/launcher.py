@@ -12,6 +12,10 @@ import runpy
 import sys
 import time
 
+from .. import versions
+from ..megatron_lm import patching, requirements
+from . import checks, placement, validation
+
 USAGE = ("usage: python -m megatron_dualpipe.launch [--check] [--pair-placement] /path/to/Megatron-LM/pretrain_gpt.py "
          "[ARGS...]")
 PAIR_PLACEMENT = "--pair-placement"  # = placement.FLAG
@@ -31,9 +35,6 @@ HELP = ("Runs a Megatron-LM training script (pretrain_gpt.py) with megatron-dual
 
 def preflight(script):
     """Why ``script`` cannot run with the plugin (one line naming the fix), or None."""
-    from .. import versions
-    from ..megatron_lm import patching, requirements
-
     if not os.path.isfile(script):
         return f"no such script: {script}"
     root = os.path.dirname(os.path.abspath(script))
@@ -46,8 +47,6 @@ def preflight(script):
 
 def argument_problems(script, argv, check: bool):
     """The problems :mod:`.checks` finds; under torchrun only rank 0 reads the data's token ids."""
-    from . import checks
-
     found = []
     if check:
         found += [p for p in [checks.torch_problem()] if p]
@@ -75,13 +74,9 @@ def main(argv=None):
     if os.path.isfile(script) and (check or not problem) and not wants_help:
         found += argument_problems(script, argv[1:], check)
     if paired and not wants_help:
-        from . import placement
-
         found += [p for p in [placement.problem(argv[1:], os.environ)] if p]
     layout = note = None
     if check and not found and not wants_help:
-        from . import validation
-
         refused, layout, note = validation.check(script, argv[1:])
         found += refused
     for line in found:
@@ -103,15 +98,11 @@ def main(argv=None):
     sys.path.insert(0, script_dir)
     sys.argv = [script] + argv[1:]
     if paired:
-        from . import placement
-
         placement.apply_from_launcher(argv[1:])  # before Megatron reads RANK
 
     from ..megatron_lm.install import install
 
     install()
-    from . import validation
-
     try:
         runpy.run_path(script, run_name="__main__")
     except Exception as e:  # noqa: BLE001 - a refusal is said once; anything else keeps its traceback
@@ -136,8 +127,6 @@ def first_to_refuse() -> bool:
 
 def say_refusal(error) -> int:
     """One line per problem of a refusal, said by one rank, no traceback; exit status 2."""
-    from . import validation
-
     if first_to_refuse():
         for line in validation.explain(error):
             print(f"megatron_dualpipe.launch: error: {line}", file=sys.stderr, flush=True)

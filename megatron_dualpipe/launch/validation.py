@@ -9,6 +9,7 @@ import contextlib
 import math
 import os
 import sys
+import tempfile
 import traceback
 from typing import List, NamedTuple, Optional, Sequence
 
@@ -156,8 +157,6 @@ def check(script: str, argv: Sequence[str]) -> Checked:
     root = os.path.dirname(os.path.abspath(script))
     if not os.path.isfile(os.path.join(root, ARGUMENTS_FILE)):
         return Checked([])
-    import tempfile
-
     try:
         with _silenced():
             _install(root)
