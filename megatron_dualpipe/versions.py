@@ -9,8 +9,7 @@ import os
 import re
 from typing import Optional, Tuple
 
-#: Megatron-LM tags the plugin is tested with -> the megatron-core version its ``package_info.py``
-#: says (core_v0.19.0's says 0.19.1), by which a checkout is recognised.
+#: Megatron-LM tags the plugin is tested with -> the megatron-core version a checkout's ``package_info.py`` says.
 TAGS = {"core_v0.16.1": "0.16.1", "core_v0.19.0": "0.19.1"}
 #: The supported megatron-core release series -> its lowest supported release (0.17 and 0.18 were
 #: never run, and no Megatron-LM tag of theirs has hooks written for it).
@@ -25,8 +24,7 @@ SUPPORTED_TEXT = ("megatron-core 0.16.1 with Megatron-LM core_v0.16.1, or megatr
                   "core_v0.19.0 (0.17 and 0.18 are not supported)")
 
 
-#: The oldest torch whose ``new_group`` keeps the order of the ranks given (``sort_ranks=False``), which
-#: the reversed pipeline group needs (:mod:`megatron_dualpipe.mcore.groups`).
+#: The oldest torch whose ``new_group`` keeps the ranks' order (``sort_ranks=False``): the reversed group's.
 TORCH_FOR_TWO_CHUNKS = "2.12"
 
 

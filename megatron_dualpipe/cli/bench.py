@@ -13,8 +13,9 @@ import os
 import sys
 from typing import Dict, List, Tuple
 
-from ..schedule import registry
-from .args import Command
+from ..schedule import build_schedule, registry
+from ..schedule.simulate import Costs
+from .args import Command, fused_cost_problem
 
 HELP = "time the executor on synthetic stages against the simulator (and torch's schedules)"
 #: The schedules the executor runs (the registry's); ``executor-1f1b`` is the 1F1B order.
@@ -78,8 +79,7 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 #: Longest cost of one action (ms) the benchmark accepts: a minute.
 MAX_COST_MS = 60_000.0
-#: Pipeline ranks the benchmark starts on one machine: this many per core, at least MIN_LOCAL_PROCESSES
-#: (each mostly sleeps; beyond that the start-up alone takes minutes and the timings mean little).
+#: Pipeline ranks the benchmark starts on one machine: this many per core (beyond, start-up takes minutes).
 PROCESSES_PER_CORE = 4
 MIN_LOCAL_PROCESSES = 16
 #: Why DualPipeV's rows show about twice the others' time.
@@ -90,13 +90,9 @@ V_NOTE = ("dualpipev runs two chunks per rank, each at the stage costs given, i.
 
 def _config(args, pps: List[int]):
     from ..bench import launch
-    from ..schedule import build_schedule
-    from ..schedule.simulate import Costs
     from ..bench.measure import BenchConfig
     from ..bench.synthetic import StageCosts
     from ..bench.torch_peer import TORCH_SCHEDULES
-
-    from .args import fused_cost_problem
 
     Costs(f=args.f, b=args.b, w=args.w, fb=args.fb)  # validates, naming the flag
     longest = max(args.f, args.b, args.fb or 0.0)

@@ -12,8 +12,7 @@ from ..schedule.registry import NAMES, ScheduleError, build_schedule
 from ..schedule.registry import spec as get
 from .args import CliError
 
-#: Largest schedule built: forward actions (fakes included), a few seconds of simulation; the bubble
-#: and the peak memory stop changing once M >= 2*pp.
+#: Largest schedule built, in forward actions (fakes included): a few seconds of simulation.
 MAX_FORWARDS = 65536
 
 

@@ -67,8 +67,7 @@ def stage_pairs_lines(views) -> List[str]:
     return [""] + stage_pairs.report(*views, (registry.ONE_F_ONE_B, registry.DUALPIPE, registry.DUALPIPEV))
 
 
-#: The comparison simulates every schedule on the same model when their forward actions
-#: together stay under this (otherwise it is skipped with a note).
+#: The most forward actions the same-model comparison simulates (past it: skipped with a note).
 COMPARE_BUDGET = 3 * MAX_FORWARDS
 
 

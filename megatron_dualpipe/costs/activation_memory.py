@@ -33,9 +33,8 @@ def _attention(m: ModelArgs) -> List[Saved]:
         q, kv = m.kv_channels * n, m.kv_channels * m.query_groups
         out = [Saved("query", BF16 * q), Saved("key", BF16 * kv), Saved("value", BF16 * kv)]
         if m.query_groups < n:
-            # attention.py get_query_key_value_tensors: with GQA ``query.reshape`` copies the query out of
-            # the [s, b, groups, (heads/groups + 2) * d] QKV output, whose whole storage the key's and
-            # value's views keep for core attention (its checkpoint, or flash attention's saved inputs)
+            # get_query_key_value_tensors: with GQA ``query.reshape`` copies the query out of the QKV
+            # output, whose whole storage the key's and value's views keep for core attention
             out.append(Saved("query copy (GQA: reshaped out of the QKV output that key and value keep)", BF16 * q))
         if m.position_embedding == "rope":
             # apply_rotary_pos_emb returns a new key (and a new query; under GQA it replaces the copy above)
@@ -67,9 +66,8 @@ def _mlp(m: ModelArgs, moe: bool) -> List[Saved]:
     out = [Saved("tokens dispatched to experts (top-k copies)", BF16 * k * h, ("moe",), gemm_input=True),
            Saved("expert fc1 output", BF16 * k * gate * fe, ("moe",)),
            Saved("expert activation (fc2 input)", BF16 * k * fe, ("moe", "moe_act"), gemm_input=True)]
-    # No expert output is kept: the experts apply the router's probabilities in their activation
-    # (weighted_bias_swiglu / activation_func_with_probs) and the combine's unpermute (moe_utils.py,
-    # scatter_add or TE's fused unpermute without merging probs) keeps only the token indices.
+    # No expert output is kept: the experts apply the router's probabilities in their activation and
+    # the combine's unpermute keeps only the token indices.
     if fs:
         out += [Saved("shared expert fc1 output", BF16 * gate * fs, ("moe", "shared_experts")),
                 Saved("shared expert activation (fc2 input)", BF16 * fs, ("moe", "shared_experts"), gemm_input=True)]
@@ -87,8 +85,7 @@ def layer_tensors(m: ModelArgs, moe: bool) -> List[Saved]:
     return norm + _attention(m) + pre_mlp + _mlp(m, moe) + masks
 
 
-#: ``--offload-modules`` (megatron-core 0.19's fine-grained activation offloading) -> the tensors whose
-#: copies move to host memory: names of :func:`layer_tensors`' entries (core_attn: its inputs).
+#: ``--offload-modules`` -> the :func:`layer_tensors` entries whose copies move to host memory.
 OFFLOADED = {"attn_norm": ("input norm's input",), "qkv_linear": ("input norm's output (QKV input)",),
              "attn_proj": ("attention output (projection input)",), "mlp_norm": ("pre-MLP norm's input",),
              "expert_fc1": ("tokens dispatched to experts (top-k copies)",), "moe_act": ("expert fc1 output",)}

@@ -17,8 +17,7 @@ SCAN_BYTES = 1 << 30
 IDX_MAGIC = b"MMIDIDX\x00\x00"
 IDX_DTYPES = {1: "uint8", 2: "int8", 3: "int16", 4: "int32", 5: "int64", 6: "float64", 7: "float32", 8: "uint16"}
 
-#: tokenizer type -> (arguments it needs, what they are). From Megatron-LM core_v0.16.1's
-#: ``megatron/training/tokenizer/tokenizer.py:build_tokenizer``.
+#: tokenizer type -> (arguments it needs, what they are), from Megatron-LM's ``build_tokenizer``.
 TOKENIZER_NEEDS: Dict[str, Tuple[Tuple[str, ...], str]] = {
     "BertWordPieceLowerCase": (("--vocab-file",), "a BERT vocab.txt"),
     "BertWordPieceCase": (("--vocab-file",), "a BERT vocab.txt"),

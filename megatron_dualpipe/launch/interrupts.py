@@ -100,8 +100,7 @@ def _main(argv: Sequence[str]) -> int:
     if not argv:
         print(usage, file=sys.stderr)
         return 2
-    # A script may start this in the background (so that its own trap runs at once), where the
-    # shell leaves SIGINT ignored: interrupting is what this entry point is for.
+    # A script may start this in the background, where the shell leaves SIGINT ignored.
     signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         status = guarded(lambda: processes.run(argv), prog)

@@ -20,8 +20,7 @@ USAGE = ("usage: python -m megatron_dualpipe.launch [--check] [--pair-placement]
          "[ARGS...]")
 PAIR_PLACEMENT = "--pair-placement"  # = placement.FLAG
 SKIP_VERSION = "MEGATRON_DUALPIPE_SKIP_VERSION_CHECK"  # = versions.SKIP_ENV
-#: How long a rank that does not say the refusal waits before it exits: torchrun's agent stops every
-#: rank at the first exit, so the rank that says it must print first.
+#: How long a rank that does not say the refusal waits to exit (torchrun stops every rank at the first).
 REFUSAL_WAIT_S = 3.0
 #: The counter in torch.distributed's store that names the first rank to refuse.
 REFUSAL_KEY = "megatron_dualpipe/refusal"

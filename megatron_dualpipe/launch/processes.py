@@ -5,7 +5,9 @@ nor die with ``torchrun``: re-parented to PID 1 they would go on training. Stand
 from __future__ import annotations
 
 import os
+import select
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -159,9 +161,6 @@ class _Relay(threading.Thread):
 def _reader_closed(stream) -> bool:
     """Whether ``stream`` is a pipe whose reader has gone (``| head`` has read its lines): a
     pipe's write end then polls as an error, before anything is written to it."""
-    import select
-    import stat
-
     try:
         fd = stream.fileno()
         if not stat.S_ISFIFO(os.fstat(fd).st_mode) or not hasattr(select, "poll"):

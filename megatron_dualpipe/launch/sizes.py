@@ -18,8 +18,7 @@ from .validation import fewest_gpus
 _MODEL_FLAGS = {"--num-experts": "experts", "--num-layers": "layers", "--num-attention-heads": "heads",
                 "--num-query-groups": "groups", "--ffn-hidden-size": "ffn",
                 "--num-layers-per-virtual-pipeline-stage": "vpp_layers"}
-#: Flags whose presence is read (as 1): grouped-query attention, and the splits of the layers over
-#: the stages that Megatron-LM checks itself (uneven: PP is then kept as given).
+#: Flags whose presence is read (as 1); an uneven split of the layers keeps PP as given.
 _MODEL_SWITCHES = {"--group-query-attention": "gqa", **{f"--{flag}": "uneven" for flag in (
     "decoder-first-pipeline-num-layers", "decoder-last-pipeline-num-layers", "pipeline-model-parallel-layout",
     "account-for-embedding-in-pipeline-split", "account-for-loss-in-pipeline-split")}}

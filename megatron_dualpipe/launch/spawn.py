@@ -6,6 +6,8 @@ from this process (the tests' preloaded stand-in).
 from __future__ import annotations
 
 import faulthandler
+import importlib
+import multiprocessing
 import os
 import shutil
 import signal
@@ -13,6 +15,7 @@ import tempfile
 import threading
 import time
 import traceback
+from multiprocessing import forkserver
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from .ports import free_port
@@ -21,8 +24,7 @@ from .ports import free_port
 GRACE_S = 30.0
 #: Past the deadline: SIGABRT (each rank writes its stacks), SIGKILL this much later.
 STACKS_S = 5.0
-#: :func:`run`: how long the other ranks may still report after the first failure (their errors, a
-#: selftest watchdog's stacks) before they are stopped.
+#: :func:`run`: how long the other ranks may still report (errors, stacks) after the first failure.
 REPORT_GRACE_S = 5.0
 #: Imported first by the forkserver: it, and the ranks it forks, leave the terminal's process group.
 OWN_SESSION = "megatron_dualpipe.launch.own_session"
@@ -187,9 +189,6 @@ def _rank(rank, world, port, fn, args, results, prefix, finish) -> None:
 
 def _context(start_method: Optional[str], preload: Sequence[str]):
     """multiprocessing's context: the forkserver where there is one, made to import ``preload``."""
-    import importlib
-    import multiprocessing
-
     if start_method is None:
         start_method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
     ctx = multiprocessing.get_context(start_method)
@@ -205,8 +204,6 @@ def _preloading(ctx, modules: Sequence[str]) -> None:
     """Make the process-wide forkserver preload at least ``modules``: a running one keeps its list, so
     one started with less is stopped (CPython's private ``ForkServer._stop``; without it the ranks
     import what they need)."""
-    from multiprocessing import forkserver
-
     server = forkserver._forkserver
     have = [m for m in getattr(server, "_preload_modules", []) if m != "__main__"]
     if set(modules) <= set(have):

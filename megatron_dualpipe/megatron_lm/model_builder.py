@@ -68,8 +68,7 @@ def _two_chunk_stages(build_model_func, spec, transformer_config, built):
             if model_type is not None:
                 chunk.model_type = model_type
             if getattr(transformer_config, "use_cpu_initialization", False):
-                # Megatron places the chunks after this returns; the mirror broadcast inside
-                # build_two_direction_model must see them on the communication device already.
+                # Megatron places the chunks later; the mirror broadcast needs them on the device now.
                 chunk.cuda(dist_utils.torch.cuda.current_device())
             return chunk
 

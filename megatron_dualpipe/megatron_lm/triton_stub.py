@@ -113,15 +113,13 @@ def modules_placed(mods):
                 del sys.modules[name]
 
 
-# Megatron modules that import triton unconditionally at module level and sit on the
-# ``pretrain_gpt.py`` import path (``megatron/training/initialize.py`` imports the first one).
+# Megatron modules on ``pretrain_gpt.py``'s import path that import triton unconditionally.
 TRITON_IMPORTERS = ("megatron.core.transformer.custom_layers.batch_invariant_kernels",)
 
 
 def preimport_triton_users() -> bool:
     """Import :data:`TRITON_IMPORTERS` under :func:`placeholder_triton`. True if the stub was used."""
-    # Import torch's compiler stack and megatron.core first, without the stub: torch._dynamo /
-    # torch._inductor probe ``import triton`` and must keep seeing the truth.
+    # torch._dynamo / _inductor probe ``import triton``: imported first, without the stub.
     importlib.import_module("torch._dynamo")
     importlib.import_module("megatron.core")
     with placeholder_triton() as used:
