@@ -135,11 +135,8 @@ def split_weights(split: str) -> List[float]:
 
 
 def documents_per_split(split: str, documents: int) -> List[Optional[int]]:
-    """Documents each split gets from megatron-core, None for a split of weight 0.
-
-    Same arithmetic as megatron-core 0.16: cumulative weights (``convert_split_vector_to_split_
-    matrix``), then ``int(round(bound * documents))`` for both ends of each split.
-    """
+    """Documents each split gets from megatron-core, None for a split of weight 0: cumulative
+    weights (``convert_split_vector_to_split_matrix``), then ``int(round(bound * documents))``."""
     bounds = [0.0]
     for w in split_weights(split):
         bounds.append(bounds[-1] + w)

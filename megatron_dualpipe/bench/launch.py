@@ -99,11 +99,9 @@ def _in_group(rank: int, world: int, port: int, fn: Callable[..., Any], args: Se
 
 def spawn(fn: Callable[..., Any], world: int, args: Sequence[Any] = (), timeout_s: float = 1800.0,
           collective_timeout_s: Optional[float] = None) -> List[Any]:
-    """Run ``fn(rank, world, device, *args)`` in ``world`` new processes (:func:`..launch.spawn.run`),
-    each in the process group; return the per-rank results. Raises with the failing rank's traceback,
-    when a rank dies without one, or when nothing arrives within ``timeout_s`` (with every rank's
-    stacks); nothing is left running. ``collective_timeout_s`` (default ``timeout_s``) is the process
-    group's timeout."""
+    """Run ``fn(rank, world, device, *args)`` in ``world`` new processes in one process group
+    (:func:`..launch.spawn.run`: it raises naming the failing rank, and leaves nothing running);
+    the per-rank results. ``collective_timeout_s`` (default ``timeout_s``): the group's timeout."""
     collective = timeout_s if collective_timeout_s is None else collective_timeout_s
     return spawner.run(_in_group, world, (fn, tuple(args), collective), timeout_s=timeout_s, preload=TORCH,
                        finish=_destroy_within)

@@ -160,10 +160,8 @@ def apply(patch: Union[Patch, Swap]) -> Optional[Applied]:
 
 
 def restore(applied: Applied) -> bool:
-    """Put the saved object back (delete the attribute if there was none).
-
-    Returns False when someone replaced our replacement in the meantime (it is restored anyway).
-    """
+    """Put the saved object back (delete the attribute if there was none); False when someone
+    replaced our replacement in the meantime (it is restored anyway)."""
     ours = current(applied.owner, applied.name) is applied.replacement
     if applied.saved is MISSING:
         if current(applied.owner, applied.name) is not MISSING:

@@ -9,11 +9,8 @@ from .tiny_gpt import seed_all
 
 def init_model_parallel(*, tp: int = 1, pp: int = 1, ep: int = 1, vpp: Optional[int] = None,
                         timeout_minutes: int = 2, seed: int = 1234) -> None:
-    """Build megatron-core's model-parallel groups (no gloo side groups) and seed every generator.
-
-    Seeds torch's generator and the model-parallel RNG tracker with ``seed``
-    (``model_parallel_cuda_manual_seed``; the CPU tracker in CPU mode).
-    """
+    """Build megatron-core's model-parallel groups (no gloo side groups); seed torch's generator
+    and the model-parallel RNG tracker with ``seed`` (:func:`.tiny_gpt.seed_all`)."""
     from megatron.core import parallel_state
 
     parallel_state.initialize_model_parallel(
