@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..schedule.padding import Padded, build_padded
 from ..schedule.placement import PlacementError
@@ -70,13 +70,12 @@ class Row:
                           "p2p": self.costs.p2p}}
 
 
-Progress = Optional[Callable[[int, int], None]]
 #: name -> (the padded schedule, its simulation), for schedules a caller has simulated already.
 Known = Dict[str, Tuple[Padded, SimResult]]
 
 
-def run(name: str, pp: int, real: int, stage_costs: Costs, progress: Progress = None,
-        known: Optional[Known] = None, comm: Optional[CommModel] = None) -> Row:
+def run(name: str, pp: int, real: int, stage_costs: Costs, known: Optional[Known] = None,
+        comm: Optional[CommModel] = None) -> Row:
     """Simulate ``name`` on the model whose stages cost ``stage_costs``; with ``comm``, P2P
     messages cost their link and the row carries the gradient communication (``comm_cost``)."""
     spec = get(name)
@@ -91,7 +90,7 @@ def run(name: str, pp: int, real: int, stage_costs: Costs, progress: Progress = 
         except ScheduleError as e:
             return Row(name, problem=str(e))
         s = padded.schedule
-        res = simulate(s.layout, s.ranks, padded.costs(costs), progress, p2p=comm.p2p if comm else None)
+        res = simulate(s.layout, s.ranks, padded.costs(costs), p2p=comm.p2p if comm else None)
     grad = None if comm is None else grad_comm(padded.schedule, res, comm, frac, spec.defers_weight_grads,
                                                padded.is_fake)
     return Row(name, None, padded.schedule.microbatches, costs, res.makespan, max(res.bubble),

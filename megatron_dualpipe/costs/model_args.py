@@ -221,8 +221,7 @@ def parse(argv: Sequence[str]) -> ModelArgs:
         raise ModelArgsError(f"--hidden-size {h} is not a multiple of --num-attention-heads {heads}: give --kv-channels")
     v["ffn_hidden"] = v["ffn_hidden"] or 4 * h
     v["kv_channels"] = v["kv_channels"] or h // heads
-    v["query_groups"] = v["query_groups"] if v.pop("gqa") else heads
-    v["query_groups"] = v["query_groups"] or heads
+    v["query_groups"] = (v["query_groups"] if v.pop("gqa") else None) or heads
     v["moe_ffn_hidden"] = v["moe_ffn_hidden"] or v["ffn_hidden"]
     v["etp"] = v["etp"] or v["tp"]
     v["sequence_parallel"] = v["sequence_parallel"] and v["tp"] > 1  # Megatron turns it off without TP

@@ -6,6 +6,7 @@ where installed.
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 import os
 import sys
@@ -49,12 +50,7 @@ def parse(argv: Sequence[str]) -> Dict[str, object]:
         if flag in _ONE:
             found[flag] = val if eq else (args[i + 1] if i + 1 < len(args) else None)
         elif flag in _MANY:
-            values = [val] if eq else []
-            for v in args[i + 1:] if not eq else []:
-                if v.startswith("--"):
-                    break
-                values.append(v)
-            found[flag] = values
+            found[flag] = [val] if eq else list(itertools.takewhile(lambda v: not v.startswith("--"), args[i + 1:]))
         elif a == "--mock-data":
             found[a] = True
     return found

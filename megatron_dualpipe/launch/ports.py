@@ -18,23 +18,18 @@ def _ephemeral_start(default: int = 32768) -> int:
         return default
 
 
-def _bindable(host: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
-
-
 def free_port(host: str = "127.0.0.1") -> int:
     """A port that was free a moment ago, below the ephemeral range where it leaves any."""
     pick = random.SystemRandom()
     end = _ephemeral_start()
     for _ in range(100 if end > LOWEST else 0):
         port = pick.randrange(LOWEST, end)
-        if _bindable(host, port):
-            return port
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]

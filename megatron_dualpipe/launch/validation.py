@@ -88,8 +88,9 @@ def explain(error: BaseException, parser_output: str = "") -> List[str]:
     from ..megatron_lm.arguments import DualPipeArgumentError
     from ..megatron_lm.refusal import Refusal
 
-    if isinstance(error, DualPipeArgumentError):
-        return problem_lines(error)
+    if isinstance(error, DualPipeArgumentError):  # its problems, one line each
+        lines = [line.strip() for line in str(error).splitlines()]
+        return [line[2:] for line in lines if line.startswith("- ")] or [" ".join(lines)]
     if isinstance(error, Refusal):
         return [" ".join(str(error).split())]
     if isinstance(error, SystemExit):  # argparse: usage and "error: ..." went to stderr
@@ -114,13 +115,6 @@ def is_refusal(error: BaseException) -> bool:
     in_training = [f for f in frames if "megatron/training/" in f.filename.replace(os.sep, "/")]
     return (isinstance(error, AssertionError) and bool(frames) and frames[-1] in in_training
             and any(f.name in ("validate_args", "validate_yaml") for f in in_training))
-
-
-def problem_lines(error) -> List[str]:
-    """The problems a :class:`DualPipeArgumentError` lists, one line each."""
-    lines = [line.strip() for line in str(error).splitlines()]
-    items = [line[2:] for line in lines if line.startswith("- ")]
-    return items or [" ".join(lines)]
 
 
 def layout(args) -> str:
