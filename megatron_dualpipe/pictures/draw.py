@@ -59,8 +59,7 @@ def title(schedule, result: SimResult) -> str:
 def key(schedule) -> str:
     """The line under the title naming what the two shades mean, in the layout's words."""
     layout = schedule.layout
-    dirs = sorted({a.dir for acts in schedule.ranks for a in acts})
-    if len(dirs) < 2:
+    if len({a.dir for acts in schedule.ranks for a in acts}) < 2:
         return ""
     return f"{layout.dir_label(0)}: solid;  {layout.dir_label(1)}: light, hatched"
 
@@ -90,17 +89,11 @@ class Cell:
 def cells(schedule, result: SimResult) -> Iterator[Cell]:
     """Every action of every rank with its simulated span, fused halves marked."""
     for r, acts in enumerate(schedule.ranks):
-        tl = result.ranks[r]
-        i = 0
-        while i < len(acts):
-            a = acts[i]
-            if a.overlap and i + 1 < len(acts):
-                yield Cell(r, i, a, tl.starts[i], tl.ends[i], True, 0)
-                yield Cell(r, i + 1, acts[i + 1], tl.starts[i + 1], tl.ends[i + 1], True, 1)
-                i += 2
-            else:
-                yield Cell(r, i, a, tl.starts[i], tl.ends[i], False, 0)
-                i += 1
+        tl, second = result.ranks[r], False  # second: this action is the backward of a fused unit
+        for i, a in enumerate(acts):
+            first = not second and a.overlap and i + 1 < len(acts)
+            yield Cell(r, i, a, tl.starts[i], tl.ends[i], first or second, int(second))
+            second = first
 
 
 def legend_entries(schedule) -> List[Tuple[str, str]]:
@@ -156,10 +149,7 @@ class Frame:
         return sum(e - s for s, e in self.segments) + self.gap * (len(self.segments) - 1)
 
     def row_of(self, rank: int) -> Optional[int]:
-        try:
-            return self.rows.index(rank)
-        except ValueError:
-            return None
+        return self.rows.index(rank) if rank in self.rows else None
 
     def offsets(self) -> List[float]:
         """Drawn position of each segment's start."""
