@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 import re
 import sys
 from dataclasses import dataclass, field
@@ -186,8 +187,6 @@ def megatron_core_version() -> Optional[str]:
         version = getattr(info, "__version__", None)
     else:
         try:
-            import importlib.util
-
             spec = importlib.util.find_spec("megatron.core")
             paths = list(spec.submodule_search_locations or []) if spec else []
         except (ImportError, ValueError):

@@ -47,9 +47,7 @@ class OddMicrobatches:
     def judge(ctx, payloads: List[dict]) -> StageResult:
         tol = ctx.cfg.tolerance
         details, failures, parts = [], [], []
-        n = len(payloads[0]["runs"])
-        for i in range(n):
-            runs = [p["runs"][i] for p in payloads]
+        for runs in zip(*(p["runs"] for p in payloads)):
             slowest = max(r["seconds"] for r in runs)
             gap = Gap()
             for r in runs:
