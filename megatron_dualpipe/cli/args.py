@@ -53,8 +53,7 @@ def costs_from_args(args):
     from ..schedule.simulate import Costs
 
     costs = Costs(f=args.f, b=args.b, w=args.w, fb=args.fb, p2p=args.p2p)  # checks its values
-    problem = fused_cost_problem(costs.f, costs.b, costs.w, costs.fb)
-    if problem:
+    if problem := fused_cost_problem(costs.f, costs.b, costs.w, costs.fb):
         raise CliError(problem)
     return costs
 

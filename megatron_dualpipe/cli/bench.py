@@ -96,8 +96,7 @@ def _config(args, pps: List[int]):
 
     Costs(f=args.f, b=args.b, w=args.w, fb=args.fb)  # validates, naming the flag
     longest = max(args.f, args.b, args.fb or 0.0)
-    problem = fused_cost_problem(args.f, args.b, args.w, args.fb)
-    if problem:
+    if problem := fused_cost_problem(args.f, args.b, args.w, args.fb):
         raise ValueError(problem)
     if longest > MAX_COST_MS:  # the stages really spend these milliseconds
         raise ValueError(f"bench costs are milliseconds each stage really spends: at most {MAX_COST_MS:g} per "

@@ -35,8 +35,7 @@ def build(args, progress: Optional[Progress] = None):
         raise CliError(f"pipeline size --pp must be a positive integer, got {pp}")
     if m < 1:
         raise CliError(f"number of micro-batches --microbatches must be a positive integer, got {m}")
-    problem = spec.pp_problem(pp)
-    if problem:
+    if problem := spec.pp_problem(pp):
         raise ScheduleError(problem)
     if args.pad:
         least = spec.min_real_microbatches(pp)
@@ -46,8 +45,7 @@ def build(args, progress: Optional[Progress] = None):
                            f"to {least} or more")
         run = spec.padded_microbatches(pp, m)
     else:
-        problem = spec.microbatch_problem(pp, m)
-        if problem:
+        if problem := spec.microbatch_problem(pp, m):
             raise ScheduleError(problem + " (or drop --no-pad)")
         run = m
     forwards = spec.model_stages(pp) * run

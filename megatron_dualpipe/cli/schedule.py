@@ -29,8 +29,7 @@ def run(args) -> int:
         text = format_grid(s.ranks)
     layout = s.layout
     print(f"{s.name}: pp={s.pp} M={s.microbatches} ({layout.kind} layout; {per_direction(s)})")
-    note = padding_note(padded)
-    if note:
+    if note := padding_note(padded):
         print(note)
     two = len(layout.directions) > 1
     print("F forward, B input-grad backward, BW full backward, W deferred weight grad; "

@@ -181,8 +181,7 @@ def _report(padded, costs, result, rows, stage, work, grad=None, other=None) -> 
         if spec.costs_per_chunk else "per stage"
     unit = s.layout.dir_word + "s" if spec.costs_per_chunk else "micro-batches"
     lines: List[str] = [f"{s.name}: pp={s.pp} M={s.microbatches} ({per_direction(s)})"]
-    note = padding_note(padded)
-    if note:
+    if note := padding_note(padded):
         lines.append(note)
     lines.append(f"costs {per}: f={fmt(costs.f)} b={fmt(costs.b)} w={fmt(costs.w)} fb={fmt(costs.fused)} "
                  f"p2p={fmt(costs.p2p)}")

@@ -113,8 +113,7 @@ def _hf_directory_problem(path: str) -> Optional[str]:
 def _vocab_of_hf(path: str) -> Tuple[Optional[int], Optional[str]]:
     """(vocabulary size, problem) of a HuggingFace tokenizer directory (its tokenizer.json)."""
     if os.path.isdir(path):
-        problem = _hf_directory_problem(path)
-        if problem:
+        if problem := _hf_directory_problem(path):
             return None, problem
     f = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
     if not os.path.isfile(f):
@@ -232,8 +231,7 @@ def data_problem(opts: Dict[str, object], vocab: Optional[int], scan: bool = Tru
         return ("no --data-path: pass the prefix that Megatron-LM's tools/preprocess_data.py or megatron-dualpipe "
                 "prepare-data wrote (the path without .bin/.idx), or --mock-data")
     for p in prefixes:
-        problem = _files_problem(p)
-        if problem:
+        if problem := _files_problem(p):
             return problem
     if vocab is None or not scan:
         return None
@@ -251,12 +249,6 @@ def data_problem(opts: Dict[str, object], vocab: Optional[int], scan: bool = Tru
 
 def argument_problems(argv: Sequence[str], scan: bool = True) -> List[str]:
     """The problems of ``pretrain_gpt.py ARGV``'s tokenizer and data, one line each."""
-    found = []
     opts = parse(argv)
     tok, vocab = tokenizer_problem(opts)
-    if tok:
-        found.append(tok)
-    data = data_problem(opts, vocab, scan=scan)
-    if data:
-        found.append(data)
-    return found
+    return [p for p in (tok, data_problem(opts, vocab, scan=scan)) if p]

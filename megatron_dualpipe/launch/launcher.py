@@ -38,8 +38,7 @@ def preflight(script):
         return f"no such script: {script}"
     root = os.path.dirname(os.path.abspath(script))
     if os.environ.get(SKIP_VERSION) != "1":
-        problem = patching.tag_problem(root, versions.checkout_core_version(root))
-        if problem:
+        if problem := patching.tag_problem(root, versions.checkout_core_version(root)):
             return f"{problem}, or set {SKIP_VERSION}=1 to try anyway"
     return requirements.problem()
 

@@ -89,8 +89,7 @@ def placement(argv: Sequence[str], env: Mapping[str, str]) -> List[int]:
 
 def apply(argv: Sequence[str], env: MutableMapping[str, str]) -> Tuple[int, int]:
     """Rewrite ``env["RANK"]`` to this slot's global rank: (slot, rank), or ``ValueError`` naming the fix."""
-    found = problem(argv, env)
-    if found:
+    if found := problem(argv, env):
         raise ValueError(found)
     slot = _env_int(env, "RANK")
     local, node = _env_int(env, "LOCAL_RANK"), _env_int(env, "GROUP_RANK")

@@ -63,8 +63,7 @@ def inspect(path: str, require_tag: bool = True) -> Checkout:
         raise PatchError(f"no pretrain_gpt.py in {path}: give the root of a Megatron-LM checkout at tag "
                          f"{' or '.join(TAGS)}")
     version, tag = versions.checkout_core_version(path), _git_tag(path)
-    problem = tag_problem(path, version, tag) if require_tag else None
-    if problem:
+    if require_tag and (problem := tag_problem(path, version, tag)):
         raise PatchError(problem + " and run this command again")
     lines = _read_lines(script)
     hooked = [i for i, line in enumerate(lines) if MARKER in line]
@@ -142,8 +141,7 @@ def apply(path: str, *, revert: bool = False, check: bool = False) -> str:
     if co.state == ("clean" if revert else "applied"):
         return f"not applied to {co.script}; nothing to revert" if revert else \
             f"already applied to {co.script}; nothing to do"
-    problem = _writable_problem(co.script)
-    if problem:
+    if problem := _writable_problem(co.script):
         raise PatchError(problem)
     if revert:
         if check:
