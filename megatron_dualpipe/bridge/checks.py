@@ -87,18 +87,8 @@ def problems(cfg, schedule: str, world_size: int, options: Optional[dict] = None
     torch_problem = versions.torch_problem()
     if torch_problem:
         found.append(f"torch: {torch_problem}, or schedule='1f1b'")
-    return (found + _mtp_problems(spec.name, cfg, options or {}) + _v_checkpoint_problems(spec.name, cfg)
-            + _pipeline_problems(spec, cfg, world_size) + _option_problems(spec.name, cfg))
-
-
-def _v_checkpoint_problems(schedule: str, cfg) -> List[str]:
-    """DualPipeV through Bridge's save / load: measured wrong (tests/bridge, docs/megatron-bridge.md)."""
-    if schedule != registry.DUALPIPEV:
-        return []
-    why = ("dualpipev's torch_dist file through Bridge holds another optimizer state for the word embedding than "
-           "1F1B's (rank 0 holds it and V-stage 2pp-1's copy; Megatron-LM's loop saves it right): set it to None")
-    return [f"{path}={value!r}: {why}" for path in ("checkpoint.save", "checkpoint.load")
-            for value in [field(cfg, path)] if value not in (None, _MISSING)]
+    return (found + _mtp_problems(spec.name, cfg, options or {}) + _pipeline_problems(spec, cfg, world_size)
+            + _option_problems(spec.name, cfg))
 
 
 def _mtp_problems(schedule: str, cfg, options: dict) -> List[str]:

@@ -217,7 +217,7 @@ MISTAKES = (
                   "dist.use_decentralized_pg": True, "model.pipeline_model_parallel_layout": "Et|tt|tt|tL"}),
     ("dualpipe", {"model.pipeline_model_parallel_size": 3}),
     ("dualpipev", {"model.num_layers": 12, "dist.use_megatron_fsdp": True, "model.mtp_num_layers": 1,
-                   "checkpoint.save": "/tmp/ckpt"}),
+                   "checkpoint.async_save": True}),
     ("zb-h1", {}),
 )
 

@@ -6,7 +6,7 @@ processes (pp=4) through Bridge's ``pretrain``: its own, and the package's drop-
 ``schedule="dualpipe"`` / ``"dualpipev"``. Every metric Bridge logs is compared, each iteration.
 The tiny MoE recipe (expert parallel 2 x pp=2 x dp=2, alltoall, aux loss and z-loss, one MTP layer)
 the same way, its MoE and MTP lines included; a torch_dist checkpoint of iteration 2 saved under
-dualpipe is resumed by Bridge's 1F1B and 1F1B's by dualpipe, each against an uninterrupted 1F1B run.
+dualpipe or dualpipev is resumed by Bridge's 1F1B and 1F1B's by each, against an uninterrupted 1F1B run.
 Skipped where Megatron-Bridge is not installed (docs/megatron-bridge.md says how to make its venv).
 """
 from __future__ import annotations
@@ -111,10 +111,12 @@ def test_moe_with_expert_parallel_and_mtp_logs_what_bridges_1f1b_logs():
         assert {"loss/load_balancing_loss", "loss/z_loss", "loss/mtp_1 loss"} <= set(gaps), (schedule, sorted(gaps))
 
 
-def test_a_checkpoint_saved_under_dualpipe_resumes_under_bridges_1f1b_and_back(tmp_path):
-    """torch_dist through Bridge's save / load: dualpipe's checkpoint of iteration 2 resumed by Bridge's
-    1F1B for iterations 3-4, and 1F1B's by dualpipe, each equal to an uninterrupted 1F1B run."""
-    pairs = (("dualpipe", "bridge-1f1b"), ("bridge-1f1b", "dualpipe"))
+def test_a_checkpoint_saved_under_dualpipe_or_dualpipev_resumes_under_bridges_1f1b_and_back(tmp_path):
+    """torch_dist through Bridge's save / load: dualpipe's and dualpipev's checkpoints of iteration 2 resumed
+    by Bridge's 1F1B for iterations 3-4, and 1F1B's by each, every one equal to an uninterrupted 1F1B run
+    (dualpipev's V-stage 0 pads the bucket before the tied embedding's: ``bridge.checkpoint.exact_offsets``)."""
+    pairs = (("dualpipe", "bridge-1f1b"), ("bridge-1f1b", "dualpipe"), ("dualpipev", "bridge-1f1b"),
+             ("bridge-1f1b", "dualpipev"))
     logged = run_workers(bridge_recipe.save_then_resume, bridge_recipe.PP, args=(str(tmp_path), pairs),
                          timeout=600)[-1]
     print("\n" + _table(logged))
