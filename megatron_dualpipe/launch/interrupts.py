@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import signal
 import sys
-import threading
 from typing import Callable, Optional, Sequence
 
 from . import processes
@@ -27,12 +26,7 @@ def _raise_interrupt(signum, frame):  # noqa: ARG001 - signal handler signature
 def install() -> None:
     """Make SIGTERM and SIGHUP raise :class:`KeyboardInterrupt` in the main thread, as Ctrl-C does
     (SIGINT keeps its handler: a background job of a non-interactive shell keeps it ignored)."""
-    if threading.current_thread() is not threading.main_thread():
-        return
-    for name in _SIGNALS:
-        sig = getattr(signal, name, None)
-        if sig is not None:
-            signal.signal(sig, _raise_interrupt)
+    processes.handle(_SIGNALS, _raise_interrupt)
 
 
 def _end(last_line: str = "") -> None:

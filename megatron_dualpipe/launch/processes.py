@@ -20,14 +20,19 @@ GRACE_SECONDS = 5.0
 INTERRUPTING = ("SIGINT", "SIGTERM", "SIGHUP")
 
 
-def ignore_interrupts() -> None:
-    """While stopping and reporting, a second Ctrl-C must not start a traceback."""
+def handle(names: Sequence[str], handler) -> None:
+    """``handler`` for the signals ``names`` this platform has; only the main thread may set them."""
     if threading.current_thread() is not threading.main_thread():
         return
-    for name in INTERRUPTING:
+    for name in names:
         sig = getattr(signal, name, None)
         if sig is not None:
-            signal.signal(sig, signal.SIG_IGN)
+            signal.signal(sig, handler)
+
+
+def ignore_interrupts() -> None:
+    """While stopping and reporting, a second Ctrl-C must not start a traceback."""
+    handle(INTERRUPTING, signal.SIG_IGN)
 
 
 # Finding and stopping processes

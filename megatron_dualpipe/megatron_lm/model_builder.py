@@ -8,6 +8,8 @@ from __future__ import annotations
 import functools
 
 from .. import hooks
+from ..hooks.manifest import MODEL_BUILDER_SCOPED
+from ..hooks.manifest import V_CONFIG as _V_CONFIG
 from ..schedule import registry
 
 _DIST_UTILS = "megatron.training.models.dist_utils"
@@ -121,10 +123,4 @@ def _count_printer(built):
     return print_
 
 
-def _entries():
-    from ..hooks.manifest import MODEL_BUILDER_SCOPED, V_CONFIG
-
-    return {p.attribute: p for p in MODEL_BUILDER_SCOPED}, V_CONFIG
-
-
-_SCOPED, _V_CONFIG = _entries()
+_SCOPED = {p.attribute: p for p in MODEL_BUILDER_SCOPED}
