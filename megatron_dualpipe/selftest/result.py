@@ -8,7 +8,7 @@ import dataclasses
 import datetime
 import json
 import os
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List
 
 PASS, FAIL, SKIP = "PASS", "FAIL", "SKIP"
 
@@ -36,10 +36,6 @@ class StageResult:
         return dataclasses.asdict(self)
 
 
-def skipped(stage: str, reason: str) -> StageResult:
-    return StageResult(stage, SKIP, reason)
-
-
 def failed_on(stage: str, errors: Dict[int, str]) -> StageResult:
     """A stage whose code raised on some ranks: the first line of each rank's error."""
     ranks = sorted(errors)
@@ -64,12 +60,11 @@ def markdown(command: str, results: List[StageResult], wall_s: float, files: Lis
     return "\n".join(out) + "\n"
 
 
-def write(out_dir: str, command: str, results: List[StageResult], wall_s: float, files: List[str],
-          extra: Optional[dict] = None) -> None:
+def write(out_dir: str, command: str, results: List[StageResult], wall_s: float, files: List[str]) -> None:
     """``selftest.md`` and ``selftest.json`` in ``out_dir`` (rewritten after every stage)."""
     with open(os.path.join(out_dir, "selftest.md"), "w", encoding="utf-8") as fh:
         fh.write(markdown(command, results, wall_s, files))
     payload = {"command": command, "wall_s": wall_s, "failed": any(r.status == FAIL for r in results),
-               "stages": [r.to_json() for r in results], "files": files, **(extra or {})}
+               "stages": [r.to_json() for r in results], "files": files}
     with open(os.path.join(out_dir, "selftest.json"), "w", encoding="utf-8") as fh:
         json.dump(payload, fh, indent=1, default=str)
