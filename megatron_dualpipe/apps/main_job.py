@@ -160,20 +160,18 @@ def resolve_data(args) -> PreparedData:
     return data
 
 
-def draw_schedule(args) -> Optional[str]:
+def draw_schedule(args) -> None:
     """The simulated timeline of the schedule the workers run (unit costs), and the same schedule
-    above megatron-core's 1F1B at the same scale (:func:`report.write_schedule_comparison`); the
-    first one's path."""
+    above megatron-core's 1F1B at the same scale (:func:`report.write_schedule_comparison`)."""
     from ..pictures.figure import to_png
     from .report import write_schedule_comparison
     from ..schedule.simulate import Costs, simulate
 
     m = registry.get(args.schedule).padded_microbatches(args.nproc, args.microbatches)
     schedule = registry.build_schedule(args.schedule, args.nproc, m)
-    path = os.path.join(args.out, f"{args.schedule}_pp{args.nproc}_m{m}.png")
-    to_png(schedule, simulate(schedule.layout, schedule.ranks, Costs()), path)
+    to_png(schedule, simulate(schedule.layout, schedule.ranks, Costs()),
+           os.path.join(args.out, f"{args.schedule}_pp{args.nproc}_m{m}.png"))
     write_schedule_comparison(args.out, args.schedule, args.nproc, args.microbatches)
-    return path
 
 
 def written_since(paths: List[str], started: float) -> List[str]:
@@ -434,7 +432,6 @@ def worker(args) -> int:
     dist.init_process_group("gloo" if cpu else "nccl", timeout=datetime.timedelta(minutes=5))
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func as megatron_fb_func
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     from megatron_dualpipe.apps.gpt_data import build_datasets
     from megatron_dualpipe.mcore.forward_backward import get_forward_backward_func
@@ -442,6 +439,7 @@ def worker(args) -> int:
     from megatron_dualpipe.mcore.model import broadcast_mirrors, build_two_direction_model
     from megatron_dualpipe.apps.report import print_comparison, write_measured_timeline
     from megatron_dualpipe.proof.names import load_stage_from_full
+    from megatron_dualpipe.proof.tiny_gpt import seed_all
 
     args.nproc = world
     last = rank == world - 1
@@ -457,8 +455,7 @@ def worker(args) -> int:
                                         os.path.join(args.cache_dir or default_cache_dir(), "gpt_dataset_indices"))
     ps.initialize_model_parallel(pipeline_model_parallel_size=world)
     build_bd_groups()
-    torch.manual_seed(args.seed)
-    model_parallel_cuda_manual_seed(args.seed)
+    seed_all(args.seed)
     device = "CPU/gloo" if cpu else "GPU/NCCL"
     log(f"megatron-dualpipe main job: {args.schedule} vs megatron-core 1F1B, pp={world}, {args.num_layers} layers, "
         f"hidden {args.hidden_size}, vocabulary {data.vocab_size}, {args.microbatches} micro-batches x "
