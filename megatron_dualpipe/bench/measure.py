@@ -75,29 +75,32 @@ class TimedP2P:
         return timed
 
 
+def half_round_trip_s(me: int, peer: int, buf: torch.Tensor, rounds: int, device, warmup: int = 2) -> float:
+    """Half the median round trip of ``buf`` between ``me`` and ``peer`` (the lower rank sends first),
+    in seconds; the median, because a loaded machine makes some round trips much longer."""
+    trips = []
+    for k in range(rounds + warmup):
+        synchronize(device)
+        t0 = time.perf_counter()
+        if me < peer:
+            dist.send(buf, peer)
+            dist.recv(buf, peer)
+        else:
+            dist.recv(buf, peer)
+            dist.send(buf, peer)
+        synchronize(device)
+        if k >= warmup:  # the first trips set up the connection
+            trips.append(time.perf_counter() - t0)
+    return statistics.median(trips) / 2
+
+
 def p2p_latency_ms(rank: int, device, shape, rounds: int = 200) -> Optional[float]:
-    """Half the median round-trip time of one tensor between ranks 0 and 1 (None on a single
-    rank). The median, because a loaded machine makes some round trips much longer."""
+    """Half the median round-trip time of one tensor between ranks 0 and 1 (None on a single rank)."""
     if dist.get_world_size() < 2:
         return None
-    buf = torch.zeros(shape, device=device)
     out = None
     if rank in (0, 1):
-        peer = 1 - rank
-        trips = []
-        for k in range(rounds + 10):
-            synchronize(device)
-            t0 = time.perf_counter()
-            if rank == 0:
-                dist.isend(buf, peer).wait()
-                dist.irecv(buf, peer).wait()
-            else:
-                dist.irecv(buf, peer).wait()
-                dist.isend(buf, peer).wait()
-            synchronize(device)
-            if k >= 10:
-                trips.append(time.perf_counter() - t0)
-        out = statistics.median(trips) / 2 * 1e3
+        out = half_round_trip_s(rank, 1 - rank, torch.zeros(shape, device=device), rounds, device, warmup=10) * 1e3
     dist.barrier()
     return out
 

@@ -8,14 +8,13 @@ import importlib.metadata
 import platform
 import shutil
 import socket
-import statistics
 import subprocess
-import time
 from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 
+from ..bench.measure import half_round_trip_s
 from .result import FAIL, PASS, StageResult
 
 NAME = "environment"
@@ -60,29 +59,6 @@ def _links() -> Optional[str]:
         return None
 
 
-def _sync(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _ping_pong(me: int, peer: int, buf: torch.Tensor, rounds: int, device) -> float:
-    """Median one-way time (s) of ``buf`` between ``me`` and ``peer`` (``me`` < ``peer`` starts)."""
-    trips = []
-    for k in range(rounds + 2):
-        _sync(device)
-        t0 = time.perf_counter()
-        if me < peer:
-            dist.send(buf, peer)
-            dist.recv(buf, peer)
-        else:
-            dist.recv(buf, peer)
-            dist.send(buf, peer)
-        _sync(device)
-        if k >= 2:  # the first trips set up the connection
-            trips.append(time.perf_counter() - t0)
-    return statistics.median(trips) / 2
-
-
 def pipeline_pairs(pp_ranks: List[int]) -> List[tuple]:
     """(kind, a, b) global ranks: pipeline neighbours, then bd pairs (each once)."""
     pp = len(pp_ranks)
@@ -105,8 +81,8 @@ def run(ctx) -> dict:
     for kind, a, b in pipeline_pairs(first_pipeline[0]):
         if ctx.rank in (a, b):
             peer = b if ctx.rank == a else a
-            lat = _ping_pong(ctx.rank, peer, small, rounds, ctx.device)
-            t = _ping_pong(ctx.rank, peer, big, max(3, rounds // 10), ctx.device)
+            lat = half_round_trip_s(ctx.rank, peer, small, rounds, ctx.device)
+            t = half_round_trip_s(ctx.rank, peer, big, max(3, rounds // 10), ctx.device)
             if ctx.rank == a:
                 measured.append({"kind": kind, "ranks": (a, b), "latency_us": lat * 1e6,
                                  "bandwidth_gbs": big.numel() * 4 / t / 1e9})
