@@ -230,7 +230,7 @@ def comm(args, s: Setup):
         placement = Placement(m.pp, s.dp, m.tp, args.gpus_per_node, args.placement == "paired")
     except ValueError as e:
         raise CliError(f"--placement {args.placement}: {e}") from None
-    from ..costs.comm_cost import DP_FIRST, SHARED_SHARD
+    from ..schedule.copy_sum import DP_FIRST, SHARED_SHARD
 
     mode = SHARED_SHARD if m.shared_shard else DP_FIRST if m.dp_first else args.bd_reduction
     return CommModel(placement, network, per_rank * 4, message, m.distributed_optimizer, m.overlap_grad_reduce,

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import math
 
+from ..schedule.copy_sum import WAYS, CopySum
 from .args import CliError
 
 
@@ -32,7 +33,7 @@ def add_comm_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--inter-latency", type=float, default=0.02, metavar="MS", help="default 0.02")
     g.add_argument("--distributed-optimizer", action="store_true",
                    help="the data-parallel reduction is a reduce-scatter (Megatron's distributed optimizer)")
-    g.add_argument("--bd-reduction", choices=("bd-first", "dp-first", "shared-shard"), default="bd-first",
+    g.add_argument("--bd-reduction", choices=[w.value for w in WAYS], default=WAYS[0].value,
                    help="how DualPipe's two copies of a stage meet data parallel: bd-first (what the executor does), "
                         "dp-first (training's --dualpipe-dp-first: reduce-scatter over dp, then the pair sums the 1/dp shards after the "
                         "schedule; needs --distributed-optimizer to carry less), or shared-shard (one reduce-scatter over 2 x dp; needs "
@@ -59,7 +60,7 @@ def comm_from_args(args, pp: int):
         network = Network(Link(args.intra_bw, args.intra_latency), Link(args.inter_bw, args.inter_latency))
     except ValueError as e:
         raise CliError(f"--intra-bw/--inter-bw/--intra-latency/--inter-latency: {e}") from None
-    if args.bd_reduction == "shared-shard" and not args.distributed_optimizer:
+    if CopySum(args.bd_reduction).needs_distributed_optimizer() and not args.distributed_optimizer:
         raise CliError("--bd-reduction shared-shard shards the distributed optimizer's state over both copies: add "
                        "--distributed-optimizer")
     try:

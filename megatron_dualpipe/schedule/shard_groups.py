@@ -94,12 +94,5 @@ def shard_collectives(ranks: RankOrder, issues: Mapping[int, Sequence[Tuple[int,
                 for c, b in cs] for r, cs in issues.items()}
 
 
-def chunks_by_stage(pp: int, pp_rank: int) -> List[int]:
-    """The chunks of ``pp_rank`` in ascending stage order: an issue order both partners share
-    (rank i and pp-1-i both start with stage min(i, pp-1-i)), for the collectives issued outside the
-    schedule (the parameter all-gathers after the step, the checkpoint gathers)."""
-    return sorted((0, 1), key=lambda c: stage_of(pp, pp_rank, c))
-
-
 __all__ = ["ShardGroupError", "stage_of", "shared_shard_group", "all_shared_shard_groups", "expert_order",
-           "shard_collectives", "chunks_by_stage"]
+           "shard_collectives"]
