@@ -163,14 +163,13 @@ class ReductionEffect:
     fits: bool = True
 
     def to_json(self) -> dict:
-        return {"schedule": self.schedule, "bd_reduction": self.mode, "flag": CopySum(self.mode).flag,
+        return {"schedule": self.schedule, "bd_reduction": self.mode, "flag": CopySum(self.mode).flag or "no flag",
                 "iteration": self.iteration, "bd_reduction_now": self.now_mode, "iteration_now": self.now,
                 "fastest": self.fastest}
 
     def text(self) -> str:
         way = CopySum(self.mode)
-        memory = ", optimizer state as 1F1B's" if way.shards_over_both_copies else ""
-        return (f"{self.schedule} with {way.flag} ({way.words}{memory}): iteration "
+        return (f"{self.schedule} with {way.flag or 'no flag'} ({way.words}{way.memory_words}): iteration "
                 f"{fmt(self.iteration)} instead of {fmt(self.now)} ({CopySum(self.now_mode).words}): "
                 f"{_change(self.iteration, self.now)}, {_standing(self.fastest, self.fits)}")
 

@@ -23,8 +23,7 @@ import torch.distributed as dist
 from ..executor import pair_sums
 from . import bd_pairs
 from .model import BIDIRECTIONAL, V_SHAPE, chunk_info, embedding_copy, unwrap_chunk
-from . import copy_sum, copy_sums
-from .shard_groups import stage_order
+from . import copies
 
 __all__ = ["allreduce_bd_grads", "allreduce_bd_router_statistics", "fold_tied_embedding_grads",
            "finalize_dualpipe_grads", "sum_tensors", "check_buffer_layouts", "NO_EMBEDDING_GROUP"]
@@ -239,7 +238,7 @@ def finalize_dualpipe_grads(
     ``--dualpipe-shared-shard-group`` (chunks wrapped over their shard groups): no step 1 (the
     reduce-scatter over both copies' ranks sums them; the fold adds this rank's unsummed copies)
     and ``finalize_func`` gets the chunks in ascending stage order, the order both partners issue
-    those reduce-scatters in. ``--dualpipe-dp-first`` (``mcore.dp_first``): no step 1 either (the
+    those reduce-scatters in. ``--dualpipe-dp-first`` (``mcore.copies.dp_first``): no step 1 either (the
     chunks' ``finish_grad_sync`` sums the pair's shards after the reduce-scatter), chunks in stage
     order, the order both partners issue those sums in.
 
@@ -260,11 +259,8 @@ def finalize_dualpipe_grads(
     (else ValueError), and gradients are then *not* divided by ``num_tokens``. Returns the
     summed ``num_tokens`` (or None).
     """
-    way = copy_sums.of(model)  # how the copies are summed (mcore.copy_sum)
     if not copies_summed:
-        if way.sums_in_finalize == copy_sum.ALWAYS or (
-                way.sums_in_finalize == copy_sum.MIDDLE_RANK and bd_pairs.position().is_middle):
-            allreduce_bd_grads(model)
+        copies.of(model).sum_in_finalize(model, allreduce_bd_grads)  # as the way the copies are summed asks
         fold_tied_embedding_grads(model)
 
     all_reduce_token_count(num_tokens, pg_collection)
@@ -298,8 +294,7 @@ def finalize_after_token_count(model: Sequence[torch.nn.Module], num_tokens: Opt
     pgc = copy.copy(pg_collection) if pg_collection is not None else ProcessGroupCollection.use_mpu_process_groups()
     pgc.embd = NO_EMBEDDING_GROUP
     pgc.pos_embd = None
-    if copy_sums.of(model).stage_ordered_finalize:  # Megatron's per-chunk loop issues the collectives
-        model = [model[c] for c in stage_order(model)]  # that sum the copies: in stage order on both partners
+    model = copies.of(model).finalize_order(model)
     finalize_func(model, num_tokens, pg_collection=pgc, force_all_reduce=force_all_reduce)
     return num_tokens
 

@@ -15,8 +15,8 @@ pieces:
    DualPipeV the builder's ``TransformerConfig`` is the ``dualpipev_config`` copy meanwhile);
 2. DualPipe: ``_ddp_wrap`` buckets no chunk (as ``_unbucketed_ddp`` does at 0.16.1: the two
    copies of a stage are summed buffer by buffer and need one layout); with
-   ``--dualpipe-shared-shard-group`` its ``DistributedDataParallel`` is the subclass that builds
-   each chunk over its shard group (``mcore.shared_shard_wrap``);
+   its ``DistributedDataParallel`` is the class the way the copies are summed makes (``mcore.copies``:
+   with ``--dualpipe-shared-shard-group`` the subclass that builds each chunk over its shard group);
 3. the parameter-count line says the logical and physical counts;
 4. after the build: the mirror is marked for torch_dist, and each rank says what it holds.
 
@@ -63,11 +63,9 @@ def wrap_unimodal_build_distributed_models(orig):
                  _SCOPED["print"].to(_count_printer(built), on=dist_utils)]
         if spec.layout_kind == V_SHAPE:
             swaps.append(_SCOPED["_wrap_with_mp_wrapper"].made_by(_wrapped_with_chunk_config, on=dist_utils))
-        if schedule == registry.DUALPIPE:
-            swaps.append(_SCOPED["_ddp_wrap"].made_by(_unbucketed, on=dist_utils))
-            wrap = ddp_for_dualpipe(args_)
-            if wrap is not None:
-                swaps.append(_SCOPED["DistributedDataParallel"].made_by(wrap, on=dist_utils))
+        if spec.mirrored:
+            swaps += [_SCOPED["_ddp_wrap"].made_by(_unbucketed, on=dist_utils),
+                      _SCOPED["DistributedDataParallel"].made_by(ddp_for_dualpipe(args_), on=dist_utils)]
         with hooks.scoped(*swaps):
             model = orig(build_model_func, transformer_config, pg_collection, *args, **kwargs)
         return _after_build(list(model), schedule)

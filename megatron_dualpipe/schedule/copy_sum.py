@@ -16,7 +16,7 @@ Standard library only.
 from __future__ import annotations
 
 from enum import Enum
-from typing import List, Tuple
+from typing import Callable, List, Optional, Tuple
 
 from .layout import Layout
 from .lowered import COLL, Op
@@ -64,6 +64,11 @@ class CopySum(str, Enum):
         except ValueError:
             raise ValueError(f"bd_mode must be one of {', '.join(w.value for w in cls)}, got {text!r}") from None
 
+    @classmethod
+    def chosen_by(cls, flag_set: Callable[[str], bool], default: str) -> "CopySum":
+        """The way whose training flag ``flag_set`` says is on, else ``default``."""
+        return next((way for way in cls if way.flag is not None and flag_set(way.flag)), cls(default))
+
     def on(self, layout: Layout) -> "CopySum":
         """The way that runs on ``layout``: a layout without copies sums nothing (``bd-first``)."""
         return self if layout.mirrored else CopySum.BD_FIRST
@@ -94,13 +99,18 @@ class CopySum(str, Enum):
         return self is not CopySum.SHARED_SHARD
 
     @property
-    def flag(self) -> str:
-        """Training's flag that chooses it (the default's: none)."""
+    def flag(self) -> Optional[str]:
+        """Training's flag that chooses it (None: the default)."""
         return _FLAGS[self]
 
     @property
     def words(self) -> str:
         return _WORDS[self]
+
+    @property
+    def memory_words(self) -> str:
+        """What it changes in the optimizer state's memory, as a suffix to :attr:`words`."""
+        return ", optimizer state as 1F1B's" if self.shards_over_both_copies else ""
 
     def pair_sum_bytes(self, chunk_bytes: float, dp: int, distributed_optimizer: bool) -> float:
         """What one bd pair's sum of a chunk moves: whole buffers, or (dp-first with the distributed
@@ -151,7 +161,7 @@ def _over_shard_groups(kind: str, stage: int, moe: bool) -> List[Op]:
         [_coll(f"expert-{kind}:{stage}", f"expt-shard:{stage}")] if moe else [])
 
 
-_FLAGS = {CopySum.BD_FIRST: "no flag", CopySum.DP_FIRST: "--dualpipe-dp-first",
+_FLAGS = {CopySum.BD_FIRST: None, CopySum.DP_FIRST: "--dualpipe-dp-first",
           CopySum.SHARED_SHARD: "--dualpipe-shared-shard-group"}
 _WORDS = {CopySum.BD_FIRST: "the default: the pair of ranks sums each stage's two copies, then data parallel",
           CopySum.DP_FIRST: "data-parallel reduce-scatter first, then the pair sums the shards",

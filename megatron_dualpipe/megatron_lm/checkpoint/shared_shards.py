@@ -4,7 +4,7 @@ optimizer of ``model[0]`` (``--ckpt-format torch``, and ``torch_dist`` with
 
 Under the shared shard group every chunk has its own distributed optimizers (dense, and expert
 where the stage has experts) over the ``2 x dp`` ranks that hold either copy of its stage, chained
-in ascending stage order (``mcore.shared_shard_wrap``). Their state in 1F1B's files:
+in ascending stage order (``mcore.copies.shared_shard``). Their state in 1F1B's files:
 
 * ``state_dict()`` (the step, the param groups' hyper-parameters): the home copy's sub-optimizers
   (``model[0]``'s), whose param groups are those of 1F1B's optimizer of the same stage. At load the
@@ -27,9 +27,11 @@ in ascending stage order (``mcore.shared_shard_wrap``). Their state in 1F1B's fi
 After a load the mirrors get the home copies' parameters (``mirrors.sync_mirrors`` without the
 optimizer state, which each sub-optimizer loaded itself).
 """
+import contextlib
 from typing import Dict, List
 
 from ..refusal import Refusal
+from .mirrors import sync_mirrors
 from .optimizers import inner_optimizers, model0_ids
 
 
@@ -159,3 +161,30 @@ def _for_mirror(opt, sd):
     out = dict(sd)
     out["optimizer"] = dict(sd["optimizer"], param_groups=groups)
     return out
+
+
+class PerStageState:
+    """The shared shard group's optimizers, one per stage (``strategies``' view of them): 1F1B's
+    state is the home copy's sub-optimizers'; after a load the mirrors get only the parameters."""
+
+    def __init__(self, model, optimizer):
+        self.model, self.optimizer = model, optimizer
+
+    def torch_view(self, saving: bool):
+        return SharedShardOptimizerView(self.optimizer, self.model)
+
+    @contextlib.contextmanager
+    def torch_dist_view(self):
+        yield SharedShardOptimizerView(self.optimizer, self.model)
+
+    def sync_mirrors(self) -> None:
+        sync_mirrors(self.model, None)
+
+    @staticmethod
+    def refuse_format(fmt: str) -> None:
+        """Written and read in --ckpt-format torch and torch_dist (the argument check refuses saving in
+        another; this catches a --load that finds one)."""
+        if fmt not in ("torch", "torch_dist"):
+            raise Refusal(
+                f"--dualpipe-shared-shard-group loads --ckpt-format torch and torch_dist checkpoints, this one is "
+                f"{fmt}: convert it under --pipeline-schedule 1f1b, or remove --dualpipe-shared-shard-group")

@@ -1,8 +1,8 @@
 """DualPipe's chunks wrapped over their shared shard groups: DDP per chunk, one optimizer.
 
 ``--dualpipe-shared-shard-group`` (docs/design-shared-shard-group.md; the groups:
-:mod:`.shard_groups`). Two megatron-core constructors are called per chunk inside
-:func:`.shard_groups.partial_groups_of`, so that everything they derive from the group (bucket
+:mod:`..shard_groups`). Two megatron-core constructors are called per chunk inside
+:func:`..shard_groups.partial_groups_of`, so that everything they derive from the group (bucket
 padding, shard ranges, the optimizer's checkpoint groups) is the shard group's:
 
 * :func:`over_shared_shard_groups` subclasses megatron-core's ``DistributedDataParallel``:
@@ -24,15 +24,20 @@ marks while the mirror's optimizer copies them onto its shards.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import List
 
 import torch
 
-from ..costs.comm_cost import SHARED_SHARD
-from .copy_sum import NEVER, CopySum
-from .shard_groups import SHARED_ATTR, chunk_of, is_shared_layout, partial_groups_of, stage_order
+from ... import hooks
+from ...schedule.copy_sum import SHARED_SHARD
+from ..shard_groups import build_shard_groups, chunk_of, partial_groups_of, shard_groups_initialized
+from .way import CopySumWay, chunks_in_stage_order
 
-__all__ = ["WAY", "over_shared_shard_groups", "per_stage_optimizer", "megatron_marks", "params_norm_chunks"]
+__all__ = ["WAY", "SHARED_ATTR", "over_shared_shard_groups", "per_stage_optimizer", "megatron_marks"]
+
+#: Set on a DDP chunk built over its shared shard group: the gradient path reads it (no bd sum).
+SHARED_ATTR = "dualpipe_shared_shards"
 
 
 def over_shared_shard_groups(ddp_class):
@@ -53,7 +58,7 @@ def over_shared_shard_groups(ddp_class):
 @contextlib.contextmanager
 def megatron_marks(chunk: torch.nn.Module):
     """Within the block the mirror's parameters carry only Megatron's own ``shared`` marks."""
-    from .model import MEGATRON_SHARED_ATTR, unwrap_chunk
+    from ..model import MEGATRON_SHARED_ATTR, unwrap_chunk
 
     inner = unwrap_chunk(chunk)
     own = getattr(inner, MEGATRON_SHARED_ATTR, None)  # set on the mirror only
@@ -81,25 +86,6 @@ class _MainParamShards:
         return (p for p in self.chunk.parameters() if getattr(p, "main_param_sharded", False))
 
 
-@contextlib.contextmanager
-def params_norm_chunks(model, reads_main_params: bool):
-    """What Megatron-LM's ``calc_params_l2_norm`` is given for DualPipe's two chunks, so that its
-    sum is 1F1B's: every parameter of every stage once.
-
-    It reads each parameter whole (``param.data``: fp32, fp16, ``force_create_fp32_copy``), or,
-    with ``--bf16`` (``reads_main_params``), the fp32 main copy, which the distributed optimizer
-    shards; the shards' squares are summed over the ordinary data-parallel group. A whole
-    parameter is counted at home (``model[0]``; the mirror's copy is the same tensor). Under the
-    shared shard group a stage's main copy is sharded over both copies' ranks, and the home
-    ranks hold only half of it: the mirror's shards count as well, with Megatron's own ``shared``
-    marks (the tied output weight stays out, as in 1F1B)."""
-    if not (reads_main_params and len(model) == 2 and is_shared_layout(model)):
-        yield list(model[:1])
-        return
-    with megatron_marks(model[1]):
-        yield [model[0], _MainParamShards(model[1])]
-
-
 def per_stage_optimizer(get_megatron_optimizer):
     """``get_megatron_optimizer`` for chunks wrapped by :func:`over_shared_shard_groups` (others
     go to Megatron's function unchanged)."""
@@ -107,13 +93,13 @@ def per_stage_optimizer(get_megatron_optimizer):
     def build(config, model_chunks, *args, **kwargs):
         from megatron.core.optimizer import ChainedOptimizer
 
-        if not is_shared_layout(model_chunks):
+        if not WAY.marks(model_chunks):
             return get_megatron_optimizer(config, model_chunks, *args, **kwargs)
         if kwargs.get("pg_collection") is not None:
             raise NotImplementedError("--dualpipe-shared-shard-group: get_megatron_optimizer(pg_collection=...) "
                                       "would bypass the chunks' shard groups; call it without pg_collection")
         parts: List = []
-        for c in stage_order(model_chunks):
+        for c in chunks_in_stage_order(model_chunks):
             with partial_groups_of(c), megatron_marks(model_chunks[c]):
                 built = get_megatron_optimizer(config, [model_chunks[c]], *args, **kwargs)
             parts += list(built.chained_optimizers) if isinstance(built, ChainedOptimizer) else [built]
@@ -122,8 +108,53 @@ def per_stage_optimizer(get_megatron_optimizer):
     return build
 
 
-#: Summed by the reduce-scatter over both copies' ranks (each chunk's shard group), in Megatron's
-#: finalize, in stage order; one optimizer per stage over its shard group.
-WAY = CopySum(SHARED_SHARD, flag="dualpipe_shared_shard_group", marker=SHARED_ATTR, wrap_ddp=over_shared_shard_groups,
-              sums_in_schedule=False, sums_in_finalize=NEVER, stage_ordered_finalize=True, builds_shard_groups=True,
-              optimizer=per_stage_optimizer, shards_over_both_copies=True)
+class SharedShard(CopySumWay):
+    """Summed by the reduce-scatter over both copies' ranks (each chunk's shard group), in Megatron's
+    finalize, in stage order; one optimizer per stage over its shard group."""
+
+    way, marker = SHARED_SHARD, SHARED_ATTR
+    purpose = "shares the distributed optimizer between DualPipe's two copies of a stage"
+    one_f_one_b_note = ("its optimizer share doubled: 1F1B shards a stage over the data-parallel ranks, the shared "
+                        "shard group over twice as many)")
+
+    def build_groups(self) -> None:
+        if not shard_groups_initialized():
+            build_shard_groups()
+
+    def wrap_ddp(self, ddp_class: type) -> type:
+        return over_shared_shard_groups(ddp_class)
+
+    def building_optimizer(self):
+        import megatron.training.training as mtraining
+
+        return hooks.scoped(hooks.entry("scoped", "get_megatron_optimizer").made_by(per_stage_optimizer, on=mtraining))
+
+    def sum_in_finalize(self, model, bd_sum) -> None:
+        """None: the reduce-scatter over both copies' ranks sums them."""
+
+    def checkpoint_view(self, home_copy_state, per_stage_state):
+        return per_stage_state
+
+    def one_f_one_b_bytes(self, home):
+        """1F1B shards a stage's optimizer over ``dp`` ranks, this way over ``2 dp``: counted twice."""
+        return dataclasses.replace(home, main_params=2 * home.main_params, optimizer_state=2 * home.optimizer_state)
+
+    @contextlib.contextmanager
+    def params_norm_chunks(self, model, reads_main_params: bool):
+        """As the default way's, and with ``--bf16`` the mirror's main-parameter shards too.
+
+        Megatron-LM's ``calc_params_l2_norm`` reads each parameter whole (``param.data``: fp32, fp16, ``force_create_fp32_copy``), or,
+        with ``--bf16`` (``reads_main_params``), the fp32 main copy, which the distributed optimizer
+        shards; the shards' squares are summed over the ordinary data-parallel group. A whole
+        parameter is counted at home (``model[0]``; the mirror's copy is the same tensor). Under the
+        shared shard group a stage's main copy is sharded over both copies' ranks, and the home
+        ranks hold only half of it: the mirror's shards count as well, with Megatron's own ``shared``
+        marks (the tied output weight stays out, as in 1F1B)."""
+        if not (reads_main_params and len(model) == 2):
+            yield list(model[:1])
+            return
+        with megatron_marks(model[1]):
+            yield [model[0], _MainParamShards(model[1])]
+
+
+WAY = SharedShard()
