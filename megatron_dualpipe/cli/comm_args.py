@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import math
 
-from ..schedule.copy_sum import WAYS, CopySum
+from ..schedule.copy_sum import WAYS
 from .args import CliError
 
 
@@ -60,13 +60,13 @@ def comm_from_args(args, pp: int):
         network = Network(Link(args.intra_bw, args.intra_latency), Link(args.inter_bw, args.inter_latency))
     except ValueError as e:
         raise CliError(f"--intra-bw/--inter-bw/--intra-latency/--inter-latency: {e}") from None
-    if CopySum(args.bd_reduction).needs_distributed_optimizer() and not args.distributed_optimizer:
-        raise CliError("--bd-reduction shared-shard shards the distributed optimizer's state over both copies: add "
-                       "--distributed-optimizer")
     try:
         placement = Placement(pp, args.dp, args.tp, args.gpus_per_node, args.placement == "paired")
     except ValueError as e:
         raise CliError(f"--placement {args.placement}: {e}") from None
-    return CommModel(placement, network,
-                     (args.stage_params or 0.0) * DTYPE_BYTES[args.grad_dtype], args.message_bytes or 0.0,
-                     args.distributed_optimizer, args.overlap_grad_reduce, bd_mode=args.bd_reduction)
+    try:
+        return CommModel(placement, network,
+                         (args.stage_params or 0.0) * DTYPE_BYTES[args.grad_dtype], args.message_bytes or 0.0,
+                         args.distributed_optimizer, args.overlap_grad_reduce, bd_mode=args.bd_reduction)
+    except ValueError as e:  # a way that needs the distributed optimizer
+        raise CliError(f"--bd-reduction {args.bd_reduction}: {e}: add --distributed-optimizer") from None

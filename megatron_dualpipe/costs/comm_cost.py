@@ -185,9 +185,8 @@ class CommModel:
     bd_mode: str = BD_FIRST
 
     def __post_init__(self):
-        if CopySum.parse(self.bd_mode).needs_distributed_optimizer() and not self.distributed_optimizer:
-            raise ValueError("the shared shard group (bd_mode shared-shard) shards the distributed optimizer's state: "
-                             "it needs distributed_optimizer=True")
+        if CopySum(self.bd_mode).shards_over_both_copies and not self.distributed_optimizer:
+            raise ValueError(f"{self.bd_mode} shards the distributed optimizer's state over both copies")
 
     def with_inter_bandwidth(self, gbps: float) -> "CommModel":
         """The same job with ``gbps`` between nodes (measured links are taken as the inter-node ones)."""

@@ -220,7 +220,8 @@ def finalize_dualpipe_grads(
     """Finalize gradients of ``[model_dir0, model_dir1]``: the DualPipe replacement of
     ``config.finalize_model_grads_func``. In order:
 
-    1. `allreduce_bd_grads` (bd pairs; skipped for DualPipeV);
+    1. the copy sum finalize runs itself, as the way the copies are summed asks (``mcore.copies``:
+       `allreduce_bd_grads`; none where Megatron's finalize sums them, skipped for DualPipeV);
     2. `fold_tied_embedding_grads` (local);
     3. if ``num_tokens`` is a tensor: all-reduce(SUM) over the pipeline group
        (``pg_collection.pp`` or parallel_state's). Each rank passes the tokens of the
@@ -233,14 +234,7 @@ def finalize_dualpipe_grads(
        size-1 placeholder (`NO_EMBEDDING_GROUP`; ``None`` would make megatron fall back to
        ``parallel_state``'s embedding group) and whose ``pos_embd`` is None, so megatron's word-
        and position-embedding all-reduces are skipped (steps 1-2 did that work; the position
-       embedding lives on stage 0, whose two copies are a bd pair).
-
-    ``--dualpipe-shared-shard-group`` (chunks wrapped over their shard groups): no step 1 (the
-    reduce-scatter over both copies' ranks sums them; the fold adds this rank's unsummed copies)
-    and ``finalize_func`` gets the chunks in ascending stage order, the order both partners issue
-    those reduce-scatters in. ``--dualpipe-dp-first`` (``mcore.copies.dp_first``): no step 1 either (the
-    chunks' ``finish_grad_sync`` sums the pair's shards after the reduce-scatter), chunks in stage
-    order, the order both partners issue those sums in.
+       embedding lives on stage 0, whose two copies are a bd pair); the chunks in the way's order.
 
     ``copies_summed=True`` skips steps 1-2 (``grad_reduction.GradReduction`` did them during the
     schedule).

@@ -3,7 +3,7 @@
 With ``--dualpipe-shared-shard-group`` (docs/design-shared-shard-group.md) chunk ``c`` of a
 DualPipe rank is reduce-scattered, stepped and all-gathered over the ranks that hold either copy
 of its stage: the home copy's data x context-parallel ranks, then the mirror's
-(``schedule.shard_groups.shared_shard_group``). Megatron's distributed optimizer then keeps
+(``tests/harness/shard_group_ranks.py`` holds the rank formula). Megatron's distributed optimizer then keeps
 ``1/(2 dp)`` of each of a rank's two stages, 1F1B's ``1/dp`` in all, and the reduce-scatter sums
 the two copies on the way (no separate bd sum).
 
@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from .. import hooks
 
-__all__ = ["build_shard_groups", "shard_groups_initialized", "destroy_shard_groups", "shard_group_ranks",
+__all__ = ["build_shard_groups", "shard_groups_initialized", "destroy_shard_groups",
            "partial_groups_of", "chunk_of"]
 
 
@@ -147,11 +147,6 @@ def _require() -> _Groups:
         raise RuntimeError("the shared shard groups are not built: call mcore.shard_groups.build_shard_groups() "
                            "after build_bd_groups()")
     return _REGISTRY
-
-
-def shard_group_ranks(chunk: int, kind: str = DENSE) -> Tuple[int, ...]:
-    """Global ranks of ``chunk``'s shard group on this rank (home copy's part first)."""
-    return _require().ranks[(kind, chunk)]
 
 
 def chunk_of(module: torch.nn.Module) -> int:

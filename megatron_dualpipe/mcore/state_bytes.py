@@ -186,13 +186,10 @@ class TableRow:
     one_f_one_b: ChunkBytes
 
 
-def one_f_one_b_bytes(rb: RankBytes, way: CopySumWay = copies.WAYS[0]) -> ChunkBytes:
-    """What 1F1B holds on this rank: ``model[0]``'s share, as the way the copies are summed shards it."""
-    return way.one_f_one_b_bytes(rb.chunks[0] if rb.chunks else ChunkBytes())
-
-
 def _pack(pp_rank: int, rb: RankBytes, way: CopySumWay) -> List[int]:
-    return [pp_rank, int(rb.state_allocated)] + rb.all.values() + one_f_one_b_bytes(rb, way).values()
+    """This rank's figures, and 1F1B's: ``model[0]``'s share, as the way the copies are summed shards it."""
+    home = way.one_f_one_b_bytes(rb.chunks[0] if rb.chunks else ChunkBytes())
+    return [pp_rank, int(rb.state_allocated)] + rb.all.values() + home.values()
 
 
 def rows_from(packed: Iterable[Sequence[int]]) -> Tuple[List[TableRow], bool]:

@@ -53,7 +53,7 @@ def wrap_unimodal_build_distributed_models(orig):
         import importlib
 
         from ..mcore.model import V_SHAPE
-        from .training_hooks import build_pair_groups, ddp_for_dualpipe
+        from .training_hooks import build_pair_groups, copy_sum
 
         build_pair_groups(args_)
         dist_utils = importlib.import_module(_DIST_UTILS)
@@ -65,7 +65,7 @@ def wrap_unimodal_build_distributed_models(orig):
             swaps.append(_SCOPED["_wrap_with_mp_wrapper"].made_by(_wrapped_with_chunk_config, on=dist_utils))
         if spec.mirrored:
             swaps += [_SCOPED["_ddp_wrap"].made_by(_unbucketed, on=dist_utils),
-                      _SCOPED["DistributedDataParallel"].made_by(ddp_for_dualpipe(args_), on=dist_utils)]
+                      _SCOPED["DistributedDataParallel"].made_by(copy_sum(args_).wrap_ddp, on=dist_utils)]
         with hooks.scoped(*swaps):
             model = orig(build_model_func, transformer_config, pg_collection, *args, **kwargs)
         return _after_build(list(model), schedule)

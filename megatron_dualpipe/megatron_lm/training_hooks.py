@@ -168,11 +168,6 @@ def copy_sum(args):
     return chosen(args)
 
 
-def ddp_for_dualpipe(args):
-    """How DualPipe's chunks wrap megatron-core's DDP class, as the chosen way of summing the copies says."""
-    return copy_sum(args).wrap_ddp
-
-
 def build_pair_groups(args) -> None:
     """The bd groups, and the shard groups if the way the copies are summed needs them (collective;
     once, before the chunks are built)."""
@@ -252,7 +247,7 @@ def wrap_get_model(orig):
         provider = _two_chunk_provider(model_provider_func, schedule, model_type, config, built)
         swaps = [_parameter_count_rewritten(mtraining, built)]
         if registry.get(schedule).mirrored:
-            swaps.append(_unbucketed_ddp(mtraining, ddp_for_dualpipe(args)))
+            swaps.append(_unbucketed_ddp(mtraining, copy_sum(args).wrap_ddp))
         with hooks.scoped(*swaps):
             model = orig(provider, model_type, wrap_with_ddp, config=config, pg_collection=pg_collection)
         return two_chunk_model_built(list(model), schedule)

@@ -22,8 +22,8 @@ MARK_READERS = re.compile(r"\b(SHARED_ATTR|DP_FIRST_ATTR)\b")
 #: A line that asks which way it holds (a branch on the way's name or its facts).
 WAY_BRANCH = re.compile(r"(^\s*(el)?if\b|\bif\b.*\belse\b).*(\b(BD_FIRST|DP_FIRST|SHARED_SHARD)\b|"
                         r"shards_over_both_copies|sums_in_schedule|stage_ordered\b)")
-#: Where the ways differ and the branch is the point: the enum's facts and one way's own module.
-BRANCHING = {"schedule/copy_sum.py", "mcore/copies/dp_first.py", "costs/comm_cost.py"}
+#: Where the ways differ and the branch is the point: the enum's facts and the cost model's timing per way.
+BRANCHING = {"schedule/copy_sum.py", "costs/comm_cost.py"}
 
 
 def test_every_way_is_chosen_by_its_flag_and_named_by_its_mark():

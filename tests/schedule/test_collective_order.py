@@ -1,7 +1,7 @@
 """``schedule/collective_order.py``: whether the ranks issue their collectives in an order NCCL can
 complete (per communicator: the same sequence on every member; per rank: one stream).
 
-The case it exists for is DualPipe's shared shard group (``schedule/shard_groups.py``): chunk c of
+The case it exists for is DualPipe's shared shard group (``tests/harness/shard_group_ranks.py``): chunk c of
 rank r and chunk 1-c of rank pp-1-r are one group, so every rank's two chunks reduce-scatter over
 two groups spanning the same ranks. Megatron's own loop (``for chunk in model:
 chunk.finish_grad_sync()``; the optimizer's ``start_param_sync`` per chunk) issues chunk 0 first on
@@ -19,7 +19,7 @@ from megatron_dualpipe.schedule.collective_order import Collective, order_proble
 from megatron_dualpipe.schedule.placement import RankOrder
 from megatron_dualpipe.schedule.copy_sum import stage_order
 from megatron_dualpipe.schedule.layout import BIDIRECTIONAL, Layout
-from megatron_dualpipe.schedule.shard_groups import shard_collectives
+from harness.shard_group_ranks import shard_collectives
 
 #: (tp, dp, pp, micro-batches, zero bubble, buckets per chunk)
 CASES = [(1, 1, 2, 4, False, 1), (1, 2, 4, 8, False, 2), (2, 2, 4, 10, True, 2), (1, 2, 8, 16, True, 3),
@@ -98,7 +98,7 @@ def dp_first(ranks: RankOrder, chunk_order, buckets):
     """dp-first (Megatron's partial distributed optimizer with the bd pair as the inter group): per
     chunk and bucket a reduce-scatter over the copy's own data-parallel replicas, then the pair's
     all-reduce of the shard (partners with the same data/tensor coordinates)."""
-    from megatron_dualpipe.schedule.shard_groups import stage_of
+    from harness.shard_group_ranks import stage_of
 
     out = {}
     for g in range(ranks.world):

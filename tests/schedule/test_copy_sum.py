@@ -8,9 +8,9 @@ import re
 import pytest
 
 from megatron_dualpipe.schedule import registry
-from megatron_dualpipe.schedule.copy_sum import BD_FIRST, DP_FIRST, SHARED_SHARD, WAYS, CopySum, stage_order
+from megatron_dualpipe.schedule.copy_sum import BD_FIRST, DP_FIRST, WAYS, CopySum, stage_order
 from megatron_dualpipe.schedule.layout import BIDIRECTIONAL, Layout
-from megatron_dualpipe.schedule.shard_groups import stage_of
+from harness.shard_group_ranks import stage_of
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "megatron_dualpipe"
 
@@ -28,8 +28,8 @@ def test_stage_order_is_one_order_for_both_partners():
 def test_the_way_names_parse_and_print_as_text():
     assert [str(w) for w in WAYS] == ["bd-first", "dp-first", "shared-shard"] and WAYS[0] is BD_FIRST
     assert all(CopySum(f"{w}") is w for w in WAYS)
-    with pytest.raises(ValueError, match="bd_mode must be one of bd-first, dp-first, shared-shard"):
-        CopySum.parse("pair-first")
+    with pytest.raises(ValueError, match="pair-first"):
+        CopySum("pair-first")
 
 
 def test_a_layout_without_copies_sums_nothing():
@@ -38,7 +38,8 @@ def test_a_layout_without_copies_sums_nothing():
     mirrored = registry.get(registry.DUALPIPE).layout(4)
     assert [w.on(mirrored) for w in WAYS] == list(WAYS)
     assert [w.sums_in_schedule for w in WAYS] == [True, False, False]
-    assert SHARED_SHARD.pair_sum_bytes(8.0, 2, True) == 0 and DP_FIRST.pair_sum_bytes(8.0, 2, True) == 4.0
+    assert DP_FIRST.pair_sum_bytes(8.0, 2, True) == 4.0 and DP_FIRST.pair_sum_bytes(8.0, 2, False) == 8.0
+    assert [w.flag for w in WAYS] == [None, "--dualpipe-dp-first", "--dualpipe-shared-shard-group"]
 
 
 def test_the_mode_strings_are_declared_once():

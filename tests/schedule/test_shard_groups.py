@@ -1,4 +1,4 @@
-"""The shared shard group (``schedule/shard_groups.py``): for each (global rank, chunk) of DualPipe,
+"""The shared shard group (``tests/harness/shard_group_ranks.py``): for each (global rank, chunk) of DualPipe,
 the ranks that hold either copy of the chunk's stage with the same tensor (and expert) coordinates,
 home copy first. Checked against a brute-force search over the world in Megatron's rank order
 (a nested loop, tp fastest, independent of ``RankOrder``); ``tests/mcore/test_shard_groups_megatron.py``
@@ -9,7 +9,7 @@ import itertools
 import pytest
 
 from megatron_dualpipe.schedule.placement import DEFAULT_ORDER, TP_PP_DP_ORDER, RankOrder
-from megatron_dualpipe.schedule.shard_groups import (ShardGroupError, all_shared_shard_groups,
+from harness.shard_group_ranks import (ShardGroupError, all_shared_shard_groups,
                                                      expert_order, shared_shard_group, stage_of)
 
 #: (tp, cp, ep, dp, pp, order); ep > 1 only as the expert generator (tp = etp, cp = 1).

@@ -1,10 +1,6 @@
 """The ways of summing a DualPipe stage's two copies (:class:`.way.CopySumWay`, one module each),
-and the one chosen.
-
-The choice is made once: from Megatron-LM's arguments when the chunks are built (:func:`chosen`),
-from the mark the way's DDP wrapper left on the chunks everywhere after (:func:`of`). A fourth way
-is a module with its ``WAY``, a member of ``schedule.copy_sum.CopySum`` and a line in :data:`WAYS`.
-"""
+chosen once: from Megatron-LM's arguments when the chunks are built (:func:`chosen`), from the mark
+the way's DDP wrapper left on the chunks after (:func:`of`)."""
 from __future__ import annotations
 
 from typing import List, Sequence

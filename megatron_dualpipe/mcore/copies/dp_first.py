@@ -1,24 +1,12 @@
 """dp-first: DualPipe's two copies of a stage summed on the distributed optimizer's shards.
 
-``--dualpipe-dp-first`` (dualpipe, ``--use-distributed-optimizer``; docs/design-shared-shard-group.md,
-section 7). Without it each copy's full gradient buffers are summed over the bd pair (bytes ``G``
-per stage) and then reduce-scattered over the copy's ``dp`` replicas. With it the reduce-scatter
-comes first and the pair sums only the rank's ``1/dp`` shard of every bucket (bytes ``G/dp``): the
-sum is the same (both are sums over disjoint rank sets), the shard each copy's optimizer steps is
-the same on both copies (the partners have the same data-parallel coordinates, so the same shard
-index), and so are the parameters the all-gather returns. Where the pair crosses nodes and the
-replicas do not, this is the cheapest reduction the cost model knows (``costs.comm_cost``,
-``CopySum.DP_FIRST``).
-
-How: :func:`summing_shards_over_pairs` subclasses megatron-core's ``DistributedDataParallel``:
-its ``finish_grad_sync`` (the reduce-scatter, or the wait for it under ``--overlap-grad-reduce``)
-is followed by the all-reduce of every bucket's own shard over the bd pair. Megatron's finalize
-calls it chunk by chunk; the project's finalize hands it the chunks in ascending stage order, the
-order both partners then issue the pair's all-reduces in (``schedule.copy_sum.stage_order``). No bd sum
-runs during the schedule (``grad_reduction``), and the tied-embedding fold adds the rank's two
-unsummed copies before the reduce-scatter (the pair's sum of both folds is the tied gradient, as
-with the shared shard group). The middle rank of an odd pipeline holds both copies and sums them
-before its reduce-scatter, as without the flag.
+``--dualpipe-dp-first`` (docs/design-shared-shard-group.md, section 7): the reduce-scatter comes
+first and the pair sums only the rank's ``1/dp`` shard of every bucket (bytes ``G/dp`` instead of
+``G``): the same sum (over disjoint rank sets), the same shard on both copies (the partners have
+the same data-parallel coordinates). :func:`summing_shards_over_pairs` ends DDP's
+``finish_grad_sync`` with that sum; Megatron's finalize calls it chunk by chunk, in the stage order
+finalize gives (``CopySum.finalize_order``). The middle rank of an odd pipeline holds both copies
+and sums them before its reduce-scatter, in finalize.
 """
 from __future__ import annotations
 

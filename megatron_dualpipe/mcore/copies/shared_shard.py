@@ -1,25 +1,12 @@
-"""DualPipe's chunks wrapped over their shared shard groups: DDP per chunk, one optimizer.
+"""``--dualpipe-shared-shard-group``: each chunk's DDP and optimizer over its shard group.
 
-``--dualpipe-shared-shard-group`` (docs/design-shared-shard-group.md; the groups:
-:mod:`..shard_groups`). Two megatron-core constructors are called per chunk inside
-:func:`..shard_groups.partial_groups_of`, so that everything they derive from the group (bucket
-padding, shard ranges, the optimizer's checkpoint groups) is the shard group's:
-
-* :func:`over_shared_shard_groups` subclasses megatron-core's ``DistributedDataParallel``:
-  the chunk's buffers reduce-scatter and all-gather over its ``2 dp`` ranks. The process
-  groups come from ``parallel_state`` (a ``pg_collection`` from Megatron-LM would bypass the
-  scope, and core_v0.19.0's precomputed ``full_param_layout`` is padded for ``dp`` shards: both
-  are dropped, and DDP computes the layout for its own group);
-* :func:`per_stage_optimizer` wraps ``get_megatron_optimizer``: one call per chunk, in ascending
-  stage order, joined in one ``ChainedOptimizer``. Its sub-optimizers step, and so all-gather,
-  in list order: stage order on both partners (Megatron's ``for chunk in model`` order would
-  issue stage ``i`` first on rank ``i`` and stage ``pp-1-i`` first on its partner, over
-  communicators that span the same ranks: a deadlock on NCCL, ``tests/schedule/test_collective_order.py``).
-
-The mirror's parameters carry ``shared=True`` (DualPipe's mark: its gradients duplicate the
-home's); under the shared group the mirror's optimizer shards are distinct parts of the stage
-and count in the gradient norm and the zero count. :func:`megatron_marks` restores Megatron's own
-marks while the mirror's optimizer copies them onto its shards.
+docs/design-shared-shard-group.md; the groups: :mod:`..shard_groups`. The DDP
+(:func:`over_shared_shard_groups`) and the optimizer (:func:`per_stage_optimizer`, one per stage,
+chained in ascending stage order: Megatron's ``for chunk in model`` order would deadlock the
+partners on NCCL, ``tests/schedule/test_collective_order.py``) are built inside
+:func:`..shard_groups.partial_groups_of`, so that all they derive from the group is the shard
+group's. :func:`megatron_marks`: the mirror's optimizer shards are distinct parts of the stage, and
+carry Megatron's own ``shared`` marks, not DualPipe's.
 """
 from __future__ import annotations
 

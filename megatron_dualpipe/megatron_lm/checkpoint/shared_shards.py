@@ -27,11 +27,9 @@ in ascending stage order (``mcore.copies.shared_shard``). Their state in 1F1B's 
 After a load the mirrors get the home copies' parameters (``mirrors.sync_mirrors`` without the
 optimizer state, which each sub-optimizer loaded itself).
 """
-import contextlib
 from typing import Dict, List
 
 from ..refusal import Refusal
-from .mirrors import sync_mirrors
 from .optimizers import inner_optimizers, model0_ids
 
 
@@ -161,30 +159,3 @@ def _for_mirror(opt, sd):
     out = dict(sd)
     out["optimizer"] = dict(sd["optimizer"], param_groups=groups)
     return out
-
-
-class PerStageState:
-    """The shared shard group's optimizers, one per stage (``strategies``' view of them): 1F1B's
-    state is the home copy's sub-optimizers'; after a load the mirrors get only the parameters."""
-
-    def __init__(self, model, optimizer):
-        self.model, self.optimizer = model, optimizer
-
-    def torch_view(self, saving: bool):
-        return SharedShardOptimizerView(self.optimizer, self.model)
-
-    @contextlib.contextmanager
-    def torch_dist_view(self):
-        yield SharedShardOptimizerView(self.optimizer, self.model)
-
-    def sync_mirrors(self) -> None:
-        sync_mirrors(self.model, None)
-
-    @staticmethod
-    def refuse_format(fmt: str) -> None:
-        """Written and read in --ckpt-format torch and torch_dist (the argument check refuses saving in
-        another; this catches a --load that finds one)."""
-        if fmt not in ("torch", "torch_dist"):
-            raise Refusal(
-                f"--dualpipe-shared-shard-group loads --ckpt-format torch and torch_dist checkpoints, this one is "
-                f"{fmt}: convert it under --pipeline-schedule 1f1b, or remove --dualpipe-shared-shard-group")

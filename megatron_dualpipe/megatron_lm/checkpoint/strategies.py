@@ -30,7 +30,7 @@ from . import dualpipev_layers, torch_dist_mirror
 from .megatron_io import generated_state_dict_edited
 from .mirrors import sync_mirrors
 from .one_chunk_optimizer import OneChunkOptimizerView
-from .shared_shards import PerStageState
+from .shared_shards import SharedShardOptimizerView
 from .optimizers import inner_optimizers, kind, model0_ids
 
 ANY_FORMAT = "*"
@@ -46,6 +46,9 @@ def save_as_is(orig, args, iteration, model, optimizer, *a, **kw):
 class HomeCopyState:
     """One optimizer over both chunks (the bd sum, dp-first): 1F1B's state is its ``model[0]`` part,
     and the mirror's is copied from the home copy after a load."""
+
+    #: The checkpoint formats it is written and read in (None: every one).
+    formats = None
 
     def __init__(self, model, optimizer):
         self.model, self.optimizer = model, optimizer
@@ -65,9 +68,22 @@ class HomeCopyState:
     def sync_mirrors(self) -> None:
         sync_mirrors(self.model, self.optimizer)
 
-    @staticmethod
-    def refuse_format(fmt: str) -> None:
-        """Every format holds it."""
+
+class PerStageState(HomeCopyState):
+    """The shared shard group's optimizers, one per stage: 1F1B's state is the home copy's
+    sub-optimizers' (:mod:`.shared_shards`); after a load the mirrors get only the parameters."""
+
+    formats = ("torch", "torch_dist")  # torch_dist keyed by parameter: the argument check refuses the rest
+
+    def torch_view(self, saving: bool):
+        return SharedShardOptimizerView(self.optimizer, self.model)
+
+    @contextlib.contextmanager
+    def torch_dist_view(self):
+        yield None if self.optimizer is None else SharedShardOptimizerView(self.optimizer, self.model)
+
+    def sync_mirrors(self) -> None:
+        sync_mirrors(self.model, None)
 
 
 def _state(model, optimizer):
@@ -83,20 +99,11 @@ def save_model0_as_one_chunk(orig, args, iteration, model, optimizer, *a, **kw):
     return orig(iteration, list(model)[:1], optimizer, *a, **kw)
 
 
-@contextlib.contextmanager
-def _torch_dist_view(model, optimizer):
-    if optimizer is None:
-        yield None
-        return
-    with _state(model, optimizer).torch_dist_view() as view:
-        yield view
-
-
 def save_without_mirror(orig, args, iteration, model, optimizer, *a, **kw):
     """dualpipe, torch_dist: 1F1B's keys (the mirror's entries and grad buffers are not written;
     with the shared shard group the home copy's sub-optimizers: :mod:`.shared_shards`)."""
     with generated_state_dict_edited(torch_dist_mirror.drop_mirror_entries), \
-            _torch_dist_view(model, None if args.no_save_optim else optimizer) as view:
+            _state(model, None if args.no_save_optim else optimizer).torch_dist_view() as view:
         return orig(iteration, model, optimizer if args.no_save_optim else view, *a, **kw)
 
 
@@ -142,9 +149,10 @@ def load_then_sync_mirrors(orig, args, model, optimizer, file, *a, **kw):
     """dualpipe, torch_dist: every replica reads its stage's shards (the distributed optimizer's
     buffer-keyed state: model[0]'s buffers), then the mirrors are synced from the home copies
     (with the shared shard group each sub-optimizer reads its own shards: parameters only)."""
-    with _torch_dist_view(model, optimizer) as view:
+    state = _state(model, optimizer)
+    with state.torch_dist_view() as view:
         result = orig(model, view, *a, **kw)
-    _state(model, optimizer).sync_mirrors()
+    state.sync_mirrors()
     return result
 
 
@@ -197,7 +205,11 @@ def load_strategy(schedule: str, fmt: str) -> Callable:
 
 def refuse_unreadable_format(model, fmt: str) -> None:
     """A --load whose format the optimizer view of the way the copies are summed cannot read."""
-    copies.of(model).checkpoint_view(HomeCopyState, PerStageState).refuse_format(fmt)
+    way = copies.of(model)
+    formats = way.checkpoint_view(HomeCopyState, PerStageState).formats
+    if formats is not None and fmt not in formats:
+        raise Refusal(f"{way.way.flag} loads --ckpt-format {' and '.join(formats)} checkpoints, this one is {fmt}: "
+                      f"convert it under --pipeline-schedule 1f1b, or remove {way.way.flag}")
 
 
 def one_chunk_file(file) -> bool:

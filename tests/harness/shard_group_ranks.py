@@ -20,14 +20,15 @@ checkpoint or a ``fully_reshardable`` one, and the rank DDP broadcasts the param
 expert rank generator (``tp`` = expert tensor parallel, ``cp`` = 1, ``ep``, ``dp`` = expert data
 parallel): :func:`expert_order`.
 
-Standard library only.
+The rank formula the tests hold ``mcore.shard_groups`` (which builds the groups from megatron-core's
+own) and the collective-order checks against. Standard library only.
 """
 from __future__ import annotations
 
 from typing import Dict, List, Mapping, Sequence, Tuple
 
-from .collective_order import Collective
-from .placement import DEFAULT_ORDER, RankOrder
+from megatron_dualpipe.schedule.collective_order import Collective
+from megatron_dualpipe.schedule.placement import DEFAULT_ORDER, RankOrder
 
 #: The axes a shared shard group spans (Megatron's gradient group is data x context parallel).
 _SPANNED = ("dp", "cp")
