@@ -422,7 +422,8 @@ def _reduction_effects(pp, m, costs, comm: CommModel, options: List[Option], lim
         now = CopySum(comm.bd_mode)
         for mode in (way for way in WAYS if way is not now):
             # training's shared shard group cannot overlap its reduce-scatters yet (refused with it)
-            other = replace(comm, bd_mode=mode, overlap_grad_reduce=comm.overlap_grad_reduce and not mode.shards_over_both_copies)
+            overlap = comm.overlap_grad_reduce and not mode.shards_over_both_copies
+            other = replace(comm, bd_mode=mode, overlap_grad_reduce=overlap)
             t = run(o.row.name, pp, m, costs, comm=other).iteration
             rivals = [x.row.iteration for x in options if not x.row.problem and x.fits and x is not o]
             fits = o.fits

@@ -74,7 +74,8 @@ class CopySum(str, Enum):
     @property
     def flag(self) -> Optional[str]:
         """Training's flag that chooses it (None: the default)."""
-        return {CopySum.DP_FIRST: "--dualpipe-dp-first", CopySum.SHARED_SHARD: "--dualpipe-shared-shard-group"}.get(self)
+        flags = {CopySum.DP_FIRST: "--dualpipe-dp-first", CopySum.SHARED_SHARD: "--dualpipe-shared-shard-group"}
+        return flags.get(self)
 
     @property
     def words(self) -> str:

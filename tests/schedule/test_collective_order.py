@@ -11,6 +11,8 @@ of ranks (a mismatch NCCL would pair silently). The orders the design picks pass
 plan's bd-sum order (``iteration_plan.bd_sum_order``) for the reduce-scatters issued during the
 schedule, ascending stage (``copy_sum.stage_order``) for the all-gathers after the step.
 """
+import functools
+
 import pytest
 
 from megatron_dualpipe.schedule import build_schedule
@@ -65,9 +67,10 @@ def test_the_plans_order_and_stage_order_pass(tp, dp, pp, m, zb, nb):
     ranks = RankOrder(tp, 1, dp, pp)
     order = plan_order(pp, m, zb)
     reduce_scatters = shard_collectives(ranks, issues(ranks, order, nb))
-    all_gathers = shard_collectives(ranks, issues(ranks, lambda r: stage_order(Layout(BIDIRECTIONAL, pp), r), nb), kind="all-gather")
+    by_stage = functools.partial(stage_order, Layout(BIDIRECTIONAL, pp))
+    all_gathers = shard_collectives(ranks, issues(ranks, by_stage, nb), kind="all-gather")
     print(f"\ntp={tp} dp={dp} pp={pp} M={m} zb={zb}: reduce-scatter chunk order per pp rank "
-          f"{[order(r) for r in range(pp)]}, all-gather {[stage_order(Layout(BIDIRECTIONAL, pp), r) for r in range(pp)]}")
+          f"{[order(r) for r in range(pp)]}, all-gather {[by_stage(r) for r in range(pp)]}")
     for lists in (reduce_scatters, all_gathers):
         assert order_problem(lists) is None
         assert order_problem(lists, one_communicator_per_rank_set) is None

@@ -128,15 +128,10 @@ class SharedShard(CopySumWay):
 
     @contextlib.contextmanager
     def params_norm_chunks(self, model, reads_main_params: bool):
-        """As the default way's, and with ``--bf16`` the mirror's main-parameter shards too.
-
-        Megatron-LM's ``calc_params_l2_norm`` reads each parameter whole (``param.data``: fp32, fp16, ``force_create_fp32_copy``), or,
-        with ``--bf16`` (``reads_main_params``), the fp32 main copy, which the distributed optimizer
-        shards; the shards' squares are summed over the ordinary data-parallel group. A whole
-        parameter is counted at home (``model[0]``; the mirror's copy is the same tensor). Under the
-        shared shard group a stage's main copy is sharded over both copies' ranks, and the home
-        ranks hold only half of it: the mirror's shards count as well, with Megatron's own ``shared``
-        marks (the tied output weight stays out, as in 1F1B)."""
+        """As the default way's, and with ``--bf16`` (``reads_main_params``: the norm reads the fp32
+        main copies, which the distributed optimizer shards) the mirror's shards too: a stage's main
+        copy is sharded over both copies' ranks, so the home ranks hold half of it. They count with
+        Megatron's own ``shared`` marks (the tied output weight stays out, as in 1F1B)."""
         if not (reads_main_params and len(model) == 2):
             yield list(model[:1])
             return
