@@ -160,7 +160,7 @@ SCOPED_PATCHES = (
             "mcore.overlap.OverlappedStageCompute (one combined step)"),
     _scoped(_TRAINING, "get_megatron_optimizer", "--dualpipe-shared-shard-group: one optimizer per chunk over its "
             "shard group, chained in ascending stage order (mcore/copies/shared_shard.py)",
-            "megatron_lm.training_hooks setup_model_and_optimizer (--dualpipe-shared-shard-group)"),
+            "mcore.copies.shared_shard building_optimizer (in Megatron-LM's setup_model_and_optimizer)"),
 ) + tuple(
     _scoped(_PS, getter, "--dualpipe-shared-shard-group: the partial (one optimizer instance) data-parallel group "
             "megatron-core reduces a chunk's gradients over and shards its optimizer over is the chunk's shared "
