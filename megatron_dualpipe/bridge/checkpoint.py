@@ -31,6 +31,11 @@ def _active():
     return switch.active_schedule()
 
 
+def _mirrored(schedule) -> bool:
+    """Whether the active schedule keeps a mirrored copy of every stage (``ScheduleSpec.mirrored``)."""
+    return schedule is not None and registry.get(schedule).mirrored
+
+
 def wrap_save_checkpoint(orig):
     """Bridge's ``save_checkpoint(state, model, optimizer, ...)`` writing 1F1B's keys."""
 
@@ -40,7 +45,7 @@ def wrap_save_checkpoint(orig):
         from ..megatron_lm.checkpoint.megatron_io import state_dict_editor
 
         schedule = _active()
-        if schedule not in (registry.DUALPIPE, registry.DUALPIPEV):
+        if schedule is None or registry.get(schedule).chunks_per_rank != 2:
             return orig(state, model, optimizer, *args, **kwargs)
         with hooks.scoped(GENERATE_STATE_DICT.made_by(state_dict_editor(torch_dist_mirror.drop_mirror_entries))), \
                 _home_buffers(schedule, model, optimizer), exact_offsets(optimizer):
@@ -60,7 +65,7 @@ def wrap_load_checkpoint(orig):
         schedule = _active()
         with _home_buffers(schedule, model, optimizer), exact_offsets(optimizer if schedule else None):
             result = orig(state, model, optimizer, *args, **kwargs)
-        if schedule == registry.DUALPIPE:
+        if _mirrored(schedule):
             sync_mirrors(model, optimizer)
         return result
 
@@ -71,7 +76,7 @@ def _home_buffers(schedule, model, optimizer):
     """DualPipe: the distributed optimizer's dp_reshardable state is model[0]'s buffers only."""
     from ..megatron_lm.checkpoint import torch_dist_mirror
 
-    if schedule != registry.DUALPIPE:
+    if not _mirrored(schedule):
         return contextlib.nullcontext()
     return torch_dist_mirror.model0_distributed_optimizers(model, optimizer)
 

@@ -60,7 +60,7 @@ def for_schedule(schedule: str) -> Tuple[Patch, ...]:
     """The patches ``schedule`` needs (none for Bridge's own 1f1b)."""
     if registry.get(schedule).chunks_per_rank != 2:
         return ()
-    return COMMON + (MIRRORED if schedule == registry.DUALPIPE else V_STAGES)
+    return COMMON + (MIRRORED if registry.get(schedule).mirrored else V_STAGES)
 
 
 #: Bridge's state dict of a save, the mirror's entries left out (``bridge.checkpoint``, during a save).

@@ -61,18 +61,18 @@ def wrap_get_forward_backward_func(orig):
 
 def wrap_calc_params_l2_norm(orig):
     """``logger.log_params_norm`` under DualPipe: model[1] holds mirrored copies, counted once at home
-    (``mcore.shared_shard_wrap.params_norm_chunks``, as the Megatron-LM hook does)."""
+    (the copy-sum way's ``params_norm_chunks``, ``mcore.copies``, as the Megatron-LM hook does)."""
 
     @functools.wraps(orig)
     def calc_params_l2_norm(model, model_config, *args, **kwargs):
         from ..mcore.model import chunk_info
-        from ..mcore.shared_shard_wrap import params_norm_chunks
+        from ..mcore.copies import of
 
         info = chunk_info(model[0]) if isinstance(model, list) and len(model) == 2 else None
         if info is None or info["layout"] != BIDIRECTIONAL:
             return orig(model, model_config, *args, **kwargs)
         reads_main_params = bool(model_config.bf16) and not kwargs.get("force_create_fp32_copy", False)
-        with params_norm_chunks(model, reads_main_params) as chunks:
+        with of(model).params_norm_chunks(model, reads_main_params) as chunks:
             return orig(chunks, model_config, *args, **kwargs)
 
     return calc_params_l2_norm

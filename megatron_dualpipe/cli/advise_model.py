@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
 from .. import project_files
+from ..schedule.copy_sum import WAYS, CopySum
 from .args import CliError
 
 CONFIGS = project_files.path("configs")  # the wheel's copy, else the checkout's
@@ -230,9 +231,7 @@ def comm(args, s: Setup):
         placement = Placement(m.pp, s.dp, m.tp, args.gpus_per_node, args.placement == "paired")
     except ValueError as e:
         raise CliError(f"--placement {args.placement}: {e}") from None
-    from ..costs.comm_cost import DP_FIRST, SHARED_SHARD
-
-    mode = SHARED_SHARD if m.shared_shard else DP_FIRST if m.dp_first else args.bd_reduction
+    mode = CopySum.chosen_by(m.flag_set, args.bd_reduction)
     return CommModel(placement, network, per_rank * 4, message, m.distributed_optimizer, m.overlap_grad_reduce,
                      bd_mode=mode)
 
@@ -250,8 +249,9 @@ def no_fit_hint(m, limit: float) -> str:
         out.append("--recompute-granularity full (not with --overlap-moe-expert-parallel-comm)")
     if not m.distributed_optimizer:
         out.append("--use-distributed-optimizer")
-    elif not m.shared_shard:
-        out.append("--dualpipe-shared-shard-group (dualpipe keeps one optimizer state for both copies)")
+    else:
+        smaller = [way for way in WAYS if way.shards_over_both_copies and not m.flag_set(way.flag)]
+        out += [f"{way.flag} (dualpipe keeps one optimizer state for both copies)" for way in smaller]
     if m.micro_batch > 1:
         out.append(f"--micro-batch-size {m.micro_batch // 2}")
     out.append("more GPUs per model copy (a larger PP or EP)")

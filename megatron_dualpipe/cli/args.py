@@ -10,6 +10,8 @@ import textwrap
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+from ..schedule.copy_sum import WAYS
+
 
 class CliError(Exception):
     """A user error: printed as one line, exit status 2."""
@@ -83,7 +85,7 @@ def add_comm_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--inter-latency", type=float, default=0.02, metavar="MS", help="default 0.02")
     g.add_argument("--distributed-optimizer", action="store_true",
                    help="the data-parallel reduction is a reduce-scatter (Megatron's distributed optimizer)")
-    g.add_argument("--bd-reduction", choices=("bd-first", "dp-first", "shared-shard"), default="bd-first",
+    g.add_argument("--bd-reduction", choices=[w.value for w in WAYS], default=WAYS[0].value,
                    help="how DualPipe's two copies of a stage meet data parallel: bd-first (what the executor does), "
                         "dp-first (training's --dualpipe-dp-first: reduce-scatter over dp, then the pair sums the 1/dp shards after the "
                         "schedule; needs --distributed-optimizer to carry less), or shared-shard (one reduce-scatter over 2 x dp; needs "
@@ -109,16 +111,16 @@ def comm_from_args(args, pp: int):
         network = Network(Link(args.intra_bw, args.intra_latency), Link(args.inter_bw, args.inter_latency))
     except ValueError as e:
         raise CliError(f"--intra-bw/--inter-bw/--intra-latency/--inter-latency: {e}") from None
-    if args.bd_reduction == "shared-shard" and not args.distributed_optimizer:
-        raise CliError("--bd-reduction shared-shard shards the distributed optimizer's state over both copies: add "
-                       "--distributed-optimizer")
     try:
         placement = Placement(pp, args.dp, args.tp, args.gpus_per_node, args.placement == "paired")
     except ValueError as e:
         raise CliError(f"--placement {args.placement}: {e}") from None
-    return CommModel(placement, network,
-                     (args.stage_params or 0.0) * DTYPE_BYTES[args.grad_dtype], args.message_bytes or 0.0,
-                     args.distributed_optimizer, args.overlap_grad_reduce, bd_mode=args.bd_reduction)
+    try:
+        return CommModel(placement, network,
+                         (args.stage_params or 0.0) * DTYPE_BYTES[args.grad_dtype], args.message_bytes or 0.0,
+                         args.distributed_optimizer, args.overlap_grad_reduce, bd_mode=args.bd_reduction)
+    except ValueError as e:  # a way that needs the distributed optimizer
+        raise CliError(f"--bd-reduction {args.bd_reduction}: {e}: add --distributed-optimizer") from None
 
 
 def png_path(text: str) -> str:

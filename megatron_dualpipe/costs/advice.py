@@ -29,6 +29,7 @@ import re
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence
 
+from ..schedule.copy_sum import WAYS, CopySum
 from ..schedule.registry import ONE_F_ONE_B, SPECS as SPECS_RUN, distinct_orders
 from ..schedule.registry import spec as get
 from ..schedule.simulate import Costs
@@ -146,19 +147,10 @@ class PlacementEffect:
                 f"({_change(self.iteration, self.now)}), {_standing(self.fastest, self.fits)}")
 
 
-#: Training's flag for each way DualPipe combines the copies of a stage (``comm_cost.BD_MODES``).
-REDUCTION_FLAGS = {"bd-first": "no flag", "dp-first": "--dualpipe-dp-first",
-                   "shared-shard": "--dualpipe-shared-shard-group"}
-#: The same in words.
-REDUCTION_WORDS = {"bd-first": "the default: the pair of ranks sums each stage's two copies, then data parallel",
-                   "dp-first": "data-parallel reduce-scatter first, then the pair sums the shards",
-                   "shared-shard": "both copies in one distributed-optimizer group"}
-
-
 @dataclass(frozen=True)
 class ReductionEffect:
     """A schedule with bd pairs under another way of combining its copies (with the distributed
-    optimizer: ``comm_cost.BD_MODES``), as training runs it: the shared shard group reduces after
+    optimizer: ``schedule.copy_sum``), as training runs it: the shared shard group reduces after
     the schedule, dp-first sums the pair after it. ``fastest``: it would then be the fastest
     schedule that fits (the others as modelled)."""
 
@@ -171,14 +163,14 @@ class ReductionEffect:
     fits: bool = True
 
     def to_json(self) -> dict:
-        return {"schedule": self.schedule, "bd_reduction": self.mode, "flag": REDUCTION_FLAGS[self.mode],
+        return {"schedule": self.schedule, "bd_reduction": self.mode, "flag": CopySum(self.mode).flag or "no flag",
                 "iteration": self.iteration, "bd_reduction_now": self.now_mode, "iteration_now": self.now,
                 "fastest": self.fastest}
 
     def text(self) -> str:
-        memory = ", optimizer state as 1F1B's" if self.mode == "shared-shard" else ""
-        return (f"{self.schedule} with {REDUCTION_FLAGS[self.mode]} ({REDUCTION_WORDS[self.mode]}{memory}): iteration "
-                f"{fmt(self.iteration)} instead of {fmt(self.now)} ({REDUCTION_WORDS[self.now_mode]}): "
+        way = CopySum(self.mode)
+        return (f"{self.schedule} with {way.flag or 'no flag'} ({way.words}{way.memory_words}): iteration "
+                f"{fmt(self.iteration)} instead of {fmt(self.now)} ({CopySum(self.now_mode).words}): "
                 f"{_change(self.iteration, self.now)}, {_standing(self.fastest, self.fits)}")
 
 
@@ -420,7 +412,6 @@ def _reduction_effects(pp, m, costs, comm: CommModel, options: List[Option], lim
     from dataclasses import replace
 
     from .compare import run
-    from .comm_cost import BD_MODES, SHARED_SHARD
 
     if not comm.distributed_optimizer:
         return []
@@ -428,15 +419,15 @@ def _reduction_effects(pp, m, costs, comm: CommModel, options: List[Option], lim
     for o in options:
         if o.row.problem or not get(o.row.name).mirrored:
             continue
-        for mode in BD_MODES:
-            if mode == comm.bd_mode:
-                continue
+        now = CopySum(comm.bd_mode)
+        for mode in (way for way in WAYS if way is not now):
             # training's shared shard group cannot overlap its reduce-scatters yet (refused with it)
-            other = replace(comm, bd_mode=mode, overlap_grad_reduce=comm.overlap_grad_reduce and mode != SHARED_SHARD)
+            overlap = comm.overlap_grad_reduce and not mode.shards_over_both_copies
+            other = replace(comm, bd_mode=mode, overlap_grad_reduce=overlap)
             t = run(o.row.name, pp, m, costs, comm=other).iteration
             rivals = [x.row.iteration for x in options if not x.row.problem and x.fits and x is not o]
             fits = o.fits
-            shared = (mode == SHARED_SHARD) - (comm.bd_mode == SHARED_SHARD)  # +1: one copy less, -1: one more
+            shared = mode.shards_over_both_copies - now.shards_over_both_copies  # +1: one copy less, -1: one more
             if shared and optimizer_memory is not None:
                 memory = o.memory - shared * optimizer_memory * (o.row.parameter_copies - 1)
                 fits = limit is None or memory <= limit

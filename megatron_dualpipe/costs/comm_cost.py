@@ -44,18 +44,9 @@ from functools import cached_property
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from ..schedule import iteration_plan as grad_order  # when a chunk is final; the pair's sum order
-from ..schedule.layout import BIDIRECTIONAL
+from ..schedule.copy_sum import BD_FIRST, DP_FIRST, CopySum
 from ..schedule.placement import RankOrder, invert, megatron_placement, pair_placement
 
-#: How a bidirectional schedule combines the two copies of a stage with data parallel:
-#: ``bd-first`` (the executor's ``GradReduction``): sum over the bd pair, then reduce over dp;
-#: ``dp-first`` (training's ``--dualpipe-dp-first``): reduce over dp as soon as this copy is final,
-#: then, after the schedule (Megatron's finalize), sum the pair (on the 1/dp shards with the
-#: distributed optimizer); ``shared-shard``: the two copies are one shard group of 2 x dp
-#: replicas, one reduce-scatter (item 4 of issue 18: ``--dualpipe-shared-shard-group``, whose
-#: reduce-scatters run after the schedule, i.e. this mode with ``overlap_grad_reduce=False``).
-BD_FIRST, DP_FIRST, SHARED_SHARD = "bd-first", "dp-first", "shared-shard"
-BD_MODES = (BD_FIRST, DP_FIRST, SHARED_SHARD)
 #: Bytes per gradient element.
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 #: Rank placements: Megatron's own order, or the launcher's ``--pair-placement``.
@@ -194,11 +185,8 @@ class CommModel:
     bd_mode: str = BD_FIRST
 
     def __post_init__(self):
-        if self.bd_mode not in BD_MODES:
-            raise ValueError(f"bd_mode must be one of {', '.join(BD_MODES)}, got {self.bd_mode!r}")
-        if self.bd_mode == SHARED_SHARD and not self.distributed_optimizer:
-            raise ValueError("the shared shard group (bd_mode shared-shard) shards the distributed optimizer's state: "
-                             "it needs distributed_optimizer=True")
+        if CopySum(self.bd_mode).shards_over_both_copies and not self.distributed_optimizer:
+            raise ValueError(f"{self.bd_mode} shards the distributed optimizer's state over both copies")
 
     def with_inter_bandwidth(self, gbps: float) -> "CommModel":
         """The same job with ``gbps`` between nodes (measured links are taken as the inter-node ones)."""
@@ -292,7 +280,8 @@ def grad_comm(schedule, sim, comm: CommModel, stage_fraction: float, deferring: 
 
     ``stage_fraction``: how much of a stage one chunk is (DualPipeV 1/2, interleaved 1/v);
     ``deferring``: the schedule's B leaves the weight gradient to a later W. ``comm.bd_mode``
-    says how a bidirectional schedule combines the two copies (:data:`BD_MODES`)."""
+    says how a bidirectional schedule combines the two copies (``schedule.copy_sum.CopySum``: the shared
+    shard group's reduce-scatters run after the schedule, i.e. with ``overlap_grad_reduce=False``)."""
     ops = grad_order.grad_ops(deferring)
     pp = len(schedule.ranks)
     chunk_bytes = comm.stage_grad_bytes * stage_fraction
@@ -300,8 +289,8 @@ def grad_comm(schedule, sim, comm: CommModel, stage_fraction: float, deferring: 
     orders = [[c for c in grad_order.completion_order(acts, is_fake, ops) if c in finals[r] or c in {a.dir for a in acts}]
               for r, acts in enumerate(schedule.ranks)]
     rows = [{c: ChunkComm(c, finals[r].get(c, sim.makespan)) for c in orders[r]} for r in range(pp)]
-    bidirectional = schedule.layout.kind == BIDIRECTIONAL
-    mode = comm.bd_mode if bidirectional else BD_FIRST
+    mirrored = schedule.layout.mirrored
+    mode = CopySum(comm.bd_mode).on(schedule.layout)
 
     def ready(r: int, c: int) -> float:
         final = rows[r][c].final
@@ -327,7 +316,7 @@ def grad_comm(schedule, sim, comm: CommModel, stage_fraction: float, deferring: 
                 else:
                     row.bd_start, row.bd_end = start, t
 
-    pairs = [(r, pp - 1 - r) for r in range(pp) if r < pp - 1 - r] if bidirectional else []
+    pairs = [(r, pp - 1 - r) for r in range(pp) if r < pp - 1 - r] if mirrored else []
     def planned(r: int, bd_sums: bool) -> Dict[int, float]:
         """When GradReduction starts each chunk's data-parallel reduction: after the action at the
         plan's point, or at the end of the rank's schedule and of its sums."""
@@ -344,7 +333,7 @@ def grad_comm(schedule, sim, comm: CommModel, stage_fraction: float, deferring: 
     elif mode == DP_FIRST:
         for r in range(pp):
             dp_queue(r, planned(r, False).__getitem__, chunk_bytes)
-        shard = chunk_bytes / comm.placement.dp if comm.distributed_optimizer else chunk_bytes
+        shard = mode.pair_sum_bytes(chunk_bytes, comm.placement.dp, comm.distributed_optimizer)
 
         def after_schedule(rank: int, c: int) -> float:
             # training's --dualpipe-dp-first sums the shards in Megatron's finalize, after the schedule

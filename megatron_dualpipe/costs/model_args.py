@@ -131,6 +131,10 @@ class ModelArgs:
     offload: bool = False
     offload_modules: Tuple[str, ...] = ()
 
+    def flag_set(self, flag: str) -> bool:
+        """Whether Megatron-LM's switch ``flag`` (one this module reads) is on."""
+        return bool(getattr(self, _FLAGS[flag][0]))
+
     @property
     def padded_vocab(self) -> int:
         """The vocabulary padded as Megatron pads it: to a multiple of the divisor times TP."""

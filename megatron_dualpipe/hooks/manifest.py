@@ -88,9 +88,9 @@ MODEL_BUILDER_SCOPED = (
           versions=_SINCE_019, kind=SCOPED, where=_MODEL_BUILDER),
     Patch(_DIST_UTILS, "print", None, "the parameter-count line says the logical and physical counts",
           versions=_SINCE_019, kind=SCOPED, where=_MODEL_BUILDER),
-    Patch(_DIST_UTILS, "DistributedDataParallel", None, "--dualpipe-shared-shard-group: each chunk's DDP over its "
-          "shard group (mcore/shared_shard_wrap.py); --dualpipe-dp-first: the pair sums the shards after the "
-          "reduce-scatter (mcore/dp_first.py)", versions=_SINCE_019, kind=SCOPED, where=_MODEL_BUILDER),
+    Patch(_DIST_UTILS, "DistributedDataParallel", None, "dualpipe: each chunk's DDP class as the way the copies are "
+          "summed makes it (mcore/copies/: over the shard group with --dualpipe-shared-shard-group; the pair sums the "
+          "shards after the reduce-scatter with --dualpipe-dp-first)", versions=_SINCE_019, kind=SCOPED, where=_MODEL_BUILDER),
 )
 V_CONFIG = Patch(_BUILDER, "GPTModelConfig.transformer", None,
                  "dualpipev: the builder's TransformerConfig is the dualpipev_config copy (two V-stages) while the "
@@ -150,8 +150,8 @@ SCOPED_PATCHES = (
             "direction 1: it is told where the forward's direction ends",
             "mcore.overlap.OverlappedStageCompute (one combined step)"),
     _scoped(_TRAINING, "get_megatron_optimizer", "--dualpipe-shared-shard-group: one optimizer per chunk over its "
-            "shard group, chained in ascending stage order (mcore/shared_shard_wrap.py)",
-            "megatron_lm.training_hooks setup_model_and_optimizer (--dualpipe-shared-shard-group)"),
+            "shard group, chained in ascending stage order (mcore/copies/shared_shard.py)",
+            "mcore.copies.shared_shard building_optimizer (in Megatron-LM's setup_model_and_optimizer)"),
 ) + tuple(
     _scoped(_PS, getter, "--dualpipe-shared-shard-group: the partial (one optimizer instance) data-parallel group "
             "megatron-core reduces a chunk's gradients over and shards its optimizer over is the chunk's shared "

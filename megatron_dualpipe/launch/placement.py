@@ -62,7 +62,8 @@ def problem(argv: Sequence[str], env: Mapping[str, str]) -> Optional[str]:
         return None  # Megatron's own argument check names the unknown schedule
     if not spec.mirrored:
         return (f"{FLAG} places the bd pairs (pipeline ranks i and pp-1-i) of --pipeline-schedule "
-                f"{registry.DUALPIPE} side by side; --pipeline-schedule {name} has none: drop {FLAG}")
+                f"{' or '.join(registry.names(mirrored=True))} side by side; --pipeline-schedule {name} has none: "
+                f"drop {FLAG}")
     world, per_node = _env_int(env, "WORLD_SIZE"), _env_int(env, "LOCAL_WORLD_SIZE")
     if world is None or per_node is None:
         return (f"{FLAG} needs torchrun's WORLD_SIZE and LOCAL_WORLD_SIZE (GPUs per node): run the launcher "

@@ -23,8 +23,7 @@ import torch.distributed as dist
 from ..executor import pair_sums
 from . import bd_pairs
 from .model import BIDIRECTIONAL, V_SHAPE, chunk_info, embedding_copy, unwrap_chunk
-from . import copy_sum, copy_sums
-from .shard_groups import stage_order
+from . import copies
 
 __all__ = ["allreduce_bd_grads", "allreduce_bd_router_statistics", "fold_tied_embedding_grads",
            "finalize_dualpipe_grads", "sum_tensors", "check_buffer_layouts", "NO_EMBEDDING_GROUP"]
@@ -221,7 +220,8 @@ def finalize_dualpipe_grads(
     """Finalize gradients of ``[model_dir0, model_dir1]``: the DualPipe replacement of
     ``config.finalize_model_grads_func``. In order:
 
-    1. `allreduce_bd_grads` (bd pairs; skipped for DualPipeV);
+    1. the copy sum finalize runs itself, as the way the copies are summed asks (``mcore.copies``:
+       `allreduce_bd_grads`; none where Megatron's finalize sums them, skipped for DualPipeV);
     2. `fold_tied_embedding_grads` (local);
     3. if ``num_tokens`` is a tensor: all-reduce(SUM) over the pipeline group
        (``pg_collection.pp`` or parallel_state's). Each rank passes the tokens of the
@@ -234,14 +234,7 @@ def finalize_dualpipe_grads(
        size-1 placeholder (`NO_EMBEDDING_GROUP`; ``None`` would make megatron fall back to
        ``parallel_state``'s embedding group) and whose ``pos_embd`` is None, so megatron's word-
        and position-embedding all-reduces are skipped (steps 1-2 did that work; the position
-       embedding lives on stage 0, whose two copies are a bd pair).
-
-    ``--dualpipe-shared-shard-group`` (chunks wrapped over their shard groups): no step 1 (the
-    reduce-scatter over both copies' ranks sums them; the fold adds this rank's unsummed copies)
-    and ``finalize_func`` gets the chunks in ascending stage order, the order both partners issue
-    those reduce-scatters in. ``--dualpipe-dp-first`` (``mcore.dp_first``): no step 1 either (the
-    chunks' ``finish_grad_sync`` sums the pair's shards after the reduce-scatter), chunks in stage
-    order, the order both partners issue those sums in.
+       embedding lives on stage 0, whose two copies are a bd pair); the chunks in the way's order.
 
     ``copies_summed=True`` skips steps 1-2 (``grad_reduction.GradReduction`` did them during the
     schedule).
@@ -260,11 +253,8 @@ def finalize_dualpipe_grads(
     (else ValueError), and gradients are then *not* divided by ``num_tokens``. Returns the
     summed ``num_tokens`` (or None).
     """
-    way = copy_sums.of(model)  # how the copies are summed (mcore.copy_sum)
     if not copies_summed:
-        if way.sums_in_finalize == copy_sum.ALWAYS or (
-                way.sums_in_finalize == copy_sum.MIDDLE_RANK and bd_pairs.position().is_middle):
-            allreduce_bd_grads(model)
+        copies.of(model).sum_in_finalize(model, allreduce_bd_grads)  # as the way the copies are summed asks
         fold_tied_embedding_grads(model)
 
     all_reduce_token_count(num_tokens, pg_collection)
@@ -298,8 +288,7 @@ def finalize_after_token_count(model: Sequence[torch.nn.Module], num_tokens: Opt
     pgc = copy.copy(pg_collection) if pg_collection is not None else ProcessGroupCollection.use_mpu_process_groups()
     pgc.embd = NO_EMBEDDING_GROUP
     pgc.pos_embd = None
-    if copy_sums.of(model).stage_ordered_finalize:  # Megatron's per-chunk loop issues the collectives
-        model = [model[c] for c in stage_order(model)]  # that sum the copies: in stage order on both partners
+    model = copies.of(model).finalize_order(model)
     finalize_func(model, num_tokens, pg_collection=pgc, force_all_reduce=force_all_reduce)
     return num_tokens
 

@@ -50,7 +50,7 @@ from ..executor.p2p import DEFAULT_TIMEOUT_S, P2P
 from ..executor.runner import Program, TensorSpec, compile_program, run_rank
 from ..executor import abort, watchdog
 from ..schedule import B, iteration_plan, lowered, registry
-from . import copy_sums
+from . import copies
 from .data import MicrobatchSource
 from .grad_reduction import GradReduction, clear_deferred_output_wgrads
 from .live_advice import DEFAULT_WARMUP as ADVISE_WARMUP, LiveAdvice
@@ -210,7 +210,7 @@ class ExecutorSchedule:
         checked = _checked_iteration(self.spec.name, len(global_ranks), padded, real, self.zero_bubble,
                                      config.grad_sync_func is not None, parallel_state.get_data_parallel_world_size(),
                                      forward_only, config.param_sync_func is not None,
-                                     copy_sums.of(model).sums_in_schedule, step)
+                                     copies.of(model).way.sums_in_schedule, step)
         if padded != real:
             self._report_padding(len(global_ranks), real, padded, forward_only)
         seq_length, micro_batch_size, decoder_seq_length = shape_args

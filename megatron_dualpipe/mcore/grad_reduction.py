@@ -31,7 +31,7 @@ both copies' ranks (``mcore.shard_groups``) in Megatron's finalize, in stage ord
 (``finalize.finalize_dualpipe_grads``); the tied-embedding fold adds this rank's two unsummed
 copies, and the reduce-scatter's sum over both ranks' folds is the tied gradient. With
 ``--dualpipe-dp-first`` neither: the pair sums the chunk's shards right after its reduce-scatter
-(``mcore.dp_first``, in Megatron's finalize, stage order), the fold as with the shared group.
+(``mcore.copies.dp_first``, in Megatron's finalize, stage order), the fold as with the shared group.
 
 After the schedule the program waits for every sum (``summed``: the plan proves it safe there);
 before the first reduction started there, tied embeddings are folded (and the middle rank of an
@@ -55,7 +55,7 @@ import torch.distributed as dist
 
 from ..executor import pair_sums
 from ..schedule import lowered
-from . import bd_pairs, copy_sums
+from . import bd_pairs, copies
 from .finalize import (BD_SUM_TIMEOUT_S, is_wrapped, chunk_layout, tied_copies, allreduce_bd_grads,
                        check_buffer_layouts, fold_tied_embedding_grads, sum_tensors)
 from .model import BIDIRECTIONAL, embedding_copy, unwrap_chunk
@@ -86,9 +86,9 @@ class GradReduction:
         self._pos = bd_pairs.position() if bidirectional else None
         self._local_sum = bidirectional and self._pos.is_middle  # odd pipeline: both copies here
         paired = bidirectional and not self._local_sum
-        # the way the copies are summed (mcore.copy_sum): by the bd sum during the schedule, or
+        # the way the copies are summed (mcore.copies): by the bd sum during the schedule, or
         # in Megatron's finalize (over the shard groups, or on the shards after the reduce-scatter)
-        bd = paired and copy_sums.of(self.model).sums_in_schedule
+        bd = paired and copies.of(self.model).way.sums_in_schedule
         self._last = {pair_sums.action_key(actions[i]): c for c, i in last_actions.items()}
         if paired and all(is_wrapped(c) for c in self.model):
             check_buffer_layouts(self.model)

@@ -151,10 +151,10 @@ def _links(spec_name: str, group, device):
 
 def reduction_of(model) -> dict:
     """How the running job reduces its gradients, as ``CommModel`` fields (optimizer, overlap, copy sum)."""
-    from .copy_sums import of
+    from .copies import of
 
     cfg = getattr(model[0], "ddp_config", None)
-    mode = of(model).name
+    mode = of(model).way
     return {"distributed_optimizer": bool(cfg is not None and cfg.use_distributed_optimizer),
             "overlap_grad_reduce": bool(cfg is None or cfg.overlap_grad_reduce), "bd_mode": mode}
 

@@ -292,7 +292,7 @@ def mark_mirror_shared(chunk: torch.nn.Module) -> None:
     ``calc_params_l2_norm`` asserts expert params are not shared: MoE with ``--log-params-norm`` trips it."""
     inner = unwrap_chunk(chunk)
     # Megatron's own marks (the tied output weight of a last stage), which the shared shard group's
-    # optimizer keeps on the mirror's shards (mcore.shared_shard_wrap.megatron_marks).
+    # optimizer keeps on the mirror's shards (mcore.copies.shared_shard.megatron_marks).
     setattr(inner, MEGATRON_SHARED_ATTR, frozenset(n for n, p in inner.named_parameters() if getattr(p, "shared", False)))
     for p in inner.parameters():
         p.shared = True

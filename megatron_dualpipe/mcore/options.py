@@ -30,7 +30,7 @@ DDP = "ddp"
 EXECUTOR = registry.names(runs_on=registry.EXECUTOR)
 TWO_CHUNKS = registry.names(chunks_per_rank=2)
 ONE_CHUNK_EXECUTOR = registry.names(runs_on=registry.EXECUTOR, chunks_per_rank=1)
-MIRRORED = (registry.DUALPIPE,)
+MIRRORED = registry.names(mirrored=True)
 
 #: The flags whose requirements the ``needs`` rules state.
 COMBINED_STEP = "--overlap-moe-expert-parallel-comm"

@@ -3,7 +3,7 @@
 With ``--dualpipe-shared-shard-group`` (docs/design-shared-shard-group.md) chunk ``c`` of a
 DualPipe rank is reduce-scattered, stepped and all-gathered over the ranks that hold either copy
 of its stage: the home copy's data x context-parallel ranks, then the mirror's
-(``schedule.shard_groups.shared_shard_group``). Megatron's distributed optimizer then keeps
+(``tests/harness/shard_group_ranks.py`` holds the rank formula). Megatron's distributed optimizer then keeps
 ``1/(2 dp)`` of each of a rank's two stages, 1F1B's ``1/dp`` in all, and the reduce-scatter sums
 the two copies on the way (no separate bd sum).
 
@@ -27,19 +27,15 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from .. import hooks
-from ..schedule.shard_groups import chunks_by_stage
 
-__all__ = ["build_shard_groups", "shard_groups_initialized", "destroy_shard_groups", "shard_group_ranks",
-           "partial_groups_of", "is_shared_layout", "SHARED_ATTR", "chunk_of", "stage_order"]
-
-#: Set on a DDP chunk built over its shared shard group: the gradient path reads it (no bd sum).
-SHARED_ATTR = "dualpipe_shared_shards"
+__all__ = ["build_shard_groups", "shard_groups_initialized", "destroy_shard_groups",
+           "partial_groups_of", "chunk_of"]
 
 
 @dataclass
@@ -153,11 +149,6 @@ def _require() -> _Groups:
     return _REGISTRY
 
 
-def shard_group_ranks(chunk: int, kind: str = DENSE) -> Tuple[int, ...]:
-    """Global ranks of ``chunk``'s shard group on this rank (home copy's part first)."""
-    return _require().ranks[(kind, chunk)]
-
-
 def chunk_of(module: torch.nn.Module) -> int:
     """Which chunk of its rank ``module`` is (0: the home copy, 1: the mirror)."""
     from .model import chunk_info
@@ -196,17 +187,3 @@ def partial_groups_of(chunk: int):
                  ("get_expert_data_parallel_group_gloo", EXPERT, True, "partial_expert_data_parallel"))]
     with hooks.scoped(*swaps):
         yield
-
-
-def is_shared_layout(model: Sequence[torch.nn.Module]) -> bool:
-    """True when the chunks were wrapped over their shared shard groups."""
-    return any(getattr(chunk, SHARED_ATTR, False) for chunk in model)
-
-
-def stage_order(model: Sequence[torch.nn.Module]) -> List[int]:
-    """This rank's chunk indices in ascending stage order: the order both bd partners (and every
-    data-parallel replica) issue the shard groups' collectives outside the schedule in."""
-    from megatron.core import parallel_state
-
-    pp = parallel_state.get_pipeline_model_parallel_world_size()
-    return chunks_by_stage(pp, parallel_state.get_pipeline_model_parallel_rank()) if len(model) == 2 else [0]

@@ -28,6 +28,9 @@ from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
+from . import copies
+from .copies import CopySumWay
+
 #: Per-parameter state tensors the first step allocates, by optimizer class name (a torch or
 #: Transformer Engine optimizer); None: not known, the state is counted only once it exists.
 _MOMENTS = {"Adam": 2, "AdamW": 2, "FusedAdam": 2, "SGD": 1, "FusedSGD": 1}
@@ -183,18 +186,10 @@ class TableRow:
     one_f_one_b: ChunkBytes
 
 
-def one_f_one_b_bytes(rb: RankBytes, shared_shards: bool = False) -> ChunkBytes:
-    """What 1F1B holds on this rank: ``model[0]``'s share. With the shared shard group the
-    optimizer shards a stage over ``2 dp`` ranks where 1F1B shards it over ``dp``: its main
-    parameters and state count twice."""
-    home = rb.chunks[0] if rb.chunks else ChunkBytes()
-    if shared_shards:
-        home = ChunkBytes(home.params, home.grads, 2 * home.main_params, 2 * home.optimizer_state)
-    return home
-
-
-def _pack(pp_rank: int, rb: RankBytes, shared_shards: bool = False) -> List[int]:
-    return [pp_rank, int(rb.state_allocated)] + rb.all.values() + one_f_one_b_bytes(rb, shared_shards).values()
+def _pack(pp_rank: int, rb: RankBytes, way: CopySumWay) -> List[int]:
+    """This rank's figures, and 1F1B's: ``model[0]``'s share, as the way the copies are summed shards it."""
+    home = way.one_f_one_b_bytes(rb.chunks[0] if rb.chunks else ChunkBytes())
+    return [pp_rank, int(rb.state_allocated)] + rb.all.values() + home.values()
 
 
 def rows_from(packed: Iterable[Sequence[int]]) -> Tuple[List[TableRow], bool]:
@@ -216,10 +211,7 @@ def gather_table(model, optimizer, pp_rank: int, group=None) -> Tuple[List[Table
     every rank."""
     import torch.distributed as dist
 
-    from .copy_sums import of
-
-    over_both = of(model).shards_over_both_copies  # the optimizer's shards span both copies' ranks
-    mine = torch.tensor(_pack(pp_rank, rank_bytes(model, optimizer), over_both), dtype=torch.int64)
+    mine = torch.tensor(_pack(pp_rank, rank_bytes(model, optimizer), copies.of(model)), dtype=torch.int64)
     backend = dist.get_backend(group)
     if "nccl" in str(backend):
         mine = mine.to(torch.device("cuda", torch.cuda.current_device()))
@@ -233,7 +225,7 @@ def _n(x: int) -> str:
 
 
 def format_table(schedule: str, rows: List[TableRow], allocated: bool, with_1f1b: bool = True,
-                 shared_shards: bool = False) -> str:
+                 way: CopySumWay = copies.WAYS[0]) -> str:
     """The table of :func:`gather_table`'s rows: bytes per pipeline rank, this schedule and 1F1B."""
     state = ("optimizer state counted from its tensors" if allocated else
              "optimizer state: main parameters counted, per-parameter state (Adam's two moments) as the first "
@@ -254,7 +246,6 @@ def format_table(schedule: str, rows: List[TableRow], allocated: bool, with_1f1b
     widths = [max(len(row[i]) for row in table) for i in range(len(head))]
     lines += ["  " + "  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in table]
     lines.append("  (1f1b: what Megatron's 1F1B holds in the same configuration: this rank's own stage, model[0], "
-                 + ("its optimizer share doubled: 1F1B shards a stage over the data-parallel ranks, the shared shard "
-                    "group over twice as many)" if shared_shards else "under the same sharding)") if with_1f1b else
+                 + way.one_f_one_b_note if with_1f1b else
                  "  (the two chunks are two different halves of the model's stages: nothing is duplicated)")
     return "\n".join(lines)

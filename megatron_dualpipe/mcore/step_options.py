@@ -12,7 +12,7 @@ from typing import Sequence, Tuple
 from megatron.core import parallel_state
 
 from ..schedule.step_collectives import StepOptions
-from . import copy_sums
+from . import copies
 from .model import unwrap_chunk
 
 __all__ = ["StepOptions", "step_options"]
@@ -61,7 +61,7 @@ def step_options(model: Sequence, config, *, drift_check: bool, advise: bool) ->
         overlap_param_gather=bool(ddp is not None and ddp.overlap_param_gather),
         expert_bias=bool(getattr(config, "moe_router_enable_expert_bias", False)),
         quantile_balancing="quantile_balancing" in (balancing if isinstance(balancing, (list, tuple)) else [balancing]),
-        copy_sum=copy_sums.of(model).name,
+        copy_sum=copies.of(model).way,
         per_token_loss=bool(getattr(config, "calculate_per_token_loss", False)),
         tied_embeddings=bool(getattr(inner, "share_embeddings_and_output_weights", False)
                              or getattr(config, "mtp_num_layers", None)),

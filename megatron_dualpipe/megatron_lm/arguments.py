@@ -35,7 +35,7 @@ import functools
 from typing import List
 
 from .. import versions
-from ..mcore import options
+from ..mcore import copies, options
 from ..schedule import registry
 
 _GROUP_TITLE = "DualPipe pipeline schedule (megatron_dualpipe)"
@@ -227,17 +227,9 @@ def dualpipe_problems(args):
     """
     schedule = getattr(args, "pipeline_schedule", registry.DEFAULT)
     spec = registry.get(schedule)
-    if getattr(args, "dualpipe_shared_shard_group", False) and schedule != registry.DUALPIPE:
-        return [f"--dualpipe-shared-shard-group shares the distributed optimizer between DualPipe's two copies of a "
-                f"stage; --pipeline-schedule {schedule} has none: use --pipeline-schedule {registry.DUALPIPE} or "
-                f"remove --dualpipe-shared-shard-group"]
-    if getattr(args, "dualpipe_dp_first", False):
-        if schedule != registry.DUALPIPE:
-            return [f"--dualpipe-dp-first reorders the sum of DualPipe's two copies of a stage; --pipeline-schedule "
-                    f"{schedule} has none: use --pipeline-schedule {registry.DUALPIPE} or remove --dualpipe-dp-first"]
-        if getattr(args, "dualpipe_shared_shard_group", False):
-            return ["--dualpipe-dp-first and --dualpipe-shared-shard-group are two ways to sum the copies: keep one "
-                    "(the shared shard group also halves the optimizer state)"]
+    ways = copies.flag_problems(args, schedule)
+    if ways:
+        return ways
     if spec.runs_on != registry.EXECUTOR:
         if getattr(args, "dualpipe_advise", False):
             return [f"--dualpipe-advise measures the executor's schedules, not Megatron's own {schedule}: use "

@@ -34,7 +34,7 @@ def wrap_unimodal_build_distributed_models(orig):
         import importlib
 
         from ..mcore.model import V_SHAPE
-        from .training_hooks import build_pair_groups, ddp_for_dualpipe, two_chunk_model_built
+        from .training_hooks import build_pair_groups, copy_sum, two_chunk_model_built
 
         build_pair_groups(args_)
         dist_utils = importlib.import_module(_DIST_UTILS)
@@ -44,11 +44,9 @@ def wrap_unimodal_build_distributed_models(orig):
                  _SCOPED["print"].to(_count_printer(built), on=dist_utils)]
         if spec.layout_kind == V_SHAPE:
             swaps.append(_SCOPED["_wrap_with_mp_wrapper"].made_by(_wrapped_with_chunk_config, on=dist_utils))
-        if schedule == registry.DUALPIPE:
-            swaps.append(_SCOPED["_ddp_wrap"].made_by(_unbucketed, on=dist_utils))
-            wrap = ddp_for_dualpipe(args_)
-            if wrap is not None:
-                swaps.append(_SCOPED["DistributedDataParallel"].made_by(wrap, on=dist_utils))
+        if spec.mirrored:
+            swaps += [_SCOPED["_ddp_wrap"].made_by(_unbucketed, on=dist_utils),
+                      _SCOPED["DistributedDataParallel"].made_by(copy_sum(args_).wrap_ddp, on=dist_utils)]
         with hooks.scoped(*swaps):
             model = orig(build_model_func, transformer_config, pg_collection, *args, **kwargs)
         return two_chunk_model_built(list(model), schedule)

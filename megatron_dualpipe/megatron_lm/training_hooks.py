@@ -10,7 +10,7 @@ arguments and returns its result: Megatron behaves exactly as without the plugin
     1. ``groups.build_bd_groups()`` once (collective; the first ``get_model`` call is right
        after ``initialize_megatron`` on every rank, in the same order), and with
        ``--dualpipe-shared-shard-group`` the shard groups (``mcore.shard_groups``), whose DDP
-       subclass then wraps each chunk (``mcore.shared_shard_wrap``);
+       subclass then wraps each chunk (``mcore.copies.shared_shard``);
     2. Megatron's own ``get_model`` runs with a provider that returns *both* chunks, built by
        ``mcore.model.build_two_direction_model`` (stage ``i`` and its mirror ``pp-1-i`` for
        DualPipe, stages ``i`` and ``2pp-1-i`` for DualPipeV), with one shared
@@ -36,7 +36,7 @@ arguments and returns its result: Megatron behaves exactly as without the plugin
     ``shared`` but asserts that expert parameters are not, so the whole two-chunk model trips
     that assert with MoE.) Under the shared shard group with ``--bf16`` it reads the fp32 main
     copies, half of whose shards are the mirror's: those are added
-    (``mcore.shared_shard_wrap.params_norm_chunks``).
+    (``mcore.copies.shared_shard``, the way's ``params_norm_chunks``).
 The parameter count
     Stock ``get_model`` prints `` > number of parameters on (tensor, pipeline) model parallel
     rank (t, p): N`` summed over the chunks it was given. Under DualPipe the line keeps its
@@ -45,7 +45,7 @@ The parameter count
     mirrored copy; under DualPipeV it names the two stages (nothing is duplicated).
 ``setup_model_and_optimizer`` (DualPipe / DualPipeV)
     with ``--dualpipe-shared-shard-group``, Megatron's ``get_megatron_optimizer`` is called per
-    chunk, in ascending stage order, over its shard group (``mcore.shared_shard_wrap.per_stage_optimizer``);
+    chunk, in ascending stage order, over its shard group (``mcore.copies.shared_shard.per_stage_optimizer``);
     after Megatron's own returns (model built, optimizer built, checkpoint loaded), every rank
     counts the bytes of its parameters, gradients and optimizer state per chunk
     (``mcore.state_bytes``; one all-gather) and rank 0 prints one table: per pipeline rank this
@@ -74,7 +74,6 @@ import functools
 from .. import hooks
 from ..schedule import registry
 from .arguments import schedule_of
-from ..schedule.layout import BIDIRECTIONAL
 
 _PART = "megatron-lm training"  # hooks/manifest.py lists what install() patches
 
@@ -163,30 +162,23 @@ def parameter_count_line(line: str, chunks) -> str:
 
 
 def copy_sum(args):
-    """How DualPipe's stage copies are summed, as the arguments choose (``mcore.copy_sums``)."""
-    from ..mcore.copy_sums import chosen
+    """How DualPipe's stage copies are summed, as the arguments choose (``mcore.copies``)."""
+    from ..mcore.copies import chosen
 
     return chosen(args)
-
-
-def ddp_for_dualpipe(args):
-    """How DualPipe's chunks wrap megatron-core's DDP class (None: unchanged), as the chosen way
-    of summing the copies says."""
-    return copy_sum(args).wrap_ddp
 
 
 def build_pair_groups(args) -> None:
     """The bd groups, and the shard groups if the way the copies are summed needs them (collective;
     once, before the chunks are built)."""
-    from ..mcore import groups, shard_groups
+    from ..mcore import groups
 
     if not groups.bd_groups_initialized():
         groups.build_bd_groups()
-    if copy_sum(args).builds_shard_groups and not shard_groups.shard_groups_initialized():
-        shard_groups.build_shard_groups()
+    copy_sum(args).build_groups()
 
 
-def _unbucketed_ddp(module, wrap=None):
+def _unbucketed_ddp(module, wrap):
     """Within the block, ``module.DDP`` (what stock ``get_model`` wraps each chunk in) builds every
     chunk with ``disable_bucketing=True``. Stock DDP buckets only the first chunk on pipeline rank 0,
     so with --overlap-grad-reduce stage 0's home copy would be bucketed and its mirror (rank
@@ -195,9 +187,7 @@ def _unbucketed_ddp(module, wrap=None):
     would not let its reduction start earlier.)"""
 
     def unbucketed(orig):
-        if wrap is not None:  # ``ddp_for_dualpipe``
-            orig = wrap(orig)
-        return unbucketed_ddp_class(orig)
+        return unbucketed_ddp_class(wrap(orig))
 
     return hooks.entry("scoped", "DDP").made_by(unbucketed, on=module)
 
@@ -256,8 +246,8 @@ def wrap_get_model(orig):
         built = {}
         provider = _two_chunk_provider(model_provider_func, schedule, model_type, config, built)
         swaps = [_parameter_count_rewritten(mtraining, built)]
-        if schedule == registry.DUALPIPE:
-            swaps.append(_unbucketed_ddp(mtraining, ddp_for_dualpipe(args)))
+        if registry.get(schedule).mirrored:
+            swaps.append(_unbucketed_ddp(mtraining, copy_sum(args).wrap_ddp))
         with hooks.scoped(*swaps):
             model = orig(provider, model_type, wrap_with_ddp, config=config, pg_collection=pg_collection)
         return two_chunk_model_built(list(model), schedule)
@@ -272,7 +262,7 @@ def two_chunk_model_built(model, schedule: str):
         raise RuntimeError(f"--pipeline-schedule {schedule}: expected 2 model chunks, got {len(model)}")
     from .checkpoint.torch_dist_mirror import mark_mirror_replicas, mark_v_tied_output_weight
 
-    if registry.get(schedule).layout_kind == BIDIRECTIONAL:
+    if registry.get(schedule).mirrored:
         mark_mirror_replicas(model[1])  # torch_dist: the mirror is a non-main replica
     else:
         mark_v_tied_output_weight(model)  # torch_dist: written once, as the embedding
@@ -308,12 +298,7 @@ def wrap_setup_model_and_optimizer(orig):
         from megatron.training import get_args
 
         args = get_args()
-        swaps, optimizer = [], copy_sum(args).optimizer
-        if optimizer is not None:
-            import megatron.training.training as mtraining
-
-            swaps.append(hooks.entry("scoped", "get_megatron_optimizer").made_by(optimizer, on=mtraining))
-        with hooks.scoped(*swaps):
+        with copy_sum(args).building_optimizer():
             out = orig(*a, **kw)
         schedule = schedule_of(args)
         if registry.get(schedule).chunks_per_rank == 2:
@@ -328,13 +313,12 @@ def log_state_bytes(schedule: str, model, optimizer) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from ..mcore import copy_sums, state_bytes
+    from ..mcore import copies, state_bytes
 
     rows, allocated = state_bytes.gather_table(model, optimizer, parallel_state.get_pipeline_model_parallel_rank())
     if dist.get_rank() == 0:
         print(state_bytes.format_table(schedule, rows, allocated,
-                                       with_1f1b=registry.get(schedule).layout_kind == BIDIRECTIONAL,
-                                       shared_shards=copy_sums.of(model).shards_over_both_copies), flush=True)
+                                       with_1f1b=registry.get(schedule).mirrored, way=copies.of(model)), flush=True)
 
 
 def wrap_config_from_args(orig):
@@ -365,13 +349,12 @@ def wrap_calc_params_l2_norm(orig):
         from megatron.training import get_args
 
         args = get_args()
-        if registry.get(schedule_of(args)).layout_kind != BIDIRECTIONAL or not isinstance(model, list) \
-                or len(model) != 2:
+        if not registry.get(schedule_of(args)).mirrored or not isinstance(model, list) or len(model) != 2:
             return orig(model, force_create_fp32_copy, *a, **kw)
-        from ..mcore.shared_shard_wrap import params_norm_chunks
+        from ..mcore.copies import of
 
         reads_main_params = bool(getattr(args, "bf16", False)) and not force_create_fp32_copy
-        with params_norm_chunks(model, reads_main_params) as chunks:
+        with of(model).params_norm_chunks(model, reads_main_params) as chunks:
             return orig(chunks, force_create_fp32_copy, *a, **kw)
 
     return calc_params_l2_norm

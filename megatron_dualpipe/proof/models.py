@@ -18,6 +18,8 @@ import torch
 from . import names, tiny_gpt
 from .data import forward_step, make_gpt_batches
 from .reference import weights
+from ..schedule import registry
+from ..schedule.layout import BIDIRECTIONAL, V_SHAPE
 from ..schedule.registry import DUALPIPE, DUALPIPEV, INTERLEAVED_1F1B, ONE_F_ONE_B
 
 SEED = 1234
@@ -221,6 +223,7 @@ def build(spec: ModelSpec, schedule: str, full: Dict[str, torch.Tensor]) -> List
     chunks loaded. With ``te_deferral``, every schedule's chunks in megatron DDP (:func:`_in_ddp`)."""
     from ..mcore.model import broadcast_mirrors, build_two_direction_model
 
+    kind = registry.get(schedule).layout_kind if schedule in registry.NAMES else None
     if schedule == INTERLEAVED:
         chunks = _interleaved(spec)
         for chunk in chunks:
@@ -228,12 +231,12 @@ def build(spec: ModelSpec, schedule: str, full: Dict[str, torch.Tensor]) -> List
     elif schedule == ONE_F_ONE_B:
         chunks = [provider(spec)()]
         names.load_stage_from_full(chunks[0], full)
-    elif schedule == DUALPIPE:
-        chunks = list(build_two_direction_model(provider(spec, executor=True), layout_kind="bidirectional"))
+    elif kind == BIDIRECTIONAL:
+        chunks = list(build_two_direction_model(provider(spec, executor=True), layout_kind=kind))
         names.load_stage_from_full(chunks[0], full)
         broadcast_mirrors(chunks)
-    elif schedule == DUALPIPEV:
-        chunks = list(build_two_direction_model(provider(spec, v_layout=True, executor=True), layout_kind="v"))
+    elif kind == V_SHAPE:
+        chunks = list(build_two_direction_model(provider(spec, v_layout=True, executor=True), layout_kind=kind))
         for chunk in chunks:
             names.load_stage_from_full(chunk, full)
     else:

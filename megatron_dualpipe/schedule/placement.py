@@ -43,7 +43,7 @@ class RankOrder:
     """Megatron's global ranks of the dense layers (its decoder ``RankGenerator``: ``ep`` is 1 there,
     the expert generator has the same pipeline groups, which Megatron asserts). The expert layers'
     generator is the same order with ``tp`` = the expert tensor-parallel size, ``cp`` = 1, ``ep`` and
-    ``dp`` = the expert data-parallel size (``schedule.shard_groups`` uses it so)."""
+    ``dp`` = the expert data-parallel size (``tests/harness/shard_group_ranks.py`` uses it so)."""
 
     tp: int
     cp: int

@@ -283,11 +283,14 @@ NAMES: Tuple[str, ...] = tuple(SPECS)
 DEFAULT = ONE_F_ONE_B
 
 
-def names(runs_on: Optional[str] = None, chunks_per_rank: Optional[int] = None) -> Tuple[str, ...]:
-    """Schedule names, optionally only those run by ``runs_on`` or holding ``chunks_per_rank`` chunks."""
+def names(runs_on: Optional[str] = None, chunks_per_rank: Optional[int] = None,
+          mirrored: Optional[bool] = None) -> Tuple[str, ...]:
+    """Schedule names, optionally only those run by ``runs_on``, holding ``chunks_per_rank`` chunks,
+    or (``mirrored``) whose stages have a copy per direction or not."""
     return tuple(n for n, s in SPECS.items()
                  if (runs_on is None or s.runs_on == runs_on)
-                 and (chunks_per_rank is None or s.chunks_per_rank == chunks_per_rank))
+                 and (chunks_per_rank is None or s.chunks_per_rank == chunks_per_rank)
+                 and (mirrored is None or s.mirrored == mirrored))
 
 
 def distinct_orders() -> Tuple[str, ...]:

@@ -85,12 +85,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Sequence, Tuple
 
+from .copy_sum import BD_FIRST, CopySum, paired, stage_order
 from .layout import Layout
 from .lowered import COLL, Op
-
-#: ``comm_cost``'s names of the ways of summing DualPipe's copies (``mcore.copy_sum``; not imported:
-#: ``comm_cost`` reads the iteration plan, which reads this module)
-BD_FIRST, DP_FIRST, SHARED_SHARD = "bd-first", "dp-first", "shared-shard"
 
 #: communicator -> the replica axes it spans (``iteration_plan.replicated``): Megatron's groups
 #: pp (pipeline), bd (DualPipe's pair of a stage's copies), embd (first and last pipeline rank),
@@ -119,7 +116,7 @@ class StepOptions:
     overlap_param_gather: bool = False
     expert_bias: bool = False         # --moe-router-enable-expert-bias
     quantile_balancing: bool = False  # --moe-router-load-balancing-type quantile_balancing (0.19)
-    copy_sum: str = BD_FIRST          # how DualPipe's copies are summed (mcore.copy_sum)
+    copy_sum: CopySum = BD_FIRST      # how DualPipe's copies are summed (schedule.copy_sum)
     per_token_loss: bool = False      # --calculate-per-token-loss: the token count's collectives
     tied_embeddings: bool = False     # shared embedding and output weight (or MTP)
     drift_check: bool = False         # --dualpipe-drift-check-interval
@@ -173,22 +170,11 @@ def programs(layout: Layout, opts: StepOptions, *, dp: int, overlap_grad_reduce:
             for r in range(layout.pp)]
 
 
-def _paired(layout: Layout, r: int) -> bool:
-    """DualPipe's rank with a partner holding its stages' other copies (not an odd pipeline's middle)."""
-    return layout.mirrored and layout.partner(r) != r
-
-
-def stage_ordered(layout: Layout, r: int) -> List[int]:
-    """Rank ``r``'s chunks in ascending stage order (``shard_groups.stage_order``)."""
-    chunks = range(len(layout.directions))
-    return sorted(chunks, key=lambda c: layout.stage_on(r, c)) if layout.mirrored else list(chunks)
-
-
 def _advise(layout: Layout, r: int, opts: StepOptions, dp: int) -> List[Op]:
     if not opts.advise:
         return []
     out = [_coll("advice-costs", "pp"), _coll("probe-p2p", "pp")]
-    out += [_coll("probe-bd", "bd")] if _paired(layout, r) else []
+    out += [_coll("probe-bd", "bd")] if paired(layout, r) else []
     return out + ([_coll("probe-dp", "dp")] if dp > 1 else [])
 
 
@@ -196,9 +182,9 @@ def _finalize(layout: Layout, r: int, opts: StepOptions, dp: int, overlap: bool)
     """The finalize after its token all-reduce over the pipeline and the waits for the reductions
     ``GradReduction`` started (those the plan already holds)."""
     out: List[Op] = []
-    if _paired(layout, r) and (opts.expert_bias or opts.quantile_balancing):
-        out += [_coll(f"router-stats:{layout.stage_on(r, c)}", "bd") for c in stage_ordered(layout, r)]
-    out += _grad_syncs(layout, r, opts, dp, overlap)
+    if paired(layout, r) and (opts.expert_bias or opts.quantile_balancing):
+        out += [_coll(f"router-stats:{layout.stage_on(r, c)}", "bd") for c in stage_order(layout, r)]
+    out += CopySum(opts.copy_sum).grad_syncs(layout, r, moe=opts.moe, dp=dp, overlap=overlap)
     if opts.tp_grads:
         out.append(_coll("tp-grads", "tp"))
     if opts.tied_embeddings and len(layout.directions) == 1 and r in (0, layout.pp - 1):
@@ -212,39 +198,12 @@ def _finalize(layout: Layout, r: int, opts: StepOptions, dp: int, overlap: bool)
     return out
 
 
-def _grad_syncs(layout: Layout, r: int, opts: StepOptions, dp: int, overlap: bool) -> List[Op]:
-    """Megatron's ``finish_grad_sync`` per chunk (stage order where the copy-sum way asks for it):
-    the reduction itself without overlap, then dp-first's sum of the shards over the bd pair."""
-    shared, dp_first = opts.copy_sum == SHARED_SHARD and layout.mirrored, opts.copy_sum == DP_FIRST and layout.mirrored
-    chunks = stage_ordered(layout, r) if shared or dp_first else list(range(len(layout.directions)))
-    out: List[Op] = []
-    for c in chunks:
-        s = layout.stage_on(r, c)
-        if shared:
-            out += [_coll(f"reduce-scatter:{s}", f"shard:{s}")]
-            out += [_coll(f"expert-reduce-scatter:{s}", f"expt-shard:{s}")] if opts.moe else []
-            continue
-        if not overlap and dp > 1:
-            out += [_coll(f"grad-sync:{c}", "dp")] + ([_coll(f"expert-grad-sync:{c}", "expt-dp")] if opts.moe else [])
-        if dp_first and _paired(layout, r):
-            out.append(_coll(f"shard-sum:{s}", "bd"))
-    return out
-
-
-def sub_optimizers(layout: Layout, r: int, opts: StepOptions) -> List[Tuple[bool, List[int]]]:
-    """(expert, chunks) of each optimizer of the chain, in step order: dense then experts; under
-    the shared shard group one pair per stage, in stage order (``shared_shard_wrap``)."""
-    parts = [False, True] if opts.moe else [False]
-    if opts.copy_sum == SHARED_SHARD and layout.mirrored:
-        return [(expert, [c]) for c in stage_ordered(layout, r) for expert in parts]
-    return [(expert, list(range(len(layout.directions)))) for expert in parts]
-
-
 def _optimizer(layout: Layout, r: int, opts: StepOptions, dp: int) -> List[Op]:
     """``optimizer.step()``: found-inf per sub-optimizer (fp16), the grad norm and zero count over
     the gradient-statistics group (one all-reduce where every sub-optimizer shares it: the
     distributed optimizer's instance), the parameter all-gathers after the step."""
-    subs = sub_optimizers(layout, r, opts)
+    way = CopySum(opts.copy_sum)
+    subs = way.sub_optimizers(layout, r, opts.moe)
 
     def stats(expert: bool) -> str:
         return "world" if opts.distributed_optimizer else ("expt-mp" if expert else "mp")
@@ -259,19 +218,8 @@ def _optimizer(layout: Layout, r: int, opts: StepOptions, dp: int) -> List[Op]:
                                                                for k, (e, _) in enumerate(subs)]
     if opts.distributed_optimizer and not opts.overlap_param_gather:
         for _, chunks in subs:
-            out += [op for c in chunks for op in _param_gathers(layout, r, c, opts, dp)]
+            out += [op for c in chunks for op in way.param_gathers(layout, r, c, moe=opts.moe, dp=dp)]
     return out
-
-
-def _param_gathers(layout: Layout, r: int, c: int, opts: StepOptions, dp: int) -> List[Op]:
-    """``start_param_sync`` of chunk ``c``: its dense, then its expert bucket groups' all-gathers."""
-    if opts.copy_sum == SHARED_SHARD and layout.mirrored:
-        s = layout.stage_on(r, c)
-        return [_coll(f"param-gather:{s}", f"shard:{s}")] + (
-            [_coll(f"expert-param-gather:{s}", f"expt-shard:{s}")] if opts.moe else [])
-    if dp == 1:
-        return []
-    return [_coll(f"param-gather:{c}", "dp")] + ([_coll(f"expert-param-gather:{c}", "expt-dp")] if opts.moe else [])
 
 
 def _train_step(layout: Layout, r: int, opts: StepOptions) -> List[Op]:
@@ -342,9 +290,9 @@ def _exit(opts: StepOptions) -> List[Op]:
 
 
 def _drift(layout: Layout, r: int, opts: StepOptions) -> List[Op]:
-    if not (opts.drift_check and _paired(layout, r)):
+    if not (opts.drift_check and paired(layout, r)):
         return []
-    return [_coll(f"drift:{layout.stage_on(r, c)}", "bd") for c in stage_ordered(layout, r)]
+    return [_coll(f"drift:{layout.stage_on(r, c)}", "bd") for c in stage_order(layout, r)]
 
 
 def kinds(ops: Sequence[Op]) -> List[str]:

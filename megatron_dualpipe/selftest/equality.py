@@ -24,6 +24,7 @@ from .against_1f1b import vs_1f1b, vs_1f1b_line
 from ..proof import models, names, reference
 from ..proof.compare import Gap
 from .result import FAIL, PASS, StageResult
+from ..schedule import registry
 from ..schedule.registry import DUALPIPE, DUALPIPEV, ONE_F_ONE_B
 
 NAME = "equality"
@@ -46,7 +47,7 @@ def _one_model(ctx, spec: models.ModelSpec) -> dict:
         losses[schedule] = models.run_iteration(spec, schedule, chunks, micro, p2p_timeout=ctx.cfg.deadline_s)
         grads[schedule] = models.grads_by_full_name(chunks, full)
         vs_ref[schedule] = _against_reference(losses[schedule], grads[schedule], ref_losses, ref_grads)
-        if schedule == DUALPIPE:
+        if registry.get(schedule).mirrored:
             copies = _train_steps(ctx, spec, chunks, full)
     return {"losses": losses, "grads": grads, "copies": copies, "vs_reference": vs_ref}
 

@@ -177,9 +177,9 @@ def test_the_model_of_the_running_job_reduces_as_it_does():
     --dualpipe-dp-first / --dualpipe-shared-shard-group build)."""
     from types import SimpleNamespace
 
-    from megatron_dualpipe.mcore.dp_first import DP_FIRST_ATTR
+    from megatron_dualpipe.mcore.copies.dp_first import DP_FIRST_ATTR
+    from megatron_dualpipe.mcore.copies.shared_shard import SHARED_ATTR
     from megatron_dualpipe.mcore.live_advice import reduction_of
-    from megatron_dualpipe.mcore.shard_groups import SHARED_ATTR
 
     def chunk(dist_opt, overlap, **marks):
         return SimpleNamespace(ddp_config=SimpleNamespace(use_distributed_optimizer=dist_opt,

@@ -1,4 +1,4 @@
-"""The shared shard groups (``schedule/shard_groups.py``) against megatron-core's own groups
+"""The shared shard groups (``tests/harness/shard_group_ranks.py``) against megatron-core's own groups
 (``parallel_state.RankGenerator``, what ``initialize_model_parallel`` builds every group from): the
 home half of the group of (rank, chunk) is Megatron's data x context-parallel group of the home
 copy, in Megatron's order, the mirror half the same group of the mirror; for expert layers the
@@ -7,7 +7,7 @@ expert data-parallel groups of the expert generator. No processes: the generator
 import pytest
 
 from megatron_dualpipe.schedule.placement import DEFAULT_ORDER, TP_PP_DP_ORDER, RankOrder
-from megatron_dualpipe.schedule.shard_groups import expert_order, shared_shard_group, stage_of
+from harness.shard_group_ranks import expert_order, shared_shard_group, stage_of
 
 #: (tp, cp, dp, pp, ep, etp, order)
 CASES = [(1, 1, 2, 4, 1, 1, DEFAULT_ORDER), (2, 1, 2, 4, 2, 1, DEFAULT_ORDER), (2, 2, 2, 4, 1, 2, DEFAULT_ORDER),

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from megatron_dualpipe.mcore import step_options as SO
-from megatron_dualpipe.mcore.dp_first import DP_FIRST_ATTR
-from megatron_dualpipe.schedule import step_collectives as SC
+from megatron_dualpipe.mcore.copies.dp_first import DP_FIRST_ATTR
+from megatron_dualpipe.schedule.copy_sum import DP_FIRST
 
 PLAIN = dict(sequence_parallel=False, qk_layernorm=False, num_moe_experts=None, fp16=False,
              moe_router_enable_expert_bias=False, moe_router_load_balancing_type="aux_loss",
@@ -53,7 +53,7 @@ def _options(monkeypatch, tp=1, ddp=None, tied=False, mark=None, **config):
     ("per_token_loss", dict(calculate_per_token_loss=True), True),
     ("tied_embeddings", dict(tied=True), True),
     ("tied_embeddings", dict(mtp_num_layers=1), True),
-    ("copy_sum", dict(mark=DP_FIRST_ATTR), SC.DP_FIRST),
+    ("copy_sum", dict(mark=DP_FIRST_ATTR), DP_FIRST),
     ("moe_logged", dict(num_moe_experts=4), ("load_balancing_loss",)),
     ("moe_logged", dict(num_moe_experts=4, moe_router_load_balancing_type="seq_aux_loss", moe_z_loss_coeff=1e-3),
      ("load_balancing_loss", "seq_load_balancing_loss", "z_loss")),  # Megatron-LM's own `in` on the string

@@ -1,7 +1,7 @@
 """``schedule/collective_order.py``: whether the ranks issue their collectives in an order NCCL can
 complete (per communicator: the same sequence on every member; per rank: one stream).
 
-The case it exists for is DualPipe's shared shard group (``schedule/shard_groups.py``): chunk c of
+The case it exists for is DualPipe's shared shard group (``tests/harness/shard_group_ranks.py``): chunk c of
 rank r and chunk 1-c of rank pp-1-r are one group, so every rank's two chunks reduce-scatter over
 two groups spanning the same ranks. Megatron's own loop (``for chunk in model:
 chunk.finish_grad_sync()``; the optimizer's ``start_param_sync`` per chunk) issues chunk 0 first on
@@ -9,15 +9,19 @@ every rank, which is stage i first on rank i and stage pp-1-i first on its partn
 find that, with one communicator per stage (a stream deadlock) and with one communicator per pair
 of ranks (a mismatch NCCL would pair silently). The orders the design picks pass: the iteration
 plan's bd-sum order (``iteration_plan.bd_sum_order``) for the reduce-scatters issued during the
-schedule, ascending stage (``shard_groups.chunks_by_stage``) for the all-gathers after the step.
+schedule, ascending stage (``copy_sum.stage_order``) for the all-gathers after the step.
 """
+import functools
+
 import pytest
 
 from megatron_dualpipe.schedule import build_schedule
 from megatron_dualpipe.schedule import iteration_plan as IP
 from megatron_dualpipe.schedule.collective_order import Collective, order_problem
 from megatron_dualpipe.schedule.placement import RankOrder
-from megatron_dualpipe.schedule.shard_groups import chunks_by_stage, shard_collectives
+from megatron_dualpipe.schedule.copy_sum import stage_order
+from megatron_dualpipe.schedule.layout import BIDIRECTIONAL, Layout
+from harness.shard_group_ranks import shard_collectives
 
 #: (tp, dp, pp, micro-batches, zero bubble, buckets per chunk)
 CASES = [(1, 1, 2, 4, False, 1), (1, 2, 4, 8, False, 2), (2, 2, 4, 10, True, 2), (1, 2, 8, 16, True, 3),
@@ -63,9 +67,10 @@ def test_the_plans_order_and_stage_order_pass(tp, dp, pp, m, zb, nb):
     ranks = RankOrder(tp, 1, dp, pp)
     order = plan_order(pp, m, zb)
     reduce_scatters = shard_collectives(ranks, issues(ranks, order, nb))
-    all_gathers = shard_collectives(ranks, issues(ranks, lambda r: chunks_by_stage(pp, r), nb), kind="all-gather")
+    by_stage = functools.partial(stage_order, Layout(BIDIRECTIONAL, pp))
+    all_gathers = shard_collectives(ranks, issues(ranks, by_stage, nb), kind="all-gather")
     print(f"\ntp={tp} dp={dp} pp={pp} M={m} zb={zb}: reduce-scatter chunk order per pp rank "
-          f"{[order(r) for r in range(pp)]}, all-gather {[chunks_by_stage(pp, r) for r in range(pp)]}")
+          f"{[order(r) for r in range(pp)]}, all-gather {[by_stage(r) for r in range(pp)]}")
     for lists in (reduce_scatters, all_gathers):
         assert order_problem(lists) is None
         assert order_problem(lists, one_communicator_per_rank_set) is None
@@ -96,7 +101,7 @@ def dp_first(ranks: RankOrder, chunk_order, buckets):
     """dp-first (Megatron's partial distributed optimizer with the bd pair as the inter group): per
     chunk and bucket a reduce-scatter over the copy's own data-parallel replicas, then the pair's
     all-reduce of the shard (partners with the same data/tensor coordinates)."""
-    from megatron_dualpipe.schedule.shard_groups import stage_of
+    from harness.shard_group_ranks import stage_of
 
     out = {}
     for g in range(ranks.world):

@@ -14,9 +14,10 @@ import random
 import pytest
 
 from megatron_dualpipe.costs.advice import DenseModel, advise
-from megatron_dualpipe.costs.comm_cost import (BD_FIRST, DP_FIRST, SHARED_SHARD, CommModel, Link, Network,
-                                                  Placement, all_reduce_ms, grad_comm, reduce_scatter_ms)
+from megatron_dualpipe.costs.comm_cost import (CommModel, Link, Network, Placement, all_reduce_ms, grad_comm,
+                                                  reduce_scatter_ms)
 from megatron_dualpipe.costs.compare import build_padded, run
+from megatron_dualpipe.schedule.copy_sum import BD_FIRST, DP_FIRST, SHARED_SHARD
 from megatron_dualpipe.schedule.placement import PlacementError
 from megatron_dualpipe.schedule.registry import DUALPIPE, DUALPIPEV, INTERLEAVED_1F1B, ONE_F_ONE_B, ZB_H1
 from megatron_dualpipe.schedule.simulate import Costs, simulate

@@ -1,4 +1,4 @@
-"""The shared shard group (``schedule/shard_groups.py``): for each (global rank, chunk) of DualPipe,
+"""The shared shard group (``tests/harness/shard_group_ranks.py``): for each (global rank, chunk) of DualPipe,
 the ranks that hold either copy of the chunk's stage with the same tensor (and expert) coordinates,
 home copy first. Checked against a brute-force search over the world in Megatron's rank order
 (a nested loop, tp fastest, independent of ``RankOrder``); ``tests/mcore/test_shard_groups_megatron.py``
@@ -9,7 +9,7 @@ import itertools
 import pytest
 
 from megatron_dualpipe.schedule.placement import DEFAULT_ORDER, TP_PP_DP_ORDER, RankOrder
-from megatron_dualpipe.schedule.shard_groups import (ShardGroupError, all_shared_shard_groups, chunks_by_stage,
+from harness.shard_group_ranks import (ShardGroupError, all_shared_shard_groups,
                                                      expert_order, shared_shard_group, stage_of)
 
 #: (tp, cp, ep, dp, pp, order); ep > 1 only as the expert generator (tp = etp, cp = 1).
@@ -84,14 +84,6 @@ def test_expert_order_is_megatrons_expert_generator_shape():
     ranks = expert_order(etp=2, ep=2, edp=2, pp=4)
     assert ranks.world == 32 and ranks.sizes == {"tp": 2, "cp": 1, "ep": 2, "dp": 2, "pp": 4}
     assert len(shared_shard_group(ranks, 5, 1)) == 4
-
-
-def test_chunks_by_stage_is_one_order_for_both_partners():
-    for pp in (2, 4, 8):
-        for r in range(pp):
-            mine = [stage_of(pp, r, c) for c in chunks_by_stage(pp, r)]
-            theirs = [stage_of(pp, pp - 1 - r, c) for c in chunks_by_stage(pp, pp - 1 - r)]
-            assert mine == theirs == sorted(mine)
 
 
 def test_refusals_name_the_fix():

@@ -28,6 +28,7 @@ import pytest
 from megatron_dualpipe.schedule import build_schedule, lowered, registry
 from megatron_dualpipe.schedule import iteration_plan as IP
 from megatron_dualpipe.schedule import step_collectives as SC
+from megatron_dualpipe.schedule.copy_sum import BD_FIRST, DP_FIRST, SHARED_SHARD
 from megatron_dualpipe.schedule.comm import plan
 
 EVERYTHING = dict(tp_grads=True, moe=True, fp16=True, distributed_optimizer=True, expert_bias=True,
@@ -40,9 +41,9 @@ OPTION_SETS = {
     "bd-first, fp16, MoE, no overlap": (SC.StepOptions(**EVERYTHING), False),
     "bd-first, overlap-param-gather, overlap-grad-reduce": (
         SC.StepOptions(**{**EVERYTHING, "overlap_param_gather": True}), True),
-    "shared shard group": (SC.StepOptions(**{**EVERYTHING, "fp16": False, "copy_sum": SC.SHARED_SHARD}), False),
-    "dp-first": (SC.StepOptions(**{**EVERYTHING, "copy_sum": SC.DP_FIRST}), False),
-    "dp-first, overlap-grad-reduce": (SC.StepOptions(**{**EVERYTHING, "copy_sum": SC.DP_FIRST}), True),
+    "shared shard group": (SC.StepOptions(**{**EVERYTHING, "fp16": False, "copy_sum": SHARED_SHARD}), False),
+    "dp-first": (SC.StepOptions(**{**EVERYTHING, "copy_sum": DP_FIRST}), False),
+    "dp-first, overlap-grad-reduce": (SC.StepOptions(**{**EVERYTHING, "copy_sum": DP_FIRST}), True),
     "plain optimizer, fp16": (SC.StepOptions(**{**EVERYTHING, "distributed_optimizer": False}), False),
 }
 CASES = [("dualpipe", 4, 8), ("dualpipe", 2, 4), ("dualpipev", 4, 8), ("executor-1f1b", 4, 6)]
@@ -59,16 +60,10 @@ def _build(name, pp, m, opts, ogr, one_queue, step_ops=None):
     """The plan (dp = 2, zero bubble) with the step collectives of ``opts`` (or ``step_ops``);
     DualPipe's bd sums at the end of the schedule on one hardware queue (``plan_for``'s choice)."""
     spec, ranks, plans = _program(name, pp, m)
-    bd_sums = opts.copy_sum == SC.BD_FIRST
+    bd_sums = opts.copy_sum == BD_FIRST
     return IP.build(spec.layout(pp), ranks, plans, is_fake=lambda a: spec.is_fake(m, a.dir, a.mb), deferring=True,
                     overlap_grad_reduce=ogr, dp=2, param_gather=opts.overlap_param_gather, bd_sums=bd_sums,
                     sums_at_end=one_queue, step=opts, step_ops=step_ops)
-
-
-def test_the_copy_sum_names_are_the_cost_models():
-    from megatron_dualpipe.costs import comm_cost
-
-    assert (SC.BD_FIRST, SC.DP_FIRST, SC.SHARED_SHARD) == (comm_cost.BD_FIRST, comm_cost.DP_FIRST, comm_cost.SHARED_SHARD)
 
 
 def test_text_form_parses_back():

@@ -34,7 +34,7 @@ def wrap_load(orig):
         fmt = files.disk_format(args, load_arg)
         file = files.peek_torch_checkpoint(args, load_arg) if fmt == "torch" else None
         strategies.refuse_optimizer_across_layouts(args, optimizer, schedule, file)
-        strategies.refuse_shared_layout_format(ddp_model, fmt)
+        strategies.refuse_unreadable_format(ddp_model, fmt)
         load = strategies.load_strategy(schedule, fmt)
         return load(orig, args, ddp_model, optimizer, file, opt_param_scheduler, load_arg, strict, **kw)
 

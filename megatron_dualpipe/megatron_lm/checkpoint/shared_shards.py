@@ -4,7 +4,7 @@ optimizer of ``model[0]`` (``--ckpt-format torch``, and ``torch_dist`` with
 
 Under the shared shard group every chunk has its own distributed optimizers (dense, and expert
 where the stage has experts) over the ``2 x dp`` ranks that hold either copy of its stage, chained
-in ascending stage order (``mcore.shared_shard_wrap``). Their state in 1F1B's files:
+in ascending stage order (``mcore.copies.shared_shard``). Their state in 1F1B's files:
 
 * ``state_dict()`` (the step, the param groups' hyper-parameters): the home copy's sub-optimizers
   (``model[0]``'s), whose param groups are those of 1F1B's optimizer of the same stage. At load the

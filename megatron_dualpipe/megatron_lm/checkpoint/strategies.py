@@ -19,16 +19,18 @@ Before any torch-format load, optimizer state across the DualPipeV and 1F1B layo
 (:func:`refuse_optimizer_across_layouts`): it is laid out per stage and not remapped.
 """
 
+import contextlib
 from typing import Callable, Dict, Tuple
 
+from ...mcore import copies
 from ...schedule import registry
+from ...schedule.layout import BIDIRECTIONAL, V_SHAPE
 from ..refusal import Refusal
 from . import dualpipev_layers, torch_dist_mirror
 from .megatron_io import generated_state_dict_edited
 from .mirrors import sync_mirrors
 from .one_chunk_optimizer import OneChunkOptimizerView
 from .shared_shards import SharedShardOptimizerView
-from ...mcore.shard_groups import is_shared_layout
 from .optimizers import inner_optimizers, kind, model0_ids
 
 ANY_FORMAT = "*"
@@ -41,32 +43,68 @@ def save_as_is(orig, args, iteration, model, optimizer, *a, **kw):
     return orig(iteration, model, optimizer, *a, **kw)
 
 
+class HomeCopyState:
+    """One optimizer over both chunks (the bd sum, dp-first): 1F1B's state is its ``model[0]`` part,
+    and the mirror's is copied from the home copy after a load."""
+
+    #: The checkpoint formats it is written and read in (None: every one).
+    formats = None
+
+    def __init__(self, model, optimizer):
+        self.model, self.optimizer = model, optimizer
+
+    def torch_view(self, saving: bool):
+        if saving:
+            for o in inner_optimizers(self.optimizer):
+                if not getattr(o, "is_stub_optimizer", False):
+                    kind(o)  # refuses unsupported optimizers before anything is written
+        return OneChunkOptimizerView(self.optimizer, model0_ids(self.model))
+
+    @contextlib.contextmanager
+    def torch_dist_view(self):
+        with torch_dist_mirror.model0_distributed_optimizers(self.model, self.optimizer):
+            yield self.optimizer
+
+    def sync_mirrors(self) -> None:
+        sync_mirrors(self.model, self.optimizer)
+
+
+class PerStageState(HomeCopyState):
+    """The shared shard group's optimizers, one per stage: 1F1B's state is the home copy's
+    sub-optimizers' (:mod:`.shared_shards`); after a load the mirrors get only the parameters."""
+
+    formats = ("torch", "torch_dist")  # torch_dist keyed by parameter: the argument check refuses the rest
+
+    def torch_view(self, saving: bool):
+        return SharedShardOptimizerView(self.optimizer, self.model)
+
+    @contextlib.contextmanager
+    def torch_dist_view(self):
+        yield None if self.optimizer is None else SharedShardOptimizerView(self.optimizer, self.model)
+
+    def sync_mirrors(self) -> None:
+        sync_mirrors(self.model, None)
+
+
+def _state(model, optimizer):
+    """The optimizer view the way the copies are summed keeps 1F1B's state in (``mcore.copies``)."""
+    return copies.of(model).checkpoint_view(HomeCopyState, PerStageState)(model, optimizer)
+
+
 def save_model0_as_one_chunk(orig, args, iteration, model, optimizer, *a, **kw):
     """dualpipe, torch: the file 1F1B writes (``model[0]`` and its optimizer state, re-indexed;
     with the shared shard group, the home copy's sub-optimizers: :mod:`.shared_shards`)."""
-    if is_shared_layout(model):
-        if not args.no_save_optim and optimizer is not None:
-            optimizer = SharedShardOptimizerView(optimizer, model)
-        return orig(iteration, list(model)[:1], optimizer, *a, **kw)
     if not args.no_save_optim and optimizer is not None:
-        for o in inner_optimizers(optimizer):
-            if not getattr(o, "is_stub_optimizer", False):
-                kind(o)  # refuses unsupported optimizers before anything is written
-        optimizer = OneChunkOptimizerView(optimizer, model0_ids(model))
+        optimizer = _state(model, optimizer).torch_view(saving=True)
     return orig(iteration, list(model)[:1], optimizer, *a, **kw)
 
 
 def save_without_mirror(orig, args, iteration, model, optimizer, *a, **kw):
     """dualpipe, torch_dist: 1F1B's keys (the mirror's entries and grad buffers are not written;
     with the shared shard group the home copy's sub-optimizers: :mod:`.shared_shards`)."""
-    if is_shared_layout(model):
-        if not args.no_save_optim and optimizer is not None:
-            optimizer = SharedShardOptimizerView(optimizer, model)
-        with generated_state_dict_edited(torch_dist_mirror.drop_mirror_entries):
-            return orig(iteration, model, optimizer, *a, **kw)
     with generated_state_dict_edited(torch_dist_mirror.drop_mirror_entries), \
-            torch_dist_mirror.model0_distributed_optimizers(model, optimizer):
-        return orig(iteration, model, optimizer, *a, **kw)
+            _state(model, None if args.no_save_optim else optimizer).torch_dist_view() as view:
+        return orig(iteration, model, optimizer if args.no_save_optim else view, *a, **kw)
 
 
 def save_with_one_chunk_model(orig, args, iteration, model, optimizer, *a, **kw):
@@ -83,10 +121,10 @@ def save_tied_output_once(orig, args, iteration, model, optimizer, *a, **kw):
 
 
 SAVE: Dict[Tuple[str, str], Callable] = {
-    (registry.DUALPIPE, "torch"): save_model0_as_one_chunk,
-    (registry.DUALPIPE, "torch_dist"): save_without_mirror,
-    (registry.DUALPIPEV, "torch"): save_with_one_chunk_model,
-    (registry.DUALPIPEV, "torch_dist"): save_tied_output_once,
+    (BIDIRECTIONAL, "torch"): save_model0_as_one_chunk,
+    (BIDIRECTIONAL, "torch_dist"): save_without_mirror,
+    (V_SHAPE, "torch"): save_with_one_chunk_model,
+    (V_SHAPE, "torch_dist"): save_tied_output_once,
 }
 
 
@@ -101,11 +139,9 @@ def load_as_is(orig, args, model, optimizer, file, *a, **kw):
 def load_into_model0(orig, args, model, optimizer, file, *a, **kw):
     """dualpipe, torch: 1F1B's file into ``model[0]`` and its optimizer state, then the mirrors
     (with the shared shard group every sub-optimizer loads its own shards: parameters only)."""
-    shared = is_shared_layout(model)
-    view = None if optimizer is None else (
-        SharedShardOptimizerView(optimizer, model) if shared else OneChunkOptimizerView(optimizer, model0_ids(model)))
-    result = orig(list(model)[:1], view, *a, **kw)
-    sync_mirrors(model, None if shared else optimizer)
+    state = _state(model, optimizer)
+    result = orig(list(model)[:1], None if optimizer is None else state.torch_view(saving=False), *a, **kw)
+    state.sync_mirrors()
     return result
 
 
@@ -113,14 +149,10 @@ def load_then_sync_mirrors(orig, args, model, optimizer, file, *a, **kw):
     """dualpipe, torch_dist: every replica reads its stage's shards (the distributed optimizer's
     buffer-keyed state: model[0]'s buffers), then the mirrors are synced from the home copies
     (with the shared shard group each sub-optimizer reads its own shards: parameters only)."""
-    if is_shared_layout(model):
-        view = None if optimizer is None else SharedShardOptimizerView(optimizer, model)
+    state = _state(model, optimizer)
+    with state.torch_dist_view() as view:
         result = orig(model, view, *a, **kw)
-        sync_mirrors(model, None)
-        return result
-    with torch_dist_mirror.model0_distributed_optimizers(model, optimizer):
-        result = orig(model, optimizer, *a, **kw)
-    sync_mirrors(model, optimizer)
+    state.sync_mirrors()
     return result
 
 
@@ -155,28 +187,29 @@ def load_reshardable_state(orig, args, model, optimizer, file, *a, **kw):
 
 
 LOAD: Dict[Tuple[str, str], Callable] = {
-    (registry.DUALPIPE, "torch"): load_into_model0,
-    (registry.DUALPIPE, ANY_FORMAT): load_then_sync_mirrors,
-    (registry.DUALPIPEV, "torch"): load_into_v_stages,
-    (registry.DUALPIPEV, "torch_dist"): load_reshardable_state,
+    (BIDIRECTIONAL, "torch"): load_into_model0,
+    (BIDIRECTIONAL, ANY_FORMAT): load_then_sync_mirrors,
+    (V_SHAPE, "torch"): load_into_v_stages,
+    (V_SHAPE, "torch_dist"): load_reshardable_state,
 }
 
 
 def save_strategy(schedule: str, fmt: str) -> Callable:
-    return SAVE.get((schedule, fmt), save_as_is)
+    return SAVE.get((registry.spec(schedule).layout_kind, fmt), save_as_is)
 
 
 def load_strategy(schedule: str, fmt: str) -> Callable:
-    return LOAD.get((schedule, fmt)) or LOAD.get((schedule, ANY_FORMAT)) or load_as_is
+    kind_ = registry.spec(schedule).layout_kind
+    return LOAD.get((kind_, fmt)) or LOAD.get((kind_, ANY_FORMAT)) or load_as_is
 
 
-def refuse_shared_layout_format(model, fmt: str) -> None:
-    """The shared shard group's optimizer state is written and read in --ckpt-format torch and
-    torch_dist (the argument check refuses saving in another; this catches a --load that finds one)."""
-    if fmt not in ("torch", "torch_dist") and is_shared_layout(model):
-        raise Refusal(
-            f"--dualpipe-shared-shard-group loads --ckpt-format torch and torch_dist checkpoints, this one is {fmt}: "
-            "convert it under --pipeline-schedule 1f1b, or remove --dualpipe-shared-shard-group")
+def refuse_unreadable_format(model, fmt: str) -> None:
+    """A --load whose format the optimizer view of the way the copies are summed cannot read."""
+    way = copies.of(model)
+    formats = way.checkpoint_view(HomeCopyState, PerStageState).formats
+    if formats is not None and fmt not in formats:
+        raise Refusal(f"{way.way.flag} loads --ckpt-format {' and '.join(formats)} checkpoints, this one is {fmt}: "
+                      f"convert it under --pipeline-schedule 1f1b, or remove {way.way.flag}")
 
 
 def one_chunk_file(file) -> bool:

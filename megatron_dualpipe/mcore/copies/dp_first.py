@@ -1,24 +1,12 @@
 """dp-first: DualPipe's two copies of a stage summed on the distributed optimizer's shards.
 
-``--dualpipe-dp-first`` (dualpipe, ``--use-distributed-optimizer``; docs/design-shared-shard-group.md,
-section 7). Without it each copy's full gradient buffers are summed over the bd pair (bytes ``G``
-per stage) and then reduce-scattered over the copy's ``dp`` replicas. With it the reduce-scatter
-comes first and the pair sums only the rank's ``1/dp`` shard of every bucket (bytes ``G/dp``): the
-sum is the same (both are sums over disjoint rank sets), the shard each copy's optimizer steps is
-the same on both copies (the partners have the same data-parallel coordinates, so the same shard
-index), and so are the parameters the all-gather returns. Where the pair crosses nodes and the
-replicas do not, this is the cheapest reduction the cost model knows (``costs.comm_cost``,
-``bd_mode="dp-first"``).
-
-How: :func:`summing_shards_over_pairs` subclasses megatron-core's ``DistributedDataParallel``:
-its ``finish_grad_sync`` (the reduce-scatter, or the wait for it under ``--overlap-grad-reduce``)
-is followed by the all-reduce of every bucket's own shard over the bd pair. Megatron's finalize
-calls it chunk by chunk; the project's finalize hands it the chunks in ascending stage order, the
-order both partners then issue the pair's all-reduces in (``shard_groups.stage_order``). No bd sum
-runs during the schedule (``grad_reduction``), and the tied-embedding fold adds the rank's two
-unsummed copies before the reduce-scatter (the pair's sum of both folds is the tied gradient, as
-with the shared shard group). The middle rank of an odd pipeline holds both copies and sums them
-before its reduce-scatter, as without the flag.
+``--dualpipe-dp-first`` (docs/design-shared-shard-group.md, section 7): the reduce-scatter comes
+first and the pair sums only the rank's ``1/dp`` shard of every bucket (bytes ``G/dp`` instead of
+``G``): the same sum (over disjoint rank sets), the same shard on both copies (the partners have
+the same data-parallel coordinates). :func:`summing_shards_over_pairs` ends DDP's
+``finish_grad_sync`` with that sum; Megatron's finalize calls it chunk by chunk, in the stage order
+finalize gives (``CopySum.finalize_order``). The middle rank of an odd pipeline holds both copies
+and sums them before its reduce-scatter, in finalize.
 """
 from __future__ import annotations
 
@@ -26,19 +14,14 @@ from typing import List, Sequence
 
 import torch
 
-from ..costs.comm_cost import DP_FIRST
-from . import bd_pairs
-from .copy_sum import MIDDLE_RANK, CopySum
+from ...schedule.copy_sum import DP_FIRST
+from .. import bd_pairs
+from .way import CopySumWay
 
-__all__ = ["DP_FIRST_ATTR", "WAY", "summing_shards_over_pairs", "is_dp_first", "own_shards", "whole_buffers"]
+__all__ = ["DP_FIRST_ATTR", "WAY", "summing_shards_over_pairs", "own_shards", "whole_buffers"]
 
 #: Set on a DDP chunk whose copies are summed after its reduce-scatter, on its shards.
 DP_FIRST_ATTR = "dualpipe_dp_first"
-
-
-def is_dp_first(model: Sequence[torch.nn.Module]) -> bool:
-    return any(getattr(chunk, DP_FIRST_ATTR, False) for chunk in model)
-
 
 def _bucket_groups(ddp) -> list:
     return list(ddp.bucket_groups) + list(ddp.expert_parallel_bucket_groups)
@@ -84,8 +67,8 @@ def summing_shards_over_pairs(ddp_class):
             pos = bd_pairs.position()
             if pos.is_middle:  # both copies here, summed before the reduce-scatter
                 return
-            from ..executor import pair_sums
-            from .model import chunk_info
+            from ...executor import pair_sums
+            from ..model import chunk_info
 
             stage = (chunk_info(self) or {}).get("stage", "?")
             if not self._dp_first_checked:
@@ -102,7 +85,19 @@ def summing_shards_over_pairs(ddp_class):
     return DpFirstDDP
 
 
-#: Summed on the shards after the reduce-scatter, in Megatron's finalize, in stage order (only the
-#: middle rank of an odd pipeline sums its two copies before, in finalize).
-WAY = CopySum(DP_FIRST, flag="dualpipe_dp_first", marker=DP_FIRST_ATTR, wrap_ddp=summing_shards_over_pairs,
-              sums_in_schedule=False, sums_in_finalize=MIDDLE_RANK, stage_ordered_finalize=True)
+class DpFirst(CopySumWay):
+    """Summed on the shards after the reduce-scatter, in Megatron's finalize, in stage order."""
+
+    way, marker = DP_FIRST, DP_FIRST_ATTR
+    purpose = "reorders the sum of DualPipe's two copies of a stage"
+
+    def wrap_ddp(self, ddp_class: type) -> type:
+        return summing_shards_over_pairs(ddp_class)
+
+    def sum_in_finalize(self, model: Sequence, bd_sum) -> None:
+        """Only the middle rank of an odd pipeline, which holds both copies, sums them in finalize."""
+        if bd_pairs.position().is_middle:
+            bd_sum(model)
+
+
+WAY = DpFirst()

@@ -20,14 +20,15 @@ checkpoint or a ``fully_reshardable`` one, and the rank DDP broadcasts the param
 expert rank generator (``tp`` = expert tensor parallel, ``cp`` = 1, ``ep``, ``dp`` = expert data
 parallel): :func:`expert_order`.
 
-Standard library only.
+The rank formula the tests hold ``mcore.shard_groups`` (which builds the groups from megatron-core's
+own) and the collective-order checks against. Standard library only.
 """
 from __future__ import annotations
 
 from typing import Dict, List, Mapping, Sequence, Tuple
 
-from .collective_order import Collective
-from .placement import DEFAULT_ORDER, RankOrder
+from megatron_dualpipe.schedule.collective_order import Collective
+from megatron_dualpipe.schedule.placement import DEFAULT_ORDER, RankOrder
 
 #: The axes a shared shard group spans (Megatron's gradient group is data x context parallel).
 _SPANNED = ("dp", "cp")
@@ -94,12 +95,5 @@ def shard_collectives(ranks: RankOrder, issues: Mapping[int, Sequence[Tuple[int,
                 for c, b in cs] for r, cs in issues.items()}
 
 
-def chunks_by_stage(pp: int, pp_rank: int) -> List[int]:
-    """The chunks of ``pp_rank`` in ascending stage order: an issue order both partners share
-    (rank i and pp-1-i both start with stage min(i, pp-1-i)), for the collectives issued outside the
-    schedule (the parameter all-gathers after the step, the checkpoint gathers)."""
-    return sorted((0, 1), key=lambda c: stage_of(pp, pp_rank, c))
-
-
 __all__ = ["ShardGroupError", "stage_of", "shared_shard_group", "all_shared_shard_groups", "expert_order",
-           "shard_collectives", "chunks_by_stage"]
+           "shard_collectives"]
