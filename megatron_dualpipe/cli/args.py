@@ -154,8 +154,7 @@ def check_writable(path: str) -> None:
 
 
 def snapshot(patches) -> dict:
-    """target -> (owner, name, object) of each patch that applies to this megatron-core: what an
-    undo must give back (the others are skipped by the install too: their module may not exist)."""
+    """target -> (owner, name, object) of each patch for this megatron-core: what an undo must give back."""
     from ..hooks.mechanism import current, megatron_core_version, resolve
 
     version, found = megatron_core_version(), {}
@@ -174,8 +173,7 @@ def not_restored(saved: dict) -> list:
 
 
 def print_by_part(rows, noun: str, describe, restored, undo: str) -> None:
-    """``hooks`` / ``cpu-mode``'s table: the (part, patch, state) rows by part, ``describe(patch,
-    state)`` giving each its line and its why; then whether ``undo()`` restored every attribute."""
+    """``hooks`` / ``cpu-mode``'s table by part (``describe(patch, state)``: line, why), then the undo's verdict."""
     part = None
     for p, patch, state in rows:
         if p != part:

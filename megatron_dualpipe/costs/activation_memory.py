@@ -113,8 +113,7 @@ def layer_bytes(m: ModelArgs, moe: bool) -> float:
 
 
 def _output_bytes(m: ModelArgs) -> float:
-    """The output layer's input and the cross entropy's fp32 logits, per token on one rank (Megatron's
-    pp == 1 term: ``4h(1 + V/h)``), once for the main head and once per MTP depth."""
+    """The output layer's input and fp32 logits per token on one rank (``4h(1 + V/h)``), per head and MTP depth."""
     return (4 * m.hidden + 4 * m.padded_vocab) / m.tp * (1 + m.mtp_layers)
 
 

@@ -76,8 +76,7 @@ Known = Dict[str, Tuple[Padded, SimResult]]
 
 def run(name: str, pp: int, real: int, stage_costs: Costs, known: Optional[Known] = None,
         comm: Optional[CommModel] = None) -> Row:
-    """Simulate ``name`` on the model whose stages cost ``stage_costs``; with ``comm``, P2P
-    messages cost their link and the row carries the gradient communication (``comm_cost``)."""
+    """Simulate ``name`` on the model whose stages cost ``stage_costs`` (``comm``: and its communication)."""
     spec = get(name)
     frac = stage_fraction(spec, pp)
     costs = stage_costs.scaled(frac)

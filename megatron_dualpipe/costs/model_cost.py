@@ -44,8 +44,7 @@ GPUS = {g.name: g for g in (
 # FLOPs (forward, per token)
 
 def attention_flops(m: ModelArgs) -> Tuple[float, float]:
-    """(linear, core) forward FLOPs per token of one attention layer: the projections, and the
-    causal ``QK^T`` and ``softmax V`` (half the square each, two FLOPs per multiply-add)."""
+    """(linear, core) forward FLOPs per token of one attention layer (causal: half of ``QK^T``, ``softmax V``)."""
     h, n, s = m.hidden, m.heads, m.seq_length
     if m.mla:
         q = h * n * (m.qk_head_dim + m.qk_pos_emb_head_dim) if m.q_lora_rank is None else \
@@ -79,8 +78,7 @@ def output_flops(m: ModelArgs) -> float:
 
 
 def mtp_flops(m: ModelArgs) -> Tuple[float, float]:
-    """(linear, core) forward FLOPs per token of the MTP block: per depth a transformer layer of the
-    last layer's kind, the norms and the 2h -> h projection, and its own logits."""
+    """(linear, core) forward FLOPs per token of the MTP block: per depth a layer, a projection, logits."""
     if not m.mtp_layers:
         return 0.0, 0.0
     linear, core = layer_flops(m, bool(m.moe_pattern[-1]))
@@ -170,8 +168,7 @@ def moe_layers(m: ModelArgs, stage: int) -> int:
 
 
 def all_to_all_ms(m: ModelArgs, gpu: Gpu, gpus_per_node: int, bandwidth: Optional[float] = None) -> float:
-    """One MoE layer's dispatch and combine on a rank, one direction (ms): (EP-1)/EP of the routed
-    tokens' bf16 hidden states leave the rank."""
+    """One MoE layer's dispatch and combine on a rank, one direction (ms)."""
     if m.ep == 1 or not m.num_experts:
         return 0.0
     tokens = m.micro_batch * m.seq_length / m.cp / (m.tp if m.sequence_parallel else 1)
@@ -355,8 +352,7 @@ def stage_memory(m: ModelArgs, world: int, stage: int) -> Memory:
 
 
 def heaviest_memory(m: ModelArgs, world: int) -> Memory:
-    """The stage with the most parameter memory, with the largest activations of any stage (every
-    schedule's peak counts micro-batch-stages alike)."""
+    """The stage with the most parameter memory, with the largest activations of any stage."""
     stages = [stage_memory(m, world, s) for s in range(m.pp)]
     return replace(max(stages, key=lambda x: x.states), activations=max(x.activations for x in stages),
                    activations_once=max(x.activations_once for x in stages))

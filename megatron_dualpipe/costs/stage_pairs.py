@@ -19,8 +19,7 @@ DEFAULT_LAYER_COSTS = {"E": 0.0, "t": 1.0, "m": 1.0, "L": 0.0}
 
 
 def held(schedule: str, pp: int) -> List[Tuple[int, ...]]:
-    """The stages of each rank (model[0] first): 1F1B ``(i,)``, DualPipe ``(i, pp-1-i)``, DualPipeV
-    ``(i, 2pp-1-i)`` of its ``2*pp`` V-stages."""
+    """The stages of each rank (model[0] first): 1F1B ``(i,)``, DualPipe ``(i, pp-1-i)``, DualPipeV ``(i, 2pp-1-i)``."""
     layout = Layout(registry.get(schedule).layout_kind, pp)
     return [layout.stages_on(r) for r in range(pp)]
 
@@ -92,8 +91,7 @@ def _cell(schedule: str, stages: Tuple[int, ...], costs: Sequence[float], load: 
 
 def report(stage_costs: Sequence[float], v_costs: Sequence[float], schedules: Sequence[str],
            unit: str = "") -> List[str]:
-    """Per rank, the stages each schedule puts there and their summed cost; per schedule the slowest
-    rank's load against the mean; and what the pairing does to the heaviest stage."""
+    """Per rank the stages each schedule puts there and their cost; the slowest rank against the mean."""
     pp = len(stage_costs)
     names = [n for n in schedules if registry.get(n).layout_kind in (UNIDIRECTIONAL, BIDIRECTIONAL, V_SHAPE)
              and not registry.get(n).pp_problem(pp)]
@@ -117,8 +115,7 @@ def report(stage_costs: Sequence[float], v_costs: Sequence[float], schedules: Se
 
 
 def _ends_sentence(heavy: int, cost: float, mean: float, pp: int, slowest: Dict[str, Tuple[float, int]]) -> str:
-    """What each schedule does with an end stage heavier (or lighter) than the mean; ``slowest``:
-    schedule -> (its slowest rank's load / mean, that rank)."""
+    """What each schedule does with an end stage off the mean; ``slowest``: schedule -> (load / mean, rank)."""
     said = [f"  stage {heavy} is {'heavy' if cost > mean else 'light'} ({_fmt(cost)}, the mean {_fmt(mean)})"]
     if registry.ONE_F_ONE_B in slowest:
         said.append(f"1F1B leaves it alone on rank {heavy} (slowest rank x{slowest[registry.ONE_F_ONE_B][0]:.3f})")

@@ -203,8 +203,7 @@ def _prepared_tokenizer(prefix: str) -> str:
 
 
 def _files_problem(prefix: str) -> Optional[str]:
-    """Why ``prefix.bin`` / ``.idx`` are not an indexed dataset Megatron can read (missing, empty after an
-    interrupted preprocessing, no header), or None."""
+    """Why ``prefix.bin`` / ``.idx`` are not an indexed dataset Megatron can read, or None."""
     fix = "give the prefix that tools/preprocess_data.py or megatron-dualpipe prepare-data wrote, without .bin/.idx"
     missing = [prefix + s for s in (".bin", ".idx") if not os.path.isfile(prefix + s)]
     if missing:

@@ -81,8 +81,7 @@ def nearest_batch(global_batch: int, unit: int, least: int) -> int:
 
 
 def batch_rule(launch: Launch, world: int, pp: int, tp: int) -> Tuple[int, int]:
-    """(MICRO_BATCH*DP, the fewest micro-batches the schedule runs): GLOBAL_BATCH must be a multiple of
-    the first (Megatron's rule), of at least the second (the registry's)."""
+    """(MICRO_BATCH*DP, the fewest micro-batches the schedule runs): GLOBAL_BATCH's two rules."""
     return launch.micro * (world // (tp * pp * launch.cp)), registry.get(launch.schedule).min_real_microbatches(pp)
 
 
@@ -151,8 +150,7 @@ def tp_fits(launch: Launch, tp: int) -> bool:
 
 
 def fitting_sizes(launch: Launch) -> List[Tuple[int, int, int]]:
-    """(PP, TP, EP) that run on the GPUs given, the closest to the given sizes first: the
-    GLOBAL_BATCH passing, the model-parallel products nearest the given ones, the fewest changed."""
+    """(PP, TP, EP) that run on the GPUs given, the closest to the given sizes first."""
     world = launch.world
     if world > SIZES_WORLD_LIMIT:
         return []

@@ -220,9 +220,8 @@ def _last_line(report: str) -> str:
 
 
 def _failure(errors: List[str], silent: str, stacks: str) -> str:
-    """Why :func:`run` failed, its last line naming the cause: a rank that died without a report (a
-    crash, a watchdog, the OOM killer) before a neighbour's error, which is often its echo (gloo's
-    "connection closed by peer"); else the first rank's error."""
+    """Why :func:`run` failed, its last line naming the cause: a rank that died without a report before
+    a neighbour's error, often its echo (gloo's "connection closed by peer"); else the first error."""
     if not silent:
         return f"{stacks}a rank failed: {errors[0]}"
     echo = f"; after it, {_last_line(errors[0])}" if errors else ""
@@ -231,8 +230,7 @@ def _failure(errors: List[str], silent: str, stacks: str) -> str:
 
 
 def _collect(results, ranks: Ranks, timeout_s: float) -> List[Any]:
-    """Every rank's result, in rank order. Raises once a rank failed, after the others had
-    :data:`REPORT_GRACE_S` to report or end; or past ``timeout_s``, with every rank's stacks."""
+    """Every rank's result, in rank order; raises once a rank failed (after :data:`REPORT_GRACE_S`) or on timeout."""
     world, got, errors, failed_at = len(ranks.procs), {}, [], None
     end = time.monotonic() + timeout_s
     while True:
