@@ -1,25 +1,9 @@
 """Which schedule to use for a model: ``megatron-dualpipe advise`` and :func:`advise`.
 
-Give what one pipeline stage of the model costs per micro-batch when 1F1B runs it (forward
-``f``, full backward ``b``, its weight-gradient part ``w``, optionally a fused F&B unit
-``fb``), how much memory one micro-batch's activations take on a stage, and how much one
-stage's parameters take with their gradients and optimizer state. :func:`advise` simulates
-every schedule on that model (``costs.compare``: DualPipeV runs chunks of half a stage at
-half the costs) for each micro-batch count, and picks the fastest that fits the memory limit
-(never one the model says is slower); on an exact tie the one with less memory, then the table's
-order (Megatron's own 1F1B first). The reason names the numbers against the best other schedule
-that fits (and Megatron's plain 1F1B): iteration, bubble, memory; a schedule within 1% that needs
-less memory is named, not chosen.
-
-The Megatron-LM integration can call it once with the first iteration's measured costs::
-
-    from megatron_dualpipe.costs.advice import advise
-    from megatron_dualpipe.schedule.simulate import Costs
-
-    advice = advise(pp=8, microbatches=[32], costs=Costs(f=12.0, b=25.0, w=11.0),
-                    activation_memory=1.2, parameter_memory=9.5, memory_limit=80)
-    print(advice.format())        # or log advice.to_json()
-
+Given one stage's 1F1B costs per micro-batch and its memory, :func:`advise` simulates every schedule
+(``costs.compare``) for each micro-batch count and picks the fastest that fits the memory limit (never
+one the model says is slower); on a tie the one with less memory, then the table's order (Megatron's
+1F1B first). The reason names the numbers against the best other schedule that fits and against 1F1B.
 Standard library only (the simulator's layer), so it imports in milliseconds.
 """
 from __future__ import annotations
@@ -40,8 +24,6 @@ from .compare import Row, align, compare, fmt, in_other_placement
 TIE = 0.01
 #: What ``advise`` suggests when nothing fits, unless its caller knows the model (``no_fit_hint``).
 NO_FIT_HINT = "use a larger pp, recomputation, or a smaller micro-batch"
-
-
 #: A gain over 1F1B below this fraction, bought with more memory, is called small in the reason.
 SMALL_GAIN = 0.05
 
@@ -100,7 +82,7 @@ class BreakEven:
         return {"rival": self.rival, "inter_node_bandwidth": self.bandwidth, "inter_node_bandwidth_now":
                 self.bandwidth_now, "microbatch_scale": self.scale, "tokens_per_microbatch": self.tokens}
 
-    def text(self, best: str, tokens: Optional[float]) -> str:
+    def text(self, tokens: Optional[float]) -> str:
         parts = []
         if self.bandwidth_now is not None:
             parts.append(f"at {fmt(round(self.bandwidth, 3))} GB/s between nodes (now {fmt(self.bandwidth_now)})"
@@ -327,7 +309,7 @@ def advise(pp: int, microbatches: Sequence[int], costs: Costs, activation_memory
         if best is not None and comm is not None:
             even = _break_even(pp, m, costs, comm, options, best, tokens)
             if even is not None:
-                reason += "; " + even.text(best, tokens)
+                reason += "; " + even.text(tokens)
         effects = _placement_effects(pp, m, costs, comm, options) if comm is not None else []
         reduction = (_reduction_effects(pp, m, costs, comm, options, memory_limit, optimizer_memory)
                      if comm is not None else [])
@@ -397,10 +379,14 @@ def _placement_effects(pp, m, costs, comm: CommModel, options: List[Option]) -> 
             out.append(PlacementEffect(o.row.name, name, o.row.iteration, problem=problem))
             continue
         t = row.iteration
-        rivals = [x.row.iteration for x in options if not x.row.problem and x.fits and x is not o]
-        out.append(PlacementEffect(o.row.name, name, o.row.iteration, t, o.fits and all(t < r for r in rivals),
+        out.append(PlacementEffect(o.row.name, name, o.row.iteration, t, o.fits and _beats_all(t, o, options),
                                    fits=o.fits))
     return out
+
+
+def _beats_all(t: float, o: Option, options: List[Option]) -> bool:
+    """Whether iteration ``t`` of ``o``'s schedule is shorter than every other runnable one that fits."""
+    return all(t < x.row.iteration for x in options if not x.row.problem and x.fits and x is not o)
 
 
 def _reduction_effects(pp, m, costs, comm: CommModel, options: List[Option], limit: Optional[float] = None,
@@ -410,8 +396,6 @@ def _reduction_effects(pp, m, costs, comm: CommModel, options: List[Option], lim
     shared shard group keeps one stage's optimizer state instead of two: with
     ``optimizer_memory`` (that state, part of the parameter memory) its fit is judged on that."""
     from dataclasses import replace
-
-    from .compare import run
 
     if not comm.distributed_optimizer:
         return []
@@ -424,15 +408,14 @@ def _reduction_effects(pp, m, costs, comm: CommModel, options: List[Option], lim
             # training's shared shard group cannot overlap its reduce-scatters yet (refused with it)
             overlap = comm.overlap_grad_reduce and not mode.shards_over_both_copies
             other = replace(comm, bd_mode=mode, overlap_grad_reduce=overlap)
-            t = run(o.row.name, pp, m, costs, comm=other).iteration
-            rivals = [x.row.iteration for x in options if not x.row.problem and x.fits and x is not o]
+            t = _iteration(o.row.name, pp, m, costs, other)
             fits = o.fits
             shared = mode.shards_over_both_copies - now.shards_over_both_copies  # +1: one copy less, -1: one more
             if shared and optimizer_memory is not None:
                 memory = o.memory - shared * optimizer_memory * (o.row.parameter_copies - 1)
                 fits = limit is None or memory <= limit
             out.append(ReductionEffect(o.row.name, mode, comm.bd_mode, o.row.iteration, t,
-                                       fits and all(t < r for r in rivals), fits=fits))
+                                       fits and _beats_all(t, o, options), fits=fits))
     return out
 
 
@@ -572,9 +555,3 @@ def _format(a: Advice) -> List[str]:
         out.extend("  " + line for line in align(table, left=(0, len(head) - 1)))
     return out + ["", GLOSSARY]
 
-
-# ---------------------------------------------------------------------------------------------
-# Command line
-# ---------------------------------------------------------------------------------------------
-
-#: Most micro-batch counts one command compares.
