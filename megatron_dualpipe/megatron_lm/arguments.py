@@ -1,34 +1,11 @@
-"""``--pipeline-schedule`` and friends for Megatron-LM's argument parser.
+"""``--pipeline-schedule`` and the DualPipe flags for Megatron-LM's argument parser (:func:`install`).
 
-Flags (added to every ``megatron.training.arguments.parse_args`` parser once :func:`install` ran):
-
-``--pipeline-schedule NAME``
-    One of the registry's schedules (``megatron_dualpipe.schedule.registry``). ``1f1b``
-    (default) keeps Megatron's own schedule selection untouched (1F1B, or interleaved 1F1B when
-    a virtual pipeline is configured). ``dualpipe`` is DeepSeek's bidirectional DualPipe (two
-    model copies per rank, ``pp`` even); ``dualpipev`` is the "cut-in-half" V variant (two
-    chunks of ``num_layers / (2*pp)`` layers per rank). ``executor-1f1b`` and ``zb-h1`` run
-    the 1F1B and ZB-H1 orders on megatron_dualpipe's executor (one chunk per rank, same model
-    and checkpoints as ``1f1b``): for comparing schedules on equal terms.
-``--dualpipe-zero-bubble`` / ``--no-dualpipe-zero-bubble``
-    Split backward into input-grad (B) and weight-grad (W) steps to fill bubbles (default on).
-``--dualpipe-p2p-timeout SECONDS``
-    Timeout of one schedule step's batched P2P exchange (default: the process group's timeout).
-
-How the flags reach Megatron (see :func:`install`): ``parse_args`` (``arguments.py``) looks up
-the module global ``add_megatron_arguments`` at call time, so wrapping that attribute adds the
-flags to the parser no matter which ``extra_args_provider`` the script passes
-(``pretrain_gpt.py`` passes its own). The DualPipe checks run right after Megatron's
-``validate_args``, wrapped both as ``megatron.training.arguments.validate_args`` and as the
-by-name import ``megatron.training.initialize.validate_args`` (which is what
-``initialize_megatron`` calls), and after ``initialize.validate_yaml`` for ``--yaml-cfg`` runs.
-They need the values ``validate_args`` derives (``data_parallel_size``,
-``virtual_pipeline_model_parallel_size``).
-
-With ``--pipeline-schedule 1f1b`` the only difference to stock Megatron is that ``args`` carries
-the three extra attributes; no check runs and no value is changed. With ``dualpipe`` /
-``dualpipev`` one value Megatron changes is given back: ``--align-param-gather`` (see
-:func:`keep_aligned_param_gather`).
+``parse_args`` looks up the module global ``add_megatron_arguments`` at call time, so wrapping it adds
+the flags whatever ``extra_args_provider`` the script passes. The checks run right after Megatron's
+``validate_args`` (wrapped in ``arguments`` and as ``initialize``'s by-name import, and after
+``validate_yaml``): they need the values it derives (``data_parallel_size``, the virtual pipeline).
+Under ``1f1b`` ``args`` only carries the extra attributes; under ``dualpipe`` / ``dualpipev`` one value
+Megatron changes is given back (:func:`keep_aligned_param_gather`).
 """
 
 import functools
@@ -50,73 +27,38 @@ def add_dualpipe_arguments(parser):
     if any("--pipeline-schedule" in a.option_strings for a in parser._actions):
         return parser
     group = parser.add_argument_group(title=_GROUP_TITLE)
-    group.add_argument(
-        "--pipeline-schedule",
-        type=str,
-        default=registry.DEFAULT,
-        choices=registry.NAMES,
-        help="Pipeline schedule. " + "; ".join(f"{s.name}: {s.summary}" for s in registry.SPECS.values()) + ".",
-    )
-    group.add_argument(
-        "--dualpipe-zero-bubble",
-        action="store_true",
-        dest="dualpipe_zero_bubble",
-        default=True,
-        help="Split backward into input-grad and deferred weight-grad steps (default).",
-    )
-    group.add_argument(
-        "--no-dualpipe-zero-bubble",
-        action="store_false",
-        dest="dualpipe_zero_bubble",
-        help="Run the full backward (input and weight grads) in one step.",
-    )
-    group.add_argument(
-        "--dualpipe-p2p-timeout",
-        type=float,
-        default=None,
-        metavar="SECONDS",
-        help="Timeout in seconds for one DualPipe step's batched P2P exchange "
-        "(default: the process group timeout, --distributed-timeout-minutes).",
-    )
-    group.add_argument(
-        "--dualpipe-advise",
-        action="store_true",
-        help="After the warm-up (--dualpipe-advise-warmup), log which schedule megatron-dualpipe advise chooses "
-        "for the stage costs and memory the next training iterations measured (executor schedules).",
-    )
-    group.add_argument(
-        "--dualpipe-advise-warmup",
-        type=int,
-        default=None,
-        metavar="N",
-        help="Training iterations --dualpipe-advise skips before measuring (default 3: their units carry "
-        "one-time costs).",
-    )
-    group.add_argument(
-        "--dualpipe-drift-check-interval",
-        type=int,
-        default=0,
-        metavar="N",
-        help="dualpipe: every N training iterations, check that both copies of every stage are bit-identical "
-        "(a checksum per parameter over each bd pair; the error names the first parameter that differs). "
-        "0 (default): off.",
-    )
-    group.add_argument(
-        "--dualpipe-shared-shard-group",
-        action="store_true",
-        help="dualpipe with --use-distributed-optimizer: the two copies of every stage share one "
-        "distributed-optimizer group (2 x data-parallel ranks), so a rank holds 1F1B's optimizer state instead of "
-        "twice it, and the copies are summed by the reduce-scatter the optimizer does anyway "
-        "(docs/design-shared-shard-group.md).",
-    )
-    group.add_argument(
-        "--dualpipe-dp-first",
-        action="store_true",
-        help="dualpipe with --use-distributed-optimizer: reduce-scatter each copy of a stage over its data-parallel "
-        "replicas first, then sum the two copies over the bd pair on the 1/dp shards (the pair carries 1/dp of the "
-        "gradient bytes; cheapest where the pair crosses nodes and the replicas do not; the optimizer state stays "
-        "twice 1F1B's: --dualpipe-shared-shard-group saves that).",
-    )
+    group.add_argument("--pipeline-schedule", type=str, default=registry.DEFAULT, choices=registry.NAMES,
+                       help="Pipeline schedule. " + "; ".join(f"{s.name}: {s.summary}" for s in registry.SPECS.values())
+                       + ".")
+    group.add_argument("--dualpipe-zero-bubble", action="store_true", dest="dualpipe_zero_bubble", default=True,
+                       help="Split backward into input-grad and deferred weight-grad steps (default).")
+    group.add_argument("--no-dualpipe-zero-bubble", action="store_false", dest="dualpipe_zero_bubble",
+                       help="Run the full backward (input and weight grads) in one step.")
+    group.add_argument("--dualpipe-p2p-timeout", type=float, default=None, metavar="SECONDS",
+                       help="Timeout in seconds for one DualPipe step's batched P2P exchange "
+                       "(default: the process group timeout, --distributed-timeout-minutes).")
+    group.add_argument("--dualpipe-advise", action="store_true",
+                       help="After the warm-up (--dualpipe-advise-warmup), log which schedule megatron-dualpipe "
+                       "advise chooses for the stage costs and memory the next training iterations measured "
+                       "(executor schedules).")
+    group.add_argument("--dualpipe-advise-warmup", type=int, default=None, metavar="N",
+                       help="Training iterations --dualpipe-advise skips before measuring (default 3: their units "
+                       "carry one-time costs).")
+    group.add_argument("--dualpipe-drift-check-interval", type=int, default=0, metavar="N",
+                       help="dualpipe: every N training iterations, check that both copies of every stage are "
+                       "bit-identical (a checksum per parameter over each bd pair; the error names the first "
+                       "parameter that differs). 0 (default): off.")
+    group.add_argument("--dualpipe-shared-shard-group", action="store_true",
+                       help="dualpipe with --use-distributed-optimizer: the two copies of every stage share one "
+                       "distributed-optimizer group (2 x data-parallel ranks), so a rank holds 1F1B's optimizer state "
+                       "instead of twice it, and the copies are summed by the reduce-scatter the optimizer does "
+                       "anyway (docs/design-shared-shard-group.md).")
+    group.add_argument("--dualpipe-dp-first", action="store_true",
+                       help="dualpipe with --use-distributed-optimizer: reduce-scatter each copy of a stage over its "
+                       "data-parallel replicas first, then sum the two copies over the bd pair on the 1/dp shards (the "
+                       "pair carries 1/dp of the gradient bytes; cheapest where the pair crosses nodes and the "
+                       "replicas do not; the optimizer state stays twice 1F1B's: --dualpipe-shared-shard-group saves "
+                       "that).")
     return parser
 
 
@@ -129,10 +71,6 @@ def num_microbatches(args) -> int:
     """Micro-batches per global batch and data-parallel rank, as Megatron computes it."""
     dp = getattr(args, "data_parallel_size", None) or 1
     return args.global_batch_size // (args.micro_batch_size * dp)
-
-
-#: The single options refused on ``args`` (rules of the one options table, ``mcore/options.py``).
-REFUSED_OPTIONS = options.args_rules()
 
 
 def advise_problems(args) -> list:
@@ -221,10 +159,7 @@ def without_virtual_pipeline(args) -> None:
 
 
 def dualpipe_problems(args):
-    """Return a list of messages, one per violated constraint (empty if fine or 1f1b).
-
-    ``args`` must already have been through Megatron's ``validate_args``.
-    """
+    """One message per violated constraint (empty if fine or 1f1b); ``args`` after Megatron's ``validate_args``."""
     schedule = getattr(args, "pipeline_schedule", registry.DEFAULT)
     spec = registry.get(schedule)
     ways = copies.flag_problems(args, schedule)
@@ -237,52 +172,47 @@ def dualpipe_problems(args):
         return []
     problems = advise_problems(args)
     flag = f"--pipeline-schedule {schedule}"
-    pp = args.pipeline_model_parallel_size
 
     def bad(msg):
         problems.append(f"{flag}: {msg}")
 
-    if spec.chunks_per_rank == 1:
-        return _one_chunk_problems(spec, args, bad, problems)
-    torch_problem = versions.torch_problem()
-    if torch_problem:
-        bad(f"{torch_problem}, or use --pipeline-schedule {registry.DEFAULT}")
-    for problem in layout_problems(args) + (v_split_problems(args) if schedule == registry.DUALPIPEV else []):
-        bad(problem)
-
-    # Pipeline size.
-    if pp < 2:
-        bad(
-            f"needs --pipeline-model-parallel-size >= 2 (got {pp}); increase it or use "
-            f"--pipeline-schedule {registry.DEFAULT}"
-        )
-    elif spec.pp_problem(pp, flag="--pipeline-model-parallel-size"):
-        bad(spec.pp_problem(pp, flag="--pipeline-model-parallel-size"))
-
-    # Layer count.
-    num_layers = getattr(args, "num_layers", None)
-    if num_layers is not None and pp >= 1 and not _uneven_split(args):
-        divisor = spec.model_stages(pp)
-        if num_layers % divisor != 0:
-            what = "pipeline size" if divisor == pp else f"{divisor // pp} * pipeline size"
-            bad(
-                f"--num-layers ({num_layers}) must be divisible by the {what} ({divisor}); "
-                "change --num-layers or --pipeline-model-parallel-size"
-            )
-
-    if pp >= 2:
-        for problem in _microbatch_problems(spec, args, pp):
-            bad(problem)
-
+    if spec.chunks_per_rank == 2:
+        _two_chunk_problems(spec, args, bad)
+    elif args.pipeline_model_parallel_size < 2:
+        bad(f"needs --pipeline-model-parallel-size >= 2; use --pipeline-schedule {registry.DEFAULT}")
     # Every option of the table (with --overlap-moe-expert-parallel-comm: what megatron-core's
     # combined step needs; training_hooks adapts the config so that no virtual pipeline is needed).
     for problem in options.problems(args, schedule, options.ARGS):
         bad(problem)
-
     timeout = getattr(args, "dualpipe_p2p_timeout", None)
     if timeout is not None and not timeout > 0:
         bad(f"--dualpipe-p2p-timeout must be a positive number of seconds (got {timeout})")
     return problems
+
+
+def _two_chunk_problems(spec, args, bad) -> None:
+    """DualPipe's and DualPipeV's own needs: torch, the layout, the pipeline size, the layer and
+    micro-batch counts."""
+    pp = args.pipeline_model_parallel_size
+    torch_problem = versions.torch_problem()
+    if torch_problem:
+        bad(f"{torch_problem}, or use --pipeline-schedule {registry.DEFAULT}")
+    for problem in layout_problems(args) + (v_split_problems(args) if spec.name == registry.DUALPIPEV else []):
+        bad(problem)
+    if pp < 2:
+        bad(f"needs --pipeline-model-parallel-size >= 2 (got {pp}); increase it or use "
+            f"--pipeline-schedule {registry.DEFAULT}")
+    elif spec.pp_problem(pp, flag="--pipeline-model-parallel-size"):
+        bad(spec.pp_problem(pp, flag="--pipeline-model-parallel-size"))
+    num_layers = getattr(args, "num_layers", None)
+    if num_layers is not None and pp >= 1 and not _uneven_split(args) and num_layers % spec.model_stages(pp):
+        divisor = spec.model_stages(pp)
+        what = "pipeline size" if divisor == pp else f"{divisor // pp} * pipeline size"
+        bad(f"--num-layers ({num_layers}) must be divisible by the {what} ({divisor}); "
+            "change --num-layers or --pipeline-model-parallel-size")
+    if pp >= 2:
+        for problem in _microbatch_problems(spec, args, pp):
+            bad(problem)
 
 
 def _microbatch_problems(spec, args, pp: int):
@@ -304,27 +234,11 @@ def _microbatch_problems(spec, args, pp: int):
                    f"micro-batches, fewer than the pipeline size ({pp}); raise its start value")
 
 
-def _one_chunk_problems(spec, args, bad, problems):
-    """The executor's 1F1B and ZB-H1: one chunk per rank, Megatron's model, batched P2P of its own.
-    (``--overlap-p2p-communication`` and ``variable_seq_lengths`` are turned off by Megatron-LM's
-    ``validate_args`` itself without a virtual pipeline: the table checks them on the config.)"""
-    if args.pipeline_model_parallel_size < 2:
-        bad(f"needs --pipeline-model-parallel-size >= 2; use --pipeline-schedule {registry.DEFAULT}")
-    for problem in options.problems(args, spec.name, options.ARGS):
-        bad(problem)
-    timeout = getattr(args, "dualpipe_p2p_timeout", None)
-    if timeout is not None and not timeout > 0:
-        bad(f"--dualpipe-p2p-timeout must be a positive number of seconds (got {timeout})")
-    return problems
-
-
 def validate_dualpipe_args(args):
     """Raise :class:`DualPipeArgumentError` listing every problem; return ``args`` otherwise."""
     problems = dualpipe_problems(args)
     if problems:
-        raise DualPipeArgumentError(
-            "invalid arguments for the DualPipe schedule:\n  - " + "\n  - ".join(problems)
-        )
+        raise DualPipeArgumentError("invalid arguments for the DualPipe schedule:\n  - " + "\n  - ".join(problems))
     return args
 
 
@@ -378,11 +292,8 @@ def wrap_validate(orig):
 
 
 def install():
-    """Patch ``megatron.training`` so its parser knows the flags and its validation checks them
-    (the ``megatron-lm arguments`` part of the hooks manifest).
-
-    Idempotent. Must run before ``pretrain()`` (i.e. before ``initialize_megatron``).
-    """
+    """Patch ``megatron.training`` so its parser knows the flags and its validation checks them (the
+    ``megatron-lm arguments`` part of the hooks manifest). Idempotent; before ``pretrain()``."""
     from .. import hooks
 
     hooks.install([_PART])

@@ -1,72 +1,23 @@
 """Wire ``--pipeline-schedule`` (the executor's schedules) into ``megatron.training``.
 
-:func:`install` replaces two module globals of ``megatron.training.training`` (both are looked
-up at call time by ``setup_model_and_optimizer``, ``train`` and ``evaluate``) and, through
-:mod:`.checkpoint`, its by-name imports of ``save_checkpoint`` / ``load_checkpoint``.
-With ``--pipeline-schedule 1f1b`` (the default) every wrapper calls the original with the same
-arguments and returns its result: Megatron behaves exactly as without the plugin.
+:func:`install` replaces module globals of ``megatron.training.training`` that its functions look up at
+call time (and, through :mod:`.checkpoint`, its by-name checkpoint imports). Under ``1f1b`` every
+wrapper calls the original unchanged. Under the two-chunk schedules:
 
-``get_model`` (DualPipe / DualPipeV)
-    1. ``groups.build_bd_groups()`` once (collective; the first ``get_model`` call is right
-       after ``initialize_megatron`` on every rank, in the same order), and with
-       ``--dualpipe-shared-shard-group`` the shard groups (``mcore.shard_groups``), whose DDP
-       subclass then wraps each chunk (``mcore.copies.shared_shard``);
-    2. Megatron's own ``get_model`` runs with a provider that returns *both* chunks, built by
-       ``mcore.model.build_two_direction_model`` (stage ``i`` and its mirror ``pp-1-i`` for
-       DualPipe, stages ``i`` and ``2pp-1-i`` for DualPipeV), with one shared
-       ``TransformerConfig``. The provider returns them as a list, which stock ``get_model``
-       accepts (``if not isinstance(model, list)``), so everything after the build is
-       Megatron's code, unchanged: tensor-parallel default attributes, the parameter count,
-       device placement, ``Float16Module`` for fp16/bf16, the ``DistributedDataParallelConfig``
-       from ``args``, DDP per chunk (bucketing off for chunk 1, as with a virtual pipeline),
-       and ``broadcast_params`` with ``--data-parallel-random-init``.
-       ``build_two_direction_model`` broadcasts the mirrors and marks ``model[1]`` ``shared``
-       before it returns, i.e. long before ``get_megatron_optimizer`` runs.
-``get_forward_backward_func``
-    ``1f1b`` -> Megatron's own (unchanged); otherwise
-    ``mcore.forward_backward.get_forward_backward_func(schedule, zero_bubble=...,
-    p2p_timeout=...)``, whose function finalizes gradients through
-    ``config.finalize_model_grads_func`` (Megatron's ``finalize_model_grads``, set by
-    ``train()``) -- for two chunks via ``finalize.finalize_dualpipe_grads`` after the bd
-    all-reduce -- and returns the loss dicts of both directions on the last pipeline rank,
-    where ``train_step`` / ``evaluate`` read them.
-``calc_params_l2_norm`` (``--log-params-norm``, DualPipe)
-    gets ``model[:1]``: ``model[1]`` holds only mirrored copies, each counted once already
-    through its home rank's ``model[0]``. (Megatron's function skips parameters marked
-    ``shared`` but asserts that expert parameters are not, so the whole two-chunk model trips
-    that assert with MoE.) Under the shared shard group with ``--bf16`` it reads the fp32 main
-    copies, half of whose shards are the mirror's: those are added
-    (``mcore.copies.shared_shard``, the way's ``params_norm_chunks``).
-The parameter count
-    Stock ``get_model`` prints `` > number of parameters on (tensor, pipeline) model parallel
-    rank (t, p): N`` summed over the chunks it was given. Under DualPipe the line keeps its
-    prefix, and says the logical count (this rank's home stage, what 1F1B prints; summed over
-    the pipeline every stage is counted once) and, separately, the physical count with the
-    mirrored copy; under DualPipeV it names the two stages (nothing is duplicated).
-``setup_model_and_optimizer`` (DualPipe / DualPipeV)
-    with ``--dualpipe-shared-shard-group``, Megatron's ``get_megatron_optimizer`` is called per
-    chunk, in ascending stage order, over its shard group (``mcore.copies.shared_shard.per_stage_optimizer``);
-    after Megatron's own returns (model built, optimizer built, checkpoint loaded), every rank
-    counts the bytes of its parameters, gradients and optimizer state per chunk
-    (``mcore.state_bytes``; one all-gather) and rank 0 prints one table: per pipeline rank this
-    schedule's bytes and, under DualPipe, what 1F1B holds in the same configuration (the rank's
-    own stage, ``model[0]``).
-``megatron.training.arguments.core_transformer_config_from_args`` (``--overlap-moe-expert-parallel-comm``)
-    megatron-core's ``TransformerConfig`` refuses the flag with a pipeline but no virtual
-    pipeline, and ``pretrain_gpt.py`` builds a config from ``args`` on every ``get_batch``. With
-    an executor schedule the wrapper builds the config with the flag (and
-    ``--delay-wgrad-compute``) off and turns them on afterwards through
-    ``mcore.overlap.enable_combined_step``: the fused units come from DualPipe, not from a
-    virtual pipeline. ``--delay-wgrad-compute`` alone (refused by megatron-core without the
-    combined step, which is the only caller of ``backward_dw`` there) is let through the same
-    way: the executor's W actions call ``backward_dw``. ``args`` keeps the flag (``pretrain_gpt.forward_step`` asserts it before
-    returning a schedule plan). ``pretrain_gpt.py`` and ``gpt_builders.py`` import the function
-    by name, after ``install()`` (launcher or patch hook), so they get the wrapper. core_v0.19.0
-    defines it in ``megatron.training.argument_utils`` (``arguments`` re-exports it), whose
-    ``gpt_config_from_args`` builds ``pretrain_gpt.py``'s model config: wrapped there as well.
-Data
-    Nothing to hook: the non-virtual-pipeline branch of ``pretrain()`` builds one iterator per
-    rank, and the executor splits it into the two directions itself (``mcore.data``).
+* ``get_model``: the bd (and shard) groups first; then Megatron's own ``get_model`` with a provider that
+  returns *both* chunks as a list (``mcore.model.build_two_direction_model``), which stock ``get_model``
+  accepts, so Float16Module, DDP per chunk (bucketing off for both copies alike) and the rest stay
+  Megatron's; its parameter-count line says the logical and the physical count.
+* ``get_forward_backward_func``: the executor's (``mcore.forward_backward``), which finalizes through
+  ``config.finalize_model_grads_func`` and returns both directions' losses on the last pipeline rank.
+* ``calc_params_l2_norm``: ``model[:1]`` (the mirror's copies are counted at home; Megatron's function
+  asserts that expert parameters are not marked ``shared``), as the copy-sum way says.
+* ``setup_model_and_optimizer``: the way's optimizer scope, then rank 0 prints the bytes table.
+* ``core_transformer_config_from_args``: megatron-core refuses ``--overlap-moe-expert-parallel-comm``
+  and ``--delay-wgrad-compute`` without a virtual pipeline; the config is built with them off and
+  turned on after (``mcore.overlap``): the fused units come from DualPipe. ``args`` keeps the flags.
+
+Data needs no hook: ``pretrain()`` builds one iterator per rank and the executor splits it.
 """
 
 import functools
@@ -123,10 +74,7 @@ def _two_chunk_provider(model_provider_func, schedule, model_type, config, built
             if shared["config"] is None:  # the second chunk gets the first one's config object
                 shared["config"] = get_model_config(chunk)
             if getattr(args, "use_cpu_initialization", False):
-                # Stock get_model places the chunks next (model_module.cuda(current_device())),
-                # after our provider returns; the mirror broadcast inside
-                # build_two_direction_model must already see them on the communication device.
-                # Same call, through the same module-global ``torch`` as stock get_model.
+                # stock get_model moves the chunks only after the provider; the mirror broadcast needs them there
                 import megatron.training.training as mtraining
 
                 chunk.cuda(mtraining.torch.cuda.current_device())
@@ -179,12 +127,9 @@ def build_pair_groups(args) -> None:
 
 
 def _unbucketed_ddp(module, wrap):
-    """Within the block, ``module.DDP`` (what stock ``get_model`` wraps each chunk in) builds every
-    chunk with ``disable_bucketing=True``. Stock DDP buckets only the first chunk on pipeline rank 0,
-    so with --overlap-grad-reduce stage 0's home copy would be bucketed and its mirror (rank
-    pp-1's model[1]) not; DualPipe sums the two copies in place, buffer by buffer, which needs the
-    same layout on both. (A chunk's gradients are final all at once, after its last W, so buckets
-    would not let its reduction start earlier.)"""
+    """Within the block, ``module.DDP`` builds every chunk with ``disable_bucketing=True``: stock
+    ``get_model`` buckets only pipeline rank 0's first chunk, but the in-place bd sum needs both copies
+    of a stage laid out alike (and a chunk's gradients are final all at once, after its last W)."""
 
     def unbucketed(orig):
         return unbucketed_ddp_class(wrap(orig))
