@@ -1,15 +1,9 @@
 """Gradient finalize for the two model chunks of DualPipe / DualPipeV (after the schedule).
 
-DualPipe keeps every stage twice (``model[0]`` on its home rank i, ``model[1]`` on rank
-pp-1-i), and each copy receives the gradient of the micro-batches of its own direction. The
-logical gradient is their sum: `allreduce_bd_grads` (the executor's schedules start the same
-sums during the schedule instead: ``grad_reduction.GradReduction``). With tied word embeddings
-the embedding (stage 0) and the output weight (stage pp-1, or 2pp-1 for DualPipeV) are one
-logical parameter; after the bd sum every rank that holds both an embedding copy and an output
-copy (ranks 0 and pp-1 for DualPipe, rank 0 for DualPipeV) sets both to their sum:
-`fold_tied_embedding_grads`. That replaces megatron's embedding-group all-reduce, which with
-two chunks picks the wrong chunk (``model[-1]`` on the last pipeline rank is the mirrored
-stage-0 copy, not the output layer) and is therefore switched off in `finalize_dualpipe_grads`.
+Each of DualPipe's two copies of a stage gets its own direction's gradient; the logical gradient is
+their sum (`allreduce_bd_grads`, or during the schedule: ``grad_reduction.GradReduction``). Tied
+embeddings are folded locally (`fold_tied_embedding_grads`) instead of by Megatron's embedding-group
+all-reduce, which with two chunks picks the wrong one (``model[-1]`` on the last rank is a mirror).
 """
 from __future__ import annotations
 
@@ -32,13 +26,8 @@ BD_SUM_TIMEOUT_S = bd_pairs.BD_SUM_TIMEOUT_S
 
 
 class _NoEmbeddingGroup:
-    """Stands in for ``pg_collection.embd`` so that megatron's finalize skips the word-embedding
-    all-reduce: ``get_pg_size`` of it is 1.
-
-    ``embd=None`` does not work in megatron-core 0.16.1: ``_allreduce_word_embedding_grads``
-    then falls back to ``parallel_state.get_embedding_group()`` and, on the ranks of a 2-rank
-    embedding group, asserts ``pp_group is None``. Never used for communication.
-    """
+    """``pg_collection.embd`` of size 1, so that megatron's finalize skips the word-embedding all-reduce
+    (``embd=None`` makes megatron-core 0.16.1 fall back to ``parallel_state``'s embedding group)."""
 
     def size(self) -> int:
         return 1
@@ -74,19 +63,9 @@ def _trainable(chunk: torch.nn.Module) -> List[torch.nn.Parameter]:
 
 
 def allreduce_bd_grads(model: Sequence[torch.nn.Module]) -> None:
-    """Sum the gradients of the two copies of each stage over the bd pair (DualPipe), now.
-
-    On pipeline rank i the pair holds stages i (``model[0]`` here, ``model[1]`` on the partner)
-    and pp-1-i. Both partners sum the two stages in stage order, min(i, pp-1-i) first, through
-    the one bd-sum implementation (``executor.pair_sums``, which the executor's `GradReduction`
-    starts chunk by chunk during the schedule): in place over Megatron DDP's grad buffers, else
-    one all-reduce per dtype over the flattened gradients of the chunk's trainable parameters in
-    ``parameters()`` order (identical on both copies); a parameter without a gradient
-    contributes zeros and gets a zero ``.grad``. On the middle rank of an odd pipeline the two
-    copies are summed locally. A no-op for DualPipeV (its chunks are different stages).
-
-    Synchronous; run it before any data-parallel reduction of the chunks has started.
-    """
+    """Sum the two copies of each stage's gradients over the bd pair (DualPipe), now: both partners
+    in stage order, through ``executor.pair_sums`` (`sum_tensors`); the middle rank of an odd pipeline
+    locally. A no-op for DualPipeV. Run it before any data-parallel reduction has started."""
     if chunk_layout(model) == V_SHAPE:
         return
     if len(model) != 2:
@@ -155,19 +134,10 @@ def _router_batch_statistics(chunk: torch.nn.Module) -> List[torch.Tensor]:
 
 
 def allreduce_bd_router_statistics(model: Sequence[torch.nn.Module]) -> None:
-    """DualPipe: sum what each MoE router gathers over the global batch over the two copies of
-    its stage, before Megatron's finalize moves the router's bias by it.
-
-    Each copy sees only its own direction's micro-batches. ``--moe-router-enable-expert-bias``
-    (aux-loss-free balancing): Megatron moves ``expert_bias`` by the sign of (mean count - count)
-    of the token counts, all-reduced over TP x CP x DP. ``--moe-router-load-balancing-type
-    quantile_balancing`` (0.19): it moves ``qb_beta`` towards ``qb_beta_accum / qb_beta_count``
-    (the mean of the per-micro-batch quantiles), averaged over DP x CP; unsummed, each copy would
-    average only its direction's micro-batches (measured: lm loss 2.7e-4 away from 1f1b at
-    iteration 3). With the statistics summed first, both copies see the whole global batch, as
-    1F1B's one copy does, and make the same update, so they keep routing alike. A no-op for
-    DualPipeV and without such routers.
-    """
+    """DualPipe: sum each MoE router's global-batch statistics (expert-bias token counts, quantile
+    balancing's sums) over the two copies of its stage before Megatron's finalize moves the router by
+    them: each copy saw only its direction's micro-batches, and summed both make 1F1B's one update
+    (unsummed, quantile balancing's lm loss was 2.7e-4 off at iteration 3). A no-op for DualPipeV."""
     if chunk_layout(model) == V_SHAPE or not any(_router_batch_statistics(c) for c in model):
         return
     bd_pairs.sum_copies(model, _router_batch_statistics)
@@ -187,70 +157,37 @@ def tied_copies(model: Sequence[torch.nn.Module]):
 
 def fold_tied_embedding_grads(model: Sequence[torch.nn.Module]) -> None:
     """Tied embeddings or MTP: where a rank holds an embedding copy and a separate output-weight (or
-    MTP embedding) copy (DualPipe: ranks 0 and pp-1; DualPipeV: rank 0), set both gradients to
-    their sum.
-
-    Run it after `allreduce_bd_grads` (then the embedding copy already holds both directions'
-    embedding gradient and the output copy both directions' output gradient, so the sum is the
-    gradient of the logical tied parameter on both ranks). Local, no communication. Does
-    nothing for untied models or ranks without both copies.
-    """
+    MTP embedding) copy (DualPipe: ranks 0 and pp-1; DualPipeV: rank 0), set both gradients to their
+    sum: after `allreduce_bd_grads` that is the logical tied parameter's gradient. Local."""
     emb, out = tied_copies(model)
     if not emb or not out:
         return
     if len(emb) != 1 or len(out) != 1:
-        raise RuntimeError(
-            f"unexpected tied-embedding copies on this rank: {len(emb)} embeddings, {len(out)} outputs"
-        )
+        raise RuntimeError(f"unexpected tied-embedding copies on this rank: {len(emb)} embeddings, {len(out)} outputs")
     with torch.no_grad():
         ge, go = _grad_slot(emb[0]), _grad_slot(out[0])
         ge.add_(go)
         go.copy_(ge)
 
 
-def finalize_dualpipe_grads(
-    model: Sequence[torch.nn.Module],
-    num_tokens: Optional[torch.Tensor],
-    *,
-    finalize_func: Optional[Callable] = None,
-    pg_collection=None,
-    force_all_reduce: Optional[bool] = False,
-    copies_summed: bool = False,
-) -> Optional[torch.Tensor]:
+def finalize_dualpipe_grads(model: Sequence[torch.nn.Module], num_tokens: Optional[torch.Tensor], *,
+                            finalize_func: Optional[Callable] = None, pg_collection=None,
+                            force_all_reduce: Optional[bool] = False,
+                            copies_summed: bool = False) -> Optional[torch.Tensor]:
     """Finalize gradients of ``[model_dir0, model_dir1]``: the DualPipe replacement of
     ``config.finalize_model_grads_func``. In order:
 
-    1. the copy sum finalize runs itself, as the way the copies are summed asks (``mcore.copies``:
-       `allreduce_bd_grads`; none where Megatron's finalize sums them, skipped for DualPipeV);
-    2. `fold_tied_embedding_grads` (local);
-    3. if ``num_tokens`` is a tensor: all-reduce(SUM) over the pipeline group
-       (``pg_collection.pp`` or parallel_state's). Each rank passes the tokens of the
-       micro-batches whose loss it computed (its last stages: rank pp-1 for direction 0 and
-       rank 0 for direction 1 in DualPipe, rank 0 in DualPipeV, zero elsewhere), so every rank
-       gets the total. Megatron's finalize then broadcasts it from the last pipeline rank (same
-       value) and all-reduces it over data parallel;
-    4. ``finalize_func(model, num_tokens, pg_collection=pgc, force_all_reduce=...)`` with ``pgc``
-       a copy of ``pg_collection`` (default: the ``parallel_state`` groups) whose ``embd`` is a
-       size-1 placeholder (`NO_EMBEDDING_GROUP`; ``None`` would make megatron fall back to
-       ``parallel_state``'s embedding group) and whose ``pos_embd`` is None, so megatron's word-
-       and position-embedding all-reduces are skipped (steps 1-2 did that work; the position
-       embedding lives on stage 0, whose two copies are a bd pair); the chunks in the way's order.
+    1. the copy sum, as the way the copies are summed asks (``mcore.copies``: `allreduce_bd_grads`;
+       none where Megatron's finalize sums them);
+    2. `fold_tied_embedding_grads` (local); ``copies_summed=True`` skips 1-2 (``GradReduction`` did them);
+    3. `all_reduce_token_count`: each rank counted the tokens whose loss it computed;
+    4. `finalize_after_token_count`: Megatron's finalize without its embedding all-reduces (1-2 did
+       that work), the chunks in the way's order.
 
-    ``copies_summed=True`` skips steps 1-2 (``grad_reduction.GradReduction`` did them during the
-    schedule).
-
-    Collective order on every rank: bd all-reduce(s) [bd group], tokens all-reduce [pp group],
-    then megatron's: ``finish_grad_sync`` per chunk (DP all-reduce / reduce-scatter), TP
-    reductions of sequence-parallel / qk-layernorm grads, token broadcast [pp] and all-reduce
-    [DP]. The bd reduction therefore runs before the data-parallel one; both are sums over
-    disjoint rank sets, so the order does not change the result.
-
-    ``finalize_func=None`` means megatron-core's ``finalize_model_grads`` when the chunks are
-    wrapped (Megatron DDP: they have ``finish_grad_sync``). For unwrapped chunks (plain
-    ``GPTModel``, as in tests) megatron's finalize cannot run (it calls
-    ``model_chunk.finish_grad_sync()``, and ``scale_gradients`` for per-token loss), so step 4
-    is skipped; that is only allowed without data/context parallelism and with tp == 1
-    (else ValueError), and gradients are then *not* divided by ``num_tokens``. Returns the
+    The bd sum runs before the data-parallel one; both are sums over disjoint rank sets, so the order
+    does not change the result. ``finalize_func=None``: megatron-core's ``finalize_model_grads`` for
+    chunks wrapped in Megatron DDP; for plain chunks step 4 is skipped (only without data, context or
+    tensor parallelism, else ValueError; gradients are then not divided by ``num_tokens``). Returns the
     summed ``num_tokens`` (or None).
     """
     if not copies_summed:
@@ -275,8 +212,9 @@ def all_reduce_token_count(num_tokens: Optional[torch.Tensor], pg_collection=Non
 def finalize_after_token_count(model: Sequence[torch.nn.Module], num_tokens: Optional[torch.Tensor], *,
                                finalize_func: Optional[Callable] = None, pg_collection=None,
                                force_all_reduce: Optional[bool] = False) -> Optional[torch.Tensor]:
-    """Step 4 of `finalize_dualpipe_grads` (the program's ``finalize`` op): Megatron's finalize,
-    without its embedding all-reduces, the chunks in the order the copy-sum way asks for."""
+    """Step 4 of `finalize_dualpipe_grads` (the program's ``finalize`` op): Megatron's finalize, the
+    chunks in the copy-sum way's order, its embedding all-reduces skipped (`NO_EMBEDDING_GROUP`; the
+    position embedding's two copies on stage 0 are a bd pair, so ``pos_embd`` is None)."""
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.utils import get_model_config
 
@@ -309,12 +247,9 @@ def _megatron_finalize(model, pg_collection) -> Optional[Callable]:
         dp_cp = parallel_state.get_data_parallel_group(with_context_parallel=True)
         tp = parallel_state.get_tensor_model_parallel_group()
     if get_pg_size(dp_cp) > 1 or get_pg_size(tp) > 1:
-        raise ValueError(
-            "finalize_dualpipe_grads: the chunks are not wrapped in Megatron DDP, so "
-            "megatron's finalize_model_grads cannot run, but data/context or tensor "
-            "parallelism needs it: wrap the chunks (build_two_direction_model(wrap=...)) "
-            "or pass finalize_func"
-        )
+        raise ValueError("finalize_dualpipe_grads: the chunks are not wrapped in Megatron DDP, so megatron's "
+                         "finalize_model_grads cannot run, but data/context or tensor parallelism needs it: wrap the "
+                         "chunks (build_two_direction_model(wrap=...)) or pass finalize_func")
     return None
 
 
