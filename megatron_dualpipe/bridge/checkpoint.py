@@ -12,8 +12,9 @@ DualPipeV saves and loads as Megatron does (global keys), the copy of the embedd
 second chunk written once (marked when built).
 
 Under both, the distributed optimizer's fully reshardable state is written at each parameter's own
-place (:func:`exact_offsets`): megatron-core shifts a parameter that follows a padded bucket, which
-DualPipeV's first V-stage has where 1F1B's first stage may not.
+place (``megatron_lm.checkpoint.optimizers.exact_offsets``, as in Megatron-LM's loop): megatron-core
+shifts a parameter that follows a padded bucket, which DualPipeV's first V-stage has where 1F1B's first
+stage may not.
 """
 from __future__ import annotations
 
@@ -21,8 +22,9 @@ import contextlib
 import functools
 
 from .. import hooks
+from ..megatron_lm.checkpoint.optimizers import exact_offsets
 from ..schedule import registry
-from .patches import BUFFER_OFFSETS, GENERATE_STATE_DICT
+from .patches import GENERATE_STATE_DICT
 
 
 def _active():
@@ -79,29 +81,3 @@ def _home_buffers(schedule, model, optimizer):
     if not _mirrored(schedule):
         return contextlib.nullcontext()
     return torch_dist_mirror.model0_distributed_optimizers(model, optimizer)
-
-
-def exact_offsets(optimizer):
-    """Within the block, each distributed optimizer's grad buffers give ``param_index_map`` offsets without
-    the padding between buckets. megatron-core's ``sharded_param_state_fully_reshardable`` slices the state
-    gathered by ``get_parameter_state_dp_zero``, which leaves that padding out, at the padded offsets: a
-    parameter in a bucket after a padded one is written shifted by the padding (its load slices by the
-    parameter's own range, right). Under the distributed optimizer the tied embedding has its own bucket
-    after the rest of the first stage, padded to a multiple of 128: 64 elements for DualPipeV's V-stage 0
-    of the tests' recipe, 0 for 1F1B's stage 0 (Bridge's own 1F1B writes such a shift too where its first
-    stage has one)."""
-    from ..megatron_lm.checkpoint.optimizers import inner_optimizers, is_distributed_optimizer
-
-    return hooks.scoped(*(BUFFER_OFFSETS.to(_unpadded_offsets(buffer), on=buffer)
-                          for opt in inner_optimizers(optimizer) if is_distributed_optimizer(opt)
-                          for buffer in opt.buffers))
-
-
-def _unpadded_offsets(buffer) -> dict:
-    """``buffer.param_index_map`` with each bucket's offsets less the padding of the buckets before it."""
-    removed, before = 0, []
-    for bucket in buffer.buckets:
-        before.append(removed)
-        removed += bucket.grad_data.numel() - bucket.numel_unpadded
-    return {param: (start - before[bucket_id], end - before[bucket_id], bucket_id)
-            for param, (start, end, bucket_id) in buffer.param_index_map.items()}

@@ -81,11 +81,3 @@ PROVIDER_V_STAGES = Patch("megatron.bridge.models.gpt_provider", "GPTModelProvid
                           None, "dualpipev: the V-stages are megatron-core's two virtual stages (the chunks' config; "
                           "parallel_state has none)", kind=INSTANCE, where="bridge.switch (dualpipev, for the run)")
 
-
-#: The distributed optimizer's grad buffers, during Bridge's save / load under a two-chunk schedule: offsets
-#: without the padding between buckets (``bridge.checkpoint.exact_offsets``; megatron-core's own bug, 1F1B's too).
-BUFFER_OFFSETS = Patch("megatron.core.distributed.param_and_grad_buffer", "_ParamAndGradBuffer.param_index_map", None,
-                       "megatron-core's fully reshardable optimizer state slices the gathered state (the padding "
-                       "between buckets removed) at the padded offsets: a parameter after a padded bucket (the tied "
-                       "embedding's own bucket) is written shifted by that padding", kind=INSTANCE,
-                       where="bridge.checkpoint (save / load)")

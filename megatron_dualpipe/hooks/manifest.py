@@ -196,6 +196,13 @@ INSTANCE_PATCHES = (
     Patch("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer.load_parameter_state_from_dp_reshardable",
           None, "the mirror's grad buffers keep their values; sync_mirrors fills them after the load",
           kind=INSTANCE, where="megatron_lm.checkpoint.torch_dist_mirror (one load)"),
+    Patch("megatron.core.distributed.param_and_grad_buffer", "_ParamAndGradBuffer.param_index_map", None,
+          "megatron-core's fully reshardable optimizer state slices the gathered state (the padding between "
+          "buckets removed) at the padded offsets: a parameter after a padded bucket (the tied embedding's own "
+          "bucket: DualPipeV's V-stage 0) is written shifted by that padding; offsets without it (megatron-core's "
+          "bug, 1F1B's too)", kind=INSTANCE,
+          where="megatron_lm.checkpoint.optimizers.exact_offsets (dualpipe / dualpipev torch_dist save and load; "
+                "Bridge's too)"),
 )
 
 #: part -> its entries. The installed parts in the order they are installed.

@@ -1,7 +1,8 @@
 """The checkpoint package (megatron_dualpipe/megatron_lm/checkpoint/): its (schedule, format) table,
 the refusal of optimizer state across the DualPipeV and 1F1B layouts, and its import shape (no
 private imports across its modules, no import circle among the Megatron-LM modules), and DualPipeV's
-one-line refusal of another layout's dp_reshardable state. No run: the save / load runs themselves are tests/megatron_lm/test_megatron_lm_cpu.py and
+one-line refusal of another layout's dp_reshardable state, and the grad-buffer offsets the fully reshardable
+save is given. No run: the save / load runs themselves are tests/megatron_lm/test_megatron_lm_cpu.py and
 tests/megatron_lm/test_megatron_lm_dualpipe.py."""
 import ast
 import pathlib
@@ -149,3 +150,20 @@ def test_dualpipev_torch_dist_refuses_dp_reshardable_state_of_another_layout_in_
         load(orig(other), None, ["m0", "m1"], None, None)
     with pytest.raises(KeyboardInterrupt):
         load(orig(KeyboardInterrupt()), None, ["m0", "m1"], None, None)
+
+
+def test_offsets_without_the_padding_between_buckets():
+    """megatron-core pads a bucket's end to a multiple of 128 under the distributed optimizer and gives the
+    tied embedding a bucket of its own after the rest of the first stage; the state it gathers for the fully
+    reshardable save leaves that padding out. Bucket 0 here holds 192 elements, padded to 256: bucket 1 (the
+    embedding) starts at 256 in the buffer and at 192 in the gathered state (the save under dualpipe and
+    dualpipev, Megatron-LM's and Bridge's: ``optimizers.exact_offsets``)."""
+    from megatron_dualpipe.megatron_lm.checkpoint.optimizers import _unpadded_offsets
+
+    norm, weight, embedding = object(), object(), object()
+    buckets = [SimpleNamespace(grad_data=SimpleNamespace(numel=lambda: 256), numel_unpadded=192),
+               SimpleNamespace(grad_data=SimpleNamespace(numel=lambda: 16384), numel_unpadded=16384)]
+    index = {norm: (0, 64, 0), weight: (64, 192, 0), embedding: (256, 256 + 16384, 1)}
+    buffer = SimpleNamespace(buckets=buckets, param_index_map=index)
+    assert _unpadded_offsets(buffer) == {norm: (0, 64, 0), weight: (64, 192, 0),
+                                         embedding: (192, 192 + 16384, 1)}

@@ -11,7 +11,8 @@ One module per job:
 * :mod:`.strategies` -- the (schedule, format) -> save / load table (its docstring has the table);
 * :mod:`.hooks` -- the wrapped ``save_checkpoint`` / ``load_checkpoint`` that look it up;
 * :mod:`.files` -- what a load is about to read (format, keys, the schedule that wrote it);
-* :mod:`.optimizers` -- which optimizer, and which of its parameters and buffers are ``model[0]``'s;
+* :mod:`.optimizers` -- which optimizer, which of its parameters and buffers are ``model[0]``'s, and
+  the offsets its fully reshardable state is written at (``exact_offsets``);
 * :mod:`.one_chunk_optimizer` -- ``torch`` format: the optimizer state as 1F1B's one chunk;
 * :mod:`.torch_dist_mirror` -- ``torch_dist``: the mirror never written;
 * :mod:`.dualpipev_layers` -- DualPipeV's V-stages <-> 1F1B's stages;
