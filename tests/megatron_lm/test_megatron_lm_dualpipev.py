@@ -219,3 +219,41 @@ def test_dualpipev_uneven_v_stages_equal_megatron_1f1b(tmp_path, split):
     assert chunks == expected
     assert_metrics_close(resumed["dualpipev"], resumed["1f1b"], f"dualpipev, {split}, vs 1f1b, both from 1f1b's "
                          f"checkpoint of iteration 2")
+
+
+#: What megatron-core's ``sharded_param_state_fully_reshardable`` logs when it slices a parameter past the
+#: gathered (unpadded) state: the parameter is then written shifted, zeros at its end.
+SHIFTED_RE = re.compile(r"'([^']+)' param range exceeds unpadded buffer by (\d+) elements")
+
+
+def test_dualpipev_fully_reshardable_optimizer_state_resumed_by_1f1b(tmp_path):
+    """The distributed optimizer (fp32, dp = 2), ``--ckpt-format torch_dist
+    --dist-ckpt-optim-fully-reshardable`` (the optimizer state of every parameter under its model key):
+    1f1b trains 5 iterations saving at 2; dualpipev resumes it and trains 3 to 5 saving at 3; 1f1b
+    resumes dualpipev's checkpoint of 3 and trains 4 and 5. Every metric equal to 1f1b's.
+
+    Under the distributed optimizer the tied word embedding has a grad bucket of its own after the rest
+    of the first stage's parameters, which are padded to a multiple of lcm(dp, 128) = 128 elements.
+    DualPipeV's V-stage 0 (layer 1: 49,984 elements; the position embedding: 4,096) pads 64, 1F1B's stage
+    0 (layers 1-2 and the position embedding: 104,064 = 813 x 128) none. megatron-core's save slices the
+    state gathered without that padding at the padded offsets, so dualpipev wrote the embedding's
+    ``param``, ``exp_avg`` and ``exp_avg_sq`` shifted by 64 elements, the last 64 zeros, and 1f1b's
+    update of iteration 4 moved the embedding from there (its loss of 5 and params norm of 4 and 5
+    differed; iteration 4's loss is computed before that update). :func:`exact_offsets` of
+    ``megatron_lm.checkpoint.optimizers`` gives the save each parameter's own offsets."""
+    flags = (*PP2, "--train-iters", "5", "--use-distributed-optimizer", "--ckpt-format", "torch_dist",
+             "--dist-ckpt-optim-fully-reshardable")
+    ref_ckpt, dv_ckpt = str(tmp_path / "1f1b"), str(tmp_path / "dualpipev")
+    ref = run_pretrain("1f1b", *flags, "--save", ref_ckpt, "--save-interval", "2", with_metrics=True)
+    _set_latest(ref_ckpt, 2)
+    got = run_pretrain("dualpipev", *flags, "--load", ref_ckpt, "--save", dv_ckpt, "--save-interval", "3",
+                       with_metrics=True)
+    shifted = sorted(set(SHIFTED_RE.findall(LAST_OUTPUT[0])))
+    print(f"dualpipev's load and save, parameters megatron-core sliced past the gathered state: {shifted or 'none'}")
+    _set_latest(dv_ckpt, 3)
+    back = run_pretrain("1f1b", *flags, "--load", dv_ckpt, with_metrics=True)
+    assert_metrics_close(got, {5: ref[5], **_as_resumed_at(ref, 2)}, "dualpipev from 1f1b's checkpoint of 2, "
+                         "distributed optimizer dp=2, fully reshardable, vs 1f1b")
+    assert_metrics_close(back, _as_resumed_at(ref, 3), "1f1b from dualpipev's checkpoint of 3, distributed "
+                         "optimizer dp=2, fully reshardable, vs 1f1b")
+    assert not shifted, f"megatron-core wrote these parameters' optimizer state shifted: {shifted}"

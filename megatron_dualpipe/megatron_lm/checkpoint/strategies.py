@@ -16,7 +16,9 @@ others          as Megatron does                              as Megatron does
 ==============  ===========================================  ============================================
 
 Before any torch-format load, optimizer state across the DualPipeV and 1F1B layouts is refused
-(:func:`refuse_optimizer_across_layouts`): it is laid out per stage and not remapped.
+(:func:`refuse_optimizer_across_layouts`): it is laid out per stage and not remapped. Every torch_dist
+save and load of both writes the fully reshardable optimizer state at each parameter's own offsets
+(:func:`.optimizers.exact_offsets`: megatron-core shifts a parameter that follows a padded bucket).
 """
 
 import contextlib
@@ -31,7 +33,7 @@ from .megatron_io import generated_state_dict_edited
 from .mirrors import sync_mirrors
 from .one_chunk_optimizer import OneChunkOptimizerView
 from .shared_shards import SharedShardOptimizerView
-from .optimizers import inner_optimizers, kind, model0_ids
+from .optimizers import exact_offsets, inner_optimizers, kind, model0_ids
 
 ANY_FORMAT = "*"
 
@@ -101,8 +103,9 @@ def save_model0_as_one_chunk(orig, args, iteration, model, optimizer, *a, **kw):
 
 def save_without_mirror(orig, args, iteration, model, optimizer, *a, **kw):
     """dualpipe, torch_dist: 1F1B's keys (the mirror's entries and grad buffers are not written;
-    with the shared shard group the home copy's sub-optimizers: :mod:`.shared_shards`)."""
-    with generated_state_dict_edited(torch_dist_mirror.drop_mirror_entries), \
+    with the shared shard group the home copy's sub-optimizers: :mod:`.shared_shards`); the fully
+    reshardable optimizer state at each parameter's own offsets (:func:`.optimizers.exact_offsets`)."""
+    with generated_state_dict_edited(torch_dist_mirror.drop_mirror_entries), exact_offsets(optimizer), \
             _state(model, None if args.no_save_optim else optimizer).torch_dist_view() as view:
         return orig(iteration, model, optimizer if args.no_save_optim else view, *a, **kw)
 
@@ -115,8 +118,11 @@ def save_with_one_chunk_model(orig, args, iteration, model, optimizer, *a, **kw)
 
 def save_tied_output_once(orig, args, iteration, model, optimizer, *a, **kw):
     """dualpipev, torch_dist: Megatron's save, the output layer's copy of a tied embedding left
-    out on rank 0 (``torch_dist_mirror.mark_v_tied_output_weight``)."""
-    with generated_state_dict_edited(torch_dist_mirror.drop_mirror_entries):
+    out on rank 0 (``torch_dist_mirror.mark_v_tied_output_weight``); the fully reshardable optimizer
+    state at each parameter's own offsets (:func:`.optimizers.exact_offsets`: V-stage 0 pads the bucket
+    before the tied embedding's own one where 1F1B's stage 0 may not, and megatron-core's save would
+    write the embedding's state shifted by that padding)."""
+    with generated_state_dict_edited(torch_dist_mirror.drop_mirror_entries), exact_offsets(optimizer):
         return orig(iteration, model, optimizer, *a, **kw)
 
 
@@ -150,7 +156,7 @@ def load_then_sync_mirrors(orig, args, model, optimizer, file, *a, **kw):
     buffer-keyed state: model[0]'s buffers), then the mirrors are synced from the home copies
     (with the shared shard group each sub-optimizer reads its own shards: parameters only)."""
     state = _state(model, optimizer)
-    with state.torch_dist_view() as view:
+    with state.torch_dist_view() as view, exact_offsets(optimizer):
         result = orig(model, view, *a, **kw)
     state.sync_mirrors()
     return result
@@ -174,9 +180,11 @@ def load_reshardable_state(orig, args, model, optimizer, file, *a, **kw):
     dp_reshardable state of another layout (1F1B's stages i and i+pp are DualPipeV's i and
     2pp-1-i, so its grad buffers hold other parameters) is refused in one line naming the fix,
     instead of DCP's shape-mismatch traceback (a :class:`Refusal`: every rank meets it, the launcher
-    says it once)."""
+    says it once). The save's offsets (:func:`.optimizers.exact_offsets`; the load reads each parameter's
+    own range either way, but builds its request at those offsets)."""
     try:
-        return orig(model, optimizer, *a, **kw)
+        with exact_offsets(optimizer):
+            return orig(model, optimizer, *a, **kw)
     except BaseException as err:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
         if isinstance(err, (KeyboardInterrupt, SystemExit)) or not all(text in str(err) for text in _OTHER_BUFFERS):
             raise
