@@ -1,27 +1,15 @@
 """The shared shard group's process groups, and the scope in which megatron-core sees them.
 
-With ``--dualpipe-shared-shard-group`` (docs/design-shared-shard-group.md) chunk ``c`` of a
-DualPipe rank is reduce-scattered, stepped and all-gathered over the ranks that hold either copy
-of its stage: the home copy's data x context-parallel ranks, then the mirror's
-(``tests/harness/shard_group_ranks.py`` holds the rank formula). Megatron's distributed optimizer then keeps
-``1/(2 dp)`` of each of a rank's two stages, 1F1B's ``1/dp`` in all, and the reduce-scatter sums
-the two copies on the way (no separate bd sum).
+With ``--dualpipe-shared-shard-group`` (docs/design-shared-shard-group.md) chunk ``c`` is reduce-
+scattered, stepped and all-gathered over the ranks holding either copy of its stage, so the optimizer
+keeps 1F1B's ``1/dp`` in all and the reduce-scatter sums the two copies. The groups come from megatron-
+core's *own* data-parallel groups (dense and expert): chunk 0's is this rank's group followed by its
+members' bd partners, chunk 1's the other way round; every rank creates every group in one order.
 
-The groups are formed here from megatron-core's *own* data-parallel groups rather than from a
-rank formula: a rank's shard group of chunk 0 is its ``intra_dp_cp`` group followed by the bd
-partners of those ranks (the mirror's replicas, same tensor-parallel coordinates); chunk 1's is
-the same two parts the other way round. Expert layers use the expert data-parallel group alike.
-Every group is listed on every rank (one ``all_gather_object``) and created in one order
-(``new_group`` is collective over the world), with a gloo twin where megatron-core has gloo
-data-parallel groups.
-
-megatron-core reads the group a gradient buffer reduces over (and the distributed optimizer shards
-over) from ``parallel_state``'s *partial* data-parallel getters (``partial_data_parallel=True``:
-the group of one distributed-optimizer instance). :func:`partial_groups_of` answers them with a
-chunk's shard group while that chunk's DDP or optimizer is built, and nothing else: the full
-data-parallel group keeps its size ``dp``, so DDP's gradient scaling stays ``1/dp`` (the SUM over
-``2 dp`` ranks adds the two copies, then averages over the replicas, as the bd sum and the
-data-parallel reduction did) and the optimizer's instance id stays 0.
+:func:`partial_groups_of` answers ``parallel_state``'s *partial* data-parallel getters (what a gradient
+buffer and the distributed optimizer use) with a chunk's group while its DDP or optimizer is built, and
+nothing else: the full data-parallel group keeps size ``dp``, so DDP still scales by ``1/dp`` and the
+optimizer's instance id stays 0.
 """
 from __future__ import annotations
 
@@ -34,8 +22,7 @@ import torch.distributed as dist
 
 from .. import hooks
 
-__all__ = ["build_shard_groups", "shard_groups_initialized", "destroy_shard_groups",
-           "partial_groups_of", "chunk_of"]
+__all__ = ["build_shard_groups", "shard_groups_initialized", "partial_groups_of", "chunk_of"]
 
 
 @dataclass
@@ -91,7 +78,7 @@ def build_shard_groups(*, timeout=None) -> None:
 
     global _REGISTRY
     if _REGISTRY is not None:
-        raise RuntimeError("the shared shard groups are already built (destroy_shard_groups() first)")
+        raise RuntimeError("the shared shard groups are already built")
     me, partner = dist.get_rank(), groups.get_bd_mirror_rank()
     if partner == me:
         raise ValueError("--dualpipe-shared-shard-group pairs pipeline ranks i and pp-1-i, which needs an even "
@@ -134,12 +121,6 @@ def build_shard_groups(*, timeout=None) -> None:
 
 def shard_groups_initialized() -> bool:
     return _REGISTRY is not None
-
-
-def destroy_shard_groups() -> None:
-    """Forget the groups (local; the communicators go with ``destroy_process_group``)."""
-    global _REGISTRY
-    _REGISTRY = None
 
 
 def _require() -> _Groups:

@@ -1,25 +1,12 @@
 """What a rank holds for its model, in bytes, against what Megatron's 1F1B would hold.
 
-DualPipe puts two stages on every rank (stage ``i`` in ``model[0]`` and the mirrored copy of
-stage ``pp-1-i`` in ``model[1]``), so a rank holds twice 1F1B's parameters, gradients and
-optimizer state. :func:`rank_bytes` counts them on the built objects, after the model and the
-optimizer exist (``megatron_lm.training_hooks`` logs the table once, right after
-``setup_model_and_optimizer``):
-
-* parameters: the storages of each chunk's parameters, each storage once (with the distributed
-  optimizer Megatron's DDP keeps them in one buffer per dtype: its padding counts, it is memory);
-* gradients: the storages of each chunk's ``main_grad`` (DDP's gradient buffers), else ``.grad``;
-* optimizer state: the main parameters the optimizer steps on where they are copies (fp32 master
-  weights of bf16/fp16 parameters; with the distributed optimizer only this rank's shard; a view
-  into a model parameter costs nothing), plus the optimizer's per-parameter state: the tensors in
-  ``optimizer.state`` where they exist (after a step or a checkpoint load), else what the first step
-  will allocate -- Adam's ``exp_avg`` and ``exp_avg_sq`` (``exp_max_avg_sq`` with amsgrad), SGD's
-  momentum buffer -- one tensor like the main parameter each.
-
-Each figure is also attributed to the chunk whose parameter it belongs to (through the
-optimizer's own model-to-main parameter lists), so 1F1B's figure is ``model[0]``'s share: the same
-stage under the same sharding (with ``--dualpipe-shared-shard-group``, whose optimizer shards a
-stage over twice 1F1B's ranks, its optimizer share doubled). :func:`gather_table` collects every rank's figures on rank 0.
+DualPipe holds two stages per rank, twice 1F1B's parameters, gradients and optimizer state.
+:func:`rank_bytes` counts them on the built objects: each parameter and gradient storage once (DDP's
+buffers with their padding: it is memory); the optimizer's main parameters where they are copies (a
+view into a model parameter costs nothing) and its per-parameter state, from ``optimizer.state`` where
+it exists, else what the first step will allocate. Each figure goes to the chunk its parameter belongs
+to, so 1F1B's figure is ``model[0]``'s share (as the copy-sum way shards it). :func:`gather_table`
+collects every rank's figures; ``megatron_lm.training_hooks`` prints the table once.
 """
 from __future__ import annotations
 
@@ -165,11 +152,9 @@ def rank_bytes(model: Sequence[torch.nn.Module], optimizer) -> RankBytes:
             state = inner.state.get(main) or {}
             if state:
                 row.optimizer_state += sum(_nbytes(t) for t in state.values() if isinstance(t, torch.Tensor))
-            elif moments is None:
-                out.state_allocated = False  # unknown optimizer, nothing allocated yet: counted as 0
-            else:
+            else:  # what the first step allocates (an unknown optimizer's: counted as 0)
                 out.state_allocated = False
-                row.optimizer_state += moments * _nbytes(main)
+                row.optimizer_state += (moments or 0) * _nbytes(main)
     return out
 
 
