@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Tuple
 
 from ..schedule import registry
+from ..schedule.copy_sum import DP_FIRST as _DP_FIRST_WAY, SHARED_SHARD as _SHARED_SHARD_WAY
 
 #: The config flags that send an iteration through megatron-core's combined 1F1B step (the fused
 #: F&B units of mcore/overlap.py): the model build and Megatron-LM's hooks read them too, so they
@@ -34,8 +35,7 @@ MIRRORED = registry.names(mirrored=True)
 
 #: The flags whose requirements the ``needs`` rules state.
 COMBINED_STEP = "--overlap-moe-expert-parallel-comm"
-SHARED_SHARDS = "--dualpipe-shared-shard-group"
-DP_FIRST = "--dualpipe-dp-first"
+SHARED_SHARDS, DP_FIRST = _SHARED_SHARD_WAY.flag, _DP_FIRST_WAY.flag
 
 
 @dataclass(frozen=True)
@@ -188,7 +188,6 @@ def _dist_checkpoint_of_a_layout(source, side) -> bool:
             and bool(getattr(source, "save", None) or getattr(source, "load", None)))
 
 
-#: Every refused option, in the order the checks report them.
 def _needs_of_a_dualpipe_flag(needs: str, test: str, rows) -> Tuple[Refused, ...]:
     """The requirements of one of DualPipe's own Megatron-LM flags (args only): ``rows`` of
     (flag, why, is refused(args), fix)."""
@@ -209,6 +208,7 @@ TE_BIASES_IN_W = Refused(
     fix="add --disable-bias-linear, remove --delay-wgrad-compute, or add --no-dualpipe-zero-bubble",
     test="A `refused --add-bias-linear`; E `te_biases_deferred`")
 
+#: Every refused option, in the order the checks report them.
 REFUSED: Tuple[Refused, ...] = (
     # The pipeline's structure.
     Refused(_VP_FLAGS, "the schedule places its own chunks on every rank; a virtual pipeline would add more",
@@ -463,10 +463,9 @@ def _shared_layout_format(args) -> bool:
     return fmt == "torch" or (fmt == "torch_dist" and bool(getattr(args, "dist_ckpt_optim_fully_reshardable", False)))
 
 
-#: ``needs`` flag -> whether it is on.
-_NEEDS_ON = {COMBINED_STEP: lambda source, side: bool(getattr(source, "overlap_moe_expert_parallel_comm", False)),
-             SHARED_SHARDS: lambda source, side: bool(getattr(source, "dualpipe_shared_shard_group", False)),
-             DP_FIRST: lambda source, side: bool(getattr(source, "dualpipe_dp_first", False))}
+def flag_on(flag: str, source) -> bool:
+    """Whether Megatron-LM's switch ``flag`` is on in ``source`` (args, or a config's same-named field)."""
+    return bool(getattr(source, flag[2:].replace("-", "_"), False))
 
 
 def problems(source, schedule: str, side: str) -> List[str]:
@@ -477,7 +476,7 @@ def problems(source, schedule: str, side: str) -> List[str]:
         if schedule not in rule.schedules or not rule.applies(side):
             continue
         if rule.needs:
-            if _NEEDS_ON[rule.needs](source, side) and rule.value(source, side):
+            if flag_on(rule.needs, source) and rule.value(source, side):
                 out.append(f"{rule.needs}: {rule.message()}")
         elif rule.is_set(rule.value(source, side)):
             out.append(rule.message())

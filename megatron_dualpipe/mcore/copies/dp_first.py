@@ -1,12 +1,8 @@
-"""dp-first: DualPipe's two copies of a stage summed on the distributed optimizer's shards.
-
-``--dualpipe-dp-first`` (docs/design-shared-shard-group.md, section 7): the reduce-scatter comes
-first and the pair sums only the rank's ``1/dp`` shard of every bucket (bytes ``G/dp`` instead of
-``G``): the same sum (over disjoint rank sets), the same shard on both copies (the partners have
-the same data-parallel coordinates). :func:`summing_shards_over_pairs` ends DDP's
-``finish_grad_sync`` with that sum; Megatron's finalize calls it chunk by chunk, in the stage order
-finalize gives (``CopySum.finalize_order``). The middle rank of an odd pipeline holds both copies
-and sums them before its reduce-scatter, in finalize.
+"""dp-first (``--dualpipe-dp-first``, docs/design-shared-shard-group.md section 7): each copy of a stage
+reduce-scatters over its replicas first, then the bd pair sums only the rank's ``1/dp`` shard of every
+bucket: the same sum over disjoint rank sets, and the same shard on both copies (the partners share
+data-parallel coordinates). Megatron's finalize calls ``finish_grad_sync`` chunk by chunk in stage order
+(``CopySum.finalize_order``); the middle rank of an odd pipeline sums its two copies first, in finalize.
 """
 from __future__ import annotations
 
@@ -23,30 +19,30 @@ __all__ = ["DP_FIRST_ATTR", "WAY", "summing_shards_over_pairs", "own_shards", "w
 #: Set on a DDP chunk whose copies are summed after its reduce-scatter, on its shards.
 DP_FIRST_ATTR = "dualpipe_dp_first"
 
-def _bucket_groups(ddp) -> list:
-    return list(ddp.bucket_groups) + list(ddp.expert_parallel_bucket_groups)
+
+def _buckets(ddp) -> list:
+    """(bucket group, bucket) of every bucket, dense then expert-parallel."""
+    groups = list(ddp.bucket_groups) + list(ddp.expert_parallel_bucket_groups)
+    return [(group, bucket) for group in groups for bucket in group.buckets]
 
 
 def own_shards(ddp) -> List[torch.Tensor]:
-    """This rank's shard of every bucket (dense, then expert-parallel), as the reduce-scatter left it:
-    the views megatron-core's own ``start_grad_sync`` reduce-scatters into."""
+    """This rank's shard of every bucket, the views megatron-core's ``start_grad_sync`` reduce-scatters into."""
     from megatron.core.distributed.param_and_grad_buffer import shard_buffer
 
-    return [shard_buffer(bucket.grad_data, group.intra_distributed_optimizer_instance_size)[
-                group.intra_distributed_optimizer_instance_rank]
-            for group in _bucket_groups(ddp) for bucket in group.buckets]
+    return [shard_buffer(b.grad_data, g.intra_distributed_optimizer_instance_size)[
+                g.intra_distributed_optimizer_instance_rank] for g, b in _buckets(ddp)]
 
 
 def whole_buffers(ddp) -> List[torch.Tensor]:
     """Every bucket's whole gradient, as an all-reduce over the replicas left it."""
-    return [bucket.grad_data for group in _bucket_groups(ddp) for bucket in group.buckets]
+    return [b.grad_data for _, b in _buckets(ddp)]
 
 
 def shard_layout(ddp) -> list:
     """What must match between the two copies for their shards to be summed element by element."""
-    return [(str(bucket.grad_data.dtype), bucket.grad_data.numel(), group.intra_distributed_optimizer_instance_size,
-             group.intra_distributed_optimizer_instance_rank)
-            for group in _bucket_groups(ddp) for bucket in group.buckets]
+    return [(str(b.grad_data.dtype), b.grad_data.numel(), g.intra_distributed_optimizer_instance_size,
+             g.intra_distributed_optimizer_instance_rank) for g, b in _buckets(ddp)]
 
 
 def summing_shards_over_pairs(ddp_class):

@@ -1,12 +1,8 @@
-"""``--dualpipe-shared-shard-group``: each chunk's DDP and optimizer over its shard group.
-
-docs/design-shared-shard-group.md; the groups: :mod:`..shard_groups`. The DDP
-(:func:`over_shared_shard_groups`) and the optimizer (:func:`per_stage_optimizer`, one per stage,
-chained in ascending stage order: Megatron's ``for chunk in model`` order would deadlock the
-partners on NCCL, ``tests/schedule/test_collective_order.py``) are built inside
-:func:`..shard_groups.partial_groups_of`, so that all they derive from the group is the shard
-group's. :func:`megatron_marks`: the mirror's optimizer shards are distinct parts of the stage, and
-carry Megatron's own ``shared`` marks, not DualPipe's.
+"""``--dualpipe-shared-shard-group`` (docs/design-shared-shard-group.md): each chunk's DDP
+(:func:`over_shared_shard_groups`) and optimizer (:func:`per_stage_optimizer`, one per stage, chained in
+ascending stage order: Megatron's chunk order would deadlock the partners on NCCL) built inside
+:func:`..shard_groups.partial_groups_of`, so that they see the shard group; the mirror's optimizer
+shards carry Megatron's own ``shared`` marks (:func:`megatron_marks`).
 """
 from __future__ import annotations
 

@@ -8,6 +8,7 @@ from typing import Callable, List, Optional, Sequence
 
 from ...schedule.copy_sum import CopySum, stage_order
 from ...schedule.layout import BIDIRECTIONAL, Layout
+from ..options import flag_on
 
 
 def _this_rank():
@@ -36,8 +37,7 @@ class CopySumWay:
 
     def chosen_by(self, args) -> bool:
         """Whether Megatron-LM's ``args`` carry the way's flag (``CopySum.flag``)."""
-        flag = self.way.flag
-        return flag is not None and bool(getattr(args, flag[2:].replace("-", "_"), False))
+        return self.way.flag is not None and flag_on(self.way.flag, args)
 
     def marks(self, model) -> bool:
         return self.marker is not None and any(getattr(chunk, self.marker, False) for chunk in model)
