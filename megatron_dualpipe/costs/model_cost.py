@@ -43,18 +43,23 @@ GPUS = {g.name: g for g in (
 
 # FLOPs (forward, per token)
 
+def attention_params(m: ModelArgs, norm: int) -> int:
+    """One attention layer's projection weights (MLA: with its latents' norms, ``norm`` weights per element)."""
+    h, n = m.hidden, m.heads
+    if not m.mla:
+        q, kv = m.kv_channels * n, m.kv_channels * m.query_groups
+        return h * (q + 2 * kv) + q * h
+    qk = m.qk_head_dim + m.qk_pos_emb_head_dim
+    q = h * n * qk if m.q_lora_rank is None else m.q_lora_rank * (h + n * qk + norm)
+    return (q + m.kv_lora_rank * (h + n * (m.qk_head_dim + m.v_head_dim) + norm) + h * m.qk_pos_emb_head_dim
+            + n * m.v_head_dim * h)
+
+
 def attention_flops(m: ModelArgs) -> Tuple[float, float]:
     """(linear, core) forward FLOPs per token of one attention layer (causal: half of ``QK^T``, ``softmax V``)."""
-    h, n, s = m.hidden, m.heads, m.seq_length
-    if m.mla:
-        q = h * n * (m.qk_head_dim + m.qk_pos_emb_head_dim) if m.q_lora_rank is None else \
-            m.q_lora_rank * (h + n * (m.qk_head_dim + m.qk_pos_emb_head_dim) + 1)
-        kv = m.kv_lora_rank * (h + n * (m.qk_head_dim + m.v_head_dim) + 1) + h * m.qk_pos_emb_head_dim
-        linear = 2 * (q + kv + n * m.v_head_dim * h)
-        core = s * n * (m.qk_head_dim + m.qk_pos_emb_head_dim + m.v_head_dim)
-        return float(linear), float(core)
-    q, kv = m.kv_channels * n, m.kv_channels * m.query_groups
-    return float(2 * (h * (q + 2 * kv) + q * h)), float(2 * q * s)
+    n, s = m.heads, m.seq_length
+    core = s * n * (m.qk_head_dim + m.qk_pos_emb_head_dim + m.v_head_dim) if m.mla else 2 * m.kv_channels * n * s
+    return float(2 * attention_params(m, 1)), float(core)
 
 
 def mlp_width(m: ModelArgs, moe: bool) -> int:
@@ -93,14 +98,8 @@ def iteration_flops(m: ModelArgs, global_batch: int) -> float:
 
 def _token_flops(m: ModelArgs, moe_flags: Sequence[int], last: bool) -> Tuple[float, float]:
     """(linear, core) forward FLOPs per token of layers with these MoE flags (``last``: + output, MTP)."""
-    linear, core = 0.0, 0.0
-    for moe in moe_flags:
-        lin, c = layer_flops(m, bool(moe))
-        linear, core = linear + lin, core + c
-    if last:
-        lin, c = mtp_flops(m)
-        linear, core = linear + lin + output_flops(m), core + c
-    return linear, core
+    parts = [layer_flops(m, bool(moe)) for moe in moe_flags] + ([mtp_flops(m), (output_flops(m), 0.0)] if last else [])
+    return sum(lin for lin, _ in parts), sum(core for _, core in parts)
 
 
 # Stages
@@ -255,15 +254,7 @@ class Params:
 def layer_params(m: ModelArgs, moe: bool) -> Params:
     h, gl = m.hidden, 1.5 if m.swiglu else 1.0
     norm = 1 if m.normalization == "RMSNorm" else 2
-    if m.mla:
-        n = m.heads
-        q = h * n * (m.qk_head_dim + m.qk_pos_emb_head_dim) if m.q_lora_rank is None else \
-            m.q_lora_rank * (h + n * (m.qk_head_dim + m.qk_pos_emb_head_dim) + norm)
-        attn = (q + m.kv_lora_rank * (h + n * (m.qk_head_dim + m.v_head_dim) + norm) + h * m.qk_pos_emb_head_dim
-                + n * m.v_head_dim * h)
-    else:
-        q, kv = m.kv_channels * m.heads, m.kv_channels * m.query_groups
-        attn = h * (q + 2 * kv) + q * h
+    attn = attention_params(m, norm)
     if not moe:
         return Params(attn + 2 * h * m.ffn_hidden * gl, 2 * h * norm)
     router = h * m.num_experts
