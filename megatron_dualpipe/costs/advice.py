@@ -270,20 +270,15 @@ def advise(pp: int, microbatches: Sequence[int], costs: Costs, activation_memory
            shared_optimizer: bool = False, no_fit_hint: str = NO_FIT_HINT) -> Advice:
     """Simulate every schedule (or ``names``) on the model and choose one per micro-batch count.
 
-    ``costs``: one stage's costs per micro-batch under 1F1B. ``activation_memory``: one
-    micro-batch's activations on one stage. ``parameter_memory``: one stage's parameters with
-    their gradients and optimizer state. ``weight_grad_memory``: what one deferred weight
-    gradient keeps alive on a stage until its W runs (0: not counted). ``memory_limit``: per
-    rank, any unit as long as the memories use it too (None: no limit). ``comm``: the
-    gradient communication and P2P links (``costs.comm_cost``; costs then in ms): schedules
-    are ranked by the iteration (makespan plus exposed gradient communication), and the pick
-    gets its break-even bandwidth and micro-batch size (``tokens``: the tokens of one
-    micro-batch the costs are for). ``num_layers``: the model's, for the interleaved schedule's
-    ``--num-layers-per-virtual-pipeline-stage`` in the advice. ``optimizer_memory``: the optimizer
-    state within ``parameter_memory`` (what DualPipe's shared shard group keeps once, not twice);
-    ``shared_optimizer``: the run has that group, so the table counts it once. ``once_memory``:
-    activations a rank keeps once whatever the schedule (the output layer's logits: its backward
-    follows the loss directly), added to every schedule's activations."""
+    ``costs``: one stage's 1F1B costs per micro-batch; ``activation_memory``: one micro-batch's
+    activations on one stage; ``parameter_memory``: one stage's parameters, gradients and optimizer
+    state (``optimizer_memory`` of it the optimizer state, which ``shared_optimizer``, DualPipe's
+    shared shard group, keeps once); ``weight_grad_memory``: one deferred weight gradient until its W
+    (0: not counted); ``once_memory``: activations a rank keeps once whatever the schedule (the output
+    logits); ``memory_limit``: per rank, in the memories' unit (None: none). With ``comm``
+    (``costs.comm_cost``, costs in ms) schedules are ranked by makespan plus exposed gradient
+    communication and the pick gets its break-even bandwidth and micro-batch size (``tokens`` per
+    micro-batch). ``num_layers``: for the interleaved schedule's flags in the advice."""
     for name, v in (("activation memory", activation_memory), ("parameter memory", parameter_memory),
                     ("weight-gradient memory", weight_grad_memory), ("memory limit", memory_limit)):
         _check(name, v)

@@ -1,9 +1,6 @@
-"""How a mirrored schedule sums a stage's two copies: the ways, declared once, and their pure facts.
-
-The cost model's ``bd_mode``, ``--bd-reduction`` and ``StepOptions.copy_sum`` name a way by its
-value; how it runs under megatron-core is ``mcore.copies``. :func:`stage_order` is the one order
-both partners issue the collectives outside the schedule in (ascending stage: ranks i and pp-1-i
-both start with stage min(i, pp-1-i)). Standard library only.
+"""How a mirrored schedule sums a stage's two copies: the ways, declared once, and their pure facts
+(how they run under megatron-core: ``mcore.copies``). :func:`stage_order` is the one order both partners
+issue the collectives outside the schedule in: ascending stage. Standard library only.
 """
 from __future__ import annotations
 
