@@ -94,13 +94,10 @@ def build_shard_groups(*, timeout=None) -> None:
     every: Dict[Tuple[int, ...], None] = {}
     for rank, theirs in enumerate(gathered):
         for kind, members in theirs.items():
-            home = sorted(members)
-            mirror = sorted(partners[m] for m in members)
-            for chunk, ranks in ((0, tuple(home + mirror)), (1, tuple(mirror + home))):
-                if chunk == 0:
-                    every.setdefault(ranks, None)
-                if rank == me:
-                    mine[(kind, chunk)] = ranks
+            home, mirror = sorted(members), sorted(partners[m] for m in members)
+            every.setdefault(tuple(home + mirror), None)  # chunk 1's groups are other ranks' chunk 0's
+            if rank == me:
+                mine[(kind, 0)], mine[(kind, 1)] = tuple(home + mirror), tuple(mirror + home)
     registry = _Groups(ranks=mine)
     gloo = _has_gloo()
     for ranks in sorted(every, key=lambda r: (len(r), r)):
