@@ -15,8 +15,6 @@ from .. import versions
 from ..mcore import copies, options
 from ..schedule import registry
 
-_GROUP_TITLE = "DualPipe pipeline schedule (megatron_dualpipe)"
-
 
 class DualPipeArgumentError(ValueError):
     """An argument combination the DualPipe schedules cannot run."""
@@ -26,7 +24,7 @@ def add_dualpipe_arguments(parser):
     """Add the DualPipe flags to an ``argparse`` parser and return it (idempotent)."""
     if any("--pipeline-schedule" in a.option_strings for a in parser._actions):
         return parser
-    group = parser.add_argument_group(title=_GROUP_TITLE)
+    group = parser.add_argument_group(title="DualPipe pipeline schedule (megatron_dualpipe)")
     group.add_argument("--pipeline-schedule", type=str, default=registry.DEFAULT, choices=registry.NAMES,
                        help="Pipeline schedule. " + "; ".join(f"{s.name}: {s.summary}" for s in registry.SPECS.values())
                        + ".")
@@ -101,10 +99,9 @@ def _uneven_split(args) -> bool:
 
 
 def layout_problems(args) -> List[str]:
-    """A ``--pipeline-model-parallel-layout`` of another stage count than the two-chunk schedule
-    runs (DualPipe ``pp``, DualPipeV ``2*pp`` V-stages), each with a layout of the right count.
-    Checked before Megatron-LM's ``validate_args``, which refuses a count ``pp`` does not divide with
-    an assertion and turns a count of ``2*pp`` into a virtual pipeline."""
+    """A ``--pipeline-model-parallel-layout`` of another stage count than the two-chunk schedule runs
+    (DualPipe ``pp``, DualPipeV ``2*pp``), naming one of the right count. Checked before ``validate_args``,
+    which asserts on a count ``pp`` does not divide and makes ``2*pp`` a virtual pipeline."""
     from ..schedule import stage_layout
 
     schedule, text = schedule_of(args), getattr(args, "pipeline_model_parallel_layout", None)
@@ -121,11 +118,9 @@ def layout_problems(args) -> List[str]:
 
 
 def v_split_problems(args) -> List[str]:
-    """DualPipeV's uneven V-stages beyond a layout. ``--account-for-embedding/loss-in-pipeline-split``
-    keep Megatron's interleaved meaning (the embedding and the loss count as a layer of V-stages 0
-    and ``2pp-1``, both on rank 0), so the count must divide by ``2*pp``. Megatron's interleaved
-    meaning of ``--decoder-first/last-pipeline-num-layers`` puts the first stage's layers in
-    V-stages 0 and ``pp`` (ranks 0 and ``pp-1``): refused, naming the layout that lightens rank 0."""
+    """DualPipeV's uneven V-stages beyond a layout, in Megatron's interleaved meaning: the embedding and
+    loss counted as layers of V-stages 0 and ``2pp-1`` must divide by ``2*pp``;
+    ``--decoder-first/last-pipeline-num-layers`` (V-stages 0 and ``pp``) refused, naming a layout."""
     from ..schedule import stage_layout
 
     pp, layers = args.pipeline_model_parallel_size, args.num_layers
@@ -149,10 +144,8 @@ def v_split_problems(args) -> List[str]:
 
 
 def without_virtual_pipeline(args) -> None:
-    """DualPipeV's ``2*pp``-stage layout: Megatron-LM's ``validate_args`` made it a virtual pipeline of
-    two stages per rank; DualPipeV builds its two V-stages itself (``mcore.model.dualpipev_config``)
-    and needs ``parallel_state`` without one, so the value goes back to None, and the overlapped P2P
-    of the interleaved schedule off, as ``validate_args`` sets them without a virtual pipeline."""
+    """DualPipeV's ``2*pp``-stage layout, which ``validate_args`` made a virtual pipeline: DualPipeV builds
+    its V-stages itself (``mcore.model.dualpipev_config``), so both values go back to no virtual pipeline's."""
     if schedule_of(args) == registry.DUALPIPEV and getattr(args, "pipeline_model_parallel_layout", None) is not None:
         args.virtual_pipeline_model_parallel_size = None
         args.overlap_p2p_comm = False
@@ -160,7 +153,7 @@ def without_virtual_pipeline(args) -> None:
 
 def dualpipe_problems(args):
     """One message per violated constraint (empty if fine or 1f1b); ``args`` after Megatron's ``validate_args``."""
-    schedule = getattr(args, "pipeline_schedule", registry.DEFAULT)
+    schedule = schedule_of(args)
     spec = registry.get(schedule)
     ways = copies.flag_problems(args, schedule)
     if ways:
@@ -261,12 +254,9 @@ def wrap_add_megatron_arguments(orig):
 
 
 def keep_aligned_param_gather(args, aligned) -> None:
-    """Megatron's ``validate_args`` turns ``--align-param-gather`` off without a virtual pipeline:
-    its 1F1B has one chunk and never calls ``config.param_sync_func``. DualPipe's and DualPipeV's
-    two chunks per rank are the executor's to gather: it calls ``param_sync_func`` for both before
-    the first action (``mcore.param_gather``), as the interleaved schedule does for its first two;
-    so the value the user gave (``aligned``, default on) stands, and ``train()`` sets
-    ``config.param_sync_func`` from it (DDP's pre-hooks then only wait)."""
+    """``validate_args`` turns ``--align-param-gather`` off without a virtual pipeline, but the executor
+    calls ``config.param_sync_func`` for both chunks before the first action (``mcore.param_gather``), as
+    the interleaved schedule does: the user's value (``aligned``, default on) stands."""
     if aligned and registry.get(schedule_of(args)).chunks_per_rank == 2:
         args.align_param_gather = True
 

@@ -29,6 +29,13 @@ from .arguments import schedule_of
 _PART = "megatron-lm training"  # hooks/manifest.py lists what install() patches
 
 
+def _megatron_args():
+    """Megatron-LM's parsed arguments (``megatron.training`` imported late, at call time)."""
+    from megatron.training import get_args
+
+    return get_args()
+
+
 def forward_backward_options(args) -> dict:
     """Keyword options of the dispatcher taken from the parsed arguments."""
     opts = {"zero_bubble": bool(getattr(args, "dualpipe_zero_bubble", True)),
@@ -54,11 +61,10 @@ def _two_chunk_provider(model_provider_func, schedule, model_type, config, built
     """A provider with stock ``get_model``'s calling convention that builds both chunks (and
     puts them in the dict ``built`` under "chunks", for the parameter-count line)."""
     from megatron.core.utils import get_model_config
-    from megatron.training import get_args
 
     from ..mcore.model import V_SHAPE, build_two_direction_model, dualpipev_config
 
-    args = get_args()
+    args = _megatron_args()
     layout = registry.get(schedule).layout_kind
 
     def provider(pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None):
@@ -177,11 +183,10 @@ def wrap_get_model(orig):
     @functools.wraps(orig)
     def get_model(model_provider_func, model_type=None, wrap_with_ddp=True, config=None, pg_collection=None):
         from megatron.core.enums import ModelType
-        from megatron.training import get_args
 
         if model_type is None:
             model_type = ModelType.encoder_or_decoder
-        args = get_args()
+        args = _megatron_args()
         schedule = schedule_of(args)
         if registry.get(schedule).chunks_per_rank != 2:
             return orig(model_provider_func, model_type, wrap_with_ddp, config=config, pg_collection=pg_collection)
@@ -224,9 +229,7 @@ def two_chunk_model_built(model, schedule: str):
 def wrap_get_forward_backward_func(orig):
     @functools.wraps(orig)
     def get_forward_backward_func(*a, **kw):
-        from megatron.training import get_args
-
-        args = get_args()
+        args = _megatron_args()
         schedule = schedule_of(args)
         if registry.get(schedule).runs_on == registry.MEGATRON:
             return orig(*a, **kw)
@@ -240,9 +243,7 @@ def wrap_get_forward_backward_func(orig):
 def wrap_setup_model_and_optimizer(orig):
     @functools.wraps(orig)
     def setup_model_and_optimizer(*a, **kw):
-        from megatron.training import get_args
-
-        args = get_args()
+        args = _megatron_args()
         with copy_sum(args).building_optimizer():
             out = orig(*a, **kw)
         schedule = schedule_of(args)
@@ -291,9 +292,7 @@ def wrap_config_from_args(orig):
 def wrap_calc_params_l2_norm(orig):
     @functools.wraps(orig)
     def calc_params_l2_norm(model, force_create_fp32_copy=False, *a, **kw):
-        from megatron.training import get_args
-
-        args = get_args()
+        args = _megatron_args()
         if not registry.get(schedule_of(args)).mirrored or not isinstance(model, list) or len(model) != 2:
             return orig(model, force_create_fp32_copy, *a, **kw)
         from ..mcore.copies import of
