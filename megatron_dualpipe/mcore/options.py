@@ -14,9 +14,8 @@ from typing import Any, Callable, List, Optional, Tuple
 from ..schedule import registry
 from ..schedule.copy_sum import DP_FIRST as _DP_FIRST_WAY, SHARED_SHARD as _SHARED_SHARD_WAY
 
-#: The config flags that send an iteration through megatron-core's combined 1F1B step (the fused
-#: F&B units of mcore/overlap.py): the model build and Megatron-LM's hooks read them too, so they
-#: live here, below both.
+#: The config flags that send an iteration through megatron-core's combined 1F1B step (mcore/overlap.py's
+#: fused F&B units); here, below the model build and Megatron-LM's hooks, which read them too.
 COMBINED_STEP_FLAGS = ("overlap_moe_expert_parallel_comm", "delay_wgrad_compute")
 
 __all__ = ["ARGS", "CONFIG", "Refused", "Handled", "REFUSED", "HANDLED", "COMBINED_STEP", "problems",
@@ -40,13 +39,10 @@ SHARED_SHARDS, DP_FIRST = _SHARED_SHARD_WAY.flag, _DP_FIRST_WAY.flag
 
 @dataclass(frozen=True)
 class Refused:
-    """An option a schedule cannot honour: ``flag`` is what the user typed (and must change),
-    ``arg`` / ``config`` the attributes of Megatron-LM's ``args`` / a ``TransformerConfig`` that
-    hold it (None: not checked on that side), ``is_set(value)`` whether the value is the refused
-    one, ``why`` the problem it would cause and ``fix`` the change that avoids it. ``read``
-    (source, side) -> value replaces the attribute lookup where the value is not one attribute.
-    ``needs``: the rule states a requirement of that option and is checked only while it is on.
-    ``test``: where the refusal is tested."""
+    """An option a schedule cannot honour: ``flag`` what the user typed, ``arg`` / ``config`` the
+    attributes of ``args`` / a ``TransformerConfig`` that hold it (None: not checked there), or ``read``
+    (source, side) -> value; ``is_set(value)``: refused; ``why`` and ``fix`` for the message;
+    ``needs``: a requirement of that flag, checked only while it is on; ``test``: where it is tested."""
 
     flag: str
     why: str
@@ -173,11 +169,8 @@ def _fp8_delayed(source, side):
 
 
 _VP_FLAGS = "--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank"
-#: Uneven stages: proven for dualpipe (stage i and its mirror pp-1-i built by megatron-core's own
-#: offsets from each chunk's pipeline group) and for dualpipev's layout of 2pp V-stages and its
-#: embedding / loss counted as layers (megatron-core's interleaved offsets of V-stage (vp_stage,
-#: rank)); the stage counts and dualpipev's first / last stage flags are checked by
-#: megatron_lm.arguments, which names a layout that works.
+#: Uneven stages: proven for dualpipe and dualpipev (megatron-core's own offsets per chunk); their stage
+#: counts and dualpipev's first / last stage flags are checked by megatron_lm.arguments.
 _UNEVEN_TWO_CHUNKS = "uneven stages are proven equal to 1F1B under dualpipe and dualpipev only so far"
 _UNEVEN_FIX = "use --pipeline-schedule dualpipe or dualpipev, or an even split"
 
