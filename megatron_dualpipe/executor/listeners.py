@@ -34,7 +34,7 @@ class RunListener:
 
     def on_op(self, op) -> None:
         """An op of the rank's lowered program that the runner does not run itself
-        (``schedule.lowered.DELEGATED``: a parameter gather or its wait, a bd sum or its wait, a
+        (``schedule.lowering.DELEGATED``: a parameter gather or its wait, a bd sum or its wait, a
         data-parallel reduction, the loss gather, a finalize collective): issue it here."""
 
     def on_run_end(self) -> None:

@@ -8,7 +8,7 @@ schedule, ``mcore.finalize.allreduce_bd_grads`` outside it) and by the benchmark
   contiguous buffers (Megatron DDP's grad buffers, the benchmark's synthetic gradients), else
   flattened per dtype and copied back when waited;
 * :class:`PairSums` issues a rank's sums at the points the iteration plan gives
-  (``schedule.iteration_plan``) and waits for none before the end of the schedule (the
+  (``schedule.lowering.reductions``) and waits for none before the end of the schedule (the
   program's ``summed`` ops, :meth:`PairSums.wait`; :meth:`PairSums.finish`), which the plan proves safe: on an accelerator a ``wait()`` would make the
   compute stream wait, and with it every P2P batch posted after it, for the partner's matching
   sum; where the partners finish their chunks at different points the partner first needs one

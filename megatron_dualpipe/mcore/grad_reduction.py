@@ -3,7 +3,7 @@
 The runner tells a `GradReduction` every action it ran (`GradReduction.after_action`: a chunk's
 gradients are final after its last) and hands it every ``sum`` / ``summed`` / ``dp`` op of the
 rank's lowered program (`GradReduction.on_reduction`: the ops the checked iteration plan put into
-the list, ``schedule.program``); the ops after the schedule reach it the same way, in list order
+the list, ``schedule.lowering``); the ops after the schedule reach it the same way, in list order
 (``mcore.program_ops``), between `GradReduction.end_schedule` and `GradReduction.complete`. Every
 collective it issues is at a place of that program, the same on every rank that shares the
 communicator; it decides none itself, and nothing depends on when a sum happens to complete.
@@ -15,12 +15,12 @@ Per chunk (one `_Chunk` state each):
    (``schedules.finish_embedding_wgrad_compute``), as 1F1B does at its end;
 2. DualPipe: its bd sum (the two copies of the stage summed over the bd pair, in place over
    Megatron DDP's grad buffers) is issued at the point the iteration plan gives
-   (``iteration_plan.bd_sum_points``: both partners in the same order of stages) through
+   (``lowering.reductions.bd_sum_points``: both partners in the same order of stages) through
    ``executor.pair_sums``, and waited by the program's ``summed`` ops after the schedule: a wait
    on an accelerator makes the compute stream wait, and the partner may first need a tensor
    queued behind it (issue 17);
 3. its data-parallel reduction (``config.grad_sync_func``, Megatron DDP's ``start_grad_sync``
-   under ``--overlap-grad-reduce``) starts at the plan's point (``iteration_plan.dp_start_points``,
+   under ``--overlap-grad-reduce``) starts at the plan's point (``lowering.reductions.dp_start_points``,
    the program's ``dp`` op): right after its last gradient action where nothing changes its
    gradients later, else after the schedule. A poll once started it when the bd sum was
    seen complete: a point that differed between the data-parallel replicas, whose collectives
@@ -54,7 +54,7 @@ import torch
 import torch.distributed as dist
 
 from ..executor import pair_sums
-from ..schedule import lowered
+from ..schedule.lowering import OpKind
 from . import bd_pairs, copy_sums
 from .finalize import (BD_SUM_TIMEOUT_S, is_wrapped, chunk_layout, tied_copies, allreduce_bd_grads,
                        check_buffer_layouts, fold_tied_embedding_grads, sum_tensors)
@@ -157,18 +157,18 @@ class GradReduction:
         if c is not None:
             self._chunk_done(c)
 
-    def on_reduction(self, kind: str, c: int) -> None:
+    def on_reduction(self, kind: OpKind, c: int) -> None:
         """A ``sum`` / ``summed`` / ``dp`` op of the rank's program, where the plan put it: issue
         chunk ``c``'s bd sum, wait for it, or start its data-parallel reduction."""
-        if kind == lowered.DP:
+        if kind == OpKind.DP:
             self._start_dp(c)
             return
-        if kind not in (lowered.SUM, lowered.SUMMED):
+        if kind not in (OpKind.SUM, OpKind.SUMMED):
             raise ValueError(f"not a reduction op: {kind!r}")
         if self._sums is None:
             raise RuntimeError(f"megatron-dualpipe: the iteration plan sums chunk {c}'s copies, which this "
                                f"rank sums no other way than in its finalize (a bug)")
-        (self._sums.issue if kind == lowered.SUM else self._sums.wait)(c)
+        (self._sums.issue if kind == OpKind.SUM else self._sums.wait)(c)
 
     def _chunk_done(self, c: int) -> None:
         state = self.chunks[c]

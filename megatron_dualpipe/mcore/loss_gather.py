@@ -1,7 +1,7 @@
 """Bring every direction's loss entries to the last pipeline rank, where Megatron reads them.
 
 Each transfer is an op of the rank's program (``loss D -> P`` / ``loss D <- P``,
-``schedule.program``), issued by ``mcore.program_ops`` where the list has it.
+``schedule.lowering``), issued by ``mcore.program_ops`` where the list has it.
 
 Megatron's training loop reads the per-micro-batch loss dicts from the last pipeline rank only.
 Under DualPipe, direction 1 ends on rank 0; under DualPipeV every micro-batch ends on rank 0.

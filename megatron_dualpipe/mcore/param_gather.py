@@ -12,12 +12,12 @@ executor does the same for its two chunks: before the first action, in the order
 forwards (chunk 0 first there; DualPipe's ranks pp/2.. run chunk 1 first, and one NCCL
 communicator runs the gathers in issue order). The point and the order are ops of the rank's
 program (``gather C`` first, ``gathered C`` before the ``run`` of the chunk's first real forward:
-``schedule.program``), the same on every member of a data-parallel group (they run the same
+``schedule.lowering``), the same on every member of a data-parallel group (they run the same
 program), so the collectives meet in the same order everywhere; ``mcore.program_ops`` calls
 :func:`start` for each ``gather``, and the wait is DDP's pre-hook in the ``run`` after ``gathered``.
 
 Only chunks with a real forward in the iteration are started
-(``schedule.program.chunks_with_real_forward``). Evaluation starts none: Megatron's schedules clear
+(``schedule.lowering.collectives.chunks_with_real_forward``). Evaluation starts none: Megatron's schedules clear
 ``param_sync_func`` for ``forward_only``.
 """
 from __future__ import annotations

@@ -14,7 +14,7 @@ schedule, ascending stage (``shard_groups.chunks_by_stage``) for the all-gathers
 import pytest
 
 from megatron_dualpipe.schedule import build_schedule
-from megatron_dualpipe.schedule import iteration_plan as IP
+from megatron_dualpipe.schedule.lowering import reductions as IP
 from megatron_dualpipe.schedule.collective_order import Collective, order_problem
 from megatron_dualpipe.schedule.placement import RankOrder
 from megatron_dualpipe.schedule.shard_groups import chunks_by_stage, shard_collectives
