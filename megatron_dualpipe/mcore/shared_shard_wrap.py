@@ -14,7 +14,7 @@ padding, shard ranges, the optimizer's checkpoint groups) is the shard group's:
   stage order, joined in one ``ChainedOptimizer``. Its sub-optimizers step, and so all-gather,
   in list order: stage order on both partners (Megatron's ``for chunk in model`` order would
   issue stage ``i`` first on rank ``i`` and stage ``pp-1-i`` first on its partner, over
-  communicators that span the same ranks: a deadlock on NCCL, ``tests/schedule/test_collective_order.py``).
+  communicators that span the same ranks: a deadlock on NCCL, ``tests/schedule/test_issued_order.py``).
 
 The mirror's parameters carry ``shared=True`` (DualPipe's mark: its gradients duplicate the
 home's); under the shared group the mirror's optimizer shards are distinct parts of the stage

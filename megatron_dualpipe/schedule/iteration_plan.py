@@ -40,7 +40,7 @@ Standard library only.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Hashable, List, Mapping, Optional, Sequence, Tuple
 
 from . import step_collectives
 from .actions import Action
@@ -310,6 +310,32 @@ class _RankItems:
                                                       r, c, self.at()), after=summed))
 
 
+@dataclass(frozen=True)
+class Collective:
+    """One collective a rank issued outside a program (a run's record, a design's order): its ranks
+    (the communicator's) and what every member must issue alike (``key``)."""
+
+    group: Tuple[int, ...]
+    key: Hashable
+
+    def __str__(self) -> str:
+        return f"{self.key} over ranks {list(self.group)}"
+
+
+def issued(collectives: Mapping[int, Sequence[Collective]],
+           communicator: Callable[[Collective], Hashable] = lambda c: c.group) -> IterationPlan:
+    """The plan of what each global rank issued, in order, none waited: :func:`check` with
+    ``one_queue`` proves that every member issues the same sequence on each communicator (default:
+    one per group) and that every rank's list can run as one stream, as Megatron issues a chunk's
+    reduce-scatters and all-gathers (two communicators over the same ranks issued in opposite
+    orders deadlock)."""
+    b = _Builder(max(collectives, default=-1) + 1)
+    for r, cs in sorted(collectives.items()):
+        for c in cs:
+            b.collective(r, f"ranks {communicator(c)}", tuple(sorted(c.group)), (c.key,), _Text("rank {}'s {}", r, c))
+    return IterationPlan(b.pp, b.works, b.items)
+
+
 def check(ip: IterationPlan, one_queue: bool = False) -> None:
     """Run every rank's items under NCCL stream semantics; raise :class:`IterationPlanError`
     naming the cycle (or the mismatched collective) if they cannot all complete. ``one_queue``:
@@ -333,7 +359,8 @@ def check(ip: IterationPlan, one_queue: bool = False) -> None:
     for (comm, group, seq), by_rank in members.items():
         keys = {works[k].key for k in by_rank.values()}
         if len(keys) > 1 or set(by_rank) != set(group):
-            missing = [f"rank {r} issues no collective {seq} there" for r in group if r not in by_rank]
+            missing = [f"rank {r} issues no collective {seq} there" for r in group if r not in by_rank] + \
+                [f"rank {r} is not one of its ranks" for r in by_rank if r not in group]
             raise IterationPlanError(f"collective {seq} on the {comm} communicator of ranks {list(group)} is not "
                                      f"the same on every rank: " + "; ".join([str(works[k].what) for k in by_rank.values()]
                                                                               + missing))

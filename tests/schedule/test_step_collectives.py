@@ -165,7 +165,7 @@ def test_a_misordered_collective_is_caught_and_named(kind, label, case, one_queu
 def test_two_communicators_in_opposite_orders_deadlock_and_the_cycle_is_named(one_queue):
     """Every communicator alike on its members, but rank 0 runs its drift check (bd pair with rank
     3) before Megatron-LM's success all-reduce (model parallel) and rank 3 after: each waits for
-    the other's collective on a communicator the other has not reached (collective_order's rule 2,
+    the other's collective on a communicator the other has not reached (``iteration_plan.issued``'s one-stream rule,
     here with the waits of the iteration)."""
     opts, ogr = OPTION_SETS["bd-first, fp16, MoE, no overlap"]
     planned = _build("dualpipe", 4, 8, opts, ogr, one_queue)
