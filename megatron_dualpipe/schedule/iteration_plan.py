@@ -47,7 +47,7 @@ from .actions import Action
 from .comm import RankPlan, describe
 from .layout import Layout
 from .lowering.ops import Op, OpKind
-from .lowering.program import Program
+from .lowering.program import Program, build_program
 
 # The schedule's kinds as module names: an enum member looked up on its class costs several
 # globals (Python 3.11), and the check reads some ten thousand ops per rank.
@@ -503,7 +503,8 @@ def plan_for(program: Program, one_queue: Optional[bool] = None) -> IterationPla
     except IterationPlanError:
         if not one_queue or not any(program.sum_points):
             raise
-        ip = build(program.with_options(sums_at_end=True))
+        s, options = program.schedule, replace(program.options, sums_at_end=True)
+        ip = build(build_program(s.name, s.pp, s.microbatches, program.padded.real, program.forward_only, options))
         check(ip, one_queue=True)
     return ip
 

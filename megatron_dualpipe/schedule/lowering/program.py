@@ -28,8 +28,6 @@ from .ops import Op
 from .p2p import lower_ranks
 from .reductions import Point, bd_sum_points, dp_start_points, grad_ops, place_reductions
 
-PerRank = Tuple  # one entry per pipeline rank
-
 
 @dataclass(frozen=True)
 class ProgramOptions:
@@ -61,14 +59,14 @@ class Program:
     schedule: Schedule
     forward_only: bool
     options: ProgramOptions
-    actions: PerRank  # of Tuple[Action, ...]
+    actions: Tuple[Tuple[Action, ...], ...]
     plans: Tuple[RankPlan, ...]
     padded: Padded
-    padding: PerRank  # of Tuple[bool, ...]
-    ops: PerRank = ()  # of Tuple[Op, ...]
-    step_ops: PerRank = ()  # of Tuple[Op, ...]
-    sum_points: PerRank = ()  # of Tuple[Point, ...]
-    dp_points: PerRank = ()  # of Tuple[Point, ...]
+    padding: Tuple[Tuple[bool, ...], ...]
+    ops: Tuple[Tuple[Op, ...], ...] = ()
+    step_ops: Tuple[Tuple[Op, ...], ...] = ()
+    sum_points: Tuple[Tuple[Point, ...], ...] = ()
+    dp_points: Tuple[Tuple[Point, ...], ...] = ()
 
     @property
     def layout(self) -> Layout:
@@ -79,12 +77,6 @@ class Program:
         """Whether a chunk's gradients are final at its W (zero bubble with deferred weight gradients)."""
         return self.options.zero_bubble and self.schedule.spec.defers_weight_grads and \
             any(a.op == W for acts in self.actions for a in acts)
-
-    def with_options(self, **changes) -> "Program":
-        """The same schedule's program under other options."""
-        s = self.schedule
-        return build_program(s.name, s.pp, s.microbatches, self.padded.real, self.forward_only,
-                             dataclasses.replace(self.options, **changes))
 
 
 @functools.lru_cache(maxsize=64)
@@ -122,7 +114,7 @@ def forward_only_actions(sched: Schedule, forward_only: bool) -> Tuple[Tuple[Act
     return tuple(tuple(dataclasses.replace(a, overlap=False) for a in r if a.op == F) for r in sched.ranks)
 
 
-def reduction_points(program: Program) -> Tuple[PerRank, PerRank]:
+def reduction_points(program: Program) -> Tuple[tuple, tuple]:
     """Per rank, the bd-sum points and the data-parallel start points (``reductions``)."""
     layout, acts, opts, is_fake = program.layout, program.actions, program.options, program.padded.is_fake
     if program.forward_only:
