@@ -179,19 +179,9 @@ def build(program: Program) -> IterationPlan:
     b = _Builder(layout.pp)
     reduces = opts.overlap_grad_reduce and opts.dp > 1 and not program.forward_only
     for r in range(layout.pp):
-        _RankItems(b, layout, r, program.actions[r], program.plans[r], reduces=reduces).run(program.ops[r])
-    for r, coll_ops in enumerate(program.step_ops):
-        _step_items(b, layout, r, coll_ops)
+        ops = program.ops[r] + (program.step_ops[r] if program.step_ops else ())
+        _RankItems(b, layout, r, program.actions[r], program.plans[r], reduces=reduces).run(ops)
     return IterationPlan(layout.pp, b.works, b.items, program)
-
-
-def _step_items(b: _Builder, layout: Layout, r: int, coll_ops: Sequence[Op]) -> None:
-    """Rank ``r``'s ``coll`` ops after the finalize's token all-reduce: each issued on its
-    communicator and waited before the next (``step_collectives``)."""
-    for n, op in enumerate(coll_ops):
-        k = b.collective(r, op.group, step_collectives.members(layout, r, op.group), (op.what,),
-                         _Text("rank {}'s {} over {} (op {} after the schedule)", r, op.what, op.group, n))
-        b.wait(r, k, _Text("for its {} over {}", op.what, op.group))
 
 
 class _RankItems:
@@ -272,7 +262,7 @@ class _RankItems:
             b.wait(r, k, "in the loss gather (host-blocking)")
         elif kind == OpKind.COLL:
             k = b.collective(r, op.group, step_collectives.members(self.layout, r, op.group), (op.what,),
-                             _Text("rank {}'s {} over {}", r, op.what, op.group))
+                             _Text("rank {}'s {} over {} ({})", r, op.what, op.group, self.at()))
             b.wait(r, k, _Text("for its {} over {}", op.what, op.group))
         elif kind == OpKind.FINALIZE:
             for k in self.dp_works:
