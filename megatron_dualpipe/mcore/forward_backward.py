@@ -52,7 +52,6 @@ from ..executor import abort, watchdog
 from ..schedule import B, iteration_plan, registry
 from ..schedule.lowering import after_finish
 from ..schedule.lowering.program import Program, ProgramOptions, build_program
-from ..schedule.lowering.reductions import grad_ops, last_grad_action_index
 from . import copy_sums
 from .data import MicrobatchSource
 from .grad_reduction import GradReduction, clear_deferred_output_wgrads
@@ -166,7 +165,7 @@ class ExecutorSchedule:
                  forward_only: bool, collect_non_loss_data: bool, first_val_step, force_all_reduce):
         """Run, gather the losses, finalize."""
         store = self._wgrad_store(it, forward_only)
-        reduction = None if forward_only else self._grad_reduction(it, model, config, store)
+        reduction = None if forward_only else GradReduction(model, config)
         # Through megatron-core's combined step when the model offers it (mcore.overlap).
         compute = (OverlappedStageCompute if offers_combined_step(config, forward_only) else MegatronStageCompute)(
             spec=self.spec, model=model, layout=it.program.schedule.layout, rank=it.rank,
@@ -235,11 +234,6 @@ class ExecutorSchedule:
             log.warning("megatron-dualpipe: %s with pp=%d needs %d micro-batches, got %d: added %d fake "
                         "micro-batch(es) (no data, no compute, zero loss and gradient)%s", self.spec.name, pp,
                         padded, real, padded - real, " in evaluation" if forward_only else "")
-
-    def _grad_reduction(self, it: _Iteration, model, config, wgrad_store) -> GradReduction:
-        actions = it.program.actions[it.rank]
-        last = last_grad_action_index(actions, it.program.padded.is_fake, grad_ops(wgrad_store is not None))
-        return GradReduction(model, config, actions=actions, last_actions=last)
 
     def _report_deferral(self, audit, rank: int) -> None:
         """Once per process: say how much weight-gradient work W holds if B kept some."""

@@ -1,16 +1,16 @@
 """One iteration's gradient reduction, started chunk by chunk where the rank's program says.
 
-The runner tells a `GradReduction` every action it ran (`GradReduction.after_action`: a chunk's
-gradients are final after its last) and hands it every ``sum`` / ``summed`` / ``dp`` op of the
-rank's lowered program (`GradReduction.on_reduction`: the ops the checked iteration plan put into
-the list, ``schedule.lowering``); the ops after the schedule reach it the same way, in list order
+The runner hands a `GradReduction` every ``final`` / ``sum`` / ``summed`` / ``dp`` op of the
+rank's program (`GradReduction.on_reduction`: the ops the lowering put into the list and the
+iteration plan checked, ``schedule.lowering``; ``final C``: chunk C's gradient actions are done);
+the ops after the schedule reach it the same way, in list order
 (``mcore.program_ops``), between `GradReduction.end_schedule` and `GradReduction.complete`. Every
 collective it issues is at a place of that program, the same on every rank that shares the
 communicator; it decides none itself, and nothing depends on when a sum happens to complete.
 
 Per chunk (one `_Chunk` state each):
 
-1. after its last real gradient action, ``--defer-embedding-wgrad-compute``: Megatron's
+1. at its ``final`` op, ``--defer-embedding-wgrad-compute``: Megatron's
    deferred output-layer weight gradients of the chunk are computed
    (``schedules.finish_embedding_wgrad_compute``), as 1F1B does at its end;
 2. DualPipe: its bd sum (the two copies of the stage summed over the bd pair, in place over
@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -76,10 +76,9 @@ class _Chunk:
 
 
 class GradReduction:
-    """See the module docstring. ``actions``: this rank's actions; ``last_actions``: {chunk: index
-    of its last real gradient action}."""
+    """See the module docstring."""
 
-    def __init__(self, model: Sequence[torch.nn.Module], config, *, actions, last_actions: Dict[int, int]):
+    def __init__(self, model: Sequence[torch.nn.Module], config):
         self.model, self.config = list(model), config
         n = len(self.model)
         bidirectional = chunk_layout(self.model) == BIDIRECTIONAL and n == 2
@@ -89,7 +88,6 @@ class GradReduction:
         # the way the copies are summed (mcore.copy_sum): by the bd sum during the schedule, or
         # in Megatron's finalize (over the shard groups, or on the shards after the reduce-scatter)
         bd = paired and copy_sums.of(self.model).sums_in_schedule
-        self._last = {pair_sums.action_key(actions[i]): c for c, i in last_actions.items()}
         if paired and all(is_wrapped(c) for c in self.model):
             check_buffer_layouts(self.model)
         # The fold replaces Megatron's embedding-group all-reduce, a step of its finalize: without a
@@ -151,15 +149,13 @@ class GradReduction:
             if during is not None:
                 self._set_overlap({k: False for k in during})
 
-    def after_action(self, a) -> None:
-        """Called after each action the runner ran: a chunk's gradients are final after its last."""
-        c = self._last.get(pair_sums.action_key(a))
-        if c is not None:
-            self._chunk_done(c)
-
     def on_reduction(self, kind: OpKind, c: int) -> None:
-        """A ``sum`` / ``summed`` / ``dp`` op of the rank's program, where the plan put it: issue
-        chunk ``c``'s bd sum, wait for it, or start its data-parallel reduction."""
+        """A ``final`` / ``sum`` / ``summed`` / ``dp`` op of the rank's program, where the lowering put
+        it: chunk ``c``'s gradient actions are done, issue its bd sum, wait for it, or start its
+        data-parallel reduction."""
+        if kind == OpKind.FINAL:
+            self._chunk_done(c)
+            return
         if kind == OpKind.DP:
             self._start_dp(c)
             return
@@ -195,9 +191,7 @@ class GradReduction:
 
     # -- after the schedule -------------------------------------------------------------------------
     def end_schedule(self) -> None:
-        """The schedule ran: every chunk's gradient actions are done; the program's ops after it follow."""
-        for c in range(len(self.model)):
-            self._chunk_done(c)
+        """The schedule ran; the program's ops after it follow."""
         self._ended = True
 
     def _settle(self) -> None:

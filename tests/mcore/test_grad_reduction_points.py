@@ -21,7 +21,7 @@ from megatron_dualpipe.mcore.model import V_SHAPE
 from megatron_dualpipe.schedule import iteration_plan as IP, registry
 from megatron_dualpipe.schedule.lowering import OpKind
 from megatron_dualpipe.schedule.lowering.program import ProgramOptions, build_program
-from megatron_dualpipe.schedule.lowering.reductions import grad_ops, last_grad_action_index, place_reductions
+from megatron_dualpipe.schedule.lowering.reductions import final_points, grad_ops, last_grad_action_index, place_reductions
 
 
 @pytest.fixture(autouse=True)
@@ -52,13 +52,14 @@ def _chunks(n, layout):
 
 def _program(prog, r, dp_points):
     """Rank r's program with the reductions at ``dp_points`` (a test's misorder: the plan's elsewhere)."""
-    base = tuple(op for op in prog.ops[r] if op.kind not in (OpKind.SUM, OpKind.SUMMED, OpKind.DP))
-    return place_reductions(base, prog.actions[r], prog.plans[r].units, prog.sum_points[r], dp_points)
+    base = tuple(op for op in prog.ops[r] if op.kind not in (OpKind.FINAL, OpKind.SUM, OpKind.SUMMED, OpKind.DP))
+    finals = final_points(prog.actions[r], prog.padded.is_fake, grad_ops(prog.deferring), len(prog.layout.directions))
+    return place_reductions(base, prog.actions[r], prog.plans[r].units, prog.sum_points[r], dp_points, finals)
 
 
-def _drive(actions, units, model, ops, last):
-    """Run GradReduction as the runner and ``mcore.program_ops`` do, op by op of the program;
-    [(action index after which, chunk)] of its starts (``len(actions)``: after the schedule)."""
+def _drive(units, model, ops, end):
+    """Run GradReduction as ``mcore.program_ops`` does, op by op of the program; [(action index
+    after which, chunk)] of its starts (``end``, the number of actions: after the schedule)."""
     started, at = [], [0]
 
     def grad_sync_func(params):
@@ -66,16 +67,14 @@ def _drive(actions, units, model, ops, last):
         started.append((at[0], next(c for c, chunk in enumerate(model) if [id(p) for p in chunk.parameters()] == ids)))
 
     config = SimpleNamespace(grad_sync_func=grad_sync_func, finalize_model_grads_func=None)
-    reduction = GradReduction(model, config, actions=actions, last_actions=last)
+    reduction = GradReduction(model, config)
     for op in ops:
         if op.kind == OpKind.RUN:
-            for i in units[op.index]:
-                at[0] = i
-                reduction.after_action(actions[i])
+            at[0] = units[op.index][-1]
         elif op.kind == OpKind.FINISH:
-            at[0] = len(actions)
+            at[0] = end
             reduction.end_schedule()
-        elif op.kind in (OpKind.SUM, OpKind.SUMMED, OpKind.DP):
+        elif op.kind in (OpKind.FINAL, OpKind.SUM, OpKind.SUMMED, OpKind.DP):
             reduction.on_reduction(op.kind, op.index)
     reduction.complete()
     return started
@@ -84,12 +83,11 @@ def _drive(actions, units, model, ops, last):
 @pytest.mark.parametrize("name,pp,m", [("dualpipev", 4, 9), ("dualpipev", 4, 8), ("executor-1f1b", 4, 6),
                                        ("zb-h1", 4, 8)])
 def test_grad_sync_starts_at_the_plans_points(name, pp, m):
-    prog, ops = _setup(name, pp, m)
+    prog, _ = _setup(name, pp, m)
     layout = prog.layout
     for r, actions in enumerate(prog.actions):
-        last = last_grad_action_index(actions, prog.padded.is_fake, ops)
         model = _chunks(len(layout.directions), V_SHAPE if layout.kind == V_SHAPE else layout.kind)
-        got = _drive(actions, prog.plans[r].units, model, prog.ops[r], last)
+        got = _drive(prog.plans[r].units, model, prog.ops[r], len(actions))
         print(f"{name} pp={pp} M={m} rank {r}: grad_sync_func after actions {got}; plan {prog.dp_points[r]}")
         assert got == list(prog.dp_points[r])
     assert any(i < len(prog.actions[r]) for r in range(pp) for i, _ in prog.dp_points[r])  # some overlap the schedule
@@ -102,7 +100,7 @@ def test_a_plan_starting_a_reduction_too_early_or_never_is_refused():
     c = prog.dp_points[1][0][1]
     early = [(last[c] - 1 if cc == c else i, cc) for i, cc in prog.dp_points[1]]
     with pytest.raises(RuntimeError, match=f"data-parallel reduction of chunk {c} before its gradients are final"):
-        _drive(actions, units, _chunks(2, V_SHAPE), _program(prog, 1, early), last)
+        _drive(units, _chunks(2, V_SHAPE), _program(prog, 1, early), len(actions))
     never = [p for p in prog.dp_points[1] if p[1] != c]
     with pytest.raises(RuntimeError, match=r"starts no data-parallel reduction of chunk\(s\) \[" + str(c)):
-        _drive(actions, units, _chunks(2, V_SHAPE), _program(prog, 1, never), last)
+        _drive(units, _chunks(2, V_SHAPE), _program(prog, 1, never), len(actions))

@@ -8,6 +8,8 @@ is checked (``Program``). Op kinds, in their text form (a ``#`` starts a comment
     recv KIND:D:MB:S <- P   wait for the receive of that tensor from pipeline rank P
     release KIND:D:MB:S -> P  wait for the send of a forward's output before its backward frees it
     run U                   run execution unit U (one action, or a fused F&B pair)
+    final C                 chunk C's gradient actions are done (Megatron's deferred output-layer
+                            weight gradients drain: ``--defer-embedding-wgrad-compute``)
     sum C                   issue the bd sum of chunk C (DualPipe: the two copies of a stage summed
                             over the bd pair), at the point the reductions pass gives
     dp C                    start chunk C's data-parallel reduction (``--overlap-grad-reduce``) there
@@ -43,6 +45,7 @@ class OpKind(str, enum.Enum):
     RECV = "recv"
     RELEASE = "release"
     RUN = "run"
+    FINAL = "final"
     SUM = "sum"
     DP = "dp"
     FINISH = "finish"
@@ -59,10 +62,10 @@ class OpKind(str, enum.Enum):
 
 
 #: The ops whose text is ``KIND C``.
-INDEXED = frozenset((OpKind.POST, OpKind.BEGIN, OpKind.RUN, OpKind.SUM, OpKind.DP, OpKind.GATHER,
+INDEXED = frozenset((OpKind.POST, OpKind.BEGIN, OpKind.RUN, OpKind.FINAL, OpKind.SUM, OpKind.DP, OpKind.GATHER,
                      OpKind.GATHERED, OpKind.SUMMED))
 #: The ops the runner hands to its listeners (``RunListener.on_op``): collectives of the code around it.
-DELEGATED = frozenset((OpKind.SUM, OpKind.DP, OpKind.GATHER, OpKind.GATHERED, OpKind.SUMMED, OpKind.LOSS_SEND,
+DELEGATED = frozenset((OpKind.FINAL, OpKind.SUM, OpKind.DP, OpKind.GATHER, OpKind.GATHERED, OpKind.SUMMED, OpKind.LOSS_SEND,
                        OpKind.LOSS_RECV, OpKind.COLL, OpKind.FINALIZE))
 _WAITS = {OpKind.RECV: "<-", OpKind.RELEASE: "->"}
 

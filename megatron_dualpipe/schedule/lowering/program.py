@@ -26,7 +26,7 @@ from ..registry import Schedule, build_schedule
 from .collectives import finalize, loss_gather, place_gathers
 from .ops import Op
 from .p2p import lower_ranks
-from .reductions import Point, bd_sum_points, dp_start_points, grad_ops, place_reductions
+from .reductions import Point, bd_sum_points, dp_start_points, final_points, grad_ops, place_reductions
 
 
 @dataclass(frozen=True)
@@ -86,9 +86,9 @@ def build_program(name: str, pp: int, microbatches: int, real: Optional[int] = N
     (default all) are real, the rest padding; cached: pure and reused every iteration."""
     base = _lowered(name, pp, microbatches, microbatches if real is None else real, forward_only)
     program = dataclasses.replace(base, options=options)
-    sums, dps = reduction_points(program)
+    sums, dps, finals = reduction_points(program)
     ops = tuple(collectives(program, r, place_reductions(base.ops[r], base.actions[r], base.plans[r].units,
-                                                         sums[r], dps[r])) for r in range(pp))
+                                                         sums[r], dps[r], finals[r])) for r in range(pp))
     step = step_collectives.programs(program.layout, options.step, dp=options.dp, forward_only=forward_only,
                                      overlap_grad_reduce=options.overlap_grad_reduce) \
         if options.step is not None else [()] * pp
@@ -114,11 +114,12 @@ def forward_only_actions(sched: Schedule, forward_only: bool) -> Tuple[Tuple[Act
     return tuple(tuple(dataclasses.replace(a, overlap=False) for a in r if a.op == F) for r in sched.ranks)
 
 
-def reduction_points(program: Program) -> Tuple[tuple, tuple]:
-    """Per rank, the bd-sum points and the data-parallel start points (``reductions``)."""
+def reduction_points(program: Program) -> Tuple[tuple, tuple, tuple]:
+    """Per rank, the bd-sum points, the data-parallel start points and where each chunk's gradient
+    actions are done (``reductions``)."""
     layout, acts, opts, is_fake = program.layout, program.actions, program.options, program.padded.is_fake
     if program.forward_only:
-        return ((),) * layout.pp, ((),) * layout.pp
+        return ((),) * layout.pp, ((),) * layout.pp, ((),) * layout.pp
     ops = grad_ops(program.deferring)
     bd = layout.mirrored and opts.bd_sums
     sums = tuple(tuple(bd_sum_points(acts[r], acts[layout.partner(r)], is_fake, ops, lower_rank=r < layout.partner(r),
@@ -126,7 +127,7 @@ def reduction_points(program: Program) -> Tuple[tuple, tuple]:
                  for r in range(layout.pp))
     dps = tuple(tuple(dp_start_points(layout, r, acts[r], is_fake, ops, bd_sums=opts.bd_sums))
                 for r in range(layout.pp))
-    return sums, dps
+    return sums, dps, tuple(final_points(acts[r], is_fake, ops, len(layout.directions)) for r in range(layout.pp))
 
 
 def collectives(program: Program, r: int, ops: Tuple[Op, ...]) -> Tuple[Op, ...]:

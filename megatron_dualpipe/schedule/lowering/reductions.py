@@ -86,15 +86,25 @@ def dp_start_points(layout: Layout, r: int, actions, is_fake: Callable, ops, *,
     return sorted(((at[c], c) for c in chunks), key=lambda p: (p[0], last.get(p[1], end), p[1]))
 
 
+def final_points(actions: Sequence[Action], is_fake: Callable, ops: Sequence[str], chunks: int) -> List[Point]:
+    """[(action index, chunk)]: where each chunk's gradient actions are done (``len(actions)``:
+    it has no real one), in that order."""
+    last = last_grad_action_index(actions, is_fake, ops)
+    return sorted((last.get(c, len(actions)), c) for c in range(chunks))
+
+
 def place_reductions(ops: Sequence[Op], actions: Sequence[Action], units: Sequence[Tuple[int, ...]],
-                     sum_points: Sequence[Point], dp_points: Sequence[Point]) -> Tuple[Op, ...]:
-    """``ops`` (with one ``finish``) with ``sum C`` / ``dp C`` after the ``run`` of the unit
-    holding each point's action (per action its sums, then its reductions) and, after ``finish``,
-    the sums and reductions of the end, every sum waited (``summed C``) in issue order; a
-    reduction started after its chunk's sum in the schedule waits for that sum first."""
+                     sum_points: Sequence[Point], dp_points: Sequence[Point],
+                     finals: Sequence[Point] = ()) -> Tuple[Op, ...]:
+    """``ops`` (with one ``finish``) with ``final C`` / ``sum C`` / ``dp C`` after the ``run`` of
+    the unit holding each point's action (per action its finals, sums, then reductions) and, after
+    ``finish``, those of the end, every sum waited (``summed C``) in issue order; a reduction
+    started after its chunk's sum in the schedule waits for that sum first."""
     end, sum_at = len(actions), {c: i for i, c in sum_points}
     early = {c for i, c in dp_points if sum_at.get(c, end) <= i < end}
     after: Dict[int, List[Op]] = {}
+    for i, c in finals:
+        after.setdefault(i, []).append(Op(OpKind.FINAL, c))
     for i, c in sum_points:
         after.setdefault(i, []).append(Op(OpKind.SUM, c))
     after.setdefault(end, []).extend(Op(OpKind.SUMMED, c) for _, c in sum_points if c not in early)
