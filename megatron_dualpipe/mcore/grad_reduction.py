@@ -34,9 +34,8 @@ copies, and the reduce-scatter's sum over both ranks' folds is the tied gradient
 (``mcore.dp_first``, in Megatron's finalize, stage order), the fold as with the shared group.
 
 After the schedule the program waits for every sum (``summed``: the plan proves it safe there);
-before the first reduction started there, tied embeddings are folded (and the middle rank of an
-odd pipeline sums its two copies locally); then the reductions the plan puts there start, in its
-order. Megatron's finalize waits for them as after its own 1F1B (``finish_grad_sync``;
+at its ``settle`` op tied embeddings are folded (and the middle rank of an odd pipeline sums its
+two copies locally); then the reductions the program puts there start, in its order. Megatron's finalize waits for them as after its own 1F1B (``finish_grad_sync``;
 ``finalize.finalize_dualpipe_grads(copies_summed=True)``).
 
 While the schedule runs (`GradReduction.during_schedule`), Megatron DDP's backward hooks only
@@ -156,6 +155,9 @@ class GradReduction:
         if kind == OpKind.FINAL:
             self._chunk_done(c)
             return
+        if kind == OpKind.SETTLE:
+            self._settle()
+            return
         if kind == OpKind.DP:
             self._start_dp(c)
             return
@@ -178,9 +180,7 @@ class GradReduction:
         every replica). A program that starts it before its gradients are final is a bug: raise,
         never reduce a partial gradient."""
         state = self.chunks[c]
-        if self._ended:
-            self._settle()
-        if state.dp_started or not (state.done and (self._ended or not state.final_at_finish)):
+        if state.dp_started or not (state.done and (self._settled or not state.final_at_finish)):
             raise RuntimeError(f"megatron-dualpipe: the iteration plan starts the data-parallel reduction of chunk {c} "
                                f"{'twice' if state.dp_started else 'before its gradients are final'} (a bug)")
         state.dp_started = True
@@ -195,14 +195,12 @@ class GradReduction:
         self._ended = True
 
     def _settle(self) -> None:
-        """Once, after every sum is waited: the middle rank's local sum and the tied-embedding fold,
-        which change gradients that the reductions started after them reduce."""
-        if self._settled:
-            return
+        """The program's ``settle`` op, after every sum is waited: the middle rank's local sum and the
+        tied-embedding fold, which change gradients that the reductions started after them reduce."""
+        if self._settled or not self._ended or (self._sums is not None and self._sums.pending):
+            when = "twice" if self._settled else "before the schedule ends and every bd sum is waited"
+            raise RuntimeError(f"megatron-dualpipe: the program settles {when} (a bug)")
         self._settled = True
-        if self._sums is not None and self._sums.pending:
-            raise RuntimeError(f"megatron-dualpipe: the program reduces chunks before waiting for the bd sums of "
-                               f"chunk(s) {[p.chunk for p in self._sums.pending]} (a bug)")
         if self._local_sum:
             allreduce_bd_grads(self.model)  # the middle rank of an odd pipeline sums locally
         if self._fold:
@@ -210,7 +208,6 @@ class GradReduction:
 
     def complete(self) -> None:
         """The program's ops ran: every sum waited, the fold done, every reduction started."""
-        self._settle()
         missed = [s.index for s in self.chunks if not s.dp_started]
         if missed:
             raise RuntimeError(f"megatron-dualpipe: the iteration plan starts no data-parallel reduction of "

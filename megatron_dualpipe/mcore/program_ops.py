@@ -8,8 +8,9 @@ issues them all where the list has them and decides none of their places itself:
 
 * ``gather C``: chunk C's parameter all-gathers (``param_gather.start``); ``gathered C``: their
   wait, DDP's forward pre-hook in the ``run`` that follows (here: only that they were started);
-* ``final C`` / ``sum C`` / ``summed C`` / ``dp C``: the `GradReduction` (a chunk's gradient
-  actions done; bd sum issued, waited; a chunk's data-parallel reduction started);
+* ``final C`` / ``sum C`` / ``summed C`` / ``settle`` / ``dp C``: the `GradReduction` (a chunk's
+  gradient actions done; bd sum issued, waited; the local sum and tied fold; a chunk's
+  data-parallel reduction started);
 * ``loss D -> P`` / ``loss D <- P``: direction D's loss entries to or from rank pp-1
   (``loss_gather``), then, training with multi-token prediction, the MTP loss tracker, over the
   same pair;
@@ -43,10 +44,10 @@ class ProgramOps(RunListener):
         self.started: List[int] = []
         self.received: dict = {}
         self._tokens: Optional[torch.Tensor] = None
-        self._do = {OpKind.FINAL: self._reduce, OpKind.GATHER: self._gather, OpKind.GATHERED: self._gathered, OpKind.SUM: self._reduce,
-                    OpKind.SUMMED: self._reduce, OpKind.DP: self._reduce, OpKind.LOSS_SEND: self._send_losses,
-                    OpKind.LOSS_RECV: self._receive_losses, OpKind.COLL: self._coll,
-                    OpKind.FINALIZE: self._finalize}
+        reductions = (OpKind.FINAL, OpKind.SUM, OpKind.SUMMED, OpKind.SETTLE, OpKind.DP)
+        self._do = {**{kind: self._reduce for kind in reductions}, OpKind.GATHER: self._gather,
+                    OpKind.GATHERED: self._gathered, OpKind.LOSS_SEND: self._send_losses,
+                    OpKind.LOSS_RECV: self._receive_losses, OpKind.COLL: self._coll, OpKind.FINALIZE: self._finalize}
 
     def on_op(self, op: Op) -> None:
         do = self._do.get(op.kind)

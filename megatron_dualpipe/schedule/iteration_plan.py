@@ -243,7 +243,7 @@ class _RankItems:
         """The stream items of a collective op: the parameter gathers, bd sums, data-parallel
         reductions, loss gather and finalize (``mcore.program_ops`` issues them)."""
         b, r, kind, c = self.b, self.r, op.kind, op.index
-        if kind == OpKind.FINAL:  # compute on the rank's stream (the drain's TP gathers: its own tp group)
+        if kind in (OpKind.FINAL, OpKind.SETTLE):  # compute on the rank's stream (the drain's TP gathers: its tp group)
             return
         if kind == OpKind.GATHER:
             self.gathers[c] = b.collective(r, "dp", (r,), ("param all-gather", c),

@@ -52,7 +52,8 @@ def _chunks(n, layout):
 
 def _program(prog, r, dp_points):
     """Rank r's program with the reductions at ``dp_points`` (a test's misorder: the plan's elsewhere)."""
-    base = tuple(op for op in prog.ops[r] if op.kind not in (OpKind.FINAL, OpKind.SUM, OpKind.SUMMED, OpKind.DP))
+    strip = (OpKind.FINAL, OpKind.SUM, OpKind.SUMMED, OpKind.SETTLE, OpKind.DP)
+    base = tuple(op for op in prog.ops[r] if op.kind not in strip)
     finals = final_points(prog.actions[r], prog.padded.is_fake, grad_ops(prog.deferring), len(prog.layout.directions))
     return place_reductions(base, prog.actions[r], prog.plans[r].units, prog.sum_points[r], dp_points, finals)
 
@@ -74,7 +75,7 @@ def _drive(units, model, ops, end):
         elif op.kind == OpKind.FINISH:
             at[0] = end
             reduction.end_schedule()
-        elif op.kind in (OpKind.FINAL, OpKind.SUM, OpKind.SUMMED, OpKind.DP):
+        elif op.kind in (OpKind.FINAL, OpKind.SUM, OpKind.SUMMED, OpKind.SETTLE, OpKind.DP):
             reduction.on_reduction(op.kind, op.index)
     reduction.complete()
     return started

@@ -27,7 +27,7 @@ class _Reduction:
         pass
 
     def on_reduction(self, kind, c):
-        self.calls.append(f"{kind} {c}")
+        self.calls.append(f"{kind} {c}" if c >= 0 else str(kind))  # settle has no chunk
 
     def end_schedule(self):
         self.calls.append("end of schedule")

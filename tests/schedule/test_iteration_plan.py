@@ -231,7 +231,7 @@ def _replicas(name, pp, m, *moves):
     for move in moves:
         ops = list(prog.ops)
         for r, points in move.items():
-            base = tuple(op for op in ops[r] if op.kind not in (OpKind.SUM, OpKind.SUMMED, OpKind.DP))
+            base = tuple(op for op in ops[r] if op.kind not in (OpKind.SUM, OpKind.SUMMED, OpKind.SETTLE, OpKind.DP))
             ops[r] = place_reductions(base, prog.actions[r], prog.plans[r].units, prog.sum_points[r], points)
         out.append(IP.build(dataclasses.replace(prog, ops=tuple(ops))))
     return IP.replicated(out)

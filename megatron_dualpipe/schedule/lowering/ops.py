@@ -19,6 +19,8 @@ is checked (``Program``). Op kinds, in their text form (a ``#`` starts a comment
     gather C                start chunk C's parameter all-gathers (``--overlap-param-gather``)
     gathered C              chunk C's all-gathers are waited (DDP's pre-hook, in the ``run`` next)
     summed C                wait for chunk C's bd sum
+    settle                  after every sum is waited: the middle rank of an odd pipeline sums its two
+                            copies, tied embeddings are folded (before the reductions after it)
     loss D -> P             send direction D's loss entries to pipeline rank P (``<- P``: receive)
     finalize                Megatron's finalize: it waits for the data-parallel reductions started
 
@@ -53,6 +55,7 @@ class OpKind(str, enum.Enum):
     GATHER = "gather"
     GATHERED = "gathered"
     SUMMED = "summed"
+    SETTLE = "settle"
     LOSS_SEND = "loss ->"  # text: ``loss D -> P``
     LOSS_RECV = "loss <-"  # text: ``loss D <- P``
     FINALIZE = "finalize"
@@ -65,7 +68,7 @@ class OpKind(str, enum.Enum):
 INDEXED = frozenset((OpKind.POST, OpKind.BEGIN, OpKind.RUN, OpKind.FINAL, OpKind.SUM, OpKind.DP, OpKind.GATHER,
                      OpKind.GATHERED, OpKind.SUMMED))
 #: The ops the runner hands to its listeners (``RunListener.on_op``): collectives of the code around it.
-DELEGATED = frozenset((OpKind.FINAL, OpKind.SUM, OpKind.DP, OpKind.GATHER, OpKind.GATHERED, OpKind.SUMMED, OpKind.LOSS_SEND,
+DELEGATED = frozenset((OpKind.FINAL, OpKind.SUM, OpKind.DP, OpKind.SETTLE, OpKind.GATHER, OpKind.GATHERED, OpKind.SUMMED, OpKind.LOSS_SEND,
                        OpKind.LOSS_RECV, OpKind.COLL, OpKind.FINALIZE))
 _WAITS = {OpKind.RECV: "<-", OpKind.RELEASE: "->"}
 
@@ -146,7 +149,7 @@ def _parse_line(line: str, n: int, unit: int) -> Op:
         if kind in _WAITS and len(words) == 4 and words[2] == _WAITS[kind]:
             what, d, mb, stage = words[1].split(":")
             return Op(kind, unit, (what, int(d), int(mb), int(stage)), int(words[3]))
-        if kind in (OpKind.FINISH, OpKind.FINALIZE) and len(words) == 1:
+        if kind in (OpKind.FINISH, OpKind.SETTLE, OpKind.FINALIZE) and len(words) == 1:
             return Op(kind)
         if kind is OpKind.COLL and len(words) == 4 and words[2] == "over":
             return Op(kind, what=words[1], group=words[3])

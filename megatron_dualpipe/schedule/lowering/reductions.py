@@ -98,8 +98,9 @@ def place_reductions(ops: Sequence[Op], actions: Sequence[Action], units: Sequen
                      finals: Sequence[Point] = ()) -> Tuple[Op, ...]:
     """``ops`` (with one ``finish``) with ``final C`` / ``sum C`` / ``dp C`` after the ``run`` of
     the unit holding each point's action (per action its finals, sums, then reductions) and, after
-    ``finish``, those of the end, every sum waited (``summed C``) in issue order; a reduction
-    started after its chunk's sum in the schedule waits for that sum first."""
+    ``finish``, those of the end, every sum waited (``summed C``) in issue order, then (training)
+    ``settle``, then the reductions of the end; a reduction started after its chunk's sum in the
+    schedule waits for that sum first."""
     end, sum_at = len(actions), {c: i for i, c in sum_points}
     early = {c for i, c in dp_points if sum_at.get(c, end) <= i < end}
     after: Dict[int, List[Op]] = {}
@@ -108,6 +109,7 @@ def place_reductions(ops: Sequence[Op], actions: Sequence[Action], units: Sequen
     for i, c in sum_points:
         after.setdefault(i, []).append(Op(OpKind.SUM, c))
     after.setdefault(end, []).extend(Op(OpKind.SUMMED, c) for _, c in sum_points if c not in early)
+    after[end] += [Op(OpKind.SETTLE)] if dp_points else []
     for i, c in dp_points:
         after.setdefault(i, []).extend([Op(OpKind.SUMMED, c), Op(OpKind.DP, c)] if c in early else [Op(OpKind.DP, c)])
     out: List[Op] = []
