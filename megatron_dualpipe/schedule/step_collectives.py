@@ -7,7 +7,7 @@ package's copy sums, drift check and link probes) on communicators that overlap 
 Two ranks of one communicator that issue them in different orders hang on NCCL (or, where the
 sizes agree, add unrelated tensors), and on one hardware queue a collective holds the rank's
 later work. :func:`programs` gives each rank's list of ``coll KIND over GROUP`` ops
-(``schedule.lowered``) from the run's options, in the order the code issues them, and
+(``schedule.lowering``) from the run's options, in the order the code issues them, and
 ``iteration_plan.build`` appends them to the plan it checks under both stream rules.
 
 The order per rank (sources: megatron-core 0.16.1 / 0.19.2 ``distributed/finalize_model_grads.py``,
@@ -87,7 +87,7 @@ from typing import List, Sequence, Tuple
 
 from .copy_sum import BD_FIRST, CopySum, paired, stage_order
 from .layout import Layout
-from .lowered import COLL, Op
+from .lowering.ops import Op, OpKind
 
 #: communicator -> the replica axes it spans (``iteration_plan.replicated``): Megatron's groups
 #: pp (pipeline), bd (DualPipe's pair of a stage's copies), embd (first and last pipeline rank),
@@ -155,7 +155,7 @@ def members(layout: Layout, r: int, group: str) -> Tuple[int, ...]:
 
 
 def _coll(what: str, group: str) -> Op:
-    return Op(COLL, what=what, group=group)
+    return Op(OpKind.COLL, what=what, group=group)
 
 
 def programs(layout: Layout, opts: StepOptions, *, dp: int, overlap_grad_reduce: bool,
@@ -297,4 +297,4 @@ def _drift(layout: Layout, r: int, opts: StepOptions) -> List[Op]:
 
 def kinds(ops: Sequence[Op]) -> List[str]:
     """The kinds of ``ops``' collectives, without their stage or chunk (``reduce-scatter:3`` -> ``reduce-scatter``)."""
-    return [op.what.split(":", 1)[0] for op in ops if op.kind == COLL]
+    return [op.what.split(":", 1)[0] for op in ops if op.kind is OpKind.COLL]
