@@ -41,7 +41,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 from functools import cached_property
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence
 
 from ..schedule.copy_sum import BD_FIRST, DP_FIRST, CopySum
 from ..schedule.lowering import reductions as grad_order  # when a chunk is final; the pair's sum order

@@ -15,7 +15,6 @@ the listeners where the list has them.
 from __future__ import annotations
 
 import functools
-import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Protocol, Sequence, Tuple
 

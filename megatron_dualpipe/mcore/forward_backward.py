@@ -59,7 +59,7 @@ from .live_advice import DEFAULT_WARMUP as ADVISE_WARMUP, LiveAdvice
 from .overlap import OverlappedStageCompute, offers_combined_step
 from .program_ops import ProgramOps
 from .stage_compute import MegatronStageCompute
-from .step_options import StepOptions, step_options
+from .step_options import step_options
 from .validation import DualPipeConfigError, check_call
 
 log = logging.getLogger("megatron_dualpipe")
