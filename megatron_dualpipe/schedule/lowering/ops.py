@@ -104,6 +104,11 @@ class Op:
         return kind.value
 
 
+def coll(what: str, group: str) -> Op:
+    """A ``coll WHAT over GROUP`` op: a collective after the schedule or around the optimizer step."""
+    return Op(OpKind.COLL, what=what, group=group)
+
+
 def after_finish(ops: Sequence[Op]) -> int:
     """The position after ``finish``: ``ops[:n]`` is the schedule, ``ops[n:]`` what runs after it."""
     for n in range(len(ops) - 1, -1, -1):
