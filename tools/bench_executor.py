@@ -21,7 +21,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from megatron_dualpipe.bench.launch import spawn  # noqa: E402
 from megatron_dualpipe.executor.p2p import P2P  # noqa: E402
-from megatron_dualpipe.executor.runner import TensorSpec, compile_program, run_rank  # noqa: E402
+from megatron_dualpipe.executor.runner import TensorSpec, run_rank  # noqa: E402
+from megatron_dualpipe.schedule.lowering.program import build_program  # noqa: E402
 
 SCHEDULES = ("1f1b", "zb-h1", "dualpipe", "dualpipev")
 
@@ -48,7 +49,7 @@ def worker(rank, world, device, m, iters):
     spec = TensorSpec((16, 2, 8), torch.float32, device)
     out = {}
     for name in SCHEDULES:
-        prog = compile_program(name, world, m, False)
+        prog = build_program(name, world, m)
         p2p = P2P(None, list(range(world)), rank, timeout_s=60)
         run_rank(prog, rank, NoCompute(spec), p2p, spec)  # warm-up
         dist.barrier()
@@ -73,9 +74,9 @@ def main(argv=None):
     for name in SCHEDULES:
         for pp in (4, 8, 16):
             m = 4 * pp
-            compile_program.cache_clear()
+            build_program.cache_clear()
             t0 = time.perf_counter()
-            compile_program(name, pp, m, False)
+            build_program(name, pp, m)
             print(f"{name:>10} {pp:>3} {m:>4} {(time.perf_counter() - t0) * 1e3:9.1f}")
 
     results = spawn(worker, args.pp, args=(args.microbatches, args.iters), timeout_s=600)

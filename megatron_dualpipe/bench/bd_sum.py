@@ -4,7 +4,7 @@ DualPipe keeps two copies of every stage (chunk c on rank r, chunk 1-c on rank p
 weight gradients are summed over the pair every iteration, the cost that made DualPipe slower
 than 1F1B on 32 GPUs in seed 002. Here every chunk of a bidirectional schedule holds
 ``--grad-mb`` MiB of synthetic gradients, summed by the code path training uses: the issue
-points of the iteration plan (``schedule.iteration_plan.bd_sum_points``) and
+points of the program (``Program.sum_points``, ``schedule.lowering.reductions``) and
 ``executor.pair_sums.PairSums``, which issues each sum there and waits for none before the end of
 the schedule (on a GPU as on gloo). The iteration time includes waiting for the sums, and the
 benchmark reports, per rank, the *exposed* time (from the end of the rank's last action to its
@@ -21,8 +21,6 @@ import torch
 import torch.distributed as dist
 
 from ..executor.pair_sums import PairSums, action_key, issue_sum
-from ..schedule import W
-from ..schedule.iteration_plan import bd_sum_points, grad_ops
 from ..schedule.layout import BIDIRECTIONAL
 from .synthetic import synchronize
 
@@ -46,11 +44,7 @@ class BdSums:
     gradient action, :meth:`finish` waits for the sums at the end of the iteration."""
 
     def __init__(self, program, rank: int, world: int, megabytes: float, device):
-        actions = program.actions[rank]
-        ops = grad_ops(any(a.op == W for a in actions))
-        never_fake = lambda a: False  # noqa: E731 -- the synthetic stages have no fake micro-batches
-        points = bd_sum_points(actions, program.actions[world - 1 - rank], never_fake, ops,
-                               lower_rank=rank < world - 1 - rank)
+        actions, points = program.actions[rank], program.sum_points[rank]
         self._points: Dict[tuple, List[int]] = {}
         for i, c in points:
             if i < len(actions):

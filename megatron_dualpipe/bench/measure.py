@@ -14,8 +14,9 @@ import torch
 import torch.distributed as dist
 
 from ..executor.p2p import P2P
-from ..executor.runner import TensorSpec, compile_program, run_rank
+from ..executor.runner import TensorSpec, run_rank
 from ..executor.trace import TraceRecorder
+from ..schedule.lowering.program import build_program
 from .bd_sum import bd_sums_for, probe_ms
 from .synthetic import Spender, StageCosts, SyntheticCompute, synchronize
 
@@ -118,7 +119,7 @@ def _time_iterations(cfg: BenchConfig, device, one_iteration) -> List[float]:
 
 
 def run_project(cfg: BenchConfig, rank: int, world: int, device, spender: Spender, name: str, m: int) -> RankRun:
-    program = compile_program(name, world, m, False)
+    program = build_program(name, world, m)
     spec = TensorSpec(tuple(cfg.shape), torch.float32, device)
     options = {}
     if cfg.per_channel:

@@ -21,8 +21,9 @@ import torch
 import torch.distributed as dist
 
 from ..executor.p2p import P2P
-from ..executor.runner import TensorSpec, compile_program, run_rank
-from ..schedule.program import chunks_with_real_forward
+from ..executor.runner import TensorSpec, run_rank
+from ..schedule.lowering.collectives import chunks_with_real_forward
+from ..schedule.lowering.program import build_program
 from .synthetic import Spender, SyntheticCompute
 
 NONE, PRE_HOOK, PARAM_SYNC = "none", "pre-hook", "param_sync_func"
@@ -130,7 +131,7 @@ def _one_schedule(cfg, name: str, m: int, pp: int, rank: int, device, spender: S
     """This rank's per-iteration wall and wait seconds of every mode, and its ``alone`` time."""
     pipes, dps = groups
     replica, r = divmod(rank, pp)
-    program = compile_program(name, pp, m, False)
+    program = build_program(name, pp, m)
     spec = TensorSpec(tuple(cfg.shape), torch.float32, device)
     p2p = P2P(pipes[replica], list(range(replica * pp, (replica + 1) * pp)), r, timeout_s=cfg.timeout_s)
     chunks = chunks_with_real_forward(program.actions[r], lambda a: False)  # synthetic: no fake micro-batches

@@ -6,13 +6,13 @@ reduces twice the gradient bytes over data parallel, and the two copies of every
 summed over the bd pair (ranks i and pp-1-i) first. The executor starts these where
 ``mcore.grad_reduction.GradReduction`` does, and this module times them the same way:
 
-* a chunk's gradients are final at the end of its last gradient action (``iteration_plan``: the
+* a chunk's gradients are final at the end of its last gradient action (``lowering.reductions``: the
   last ``W``, or ``B``/``BW`` without deferred weight gradients), taken from the simulation;
 * bidirectional layouts: the pair's sums run one after the other, in the order both partners
-  issue them (``iteration_plan.bd_sum_order``), each when both copies are final and the previous
+  issue them (``lowering.reductions.bd_sum_order``), each when both copies are final and the previous
   sum is done; one all-reduce of the chunk's bytes over 2 ranks on the link between them;
 * data-parallel reduction of every chunk, in the order the chunks finished, each at the point
-  the iteration plan starts it (``iteration_plan.dp_start_points``, what GradReduction reads:
+  the iteration plan starts it (``lowering.reductions.dp_start_points``, what GradReduction reads:
   with bd sums at the end of the schedule once every sum is in, else when the chunk is final)
   and after the previous reduction: a ring all-reduce over ``dp`` ranks
   (a reduce-scatter with the distributed optimizer) on the data-parallel group's link. The bd
@@ -41,10 +41,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 from functools import cached_property
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence
 
-from ..schedule import iteration_plan as grad_order  # when a chunk is final; the pair's sum order
 from ..schedule.copy_sum import BD_FIRST, DP_FIRST, CopySum
+from ..schedule.lowering import reductions as grad_order  # when a chunk is final; the pair's sum order
 from ..schedule.placement import RankOrder, invert, megatron_placement, pair_placement
 
 #: Bytes per gradient element.

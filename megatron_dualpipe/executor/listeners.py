@@ -29,7 +29,7 @@ class RunListener:
         """Every action of the unit ended (after their :meth:`on_action_end`)."""
 
     def on_op(self, op) -> None:
-        """Issue an op of the rank's program the runner does not run itself (``schedule.lowered.DELEGATED``)."""
+        """Issue an op of the rank's program the runner does not run itself (``schedule.lowering.DELEGATED``)."""
 
     def on_run_end(self) -> None:
         """The schedule ran to its end (not called when the run raised)."""

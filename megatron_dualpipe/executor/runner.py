@@ -5,30 +5,33 @@ backward, a deferred weight gradient and a fused F&B unit are for this rank's mo
 Nor does it re-derive the pipeline's rule: the communication plan says which tensor each action
 takes and hands on, and from or to which rank. The runner owns the tensors in flight: receive
 buffers, outputs waiting to be sent, and the local hand-over at the turn of DualPipeV's "V"
-(stage pp-1 to stage pp on the last rank). Padding actions (the compiled :class:`Program` marks
-them) run as nothing. What else must happen at a point of the schedule (a timeline, a chunk's
-gradient reduction) is a :class:`~.listeners.RunListener`; the ops of the program whose
-collectives belong to the code around the runner (``lowered.DELEGATED``: parameter gathers, bd
-sums, reductions, the loss gather, the finalize) are handed to the listeners where the list has them.
+(stage pp-1 to stage pp on the last rank). Padding actions (the ``Program`` marks them) run as
+nothing. The runner executes the rank's ops of a ``schedule.lowering.program.Program`` up to
+``finish``. What else must happen at a point of the schedule (a timeline, a chunk's gradient
+reduction) is a :class:`~.listeners.RunListener`; the ops whose collectives belong to the code
+around the runner (``lowering.DELEGATED``: parameter gathers, bd sums, reductions) are handed to
+the listeners where the list has them.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
-import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 
-from ..schedule import F, W, Action, build_schedule
-from ..schedule import lowered
-from ..schedule.comm import Label, RankPlan, plan
-from ..schedule.padding import Padded
-from ..schedule.registry import Schedule
+from ..schedule import F, W, Action
+from ..schedule.comm import Label
+from ..schedule.lowering import DELEGATED, LoweringError, Op, OpKind, after_finish
+from ..schedule.lowering.program import Program
 from .listeners import RunListener, Unit
 from .p2p import P2P
 from .trace import TraceRecorder, trace_from_env
+
+
+# The kinds as module names: an enum member looked up on its class costs several globals (3.11).
+_POST, _BEGIN, _RECV, _RELEASE, _RUN, _FINISH = (OpKind.POST, OpKind.BEGIN, OpKind.RECV, OpKind.RELEASE, OpKind.RUN,
+                                                 OpKind.FINISH)
 
 
 class StageCompute(Protocol):
@@ -74,36 +77,6 @@ class TensorSpec:
     device: torch.device
 
 
-@dataclass(frozen=True)
-class Program:
-    """One iteration's checked schedule: each rank's actions and communication plan, which
-    actions are padding (fake micro-batches: no data, no compute) and the global index of the rest
-    (``padded``), and each rank's lowered ops (``schedule.lowered``): what the runner executes."""
-
-    schedule: Schedule
-    actions: Tuple[Tuple[Action, ...], ...]
-    plans: Tuple[RankPlan, ...]
-    padded: Padded
-    #: ``padding[rank][i]``: action ``i`` of ``rank`` is a fake micro-batch's.
-    padding: Tuple[Tuple[bool, ...], ...]
-    ops: Tuple[Tuple[lowered.Op, ...], ...] = ()
-
-
-@functools.lru_cache(maxsize=64)
-def compile_program(name: str, pp: int, microbatches: int, forward_only: bool, real: Optional[int] = None) -> Program:
-    """Build and check the schedule and its communication plan (cached: pure and reused
-    every iteration). ``forward_only`` keeps just the forwards, in the same order; ``real``
-    (default ``microbatches``) of the micro-batches are real, the rest padding."""
-    sched = build_schedule(name, pp, microbatches)
-    acts = tuple(tuple(dataclasses.replace(a, overlap=False) for a in r if a.op == F) if forward_only else r
-                 for r in sched.ranks)
-    padded = Padded(sched, microbatches if real is None else real)
-    plans = tuple(plan(sched.layout, acts))
-    padding = tuple(padded.padding(r) for r in acts)
-    ops = tuple(lowered.lower(r, plans[r], acts[r], padding[r]) for r in range(len(acts)))
-    return Program(sched, acts, plans, padded, padding, ops)
-
-
 def check_sendable(rank: int, a: Action, what: str, t: torch.Tensor, spec: TensorSpec) -> None:
     """Every tensor passed between stages must have ``spec``'s shape and dtype: the receiver's
     buffer is allocated from ``spec`` (gloo silently accepts a smaller message, leaving the tail of
@@ -130,8 +103,7 @@ class RunStats:
 
 
 def run_rank(program: Program, rank: int, compute: StageCompute, p2p: P2P, spec: TensorSpec,
-             trace: Optional[TraceRecorder] = None, listeners: Sequence[RunListener] = (),
-             ops: Optional[Sequence[lowered.Op]] = None) -> RunStats:
+             trace: Optional[TraceRecorder] = None, listeners: Sequence[RunListener] = ()) -> RunStats:
     """Run this rank's actions; raises on timeout naming the action that waited.
 
     Each planned batch is posted, not waited; a receive is waited right before the action that
@@ -143,21 +115,20 @@ def run_rank(program: Program, rank: int, compute: StageCompute, p2p: P2P, spec:
     recording = recorder.begin(program, rank, p2p.global_ranks) if recorder is not None else None
     if recording is not None:
         listeners = (*listeners, recording)
-    return RankRun(program, rank, compute, p2p, spec, listeners, ops).run()
+    return RankRun(program, rank, compute, p2p, spec, listeners).run()
 
 
 class RankRun:
-    """One ``run_rank`` call: the rank's lowered ops (``schedule.lowered``), executed in order. The
+    """One ``run_rank`` call: the rank's ops up to ``finish`` (``schedule.lowering``), in order. The
     runner owns the tensors in flight: ``local`` (handed over on this rank at DualPipeV's turn),
     ``outbox`` (results waiting for their batch's send) and ``received`` (receives waited, not yet
     taken by their unit)."""
 
     def __init__(self, program: Program, rank: int, compute: StageCompute, p2p: P2P, spec: TensorSpec,
-                 listeners: Sequence[RunListener] = (), ops: Optional[Sequence[lowered.Op]] = None):
+                 listeners: Sequence[RunListener] = ()):
         self.actions, self.plan = program.actions[rank], program.plans[rank]
-        # the iteration plan's ops (with its bd sums and reductions) or the program's own
-        self.ops = ops if ops is not None else program.ops[rank] if program.ops else \
-            lowered.lower(rank, self.plan, self.actions, program.padding[rank])
+        ops = program.ops[rank]
+        self.ops = ops[:after_finish(ops)]
         self.rank, self.compute, self.p2p, self.spec = rank, compute, p2p, spec
         self.listeners = tuple(listeners)
         self.padding = program.padding[rank]
@@ -179,32 +150,32 @@ class RankRun:
             listener.on_run_end()
         return RunStats(peak_in_flight=self.p2p.peak_in_flight)
 
-    def execute(self, op: lowered.Op) -> None:
+    def execute(self, op: Op) -> None:
         """One op: the only place the runner decides anything, and it decides nothing the op does not say."""
         kind = op.kind
-        if kind == lowered.RUN:
+        if kind is _RUN:
             unit = self.plan.units[op.index]
             for listener in self.listeners:
                 listener.on_unit_start(unit)
             self.hand_on(unit, self.compute_unit(unit, self.take_inputs(unit)))
             self.tell_end(unit)
-        elif kind == lowered.RECV:
+        elif kind is _RECV:
             self.received[op.label] = self.p2p.receive(op.label, self.where(op.index))
-        elif kind == lowered.RELEASE:
+        elif kind is _RELEASE:
             self.p2p.complete_send(op.label, self.where(op.index))
-        elif kind == lowered.BEGIN:
+        elif kind is _BEGIN:
             self.p2p.reap()
             for listener in self.listeners:
                 listener.on_unit_waiting(self.plan.units[op.index])
-        elif kind == lowered.POST:
+        elif kind is _POST:
             self.post_batch(op.index)
-        elif kind in lowered.DELEGATED:
+        elif kind in DELEGATED:
             for listener in self.listeners:
                 listener.on_op(op)
-        elif kind == lowered.FINISH:
+        elif kind is _FINISH:
             self.p2p.finish("after its last action")
         else:
-            raise lowered.LoweringError(f"pipeline rank {self.rank}: unknown op {op.text()!r}")
+            raise LoweringError(f"pipeline rank {self.rank}: unknown op {op.text()!r}")
 
     # -- the steps of one unit ------------------------------------------------------------------
     def where(self, k: int) -> str:

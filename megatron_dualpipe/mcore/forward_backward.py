@@ -47,9 +47,11 @@ from megatron.core.pipeline_parallel import schedules
 from megatron.core.utils import get_model_config
 
 from ..executor.p2p import DEFAULT_TIMEOUT_S, P2P
-from ..executor.runner import Program, TensorSpec, compile_program, run_rank
+from ..executor.runner import TensorSpec, run_rank
 from ..executor import abort, watchdog
-from ..schedule import B, iteration_plan, lowered, registry
+from ..schedule import B, iteration_plan, registry
+from ..schedule.lowering import after_finish
+from ..schedule.lowering.program import Program, ProgramOptions, build_program
 from . import copies
 from .data import MicrobatchSource
 from .grad_reduction import GradReduction, clear_deferred_output_wgrads
@@ -57,7 +59,7 @@ from .live_advice import DEFAULT_WARMUP as ADVISE_WARMUP, LiveAdvice
 from .overlap import OverlappedStageCompute, offers_combined_step
 from .program_ops import ProgramOps
 from .stage_compute import MegatronStageCompute
-from .step_options import StepOptions, step_options
+from .step_options import step_options
 from .validation import DualPipeConfigError, check_call
 
 log = logging.getLogger("megatron_dualpipe")
@@ -110,7 +112,6 @@ class _Iteration:
     """What one call runs: the checked program for this rank and the means to communicate."""
 
     program: Program
-    plan: iteration_plan.IterationPlan
     rank: int
     global_ranks: List[int]
     group: Any
@@ -164,7 +165,7 @@ class ExecutorSchedule:
                  forward_only: bool, collect_non_loss_data: bool, first_val_step, force_all_reduce):
         """Run, gather the losses, finalize."""
         store = self._wgrad_store(it, forward_only)
-        reduction = None if forward_only else self._grad_reduction(it, model, config, store)
+        reduction = None if forward_only else GradReduction(model, config)
         # Through megatron-core's combined step when the model offers it (mcore.overlap).
         compute = (OverlappedStageCompute if offers_combined_step(config, forward_only) else MegatronStageCompute)(
             spec=self.spec, model=model, layout=it.program.schedule.layout, rank=it.rank,
@@ -172,7 +173,7 @@ class ExecutorSchedule:
             config=config, forward_only=forward_only, collect_non_loss_data=collect_non_loss_data,
             first_val_step=first_val_step, global_ranks=it.global_ranks, wgrad_store=store, audit=self._wgrad.DeferralAudit() if store is not None and not self._audited else None)
         advice = self._advice if self._advice is not None and self._advice.wanted(forward_only) else None
-        ops = ProgramOps(it.plan.ops[it.rank], it=it, model=model, config=config, compute=compute, reduction=reduction,
+        ops = ProgramOps(it.program.ops[it.rank], it=it, model=model, config=config, compute=compute, reduction=reduction,
                          forward_only=forward_only, force_all_reduce=force_all_reduce, timeout_s=self.p2p_timeout,
                          describe=f"{self.spec.name} pipeline rank {it.rank}: ")
         with _timer(config):
@@ -204,13 +205,13 @@ class ExecutorSchedule:
         group = parallel_state.get_pipeline_model_parallel_group()
         global_ranks = dist.get_process_group_ranks(group)
         rank = parallel_state.get_pipeline_model_parallel_rank()
-        program = compile_program(self.spec.name, len(global_ranks), padded, forward_only, real)
         # forward only: evaluation's collectives after the program (step_collectives' evaluation)
         step = step_options(model, config, drift_check=bool(self.drift_check_every), advise=self._advice is not None)
-        checked = _checked_iteration(self.spec.name, len(global_ranks), padded, real, self.zero_bubble,
-                                     config.grad_sync_func is not None, parallel_state.get_data_parallel_world_size(),
-                                     forward_only, config.param_sync_func is not None,
-                                     copies.of(model).way.sums_in_schedule, step)
+        options = ProgramOptions(zero_bubble=self.zero_bubble, overlap_grad_reduce=config.grad_sync_func is not None,
+                                 dp=parallel_state.get_data_parallel_world_size(),
+                                 param_gather=config.param_sync_func is not None,
+                                 bd_sums=copies.of(model).way.sums_in_schedule, step=step)
+        program = _checked_iteration(self.spec.name, len(global_ranks), padded, real, forward_only, options).program
         if padded != real:
             self._report_padding(len(global_ranks), real, padded, forward_only)
         seq_length, micro_batch_size, decoder_seq_length = shape_args
@@ -222,7 +223,7 @@ class ExecutorSchedule:
         p2p = P2P(group, global_ranks, rank, timeout_s=self.p2p_timeout)
         _first_collective_once(p2p, group, device)
         tensor_spec = TensorSpec(tuple(shape), config.pipeline_dtype, device)
-        return _Iteration(program, checked, rank, global_ranks, group, p2p, tensor_spec)
+        return _Iteration(program, rank, global_ranks, group, p2p, tensor_spec)
 
     def _report_padding(self, pp: int, real: int, padded: int, forward_only: bool) -> None:
         key = (pp, real, forward_only)
@@ -233,12 +234,6 @@ class ExecutorSchedule:
             log.warning("megatron-dualpipe: %s with pp=%d needs %d micro-batches, got %d: added %d fake "
                         "micro-batch(es) (no data, no compute, zero loss and gradient)%s", self.spec.name, pp,
                         padded, real, padded - real, " in evaluation" if forward_only else "")
-
-    def _grad_reduction(self, it: _Iteration, model, config, wgrad_store) -> GradReduction:
-        actions = it.program.actions[it.rank]
-        last = iteration_plan.last_grad_action_index(actions, it.program.padded.is_fake,
-                                                     iteration_plan.grad_ops(wgrad_store is not None))
-        return GradReduction(model, config, actions=actions, last_actions=last)
 
     def _report_deferral(self, audit, rank: int) -> None:
         """Once per process: say how much weight-gradient work W holds if B kept some."""
@@ -257,17 +252,17 @@ class ExecutorSchedule:
     # -- run ---------------------------------------------------------------------------------------
     def _run(self, it: _Iteration, compute: MegatronStageCompute, ops: ProgramOps, config, model,
              forward_only: bool, recorder=None) -> list:
-        """The rank's program (``it.plan.ops``): the schedule with data-parallel reduction held off, its
+        """The rank's program (``it.program.ops``): the schedule with data-parallel reduction held off, its
         collectives issued by ``ops`` where the list has them (the parameter gathers, the bd sums,
         the reductions the plan starts in it), then the ops after it (``ops.after_schedule``: the
         rest of the reduction, the loss gather, the finalize); returns the loss entries."""
-        program = it.plan.ops[it.rank]
-        end = lowered.after_finish(program)
+        program = it.program.ops[it.rank]
+        end = after_finish(program)
         reduction = ops.reduction
         with _no_sync(config, model, forward_only), \
                 (reduction.during_schedule() if reduction is not None else contextlib.nullcontext()):
             run_rank(it.program, it.rank, compute, it.p2p, it.tensor_spec, trace=recorder,
-                     listeners=() if forward_only else (ops,), ops=program[:end])
+                     listeners=() if forward_only else (ops,))
         if compute.wgrad_store is not None:
             compute.wgrad_store.assert_empty()
         if not forward_only:
@@ -332,15 +327,10 @@ def _cyclic_gc_paused(func: Callable) -> Callable:
 
 @functools.lru_cache(maxsize=64)
 @_cyclic_gc_paused
-def _checked_iteration(name: str, pp: int, padded: int, real: int, zero_bubble: bool, overlap_grad_reduce: bool,
-                       dp: int, forward_only: bool, param_gather: bool = False,
-                       bd_sums: bool = True, step: Optional[StepOptions] = None) -> iteration_plan.IterationPlan:
+def _checked_iteration(name: str, pp: int, padded: int, real: int, forward_only: bool,
+                       options: ProgramOptions) -> iteration_plan.IterationPlan:
     """The iteration's whole communication, checked under NCCL stream semantics before anything
-    runs (raises ``IterationPlanError`` naming the cycle); its bd-sum and data-parallel reduction
-    points drive GradReduction. ``bd_sums``: the copy-sum way sums during the schedule; ``step``:
-    the job's options for the collectives after the schedule (``mcore.step_options``)."""
-    program = compile_program(name, pp, padded, forward_only, real)
-    return iteration_plan.plan_for(registry.get(name), pp, real, program.actions, program.plans,
-                                   zero_bubble=zero_bubble, overlap_grad_reduce=overlap_grad_reduce, dp=dp,
-                                   forward_only=forward_only, param_gather=param_gather, bd_sums=bd_sums, step=step,
-                                   ops=program.ops)
+    runs (raises ``IterationPlanError`` naming the cycle); its ``program`` is what runs, its bd-sum
+    and data-parallel reduction points drive GradReduction. ``options``: the job's
+    (``mcore.step_options`` for the collectives after the schedule)."""
+    return iteration_plan.plan_for(build_program(name, pp, padded, real, forward_only, options))

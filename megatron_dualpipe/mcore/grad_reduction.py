@@ -1,26 +1,26 @@
 """One iteration's gradient reduction, started chunk by chunk where the rank's program says.
 
-The runner tells a `GradReduction` every action it ran (`GradReduction.after_action`: a chunk's
-gradients are final after its last) and hands it every ``sum`` / ``summed`` / ``dp`` op of the
-rank's lowered program (`GradReduction.on_reduction`: the ops the checked iteration plan put into
-the list, ``schedule.program``); the ops after the schedule reach it the same way, in list order
+The runner hands a `GradReduction` every ``final`` / ``sum`` / ``summed`` / ``dp`` op of the
+rank's program (`GradReduction.on_reduction`: the ops the lowering put into the list and the
+iteration plan checked, ``schedule.lowering``; ``final C``: chunk C's gradient actions are done);
+the ops after the schedule reach it the same way, in list order
 (``mcore.program_ops``), between `GradReduction.end_schedule` and `GradReduction.complete`. Every
 collective it issues is at a place of that program, the same on every rank that shares the
 communicator; it decides none itself, and nothing depends on when a sum happens to complete.
 
 Per chunk (one `_Chunk` state each):
 
-1. after its last real gradient action, ``--defer-embedding-wgrad-compute``: Megatron's
+1. at its ``final`` op, ``--defer-embedding-wgrad-compute``: Megatron's
    deferred output-layer weight gradients of the chunk are computed
    (``schedules.finish_embedding_wgrad_compute``), as 1F1B does at its end;
 2. DualPipe: its bd sum (the two copies of the stage summed over the bd pair, in place over
    Megatron DDP's grad buffers) is issued at the point the iteration plan gives
-   (``iteration_plan.bd_sum_points``: both partners in the same order of stages) through
+   (``lowering.reductions.bd_sum_points``: both partners in the same order of stages) through
    ``executor.pair_sums``, and waited by the program's ``summed`` ops after the schedule: a wait
    on an accelerator makes the compute stream wait, and the partner may first need a tensor
    queued behind it (issue 17);
 3. its data-parallel reduction (``config.grad_sync_func``, Megatron DDP's ``start_grad_sync``
-   under ``--overlap-grad-reduce``) starts at the plan's point (``iteration_plan.dp_start_points``,
+   under ``--overlap-grad-reduce``) starts at the plan's point (``lowering.reductions.dp_start_points``,
    the program's ``dp`` op): right after its last gradient action where nothing changes its
    gradients later, else after the schedule. A poll once started it when the bd sum was
    seen complete: a point that differed between the data-parallel replicas, whose collectives
@@ -34,9 +34,8 @@ copies, and the reduce-scatter's sum over both ranks' folds is the tied gradient
 (``mcore.copies.dp_first``, in Megatron's finalize, stage order), the fold as with the shared group.
 
 After the schedule the program waits for every sum (``summed``: the plan proves it safe there);
-before the first reduction started there, tied embeddings are folded (and the middle rank of an
-odd pipeline sums its two copies locally); then the reductions the plan puts there start, in its
-order. Megatron's finalize waits for them as after its own 1F1B (``finish_grad_sync``;
+at its ``settle`` op tied embeddings are folded (and the middle rank of an odd pipeline sums its
+two copies locally); then the reductions the program puts there start, in its order. Megatron's finalize waits for them as after its own 1F1B (``finish_grad_sync``;
 ``finalize.finalize_dualpipe_grads(copies_summed=True)``).
 
 While the schedule runs (`GradReduction.during_schedule`), Megatron DDP's backward hooks only
@@ -48,13 +47,13 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from ..executor import pair_sums
-from ..schedule import lowered
+from ..schedule.lowering import OpKind
 from . import bd_pairs, copies
 from .finalize import (BD_SUM_TIMEOUT_S, is_wrapped, chunk_layout, tied_copies, allreduce_bd_grads,
                        check_buffer_layouts, fold_tied_embedding_grads, sum_tensors)
@@ -76,10 +75,9 @@ class _Chunk:
 
 
 class GradReduction:
-    """See the module docstring. ``actions``: this rank's actions; ``last_actions``: {chunk: index
-    of its last real gradient action}."""
+    """See the module docstring."""
 
-    def __init__(self, model: Sequence[torch.nn.Module], config, *, actions, last_actions: Dict[int, int]):
+    def __init__(self, model: Sequence[torch.nn.Module], config):
         self.model, self.config = list(model), config
         n = len(self.model)
         bidirectional = chunk_layout(self.model) == BIDIRECTIONAL and n == 2
@@ -89,7 +87,6 @@ class GradReduction:
         # the way the copies are summed (mcore.copies): by the bd sum during the schedule, or
         # in Megatron's finalize (over the shard groups, or on the shards after the reduce-scatter)
         bd = paired and copies.of(self.model).way.sums_in_schedule
-        self._last = {pair_sums.action_key(actions[i]): c for c, i in last_actions.items()}
         if paired and all(is_wrapped(c) for c in self.model):
             check_buffer_layouts(self.model)
         # The fold replaces Megatron's embedding-group all-reduce, a step of its finalize: without a
@@ -151,24 +148,25 @@ class GradReduction:
             if during is not None:
                 self._set_overlap({k: False for k in during})
 
-    def after_action(self, a) -> None:
-        """Called after each action the runner ran: a chunk's gradients are final after its last."""
-        c = self._last.get(pair_sums.action_key(a))
-        if c is not None:
+    def on_reduction(self, kind: OpKind, c: int) -> None:
+        """A ``final`` / ``sum`` / ``summed`` / ``dp`` op of the rank's program, where the lowering put
+        it: chunk ``c``'s gradient actions are done, issue its bd sum, wait for it, or start its
+        data-parallel reduction."""
+        if kind == OpKind.FINAL:
             self._chunk_done(c)
-
-    def on_reduction(self, kind: str, c: int) -> None:
-        """A ``sum`` / ``summed`` / ``dp`` op of the rank's program, where the plan put it: issue
-        chunk ``c``'s bd sum, wait for it, or start its data-parallel reduction."""
-        if kind == lowered.DP:
+            return
+        if kind == OpKind.SETTLE:
+            self._settle()
+            return
+        if kind == OpKind.DP:
             self._start_dp(c)
             return
-        if kind not in (lowered.SUM, lowered.SUMMED):
+        if kind not in (OpKind.SUM, OpKind.SUMMED):
             raise ValueError(f"not a reduction op: {kind!r}")
         if self._sums is None:
             raise RuntimeError(f"megatron-dualpipe: the iteration plan sums chunk {c}'s copies, which this "
                                f"rank sums no other way than in its finalize (a bug)")
-        (self._sums.issue if kind == lowered.SUM else self._sums.wait)(c)
+        (self._sums.issue if kind == OpKind.SUM else self._sums.wait)(c)
 
     def _chunk_done(self, c: int) -> None:
         state = self.chunks[c]
@@ -182,9 +180,7 @@ class GradReduction:
         every replica). A program that starts it before its gradients are final is a bug: raise,
         never reduce a partial gradient."""
         state = self.chunks[c]
-        if self._ended:
-            self._settle()
-        if state.dp_started or not (state.done and (self._ended or not state.final_at_finish)):
+        if state.dp_started or not (state.done and (self._settled or not state.final_at_finish)):
             raise RuntimeError(f"megatron-dualpipe: the iteration plan starts the data-parallel reduction of chunk {c} "
                                f"{'twice' if state.dp_started else 'before its gradients are final'} (a bug)")
         state.dp_started = True
@@ -195,20 +191,16 @@ class GradReduction:
 
     # -- after the schedule -------------------------------------------------------------------------
     def end_schedule(self) -> None:
-        """The schedule ran: every chunk's gradient actions are done; the program's ops after it follow."""
-        for c in range(len(self.model)):
-            self._chunk_done(c)
+        """The schedule ran; the program's ops after it follow."""
         self._ended = True
 
     def _settle(self) -> None:
-        """Once, after every sum is waited: the middle rank's local sum and the tied-embedding fold,
-        which change gradients that the reductions started after them reduce."""
-        if self._settled:
-            return
+        """The program's ``settle`` op, after every sum is waited: the middle rank's local sum and the
+        tied-embedding fold, which change gradients that the reductions started after them reduce."""
+        if self._settled or not self._ended or (self._sums is not None and self._sums.pending):
+            when = "twice" if self._settled else "before the schedule ends and every bd sum is waited"
+            raise RuntimeError(f"megatron-dualpipe: the program settles {when} (a bug)")
         self._settled = True
-        if self._sums is not None and self._sums.pending:
-            raise RuntimeError(f"megatron-dualpipe: the program reduces chunks before waiting for the bd sums of "
-                               f"chunk(s) {[p.chunk for p in self._sums.pending]} (a bug)")
         if self._local_sum:
             allreduce_bd_grads(self.model)  # the middle rank of an odd pipeline sums locally
         if self._fold:
@@ -216,7 +208,6 @@ class GradReduction:
 
     def complete(self) -> None:
         """The program's ops ran: every sum waited, the fold done, every reduction started."""
-        self._settle()
         missed = [s.index for s in self.chunks if not s.dp_started]
         if missed:
             raise RuntimeError(f"megatron-dualpipe: the iteration plan starts no data-parallel reduction of "

@@ -1,14 +1,15 @@
 """The ops of a rank's program that the Megatron glue issues: the collectives around the schedule.
 
-Why: the runner executes the rank's program (``schedule.program``: the lowered schedule with
-these collectives at the points the checked iteration plan gives) and hands every op it does
-not run itself (``schedule.lowered.DELEGATED``) to its listeners; the ops after ``finish`` run
+Why: the runner executes the rank's program (``schedule.lowering.program``: the lowered schedule
+with these collectives at the points its passes give, checked by the iteration plan) and hands
+every op it does not run itself (``schedule.lowering.DELEGATED``) to its listeners; the ops after ``finish`` run
 after the schedule, outside Megatron's ``no_sync``, in list order. One :class:`ProgramOps`
 issues them all where the list has them and decides none of their places itself:
 
 * ``gather C``: chunk C's parameter all-gathers (``param_gather.start``); ``gathered C``: their
   wait, DDP's forward pre-hook in the ``run`` that follows (here: only that they were started);
-* ``sum C`` / ``summed C`` / ``dp C``: the `GradReduction` (bd sum issued, waited; a chunk's
+* ``final C`` / ``sum C`` / ``summed C`` / ``settle`` / ``dp C``: the `GradReduction` (a chunk's
+  gradient actions done; bd sum issued, waited; the local sum and tied fold; a chunk's
   data-parallel reduction started);
 * ``loss D -> P`` / ``loss D <- P``: direction D's loss entries to or from rank pp-1
   (``loss_gather``), then, training with multi-token prediction, the MTP loss tracker, over the
@@ -24,8 +25,8 @@ from typing import Any, List, Optional, Sequence
 import torch
 
 from ..executor.listeners import RunListener
-from ..schedule import lowered
-from ..schedule.program import TOKEN_COUNT
+from ..schedule.lowering import LoweringError, Op, OpKind
+from ..schedule.lowering.collectives import TOKEN_COUNT
 from . import loss_gather, param_gather
 from .finalize import all_reduce_token_count, finalize_after_token_count
 
@@ -34,29 +35,27 @@ class ProgramOps(RunListener):
     """One rank's iteration: ``it`` holds the program's layout, rank, pipeline group and device
     (``forward_backward._Iteration``), ``compute`` its loss store and token count."""
 
-    def __init__(self, ops: Sequence[lowered.Op], *, it, model, config, compute, reduction, forward_only: bool,
+    def __init__(self, ops: Sequence[Op], *, it, model, config, compute, reduction, forward_only: bool,
                  force_all_reduce: Optional[bool], timeout_s: float, describe: str = ""):
         self.it, self.model, self.config, self.compute, self.reduction = it, model, config, compute, reduction
         self.forward_only, self.force_all_reduce, self.timeout_s, self.describe = (
             forward_only, force_all_reduce, timeout_s, describe)
-        self.gathers = [op.index for op in ops if op.kind == lowered.GATHER]
+        self.gathers = [op.index for op in ops if op.kind == OpKind.GATHER]
         self.started: List[int] = []
         self.received: dict = {}
         self._tokens: Optional[torch.Tensor] = None
-        if reduction is not None:
-            self.on_action_end = reduction.after_action
-        self._do = {lowered.GATHER: self._gather, lowered.GATHERED: self._gathered, lowered.SUM: self._reduce,
-                    lowered.SUMMED: self._reduce, lowered.DP: self._reduce, lowered.LOSS_SEND: self._send_losses,
-                    lowered.LOSS_RECV: self._receive_losses, lowered.COLL: self._coll,
-                    lowered.FINALIZE: self._finalize}
+        reductions = (OpKind.FINAL, OpKind.SUM, OpKind.SUMMED, OpKind.SETTLE, OpKind.DP)
+        self._do = {**{kind: self._reduce for kind in reductions}, OpKind.GATHER: self._gather,
+                    OpKind.GATHERED: self._gathered, OpKind.LOSS_SEND: self._send_losses,
+                    OpKind.LOSS_RECV: self._receive_losses, OpKind.COLL: self._coll, OpKind.FINALIZE: self._finalize}
 
-    def on_op(self, op: lowered.Op) -> None:
+    def on_op(self, op: Op) -> None:
         do = self._do.get(op.kind)
         if do is None:
-            raise lowered.LoweringError(f"pipeline rank {self.it.rank}: no code issues op {op.text()!r}")
+            raise LoweringError(f"pipeline rank {self.it.rank}: no code issues op {op.text()!r}")
         do(op)
 
-    def after_schedule(self, ops: Sequence[lowered.Op]) -> List[Any]:
+    def after_schedule(self, ops: Sequence[Op]) -> List[Any]:
         """The program's ops after ``finish``, in order; the loss entries Megatron reads (rank pp-1)."""
         if self.reduction is not None:
             self.reduction.end_schedule()
@@ -68,33 +67,33 @@ class ProgramOps(RunListener):
                                                self.received)
 
     # -- the ops -------------------------------------------------------------------------------------
-    def _gather(self, op: lowered.Op) -> None:
+    def _gather(self, op: Op) -> None:
         param_gather.start(self.config, self.model, op.index, self.gathers, self.describe)
         self.started.append(op.index)
 
-    def _gathered(self, op: lowered.Op) -> None:
+    def _gathered(self, op: Op) -> None:
         if op.index not in self.started:
             raise RuntimeError(f"megatron-dualpipe: the program waits for chunk {op.index}'s parameter all-gathers "
                                f"before starting them (a bug)")
 
-    def _reduce(self, op: lowered.Op) -> None:
+    def _reduce(self, op: Op) -> None:
         if self.reduction is None:
             raise RuntimeError(f"megatron-dualpipe: {op.text()!r} in a program without gradient reduction (a bug)")
         self.reduction.on_reduction(op.kind, op.index)
 
-    def _peer_args(self, op: lowered.Op):
+    def _peer_args(self, op: Op):
         it = self.it
         return it.rank, op.peer, it.global_ranks, it.group, it.tensor_spec.device, self.timeout_s
 
     def _mtp(self) -> bool:
         return not self.forward_only and bool(getattr(self.config, "mtp_num_layers", None))
 
-    def _send_losses(self, op: lowered.Op) -> None:
+    def _send_losses(self, op: Op) -> None:
         loss_gather.send_losses(self.compute.loss_store[op.index], *self._peer_args(op))
         if self._mtp():
             loss_gather.send_mtp_tracker(*self._peer_args(op))
 
-    def _receive_losses(self, op: lowered.Op) -> None:
+    def _receive_losses(self, op: Op) -> None:
         self.received[op.index] = loss_gather.receive_losses(*self._peer_args(op))
         if self._mtp():
             loss_gather.receive_mtp_tracker(*self._peer_args(op))
@@ -107,13 +106,13 @@ class ProgramOps(RunListener):
             self._tokens = (total if total is not None else torch.zeros([], dtype=torch.int)).to(device)
         return self._tokens
 
-    def _coll(self, op: lowered.Op) -> None:
+    def _coll(self, op: Op) -> None:
         if (op.what, op.group) != (TOKEN_COUNT, "pp"):
-            raise lowered.LoweringError(f"pipeline rank {self.it.rank}: no code issues op {op.text()!r}")
+            raise LoweringError(f"pipeline rank {self.it.rank}: no code issues op {op.text()!r}")
         if self.config.finalize_model_grads_func is not None and len(self.model) == 2:
             all_reduce_token_count(self._token_count())
 
-    def _finalize(self, op: lowered.Op) -> None:
+    def _finalize(self, op: Op) -> None:
         finalize = self.config.finalize_model_grads_func
         if finalize is None:
             return

@@ -8,7 +8,7 @@ from enum import Enum
 from typing import Callable, List, Optional, Tuple
 
 from .layout import Layout
-from .lowered import COLL, Op
+from .lowering.ops import Op, coll
 
 
 def stage_order(layout: Layout, rank: int) -> List[int]:
@@ -22,13 +22,9 @@ def paired(layout: Layout, rank: int) -> bool:
     return layout.mirrored and layout.partner(rank) != rank
 
 
-def _coll(what: str, group: str) -> Op:
-    return Op(COLL, what=what, group=group)
-
-
 def _gathers(kind: str, key, group: str, moe: bool) -> List[Op]:
     """A dense collective and, with experts, its expert twin (``expt-`` group)."""
-    return [_coll(f"{kind}:{key}", group)] + ([_coll(f"expert-{kind}:{key}", f"expt-{group}")] if moe else [])
+    return [coll(f"{kind}:{key}", group)] + ([coll(f"expert-{kind}:{key}", f"expt-{group}")] if moe else [])
 
 
 class CopySum(str, Enum):
@@ -102,7 +98,7 @@ class CopySum(str, Enum):
                 out += _gathers("reduce-scatter", s, f"shard:{s}", moe)
                 continue
             out += _gathers("grad-sync", c, "dp", moe) if not overlap and dp > 1 else []
-            out += [_coll(f"shard-sum:{s}", "bd")] if way is CopySum.DP_FIRST and paired(layout, r) else []
+            out += [coll(f"shard-sum:{s}", "bd")] if way is CopySum.DP_FIRST and paired(layout, r) else []
         return out
 
     def sub_optimizers(self, layout: Layout, r: int, moe: bool) -> List[Tuple[bool, List[int]]]:

@@ -16,18 +16,15 @@ these interact through the streams, not only through the host:
 * a P2P batch completes when every operation in it met its peer's started batch; a collective
   when all its ranks started it.
 
-:func:`build` turns a schedule into every rank's list of stream items (compute units, posts,
-waits), one op of the rank's program at a time (``schedule.program``: the lowered schedule with
-the parameter gathers, bd sums, data-parallel reductions, loss gather and finalize at the points
-this module decides), the very list the runner and the Megatron glue execute, and
-:func:`check` runs them to completion under those rules or raises :class:`IterationPlanError`
-naming the cycle; ``one_queue=True`` adds ``CUDA_DEVICE_MAX_CONNECTIONS=1``'s rule (a post
-waits for every earlier work of its rank, whatever the communicator). Two places are decided
-here and read by the executor, so that what is checked is what runs: the bd sums' issue points
-(:attr:`IterationPlan.sum_points`, the partners in the same order of stages) and the
-data-parallel reductions' start points (:attr:`IterationPlan.dp_points`, :func:`dp_start_points`).
+:func:`build` turns a program (``schedule.lowering.program``: the lowered schedule with the
+parameter gathers, bd sums, data-parallel reductions, loss gather and finalize at the points its
+passes decide) into every rank's list of stream items (compute units, posts, waits), one op at a
+time, the very list the runner and the Megatron glue execute, and :func:`check` runs them to
+completion under those rules or raises :class:`IterationPlanError` naming the cycle;
+``one_queue=True`` adds ``CUDA_DEVICE_MAX_CONNECTIONS=1``'s rule (a post waits for every earlier
+work of its rank, whatever the communicator).
 
-Data parallelism: the start points are data of the plan, computed from what every replica of
+Data parallelism: the start points (``lowering.reductions``) are data of the program, computed from what every replica of
 a pipeline rank has alike (schedule, pp, M, options), never from a poll of a sum's completion,
 so every replica starts each reduction at the same point of the same plan: a data-parallel
 collective then completes as soon as it is started, and only a wait for it could hold
@@ -43,91 +40,25 @@ Standard library only.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Hashable, List, Mapping, Optional, Sequence, Tuple
 
-from . import lowered, step_collectives
-from . import program
-from .actions import W, Action
+from . import step_collectives
+from .actions import Action
 from .comm import RankPlan, describe
 from .layout import Layout
+from .lowering.ops import Op, OpKind
+from .lowering.program import Program, build_program
 
-#: The ops that finish a chunk's weight gradients: with deferred weight gradients (zero
-#: bubble) a B leaves them to its W.
-DEFERRED_GRAD_OPS = ("BW", "W")
-FULL_GRAD_OPS = ("B", "BW")
-#: When GradReduction's stream waits for a bd sum: at the end of the schedule (now), or right
-#: after issuing it (before issue 17's fix; kept to show the plan check finds that cycle).
-WAIT_AT_FINISH, WAIT_AT_ISSUE = "finish", "issue"
+# The schedule's kinds as module names: an enum member looked up on its class costs several
+# globals (Python 3.11), and the check reads some ten thousand ops per rank.
+_POST, _BEGIN, _RECV, _RELEASE, _RUN, _FINISH = (OpKind.POST, OpKind.BEGIN, OpKind.RECV, OpKind.RELEASE, OpKind.RUN,
+                                                 OpKind.FINISH)
 #: The queue of every work of a rank under ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (check's ``one_queue``).
 ONE_QUEUE = "one hardware queue"
 
 
 class IterationPlanError(RuntimeError):
     """The iteration's communication has a cycle under NCCL stream semantics."""
-
-
-def grad_ops(deferring: bool) -> Tuple[str, str]:
-    return DEFERRED_GRAD_OPS if deferring else FULL_GRAD_OPS
-
-
-def last_grad_action_index(actions: Sequence[Action], is_fake: Callable, ops: Sequence[str]) -> Dict[int, int]:
-    """{chunk: index of its last real gradient action}: where its gradients are final."""
-    last = {}
-    for k, a in enumerate(actions):
-        if a.op in ops and not is_fake(a):
-            last[a.dir] = k
-    return last
-
-
-def completion_order(actions: Sequence[Action], is_fake: Callable, ops: Sequence[str]) -> List[int]:
-    """The chunks of a rank in the order their gradients become final (chunks without a real
-    gradient action last)."""
-    last = last_grad_action_index(actions, is_fake, ops)
-    return sorted(last, key=last.get) + [c for c in (0, 1) if c not in last]
-
-
-def bd_sum_order(actions, partner_actions, is_fake: Callable, ops, lower_rank: bool) -> List[int]:
-    """This rank's chunks in the order both partners issue the sums (the partner's chunk 1-c is
-    this rank's chunk c): the order in which the chunks finish when it is the same on both
-    (DualPipe's symmetry), else the lower rank's, so that the pair's collectives match."""
-    mine = completion_order(actions, is_fake, ops)
-    theirs = [1 - c for c in completion_order(partner_actions, is_fake, ops)]
-    return mine if mine == theirs or lower_rank else theirs
-
-
-def bd_sum_points(actions, partner_actions, is_fake: Callable, ops, lower_rank: bool,
-                  at_end: bool = False) -> List[Tuple[int, int]]:
-    """[(action index, chunk)] in issue order: each chunk's sum is issued right after the action
-    at that index, the later of its own last gradient action and the previous sum's point.
-    ``len(actions)``: at the end of the schedule (no real gradient action; every sum with
-    ``at_end``, what one hardware queue may need: :func:`plan_for`)."""
-    last = {} if at_end else last_grad_action_index(actions, is_fake, ops)
-    points, at = [], -1
-    for c in bd_sum_order(actions, partner_actions, is_fake, ops, lower_rank):
-        at = max(at, last.get(c, len(actions)))
-        points.append((at, c))
-    return points
-
-
-def dp_start_points(layout: Layout, r: int, actions, is_fake: Callable, ops, *,
-                    bd_sums: bool = True) -> List[Tuple[int, int]]:
-    """[(action index, chunk)] in start order: where rank ``r`` starts each chunk's data-parallel
-    reduction (``config.grad_sync_func``). Data of the plan, so the same on every data-parallel
-    replica (their collectives pair up by position), never a poll. Right after the chunk's last
-    real gradient action, unless its gradients still change after the schedule: then at
-    ``len(actions)`` (``GradReduction.finish``, after every sum is waited and the fold): every
-    chunk of a rank whose copies are summed (the bd sums, ``bd_sums``; the middle rank's local
-    sum), and the end chunks of a rank holding both ends of the model (the tied-embedding fold).
-    Ties in the order the chunks finish."""
-    end, last = len(actions), last_grad_action_index(actions, is_fake, ops)
-    chunks = range(len(layout.directions))
-    stages = layout.stages_on(r)
-    firsts = [c for c in chunks if layout.is_first(layout.directions[c], stages[c])]
-    lasts = [c for c in chunks if layout.is_last(layout.directions[c], stages[c])]
-    folded = set(firsts + lasts) if firsts and lasts else set()
-    summed = layout.mirrored and (bd_sums or layout.partner(r) == r)
-    at = {c: end if summed or c in folded else last.get(c, end) for c in chunks}
-    return sorted(((at[c], c) for c in chunks), key=lambda p: (p[0], last.get(p[1], end), p[1]))
 
 
 # ------------------------------------------------------------------------------------------
@@ -160,19 +91,12 @@ class Item:
 
 @dataclass
 class IterationPlan:
+    """Every rank's stream items, built from ``program`` (None for :func:`replicated`'s join)."""
+
     pp: int
     works: List[Work]
     items: List[List[Item]]
-    sum_points: List[List[Tuple[int, int]]]   # per rank: (action index, chunk), issue order
-    #: per rank: (action index, chunk), start order of the data-parallel reductions; index
-    #: len(actions): after the schedule (:func:`dp_start_points`)
-    dp_points: List[List[Tuple[int, int]]] = field(default_factory=list)
-    #: per rank: the program (``schedule.program.rank_program``): what the runner and the Megatron
-    #: glue execute (``mcore.program_ops``) and what the items above were built from
-    ops: List[Tuple[lowered.Op, ...]] = field(default_factory=list)
-    #: per rank: the ``coll`` ops after the schedule and around the optimizer step
-    #: (``step_collectives``), which Megatron and this package's finalize issue, not the runner
-    step_ops: List[Tuple[lowered.Op, ...]] = field(default_factory=list)
+    program: Optional[Program] = None
 
 
 class _Where:
@@ -247,79 +171,41 @@ class _Builder:
         return self.coll_seq[k]
 
 
-def build(layout: Layout, ranks: Sequence[Sequence[Action]], plans: Sequence[RankPlan], *, is_fake: Callable,
-          deferring: bool, overlap_grad_reduce: bool = False, dp: int = 1, forward_only: bool = False,
-          sum_wait: str = WAIT_AT_FINISH, param_gather: bool = False, bd_sums: bool = True,
-          dp_points: Optional[Sequence[Sequence[Tuple[int, int]]]] = None, sums_at_end: bool = False,
-          lowered_ops: Optional[Sequence[Sequence[lowered.Op]]] = None,
-          step: Optional[step_collectives.StepOptions] = None,
-          step_ops: Optional[Sequence[Sequence[lowered.Op]]] = None) -> IterationPlan:
-    """Every rank's stream items for one iteration, as the executor issues them. ``param_gather``:
-    ``config.param_sync_func`` is set (``mcore.param_gather``); ``bd_sums``: the copies are summed
-    during the schedule (False: ``--dualpipe-shared-shard-group`` / ``--dualpipe-dp-first``);
-    ``dp_points``: where each rank starts its data-parallel reductions, default
-    :func:`dp_start_points` (what ``GradReduction`` reads; a test passes a misorder);
-    ``lowered_ops``: each rank's ``lowered.lower`` (the executor's ``Program.ops``; default:
-    lowered here); ``step``: the run's options for the collectives after the schedule
-    (``step_collectives.programs``; None: none), ``step_ops`` those ops per rank instead (a test's misorder)."""
-    pp = layout.pp
-    b = _Builder(pp)
-    ops = grad_ops(deferring)
-    bd = layout.mirrored and bd_sums and not forward_only
-    points = [bd_sum_points(ranks[r], ranks[layout.partner(r)], is_fake, ops, lower_rank=r < layout.partner(r),
-                            at_end=sums_at_end) if bd and layout.partner(r) != r else [] for r in range(pp)]
-    if dp_points is None:
-        dp_points = [[] if forward_only else dp_start_points(layout, r, ranks[r], is_fake, ops, bd_sums=bd_sums)
-                     for r in range(pp)]
-    reduces = overlap_grad_reduce and dp > 1 and not forward_only
-    rank_ops = []
-    for r in range(pp):
-        base = lowered_ops[r] if lowered_ops is not None else \
-            lowered.lower(r, plans[r], ranks[r], [is_fake(a) for a in ranks[r]])
-        ops = program.rank_program(base, layout, r, ranks[r], plans[r].units, is_fake, sum_points=points[r],
-                                   dp_points=dp_points[r], param_gather=param_gather and not forward_only,
-                                   forward_only=forward_only, wait_at_issue=sum_wait == WAIT_AT_ISSUE)
-        _RankItems(b, layout, r, ranks[r], plans[r], sum_points=points[r], reduces=reduces).run(ops)
-        rank_ops.append(ops)
-    if step_ops is None:
-        step_ops = step_collectives.programs(layout, step, dp=dp, overlap_grad_reduce=overlap_grad_reduce,
-                                             forward_only=forward_only) if step is not None else [()] * pp
-    for r, coll_ops in enumerate(step_ops):
-        _step_items(b, layout, r, coll_ops)
-    return IterationPlan(pp, b.works, b.items, points, [list(p) for p in dp_points], rank_ops,
-                         [tuple(x) for x in step_ops])
-
-
-def _step_items(b: _Builder, layout: Layout, r: int, coll_ops: Sequence[lowered.Op]) -> None:
-    """Rank ``r``'s ``coll`` ops after the finalize's token all-reduce: each issued on its
-    communicator and waited before the next (``step_collectives``)."""
-    for n, op in enumerate(coll_ops):
-        k = b.collective(r, op.group, step_collectives.members(layout, r, op.group), (op.what,),
-                         _Text("rank {}'s {} over {} (op {} after the schedule)", r, op.what, op.group, n))
-        b.wait(r, k, _Text("for its {} over {}", op.what, op.group))
+def build(program: Program) -> IterationPlan:
+    """Every rank's stream items for one iteration, as the executor issues them: the first
+    all-reduce on the pipeline group, then the items of each op of the rank's program, then its
+    ``step_ops``. A test checks a made-up misorder by building a program with other ops."""
+    layout, opts = program.layout, program.options
+    b = _Builder(layout.pp)
+    reduces = opts.overlap_grad_reduce and opts.dp > 1 and not program.forward_only
+    for r in range(layout.pp):
+        ops = program.ops[r] + (program.step_ops[r] if program.step_ops else ())
+        _RankItems(b, layout, r, program.actions[r], program.plans[r], reduces=reduces).run(ops)
+    return IterationPlan(layout.pp, b.works, b.items, program)
 
 
 class _RankItems:
     """One rank's items: the first all-reduce on the pipeline group, then the items of each op of
-    its program (``schedule.program``), the list the runner and the Megatron glue execute."""
+    its program (``schedule.lowering``), the list the runner and the Megatron glue execute."""
 
-    def __init__(self, b: _Builder, layout: Layout, r: int, acts, rp: RankPlan, *, sum_points, reduces: bool):
-        self.b, self.layout, self.r, self.acts, self.rp, self.sum_points = b, layout, r, acts, rp, sum_points
+    def __init__(self, b: _Builder, layout: Layout, r: int, acts, rp: RankPlan, *, reduces: bool):
+        self.b, self.layout, self.r, self.acts, self.rp = b, layout, r, acts, rp
         self.reduces = reduces  # the dp ops start collectives (--overlap-grad-reduce, dp > 1)
         self.gathers: Dict[int, int] = {}
         self.sum_works: Dict[int, int] = {}
-        self.sums_waited: set = set()
+        self.summed_chunks: set = set()  # the chunks with a bd sum in the program
         self.dp_works: List[int] = []
         self.recv_batch: Dict[tuple, int] = {}
         self.send_batch: Dict[tuple, int] = {}
         self.ran = self.begun = -1  # the last unit run, begun
         self.ended = False  # past ``finish``
 
-    def run(self, ops: Sequence[lowered.Op]) -> None:
+    def run(self, ops: Sequence[Op]) -> None:
         b, r = self.b, self.r
         k0 = b.collective(r, "pp", tuple(range(self.layout.pp)), ("first all-reduce",),
                           f"rank {r}'s first all-reduce on the pipeline group")
         b.wait(r, k0, "before the first P2P batch")
+        self.summed_chunks = {op.index for op in ops if op.kind is OpKind.SUM}
         for op in ops:
             self.item(op)
 
@@ -327,58 +213,60 @@ class _RankItems:
         units = self.rp.units
         return _Where(units[u][0], self.acts[units[u][0]]) if 0 <= u < len(units) else "after its last action"
 
-    def item(self, op: lowered.Op) -> None:
+    def item(self, op: Op) -> None:
         """The stream items of one op of the schedule; the collectives around it in :meth:`collective`."""
         b, r, kind = self.b, self.r, op.kind
-        if kind == lowered.POST:
+        if kind is _POST:
             bt = self.rp.batches[op.index]
             k = b.p2p(r, "pp", _BatchText(r, self.where(bt.unit), bt), [t.peer for t in bt.sends],
                       [t.peer for t in bt.recvs])
             self.send_batch.update({t.label: k for t in bt.sends})
             self.recv_batch.update({t.label: k for t in bt.recvs})
-        elif kind == lowered.RECV:
+        elif kind is _RECV:
             b.wait(r, self.recv_batch[op.label], _Text("{}: its input, the {}", self.where(op.index), op.label))
-        elif kind == lowered.RELEASE:
+        elif kind is _RELEASE:
             b.wait(r, self.send_batch[op.label],
                    _Text("{}: the send of its forward's output, released first", self.where(op.index)))
-        elif kind == lowered.RUN:
+        elif kind is _RUN:
             b.compute(r, "")
             self.ran = op.index
-        elif kind == lowered.BEGIN:
+        elif kind is _BEGIN:
             self.begun = op.index
-        elif kind == lowered.FINISH:
+        elif kind is _FINISH:
             for label, k in sorted(self.send_batch.items()):
                 b.wait(r, k, _Text("at the end of the schedule: the send of the {}", label))
             self.ended = True
         else:
             self.collective(op)
 
-    def collective(self, op: lowered.Op) -> None:
+    def collective(self, op: Op) -> None:
         """The stream items of a collective op: the parameter gathers, bd sums, data-parallel
         reductions, loss gather and finalize (``mcore.program_ops`` issues them)."""
         b, r, kind, c = self.b, self.r, op.kind, op.index
-        if kind == lowered.GATHER:
+        if kind in (OpKind.FINAL, OpKind.SETTLE):  # compute on the rank's stream (the drain's TP gathers: its tp group)
+            return
+        if kind == OpKind.GATHER:
             self.gathers[c] = b.collective(r, "dp", (r,), ("param all-gather", c),
                                            f"rank {r}'s parameter all-gathers of chunk {c}")
-        elif kind == lowered.GATHERED:
+        elif kind == OpKind.GATHERED:
             b.wait(r, self.gathers.pop(c), _Text("{}: DDP's pre-hook of its chunk's first forward",
                                                  self.where(self.begun)))
-        elif kind == lowered.SUM:
+        elif kind == OpKind.SUM:
             self.issue_sum(c)
-        elif kind == lowered.SUMMED:
+        elif kind == OpKind.SUMMED:
             self.wait_sum(c)
-        elif kind == lowered.DP:
+        elif kind == OpKind.DP:
             self.start_dp(c)
-        elif kind in (lowered.LOSS_SEND, lowered.LOSS_RECV):
-            sending = kind == lowered.LOSS_SEND
+        elif kind in (OpKind.LOSS_SEND, OpKind.LOSS_RECV):
+            sending = kind == OpKind.LOSS_SEND
             k = b.p2p(r, "pp", f"rank {r}'s loss-gather {'send to' if sending else 'receive from'} rank {op.peer}",
                       [op.peer] if sending else [], [] if sending else [op.peer])
             b.wait(r, k, "in the loss gather (host-blocking)")
-        elif kind == lowered.COLL:
+        elif kind == OpKind.COLL:
             k = b.collective(r, op.group, step_collectives.members(self.layout, r, op.group), (op.what,),
-                             _Text("rank {}'s {} over {}", r, op.what, op.group))
+                             _Text("rank {}'s {} over {} ({})", r, op.what, op.group, self.at()))
             b.wait(r, k, _Text("for its {} over {}", op.what, op.group))
-        elif kind == lowered.FINALIZE:
+        elif kind == OpKind.FINALIZE:
             for k in self.dp_works:
                 b.wait(r, k, "in the finalize (finish_grad_sync)")
         else:
@@ -400,7 +288,6 @@ class _RankItems:
         stage = self.layout.stage_on(self.r, c)
         why = "after the schedule (its summed op)" if self.ended else f"right after issuing the bd sum of stage {stage}"
         self.b.wait(self.r, self.sum_works[c], why)
-        self.sums_waited.add(c)
 
     def start_dp(self, c: int) -> None:
         """Chunk ``c``'s data-parallel reduction, over this rank's replicas (one in the plan: they
@@ -409,10 +296,36 @@ class _RankItems:
         r = self.r
         if not self.reduces:  # GradReduction marks it started: Megatron's finalize reduces
             return
-        summed = ("bd sum", self.layout.stage_on(r, c)) if any(x == c for _, x in self.sum_points) else None
+        summed = ("bd sum", self.layout.stage_on(r, c)) if c in self.summed_chunks else None
         self.dp_works.append(self.b.collective(
             r, "dp", (r,), ("dp reduction", c), _Text("rank {}'s data-parallel reduction of chunk {} (started {})",
                                                       r, c, self.at()), after=summed))
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective a rank issued outside a program (a run's record, a design's order): its ranks
+    (the communicator's) and what every member must issue alike (``key``)."""
+
+    group: Tuple[int, ...]
+    key: Hashable
+
+    def __str__(self) -> str:
+        return f"{self.key} over ranks {list(self.group)}"
+
+
+def issued(collectives: Mapping[int, Sequence[Collective]],
+           communicator: Callable[[Collective], Hashable] = lambda c: c.group) -> IterationPlan:
+    """The plan of what each global rank issued, in order, none waited: :func:`check` with
+    ``one_queue`` proves that every member issues the same sequence on each communicator (default:
+    one per group) and that every rank's list can run as one stream, as Megatron issues a chunk's
+    reduce-scatters and all-gathers (two communicators over the same ranks issued in opposite
+    orders deadlock)."""
+    b = _Builder(max(collectives, default=-1) + 1)
+    for r, cs in sorted(collectives.items()):
+        for c in cs:
+            b.collective(r, f"ranks {communicator(c)}", tuple(sorted(c.group)), (c.key,), _Text("rank {}'s {}", r, c))
+    return IterationPlan(b.pp, b.works, b.items)
 
 
 def check(ip: IterationPlan, one_queue: bool = False) -> None:
@@ -438,7 +351,8 @@ def check(ip: IterationPlan, one_queue: bool = False) -> None:
     for (comm, group, seq), by_rank in members.items():
         keys = {works[k].key for k in by_rank.values()}
         if len(keys) > 1 or set(by_rank) != set(group):
-            missing = [f"rank {r} issues no collective {seq} there" for r in group if r not in by_rank]
+            missing = [f"rank {r} issues no collective {seq} there" for r in group if r not in by_rank] + \
+                [f"rank {r} is not one of its ranks" for r in by_rank if r not in group]
             raise IterationPlanError(f"collective {seq} on the {comm} communicator of ranks {list(group)} is not "
                                      f"the same on every rank: " + "; ".join([str(works[k].what) for k in by_rank.values()]
                                                                               + missing))
@@ -525,8 +439,7 @@ def replicated(ips: Sequence[IterationPlan], axis: str = "dp") -> IterationPlan:
                                  sends=[(a + off, b + off, i) for a, b, i in w.sends],
                                  recvs=[(a + off, b + off, i) for a, b, i in w.recvs]))
         items += [[replace(it, work=it.work + base if it.work >= 0 else -1) for it in its] for its in ip.items]
-    return IterationPlan(pp, works, items, [p for ip in ips for p in ip.sum_points],
-                         [p for ip in ips for p in ip.dp_points])
+    return IterationPlan(pp, works, items)
 
 
 def _explain(ip, stuck, pos, reached, started, completed, head, queues, send_of, recv_of, members) -> str:
@@ -566,41 +479,24 @@ def _explain(ip, stuck, pos, reached, started, completed, head, queues, send_of,
             + "\n  ".join(lines))
 
 
-def plan_for(spec, pp: int, real: int, padded_ranks, plans, *, zero_bubble: bool, overlap_grad_reduce: bool = False,
-             dp: int = 1, forward_only: bool = False, sum_wait: str = WAIT_AT_FINISH,
-             param_gather: bool = False, bd_sums: bool = True, one_queue: Optional[bool] = None,
-             ops: Optional[Sequence[Sequence[lowered.Op]]] = None,
-             step: Optional[step_collectives.StepOptions] = None) -> IterationPlan:
-    """Build and check the iteration plan of a registry schedule ``spec`` with ``real`` real
-    micro-batches (``padded_ranks``/``plans``: its padded actions and communication plan); ``step``:
-    the run's options for the collectives after the schedule (:func:`build`).
+def plan_for(program: Program, one_queue: Optional[bool] = None) -> IterationPlan:
+    """Build and check ``program``'s iteration plan; its ``program`` is what runs.
 
     ``one_queue`` (default: :func:`one_hardware_queue`, ``CUDA_DEVICE_MAX_CONNECTIONS=1`` on a GPU, which
     Megatron asks for with sequence parallelism and TP overlap): the check adds that rule, and where
     the bd sums issued mid-schedule would deadlock under it (a sum's kernel holding the queue while
     the partner still needs a send queued behind it: 32 of 64 DualPipe (pp <= 8, M) cases), the
-    plan issues every sum at the end of the schedule instead: the same on every rank, checked again."""
+    program issues every sum at the end of the schedule instead (``sums_at_end``): the same on every
+    rank, checked again."""
     one_queue = one_hardware_queue() if one_queue is None else one_queue
-    if ops is None:  # lowered once, for both plans below (the executor passes its Program.ops)
-        ops = [lowered.lower(r, plans[r], padded_ranks[r], [spec.is_fake(real, a.dir, a.mb) for a in padded_ranks[r]])
-               for r in range(pp)]
-    deferring = zero_bubble and spec.defers_weight_grads and any(a.op == W for acts in padded_ranks for a in acts)
-    layout = spec.layout(pp)
-
-    def built(sums_at_end: bool) -> IterationPlan:
-        return build(layout, padded_ranks, plans, is_fake=lambda a: spec.is_fake(real, a.dir, a.mb),
-                     deferring=deferring, overlap_grad_reduce=overlap_grad_reduce, dp=dp, forward_only=forward_only,
-                     sum_wait=sum_wait, param_gather=param_gather, bd_sums=bd_sums,
-                     sums_at_end=sums_at_end, lowered_ops=ops,
-                     step=step)
-
-    ip = built(False)
+    ip = build(program)
     try:
         check(ip, one_queue=one_queue)
     except IterationPlanError:
-        if not one_queue or not any(ip.sum_points):
+        if not one_queue or not any(program.sum_points):
             raise
-        ip = built(True)
+        s, options = program.schedule, replace(program.options, sums_at_end=True)
+        ip = build(build_program(s.name, s.pp, s.microbatches, program.padded.real, program.forward_only, options))
         check(ip, one_queue=True)
     return ip
 

@@ -1,8 +1,8 @@
 """A discrete-event simulator over each rank's lowered program: the ops the runner executes.
 
 Why: timing a model of the runner (actions and their dependencies) could disagree with what
-runs; here each rank walks the same ops (``schedule.lowered``, built by ``comm.plan`` and
-``lowered.lower`` as ``executor.runner.compile_program`` builds them). ``run U`` occupies the rank
+runs; here each rank walks the same ops (``schedule.lowering``: :func:`simulate` lowers the
+actions it is given, :func:`simulate_program` walks a built program). ``run U`` occupies the rank
 for the unit's cost (an F marked ``overlap`` and the backward after it are one unit costing ``fb``;
 both actions get the unit's start and end); ``post K`` posts batch K's sends at the rank's clock;
 ``recv L <- P`` completes no earlier than P's post of L plus ``p2p``; ``release L -> P`` no earlier
@@ -17,10 +17,13 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from .actions import B, BW, F, W, Action, format_grid, units
-from .comm import CommPlanError, RankPlan, plan
+from .comm import CommPlanError, RankPlan
 from .deps import Event, event_of, event_rank, waits_for
 from .layout import Layout
-from .lowered import POST, RECV, RELEASE, RUN, Op, lower
+from .lowering.ops import Op, OpKind
+from .lowering.p2p import lower_ranks
+
+POST, RECV, RELEASE, RUN = OpKind.POST, OpKind.RECV, OpKind.RELEASE, OpKind.RUN
 
 
 class DeadlockError(RuntimeError):
@@ -137,15 +140,6 @@ def _count_memory(timeline: RankTimeline, a: Action, live: List[int], wstate: Li
 
 
 @functools.lru_cache(maxsize=16)
-def lowered_program(layout: Layout, ranks: Tuple[Tuple[Action, ...], ...],
-                    padding: Tuple[Tuple[bool, ...], ...]) -> Tuple[Tuple[RankPlan, ...], Tuple[Tuple[Op, ...], ...]]:
-    """Every rank's communication plan and lowered ops, as the executor builds them (``comm.plan``,
-    ``lowered.lower``); cached, as a schedule is timed under many costs."""
-    plans = tuple(plan(layout, ranks))
-    return plans, tuple(lower(r, plans[r], ranks[r], padding[r]) for r in range(len(ranks)))
-
-
-@functools.lru_cache(maxsize=16)
 def misordered(layout: Layout, ranks: Tuple[Tuple[Action, ...], ...]) -> Tuple[int, ...]:
     """Per rank, the first unit waiting for an event of its own rank that comes later or never (a
     deferred W without its B, a backward before its forward): it can never start. ``len(units)``
@@ -181,18 +175,24 @@ def simulate(layout: Layout, ranks: Sequence[Sequence[Action]], costs: Costs = C
     fake = getattr(costs, "is_fake", None)
     padding = tuple(tuple(bool(fake and fake(a)) for a in acts) for acts in frozen)
     try:
-        plans, ops = lowered_program(layout, frozen, padding)
+        plans, ops = lower_ranks(layout, frozen, padding)
     except CommPlanError as e:
         raise DeadlockError(_unplannable(layout, frozen, e)) from e
-    return simulate_program(layout, frozen, plans, ops, costs, progress=progress, p2p=p2p, overhead=overhead)
+    return _walk_ops(layout, frozen, plans, ops, costs, progress=progress, p2p=p2p, overhead=overhead)
 
 
-def simulate_program(layout: Layout, ranks: Sequence[Sequence[Action]], plans: Sequence[RankPlan],
-                     ops: Sequence[Sequence[Op]], costs: Costs = Costs(),
-                     progress: Optional[Callable[[int, int], None]] = None,
+def simulate_program(program, costs: Costs = Costs(), progress: Optional[Callable[[int, int], None]] = None,
                      p2p: Optional[Callable[[int, int], float]] = None, overhead: float = 0.0) -> SimResult:
-    """Time ``ops`` (each rank's program: ``lowered.lower``, or ``program.rank_program`` with its
-    collectives) walked in order; ``plans`` give each ``post``'s sends. Arguments as :func:`simulate`.
+    """Time ``program``'s ops (a ``lowering.program.Program``, which imports this module: the
+    schedule and the collectives around it) walked in order. Arguments as :func:`simulate`."""
+    return _walk_ops(program.layout, program.actions, program.plans, program.ops, costs, progress=progress, p2p=p2p,
+                     overhead=overhead)
+
+
+def _walk_ops(layout: Layout, ranks: Sequence[Sequence[Action]], plans: Sequence[RankPlan],
+              ops: Sequence[Sequence[Op]], costs: Costs, progress: Optional[Callable[[int, int], None]],
+              p2p: Optional[Callable[[int, int], float]], overhead: float) -> SimResult:
+    """Time ``ops`` walked in order; ``plans`` give each ``post``'s sends.
 
     Dataflow: a rank walks its ops until a wait cannot complete yet, and a post wakes the rank
     waiting for it, so every op is visited once and the times do not depend on the visiting order.
@@ -210,7 +210,7 @@ def simulate_program(layout: Layout, ranks: Sequence[Sequence[Action]], plans: S
 
 
 class _Walk:
-    """The state of :func:`simulate_program`: each rank's position and clock, the posted sends and
+    """The state of :func:`_walk_ops`: each rank's position and clock, the posted sends and
     completed receives with their times, and which rank waits for which of them."""
 
     def __init__(self, ranks, plans, ops, never, costs, hop, overhead, progress):

@@ -7,7 +7,7 @@ package's copy sums, drift check and link probes) on communicators that overlap 
 Two ranks of one communicator that issue them in different orders hang on NCCL (or, where the
 sizes agree, add unrelated tensors), and on one hardware queue a collective holds the rank's
 later work. :func:`programs` gives each rank's list of ``coll KIND over GROUP`` ops
-(``schedule.lowered``) from the run's options, in the order the code issues them, and
+(``schedule.lowering``) from the run's options, in the order the code issues them, and
 ``iteration_plan.build`` appends them to the plan it checks under both stream rules.
 
 The order per rank (sources: megatron-core 0.16.1 / 0.19.2 ``distributed/finalize_model_grads.py``,
@@ -87,7 +87,7 @@ from typing import List, Sequence, Tuple
 
 from .copy_sum import BD_FIRST, CopySum, paired, stage_order
 from .layout import Layout
-from .lowered import COLL, Op
+from .lowering.ops import Op, OpKind, coll
 
 #: communicator -> the replica axes it spans (``iteration_plan.replicated``): Megatron's groups
 #: pp (pipeline), bd (DualPipe's pair of a stage's copies), embd (first and last pipeline rank),
@@ -154,10 +154,6 @@ def members(layout: Layout, r: int, group: str) -> Tuple[int, ...]:
     return (r,)
 
 
-def _coll(what: str, group: str) -> Op:
-    return Op(COLL, what=what, group=group)
-
-
 def programs(layout: Layout, opts: StepOptions, *, dp: int, overlap_grad_reduce: bool,
              forward_only: bool = False) -> List[Tuple[Op, ...]]:
     """Every rank's ops after the schedule's (module docstring)."""
@@ -173,9 +169,9 @@ def programs(layout: Layout, opts: StepOptions, *, dp: int, overlap_grad_reduce:
 def _advise(layout: Layout, r: int, opts: StepOptions, dp: int) -> List[Op]:
     if not opts.advise:
         return []
-    out = [_coll("advice-costs", "pp"), _coll("probe-p2p", "pp")]
-    out += [_coll("probe-bd", "bd")] if paired(layout, r) else []
-    return out + ([_coll("probe-dp", "dp")] if dp > 1 else [])
+    out = [coll("advice-costs", "pp"), coll("probe-p2p", "pp")]
+    out += [coll("probe-bd", "bd")] if paired(layout, r) else []
+    return out + ([coll("probe-dp", "dp")] if dp > 1 else [])
 
 
 def _finalize(layout: Layout, r: int, opts: StepOptions, dp: int, overlap: bool) -> List[Op]:
@@ -183,18 +179,18 @@ def _finalize(layout: Layout, r: int, opts: StepOptions, dp: int, overlap: bool)
     ``GradReduction`` started (those the plan already holds)."""
     out: List[Op] = []
     if paired(layout, r) and (opts.expert_bias or opts.quantile_balancing):
-        out += [_coll(f"router-stats:{layout.stage_on(r, c)}", "bd") for c in stage_order(layout, r)]
+        out += [coll(f"router-stats:{layout.stage_on(r, c)}", "bd") for c in stage_order(layout, r)]
     out += CopySum(opts.copy_sum).grad_syncs(layout, r, moe=opts.moe, dp=dp, overlap=overlap)
     if opts.tp_grads:
-        out.append(_coll("tp-grads", "tp"))
+        out.append(coll("tp-grads", "tp"))
     if opts.tied_embeddings and len(layout.directions) == 1 and r in (0, layout.pp - 1):
-        out.append(_coll("embd-grads", "embd"))
+        out.append(coll("embd-grads", "embd"))
     if opts.expert_bias:
-        out.append(_coll("expert-bias", "tp-dp-cp"))
+        out.append(coll("expert-bias", "tp-dp-cp"))
     if opts.quantile_balancing:
-        out.append(_coll("qb-beta", "dp-cp"))
+        out.append(coll("qb-beta", "dp-cp"))
     if opts.per_token_loss:
-        out += [_coll("tokens-broadcast", "pp"), _coll("tokens", "dp-cp")]
+        out += [coll("tokens-broadcast", "pp"), coll("tokens", "dp-cp")]
     return out
 
 
@@ -210,11 +206,11 @@ def _optimizer(layout: Layout, r: int, opts: StepOptions, dp: int) -> List[Op]:
 
     # keyed by the position in the chain: NCCL pairs the scalars' all-reduces by position, whatever
     # stage each rank's k-th sub-optimizer holds (the shared shard group's: not the same on all)
-    out = [_coll(f"found-inf:{k}", stats(e)) for k, (e, _) in enumerate(subs)] if opts.fp16 else []
+    out = [coll(f"found-inf:{k}", stats(e)) for k, (e, _) in enumerate(subs)] if opts.fp16 else []
     shared = len({stats(e) for e, _ in subs}) == 1
     for kind, wanted in (("grad-norm", True), ("zeros", opts.log_zeros)):
         if wanted:
-            out += [_coll(kind, stats(False))] if shared else [_coll(f"{kind}:{k}", stats(e))
+            out += [coll(kind, stats(False))] if shared else [coll(f"{kind}:{k}", stats(e))
                                                                for k, (e, _) in enumerate(subs)]
     if opts.distributed_optimizer and not opts.overlap_param_gather:
         for _, chunks in subs:
@@ -225,25 +221,25 @@ def _optimizer(layout: Layout, r: int, opts: StepOptions, dp: int) -> List[Op]:
 def _train_step(layout: Layout, r: int, opts: StepOptions) -> List[Op]:
     if not opts.megatron_lm:
         return []
-    out = [_coll("qk-logits", "dp-cp")] if opts.qk_logits else []
-    out += [_coll("update-ok", "mp"), _coll("grad-norm-max", "mp")]
-    out += [_coll("zeros-max", "mp")] if opts.log_zeros else []
-    return out + ([_coll("loss", "dp-cp")] if r == layout.pp - 1 else [])
+    out = [coll("qk-logits", "dp-cp")] if opts.qk_logits else []
+    out += [coll("update-ok", "mp"), coll("grad-norm-max", "mp")]
+    out += [coll("zeros-max", "mp")] if opts.log_zeros else []
+    return out + ([coll("loss", "dp-cp")] if r == layout.pp - 1 else [])
 
 
 def _rerun(opts: StepOptions) -> List[Op]:
     """The rerun state machine's any-rank all-reduce (``_reduce_any``), once per iteration without a rerun."""
-    return [_coll("rerun", "default")] if opts.megatron_lm and opts.rerun else []
+    return [coll("rerun", "default")] if opts.megatron_lm and opts.rerun else []
 
 
 def _params_norm(opts: StepOptions) -> List[Op]:
     """``calc_params_l2_norm``'s all-reduces (module docstring, 6)."""
     if not (opts.megatron_lm and opts.params_norm):
         return []
-    out = [_coll(f"params-norm-sharded:{k}", "dp-cp") for k in range(2)]
-    out += [_coll(f"params-norm-expert-sharded:{k}", "expt-dp") for k in range(2)]
-    out.append(_coll("params-norm-gtp", "expt-gtp"))
-    return out + [_coll("params-norm", "mp")] + ([_coll("params-norm-expert", "expt-mp")] if opts.moe else [])
+    out = [coll(f"params-norm-sharded:{k}", "dp-cp") for k in range(2)]
+    out += [coll(f"params-norm-expert-sharded:{k}", "expt-dp") for k in range(2)]
+    out.append(coll("params-norm-gtp", "expt-gtp"))
+    return out + [coll("params-norm", "mp")] + ([coll("params-norm-expert", "expt-mp")] if opts.moe else [])
 
 
 def _logged(opts: StepOptions) -> List[Op]:
@@ -254,24 +250,24 @@ def _logged(opts: StepOptions) -> List[Op]:
     for name in opts.moe_logged:
         overall = name == "global_load_balancing_loss"
         group = "tp-dp-cp" if overall or name == "z_loss" else "tp-cp"
-        out += [_coll(f"moe-log:{name}", "pp"), _coll(f"moe-log-reduce:{name}", group)]
-        out += [] if overall else [_coll(f"moe-log-dp:{name}", "dp")]
-    return out + ([_coll(f"mtp-log:{k}", "dp-cp") for k in range(3)] if opts.mtp else [])
+        out += [coll(f"moe-log:{name}", "pp"), coll(f"moe-log-reduce:{name}", group)]
+        out += [] if overall else [coll(f"moe-log-dp:{name}", "dp")]
+    return out + ([coll(f"mtp-log:{k}", "dp-cp") for k in range(3)] if opts.mtp else [])
 
 
 def _timer_barrier(opts: StepOptions, timer: str, issued: bool) -> List[Op]:
     """A level-1 timer's barrier at its start (``Timer.start(barrier=...)``)."""
-    return [_coll(f"timer-barrier:{timer}", "default")] if issued and opts.timing_level >= 1 and opts.l1_barrier else []
+    return [coll(f"timer-barrier:{timer}", "default")] if issued and opts.timing_level >= 1 and opts.l1_barrier else []
 
 
 def _timers_logged(opts: StepOptions) -> List[Op]:
     """``training_log`` at a logging iteration: the interval timer's barrier, then the timers' all-gathers."""
     if not opts.megatron_lm:
         return []
-    out = [_coll("interval-barrier", "default")]
+    out = [coll("interval-barrier", "default")]
     if opts.timing_level >= 1:
-        out += [_coll(f"timers-write:{k}", "default") for k in range(2 if opts.timers_written else 0)]
-        out.append(_coll("timers-log", "default"))
+        out += [coll(f"timers-write:{k}", "default") for k in range(2 if opts.timers_written else 0)]
+        out.append(coll("timers-log", "default"))
     return out
 
 
@@ -279,22 +275,22 @@ def _evaluation(layout: Layout, r: int, opts: StepOptions) -> List[Op]:
     """``evaluate``'s collectives after a forward-only call (module docstring)."""
     if not opts.megatron_lm:
         return []
-    out = [_coll("eval-loss", "dp-cp")] if r == layout.pp - 1 else []
-    return out + ([_coll("exit-duration", "default")] if opts.exit_duration else [])
+    out = [coll("eval-loss", "dp-cp")] if r == layout.pp - 1 else []
+    return out + ([coll("exit-duration", "default")] if opts.exit_duration else [])
 
 
 def _exit(opts: StepOptions) -> List[Op]:
     """``maybe_finalize_async_save``'s and ``checkpoint_and_decide_exit``'s collectives (module docstring, 8)."""
     wanted = (("async-save", opts.async_save), ("exit-signal", opts.exit_signal), ("exit-duration", opts.exit_duration))
-    return [_coll(kind, "default") for kind, on in wanted if on and opts.megatron_lm]
+    return [coll(kind, "default") for kind, on in wanted if on and opts.megatron_lm]
 
 
 def _drift(layout: Layout, r: int, opts: StepOptions) -> List[Op]:
     if not (opts.drift_check and paired(layout, r)):
         return []
-    return [_coll(f"drift:{layout.stage_on(r, c)}", "bd") for c in stage_order(layout, r)]
+    return [coll(f"drift:{layout.stage_on(r, c)}", "bd") for c in stage_order(layout, r)]
 
 
 def kinds(ops: Sequence[Op]) -> List[str]:
     """The kinds of ``ops``' collectives, without their stage or chunk (``reduce-scatter:3`` -> ``reduce-scatter``)."""
-    return [op.what.split(":", 1)[0] for op in ops if op.kind == COLL]
+    return [op.what.split(":", 1)[0] for op in ops if op.kind is OpKind.COLL]

@@ -27,7 +27,7 @@ DDP's buffers (``param_and_grad_buffer``'s ``dist_reduce_scatter_func`` / ``dist
 prints ``[test-collective] rank R: KIND over A,B,C numel N`` (global ranks of its group in group
 order) before it is issued, and so does every bd sum (``executor.pair_sums.issue_sum``, KIND
 ``bd-sum``, one line per tensor), so that a test can check the order every rank issues them in
-(``schedule.collective_order``).
+(``schedule.iteration_plan.issued``).
 
 MEGATRON_DUALPIPE_TEST_FAST_EXIT=1: once the script the launcher runs (pretrain_gpt.py) has
 returned normally, the process does what Python's exit does up to the atexit handlers (joins the

@@ -125,4 +125,4 @@ def test_the_check_catches_a_missing_module_symbol_and_path():
     assert problem("tests/schedule/test_layers.py::test_no_such_test")
     assert problem("schedule.registry.ScheduleSpec") is None and problem("tests/schedule/test_layers.py") is None
     assert problem("config.finalize_model_grads_func") is None  # Megatron's, not this package's
-    assert problem("IterationPlan.ops") is None  # a dataclass field
+    assert problem("Program.step_ops") is None  # a dataclass field

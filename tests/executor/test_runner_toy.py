@@ -15,9 +15,12 @@ import torch
 import torch.distributed as dist
 
 from megatron_dualpipe.executor.p2p import P2P, channel_groups, channels_of
-from megatron_dualpipe.executor.runner import StageComputeBase, TensorSpec, compile_program, run_rank
+from megatron_dualpipe.executor.runner import StageComputeBase, TensorSpec, run_rank
 from megatron_dualpipe.executor.trace import TraceRecorder
+from megatron_dualpipe.schedule import lowering
 from megatron_dualpipe.schedule.actions import units
+from megatron_dualpipe.schedule.lowering import OpKind
+from megatron_dualpipe.schedule.lowering.program import ProgramOptions, build_program
 
 from harness.workers import run_workers
 
@@ -116,7 +119,7 @@ def worker(rank, world, port, name, m, forward_only, trace_dir=None, per_channel
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
     try:
-        prog = compile_program(name, world, m, forward_only, real)
+        prog = build_program(name, world, m, real, forward_only)
         comp = FusedRecordingCompute(prog.padded, rank, prog.schedule.layout)
         groups = channel_groups(list(range(world)), channels_of(prog.plans)) if per_channel else None
         p2p = P2P(None, list(range(world)), rank, timeout_s=30, channel_groups=groups)
@@ -181,7 +184,7 @@ def test_padding_runs_as_nothing(name, pp, real):
     from megatron_dualpipe.schedule import registry
 
     m = registry.get(name).padded_microbatches(pp, real)
-    prog = compile_program(name, pp, m, False, real)
+    prog = build_program(name, pp, m, real)
     fakes = sum(map(sum, prog.padding))
     assert m > real and fakes > 0
     results = run_workers(worker, pp, args=(name, m, False, None, False, real), timeout=90)
@@ -214,7 +217,7 @@ def test_fused_units_go_through_forward_backward():
     (an overlapped F and the backward after it), in order, and for nothing else."""
     name, pp, m = "dualpipe", 4, 8
     results = run_workers(worker, pp, args=(name, m, False), timeout=90)
-    acts = compile_program(name, pp, m, False).actions
+    acts = build_program(name, pp, m).actions
     for r, res in enumerate(results):
         want = [(acts[r][u[0]].to_json(), acts[r][u[1]].to_json()) for u in units(acts[r]) if len(u) == 2]
         print(f"\nrank {r}: {len(res['fused'])} forward_backward calls, {len(want)} fused units in the schedule")
@@ -254,7 +257,7 @@ def test_trace_recorded_from_the_environment(tmp_path):
     ref_losses, _ = reference(name, pp, m)
     losses = {g: v for res in results for g, v in res["losses"].items()}
     assert max(abs(losses[g] - ref_losses[g]) for g in range(m)) < 1e-6
-    acts = compile_program(name, pp, m, False).actions
+    acts = build_program(name, pp, m).actions
     for r in range(pp):
         [line] = (tmp_path / f"rank{r:05d}.jsonl").read_text().splitlines()
         rec = json.loads(line)
@@ -334,25 +337,24 @@ class _UnitRecorder:
         pass
 
 
-def _whole_program(prog, name, m):
-    """Every rank's program with the collectives around the schedule (--overlap-param-gather,
-    --overlap-grad-reduce, dp=2): what ``mcore.forward_backward`` runs, from the plan it checked."""
-    from megatron_dualpipe.schedule import iteration_plan, registry
+def _whole_program(name, pp, m):
+    """The program with the collectives around the schedule (--overlap-param-gather,
+    --overlap-grad-reduce, dp=2): what ``mcore.forward_backward`` runs, as its plan checked it."""
+    from megatron_dualpipe.schedule import iteration_plan
 
-    return iteration_plan.plan_for(registry.get(name), len(prog.actions), m, prog.actions, prog.plans,
-                                   zero_bubble=True, overlap_grad_reduce=True, dp=2, param_gather=True,
-                                   one_queue=False, ops=prog.ops).ops
+    options = ProgramOptions(overlap_grad_reduce=True, dp=2, param_gather=True)
+    return iteration_plan.plan_for(build_program(name, pp, m, options=options), one_queue=False).program
 
 
 def _recording_worker(rank, world, port, name, m):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
     try:
-        prog = compile_program(name, world, m, False)
+        prog = _whole_program(name, world, m)
         comp = ToyCompute(prog.padded, rank, prog.schedule.layout)
         p2p = _RecordingP2P(None, list(range(world)), rank, timeout_s=30)
         run_rank(prog, rank, comp, p2p, TensorSpec((MBS, H), torch.float32, torch.device("cpu")),
-                 listeners=(_UnitRecorder(p2p.calls),), ops=_whole_program(prog, name, m)[rank])
+                 listeners=(_UnitRecorder(p2p.calls),))
         return p2p.calls
     finally:
         dist.destroy_process_group()
@@ -360,44 +362,43 @@ def _recording_worker(rank, world, port, name, m):
 
 def _expected_calls(prog, rank, ops):
     """What the rank's program says the runner does, in the recorders' terms."""
-    from megatron_dualpipe.schedule import lowered
 
     plan, out = prog.plans[rank], []
     for op in ops:
-        if op.kind == lowered.POST:
+        if op.kind == OpKind.POST:
             b = plan.batches[op.index]
             out.append(("post", tuple(t.label for t in b.sends), tuple(t.label for t in b.recvs)))
-        elif op.kind in (lowered.BEGIN, lowered.RUN):
-            out.append((op.kind, tuple(plan.units[op.index])))
-        elif op.kind in (lowered.RECV, lowered.RELEASE):
-            out.append((op.kind, op.label))
-        elif op.kind in lowered.DELEGATED:
+        elif op.kind in (OpKind.BEGIN, OpKind.RUN):
+            out.append((op.kind.value, tuple(plan.units[op.index])))
+        elif op.kind in (OpKind.RECV, OpKind.RELEASE):
+            out.append((op.kind.value, op.label))
+        elif op.kind in lowering.DELEGATED:
             out.append(("op", op.text()))
         else:
-            out.append((op.kind,))
+            out.append((op.kind.value,))
     return out
 
 
 @pytest.mark.parametrize("name,pp,m", [("dualpipe", 4, 10), ("dualpipev", 3, 6), ("zb-h1", 3, 6)])
 def test_the_runner_executes_exactly_the_lowered_ops(name, pp, m):
     """Every call the runner makes to the P2P layer and its listeners, in order, is the rank's
-    program (the plan's ``ops``: the lowered schedule with the parameter gathers, bd sums and their
-    waits, data-parallel reductions, loss gather and finalize), the list the checks read; nothing
-    in between. The collectives reach the listeners (``on_op``) where the list has them."""
-    from megatron_dualpipe.schedule import lowered
+    program up to ``finish`` (``Program.ops``: the lowered schedule with the parameter gathers, bd
+    sums and data-parallel reductions; the loss gather and finalize after it run outside the
+    runner), the list the checks read; nothing in between. The collectives reach the listeners
+    (``on_op``) where the list has them."""
 
     results = run_workers(_recording_worker, pp, args=(name, m), timeout=90)
-    prog = compile_program(name, pp, m, False)
-    programs = _whole_program(prog, name, m)
+    prog = _whole_program(name, pp, m)
+    programs = prog.ops
     for rank, calls in enumerate(results):
-        want = _expected_calls(prog, rank, programs[rank])
+        want = _expected_calls(prog, rank, programs[rank][:lowering.after_finish(programs[rank])])
         calls = [tuple(tuple(x) if isinstance(x, list) else x for x in c) for c in calls]
         first = next((k for k, (a, b) in enumerate(zip(calls, want)) if a != b), None)
         assert first is None and len(calls) == len(want), (rank, first, calls[first or 0], want[first or 0])
-        kinds = sorted({op.kind for op in programs[rank] if op.kind in lowered.DELEGATED})
+        kinds = sorted({op.kind for op in programs[rank] if op.kind in lowering.DELEGATED})
         print(f"\n{name} pp={pp} M={m} rank {rank}: {len(calls)} calls, all as the program says "
               f"(handed on: {', '.join(kinds)})")
-    handed = {op.kind for ops in programs for op in ops if op.kind in lowered.DELEGATED}
-    assert handed >= ({lowered.GATHER, lowered.GATHERED, lowered.DP, lowered.FINALIZE} | (
-        {lowered.SUM, lowered.SUMMED, lowered.LOSS_SEND, lowered.LOSS_RECV, lowered.COLL} if name == "dualpipe"
+    handed = {op.kind for ops in programs for op in ops if op.kind in lowering.DELEGATED}
+    assert handed >= ({OpKind.GATHER, OpKind.GATHERED, OpKind.DP, OpKind.FINALIZE} | (
+        {OpKind.SUM, OpKind.SUMMED, OpKind.LOSS_SEND, OpKind.LOSS_RECV, OpKind.COLL} if name == "dualpipe"
         else set())), handed

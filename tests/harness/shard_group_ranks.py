@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Mapping, Sequence, Tuple
 
-from megatron_dualpipe.schedule.collective_order import Collective
+from megatron_dualpipe.schedule.iteration_plan import Collective
 from megatron_dualpipe.schedule.placement import DEFAULT_ORDER, RankOrder
 
 #: The axes a shared shard group spans (Megatron's gradient group is data x context parallel).
@@ -89,8 +89,8 @@ def expert_order(etp: int, ep: int, edp: int, pp: int, order: str = DEFAULT_ORDE
 def shard_collectives(ranks: RankOrder, issues: Mapping[int, Sequence[Tuple[int, int]]],
                       kind: str = "reduce-scatter") -> Dict[int, List[Collective]]:
     """Per global rank, its ``(chunk, bucket)`` collectives (in issue order) as
-    :class:`.collective_order.Collective` over the chunk's shared shard group, keyed by
-    (``kind``, stage, bucket): what ``collective_order.order_problem`` checks."""
+    :class:`.iteration_plan.Collective` over the chunk's shared shard group, keyed by
+    (``kind``, stage, bucket): what ``iteration_plan.issued`` checks."""
     return {r: [Collective(shared_shard_group(ranks, r, c), (kind, stage_of(ranks.pp, ranks.pp_rank(r), c), b))
                 for c, b in cs] for r, cs in issues.items()}
 

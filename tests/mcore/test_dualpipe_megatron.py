@@ -435,9 +435,9 @@ def _one_queue_worker(rank, world, port, *args):
     """``_pipeline_worker`` on a process that says it has one hardware queue
     (``CUDA_DEVICE_MAX_CONNECTIONS=1`` on a GPU): the iteration plan then issues the bd sums where
     they cannot hold a P2P the partner needs. Returns its results and rank 0's bd-sum points."""
-    from megatron_dualpipe.executor.runner import compile_program
     from megatron_dualpipe.mcore.forward_backward import _checked_iteration
     from megatron_dualpipe.schedule import iteration_plan, registry
+    from megatron_dualpipe.schedule.lowering.program import ProgramOptions
 
     from megatron_dualpipe.executor import pair_sums
 
@@ -448,9 +448,10 @@ def _one_queue_worker(rank, world, port, *args):
     name, _, _, runs, dp, _, overlap = args
     (m, zero_bubble, _), pp = runs[0], world // dp
     padded = registry.get(name).padded_microbatches(pp, m)
-    ip = _checked_iteration(name, pp, padded, m, zero_bubble, overlap, dp, False)  # what the run used
+    options = ProgramOptions(zero_bubble=zero_bubble, overlap_grad_reduce=overlap, dp=dp)
+    prog = _checked_iteration(name, pp, padded, m, False, options).program  # what the run used
     pp_rank = results[0]["pp"]
-    return results, ip.sum_points[pp_rank], len(compile_program(name, pp, padded, False, m).actions[pp_rank]), issued
+    return results, prog.sum_points[pp_rank], len(prog.actions[pp_rank]), issued
 
 
 def test_one_hardware_queue_moves_the_bd_sums_and_equals_single_process():

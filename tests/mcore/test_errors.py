@@ -364,8 +364,8 @@ def _stall_worker(rank, world, port, flag_dir, joins_first_collective=True):
 
 
 def test_stalled_peer_times_out_with_a_clear_message(tmp_path):
-    from megatron_dualpipe.executor.runner import compile_program
     from megatron_dualpipe.schedule.comm import describe
+    from megatron_dualpipe.schedule.lowering.program import build_program
 
     t0 = time.monotonic()
     r0, r1 = me.run_workers(_stall_worker, 2, args=(str(tmp_path),), timeout=60)
@@ -376,7 +376,7 @@ def test_stalled_peer_times_out_with_a_clear_message(tmp_path):
     assert kind == "P2PTimeoutError", r0
     assert ncomm > 0  # the counter does see the executor's communication
     # Rank 0's first batch: send direction 0's activation, receive direction 1's, from rank 1.
-    first = compile_program("dualpipe", 2, 4, False).plans[0].batches[0]
+    first = build_program("dualpipe", 2, 4).plans[0].batches[0]
     assert first.recvs and all(t.peer == 1 for t in first.recvs)
     for part in (["pipeline rank 0 (global 0)", f"within {TIMEOUT_S:g} s", "MEGATRON_DUALPIPE_P2P_TIMEOUT"]
                  + [f"receive of {describe(t.label)} from pipeline rank 1" for t in first.recvs]

@@ -13,9 +13,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron_dualpipe.executor.runner import compile_program
 from megatron_dualpipe.mcore import program_ops
-from megatron_dualpipe.schedule import iteration_plan, lowered, registry
+from megatron_dualpipe.schedule import iteration_plan, lowering, registry
+from megatron_dualpipe.schedule.lowering import OpKind
+from megatron_dualpipe.schedule.lowering.program import ProgramOptions, build_program
 
 
 class _Reduction:
@@ -26,7 +27,7 @@ class _Reduction:
         pass
 
     def on_reduction(self, kind, c):
-        self.calls.append(f"{kind} {c}")
+        self.calls.append(f"{kind} {c}" if c >= 0 else str(kind))  # settle has no chunk
 
     def end_schedule(self):
         self.calls.append("end of schedule")
@@ -46,9 +47,9 @@ def _stand_ins(monkeypatch, calls):
 
 @pytest.mark.parametrize("name,pp,m", [("dualpipe", 4, 8), ("dualpipev", 4, 9)])
 def test_program_ops_issue_the_programs_collectives_in_its_order(name, pp, m, monkeypatch):
-    prog = compile_program(name, pp, registry.get(name).padded_microbatches(pp, m), False, m)
-    ip = iteration_plan.plan_for(registry.get(name), pp, m, prog.actions, prog.plans, zero_bubble=True,
-                                 overlap_grad_reduce=True, dp=2, param_gather=True, one_queue=False, ops=prog.ops)
+    options = ProgramOptions(overlap_grad_reduce=True, dp=2, param_gather=True)
+    prog = build_program(name, pp, registry.get(name).padded_microbatches(pp, m), m, False, options)
+    prog = iteration_plan.plan_for(prog, one_queue=False).program
     for r in range(pp):
         calls: list = []
         _stand_ins(monkeypatch, calls)
@@ -59,23 +60,23 @@ def test_program_ops_issue_the_programs_collectives_in_its_order(name, pp, m, mo
         it = SimpleNamespace(rank=r, program=prog, global_ranks=list(range(pp)), group=None,
                              tensor_spec=SimpleNamespace(device="cpu"))
         compute = SimpleNamespace(loss_store={0: ["dir 0"], 1: ["dir 1"]}, total_num_tokens=None)
-        ops = program_ops.ProgramOps(ip.ops[r], it=it, model=model, config=config, compute=compute,
+        ops = program_ops.ProgramOps(prog.ops[r], it=it, model=model, config=config, compute=compute,
                                      reduction=_Reduction(calls), forward_only=False, force_all_reduce=False,
                                      timeout_s=5.0)
-        end = lowered.after_finish(ip.ops[r])
-        for op in ip.ops[r][:end]:
-            if op.kind in lowered.DELEGATED:  # what the runner hands on (tests/executor/test_runner_toy.py)
+        end = lowering.after_finish(prog.ops[r])
+        for op in prog.ops[r][:end]:
+            if op.kind in lowering.DELEGATED:  # what the runner hands on (tests/executor/test_runner_toy.py)
                 ops.on_op(op)
-        losses = ops.after_schedule(ip.ops[r][end:])
+        losses = ops.after_schedule(prog.ops[r][end:])
         want = []
-        for op in ip.ops[r]:
-            if op.kind == lowered.FINISH:
+        for op in prog.ops[r]:
+            if op.kind == OpKind.FINISH:
                 want.append("end of schedule")
-            elif op.kind == lowered.LOSS_SEND:
+            elif op.kind == OpKind.LOSS_SEND:
                 want.append(f"loss dir {op.index} -> {op.peer}")
-            elif op.kind == lowered.LOSS_RECV:
+            elif op.kind == OpKind.LOSS_RECV:
                 want.append(f"loss <- {op.peer}")
-            elif op.kind in lowered.DELEGATED and op.kind != lowered.GATHERED:  # a gathered waits in the run
+            elif op.kind in lowering.DELEGATED and op.kind != OpKind.GATHERED:  # a gathered waits in the run
                 want.append(op.text())
         want.append("complete")
         print(f"{name} pp={pp} M={m} rank {r}: {calls}")
@@ -86,7 +87,7 @@ def test_program_ops_issue_the_programs_collectives_in_its_order(name, pp, m, mo
 def test_an_op_no_code_issues_is_refused():
     ops = program_ops.ProgramOps((), it=SimpleNamespace(rank=0), model=[], config=SimpleNamespace(), compute=None,
                                  reduction=None, forward_only=True, force_all_reduce=False, timeout_s=1.0)
-    with pytest.raises(lowered.LoweringError, match="no code issues op 'coll grad-norm over mp'"):
-        ops.on_op(lowered.Op(lowered.COLL, what="grad-norm", group="mp"))
+    with pytest.raises(lowering.LoweringError, match="no code issues op 'coll grad-norm over mp'"):
+        ops.on_op(lowering.Op(OpKind.COLL, what="grad-norm", group="mp"))
     with pytest.raises(RuntimeError, match="in a program without gradient reduction"):
-        ops.on_op(lowered.Op(lowered.DP, 0))
+        ops.on_op(lowering.Op(OpKind.DP, 0))

@@ -189,10 +189,10 @@ COLLECTIVE_RE = re.compile(r"\[test-collective\] rank (\d+): (\S+) over ([\d,]+)
 
 def _assert_shard_collectives_in_one_order(output):
     """Every gradient reduce-scatter and parameter all-gather each rank issued (tests/child_hooks),
-    checked with NCCL's rules (``schedule.collective_order``: the same sequence on each
+    checked with NCCL's rules (``iteration_plan.issued``: the same sequence on each
     communicator, and every rank's list run as one stream). gloo would complete the two stages'
     collectives in either order; NCCL would not: the two chunks' groups span the same 4 ranks."""
-    from megatron_dualpipe.schedule.collective_order import Collective, order_problem
+    from megatron_dualpipe.schedule.iteration_plan import Collective, check, issued as issued_plan
 
     issued = {}
     for rank, kind, ranks, numel in COLLECTIVE_RE.findall(output):
@@ -202,8 +202,7 @@ def _assert_shard_collectives_in_one_order(output):
           f"{sorted(groups)}; rank 0 in iteration 1: {[str(c) for c in issued.get(0, [])[:4]]}")
     assert sorted(issued) == [0, 1, 2, 3] and len({len(cs) for cs in issued.values()}) == 1, issued
     assert len(groups) == 2 and all(len(g) == 4 for g in groups), groups  # one group per stage, both copies
-    problem = order_problem(issued)
-    assert problem is None, str(problem)
+    check(issued_plan(issued), one_queue=True)  # raises naming the misorder
 
 
 def test_shared_shard_group_equals_1f1b_holds_its_optimizer_state_and_resumes_across_schedules(reference, tmp_path):
@@ -263,7 +262,7 @@ def test_dp_first_equals_1f1b_and_torch_dist_optimizer_state_crosses_schedules(r
     "gbuf_idx_1 ... not in state dict", the mirror's buffer) and saves at 4 exactly the keys 1f1b
     wrote (the mirror left out). The curve is the uninterrupted reference's; the optimizer state
     dualpipe saved shows in 1f1b's update of iteration 3, i.e. in the loss dualpipe logs at 4."""
-    from megatron_dualpipe.schedule.collective_order import Collective, order_problem
+    from megatron_dualpipe.schedule.iteration_plan import Collective, check, issued as issued_plan
 
     ref, _ = reference
     first, relay, back = (str(tmp_path / n) for n in ("first", "relay", "back"))
@@ -281,8 +280,7 @@ def test_dp_first_equals_1f1b_and_torch_dist_optimizer_state_crosses_schedules(r
               f"elements, {len(numels['bd-sum'])} pair sums of {sum(numels['bd-sum']):,}; iteration 1: "
               f"{[str(c) for c in collectives[:6]]}")
         assert numels["bd-sum"] and sorted(numels["bd-sum"]) == sorted(n // 2 for n in numels["reduce-scatter"]), numels
-    problem = order_problem(issued)
-    assert problem is None, str(problem)
+    check(issued_plan(issued), one_queue=True)  # raises naming the misorder
     fmt = ("--ckpt-format", "torch_dist")
     onef1b = _chain_step("1f1b", 4, first, 2, *DIST_OPT, *fmt, save=relay)
     dualpipe = _chain_step("dualpipe", 4, relay, 3, *DIST_OPT, *fmt, save=back)

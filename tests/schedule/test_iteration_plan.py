@@ -6,8 +6,8 @@ the check runs them under NCCL's rules (stream order, one stream per communicato
 block everything later, collectives complete when all ranks started them) and names the cycle
 of a plan that cannot complete.
 
-* Issue 17's hang: with GradReduction's old stream wait right after each bd sum, pp=2 M=3
-  deadlocks; the check names the cycle (rank 0's sum waits for rank 1's, which sits behind a
+* Issue 17's hang: with GradReduction's old stream wait right after each bd sum (a program built
+  here with each ``summed`` right after its ``sum``), pp=2 M=3 deadlocks; the check names the cycle (rank 0's sum waits for rank 1's, which sits behind a
   receive of a tensor rank 0 posts only after its wait).
 * Every accepted (schedule, pp, M, zero bubble, overlap-grad-reduce, dp) over pp 2..8 even and
   M from pp to 4pp, and pp 16 at the edges of M, has no cycle with today's waits; the old waits'
@@ -22,44 +22,40 @@ of a plan that cannot complete.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 
 import pytest
 
-from megatron_dualpipe.schedule import build_schedule, registry
 from megatron_dualpipe.schedule import iteration_plan as IP
+from megatron_dualpipe.schedule import registry
 from megatron_dualpipe.schedule.actions import units
-from megatron_dualpipe.schedule.comm import plan
+from megatron_dualpipe.schedule.lowering import Op, OpKind
+from megatron_dualpipe.schedule.lowering.program import ProgramOptions, build_program
+from megatron_dualpipe.schedule.lowering.reductions import grad_ops, last_grad_action_index, place_reductions
 
 
-@functools.lru_cache(maxsize=None)
-def _program(name, pp, padded):
-    s = build_schedule(name, pp, padded)
-    return s.ranks, tuple(plan(s.layout, s.ranks))
+def _check(name, pp, m, zb, ogr=True, dp=2, forward_only=False, pg=True, one_queue=False):
+    padded = registry.get(name).padded_microbatches(pp, m, forward_only)
+    options = ProgramOptions(zero_bubble=zb, overlap_grad_reduce=ogr, dp=dp, param_gather=pg)
+    return IP.plan_for(build_program(name, pp, padded, m, forward_only, options), one_queue=one_queue)
 
 
-@functools.lru_cache(maxsize=None)
-def _forward_program(name, pp, padded):
-    """As the executor compiles forward-only: the forwards alone, none fused."""
-    s = build_schedule(name, pp, padded)
-    ranks = [[dataclasses.replace(a, overlap=False) for a in r if a.op == "F"] for r in s.ranks]
-    return ranks, tuple(plan(s.layout, ranks))
+def _waiting_at_issue(ip):
+    """The plan of the code before issue 17's fix: each bd sum waited right after it is issued."""
+    def ops(rank_ops):
+        out = []
+        for op in rank_ops:
+            if op.kind is not OpKind.SUMMED:
+                out += [op, Op(OpKind.SUMMED, op.index)] if op.kind is OpKind.SUM else [op]
+        return tuple(out)
 
-
-def _check(name, pp, m, zb, ogr=True, dp=2, forward_only=False, wait=IP.WAIT_AT_FINISH, pg=True, one_queue=False):
-    spec = registry.get(name)
-    ranks, plans = _program(name, pp, spec.padded_microbatches(pp, m))
-    if forward_only:
-        ranks, plans = _forward_program(name, pp, spec.padded_microbatches(pp, m, True))
-    return IP.plan_for(spec, pp, m, ranks, plans, zero_bubble=zb, overlap_grad_reduce=ogr, dp=dp,
-                       forward_only=forward_only, sum_wait=wait, param_gather=pg, one_queue=one_queue)
+    return IP.build(dataclasses.replace(ip.program, ops=tuple(ops(x) for x in ip.program.ops)))
 
 
 def test_issue_17_cycle_is_found_and_named():
     """pp=2, M=3 with the stream waiting right after each bd sum (the code before the fix)."""
     with pytest.raises(IP.IterationPlanError) as e:
-        _check("dualpipe", 2, 3, True, wait=IP.WAIT_AT_ISSUE)
+        IP.check(_waiting_at_issue(_check("dualpipe", 2, 3, True)))
     msg = str(e.value)
     print("\n" + msg)
     for part in ("deadlocks under NCCL stream semantics", "rank 0's bd sum of stage 1 (issued after action 3 (BW1.0))",
@@ -67,7 +63,7 @@ def test_issue_17_cycle_is_found_and_named():
                  "right after issuing the bd sum of stage 1", "again"):
         assert part in msg, f"{part!r} not in {msg!r}"
     ip = _check("dualpipe", 2, 3, True)  # waited at the end of the schedule: no cycle
-    assert ip.sum_points == [[(3, 1), (8, 0)], [(6, 0), (6, 1)]]  # the pair's sums in the same order of stages
+    assert ip.program.sum_points == (((3, 1), (8, 0)), ((6, 0), (6, 1)))  # the pair's sums in the same order of stages
 
 
 def test_a_collective_issued_differently_is_refused():
@@ -98,7 +94,7 @@ def test_param_gathers_start_before_the_first_action_and_wait_at_each_chunks_fir
     without --overlap-param-gather none."""
     spec = registry.get(name)
     ip = _check(name, pp, m, True)
-    ranks, _ = _program(name, pp, spec.padded_microbatches(pp, m))
+    ranks = ip.program.actions
     for r, acts in enumerate(ranks):
         us = units(acts)
         first = {}
@@ -175,7 +171,7 @@ def test_no_accepted_case_has_a_cycle(name):
         if pp <= 8 and bidirectional:
             old_checked += 1
             try:
-                _check(name, pp, m, True, wait=IP.WAIT_AT_ISSUE)
+                IP.check(_waiting_at_issue(_check(name, pp, m, True)))
             except IP.IterationPlanError:
                 old_cycles.append((pp, m))
     print(f"\n{name}: {checked} cases without a cycle ({time.monotonic() - t0:.1f} s); with the old wait right after "
@@ -207,21 +203,21 @@ def test_dp_reductions_start_at_the_plans_points_after_the_gradients_are_final(n
     ends of the model (the tied-embedding fold runs first, at the end)."""
     spec = registry.get(name)
     ip = _check(name, pp, m, True)
-    ranks, _ = _program(name, pp, spec.padded_microbatches(pp, m))
+    ranks = ip.program.actions
     layout = spec.layout(pp)
-    ops = IP.grad_ops(spec.defers_weight_grads and any(a.op == "W" for r in ranks for a in r))
+    ops = grad_ops(spec.defers_weight_grads and any(a.op == "W" for r in ranks for a in r))
     for r, acts in enumerate(ranks):
         us = units(acts)
         unit_of = {i: u for u, unit in enumerate(us) for i in unit}
-        last = IP.last_grad_action_index(acts, lambda a: spec.is_fake(m, a.dir, a.mb), ops)
+        last = last_grad_action_index(acts, lambda a: spec.is_fake(m, a.dir, a.mb), ops)
         posts = _dp_posts(ip, r)
-        print(f"{name} pp={pp} M={m} rank {r}: plan {ip.dp_points[r]}, last gradient action {last}, "
+        print(f"{name} pp={pp} M={m} rank {r}: plan {ip.program.dp_points[r]}, last gradient action {last}, "
               f"posts (chunk, units before, sum waits before) {posts}")
-        assert [c for _, c in ip.dp_points[r]] == [c for c, _, _ in posts]
-        for (i, c), (_, computes, sum_waits) in zip(ip.dp_points[r], posts):
+        assert [c for _, c in ip.program.dp_points[r]] == [c for c, _, _ in posts]
+        for (i, c), (_, computes, sum_waits) in zip(ip.program.dp_points[r], posts):
             assert computes == (len(us) if i == len(acts) else unit_of[i] + 1)
             assert computes >= unit_of[last[c]] + 1  # after the chunk's gradients are final
-            assert sum_waits == len(ip.sum_points[r])  # after every bd sum is waited
+            assert sum_waits == len(ip.program.sum_points[r])  # after every bd sum is waited
             ends = {d for d, s in enumerate(layout.stages_on(r)) if layout.is_first(d, s) or layout.is_last(d, s)}
             at_end = layout.mirrored or len(ends) == 2
             assert (i == len(acts)) == at_end or (i == len(acts) and c not in last)
@@ -230,14 +226,14 @@ def test_dp_reductions_start_at_the_plans_points_after_the_gradients_are_final(n
 def _replicas(name, pp, m, *moves):
     """Data-parallel replicas of one plan, one per ``moves``: {rank: [(action index, chunk)]}, where
     that replica's rank starts its data-parallel reductions instead of the plan's points."""
-    spec = registry.get(name)
-    ranks, plans = _program(name, pp, spec.padded_microbatches(pp, m))
-    planned = _check(name, pp, m, True).dp_points
+    prog = _check(name, pp, m, True, pg=False).program
     out = []
     for move in moves:
-        points = [move.get(r, planned[r]) for r in range(pp)]
-        out.append(IP.build(spec.layout(pp), ranks, plans, is_fake=lambda a: spec.is_fake(m, a.dir, a.mb),
-                            deferring=True, overlap_grad_reduce=True, dp=2, dp_points=points))
+        ops = list(prog.ops)
+        for r, points in move.items():
+            base = tuple(op for op in ops[r] if op.kind not in (OpKind.SUM, OpKind.SUMMED, OpKind.SETTLE, OpKind.DP))
+            ops[r] = place_reductions(base, prog.actions[r], prog.plans[r].units, prog.sum_points[r], points)
+        out.append(IP.build(dataclasses.replace(prog, ops=tuple(ops))))
     return IP.replicated(out)
 
 
@@ -252,9 +248,9 @@ def test_replicas_starting_the_dp_reductions_in_different_orders_are_named():
     """Replica 1's rank 0 starts its two chunks in the other order: NCCL would pair chunk 1's
     reduction with chunk 0's (a hang, or where sizes agree a wrong sum)."""
     ip = _check("dualpipe", 4, 8, True)
-    (_, c0), (_, c1) = ip.dp_points[0]
+    (_, c0), (_, c1) = ip.program.dp_points[0]
     with pytest.raises(IP.IterationPlanError) as e:
-        IP.check(_replicas("dualpipe", 4, 8, {}, {0: ip.dp_points[0][::-1]}))
+        IP.check(_replicas("dualpipe", 4, 8, {}, {0: ip.program.dp_points[0][::-1]}))
     msg = str(e.value)
     print("\n" + msg)
     assert "collective 0 on the dp communicator of ranks [0, 4] is not the same on every rank" in msg
@@ -269,13 +265,13 @@ def test_a_dp_reduction_started_where_a_poll_saw_its_bd_sum_complete_deadlocks_o
     Per-communicator streams complete; on one hardware queue (CUDA_DEVICE_MAX_CONNECTIONS=1) each
     early reduction holds its rank's later P2P until the other replica's rank reaches the end,
     which needs the other early one's P2P: the check names that cycle."""
-    ip = _check("dualpipe", 2, 4, True)
+    prog = _check("dualpipe", 2, 4, True).program
     early = []
     for r in (0, 1):
-        i, c = ip.sum_points[r][0]
-        assert ip.dp_points[r][0][1] == c  # started first in the plan too: only the place differs
-        early.append({r: [(i, c)] + ip.dp_points[r][1:]})
-    print(f"\nbd sum points {ip.sum_points}; dp points {ip.dp_points}; early starts per replica {early}")
+        i, c = prog.sum_points[r][0]
+        assert prog.dp_points[r][0][1] == c  # started first in the plan too: only the place differs
+        early.append({r: [(i, c)] + list(prog.dp_points[r][1:])})
+    print(f"\nbd sum points {prog.sum_points}; dp points {prog.dp_points}; early starts per replica {early}")
     plan = _replicas("dualpipe", 2, 4, *early)
     IP.check(plan)  # NCCL's per-communicator streams: no cycle
     with pytest.raises(IP.IterationPlanError) as e:
@@ -291,9 +287,9 @@ def test_a_dp_reduction_started_where_a_poll_saw_its_bd_sum_complete_deadlocks_o
 def test_a_dp_reduction_before_its_bd_sum_is_named():
     """A data-parallel reduction posted before the chunk's bd sum is issued and waited would reduce
     one copy of the stage: the check names it (under either stream rule)."""
-    ip = _check("dualpipe", 4, 8, True)
-    i, c = ip.sum_points[1][-1]
-    early = [(i - 1 if cc == c else j, cc) for j, cc in ip.dp_points[1]]
+    prog = _check("dualpipe", 4, 8, True).program
+    i, c = prog.sum_points[1][-1]
+    early = [(i - 1 if cc == c else j, cc) for j, cc in prog.dp_points[1]]
     for one_queue in (False, True):
         with pytest.raises(IP.IterationPlanError) as e:
             IP.check(_replicas("dualpipe", 4, 8, {1: early}), one_queue=one_queue)
@@ -324,7 +320,7 @@ def test_one_hardware_queue():
                 except IP.IterationPlanError:
                     cycles.append((pp, m, zb))
                 one = _check(name, pp, m, zb, one_queue=True)  # raises on a cycle
-                kept += one.sum_points == many.sum_points and any(many.sum_points)
+                kept += one.program.sum_points == many.program.sum_points and any(many.program.sum_points)
         print(f"\n{name}: {len(cycles)} of {n} (pp, M, zero bubble) plans for many queues cycle on one: {cycles[:8]}"
               f"{' ...' if len(cycles) > 8 else ''}; planned for one queue: 0 cycles, {kept} keep their "
               f"mid-schedule bd sums")

@@ -1,4 +1,4 @@
-"""The simulator walks the lowered program (``schedule.lowered``, what the runner executes); here
+"""The simulator walks the program (``schedule.lowering``, what the runner executes); here
 it is proven equal to the action-level simulator it replaced, kept below as the reference: for
 every schedule of the registry, several pp and M, padded, under several costs, the same per-action
 start and end, busy time, bubble and peaks."""
@@ -12,10 +12,11 @@ from megatron_dualpipe.schedule.deps import event_of, waits_for
 from megatron_dualpipe.schedule.layout import UNIDIRECTIONAL, Layout
 from megatron_dualpipe.schedule import registry
 from megatron_dualpipe.schedule.padding import Padded, build_padded
-from megatron_dualpipe.schedule.program import rank_program
+from megatron_dualpipe.schedule.lowering import DELEGATED
+from megatron_dualpipe.schedule.lowering.program import ProgramOptions, build_program
 from megatron_dualpipe.schedule.registry import MODELLED_SPECS, NAMES, ScheduleError
-from megatron_dualpipe.schedule.simulate import (Costs, DeadlockError, RankTimeline, _count_memory,
-                                                 lowered_program, simulate, simulate_program)
+from megatron_dualpipe.schedule.simulate import (Costs, DeadlockError, RankTimeline, _count_memory, simulate,
+                                                 simulate_program)
 
 COSTS = (Costs(), Costs(1, 2, 1, 2.5), Costs(2, 3, 0.5, 4, p2p=0.3), Costs(1, 1, 1, 0.5, 1), Costs(1.5, 2.5, 0))
 
@@ -115,18 +116,15 @@ def test_per_pair_links_and_overhead_equal(name):
 
 @pytest.mark.parametrize("name", ["dualpipe", "dualpipev", "1f1b"])
 def test_the_whole_program_with_its_collectives_times_the_same(name):
-    """The collectives around the schedule (``program.rank_program``) are walked in the program's
-    order and cost nothing yet: the timelines equal those of the schedule alone."""
+    """The collectives around the schedule (the program's gathers, sums, reductions, loss gather and
+    finalize) are walked in the program's order and cost nothing yet: the timelines equal those of
+    the schedule alone."""
     padded = build_padded(name, 4, 10)
     s, costs = padded.schedule, padded.costs(Costs(1, 2, 1, 2.5, p2p=0.2))
-    padding = tuple(padded.padding(acts) for acts in s.ranks)
-    plans, ops = lowered_program(s.layout, s.ranks, padding)
-    end = [(len(acts), d) for acts in s.ranks for d in s.layout.directions][:1]
-    whole = [rank_program(ops[r], s.layout, r, s.ranks[r], plans[r].units, padded.is_fake,
-                          sum_points=[(len(s.ranks[r]), 0)], dp_points=end, param_gather=True,
-                          forward_only=False) for r in range(s.pp)]
-    assert all(len(w) > len(o) for w, o in zip(whole, ops))
-    _same(simulate_program(s.layout, s.ranks, plans, whole, costs), reference(s.layout, s.ranks, costs))
+    options = ProgramOptions(overlap_grad_reduce=True, dp=2, param_gather=True)
+    prog = build_program(name, 4, s.microbatches, 10, options=options)
+    assert all(any(op.kind in DELEGATED for op in ops) for ops in prog.ops)
+    _same(simulate_program(prog, costs), reference(s.layout, s.ranks, costs))
 
 
 def test_a_misordered_rank_deadlocks_naming_it():

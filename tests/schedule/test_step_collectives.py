@@ -20,16 +20,16 @@ Standard library only.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import re
 
 import pytest
 
-from megatron_dualpipe.schedule import build_schedule, lowered, registry
 from megatron_dualpipe.schedule import iteration_plan as IP
+from megatron_dualpipe.schedule import lowering, registry
 from megatron_dualpipe.schedule import step_collectives as SC
 from megatron_dualpipe.schedule.copy_sum import BD_FIRST, DP_FIRST, SHARED_SHARD
-from megatron_dualpipe.schedule.comm import plan
+from megatron_dualpipe.schedule.lowering import OpKind
+from megatron_dualpipe.schedule.lowering.program import ProgramOptions, build_program
 
 EVERYTHING = dict(tp_grads=True, moe=True, fp16=True, distributed_optimizer=True, expert_bias=True,
                   quantile_balancing=True, per_token_loss=True, tied_embeddings=True, drift_check=True, advise=True,
@@ -49,33 +49,29 @@ OPTION_SETS = {
 CASES = [("dualpipe", 4, 8), ("dualpipe", 2, 4), ("dualpipev", 4, 8), ("executor-1f1b", 4, 6)]
 
 
-@functools.lru_cache(maxsize=None)
-def _program(name, pp, m):
-    spec = registry.get(name)
-    s = build_schedule(name, pp, spec.padded_microbatches(pp, m))
-    return spec, s.ranks, tuple(plan(s.layout, s.ranks))
+def _with_step_ops(prog, step_ops):
+    """``prog`` with ``step_ops`` (a test's misorder) after the schedule instead of its own."""
+    return prog if step_ops is None else dataclasses.replace(prog, step_ops=tuple(tuple(ops) for ops in step_ops))
 
 
 def _build(name, pp, m, opts, ogr, one_queue, step_ops=None):
     """The plan (dp = 2, zero bubble) with the step collectives of ``opts`` (or ``step_ops``);
     DualPipe's bd sums at the end of the schedule on one hardware queue (``plan_for``'s choice)."""
-    spec, ranks, plans = _program(name, pp, m)
-    bd_sums = opts.copy_sum == BD_FIRST
-    return IP.build(spec.layout(pp), ranks, plans, is_fake=lambda a: spec.is_fake(m, a.dir, a.mb), deferring=True,
-                    overlap_grad_reduce=ogr, dp=2, param_gather=opts.overlap_param_gather, bd_sums=bd_sums,
-                    sums_at_end=one_queue, step=opts, step_ops=step_ops)
+    options = ProgramOptions(overlap_grad_reduce=ogr, dp=2, param_gather=opts.overlap_param_gather,
+                             bd_sums=opts.copy_sum == BD_FIRST, sums_at_end=one_queue, step=opts)
+    prog = build_program(name, pp, registry.get(name).padded_microbatches(pp, m), m, False, options)
+    return IP.build(_with_step_ops(prog, step_ops))
 
 
 def test_text_form_parses_back():
-    spec, _, _ = _program("dualpipe", 4, 8)
     for opts, ogr in OPTION_SETS.values():
-        for r, ops in enumerate(SC.programs(spec.layout(4), opts, dp=2, overlap_grad_reduce=ogr)):
-            text = lowered.to_text(ops)
-            assert lowered.parse(text) == ops and all(op.kind == lowered.COLL for op in ops)
+        for r, ops in enumerate(SC.programs(registry.get("dualpipe").layout(4), opts, dp=2, overlap_grad_reduce=ogr)):
+            text = lowering.to_text(ops)
+            assert lowering.parse(text) == ops and all(op.kind == OpKind.COLL for op in ops)
     ip = _build("dualpipe", 4, 8, *OPTION_SETS["shared shard group"], False)
     for r in (0, 3):
-        print(f"\ndualpipe pp=4, shared shard group, rank {r} after the schedule:\n" + lowered.to_text(ip.step_ops[r]))
-    assert ip.step_ops[0] == tuple(lowered.parse(lowered.to_text(ip.step_ops[0])))
+        print(f"\ndualpipe pp=4, shared shard group, rank {r} after the schedule:\n" + lowering.to_text(ip.program.step_ops[r]))
+    assert ip.program.step_ops[0] == tuple(lowering.parse(lowering.to_text(ip.program.step_ops[0])))
 
 
 @pytest.mark.parametrize("name,pp,m", CASES)
@@ -87,8 +83,8 @@ def test_every_option_set_has_no_cycle_alone_and_replicated(name, pp, m, one_que
         IP.check(ip, one_queue=one_queue)
         for axis in ("dp", "tp"):
             IP.check(IP.replicated([ip, _build(name, pp, m, opts, ogr, one_queue)], axis=axis), one_queue=one_queue)
-        counts.append(f"{label}: {max(len(x) for x in ip.step_ops)}")
-        assert all(ip.step_ops)  # every rank has some
+        counts.append(f"{label}: {max(len(x) for x in ip.program.step_ops)}")
+        assert all(ip.program.step_ops)  # every rank has some
     print(f"\n{name} pp={pp} M={m} one queue={one_queue}: no cycle; step collectives per rank (most): {counts}")
 
 
@@ -96,9 +92,8 @@ def _kind_cases():
     """(kind, option set, schedule case): the first place each kind appears."""
     seen = {}
     for name, pp, m in CASES:
-        spec, _, _ = _program(name, pp, m)
         for label, (opts, ogr) in OPTION_SETS.items():
-            for ops in SC.programs(spec.layout(pp), opts, dp=2, overlap_grad_reduce=ogr):
+            for ops in SC.programs(registry.get(name).layout(pp), opts, dp=2, overlap_grad_reduce=ogr):
                 for kind in SC.kinds(ops):
                     seen.setdefault(kind, (label, (name, pp, m)))
     return sorted((k, label, case) for k, (label, case) in seen.items())
@@ -145,9 +140,9 @@ def test_a_misordered_collective_is_caught_and_named(kind, label, case, one_queu
     name, pp, m = case
     opts, ogr = OPTION_SETS[label]
     planned = _build(name, pp, m, opts, ogr, one_queue)
-    r = next(r for r, ops in enumerate(planned.step_ops) if kind in SC.kinds(ops))
-    bad, group = _misordered(planned.step_ops[r], kind)
-    step_ops = [bad if q == r else ops for q, ops in enumerate(planned.step_ops)]
+    r = next(r for r, ops in enumerate(planned.program.step_ops) if kind in SC.kinds(ops))
+    bad, group = _misordered(planned.program.step_ops[r], kind)
+    step_ops = [bad if q == r else ops for q, ops in enumerate(planned.program.step_ops)]
     if len(SC.members(registry.get(name).layout(pp), r, group)) > 1:
         ip = _build(name, pp, m, opts, ogr, one_queue, step_ops=step_ops)
     else:
@@ -165,14 +160,14 @@ def test_a_misordered_collective_is_caught_and_named(kind, label, case, one_queu
 def test_two_communicators_in_opposite_orders_deadlock_and_the_cycle_is_named(one_queue):
     """Every communicator alike on its members, but rank 0 runs its drift check (bd pair with rank
     3) before Megatron-LM's success all-reduce (model parallel) and rank 3 after: each waits for
-    the other's collective on a communicator the other has not reached (collective_order's rule 2,
+    the other's collective on a communicator the other has not reached (``iteration_plan.issued``'s one-stream rule,
     here with the waits of the iteration)."""
     opts, ogr = OPTION_SETS["bd-first, fp16, MoE, no overlap"]
     planned = _build("dualpipe", 4, 8, opts, ogr, one_queue)
-    ops = list(planned.step_ops[0])
+    ops = list(planned.program.step_ops[0])
     i, j = SC.kinds(ops).index("update-ok"), SC.kinds(ops).index("drift")
     ops.insert(i, ops.pop(j))
-    ip = _build("dualpipe", 4, 8, opts, ogr, one_queue, step_ops=[ops] + list(planned.step_ops[1:]))
+    ip = _build("dualpipe", 4, 8, opts, ogr, one_queue, step_ops=[ops] + list(planned.program.step_ops[1:]))
     with pytest.raises(IP.IterationPlanError) as e:
         IP.check(ip, one_queue=one_queue)
     msg = str(e.value)
@@ -181,20 +176,11 @@ def test_two_communicators_in_opposite_orders_deadlock_and_the_cycle_is_named(on
     assert "rank 0's drift:0 over bd" in msg and "update-ok over mp" in msg and "again" in msg
 
 
-@functools.lru_cache(maxsize=None)
-def _evaluation(name, pp, m):
-    """The forward-only program as the executor compiles it (the forwards alone, none fused)."""
-    spec = registry.get(name)
-    s = build_schedule(name, pp, spec.padded_microbatches(pp, m, True))
-    ranks = [[dataclasses.replace(a, overlap=False) for a in r if a.op == "F"] for r in s.ranks]
-    return spec, ranks, tuple(plan(s.layout, ranks))
-
-
 def _evaluation_plan(name, pp, m, one_queue, step_ops=None):
-    spec, ranks, plans = _evaluation(name, pp, m)
-    return IP.build(spec.layout(pp), ranks, plans, is_fake=lambda a: spec.is_fake(m, a.dir, a.mb), deferring=False,
-                    dp=2, forward_only=True, sums_at_end=one_queue, step=SC.StepOptions(exit_duration=True),
-                    step_ops=step_ops)
+    """The forward-only program as the executor builds it (the forwards alone, none fused)."""
+    options = ProgramOptions(zero_bubble=False, dp=2, sums_at_end=one_queue, step=SC.StepOptions(exit_duration=True))
+    prog = build_program(name, pp, registry.get(name).padded_microbatches(pp, m, True), m, True, options)
+    return IP.build(_with_step_ops(prog, step_ops))
 
 
 @pytest.mark.parametrize("name,pp,m", CASES)
@@ -205,12 +191,12 @@ def test_evaluation_has_no_cycle_and_a_replica_without_its_loss_sum_is_named(nam
     replicas; a replica whose last rank skips the loss sum (no loss there) is named."""
     planned = _evaluation_plan(name, pp, m, one_queue)
     print(f"\n{name} pp={pp} M={m} evaluation, rank {pp - 1} after the program: "
-          + "; ".join(op.text() for op in planned.step_ops[pp - 1]))
-    assert SC.kinds(planned.step_ops[pp - 1]) == ["eval-loss", "exit-duration"]
+          + "; ".join(op.text() for op in planned.program.step_ops[pp - 1]))
+    assert SC.kinds(planned.program.step_ops[pp - 1]) == ["eval-loss", "exit-duration"]
     IP.check(planned, one_queue=one_queue)
     IP.check(IP.replicated([planned, _evaluation_plan(name, pp, m, one_queue)], axis="dp"), one_queue=one_queue)
     step_ops = [ops if r < pp - 1 else tuple(op for op in ops if op.what != "eval-loss")
-                for r, ops in enumerate(planned.step_ops)]
+                for r, ops in enumerate(planned.program.step_ops)]
     with pytest.raises(IP.IterationPlanError) as e:
         IP.check(IP.replicated([planned, _evaluation_plan(name, pp, m, one_queue, step_ops)], axis="dp"),
                  one_queue=one_queue)

@@ -1,4 +1,4 @@
-"""schedule.iteration_plan: when a chunk's gradients are final, and the order a bd pair sums them.
+"""schedule.lowering.reductions: when a chunk's gradients are final, and the order a bd pair sums them.
 
 Both partners of a pair must issue their two sums in the same order of *stages* (the partner's
 chunk 1-c is this rank's chunk c), or their collectives would add unrelated gradients. Checked
@@ -9,7 +9,7 @@ each chunk found by a plain scan here).
 import pytest
 
 from megatron_dualpipe.schedule import build_schedule, registry
-from megatron_dualpipe.schedule.iteration_plan import bd_sum_order, completion_order, grad_ops, last_grad_action_index
+from megatron_dualpipe.schedule.lowering.reductions import bd_sum_order, completion_order, grad_ops, last_grad_action_index
 
 
 def _strip_w(actions):
