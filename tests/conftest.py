@@ -50,7 +50,7 @@ LAYERS = {
     "cpu": "the CPU mode",
     "megatron_lm": "Megatron-LM's pretrain_gpt.py (needs MEGATRON_LM_PATH)",
     "apps": "the main job and the selftest end to end",
-    "bridge": "Megatron-Bridge's pretrain() under DualPipe (needs Megatron-Bridge 0.3.x: docs/megatron-bridge.md)",
+    "bridge": "Megatron-Bridge's pretrain() under DualPipe (needs Megatron-Bridge 0.3.x or 0.6.x: docs/megatron-bridge.md)",
 }
 #: Folders whose tests start megatron-core or Megatron-LM processes.
 SLOW = ("mcore", "cpu", "megatron_lm", "apps", "bridge")
