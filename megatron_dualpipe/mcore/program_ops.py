@@ -1,22 +1,12 @@
 """The ops of a rank's program that the Megatron glue issues: the collectives around the schedule.
 
-Why: the runner executes the rank's program (``schedule.lowering.program``: the lowered schedule
-with these collectives at the points its passes give, checked by the iteration plan) and hands
-every op it does not run itself (``schedule.lowering.DELEGATED``) to its listeners; the ops after ``finish`` run
-after the schedule, outside Megatron's ``no_sync``, in list order. One :class:`ProgramOps`
-issues them all where the list has them and decides none of their places itself:
-
-* ``gather C``: chunk C's parameter all-gathers (``param_gather.start``); ``gathered C``: their
-  wait, DDP's forward pre-hook in the ``run`` that follows (here: only that they were started);
-* ``final C`` / ``sum C`` / ``summed C`` / ``settle`` / ``dp C``: the `GradReduction` (a chunk's
-  gradient actions done; bd sum issued, waited; the local sum and tied fold; a chunk's
-  data-parallel reduction started);
-* ``loss D -> P`` / ``loss D <- P``: direction D's loss entries to or from rank pp-1
-  (``loss_gather``), then, training with multi-token prediction, the MTP loss tracker, over the
-  same pair;
-* ``coll token-count over pp``: the finalize's token-count all-reduce (two chunks, with
-  ``config.finalize_model_grads_func`` and per-token loss: ``finalize.all_reduce_token_count``);
-* ``finalize``: Megatron's finalize (``finalize.finalize_after_token_count`` for two chunks).
+The runner hands every op it does not run itself (``schedule.lowering.DELEGATED``) to its listeners;
+the ops after ``finish`` run after the schedule, outside Megatron's ``no_sync``, in list order.
+:class:`ProgramOps` issues each where the list has it and decides none of their places:
+``gather C`` / ``gathered C`` (``param_gather``; DDP's forward pre-hook waits), ``final`` / ``sum`` /
+``summed`` / ``settle`` / ``dp`` (`GradReduction`), ``loss D -> P`` / ``loss D <- P`` (``loss_gather``,
+then the MTP loss tracker when training with MTP), ``coll token-count over pp`` and ``finalize``
+(``finalize.all_reduce_token_count``, ``finalize.finalize_after_token_count`` for two chunks).
 """
 from __future__ import annotations
 
@@ -57,8 +47,6 @@ class ProgramOps(RunListener):
 
     def after_schedule(self, ops: Sequence[Op]) -> List[Any]:
         """The program's ops after ``finish``, in order; the loss entries Megatron reads (rank pp-1)."""
-        if self.reduction is not None:
-            self.reduction.end_schedule()
         for op in ops:
             self.on_op(op)
         if self.reduction is not None:

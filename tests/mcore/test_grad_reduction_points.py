@@ -74,7 +74,6 @@ def _drive(units, model, ops, end):
             at[0] = units[op.index][-1]
         elif op.kind == OpKind.FINISH:
             at[0] = end
-            reduction.end_schedule()
         elif op.kind in (OpKind.FINAL, OpKind.SUM, OpKind.SUMMED, OpKind.SETTLE, OpKind.DP):
             reduction.on_reduction(op.kind, op.index)
     reduction.complete()
