@@ -301,25 +301,10 @@ def check(plans: Sequence[RankPlan]) -> None:
 
 
 def _check_progress(plans: Sequence[RankPlan]) -> None:
-    """Batches complete only when every operation in them is matched (NCCL group semantics)."""
-    ids: Dict[Channel, int] = {}  # channel -> its number, in order of first sight
-    count_s: Dict[Channel, int] = {}
-    count_r: Dict[Channel, int] = {}
-    order: List[List[Posting]] = []  # per rank, per batch, (channel, index) of its sends and receives
-    for r, p in enumerate(plans):
-        order.append([])
-        for b in p.batches:
-            ss, rr = [], []
-            for t in b.sends:
-                ch = (r, t.peer)
-                ss.append((ids.setdefault(ch, len(ids)), count_s.get(ch, 0)))
-                count_s[ch] = count_s.get(ch, 0) + 1
-            for t in b.recvs:
-                ch = (t.peer, r)
-                rr.append((ids.setdefault(ch, len(ids)), count_r.get(ch, 0)))
-                count_r[ch] = count_r.get(ch, 0) + 1
-            order[-1].append((ss, rr))
-    state = _Strict(order, list(ids))
+    """Batches complete only when every operation in them is matched (NCCL group semantics);
+    after :func:`check` matched every channel's labels, so a receive's index is its label's."""
+    order, ends, _ = _channel_index(plans)
+    state = _Strict(order, ends)
     state.settle(list(range(len(plans))))
     stuck = [r for r in range(len(plans)) if not state.finished(r)]
     if stuck:

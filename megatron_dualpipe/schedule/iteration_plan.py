@@ -1,41 +1,22 @@
 """All of one iteration's communication in one plan, checked under NCCL stream semantics.
 
-The communication plan (``comm``) proves that the P2P batches alone cannot deadlock. An
-iteration communicates more: the first all-reduce on the pipeline group, DualPipe's bd sums
-(the two copies of a stage summed over the bd pair, issued while the schedule runs), the
-data-parallel reductions (``--overlap-grad-reduce``, during or after the schedule), the loss
-gather to the last pipeline rank and the token all-reduce of the finalize. On a GPU with NCCL
-these interact through the streams, not only through the host:
+``comm`` proves the P2P batches alone cannot deadlock; an iteration also issues the first
+all-reduce on the pipeline group, the bd sums, the data-parallel reductions, the parameter
+gathers, the loss gather, the finalize and the step's collectives, which on a GPU interact
+through the streams:
 
 * each rank's compute stream runs its units in order;
-* a P2P batch or a collective starts after the compute the stream ran before it was posted,
-  and after the earlier work on the same communicator of that rank (one NCCL stream per
-  communicator, in posting order);
-* a stream wait (``Work.wait()`` on an accelerator) blocks everything after it on the stream,
-  every later batch and collective included;
+* a P2P batch or a collective starts after the compute posted before it and after the earlier
+  work on the same communicator of that rank (one NCCL stream per communicator);
+* a stream wait (``Work.wait()`` on an accelerator) blocks everything after it on the stream;
 * a P2P batch completes when every operation in it met its peer's started batch; a collective
   when all its ranks started it.
 
-:func:`build` turns a program (``schedule.lowering.program``: the lowered schedule with the
-parameter gathers, bd sums, data-parallel reductions, loss gather and finalize at the points its
-passes decide) into every rank's list of stream items (compute units, posts, waits), one op at a
-time, the very list the runner and the Megatron glue execute, and :func:`check` runs them to
-completion under those rules or raises :class:`IterationPlanError` naming the cycle;
-``one_queue=True`` adds ``CUDA_DEVICE_MAX_CONNECTIONS=1``'s rule (a post waits for every earlier
-work of its rank, whatever the communicator).
-
-Data parallelism: the start points (``lowering.reductions``) are data of the program, computed from what every replica of
-a pipeline rank has alike (schedule, pp, M, options), never from a poll of a sum's completion,
-so every replica starts each reduction at the same point of the same plan: a data-parallel
-collective then completes as soon as it is started, and only a wait for it could hold
-anything. The model keeps those collectives (posted at their ``dp`` ops, waited at ``finalize``)
-over one replica; :func:`replicated` joins replicas that differ (a test's made-up
-misorder: two orders, or a start where a poll saw a sum complete, which on one hardware queue
-deadlocks). A reduction is posted only after its chunk's bd sum is waited (the check names one
-that is not). The parameter all-gathers of ``--overlap-param-gather`` are posted at their
-``gather`` ops and waited at their ``gathered`` ops, over one replica too.
-
-Standard library only.
+:func:`build` turns a ``Program`` into every rank's stream items, op by op (the list the runner
+and the Megatron glue execute); :func:`check` runs them or raises :class:`IterationPlanError`
+naming the cycle (``one_queue``: ``CUDA_DEVICE_MAX_CONNECTIONS=1``, one queue per rank).
+Data-parallel start points are data of the program, alike on every replica, so the model keeps
+one replica; :func:`replicated` joins replicas that differ (a test's misorder). Standard library only.
 """
 from __future__ import annotations
 
@@ -135,8 +116,7 @@ class _Builder:
         self.pp = pp
         self.works: List[Work] = []
         self.items: List[List[Item]] = [[] for _ in range(pp)]
-        self.channel: Dict[Tuple[int, int, str], int] = {}
-        self.coll_seq: Dict[Tuple[str, Tuple[int, ...], int], int] = {}
+        self.seq: Dict[tuple, int] = {}  # per P2P channel end and per (communicator, group, rank)
 
     def compute(self, r: int, text: str) -> None:
         self.items[r].append(Item("compute", text=text))
@@ -159,22 +139,16 @@ class _Builder:
         return self.post(w)
 
     def collective(self, r: int, comm: str, group: Tuple[int, ...], key: tuple, what, after=None) -> int:
-        seq = self._next_coll((comm, group, r))
-        return self.post(Work(r, comm, what, group=group, key=key, seq=seq, after=after))
+        return self.post(Work(r, comm, what, group=group, key=key, seq=self._next((comm, group, r)), after=after))
 
     def _next(self, k) -> int:
-        self.channel[k] = self.channel.get(k, -1) + 1
-        return self.channel[k]
-
-    def _next_coll(self, k) -> int:
-        self.coll_seq[k] = self.coll_seq.get(k, -1) + 1
-        return self.coll_seq[k]
+        self.seq[k] = self.seq.get(k, -1) + 1
+        return self.seq[k]
 
 
 def build(program: Program) -> IterationPlan:
-    """Every rank's stream items for one iteration, as the executor issues them: the first
-    all-reduce on the pipeline group, then the items of each op of the rank's program, then its
-    ``step_ops``. A test checks a made-up misorder by building a program with other ops."""
+    """Every rank's stream items: the first all-reduce on the pipeline group, then each op of its
+    program, then its ``step_ops`` (a test builds a program with a made-up misorder)."""
     layout, opts = program.layout, program.options
     b = _Builder(layout.pp)
     reduces = opts.overlap_grad_reduce and opts.dp > 1 and not program.forward_only
@@ -185,8 +159,7 @@ def build(program: Program) -> IterationPlan:
 
 
 class _RankItems:
-    """One rank's items: the first all-reduce on the pipeline group, then the items of each op of
-    its program (``schedule.lowering``), the list the runner and the Megatron glue execute."""
+    """One rank's items, op by op."""
 
     def __init__(self, b: _Builder, layout: Layout, r: int, acts, rp: RankPlan, *, reduces: bool):
         self.b, self.layout, self.r, self.acts, self.rp = b, layout, r, acts, rp
