@@ -1,40 +1,26 @@
 """What the gradient communication and the P2P messages of a schedule cost, and how much of it shows.
 
-The pipeline makespan is not the iteration: after (and while) the schedule runs, every rank
-reduces its chunks' gradients. DualPipe pays twice there: each rank holds two stages, so it
-reduces twice the gradient bytes over data parallel, and the two copies of every stage are
-summed over the bd pair (ranks i and pp-1-i) first. The executor starts these where
-``mcore.grad_reduction.GradReduction`` does, and this module times them the same way:
+After (and while) the schedule runs, every rank reduces its chunks' gradients; DualPipe reduces
+two stages' bytes over data parallel and first sums each stage's two copies over the bd pair
+(ranks i and pp-1-i). This module times them where ``mcore.grad_reduction.GradReduction`` starts
+them, from the simulation:
 
-* a chunk's gradients are final at the end of its last gradient action (``lowering.reductions``: the
-  last ``W``, or ``B``/``BW`` without deferred weight gradients), taken from the simulation;
-* bidirectional layouts: the pair's sums run one after the other, in the order both partners
-  issue them (``lowering.reductions.bd_sum_order``), each when both copies are final and the previous
-  sum is done; one all-reduce of the chunk's bytes over 2 ranks on the link between them;
-* data-parallel reduction of every chunk, in the order the chunks finished, each at the point
-  the iteration plan starts it (``lowering.reductions.dp_start_points``, what GradReduction reads:
-  with bd sums at the end of the schedule once every sum is in, else when the chunk is final)
-  and after the previous reduction: a ring all-reduce over ``dp`` ranks
-  (a reduce-scatter with the distributed optimizer) on the data-parallel group's link. The bd
-  sums and the data-parallel reductions are separate communicators: the two queues overlap;
+* a chunk's gradients are final at the end of its last gradient action (``lowering.reductions``);
+* the pair's sums run one after the other in the order both partners issue them
+  (``bd_sum_order``), each once both copies are final and the previous sum is done;
+* each chunk's data-parallel reduction (a reduce-scatter with the distributed optimizer) starts
+  at the plan's point (``dp_start_points``) after the previous one; the bd and dp communicators
+  are separate queues, so they overlap;
 * Megatron's own schedules with ``--overlap-grad-reduce`` start a chunk's reduction when its
-  last backward ends (bucket by bucket during it: counting from its end is the pessimistic
-  side, by at most one backward).
+  last backward ends (pessimistic by at most one backward).
 
 A rank's exposed communication is how far its last reduction ends past the makespan; the
 iteration is the makespan plus the largest exposure (the optimizer step waits for every rank).
-
-Links come from the rank placement: Megatron's order puts tensor parallel fastest, then data
-parallel, then pipeline (``global = (pp_rank * dp + dp_rank) * tp + tp_rank``), nodes of
-``gpus_per_node`` consecutive slots (torchrun's ``RANK``). A group crossing a node boundary uses
-the inter-node link. ``paired`` placement is what the launcher's ``--pair-placement`` does
-(:func:`.placement.pair_placement`, the same function): every node holds complete bd pairs, so
-the bd sum stays inside a node; configurations it refuses (e.g. tp filling a node) are refused
-here with the same message.
-
-Collective costs are the ring algorithm's: all-reduce 2(n-1)/n x bytes / bandwidth + 2(n-1)
-latencies, reduce-scatter half of it; a P2P message latency + bytes / bandwidth. Times in
-milliseconds, bandwidths in GB/s (1e9 bytes per second). Standard library only.
+Links come from the placement: Megatron's order (``global = (pp_rank * dp + dp_rank) * tp +
+tp_rank``, nodes of ``gpus_per_node`` consecutive slots) or ``paired``, the launcher's
+``--pair-placement`` (:func:`.placement.pair_placement`, refusing with its message). Ring costs:
+all-reduce 2(n-1)/n x bytes / bandwidth + 2(n-1) latencies, reduce-scatter half; a P2P message
+latency + bytes / bandwidth. Milliseconds, GB/s (1e9 bytes per second). Standard library only.
 """
 from __future__ import annotations
 
@@ -266,14 +252,6 @@ class GradComm:
         return [sum(c.dp_end - c.dp_start for c in r) for r in self.ranks]
 
 
-def _final_times(actions: Sequence, ends: Sequence[float], is_fake: Callable, ops: Sequence[str]) -> Dict[int, float]:
-    final: Dict[int, float] = {}
-    for a, end in zip(actions, ends):
-        if a.op in ops and not is_fake(a):
-            final[a.dir] = end
-    return final
-
-
 def grad_comm(schedule, sim, comm: CommModel, stage_fraction: float, deferring: bool,
               is_fake: Callable = lambda a: False) -> GradComm:
     """Time every rank's gradient communication for ``schedule`` simulated as ``sim``.
@@ -285,7 +263,8 @@ def grad_comm(schedule, sim, comm: CommModel, stage_fraction: float, deferring: 
     ops = grad_order.grad_ops(deferring)
     pp = len(schedule.ranks)
     chunk_bytes = comm.stage_grad_bytes * stage_fraction
-    finals = [_final_times(acts, sim.ranks[r].ends, is_fake, ops) for r, acts in enumerate(schedule.ranks)]
+    finals = [{c: sim.ranks[r].ends[i] for c, i in grad_order.last_grad_action_index(acts, is_fake, ops).items()}
+              for r, acts in enumerate(schedule.ranks)]
     orders = [[c for c in grad_order.completion_order(acts, is_fake, ops) if c in finals[r] or c in {a.dir for a in acts}]
               for r, acts in enumerate(schedule.ranks)]
     rows = [{c: ChunkComm(c, finals[r].get(c, sim.makespan)) for c in orders[r]} for r in range(pp)]
