@@ -1,9 +1,8 @@
-"""Gradient finalize for the two model chunks of DualPipe / DualPipeV (after the schedule).
+"""Gradient finalize for the two model chunks of DualPipe / DualPipeV.
 
-Each of DualPipe's two copies of a stage gets its own direction's gradient; the logical gradient is
-their sum (`allreduce_bd_grads`, or during the schedule: ``grad_reduction.GradReduction``). Tied
-embeddings are folded locally (`fold_tied_embedding_grads`) instead of by Megatron's embedding-group
-all-reduce, which with two chunks picks the wrong one (``model[-1]`` on the last rank is a mirror).
+The logical gradient of a DualPipe stage is the sum of its two copies' (`allreduce_bd_grads`, or
+``GradReduction`` during the schedule). Tied embeddings are folded locally: Megatron's embedding-group
+all-reduce picks ``model[-1]`` on the last rank, which with two chunks is a mirror.
 """
 from __future__ import annotations
 
@@ -48,8 +47,7 @@ def chunk_layout(model: Sequence[torch.nn.Module]) -> str:
 
 
 def _grad_slot(param: torch.nn.Parameter) -> torch.Tensor:
-    """The tensor holding ``param``'s gradient: ``main_grad`` (Megatron DDP) when present, else
-    ``param.grad``; a missing ``param.grad`` is replaced by zeros (and assigned)."""
+    """``main_grad`` (Megatron DDP), else ``param.grad`` (zeros assigned when missing)."""
     g = getattr(param, "main_grad", None)
     if g is not None:
         return g
@@ -63,9 +61,9 @@ def _trainable(chunk: torch.nn.Module) -> List[torch.nn.Parameter]:
 
 
 def allreduce_bd_grads(model: Sequence[torch.nn.Module]) -> None:
-    """Sum the two copies of each stage's gradients over the bd pair (DualPipe), now: both partners
-    in stage order, through ``executor.pair_sums`` (`sum_tensors`); the middle rank of an odd pipeline
-    locally. A no-op for DualPipeV. Run it before any data-parallel reduction has started."""
+    """Sum the two copies of each stage's gradients over the bd pair now, both partners in stage
+    order (the middle rank of an odd pipeline locally); a no-op for DualPipeV. Run it before any
+    data-parallel reduction has started."""
     if chunk_layout(model) == V_SHAPE:
         return
     if len(model) != 2:
@@ -84,8 +82,8 @@ def allreduce_bd_grads(model: Sequence[torch.nn.Module]) -> None:
 
 
 def sum_tensors(chunk: torch.nn.Module) -> List[torch.Tensor]:
-    """What a chunk's bd sum adds: Megatron DDP's grad buffers (in place), else every trainable
-    parameter's gradient slot (``main_grad`` or ``.grad``) in ``parameters()`` order."""
+    """What a chunk's bd sum adds: DDP's grad buffers (in place), else the trainable parameters'
+    gradient slots in ``parameters()`` order."""
     if is_wrapped(chunk):
         return [buf.grad_data for buf in _grad_buffers(chunk)]
     return [_grad_slot(p) for p in _trainable(chunk)]
@@ -100,9 +98,8 @@ _CHECKED_LAYOUTS: "weakref.WeakSet" = weakref.WeakSet()
 
 
 def check_buffer_layouts(model) -> None:
-    """Once per model: the two copies of each stage must have the same DDP buffer layout (dtype,
-    size and bucket sizes of every buffer), or the in-place bd sums would add unrelated
-    gradients. Collective over the bd pair (both partners call it before their first bd sum)."""
+    """Once per model, collective over the bd pair: both copies of each stage must have the same DDP
+    buffer layout, or the in-place bd sums would add unrelated gradients."""
     if model[0] in _CHECKED_LAYOUTS:
         return
 
@@ -120,10 +117,9 @@ def check_buffer_layouts(model) -> None:
 
 
 def _router_batch_statistics(chunk: torch.nn.Module) -> List[torch.Tensor]:
-    """What the chunk's MoE routers gather over a global batch for Megatron's finalize to move
-    their bias by, in module order (the order Megatron stacks them): ``local_tokens_per_expert``
-    of routers with an expert bias (``_update_router_expert_bias``), and ``qb_beta_accum`` /
-    ``qb_beta_count`` of quantile-balancing routers (megatron-core 0.19, ``_update_router_qb_beta``)."""
+    """What the chunk's MoE routers gather over a global batch for Megatron's finalize to move them
+    by, in module order: ``local_tokens_per_expert`` (expert bias), ``qb_beta_accum`` /
+    ``qb_beta_count`` (quantile balancing, megatron-core 0.19)."""
     found = []
     for m in unwrap_chunk(chunk).modules():
         if getattr(m, "expert_bias", None) is not None and getattr(m, "local_tokens_per_expert", None) is not None:
@@ -134,19 +130,17 @@ def _router_batch_statistics(chunk: torch.nn.Module) -> List[torch.Tensor]:
 
 
 def allreduce_bd_router_statistics(model: Sequence[torch.nn.Module]) -> None:
-    """DualPipe: sum each MoE router's global-batch statistics (expert-bias token counts, quantile
-    balancing's sums) over the two copies of its stage before Megatron's finalize moves the router by
-    them: each copy saw only its direction's micro-batches, and summed both make 1F1B's one update
-    (unsummed, quantile balancing's lm loss was 2.7e-4 off at iteration 3). A no-op for DualPipeV."""
+    """DualPipe: sum the routers' global-batch statistics over the two copies of their stage before
+    Megatron's finalize moves them: each copy saw one direction (unsummed, quantile balancing's lm
+    loss was 2.7e-4 off at iteration 3). A no-op for DualPipeV."""
     if chunk_layout(model) == V_SHAPE or not any(_router_batch_statistics(c) for c in model):
         return
     bd_pairs.sum_copies(model, _router_batch_statistics)
 
 
 def tied_copies(model: Sequence[torch.nn.Module]):
-    """This rank's copies of the word embedding Megatron keeps equal (`embedding_copy`):
-    (embedding weights, output weights), distinct parameters only (a chunk that is both first and
-    last shares one parameter)."""
+    """This rank's copies of the tied word embedding: (embedding weights, output weights), distinct
+    parameters only."""
     emb, out = [], []
     for chunk in model:
         found = embedding_copy(chunk)
@@ -156,9 +150,9 @@ def tied_copies(model: Sequence[torch.nn.Module]):
 
 
 def fold_tied_embedding_grads(model: Sequence[torch.nn.Module]) -> None:
-    """Tied embeddings or MTP: where a rank holds an embedding copy and a separate output-weight (or
-    MTP embedding) copy (DualPipe: ranks 0 and pp-1; DualPipeV: rank 0), set both gradients to their
-    sum: after `allreduce_bd_grads` that is the logical tied parameter's gradient. Local."""
+    """Tied embeddings or MTP: where a rank holds an embedding and a separate output-weight copy
+    (DualPipe: ranks 0 and pp-1; DualPipeV: rank 0), set both gradients to their sum, the tied
+    parameter's gradient after `allreduce_bd_grads`. Local."""
     emb, out = tied_copies(model)
     if not emb or not out:
         return
@@ -172,27 +166,15 @@ def fold_tied_embedding_grads(model: Sequence[torch.nn.Module]) -> None:
 
 def finalize_dualpipe_grads(model: Sequence[torch.nn.Module], num_tokens: Optional[torch.Tensor], *,
                             finalize_func: Optional[Callable] = None, pg_collection=None,
-                            force_all_reduce: Optional[bool] = False,
-                            copies_summed: bool = False) -> Optional[torch.Tensor]:
-    """Finalize gradients of ``[model_dir0, model_dir1]``: the DualPipe replacement of
-    ``config.finalize_model_grads_func``. In order:
-
-    1. the copy sum, as the way the copies are summed asks (``mcore.copies``: `allreduce_bd_grads`;
-       none where Megatron's finalize sums them);
-    2. `fold_tied_embedding_grads` (local); ``copies_summed=True`` skips 1-2 (``GradReduction`` did them);
-    3. `all_reduce_token_count`: each rank counted the tokens whose loss it computed;
-    4. `finalize_after_token_count`: Megatron's finalize without its embedding all-reduces (1-2 did
-       that work), the chunks in the way's order.
-
-    The bd sum runs before the data-parallel one; both are sums over disjoint rank sets, so the order
-    does not change the result. ``finalize_func=None``: megatron-core's ``finalize_model_grads`` for
-    chunks wrapped in Megatron DDP; for plain chunks step 4 is skipped (only without data, context or
-    tensor parallelism, else ValueError; gradients are then not divided by ``num_tokens``). Returns the
-    summed ``num_tokens`` (or None).
+                            force_all_reduce: Optional[bool] = False) -> Optional[torch.Tensor]:
+    """Finalize gradients of ``[model_dir0, model_dir1]`` (DualPipe's ``finalize_model_grads_func``):
+    the copy sum as the way asks (``mcore.copies``), the tied fold, `all_reduce_token_count`, then
+    `finalize_after_token_count`. ``finalize_func=None``: megatron-core's for DDP-wrapped chunks;
+    plain chunks skip it (only without data, context or tensor parallelism, else ValueError).
+    Returns the summed ``num_tokens`` (or None).
     """
-    if not copies_summed:
-        copies.of(model).sum_in_finalize(model, allreduce_bd_grads)  # as the way the copies are summed asks
-        fold_tied_embedding_grads(model)
+    copies.of(model).sum_in_finalize(model, allreduce_bd_grads)
+    fold_tied_embedding_grads(model)
 
     all_reduce_token_count(num_tokens, pg_collection)
     return finalize_after_token_count(model, num_tokens, finalize_func=finalize_func, pg_collection=pg_collection,
@@ -200,8 +182,8 @@ def finalize_dualpipe_grads(model: Sequence[torch.nn.Module], num_tokens: Option
 
 
 def all_reduce_token_count(num_tokens: Optional[torch.Tensor], pg_collection=None) -> None:
-    """Step 3 of `finalize_dualpipe_grads` (the program's ``coll token-count over pp`` op): every
-    rank's count of the tokens whose loss it computed, summed over the pipeline group."""
+    """The program's ``coll token-count over pp`` op: each rank's count of the tokens whose loss it
+    computed, summed over the pipeline group."""
     from megatron.core import parallel_state
 
     if isinstance(num_tokens, torch.Tensor):
@@ -212,9 +194,9 @@ def all_reduce_token_count(num_tokens: Optional[torch.Tensor], pg_collection=Non
 def finalize_after_token_count(model: Sequence[torch.nn.Module], num_tokens: Optional[torch.Tensor], *,
                                finalize_func: Optional[Callable] = None, pg_collection=None,
                                force_all_reduce: Optional[bool] = False) -> Optional[torch.Tensor]:
-    """Step 4 of `finalize_dualpipe_grads` (the program's ``finalize`` op): Megatron's finalize, the
-    chunks in the copy-sum way's order, its embedding all-reduces skipped (`NO_EMBEDDING_GROUP`; the
-    position embedding's two copies on stage 0 are a bd pair, so ``pos_embd`` is None)."""
+    """The program's ``finalize`` op: Megatron's finalize, the chunks in the copy-sum way's order, its
+    embedding all-reduces skipped (`NO_EMBEDDING_GROUP`; ``pos_embd`` None: the position embedding's
+    two copies are a bd pair)."""
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.utils import get_model_config
 
@@ -232,8 +214,8 @@ def finalize_after_token_count(model: Sequence[torch.nn.Module], num_tokens: Opt
 
 
 def _megatron_finalize(model, pg_collection) -> Optional[Callable]:
-    """megatron-core's ``finalize_model_grads`` for chunks wrapped in Megatron DDP; None for plain
-    chunks, which it cannot finalize: allowed only without data/context or tensor parallelism."""
+    """megatron-core's ``finalize_model_grads`` for DDP-wrapped chunks; None for plain chunks
+    (allowed only without data/context or tensor parallelism)."""
     from megatron.core import parallel_state
     from megatron.core.utils import get_pg_size
 
@@ -254,8 +236,7 @@ def _megatron_finalize(model, pg_collection) -> Optional[Callable]:
 
 
 def _moves_router_bias(config) -> bool:
-    """Whether Megatron's finalize updates the routers from their token counts (expert bias,
-    quantile balancing): the two copies' counts must be summed first."""
+    """Whether Megatron's finalize moves the routers by their statistics (summed over the copies first)."""
     balancing = getattr(config, "moe_router_load_balancing_type", None)
     return bool(getattr(config, "moe_router_enable_expert_bias", False)) or "quantile_balancing" in (
         balancing if isinstance(balancing, (list, tuple)) else [balancing])
