@@ -1,84 +1,51 @@
 """The collectives every rank issues after the schedule and around the optimizer step, as ops.
 
-Why: the iteration plan (``schedule.iteration_plan``) proved the schedule's communication and
-stopped at the finalize's token all-reduce, while a rank goes on to issue a dozen collectives
-more every iteration (Megatron's finalize, the optimizer step, Megatron-LM's train step, this
-package's copy sums, drift check and link probes) on communicators that overlap the pipeline's.
-Two ranks of one communicator that issue them in different orders hang on NCCL (or, where the
-sizes agree, add unrelated tensors), and on one hardware queue a collective holds the rank's
-later work. :func:`programs` gives each rank's list of ``coll KIND over GROUP`` ops
-(``schedule.lowering``) from the run's options, in the order the code issues them, and
-``iteration_plan.build`` appends them to the plan it checks under both stream rules.
+Why: after the schedule a rank issues a dozen collectives more every iteration on communicators
+that overlap the pipeline's; two members issuing them in different orders hang on NCCL (or, where
+the sizes agree, add unrelated tensors), and on one hardware queue a collective holds the rank's
+later work. :func:`programs` gives each rank's ``coll KIND over GROUP`` ops in the order the code
+issues them; ``iteration_plan.build`` checks them with the rest.
 
-The order per rank (sources: megatron-core 0.16.1 / 0.19.2 ``distributed/finalize_model_grads.py``,
-``optimizer/optimizer.py``, ``optimizer/distrib_optimizer.py``, ``optimizer/clip_grads.py``,
-Megatron-LM ``training.train_step``; this package's ``mcore`` modules named below):
+The order per rank (megatron-core 0.16.1 / 0.19.2 ``finalize_model_grads.py``, ``optimizer.py``,
+``distrib_optimizer.py``, ``clip_grads.py``, Megatron-LM ``training.train_step``):
 
-1. the rest of the finalize (``mcore.finalize``, then Megatron's ``finalize_model_grads``): the
-   routers' statistics summed over the bd pair per stage (expert bias, quantile balancing; the
-   code sums them before the waits for the reductions ``GradReduction`` started, the plan after);
-   each chunk's data-parallel reduction without ``--overlap-grad-reduce`` (over the shard group
-   of its stage with ``--dualpipe-shared-shard-group``), then dp-first's shard sums over the bd
-   pair, in stage order; the tensor-parallel all-reduce (sequence parallel, qk layernorm); the
-   embedding group's all-reduce (one-chunk schedules with tied embeddings); the expert-bias and
-   quantile-balancing all-reduces; the token count's broadcast and all-reduce (per-token loss);
-2. ``--dualpipe-advise``, once per job, after the program: the costs' max over the pipeline and
-   the link probes (``mcore.live_advice``, ``mcore.comm_probe``);
-3. Megatron-LM's rerun state machine (``--rerun-mode``, default ``validate_results``; not
-   ``disabled``): ``should_run_forward_backward``'s second call, after the schedule and before
-   the step, all-reduces whether any rank asks for a rerun over the default group (every rank
-   of the job). ``--check-for-nan-in-loss-and-grad`` adds none of its own: its checks
-   (``validate_result`` in the loss function and before each bucket's reduction) are rank-local
-   and travel in that all-reduce; a rerun repeats the whole iteration, alike on every rank; then,
-   with ``--timing-log-level`` >= 1 and ``--barrier-with-L1-time`` (its default), the optimizer
-   timer's barrier over the default group;
+1. the rest of the finalize (``mcore.finalize``, then ``finalize_model_grads``): the routers'
+   statistics summed over the bd pair per stage (expert bias, quantile balancing; the code sums
+   them before the waits for ``GradReduction``'s reductions, the plan after); each chunk's
+   data-parallel reduction without ``--overlap-grad-reduce`` (over its stage's shard group with
+   ``--dualpipe-shared-shard-group``), then dp-first's shard sums over the bd pair, in stage
+   order; the tensor-parallel all-reduce (sequence parallel, qk layernorm); the embedding group's
+   (one-chunk schedules, tied embeddings); expert bias, quantile balancing; the token count's
+   broadcast and all-reduce (per-token loss);
+2. ``--dualpipe-advise``, once per job: the costs' max over the pipeline and the link probes;
+3. Megatron-LM's rerun state machine (``--rerun-mode`` not ``disabled``): its any-rank
+   all-reduce over the default group after the schedule (``--check-for-nan-in-loss-and-grad``'s
+   checks are rank-local and travel in it); then, with ``--timing-log-level`` >= 1 and
+   ``--barrier-with-L1-time``, the optimizer timer's barrier;
 4. the optimizer step: per sub-optimizer (dense, experts; per stage under the shared shard
-   group) fp16's found-inf all-reduce, the grad norm and zero count over the gradient-statistics
-   group (the distributed optimizer's instance, else model parallel), the parameter all-gathers
-   after the step (distributed optimizer without ``--overlap-param-gather``; with it the next
-   iteration's pre-hook gathers, which the plan starts before the first action);
-5. Megatron-LM's train step: with ``--qk-clip`` or ``--log-max-attention-logit`` each attention
-   layer's largest logits' max over dp-cp (``clip_qk``; one op: every member has the same layers),
-   then success, grad norm and zero count over model parallel, the loss over data parallel on the
-   last pipeline rank;
-6. ``--log-params-norm``, every iteration after the train step (Megatron-LM's
-   ``calc_params_l2_norm``): the sharded main parameters' squared norms over data parallel
-   (core_v0.19.0: dense twice over dp-cp, experts twice over expert data parallel, whatever the
-   model, then the experts' over the expert GTP-remat group; core_v0.16.1 the dense once: a
-   subset every member issues alike, so the longer list proves it), then the sum over model
-   parallel (the experts' over their own model-parallel group where it differs: MoE);
-7. Megatron-LM's ``training_log``, every iteration: per MoE metric it tracks (in its order:
-   load balancing, sequence, global load balancing, z loss) the sum over the pipeline, over the
-   metric's reduce group (tensor x context parallel; with data parallel for the global one and,
-   core_v0.19.0, the z loss's mean), the mean over data parallel (not the global one's; the z
-   loss's core_v0.19.0 only: core_v0.16.1 sums it over the pipeline alone, a subset); MTP's loss
-   mean over dp-cp (core_v0.19.0 also its acceptance counts). Ranks without such layers leave
-   out the last two of a metric (and MTP's) with every member of those groups, which are within
-   their pipeline rank; at every ``--log-interval``-th iteration, the interval timer's barrier, and
-   with ``--timing-log-level`` >= 1 the timers' all-gathers (twice more with
-   ``--log-timers-to-tensorboard``), all over the default group;
-8. with ``--async-save``, Megatron-LM's ``maybe_finalize_async_save`` after the step: the all-reduce
-   over the default group of whether every rank's save in flight has finished (while one is);
-   then ``checkpoint_and_decide_exit``, every iteration: ``--exit-signal-handler``'s
-   all-gather of the signals received, then ``--exit-duration-in-mins``'s all-reduce of "time is
-   up", both over the default group (the checkpoint saved between them at ``--save-interval``
-   is not in the plan);
-9. the drift check before the next training call (``mcore.drift``, every N calls), then that
-   call's forward-backward timer's barrier over the default group (``mcore.forward_backward``,
-   Megatron's timers at level >= 1 with ``barrier_with_L1_time``), before its program.
+   group) fp16's found-inf, the grad norm and zero count over the gradient-statistics group (the
+   distributed optimizer's instance, else model parallel), the parameter all-gathers after the
+   step (distributed optimizer without ``--overlap-param-gather``);
+5. Megatron-LM's train step: with ``--qk-clip`` or ``--log-max-attention-logit`` the largest
+   logits' max over dp-cp, then success, grad norm and zero count over model parallel, the loss
+   over data parallel on the last pipeline rank;
+6. ``--log-params-norm`` (``calc_params_l2_norm``): the sharded main parameters' squared norms
+   (core_v0.19.0: dense twice over dp-cp, experts twice over expert data parallel, then over
+   expert-gtp; core_v0.16.1 a subset), then the sum over model parallel (the experts' over
+   expert model parallel);
+7. ``training_log``: per tracked MoE metric the sum over the pipeline, over its reduce group, the
+   mean over data parallel (not the global load-balancing loss's); MTP's over dp-cp (ranks without
+   such layers leave the last two out with every member of those groups); at a logging iteration the interval timer's barrier and, at timing level >= 1, the timers'
+   all-gathers (two more with ``--log-timers-to-tensorboard``), over the default group;
+8. ``--async-save``'s finalize all-reduce, ``--exit-signal-handler``'s all-gather and
+   ``--exit-duration-in-mins``'s all-reduce, over the default group;
+9. the drift check before the next call (``mcore.drift``), then its forward-backward timer's barrier.
 
-In evaluation (forward only) Megatron-LM's ``evaluate`` issues, per evaluation step, the loss's
-sum over dp-cp on the last pipeline rank, then ``--exit-duration-in-mins``'s all-reduce (its timers
-are off there).
-
-Optional collectives (advise once, drift every N calls, the zero count, the logging iteration's
-timers) are in the plan every iteration: a collective that every member of its communicator leaves
-out only removes waits, so the plan with them proves the iterations without them too.
-
-Communicators are named by Megatron's groups. The plan holds one rank per pipeline rank, so a
-group is its members among those (:func:`members`); ``iteration_plan.replicated`` joins replicas
-along an axis (data or tensor parallel) and a group spans them where :data:`SPANS` says so.
-Standard library only.
+Evaluation (forward only): the loss's sum over dp-cp on the last pipeline rank, then
+``--exit-duration-in-mins``'s all-reduce. Optional collectives (advise, drift, zero count, the
+logging iteration's) are in the plan every iteration: one every member leaves out only removes
+waits. A group is its members within one replica (:func:`members`); ``iteration_plan.replicated``
+joins replicas along the axes :data:`SPANS` names. Standard library only.
 """
 from __future__ import annotations
 
