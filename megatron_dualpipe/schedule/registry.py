@@ -1,40 +1,24 @@
 """The schedule registry: every fact about a schedule, in one place.
 
-A schedule is one :class:`ScheduleSpec`: its name, which layout its stages use, how many model
-chunks a rank holds, what pipeline sizes and micro-batch counts it runs, how a short batch is
-padded with fake micro-batches, its closed-form bubble, its action-order generator, and who
-runs it (Megatron itself, or this project's executor). The command line, the data split, the
-megatron-core validation, the Megatron-LM argument checks, the dispatcher and the docs'
-tables all read these entries; adding a schedule is one entry plus its generator.
-
-Names, one meaning each:
-
-* ``1f1b`` is Megatron's own schedule: megatron-core runs it (``runs_on == MEGATRON``). Its
-  action order is the 1F1B order, so the simulator and the drawings can show it.
-* ``executor-1f1b`` is the same 1F1B order run by this project's executor, for comparing
-  schedules on equal terms (same model, same checkpoints as ``1f1b``).
-* ``zb-h1``, ``dualpipe``, ``dualpipev`` run on the executor.
-* ``interleaved-1f1b`` (and ``interleaved-1f1b-a2a``, with Megatron's EP all-to-all overlap) is
-  Megatron's interleaved 1F1B, the incumbent every comparison includes. Megatron runs it (as
-  ``1f1b`` with a virtual pipeline); this project only simulates it (``runs_on == MODELLED``),
-  so it is no ``--pipeline-schedule`` choice: :data:`NAMES`, :data:`SPECS` and :func:`get` hold
-  the schedules that run, :func:`spec` finds every one, ``interleaved-1f1b-v4`` a virtual
-  pipeline of size 4 (the plain names mean 2, the chunks per rank of DualPipe).
-
-"Micro-batches" (``M``, ``microbatches``) always count the whole iteration, both directions
-together; ``chunks`` are model pieces on a rank (1, or 2 for the two-direction schedules).
-
-Standard library only, like the rest of ``schedule``.
+A schedule is one :class:`ScheduleSpec` (layout, chunks per rank, rules on pp and M, padding,
+closed-form bubble, generator, and who runs it); the command line, the data split, the Megatron
+checks, the dispatcher and the docs' tables all read it, so adding a schedule is one entry plus
+its generator. ``1f1b`` is Megatron's own schedule (``runs_on == MEGATRON``); ``executor-1f1b``
+is its order run by this project's executor, for comparisons on equal terms; ``zb-h1``,
+``dualpipe`` and ``dualpipev`` run on the executor. ``interleaved-1f1b`` (``-a2a``: with the EP
+all-to-all overlap; ``-vN``: virtual pipeline size N, plain 2) is only simulated
+(``runs_on == MODELLED``): :data:`NAMES`, :data:`SPECS` and :func:`get` hold the schedules
+that run, :func:`spec` finds every one. ``M`` counts the whole iteration's micro-batches, both
+directions together. Standard library only.
 """
 from __future__ import annotations
 
+import dataclasses
+import re
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
 
 from .actions import Action, RankActions
-import dataclasses
-import re
-
 from .generators import dualpipe_rank, interleaved_1f1b_overlap_rank, interleaved_1f1b_rank, one_f_one_b_rank, \
     zb_h1_rank
 from .layout import BIDIRECTIONAL, INTERLEAVED, UNIDIRECTIONAL, V_SHAPE, Layout

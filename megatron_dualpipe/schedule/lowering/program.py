@@ -1,9 +1,8 @@
 """One iteration's program: per rank the actions, the communication plan, the padding and the op
 list that the runner executes, the simulator times and the iteration plan checks.
 
-Why: the list was assembled in several places (the executor lowered the P2P part, the checker
-added the collectives and owned the only full copy); here one function builds it, once per
-(schedule, pp, micro-batches, real, forward_only, options), by passes in order:
+Why: one function builds it, once per (schedule, pp, micro-batches, real, forward_only, options),
+by passes in order:
 
     generate -> forward-only -> pad -> p2p -> lower -> reductions -> gathers, loss and finalize
     -> step collectives
