@@ -1,16 +1,11 @@
-"""Interpret one rank's schedule: the actions, in order, with the planned batches of P2P.
+"""Interpret one rank's ops of a ``schedule.lowering.program.Program`` up to ``finish``.
 
-The runner knows nothing about Megatron: a :class:`StageCompute` says what a forward, a
-backward, a deferred weight gradient and a fused F&B unit are for this rank's model chunks.
-Nor does it re-derive the pipeline's rule: the communication plan says which tensor each action
-takes and hands on, and from or to which rank. The runner owns the tensors in flight: receive
-buffers, outputs waiting to be sent, and the local hand-over at the turn of DualPipeV's "V"
-(stage pp-1 to stage pp on the last rank). Padding actions (the ``Program`` marks them) run as
-nothing. The runner executes the rank's ops of a ``schedule.lowering.program.Program`` up to
-``finish``. What else must happen at a point of the schedule (a timeline, a chunk's gradient
-reduction) is a :class:`~.listeners.RunListener`; the ops whose collectives belong to the code
-around the runner (``lowering.DELEGATED``: parameter gathers, bd sums, reductions) are handed to
-the listeners where the list has them.
+The runner knows nothing about Megatron (a :class:`StageCompute` says what F, B, W and a fused
+F&B unit are) and re-derives nothing: the communication plan says which tensor each action takes
+and hands on. It owns the tensors in flight, including the local hand-over at the turn of
+DualPipeV's "V". Padding actions run as nothing. Whatever else happens at a point of the schedule
+is a :class:`~.listeners.RunListener`; the ops the code around the runner issues
+(``lowering.DELEGATED``) are handed to the listeners where the list has them.
 """
 from __future__ import annotations
 
@@ -57,9 +52,8 @@ class StageCompute(Protocol):
 
 
 class StageComputeBase:
-    """Defaults a :class:`StageCompute` can inherit. A compute that can overlap one
-    micro-batch's forward with another's backward (DeepSeek's ``overlapped_forward_backward``)
-    overrides :meth:`forward_backward`; the runner never knows how a unit overlaps."""
+    """Defaults a :class:`StageCompute` can inherit; a compute that overlaps a fused unit (DeepSeek's
+    ``overlapped_forward_backward``) overrides :meth:`forward_backward`."""
 
     def forward_backward(self, f_action: Action, b_action: Action, input_tensor: Optional[torch.Tensor],
                          output_grad: Optional[torch.Tensor]) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
@@ -78,9 +72,8 @@ class TensorSpec:
 
 
 def check_sendable(rank: int, a: Action, what: str, t: torch.Tensor, spec: TensorSpec) -> None:
-    """Every tensor passed between stages must have ``spec``'s shape and dtype: the receiver's
-    buffer is allocated from ``spec`` (gloo silently accepts a smaller message, leaving the tail of
-    the buffer uninitialised, and aborts the receiving process on a larger one)."""
+    """Every tensor passed between stages must have ``spec``'s shape and dtype: the receiver allocates
+    from ``spec`` (gloo silently accepts a smaller message and aborts on a larger one)."""
     if tuple(t.shape) == tuple(spec.shape) and t.dtype == spec.dtype:
         return
     if tuple(t.shape) != tuple(spec.shape):
@@ -104,13 +97,8 @@ class RunStats:
 
 def run_rank(program: Program, rank: int, compute: StageCompute, p2p: P2P, spec: TensorSpec,
              trace: Optional[TraceRecorder] = None, listeners: Sequence[RunListener] = ()) -> RunStats:
-    """Run this rank's actions; raises on timeout naming the action that waited.
-
-    Each planned batch is posted, not waited; a receive is waited right before the action that
-    consumes it, and the sends complete in the background (see :mod:`.p2p`). ``listeners`` are
-    told of every unit and action (:mod:`.listeners`); ``trace`` (or the
-    ``MEGATRON_DUALPIPE_TRACE`` directory) records when each action ran.
-    """
+    """Run this rank's actions; raises on timeout naming the action that waited. ``listeners`` are
+    told of every unit and action; ``trace`` (or ``MEGATRON_DUALPIPE_TRACE``) records their times."""
     recorder = trace if trace is not None else trace_from_env()
     recording = recorder.begin(program, rank, p2p.global_ranks) if recorder is not None else None
     if recording is not None:
@@ -119,10 +107,8 @@ def run_rank(program: Program, rank: int, compute: StageCompute, p2p: P2P, spec:
 
 
 class RankRun:
-    """One ``run_rank`` call: the rank's ops up to ``finish`` (``schedule.lowering``), in order. The
-    runner owns the tensors in flight: ``local`` (handed over on this rank at DualPipeV's turn),
-    ``outbox`` (results waiting for their batch's send) and ``received`` (receives waited, not yet
-    taken by their unit)."""
+    """One ``run_rank`` call. Tensors in flight: ``local`` (handed over on this rank at DualPipeV's
+    turn), ``outbox`` (waiting for their batch's send), ``received`` (waited, not yet taken)."""
 
     def __init__(self, program: Program, rank: int, compute: StageCompute, p2p: P2P, spec: TensorSpec,
                  listeners: Sequence[RunListener] = ()):
@@ -157,7 +143,7 @@ class RankRun:
             unit = self.plan.units[op.index]
             for listener in self.listeners:
                 listener.on_unit_start(unit)
-            self.hand_on(unit, self.compute_unit(unit, self.take_inputs(unit)))
+            self.hand_on(unit, self.compute_unit(unit, [self.take(i) for i in unit]))
             self.tell_end(unit)
         elif kind is _RECV:
             self.received[op.label] = self.p2p.receive(op.label, self.where(op.index))
@@ -199,10 +185,6 @@ class RankRun:
         release = functools.partial(self.compute.release, a, out) if a.op == F and not fake else None
         return peer, out, label, release
 
-    def take_inputs(self, unit: Unit) -> List[Optional[torch.Tensor]]:
-        """The tensors the unit's actions receive (None: data or loss), waited by the ops before."""
-        return [self.take(i) for i in unit]
-
     def take(self, i: int) -> Optional[torch.Tensor]:
         """The tensor action ``i`` receives from the neighbouring stage (None: data or loss)."""
         hands = self.plan.inputs[i]
@@ -233,8 +215,7 @@ class RankRun:
         return self.compute.backward(a, inp)
 
     def hand_on(self, unit: Unit, results: Sequence[Optional[torch.Tensor]]) -> None:
-        """Pass each action's result to the stages that wait for it: queue it for the next
-        batch, or, on the same rank (DualPipeV's turn), hand it over directly."""
+        """Queue each result for its batch's send, or hand it over on this rank (DualPipeV's turn)."""
         for i, tensor in zip(unit, results):
             a, fake = self.actions[i], self.padding[i]
             for dst, label in self.plan.outputs[i]:
