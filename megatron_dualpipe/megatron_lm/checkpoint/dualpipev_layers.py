@@ -1,33 +1,18 @@
 """DualPipeV ``--ckpt-format torch`` checkpoints that 1F1B reads, and 1F1B checkpoints that DualPipeV reads.
 
-DualPipeV cuts the ``L`` layers into ``2*pp`` V-stages (``n = L/(2pp)`` layers each, or as an
-uneven split says: ``sizes[v]``): pipeline rank ``i`` holds V-stage ``i`` (``model[0]``) and V-stage
-``2pp-1-i`` (``model[1]``). 1F1B's pipeline rank ``t`` holds stage ``t`` = V-stages ``2t`` and
-``2t+1`` (evenly: layers ``[2nt, 2n(t+1))``; unevenly: a 1F1B run whose stages are those pairs, the
-layout ``stage_layout.paired`` gives). So every 1F1B stage is two V-stages, and the weights map one
-to one by renaming the local layer index (``decoder.layers.{k}.``); the embedding goes with V-stage
-0 / stage 0, the final layernorm, the output layer and MTP (its block and its copy of the embedding)
-with V-stage ``2pp-1`` / stage ``pp-1``. A
-1F1B file of another split holds other layers: its load fails on the keys (strict), never silently.
+Rank ``i`` holds V-stages ``i`` and ``2pp-1-i``; 1F1B's stage ``t`` is V-stages ``2t`` and ``2t+1``
+(an uneven split: the 1F1B layout ``stage_layout.paired`` gives). The weights map one to one by
+renaming the local layer index; the embedding goes with stage 0, the final norm, output layer and
+MTP with stage ``pp-1``. A 1F1B file of another split fails on the keys (strict), never silently.
 
-Files (one per pipeline rank, as Megatron writes them):
+* save: Megatron's two-chunk file gets one more key, ``model``: 1F1B stage ``i``'s weights, gathered
+  from the ranks holding its V-stages. A 1F1B run reads ``model``; DualPipeV resumes from its own keys.
+* load of a file without ``model0``/``model1``: each rank cuts its ``model`` into two V-stages and
+  sends each to its holder. Optimizer state is per stage and not remapped: both directions need
+  ``--no-load-optim`` (or ``--finetune``), else the load is refused before anything is read.
 
-* **save** (DualPipeV): Megatron's own two-chunk file (``model0``, ``model1``, the optimizer of
-  both chunks, RNG, ...) gets one more key, ``model``: 1F1B stage ``i``'s weights, assembled from
-  the two V-stages it is made of (sent over the pipeline group by the ranks holding them). A 1F1B
-  run reads ``model`` and ignores ``model0``/``model1``; a DualPipeV run resumes from its own keys,
-  optimizer state included.
-* **load** (DualPipeV) of a file without ``model0``/``model1`` (written by 1F1B, executor-1f1b
-  or DualPipe, which save 1F1B's layout): each rank cuts its file's ``model`` into the two V-stages
-  and sends each to the rank holding it; ``model0``/``model1`` are built from what arrives. The
-  optimizer state is per 1F1B stage and is not remapped: such a load needs ``--no-load-optim``
-  (or ``--finetune``), else it is refused before anything is read.
-* A 1F1B (or DualPipe) run that loads a DualPipeV file reads ``model``; its ``optimizer`` key is
-  DualPipeV's, so that load needs ``--no-load-optim`` too (refused with a message otherwise).
-
-The exchange walks a fixed list of (source rank, destination rank) transfers in the same order on
-every rank, each a blocking ``send_object_list`` / ``recv_object_list`` of CPU tensors, so it
-cannot deadlock; ranks holding both pieces themselves copy locally.
+The transfers are walked in one fixed order on every rank (blocking object send/recv), so they
+cannot deadlock.
 """
 from __future__ import annotations
 
@@ -76,11 +61,8 @@ def _cpu(sd):
 
 def route(pieces: Dict[int, Dict[str, object]], src_of: Callable[[int], int], dest_of: Callable[[int], int],
           pp: int) -> Dict[int, Dict[str, object]]:
-    """Move every V-stage's state dict from pipeline rank ``src_of(v)`` (which has it in
-    ``pieces``) to pipeline rank ``dest_of(v)``; return the pieces that arrive here. The
-    transfers are walked in V-stage order on every rank (blocking object send/recv over the
-    pipeline group, tensors on the CPU), so each waits only for ranks that have finished the
-    transfers before it. Collective over the pipeline group."""
+    """Move every V-stage's state dict from pipeline rank ``src_of(v)`` to ``dest_of(v)``, in V-stage
+    order (tensors on the CPU); return the pieces that arrive here. Collective over the pipeline group."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 

@@ -94,17 +94,14 @@ def _state(model, optimizer):
 
 
 def save_model0_as_one_chunk(orig, args, iteration, model, optimizer, *a, **kw):
-    """dualpipe, torch: the file 1F1B writes (``model[0]`` and its optimizer state, re-indexed;
-    with the shared shard group, the home copy's sub-optimizers: :mod:`.shared_shards`)."""
+    """dualpipe, torch: the file 1F1B writes (``model[0]`` and its optimizer state, re-indexed)."""
     if not args.no_save_optim and optimizer is not None:
         optimizer = _state(model, optimizer).torch_view(saving=True)
     return orig(iteration, list(model)[:1], optimizer, *a, **kw)
 
 
 def save_without_mirror(orig, args, iteration, model, optimizer, *a, **kw):
-    """dualpipe, torch_dist: 1F1B's keys (the mirror's entries and grad buffers are not written;
-    with the shared shard group the home copy's sub-optimizers: :mod:`.shared_shards`); the fully
-    reshardable optimizer state at each parameter's own offsets (:func:`.optimizers.exact_offsets`)."""
+    """dualpipe, torch_dist: 1F1B's keys (the mirror's entries and grad buffers are not written)."""
     with generated_state_dict_edited(torch_dist_mirror.drop_mirror_entries), exact_offsets(optimizer), \
             _state(model, None if args.no_save_optim else optimizer).torch_dist_view() as view:
         return orig(iteration, model, optimizer if args.no_save_optim else view, *a, **kw)
@@ -118,10 +115,9 @@ def save_with_one_chunk_model(orig, args, iteration, model, optimizer, *a, **kw)
 
 def save_tied_output_once(orig, args, iteration, model, optimizer, *a, **kw):
     """dualpipev, torch_dist: Megatron's save, the output layer's copy of a tied embedding left
-    out on rank 0 (``torch_dist_mirror.mark_v_tied_output_weight``); the fully reshardable optimizer
-    state at each parameter's own offsets (:func:`.optimizers.exact_offsets`: V-stage 0 pads the bucket
-    before the tied embedding's own one where 1F1B's stage 0 may not, and megatron-core's save would
-    write the embedding's state shifted by that padding)."""
+    out on rank 0 (``torch_dist_mirror.mark_v_tied_output_weight``). ``exact_offsets``: V-stage 0 pads
+    the bucket before the tied embedding's where 1F1B's stage 0 may not, and megatron-core's save
+    would write the embedding's state shifted by that padding."""
     with generated_state_dict_edited(torch_dist_mirror.drop_mirror_entries), exact_offsets(optimizer):
         return orig(iteration, model, optimizer, *a, **kw)
 
@@ -143,8 +139,7 @@ def load_as_is(orig, args, model, optimizer, file, *a, **kw):
 
 
 def load_into_model0(orig, args, model, optimizer, file, *a, **kw):
-    """dualpipe, torch: 1F1B's file into ``model[0]`` and its optimizer state, then the mirrors
-    (with the shared shard group every sub-optimizer loads its own shards: parameters only)."""
+    """dualpipe, torch: 1F1B's file into ``model[0]`` and its optimizer state, then the mirrors."""
     state = _state(model, optimizer)
     result = orig(list(model)[:1], None if optimizer is None else state.torch_view(saving=False), *a, **kw)
     state.sync_mirrors()
@@ -153,8 +148,7 @@ def load_into_model0(orig, args, model, optimizer, file, *a, **kw):
 
 def load_then_sync_mirrors(orig, args, model, optimizer, file, *a, **kw):
     """dualpipe, torch_dist: every replica reads its stage's shards (the distributed optimizer's
-    buffer-keyed state: model[0]'s buffers), then the mirrors are synced from the home copies
-    (with the shared shard group each sub-optimizer reads its own shards: parameters only)."""
+    buffer-keyed state: model[0]'s buffers), then the mirrors are synced from the home copies."""
     state = _state(model, optimizer)
     with state.torch_dist_view() as view, exact_offsets(optimizer):
         result = orig(model, view, *a, **kw)
@@ -176,12 +170,9 @@ _OTHER_BUFFERS = ("Global shape mismatch", "optimizer.distributed.")
 
 
 def load_reshardable_state(orig, args, model, optimizer, file, *a, **kw):
-    """dualpipev, torch_dist: as Megatron loads (global keys); the distributed optimizer's
-    dp_reshardable state of another layout (1F1B's stages i and i+pp are DualPipeV's i and
-    2pp-1-i, so its grad buffers hold other parameters) is refused in one line naming the fix,
-    instead of DCP's shape-mismatch traceback (a :class:`Refusal`: every rank meets it, the launcher
-    says it once). The save's offsets (:func:`.optimizers.exact_offsets`; the load reads each parameter's
-    own range either way, but builds its request at those offsets)."""
+    """dualpipev, torch_dist: as Megatron loads, at the save's offsets. The distributed optimizer's
+    dp_reshardable state of another layout (its grad buffers hold other parameters) is refused in
+    one line naming the fix (a :class:`Refusal`), instead of DCP's shape-mismatch traceback."""
     try:
         with exact_offsets(optimizer):
             return orig(model, optimizer, *a, **kw)

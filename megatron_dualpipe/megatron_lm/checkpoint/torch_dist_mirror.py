@@ -1,25 +1,17 @@
 """``--ckpt-format torch_dist`` under ``--pipeline-schedule dualpipe``: the mirror is never written.
 
-DualPipe's ``model[1]`` on pipeline rank ``i`` is a copy of stage ``pp-1-i``. Its sharded state
-dict is built with the global keys of that stage (the reversed pipeline group), so at *load* it
-reads the stage's stored shards like any other replica. At *save* it must not take part:
+DualPipe's ``model[1]`` on rank ``i`` is a copy of stage ``pp-1-i``, keyed as that stage, so at load
+it reads the stage's shards like any replica. At save it must not take part:
 
-* every sharded tensor / object of the mirror carries a :class:`MirrorReplicaId` (non-main, and
-  recognisable after Megatron copies it into the optimizer's state, which keeps the model
-  parameter's ``replica_id``). Marking alone is not enough with data parallelism: Megatron's
-  fully parallel save (``--ckpt-fully-parallel-save``, the default) re-assigns ``replica_id = 0``
-  to *every* local shard with a chosen shard id, and with tied embeddings the mirror of the last
-  stage holds ``embedding.word_embeddings.weight`` on the same rank as the home copy of stage 0
-  ("Invalid access pattern ... tensor([[2]])"). So :func:`drop_mirror_entries` replaces the
-  mirror's entries of the generated state dict by non-persistent placeholders before Megatron
-  saves it (``strategies``);
-* the distributed optimizer's ``dp_reshardable`` state (Megatron's default) is keyed by grad
-  buffer (``gbuf_idx_k``), not by parameter. DualPipe's buffers are model[0]'s (numbered as in a
-  one-chunk run) followed by the mirror's; :func:`one_chunk_distributed_optimizer` presents only
-  model[0]'s buffers, so the files are those of a 1F1B run and a 1F1B checkpoint loads (before:
-  "KeyError: ... gbuf_idx_1 ... not in state dict"). At load the mirror's buffers keep their
-  current values and ``mirrors.sync_mirrors`` then copies the home copy's state over
-  the bd pair.
+* its entries carry a :class:`MirrorReplicaId` (non-main, recognisable in the optimizer's state
+  too), and :func:`drop_mirror_entries` replaces them by non-persistent placeholders: Megatron's
+  fully parallel save re-assigns ``replica_id = 0`` to every local shard, and with tied embeddings
+  the last stage's mirror holds the embedding on the rank of its home copy ("Invalid access
+  pattern ... tensor([[2]])");
+* the distributed optimizer's ``dp_reshardable`` state is keyed by grad buffer, and DualPipe's are
+  model[0]'s then the mirror's: :func:`one_chunk_distributed_optimizer` presents model[0]'s only, as
+  a 1F1B run writes them ("KeyError: ... gbuf_idx_1"). At load the mirror's buffers keep their
+  values until ``mirrors.sync_mirrors`` copies the home copy's state over the bd pair.
 """
 
 import functools
@@ -105,12 +97,9 @@ def drop_mirror_entries(state_dict) -> int:
 
 
 def mark_v_tied_output_weight(model) -> None:
-    """DualPipeV, tied embeddings or MTP: rank 0 holds the embedding (V-stage 0) and V-stage 2pp-1's
-    copy of it (the tied output weight, or the MTP block's embedding), which Megatron saves under
-    the embedding's key as a copy. Both on one rank, the fully parallel save made both main
-    replicas ("Invalid access pattern ... [[2]]" at dp = 2, and with MTP at dp = 1): the copy's
-    entry becomes a mirror replica (not written; a load reads the embedding's shard into it, its
-    equal)."""
+    """DualPipeV, tied embeddings or MTP: rank 0 holds the embedding and V-stage 2pp-1's copy of it,
+    saved under the embedding's key; the fully parallel save made both main replicas ("Invalid
+    access pattern ... [[2]]"). The copy becomes a mirror replica: not written, loaded as its equal."""
     from ...mcore.model import embedding_copy, unwrap_chunk
 
     m0, m1, found = unwrap_chunk(model[0]), unwrap_chunk(model[1]), embedding_copy(model[1])
