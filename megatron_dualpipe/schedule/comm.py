@@ -1,23 +1,14 @@
 """The communication pass: which tensors each rank sends and receives around each action.
 
-Compute-only schedules come from ``generators``; this pass adds the point-to-point traffic
-that the executor carries out, and checks it before anything runs:
+* Before each execution unit a rank posts ONE batch, one ``batch_isend_irecv`` as in DeepSeek's
+  reference: the sends of its previous unit and the receives its unit needs.
+* Where that would deadlock (two ranks each sending to the other first), the planner moves the
+  receive into the batch the receiving rank is blocked in: the reference's hand-made prefetch.
+* NCCL matches one direction's messages between two ranks in posting order, so the checker
+  proves the sender's order equals the receiver's on every channel and that the batches complete
+  when a batch finishes only once all its operations are matched: no deadlock on NCCL or gloo.
 
-* Before each execution unit (one action, or an overlapped F with its backward) a rank posts
-  ONE batch: the sends produced by its previous unit, and the receives its unit needs. The
-  executor turns each batch into one ``batch_isend_irecv``, as DeepSeek's reference does.
-* Where that would deadlock (two ranks each sending to the other before either receives), the
-  planner moves the receive earlier, into the batch the receiving rank is blocked in: that is
-  the prefetching DeepSeek's reference does by hand (``_recv_forward`` ahead of its use).
-* Between two ranks, messages in one direction are matched in posting order (NCCL matches
-  point-to-point operations in order; tensors of one shape cannot be told apart). The
-  checker proves that, for every ordered pair of ranks, the sender's order equals the
-  receiver's order, and that the batches complete under the strictest semantics (a batch
-  finishes only when all its operations have been matched), so the plan cannot deadlock on
-  NCCL or gloo.
-
-A transfer's label says what it carries: ``("act" | "grad", dir, mb, stage)``, where ``stage``
-is the stage that consumes it.
+A transfer's label: ``("act" | "grad", dir, mb, stage)``, ``stage`` the one that consumes it.
 """
 from __future__ import annotations
 

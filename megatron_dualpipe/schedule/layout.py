@@ -1,22 +1,15 @@
 """Where each model stage lives, and the route a micro-batch takes through the stages.
 
-Three layouts cover the schedules we build:
+* ``unidirectional`` (1F1B, ZB-H1): stage s on rank s.
+* ``bidirectional`` (DualPipe): direction 0 has stage s on rank s, direction 1 on rank pp-1-s, so
+  rank i holds stages i and pp-1-i (model[0] and model[1] of the Megatron integration).
+* ``v`` (DualPipeV): one route of 2*pp stages folded into a V: stage s < pp on rank s, stage
+  s >= pp on rank 2*pp-1-s; the turn at rank pp-1 stays on one rank.
+* ``interleaved`` (Megatron's virtual pipeline of ``chunks``): stage s on rank s % pp, in model
+  chunk (``dir``) s // pp.
 
-* ``unidirectional`` (1F1B, ZB-H1): stage s of direction 0 on rank s.
-* ``bidirectional`` (DualPipe): direction 0 has stage s on rank s; direction 1 has stage s on
-  rank pp-1-s. Every rank therefore holds two stages: s=i for direction 0 and s=pp-1-i for
-  direction 1 (model[0] and model[1] of the Megatron integration).
-* ``v`` (DualPipeV): one micro-batch route of 2*pp stages folded into a V. Stages 0..pp-1
-  (direction 0) run down the ranks, stage s on rank s; stages pp..2pp-1 (direction 1) run back
-  up, stage s on rank 2*pp-1-s. The turn at rank pp-1 stays on one rank.
-* ``interleaved`` (Megatron's interleaved 1F1B, virtual pipeline size ``chunks``): one route of
-  chunks*pp stages wound round the ranks ``chunks`` times, Megatron's layer placement: stage s
-  on rank s % pp, in model chunk (``dir``) s // pp. Rank r holds stages r, r+pp, r+2pp, ...
-
-The dependency rule (``deps``), the simulator, the communication planner and the Megatron glue
-ask only this module where a stage is (:meth:`Layout.rank_of`, :meth:`Layout.stages_on`), which
-stage comes before or after it, and whether stages have mirrored copies (:attr:`Layout.mirrored`,
-:meth:`Layout.partner`).
+Every other module asks this one where a stage is, what comes before or after it, and whether
+stages have mirrored copies.
 """
 from __future__ import annotations
 

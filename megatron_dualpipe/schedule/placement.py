@@ -1,28 +1,19 @@
 """Which Megatron global rank runs on which GPU: Megatron's own order, or the bd pairs side by side.
 
-DualPipe sums the two copies of every stage over its bd pair (pipeline ranks ``i`` and
-``pp-1-i``) each iteration. In Megatron's rank order (``RankGenerator``, default
-``tp-cp-ep-dp-pp``: tensor parallel fastest, pipeline slowest) the ranks of one pipeline stage
-are a block of consecutive global ranks, so stage ``i`` and stage ``pp-1-i`` are as far apart as
-the pipeline allows and their sum crosses the link between nodes. torchrun numbers the
-processes ``RANK = node_rank * nproc_per_node + local_rank``; :func:`pair_placement` gives the
-permutation the launcher applies (``--pair-placement``, :mod:`megatron_dualpipe.launch`) so that
-the process in *slot* ``RANK`` becomes Megatron's global rank ``perm[RANK]`` and every node
-holds complete bd pairs. Megatron's own order (which global rank has which tensor, data and
-pipeline rank) is untouched; only which GPU runs which global rank changes.
+DualPipe sums each stage's two copies over its bd pair (pipeline ranks ``i`` and ``pp-1-i``) every
+iteration. Megatron's order (``RankGenerator``, default ``tp-cp-ep-dp-pp``) puts a stage's ranks
+in one block of consecutive global ranks, so stages ``i`` and ``pp-1-i`` are as far apart as can
+be and their sum crosses nodes. torchrun numbers processes ``RANK = node_rank * nproc_per_node +
+local_rank``; :func:`pair_placement` is the permutation the launcher applies (``--pair-placement``)
+so that slot ``RANK`` becomes global rank ``perm[RANK]`` and every node holds complete bd pairs.
+Which global rank has which tensor, data and pipeline rank is untouched.
 
-How the slots are filled. Megatron's global rank is ``g = f + F * (pp_rank + pp * o)`` where
-``F`` is the product of the sizes of the axes before ``pp`` in the order (``tp*cp*dp`` for the
-default, ``tp*cp`` for ``tp-cp-ep-pp-dp``) and ``o`` the index over the axes after it. The
-slots are filled unit by unit: ``U`` consecutive ``f`` of stage ``j``, then the same ``U`` of
-stage ``pp-1-j``, for every pair ``j < pp/2``. ``U = gpus_per_node/2`` when a stage's ``F``
-ranks fill at least half a node (a node then holds half a node of stage ``j`` and the same
-ranks of its partner), else ``U = F`` (a node holds ``gpus_per_node / 2F`` whole pairs). Rank 0
-stays in slot 0. Blocks of ``U`` consecutive ``f`` keep Megatron's fastest axes together: the
-tensor-parallel (and context-parallel, expert-parallel) groups that Megatron's order keeps on
-one node stay on one node, or the placement is refused (:func:`pair_problem`).
-
-Standard library only.
+Megatron's global rank is ``g = f + F * (pp_rank + pp * o)``, ``F`` the product of the sizes of
+the axes before ``pp`` and ``o`` the index over those after it. Slots are filled ``U`` consecutive
+``f`` of stage ``j``, then the same of stage ``pp-1-j``, for every pair ``j < pp/2``: ``U =
+gpus_per_node/2`` when a stage's ``F`` ranks fill at least half a node, else ``U = F``. Rank 0
+stays in slot 0; groups Megatron's order keeps on one node (tensor, context, expert parallel)
+stay on one node, or the placement is refused (:func:`pair_problem`). Standard library only.
 """
 from __future__ import annotations
 

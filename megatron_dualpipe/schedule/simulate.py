@@ -1,13 +1,10 @@
 """A discrete-event simulator over each rank's lowered program: the ops the runner executes.
 
-Why: timing a model of the runner (actions and their dependencies) could disagree with what
-runs; here each rank walks the same ops (``schedule.lowering``: :func:`simulate` lowers the
-actions it is given, :func:`simulate_program` walks a built program). ``run U`` occupies the rank
-for the unit's cost (an F marked ``overlap`` and the backward after it are one unit costing ``fb``;
-both actions get the unit's start and end); ``post K`` posts batch K's sends at the rank's clock;
-``recv L <- P`` completes no earlier than P's post of L plus ``p2p``; ``release L -> P`` no earlier
-than P's receive of L; the collectives cost nothing yet, in the program's order. A program that
-cannot complete raises :class:`DeadlockError` naming the stuck ranks and what each waits for.
+Why: a model of the runner could disagree with what runs; here each rank walks the same ops.
+``run U`` occupies the rank for the unit's cost (a fused F&B unit costs ``fb``); ``post K`` posts
+batch K's sends at the rank's clock; ``recv L <- P`` completes no earlier than P's post of L plus
+``p2p``; ``release L -> P`` no earlier than P's receive of L; collectives cost nothing yet. A
+program that cannot complete raises :class:`DeadlockError` naming what each stuck rank waits for.
 """
 from __future__ import annotations
 

@@ -1,11 +1,9 @@
 """The reductions pass: where each rank issues its bd sums and starts its data-parallel reductions.
 
-Why: a chunk's gradients are final at its last real gradient action; the bd pair (DualPipe's two
-copies of a stage) must issue their sums in the same order of stages, and every data-parallel
-replica must start each reduction at the same point of the same program (their collectives pair
-up by position), so both are data of the program, never a poll of a sum's completion. The
-iteration plan (``schedule.iteration_plan``) checks the result; the cost model
-(``costs.comm_cost``) and ``bench.bd_sum`` read the same points. Standard library only.
+Why: a chunk's gradients are final at its last real gradient action; the bd pair must sum the
+stages in the same order, and every data-parallel replica must start each reduction at the same
+point (their collectives pair up by position), so both are data of the program, never a poll of a
+sum's completion. The iteration plan checks them; ``costs.comm_cost`` reads the same points.
 """
 from __future__ import annotations
 
