@@ -1,18 +1,21 @@
 """After a DualPipe load: every mirror made equal to its home copy, optimizer state included."""
 
-from .optimizers import inner_optimizers, is_distributed_optimizer, main_to_model, named_params
+from .optimizers import inner_optimizers, is_distributed_optimizer, main_to_model
+
+
+def _params(chunk):
+    """The chunk's (unwrapped) parameters, in order."""
+    from ...mcore.model import unwrap_chunk
+
+    return list(unwrap_chunk(chunk).parameters())
 
 
 def sync_mirrors(model, optimizer) -> None:
-    """Home copy -> mirror, over each bd pair (`bd_pairs.broadcast_home_to_mirror`, stage
-    min(i, pp-1-i) first, structure checked): the parameters (``broadcast_mirrors``), the
-    persistent buffers (e.g. a MoE router's ``expert_bias``, which the checkpoint restores only
-    in the home copy), then for every optimizer the state behind each parameter in
-    ``named_parameters`` order: the fp32 main parameter (when it is not the parameter itself)
-    and the optimizer state tensors. For the distributed optimizer that is this data-parallel
-    rank's shard of each (the partners have the same data-parallel rank and, with identical
-    buffer layouts, the same shard ranges; a layout that differs is reported by the structure
-    check)."""
+    """Home copy -> mirror over each bd pair (`bd_pairs.broadcast_home_to_mirror`, structure checked):
+    the parameters, the persistent buffers (a MoE router's ``expert_bias`` is restored only in the
+    home copy), then every optimizer's state behind each parameter in order (the fp32 main parameter,
+    the state tensors; for the distributed optimizer this data-parallel rank's shard, the same
+    range on both partners)."""
     from ...mcore import bd_pairs
     from ...mcore.model import broadcast_mirrors
 
@@ -26,7 +29,7 @@ def sync_mirrors(model, optimizer) -> None:
             continue
         state_of = _param_state_getter(opt)
         bd_pairs.broadcast_home_to_mirror(
-            model, lambda chunk: [t for _, p in named_params(chunk) for t in state_of(p)], "optimizer state")
+            model, lambda chunk: [t for p in _params(chunk) for t in state_of(p)], "optimizer state")
 
 
 def _sync_distributed_optimizer_state(model, opt) -> None:
@@ -42,7 +45,7 @@ def _sync_distributed_optimizer_state(model, opt) -> None:
 
     def tensors_of(chunk):
         out = []
-        for _, p in named_params(chunk):
+        for p in _params(chunk):
             if p in opt.model_param_group_index_map:  # else: no shard of it on this data-parallel rank
                 st = opt._get_main_param_and_optimizer_states(p)
                 fetched[p] = st

@@ -75,18 +75,6 @@ def model0_ids(model):
 
 
 # ------------------------------------------------------------------------------------------
-# Mirrors
-# ------------------------------------------------------------------------------------------
-
-
-def named_params(chunk):
-    """The chunk's (unwrapped) named parameters, in order."""
-    from ...mcore.model import unwrap_chunk
-
-    return list(unwrap_chunk(chunk).named_parameters())
-
-
-# ------------------------------------------------------------------------------------------
 # Fully reshardable torch_dist state
 # ------------------------------------------------------------------------------------------
 
@@ -94,12 +82,10 @@ def named_params(chunk):
 def exact_offsets(optimizer):
     """Within the block, each distributed optimizer's grad buffers give ``param_index_map`` offsets without
     the padding between buckets. megatron-core's ``sharded_param_state_fully_reshardable`` slices the state
-    gathered by ``get_parameter_state_dp_zero``, which leaves that padding out, at the padded offsets: a
-    parameter in a bucket after a padded one is written shifted by the padding (its load slices by the
-    parameter's own range and only iterates the map, which keeps its order). Under the distributed optimizer
-    the tied embedding has its own bucket after the rest of the first stage, padded to a multiple of
-    lcm(dp, 128): 64 elements for DualPipeV's V-stage 0 of the tests' models, 0 for 1F1B's stage 0 (where
-    1F1B's own first stage pads, its file has the same shift: megatron-core's bug)."""
+    of ``get_parameter_state_dp_zero``, which leaves that padding out, at the padded offsets: a parameter
+    after a padded bucket is written shifted (its load slices by the parameter's own range). The tied
+    embedding's own bucket pads 64 elements on DualPipeV's V-stage 0 of the tests' models, 0 on 1F1B's stage 0
+    (where 1F1B's own stage pads, its file has the same shift: megatron-core's bug)."""
     from ... import hooks
 
     offsets = hooks.entry("per object", "_ParamAndGradBuffer.param_index_map")

@@ -2,30 +2,18 @@
 optimizer of ``model[0]`` (``--ckpt-format torch``, and ``torch_dist`` with
 ``--dist-ckpt-optim-fully-reshardable``).
 
-Under the shared shard group every chunk has its own distributed optimizers (dense, and expert
-where the stage has experts) over the ``2 x dp`` ranks that hold either copy of its stage, chained
-in ascending stage order (``mcore.copies.shared_shard``). Their state in 1F1B's files:
+Every chunk has its own distributed optimizers over the ``2 x dp`` ranks holding either copy of its
+stage, chained in ascending stage order (``mcore.copies.shared_shard``):
 
-* ``state_dict()`` (the step, the param groups' hyper-parameters): the home copy's sub-optimizers
-  (``model[0]``'s), whose param groups are those of 1F1B's optimizer of the same stage. At load the
-  mirror's sub-optimizers take the same values: Megatron matches param groups by their identifying
-  keys, and a group only the mirror's stage has keeps its own hyper-parameters and takes the step;
-* ``distrib_optim.pt`` (the per-parameter state): each sub-optimizer gathers its stage's shards
-  to its group rank 0 (``get_parameter_state_dp_zero``) and scatters them from there at load
-  (``load_parameter_state_from_dp_zero``). Group rank 0 is the home copy's data-parallel rank 0,
-  which is the rank whose file is its own stage's, so calling every sub-optimizer in stage order
-  (the order both partners share: the gathers are collective over the shard groups) writes exactly
-  what 1F1B's data-parallel rank 0 writes, counted in unpadded elements (the padding to ``2 dp``
-  shards does not show), and reads it back. The mirror's sub-optimizers only send or receive.
+* ``state_dict()``: the home copy's sub-optimizers, whose param groups are 1F1B's; at load the
+  mirror's take the same values (Megatron matches groups by their identifying keys);
+* ``distrib_optim.pt``: each sub-optimizer gathers its stage's shards to its group rank 0, the home
+  copy's data-parallel rank 0, and scatters them from there at load; called in stage order (the
+  gathers are collective), they write what 1F1B's data-parallel rank 0 writes, in unpadded elements;
+* ``torch_dist`` (fully reshardable): :meth:`SharedShardOptimizerView.sharded_state_dict` builds every
+  part in stage order and hands Megatron the home copy's; a load also reads the mirror's parts.
 
-* ``torch_dist`` (fully reshardable: the state of every parameter under its model key):
-  :meth:`SharedShardOptimizerView.sharded_state_dict` builds every sub-optimizer's part in stage
-  order (the gathers at save are collective over the shard groups) and hands Megatron the home
-  copy's parts, laid out as 1F1B's optimizer; a load also asks for the mirror's parts (its stage's
-  global keys), which the mirror's sub-optimizers then take with the home's common state.
-
-After a load the mirrors get the home copies' parameters (``mirrors.sync_mirrors`` without the
-optimizer state, which each sub-optimizer loaded itself).
+After a load the mirrors get the home copies' parameters (``mirrors.sync_mirrors``, no optimizer state).
 """
 from typing import Dict, List
 
