@@ -51,13 +51,9 @@ def filter_state_dict(opt, sd, keep_ids):
     new_tsd = {"state": state, "param_groups": groups}
     if kind(opt) == "fp32":
         return new_tsd
-    out = dict(sd)
-    out["optimizer"] = new_tsd
-    out["fp32_from_fp16_params"] = [
+    return dict(sd, optimizer=new_tsd, fp32_from_fp16_params=[
         [main for model_p, main in zip(opt.float16_groups[gi], sd["fp32_from_fp16_params"][gi]) if id(model_p) in keep_ids]
-        for gi in kept
-    ]
-    return out
+        for gi in kept])
 
 
 def expand_state_dict(opt, sd, keep_ids):
@@ -68,9 +64,7 @@ def expand_state_dict(opt, sd, keep_ids):
     tsd = _torch_sd(opt, sd)
     saved_state = tsd["state"]
     template = next(iter(saved_state.values()), None)
-    by_key = {}
-    for si, g in enumerate(tsd["param_groups"]):
-        by_key[_group_key(g)] = si
+    by_key = {_group_key(g): si for si, g in enumerate(tsd["param_groups"])}
     masks = _masks(opt, keep_ids)
     fp16 = kind(opt) == "fp16"
     state, groups, fp32_groups, used, idx = {}, [], [], set(), 0
@@ -118,10 +112,7 @@ def expand_state_dict(opt, sd, keep_ids):
     new_tsd = {"state": state, "param_groups": groups}
     if not fp16:
         return new_tsd
-    out = dict(sd)
-    out["optimizer"] = new_tsd
-    out["fp32_from_fp16_params"] = fp32_groups
-    return out
+    return dict(sd, optimizer=new_tsd, fp32_from_fp16_params=fp32_groups)
 
 
 class OneChunkOptimizerView:

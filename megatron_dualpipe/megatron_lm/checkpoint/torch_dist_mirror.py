@@ -9,7 +9,7 @@ it reads the stage's shards like any replica. At save it must not take part:
   the last stage's mirror holds the embedding on the rank of its home copy ("Invalid access
   pattern ... tensor([[2]])");
 * the distributed optimizer's ``dp_reshardable`` state is keyed by grad buffer, and DualPipe's are
-  model[0]'s then the mirror's: :func:`one_chunk_distributed_optimizer` presents model[0]'s only, as
+  model[0]'s then the mirror's: :func:`model0_distributed_optimizers` presents model[0]'s only, as
   a 1F1B run writes them ("KeyError: ... gbuf_idx_1"). At load the mirror's buffers keep their
   values until ``mirrors.sync_mirrors`` copies the home copy's state over the bd pair.
 """
@@ -125,19 +125,12 @@ def home_buffer_count(opt, keep_ids) -> int:
 
 
 def model0_distributed_optimizers(model, optimizer):
-    """Within the block, the distributed optimizers' buffer-keyed state is restricted to
-    model[0]'s buffers (:func:`one_chunk_distributed_optimizer`; nothing to do without one)."""
-    return one_chunk_distributed_optimizer([o for o in inner_optimizers(optimizer) if is_distributed_optimizer(o)],
-                                           model0_ids(model))
-
-
-def one_chunk_distributed_optimizer(optimizers, keep_ids):
     """Within the block, each distributed optimizer's ``sharded_state_dict`` (dp_reshardable)
     holds model[0]'s buffers only, and its ``load_parameter_state_from_dp_reshardable`` keeps the
     mirror's buffers as they are (``sync_mirrors`` fills them after the load). Per-object
     ``hooks.scoped`` swaps: the class is not changed."""
-    swaps = []
-    for opt in optimizers:
+    swaps, keep_ids = [], model0_ids(model)
+    for opt in (o for o in inner_optimizers(optimizer) if is_distributed_optimizer(o)):
         n_home = home_buffer_count(opt, keep_ids)
         if n_home == len(opt.buffers):
             continue
