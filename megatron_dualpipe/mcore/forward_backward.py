@@ -11,24 +11,17 @@ docstring of ``megatron.core.pipeline_parallel.get_forward_backward_func``):
   force_all_reduce=False``. ``model`` is ``[chunk_dir0, chunk_dir1]`` for DualPipe/DualPipeV
   (``mcore.model.build_two_direction_model``), one chunk otherwise; ``data_iterator`` is one
   iterator (or a list of one), split into the directions inside;
-* every micro-batch runs through ``schedules.forward_step`` / ``backward_step``, so loss scaling
-  by the number of micro-batches, MoE aux-loss scaling and ``calculate_per_token_loss`` behave
-  as in Megatron;
-* ``config.no_sync_func`` holds data-parallel reduction off while the schedule runs; each
-  chunk's gradient reduction starts at the places the checked iteration plan gives
-  (``grad_reduction.GradReduction``): the two copies of a DualPipe stage are summed over the bd pair
-  (always: DualPipe itself needs it), tied embeddings folded, then ``config.grad_sync_func``
-  (Megatron's data-parallel reduction under ``--overlap-grad-reduce``) is called for the chunk;
+* every micro-batch runs through ``schedules.forward_step`` / ``backward_step``, so loss scaling,
+  MoE aux-loss scaling and ``calculate_per_token_loss`` behave as in Megatron;
+* ``config.no_sync_func`` holds data-parallel reduction off while the schedule runs; each chunk's
+  reduction starts where the checked iteration plan says (``grad_reduction.GradReduction``: the bd
+  sum of DualPipe's two copies, the tied fold, then ``config.grad_sync_func``);
   ``config.timers("forward-backward")`` times the call;
-* ``config.param_sync_func`` (``--overlap-param-gather``): every chunk's parameter all-gathers
-  start before the first action, as Megatron's interleaved schedule starts its first two chunks'
-  (:mod:`.param_gather`); DDP's pre-hook of the chunk's first forward waits for them;
-* then, if set, ``config.finalize_model_grads_func`` runs (for two chunks through
-  ``finalize.finalize_dualpipe_grads``);
+* ``config.param_sync_func`` (``--overlap-param-gather``): every chunk's parameter all-gathers start
+  before the first action (:mod:`.param_gather`); DDP's pre-hook of its first forward waits;
+* then, if set, ``config.finalize_model_grads_func`` runs (two chunks: ``finalize.finalize_after_token_count``);
 * returns the loss entries of ALL real micro-batches, both directions, in global order, on the
-  last pipeline rank (``[]`` elsewhere), which is where Megatron's training loop reads them.
-
-One call is five steps, each a function below: check, plan, run, gather losses, finalize.
+  last pipeline rank (``[]`` elsewhere), where Megatron's training loop reads them.
 """
 from __future__ import annotations
 
@@ -252,10 +245,8 @@ class ExecutorSchedule:
     # -- run ---------------------------------------------------------------------------------------
     def _run(self, it: _Iteration, compute: MegatronStageCompute, ops: ProgramOps, config, model,
              forward_only: bool, recorder=None) -> list:
-        """The rank's program (``it.program.ops``): the schedule with data-parallel reduction held off, its
-        collectives issued by ``ops`` where the list has them (the parameter gathers, the bd sums,
-        the reductions the plan starts in it), then the ops after it (``ops.after_schedule``: the
-        rest of the reduction, the loss gather, the finalize); returns the loss entries."""
+        """The rank's program: the schedule with data-parallel reduction held off, its collectives
+        issued by ``ops`` where the list has them, then the ops after it; returns the loss entries."""
         program = it.program.ops[it.rank]
         end = after_finish(program)
         reduction = ops.reduction
@@ -308,9 +299,8 @@ def _no_sync(config, model, forward_only: bool):
 
 
 def _cyclic_gc_paused(func: Callable) -> Callable:
-    """``func`` with Python's cyclic garbage collector paused while it runs. Building and checking
-    the plan allocates some hundred thousand small objects that hold no cycles, and the collector's
-    passes over them were half its cost (dualpipe pp=32 M=1024: 2.2 s of CPU, 1.2 s without)."""
+    """``func`` with Python's cyclic garbage collector paused: building and checking the plan allocates
+    many small acyclic objects (dualpipe pp=32 M=1024: 2.2 s of CPU, 1.2 s paused)."""
 
     @functools.wraps(func)
     def paused(*args, **kwargs):
@@ -329,8 +319,6 @@ def _cyclic_gc_paused(func: Callable) -> Callable:
 @_cyclic_gc_paused
 def _checked_iteration(name: str, pp: int, padded: int, real: int, forward_only: bool,
                        options: ProgramOptions) -> iteration_plan.IterationPlan:
-    """The iteration's whole communication, checked under NCCL stream semantics before anything
-    runs (raises ``IterationPlanError`` naming the cycle); its ``program`` is what runs, its bd-sum
-    and data-parallel reduction points drive GradReduction. ``options``: the job's
-    (``mcore.step_options`` for the collectives after the schedule)."""
+    """The iteration's whole communication, checked under NCCL stream semantics before anything runs
+    (raises ``IterationPlanError`` naming the cycle); its ``program`` is what runs."""
     return iteration_plan.plan_for(build_program(name, pp, padded, real, forward_only, options))
