@@ -1,38 +1,13 @@
 """What Megatron's ``load_checkpoint`` is about to read: its format and, for ``--ckpt-format torch``,
 its top-level keys and the schedule that wrote it (read before anything is loaded)."""
 
+import os
+
 from ...schedule import registry
 
 
-def disk_format(args, load_arg):
-    """'torch_dist' if the checkpoint that load_checkpoint will read is a distributed one, else
-    the format it will be read as (args.ckpt_format when nothing can be found)."""
-    try:
-        import megatron.training.checkpointing as mckpt
-        from megatron.core import dist_checkpointing
-
-        load_dir = getattr(args, load_arg, None)
-        tracker = mckpt.get_checkpoint_tracker_filename(load_dir)
-        import os
-
-        if not load_dir or not os.path.isfile(tracker):
-            return args.ckpt_format
-        iteration, release = mckpt.read_metadata(tracker)
-        if getattr(args, "ckpt_step", None):
-            iteration = args.ckpt_step
-        name = mckpt.get_checkpoint_name(load_dir, iteration, release, return_base_dir=True)
-        return "torch_dist" if dist_checkpointing.check_is_distributed_checkpoint(name) else "torch"
-    except Exception:  # noqa: BLE001 - detection is best effort; Megatron reports real errors
-        return args.ckpt_format
-
-
-def peek_torch_checkpoint(args, load_arg):
-    """(top-level keys, schedule that wrote it) of this rank's torch-format file that
-    load_checkpoint will read, or None when there is none (memory-mapped, tensors not read)."""
-    import os
-
-    import torch
-
+def _checkpoint_name(args, load_arg, **kw):
+    """The path load_checkpoint will read (``get_checkpoint_name``'s), or None without a tracker file."""
     import megatron.training.checkpointing as mckpt
 
     load_dir = getattr(args, load_arg, None)
@@ -42,8 +17,30 @@ def peek_torch_checkpoint(args, load_arg):
     iteration, release = mckpt.read_metadata(tracker)
     if getattr(args, "ckpt_step", None):
         iteration = args.ckpt_step
-    name = mckpt.get_checkpoint_name(load_dir, iteration, release)
-    if not os.path.isfile(name):
+    return mckpt.get_checkpoint_name(load_dir, iteration, release, **kw)
+
+
+def disk_format(args, load_arg):
+    """'torch_dist' if the checkpoint that load_checkpoint will read is a distributed one, else
+    the format it will be read as (args.ckpt_format when nothing can be found)."""
+    try:
+        from megatron.core import dist_checkpointing
+
+        name = _checkpoint_name(args, load_arg, return_base_dir=True)
+        if name is None:
+            return args.ckpt_format
+        return "torch_dist" if dist_checkpointing.check_is_distributed_checkpoint(name) else "torch"
+    except Exception:  # noqa: BLE001 - detection is best effort; Megatron reports real errors
+        return args.ckpt_format
+
+
+def peek_torch_checkpoint(args, load_arg):
+    """(top-level keys, schedule that wrote it) of this rank's torch-format file that
+    load_checkpoint will read, or None when there is none (memory-mapped, tensors not read)."""
+    import torch
+
+    name = _checkpoint_name(args, load_arg)
+    if name is None or not os.path.isfile(name):
         return None
     sd = torch.load(name, map_location="cpu", weights_only=False, mmap=True)
     return set(sd), getattr(sd.get("args"), "pipeline_schedule", registry.DEFAULT) or registry.DEFAULT

@@ -8,13 +8,8 @@ grad buffers only. Load: the inverse, the mirror's entries filled with zero plac
 """
 
 from ..refusal import Refusal
-from .optimizers import home_buffers, inner_optimizers, is_distributed_optimizer, kind, main_to_model
-
-
-def _group_key(group):
-    from megatron.core.optimizer.optimizer import param_group_identifier_keys
-
-    return tuple(group[k] if k in group else group.get(f"pre_{k}") for k in param_group_identifier_keys)
+from .optimizers import (home_buffers, inner_optimizers, is_distributed_optimizer, kind, main_to_model,
+                         param_group_key as _group_key)
 
 
 def _masks(opt, keep_ids):

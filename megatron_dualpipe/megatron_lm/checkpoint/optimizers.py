@@ -17,6 +17,13 @@ def is_distributed_optimizer(opt) -> bool:
     return isinstance(opt, DistributedOptimizer)
 
 
+def param_group_key(group):
+    """A param group's identifying keys, as Megatron's load matches groups."""
+    from megatron.core.optimizer.optimizer import param_group_identifier_keys
+
+    return tuple(group[k] if k in group else group.get(f"pre_{k}") for k in param_group_identifier_keys)
+
+
 # ------------------------------------------------------------------------------------------
 # save_checkpoint / load_checkpoint
 # ------------------------------------------------------------------------------------------

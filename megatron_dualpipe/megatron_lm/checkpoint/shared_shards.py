@@ -18,7 +18,7 @@ After a load the mirrors get the home copies' parameters (``mirrors.sync_mirrors
 from typing import Dict, List
 
 from ..refusal import Refusal
-from .optimizers import inner_optimizers, model0_ids
+from .optimizers import inner_optimizers, model0_ids, param_group_key
 
 
 #: Where a torch_dist load puts the mirror's per-parameter state (never saved).
@@ -130,20 +130,13 @@ def _for_mirror(opt, sd):
     """The home copy's ``state_dict()`` for the mirror's sub-optimizer: the same param groups by
     their identifying keys (Megatron's load matches them so), plus any group of the mirror's stage
     the home stage lacks, with its own hyper-parameters and the loaded step."""
-    from megatron.core.optimizer.optimizer import param_group_identifier_keys
-
-    def key(group):
-        return tuple(group[k] if k in group else group.get(f"pre_{k}") for k in param_group_identifier_keys)
-
     groups = list(sd["optimizer"]["param_groups"])
-    have = {key(g) for g in groups}
+    have = {param_group_key(g) for g in groups}
     step = next((g["step"] for g in groups if "step" in g), None)
     for own in opt.optimizer.state_dict()["param_groups"]:
-        if key(own) not in have:
+        if param_group_key(own) not in have:
             extra = {k: v for k, v in own.items() if k != "params"}
             if step is not None:
                 extra["step"] = step
             groups.append(extra)
-    out = dict(sd)
-    out["optimizer"] = dict(sd["optimizer"], param_groups=groups)
-    return out
+    return dict(sd, optimizer=dict(sd["optimizer"], param_groups=groups))
