@@ -1,8 +1,7 @@
 """The unit of a schedule: one compute action of one pipeline rank.
 
-A schedule is data: for every pipeline rank, the ordered list of :class:`Action`. The
-simulator, the drawing code, the communication planner and the executor all read that list,
-so what is drawn and timed is exactly what runs.
+A schedule is data: per pipeline rank, the ordered :class:`Action` list that the simulator, the
+drawings, the planner and the executor all read, so what is drawn and timed is what runs.
 """
 from __future__ import annotations
 
@@ -63,10 +62,8 @@ RankActions = Tuple[Action, ...]
 
 
 def units(acts: Sequence[Action]) -> List[Tuple[int, ...]]:
-    """Group a rank's list into execution units: an overlapped F with its following backward
-    is one unit, every other action is one. The simulator times units, the planner puts one
-    batch of P2P before each, the executor runs them (a fused unit in one
-    ``forward_backward`` call)."""
+    """A rank's execution units: an overlapped F with its following backward is one unit, every
+    other action is one (the executor runs a fused unit in one ``forward_backward`` call)."""
     out: List[Tuple[int, ...]] = []
     i = 0
     while i < len(acts):

@@ -24,7 +24,6 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Dict, Hashable, List, Mapping, Optional, Sequence, Tuple
 
 from . import step_collectives
-from .actions import Action
 from .comm import RankPlan, describe
 from .layout import Layout
 from .lowering.ops import Op, OpKind
@@ -78,16 +77,6 @@ class IterationPlan:
     works: List[Work]
     items: List[List[Item]]
     program: Optional[Program] = None
-
-
-class _Where:
-    """'before action i (a)', formatted only for an error message."""
-
-    def __init__(self, i: int, a: Action):
-        self.i, self.a = i, a
-
-    def __str__(self) -> str:
-        return f"before action {self.i} ({self.a})"
 
 
 class _Text:
@@ -184,7 +173,8 @@ class _RankItems:
 
     def where(self, u: int):
         units = self.rp.units
-        return _Where(units[u][0], self.acts[units[u][0]]) if 0 <= u < len(units) else "after its last action"
+        return _Text("before action {} ({})", units[u][0], self.acts[units[u][0]]) if 0 <= u < len(units) \
+            else "after its last action"
 
     def item(self, op: Op) -> None:
         """The stream items of one op of the schedule; the collectives around it in :meth:`collective`."""
@@ -213,8 +203,7 @@ class _RankItems:
             self.collective(op)
 
     def collective(self, op: Op) -> None:
-        """The stream items of a collective op: the parameter gathers, bd sums, data-parallel
-        reductions, loss gather and finalize (``mcore.program_ops`` issues them)."""
+        """The stream items of a collective op (``mcore.program_ops`` issues them)."""
         b, r, kind, c = self.b, self.r, op.kind, op.index
         if kind in (OpKind.FINAL, OpKind.SETTLE):  # compute on the rank's stream (the drain's TP gathers: its tp group)
             return
@@ -263,9 +252,7 @@ class _RankItems:
         self.b.wait(self.r, self.sum_works[c], why)
 
     def start_dp(self, c: int) -> None:
-        """Chunk ``c``'s data-parallel reduction, over this rank's replicas (one in the plan: they
-        all run it, so it completes once started); :func:`check` names one posted before the
-        chunk's bd sum is waited."""
+        """Chunk ``c``'s data-parallel reduction (one replica: it completes once started), after its bd sum."""
         r = self.r
         if not self.reduces:  # GradReduction marks it started: Megatron's finalize reduces
             return
@@ -277,8 +264,7 @@ class _RankItems:
 
 @dataclass(frozen=True)
 class Collective:
-    """One collective a rank issued outside a program (a run's record, a design's order): its ranks
-    (the communicator's) and what every member must issue alike (``key``)."""
+    """A collective issued outside a program: its ranks and what every member issues alike (``key``)."""
 
     group: Tuple[int, ...]
     key: Hashable
@@ -290,10 +276,9 @@ class Collective:
 def issued(collectives: Mapping[int, Sequence[Collective]],
            communicator: Callable[[Collective], Hashable] = lambda c: c.group) -> IterationPlan:
     """The plan of what each global rank issued, in order, none waited: :func:`check` with
-    ``one_queue`` proves that every member issues the same sequence on each communicator (default:
-    one per group) and that every rank's list can run as one stream, as Megatron issues a chunk's
-    reduce-scatters and all-gathers (two communicators over the same ranks issued in opposite
-    orders deadlock)."""
+    ``one_queue`` proves every member issues the same sequence on each communicator (default: one
+    per group) and each rank's list runs as one stream (two communicators over the same ranks
+    issued in opposite orders deadlock)."""
     b = _Builder(max(collectives, default=-1) + 1)
     for r, cs in sorted(collectives.items()):
         for c in cs:
@@ -302,10 +287,9 @@ def issued(collectives: Mapping[int, Sequence[Collective]],
 
 
 def check(ip: IterationPlan, one_queue: bool = False) -> None:
-    """Run every rank's items under NCCL stream semantics; raise :class:`IterationPlanError`
-    naming the cycle (or the mismatched collective) if they cannot all complete. ``one_queue``:
-    ``CUDA_DEVICE_MAX_CONNECTIONS=1``, a rank's works start in posting order whatever their
-    communicator (a post waits for the rank's earlier work)."""
+    """Run every rank's items under NCCL stream semantics, or raise :class:`IterationPlanError`
+    naming the cycle or the mismatched collective. ``one_queue``: a rank's works start in posting
+    order whatever their communicator."""
     works, items = ip.works, ip.items
     n = len(works)
     reached, started, completed = [False] * n, [False] * n, [False] * n
@@ -379,8 +363,8 @@ def _check_paired(works: Sequence[Work], send_of: dict, recv_of: dict) -> None:
 
 
 def _check_waited_first(ip: IterationPlan) -> None:
-    """A work with ``after`` (a data-parallel reduction of a chunk with a bd sum) is posted after
-    its rank waited for that collective: else it reduces the chunk's unsummed copy."""
+    """A data-parallel reduction of a summed chunk is posted after its sum is waited, else it
+    reduces an unsummed copy."""
     for its in ip.items:
         waited = set()
         for it in its:
@@ -393,12 +377,9 @@ def _check_waited_first(ip: IterationPlan) -> None:
 
 
 def replicated(ips: Sequence[IterationPlan], axis: str = "dp") -> IterationPlan:
-    """The plans of ``len(ips)`` replicas along ``axis`` (``dp``: data-parallel, ``tp``: tensor-
-    parallel) as one (replica j's rank r is rank r + j*pp), the collectives of the communicators
-    that span that axis (``step_collectives.SPANS``) over every replica's ranks: what :func:`check`
-    proves of one replica holds for any number that run the same plan; a test checks replicas
-    that do not (e.g. a reduction started where a poll saw a sum complete, which differs between
-    them)."""
+    """The plans of replicas along ``axis`` (``dp`` or ``tp``) as one (replica j's rank r is rank
+    r + j*pp), the communicators spanning that axis (``step_collectives.SPANS``) over every
+    replica's ranks: for tests of replicas whose plans differ."""
     pp, n = ips[0].pp, len(ips)
     works: List[Work] = []
     items: List[List[Item]] = []
@@ -453,14 +434,10 @@ def _explain(ip, stuck, pos, reached, started, completed, head, queues, send_of,
 
 
 def plan_for(program: Program, one_queue: Optional[bool] = None) -> IterationPlan:
-    """Build and check ``program``'s iteration plan; its ``program`` is what runs.
-
-    ``one_queue`` (default: :func:`one_hardware_queue`, ``CUDA_DEVICE_MAX_CONNECTIONS=1`` on a GPU, which
-    Megatron asks for with sequence parallelism and TP overlap): the check adds that rule, and where
-    the bd sums issued mid-schedule would deadlock under it (a sum's kernel holding the queue while
-    the partner still needs a send queued behind it: 32 of 64 DualPipe (pp <= 8, M) cases), the
-    program issues every sum at the end of the schedule instead (``sums_at_end``): the same on every
-    rank, checked again."""
+    """Build and check ``program``'s iteration plan; its ``program`` is what runs. Under
+    ``one_queue`` (default :func:`one_hardware_queue`) bd sums issued mid-schedule can deadlock (a
+    sum's kernel holds the queue while the partner needs a send queued behind it: 32 of 64
+    DualPipe (pp <= 8, M) cases); there every sum moves to the end (``sums_at_end``), checked again."""
     one_queue = one_hardware_queue() if one_queue is None else one_queue
     ip = build(program)
     try:

@@ -2,13 +2,9 @@
 ones sit in the global batch.
 
 An order needs a least number of micro-batches (DualPipe: an even count >= 2*pp). Training with
-fewer (``ScheduleSpec.min_real_microbatches`` <= real < that) runs the order for
-``ScheduleSpec.padded_microbatches`` and makes the extra ones fakes: no data, no compute, zero
-loss and gradient; their sends still carry zeros, so the communication plan is the order's own.
-The executor, the simulator (fakes cost nothing), the drawings and the gradient reduction ask
-:class:`Padded` which actions are fakes.
-
-Standard library only, like the rest of ``schedule``.
+fewer runs the order for ``ScheduleSpec.padded_microbatches`` and makes the extra ones fakes: no
+data, no compute, zero loss and gradient; their sends still carry zeros, so the communication plan
+is the order's own. Standard library only.
 """
 from __future__ import annotations
 

@@ -1,16 +1,13 @@
 """The gathers, loss and finalize pass: the collectives a rank issues around its schedule.
 
-Why: the parameter all-gathers (``--overlap-param-gather``), the loss gather to the last pipeline
-rank and Megatron's finalize are issued by the code around the runner; as ops of the program, at
-fixed places, they are what the check proves. Standard library only.
+Why: the code around the runner issues them; as ops at fixed places they are what the check proves.
 
-* ``gather C`` for every chunk with a real forward, before the first op, in the order of the
-  chunks' first real forwards (one communicator runs them in issue order; a gather no forward
-  waits for would still be in flight at the next iteration), and ``gathered C`` right before the
-  ``run`` of the unit holding that first forward (DDP's pre-hook waits there);
-* after the schedule, the loss gather (the final stage's owner of each direction sends its
-  entries to rank pp-1), then, training, the finalize's token-count all-reduce over the pipeline
-  (two chunks: ``mcore.finalize``) and Megatron's ``finalize``.
+* ``gather C`` before the first op for every chunk with a real forward, in the order of their first
+  real forwards (one communicator runs them in issue order; a gather no forward waits for would
+  still be in flight next iteration); ``gathered C`` before the ``run`` of that first forward's
+  unit (DDP's pre-hook waits there);
+* after the schedule, the loss gather to rank pp-1, then, training, the finalize's token-count
+  all-reduce over the pipeline (two chunks) and Megatron's ``finalize``. Standard library only.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The ops of a rank's program: what the runner executes, the simulator times and the check proves.
 
-Why: one list of a few op kinds, each with a text form that parses back, is what runs and what
-is checked (``Program``). Op kinds, in their text form (a ``#`` starts a comment the parser ignores)::
+Why: one list, with a text form that parses back, is what runs and what is checked. Op kinds in
+their text form (``#`` starts a comment)::
 
     post K                  post batch K of the plan: its sends and receives, one batch_isend_irecv
     begin U                 unit U's batches are posted: finished sends are reaped, its waits start
@@ -24,10 +24,9 @@ is checked (``Program``). Op kinds, in their text form (a ``#`` starts a comment
     loss D -> P             send direction D's loss entries to pipeline rank P (``<- P``: receive)
     finalize                Megatron's finalize: it waits for the data-parallel reductions started
 
-The runner hands each op it does not run itself (:data:`DELEGATED`) to its listeners; the ops
-after ``finish`` (:func:`after_finish`) run after the schedule, in list order, by the Megatron
-glue (``mcore.program_ops``). Labels are the plan's ``(kind, direction, micro-batch, consuming
-stage)``. Standard library only.
+The runner hands the ops it does not run (:data:`DELEGATED`) to its listeners; the ops after
+``finish`` (:func:`after_finish`) the Megatron glue runs in list order (``mcore.program_ops``).
+Labels are the plan's. Standard library only.
 """
 from __future__ import annotations
 
@@ -79,10 +78,10 @@ class LoweringError(ValueError):
 
 @dataclass(frozen=True)
 class Op:
-    """One op. ``index``: the batch (post) or the unit (begin, run) or the unit the wait precedes
-    (recv, release; -1 after the last unit) or the chunk (sum, dp, gather, gathered, summed) or the
-    direction (loss); ``label`` and ``peer`` for the waits, ``peer`` for the loss;
-    ``what`` and ``group`` for a ``coll``."""
+    """One op. ``index``: the batch (post), the unit (begin, run; for recv and release the unit
+    the wait precedes, -1 after the last), the chunk (final, sum, dp, gather, gathered, summed) or
+    the direction (loss); ``label`` and ``peer`` for the waits and the loss; ``what`` and ``group``
+    for a ``coll``."""
 
     kind: OpKind
     index: int = -1
