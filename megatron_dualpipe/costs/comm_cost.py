@@ -77,9 +77,8 @@ def p2p_ms(nbytes: float, link: Link) -> float:
 
 @dataclass(frozen=True)
 class Placement:
-    """Where the ranks of a pp x dp x tp job sit (module docstring). ``paired``: the launcher's
-    ``--pair-placement``; a configuration it refuses raises its :class:`.placement.PlacementError`
-    (a ``ValueError``) naming the fix."""
+    """Where the ranks of a pp x dp x tp job sit; ``paired`` (``--pair-placement``) refuses with
+    :class:`.placement.PlacementError` where the launcher would."""
 
     pp: int
     dp: int = 1
@@ -146,16 +145,10 @@ class Network:
 
 @dataclass(frozen=True)
 class CommModel:
-    """Everything the communication costs need.
-
-    ``stage_grad_bytes``: gradient bytes of one whole pipeline stage on one rank (after tensor
-    parallel: its parameters / tp x the gradient dtype's bytes); a chunk of a fraction of a stage
-    has that fraction of them. ``message_bytes``: one P2P message (a stage's output activation or
-    its gradient for one micro-batch). ``distributed_optimizer``: the data-parallel reduction is a
-    reduce-scatter instead of an all-reduce. ``overlap_grad_reduce``: False reduces every chunk
-    only after the schedule (Megatron without ``--overlap-grad-reduce``; the executor always
-    overlaps).
-    """
+    """Everything the communication costs need. ``stage_grad_bytes``: one whole stage's gradient
+    bytes on one rank (after tensor parallel; a chunk has its fraction); ``message_bytes``: one P2P
+    message; ``distributed_optimizer``: the reduction is a reduce-scatter; ``overlap_grad_reduce``
+    False: every chunk reduces after the schedule (Megatron without ``--overlap-grad-reduce``)."""
 
     placement: Placement
     network: Network
@@ -255,11 +248,8 @@ class GradComm:
 def grad_comm(schedule, sim, comm: CommModel, stage_fraction: float, deferring: bool,
               is_fake: Callable = lambda a: False) -> GradComm:
     """Time every rank's gradient communication for ``schedule`` simulated as ``sim``.
-
-    ``stage_fraction``: how much of a stage one chunk is (DualPipeV 1/2, interleaved 1/v);
-    ``deferring``: the schedule's B leaves the weight gradient to a later W. ``comm.bd_mode``
-    says how a bidirectional schedule combines the two copies (``schedule.copy_sum.CopySum``: the shared
-    shard group's reduce-scatters run after the schedule, i.e. with ``overlap_grad_reduce=False``)."""
+    ``stage_fraction``: a chunk's share of a stage; ``deferring``: B leaves the weight gradient to
+    a W; ``comm.bd_mode``: how the two copies are combined (``schedule.copy_sum.CopySum``)."""
     ops = grad_order.grad_ops(deferring)
     pp = len(schedule.ranks)
     chunk_bytes = comm.stage_grad_bytes * stage_fraction

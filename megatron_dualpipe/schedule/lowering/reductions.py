@@ -52,10 +52,9 @@ def bd_sum_order(actions, partner_actions, is_fake: Callable, ops, lower_rank: b
 
 def bd_sum_points(actions, partner_actions, is_fake: Callable, ops, lower_rank: bool,
                   at_end: bool = False) -> List[Point]:
-    """[(action index, chunk)] in issue order: each chunk's sum is issued right after the action
-    at that index, the later of its own last gradient action and the previous sum's point.
-    ``len(actions)``: at the end of the schedule (no real gradient action; every sum with
-    ``at_end``, what one hardware queue may need: ``iteration_plan.plan_for``)."""
+    """[(action index, chunk)] in issue order: each sum right after the later of its chunk's last
+    gradient action and the previous sum's point; ``len(actions)``: at the end of the schedule
+    (no real gradient action, or ``at_end``: ``iteration_plan.plan_for``)."""
     last = {} if at_end else last_grad_action_index(actions, is_fake, ops)
     points, at = [], -1
     for c in bd_sum_order(actions, partner_actions, is_fake, ops, lower_rank):
@@ -67,12 +66,9 @@ def bd_sum_points(actions, partner_actions, is_fake: Callable, ops, lower_rank: 
 def dp_start_points(layout: Layout, r: int, actions, is_fake: Callable, ops, *,
                     bd_sums: bool = True) -> List[Point]:
     """[(action index, chunk)] in start order: where rank ``r`` starts each chunk's data-parallel
-    reduction (``config.grad_sync_func``). Right after the chunk's last real gradient action,
-    unless its gradients still change after the schedule: then at ``len(actions)``
-    (``GradReduction.finish``, after every sum is waited and the fold): every chunk of a rank
-    whose copies are summed (the bd sums, ``bd_sums``; the middle rank's local sum), and the end
-    chunks of a rank holding both ends of the model (the tied-embedding fold). Ties in the order
-    the chunks finish."""
+    reduction, right after its last real gradient action unless its gradients still change after
+    the schedule (summed copies, the middle rank's local sum, the tied-embedding fold of a rank
+    holding both ends): then at ``len(actions)`` (``GradReduction.finish``). Ties in finish order."""
     end, last = len(actions), last_grad_action_index(actions, is_fake, ops)
     chunks = range(len(layout.directions))
     stages = layout.stages_on(r)
@@ -94,11 +90,10 @@ def final_points(actions: Sequence[Action], is_fake: Callable, ops: Sequence[str
 def place_reductions(ops: Sequence[Op], actions: Sequence[Action], units: Sequence[Tuple[int, ...]],
                      sum_points: Sequence[Point], dp_points: Sequence[Point],
                      finals: Sequence[Point] = ()) -> Tuple[Op, ...]:
-    """``ops`` (with one ``finish``) with ``final C`` / ``sum C`` / ``dp C`` after the ``run`` of
-    the unit holding each point's action (per action its finals, sums, then reductions) and, after
-    ``finish``, those of the end, every sum waited (``summed C``) in issue order, then (training)
-    ``settle``, then the reductions of the end; a reduction started after its chunk's sum in the
-    schedule waits for that sum first."""
+    """``ops`` with ``final C`` / ``sum C`` / ``dp C`` after the ``run`` of the unit holding each
+    point's action and, after ``finish``, those of the end, the ``summed C`` waits in issue order,
+    ``settle`` (training), then the end's reductions; a reduction started after its chunk's sum in
+    the schedule waits for that sum first."""
     end, sum_at = len(actions), {c: i for i, c in sum_points}
     early = {c for i, c in dp_points if sum_at.get(c, end) <= i < end}
     after: Dict[int, List[Op]] = {}
