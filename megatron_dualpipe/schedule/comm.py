@@ -71,9 +71,8 @@ def describe(label: Label) -> str:
 
 def hand_overs(layout: Layout, ranks: Sequence[Sequence[Action]]) -> Tuple[List[List[Tuple[Hand, ...]]],
                                                                           List[List[Tuple[Hand, ...]]]]:
-    """Per rank and action: the tensors it takes and hands on, from ``deps.waits_for`` (the one
-    rule): every dependency on another stage's event is a tensor handed from the rank of that
-    event to the rank of the action that waits."""
+    """Per rank and action: the tensors it takes and hands on, one per dependency on another
+    stage's event (``deps.waits_for``)."""
     where: Dict[Event, Tuple[int, int]] = {}
     for r, acts in enumerate(ranks):
         for i, a in enumerate(acts):
@@ -96,12 +95,9 @@ def hand_overs(layout: Layout, ranks: Sequence[Sequence[Action]]) -> Tuple[List[
 
 
 def plan(layout: Layout, ranks: Sequence[Sequence[Action]]) -> List[RankPlan]:
-    """Plan every rank and check the plan (raises :class:`CommPlanError`).
-
-    A receive is posted no later than the unit that needs it, and the receives of one channel
-    are posted in the order the peer sends them; where the peer sends a message earlier than
-    this rank needs it, the receive is posted early (prefetched) to keep that order.
-    """
+    """Plan every rank and check the plan (raises :class:`CommPlanError`): a receive is posted no
+    later than its unit needs it and in the order the peer sends on its channel (prefetched where
+    that is earlier)."""
     unit_lists = [units(acts) for acts in ranks]
     sends_after: List[List[List[Transfer]]] = []
     need_unit: List[Dict[Label, int]] = []
@@ -149,12 +145,10 @@ Posting = Tuple[List[Tuple[int, int]], List[Tuple[int, int]]]
 
 class _Strict:
     """Ranks posting their batches in order, each finishing only when all its operations are
-    matched (NCCL group semantics). A rank is re-checked only when a peer posts to it (a worklist,
-    not sweeps over every rank), so a run costs the operations, not ranks times sweeps; the state
-    it settles in is the same in any order, as posting only ever lets more batches finish.
-
-    ``order[r][k]``: batch k of rank r; channels are numbers into ``ends`` (lists, not dicts of
-    pairs: this runs once per operation of a schedule with thousands of ranks)."""
+    matched (NCCL group semantics). A worklist: a rank is re-checked only when a peer posts to it,
+    and the settled state is the same in any order (posting only lets more batches finish).
+    ``order[r][k]``: batch k of rank r; channels are numbers into ``ends`` (lists, not dicts: this
+    runs once per operation of schedules with thousands of ranks)."""
 
     def __init__(self, order: List[List[Posting]], ends: List[Channel]):
         self.order, self.ends = order, ends
@@ -229,11 +223,9 @@ def _channel_index(plans: List[RankPlan]) -> Tuple[List[List[Posting]], List[Cha
 
 
 def _prefetch_where_needed(plans: List[RankPlan]) -> None:
-    """Run the batches under strict semantics; when every rank is blocked, pull the receive
-    that matches a blocked send into the receiver's current batch (with any earlier receives
-    on the same channel, to keep the channel's order). The send pulled for is the first one of
-    the lowest rank that has one, as the plan must not depend on the order ranks are visited.
-    """
+    """Run the batches under strict semantics; when every rank is blocked, pull the receive that
+    matches a blocked send (with the channel's earlier receives) into the receiver's current batch:
+    for the first such send of the lowest rank, so the plan does not depend on the visiting order."""
     order, ends, where = _channel_index(plans)
     state = _Strict(order, ends)
     # Ranks that may hold a send to pull for: a rank's chance only shrinks until it moves on.

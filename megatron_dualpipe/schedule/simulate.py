@@ -161,13 +161,10 @@ def _late(at: Optional[Tuple[int, int]], r: int, i: int) -> bool:
 def simulate(layout: Layout, ranks: Sequence[Sequence[Action]], costs: Costs = Costs(),
              progress: Optional[Callable[[int, int], None]] = None,
              p2p: Optional[Callable[[int, int], float]] = None, overhead: float = 0.0) -> SimResult:
-    """Time every rank's lowered program; ``progress(done, total)`` is called every few thousand units.
-
-    ``p2p(src, dst)``: what a message from rank src to rank dst adds (``comm_cost.CommModel.p2p``:
-    latency and bytes over the link between them); default ``costs.p2p`` for every pair.
-    ``overhead``: what running one unit costs beyond its compute (a measured executor's own cost).
-    A schedule the communication planner refuses raises :class:`DeadlockError` too.
-    """
+    """Time every rank's lowered program; ``progress(done, total)`` is called every few thousand
+    units. ``p2p(src, dst)``: a message's cost (``comm_cost.CommModel.p2p``; default ``costs.p2p``);
+    ``overhead``: a unit's cost beyond its compute. A schedule the planner refuses raises
+    :class:`DeadlockError` too."""
     frozen = tuple(tuple(acts) for acts in ranks)
     fake = getattr(costs, "is_fake", None)
     padding = tuple(tuple(bool(fake and fake(a)) for a in acts) for acts in frozen)
@@ -189,11 +186,8 @@ def simulate_program(program, costs: Costs = Costs(), progress: Optional[Callabl
 def _walk_ops(layout: Layout, ranks: Sequence[Sequence[Action]], plans: Sequence[RankPlan],
               ops: Sequence[Sequence[Op]], costs: Costs, progress: Optional[Callable[[int, int], None]],
               p2p: Optional[Callable[[int, int], float]], overhead: float) -> SimResult:
-    """Time ``ops`` walked in order; ``plans`` give each ``post``'s sends.
-
-    Dataflow: a rank walks its ops until a wait cannot complete yet, and a post wakes the rank
-    waiting for it, so every op is visited once and the times do not depend on the visiting order.
-    """
+    """Time ``ops`` walked in order (``plans`` give each ``post``'s sends): a rank walks until a
+    wait cannot complete yet and a post wakes the rank waiting for it, so every op is visited once."""
     never = misordered(layout, tuple(tuple(acts) for acts in ranks))
     walk = _Walk(ranks, plans, ops, never, costs, p2p or (lambda src, dst: costs.p2p), overhead, progress)
     todo = list(range(len(ranks)))
