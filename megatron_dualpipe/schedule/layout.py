@@ -87,14 +87,9 @@ class Layout:
         return range(self.pp)
 
     def rank_of(self, d: int, stage: int) -> int:
-        """The rank that owns ``stage`` of direction ``d``."""
-        if self.kind == INTERLEAVED:
-            return stage % self.pp
-        if self.kind == BIDIRECTIONAL and d == 1:
-            return self.pp - 1 - stage
-        if self.kind == V_SHAPE and d == 1:
-            return 2 * self.pp - 1 - stage
-        return stage
+        """The rank that owns ``stage`` of direction ``d`` (outside interleaving, :meth:`stage_on`'s
+        maps are their own inverses)."""
+        return stage % self.pp if self.kind == INTERLEAVED else self.stage_on(stage, d)
 
     def stage_on(self, rank: int, d: int) -> int:
         """The stage of direction ``d`` held by ``rank``."""
