@@ -39,17 +39,15 @@ class Costs:
     p2p: float = 0.0
 
     def __post_init__(self):
-        for name in ("f", "b", "w", "fb", "p2p"):
-            v = getattr(self, name)
+        values = [(name, getattr(self, name)) for name in ("f", "b", "w", "fb", "p2p")]
+        for name, v in values:
             if v is not None and not math.isfinite(v):
                 raise ValueError(f"cost --{name} must be a finite number, got {v}")
-        for name in ("f", "b", "w", "p2p"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"cost --{name} must be >= 0, got {getattr(self, name)}")
+        for name, v in values:
+            if v is not None and v < 0:
+                raise ValueError(f"cost --{name} must be >= 0, got {v}")
         if self.w > self.b:
             raise ValueError(f"--w ({self.w}) cannot exceed --b ({self.b}): b is the full backward, w a part of it")
-        if self.fb is not None and self.fb < 0:
-            raise ValueError(f"cost --fb must be >= 0, got {self.fb}")
 
     @property
     def fused(self) -> float:
