@@ -1,12 +1,9 @@
 """Pure generators: (layout, M, rank) -> the ordered actions of one pipeline rank.
 
-No torch, no processes: the lists can be tested, simulated and drawn anywhere. Which schedule
-uses which generator, and the rules on pp and M, are in :mod:`.registry`.
-
-DualPipe and DualPipeV share one generator, :func:`dualpipe_rank`, which follows DeepSeek's
-reference ``step()`` loop by loop (the eight ``# Step k`` headers below are the reference's).
-The two schedules differ only in four numbers and in how the reference's "phase" maps to a
-direction, which :class:`_Recorder` handles.
+Which schedule uses which generator, and the rules on pp and M, are in :mod:`.registry`.
+DualPipe and DualPipeV share :func:`dualpipe_rank`, DeepSeek's reference ``step()`` loop by loop
+(the ``# Step k`` headers are the reference's); they differ in four numbers and in how the
+reference's "phase" maps to a direction (:class:`_Recorder`).
 """
 from __future__ import annotations
 
@@ -83,12 +80,10 @@ def interleaved_warmup(pp: int, rank: int, m: int, chunks: int, group: int, over
 def interleaved_1f1b_rank(layout: Layout, m: int, rank: int, overlap: bool = False) -> List[Action]:
     """Megatron's interleaved 1F1B (``forward_backward_pipelining_with_interleaving``) on ``rank``.
 
-    The k-th forward runs the schedule table's k-th (micro-batch, chunk); the k-th backward the
-    same micro-batch in the mirrored chunk (chunks-1-c): warm-up forwards, then steady steps of
-    one forward and one backward, then the remaining backwards. Chunk c of rank r is stage
-    c*pp + r (``Layout`` interleaved). With ``overlap`` (``--overlap-moe-expert-parallel-comm``,
-    Megatron's combined 1F1B) every steady step's forward and backward run as one fused unit,
-    the F&B unit of DualPipe (``Action.overlap``), after one more warm-up forward.
+    The k-th forward runs the table's k-th (micro-batch, chunk), the k-th backward that micro-batch
+    in chunk chunks-1-c: warm-up forwards, steady F/B steps, the remaining backwards. With
+    ``overlap`` (``--overlap-moe-expert-parallel-comm``) every steady step is one fused F&B unit,
+    after one more warm-up forward.
     """
     pp, v = layout.pp, layout.chunks
     table = interleaved_order(m, v, pp)
@@ -121,13 +116,10 @@ def interleaved_1f1b_overlap_rank(layout: Layout, m: int, rank: int) -> List[Act
 # ---------------------------------------------------------------------------------------------
 
 class _Recorder:
-    """Records the reference's compute calls as actions.
-
-    The reference speaks of "phases": phase p of a rank in the second half of DualPipe is
-    direction 1-p (``phase ^= is_in_second_half``); in DualPipeV the phase is the direction.
-    Micro-batches are numbered per direction in the order the rank meets them, and deferred
-    weight gradients are popped first-in first-out, as the reference's WeightGradStore does.
-    """
+    """Records the reference's compute calls as actions: phase p of a rank in DualPipe's second
+    half is direction 1-p (``phase ^= is_in_second_half``), in DualPipeV the direction; micro-batches
+    are numbered per direction as met, deferred weight gradients popped first-in first-out (the
+    reference's WeightGradStore)."""
 
     def __init__(self, layout: Layout, rank: int, flip: bool):
         self.layout, self.rank, self.flip = layout, rank, flip
