@@ -29,9 +29,8 @@ def _gathers(kind: str, key, group: str, moe: bool) -> List[Op]:
 
 class CopySum(str, Enum):
     """``bd-first``: the pair sums whole buffers during the schedule, then each copy reduces over dp;
-    ``dp-first`` (``--dualpipe-dp-first``): each copy reduce-scatters, then the pair sums the shards
-    in Megatron's finalize; ``shared-shard`` (``--dualpipe-shared-shard-group``): both copies' ranks
-    are one shard group, whose reduce-scatter (after the schedule) sums them."""
+    ``dp-first``: each copy reduce-scatters, then the pair sums the shards in Megatron's finalize;
+    ``shared-shard``: both copies' ranks are one shard group, whose reduce-scatter sums them."""
 
     BD_FIRST = "bd-first"
     DP_FIRST = "dp-first"

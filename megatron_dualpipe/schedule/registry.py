@@ -49,7 +49,7 @@ Bubble = Optional[Callable[[int, float, float, float, float], float]]  # (pp, f,
 
 @dataclass(frozen=True)
 class ScheduleSpec:
-    """What a schedule is. Methods answer the questions every caller used to answer itself."""
+    """What a schedule is; its methods answer the questions callers ask of it."""
 
     name: str
     #: One line for ``--help`` texts and tables.
@@ -89,15 +89,11 @@ class ScheduleSpec:
     @property
     def chunks_per_rank(self) -> int:
         """Model chunks each pipeline rank holds (Megatron's ``model`` list length)."""
-        if self.layout_kind == INTERLEAVED:
-            return self.virtual
-        return 1 if self.layout_kind == UNIDIRECTIONAL else 2
+        return len(self.layout(1).directions)
 
     def model_stages(self, pp: int) -> int:
-        """Stages the model is cut into: the layer count must divide by it."""
-        if self.layout_kind == INTERLEAVED:
-            return self.virtual * pp
-        return 2 * pp if self.layout_kind == V_SHAPE else pp
+        """Stages the model is cut into (DualPipe's two chunks are copies): the layer count must divide by it."""
+        return pp if self.mirrored else self.chunks_per_rank * pp
 
     @property
     def mirrored(self) -> bool:

@@ -1,9 +1,6 @@
 """The p2p and lower passes: a rank's actions become its P2P batches (``comm.plan``) and one list
-of ops (post, begin, recv, release, run, finish).
-
-Why: the runner, the simulator and the check must walk the same list; :func:`lower_ranks` is the
-one place it is made. Padding (fake micro-batches) is lowered like the rest, except that a fake
-forward's output is never released (nothing was saved for it). Standard library only.
+of ops (post, begin, recv, release, run, finish), the one the runner, the simulator and the check
+walk. A fake forward's output is never released (nothing was saved for it). Standard library only.
 """
 from __future__ import annotations
 
@@ -26,10 +23,9 @@ def lower_ranks(layout: Layout, ranks: Tuple[Tuple[Action, ...], ...], padding: 
 
 
 def lower(rank: int, plan: RankPlan, actions: Sequence[Action], padding: Sequence[bool]) -> Tuple[Op, ...]:
-    """Rank ``rank``'s ops: per unit, the batches due by then, ``begin``, the receives its actions
-    take (in action order; a hand-over on this rank, DualPipeV's turn, is no wait), the releases of
-    the forward outputs its backwards need freed, ``run``; after the last unit the remaining
-    batches and ``finish``."""
+    """Rank ``rank``'s ops: per unit the batches due, ``begin``, the receives its actions take (a
+    hand-over on this rank, DualPipeV's turn, is no wait), the releases of the forward outputs its
+    backwards free, ``run``; then the remaining batches and ``finish``."""
     ops: List[Op] = []
     posted = 0
     sent: dict = {}  # forward (dir, mb, stage) -> (label, peer) of its output's send, once posted

@@ -30,13 +30,11 @@ from .reductions import Point, bd_sum_points, dp_start_points, final_points, gra
 
 @dataclass(frozen=True)
 class ProgramOptions:
-    """What the run adds around the schedule. ``zero_bubble``: deferred weight gradients finish a
-    chunk at its W; ``overlap_grad_reduce`` and ``dp``: the ``dp`` ops start collectives;
-    ``param_gather``: ``config.param_sync_func`` is set (``mcore.param_gather``); ``bd_sums``: the
-    copies are summed during the schedule (False: the shared shard group or dp-first ways);
-    ``sums_at_end``: every bd sum after the schedule (what one hardware queue may need:
-    ``iteration_plan.plan_for``); ``step``: the collectives after the schedule
-    (``step_collectives``; None: none)."""
+    """What the run adds around the schedule. ``zero_bubble``: a chunk is final at its W;
+    ``overlap_grad_reduce`` and ``dp``: the ``dp`` ops start collectives; ``param_gather``:
+    ``config.param_sync_func`` is set; ``bd_sums``: the copies are summed during the schedule;
+    ``sums_at_end``: every bd sum after it (``iteration_plan.plan_for``); ``step``: the collectives
+    after the schedule (``step_collectives``; None: none)."""
 
     zero_bubble: bool = True
     overlap_grad_reduce: bool = False
@@ -49,11 +47,9 @@ class ProgramOptions:
 
 @dataclass(frozen=True)
 class Program:
-    """The built program. ``padding[rank][i]``: action ``i`` of ``rank`` is a fake micro-batch's
-    (``padded`` says which and where the real ones sit); ``ops``: the schedule's ops up to
-    ``finish``, then the collectives after it; ``step_ops``: the ``coll`` ops Megatron issues
-    after the finalize (``step_collectives``); ``sum_points`` / ``dp_points``: where the
-    reductions pass put each rank's bd sums and data-parallel starts."""
+    """The built program. ``padding[rank][i]``: action ``i`` of ``rank`` is a fake's; ``ops``: the
+    schedule's ops up to ``finish``, then the collectives after it; ``step_ops``: the ``coll`` ops
+    after the finalize; ``sum_points`` / ``dp_points``: the reductions pass's points per rank."""
 
     schedule: Schedule
     forward_only: bool
