@@ -1,17 +1,14 @@
 """The one dependency rule: what an action waits for.
 
-Used by the simulator, by the schedule validator and by the communication planner, whose plan
-is all the executor reads (which tensor each action receives and hands on, from which rank),
-so the three can never disagree about when an action is ready.
+The simulator, the validator and the communication planner (whose plan is all the executor
+reads) use it, so they never disagree about when an action is ready.
 
 * F(d, mb, s) waits for the F of the previous stage on the micro-batch's route.
 * B or BW(d, mb, s) waits for its own F and for the backward (B or BW) of the next stage.
 * W(d, mb, s) waits for its own B.
 
-A dependency on another stage hands a tensor over (:func:`hands_over`): the activation of the
-previous stage to an F, the output gradient of the next stage to a backward. A dependency on
-the action's own stage is state kept inside the stage (saved activations, a deferred weight
-gradient).
+A dependency on another stage hands a tensor over (:func:`hands_over`: an activation to an F, an
+output gradient to a backward); one on the action's own stage is state kept inside the stage.
 """
 from __future__ import annotations
 

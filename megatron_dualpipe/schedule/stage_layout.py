@@ -1,15 +1,11 @@
 """Megatron's ``--pipeline-model-parallel-layout`` read without megatron-core, and the layouts a
 schedule can run.
 
-A layout lists the model stages along the route, ``|`` between them: ``E`` the embedding, ``t``
-a transformer layer, ``m`` a multi-token-prediction layer, ``L`` the loss (output layer), with
-Megatron's shorthands ``t*4`` and ``(tt|)*14``. Megatron places stage ``s`` on pipeline rank
-``s % pp``; the schedules here take a fixed number of stages and place them their own way
-(``schedule.layout.Layout.stages_on``): 1F1B and DualPipe ``pp`` (DualPipe's rank ``i`` holds
-stage ``i`` and a copy of ``pp-1-i``), DualPipeV ``2*pp`` V-stages (rank ``i`` holds ``i`` and
-``2pp-1-i``). A layout of another count is refused with one of the right count (:func:`fix`).
-
-Standard library only, like the rest of ``schedule``.
+A layout lists the stages along the route, ``|`` between them: ``E`` embedding, ``t`` transformer
+layer, ``m`` multi-token-prediction layer, ``L`` loss, with Megatron's shorthands ``t*4`` and
+``(tt|)*14``. The schedules here take a fixed number of stages (1F1B and DualPipe ``pp``, DualPipeV
+``2*pp``) and place them their own way (``Layout.stages_on``); a layout of another count is refused
+with one of the right count (:func:`fix`). Standard library only.
 """
 from __future__ import annotations
 

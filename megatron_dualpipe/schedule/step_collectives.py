@@ -56,14 +56,10 @@ from .copy_sum import BD_FIRST, CopySum, paired, stage_order
 from .layout import Layout
 from .lowering.ops import Op, OpKind, coll
 
-#: communicator -> the replica axes it spans (``iteration_plan.replicated``): Megatron's groups
-#: pp (pipeline), bd (DualPipe's pair of a stage's copies), embd (first and last pipeline rank),
-#: mp (tensor x pipeline), world (the distributed optimizer's instance: tensor x data x pipeline),
-#: tp, dp, dp-cp, tp-dp-cp, expt-dp (expert data parallel), expt-mp (expert tensor x pipeline),
-#: shard:S / expt-shard:S (stage S's shared shard groups: both copies' ranks x data parallel),
-#: default (torch's default group, every rank of the job: Megatron-LM's rerun state machine),
-#: tp-cp (tensor x context parallel: the MoE metrics' reduce group), expt-gtp (core_v0.19.0's expert
-#: GTP-remat group, --tensor-parallel-num-weight-shards: a part of expert data parallelism).
+#: communicator -> the replica axes it spans (``iteration_plan.replicated``). Megatron's groups, and
+#: bd (a stage's two copies), embd (first and last pipeline rank), world (the distributed
+#: optimizer's instance), shard:S / expt-shard:S (stage S's shared shard groups), default (every
+#: rank of the job), expt-gtp (core_v0.19.0's expert GTP-remat group, within expert data parallel).
 SPANS = {"pp": (), "bd": (), "embd": (), "mp": ("tp",), "expt-mp": ("tp",), "world": ("tp", "dp"),
          "default": ("tp", "dp"), "tp-cp": ("tp",), "expt-gtp": ("dp",),
          "tp": ("tp",), "dp": ("dp",), "dp-cp": ("dp",), "tp-dp-cp": ("tp", "dp"), "expt-dp": ("dp",),
@@ -72,9 +68,8 @@ SPANS = {"pp": (), "bd": (), "embd": (), "mp": ("tp",), "expt-mp": ("tp",), "wor
 
 @dataclass(frozen=True)
 class StepOptions:
-    """What decides the collectives after the schedule (``mcore.step_options`` reads them from a
-    run). Where a run cannot tell (megatron-core without Megatron-LM's arguments), the default
-    is the collective issued: more collectives, alike on every member, prove fewer."""
+    """What decides the collectives after the schedule (``mcore.step_options`` reads them). Where a
+    run cannot tell, the default issues the collective: more, alike on every member, prove fewer."""
 
     tp_grads: bool = False            # tp > 1 with sequence parallel or qk layernorm
     moe: bool = False                 # expert parameters: expert bucket groups and optimizer
