@@ -59,17 +59,14 @@ class GradReduction:
         self._sums = None
         if paired and copies.of(self.model).way.sums_in_schedule:
             pos = self._pos
+            stage = {copy_.chunk: copy_.stage for copy_ in bd_pairs.stage_copies(pos)}
             self._sums = pair_sums.PairSums(  # issued and waited by the program's sum / summed ops
                 {}, lambda c: sum_tensors(self.model[c]), pos.group,
                 in_place=lambda c: is_wrapped(self.model[c]), timeout_s=BD_SUM_TIMEOUT_S,
-                describe=lambda c: (f"global rank {pos.me}: the bd sum of stage {self._stage_of(c)} "
+                describe=lambda c: (f"global rank {pos.me}: the bd sum of stage {stage[c]} "
                                     f"with global rank {pos.partner}"))
         self._overlap: list = []  # (DDP config, its overlap_grad_reduce) while the schedule runs
         clear_deferred_output_wgrads(config, self.model)
-
-    def _stage_of(self, c: int) -> int:
-        """DualPipe's stage of chunk ``c`` on this rank: its own (0) or the mirrored one (1)."""
-        return self._pos.index if c == 0 else self._pos.pp - 1 - self._pos.index
 
     @contextlib.contextmanager
     def during_schedule(self):
@@ -89,12 +86,8 @@ class GradReduction:
 
     @contextlib.contextmanager
     def _as_configured(self):
-        """Megatron's ``start_grad_sync`` as the user configured it (during the schedule the flag is
-        off): asynchronous under ``--overlap-grad-reduce``, leaving the handle that its
-        ``finish_grad_sync`` waits for. Synchronous, it left no handle, and ``finish_grad_sync``
-        (still in its first-batch mode: the hooks never register a gradient) reduced the bucket a
-        second time: harmless for an averaging all-reduce, wrong for the distributed optimizer's
-        reduce-scatter."""
+        """``start_grad_sync`` as configured: asynchronous, it leaves the handle ``finish_grad_sync`` waits
+        for; synchronous, ``finish_grad_sync`` reduced the bucket a second time (wrong for a reduce-scatter)."""
         self._set_overlap(None)
         try:
             yield
@@ -152,13 +145,9 @@ class GradReduction:
 
 
 def _dp_start_functions(config, model) -> list:
-    """Per chunk: what starts its data-parallel reduction early (``config.grad_sync_func``,
-    which Megatron-LM sets with --overlap-grad-reduce), or None (reduced in finalize).
-
-    None too in an iteration whose gradients Megatron-LM saves (``--save-wgrads-interval``): it
-    sets the chunks' ``force_all_reduce``, which DDP's own backward hooks pass on, but
-    ``start_grad_sync`` does not take it and would reduce-scatter; finalize's
-    ``finish_grad_sync(force_all_reduce=True)`` then all-reduces what it starts itself."""
+    """Per chunk: what starts its data-parallel reduction early (``config.grad_sync_func``), or None
+    (reduced in finalize). None too where a chunk has ``force_all_reduce`` (``--save-wgrads-interval``):
+    ``start_grad_sync`` does not take it and would reduce-scatter."""
     funcs = config.grad_sync_func
     if funcs is None:
         return [None] * len(model)
@@ -177,10 +166,8 @@ def _output_layer_module(config, chunk):
 
 
 def clear_deferred_output_wgrads(config, model) -> None:
-    """``--defer-embedding-wgrad-compute``: empty the output layer's buffers of deferred activations
-    and output gradients. Before a training run (no stray activations of an earlier evaluation),
-    and after every evaluation run: its forwards append their activations too, and nothing
-    drains them, so they would grow through the evaluation."""
+    """``--defer-embedding-wgrad-compute``: empty the output layer's deferred activations and output
+    gradients, before a training run and after every evaluation run (nothing drains its forwards')."""
     for chunk in model:
         m = _output_layer_module(config, chunk)
         if m is not None:
