@@ -17,7 +17,7 @@ cannot deadlock.
 from __future__ import annotations
 
 import re
-from typing import Callable, Dict, List, Sequence, Tuple
+from typing import Callable, Dict, List, Tuple
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 
@@ -83,23 +83,6 @@ def route(pieces: Dict[int, Dict[str, object]], src_of: Callable[[int], int], de
     return received
 
 
-def gather_one_chunk_state_dict(model, me: int, pp: int, sizes: Sequence[int]) -> Dict[str, object]:
-    """DualPipeV -> 1F1B: 1F1B stage ``me``'s weights, assembled from the V-stages (collective)."""
-    from ...mcore.model import chunk_info
-
-    pieces = {chunk_info(c)["stage"]: c.state_dict_for_save_checkpoint() for c in model}
-    got = route(pieces, lambda v: v_stage_owner(v, pp)[0], lambda v: v // 2, pp)
-    return join_stage(got, me, sizes[2 * me])
-
-
-def scatter_one_chunk_state_dict(sd: Dict[str, object], me: int, pp: int,
-                                 sizes: Sequence[int]) -> List[Dict[str, object]]:
-    """1F1B -> DualPipeV: this rank's stage ``me`` cut into V-stages and routed; returns the state
-    dicts of ``[model[0], model[1]]`` (V-stages ``me`` and ``2pp-1-me``). Collective."""
-    got = route(split_stage(sd, me, sizes[2 * me]), lambda v: v // 2, lambda v: v_stage_owner(v, pp)[0], pp)
-    return [got[me], got[2 * pp - 1 - me]]
-
-
 def geometry(model) -> Tuple[int, int, Tuple[int, ...]]:
     """(pipeline rank, pp, layers of every V-stage) of a DualPipeV model, the sizes as built (an
     uneven split's too), gathered over the pipeline group (collective)."""
@@ -119,10 +102,12 @@ def geometry(model) -> Tuple[int, int, Tuple[int, ...]]:
 def one_chunk_model_added(model):
     """Within the block, the state dict Megatron's save writes also holds ``model``: 1F1B stage
     ``i``'s weights (gathered from the V-stages now, collectively, on every rank)."""
+    from ...mcore.model import chunk_info
     from .megatron_io import generated_state_dict_edited
 
     me, pp, sizes = geometry(model)
-    one_chunk = gather_one_chunk_state_dict(model, me, pp, sizes)
+    pieces = {chunk_info(c)["stage"]: c.state_dict_for_save_checkpoint() for c in model}
+    one_chunk = join_stage(route(pieces, lambda v: v_stage_owner(v, pp)[0], lambda v: v // 2, pp), me, sizes[2 * me])
     return generated_state_dict_edited(lambda sd: sd.__setitem__("model", one_chunk))
 
 
@@ -134,7 +119,9 @@ def cut_into_v_stages(model):
     me, pp, sizes = geometry(model)
 
     def cut(sd):
-        if "model" in sd and "model0" not in sd:
-            sd["model0"], sd["model1"] = scatter_one_chunk_state_dict(sd.pop("model"), me, pp, sizes)
+        if "model" in sd and "model0" not in sd:  # 1F1B's stage ``me`` cut into this rank's V-stages
+            pieces = split_stage(sd.pop("model"), me, sizes[2 * me])
+            got = route(pieces, lambda v: v // 2, lambda v: v_stage_owner(v, pp)[0], pp)
+            sd["model0"], sd["model1"] = got[me], got[2 * pp - 1 - me]
 
     return loaded_state_dict_edited(cut)

@@ -1,9 +1,7 @@
 """``--ckpt-format torch`` under DualPipe: the optimizer seen as 1F1B's one-chunk optimizer.
 
-Save: :class:`OneChunkOptimizerView` gives Megatron's ``save_checkpoint`` a ``state_dict()`` that
-keeps only ``model[0]``'s parameters (their Adam moments, step, and for fp16/bf16 the fp32 main
-copies), re-indexed as a one-chunk run indexes them, and a ``distrib_optim.pt`` of ``model[0]``'s
-grad buffers only. Load: the inverse, the mirror's entries filled with zero placeholders that
+Save: only ``model[0]``'s parameters' state (and ``distrib_optim.pt`` of its grad buffers), re-indexed
+as a one-chunk run indexes them. Load: the inverse, the mirror's entries zero placeholders that
 ``mirrors.sync_mirrors`` then overwrites from the home copy.
 """
 

@@ -49,8 +49,7 @@ class HomeCopyState:
     """One optimizer over both chunks (the bd sum, dp-first): 1F1B's state is its ``model[0]`` part,
     and the mirror's is copied from the home copy after a load."""
 
-    #: The checkpoint formats it is written and read in (None: every one).
-    formats = None
+    formats = None  # the checkpoint formats it is written and read in (None: every one)
 
     def __init__(self, model, optimizer):
         self.model, self.optimizer = model, optimizer

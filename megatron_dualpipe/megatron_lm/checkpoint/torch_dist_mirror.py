@@ -25,8 +25,7 @@ _LOAD_RESHARDABLE = hooks.entry("per object", "DistributedOptimizer.load_paramet
 
 
 class MirrorReplicaId(tuple):
-    """``replica_id`` of a sharded entry of DualPipe's mirror: non-main (first element >= 1), the
-    same length as the original (Megatron asserts 3-tuples in places), and recognisable by type."""
+    """A mirror entry's ``replica_id``: non-main, the original's length (Megatron asserts 3-tuples)."""
 
 
 def mirror_replica_id(replica_id) -> MirrorReplicaId:
@@ -40,9 +39,8 @@ def is_mirror_entry(value) -> bool:
 
 
 def mark_mirror_replicas(chunk, only=None) -> None:
-    """Make every ShardedTensor / ShardedObject / factory of ``chunk.sharded_state_dict(...)`` (or
-    those under the top-level keys ``only``) a mirror replica, by wrapping the method of the
-    innermost module (Megatron's save/load call ``unwrap_model`` first). Idempotent."""
+    """Make every sharded entry of ``chunk.sharded_state_dict(...)`` (or those under the top-level keys
+    ``only``) a mirror replica, on the innermost module (Megatron unwraps first). Idempotent."""
     from ...mcore.model import unwrap_chunk
 
     from ...hooks.mechanism import apply
@@ -65,8 +63,7 @@ def mark_mirror_replicas(chunk, only=None) -> None:
 
 
 def mark_non_main_replicas(sharded_state_dict) -> int:
-    """Give every ShardedBase / ShardedTensorFactory in the nested dict a :class:`MirrorReplicaId`;
-    returns the count."""
+    """Give every sharded entry of the nested dict a :class:`MirrorReplicaId`; returns the count."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedBase, ShardedTensorFactory
 
@@ -79,8 +76,8 @@ def mark_non_main_replicas(sharded_state_dict) -> int:
 
 
 def drop_mirror_entries(state_dict) -> int:
-    """Replace every mirror entry of a state dict about to be saved by a non-persistent
-    placeholder (not written); returns the count."""
+    """Replace every mirror entry of a state dict about to be saved by a non-persistent placeholder;
+    returns the count."""
     from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
     from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject
 
@@ -115,8 +112,7 @@ def mark_v_tied_output_weight(model) -> None:
 
 
 def home_buffer_count(opt, keep_ids) -> int:
-    """How many of ``opt``'s grad buffers are model[0]'s; they must come first (DDP numbers the
-    buffers chunk by chunk), so that their indices are a one-chunk run's."""
+    """How many of ``opt``'s grad buffers are model[0]'s; they must come first, numbered as a one-chunk run's."""
     home = home_buffers(opt, keep_ids)
     if home != list(range(len(home))):
         raise RuntimeError(f"--pipeline-schedule dualpipe: model[0]'s grad buffers are {home} of "
