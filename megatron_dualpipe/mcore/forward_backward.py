@@ -63,12 +63,10 @@ __all__ = ["DualPipeConfigError", "ExecutorSchedule", "forward_backward_dualpipe
 def get_forward_backward_func(schedule: str = registry.DEFAULT, **options) -> Callable:
     """The ``forward_backward_func`` for a schedule name (see the module docstring).
 
-    ``options`` (executor schedules only): ``zero_bubble`` (default True), ``p2p_timeout``
-    (seconds, default ``MEGATRON_DUALPIPE_P2P_TIMEOUT`` or 600), ``advise`` (default False: log
-    ``megatron-dualpipe advise`` for the costs measured after the warm-up, see
-    :mod:`.live_advice`), ``advise_warmup`` (training iterations skipped before measuring),
-    ``drift_check_every`` (default 0, off: every N-th training call first checks that both copies
-    of every stage are bit-identical, see :mod:`.drift`).
+    ``options`` (executor schedules only): ``zero_bubble`` (default True), ``p2p_timeout`` (seconds,
+    default ``MEGATRON_DUALPIPE_P2P_TIMEOUT`` or 600), ``advise`` (default False; :mod:`.live_advice`),
+    ``advise_warmup`` (training iterations skipped before measuring), ``drift_check_every`` (default 0,
+    off: every N-th training call first checks both copies of every stage bit-identical, :mod:`.drift`).
     """
     try:
         spec = registry.get(schedule)
@@ -81,11 +79,9 @@ def get_forward_backward_func(schedule: str = registry.DEFAULT, **options) -> Ca
 
 
 @functools.lru_cache(maxsize=None)
-def _executor_schedule(name: str, zero_bubble: bool = True, p2p_timeout: float = DEFAULT_TIMEOUT_S,
-                       advise: bool = False, advise_warmup: int = ADVISE_WARMUP, drift_check_every: int = 0):
+def _executor_schedule(name: str, **options):
     """One instance per (schedule, options): Megatron-LM asks for the function every iteration."""
-    return ExecutorSchedule(registry.get(name), zero_bubble=zero_bubble, p2p_timeout=p2p_timeout, advise=advise,
-                            advise_warmup=advise_warmup, drift_check_every=drift_check_every)
+    return ExecutorSchedule(registry.get(name), **options)
 
 
 def forward_backward_dualpipe(*, schedule: str = registry.DUALPIPE, zero_bubble: bool = True,
