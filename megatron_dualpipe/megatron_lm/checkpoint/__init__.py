@@ -7,7 +7,8 @@ no mirrors: its two chunks are V-stages ``i`` and ``2pp-1-i``, and 1F1B's stage 
 ``2i`` and ``2i+1``.
 
 :mod:`.strategies` has the (schedule, format) -> save / load table; :mod:`.hooks` wraps Megatron's
-``save_checkpoint`` / ``load_checkpoint`` to look it up. Supported optimizers (``torch`` format): ``FP32Optimizer``, ``Float16OptimizerWithFloat16Params``,
-``DistributedOptimizer`` (and a ``ChainedOptimizer`` of them). Optimizer state does not cross
-between the DualPipeV and 1F1B layouts: such a load needs ``--no-load-optim``.
+``save_checkpoint`` / ``load_checkpoint`` to look it up. Supported optimizers (``torch`` format):
+``FP32Optimizer``, ``Float16OptimizerWithFloat16Params``, ``DistributedOptimizer`` (and a
+``ChainedOptimizer`` of them). Optimizer state does not cross between the DualPipeV and 1F1B
+layouts: such a load needs ``--no-load-optim``.
 """

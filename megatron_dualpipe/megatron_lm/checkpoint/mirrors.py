@@ -33,10 +33,8 @@ def sync_mirrors(model, optimizer) -> None:
 
 
 def _sync_distributed_optimizer_state(model, opt) -> None:
-    """The distributed optimizer keeps, per parameter with a shard on this data-parallel rank,
-    the main parameter shard and its state (Megatron's ``_get/_set_main_param_and_optimizer_states``;
-    the getter may return copies, e.g. with the precision-aware optimizer, so the received values
-    are written back through the setter)."""
+    """Per parameter with a shard on this data-parallel rank, the main parameter shard and its state,
+    written back through Megatron's setter (its getter may return copies: the precision-aware optimizer)."""
     import torch
 
     from ...mcore import bd_pairs

@@ -1,6 +1,5 @@
-"""Which Megatron optimizer a checkpoint deals with, which of its parameters and grad buffers
-are ``model[0]``'s (the chunk a one-chunk, 1F1B checkpoint holds), and the offsets its fully
-reshardable state is written at."""
+"""Which Megatron optimizer a checkpoint deals with, which of its parameters and grad buffers are
+``model[0]``'s (what a 1F1B checkpoint holds), and the offsets its fully reshardable state is written at."""
 
 
 def inner_optimizers(optimizer):
@@ -24,9 +23,7 @@ def param_group_key(group):
     return tuple(group[k] if k in group else group.get(f"pre_{k}") for k in param_group_identifier_keys)
 
 
-# ------------------------------------------------------------------------------------------
-# save_checkpoint / load_checkpoint
-# ------------------------------------------------------------------------------------------
+# --- save_checkpoint / load_checkpoint ---
 
 
 def kind(opt) -> str:
@@ -81,9 +78,7 @@ def model0_ids(model):
     return {id(p) for p in unwrap_chunk(model[0]).parameters()}
 
 
-# ------------------------------------------------------------------------------------------
-# Fully reshardable torch_dist state
-# ------------------------------------------------------------------------------------------
+# --- fully reshardable torch_dist state ---
 
 
 def exact_offsets(optimizer):

@@ -73,10 +73,7 @@ class SharedShardOptimizerView:
                                    "mirrored stage: it was saved for another model; resume with --no-load-optim")
             o.load_state_dict(sd if o in self._home else _for_mirror(o, sd))
 
-    # --ckpt-format torch_dist with --dist-ckpt-optim-fully-reshardable: per-parameter state under the
-    # model parameters' global keys. Every sub-optimizer builds its part (collective over its shard
-    # group: the gathers at save), in stage order; the file gets the home copy's parts, as 1F1B's
-    # optimizer lays them out; a load also asks for the mirror's, under MIRROR_KEY.
+    # torch_dist, fully reshardable (module docstring); a load also asks for the mirror's parts (MIRROR_KEY).
 
     def sharded_state_dict(self, model_sharded_state_dict, is_loading=False, **kwargs):
         parts = {id(o): o.sharded_state_dict(model_sharded_state_dict, is_loading, **kwargs) for o in self._subs}

@@ -106,13 +106,11 @@ def mark_v_tied_output_weight(model) -> None:
     mark_mirror_replicas(model[1], only=(key,))
 
 
-# ------------------------------------------------------------------------------------------
-# The distributed optimizer's dp_reshardable state: model[0]'s grad buffers only
-# ------------------------------------------------------------------------------------------
+# --- the distributed optimizer's dp_reshardable state: model[0]'s grad buffers only ---
 
 
 def home_buffer_count(opt, keep_ids) -> int:
-    """How many of ``opt``'s grad buffers are model[0]'s; they must come first, numbered as a one-chunk run's."""
+    """How many of ``opt``'s grad buffers are model[0]'s (they must come first, as in a one-chunk run)."""
     home = home_buffers(opt, keep_ids)
     if home != list(range(len(home))):
         raise RuntimeError(f"--pipeline-schedule dualpipe: model[0]'s grad buffers are {home} of "
