@@ -112,9 +112,8 @@ class ScheduleSpec:
             return None
         good = max(self.pp_multiple, pp + (-pp) % self.pp_multiple)
         what = "an even pipeline size >= 2" if self.pp_multiple == 2 else f"a multiple of {self.pp_multiple}"
-        why = " (ranks i and pp-1-i hold mirrored copies of the same stages)" if self.layout_kind == BIDIRECTIONAL \
-            else ""
-        alternative = f", or use {V_SCHEDULE}" if self.layout_kind == BIDIRECTIONAL else ""
+        why, alternative = (" (ranks i and pp-1-i hold mirrored copies of the same stages)", f", or use {V_SCHEDULE}") \
+            if self.mirrored else ("", "")
         return f"{self.name} needs {what}{why}, got {pp}: set {flag} to {good}{alternative}"
 
     def min_microbatches(self, pp: int) -> int:
@@ -142,9 +141,8 @@ class ScheduleSpec:
                 f"{self.min_real_microbatches(pp)} real ones)")
 
     def padded_microbatches(self, pp: int, real: int, forward_only: bool = False) -> int:
-        """How many micro-batches run (real plus fake, no compute) for ``real`` real ones.
-
-        Raises :class:`ScheduleError` when ``real`` is below :meth:`min_real_microbatches`."""
+        """How many micro-batches run (real plus fake) for ``real`` real ones; :class:`ScheduleError`
+        below :meth:`min_real_microbatches`."""
         least = self.min_real_microbatches(pp, forward_only)
         if self.microbatches_multiple_of_pp:  # Megatron pads nothing
             problem = self.microbatch_problem(pp, real)
