@@ -80,7 +80,7 @@ class IterationPlan:
 
 
 class _Text:
-    """A message formatted only when shown (the check builds thousands per plan); labels in words."""
+    """A message formatted only when shown (a plan builds thousands); labels in words."""
 
     def __init__(self, fmt: str, *args):
         self.fmt, self.args = fmt, args

@@ -71,8 +71,8 @@ class Costs:
 
 @dataclass(frozen=True)
 class PaddedCosts(Costs):
-    """Costs of a padded schedule: fake micro-batches (``is_fake(action)``) compute nothing, as
-    in the executor, so they cost 0 (their sends still pay ``p2p``)."""
+    """Costs of a padded schedule: fake micro-batches compute nothing, as in the executor (their
+    sends still pay ``p2p``)."""
 
     is_fake: Callable[[Action], bool] = lambda a: False
 
@@ -175,8 +175,8 @@ def simulate(layout: Layout, ranks: Sequence[Sequence[Action]], costs: Costs = C
 
 def simulate_program(program, costs: Costs = Costs(), progress: Optional[Callable[[int, int], None]] = None,
                      p2p: Optional[Callable[[int, int], float]] = None, overhead: float = 0.0) -> SimResult:
-    """Time ``program``'s ops (a ``lowering.program.Program``, which imports this module: the
-    schedule and the collectives around it) walked in order. Arguments as :func:`simulate`."""
+    """Time a built ``Program``'s ops in order (untyped: that module imports this one). Arguments
+    as :func:`simulate`."""
     return _walk_ops(program.layout, program.actions, program.plans, program.ops, costs, progress=progress, p2p=p2p,
                      overhead=overhead)
 
@@ -199,8 +199,8 @@ def _walk_ops(layout: Layout, ranks: Sequence[Sequence[Action]], plans: Sequence
 
 
 class _Walk:
-    """The state of :func:`_walk_ops`: each rank's position and clock, the posted sends and
-    completed receives with their times, and which rank waits for which of them."""
+    """:func:`_walk_ops`' state: each rank's position and clock, the sends and receives with their
+    times, and who waits for which."""
 
     def __init__(self, ranks, plans, ops, never, costs, hop, overhead, progress):
         self.ranks, self.plans, self.ops, self.never = ranks, plans, ops, never
