@@ -13,9 +13,7 @@ from typing import List
 from .actions import B, BW, F, W, Action
 from .layout import Layout
 
-# ---------------------------------------------------------------------------------------------
-# 1F1B and ZB-H1
-# ---------------------------------------------------------------------------------------------
+# -- 1F1B and ZB-H1 ---------------------------------------------------------------------------
 
 def one_f_one_b_rank(layout: Layout, m: int, rank: int, zero_bubble: bool = False) -> List[Action]:
     """Megatron's non-interleaved 1F1B; with ``zero_bubble``, ZB-H1.
@@ -52,9 +50,7 @@ def zb_h1_rank(layout: Layout, m: int, rank: int) -> List[Action]:
     return one_f_one_b_rank(layout, m, rank, zero_bubble=True)
 
 
-# ---------------------------------------------------------------------------------------------
-# Megatron's interleaved 1F1B (virtual pipeline)
-# ---------------------------------------------------------------------------------------------
+# -- Megatron's interleaved 1F1B (virtual pipeline) -------------------------------------------
 
 def interleaved_order(m: int, chunks: int, group: int) -> List[tuple]:
     """Megatron's schedule table: the (micro-batch, model chunk) of each virtual micro-batch.
@@ -111,9 +107,7 @@ def interleaved_1f1b_overlap_rank(layout: Layout, m: int, rank: int) -> List[Act
     return interleaved_1f1b_rank(layout, m, rank, overlap=True)
 
 
-# ---------------------------------------------------------------------------------------------
-# DualPipe and DualPipeV
-# ---------------------------------------------------------------------------------------------
+# -- DualPipe and DualPipeV -------------------------------------------------------------------
 
 class _Recorder:
     """Records the reference's compute calls as actions: phase p of a rank in DualPipe's second

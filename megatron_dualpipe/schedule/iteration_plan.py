@@ -41,9 +41,7 @@ class IterationPlanError(RuntimeError):
     """The iteration's communication has a cycle under NCCL stream semantics."""
 
 
-# ------------------------------------------------------------------------------------------
-# The model
-# ------------------------------------------------------------------------------------------
+# -- The model --------------------------------------------------------------------------------
 
 @dataclass
 class Work:
