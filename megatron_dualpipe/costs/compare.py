@@ -1,9 +1,8 @@
 """One model under every schedule: what each would cost, from the simulator.
 
 Costs are per *stage* of a pp-stage pipeline; DualPipeV's chunks are half a stage, so it runs at
-half those costs and its activations are counted in stages (equal per-chunk costs would make 1F1B's
-stage as cheap as half a stage). A short batch runs padded, as the executor runs it, fakes costing
-nothing. Standard library only, like ``schedule``.
+half those costs, its activations counted in stages. A short batch runs padded, fakes costing
+nothing. Standard library only.
 """
 from __future__ import annotations
 

@@ -60,7 +60,7 @@ class ScheduleSpec:
     generator: Callable[[Layout, int, int], List[Action]]
     #: ``MEGATRON``, ``EXECUTOR`` or ``MODELLED``.
     runs_on: str
-    #: The closed-form bubble (DeepSeek's / the Zero Bubble paper's table), as text and as a function.
+    #: The closed-form bubble (DeepSeek's / the Zero Bubble paper's), as text and as a function.
     bubble_formula: str
     bubble: Bubble
     #: The pipeline size must be a multiple of this (DualPipe pairs rank i with pp-1-i).
@@ -69,13 +69,11 @@ class ScheduleSpec:
     min_microbatches_per_rank: int = 0
     #: ... and a multiple of this many (DualPipe: both directions equally).
     microbatch_multiple: int = 1
-    #: With fewer than the order needs, training pads with fake micro-batches down to this many
-    #: real ones per pipeline rank (more padding than that would waste most of the pipeline).
+    #: Fewest real micro-batches per pipeline rank that training pads up to what the order needs.
     min_real_microbatches_per_rank: int = 0
     #: The costs the simulator and the formula take are per model chunk (DualPipeV: half a stage).
     costs_per_chunk: bool = False
-    #: The order splits backwards into B and a later W (zero bubble; ``--no-dualpipe-zero-bubble``
-    #: runs each B as a full backward and each W as nothing).
+    #: The order splits backwards into B and a later W (``--no-dualpipe-zero-bubble``: B runs all, W nothing).
     defers_weight_grads: bool = True
     #: Model chunks per rank of an interleaved layout (Megatron's virtual pipeline size).
     virtual: int = 1
