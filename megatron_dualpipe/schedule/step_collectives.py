@@ -35,8 +35,9 @@ The order per rank (megatron-core 0.16.1 / 0.19.2 ``finalize_model_grads.py``, `
    expert model parallel);
 7. ``training_log``: per tracked MoE metric the sum over the pipeline, over its reduce group, the
    mean over data parallel (not the global load-balancing loss's); MTP's over dp-cp (ranks without
-   such layers leave the last two out with every member of those groups); at a logging iteration the interval timer's barrier and, at timing level >= 1, the timers'
-   all-gathers (two more with ``--log-timers-to-tensorboard``), over the default group;
+   such layers leave the last two out with every member of those groups); at a logging iteration
+   the interval timer's barrier and, at timing level >= 1, the timers' all-gathers (two more with
+   ``--log-timers-to-tensorboard``), over the default group;
 8. ``--async-save``'s finalize all-reduce, ``--exit-signal-handler``'s all-gather and
    ``--exit-duration-in-mins``'s all-reduce, over the default group;
 9. the drift check before the next call (``mcore.drift``), then its forward-backward timer's barrier.
