@@ -22,8 +22,8 @@ from .finalize import all_reduce_token_count, finalize_after_token_count
 
 
 class ProgramOps(RunListener):
-    """One rank's iteration: ``it`` holds the program's layout, rank, pipeline group and device
-    (``forward_backward._Iteration``), ``compute`` its loss store and token count."""
+    """One rank's iteration: ``it`` is ``forward_backward._Iteration``, ``compute`` holds the loss store
+    and token count."""
 
     def __init__(self, ops: Sequence[Op], *, it, model, config, compute, reduction, forward_only: bool,
                  force_all_reduce: Optional[bool], timeout_s: float, describe: str = ""):

@@ -15,10 +15,9 @@ dualpipev       Megatron's two-chunk file plus ``model``,     as Megatron does (
 others          as Megatron does                              as Megatron does
 ==============  ===========================================  ============================================
 
-Before any torch-format load, optimizer state across the DualPipeV and 1F1B layouts is refused
-(:func:`refuse_optimizer_across_layouts`): it is laid out per stage and not remapped. Every torch_dist
-save and load of both writes the fully reshardable optimizer state at each parameter's own offsets
-(:func:`.optimizers.exact_offsets`: megatron-core shifts a parameter that follows a padded bucket).
+Optimizer state across the DualPipeV and 1F1B layouts is refused before a torch-format load
+(:func:`refuse_optimizer_across_layouts`). Every torch_dist save and load of both writes the fully
+reshardable state at each parameter's own offsets (:func:`.optimizers.exact_offsets`).
 """
 
 import contextlib
