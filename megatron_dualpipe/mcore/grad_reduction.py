@@ -31,7 +31,7 @@ from ..schedule.lowering import OpKind
 from . import bd_pairs, copies
 from .finalize import (BD_SUM_TIMEOUT_S, is_wrapped, chunk_layout, tied_copies, allreduce_bd_grads,
                        check_buffer_layouts, fold_tied_embedding_grads, sum_tensors)
-from .model import BIDIRECTIONAL, unwrap_chunk
+from .model import BIDIRECTIONAL, embedding_copy, unwrap_chunk
 from .dp_watch import watch_dp_reduction
 
 __all__ = ["GradReduction", "clear_deferred_output_wgrads"]
@@ -57,7 +57,11 @@ class GradReduction:
         self._dp_started: set = set()
         self._settled = False
         self._sums = None
-        if paired and copies.of(self.model).way.sums_in_schedule:
+        bd = paired and copies.of(self.model).way.sums_in_schedule
+        # the chunks whose gradients change at ``settle`` (the bd sums, the local sum, the tied fold)
+        self._settled_later = {c for c, chunk in enumerate(self.model)
+                               if bd or self._local_sum or (self._fold and embedding_copy(chunk) is not None)}
+        if bd:
             pos = self._pos
             stage = {copy_.chunk: copy_.stage for copy_ in bd_pairs.stage_copies(pos)}
             self._sums = pair_sums.PairSums(  # issued and waited by the program's sum / summed ops
@@ -113,9 +117,10 @@ class GradReduction:
             (self._sums.issue if kind == OpKind.SUM else self._sums.wait)(c)
 
     def _start_dp(self, c: int) -> None:
-        """Start chunk ``c``'s data-parallel reduction. Before its ``final`` op is a bug: raise,
-        never reduce a partial gradient."""
-        if c in self._dp_started or c not in self._done:
+        """Start chunk ``c``'s data-parallel reduction. Before its ``final`` op, or before the ``settle``
+        that still changes its gradients, is a bug: raise, never reduce a partial gradient."""
+        final = c in self._done and (self._settled or c not in self._settled_later)
+        if c in self._dp_started or not final:
             raise RuntimeError(f"megatron-dualpipe: the iteration plan starts the data-parallel reduction of chunk {c} "
                                f"{'twice' if c in self._dp_started else 'before its gradients are final'} (a bug)")
         self._dp_started.add(c)

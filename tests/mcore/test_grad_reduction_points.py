@@ -104,3 +104,34 @@ def test_a_plan_starting_a_reduction_too_early_or_never_is_refused():
     never = [p for p in prog.dp_points[1] if p[1] != c]
     with pytest.raises(RuntimeError, match=r"starts no data-parallel reduction of chunk\(s\) \[" + str(c)):
         _drive(units, _chunks(2, V_SHAPE), _program(prog, 1, never), len(actions))
+
+
+def _tied_chunks():
+    """DualPipeV rank 0's two chunks with a tied word embedding: stage 0 holds the input embedding,
+    the last stage the output weight (the fold at ``settle`` sums their gradients)."""
+    first, last = _chunks(2, V_SHAPE)
+    first.pre_process, first.share_embeddings_and_output_weights = True, True
+    first.embedding = torch.nn.Module()
+    first.embedding.word_embeddings = torch.nn.Linear(2, 2)
+    last.post_process, last.share_embeddings_and_output_weights = True, True
+    last.output_layer = torch.nn.Linear(2, 2)
+    return [first, last]
+
+
+def test_a_reduction_started_before_the_settle_that_folds_its_chunk_is_refused():
+    """The tied fold changes both end chunks' gradients at ``settle``: the plan starts their reductions
+    after it (dualpipev rank 0 holds both ends); one started right after the chunk's last gradient
+    action, before the settle, would reduce a gradient the fold still changes."""
+    prog, ops = _setup("dualpipev", 4, 8)
+    actions, units = prog.actions[0], prog.plans[0].units
+    end, last = len(actions), last_grad_action_index(actions, prog.padded.is_fake, ops)
+    print(f"dualpipev pp=4 M=8 rank 0: reductions at {prog.dp_points[0]} (end {end}), last gradient actions {last}")
+    assert all(i == end for i, _ in prog.dp_points[0])
+    model = _tied_chunks()
+    early = [(last[c], c) for _, c in prog.dp_points[0]]
+    reduction = GradReduction(model, SimpleNamespace(grad_sync_func=lambda params: None,
+                                                     finalize_model_grads_func=lambda *a, **k: None))
+    with pytest.raises(RuntimeError, match="before its gradients are final"):
+        for op in _program(prog, 0, early):
+            if op.kind in (OpKind.FINAL, OpKind.SUM, OpKind.SUMMED, OpKind.SETTLE, OpKind.DP):
+                reduction.on_reduction(op.kind, op.index)
