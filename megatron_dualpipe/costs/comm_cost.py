@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 from functools import cached_property
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional
 
 from ..schedule.copy_sum import BD_FIRST, DP_FIRST, CopySum
 from ..schedule.lowering import reductions as grad_order  # when a chunk is final; the pair's sum order

@@ -123,7 +123,7 @@ def test_a_reduction_started_before_the_settle_that_folds_its_chunk_is_refused()
     after it (dualpipev rank 0 holds both ends); one started right after the chunk's last gradient
     action, before the settle, would reduce a gradient the fold still changes."""
     prog, ops = _setup("dualpipev", 4, 8)
-    actions, units = prog.actions[0], prog.plans[0].units
+    actions = prog.actions[0]
     end, last = len(actions), last_grad_action_index(actions, prog.padded.is_fake, ops)
     print(f"dualpipev pp=4 M=8 rank 0: reductions at {prog.dp_points[0]} (end {end}), last gradient actions {last}")
     assert all(i == end for i, _ in prog.dp_points[0])
