@@ -21,12 +21,15 @@ MOE = dict(pipeline_model_parallel_size=2, num_layers=4, expert_model_parallel_s
            moe_router_topk=2, moe_token_dispatcher_type="alltoall", moe_router_load_balancing_type="aux_loss",
            moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3, add_bias_linear=False, mtp_num_layers=1,
            position_embedding_type="rope")
+#: Tensor parallel 2 with sequence parallelism x pp=2 (a recipe's TP, as the Qwen3 and Llama 3 recipes set it).
+TP2 = dict(pipeline_model_parallel_size=2, num_layers=4, tensor_model_parallel_size=2, sequence_parallel=True)
+SHAPES = {"dense": {}, "moe": MOE, "tp2": TP2}
 
 
-def recipe(tied: bool = True, moe: bool = False, save=None, load=None):
+def recipe(tied: bool = True, shape: str = "dense", save=None, load=None):
     """A ConfigContainer as a Bridge recipe builds one: tied embeddings (Bridge's default; ``tied=False``
     as the Llama 3 and DeepSeek-V3 recipes), TE layer spec, Adam, clipping, the distributed optimizer and
-    overlapped gradient reduction, mock data, an evaluation; ``moe``: the tiny MoE of :data:`MOE`;
+    overlapped gradient reduction, mock data, an evaluation; ``shape``: one of :data:`SHAPES`;
     ``save`` / ``load``: a torch_dist checkpoint every 2 iterations (the distributed optimizer's state
     fully reshardable: 1F1B buckets its chunk, DualPipe does not), loaded at iteration 2."""
     import torch
@@ -40,7 +43,7 @@ def recipe(tied: bool = True, moe: bool = False, save=None, load=None):
                              seq_length=SEQ, pipeline_model_parallel_size=PP, pipeline_dtype=torch.float32,
                              make_vocab_size_divisible_by=128, hidden_dropout=0.0, attention_dropout=0.0,
                              share_embeddings_and_output_weights=tied)
-    for name, value in (MOE if moe else {}).items():
+    for name, value in SHAPES[shape].items():
         setattr(model, name, value)
     model.register_pre_wrap_hook(same_weights)
     return ConfigContainer(
@@ -96,7 +99,7 @@ def logical_names(chunk):
         yield name, param
 
 
-def train_each(rank: int, world: int, port: int, schedules, tied: bool = True, moe: bool = False):
+def train_each(rank: int, world: int, port: int, schedules, tied: bool = True, shape: str = "dense"):
     """Train the recipe under each schedule; the last rank returns {schedule: its logged metrics}.
     The MoE recipe (one MTP layer) runs dualpipev without the zero-bubble split (refused with MTP)."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
@@ -107,11 +110,11 @@ def train_each(rank: int, world: int, port: int, schedules, tied: bool = True, m
 
     cpu.enable()
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    logged = {schedule: train_once(schedule, tied, moe) for schedule in schedules}
+    logged = {schedule: train_once(schedule, tied, shape) for schedule in schedules}
     return logged if rank == world - 1 else None
 
 
-def train_once(schedule: str, tied: bool, moe: bool = False, **ckpt) -> dict:
+def train_once(schedule: str, tied: bool, shape: str = "dense", **ckpt) -> dict:
     """One run of Bridge's pretrain (the package's drop-in, or Bridge's own for Bridge's 1F1B)."""
     import megatron.bridge.training.eval as bridge_eval
     import megatron.bridge.training.train as bridge_train
@@ -131,10 +134,10 @@ def train_once(schedule: str, tied: bool, moe: bool = False, **ckpt) -> dict:
         "track_mtp_metrics": staticmethod(_recording_tracker(helper.track_mtp_metrics, metrics["train"]))})
     try:
         if schedule == "bridge-1f1b":
-            bridge_pretrain(recipe(tied, moe, **ckpt), forward_step)
+            bridge_pretrain(recipe(tied, shape, **ckpt), forward_step)
         else:
-            options = {"zero_bubble": False} if moe and schedule == "dualpipev" else {}
-            pretrain(recipe(tied, moe, **ckpt), forward_step, schedule=schedule, **options)
+            options = {"zero_bubble": False} if shape == "moe" and schedule == "dualpipev" else {}
+            pretrain(recipe(tied, shape, **ckpt), forward_step, schedule=schedule, **options)
     finally:
         bridge_train.training_log, bridge_eval.evaluate = log, evaluate
         train_utils.track_moe_metrics, train_utils.MTPLossLoggingHelper = moe_metrics, helper

@@ -4,7 +4,8 @@ A tiny GPT recipe (``bridge_recipe.py``: tied embeddings and untied, the TE laye
 stand-ins, the distributed optimizer, overlapped gradient reduction, an evaluation) trains on 4 gloo
 processes (pp=4) through Bridge's ``pretrain``: its own, and the package's drop-in with
 ``schedule="dualpipe"`` / ``"dualpipev"``. Every metric Bridge logs is compared, each iteration.
-The tiny MoE recipe (expert parallel 2 x pp=2 x dp=2, alltoall, aux loss and z-loss, one MTP layer)
+The tiny MoE recipe (expert parallel 2 x pp=2 x dp=2, alltoall, aux loss and z-loss, one MTP layer) and
+tensor parallel 2 with sequence parallelism x pp=2
 the same way, its MoE and MTP lines included; a torch_dist checkpoint of iteration 2 saved under
 dualpipe or dualpipev is resumed by Bridge's 1F1B and 1F1B's by each, against an uninterrupted 1F1B run.
 Skipped where Megatron-Bridge is not installed (docs/megatron-bridge.md says how to make its venv).
@@ -105,10 +106,18 @@ def test_moe_with_expert_parallel_and_mtp_logs_what_bridges_1f1b_logs():
     """The tiny MoE (expert parallel 2 x pp=2 x dp=2, alltoall, aux loss and z-loss, one MTP layer):
     Bridge's MoE and MTP lines (load_balancing_loss, z_loss, mtp_1 loss) compared with the rest."""
     logged = run_workers(bridge_recipe.train_each, 4,
-                         args=(("bridge-1f1b", "dualpipe", "dualpipev"), True, True), timeout=600)[-1]
+                         args=(("bridge-1f1b", "dualpipe", "dualpipev"), True, "moe"), timeout=600)[-1]
     worst = _compare(logged, {"bridge-1f1b": [None], "dualpipe": [1, 0], "dualpipev": [1, 2]})
     for schedule, gaps in worst.items():
         assert {"loss/load_balancing_loss", "loss/z_loss", "loss/mtp_1 loss"} <= set(gaps), (schedule, sorted(gaps))
+
+
+def test_tensor_parallel_with_sequence_parallelism_logs_what_bridges_1f1b_logs():
+    """Tensor parallel 2 with sequence parallelism x pp=2 (TE layers through the CPU mode's stand-in):
+    the recipes' TP, every metric against Bridge's 1F1B."""
+    logged = run_workers(bridge_recipe.train_each, 4,
+                         args=(("bridge-1f1b", "dualpipe", "dualpipev"), True, "tp2"), timeout=600)[-1]
+    _compare(logged, {"bridge-1f1b": [None], "dualpipe": [1, 0], "dualpipev": [1, 2]})
 
 
 def test_a_checkpoint_saved_under_dualpipe_or_dualpipev_resumes_under_bridges_1f1b_and_back(tmp_path):
