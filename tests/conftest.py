@@ -78,7 +78,8 @@ QUICK = {
                     "test_dualpipe_and_megatron_1f1b_equal_on_the_users_architecture",),
     "apps": ("tests/apps/test_main_job.py::test_bad_arguments_give_one_usage_before_any_process_starts",
              "tests/apps/test_selftest.py::test_bad_settings_are_one_line_before_anything_starts"),
-    "bridge": ("tests/bridge/test_bridge.py::test_a_recipe_dualpipe_cannot_run_is_refused_in_one_line_naming_each_field",),
+    "bridge": ("tests/bridge/test_bridge_checkpoint.py::"
+               "test_a_recipe_dualpipe_cannot_run_is_refused_in_one_line_naming_each_field",),
 }
 assert sorted(QUICK) == sorted(LAYERS)
 
