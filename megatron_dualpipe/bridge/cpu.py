@@ -75,12 +75,23 @@ def enable() -> bool:
 
     if not cpu.enable():
         return False
+    _transformer_engine_or_raise()
     import_bridge()
     if not _SETS:
         patches = PatchSet("cpu megatron-bridge", REDIRECTIONS)
         patches.install()
         _SETS.append(patches)
     return True
+
+
+def _transformer_engine_or_raise() -> None:
+    """Bridge imports Transformer Engine unconditionally (its LoRA layers): without the library, the CPU
+    mode's stand-in must be in place, and it is not installed once megatron-core has read TE's absence."""
+    from ..cpu import stand_ins
+
+    if "transformer_engine" not in stand_ins.active() and not stand_ins.real_library("transformer_engine"):
+        raise RuntimeError("megatron_dualpipe.bridge.cpu.enable() came after megatron-core was imported without "
+                           "Transformer Engine, which Bridge imports: call it before anything imports megatron")
 
 
 def import_bridge() -> None:

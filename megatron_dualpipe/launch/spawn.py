@@ -187,30 +187,31 @@ def _rank(rank, world, port, fn, args, results, prefix, finish) -> None:
     raise SystemExit(status)
 
 
-def _context(start_method: Optional[str], preload: Sequence[str]):
-    """multiprocessing's context: the forkserver where there is one, made to import ``preload``."""
+def _context(start_method: Optional[str], preload: Sequence[str], exact: bool = False):
+    """multiprocessing's context: the forkserver where there is one, made to import ``preload`` (with
+    ``exact``, nothing more: a rank that must import its libraries itself, in its own order)."""
     if start_method is None:
         start_method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
     ctx = multiprocessing.get_context(start_method)
     if start_method == "forkserver":
-        _preloading(ctx, [OWN_SESSION, *preload])
+        _preloading(ctx, [OWN_SESSION, *preload], exact)
     elif start_method == "fork":
         for name in preload:
             importlib.import_module(name)
     return ctx
 
 
-def _preloading(ctx, modules: Sequence[str]) -> None:
-    """Make the process-wide forkserver preload at least ``modules``: a running one keeps its list, so
-    one started with less is stopped (CPython's private ``ForkServer._stop``; without it the ranks
-    import what they need)."""
+def _preloading(ctx, modules: Sequence[str], exact: bool) -> None:
+    """Make the process-wide forkserver preload at least ``modules`` (``exact``: only them): a running
+    one keeps its list, so one started with less (or more) is stopped (CPython's private
+    ``ForkServer._stop``; without it the ranks import what they need)."""
     server = forkserver._forkserver
     have = [m for m in getattr(server, "_preload_modules", []) if m != "__main__"]
-    if set(modules) <= set(have):
+    if (have == list(modules)) if exact else set(modules) <= set(have):
         return
     if getattr(server, "_forkserver_pid", None) is not None and hasattr(server, "_stop"):
         server._stop()
-    ctx.set_forkserver_preload(have + [m for m in modules if m not in have])
+    ctx.set_forkserver_preload(list(modules) if exact else have + [m for m in modules if m not in have])
 
 
 def _last_line(report: str) -> str:
@@ -259,10 +260,12 @@ def _collect(results, ranks: Ranks, timeout_s: float) -> List[Any]:
 
 def run(fn: Callable[..., Any], world: int, args: Sequence[Any] = (), *, timeout_s: float,
         preload: Sequence[str] = (), start_method: Optional[str] = None,
-        finish: Optional[Callable[[], None]] = None) -> List[Any]:
+        finish: Optional[Callable[[], None]] = None, exact_preload: bool = False) -> List[Any]:
     """``fn(rank, world, port, *args)`` (importable) in ``world`` new processes: what each returned, in
-    rank order; ``finish()`` runs in each after. Whatever ends this call (Ctrl-C too) ends every rank."""
-    ctx = _context(start_method, preload)
+    rank order; ``finish()`` runs in each after. Whatever ends this call (Ctrl-C too) ends every rank.
+    ``exact_preload``: the ranks' forkserver imported ``preload`` and nothing else (by default one that
+    imported more serves too)."""
+    ctx = _context(start_method, preload, exact_preload)
     results = ctx.SimpleQueue()
     folder = tempfile.mkdtemp(prefix="megatron-dualpipe-ranks-")
     prefix, port = os.path.join(folder, "rank"), free_port()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 
+from harness.workers import run_workers
 from megatron_lm_runs import SLACK
 
 
@@ -16,6 +17,14 @@ def why_not() -> str:
 
 
 WHY_NOT = why_not()
+
+
+def run_ranks(fn, world: int, args=(), timeout: float = 600):
+    """``fn`` on ``world`` ranks forked from a forkserver that imported only torch: each rank switches the
+    CPU mode on (its stand-ins, Transformer Engine's among them, which Bridge imports) before anything
+    imports megatron-core; a server kept from an earlier test had imported it without them."""
+    return run_workers(fn, world, args=args, timeout=timeout, exact_preload=True)
+
 
 #: Relative difference allowed between a schedule's metric and Bridge's 1F1B's: the same sums in
 #: another order (DualPipeV's ranks group the stages otherwise), carried by Adam. ``num zeros``

@@ -283,3 +283,20 @@ def enable_twice_then_disable(rank: int, world: int, port: int):
     changed = [a is not b for a, b in zip(first, original)]
     return changed, [a is b for a, b in zip(second, first)], [a is b for a, b in zip(restored, original)], \
         [a is b for a, b in zip(own, original)]
+
+
+def enable_after_megatron_core(rank: int, world: int, port: int):
+    """What the CPU mode for Bridge says in a rank whose forkserver had imported megatron-core (as one
+    kept from an earlier megatron-core test has): Bridge would fail importing Transformer Engine."""
+    import sys
+
+    from megatron_dualpipe.bridge import cpu
+
+    assert "megatron.core.models.gpt" in sys.modules, "the forkserver did not preload megatron-core"
+    try:
+        cpu.enable()
+    except RuntimeError as e:
+        return str(e)
+    finally:
+        cpu.disable()
+    return None

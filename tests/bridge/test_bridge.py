@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import pytest
 
-from harness.workers import run_workers
-
 import bridge_recipe
-from bridge_compare import WHY_NOT, compare
+from bridge_compare import WHY_NOT, compare, run_ranks
 
 #: smoke: CI's oldest tier installs Bridge 0.3.1 (BRIDGE=0.3.1 scripts/setup_venv.sh) and runs these
 pytestmark = [pytest.mark.skipif(bool(WHY_NOT), reason=WHY_NOT or "-"), pytest.mark.smoke]
@@ -25,16 +23,16 @@ pytestmark = [pytest.mark.skipif(bool(WHY_NOT), reason=WHY_NOT or "-"), pytest.m
 
 @pytest.mark.parametrize("tied", [True, False], ids=["tied-embeddings", "untied-embeddings"])
 def test_dualpipe_and_dualpipev_log_what_bridges_1f1b_logs(tied):
-    logged = run_workers(bridge_recipe.train_each, bridge_recipe.PP,
-                         args=(("bridge-1f1b", "dualpipe", "dualpipev"), tied), timeout=600)[-1]
+    logged = run_ranks(bridge_recipe.train_each, bridge_recipe.PP,
+                       args=(("bridge-1f1b", "dualpipe", "dualpipev"), tied), timeout=600)[-1]
     compare(logged, {"bridge-1f1b": [None], "dualpipe": [3, 0], "dualpipev": [3, 4]})
 
 
 def test_moe_with_expert_parallel_and_mtp_logs_what_bridges_1f1b_logs():
     """The tiny MoE (expert parallel 2 x pp=2 x dp=2, alltoall, aux loss and z-loss, one MTP layer):
     Bridge's MoE and MTP lines (load_balancing_loss, z_loss, mtp_1 loss) compared with the rest."""
-    logged = run_workers(bridge_recipe.train_each, 4,
-                         args=(("bridge-1f1b", "dualpipe", "dualpipev"), True, "moe"), timeout=600)[-1]
+    logged = run_ranks(bridge_recipe.train_each, 4,
+                       args=(("bridge-1f1b", "dualpipe", "dualpipev"), True, "moe"), timeout=600)[-1]
     worst = compare(logged, {"bridge-1f1b": [None], "dualpipe": [1, 0], "dualpipev": [1, 2]})
     for schedule, gaps in worst.items():
         assert {"loss/load_balancing_loss", "loss/z_loss", "loss/mtp_1 loss"} <= set(gaps), (schedule, sorted(gaps))
@@ -43,6 +41,6 @@ def test_moe_with_expert_parallel_and_mtp_logs_what_bridges_1f1b_logs():
 def test_tensor_parallel_with_sequence_parallelism_logs_what_bridges_1f1b_logs():
     """Tensor parallel 2 with sequence parallelism x pp=2 (TE layers through the CPU mode's stand-in):
     the recipes' TP, every metric against Bridge's 1F1B."""
-    logged = run_workers(bridge_recipe.train_each, 4,
-                         args=(("bridge-1f1b", "dualpipe", "dualpipev"), True, "tp2"), timeout=600)[-1]
+    logged = run_ranks(bridge_recipe.train_each, 4,
+                       args=(("bridge-1f1b", "dualpipe", "dualpipev"), True, "tp2"), timeout=600)[-1]
     compare(logged, {"bridge-1f1b": [None], "dualpipe": [1, 0], "dualpipev": [1, 2]})

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from harness.workers import run_workers
-
 import bridge_recipe
-from bridge_compare import WHY_NOT, RELATIVE, gaps, table
+from bridge_compare import WHY_NOT, RELATIVE, gaps, run_ranks, table
+from harness import megatron_env
 from megatron_lm_runs import SLACK
 
 #: smoke: CI's oldest tier installs Bridge 0.3.1 (BRIDGE=0.3.1 scripts/setup_venv.sh) and runs these
@@ -20,8 +19,8 @@ def test_a_checkpoint_saved_under_dualpipe_or_dualpipev_resumes_under_bridges_1f
     (dualpipev's V-stage 0 pads the bucket before the tied embedding's: ``bridge.checkpoint.exact_offsets``)."""
     pairs = (("dualpipe", "bridge-1f1b"), ("bridge-1f1b", "dualpipe"), ("dualpipev", "bridge-1f1b"),
              ("bridge-1f1b", "dualpipev"))
-    logged = run_workers(bridge_recipe.save_then_resume, bridge_recipe.PP, args=(str(tmp_path), pairs),
-                         timeout=600)[-1]
+    logged = run_ranks(bridge_recipe.save_then_resume, bridge_recipe.PP, args=(str(tmp_path), pairs),
+                       timeout=600)[-1]
     print("\n" + table(logged))
     ref = logged["uninterrupted"]
     for saver, resumer in pairs:
@@ -36,7 +35,7 @@ def test_a_checkpoint_saved_under_dualpipe_or_dualpipev_resumes_under_bridges_1f
 
 
 def test_a_recipe_dualpipe_cannot_run_is_refused_in_one_line_naming_each_field():
-    said, untouched = run_workers(bridge_recipe.refusals, 1, timeout=300)[0]
+    said, untouched = run_ranks(bridge_recipe.refusals, 1, timeout=300)[0]
     for (schedule, mistakes), message in zip(bridge_recipe.MISTAKES, said):
         print(f"{schedule} {sorted(mistakes)}:\n  {message}")
         assert message is not None and "\n" not in message, f"{schedule} {mistakes}: {message!r}"
@@ -47,8 +46,16 @@ def test_a_recipe_dualpipe_cannot_run_is_refused_in_one_line_naming_each_field()
 
 
 def test_enable_is_idempotent_and_disable_puts_back_every_bridge_name():
-    changed, kept, restored, own = run_workers(bridge_recipe.enable_twice_then_disable, 1, timeout=300)[0]
+    changed, kept, restored, own = run_ranks(bridge_recipe.enable_twice_then_disable, 1, timeout=300)[0]
     print(f"replaced by enable: {changed}; kept by a second enable: {kept}; restored by disable: {restored}; "
           f"untouched by enable(schedule='1f1b'): {own}")
     assert len(changed) == 7, "dualpipe replaces 7 Bridge names (bridge.patches: 5 common, 2 for the mirror)"
     assert all(changed) and all(kept) and all(restored) and all(own)
+
+
+def test_switching_the_cpu_mode_on_after_megatron_core_was_imported_is_refused_in_one_line():
+    """A rank forked from a forkserver that preloaded megatron-core (an earlier test's): without the
+    refusal, Bridge's import died on ``No module named 'transformer_engine'`` (CI, stop 42)."""
+    said = megatron_env.run_workers(bridge_recipe.enable_after_megatron_core, 1, timeout=300)[0]
+    print(said)
+    assert said is not None and "\n" not in said and "before anything imports megatron" in said, said

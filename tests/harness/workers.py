@@ -43,6 +43,7 @@ def run_workers(
     timeout: float = 120.0,
     start_method: Optional[str] = None,
     preimport: Sequence[str] = TORCH_PRELOAD,
+    exact_preload: bool = False,
 ) -> List[Any]:
     """Run `fn(rank, world_size, port, *args)` in `world_size` spawned processes.
 
@@ -56,6 +57,10 @@ def run_workers(
     process itself is not safe: once it has used gloo (some tests run a 1-rank process group
     in-process), a forked child can crash inside ``initialize_model_parallel`` (seen as a
     segmentation fault under pytest-xdist).
+
+    The forkserver serves every call of the process: one that imported more than `preimport` (an
+    earlier test's megatron-core) serves too, unless `exact_preload`: a rank that must import the
+    libraries itself, after installing stand-ins that megatron-core reads at import, asks for it.
     """
     return spawn.run(_in_numpy, world_size, (fn, *args), timeout_s=timeout, preload=preimport,
-                     start_method=start_method)
+                     start_method=start_method, exact_preload=exact_preload)
