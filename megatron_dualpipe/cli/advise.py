@@ -127,12 +127,12 @@ def model_advice(args):
                wgrad=args.weight_grad_memory, comm=advise_model.comm(args, s), tokens=m.micro_batch * m.seq_length,
                num_layers=m.num_layers,
                optimizer=mem.optimizer / GB, once=mem.activations_once / GB, shared=m.shared_shard,
-               hint=advise_model.no_fit_hint(m, limit))
+               hint=advise_model.no_fit_hint(m, limit), details=not args.launch_check)
     overlap = bool(m.num_experts and m.ep > 1)
     costs = s.costs if m.a2a_overlap else replace(s.costs, fb=None)
     advice = _simulate(costs=costs, names=[n for n in names if m.a2a_overlap or not _a2a(n)], **run)
     extra = []
-    if overlap and not m.a2a_overlap:
+    if overlap and not m.a2a_overlap and not args.launch_check:  # the gate reads only the run's own row
         dropped += [f"{n} (needs --overlap-moe-expert-parallel-comm: below)" for n in names if _a2a(n)]
         extra = [advise_model.overlap_line(m, advice, _simulate(costs=s.costs, names=names, **run))]
     return s, advice, dropped, extra
@@ -165,7 +165,7 @@ def _model_schedules(args, m):
 
 
 def _simulate(pp, counts, costs, act, par, limit, wgrad, names, comm, tokens, num_layers=None, optimizer=None,
-              once=0.0, shared=False, hint=None):
+              once=0.0, shared=False, hint=None, details=True):
     biggest = max(get(n).model_stages(pp) * max(counts) for n in names)
     if biggest > MAX_FORWARDS:
         raise CliError(f"pp={pp} with M={max(counts)} simulates {biggest} forward actions, more than the limit "
@@ -174,7 +174,7 @@ def _simulate(pp, counts, costs, act, par, limit, wgrad, names, comm, tokens, nu
     with Progress(f"advise pp={pp}") as prog:
         prog.phase(f"simulating {len(names)} schedules x {len(counts)} micro-batch counts")
         advice = advise(pp, counts, costs, act, par, limit, wgrad, names, comm, tokens, num_layers, optimizer,
-                        once, shared, hint or NO_FIT_HINT)
+                        once, shared, hint or NO_FIT_HINT, details)
     if any(not math.isfinite(o.row.makespan) for ch in advice.choices for o in ch.options):
         raise CliError("the costs are too large: the simulated time overflows; use smaller values or units")
     return advice

@@ -267,7 +267,7 @@ def advise(pp: int, microbatches: Sequence[int], costs: Costs, activation_memory
            names: Optional[Sequence[str]] = None, comm: Optional[CommModel] = None,
            tokens: Optional[float] = None, num_layers: Optional[int] = None,
            optimizer_memory: Optional[float] = None, once_memory: float = 0.0,
-           shared_optimizer: bool = False, no_fit_hint: str = NO_FIT_HINT) -> Advice:
+           shared_optimizer: bool = False, no_fit_hint: str = NO_FIT_HINT, details: bool = True) -> Advice:
     """Simulate every schedule (or ``names``) on the model and choose one per micro-batch count.
 
     ``costs``: one stage's 1F1B costs per micro-batch; ``activation_memory``: one micro-batch's
@@ -278,7 +278,9 @@ def advise(pp: int, microbatches: Sequence[int], costs: Costs, activation_memory
     logits); ``memory_limit``: per rank, in the memories' unit (None: none). With ``comm``
     (``costs.comm_cost``, costs in ms) schedules are ranked by makespan plus exposed gradient
     communication and the pick gets its break-even bandwidth and micro-batch size (``tokens`` per
-    micro-batch). ``num_layers``: for the interleaved schedule's flags in the advice."""
+    micro-batch). ``num_layers``: for the interleaved schedule's flags in the advice. ``details=False``: only
+    the pick (the launch's memory gate), without the break-even and the placement and reduction effects,
+    which simulate each schedule again a hundred times."""
     for name, v in (("activation memory", activation_memory), ("parameter memory", parameter_memory),
                     ("weight-gradient memory", weight_grad_memory), ("memory limit", memory_limit)):
         _check(name, v)
@@ -300,14 +302,13 @@ def advise(pp: int, microbatches: Sequence[int], costs: Costs, activation_memory
             fits = memory_limit is None or act + wgrad + par <= memory_limit
             options.append(Option(row, act, wgrad, par, fits))
         best, reason = _choose(options, memory_limit, no_fit_hint)
-        even = None
-        if best is not None and comm is not None:
+        even, detailed = None, details and comm is not None
+        if best is not None and detailed:
             even = _break_even(pp, m, costs, comm, options, best, tokens)
             if even is not None:
                 reason += "; " + even.text(tokens)
-        effects = _placement_effects(pp, m, costs, comm, options) if comm is not None else []
-        reduction = (_reduction_effects(pp, m, costs, comm, options, memory_limit, optimizer_memory)
-                     if comm is not None else [])
+        effects = _placement_effects(pp, m, costs, comm, options) if detailed else []
+        reduction = _reduction_effects(pp, m, costs, comm, options, memory_limit, optimizer_memory) if detailed else []
         choices.append(Choice(m, options, best, reason, even, effects, reduction))
     return Advice(pp, costs, activation_memory, parameter_memory, weight_grad_memory, memory_limit, choices, comm,
                   tokens, num_layers)
