@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 
-from harness.workers import run_workers
+from harness.workers import TORCH_PRELOAD, run_workers
 from megatron_lm_runs import SLACK
 
 
@@ -17,13 +18,20 @@ def why_not() -> str:
 
 
 WHY_NOT = why_not()
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def run_ranks(fn, world: int, args=(), timeout: float = 600):
-    """``fn`` on ``world`` ranks forked from a forkserver that imported only torch: each rank switches the
-    CPU mode on (its stand-ins, Transformer Engine's among them, which Bridge imports) before anything
-    imports megatron-core; a server kept from an earlier test had imported it without them."""
-    return run_workers(fn, world, args=args, timeout=timeout, exact_preload=True)
+    """``fn`` on ``world`` ranks forked from a forkserver that imported torch and then ``bridge_preload``
+    (the CPU mode's stand-ins, Transformer Engine's among them, which Bridge imports, before megatron-core)
+    and nothing else: a server kept from an earlier megatron-core test had imported it without them.
+    Python 3.11's forkserver does not take this process's ``sys.path``: it finds this folder on PYTHONPATH
+    (an import that fails there is skipped silently, and each rank would import Bridge itself)."""
+    path = os.environ.get("PYTHONPATH", "")
+    if HERE not in path.split(os.pathsep):
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (HERE, path) if p)
+    return run_workers(fn, world, args=args, timeout=timeout, preimport=(*TORCH_PRELOAD, "bridge_preload"),
+                       exact_preload=True)
 
 
 #: Relative difference allowed between a schedule's metric and Bridge's 1F1B's: the same sums in

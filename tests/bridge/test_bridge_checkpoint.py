@@ -56,6 +56,6 @@ def test_enable_is_idempotent_and_disable_puts_back_every_bridge_name():
 def test_switching_the_cpu_mode_on_after_megatron_core_was_imported_is_refused_in_one_line():
     """A rank forked from a forkserver that preloaded megatron-core (an earlier test's): without the
     refusal, Bridge's import died on ``No module named 'transformer_engine'`` (CI, stop 42)."""
-    said = megatron_env.run_workers(bridge_recipe.enable_after_megatron_core, 1, timeout=300)[0]
+    said = megatron_env.run_workers(bridge_recipe.enable_after_megatron_core, 1, timeout=300, exact_preload=True)[0]
     print(said)
     assert said is not None and "\n" not in said and "before anything imports megatron" in said, said
