@@ -182,10 +182,19 @@ def clear_deferred_output_wgrads(config, model) -> None:
 
 def _finish_deferred_output_wgrads(config, chunk) -> None:
     """``--defer-embedding-wgrad-compute``: the output layer's weight gradients, deferred by its
-    backward to the end of the chunk's micro-batches (Megatron's own drain, as its 1F1B calls)."""
-    m = _output_layer_module(config, chunk)
-    if m is not None:
-        from megatron.core import parallel_state
-        from megatron.core.pipeline_parallel import schedules
+    backward to the end of the chunk's micro-batches (Megatron's own drain, as its 1F1B calls).
 
-        schedules.finish_embedding_wgrad_compute(config, m, True, parallel_state.get_tensor_model_parallel_group())
+    Megatron's drain (``megatron.core.utils.drain_embedding_wgrad_compute``) reads an unbound index when
+    the buffers hold one entry: a chunk with one real micro-batch (DualPipe's padded iterations,
+    pp <= M < 2*pp) or ``--wgrad-deferral-limit 1`` (Megatron's own 1F1B fails there too). A zero
+    output gradient paired with the same input makes the entries two; its product adds exactly zero."""
+    m = _output_layer_module(config, chunk)
+    if m is None or not m.grad_output_buffer:
+        return
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import schedules
+
+    if len(m.grad_output_buffer) == 1:
+        m.embedding_activation_buffer.append(m.embedding_activation_buffer[0])
+        m.grad_output_buffer.append(torch.zeros_like(m.grad_output_buffer[0]))
+    schedules.finish_embedding_wgrad_compute(config, m, True, parallel_state.get_tensor_model_parallel_group())

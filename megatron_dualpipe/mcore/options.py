@@ -696,7 +696,8 @@ HANDLED: Tuple[Handled, ...] = (
             '`--gradient-accumulation-fusion`; with MTP refused)',
             "equal on CPU: Megatron's drain (`finish_embedding_wgrad_compute`) runs per chunk before its bd sum, "
             "into main_grad through the CPU mode's apex stand-in (Megatron's own 1F1B with the local layers does not "
-            "run it: their linears have no buffer)",
+            "run it: their linears have no buffer); in a padded iteration (one real micro-batch per direction) a zero "
+            "partner makes the one deferred entry two, which Megatron's drain needs",
             'T `test_te_layers_dualpipe_and_dualpipev_equal_megatron_1f1b`'),
     Handled("`--transformer-impl transformer_engine` (zero bubble through TE's `delay_wgrad_compute` / "
             '`backward_dw`), with and without `--gradient-accumulation-fusion`',
