@@ -519,7 +519,7 @@ def _format(a: Advice) -> List[str]:
            + (f"; limit {fmt(a.memory_limit)} per rank" if a.memory_limit is not None else "; no memory limit")]
     comm = a.comm is not None
     if comm:
-        p, n = a.comm.placement, a.comm.network
+        p = a.comm.placement
         out.append(f"communication (ms): dp={p.dp} tp={p.tp}, {p.gpus_per_node} GPUs per node, "
                    f"{'paired (ranks i and pp-1-i on one node)' if p.paired else 'Megatron'} placement; gradients "
                    f"{fmt(a.comm.stage_grad_bytes / 1e6)} "

@@ -157,8 +157,8 @@ class ExecutorSchedule:
         reduction = None if forward_only else GradReduction(model, config)
         # Through megatron-core's combined step when the model offers it (mcore.overlap).
         compute = (OverlappedStageCompute if offers_combined_step(config, forward_only) else MegatronStageCompute)(
-            spec=self.spec, model=model, layout=it.program.schedule.layout, rank=it.rank,
-            forward_step_func=forward_step_func, source=MicrobatchSource(data_iterator), real=num_microbatches,
+            program=it.program, model=model, rank=it.rank,
+            forward_step_func=forward_step_func, source=MicrobatchSource(data_iterator),
             config=config, forward_only=forward_only, collect_non_loss_data=collect_non_loss_data,
             first_val_step=first_val_step, global_ranks=it.global_ranks, wgrad_store=store, audit=self._wgrad.DeferralAudit() if store is not None and not self._audited else None)
         advice = self._advice if self._advice is not None and self._advice.wanted(forward_only) else None

@@ -15,8 +15,7 @@ from megatron.core.utils import get_model_type
 
 from ..executor.runner import StageComputeBase
 from ..schedule import B, Action
-from ..schedule.layout import Layout
-from ..schedule.registry import ScheduleSpec
+from ..schedule.lowering.program import Program
 from .wgrad import TEQueues, offers_te_backward_dw
 from . import compat
 from .data import MicrobatchSource
@@ -33,11 +32,12 @@ class MegatronStageCompute(StageComputeBase):
     Every backward of a TE chunk queues, so a BW pops its entries at once. ``audit`` watches each chunk's first B.
     """
 
-    def __init__(self, *, spec: ScheduleSpec, model: Sequence[torch.nn.Module], layout: Layout, rank: int,
-                 forward_step_func: Callable, source: MicrobatchSource, real: int, config, forward_only: bool,
+    def __init__(self, *, program: Program, model: Sequence[torch.nn.Module], rank: int,
+                 forward_step_func: Callable, source: MicrobatchSource, config, forward_only: bool,
                  collect_non_loss_data: bool, first_val_step, global_ranks, wgrad_store=None, audit=None):
-        self.spec, self.model, self.layout, self.rank = spec, model, layout, rank
-        self.forward_step_func, self.source, self.real = forward_step_func, source, real
+        self.spec, self.layout, self.padded = program.schedule.spec, program.schedule.layout, program.padded
+        self.model, self.rank, self.real = model, rank, program.padded.real  # Megatron's num_microbatches
+        self.forward_step_func, self.source = forward_step_func, source
         self.config, self.forward_only, self.collect_non_loss_data = config, forward_only, collect_non_loss_data
         self.first_val_step, self.global_ranks = first_val_step, global_ranks
         self.wgrad_store, self.audit = wgrad_store, audit
@@ -46,7 +46,7 @@ class MegatronStageCompute(StageComputeBase):
         self.cp_size = parallel_state.get_context_parallel_world_size()
         self.model_type = get_model_type(model[0])
         self.saved: Dict[tuple, tuple] = {}
-        self.loss_store: List[List[Any]] = [[] for _ in layout.directions]
+        self.loss_store: List[List[Any]] = [[] for _ in self.layout.directions]
         self.total_num_tokens: Optional[torch.Tensor] = None
         self.first_forward_done = [False] * len(model)
 
@@ -76,7 +76,7 @@ class MegatronStageCompute(StageComputeBase):
         is_first_mb = schedules.check_first_val_step(self.first_val_step, self.forward_only,
                                                      not self.first_forward_done[a.dir])
         self.first_forward_done[a.dir] = True
-        return self.spec.global_index(self.real, a.dir, a.mb), is_first_mb
+        return self.padded.global_index(a), is_first_mb
 
     def _end_forward(self, a: Action, input_tensor, output, num_tokens) -> None:
         # int32 on every pipeline rank, as Megatron's in-place sum (int64 made one all-reduce mix dtypes)

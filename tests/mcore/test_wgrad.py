@@ -610,11 +610,10 @@ class _FakeTEChunk(torch.nn.Module):
 
 def _stage_compute(chunk, store, audit=None):
     from megatron_dualpipe.mcore.stage_compute import MegatronStageCompute
-    from megatron_dualpipe.schedule import registry
+    from megatron_dualpipe.schedule.lowering.program import build_program
 
-    spec = registry.get("zb-h1")
-    return MegatronStageCompute(spec=spec, model=[chunk], layout=spec.layout(1), rank=0, forward_step_func=None,
-                                source=None, real=3, config=chunk.config, forward_only=False,
+    return MegatronStageCompute(program=build_program("zb-h1", 1, 3), model=[chunk], rank=0, forward_step_func=None,
+                                source=None, config=chunk.config, forward_only=False,
                                 collect_non_loss_data=False, first_val_step=None, global_ranks=[0],
                                 wgrad_store=store, audit=audit)
 
