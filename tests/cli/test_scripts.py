@@ -186,10 +186,11 @@ def test_the_sizes_named_for_the_gpus_given_run_on_them(tmp_path, env):
     torchrun = stand_in_torchrun(tmp_path)
     real = {"MEGATRON_LM_PATH": REAL_MEGATRON_LM} if os.path.isfile(os.path.join(REAL_MEGATRON_LM, "pretrain_gpt.py")) \
         else {}
-    for pp, tp, ep, batch in named:
+    for i, (pp, tp, ep, batch) in enumerate(named):
         use = {"PP": pp, "TP": tp, **({"EP": ep} if ep else {}), **({"GLOBAL_BATCH": batch} if batch else {})}
-        # sizes Megatron accepts; whether they fit the GPUs' memory is the memory gate's (MEMORY_CHECK, tested below)
-        again = run(tmp_path, DRY_RUN=None, TORCHRUN=torchrun, MEMORY_CHECK=0, **{**env, **use, **real})
+        # sizes Megatron accepts (the first through Megatron-LM's own validation, ~7 s each: the rest through
+        # the plugin's); whether they fit the GPUs' memory is the memory gate's (MEMORY_CHECK, tested below)
+        again = run(tmp_path, DRY_RUN=None, TORCHRUN=torchrun, MEMORY_CHECK=0, **{**env, **use, **(real if i == 0 else {})})
         print(f"  {use}: {again.stderr.strip() or again.stdout.strip().splitlines()[-2]}")
         assert again.returncode == 0, again.stderr
 
