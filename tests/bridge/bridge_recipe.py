@@ -160,9 +160,10 @@ def _recording_tracker(track, into: list):
 
 
 def save_then_resume(rank: int, world: int, port: int, directory: str, pairs):
-    """Bridge's 1F1B for 4 iterations; then for each (saver, resumer): the saver's run saved at
-    iterations 2 and 4 (torch_dist), the resumer's iterations 3-4 from iteration 2's checkpoint. The last rank
-    returns {"uninterrupted": metrics, "saver->resumer": the resumer's metrics}."""
+    """Bridge's 1F1B for 4 iterations, saved at iterations 2 and 4 (torch_dist): the uninterrupted run;
+    each other saver of ``pairs`` saves so once (its metrics under "saver"); then for each (saver,
+    resumer): the resumer's iterations 3-4 from the saver's checkpoint of iteration 2. The last rank
+    returns {"uninterrupted": metrics, "saver": metrics, "saver->resumer": the resumer's metrics}."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     import torch.distributed as dist
@@ -171,12 +172,28 @@ def save_then_resume(rank: int, world: int, port: int, directory: str, pairs):
 
     cpu.enable()
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    logged = {"uninterrupted": train_once("bridge-1f1b", True)}
+    saved = {"bridge-1f1b": os.path.join(directory, "bridge-1f1b")}
+    logged = {"uninterrupted": train_once("bridge-1f1b", True, save=saved["bridge-1f1b"])}
     for saver, resumer in pairs:
-        path = os.path.join(directory, f"{saver}-{resumer}")
-        train_once(saver, True, save=path)
-        logged[f"{saver}->{resumer}"] = train_once(resumer, True, load=path)
+        if saver not in saved:
+            saved[saver] = os.path.join(directory, saver)
+            logged[saver] = train_once(saver, True, save=saved[saver])
+        logged[f"{saver}->{resumer}"] = train_once(resumer, True, load=_copy(saved[saver], resumer, rank))
     return logged if rank == world - 1 else None
+
+
+def _copy(checkpoint: str, resumer: str, rank: int) -> str:
+    """The resumer's own copy of a checkpoint folder: Bridge 0.3.1 loading one folder a second time in a
+    process read iteration 4's state, though ``ckpt_step`` named iteration 2 (and the log said so)."""
+    import shutil
+
+    import torch.distributed as dist
+
+    copy = f"{checkpoint}-for-{resumer}"
+    if rank == 0:
+        shutil.copytree(checkpoint, copy)
+    dist.barrier()
+    return copy
 
 
 def _number(value):

@@ -22,8 +22,10 @@ from megatron_dualpipe.proof.compare import Gap
 from megatron_dualpipe.proof.data import forward_step, masked_loss_func
 
 # The oldest tier (-m smoke, megatron-core 0.16.1) runs the tests marked smoke below: one of each
-# path (dualpipe and dualpipev, tied and untied, MoE, dp with DDP's overlapped reduction); the
-# newest runs them all.
+# path at pp=2 (dualpipe and dualpipev, tied and untied, MoE, dp with DDP's overlapped reduction,
+# the users' architecture, the distributed optimizer's overlapped gathers); the newest runs them all.
+#: Marks the pp=2 case of a test parametrized over pp (or one schedule of two) for the oldest tier.
+SMOKE = pytest.mark.smoke
 pytestmark = [pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-mode tests")]
 
 LAYERS = 8
@@ -274,8 +276,7 @@ def _run_and_check(schedule, pp, tied, runs, dp=1, moe=False, overlap=False, par
     return results
 
 
-@pytest.mark.smoke
-@pytest.mark.parametrize("pp", [2, 4])
+@pytest.mark.parametrize("pp", [pytest.param(2, marks=SMOKE), 4])
 @pytest.mark.parametrize("tied", [True, False])
 def test_dualpipe_equals_single_process(pp, tied):
     runs = _runs(pp)
@@ -310,8 +311,7 @@ def test_moe_with_aux_loss_equals_single_process(schedule):
     _run_and_check(schedule, 2, False, [(3, True, False), (4, True, False), (5, False, False)], moe=True)
 
 
-@pytest.mark.smoke
-@pytest.mark.parametrize("schedule", ["dualpipe", "dualpipev"])
+@pytest.mark.parametrize("schedule", ["dualpipe", pytest.param("dualpipev", marks=SMOKE)])
 def test_users_architecture_equals_single_process(schedule):
     """The architecture users train (RoPE with Llama 3.1's scaling on half of each head, SwiGLU,
     RMSNorm, untied): megatron-core's rotary embedding runs in the CPU mode, every position of a
@@ -320,14 +320,12 @@ def test_users_architecture_equals_single_process(schedule):
                    users=True)
 
 
-@pytest.mark.smoke
-@pytest.mark.parametrize("pp", [2, 4])
+@pytest.mark.parametrize("pp", [pytest.param(2, marks=SMOKE), 4])
 def test_dualpipev_equals_single_process(pp):
     _run_and_check("dualpipev", pp, True, _runs(pp))
 
 
-@pytest.mark.smoke
-@pytest.mark.parametrize("schedule", ["dualpipe", "dualpipev"])
+@pytest.mark.parametrize("schedule", [pytest.param("dualpipe", marks=SMOKE), "dualpipev"])
 def test_overlap_param_gather_pp2_dp2_starts_every_gather_before_its_chunks_first_forward(schedule):
     """--overlap-param-gather (aligned) with the distributed optimizer's buffers: the executor calls
     config.param_sync_func for each chunk before the first action, in the order of the chunks' first

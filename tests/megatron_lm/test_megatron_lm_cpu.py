@@ -122,7 +122,6 @@ def overlapped():
     return _run(4, *DIST_OPT, *OVERLAP, iters=5)
 
 
-@pytest.mark.smoke
 def test_distributed_optimizer_dualpipe_overlap_and_torch_format_across_schedules(reference, overlapped, tmp_path):
     """dualpipe with the distributed optimizer, --overlap-grad-reduce --overlap-param-gather (none
     changes the arithmetic) trains like 1f1b's reference and saves --ckpt-format torch
