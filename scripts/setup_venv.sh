@@ -57,6 +57,7 @@ trap interrupted INT TERM HUP
 step() {
   local n=$1 text=$2 took=$3; shift 3
   echo "setup $n/3: $text (about $took)" >&2
+  installed=1
   echo "### $(date -u +%T) $text: $*" >>"$log"
   PYTHONPATH="$here" "$PYTHON" -m megatron_dualpipe.launch.interrupts --prog "$prog" -- "$@" >>"$log" 2>&1 &
   child=$!
@@ -79,23 +80,23 @@ if [ ! -x "$VENV/bin/python" ]; then
   mkdir -p "$VENV"
   : >"$log"
   step 1 "creating $VENV with the newest pip" "10-20 s" \
-    bash -c '"$1" -m venv "$2" && { "$2/bin/python" -m pip install -q --upgrade pip || true; }' _ "$PYTHON" "$VENV"
+    bash -c '"$1" -m venv "$2" && { "$2/bin/python" -m pip install -q --no-compile --upgrade pip || true; }' _ "$PYTHON" "$VENV"
 fi
 has() { "$VENV/bin/python" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('$1') is None)"; }
 if ! has torch; then
   step 2 "installing torch==${TORCH_VERSION:-2.13.0} (CPU build)" "1-2 min" \
-    "$VENV/bin/python" -m pip install -q "torch==${TORCH_VERSION:-2.13.0}"
+    "$VENV/bin/python" -m pip install -q --no-compile "torch==${TORCH_VERSION:-2.13.0}"
 fi
 if [ -n "$MEGATRON_CORE" ]; then
   have=$("$VENV/bin/python" -c "import importlib.metadata as m; print(m.version('megatron-core'))" 2>/dev/null || true)
   if [ "$have" != "$MEGATRON_CORE" ]; then
     # --no-build-isolation: its source build (where no wheel fits) uses the torch installed above.
     step 2 "installing megatron-core==$MEGATRON_CORE (--ignore-requires-python on Python < 3.12)" "30 s" \
-      bash -c '"$1" -m pip install -q setuptools wheel pybind11 numpy && "$1" -m pip install -q --no-build-isolation --ignore-requires-python "megatron-core==$2"' _ "$VENV/bin/python" "$MEGATRON_CORE"
+      bash -c '"$1" -m pip install -q --no-compile setuptools wheel pybind11 numpy && "$1" -m pip install -q --no-compile --no-build-isolation --ignore-requires-python "megatron-core==$2"' _ "$VENV/bin/python" "$MEGATRON_CORE"
   fi
   if ! has triton && grep -qs "^import triton" "$("$VENV/bin/python" -c "import importlib.util as u; \
       print(u.find_spec('megatron').submodule_search_locations[0])")/core/transformer/moe/ops/paged_stash.py"; then
-    step 2 "installing triton (megatron-core $MEGATRON_CORE imports it)" "1 min" "$VENV/bin/python" -m pip install -q triton
+    step 2 "installing triton (megatron-core $MEGATRON_CORE imports it)" "1 min" "$VENV/bin/python" -m pip install -q --no-compile triton
   fi
 fi
 # Install the package when setup.py changed since the last install (the stamp holds its hash), so
@@ -107,7 +108,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   # builds the two tiers' environments side by side.
   lock=(); command -v flock >/dev/null && lock=(flock .venv-setup.lock)
   step 3 "installing megatron-dualpipe with megatron-core ${MEGATRON_CORE:-0.16.1} and the test tools" "1.5-4 min" \
-    "${lock[@]}" "$VENV/bin/python" -m pip install -q -e ".[test,megatron-lm]"
+    "${lock[@]}" "$VENV/bin/python" -m pip install -q --no-compile -e ".[test,megatron-lm]"
   echo "$want" > "$stamp"
 fi
 if [ -n "${BRIDGE:-}" ] && ! has megatron.bridge; then
@@ -118,7 +119,13 @@ if [ -n "${BRIDGE:-}" ] && ! has megatron.bridge; then
            imported="";;
   esac
   step 3 "installing megatron-bridge==$BRIDGE (--no-deps) and the pure-Python packages it imports" "15-60 s" \
-    bash -c '"$1" -m pip install -q --no-deps "megatron-bridge==$2" $3 \
-      && "$1" -m pip install -q omegaconf einops psutil defusedxml datasets pulp scipy nvidia-ml-py ninja tensorboard $4' \
+    bash -c '"$1" -m pip install -q --no-compile --no-deps "megatron-bridge==$2" $3 \
+      && "$1" -m pip install -q --no-compile omegaconf einops psutil defusedxml datasets pulp scipy nvidia-ml-py ninja tensorboard $4' \
     _ "$VENV/bin/python" "$BRIDGE" "$pinned" "$imported"
+fi
+# pip installs with --no-compile: compiling every file it unpacks took 16 s of CPU for torch alone.
+# The bytecode of what the runs import is written once here instead (scripts/warm_bytecode.py).
+if [ -n "${installed:-}" ]; then
+  step 3 "writing the bytecode of what the runs import" "10-20 s" \
+    env -u PYTHONDONTWRITEBYTECODE PYTHONPATH="$here" "$VENV/bin/python" "$here/scripts/warm_bytecode.py" ${BRIDGE:+--bridge}
 fi
