@@ -11,10 +11,11 @@ VENV=$VENV bash scripts/setup_venv.sh
 # checkout (which ships no __pycache__) from source again: 0.5-1 s of CPU per Megatron-LM rank.
 unset PYTHONDONTWRITEBYTECODE
 # Workers (TEST_WORKERS): one more than the cores, as many as the memory holds (~6 GiB each at the
-# most: a 4-rank pretrain_gpt.py run beside its preloaded server). The tests wait too (processes
+# most: a 4-rank pretrain_gpt.py run beside its preloaded server), 2 to 8. The tests wait too (processes
 # starting, deadlines, Ctrl-C delays): with 2 workers on 2 cores, 19% of the apps tests' time was idle.
 mem_gib=$(( $(awk '/^MemTotal:/ {print $2}' /proc/meminfo 2>/dev/null || echo 12582912) / 1048576 ))
 workers=$(( $(nproc) + 1 )); [ "$workers" -le $(( mem_gib / 6 )) ] || workers=$(( mem_gib / 6 ))
+[ "$workers" -le 8 ] || workers=8
 [ "$workers" -ge 2 ] || workers=2
 # --no-loadscope-reorder: the files run in tests/conftest.py's order (longest first), not xdist's
 # (most tests first, which left the few long pretrain_gpt.py files for the end).
