@@ -55,7 +55,7 @@ LAYERS = {
 #: Folders whose tests start megatron-core or Megatron-LM processes.
 SLOW = ("mcore", "cpu", "megatron_lm", "apps", "bridge")
 #: The order the folders run in, the longest first (seconds of test time in .ci/run's newest tier):
-#: with ``--dist loadfile`` (scripts/run_tests.sh: cores + 1 workers, with --no-loadscope-reorder so that xdist
+#: with ``--dist loadfile`` (scripts/run_tests.sh: a worker per core, with --no-loadscope-reorder so that xdist
 #: keeps this order instead of putting the files with the most tests first) a worker takes the next
 #: file when it is done with its own, and the quick files fill the end instead of one long
 #: pretrain_gpt.py file keeping one worker busy while the other waits. mcore and bridge first: in the

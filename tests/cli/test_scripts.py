@@ -489,6 +489,7 @@ case "$1 $2" in
   "-m megatron_dualpipe.launch.interrupts") exec REAL "$@";;
   "-m venv") mkdir -p "$3/bin"; cp "$0" "$3/bin/python"; exit 0;;
 esac
+case "$1" in */warm_bytecode.py) exit 0;; esac
 here="$(dirname "$0")"
 if [ "$1" = -c ]; then
   case "$2" in *"version('megatron-core')"*) cat "$here/megatron-core" 2>/dev/null; exit;; esac
@@ -504,11 +505,12 @@ exit 3
 """
 
 
-@pytest.mark.parametrize("megatron_core, steps", [(None, (1, 2, 3)), ("0.19.2", (1, 2, 2, 3))])
+@pytest.mark.parametrize("megatron_core, steps", [(None, (1, 2, 3, 3)), ("0.19.2", (1, 2, 2, 3, 3))])
 def test_setup_prints_one_line_per_step_with_its_time_and_nothing_of_pip(tmp_path, megatron_core, steps):
     """A fresh venv: one line "setup N/3: ... (about T)" per step (with MEGATRON_CORE, step 2, the
-    dependencies, installs torch, then that megatron-core), pip's output (the BuildBackendWarning
-    box) only in the log; a second run has nothing to do and prints nothing."""
+    dependencies, installs torch, then that megatron-core; the last writes the bytecode pip did not),
+    pip's output (the BuildBackendWarning box) only in the log; a second run has nothing to do and
+    prints nothing."""
     fake = tmp_path / "python3"
     fake.write_text(FAKE_PYTHON.replace("REAL", sys.executable))
     fake.chmod(0o755)
