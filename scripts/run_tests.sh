@@ -12,8 +12,8 @@ VENV=$VENV bash scripts/setup_venv.sh
 unset PYTHONDONTWRITEBYTECODE
 # Workers (TEST_WORKERS): one per core, as many as the memory holds (~6 GiB each at the most: a 4-rank
 # pretrain_gpt.py run beside its preloaded server), 2 to 8. One more than the cores (3 on 2 cores) left
-# the cores 2.6% idle instead of ~5%, but the newest CI tier took 1082 s instead of 899 s: 12 ranks
-# and 3 servers on 2 cores cost more than the idle time they filled.
+# the cores 2.6% idle instead of 4.7%, but the newest CI tier took 1082 s, and 1018 s with 2 workers
+# an hour later: 12 ranks and 3 servers on 2 cores cost more than the idle time they filled.
 mem_gib=$(( $(awk '/^MemTotal:/ {print $2}' /proc/meminfo 2>/dev/null || echo 12582912) / 1048576 ))
 workers=$(nproc); [ "$workers" -le $(( mem_gib / 6 )) ] || workers=$(( mem_gib / 6 ))
 [ "$workers" -le 8 ] || workers=8
