@@ -15,7 +15,7 @@ _CHECKPOINTING = _TRAINING + ".checkpointing"
 _HERE = "megatron_dualpipe.bridge."
 
 #: Both two-chunk schedules (the checkpoint entries by Bridge series: 0.3 calls ``save_checkpoint`` /
-#: ``load_checkpoint`` by name from train / setup, 0.6 through its ``DefaultCheckpointManager``).
+#: ``load_checkpoint`` by name from train, pretrain and setup, 0.6 through its ``DefaultCheckpointManager``).
 COMMON: Tuple[Patch, ...] = (
     Patch(_TRAINING + ".train", "get_forward_backward_func", _HERE + "schedule:wrap_get_forward_backward_func",
           "train() imports megatron-core's by name and calls it with pp_size / vp_size: the executor's schedule"),
@@ -26,6 +26,9 @@ COMMON: Tuple[Patch, ...] = (
     Patch(_TRAINING + ".train", "save_checkpoint", _HERE + "checkpoint:wrap_save_checkpoint",
           "save_checkpoint_and_time calls it by name: torch_dist in 1F1B's keys (megatron_lm.checkpoint's strategies)",
           versions=CORE_OF_BRIDGE_03),
+    Patch(_TRAINING + ".pretrain", "save_checkpoint", _HERE + "checkpoint:wrap_save_checkpoint",
+          "pretrain() saves once more after training by name: without it that last checkpoint held the "
+          "distributed optimizer's state shifted past a padded bucket (DualPipeV)", versions=CORE_OF_BRIDGE_03),
     Patch(_TRAINING + ".setup", "load_checkpoint", _HERE + "checkpoint:wrap_load_checkpoint",
           "setup() loads by name: DualPipe's mirrors synced from their home copies after the load",
           versions=CORE_OF_BRIDGE_03),

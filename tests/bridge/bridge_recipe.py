@@ -26,12 +26,15 @@ TP2 = dict(pipeline_model_parallel_size=2, num_layers=4, tensor_model_parallel_s
 SHAPES = {"dense": {}, "moe": MOE, "tp2": TP2}
 
 
-def recipe(tied: bool = True, shape: str = "dense", save=None, load=None):
+def recipe(tied: bool = True, shape: str = "dense", save=None, load=None, step=2, iters=None):
     """A ConfigContainer as a Bridge recipe builds one: tied embeddings (Bridge's default; ``tied=False``
     as the Llama 3 and DeepSeek-V3 recipes), TE layer spec, Adam, clipping, the distributed optimizer and
     overlapped gradient reduction, mock data, an evaluation; ``shape``: one of :data:`SHAPES`;
     ``save`` / ``load``: a torch_dist checkpoint every 2 iterations (the distributed optimizer's state
-    fully reshardable: 1F1B buckets its chunk, DualPipe does not), loaded at iteration 2."""
+    fully reshardable: 1F1B buckets its chunk, DualPipe does not), loaded at iteration ``step``;
+    ``iters``: where training stops (when checkpointed, the learning rate decays over :data:`CHAIN_ITERS` in
+    every run, and the scheduler takes the recipe's settings, not the checkpoint's: they differ in the
+    weight decay's span, train_iters x batch, which a constant weight decay does not read)."""
     import torch
     from megatron.bridge.models.gpt_provider import GPTModelProvider
     from megatron.bridge.training.config import (CheckpointConfig, ConfigContainer, DistributedDataParallelConfig,
@@ -48,12 +51,14 @@ def recipe(tied: bool = True, shape: str = "dense", save=None, load=None):
     model.register_pre_wrap_hook(same_weights)
     return ConfigContainer(
         model=model,
-        train=TrainingConfig(train_iters=ITERS, global_batch_size=GLOBAL_BATCH, micro_batch_size=1, eval_interval=2,
-                             eval_iters=1),
+        train=TrainingConfig(train_iters=iters or ITERS, global_batch_size=GLOBAL_BATCH, micro_batch_size=1,
+                             eval_interval=2, eval_iters=1),
         optimizer=OptimizerConfig(optimizer="adam", lr=1e-3, min_lr=1e-5, weight_decay=0.01, clip_grad=1.0,
                                   use_distributed_optimizer=True, log_num_zeros_in_grad=True),
         scheduler=SchedulerConfig(start_weight_decay=0.01, end_weight_decay=0.01, weight_decay_incr_style="constant",
-                                  lr_warmup_iters=1, lr_warmup_init=0.0, lr_decay_iters=ITERS, lr_decay_style="cosine"),
+                                  lr_warmup_iters=1, lr_warmup_init=0.0, lr_decay_style="cosine",
+                                  lr_decay_iters=CHAIN_ITERS if save or load else ITERS,
+                                  override_opt_param_scheduler=bool(load)),
         ddp=DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_grad_reduce=True,
                                           grad_reduce_in_fp32=True),
         dataset=MockGPTDatasetConfig(random_seed=1234, seq_length=SEQ, reset_attention_mask=False,
@@ -62,7 +67,7 @@ def recipe(tied: bool = True, shape: str = "dense", save=None, load=None):
         logger=LoggerConfig(log_interval=1, log_params_norm=True),
         tokenizer=TokenizerConfig(tokenizer_type="NullTokenizer", vocab_size=256),
         checkpoint=CheckpointConfig(save=save, load=load, save_interval=2 if save else None,
-                                    ckpt_step=2 if load else None, dist_ckpt_optim_fully_reshardable=True),
+                                    ckpt_step=step if load else None, dist_ckpt_optim_fully_reshardable=True),
         dist=DistributedInitConfig(distributed_backend="gloo"),
         rng=RNGConfig(seed=1234),
     )
@@ -159,11 +164,19 @@ def _recording_tracker(track, into: list):
     return record
 
 
-def save_then_resume(rank: int, world: int, port: int, directory: str, pairs):
-    """Bridge's 1F1B for 4 iterations, saved at iterations 2 and 4 (torch_dist): the uninterrupted run;
-    each other saver of ``pairs`` saves so once (its metrics under "saver"); then for each (saver,
-    resumer): the resumer's iterations 3-4 from the saver's checkpoint of iteration 2. The last rank
-    returns {"uninterrupted": metrics, "saver": metrics, "saver->resumer": the resumer's metrics}."""
+#: The checkpoint chain: Bridge's 1F1B trains :data:`CHAIN_ITERS` iterations uninterrupted, saving every 2;
+#: then each leg resumes the previous saver's checkpoint for 2 iterations and saves its own: dualpipe from
+#: 1F1B's (iteration 2), dualpipev from dualpipe's (4), Bridge's 1F1B from dualpipev's (6). Each schedule
+#: saves once and loads once, and 1F1B's format is crossed both ways.
+CHAIN = ("dualpipe", "dualpipev", "bridge-1f1b")
+CHAIN_ITERS = 2 * (len(CHAIN) + 1)
+
+
+def save_then_resume(rank: int, world: int, port: int, directory: str, chain=CHAIN):
+    """The checkpoint chain (:data:`CHAIN`, torch_dist): the last rank returns {"uninterrupted": metrics,
+    "saver->resumer": the resumer's metrics}. Every run has the uninterrupted run's learning-rate schedule;
+    each checkpoint folder is loaded once (Bridge 0.3.1 loading one folder a second time in a process
+    read the newest iteration's state, though ``ckpt_step`` named another, and logged the one named)."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     import torch.distributed as dist
@@ -172,28 +185,14 @@ def save_then_resume(rank: int, world: int, port: int, directory: str, pairs):
 
     cpu.enable()
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    saved = {"bridge-1f1b": os.path.join(directory, "bridge-1f1b")}
-    logged = {"uninterrupted": train_once("bridge-1f1b", True, save=saved["bridge-1f1b"])}
-    for saver, resumer in pairs:
-        if saver not in saved:
-            saved[saver] = os.path.join(directory, saver)
-            logged[saver] = train_once(saver, True, save=saved[saver])
-        logged[f"{saver}->{resumer}"] = train_once(resumer, True, load=_copy(saved[saver], resumer, rank))
+    saver, saved = "bridge-1f1b", os.path.join(directory, "uninterrupted")
+    logged = {"uninterrupted": train_once(saver, True, save=saved, iters=2 * (len(chain) + 1))}
+    for leg, resumer in enumerate(chain, 1):
+        own = os.path.join(directory, f"{leg}-{resumer}")
+        logged[f"{saver}->{resumer}"] = train_once(resumer, True, save=own, load=saved, step=2 * leg,
+                                                   iters=2 * leg + 2)
+        saver, saved = resumer, own
     return logged if rank == world - 1 else None
-
-
-def _copy(checkpoint: str, resumer: str, rank: int) -> str:
-    """The resumer's own copy of a checkpoint folder: Bridge 0.3.1 loading one folder a second time in a
-    process read iteration 4's state, though ``ckpt_step`` named iteration 2 (and the log said so)."""
-    import shutil
-
-    import torch.distributed as dist
-
-    copy = f"{checkpoint}-for-{resumer}"
-    if rank == 0:
-        shutil.copytree(checkpoint, copy)
-    dist.barrier()
-    return copy
 
 
 def _number(value):
@@ -289,7 +288,7 @@ def enable_twice_then_disable(rank: int, world: int, port: int):
 
     original, cfg = names(), recipe()
     enable(cfg, "dualpipe")
-    first = names()
+    first, stale = names(), _still_bound(original)
     enable(cfg, "dualpipe")
     second = names()
     disable()
@@ -299,7 +298,26 @@ def enable_twice_then_disable(rank: int, world: int, port: int):
     disable()
     changed = [a is not b for a, b in zip(first, original)]
     return changed, [a is b for a, b in zip(second, first)], [a is b for a, b in zip(restored, original)], \
-        [a is b for a, b in zip(own, original)]
+        [a is b for a, b in zip(own, original)], stale
+
+
+#: Bridge modules that bind a replaced function by name but are not on pretrain()'s path.
+NOT_ON_PRETRAINS_PATH = ("megatron.bridge.training.model_load_save",)  # checkpoint conversion tools
+
+
+def _still_bound(original) -> list:
+    """Every ``module.name`` of Bridge's training package that still holds one of the functions enable()
+    replaced, outside the module that defines it: a call site imported by name that the patches miss
+    (Bridge 0.3's pretrain() saved its last checkpoint so)."""
+    import sys
+
+    import inspect
+
+    replaced = {id(obj): obj for obj in original if inspect.isfunction(obj)}  # classes: isinstance checks hold
+    return sorted(f"{module}.{name}" for module, mod in list(sys.modules.items())
+                  if module.startswith("megatron.bridge.training") and module not in NOT_ON_PRETRAINS_PATH
+                  for name, obj in list(vars(mod).items())
+                  if id(obj) in replaced and getattr(obj, "__module__", None) != module)
 
 
 def enable_after_megatron_core(rank: int, world: int, port: int):
