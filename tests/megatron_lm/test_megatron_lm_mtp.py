@@ -75,7 +75,6 @@ def test_dualpipe_two_mtp_layers_untied_uneven_equal_megatron_1f1b_and_its_check
     assert_metrics_close(back, _as_resumed_at(ref, 3), "1f1b from dualpipe's checkpoint of iteration 3 vs 1f1b")
 
 
-@pytest.mark.smoke  # also at core_v0.16.1 (.ci/run's oldest tier)
 def test_dualpipev_mtp_from_and_to_1f1b_checkpoints_equal_megatron_1f1b(tmp_path):
     """DualPipeV computes MTP on rank 0's second chunk (V-stage 2pp-1, beside the embedding, as
     DeepSeek placed it). Its V-stages start from other weights than 1f1b's stages, so it resumes

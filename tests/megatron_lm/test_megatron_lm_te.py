@@ -95,7 +95,6 @@ def test_te_layers_dualpipe_and_dualpipev_equal_megatron_1f1b(case, tmp_path):
     assert_metrics_close(got_v, _as_resumed_at(ref, 2), f"TE {case}: dualpipev from 1f1b's checkpoint vs 1f1b")
 
 
-@pytest.mark.smoke  # also at core_v0.16.1 (.ci/run's oldest tier)
 def test_te_dense_without_fusion_defers_every_weight_gradient_to_w():
     """TE dense layers, no gradient-accumulation fusion: dualpipe equals 1f1b with zero bubble through
     TE's deferral, and without --delay-wgrad-compute the executor's audit names the TE weights B kept
