@@ -92,10 +92,29 @@ assert sorted(QUICK) == sorted(LAYERS)
 EXTENDED = {
     "tests/megatron_lm/test_megatron_lm_options.py::test_rank_killed_mid_iteration":
         "8 fresh torchrun interpreters (95 s); a dead peer named: mcore/test_errors, resumes: the checkpoint tests",
+    "tests/megatron_lm/test_preloaded_launch.py::test_preloaded_ranks_print_what_torchruns_print":
+        "the tests' launcher against torchrun's fresh interpreters (34-62 s); no product code",
     "tests/megatron_lm/test_preloaded_launch.py::test_the_interpreters_whole_exit_when_asked":
-        "the tests' launcher (the plain-output proof of it stays in CI)",
+        "the tests' launcher",
     "tests/megatron_lm/test_preloaded_launch.py::test_rank_0_hosting_the_store_ends_with_the_whole_exit":
         "the tests' launcher",
+    "tests/megatron_lm/test_dataset_helpers.py::test_an_up_to_date_helper_is_not_rebuilt_and_a_stale_one_is":
+        "a second g++ build; the helper built once by jobs starting together stays",
+    "tests/mcore/test_dualpipe_megatron.py::test_overlap_param_gather_pp2_dp2_starts_every_gather_before_its_chunks_"
+    "first_forward[dualpipev]": "the dualpipe case (the same gathers, one chunk order apart)",
+    "tests/mcore/test_step_collectives_megatron.py::test_the_params_norms_all_reduces_are_the_plans[expert-mp-group-apart]":
+        "the dense case; the expert groups' reductions: the MoE equality tests' params norms",
+    "tests/mcore/test_dualpipe_megatron.py::test_users_architecture_equals_single_process":
+        "the users' architecture against Megatron's 1F1B: test_megatron_lm_dualpipe.py (both tiers)",
+    "tests/mcore/test_dualpipe_megatron.py::test_moe_with_aux_loss_equals_single_process":
+        "MoE with aux loss against Megatron's 1F1B: test_megatron_lm_options.py and the TE matrix",
+    "tests/mcore/test_dualpipe_megatron.py::test_dualpipe_equals_single_process[False-2]": "the pp=4 untied case",
+    "tests/mcore/test_dualpipe_megatron.py::test_overlap_grad_reduce_pp2_dp2_ddp_equals_single_process[dualpipe]":
+        "the dualpipev case; dualpipe's overlapped reduction: test_megatron_lm_cpu.py",
+    "tests/megatron_lm/test_megatron_lm_dualpipe.py::test_uneven_stages_equal_megatron_1f1b[embedding and loss":
+        "dualpipev's case of the same split",
+    "tests/megatron_lm/test_megatron_lm_cpu.py::test_dualpipev_distributed_optimizer_overlap_equals_dualpipev_alone":
+        "dualpipev's overlapped distributed optimizer: the bf16 torch_dist test of test_megatron_lm_dualpipev.py",
     "tests/megatron_lm/test_megatron_lm_mtp.py::test_one_chunk_executor_schedules_mtp_equal_megatron_1f1b":
         "the one-chunk executor schedules: test_megatron_lm_dualpipe.py's; MTP: the two-chunk ones'",
     "tests/megatron_lm/test_megatron_lm_mtp.py::test_dualpipe_mtp_with_sharded_copies_equal_megatron_1f1b":

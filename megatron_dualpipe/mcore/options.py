@@ -267,6 +267,9 @@ REFUSED: Tuple[Refused, ...] = (
             arg="overlap_moe_expert_parallel_comm", config="overlap_moe_expert_parallel_comm",
             schedules=ONE_CHUNK_EXECUTOR, fix="remove it, or use --pipeline-schedule " + " or ".join(TWO_CHUNKS)),
     Refused("--iterations-to-skip", "the skip path assumes one data iterator", arg="iterations_to_skip"),
+    Refused("--adlr-autoresume", "its termination save imports save_checkpoint itself, around the plugin's "
+            "checkpoint layout (the mirrors' entries, the V-stages' keys)", arg="adlr_autoresume",
+            fix="remove --adlr-autoresume (--exit-signal-handler or --exit-duration-in-mins save through the plugin)"),
     Refused("--sft", "packed variable-length sequences need variable P2P shapes", arg="sft"),
     Refused("--perform-rl-step", "RL builds a separate inference model through get_model and drives its own train loop",
             arg="perform_rl_step", fix="remove --perform-rl-step or use --pipeline-schedule 1f1b"),

@@ -264,6 +264,7 @@ REFUSED_CASES = {
     "--cuda-graph-impl / --enable-cuda-graph / --external-cuda-graph": ("dualpipe", [], {"cuda_graph_impl": "local"}),
     "--overlap-moe-expert-parallel-comm": ("executor-1f1b", [], {"overlap_moe_expert_parallel_comm": True}),
     "--iterations-to-skip": ("dualpipe", ["--iterations-to-skip", "2"], None),
+    "--adlr-autoresume": ("dualpipev", [], {"adlr_autoresume": True}),  # Megatron's own check imports userlib
     "--sft": ("dualpipe", [], {"sft": True}),
     "--perform-rl-step": ("dualpipev", [], {"perform_rl_step": True}),
     "--hybrid-context-parallel": ("dualpipe", [], {"hybrid_context_parallel": True}),
