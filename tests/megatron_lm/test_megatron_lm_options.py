@@ -196,7 +196,12 @@ def test_rank_killed_mid_iteration_restarts_and_continues_the_curve(tmp_path):
     (tmp_path / "output.txt").write_text(out)
     assert proc.returncode == 0, out[-6000:]
     assert "[test-sigkill] rank 2 iteration 4 forward 3" in out, out[-4000:]
-    assert re.search(r"failed \(exitcode: -9\) local_rank: 2 ", out), out[-4000:]  # torchrun saw the SIGKILL
+    # torchrun names the first failed rank its monitor finds (every 0.5 s): the killed one (-9), or a neighbour
+    # that stopped on the lost connection within the same interval (-6 from rank 1, seen in a run of 2026-11-29)
+    seen = re.search(r"failed \(exitcode: (-?\d+)\) local_rank: (\d) ", out)
+    assert seen, out[-4000:]
+    print(f"\ntorchrun's first failed rank: local_rank {seen[2]}, exit code {seen[1]}")
+    assert seen[2] == "2" and seen[1] == "-9" or seen[2] in "13", seen[0]
 
     first_attempt = out[:out.index("loading checkpoint from")]
     errors = {}
