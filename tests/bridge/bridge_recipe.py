@@ -172,7 +172,7 @@ CHAIN = ("dualpipe", "dualpipev", "bridge-1f1b")
 CHAIN_ITERS = 2 * (len(CHAIN) + 1)
 
 
-def save_then_resume(rank: int, world: int, port: int, directory: str, chain=CHAIN):
+def save_then_resume(rank: int, world: int, port: int, directory: str):
     """The checkpoint chain (:data:`CHAIN`, torch_dist): the last rank returns {"uninterrupted": metrics,
     "saver->resumer": the resumer's metrics}. Every run has the uninterrupted run's learning-rate schedule;
     each checkpoint folder is loaded once (Bridge 0.3.1 loading one folder a second time in a process
@@ -186,8 +186,8 @@ def save_then_resume(rank: int, world: int, port: int, directory: str, chain=CHA
     cpu.enable()
     dist.init_process_group("gloo", rank=rank, world_size=world)
     saver, saved = "bridge-1f1b", os.path.join(directory, "uninterrupted")
-    logged = {"uninterrupted": train_once(saver, True, save=saved, iters=2 * (len(chain) + 1))}
-    for leg, resumer in enumerate(chain, 1):
+    logged = {"uninterrupted": train_once(saver, True, save=saved, iters=CHAIN_ITERS)}
+    for leg, resumer in enumerate(CHAIN, 1):
         own = os.path.join(directory, f"{leg}-{resumer}")
         logged[f"{saver}->{resumer}"] = train_once(resumer, True, save=own, load=saved, step=2 * leg,
                                                    iters=2 * leg + 2)
