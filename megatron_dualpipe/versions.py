@@ -44,15 +44,8 @@ def torch_problem() -> Optional[str]:
 
 def parse(version: str) -> Tuple[int, ...]:
     """``"0.19.0rc2"`` -> ``(0, 19, 0)``: the leading numeric release parts."""
-    parts = []
-    for piece in str(version).split("."):
-        m = re.match(r"\d+", piece)
-        if not m:
-            break
-        parts.append(int(m.group()))
-        if m.end() != len(piece):
-            break
-    return tuple(parts)
+    m = re.match(r"\d+(?:\.\d+)*", str(version))
+    return tuple(int(p) for p in m.group().split(".")) if m else ()
 
 
 def supported(version: str) -> bool:

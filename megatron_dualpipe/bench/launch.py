@@ -15,24 +15,17 @@ def under_torchrun() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
 
 
-def device_for(rank: int):
-    import torch
-
-    if torch.cuda.is_available():
-        local = int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count()
-        torch.cuda.set_device(local)
-        return torch.device("cuda", local)
-    return torch.device("cpu")
-
-
 def init(rank: int, world: int, timeout_s: float):
     """Join the process group (env:// rendezvous) and return this rank's device."""
     import torch
     import torch.distributed as dist
 
-    device = device_for(rank)
-    backend = "gloo" if device.type == "cpu" else "nccl"
-    dist.init_process_group(backend, rank=rank, world_size=world,
+    device = torch.device("cpu")
+    if torch.cuda.is_available():
+        local = int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count()
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+    dist.init_process_group("gloo" if device.type == "cpu" else "nccl", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=timeout_s))
     torch.set_num_threads(1)
     return device

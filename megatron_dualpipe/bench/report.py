@@ -56,27 +56,14 @@ class Row:
     unit_overhead_ms: Optional[float] = None  # probe: the executor's own cost per unit
     bd_probe_ms: Optional[float] = None       # probe: one bd sum of --grad-mb, all pairs at once
 
-    @property
-    def ratio_predicted(self) -> Optional[float]:
-        return self.median_ms / self.predicted_ms if self.predicted_ms else None
-
-    @property
-    def ratio(self) -> Optional[float]:
-        return self.median_ms / self.sim_ms if self.sim_ms else None
-
-    @property
-    def ratio_latency(self) -> Optional[float]:
-        return self.median_ms / self.sim_latency_ms if self.sim_latency_ms else None
-
-    @property
-    def ratio_executor(self) -> Optional[float]:
-        return self.median_ms / self.sim_spent_ms if self.sim_spent_ms else None
+    ratio_predicted = property(lambda self: self.median_ms / self.predicted_ms if self.predicted_ms else None)
+    ratio = property(lambda self: self.median_ms / self.sim_ms if self.sim_ms else None)
+    ratio_latency = property(lambda self: self.median_ms / self.sim_latency_ms if self.sim_latency_ms else None)
+    ratio_executor = property(lambda self: self.median_ms / self.sim_spent_ms if self.sim_spent_ms else None)
 
     def to_json(self) -> dict:
-        d = asdict(self)
-        d.update(ratio=self.ratio, ratio_latency=self.ratio_latency, ratio_executor=self.ratio_executor,
-                 ratio_predicted=self.ratio_predicted)
-        return d
+        ratios = ("ratio", "ratio_latency", "ratio_executor", "ratio_predicted")
+        return {**asdict(self), **{k: getattr(self, k) for k in ratios}}
 
 
 def _sim(name: str, pp: int, m: int, costs, p2p: float, scale: float = 1.0):
@@ -159,14 +146,10 @@ def rows(cfg: BenchConfig, pp: int, ranks: Sequence[dict]) -> Tuple[Optional[flo
 def peer_ratios(all_rows: Sequence[Row]) -> List[Tuple[int, int, str, str, float]]:
     """(pp, M, project schedule, torch schedule, project/torch) for every measured pair."""
     project = {(r.pp, r.microbatches, r.schedule): r for r in all_rows if r.runner == "project"}
-    out = []
-    for r in all_rows:
-        if r.runner != "torch":
-            continue
-        mine = project.get((r.pp, r.microbatches, TORCH_SCHEDULES[r.schedule][1]))
-        if mine is not None:
-            out.append((r.pp, r.microbatches, mine.schedule, r.schedule, mine.median_ms / r.median_ms))
-    return out
+    pairs = [(r, project.get((r.pp, r.microbatches, TORCH_SCHEDULES[r.schedule][1])))
+             for r in all_rows if r.runner == "torch"]
+    return [(r.pp, r.microbatches, mine.schedule, r.schedule, mine.median_ms / r.median_ms)
+            for r, mine in pairs if mine is not None]
 
 
 def _f(x: Optional[float], spec: str = ".1f") -> str:
@@ -183,41 +166,31 @@ def table(cfg: BenchConfig, latencies: Dict[int, Optional[float]], all_rows: Seq
              f"compute={cfg.mode}; {cfg.iters} timed iterations after {cfg.warmup} warm-up; tensors "
              f"{cfg.shape[0]}x{cfg.shape[1]} float32; {env.get('backend')} on {env.get('device')}"]
     for pp in sorted({r.pp for r in all_rows}):
-        lat = latencies.get(pp)
         first = next(r for r in all_rows if r.pp == pp)
-        lines.append("")
-        lines.append(f"pp={pp}: one P2P message (rank 0 <-> 1, half a round trip) {_f(lat, '.2f')} ms; the executor's "
-                     f"own cost per unit (probe) {_f(first.unit_overhead_ms, '.2f')} ms"
-                     + (f"; one bd sum of {cfg.grad_mb:g} MiB, all pairs at once, {_f(first.bd_probe_ms, '.1f')} ms"
-                        if first.bd_probe_ms else ""))
-        head = (f"{'runner':<8} {'schedule':<16} {'M':>3} {'measured ms':>11} {'(min-max)':>13} {'sim ms':>7} "
-                f"{'x sim':>6} {'x +lat':>6} {'pred':>7} {'x pred':>6} {'spent':>5} {'x exec':>6} {'ovh/act':>7}  "
-                f"{'P2P ms per rank':<22} "
-                f"{'peak act per rank (sim)':<26} in flight")
-        lines.append(head)
-        for r in (r for r in all_rows if r.pp == pp):
-            lines.append(
-                f"{r.runner:<8} {r.schedule:<16} {r.microbatches:>3} {r.median_ms:>11.1f} "
-                f"{'(' + f'{r.min_ms:.0f}-{r.max_ms:.0f}' + ')':>13} {_f(r.sim_ms):>7} {_f(r.ratio, '.3f'):>6} "
-                f"{_f(r.ratio_latency, '.3f'):>6} {_f(r.predicted_ms):>7} {_f(r.ratio_predicted, '.3f'):>6} "
-                f"{_f(r.spent_over_nominal, '.3f'):>5} {_f(r.ratio_executor, '.3f'):>6} "
-                f"{_f(r.overhead_ms_per_action, '.2f'):>7}  {_per_rank(r.p2p_ms, '.0f'):<22} "
-                f"{_per_rank(r.peak_activations) + ' (' + _per_rank(r.sim_peak_activations) + ')':<26} "
-                f"{_per_rank(r.peak_in_flight)}")
+        lines += ["", f"pp={pp}: one P2P message (rank 0 <-> 1, half a round trip) {_f(latencies.get(pp), '.2f')} ms; "
+                  f"the executor's own cost per unit (probe) {_f(first.unit_overhead_ms, '.2f')} ms"
+                  + (f"; one bd sum of {cfg.grad_mb:g} MiB, all pairs at once, {_f(first.bd_probe_ms, '.1f')} ms"
+                     if first.bd_probe_ms else ""),
+                  f"{'runner':<8} {'schedule':<16} {'M':>3} {'measured ms':>11} {'(min-max)':>13} {'sim ms':>7} "
+                  f"{'x sim':>6} {'x +lat':>6} {'pred':>7} {'x pred':>6} {'spent':>5} {'x exec':>6} {'ovh/act':>7}  "
+                  f"{'P2P ms per rank':<22} {'peak act per rank (sim)':<26} in flight"]
+        lines += [f"{r.runner:<8} {r.schedule:<16} {r.microbatches:>3} {r.median_ms:>11.1f} "
+                  f"{'(' + f'{r.min_ms:.0f}-{r.max_ms:.0f}' + ')':>13} {_f(r.sim_ms):>7} {_f(r.ratio, '.3f'):>6} "
+                  f"{_f(r.ratio_latency, '.3f'):>6} {_f(r.predicted_ms):>7} {_f(r.ratio_predicted, '.3f'):>6} "
+                  f"{_f(r.spent_over_nominal, '.3f'):>5} {_f(r.ratio_executor, '.3f'):>6} "
+                  f"{_f(r.overhead_ms_per_action, '.2f'):>7}  {_per_rank(r.p2p_ms, '.0f'):<22} "
+                  f"{_per_rank(r.peak_activations) + ' (' + _per_rank(r.sim_peak_activations) + ')':<26} "
+                  f"{_per_rank(r.peak_in_flight)}" for r in all_rows if r.pp == pp]
     summed = [r for r in all_rows if r.bd_exposed_ms]
     if summed:
-        lines.append("")
-        lines.append(f"bd gradient sums, {cfg.grad_mb:g} MiB per chunk, per rank: exposed after the last action "
-                     f"(median) / alone when started after the schedule, ms:")
-        for r in summed:
-            pairs = " ".join(f"{e:.1f}/{a:.1f}" for e, a in zip(r.bd_exposed_ms, r.bd_alone_ms))
-            lines.append(f"  pp={r.pp} M={r.microbatches} {r.schedule}: {pairs}")
+        lines += ["", f"bd gradient sums, {cfg.grad_mb:g} MiB per chunk, per rank: exposed after the last action "
+                  f"(median) / alone when started after the schedule, ms:"]
+        lines += [f"  pp={r.pp} M={r.microbatches} {r.schedule}: "
+                  + " ".join(f"{e:.1f}/{a:.1f}" for e, a in zip(r.bd_exposed_ms, r.bd_alone_ms)) for r in summed]
     ratios = peer_ratios(all_rows)
     if ratios:
-        lines.append("")
-        lines.append("project / torch, same stages and costs (< 1: the project is faster):")
-        for pp, m, mine, theirs, x in ratios:
-            lines.append(f"  pp={pp} M={m}: {mine} / {theirs} = {x:.3f}")
+        lines += ["", "project / torch, same stages and costs (< 1: the project is faster):"]
+        lines += [f"  pp={pp} M={m}: {mine} / {theirs} = {x:.3f}" for pp, m, mine, theirs, x in ratios]
     return "\n".join(lines)
 
 

@@ -4,6 +4,7 @@ stopped and our output then silenced: :func:`guarded` for a main function (130, 
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -34,28 +35,20 @@ def _end(last_line: str = "") -> None:
     nothing more gets out (not a background thread, not the interpreter's final flush)."""
     processes.ignore_interrupts()
     processes.stop_descendants()
-    try:
+    with contextlib.suppress(OSError, ValueError):
         sys.stdout.flush()
-    except (OSError, ValueError):
-        pass
-    try:
+    with contextlib.suppress(OSError, ValueError):
         if last_line:
             print(last_line, file=sys.stderr, flush=True)
-    except (OSError, ValueError):
-        pass
     try:
         devnull = os.open(os.devnull, os.O_WRONLY)
     except OSError:
         return
     for stream in (sys.stdout, sys.stderr):
-        try:
+        with contextlib.suppress(OSError, ValueError):
             stream.flush()
-        except (OSError, ValueError):
-            pass
-        try:
+        with contextlib.suppress(OSError, ValueError, AttributeError):
             os.dup2(devnull, stream.fileno())
-        except (OSError, ValueError, AttributeError):
-            pass
 
 
 def interrupted(prog: str) -> int:

@@ -4,6 +4,7 @@ nor die with ``torchrun``: re-parented to PID 1 they would go on training. Stand
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import signal
@@ -74,16 +75,9 @@ def descendants(pid: int) -> Set[int]:
 
 
 def _signal_all(pgid: int, pids: Set[int], sig: int) -> None:
-    if pgid > 0:
-        try:
-            os.killpg(pgid, sig)
-        except OSError:
-            pass
-    for pid in pids:
-        try:
-            os.kill(pid, sig)
-        except OSError:
-            pass
+    for kill, target in ([(os.killpg, pgid)] if pgid > 0 else []) + [(os.kill, pid) for pid in pids]:
+        with contextlib.suppress(OSError):
+            kill(target, sig)
 
 
 def _alive(pid: int) -> bool:
@@ -107,11 +101,9 @@ def stop_descendants(grace: float = GRACE_SECONDS) -> None:
     while any(_alive(p) for p in family) and time.monotonic() < deadline:
         time.sleep(0.05)
     _signal_all(-1, family | descendants(os.getpid()), signal.SIGKILL)
-    try:
+    with contextlib.suppress(ChildProcessError):
         while os.waitpid(-1, os.WNOHANG)[0]:  # reap our own children
             pass
-    except ChildProcessError:
-        pass
 
 
 def stop(proc: subprocess.Popen, grace: float = GRACE_SECONDS) -> None:
@@ -120,10 +112,9 @@ def stop(proc: subprocess.Popen, grace: float = GRACE_SECONDS) -> None:
     _signal_all(proc.pid, family | {proc.pid}, signal.SIGTERM)
     deadline = time.monotonic() + grace
     while time.monotonic() < deadline:
-        proc.poll()
-        family |= descendants(proc.pid) if proc.returncode is None else set()
-        if proc.returncode is not None and not any(_alive(p) for p in family):
+        if proc.poll() is not None and not any(_alive(p) for p in family):
             return
+        family |= descendants(proc.pid) if proc.returncode is None else set()
         time.sleep(0.05)
     family |= descendants(proc.pid)
     _signal_all(proc.pid, family | {proc.pid}, signal.SIGKILL)

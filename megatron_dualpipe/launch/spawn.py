@@ -5,6 +5,7 @@ from this process (the tests' preloaded stand-in).
 """
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import importlib
 import multiprocessing
@@ -117,10 +118,8 @@ class Ranks:
 
     def send(self, sig: int) -> None:
         for rank in self.poll():
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(self.procs[rank].pid, sig)
-            except ProcessLookupError:
-                pass
 
     def stop(self, grace: float, first: Optional[int] = signal.SIGTERM) -> None:
         """``first`` (None: nothing) to the running ranks, SIGKILL after ``grace``; wait until all ended."""
@@ -133,11 +132,6 @@ class Ranks:
         while self.poll():
             time.sleep(POLL_S)
 
-    def dump(self) -> None:
-        """Every running rank writes its stacks (SIGABRT: faulthandler), then it is killed."""
-        self.send(signal.SIGABRT)
-        self.stop(STACKS_S, first=None)
-
 
 def wait(ranks: Ranks, timeout_s: float, on_failure: Callable[[int, int], None]) -> Optional[int]:
     """Wait for every rank as torchrun's agent does: 0 when all succeeded; 1 once one failed (told to
@@ -146,7 +140,7 @@ def wait(ranks: Ranks, timeout_s: float, on_failure: Callable[[int, int], None])
     while ranks.poll():
         now = time.monotonic()
         if now > deadline:
-            ranks.dump()
+            ranks.stop(STACKS_S, signal.SIGABRT)
             return None
         if failed_at is None and ranks.failed():
             failed_at, first = now, ranks.failed()[0]
@@ -252,7 +246,7 @@ def _collect(results, ranks: Ranks, timeout_s: float) -> List[Any]:
             raise RuntimeError(_failure(errors, ranks.describe(silent), stacks))
         if now > end:
             waiting = [r for r in range(world) if r not in got]
-            ranks.dump()
+            ranks.stop(STACKS_S, signal.SIGABRT)
             raise RuntimeError(f"{labelled_stacks(ranks.stacks_prefix, world)}ranks {waiting} gave no result within "
                                f"{timeout_s:.0f} s (where each waited: its stacks, above)")
         time.sleep(POLL_S)
