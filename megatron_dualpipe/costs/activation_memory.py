@@ -28,7 +28,7 @@ class Saved:
 
 
 def _attention(m: ModelArgs) -> List[Saved]:
-    h, n = m.hidden, m.heads
+    n = m.heads
     if not m.mla:
         q, kv = m.kv_channels * n, m.kv_channels * m.query_groups
         out = [Saved("query", BF16 * q), Saved("key", BF16 * kv), Saved("value", BF16 * kv)]

@@ -10,15 +10,16 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
-from typing import List, Optional, Sequence
+from dataclasses import dataclass, field, replace
+from typing import List, Optional, Sequence, Tuple
 
 from ..schedule.copy_sum import WAYS, CopySum
-from ..schedule.registry import ONE_F_ONE_B, SPECS as SPECS_RUN, distinct_orders
+from ..schedule.registry import (INTERLEAVED_1F1B, INTERLEAVED_1F1B_A2A, MODELLED_SPECS, ONE_F_ONE_B,
+                                 SPECS as SPECS_RUN, distinct_orders)
 from ..schedule.registry import spec as get
 from ..schedule.simulate import Costs
-from .comm_cost import CommModel
-from .compare import Row, align, compare, fmt, in_other_placement
+from .comm_cost import DTYPE_BYTES, PAIRED, CommModel
+from .compare import Row, align, compare, fmt, in_other_placement, run
 
 #: Schedules within this fraction of the fastest count as equally fast.
 TIE = 0.01
@@ -31,8 +32,6 @@ SMALL_GAIN = 0.05
 def run_flags(name: str, pp: int, num_layers: Optional[int] = None) -> str:
     """How to run schedule ``name``: the launch script's SCHEDULE and the pretrain_gpt.py flags.
     Interleaved 1F1B is Megatron's own 1f1b with a virtual pipeline of v chunks per rank."""
-    from ..schedule.registry import INTERLEAVED_1F1B_A2A, MODELLED_SPECS
-
     s = get(name)
     if s.name in SPECS_RUN:
         return f"SCHEDULE={s.name} (scripts/pretrain_gpt_dualpipe.sh), i.e. --pipeline-schedule {s.name}"
@@ -117,8 +116,6 @@ class PlacementEffect:
                 "iteration": self.iteration, "fastest": self.fastest, "problem": self.problem, "fits": self.fits}
 
     def text(self) -> str:
-        from .comm_cost import PAIRED
-
         how = ("with pipeline ranks i and pp-1-i on one node (launcher --pair-placement, PAIR_PLACEMENT=1)"
                if self.placement == PAIRED
                else "in Megatron's own rank placement (advise --placement megatron)")
@@ -200,8 +197,14 @@ class Advice:
     num_layers: Optional[int] = None
 
     def to_json(self) -> dict:
-        c = self.costs
-        comm = None if self.comm is None else _comm_json(self.comm)
+        c, m = self.costs, self.comm
+        p, n = (m.placement, m.network) if m else (None, None)
+        comm = None if m is None else {
+            "dp": p.dp, "tp": p.tp, "gpus_per_node": p.gpus_per_node, "placement": p.name,
+            "stage_grad_bytes": m.stage_grad_bytes, "message_bytes": m.message_bytes,
+            "intra_node": {"bandwidth_gbps": n.intra.bandwidth, "latency_ms": n.intra.latency},
+            "inter_node": {"bandwidth_gbps": n.inter.bandwidth, "latency_ms": n.inter.latency},
+            "distributed_optimizer": m.distributed_optimizer, "overlap_grad_reduce": m.overlap_grad_reduce}
         return {"pp": self.pp, "stage_costs": {"f": c.f, "b": c.b, "w": c.w, "fb": c.fused, "p2p": c.p2p},
                 "communication": comm, "tokens_per_microbatch": self.tokens,
                 "activation_memory": self.activation_memory, "parameter_memory": self.parameter_memory,
@@ -211,11 +214,6 @@ class Advice:
 
     def format(self) -> str:
         return "\n".join(_format(self))
-
-
-def _check(name: str, value: Optional[float]) -> None:
-    if value is not None and (not math.isfinite(value) or value < 0):
-        raise ValueError(f"{name} must be a finite number >= 0, got {value}")
 
 
 @dataclass(frozen=True)
@@ -244,22 +242,11 @@ class DenseModel:
 
     @property
     def stage_grad_bytes(self) -> float:
-        from .comm_cost import DTYPE_BYTES
-
         return self.stage_params * DTYPE_BYTES[self.grad_dtype]
 
     @property
     def message_bytes(self) -> float:
         return self.tokens * self.hidden * 2 / self.tp
-
-
-def _comm_json(c: CommModel) -> dict:
-    p, n = c.placement, c.network
-    return {"dp": p.dp, "tp": p.tp, "gpus_per_node": p.gpus_per_node, "placement": p.name,
-            "stage_grad_bytes": c.stage_grad_bytes, "message_bytes": c.message_bytes,
-            "intra_node": {"bandwidth_gbps": n.intra.bandwidth, "latency_ms": n.intra.latency},
-            "inter_node": {"bandwidth_gbps": n.inter.bandwidth, "latency_ms": n.inter.latency},
-            "distributed_optimizer": c.distributed_optimizer, "overlap_grad_reduce": c.overlap_grad_reduce}
 
 
 def advise(pp: int, microbatches: Sequence[int], costs: Costs, activation_memory: float,
@@ -283,7 +270,8 @@ def advise(pp: int, microbatches: Sequence[int], costs: Costs, activation_memory
     which simulate each schedule again a hundred times."""
     for name, v in (("activation memory", activation_memory), ("parameter memory", parameter_memory),
                     ("weight-gradient memory", weight_grad_memory), ("memory limit", memory_limit)):
-        _check(name, v)
+        if v is not None and (not math.isfinite(v) or v < 0):
+            raise ValueError(f"{name} must be a finite number >= 0, got {v}")
     if not microbatches:
         raise ValueError("give at least one micro-batch count")
     choices = []
@@ -307,17 +295,11 @@ def advise(pp: int, microbatches: Sequence[int], costs: Costs, activation_memory
             even = _break_even(pp, m, costs, comm, options, best, tokens)
             if even is not None:
                 reason += "; " + even.text(tokens)
-        effects = _placement_effects(pp, m, costs, comm, options) if detailed else []
-        reduction = _reduction_effects(pp, m, costs, comm, options, memory_limit, optimizer_memory) if detailed else []
+        effects, reduction = (_effects(pp, m, costs, comm, options, memory_limit, optimizer_memory) if detailed
+                              else ([], []))
         choices.append(Choice(m, options, best, reason, even, effects, reduction))
     return Advice(pp, costs, activation_memory, parameter_memory, weight_grad_memory, memory_limit, choices, comm,
                   tokens, num_layers)
-
-
-def _iteration(name: str, pp: int, m: int, costs: Costs, comm: CommModel) -> float:
-    from .compare import run
-
-    return run(name, pp, m, costs, comm=comm).iteration
 
 
 def _crossing(diff, now: float) -> Optional[float]:
@@ -348,36 +330,16 @@ def _break_even(pp, m, costs, comm, options, best, tokens) -> Optional[BreakEven
         return None
     rival = min(others, key=lambda o: o.row.iteration).row.name
 
-    def by_bandwidth(bw):
-        c = comm.with_inter_bandwidth(bw)
-        return _iteration(best, pp, m, costs, c) - _iteration(rival, pp, m, costs, c)
-
-    def by_size(k):
-        c = comm.scaled_messages(k)
-        return _iteration(best, pp, m, costs.scaled(k), c) - _iteration(rival, pp, m, costs.scaled(k), c)
+    def lead(c: CommModel, k: float = 1.0) -> float:
+        return (run(best, pp, m, costs.scaled(k), comm=c).iteration
+                - run(rival, pp, m, costs.scaled(k), comm=c).iteration)
 
     now = comm.network.inter.bandwidth
     uses_inter = comm.placement.world > comm.placement.gpus_per_node
-    bw = _crossing(by_bandwidth, now) if uses_inter else None
-    scale = _crossing(by_size, 1.0)
+    bw = _crossing(lambda x: lead(comm.with_inter_bandwidth(x)), now) if uses_inter else None
+    scale = _crossing(lambda k: lead(comm.scaled_messages(k), k), 1.0)
     return BreakEven(rival, bw, now if uses_inter else None, scale,
                      None if scale is None or tokens is None else scale * tokens)
-
-
-def _placement_effects(pp, m, costs, comm: CommModel, options: List[Option]) -> List[PlacementEffect]:
-    """Each runnable schedule with bd pairs in the other placement (the launcher pairs only them)."""
-    out = []
-    for o in options:
-        if o.row.problem or not get(o.row.name).mirrored:
-            continue
-        name, row, problem = in_other_placement(o.row.name, pp, m, costs, comm)
-        if row is None:
-            out.append(PlacementEffect(o.row.name, name, o.row.iteration, problem=problem))
-            continue
-        t = row.iteration
-        out.append(PlacementEffect(o.row.name, name, o.row.iteration, t, o.fits and _beats_all(t, o, options),
-                                   fits=o.fits))
-    return out
 
 
 def _beats_all(t: float, o: Option, options: List[Option]) -> bool:
@@ -385,34 +347,32 @@ def _beats_all(t: float, o: Option, options: List[Option]) -> bool:
     return all(t < x.row.iteration for x in options if not x.row.problem and x.fits and x is not o)
 
 
-def _reduction_effects(pp, m, costs, comm: CommModel, options: List[Option], limit: Optional[float] = None,
-                       optimizer_memory: Optional[float] = None) -> List[ReductionEffect]:
-    """With the distributed optimizer, each runnable schedule with bd pairs (whose two copies are
-    one stage: DualPipe) under the other ways of combining them that training implements. The
-    shared shard group keeps one stage's optimizer state instead of two: with
-    ``optimizer_memory`` (that state, part of the parameter memory) its fit is judged on that."""
-    from dataclasses import replace
-
-    if not comm.distributed_optimizer:
-        return []
-    out = []
+def _effects(pp, m, costs, comm: CommModel, options: List[Option], limit: Optional[float],
+             optimizer_memory: Optional[float]) -> Tuple[List[PlacementEffect], List[ReductionEffect]]:
+    """Each runnable schedule with bd pairs in the other placement (the launcher pairs only them) and, with the
+    distributed optimizer, under the other ways of combining its two copies that training implements: the
+    shared shard group keeps one stage's optimizer state instead of two, and with ``optimizer_memory`` (that
+    state, part of the parameter memory) its fit is judged on that."""
+    placement, reduction, now = [], [], CopySum(comm.bd_mode)
     for o in options:
         if o.row.problem or not get(o.row.name).mirrored:
             continue
-        now = CopySum(comm.bd_mode)
-        for mode in (way for way in WAYS if way is not now):
+        name, row, problem = in_other_placement(o.row.name, pp, m, costs, comm)
+        t = None if row is None else row.iteration
+        placement.append(PlacementEffect(o.row.name, name, o.row.iteration, t, t is not None and o.fits
+                                         and _beats_all(t, o, options), problem, row is None or o.fits))
+        for mode in (way for way in WAYS if way is not now and comm.distributed_optimizer):
             # training's shared shard group cannot overlap its reduce-scatters yet (refused with it)
             overlap = comm.overlap_grad_reduce and not mode.shards_over_both_copies
-            other = replace(comm, bd_mode=mode, overlap_grad_reduce=overlap)
-            t = _iteration(o.row.name, pp, m, costs, other)
+            t = run(o.row.name, pp, m, costs, comm=replace(comm, bd_mode=mode, overlap_grad_reduce=overlap)).iteration
             fits = o.fits
             shared = mode.shards_over_both_copies - now.shards_over_both_copies  # +1: one copy less, -1: one more
             if shared and optimizer_memory is not None:
                 memory = o.memory - shared * optimizer_memory * (o.row.parameter_copies - 1)
                 fits = limit is None or memory <= limit
-            out.append(ReductionEffect(o.row.name, mode, comm.bd_mode, o.row.iteration, t,
-                                       fits and _beats_all(t, o, options), fits=fits))
-    return out
+            reduction.append(ReductionEffect(o.row.name, mode, comm.bd_mode, o.row.iteration, t,
+                                             fits and _beats_all(t, o, options), fits=fits))
+    return placement, reduction
 
 
 def _pct(a: float, b: float) -> str:
@@ -476,8 +436,6 @@ def _choose(options: List[Option], limit: Optional[float], hint: str = NO_FIT_HI
 
 def _named(name: str) -> str:
     """A schedule as a Megatron user knows it."""
-    from ..schedule.registry import INTERLEAVED_1F1B, INTERLEAVED_1F1B_A2A
-
     if name.startswith(INTERLEAVED_1F1B_A2A):
         return f"Megatron's interleaved 1F1B with the all-to-all overlap ({name})"
     if name.startswith(INTERLEAVED_1F1B):

@@ -25,7 +25,7 @@ latency + bytes / bandwidth. Milliseconds, GB/s (1e9 bytes per second). Standard
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Callable, Dict, List, Optional
 
@@ -37,7 +37,6 @@ from ..schedule.placement import RankOrder, invert, megatron_placement, pair_pla
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 #: Rank placements: Megatron's own order, or the launcher's ``--pair-placement``.
 MEGATRON, PAIRED = "megatron", "paired"
-PLACEMENTS = (MEGATRON, PAIRED)
 
 
 @dataclass(frozen=True)
@@ -110,20 +109,12 @@ class Placement:
         return invert(pair_placement(self.world, self.gpus_per_node, self.tp, 1, self.dp, self.pp))
 
     @cached_property
-    def _order(self) -> RankOrder:
-        return RankOrder(self.tp, 1, self.dp, self.pp)
-
-    def global_rank(self, pp_rank: int, dp_rank: int = 0, tp_rank: int = 0) -> int:
-        """Megatron's global rank (its order; the placement does not change it)."""
-        return self._order.global_rank(tp=tp_rank, dp=dp_rank, pp=pp_rank)
-
-    def node(self, pp_rank: int, dp_rank: int = 0, tp_rank: int = 0) -> int:
-        return self._slots[self.global_rank(pp_rank, dp_rank, tp_rank)] // self.gpus_per_node
-
-    @cached_property
     def _nodes(self) -> List[List[int]]:
-        """``_nodes[pp_rank][dp_rank * tp + tp_rank]``: the node of every rank (asked per message)."""
-        return [[self.node(r, d, t) for d in range(self.dp) for t in range(self.tp)] for r in range(self.pp)]
+        """``_nodes[pp_rank][dp_rank * tp + tp_rank]``: the node of every rank (asked per message), from its
+        global rank in Megatron's order (which the placement does not change)."""
+        order = RankOrder(self.tp, 1, self.dp, self.pp)
+        return [[self._slots[order.global_rank(tp=t, dp=d, pp=r)] // self.gpus_per_node for d in range(self.dp)
+                 for t in range(self.tp)] for r in range(self.pp)]
 
     def pp_ranks_cross_nodes(self, a: int, b: int) -> bool:
         """Whether pipeline ranks ``a`` and ``b`` (same dp and tp index) are on different nodes for
@@ -131,7 +122,7 @@ class Placement:
         return self._nodes[a] != self._nodes[b]
 
     def dp_group_crosses_nodes(self, pp_rank: int) -> bool:
-        return len({self.node(pp_rank, d, 0) for d in range(self.dp)}) > 1
+        return len({self._nodes[pp_rank][d * self.tp] for d in range(self.dp)}) > 1
 
 
 @dataclass(frozen=True)
@@ -221,16 +212,13 @@ class GradComm:
     """Every rank's gradient communication for one simulated schedule."""
 
     makespan: float
-    ranks: List[List[ChunkComm]] = field(default_factory=list)
-
-    @property
-    def ends(self) -> List[float]:
-        return [max([c.dp_end for c in r] + [c.bd_end or 0.0 for c in r] + [0.0]) for r in self.ranks]
+    ranks: List[List[ChunkComm]]
 
     @property
     def exposed(self) -> List[float]:
         """Per rank: how far its gradient communication ends past the makespan."""
-        return [max(0.0, e - self.makespan) for e in self.ends]
+        return [max(0.0, max([c.dp_end for c in r] + [c.bd_end or 0.0 for c in r] + [0.0]) - self.makespan)
+                for r in self.ranks]
 
     @property
     def iteration(self) -> float:
@@ -258,12 +246,11 @@ def grad_comm(schedule, sim, comm: CommModel, stage_fraction: float, deferring: 
     orders = [[c for c in grad_order.completion_order(acts, is_fake, ops) if c in finals[r] or c in {a.dir for a in acts}]
               for r, acts in enumerate(schedule.ranks)]
     rows = [{c: ChunkComm(c, finals[r].get(c, sim.makespan)) for c in orders[r]} for r in range(pp)]
-    mirrored = schedule.layout.mirrored
+    end = [sim.ranks[r].ends[-1] if schedule.ranks[r] else 0.0 for r in range(pp)]  # of each rank's schedule
     mode = CopySum(comm.bd_mode).on(schedule.layout)
 
     def ready(r: int, c: int) -> float:
-        final = rows[r][c].final
-        return final if comm.overlap_grad_reduce else max(final, sim.ranks[r].ends[-1] if schedule.ranks[r] else 0.0)
+        return rows[r][c].final if comm.overlap_grad_reduce else max(rows[r][c].final, end[r])
 
     def dp_queue(r: int, after: Callable[[int], float], nbytes: float) -> None:
         t = 0.0
@@ -285,12 +272,12 @@ def grad_comm(schedule, sim, comm: CommModel, stage_fraction: float, deferring: 
                 else:
                     row.bd_start, row.bd_end = start, t
 
-    pairs = [(r, pp - 1 - r) for r in range(pp) if r < pp - 1 - r] if mirrored else []
+    pairs = [(r, pp - 1 - r) for r in range(pp) if r < pp - 1 - r] if schedule.layout.mirrored else []
     def planned(r: int, bd_sums: bool) -> Dict[int, float]:
         """When GradReduction starts each chunk's data-parallel reduction: after the action at the
         plan's point, or at the end of the rank's schedule and of its sums."""
         acts, ends = schedule.ranks[r], sim.ranks[r].ends
-        finish = max([ends[-1] if acts else 0.0] + [rows[r][c].bd_end or 0.0 for c in orders[r]])
+        finish = max([end[r]] + [rows[r][c].bd_end or 0.0 for c in orders[r]])
         points = grad_order.dp_start_points(schedule.layout, r, acts, is_fake, ops, bd_sums=bd_sums)
         return {c: ends[i] if i < len(acts) else finish for i, c in points}
 
@@ -303,17 +290,12 @@ def grad_comm(schedule, sim, comm: CommModel, stage_fraction: float, deferring: 
         for r in range(pp):
             dp_queue(r, planned(r, False).__getitem__, chunk_bytes)
         shard = mode.pair_sum_bytes(chunk_bytes, comm.placement.dp, comm.distributed_optimizer)
-
-        def after_schedule(rank: int, c: int) -> float:
-            # training's --dualpipe-dp-first sums the shards in Megatron's finalize, after the schedule
-            return max(rows[rank][c].dp_end, sim.ranks[rank].ends[-1] if schedule.ranks[rank] else 0.0)
-        for r, partner in pairs:
-            pair_queue(r, partner, after_schedule, comm.bd_sum(r, shard), as_dp=False)
+        for r, partner in pairs:  # training's --dualpipe-dp-first sums the shards in Megatron's finalize, after it
+            pair_queue(r, partner, lambda rank, c: max(rows[rank][c].dp_end, end[rank]), comm.bd_sum(r, shard),
+                       as_dp=False)
     else:  # SHARED_SHARD: one reduce-scatter over both copies' 2 x dp replicas
         for r, partner in pairs:
             crosses = comm.placement.pp_ranks_cross_nodes(r, partner) or comm.placement.dp_group_crosses_nodes(r)
             link = comm.dp_link or comm.bd_link or comm.network.link(crosses)
             pair_queue(r, partner, ready, reduce_scatter_ms(chunk_bytes, 2 * comm.placement.dp, link), as_dp=True)
-    out = GradComm(sim.makespan)
-    out.ranks = [[rows[r][c] for c in orders[r]] for r in range(pp)]
-    return out
+    return GradComm(sim.makespan, [[rows[r][c] for c in orders[r]] for r in range(pp)])

@@ -55,13 +55,6 @@ def attention_params(m: ModelArgs, norm: int) -> int:
             + n * m.v_head_dim * h)
 
 
-def attention_flops(m: ModelArgs) -> Tuple[float, float]:
-    """(linear, core) forward FLOPs per token of one attention layer (causal: half of ``QK^T``, ``softmax V``)."""
-    n, s = m.heads, m.seq_length
-    core = s * n * (m.qk_head_dim + m.qk_pos_emb_head_dim + m.v_head_dim) if m.mla else 2 * m.kv_channels * n * s
-    return float(2 * attention_params(m, 1)), float(core)
-
-
 def mlp_width(m: ModelArgs, moe: bool) -> int:
     """The MLP hidden width a token goes through (MoE: its routed experts' plus the shared ones)."""
     return m.topk * m.moe_ffn_hidden + m.shared_expert if moe else m.ffn_hidden
@@ -72,9 +65,10 @@ def mlp_flops(m: ModelArgs, moe: bool) -> float:
 
 
 def layer_flops(m: ModelArgs, moe: bool) -> Tuple[float, float]:
-    """(linear, core) forward FLOPs per token of one transformer layer."""
-    linear, core = attention_flops(m)
-    return linear + mlp_flops(m, moe), core
+    """(linear, core) forward FLOPs per token of one transformer layer (causal: half of ``QK^T``, ``softmax V``)."""
+    n, s = m.heads, m.seq_length
+    core = s * n * (m.qk_head_dim + m.qk_pos_emb_head_dim + m.v_head_dim) if m.mla else 2 * m.kv_channels * n * s
+    return float(2 * attention_params(m, 1)) + mlp_flops(m, moe), float(core)
 
 
 def output_flops(m: ModelArgs) -> float:
@@ -160,12 +154,6 @@ def _span_flops(m: ModelArgs, moe_flags: Sequence[int], last: bool) -> Tuple[flo
     return tokens * linear / (m.tp * m.cp), tokens * core / (m.tp * m.cp)
 
 
-def moe_layers(m: ModelArgs, stage: int) -> int:
-    """MoE layers on ``stage`` (the MTP block's on the last)."""
-    last = m.mtp_layers * m.moe_pattern[-1] if stage == m.pp - 1 else 0
-    return sum(stage_layers(m, stage)) + last
-
-
 def all_to_all_ms(m: ModelArgs, gpu: Gpu, gpus_per_node: int, bandwidth: Optional[float] = None) -> float:
     """One MoE layer's dispatch and combine on a rank, one direction (ms)."""
     if m.ep == 1 or not m.num_experts:
@@ -186,7 +174,6 @@ class StageCosts:
     b: float
     w: float
     fb: Optional[float]
-    compute_f: float
     all_to_all: float
 
 
@@ -209,22 +196,19 @@ def recompute_flops(m: ModelArgs, moe: bool) -> float:
     return out
 
 
-def _reruns_all_to_all(m: ModelArgs) -> bool:
-    return m.recompute == "full" or "moe" in m.recompute_modules
-
-
 def stage_costs(m: ModelArgs, gpu: Gpu, mfu: float, gpus_per_node: int, stage: int,
                 a2a_bandwidth: Optional[float] = None) -> StageCosts:
     rate = gpu.peak_tflops * 1e12 * mfu / 1e3  # FLOPs per ms
     linear, core = stage_flops(m, stage)
     fc, wc = (linear + core) / rate, linear / rate
-    a2a = moe_layers(m, stage) * all_to_all_ms(m, gpu, gpus_per_node, a2a_bandwidth)
+    flags, mtp = stage_layers(m, stage), m.mtp_layers * m.moe_pattern[-1] if stage == m.pp - 1 else 0
+    a2a = (sum(flags) + mtp) * all_to_all_ms(m, gpu, gpus_per_node, a2a_bandwidth)  # the MTP block's MoE layers too
     tokens = m.micro_batch * m.seq_length / (m.tp * m.cp)
-    again = tokens * sum(recompute_flops(m, bool(x)) for x in stage_layers(m, stage)) / rate
-    again_a2a = a2a if _reruns_all_to_all(m) else 0.0
+    again = tokens * sum(recompute_flops(m, bool(x)) for x in flags) / rate
+    again_a2a = a2a if m.recompute == "full" or "moe" in m.recompute_modules else 0.0
     f, b, w = fc + a2a, 2 * fc + a2a + again + again_a2a, wc
     fb = max(fc + 2 * fc + again, 2 * a2a + again_a2a, f, b - w) if a2a else None
-    return StageCosts(stage, f, b, w, fb, fc, a2a)
+    return StageCosts(stage, f, b, w, fb, a2a)
 
 
 def heaviest_stage(m: ModelArgs, gpu: Gpu, mfu: float, gpus_per_node: int,
@@ -264,18 +248,12 @@ def layer_params(m: ModelArgs, moe: bool) -> Params:
 
 def stage_params(m: ModelArgs, stage: int) -> Tuple[Params, Params, Params]:
     """(layers, embedding or output layer, MTP block) of ``stage``, whole (before TP/EP splits)."""
-    layers = Params()
-    for moe in stage_layers(m, stage):
-        layers = layers + layer_params(m, bool(moe))
+    layers = sum((layer_params(m, bool(moe)) for moe in stage_layers(m, stage)), Params())
     vocab = Params(m.hidden * m.padded_vocab)
     norm = 1 if m.normalization == "RMSNorm" else 2
-    ends, mtp = Params(), Params()
-    if stage == 0:
-        ends = ends + vocab
+    ends, mtp = vocab if stage == 0 else Params(), Params()
     if stage == m.pp - 1:
-        ends = ends + Params(replicated=norm * m.hidden)
-        if m.pp > 1 or m.untie:
-            ends = ends + vocab
+        ends = ends + Params(replicated=norm * m.hidden) + (vocab if m.pp > 1 or m.untie else Params())
         mtp = layer_params(m, bool(m.moe_pattern[-1])).scaled(m.mtp_layers)
     return layers, ends, mtp
 
@@ -336,15 +314,10 @@ def stage_activations(m: ModelArgs, stage: int) -> Tuple[float, float]:
     return sum(terms.values()), once
 
 
-def stage_memory(m: ModelArgs, world: int, stage: int) -> Memory:
-    layers, ends, mtp = stage_params(m, stage)
-    par, grad, opt = rank_bytes(m, layers + ends + mtp, world)
-    return Memory(stage, par, grad, opt, *stage_activations(m, stage))
-
-
 def heaviest_memory(m: ModelArgs, world: int) -> Memory:
     """The stage with the most parameter memory, with the largest activations of any stage."""
-    stages = [stage_memory(m, world, s) for s in range(m.pp)]
+    stages = [Memory(s, *rank_bytes(m, sum(stage_params(m, s), Params()), world), *stage_activations(m, s))
+              for s in range(m.pp)]
     return replace(max(stages, key=lambda x: x.states), activations=max(x.activations for x in stages),
                    activations_once=max(x.activations_once for x in stages))
 
