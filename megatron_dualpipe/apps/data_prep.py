@@ -1,12 +1,7 @@
-"""What ``megatron-dualpipe prepare-data`` does: text -> tokenizer -> Megatron's indexed dataset
-(.bin/.idx), cached by a hash of the documents and settings (docs/main-job.md; its arguments and
-output: :mod:`megatron_dualpipe.cli.prepare_data`).
-
-A cache entry is built in a temporary directory and renamed into place, so an interrupted run
-leaves nothing half-written. The split is checked here because Megatron does not: a split of
-positive weight whose share of the documents rounds to zero makes ``GPTDataset._get_num_epochs``
-loop forever; :func:`documents_per_split` reproduces megatron-core's rounding. Standard library
-only at import (the command line loads it for ``--help``).
+"""``megatron-dualpipe prepare-data``: text -> tokenizer -> Megatron's indexed dataset, cached by a hash
+of the documents and settings, built aside and renamed into place (an interrupted run leaves nothing
+half-written). The split is checked because Megatron loops forever in ``GPTDataset._get_num_epochs``
+on a split of positive weight that gets no document. Standard library only at import (``--help``).
 """
 from __future__ import annotations
 
@@ -20,6 +15,7 @@ import shutil
 import tempfile
 import time
 from dataclasses import dataclass
+from itertools import accumulate
 from pathlib import Path
 from typing import Iterator, List, Optional, Sequence, Tuple
 
@@ -120,12 +116,10 @@ def _jsonl_documents(path: Path, key: str) -> Iterator[str]:
 
 def split_weights(split: str) -> List[float]:
     """``"90,10,0"`` -> normalised train/validation/test weights (missing parts are 0)."""
-    parts = [p.strip() for p in split.split(",")]
     try:
-        values = [float(p) for p in parts]
+        values = [float(p) for p in split.split(",")]
     except ValueError:
-        raise DataError(f"--split {split!r}: give up to three non-negative weights for train, validation "
-                        f"and test, like 90,10,0") from None
+        values = [-1.0]  # refused below, with the message that names the fix
     if len(values) > len(SPLIT_NAMES) or any(v < 0 or not math.isfinite(v) for v in values) or sum(values) <= 0:
         raise DataError(f"--split {split!r}: give up to three non-negative weights for train, validation "
                         f"and test, not all zero, like 90,10,0")
@@ -137,13 +131,9 @@ def split_weights(split: str) -> List[float]:
 def documents_per_split(split: str, documents: int) -> List[Optional[int]]:
     """Documents each split gets from megatron-core, None for a split of weight 0: cumulative
     weights (``convert_split_vector_to_split_matrix``), then ``int(round(bound * documents))``."""
-    bounds = [0.0]
-    for w in split_weights(split):
-        bounds.append(bounds[-1] + w)
-    out: List[Optional[int]] = []
-    for lo, hi in zip(bounds[:-1], bounds[1:]):
-        out.append(None if hi <= lo else int(round(hi * documents)) - int(round(lo * documents)))
-    return out
+    bounds = list(accumulate(split_weights(split), initial=0.0))
+    return [None if hi <= lo else int(round(hi * documents)) - int(round(lo * documents))
+            for lo, hi in zip(bounds, bounds[1:])]
 
 
 def suggest_split(split: str, documents: int) -> Optional[str]:
@@ -311,10 +301,8 @@ def describe_indexed(prefix: str, tokenizer: Optional[str], eod_token: Optional[
 def default_cache_dir() -> str:
     """``$MEGATRON_DUALPIPE_CACHE``, else ``$XDG_CACHE_HOME/megatron-dualpipe``, else
     ``~/.cache/megatron-dualpipe``."""
-    if os.environ.get("MEGATRON_DUALPIPE_CACHE"):
-        return os.environ["MEGATRON_DUALPIPE_CACHE"]
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "megatron-dualpipe")
+    return os.environ.get("MEGATRON_DUALPIPE_CACHE") or os.path.join(base, "megatron-dualpipe")
 
 
 def cache_key(corpus: Corpus, tokenizer_json: Optional[bytes], vocab_size: int, eod_token: Optional[str]) -> str:
@@ -360,10 +348,8 @@ def prepare(corpus: Corpus, cache_dir: str, tokenizer: Optional[str] = None,
         except OSError:
             if not (final / MANIFEST).is_file():  # not a concurrent run that finished first
                 raise
-            shutil.rmtree(work, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(work, ignore_errors=True)
-        raise
+    finally:
+        shutil.rmtree(work, ignore_errors=True)  # left only by a failed or a concurrent run
     progress.say(f"wrote {final}")
     return dataclasses.replace(PreparedData.load(str(final)), cached=False)
 

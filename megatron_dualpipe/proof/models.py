@@ -24,9 +24,6 @@ from ..schedule.registry import DUALPIPE, DUALPIPEV, INTERLEAVED_1F1B, ONE_F_ONE
 
 SEED = 1234
 SCHEDULES = (ONE_F_ONE_B, DUALPIPE, DUALPIPEV)
-#: Megatron's interleaved 1F1B, two virtual stages per rank, with its all-to-all overlap
-#: (``--overlap-moe-expert-parallel-comm``) when the spec asks for the combined step.
-INTERLEAVED = INTERLEAVED_1F1B
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,24 +221,20 @@ def build(spec: ModelSpec, schedule: str, full: Dict[str, torch.Tensor]) -> List
     from ..mcore.model import broadcast_mirrors, build_two_direction_model
 
     kind = registry.get(schedule).layout_kind if schedule in registry.NAMES else None
-    if schedule == INTERLEAVED:
+    if schedule == INTERLEAVED_1F1B:
         chunks = _interleaved(spec)
-        for chunk in chunks:
-            names.load_stage_from_full(chunk, full)
     elif schedule == ONE_F_ONE_B:
         chunks = [provider(spec)()]
-        names.load_stage_from_full(chunks[0], full)
-    elif kind == BIDIRECTIONAL:
-        chunks = list(build_two_direction_model(provider(spec, executor=True), layout_kind=kind))
-        names.load_stage_from_full(chunks[0], full)
-        broadcast_mirrors(chunks)
-    elif kind == V_SHAPE:
-        chunks = list(build_two_direction_model(provider(spec, v_layout=True, executor=True), layout_kind=kind))
-        for chunk in chunks:
-            names.load_stage_from_full(chunk, full)
+    elif kind in (BIDIRECTIONAL, V_SHAPE):
+        chunks = list(build_two_direction_model(provider(spec, v_layout=kind == V_SHAPE, executor=True),
+                                                layout_kind=kind))
     else:
-        known = ", ".join(SCHEDULES + (INTERLEAVED,))
+        known = ", ".join(SCHEDULES + (INTERLEAVED_1F1B,))
         raise ValueError(f"unknown schedule {schedule!r}: choose one of {known}")
+    for chunk in chunks[:1] if kind == BIDIRECTIONAL else chunks:  # DualPipe's mirrors: broadcast below
+        names.load_stage_from_full(chunk, full)
+    if kind == BIDIRECTIONAL:
+        broadcast_mirrors(chunks)
     for chunk in chunks:
         chunk.config.finalize_model_grads_func = None  # plain modules: no data-parallel reduction
     return _in_ddp(chunks) if spec.te_deferral else chunks
@@ -272,7 +265,7 @@ def run_iteration(spec: ModelSpec, schedule: str, chunks: Sequence[torch.nn.Modu
                   forward_only=forward_only)
     if schedule == ONE_F_ONE_B:
         out = schedules.get_forward_backward_func()(**kwargs)
-    elif schedule == INTERLEAVED:  # one iterator per chunk, each over all the micro-batches
+    elif schedule == INTERLEAVED_1F1B:  # one iterator per chunk, each over all the micro-batches
         from .. import hooks
 
         kwargs["data_iterator"] = [iter(micro_batches) for _ in chunks]

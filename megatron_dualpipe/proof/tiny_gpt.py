@@ -14,14 +14,8 @@ def seed_all(seed: int) -> None:
     model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
 
 
-def tiny_gpt_config(
-    *,
-    num_layers: int = 4,
-    hidden_size: int = 32,
-    num_attention_heads: int = 4,
-    num_moe_experts: Optional[int] = None,
-    **overrides: Any,
-):
+def tiny_gpt_config(*, num_layers: int = 4, hidden_size: int = 32, num_attention_heads: int = 4,
+                    num_moe_experts: Optional[int] = None, **overrides: Any):
     """A small float32 `TransformerConfig`, dropout off, CPU initialization, no fusions.
 
     With `num_moe_experts` it is an MoE config (SequentialMLP experts, top-2 router, allgather
@@ -29,62 +23,32 @@ def tiny_gpt_config(
     no linear biases). With ``multi_latent_attention=True`` it is megatron-core's
     `MLATransformerConfig` (the MLA fields, ``q_lora_rank`` ..., among the overrides).
     """
-    from megatron.core import parallel_state
+    from megatron.core import parallel_state as ps
     from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
     kwargs: Dict[str, Any] = dict(
-        num_layers=num_layers,
-        hidden_size=hidden_size,
-        ffn_hidden_size=4 * hidden_size,
-        num_attention_heads=num_attention_heads,
-        use_cpu_initialization=True,
-        params_dtype=torch.float32,
-        pipeline_dtype=torch.float32,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        gradient_accumulation_fusion=False,
-        persist_layer_norm=False,
-        apply_rope_fusion=False,
-        init_method_std=0.02,
-    )
-    if parallel_state.model_parallel_is_initialized():
-        kwargs["tensor_model_parallel_size"] = parallel_state.get_tensor_model_parallel_world_size()
-        kwargs["pipeline_model_parallel_size"] = (
-            parallel_state.get_pipeline_model_parallel_world_size()
-        )
-        kwargs["expert_model_parallel_size"] = parallel_state.get_expert_model_parallel_world_size()
+        num_layers=num_layers, hidden_size=hidden_size, ffn_hidden_size=4 * hidden_size,
+        num_attention_heads=num_attention_heads, use_cpu_initialization=True, params_dtype=torch.float32,
+        pipeline_dtype=torch.float32, hidden_dropout=0.0, attention_dropout=0.0, bias_activation_fusion=False,
+        bias_dropout_fusion=False, masked_softmax_fusion=False, gradient_accumulation_fusion=False,
+        persist_layer_norm=False, apply_rope_fusion=False, init_method_std=0.02)
+    if ps.model_parallel_is_initialized():
+        kwargs.update(tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
+                      pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
+                      expert_model_parallel_size=ps.get_expert_model_parallel_world_size())
     if num_moe_experts is not None:
-        kwargs.update(
-            num_moe_experts=num_moe_experts,
-            moe_router_topk=2,
-            moe_token_dispatcher_type="allgather",
-            moe_grouped_gemm=False,
-            moe_aux_loss_coeff=0.0,
-            moe_router_load_balancing_type="none",
-            moe_ffn_hidden_size=2 * hidden_size,
-            # SequentialMLP experts with biases fail in megatron-core 0.16.1 on any device:
-            # `output += output_bias * per_token_scale` (mlp.py) modifies in place the view
-            # returned by _ReduceFromModelParallelRegion (RuntimeError from autograd).
-            add_bias_linear=False,
-        )
+        # no linear biases: SequentialMLP experts with biases fail in megatron-core 0.16.1 on any device
+        # (``output += output_bias * per_token_scale`` modifies a view autograd returned in place)
+        kwargs.update(num_moe_experts=num_moe_experts, moe_router_topk=2, moe_token_dispatcher_type="allgather",
+                      moe_grouped_gemm=False, moe_aux_loss_coeff=0.0, moe_router_load_balancing_type="none",
+                      moe_ffn_hidden_size=2 * hidden_size, add_bias_linear=False)
     kwargs.update(overrides)
     return (MLATransformerConfig if kwargs.get("multi_latent_attention") else TransformerConfig)(**kwargs)
 
 
-def build_tiny_gpt(
-    config,
-    *,
-    vocab_size: int = 64,
-    max_sequence_length: int = 16,
-    pre_process: Optional[bool] = None,
-    post_process: Optional[bool] = None,
-    share_embeddings_and_output_weights: bool = False,
-    layer_spec: str = "local",
-    **kwargs: Any,
-):
+def build_tiny_gpt(config, *, vocab_size: int = 64, max_sequence_length: int = 16, pre_process: Optional[bool] = None,
+                   post_process: Optional[bool] = None, share_embeddings_and_output_weights: bool = False,
+                   layer_spec: str = "local", **kwargs: Any):
     """`GPTModel` with the local layer spec (``layer_spec="te"``: Transformer Engine's).
 
     `pre_process` / `post_process` default to the stage predicates of `parallel_state`. A config
@@ -93,43 +57,26 @@ def build_tiny_gpt(
     one with ``mtp_num_layers`` its multi-token prediction block (megatron-core builds it where the
     stage is the pipeline's last).
     """
-    from megatron.core import parallel_state
+    from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_decoder_block_spec, get_gpt_layer_local_spec,
+                                                          get_gpt_layer_with_transformer_engine_spec,
+                                                          get_gpt_mtp_block_spec)
 
-    if pre_process is None:
-        pre_process = parallel_state.is_pipeline_first_stage()
-    if post_process is None:
-        post_process = parallel_state.is_pipeline_last_stage()
+    pre_process = ps.is_pipeline_first_stage() if pre_process is None else pre_process
+    post_process = ps.is_pipeline_last_stage() if post_process is None else post_process
     if layer_spec not in ("local", "te"):
         raise ValueError(f"layer_spec must be 'local' or 'te', got {layer_spec!r}")
+    te = layer_spec == "te"
     if getattr(config, "multi_latent_attention", False) or isinstance(config.moe_layer_freq, list):
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-
-        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=layer_spec == "te",
-                                          normalization=config.normalization, vp_stage=kwargs.get("vp_stage"))
-    elif layer_spec == "te":
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
-
-        spec = get_gpt_layer_with_transformer_engine_spec(
-            num_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm
-        )
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=te, normalization=config.normalization,
+                                          vp_stage=kwargs.get("vp_stage"))
     else:
-        spec = get_gpt_layer_local_spec(
-            num_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm
-        )
+        layers = get_gpt_layer_with_transformer_engine_spec if te else get_gpt_layer_local_spec
+        spec = layers(num_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm)
     if getattr(config, "mtp_num_layers", None):
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
-
-        kwargs["mtp_block_spec"] = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=layer_spec == "te",
+        kwargs["mtp_block_spec"] = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=te,
                                                           vp_stage=kwargs.get("vp_stage"))
-    return GPTModel(
-        config,
-        spec,
-        vocab_size=vocab_size,
-        max_sequence_length=max_sequence_length,
-        pre_process=pre_process,
-        post_process=post_process,
-        share_embeddings_and_output_weights=share_embeddings_and_output_weights,
-        **kwargs,
-    )
+    return GPTModel(config, spec, vocab_size=vocab_size, max_sequence_length=max_sequence_length,
+                    pre_process=pre_process, post_process=post_process,
+                    share_embeddings_and_output_weights=share_embeddings_and_output_weights, **kwargs)

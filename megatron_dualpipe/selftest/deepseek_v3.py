@@ -17,7 +17,7 @@ import torch.distributed as dist
 from . import against_1f1b, faults
 from ..proof import data, models
 from .result import FAIL, PASS, StageResult
-from ..schedule.registry import DUALPIPE, DUALPIPEV, ONE_F_ONE_B
+from ..schedule.registry import DUALPIPE, DUALPIPEV, INTERLEAVED_1F1B, ONE_F_ONE_B
 
 NAME = "deepseek-v3"
 INTERLEAVED_NEEDS = ("interleaved 1F1B with its all-to-all overlap (--overlap-moe-expert-parallel-comm) needs expert "
@@ -26,11 +26,11 @@ INTERLEAVED_NEEDS = ("interleaved 1F1B with its all-to-all overlap (--overlap-mo
 
 def schedules(cfg) -> Tuple[str, ...]:
     """1F1B first (the reference), then the schedules held to it."""
-    return (ONE_F_ONE_B, DUALPIPE, DUALPIPEV) + ((models.INTERLEAVED,) if cfg.ep > 1 else ())
+    return (ONE_F_ONE_B, DUALPIPE, DUALPIPEV) + ((INTERLEAVED_1F1B,) if cfg.ep > 1 else ())
 
 
 def _label(schedule: str, spec) -> str:
-    if schedule == models.INTERLEAVED:
+    if schedule == INTERLEAVED_1F1B:
         return "interleaved 1F1B + A2A overlap" if spec.combined_step else "interleaved 1F1B"
     return f"{schedule} (fused F&B units)" if spec.combined_step and schedule != ONE_F_ONE_B else schedule
 
