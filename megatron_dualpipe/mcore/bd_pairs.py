@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import pickle
 import time
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -21,13 +20,11 @@ import torch.distributed as dist
 
 from . import groups
 
-__all__ = ["BDPosition", "StageCopy", "position", "stage_copies", "dtype_groups", "flat_collective", "broadcast_home_to_mirror",
+__all__ = ["BDPosition", "StageCopy", "position", "stage_copies", "flat_collective", "broadcast_home_to_mirror",
            "sum_copies", "check_same_structure"]
 
-#: Deadline of the layout check's wait for the partner (seconds), as the P2P timeout.
-STRUCTURE_TIMEOUT_S = float(os.environ.get("MEGATRON_DUALPIPE_P2P_TIMEOUT", "600"))
-#: Deadline of a bd sum's wait on the host (seconds), as the P2P timeout.
-BD_SUM_TIMEOUT_S = STRUCTURE_TIMEOUT_S
+#: Deadline of a bd sum's and of the layout check's wait on the host (seconds), as the P2P timeout.
+BD_SUM_TIMEOUT_S = float(os.environ.get("MEGATRON_DUALPIPE_P2P_TIMEOUT", "600"))
 
 TensorsOf = Callable[[torch.nn.Module], List[torch.Tensor]]
 
@@ -70,20 +67,12 @@ def stage_copies(pos: Optional[BDPosition] = None) -> List[StageCopy]:
     return [StageCopy(s, 0, pos.me) if s == i else StageCopy(s, 1, pos.partner) for s in sorted({i, mirror_stage})]
 
 
-def dtype_groups(tensors: Sequence[torch.Tensor]) -> "OrderedDict[torch.dtype, List[int]]":
-    """Indices of `tensors` grouped by dtype, in order of first appearance (deterministic)."""
-    buckets: "OrderedDict[torch.dtype, List[int]]" = OrderedDict()
-    for k, t in enumerate(tensors):
-        buckets.setdefault(t.dtype, []).append(k)
-    return buckets
-
-
 def flat_collective(tensors: Sequence[torch.Tensor], op: Callable[[torch.Tensor], None]) -> None:
-    """Run `op` on one flat buffer per dtype and copy the result back into `tensors`."""
+    """Run `op` on one flat buffer per dtype (in order of first appearance) and copy the result back."""
     from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-    for idx in dtype_groups(tensors).values():
-        group = [tensors[k] for k in idx]
+    for dtype in dict.fromkeys(t.dtype for t in tensors):
+        group = [t for t in tensors if t.dtype == dtype]
         flat = _flatten_dense_tensors(group)
         op(flat)
         for t, synced in zip(group, _unflatten_dense_tensors(flat, group)):
@@ -103,7 +92,7 @@ def _pair_collective(issue: Callable[[torch.Tensor], object], waiting: str) -> C
 
 
 def check_same_structure(signature: list, what: str, pos: Optional[BDPosition] = None,
-                         timeout_s: float = STRUCTURE_TIMEOUT_S) -> None:
+                         timeout_s: float = BD_SUM_TIMEOUT_S) -> None:
     """Exchange ``signature`` (any picklable list) with the partner; raise naming both ranks if they differ
     (instead of hanging or mixing tensors up in the collective that follows)."""
     pos = pos or position()

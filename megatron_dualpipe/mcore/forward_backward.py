@@ -294,27 +294,17 @@ def _no_sync(config, model, forward_only: bool):
         yield
 
 
-def _cyclic_gc_paused(func: Callable) -> Callable:
-    """``func`` with Python's cyclic garbage collector paused: building and checking the plan allocates
-    many small acyclic objects (dualpipe pp=32 M=1024: 2.2 s of CPU, 1.2 s paused)."""
-
-    @functools.wraps(func)
-    def paused(*args, **kwargs):
-        was_on = gc.isenabled()
-        gc.disable()
-        try:
-            return func(*args, **kwargs)
-        finally:
-            if was_on:
-                gc.enable()
-
-    return paused
-
-
 @functools.lru_cache(maxsize=64)
-@_cyclic_gc_paused
 def _checked_iteration(name: str, pp: int, padded: int, real: int, forward_only: bool,
                        options: ProgramOptions) -> iteration_plan.IterationPlan:
     """The iteration's whole communication, checked under NCCL stream semantics before anything runs
-    (raises ``IterationPlanError`` naming the cycle); its ``program`` is what runs."""
-    return iteration_plan.plan_for(build_program(name, pp, padded, real, forward_only, options))
+    (raises ``IterationPlanError`` naming the cycle); its ``program`` is what runs. Python's cyclic garbage
+    collector is paused: building and checking the plan allocates many small acyclic objects (dualpipe pp=32
+    M=1024: 2.2 s of CPU, 1.2 s paused)."""
+    was_on = gc.isenabled()
+    gc.disable()
+    try:
+        return iteration_plan.plan_for(build_program(name, pp, padded, real, forward_only, options))
+    finally:
+        if was_on:
+            gc.enable()

@@ -86,6 +86,9 @@ class LiveAdvice:
         """Called by every rank after each training call; after the last measured one the costs are all-reduced
         over the pipeline, the job's links timed, and rank 0 logs the advice."""
         from ..executor.trace import op_medians
+        from ..schedule.layout import BIDIRECTIONAL
+        from ..schedule.registry import get
+        from .comm_probe import measure
 
         if not self._measuring_now or len(self._records) < self.measured:
             return
@@ -97,7 +100,7 @@ class LiveAdvice:
         values = torch.tensor([medians.get(op, -1.0) for op in _OPS] + [activation], dtype=torch.float64,
                               device=device)
         dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
-        links = _links(spec_name, group, device)
+        links = measure(group, device, get(spec_name).layout_kind == BIDIRECTIONAL)
         if dist.get_rank() != 0:
             return
         per_op = {op: v for op, v in zip(_OPS, values.tolist()) if v >= 0}
@@ -107,10 +110,13 @@ class LiveAdvice:
         if problem:
             log.warning("megatron-dualpipe: no advice from %s: %s", measured, problem)
             return
-        comm = comm_model(links, pp, stage_grad_bytes(model[0]), message_bytes, **reduction_of(model))
+        # bytes of a stage's gradients as reduced: Megatron's main_grad where there is one
+        grad_bytes = float(sum(p.numel() * getattr(getattr(p, "main_grad", None), "element_size", lambda: 4)()
+                               for p in model[0].parameters()))
+        comm = comm_model(links, pp, grad_bytes, message_bytes, **reduction_of(model))
+        limit = float(torch.cuda.get_device_properties(device).total_memory) if device.type == "cuda" else None
         message = advice_text(spec_name, pp, microbatches, per_op, values[-1].item(),
-                              stage_parameter_bytes(model[0]), memory_limit_bytes(device), measured=measured,
-                              comm=comm)
+                              stage_parameter_bytes(model[0]), limit, measured=measured, comm=comm)
         log.info("megatron-dualpipe: %s", message)
 
 
@@ -141,14 +147,6 @@ def _forward_saved_bytes(record: dict, origin: float, packs, actions, is_fake) -
     return sum(per_unit) / len(per_unit) if per_unit else 0.0
 
 
-def _links(spec_name: str, group, device):
-    from ..schedule.layout import BIDIRECTIONAL
-    from ..schedule.registry import get
-    from .comm_probe import measure
-
-    return measure(group, device, get(spec_name).layout_kind == BIDIRECTIONAL)
-
-
 def reduction_of(model) -> dict:
     """How the running job reduces its gradients, as ``CommModel`` fields (optimizer, overlap, copy sum)."""
     from .copies import of
@@ -169,15 +167,6 @@ def comm_model(links, pp: int, grad_bytes: float, message_bytes: float, **reduct
         return None
     return CommModel(Placement(pp, links.dp_size), Network(known, known), grad_bytes, message_bytes,
                      bd_link=links.bd, dp_link=links.dp, p2p_link=links.p2p, **reduction)
-
-
-def stage_grad_bytes(chunk: torch.nn.Module) -> float:
-    """Bytes of a stage's gradients as reduced: Megatron's ``main_grad`` where there is one."""
-    total = 0
-    for p in chunk.parameters():
-        g = getattr(p, "main_grad", None)
-        total += p.numel() * (g.element_size() if g is not None else 4)
-    return float(total)
 
 
 def advice_text(schedule: str, pp: int, microbatches: int, per_op: dict, activation_bytes: float,
@@ -202,9 +191,3 @@ def stage_parameter_bytes(chunk: torch.nn.Module) -> float:
     16-bit parameters)."""
     return float(sum(p.numel() * (p.element_size() + 12 + (4 if p.element_size() < 4 else 0))
                      for p in chunk.parameters()))
-
-
-def memory_limit_bytes(device: torch.device) -> Optional[float]:
-    if device.type == "cuda":
-        return float(torch.cuda.get_device_properties(device).total_memory)
-    return None

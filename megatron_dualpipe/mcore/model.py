@@ -16,7 +16,6 @@ output weight (on rank 0 with the embedding) is copied locally.
 from __future__ import annotations
 
 import copy
-from collections import OrderedDict
 from typing import Callable, List, Optional, Sequence
 
 import torch
@@ -189,12 +188,9 @@ def build_two_direction_model(
     else:
         _tie_v_output_weight(model)
 
-    return model if wrap is None else _wrapped(model, wrap)
-
-
-def _wrapped(model: List[torch.nn.Module], wrap: Callable) -> List[torch.nn.Module]:
-    """``wrap(chunk)`` of each chunk, model[0] first, the wrapper given the chunk's info."""
-    wrapped = [wrap(chunk) for chunk in model]
+    if wrap is None:
+        return model
+    wrapped = [wrap(chunk) for chunk in model]  # model[0] first
     for chunk, w in zip(model, wrapped):
         setattr(w, _INFO_ATTR, chunk_info(chunk))
     return wrapped
@@ -217,20 +213,15 @@ def _chunk_arguments(layout_kind: str, base, rev_group, pp: int, i: int):
     return (pg0, kwargs0), (pg1, kwargs1), (i, 2 * pp - 1 - i), 2 * pp
 
 
-def keeps_embedding_equal(m: torch.nn.Module) -> bool:
-    """Whether Megatron keeps copies of this model's word embedding equal over its embedding group: tied output
-    weights, or MTP (its stage's own embedding copy: ``finalize_model_grads._get_shared_word_embedding_weight``)."""
-    config = getattr(m, "config", None)
-    return bool(getattr(m, "share_embeddings_and_output_weights", False) or getattr(config, "mtp_num_layers", None))
-
-
 def embedding_copy(chunk: torch.nn.Module):
     """("embedding", weight) for a chunk holding the input embedding, ("output", weight) for one
     holding the other copy Megatron reduces with it (the MTP stage's embedding, which is also its
     output weight when tied; else the tied output weight), or None. As Megatron's
-    ``shared_embedding_or_output_weight``, which picks the same parameter."""
+    ``shared_embedding_or_output_weight``, which picks the same parameter; Megatron keeps the copies equal
+    with tied output weights or MTP (``finalize_model_grads._get_shared_word_embedding_weight``)."""
     m = unwrap_chunk(chunk)
-    if not keeps_embedding_equal(m):
+    if not (getattr(m, "share_embeddings_and_output_weights", False)
+            or getattr(getattr(m, "config", None), "mtp_num_layers", None)):
         return None
     if getattr(m, "pre_process", False):
         return "embedding", m.embedding.word_embeddings.weight
@@ -257,28 +248,17 @@ def _tie_v_output_weight(model: Sequence[torch.nn.Module]) -> None:
     out.shared_embedding = True
 
 
-def _named_params(chunk: torch.nn.Module) -> "OrderedDict[str, torch.nn.Parameter]":
-    return OrderedDict(unwrap_chunk(chunk).named_parameters())
-
-
-def _signature(params: "OrderedDict[str, torch.nn.Parameter]"):
-    return [(n, tuple(p.shape), str(p.dtype)) for n, p in params.items()]
-
-
-def _require_bidirectional(model: Sequence[torch.nn.Module], what: str) -> None:
-    if len(model) != 2:
-        raise ValueError(f"{what} needs the two chunks [model_dir0, model_dir1], got {len(model)}")
-    info = chunk_info(model[0])
-    if info is not None and info["layout"] != BIDIRECTIONAL:
-        raise ValueError(f"{what} is for DualPipe's mirrored copies; layout is {info['layout']!r}")
-
-
 def broadcast_mirrors(model: Sequence[torch.nn.Module]) -> None:
     """Copy every parameter of ``model[0]`` on pipeline rank i into ``model[1]`` on rank pp-1-i (collective
     within each bd pair; the partners first compare the stage's (name, shape, dtype) lists). Not buffers."""
-    _require_bidirectional(model, "broadcast_mirrors")
-    bd_pairs.broadcast_home_to_mirror(model, lambda chunk: [p.data for p in _named_params(chunk).values()],
-                                      "parameters", signature_of=lambda chunk: _signature(_named_params(chunk)))
+    if len(model) != 2:
+        raise ValueError(f"broadcast_mirrors needs the two chunks [model_dir0, model_dir1], got {len(model)}")
+    info = chunk_info(model[0])
+    if info is not None and info["layout"] != BIDIRECTIONAL:
+        raise ValueError(f"broadcast_mirrors is for DualPipe's mirrored copies; layout is {info['layout']!r}")
+    bd_pairs.broadcast_home_to_mirror(
+        model, lambda chunk: [p.data for p in unwrap_chunk(chunk).parameters()], "parameters",
+        signature_of=lambda chunk: [(n, tuple(p.shape), str(p.dtype)) for n, p in unwrap_chunk(chunk).named_parameters()])
 
 
 #: On the mirror's module: names of the parameters Megatron itself had marked ``shared``.

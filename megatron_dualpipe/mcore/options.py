@@ -84,15 +84,7 @@ class Handled:
     test: str
 
 
-def _not_none(value) -> bool:
-    return value not in (None, "none")
-
-
-def _has_global_aux_loss(value) -> bool:
-    return "global_aux_loss" in (value if isinstance(value, (list, tuple)) else [value])
-
-
-def _v_last_rank_without_moe_before_019(args) -> bool:
+def _v_last_rank_without_moe_before_019(args, side=ARGS) -> bool:
     """dualpipev on megatron-core < 0.19 whose last pipeline rank (V-stages pp-1 and pp) holds no MoE layer:
     0.16.1 averages the printed load_balancing_loss over data parallel only on ranks whose MoE layers recorded
     their groups, and that rank prints it (1.004467 for 1f1b's 1.002724; lm loss and gradients equal)."""
@@ -139,23 +131,6 @@ def _either(*names):
     return lambda source, side: any(getattr(source, n, None) not in (None, False) for n in names)
 
 
-def _expert_parallel_of_one(source, side):
-    return (getattr(source, "expert_model_parallel_size", 1) or 1) <= 1
-
-
-def _no_experts(source, side):
-    return getattr(source, "num_experts" if side == ARGS else "num_moe_experts", None) is None
-
-
-def _dispatcher_not_all_to_all(source, side):
-    return getattr(source, "moe_token_dispatcher_type", None) not in ("alltoall", "flex")
-
-
-def _full_recompute(source, side):
-    return (getattr(source, "recompute_granularity", None) == "full" or bool(getattr(source, "recompute_method", None))
-            or bool(getattr(source, "recompute_num_layers", None)))
-
-
 def _moe_layer_recomputed(source, side):
     """``moe`` among the selective recompute modules (``--moe-layer-recompute`` adds it in megatron-core)."""
     modules = getattr(source, "recompute_modules", None) or ()
@@ -163,22 +138,11 @@ def _moe_layer_recomputed(source, side):
         "moe" in modules or bool(getattr(source, "moe_layer_recompute", False)))
 
 
-def _fp8_delayed(source, side):
-    recipe = getattr(source, "fp8_recipe", None)
-    return bool(getattr(source, "fp8", None)) and getattr(recipe, "value", recipe) == "delayed"
-
-
 _VP_FLAGS = "--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank"
 #: Uneven stages: proven for dualpipe and dualpipev (megatron-core's own offsets per chunk); their stage
 #: counts and dualpipev's first / last stage flags are checked by megatron_lm.arguments.
 _UNEVEN_TWO_CHUNKS = "uneven stages are proven equal to 1F1B under dualpipe and dualpipev only so far"
 _UNEVEN_FIX = "use --pipeline-schedule dualpipe or dualpipev, or an even split"
-
-
-def _dist_checkpoint_of_a_layout(source, side) -> bool:
-    return (getattr(source, "pipeline_model_parallel_layout", None) is not None
-            and getattr(source, "ckpt_format", None) == "torch_dist"
-            and bool(getattr(source, "save", None) or getattr(source, "load", None)))
 
 
 def _needs_of_a_dualpipe_flag(needs: str, test: str, rows) -> Tuple[Refused, ...]:
@@ -205,14 +169,17 @@ TE_BIASES_IN_W = Refused(
 REFUSED: Tuple[Refused, ...] = (
     # The pipeline's structure.
     Refused(_VP_FLAGS, "the schedule places its own chunks on every rank; a virtual pipeline would add more",
-            schedules=EXECUTOR, read=lambda source, side: _virtual_pipeline(source, side),
+            schedules=EXECUTOR, read=_virtual_pipeline,
             fix=f"remove {_VP_FLAGS} or use --pipeline-schedule "
             f"{registry.DEFAULT}", test="A `dualpipe_virtual_pipeline`; E `virtual_pipeline`"),
     Refused("--pipeline-model-parallel-layout", _UNEVEN_TWO_CHUNKS, arg="pipeline_model_parallel_layout",
             is_set=lambda v: v is not None, schedules=ONE_CHUNK_EXECUTOR, fix=_UNEVEN_FIX),
     Refused("--pipeline-model-parallel-layout with --ckpt-format torch_dist",
             "megatron-core's layout finds a checkpointed layer's local index from parallel_state's pipeline rank, "
-            "not from the V-stage the chunk holds", read=_dist_checkpoint_of_a_layout, sides=(ARGS,),
+            "not from the V-stage the chunk holds", sides=(ARGS,),
+            read=lambda source, side: (getattr(source, "pipeline_model_parallel_layout", None) is not None
+                                       and getattr(source, "ckpt_format", None) == "torch_dist"
+                                       and bool(getattr(source, "save", None) or getattr(source, "load", None))),
             schedules=(registry.DUALPIPEV,), fix="use --ckpt-format torch (its V-stages are mapped to 1F1B's stages)",
             test="A `dualpipev_layout_torch_dist`"),
     Refused("--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers", _UNEVEN_TWO_CHUNKS,
@@ -253,8 +220,8 @@ REFUSED: Tuple[Refused, ...] = (
     Refused("--cuda-graph-impl / --enable-cuda-graph / --external-cuda-graph",
             "a captured graph replays one fixed order of forwards and backwards, and Megatron's own schedules "
             "capture the local graphs at their end (create_cudagraphs; 'full_iteration' wraps Megatron's function "
-            "in FullCudaGraphWrapper at megatron-core 0.19)", arg="cuda_graph_impl",
-            config="cuda_graph_impl", schedules=EXECUTOR, is_set=_not_none, fix="use --cuda-graph-impl none"),
+            "in FullCudaGraphWrapper at megatron-core 0.19)", arg="cuda_graph_impl", config="cuda_graph_impl",
+            schedules=EXECUTOR, is_set=lambda v: v not in (None, "none"), fix="use --cuda-graph-impl none"),
     # megatron-core 0.19 (the attributes do not exist before: read as off).
     Refused("--moe-paged-stash", "Megatron's own schedules reset the paged stash before the first micro-batch "
             "(paged_stash_reset, megatron-core 0.19)", arg="moe_paged_stash", config="moe_paged_stash",
@@ -279,7 +246,8 @@ REFUSED: Tuple[Refused, ...] = (
             "its loss for micro-batch k averages the token counts of micro-batches 1..k in 1F1B order, and "
             "DualPipe's two copies of a stage each see only one direction's micro-batches",
             arg="moe_router_load_balancing_type", config="moe_router_load_balancing_type", schedules=MIRRORED,
-            is_set=_has_global_aux_loss, fix="use aux_loss or seq_aux_loss, or --pipeline-schedule dualpipev"),
+            is_set=lambda v: "global_aux_loss" in (v if isinstance(v, (list, tuple)) else [v]),
+            fix="use aux_loss or seq_aux_loss, or --pipeline-schedule dualpipev"),
     Refused("--qk-clip", "each copy of a stage would clip its weights by the largest attention logit of its own "
             "direction's micro-batches, so the copies would drift apart", arg="qk_clip", config="qk_clip",
             schedules=MIRRORED),
@@ -287,7 +255,8 @@ REFUSED: Tuple[Refused, ...] = (
             "they ran: under dualpipe each copy of a stage would keep its own direction's and the two would drift "
             "apart; under dualpipev the order is not 1F1B's, and no CPU run can show the scales equal (the CPU "
             "mode's FP8 does not quantise)",
-            read=_fp8_delayed, schedules=TWO_CHUNKS,
+            read=lambda source, side: bool(getattr(source, "fp8", None)) and getattr(
+                getattr(source, "fp8_recipe", None), "value", getattr(source, "fp8_recipe", None)) == "delayed",
             fix="use --fp8-recipe tensorwise, blockwise or mxfp8",
             test="A `refused --fp8-recipe delayed`; E `fp8_delayed_recipe`"),
     # Accepted once but never run (issue 35, finding 8): no CPU path, no stand-in, no selftest stage yet.
@@ -346,7 +315,7 @@ REFUSED: Tuple[Refused, ...] = (
     TE_BIASES_IN_W,
     Refused("--moe-layer-freq", "megatron-core 0.16.1 prints the MoE load_balancing_loss of a last pipeline rank "
             "without MoE layers unaveraged over data parallel, and dualpipev's last rank holds V-stages pp-1 and pp",
-            read=lambda source, side: _v_last_rank_without_moe_before_019(source), sides=(ARGS,),
+            read=_v_last_rank_without_moe_before_019, sides=(ARGS,),
             schedules=(registry.DUALPIPEV,),
             fix="give V-stages pp-1 and pp a MoE layer, use megatron-core 0.19.x, or use --pipeline-schedule dualpipe"),
     Refused("--inprocess-restart", "a restart inside the process would rebuild the process groups but not DualPipe's "
@@ -356,14 +325,20 @@ REFUSED: Tuple[Refused, ...] = (
     # What megatron-core's combined step needs besides a virtual pipeline (its TransformerConfig
     # checks, minus pp/vpp and bf16/fp16: mcore.overlap; CUDA graphs are refused above).
     Refused("--expert-model-parallel-size", "it overlaps the expert-parallel all-to-all",
-            read=_expert_parallel_of_one, fix="set --expert-model-parallel-size > 1", needs=COMBINED_STEP,
+            read=lambda source, side: (getattr(source, "expert_model_parallel_size", 1) or 1) <= 1,
+            fix="set --expert-model-parallel-size > 1", needs=COMBINED_STEP,
             test="A `dualpipe_overlap_moe_needs_ep`"),
-    Refused("--num-experts", "it needs an MoE model", read=_no_experts, fix="set --num-experts", needs=COMBINED_STEP,
+    Refused("--num-experts", "it needs an MoE model", fix="set --num-experts", needs=COMBINED_STEP,
+            read=lambda src, side: getattr(src, "num_experts" if side == ARGS else "num_moe_experts", None) is None,
             test="tests/mcore/test_overlap.py"),
     Refused("--moe-token-dispatcher-type", "it needs --moe-token-dispatcher-type alltoall or flex",
-            read=_dispatcher_not_all_to_all, fix="set --moe-token-dispatcher-type alltoall", needs=COMBINED_STEP,
+            read=lambda source, side: getattr(source, "moe_token_dispatcher_type", None) not in ("alltoall", "flex"),
+            fix="set --moe-token-dispatcher-type alltoall", needs=COMBINED_STEP,
             test="A `dualpipev_overlap_moe_allgather`; tests/mcore/test_overlap.py"),
-    Refused("--recompute-granularity full", "it cannot recompute full layers", read=_full_recompute,
+    Refused("--recompute-granularity full", "it cannot recompute full layers",
+            read=lambda source, side: (getattr(source, "recompute_granularity", None) == "full"
+                                       or bool(getattr(source, "recompute_method", None))
+                                       or bool(getattr(source, "recompute_num_layers", None))),
             fix="remove --recompute-granularity full / --recompute-method / --recompute-num-layers",
             needs=COMBINED_STEP, test="—"),
     Refused("--recompute-modules moe", "it cannot recompute whole MoE layers (--recompute-modules moe): its fused "

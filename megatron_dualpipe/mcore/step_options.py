@@ -38,21 +38,22 @@ def moe_logged(config) -> Tuple[str, ...]:
     return tuple(names + (["z_loss"] if getattr(config, "moe_z_loss_coeff", None) is not None else []))
 
 
-def _timing_level(config, args) -> int:
-    """Megatron's timers' log level: Megatron-LM's argument, else the config's timers' (0 without)."""
-    if args is not None:
-        return int(getattr(args, "timing_log_level", 0))
-    timers = getattr(config, "timers", None)
-    return 0 if timers is None else int(getattr(timers, "_log_level", 2))
-
-
 def step_options(model: Sequence, config, *, drift_check: bool, advise: bool) -> StepOptions:
     """This job's :class:`StepOptions` (module docstring)."""
     ddp = getattr(model[0], "ddp_config", None)
     tp = parallel_state.get_tensor_model_parallel_world_size()
     balancing = getattr(config, "moe_router_load_balancing_type", None)
     args = _megatron_lm_args()
-    inner = unwrap_chunk(model[0])
+
+    def lm(*names, default=False) -> bool:
+        """Whether any of Megatron-LM's arguments ``names`` is set (True without Megatron-LM: issued)."""
+        return args is None or any(bool(getattr(args, n, default)) for n in names)
+
+    if args is not None:  # Megatron's timers' log level: Megatron-LM's argument, else the config's timers'
+        timing_level = int(getattr(args, "timing_log_level", 0))
+    else:
+        timers = getattr(config, "timers", None)
+        timing_level = 0 if timers is None else int(getattr(timers, "_log_level", 2))
     return StepOptions(
         tp_grads=tp > 1 and bool(getattr(config, "sequence_parallel", False) or getattr(config, "qk_layernorm", False)),
         moe=bool(getattr(config, "num_moe_experts", None)),
@@ -63,18 +64,12 @@ def step_options(model: Sequence, config, *, drift_check: bool, advise: bool) ->
         quantile_balancing="quantile_balancing" in (balancing if isinstance(balancing, (list, tuple)) else [balancing]),
         copy_sum=copies.of(model).way,
         per_token_loss=bool(getattr(config, "calculate_per_token_loss", False)),
-        tied_embeddings=bool(getattr(inner, "share_embeddings_and_output_weights", False)
+        tied_embeddings=bool(getattr(unwrap_chunk(model[0]), "share_embeddings_and_output_weights", False)
                              or getattr(config, "mtp_num_layers", None)),
-        drift_check=drift_check, advise=advise,
-        log_zeros=True if args is None else bool(getattr(args, "log_num_zeros_in_grad", False)),
-        megatron_lm=True,
-        rerun=True if args is None else getattr(args, "rerun_mode", "validate_results") != "disabled",
-        params_norm=True if args is None else bool(getattr(args, "log_params_norm", False)),
-        moe_logged=moe_logged(config), mtp=bool(getattr(config, "mtp_num_layers", None)),
-        exit_signal=True if args is None else bool(getattr(args, "exit_signal_handler", False)),
-        exit_duration=True if args is None else bool(getattr(args, "exit_duration_in_mins", None)),
-        async_save=True if args is None else bool(getattr(args, "async_save", False)),
-        qk_logits=True if args is None else bool(getattr(args, "qk_clip", False)
-                                                 or getattr(args, "log_max_attention_logit", False)),
-        timing_level=_timing_level(config, args), l1_barrier=bool(getattr(config, "barrier_with_L1_time", True)),
-        timers_written=True if args is None else bool(getattr(args, "log_timers_to_tensorboard", False)))
+        drift_check=drift_check, advise=advise, log_zeros=lm("log_num_zeros_in_grad"), megatron_lm=True,
+        rerun=args is None or getattr(args, "rerun_mode", "validate_results") != "disabled",
+        params_norm=lm("log_params_norm"), moe_logged=moe_logged(config),
+        mtp=bool(getattr(config, "mtp_num_layers", None)), exit_signal=lm("exit_signal_handler"),
+        exit_duration=lm("exit_duration_in_mins", default=None), async_save=lm("async_save"),
+        qk_logits=lm("qk_clip", "log_max_attention_logit"), timing_level=timing_level,
+        l1_barrier=bool(getattr(config, "barrier_with_L1_time", True)), timers_written=lm("log_timers_to_tensorboard"))

@@ -29,6 +29,7 @@ the input alive until W; W runs on the caller's stream, outside B's autocast.
 from __future__ import annotations
 
 import contextlib
+import types
 from typing import Any, Callable, Dict, Hashable, Iterator, List, Optional, Set, Tuple
 
 import torch
@@ -37,31 +38,11 @@ __all__ = ["WeightGradStore", "install", "uninstall", "is_installed", "installed
            "check_ddp_compatible", "offers_te_backward_dw", "TEQueues", "DeferralAudit"]
 
 
-class _Active:
-    """The one hook point between ``WeightGradStore.deferring`` and the patched backward."""
-
-    __slots__ = ("sink", "key")
-
-    def __init__(self) -> None:
-        self.sink: Optional[List[Callable[[], None]]] = None
-        self.key: Hashable = None
-
-
-_ACTIVE = _Active()
-
-
-class _Patch:
-    """What ``install()`` replaced, so that ``uninstall()`` can put it back."""
-
-    __slots__ = ("cls", "original_fn", "deferred")
-
-    def __init__(self) -> None:
-        self.cls: Any = None
-        self.original_fn: Any = None  # the original staticmethod's function
-        self.deferred: Any = None  # megatron's custom_bwd(_deferred_backward)
-
-
-_PATCH = _Patch()
+#: The one hook point between ``WeightGradStore.deferring`` and the patched backward.
+_ACTIVE = types.SimpleNamespace(sink=None, key=None)
+#: What ``install()`` replaced (``cls``, the original staticmethod's ``original_fn``, megatron's
+#: ``custom_bwd(_deferred_backward)`` as ``deferred``), so that ``uninstall()`` can put it back.
+_PATCH = types.SimpleNamespace(cls=None, original_fn=None, deferred=None)
 
 # Bound at install() from megatron-core, so the hot path looks nothing up in megatron's modules.
 _mc: Dict[str, Any] = {}
@@ -183,24 +164,17 @@ class _WeightGrad:
     __slots__ = ("weight", "grad_output", "total_input", "main_grad", "fusion")
 
     def __init__(self, weight, grad_output, total_input, main_grad, fusion):
-        self.weight = weight
-        self.grad_output = grad_output
-        self.total_input = total_input
-        self.main_grad = main_grad
-        self.fusion = fusion
+        self.weight, self.grad_output, self.total_input, self.main_grad, self.fusion = (
+            weight, grad_output, total_input, main_grad, fusion)
 
+    @torch.no_grad()  # as inside the autograd engine, where the undeferred backward runs
     def __call__(self) -> None:
-        with torch.no_grad():  # as inside the autograd engine, where the undeferred backward runs
-            self._compute()
-
-    def _compute(self) -> None:
         weight, grad_output, total_input = self.weight, self.grad_output, self.total_input
         self.grad_output = self.total_input = None  # free as soon as this returns
         if not self.fusion:
             # AccumulateGrad (+ its hooks, e.g. DDP's main_grad add) as in the undeferred backward.
             torch.autograd.backward(weight, grad_output.t().matmul(total_input))
             return
-
         weight.main_grad = self.main_grad
         if hasattr(weight, "__fsdp_param__"):
             weight.main_grad = weight.get_main_grad()
@@ -381,23 +355,16 @@ class DeferralAudit:
         queues = TEQueues(module)
         before = queues.sizes()
 
-        def hook(name: str) -> Callable:
-            def got(grad):
-                if grad is not None:
-                    in_b.add(name)
-            return got
-
-        handles = [p.register_hook(hook(n)) for n, p in weights.items()]
+        # A hook returning None leaves the gradient as it is.
+        handles = [p.register_hook(lambda grad, n=n: None if grad is None else in_b.add(n)) for n, p in weights.items()]
         try:
             yield
         finally:
             for h in handles:
                 h.remove()
-        for i, _ in queues.pushed_since(before):
-            name, queued, _ = queues.modules[i]
-            in_b.difference_update(f"{name}.{p}" if name else p for p, _ in queued.named_parameters())
-        for name, buffered in _deferring_by_megatron(module):
-            in_b.difference_update(f"{name}.{p}" if name else p for p, _ in buffered.named_parameters())
+        deferred = [queues.modules[i][:2] for i, _ in queues.pushed_since(before)] + _deferring_by_megatron(module)
+        for name, m in deferred:
+            in_b.difference_update(f"{name}.{p}" if name else p for p, _ in m.named_parameters())
         self._seen[chunk] = (label, {n: p.numel() for n, p in weights.items()}, in_b)
 
     def report(self, limit: int = 8) -> Optional[str]:
