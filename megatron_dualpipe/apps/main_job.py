@@ -232,44 +232,13 @@ def _size(n: int) -> str:
 
 # --- Workers ----------------------------------------------------------------------------------
 
-def forward_step(data_iterator, model):
-    """pretrain_gpt-style: only the first and the last stage read the batch; the proofs' masked loss."""
-    import functools
+def model_spec(args, vocab_size: int):
+    """The proofs' tiny GPT (fp32, dropout and fusions off, untied) at the job's size, its weights
+    made on the CPU on every device (the same initial weights as without a GPU)."""
+    from ..proof.models import ModelSpec
 
-    from megatron.core import parallel_state as ps
-
-    from ..proof.data import masked_loss_func
-
-    first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
-    b = next(data_iterator) if (first or last) else None
-    device = next(model.parameters()).device
-    tokens = b["tokens"].to(device) if first else None
-    position_ids = b["position_ids"].to(device) if first else None
-    labels = b["labels"].to(device) if last else None
-    loss_mask = b["loss_mask"].to(device) if last else None
-    return model(tokens, position_ids, None, labels=labels), functools.partial(masked_loss_func, loss_mask)
-
-
-def model_config(args, v_layout):
-    """The proofs' tiny-GPT config (fp32, dropout and fusions off) at the job's size."""
-    from ..proof.tiny_gpt import tiny_gpt_config
-
-    config = tiny_gpt_config(num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=HEADS)
-    if v_layout:
-        from megatron_dualpipe.mcore.model import dualpipev_config
-        config = dualpipev_config(config)
-    return config
-
-
-def gpt_provider(args, vocab_size, v_layout):
-    from ..proof.tiny_gpt import build_tiny_gpt
-
-    def provider(pre_process, post_process, pg_collection=None, vp_stage=None):
-        kwargs = {} if pg_collection is None else {"pg_collection": pg_collection}
-        return build_tiny_gpt(model_config(args, v_layout), vocab_size=vocab_size,
-                              max_sequence_length=args.seq_length, pre_process=pre_process,
-                              post_process=post_process, vp_stage=vp_stage, **kwargs)
-    return provider
+    return ModelSpec(layers=args.num_layers, hidden=args.hidden_size, heads=HEADS, seq=args.seq_length,
+                     vocab=vocab_size, config=(("use_cpu_initialization", True),))
 
 
 def gather_full_state(model):
@@ -299,19 +268,22 @@ class Trainer:
         self.samples_per_iteration = args.microbatches * args.micro_batch_size
         self.tokens_per_iteration = self.samples_per_iteration * args.seq_length
 
-    def batches(self, dataset, iteration: int) -> Iterator[Dict]:
-        """The iteration's micro-batches, read lazily (middle stages read none)."""
+    def batches(self, dataset, iteration: int, device) -> Iterator[Dict]:
+        """The iteration's micro-batches on ``device``, read lazily (middle stages read none)."""
         from .gpt_data import micro_batch
 
         for g in range(self.args.microbatches):
             first = iteration * self.samples_per_iteration + g * self.args.micro_batch_size
-            yield micro_batch(dataset, first, self.args.micro_batch_size)
+            yield {k: v.to(device) for k, v in micro_batch(dataset, first, self.args.micro_batch_size).items()}
 
     def _run(self, fb_func, model, dataset, iteration, forward_only):
-        a = self.args
-        return fb_func(forward_step_func=forward_step, data_iterator=self.batches(dataset, iteration), model=model,
-                       num_microbatches=a.microbatches, seq_length=a.seq_length, micro_batch_size=a.micro_batch_size,
-                       forward_only=forward_only)
+        """pretrain_gpt's ``forward_step`` (:func:`..proof.data.forward_step`) over the shared batches."""
+        from ..proof.data import forward_step
+
+        a, device = self.args, next(model[0].parameters()).device
+        return fb_func(forward_step_func=forward_step, data_iterator=self.batches(dataset, iteration, device),
+                       model=model, num_microbatches=a.microbatches, seq_length=a.seq_length,
+                       micro_batch_size=a.micro_batch_size, forward_only=forward_only)
 
     def train(self, name, model, fb_func, record_into: Optional[str] = None):
         """``args.iters`` iterations with Adam; the :class:`RunResult` (losses on the last rank).
@@ -371,15 +343,12 @@ def _home(path: str) -> str:
 
 @contextlib.contextmanager
 def _recording(directory: Optional[str]):
-    """Switch the executor's timeline recorder on (``MEGATRON_DUALPIPE_TRACE``) for the calls
-    inside, when ``directory`` is given."""
+    """The executor's timeline recorder (``MEGATRON_DUALPIPE_TRACE``) on inside, when ``directory`` is given."""
     from ..executor.trace import ENV_DIR
 
-    if directory is None:
-        yield
-        return
     before = os.environ.get(ENV_DIR)
-    os.environ[ENV_DIR] = directory
+    if directory is not None:
+        os.environ[ENV_DIR] = directory
     try:
         yield
     finally:
@@ -438,6 +407,7 @@ def worker(args) -> int:
     from megatron_dualpipe.mcore.groups import build_bd_groups
     from megatron_dualpipe.mcore.model import broadcast_mirrors, build_two_direction_model
     from megatron_dualpipe.apps.report import print_comparison, write_measured_timeline
+    from megatron_dualpipe.proof.models import provider
     from megatron_dualpipe.proof.names import load_stage_from_full
     from megatron_dualpipe.proof.tiny_gpt import seed_all
 
@@ -464,11 +434,9 @@ def worker(args) -> int:
     if cpu:
         log(f" {SUMMARY}")
 
-    spec = registry.get(args.schedule)
-    v_layout = spec.layout_kind == V_SHAPE
-    provider = gpt_provider(args, data.vocab_size, v_layout)
-    model = build_two_direction_model(provider, layout_kind=spec.layout_kind)
-    if not v_layout:
+    kind, spec = registry.get(args.schedule).layout_kind, model_spec(args, data.vocab_size)
+    model = build_two_direction_model(provider(spec, v_layout=kind == V_SHAPE), layout_kind=kind)
+    if kind != V_SHAPE:
         broadcast_mirrors(model)
     for chunk in model:
         chunk.config.finalize_model_grads_func = lambda *a, **k: None  # pp only, untied: nothing else to reduce
@@ -484,7 +452,7 @@ def worker(args) -> int:
         write_measured_timeline(records, args.out)
     if not args.no_compare:
         # 1F1B over the same initial weights: stage i of pp holds layers [i*L/pp, (i+1)*L/pp).
-        stage = gpt_provider(args, data.vocab_size, False)(pre_process=rank == 0, post_process=last)
+        stage = provider(spec)(pre_process=rank == 0, post_process=last)
         load_stage_from_full(stage, initial)
         stage.config.finalize_model_grads_func = None
         one = trainer.train(registry.ONE_F_ONE_B, [stage], megatron_fb_func())
