@@ -8,7 +8,7 @@ from dataclasses import replace
 from typing import List
 
 from ..apps.progress import Progress
-from ..costs.advice import NO_FIT_HINT, advise
+from ..costs.advice import advise
 from ..costs.compare import fmt
 from ..costs.model_cost import GB
 from ..schedule.registry import (INTERLEAVED_1F1B, INTERLEAVED_1F1B_A2A, MEGATRON, MODELLED_SPECS, ONE_F_ONE_B,
@@ -20,8 +20,6 @@ from .build import MAX_FORWARDS
 
 HELP = ("which schedule to use, for measured stage costs and memory or for a model's shape on a GPU kind "
         "(bubble, activations, parameters per schedule)")
-
-
 MAX_COUNTS = 16
 
 
@@ -32,15 +30,9 @@ def parse_counts(text: str) -> List[int]:
             parts = [int(x) for x in text.split(":")]
             if len(parts) not in (2, 3) or parts[0] < 1 or parts[1] < parts[0] or (len(parts) == 3 and parts[2] < 1):
                 raise ValueError
-            lo, hi = parts[0], parts[1]
-            if len(parts) == 3:
-                counts = list(range(lo, hi + 1, parts[2]))
-            else:
-                counts, m = [], lo
-                while m < hi:
-                    counts.append(m)
-                    m *= 2
-                counts.append(hi)
+            lo, hi, *step = parts
+            counts = list(range(lo, hi + 1, step[0])) if step else [lo << k for k in range(hi.bit_length())
+                                                                    if lo << k < hi] + [hi]
         else:
             counts = [int(x) for x in text.split(",")]
     except ValueError:
@@ -85,11 +77,16 @@ def configure(p) -> None:
 MEASURED = (("--pp", "pp"), ("--microbatches", "microbatches"), ("--f", "f"), ("--b", "b"), ("--w", "w"),
             ("--activation-memory", "activation_memory"), ("--parameter-memory", "parameter_memory"))
 COMM_DEFAULTS = {"intra_bw": 200.0, "inter_bw": 25.0, "dp": 1, "tp": 1}
+#: What a model sets itself: measured flags given with one are refused, not ignored.
+MODEL_SETS = (("--stage-params", "stage_params"), ("--message-bytes", "message_bytes"), ("--dp", "dp"), ("--tp", "tp"))
 
 
 def run(args) -> int:
     if args.config or args.model_args or args.gpu:
-        given = advise_model.measured_flags_given(args)
+        given = [flag for flag, name in MEASURED + MODEL_SETS if getattr(args, name) is not None]
+        # the model's own --use-distributed-optimizer / --overlap-grad-reduce (after --) set these
+        given += [flag for flag, on in (("--distributed-optimizer", args.distributed_optimizer),
+                                        ("--no-overlap-grad-reduce", not args.overlap_grad_reduce)) if on]
         if given:
             raise CliError(f"{', '.join(given)}: advise takes measured costs or a model (--config, --gpu, "
                            f"pretrain_gpt.py arguments after --), not both: drop {' '.join(given)}")
@@ -123,18 +120,17 @@ def model_advice(args):
     names, dropped = _model_schedules(args, m)
     limit = args.memory_limit if args.memory_limit is not None else s.gpu.hbm_gb
     mem = s.memory
-    run = dict(pp=m.pp, counts=[s.microbatches], act=mem.activations / GB, par=mem.states / GB, limit=limit,
-               wgrad=args.weight_grad_memory, comm=advise_model.comm(args, s), tokens=m.micro_batch * m.seq_length,
-               num_layers=m.num_layers,
-               optimizer=mem.optimizer / GB, once=mem.activations_once / GB, shared=m.shared_shard,
-               hint=advise_model.no_fit_hint(m, limit), details=not args.launch_check)
-    overlap = bool(m.num_experts and m.ep > 1)
+    run = dict(activation_memory=mem.activations / GB, parameter_memory=mem.states / GB, memory_limit=limit,
+               weight_grad_memory=args.weight_grad_memory, comm=advise_model.comm(args, s),
+               tokens=m.micro_batch * m.seq_length, num_layers=m.num_layers, optimizer_memory=mem.optimizer / GB,
+               once_memory=mem.activations_once / GB, shared_optimizer=m.shared_shard,
+               no_fit_hint=advise_model.no_fit_hint(m, limit), details=not args.launch_check)
     costs = s.costs if m.a2a_overlap else replace(s.costs, fb=None)
-    advice = _simulate(costs=costs, names=[n for n in names if m.a2a_overlap or not _a2a(n)], **run)
+    advice = _simulate(m.pp, [s.microbatches], costs, [n for n in names if m.a2a_overlap or not _a2a(n)], **run)
     extra = []
-    if overlap and not m.a2a_overlap and not args.launch_check:  # the gate reads only the run's own row
+    if m.num_experts and m.ep > 1 and not m.a2a_overlap and not args.launch_check:  # the gate: the run's own row
         dropped += [f"{n} (needs --overlap-moe-expert-parallel-comm: below)" for n in names if _a2a(n)]
-        extra = [advise_model.overlap_line(m, advice, _simulate(costs=s.costs, names=names, **run))]
+        extra = [advise_model.overlap_line(m, advice, _simulate(m.pp, [s.microbatches], s.costs, names, **run))]
     return s, advice, dropped, extra
 
 
@@ -164,8 +160,8 @@ def _model_schedules(args, m):
     return names, dropped
 
 
-def _simulate(pp, counts, costs, act, par, limit, wgrad, names, comm, tokens, num_layers=None, optimizer=None,
-              once=0.0, shared=False, hint=None, details=True):
+def _simulate(pp, counts, costs, names, **kw):
+    """:func:`advise` for ``names``, refusing what would take minutes to simulate or overflows."""
     biggest = max(get(n).model_stages(pp) * max(counts) for n in names)
     if biggest > MAX_FORWARDS:
         raise CliError(f"pp={pp} with M={max(counts)} simulates {biggest} forward actions, more than the limit "
@@ -173,8 +169,7 @@ def _simulate(pp, counts, costs, act, par, limit, wgrad, names, comm, tokens, nu
                        f"smaller micro-batch counts (for a model: a smaller --global-batch-size)")
     with Progress(f"advise pp={pp}") as prog:
         prog.phase(f"simulating {len(names)} schedules x {len(counts)} micro-batch counts")
-        advice = advise(pp, counts, costs, act, par, limit, wgrad, names, comm, tokens, num_layers, optimizer,
-                        once, shared, hint or NO_FIT_HINT, details)
+        advice = advise(pp, counts, costs, names=names, **kw)
     if any(not math.isfinite(o.row.makespan) for ch in advice.choices for o in ch.options):
         raise CliError("the costs are too large: the simulated time overflows; use smaller values or units")
     return advice
@@ -189,10 +184,9 @@ def _run_measured(args) -> int:
         raise CliError(f"--tokens must be a positive number, got {args.tokens}")
     counts = parse_counts(args.microbatches)
     names = [interleaved_name(n, args.virtual_pipeline) if n in MODELLED_SPECS else n for n in _names(args)]
-    costs = costs_from_args(args)
-    comm = comm_from_args(args, args.pp)
-    advice = _simulate(args.pp, counts, costs, args.activation_memory, args.parameter_memory, args.memory_limit,
-                       args.weight_grad_memory, names, comm, args.tokens)
+    advice = _simulate(args.pp, counts, costs_from_args(args), names, activation_memory=args.activation_memory,
+                       parameter_memory=args.parameter_memory, memory_limit=args.memory_limit, tokens=args.tokens,
+                       weight_grad_memory=args.weight_grad_memory, comm=comm_from_args(args, args.pp))
     print(json.dumps(advice.to_json()) if args.json else advice.format())
     return 0
 

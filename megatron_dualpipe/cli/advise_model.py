@@ -10,7 +10,14 @@ from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
 from .. import project_files
+from ..costs import model_cost as mc
+from ..costs import stage_pairs
+from ..costs.comm_cost import CommModel, Link, Network, Placement
+from ..costs.compare import fmt
+from ..costs.model_args import ModelArgsError, parse
+from ..schedule import registry, stage_layout
 from ..schedule.copy_sum import WAYS, CopySum
+from ..schedule.simulate import Costs
 from .args import CliError
 
 CONFIGS = project_files.path("configs")  # the wheel's copy, else the checkout's
@@ -23,17 +30,15 @@ CONFIG_VARIABLES = (("TP", "--tensor-model-parallel-size"), ("PP", "--pipeline-m
 
 
 def configure(p) -> None:
-    from ..costs.model_cost import DEFAULT_MFU, GPUS
-
     g = p.add_argument_group("from the model instead of measured costs (pretrain_gpt.py's arguments after --)")
     g.add_argument("--config", metavar="NAME", help="a config of configs/ (" + ", ".join(config_names())
                    + ") or a path; arguments after -- are appended, as the launch script appends them")
-    g.add_argument("--gpu", choices=sorted(GPUS), help="GPU kind: its peak dense bf16 rate, HBM (the memory limit "
+    g.add_argument("--gpu", choices=sorted(mc.GPUS), help="GPU kind: its peak dense bf16 rate, HBM (the memory limit "
                    "unless --memory-limit), NVLink and network bandwidth")
     g.add_argument("--nodes", type=int, default=None, metavar="N", help="nodes (default 1); GPUs per node: "
                    "--gpus-per-node")
     g.add_argument("--mfu", type=float, default=None, metavar="U",
-                   help=f"share of the peak rate training sustains (default {DEFAULT_MFU})")
+                   help=f"share of the peak rate training sustains (default {mc.DEFAULT_MFU})")
     p.add_argument("model_args", nargs="*", metavar="-- ARGS", help="pretrain_gpt.py arguments (after --)")
 
 
@@ -85,9 +90,7 @@ class Setup:
 
 def _layout(m, world: int):
     """(dp, micro-batches per iteration) of ``m`` on ``world`` GPUs, or the refusal with the fix."""
-    from ..costs.model_cost import stages_problem
-
-    problem = stages_problem(m)
+    problem = mc.stages_problem(m)
     if problem:
         raise CliError(problem)
     unit = m.model_size * (m.etp * m.ep * m.pp) // math.gcd(m.model_size, m.etp * m.ep * m.pp)
@@ -105,10 +108,6 @@ def _layout(m, world: int):
 
 def setup(args) -> Setup:
     """The model of ``args`` (``--config`` and the arguments after ``--``) on ``--gpu`` x world."""
-    from ..costs import model_cost as mc
-    from ..costs.model_args import ModelArgsError, parse
-    from ..schedule.simulate import Costs
-
     if not args.gpu:
         raise CliError("advise from the model needs --gpu (" + ", ".join(sorted(mc.GPUS)) + ")")
     nodes = 1 if args.nodes is None else args.nodes
@@ -140,10 +139,6 @@ def setup(args) -> Setup:
 def stage_pairs_lines(m, gpu, mfu: float, gpus_per_node: int, a2a_bw) -> List[str]:
     """Uneven stages: which stages each rank holds under 1F1B, DualPipe and DualPipeV, and their
     summed forward time (``costs.stage_pairs``)."""
-    from ..costs import model_cost as mc
-    from ..costs import stage_pairs
-    from ..schedule import registry, stage_layout
-
     forward = [mc.partition_f(m, gpu, mfu, gpus_per_node, sizes, a2a_bw)
                for sizes in (mc.stage_sizes(m), mc.v_stage_sizes(m))]
     lines = stage_pairs.report(*forward, (registry.ONE_F_ONE_B, registry.DUALPIPE, registry.DUALPIPEV),
@@ -157,13 +152,11 @@ def stage_pairs_lines(m, gpu, mfu: float, gpus_per_node: int, a2a_bw) -> List[st
 
 
 def _summary(m, gpu, mfu, nodes, per_node, dp, micro, sc, mem) -> List[str]:
-    from ..costs.model_cost import GB, activation_bytes, describe, iteration_flops
-
     gb = micro * m.micro_batch * dp
-    flops = iteration_flops(m, gb)
+    flops = mc.iteration_flops(m, gb)
     a2a = f", of which MoE all-to-all {sc.all_to_all:.3g} ms each way" if sc.all_to_all else ""
     return [
-        "model: " + ", ".join(describe(m)),
+        "model: " + ", ".join(mc.describe(m)),
         f"layout: {nodes} x {per_node} {gpu.name} (peak {gpu.peak_tflops:g} TFLOP/s bf16 dense, {gpu.hbm_gb:g} GB), "
         f"TP={m.tp} PP={m.pp} EP={m.ep} CP={m.cp} DP={dp}, global batch {gb} = {micro} micro-batches of "
         f"{m.micro_batch} x {m.seq_length} tokens",
@@ -171,24 +164,12 @@ def _summary(m, gpu, mfu, nodes, per_node, dp, micro, sc, mem) -> List[str]:
         f"{flops / (nodes * per_node * gpu.peak_tflops * 1e12 * mfu):.3g} s of compute per iteration",
         f"stage {sc.stage} (the slowest) per micro-batch: f {sc.f:.3g} ms, b {sc.b:.3g} ms, w {sc.w:.3g} ms"
         + (f", fused F&B {sc.fb:.3g} ms" if sc.fb else "") + a2a,
-        f"memory per rank (stage {mem.stage}, GB): parameters {mem.parameters / GB:.3g}, gradients "
-        f"{mem.gradients / GB:.3g}, optimizer {mem.optimizer / GB:.3g}"
+        f"memory per rank (stage {mem.stage}, GB): parameters {mem.parameters / mc.GB:.3g}, gradients "
+        f"{mem.gradients / mc.GB:.3g}, optimizer {mem.optimizer / mc.GB:.3g}"
         f"{' (distributed over DP)' if m.distributed_optimizer else ''}; activations "
-        f"{activation_bytes(m) / GB:.3g} per micro-batch on the first stage"
+        f"{mc.activation_bytes(m) / mc.GB:.3g} per micro-batch on the first stage"
         + ("" if m.recompute else " (no recomputation)"),
     ]
-
-
-def measured_flags_given(args) -> List[str]:
-    """The measured-cost flags given alongside a model (they would be ignored: refused)."""
-    given = [("--pp", args.pp), ("--microbatches", args.microbatches), ("--f", args.f), ("--b", args.b),
-             ("--w", args.w), ("--activation-memory", args.activation_memory),
-             ("--parameter-memory", args.parameter_memory), ("--stage-params", args.stage_params),
-             ("--message-bytes", args.message_bytes), ("--dp", args.dp), ("--tp", args.tp),
-             # the model's own --use-distributed-optimizer / --overlap-grad-reduce (after --) set these
-             ("--distributed-optimizer", args.distributed_optimizer or None),
-             ("--no-overlap-grad-reduce", None if args.overlap_grad_reduce else True)]
-    return [flag for flag, v in given if v is not None]
 
 
 def interleaved_virtual(m, default: int) -> Optional[int]:
@@ -203,13 +184,11 @@ def unsplittable(m, names: Sequence[str]) -> List[str]:
     """The schedules of ``names`` whose stages do not split ``m``'s layers (evenly, or as the model's
     --decoder-first/last-pipeline-num-layers or layout say: 1f1b's and dualpipe's pp stages, and
     dualpipev's V-stages, which a layout of pp stages cut in two gives), with why."""
-    from ..schedule.registry import DUALPIPE, DUALPIPEV, ONE_F_ONE_B, spec
-
     uneven = m.first_stage_layers is not None or m.last_stage_layers is not None or m.layout is not None
     out = []
     for n in names:
-        stages = spec(n).model_stages(m.pp)
-        if uneven and n not in (ONE_F_ONE_B, DUALPIPE, DUALPIPEV):
+        stages = registry.spec(n).model_stages(m.pp)
+        if uneven and n not in (registry.ONE_F_ONE_B, registry.DUALPIPE, registry.DUALPIPEV):
             out.append(f"{n} (uneven stages are taken by 1f1b, dualpipe and dualpipev only)")
         elif not uneven and m.num_layers % stages:
             out.append(f"{n} ({m.num_layers} layers do not split into {stages} stages)")
@@ -219,8 +198,6 @@ def unsplittable(m, names: Sequence[str]) -> List[str]:
 def comm(args, s: Setup):
     """The communication model of the run: gradients of the heaviest stage, P2P messages of one
     micro-batch, the model's DP/TP and optimizer flags, the GPU's links (unless given)."""
-    from ..costs.comm_cost import CommModel, Link, Network, Placement
-
     m = s.model
     per_rank = s.memory.parameters / 2  # bf16 parameters -> count
     message = m.micro_batch * m.seq_length * m.hidden * 2 / m.cp / (m.tp if m.sequence_parallel else 1)
@@ -261,9 +238,6 @@ def no_fit_hint(m, limit: float) -> str:
 def overlap_line(m, now, with_overlap) -> str:
     """What ``--overlap-moe-expert-parallel-comm`` (off in this run) would buy: DualPipe's fused F&B
     units and Megatron's interleaved 1F1B both hide the expert all-to-all with it."""
-    from ..costs.compare import fmt
-    from ..schedule.registry import INTERLEAVED_1F1B_A2A
-
     def best(advice):
         ch = advice.choices[0]
         return next((o for o in ch.options if o.row.name == ch.best), None)
@@ -275,7 +249,7 @@ def overlap_line(m, now, with_overlap) -> str:
                        "not with --recompute-modules moe") + " (refused together: drop it first)"
     if b is None:
         return head + "with it still nothing fits"
-    inter = next((o for o in with_overlap.choices[0].options if o.row.name.startswith(INTERLEAVED_1F1B_A2A)
+    inter = next((o for o in with_overlap.choices[0].options if o.row.name.startswith(registry.INTERLEAVED_1F1B_A2A)
                   and not o.row.problem), None)
     gain = (f", {100 * (a.row.iteration - b.row.iteration) / a.row.iteration:.1f}% shorter than {a.row.name} "
             f"without it ({fmt(a.row.iteration)})" if a is not None else "")

@@ -42,7 +42,10 @@ def run(args) -> int:
             {"part": part, "target": r.target, "state": state, "why": r.why} for part, r, state in rows]},
             indent=1))
     else:
-        _print_table(rows, cuda, restored)
+        print("CUDA is available here: CPU mode is never active on this machine." if cuda else
+              "No CUDA here: CPU mode switches on by itself where megatron_dualpipe runs Megatron "
+              "(tests, demo, pretrain_gpt.py through the launcher or the patch).")
+        print_by_part(rows, "redirections", lambda r, state: (f"  {state:10s} {r.target}", r.why), restored, "disable")
     return 1 if restored else 0
 
 
@@ -57,15 +60,6 @@ def _enable(megatron_lm_path):
     saved = snapshot([r for p in cpu.PARTS if megatron_lm_path or p == "megatron-core" for r in cpu.redirections(p)])
     cpu.enable(megatron_lm=bool(megatron_lm_path))
     return saved
-
-
-def _print_table(rows, cuda, restored):
-    if cuda:
-        print("CUDA is available here: CPU mode is never active on this machine.")
-    else:
-        print("No CUDA here: CPU mode switches on by itself where megatron_dualpipe runs Megatron "
-              "(tests, demo, pretrain_gpt.py through the launcher or the patch).")
-    print_by_part(rows, "redirections", lambda r, state: (f"  {state:10s} {r.target}", r.why), restored, "disable")
 
 
 COMMAND = Command("cpu-mode", HELP, configure, run)

@@ -52,14 +52,10 @@ def run(args) -> int:
             {"part": part, "target": p.target, "kind": p.kind, "state": state, "versions": str(p.versions),
              "replacement": p.describe_make(), "why": p.why} for part, p, state in rows]}, indent=1))
     else:
-        _print_table(rows, version, restored)
+        print(f"megatron-core here: {version or 'not importable'}. {len(rows)} Megatron attributes are changed by "
+              f"megatron-dualpipe (CPU-mode redirections: megatron-dualpipe cpu-mode).")
+        print_by_part(rows, "patches", _describe, restored, "uninstall")
     return 1 if restored else 0
-
-
-def _print_table(rows, version, restored):
-    print(f"megatron-core here: {version or 'not importable'}. {len(rows)} Megatron attributes are changed by "
-          f"megatron-dualpipe (CPU-mode redirections: megatron-dualpipe cpu-mode).")
-    print_by_part(rows, "patches", _describe, restored, "uninstall")
 
 
 def _describe(patch, state):

@@ -25,15 +25,6 @@ def configure(p: argparse.ArgumentParser) -> None:
     add_schedule_args(p)
     add_cost_args(p, "costs (hypothetical time units; dualpipev: per chunk, half a stage)")
     add_comm_args(p)
-    add_stage_cost_args(p)
-    p.add_argument("--json", action="store_true",
-                   help="print makespan, bubble, peak_activations, busy and the same-model comparison as JSON")
-    p.add_argument("--png", metavar="FILE.png", type=png_path, help="draw the timeline to a PNG (needs matplotlib)")
-    p.add_argument("--svg", metavar="FILE", help="draw the timeline to an SVG")
-
-
-def add_stage_cost_args(p: argparse.ArgumentParser) -> None:
-    """Uneven stages (``costs.stage_pairs``): each stage's cost, or a layout priced per layer."""
     g = p.add_argument_group("uneven stages (which stages each rank holds under 1F1B, DualPipe and DualPipeV, and "
                              "their summed cost)")
     g.add_argument("--stage-costs", metavar="C0,C1,...", help="each stage's cost per micro-batch: pp values (a "
@@ -42,6 +33,10 @@ def add_stage_cost_args(p: argparse.ArgumentParser) -> None:
                    "stages (E embedding, t layer, m MTP, L output layer and loss), priced by --layer-costs")
     g.add_argument("--layer-costs", metavar="E=0,t=1,m=1,L=0", default="",
                    help="cost of each layout letter (default t=1, m=1, E=0, L=0)")
+    p.add_argument("--json", action="store_true",
+                   help="print makespan, bubble, peak_activations, busy and the same-model comparison as JSON")
+    p.add_argument("--png", metavar="FILE.png", type=png_path, help="draw the timeline to a PNG (needs matplotlib)")
+    p.add_argument("--svg", metavar="FILE", help="draw the timeline to an SVG")
 
 
 def stage_cost_views(args, pp: int):
@@ -59,12 +54,6 @@ def stage_cost_views(args, pp: int):
     except (ValueError, LayoutError) as e:
         raise CliError(str(e)) from None
     return None
-
-
-def stage_pairs_lines(views) -> List[str]:
-    if views is None:
-        return []
-    return [""] + stage_pairs.report(*views, (registry.ONE_F_ONE_B, registry.DUALPIPE, registry.DUALPIPEV))
 
 
 #: The most forward actions the same-model comparison simulates (past it: skipped with a note).
@@ -149,7 +138,9 @@ def run(args) -> int:
                    stage_costs=None if views is None else {"stages": views[0], "v_stages": views[1]})
         print(json.dumps(doc))
         return 0
-    print("\n".join([_report(padded, costs, result, rows, stage, work, grad, other)] + stage_pairs_lines(views)))
+    pairs = [] if views is None else [""] + stage_pairs.report(*views, (registry.ONE_F_ONE_B, registry.DUALPIPE,
+                                                                        registry.DUALPIPEV))
+    print("\n".join([_report(padded, costs, result, rows, stage, work, grad, other)] + pairs))
     return 0
 
 
