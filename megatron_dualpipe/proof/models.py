@@ -1,11 +1,7 @@
 """The tiny GPT (or MoE GPT) under Megatron's 1F1B, DualPipe and DualPipeV, every one loaded from
 the same full (pp=1) weights, and one iteration of each: what the tests and the selftest run.
-
-The full weights are built on every rank from one seed, so every schedule starts from the same
-numbers without moving a state dict between ranks. Each model's gradients are returned keyed by
-the full model's parameter names (:mod:`.names`), so that stage i of 1F1B, model[0] on rank i and
-model[1] on rank pp-1-i (DualPipe) and the chunk holding the same layers (DualPipeV) can be
-compared name by name.
+The full weights are built on every rank from one seed (no state dict moves between ranks); the
+gradients are keyed by the full model's names (:mod:`.names`), so every schedule's compare by name.
 """
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
 """A stage's parameters under the full (pp=1) model's names, so that every schedule's stages and
-a single-process model load from one state dict and compare name by name.
-
-A stage holding global layers [o, o+n) has ``decoder.layers.i.*`` for global layer ``o + i``
-(``layer_number`` is 1-based and global, the module index local). With tied embeddings the last
-stage's ``output_layer.weight`` is the full model's ``embedding.word_embeddings.weight``.
+a single-process model load from one state dict and compare name by name. A stage's
+``decoder.layers.i`` is global layer ``offset + i``; a tied last stage's output layer is the embedding.
 """
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
 """``megatron-dualpipe selftest``: on the user's own machines, in a few minutes, does DualPipe give
-Megatron's 1F1B numbers, does it hang, is it faster, how much memory does it take (the stages:
-:func:`.worker._stages`, docs/selftest.md).
-
-Each stage ends in one line ``[PASS|FAIL|SKIP] stage: numbers``; the selftest stops at the first
-hard FAIL, writes ``OUT/selftest.md`` and ``OUT/selftest.json`` and exits 1 on any FAIL. One
-process per rank, started here (``--nproc``) or by torchrun. This module only parses arguments
+Megatron's 1F1B numbers, does it hang, is it faster, how much memory does it take (docs/selftest.md).
+One process per rank, started here (``--nproc``) or by torchrun. This module only parses arguments
 (no torch import until it runs).
 """
 from __future__ import annotations

@@ -2,14 +2,16 @@
 every rank: what the equality, TE-matrix and DeepSeek-V3 stages all judge by."""
 from __future__ import annotations
 
-from typing import List
+from typing import List, Optional
 
 from ..proof.compare import Gap, rel_diff
 from ..schedule.registry import ONE_F_ONE_B
 
 
-def vs_1f1b(ctx, name: str, by_coord: dict, schedule: str, tol: float, failures: List[str]) -> dict:
-    """``schedule``'s losses and gradients against Megatron 1F1B's, each tensor relative to its own scale.
+def vs_1f1b(ctx, name: str, by_coord: dict, schedule: str, tol: float, failures: List[str], details: List[str],
+            label: Optional[str] = None) -> dict:
+    """``schedule``'s losses and gradients against Megatron 1F1B's, each tensor relative to its own scale:
+    its failures and its report line (``label``: the schedule's name there) added, its numbers returned.
 
     ``by_coord``: every rank's ``{"losses": {schedule: ...}, "grads": {schedule: [per chunk]}}`` by
     its (pp, tp, dp) coordinate (also the ``deepseek-v3`` stage's)."""
@@ -43,12 +45,9 @@ def vs_1f1b(ctx, name: str, by_coord: dict, schedule: str, tol: float, failures:
     if grads.worst > tol:
         failures.append(f"{name} {schedule}: gradient of {grads.worst_where} differs from 1F1B's by {grads.worst:.2e} "
                         f"(relative) > {tol:g}")
-    return {"max_rel_loss_diff": losses.worst, "max_rel_grad_diff": grads.worst, "where": grads.worst_where,
+    details.append(f"{name} {label or schedule} vs Megatron 1F1B, M={2 * pp}: max relative loss difference "
+                   f"{losses.worst:.2e}, max relative gradient difference {grads.worst:.2e} ("
+                   f"{grads.worst_where or 'all bit-identical'}; every one of 1F1B's {len(compared)} gradient "
+                   f"tensors compared)")
+    return {"max_rel_loss_diff": losses.worst, "max_rel_grad_diff": grads.worst,
             "gradients_of_1f1b_compared": len(compared)}
-
-
-def vs_1f1b_line(name: str, schedule: str, m: int, n: dict) -> str:
-    """The report's line for :func:`vs_1f1b`'s numbers (takes ``where`` out of them)."""
-    return (f"{name} {schedule} vs Megatron 1F1B, M={m}: max relative loss difference {n['max_rel_loss_diff']:.2e}, "
-            f"max relative gradient difference {n['max_rel_grad_diff']:.2e} ({n.pop('where') or 'all bit-identical'}; "
-            f"every one of 1F1B's {n['gradients_of_1f1b_compared']} gradient tensors compared)")

@@ -1,16 +1,8 @@
-"""Stage ``equality``: the tiny GPT (and, with ``--ep``, a tiny MoE over expert parallelism) from
-the same weights under Megatron's own 1F1B, DualPipe and DualPipeV, on the same micro-batches:
-
-* every micro-batch's loss, and every parameter's gradient, within the dtype's tolerance of
-  1F1B's (``options.TOLERANCE``; relative to the largest |value| of the tensor);
-* every schedule, 1F1B included, within the tolerance of the pp=1 reference (the whole model on
-  each rank in a plain loop, :mod:`..proof.reference`: what the CPU tests hold every schedule to);
-* after a few SGD steps with DualPipe, the two copies of every stage (model[0] on rank i,
-  model[1] on rank pp-1-i) are bit-identical;
-* with ``--te``, the TE matrix's combinations against 1F1B, one line each (:mod:`.te_matrix`).
-
-The references run on the user's layers (local or Transformer Engine), backend and devices: what
-the CPU tests prove, proven here through the same code (:mod:`..proof`).
+"""Stage ``equality``: the tiny GPT (with ``--ep`` also a tiny MoE) from the same weights under
+Megatron's 1F1B, DualPipe and DualPipeV: losses and gradients within the dtype's tolerance of 1F1B's
+and of the pp=1 reference, DualPipe's two copies of every stage bit-identical after a few SGD steps,
+and with ``--te`` the TE matrix (:mod:`.te_matrix`). What the CPU tests prove, proven through the
+same code (:mod:`..proof`) on the user's layers, backend and devices.
 """
 from __future__ import annotations
 
@@ -20,7 +12,7 @@ import numpy as np
 import torch
 
 from . import faults, te_matrix
-from .against_1f1b import vs_1f1b, vs_1f1b_line
+from .against_1f1b import vs_1f1b
 from ..proof import models, names, reference
 from ..proof.compare import Gap
 from .result import FAIL, PASS, StageResult
@@ -85,8 +77,8 @@ def run(ctx) -> dict:
     return out
 
 
-def _vs_reference(name: str, payloads: List[dict], schedule: str, tol: float,
-                  failures: List[str]) -> Tuple[dict, str]:
+def _vs_reference(name: str, payloads: List[dict], schedule: str, tol: float, failures: List[str],
+                  details: List[str]) -> dict:
     """``schedule`` against the pp=1 reference: the losses, and the worst rank's gradients (all its tensors)."""
     gaps = [p["models"][name]["vs_reference"][schedule] for p in payloads]
     loss = max((g["loss"] for g in gaps if g["loss"] is not None), default=0.0)
@@ -97,9 +89,9 @@ def _vs_reference(name: str, payloads: List[dict], schedule: str, tol: float,
     if gaps[worst]["grad"] > tol:
         failures.append(f"{name} {schedule}: gradients of rank {worst} differ from the pp=1 reference's by "
                         f"{gaps[worst]['grad']:.2e} (relative) > {tol:g}, most at {gaps[worst]['where']}")
-    return ({"rel_loss_diff": loss, "rel_grad_diff": gaps[worst]["grad"]},
-            f"{name} {schedule} vs the pp=1 reference: losses {loss:.2e} (relative); "
-            f"rank {worst}'s {gaps[worst]['line']}")
+    details.append(f"{name} {schedule} vs the pp=1 reference: losses {loss:.2e} (relative); "
+                   f"rank {worst}'s {gaps[worst]['line']}")
+    return {"rel_loss_diff": loss, "rel_grad_diff": gaps[worst]["grad"]}
 
 
 def _copies(by_coord: dict, pp: int) -> Tuple[int, List[str]]:
@@ -121,12 +113,8 @@ def _compare_model(ctx, name: str, payloads: List[dict], tol: float) -> Tuple[Li
     details, failures, numbers = [], [], {}
     by_coord = {tuple(p["coord"]): p["models"][name] for p in payloads}
     for schedule in (DUALPIPE, DUALPIPEV):
-        numbers[schedule] = vs_1f1b(ctx, name, by_coord, schedule, tol, failures)
-        details.append(vs_1f1b_line(name, schedule, 2 * pp, numbers[schedule]))
-    numbers["vs_reference"] = {}
-    for schedule in models.SCHEDULES:
-        numbers["vs_reference"][schedule], line = _vs_reference(name, payloads, schedule, tol, failures)
-        details.append(line)
+        numbers[schedule] = vs_1f1b(ctx, name, by_coord, schedule, tol, failures, details)
+    numbers["vs_reference"] = {s: _vs_reference(name, payloads, s, tol, failures, details) for s in models.SCHEDULES}
     compared, differing = _copies(by_coord, pp)
     if differing:
         failures.append(f"{name}: after {STEPS} DualPipe SGD steps {len(differing)} of {compared} parameters of "

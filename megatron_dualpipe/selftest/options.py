@@ -7,6 +7,7 @@ from typing import Optional
 
 from .. import versions
 from ..proof.models import ModelSpec, deepseek_v3
+from .watchdog import LIMIT_PER_DEADLINE, SETUP_LIMIT_S
 
 #: Relative tolerance of losses and gradients (largest |difference| over the largest |value| of each
 #: tensor) per dtype. fp32: the schedules add the same numbers in other orders (DualPipe sums the two
@@ -35,16 +36,12 @@ class SelftestConfig:
     @property
     def stage_limit_s(self) -> float:
         """The longest any phase of a stage may take on a rank (:mod:`.watchdog`)."""
-        from .watchdog import stage_limit_s
-
-        return stage_limit_s(self.deadline_s)
+        return LIMIT_PER_DEADLINE * self.deadline_s
 
     @property
     def collective_timeout_s(self) -> float:
         """The process group's timeout: past the stage and set-up limits, so that a stuck rank's
         watchdog speaks (with its stack) before a collective elsewhere times out without saying why."""
-        from .watchdog import SETUP_LIMIT_S
-
         return max(self.stage_limit_s, SETUP_LIMIT_S) + 60.0
 
     @property

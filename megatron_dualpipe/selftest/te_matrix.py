@@ -10,7 +10,7 @@ import importlib.util
 from typing import List, Optional, Tuple
 
 from ..proof import models
-from .against_1f1b import vs_1f1b, vs_1f1b_line
+from .against_1f1b import vs_1f1b
 from ..schedule.registry import DUALPIPE, DUALPIPEV
 
 NEEDS_EP = "needs expert parallelism: run with --ep 2"
@@ -113,11 +113,10 @@ def judge(ctx, payloads: List[dict]) -> Tuple[List[str], List[str], List[str], d
         tol = ctx.cfg.tolerance_of(spec)
         by_coord = {tuple(p["coord"]): p["te_matrix"]["results"][name] for p in payloads}
         mine = []
-        numbers[name] = {s: vs_1f1b(ctx, name, by_coord, s, tol, mine) for s in (DUALPIPE, DUALPIPEV)}
         details.append(f"{name}: {_described(spec)}; tolerance {tol:g}")
+        numbers[name] = {s: vs_1f1b(ctx, name, by_coord, s, tol, mine, details) for s in (DUALPIPE, DUALPIPEV)}
         gaps = ", ".join(f"{s} loss {numbers[name][s]['max_rel_loss_diff']:.1e} grad "
                          f"{numbers[name][s]['max_rel_grad_diff']:.1e}" for s in (DUALPIPE, DUALPIPEV))
-        details += [vs_1f1b_line(name, s, 2 * ctx.cfg.pp, numbers[name][s]) for s in (DUALPIPE, DUALPIPEV)]
         note = f"; {FP32_MTP}" if spec.combined_step and spec.dtype == "fp32" and ctx.cfg.gpu else ""
         lines.append(f"[{'FAIL' if mine else 'PASS'}] {name}: largest relative difference against Megatron 1F1B "
                      f"(tolerance {tol:g}): {gaps}{note}")

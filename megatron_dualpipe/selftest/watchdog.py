@@ -19,15 +19,9 @@ STUCK_EXIT = 3
 #: The stage limit in units of ``--deadline`` (one point-to-point wait): a stage runs a few dozen
 #: iterations of tiny models; on a loaded CPU machine the slowest (speed) takes ~15 deadlines of 1 s.
 LIMIT_PER_DEADLINE = 30.0
-
-
 #: The set-up before the first stage (importing megatron-core, building its parallel groups) has
 #: nothing to do with ``--deadline``: on a loaded 2-core machine its imports alone took over 15 s.
 SETUP_LIMIT_S = 300.0
-
-
-def stage_limit_s(deadline_s: float) -> float:
-    return LIMIT_PER_DEADLINE * deadline_s
 
 
 class StageWatchdog:
@@ -51,7 +45,7 @@ class StageWatchdog:
             self._timer.cancel()
             self._timer = None
 
-    def _fire(self, phase: str, limit_s: Optional[float] = None) -> None:
+    def _fire(self, phase: str, limit_s: Optional[float]) -> None:
         self.report(phase, limit_s)
         os._exit(STUCK_EXIT)
 
