@@ -8,7 +8,7 @@ reduction) makes them drift apart silently. Every N iterations (``drift_check_ev
 """
 from __future__ import annotations
 
-from typing import List, Sequence
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -25,23 +25,13 @@ class CopiesDriftedError(RuntimeError):
     """The two copies of a DualPipe stage are no longer bit-identical."""
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """The tensor's bytes as int64 values (whole 32-bit words where they fit)."""
-    flat = t.detach().contiguous().reshape(-1)
-    raw = flat.view(torch.uint8)
-    return (raw.view(torch.int32) if raw.numel() % 4 == 0 else raw).to(torch.int64)
-
-
-def _parameter_names(chunk: torch.nn.Module) -> List[str]:
-    return [name for name, _ in unwrap_chunk(chunk).named_parameters()]
-
-
 def _checksum_tensor(chunk: torch.nn.Module, device) -> torch.Tensor:
     """Two int64 per parameter: the sum of its words and their sum weighted by position (two words swapped
     show)."""
     sums = []
-    for _, p in unwrap_chunk(chunk).named_parameters():
-        w = _bits(p)
+    for p in unwrap_chunk(chunk).parameters():
+        raw = p.detach().contiguous().reshape(-1).view(torch.uint8)  # its bytes, as whole 32-bit words where they fit
+        w = (raw.view(torch.int32) if raw.numel() % 4 == 0 else raw).to(torch.int64)
         weights = torch.arange(1, w.numel() + 1, dtype=torch.int64, device=w.device) % 65521
         sums.append(torch.stack([w.sum(), (w * weights).sum()]))
     return torch.stack(sums).to(device) if sums else torch.zeros(0, 2, dtype=torch.int64, device=device)
@@ -57,7 +47,7 @@ def check_copies_identical(model: Sequence[torch.nn.Module], timeout_s: float = 
     compared = 0
     for copy_ in bd_pairs.stage_copies(pos):
         chunk = model[copy_.chunk]
-        names = _parameter_names(chunk)
+        names = [name for name, _ in unwrap_chunk(chunk).named_parameters()]
         mine = _checksum_tensor(chunk, device)
         if pos.is_middle:
             theirs = _checksum_tensor(model[1 - copy_.chunk], device)

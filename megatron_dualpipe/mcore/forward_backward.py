@@ -1,27 +1,14 @@
 """megatron-core's ``forward_backward_func`` for the schedules this project's executor runs.
 
-:func:`get_forward_backward_func` is the dispatcher: Megatron's own ``1f1b`` returns megatron-
-core's function unchanged; ``dualpipe``, ``dualpipev``, ``zb-h1`` and ``executor-1f1b`` return
-an :class:`ExecutorSchedule`, which honours the contract of megatron-core's schedules (see the
-docstring of ``megatron.core.pipeline_parallel.get_forward_backward_func``):
-
-* keyword arguments ``forward_step_func, data_iterator, model, num_microbatches, seq_length,
-  micro_batch_size, decoder_seq_length=None, forward_only=False, collect_non_loss_data=False,
-  first_val_step=None, adjust_tensor_shapes_fn=None, p2p_communicator=None, pg_collection=None,
-  force_all_reduce=False``. ``model`` is ``[chunk_dir0, chunk_dir1]`` for DualPipe/DualPipeV
-  (``mcore.model.build_two_direction_model``), one chunk otherwise; ``data_iterator`` is one
-  iterator (or a list of one), split into the directions inside;
-* every micro-batch runs through ``schedules.forward_step`` / ``backward_step``, so loss scaling,
-  MoE aux-loss scaling and ``calculate_per_token_loss`` behave as in Megatron;
-* ``config.no_sync_func`` holds data-parallel reduction off while the schedule runs; each chunk's
-  reduction starts where the checked iteration plan says (``grad_reduction.GradReduction``: the bd
-  sum of DualPipe's two copies, the tied fold, then ``config.grad_sync_func``);
-  ``config.timers("forward-backward")`` times the call;
-* ``config.param_sync_func`` (``--overlap-param-gather``): every chunk's parameter all-gathers start
-  before the first action (:mod:`.param_gather`); DDP's pre-hook of its first forward waits;
-* then, if set, ``config.finalize_model_grads_func`` runs (two chunks: ``finalize.finalize_after_token_count``);
-* returns the loss entries of ALL real micro-batches, both directions, in global order, on the
-  last pipeline rank (``[]`` elsewhere), where Megatron's training loop reads them.
+:func:`get_forward_backward_func`: Megatron's own ``1f1b`` gets megatron-core's function; the executor's
+schedules an :class:`ExecutorSchedule`, which keeps the contract of megatron-core's schedules (its keyword
+arguments; ``model`` is ``[chunk_dir0, chunk_dir1]`` for DualPipe/DualPipeV, ``mcore.model``; one data
+iterator, split into the directions inside). Every micro-batch runs through ``schedules.forward_step`` /
+``backward_step``, so loss and aux-loss scaling and ``calculate_per_token_loss`` are Megatron's;
+``config.no_sync_func`` holds data-parallel reduction off while the schedule runs, and each chunk's reduction
+starts where the checked iteration plan says (``grad_reduction``), as do the parameter all-gathers
+(``param_gather``) and ``config.finalize_model_grads_func``. The loss entries of all real micro-batches, both
+directions, come back in global order on the last pipeline rank (``[]`` elsewhere), where Megatron reads them.
 """
 from __future__ import annotations
 
@@ -153,7 +140,8 @@ class ExecutorSchedule:
     def _iterate(self, it: "_Iteration", model, config, forward_step_func, data_iterator, num_microbatches: int,
                  forward_only: bool, collect_non_loss_data: bool, first_val_step, force_all_reduce):
         """Run, gather the losses, finalize."""
-        store = self._wgrad_store(it, forward_only)
+        has_b = any(a.op == B for a in it.program.actions[it.rank])
+        store = self._wgrad.WeightGradStore() if self._wgrad is not None and not forward_only and has_b else None
         reduction = None if forward_only else GradReduction(model, config)
         # Through megatron-core's combined step when the model offers it (mcore.overlap).
         compute = (OverlappedStageCompute if offers_combined_step(config, forward_only) else MegatronStageCompute)(
@@ -210,7 +198,9 @@ class ExecutorSchedule:
             cp_group=parallel_state.get_context_parallel_group())[0]
         device = next(model[0].parameters()).device
         p2p = P2P(group, global_ranks, rank, timeout_s=self.p2p_timeout)
-        _first_collective_once(p2p, group, device)
+        if group not in _READY_GROUPS:  # a group's first collective, once (``P2P.first_collective``)
+            p2p.first_collective(device)
+            _READY_GROUPS.add(group)
         tensor_spec = TensorSpec(tuple(shape), config.pipeline_dtype, device)
         return _Iteration(program, rank, global_ranks, group, p2p, tensor_spec)
 
@@ -233,11 +223,6 @@ class ExecutorSchedule:
         if message:
             log.warning("megatron-dualpipe: %s pipeline rank %d: %s", self.spec.name, rank, message)
 
-    def _wgrad_store(self, it: _Iteration, forward_only: bool):
-        if self._wgrad is None or forward_only or not any(a.op == B for a in it.program.actions[it.rank]):
-            return None
-        return self._wgrad.WeightGradStore()
-
     # -- run ---------------------------------------------------------------------------------------
     def _run(self, it: _Iteration, compute: MegatronStageCompute, ops: ProgramOps, config, model,
              forward_only: bool, recorder=None) -> list:
@@ -259,12 +244,6 @@ class ExecutorSchedule:
 
 #: Pipeline groups that have had their first collective (see ``P2P.first_collective``).
 _READY_GROUPS: "weakref.WeakSet" = weakref.WeakSet()
-
-
-def _first_collective_once(p2p: P2P, group, device) -> None:
-    if group not in _READY_GROUPS:
-        p2p.first_collective(device)
-        _READY_GROUPS.add(group)
 
 
 @contextlib.contextmanager

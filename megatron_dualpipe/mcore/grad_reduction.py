@@ -1,22 +1,15 @@
 """One iteration's gradient reduction, issued op by op where the rank's program puts it.
 
-The runner hands it every ``final`` / ``sum`` / ``summed`` / ``settle`` / ``dp`` op
-(`GradReduction.on_reduction`, through ``mcore.program_ops``); the lowering placed them
-(``schedule.lowering.reductions``) and the iteration plan checked them. It decides no place
-itself: every collective is at a point of the program, the same on every rank of its communicator.
-
-* ``final C``: chunk C's gradient actions are done; ``--defer-embedding-wgrad-compute`` drains
-  Megatron's deferred output-layer weight gradients there, as 1F1B does at its end.
-* ``sum C`` / ``summed C`` (DualPipe): the bd sum of the stage's two copies, in place over DDP's grad
-  buffers (``executor.pair_sums``); waited after the schedule, since a wait on an accelerator makes
-  the compute stream wait while the partner may need a tensor queued behind it (issue 17).
-* ``settle``: the middle rank of an odd pipeline sums its copies locally, tied embeddings are folded.
-* ``dp C``: ``config.grad_sync_func`` (DDP's ``start_grad_sync`` under ``--overlap-grad-reduce``).
-
-With ``--dualpipe-shared-shard-group`` or ``--dualpipe-dp-first`` the copies are summed in
-Megatron's finalize instead (``mcore.copies``). While the schedule runs DDP's hooks only accumulate
-(``no_sync``), and ``overlap_grad_reduce`` is off so that a deferred weight gradient (zero bubble)
-does not trip DDP's ``param.grad is not None`` assertion.
+The runner hands it every ``final`` / ``sum`` / ``summed`` / ``settle`` / ``dp`` op (through
+``mcore.program_ops``); the lowering placed them and the iteration plan checked them, so every collective is
+at a point of the program, the same on every rank of its communicator. ``final C`` drains Megatron's deferred
+output-layer weight gradients as 1F1B does at its end; ``sum C`` / ``summed C`` are the bd sum of DualPipe's
+two copies over DDP's grad buffers, waited after the schedule (a wait on an accelerator makes the compute
+stream wait while the partner may need a tensor queued behind it, issue 17); ``settle`` is the middle rank's
+local sum and the tied fold; ``dp C`` is ``config.grad_sync_func``. With ``--dualpipe-shared-shard-group`` or
+``--dualpipe-dp-first`` the copies are summed in Megatron's finalize (``mcore.copies``). While the schedule
+runs, DDP's hooks only accumulate and ``overlap_grad_reduce`` is off: a deferred weight gradient would trip
+DDP's ``param.grad is not None`` assertion.
 """
 from __future__ import annotations
 

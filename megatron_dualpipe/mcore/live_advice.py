@@ -77,9 +77,8 @@ class LiveAdvice:
         self._records += recorder.records[-1:]
 
     def iterations(self) -> str:
-        first = self.warmup + 1
-        last = self.warmup + self.measured
-        return f"iteration{'s' if last > first else ''} {first}{f'-{last}' if last > first else ''}"
+        first, last = self.warmup + 1, self.warmup + self.measured
+        return f"iterations {first}-{last}" if last > first else f"iteration {first}"
 
     def report(self, *, spec_name: str, pp: int, microbatches: int, model, group, actions, is_fake,
                device: torch.device, message_bytes: float = 0.0) -> None:

@@ -26,14 +26,6 @@ class LossGatherTimeoutError(RuntimeError):
     """The loss gather did not complete within its deadline."""
 
 
-def _loss_owners(layout: Layout):
-    """(direction, the rank computing its loss) for every direction whose last stage ends the model."""
-    for d in layout.directions:
-        final = layout.stages(d)[-1]
-        if layout.is_last(d, final):  # not DualPipeV's first chunk: its micro-batches go on up the V
-            yield d, layout.rank_of(d, final)
-
-
 def send_losses(entries, rank: int, peer: int, global_ranks, group, device,
                 timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
     """A direction's loss entries to pipeline rank ``peer`` (the program's ``loss D -> P`` op)."""
@@ -50,7 +42,9 @@ def losses_on_last_rank(loss_store, layout: Layout, rank: int, received: dict) -
     the program's ``loss`` ops received ({direction: entries})."""
     if rank != layout.pp - 1:
         return []
-    return [e for d, owner in _loss_owners(layout) for e in (loss_store[d] if owner == rank else received[d])]
+    # the directions whose last stage ends the model (not DualPipeV's first chunk: its micro-batches go on up the V)
+    ends = [(d, layout.stages(d)[-1]) for d in layout.directions if layout.is_last(d, layout.stages(d)[-1])]
+    return [e for d, final in ends for e in (loss_store[d] if layout.rank_of(d, final) == rank else received[d])]
 
 
 #: What megatron-core's ``MTPLossLoggingHelper`` tracker sums per MTP layer over an iteration: the
@@ -115,18 +109,13 @@ class _Peer:
                    f"{'to' if op is dist.isend else 'from'} pipeline rank {self.peer} (global {self.global_peer})")
         stream = waits_order_stream(tensors[0])
         for w in works:
-            if stream and host_reads:
-                _poll_completed(w, self.timeout_s, waiting)
+            start = time.monotonic()
+            while stream and host_reads and not w.is_completed():
+                abort.raise_if_failed(waiting)
+                if time.monotonic() - start > self.timeout_s:
+                    raise LossGatherTimeoutError(f"{waiting}: did not complete within {self.timeout_s:g} s")
+                time.sleep(0.01)
             abort.wait_work(w, self.timeout_s, waiting, LossGatherTimeoutError, on_host=not stream)
-
-
-def _poll_completed(work, timeout_s: float, waiting: str) -> None:
-    start = time.monotonic()
-    while not work.is_completed():
-        abort.raise_if_failed(waiting)
-        if time.monotonic() - start > timeout_s:
-            raise LossGatherTimeoutError(f"{waiting}: did not complete within {timeout_s:g} s")
-        time.sleep(0.01)
 
 
 def _send_entries(entries, peer: _Peer, device) -> None:

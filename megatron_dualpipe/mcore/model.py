@@ -258,7 +258,8 @@ def broadcast_mirrors(model: Sequence[torch.nn.Module]) -> None:
         raise ValueError(f"broadcast_mirrors is for DualPipe's mirrored copies; layout is {info['layout']!r}")
     bd_pairs.broadcast_home_to_mirror(
         model, lambda chunk: [p.data for p in unwrap_chunk(chunk).parameters()], "parameters",
-        signature_of=lambda chunk: [(n, tuple(p.shape), str(p.dtype)) for n, p in unwrap_chunk(chunk).named_parameters()])
+        signature_of=lambda chunk: [(n, tuple(p.shape), str(p.dtype))
+                                    for n, p in unwrap_chunk(chunk).named_parameters()])
 
 
 #: On the mirror's module: names of the parameters Megatron itself had marked ``shared``.

@@ -1,31 +1,24 @@
 """Fused F&B units through megatron-core's combined forward-backward step.
 
 In a fused unit one direction's forward runs with the other's backward, so that the MoE all-to-all of one
-hides behind the other's compute. megatron-core has that machinery for its interleaved 1F1B
-(``--overlap-moe-expert-parallel-comm``): ``combined_1f1b.combined_forward_backward_step`` takes a forward and a
-*different* backward chunk and interleaves them layer by layer (dispatch and combine on a communication stream).
-:class:`OverlappedStageCompute` sends every F, B, BW and fused unit of the iteration through it (a backward
-needs the schedule plan its forward left on the output) and adds no scheduling of its own; loss scaling, aux
-losses and token counts stay megatron-core's ``forward_step_calc_loss``.
-
-Inside the combined step: ``parallel_state`` answers for the forward's stage (``direction.direction_of``); the
-loss is computed where the forward's *direction* ends (the step asks ``is_pipeline_last_stage()``, wrong for
-DualPipeV's direction 0 on the last rank and DualPipe's direction 1, so ``forward_step_calc_loss`` is told);
-a B action defers its weight gradients to W (TE layers are told not to run ``backward_dw()`` inline), fused
-units carry full backwards as in DeepSeek's reference.
+hides behind the other's compute: megatron-core's ``combined_1f1b.combined_forward_backward_step`` (its
+interleaved 1F1B's ``--overlap-moe-expert-parallel-comm``) interleaves a forward and a *different* backward
+chunk layer by layer. :class:`OverlappedStageCompute` sends every F, B, BW and fused unit through it (a
+backward needs the schedule plan its forward left) and schedules nothing itself. Inside the step
+``parallel_state`` answers for the forward's stage, ``forward_step_calc_loss`` is told where the forward's
+direction ends (the step asks ``is_pipeline_last_stage()``), and a B defers its weight gradients to W.
 
 megatron-core's ``TransformerConfig`` refuses the flag with pp > 1 unless a virtual pipeline is configured:
-:func:`enable_combined_step` sets it on a config megatron-core already checked, after probing the remaining
-checks (:func:`megatron_refuses`; megatron-core is not modified). Its bf16/fp16 demand is not needed: the step
-calls the unwrapped model, and its one dtype step (the loss's fp16-to-fp32 cast) is the identity in fp32. On
-the CPU the sub-steps run in order on one stream: the order and numbers are proven there, the overlap on a GPU.
+:func:`enable_combined_step` sets it on a config megatron-core already checked, after probing its remaining
+checks (:func:`megatron_refuses`). Its bf16/fp16 demand is not needed: the step calls the unwrapped model,
+whose one dtype step is the identity in fp32. On the CPU the sub-steps run in order on one stream.
 """
 from __future__ import annotations
 
 import contextlib
 import inspect
 import logging
-from typing import List, Optional
+from typing import Optional
 
 from megatron.core.pipeline_parallel import combined_1f1b
 from megatron.core.pipeline_parallel import utils as pp_utils
@@ -42,7 +35,7 @@ from .validation import DualPipeConfigError
 log = logging.getLogger("megatron_dualpipe")
 _CALC_LOSS = hooks.entry("scoped", "forward_step_calc_loss")
 
-__all__ = ["COMBINED_STEP_FLAGS", "OverlappedStageCompute", "combined_step_problems", "enable_combined_step",
+__all__ = ["COMBINED_STEP_FLAGS", "OverlappedStageCompute", "enable_combined_step",
            "enable_deferred_wgrads", "megatron_refuses", "offers_combined_step"]
 
 
@@ -51,16 +44,10 @@ def offers_combined_step(config, forward_only: bool = False) -> bool:
     return bool(getattr(config, "overlap_moe_expert_parallel_comm", False)) and not forward_only
 
 
-def combined_step_problems(config) -> List[str]:
-    """What megatron-core's combined step needs besides the virtual pipeline: the ``needs`` rules of the options
-    table (:mod:`.options`), read from a ``TransformerConfig``."""
-    return options.combined_step_problems(config, options.CONFIG)
-
-
 def enable_combined_step(config, delay_wgrad_compute: Optional[bool] = None):
     """Turn on ``overlap_moe_expert_parallel_comm`` (and ``delay_wgrad_compute`` if given) on a checked
     ``TransformerConfig`` before the model is built; returns it. Raises :class:`DualPipeConfigError`."""
-    problems = combined_step_problems(config)
+    problems = options.combined_step_problems(config, options.CONFIG)  # the options table's ``needs`` rules
     delay = bool(delay_wgrad_compute if delay_wgrad_compute is not None else config.delay_wgrad_compute)
     refused = megatron_refuses(config, overlap=True, delay=delay)
     if problems or refused:

@@ -10,7 +10,7 @@ runs them in issue order; every data-parallel member runs the same program), and
 from __future__ import annotations
 
 import logging
-from typing import Callable, List, Sequence
+from typing import Sequence
 
 log = logging.getLogger("megatron_dualpipe")
 
@@ -21,11 +21,6 @@ ANNOUNCED = "parameter all-gathers started before the first action"
 _announced = False
 
 
-def _per_chunk(funcs, n: int) -> List[Callable]:
-    """``config.param_sync_func`` as one function per chunk (a bare function when there is one chunk)."""
-    return list(funcs) if isinstance(funcs, (list, tuple)) else [funcs] * n
-
-
 def start(config, model: Sequence, c: int, chunks: Sequence[int], describe: str = "") -> None:
     """Call ``config.param_sync_func`` for chunk ``c`` (a ``gather`` op); ``chunks``, every chunk the program
     gathers, are named in the line logged once per process."""
@@ -33,7 +28,7 @@ def start(config, model: Sequence, c: int, chunks: Sequence[int], describe: str 
     if funcs is None:
         raise RuntimeError(f"megatron-dualpipe: the program gathers chunk {c}'s parameters, but "
                            f"config.param_sync_func is not set (a bug)")
-    _per_chunk(funcs, len(model))[c](model[c].parameters())
+    (funcs[c] if isinstance(funcs, (list, tuple)) else funcs)(model[c].parameters())  # a bare one: one chunk
     global _announced
     if not _announced:
         _announced = True

@@ -38,10 +38,6 @@ _REGISTRY: Optional[_Groups] = None
 DENSE, EXPERT = "dense", "expert"
 
 
-def _members(group) -> List[int]:
-    return dist.get_process_group_ranks(group)
-
-
 def _replicate(getter) -> dict:
     """core_v0.19.0's getters default to the data-distribution group (``with_gtp_remat=True``); a
     gradient buffer reduces over the replicate group (``False``; the same group unless
@@ -57,17 +53,9 @@ def _own_groups() -> Dict[str, List[int]]:
     from megatron.core import parallel_state as ps
 
     dense, expert = ps.get_data_parallel_group, ps.get_expert_data_parallel_group
-    return {DENSE: _members(dense(with_context_parallel=True, partial_data_parallel=True, **_replicate(dense))),
-            EXPERT: _members(expert(partial_expert_data_parallel=True, **_replicate(expert)))}
-
-
-def _has_gloo() -> bool:
-    from megatron.core import parallel_state as ps
-
-    try:
-        return ps.get_data_parallel_group_gloo(with_context_parallel=True, partial_data_parallel=True) is not None
-    except AssertionError:
-        return False
+    ranks = dist.get_process_group_ranks
+    return {DENSE: ranks(dense(with_context_parallel=True, partial_data_parallel=True, **_replicate(dense))),
+            EXPERT: ranks(expert(partial_expert_data_parallel=True, **_replicate(expert)))}
 
 
 def build_shard_groups(*, timeout=None) -> None:
@@ -99,7 +87,12 @@ def build_shard_groups(*, timeout=None) -> None:
             if rank == me:
                 mine[(kind, 0)], mine[(kind, 1)] = tuple(home + mirror), tuple(mirror + home)
     registry = _Groups(ranks=mine)
-    gloo = _has_gloo()
+    from megatron.core import parallel_state as ps
+
+    try:
+        gloo = ps.get_data_parallel_group_gloo(with_context_parallel=True, partial_data_parallel=True) is not None
+    except AssertionError:
+        gloo = False
     for ranks in sorted(every, key=lambda r: (len(r), r)):
         group = dist.new_group(list(ranks), sort_ranks=False, use_local_synchronization=False, timeout=timeout,
                                group_desc="DUALPIPE_SHARED_SHARD_GROUP")
@@ -109,7 +102,7 @@ def build_shard_groups(*, timeout=None) -> None:
             if want == ranks:
                 registry.groups[key], registry.gloo[key] = group, twin
     for key, ranks in mine.items():
-        got = _members(registry.groups[key])
+        got = dist.get_process_group_ranks(registry.groups[key])
         if list(got) != list(ranks):
             raise RuntimeError(f"torch.distributed.new_group(sort_ranks=False) did not keep the rank order of the "
                                f"shared shard group {list(ranks)} (got {got}); this torch version cannot build it")

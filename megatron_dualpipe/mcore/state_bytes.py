@@ -58,10 +58,7 @@ class RankBytes:
 
     @property
     def all(self) -> ChunkBytes:
-        out = ChunkBytes()
-        for c in self.chunks:
-            out = out + c
-        return out
+        return sum(self.chunks, ChunkBytes())
 
 
 def _nbytes(t: torch.Tensor) -> int:

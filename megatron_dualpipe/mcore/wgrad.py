@@ -8,22 +8,18 @@ later W step. ``install()`` once per process; one :class:`WeightGradStore` per e
     store.run((chunk, mb))               # W, for any recorded key, in any order
     store.assert_empty()                 # end of the iteration
 
-Deferred: every backward through ``LinearWithGradAccumulationAndAsyncCommunication`` (Column/RowParallelLinear,
-so the local spec's linears, the output layer, SequentialMLP and shared experts). Not deferred: biases (a cheap
-column sum; keeping it in B leaves the bias's autograd path and DDP hook untouched), norms, embeddings, the
-router, frozen weights, the legacy GroupedMLP (no split backward) and Transformer Engine modules, which defer
-through their own ``delay_wgrad_compute`` queues (:class:`TEQueues`). :class:`DeferralAudit` finds, for any
-layer kind, the weights that got their gradient in B anyway.
+Deferred: every backward through ``LinearWithGradAccumulationAndAsyncCommunication`` (the local spec's
+linears, the output layer, SequentialMLP, shared experts). Biases stay in B (a cheap column sum, and their
+autograd path and DDP hook untouched), as do norms, embeddings, routers and the legacy GroupedMLP; Transformer
+Engine defers through its own ``delay_wgrad_compute`` queues (:class:`TEQueues`). :class:`DeferralAudit`
+finds the weights that got their gradient in B anyway.
 
-``install()`` replaces the class's static ``backward``, which PyTorch looks up when a node runs (graphs built
-before are covered). The replacement reads one process-wide slot, not thread-local because the autograd engine
-runs backward nodes on its own device threads; hence one ``deferring()`` block per process. Outside one it is
-megatron-core's backward unchanged. In W the gradient is handed on as the original would: through the weight's
-``AccumulateGrad`` (so DDP's hook adds it to ``main_grad``), or with ``gradient_accumulation_fusion`` into
-``main_grad`` followed by megatron's dummy gradient. DDP's hook fires in B with no gradient, which
-``overlap_grad_reduce`` asserts against (:func:`check_ddp_compatible`). With sequence parallelism B gathers the
-input into its own buffer (not megatron's shared one) and keeps it until W. A closure keeps ``grad_output`` and
-the input alive until W; W runs on the caller's stream, outside B's autocast.
+``install()`` replaces the class's static ``backward`` (looked up when a node runs, so graphs built before are
+covered); it reads one process-wide slot, not thread-local because autograd runs backward nodes on its own
+device threads: one ``deferring()`` block per process. In W the gradient reaches the weight as the original's
+would (its ``AccumulateGrad``, or ``main_grad`` with ``gradient_accumulation_fusion``), on the caller's stream,
+outside B's autocast; DDP's hook fires in B with no gradient, which ``overlap_grad_reduce`` asserts against
+(:func:`check_ddp_compatible`). With sequence parallelism B gathers the input into its own buffer, kept to W.
 """
 
 from __future__ import annotations
@@ -362,7 +358,12 @@ class DeferralAudit:
         finally:
             for h in handles:
                 h.remove()
-        deferred = [queues.modules[i][:2] for i, _ in queues.pushed_since(before)] + _deferring_by_megatron(module)
+        # ... and the linears megatron-core defers itself: the output layer with --defer-embedding-wgrad-compute
+        # computes its weight gradient at its buffers' drain, not in B
+        deferred = [queues.modules[i][:2] for i, _ in queues.pushed_since(before)] + [
+            (name, m) for name, m in module.named_modules()
+            if getattr(m, "embedding_activation_buffer", None) is not None
+            and getattr(getattr(m, "config", None), "defer_embedding_wgrad_compute", False)]
         for name, m in deferred:
             in_b.difference_update(f"{name}.{p}" if name else p for p, _ in m.named_parameters())
         self._seen[chunk] = (label, {n: p.numel() for n, p in weights.items()}, in_b)
@@ -387,14 +388,6 @@ class DeferralAudit:
                 f"(computed in B): {shown}{more}. Only megatron-core's local ColumnParallelLinear/"
                 f"RowParallelLinear and Transformer Engine layers built with delay_wgrad_compute defer "
                 f"their weight gradients")
-
-
-def _deferring_by_megatron(module: torch.nn.Module):
-    """(name, module) of the linears megatron-core defers itself: the output layer with
-    ``--defer-embedding-wgrad-compute`` computes its weight gradient at its buffers' drain, not in B."""
-    return [(name, m) for name, m in module.named_modules()
-            if getattr(m, "embedding_activation_buffer", None) is not None
-            and getattr(getattr(m, "config", None), "defer_embedding_wgrad_compute", False)]
 
 
 #: Module kinds whose weights stay in B by design (matched in the class name).
