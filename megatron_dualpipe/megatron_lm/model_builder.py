@@ -6,11 +6,16 @@ pieces it calls for the call; everything else is Megatron's code.
 from __future__ import annotations
 
 import functools
+import importlib
 
 from .. import hooks
 from ..hooks.manifest import MODEL_BUILDER_SCOPED
 from ..hooks.manifest import V_CONFIG as _V_CONFIG
+from ..mcore import copies
 from ..schedule import registry
+from ..schedule.layout import V_SHAPE
+from .arguments import schedule_of
+from .training_hooks import build_pair_groups, count_printer, two_chunk_model_built
 
 _DIST_UTILS = "megatron.training.models.dist_utils"
 
@@ -19,8 +24,6 @@ def wrap_unimodal_build_distributed_models(orig):
     @functools.wraps(orig)
     def unimodal_build_distributed_models(build_model_func, transformer_config, pg_collection, *args, **kwargs):
         from megatron.training import get_args
-
-        from .arguments import schedule_of
 
         args_ = get_args()
         schedule = schedule_of(args_)
@@ -31,22 +34,17 @@ def wrap_unimodal_build_distributed_models(orig):
             raise NotImplementedError(
                 f"--pipeline-schedule {schedule}: --init-model-with-meta-device is not supported (the mirrored "
                 "copies are broadcast right after construction); remove it")
-        import importlib
-
-        from ..mcore.model import V_SHAPE
-        from .training_hooks import build_pair_groups, copy_sum, two_chunk_model_built
-
         build_pair_groups(args_)
         dist_utils = importlib.import_module(_DIST_UTILS)
         built = {}
         swaps = [_SCOPED["build_virtual_pipeline_stages"].to(
-                     _two_chunk_stages(build_model_func, spec, transformer_config, built), on=dist_utils),
-                 _SCOPED["print"].to(_count_printer(built), on=dist_utils)]
+                     _two_chunk_stages(build_model_func, spec, transformer_config, built, dist_utils), on=dist_utils),
+                 _SCOPED["print"].to(count_printer(built), on=dist_utils)]
         if spec.layout_kind == V_SHAPE:
             swaps.append(_SCOPED["_wrap_with_mp_wrapper"].made_by(_wrapped_with_chunk_config, on=dist_utils))
         if spec.mirrored:
             swaps += [_SCOPED["_ddp_wrap"].made_by(_unbucketed, on=dist_utils),
-                      _SCOPED["DistributedDataParallel"].made_by(copy_sum(args_).wrap_ddp, on=dist_utils)]
+                      _SCOPED["DistributedDataParallel"].made_by(copies.chosen(args_).wrap_ddp, on=dist_utils)]
         with hooks.scoped(*swaps):
             model = orig(build_model_func, transformer_config, pg_collection, *args, **kwargs)
         return two_chunk_model_built(list(model), schedule)
@@ -54,15 +52,11 @@ def wrap_unimodal_build_distributed_models(orig):
     return unimodal_build_distributed_models
 
 
-def _two_chunk_stages(build_model_func, spec, transformer_config, built):
+def _two_chunk_stages(build_model_func, spec, transformer_config, built, dist_utils):
     """``build_virtual_pipeline_stages`` for a two-chunk schedule: [model_dir0, model_dir1]."""
-    from ..mcore.model import V_SHAPE, build_two_direction_model, dualpipev_config
+    from ..mcore.model import build_two_direction_model, dualpipev_config
 
     def stages(build_func, pg_collection, vp_size, model_type=None):
-        import importlib
-
-        dist_utils = importlib.import_module(_DIST_UTILS)
-
         def one_chunk(pg_collection, pre_process, post_process, vp_stage):
             chunk = build_func(pg_collection, pre_process=pre_process, post_process=post_process, vp_stage=vp_stage)
             if model_type is not None:
@@ -106,19 +100,6 @@ def _unbucketed(ddp_wrap):
         return ddp_wrap(model, data_parallel_random_init, ddp_config, True, *a, **kw)
 
     return wrapped
-
-
-def _count_printer(built):
-    import builtins
-
-    from .training_hooks import parameter_count_line
-
-    def print_(*args, **kwargs):
-        if len(args) == 1 and isinstance(args[0], str) and "chunks" in built:
-            args = (parameter_count_line(args[0], built["chunks"]),)
-        return builtins.print(*args, **kwargs)
-
-    return print_
 
 
 _SCOPED = {p.attribute: p for p in MODEL_BUILDER_SCOPED}

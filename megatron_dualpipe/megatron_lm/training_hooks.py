@@ -1,32 +1,17 @@
-"""Wire ``--pipeline-schedule`` (the executor's schedules) into ``megatron.training``.
-
-:func:`install` replaces module globals of ``megatron.training.training`` that its functions look up at
-call time (and, through :mod:`.checkpoint`, its by-name checkpoint imports). Under ``1f1b`` every
-wrapper calls the original unchanged. Under the two-chunk schedules:
-
-* ``get_model``: the bd (and shard) groups first; then Megatron's own ``get_model`` with a provider that
-  returns *both* chunks as a list (``mcore.model.build_two_direction_model``), which stock ``get_model``
-  accepts, so Float16Module, DDP per chunk (bucketing off for both copies alike) and the rest stay
-  Megatron's; its parameter-count line says the logical and the physical count.
-* ``get_forward_backward_func``: the executor's (``mcore.forward_backward``), which finalizes through
-  ``config.finalize_model_grads_func`` and returns both directions' losses on the last pipeline rank.
-* ``calc_params_l2_norm``: ``model[:1]`` (the mirror's copies are counted at home; Megatron's function
-  asserts that expert parameters are not marked ``shared``), as the copy-sum way says.
-* ``setup_model_and_optimizer``: the way's optimizer scope, then rank 0 prints the bytes table.
-* ``core_transformer_config_from_args``: megatron-core refuses ``--overlap-moe-expert-parallel-comm``
-  and ``--delay-wgrad-compute`` without a virtual pipeline; the config is built with them off and
-  turned on after (``mcore.overlap``): the fused units come from DualPipe. ``args`` keeps the flags.
-
+"""Wrappers of ``megatron.training`` globals that its functions look up at call time (the hooks
+manifest's ``megatron-lm training`` part says what each is for). Under ``1f1b`` each calls the
+original unchanged; under the two-chunk schedules Megatron's own ``get_model`` gets a provider that
+returns both chunks (a list it accepts), so Float16Module, DDP per chunk and the rest stay Megatron's.
 Data needs no hook: ``pretrain()`` builds one iterator per rank and the executor splits it.
 """
 
 import functools
 
 from .. import hooks
+from ..mcore import copies
 from ..schedule import registry
+from ..schedule.layout import V_SHAPE
 from .arguments import schedule_of
-
-_PART = "megatron-lm training"  # hooks/manifest.py lists what install() patches
 
 
 def _megatron_args():
@@ -57,12 +42,13 @@ class _Chunks(list):
     subclass so that ``model.model_type = ...`` works; stock code then treats it as its list)."""
 
 
-def _two_chunk_provider(model_provider_func, schedule, model_type, config, built=None):
+def _two_chunk_provider(model_provider_func, schedule, model_type, built):
     """A provider with stock ``get_model``'s calling convention that builds both chunks (and
     puts them in the dict ``built`` under "chunks", for the parameter-count line)."""
+    import megatron.training.training as mtraining
     from megatron.core.utils import get_model_config
 
-    from ..mcore.model import V_SHAPE, build_two_direction_model, dualpipev_config
+    from ..mcore.model import build_two_direction_model, dualpipev_config
 
     args = _megatron_args()
     layout = registry.get(schedule).layout_kind
@@ -70,9 +56,7 @@ def _two_chunk_provider(model_provider_func, schedule, model_type, config, built
     def provider(pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None):
         shared = {"config": config}
         if layout == V_SHAPE:
-            if shared["config"] is None:
-                shared["config"] = _default_config(args)
-            shared["config"] = dualpipev_config(shared["config"])
+            shared["config"] = dualpipev_config(config if config is not None else _default_config(args))
 
         def one_chunk(**kw):
             chunk = model_provider_func(config=shared["config"], **kw)
@@ -81,14 +65,11 @@ def _two_chunk_provider(model_provider_func, schedule, model_type, config, built
                 shared["config"] = get_model_config(chunk)
             if getattr(args, "use_cpu_initialization", False):
                 # stock get_model moves the chunks only after the provider; the mirror broadcast needs them there
-                import megatron.training.training as mtraining
-
                 chunk.cuda(mtraining.torch.cuda.current_device())
             return chunk
 
         chunks = _Chunks(build_two_direction_model(one_chunk, layout_kind=layout, pg_collection=pg_collection))
-        if built is not None:
-            built["chunks"] = list(chunks)
+        built["chunks"] = list(chunks)
         return chunks
 
     return provider
@@ -115,13 +96,6 @@ def parameter_count_line(line: str, chunks) -> str:
     return f"{head}: {counts[0] + counts[1]} (stages {stages[0]} and {stages[1]}: {counts[0]} + {counts[1]})"
 
 
-def copy_sum(args):
-    """How DualPipe's stage copies are summed, as the arguments choose (``mcore.copies``)."""
-    from ..mcore.copies import chosen
-
-    return chosen(args)
-
-
 def build_pair_groups(args) -> None:
     """The bd groups, and the shard groups if the way the copies are summed needs them (collective;
     once, before the chunks are built)."""
@@ -129,7 +103,7 @@ def build_pair_groups(args) -> None:
 
     if not groups.bd_groups_initialized():
         groups.build_bd_groups()
-    copy_sum(args).build_groups()
+    copies.chosen(args).build_groups()
 
 
 def _unbucketed_ddp(module, wrap):
@@ -155,9 +129,9 @@ def unbucketed_ddp_class(ddp_class):
     return UnbucketedDDP
 
 
-def _parameter_count_rewritten(module, built):
-    """Within the block, ``print`` in ``module``'s globals rewrites Megatron's parameter-count
-    line (`parameter_count_line`) and passes every other call to the builtin unchanged."""
+def count_printer(built):
+    """``print`` that rewrites Megatron's parameter-count line (`parameter_count_line`) once the
+    chunks are in ``built``, and passes every other call to the builtin unchanged."""
     import builtins
 
     def print_(*args, **kwargs):
@@ -165,7 +139,7 @@ def _parameter_count_rewritten(module, built):
             args = (parameter_count_line(args[0], built["chunks"]),)
         return builtins.print(*args, **kwargs)
 
-    return hooks.entry("scoped", "print").to(print_, on=module)
+    return print_
 
 
 def _default_config(args):
@@ -194,10 +168,10 @@ def wrap_get_model(orig):
         import megatron.training.training as mtraining
 
         built = {}
-        provider = _two_chunk_provider(model_provider_func, schedule, model_type, config, built)
-        swaps = [_parameter_count_rewritten(mtraining, built)]
+        provider = _two_chunk_provider(model_provider_func, schedule, model_type, built)
+        swaps = [hooks.entry("scoped", "print").to(count_printer(built), on=mtraining)]
         if registry.get(schedule).mirrored:
-            swaps.append(_unbucketed_ddp(mtraining, copy_sum(args).wrap_ddp))
+            swaps.append(_unbucketed_ddp(mtraining, copies.chosen(args).wrap_ddp))
         with hooks.scoped(*swaps):
             model = orig(provider, model_type, wrap_with_ddp, config=config, pg_collection=pg_collection)
         return two_chunk_model_built(list(model), schedule)
@@ -244,7 +218,7 @@ def wrap_setup_model_and_optimizer(orig):
     @functools.wraps(orig)
     def setup_model_and_optimizer(*a, **kw):
         args = _megatron_args()
-        with copy_sum(args).building_optimizer():
+        with copies.chosen(args).building_optimizer():
             out = orig(*a, **kw)
         schedule = schedule_of(args)
         if registry.get(schedule).chunks_per_rank == 2:
@@ -259,7 +233,7 @@ def log_state_bytes(schedule: str, model, optimizer) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from ..mcore import copies, state_bytes
+    from ..mcore import state_bytes
 
     rows, allocated = state_bytes.gather_table(model, optimizer, parallel_state.get_pipeline_model_parallel_rank())
     if dist.get_rank() == 0:
@@ -295,16 +269,8 @@ def wrap_calc_params_l2_norm(orig):
         args = _megatron_args()
         if not registry.get(schedule_of(args)).mirrored or not isinstance(model, list) or len(model) != 2:
             return orig(model, force_create_fp32_copy, *a, **kw)
-        from ..mcore.copies import of
-
         reads_main_params = bool(getattr(args, "bf16", False)) and not force_create_fp32_copy
-        with of(model).params_norm_chunks(model, reads_main_params) as chunks:
+        with copies.of(model).params_norm_chunks(model, reads_main_params) as chunks:
             return orig(chunks, force_create_fp32_copy, *a, **kw)
 
     return calc_params_l2_norm
-
-
-def install():
-    """Patch ``megatron.training`` (the ``megatron-lm training`` part of the hooks manifest:
-    these wrappers and the checkpoint ones; idempotent)."""
-    hooks.install([_PART])
