@@ -7,6 +7,7 @@ all-reduce picks ``model[-1]`` on the last rank, which with two chunks is a mirr
 from __future__ import annotations
 
 import copy
+import types
 import weakref
 from typing import Callable, List, Optional, Sequence
 
@@ -24,21 +25,9 @@ __all__ = ["allreduce_bd_grads", "allreduce_bd_router_statistics", "fold_tied_em
 BD_SUM_TIMEOUT_S = bd_pairs.BD_SUM_TIMEOUT_S
 
 
-class _NoEmbeddingGroup:
-    """``pg_collection.embd`` of size 1, so that megatron's finalize skips the word-embedding all-reduce
-    (``embd=None`` makes megatron-core 0.16.1 fall back to ``parallel_state``'s embedding group)."""
-
-    def size(self) -> int:
-        return 1
-
-    def rank(self) -> int:
-        return 0
-
-    def __repr__(self) -> str:
-        return "<no embedding group (DualPipe folds tied embeddings itself)>"
-
-
-NO_EMBEDDING_GROUP = _NoEmbeddingGroup()
+#: ``pg_collection.embd`` of size 1, so that megatron's finalize skips the word-embedding all-reduce (DualPipe
+#: folds tied embeddings itself; ``embd=None`` makes megatron-core 0.16.1 fall back to parallel_state's group).
+NO_EMBEDDING_GROUP = types.SimpleNamespace(size=lambda: 1, rank=lambda: 0)
 
 
 def chunk_layout(model: Sequence[torch.nn.Module]) -> str:
@@ -203,8 +192,11 @@ def finalize_after_token_count(model: Sequence[torch.nn.Module], num_tokens: Opt
     finalize_func = finalize_func if finalize_func is not None else _megatron_finalize(model, pg_collection)
     if finalize_func is None:
         return num_tokens
-    if _moves_router_bias(get_model_config(model[0])):
-        allreduce_bd_router_statistics(model)  # before Megatron's finalize moves the routers' bias
+    config = get_model_config(model[0])
+    balancing = getattr(config, "moe_router_load_balancing_type", None)
+    if getattr(config, "moe_router_enable_expert_bias", False) or "quantile_balancing" in (
+            balancing if isinstance(balancing, (list, tuple)) else [balancing]):
+        allreduce_bd_router_statistics(model)  # before Megatron's finalize moves the routers by their statistics
     pgc = copy.copy(pg_collection) if pg_collection is not None else ProcessGroupCollection.use_mpu_process_groups()
     pgc.embd = NO_EMBEDDING_GROUP
     pgc.pos_embd = None
@@ -233,13 +225,6 @@ def _megatron_finalize(model, pg_collection) -> Optional[Callable]:
                          "finalize_model_grads cannot run, but data/context or tensor parallelism needs it: wrap the "
                          "chunks (build_two_direction_model(wrap=...)) or pass finalize_func")
     return None
-
-
-def _moves_router_bias(config) -> bool:
-    """Whether Megatron's finalize moves the routers by their statistics (summed over the copies first)."""
-    balancing = getattr(config, "moe_router_load_balancing_type", None)
-    return bool(getattr(config, "moe_router_enable_expert_bias", False)) or "quantile_balancing" in (
-        balancing if isinstance(balancing, (list, tuple)) else [balancing])
 
 
 def is_wrapped(chunk: torch.nn.Module) -> bool:

@@ -133,7 +133,12 @@ class ExecutorSchedule:
         # A rank that raises from here on stops its peers' waits; on an accelerator every stream wait
         # of the iteration is under the watchdog (deadline, abort signal), drained at the end.
         with abort.signalling_failure(), watchdog.watching(self.p2p_timeout):
-            self._check_drift(model, forward_only)
+            if not forward_only and self.drift_check_every:  # every N-th training call first: drift.py
+                self._training_calls += 1
+                if (self._training_calls - 1) % self.drift_check_every == 0:
+                    from .drift import check_copies_identical
+
+                    check_copies_identical(model, timeout_s=self.p2p_timeout)
             return self._iterate(it, model, config, forward_step_func, data_iterator, num_microbatches,
                                  forward_only, collect_non_loss_data, first_val_step, force_all_reduce)
 
@@ -165,17 +170,6 @@ class ExecutorSchedule:
                               message_bytes=math.prod(it.tensor_spec.shape) * it.tensor_spec.dtype.itemsize)
             self._report_deferral(compute.audit, it.rank)
         return losses
-
-    def _check_drift(self, model, forward_only: bool) -> None:
-        """Every ``drift_check_every``-th training call, before it runs: both copies of every stage
-        bit-identical (``drift.check_copies_identical``)."""
-        if forward_only or not self.drift_check_every:
-            return
-        self._training_calls += 1
-        if (self._training_calls - 1) % self.drift_check_every == 0:
-            from .drift import check_copies_identical
-
-            check_copies_identical(model, timeout_s=self.p2p_timeout)
 
     # -- plan ------------------------------------------------------------------------------------
     def _plan(self, model, config, real: int, padded: int, forward_only: bool, shape_args) -> _Iteration:

@@ -1,18 +1,12 @@
 """Process groups for DualPipe on top of megatron-core's ``parallel_state``.
 
-Per pipeline group ``[r_0, ..., r_{pp-1}]`` (global ranks in pipeline order):
-
-* **bd groups** ("bidirectional" pairs) ``{r_i, r_{pp-1-i}}`` for ``i < pp // 2``: rank ``r_i`` holds stage
-  ``i`` in ``model[0]`` and its partner the mirrored copy in ``model[1]``; the pair broadcasts parameters once
-  and sums gradients every iteration. The middle rank of an odd pipeline is its own partner: no group
-  (``get_bd_group()`` is None, ``get_bd_mirror_rank()`` the rank itself) and callers copy / sum locally.
-* **reversed pipeline group**: the same ranks reversed (``new_group(sort_ranks=False)``, checked at build
-  time), so that ``group.rank() == pp-1-i``; passed as ``pg_collection.pp`` when ``model[1]`` is built, for
-  construction-time rank queries only (the schedule communicates over the physical group).
-
-``new_group`` is collective over the whole world, so every rank enumerates every pipeline group in the same
-order (all-gathered and sorted). The groups live in one module-level registry, as megatron-core's
-``parallel_state`` keeps its own: per-process singletons looked up from many places.
+Per pipeline group ``[r_0, ..., r_{pp-1}]``: the **bd groups** (bidirectional pairs) ``{r_i, r_{pp-1-i}}``,
+whose ranks hold each other's stage as a mirror (the middle rank of an odd pipeline is its own partner, with no
+group: callers copy / sum locally), and the **reversed pipeline group**, the same ranks reversed
+(``new_group(sort_ranks=False)``, checked at build time) so that ``group.rank() == pp-1-i``: ``model[1]``'s
+``pg_collection.pp`` for construction-time rank queries only. ``new_group`` is collective over the world, so
+every rank enumerates every pipeline group in one order; the groups live in one module-level registry, as
+``parallel_state`` keeps its own.
 """
 from __future__ import annotations
 

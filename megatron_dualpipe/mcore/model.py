@@ -2,16 +2,11 @@
 
 On pipeline rank ``i`` of ``pp``: DualPipe's ``model[0]`` is stage ``i`` and ``model[1]`` the mirrored copy of
 stage ``pp-1-i`` (the copies start equal, `broadcast_mirrors`, and stay equal by summing their gradients);
-DualPipeV's ``model[0]`` is V-stage ``i`` and ``model[1]`` V-stage ``2pp-1-i`` (no copies).
-
-megatron-core derives a chunk's layer offset, ``pre_process``/``post_process`` and tied-embedding setup from
-``pg_collection.pp``, so ``model[1]`` is built with the *reversed* pipeline group (group rank ``pp-1-i``). For
-DualPipeV that is megatron's interleaved layout with two virtual stages (vp_stage 1 on the reversed group), so
-its config must say ``virtual_pipeline_model_parallel_size=2`` (`dualpipev_config`) while ``parallel_state`` has
-no virtual pipeline. While ``model[1]`` is built, parallel_state's pipeline rank, ranks and group are the
-reversed ones, for provider code that still asks it. ``model[1]`` gets ``embd=None``, so megatron's constructor
-all-reduce of a tied output weight skips it: DualPipe's mirrors are filled by `broadcast_mirrors`, DualPipeV's
-output weight (on rank 0 with the embedding) is copied locally.
+DualPipeV's ``model[0]`` is V-stage ``i`` and ``model[1]`` V-stage ``2pp-1-i`` (no copies). megatron-core
+derives a chunk's layer offset, ends and tied-embedding setup from ``pg_collection.pp``, so ``model[1]`` is
+built with the *reversed* pipeline group (for DualPipeV: megatron's interleaved layout, vp_stage 1, hence
+`dualpipev_config`), and with ``embd=None``, so that megatron's constructor all-reduce of a tied output weight
+skips it: DualPipe's mirrors are filled by `broadcast_mirrors`, DualPipeV's output weight copied locally.
 """
 from __future__ import annotations
 
@@ -136,27 +131,14 @@ def build_two_direction_model(
     pg_collection=None,
 ) -> List[torch.nn.Module]:
     """Build ``[model_dir0, model_dir1]`` for this rank (collective over all ranks; needs
-    `groups.build_bd_groups()`).
+    `groups.build_bd_groups()`; the chunks' arguments: `_chunk_arguments`).
 
     ``model_provider(pre_process=, post_process=, pg_collection=, vp_stage=)`` is called for ``model[0]``, then
     for ``model[1]``, on every rank, so that constructor collectives match; it must pass ``pg_collection`` and
-    ``vp_stage`` through to ``GPTModel`` (megatron's own providers do). The arguments:
-
-    =============  =================================  ==================================
-    layout_kind    model[0]                           model[1]
-    =============  =================================  ==================================
-    bidirectional  stage i: pp = physical group,      stage pp-1-i: pp = reversed group,
-                   pre = (i == 0), post = (i == pp-1) pre = (i == pp-1), post = (i == 0),
-                   vp_stage None                      embd None, vp_stage None
-    v              stage i: pp = physical group,      stage 2pp-1-i: pp = reversed group,
-                   embd None, pre = (i == 0),         embd None, pre = False,
-                   post = False, vp_stage 0           post = (i == 0), vp_stage 1
-    =============  =================================  ==================================
-
-    ``pg_collection`` defaults to ``ProcessGroupCollection.use_mpu_process_groups()``. Then DualPipe's mirrors
-    are filled (`broadcast_mirrors`) and marked (`mark_mirror_shared`), DualPipeV's tied output weight set to
-    the embedding, and ``wrap(chunk)`` (e.g. Megatron DDP) applied, model[0] first; every chunk and wrapper
-    carries its `chunk_info`.
+    ``vp_stage`` through to ``GPTModel`` (megatron's own providers do). ``pg_collection`` defaults to
+    ``ProcessGroupCollection.use_mpu_process_groups()``. Then DualPipe's mirrors are filled and marked
+    (`mark_mirror_shared`), DualPipeV's tied output weight set to the embedding, and ``wrap(chunk)`` (e.g.
+    Megatron DDP) applied, model[0] first; every chunk and wrapper carries its `chunk_info`.
     """
     from megatron.core.process_groups_config import ProcessGroupCollection
 
@@ -197,8 +179,8 @@ def build_two_direction_model(
 
 
 def _chunk_arguments(layout_kind: str, base, rev_group, pp: int, i: int):
-    """((pg_collection, provider keywords) of each chunk, their stages, the number of stages): the table of
-    :func:`build_two_direction_model`'s docstring."""
+    """((pg_collection, provider keywords) of each chunk, their stages, the number of stages). model[1] gets the
+    reversed group and ``embd`` None; DualPipeV's chunks are vp_stage 0 and 1, the loss on rank 0's model[1]."""
     from megatron.core.pipeline_parallel.utils import is_pp_first_stage, is_pp_last_stage
 
     pg0, pg1 = copy.copy(base), copy.copy(base)

@@ -39,7 +39,12 @@ def check_call(spec: ScheduleSpec, *, model: Sequence[torch.nn.Module], num_micr
         refused.append(options.TE_BIASES_IN_W.message())
     if refused:  # the options table, read from the TransformerConfig and the DDP config (as Megatron-LM's check reads args)
         raise DualPipeConfigError(f"{name}: " + f"; {name}: ".join(refused))
-    _check_chunks(spec, model)
+    if len(model) != spec.chunks_per_rank and spec.chunks_per_rank == 2:
+        raise DualPipeConfigError(f"{name} needs 2 model chunks per rank, got {len(model)}: build the model with "
+                                  f"megatron_dualpipe.mcore.model.build_two_direction_model")
+    if len(model) != spec.chunks_per_rank:
+        raise DualPipeConfigError(f"{name} runs one model chunk per rank, got {len(model)}: pass a single model (no "
+                                  f"virtual pipeline), or use --pipeline-schedule dualpipe/dualpipev")
     if not forward_only:
         _check_te_deferral(name, config, model)
     if adjust_tensor_shapes_fn is not None:
@@ -74,15 +79,3 @@ def _check_te_deferral(name: str, config, model: Sequence[torch.nn.Module]) -> N
                 f"the last one's): set DistributedDataParallelConfig(delay_wgrad_compute=True) on the megatron DDP "
                 f"wrapping every chunk, or turn off delay_wgrad_compute")
 
-
-def _check_chunks(spec: ScheduleSpec, model: Sequence[torch.nn.Module]) -> None:
-    chunks = spec.chunks_per_rank
-    if len(model) == chunks:
-        return
-    if chunks == 2:
-        raise DualPipeConfigError(
-            f"{spec.name} needs {chunks} model chunks per rank, got {len(model)}: build the model with "
-            f"megatron_dualpipe.mcore.model.build_two_direction_model")
-    raise DualPipeConfigError(
-        f"{spec.name} runs one model chunk per rank, got {len(model)}: pass a single model (no virtual "
-        f"pipeline), or use --pipeline-schedule dualpipe/dualpipev")

@@ -288,14 +288,6 @@ def offers_te_backward_dw(model_chunk: torch.nn.Module) -> bool:
     return bool(getattr(config, "delay_wgrad_compute", False))
 
 
-def _te_queue(module):
-    """The first-in first-out queue of deferred weight-gradient contexts a Transformer Engine module
-    built with ``delay_wgrad_compute`` keeps (``module.wgrad_store.context``), or None."""
-    store = getattr(module, "wgrad_store", None)
-    queue = getattr(store, "context", None)
-    return queue if queue is not None and callable(getattr(module, "backward_dw", None)) else None
-
-
 class TEQueues:
     """Every Transformer Engine module of a chunk that queues its weight gradients, found by the queue itself.
 
@@ -304,7 +296,10 @@ class TEQueues:
     finding 1), so a W pops exactly what its B pushed (:meth:`pushed_since`)."""
 
     def __init__(self, chunk: torch.nn.Module):
-        self.modules = [(name, m, q) for name, m in chunk.named_modules() for q in [_te_queue(m)] if q is not None]
+        # (name, module, its first-in first-out queue of deferred contexts: ``module.wgrad_store.context``)
+        self.modules = [(name, m, q) for name, m in chunk.named_modules()
+                        for q in [getattr(getattr(m, "wgrad_store", None), "context", None)]
+                        if q is not None and callable(getattr(m, "backward_dw", None))]
 
     def sizes(self) -> List[int]:
         return [q.qsize() for _, _, q in self.modules]

@@ -6,13 +6,14 @@ from __future__ import annotations
 from typing import List, Sequence
 
 from ...schedule import registry
-from . import bd_first, dp_first, shared_shard
+from . import dp_first, shared_shard
 from .way import CopySumWay
 
 __all__ = ["WAYS", "CopySumWay", "chosen", "of", "flag_problems"]
 
-#: Every way; the first is the default.
-WAYS = (bd_first.WAY, shared_shard.WAY, dp_first.WAY)
+#: Every way; the first is the default: the bd pair sums each copy's whole buffers during the schedule
+#: (``grad_reduction``; in finalize where no schedule did), then each copy reduces over dp as after 1F1B.
+WAYS = (CopySumWay(), shared_shard.WAY, dp_first.WAY)
 
 
 def chosen(args) -> CopySumWay:
