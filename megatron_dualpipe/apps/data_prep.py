@@ -61,7 +61,7 @@ def python_help_texts() -> Corpus:
     return Corpus(tuple(topics[k] for k in sorted(topics)), "Python's help texts (pydoc_data.topics)")
 
 
-def read_corpus(paths: Sequence[str], json_key: str = "text") -> Corpus:
+def read_corpus(paths: Sequence[str], json_key: str) -> Corpus:
     """Documents from directories, .txt and .jsonl files; Python's help texts when empty."""
     if not paths:
         return python_help_texts()
@@ -83,10 +83,7 @@ def read_corpus(paths: Sequence[str], json_key: str = "text") -> Corpus:
     documents: List[str] = []
     for f in files:
         try:
-            if f.suffix == ".txt":
-                documents.append(f.read_text(encoding="utf-8"))
-            else:
-                documents.extend(_jsonl_documents(f, json_key))
+            documents.extend([f.read_text(encoding="utf-8")] if f.suffix == ".txt" else _jsonl_documents(f, json_key))
         except UnicodeDecodeError as e:
             raise DataError(f"{f} is not UTF-8 text ({e.reason} at byte {e.start})") from None
         except OSError as e:
@@ -196,7 +193,7 @@ def tokenizer_file(path: str) -> Path:
     return f
 
 
-def load_tokenizer(path: str, eod_token: Optional[str] = None):
+def load_tokenizer(path: str, eod_token: Optional[str]):
     """(tokenizers.Tokenizer, end-of-document token) of a given tokenizer directory or file; the
     token is ``eod_token``, else the ``eos_token`` of a ``tokenizer_config.json`` beside the file,
     else the first of :data:`KNOWN_EOD_TOKENS` in the vocabulary."""
@@ -269,11 +266,9 @@ class PreparedData:
                    cached=True, **keep)
 
 
-def describe_indexed(prefix: str, tokenizer: Optional[str], eod_token: Optional[str] = None) -> PreparedData:
-    """A user's own indexed dataset (``prefix.bin/.idx``, e.g. from Megatron-LM's
-    ``preprocess_data.py``) with its tokenizer; the data written by :func:`prepare` when the
-    prefix is one of its entries. Counts documents and tokens with megatron-core's
-    ``IndexedDataset``."""
+def describe_indexed(prefix: str, tokenizer: Optional[str], eod_token: Optional[str]) -> PreparedData:
+    """A user's own indexed dataset (``prefix.bin/.idx``) with its tokenizer, or the data
+    :func:`prepare` wrote when the prefix is one of its entries."""
     directory = os.path.dirname(os.path.abspath(prefix))
     if os.path.basename(prefix) == PREFIX_NAME and os.path.isfile(os.path.join(directory, MANIFEST)) \
             and tokenizer is None:
@@ -320,11 +315,9 @@ def cache_key(corpus: Corpus, tokenizer_json: Optional[bytes], vocab_size: int, 
     return h.hexdigest()[:20]
 
 
-def prepare(corpus: Corpus, cache_dir: str, tokenizer: Optional[str] = None,
-            vocab_size: int = DEFAULT_VOCAB_SIZE, eod_token: Optional[str] = None,
-            progress: Optional[Progress] = None) -> PreparedData:
+def prepare(corpus: Corpus, cache_dir: str, tokenizer: Optional[str], vocab_size: int, eod_token: Optional[str],
+            progress: Progress) -> PreparedData:
     """Tokenize ``corpus`` and write Megatron's indexed dataset, or return the cached entry."""
-    progress = progress or Progress("prepare-data")
     given = tokenizer_file(tokenizer).read_bytes() if tokenizer else None
     if given is None and vocab_size < MIN_VOCAB_SIZE:
         raise DataError(f"--vocab-size {vocab_size}: a byte-level BPE needs at least {MIN_VOCAB_SIZE} "

@@ -1,9 +1,6 @@
-"""The main job's batches: megatron-core's ``GPTDataset`` over a prepared indexed dataset, built
-as Megatron-LM's ``pretrain_gpt.py`` builds it (``BlendedMegatronDatasetBuilder``; collective, so
-every rank calls :func:`build_datasets`).
-
-Micro-batch ``g`` of iteration ``it`` reads the samples from ``(it*M + g) * b`` on, so every
-schedule reads the same samples in the same micro-batches, whatever order it runs them in.
+"""The main job's batches: megatron-core's ``GPTDataset``, built as ``pretrain_gpt.py`` builds it
+(collective: every rank calls :func:`build_datasets`). Micro-batch ``g`` of iteration ``it`` reads
+the samples from ``(it*M + g) * b`` on, so every schedule reads the same micro-batches.
 """
 from __future__ import annotations
 

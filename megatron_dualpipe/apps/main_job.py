@@ -1,14 +1,9 @@
 """The main job: train a small megatron-core GPT on text with DualPipe, then with 1F1B.
 
-    python -m megatron_dualpipe.apps.main_job [--schedule dualpipe] [--iters 30] [--text PATH ...]
-
-Started like this, the module is the *launcher*: it checks every argument (one usage message
-before anything starts), prepares the data (:mod:`.data_prep`), draws the simulated schedule,
-starts ``torchrun`` with ``--nproc`` *workers* (this module again) and lists the files written.
-The workers train the same initial weights on the same ``GPTDataset`` batches twice, with the
-chosen schedule and with megatron-core's own 1F1B, and the last rank writes the report
-(:mod:`.report`). Embeddings are untied: megatron-core's 1F1B needs megatron DDP for the
-tied-embedding all-reduce (docs/main-job.md).
+Started plainly, the module is the *launcher*: it checks every argument before anything starts,
+prepares the data and starts ``torchrun`` with this module as the *workers*, which train the same
+initial weights on the same batches with both schedules (docs/main-job.md). Embeddings are untied:
+megatron-core's 1F1B needs megatron DDP for the tied-embedding all-reduce.
 """
 from __future__ import annotations
 
@@ -174,17 +169,10 @@ def draw_schedule(args) -> None:
     write_schedule_comparison(args.out, args.schedule, args.nproc, args.microbatches)
 
 
-def written_since(paths: List[str], started: float) -> List[str]:
-    """Files under ``paths`` (files or directories) modified at or after ``started``."""
-    found = []
-    for root in paths:
-        walk = [(root, [], [""])] if os.path.isfile(root) else os.walk(root)
-        for folder, _dirs, files in walk:
-            for f in files:
-                full = os.path.join(folder, f) if f else folder
-                if os.path.getmtime(full) >= started - 1:
-                    found.append(full)
-    return sorted(found)
+def written_since(directories: List[str], started: float) -> List[str]:
+    """Files under ``directories`` modified at or after ``started``."""
+    found = (os.path.join(folder, f) for root in directories for folder, _, files in os.walk(root) for f in files)
+    return sorted(path for path in found if os.path.getmtime(path) >= started - 1)
 
 
 def launch(parser: argparse.ArgumentParser, args) -> int:
@@ -286,9 +274,8 @@ class Trainer:
                        micro_batch_size=a.micro_batch_size, forward_only=forward_only)
 
     def train(self, name, model, fb_func, record_into: Optional[str] = None):
-        """``args.iters`` iterations with Adam; the :class:`RunResult` (losses on the last rank).
-        With ``record_into``, the executor records the timelines of the last
-        :data:`RECORDED_ITERATIONS` iterations there."""
+        """``args.iters`` iterations with Adam; the :class:`RunResult` (losses on the last rank), the
+        last :data:`RECORDED_ITERATIONS` iterations' timelines recorded into ``record_into``."""
         import torch
 
         from .report import RunResult
@@ -407,8 +394,7 @@ def worker(args) -> int:
     from megatron_dualpipe.mcore.groups import build_bd_groups
     from megatron_dualpipe.mcore.model import broadcast_mirrors, build_two_direction_model
     from megatron_dualpipe.apps.report import print_comparison, write_measured_timeline
-    from megatron_dualpipe.proof.models import provider
-    from megatron_dualpipe.proof.names import load_stage_from_full
+    from megatron_dualpipe.proof.models import build, provider
     from megatron_dualpipe.proof.tiny_gpt import seed_all
 
     args.nproc = world
@@ -452,10 +438,7 @@ def worker(args) -> int:
         write_measured_timeline(records, args.out)
     if not args.no_compare:
         # 1F1B over the same initial weights: stage i of pp holds layers [i*L/pp, (i+1)*L/pp).
-        stage = provider(spec)(pre_process=rank == 0, post_process=last)
-        load_stage_from_full(stage, initial)
-        stage.config.finalize_model_grads_func = None
-        one = trainer.train(registry.ONE_F_ONE_B, [stage], megatron_fb_func())
+        one = trainer.train(registry.ONE_F_ONE_B, build(spec, registry.ONE_F_ONE_B, initial), megatron_fb_func())
         if last:
             print_comparison(dual, one, args.schedule, world, args.microbatches)
             write_reports(args, data, world, device, dual, one)

@@ -1,10 +1,6 @@
-"""Progress on stderr for command-line work that may take more than a second (``simulate``,
-``advise``, ``prepare-data``, the main job's data).
-
-Nothing is printed for work that ends within :data:`QUIET_SECONDS`. Past that, a background
-thread reports the current :meth:`~Progress.phase` (and its fraction, :meth:`~Progress.update`)
-once a second, rewriting one line on a terminal, one line every few seconds otherwise.
-:meth:`~Progress.say` prints a finished step as a line of its own at once.
+"""Progress on stderr for command-line work that may take more than a second: nothing within
+:data:`QUIET_SECONDS`; then a background thread reports the current phase, rewriting one line on a
+terminal, one line every few seconds otherwise. :meth:`~Progress.say` prints a finished step at once.
 """
 from __future__ import annotations
 
@@ -23,12 +19,8 @@ class Progress:
         self.stream = stream if stream is not None else sys.stderr
         self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
         self.interval = interval if interval is not None else (1.0 if self.tty else 5.0)
-        self._phase = ""
-        self._fraction: Optional[float] = None
-        self._start = time.monotonic()
-        self._stop = threading.Event()
-        self._printed = False
-        self._lock = threading.Lock()
+        self._phase, self._fraction, self._printed = "", None, False
+        self._start, self._stop, self._lock = time.monotonic(), threading.Event(), threading.Lock()
         self._thread = threading.Thread(target=self._tick, name="progress", daemon=True)
 
     def __enter__(self) -> "Progress":

@@ -31,44 +31,34 @@ def max_difference(a: RunResult, b: RunResult) -> float:
 
 
 def print_comparison(dual: RunResult, one: RunResult, schedule: str, pp: int, microbatches: int) -> None:
-    """The job's last lines: both loss series, their largest difference (absolute, and relative to
-    the loss: not 0, fp32 sums in another order that Adam's steps carry on), the validation losses,
-    the training times and the simulated makespans."""
+    """The job's last lines: losses, their largest difference, validation, times, simulated makespans."""
     print("\n" + "\n".join(loss_table(dual, one)))
     largest = max_difference(dual, one)
     print(f" max |{dual.name} - 1f1b| over {len(dual.losses)} iterations: {largest:.3e} "
           f"({largest / max(abs(x) for x in one.losses):.1e} of the loss; fp32 sums in another order, "
           f"which Adam's steps carry on)")
-    for line in validation_lines(dual, one):
-        print(line)
+    if dual.valid_loss is not None and one.valid_loss is not None:
+        print(f" validation lm loss after {len(dual.losses)} iterations: {dual.name} {dual.valid_loss:.6f}, "
+              f"{one.name} {one.valid_loss:.6f}, difference {abs(dual.valid_loss - one.valid_loss):.2e}")
     print(f" training time: {dual.name} {dual.seconds:.1f} s ({dual.tokens_per_second:,.0f} tokens/s), "
           f"1f1b {one.seconds:.1f} s ({one.tokens_per_second:,.0f} tokens/s)", flush=True)
-    for line in comparison_lines(simulated_pair(schedule, pp, microbatches)[1]):
-        print(line, flush=True)
+    print(f" simulated {simulated_text(simulated_pair(schedule, pp, microbatches)[1])}\n {WHY_NOT_WALL_TIME}",
+          flush=True)
 
 
 def loss_table(a: RunResult, b: RunResult, rows: Optional[Sequence[int]] = None) -> List[str]:
     """Side-by-side lines: iteration, both losses, |difference| (all iterations by default)."""
     lines = [f" {'iteration':>9} | {a.name:>12} | {b.name:>12} | difference"]
-    shown = range(len(a.losses)) if rows is None else rows
-    previous = -1
-    for i in shown:
+    shown = list(range(len(a.losses)) if rows is None else rows)
+    for previous, i in zip([-1] + shown, shown):
         if i != previous + 1:
             lines.append(f" {'...':>9} |")
         lines.append(f" {i + 1:>9} | {a.losses[i]:12.6f} | {b.losses[i]:12.6f} | {abs(a.losses[i] - b.losses[i]):.2e}")
-        previous = i
     return lines
 
 
 def head_and_tail(n: int, k: int = SUMMARY_ROWS) -> List[int]:
     return list(range(n)) if n <= 2 * k else list(range(k)) + list(range(n - k, n))
-
-
-def validation_lines(a: RunResult, b: RunResult) -> List[str]:
-    if a.valid_loss is None or b.valid_loss is None:
-        return []
-    return [f" validation lm loss after {len(a.losses)} iterations: {a.name} {a.valid_loss:.6f}, "
-            f"{b.name} {b.valid_loss:.6f}, difference {abs(a.valid_loss - b.valid_loss):.2e}"]
 
 
 # --- loss.png ---------------------------------------------------------------------------------
@@ -84,10 +74,8 @@ def loss_figure(a: RunResult, b: RunResult, title: str):
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(7.0, 4.6), dpi=100, sharex=True,
                                       gridspec_kw={"height_ratios": [3, 1.3]})
     its = list(range(1, len(a.losses) + 1))
-    top.plot(its, a.losses, color="#3c78b5", linewidth=2.4)
-    top.plot(its, b.losses, color="#f28e2b", linewidth=1.2, linestyle="--")
-    handles = [Line2D([], [], color="#3c78b5", linewidth=2.4, label=f"{a.name}, training"),
-               Line2D([], [], color="#f28e2b", linewidth=1.2, linestyle="--", label=f"{b.name}, training")]
+    handles = top.plot(its, a.losses, color="#3c78b5", linewidth=2.4, label=f"{a.name}, training")
+    handles += top.plot(its, b.losses, color="#f28e2b", linewidth=1.2, linestyle="--", label=f"{b.name}, training")
     if a.valid_loss is not None and b.valid_loss is not None:
         top.plot([its[-1]], [a.valid_loss], marker="o", markersize=9, color="#3c78b5", linestyle="none")
         top.plot([its[-1]], [b.valid_loss], marker="x", markersize=9, markeredgewidth=2, color="#f28e2b",
@@ -166,11 +154,11 @@ def simulated_pair(name: str, pp: int, real: int):
     return panels, makespans
 
 
-def comparison_lines(makespans) -> List[str]:
-    """One line comparing the simulated makespans, one saying why the wall times do not."""
+def simulated_text(makespans, note: str = "") -> str:
+    """The simulated makespans compared, for the job's output and its summary."""
     (a, ta), (b, tb) = makespans
-    return [f" simulated on the same model (forward 1, backward 2 per stage): {a} makespan {ta:g}, {b} {tb:g} "
-            f"({a} takes {ta / tb:.2f}x of {b}'s time)", f" {WHY_NOT_WALL_TIME}"]
+    return (f"on the same model (forward 1, backward 2 per stage): {a} makespan {ta:g}, {b} {tb:g} "
+            f"({a} takes {ta / tb:.2f}x of {b}'s time{note})")
 
 
 def write_schedule_comparison(out_dir: str, name: str, pp: int, real: int) -> str:
@@ -206,10 +194,8 @@ def summary_markdown(a: RunResult, b: RunResult, settings: Sequence[str], data: 
     if a.valid_loss is not None and b.valid_loss is not None:
         out.append(f"Validation losses differ by {abs(a.valid_loss - b.valid_loss):.3e}.")
     if simulated:
-        (sa, ta), (sb, tb) = simulated
-        out += ["", f"Simulated on the same model (forward 1, backward 2 per stage): {sa} makespan {ta:g}, "
-                f"{sb} {tb:g} ({sa} takes {ta / tb:.2f}x of {sb}'s time; the two timelines are drawn at the "
-                f"same scale below). {WHY_NOT_WALL_TIME}"]
+        out += ["", f"Simulated {simulated_text(simulated, '; the two timelines are drawn at the same scale below')}. "
+                f"{WHY_NOT_WALL_TIME}"]
     out += ["", "```"] + loss_table(a, b, head_and_tail(n)) + ["```", "", "## Pictures", ""]
     out += [f"![{os.path.splitext(p)[0]}]({p})" for p in pictures]
     return "\n".join(out) + "\n"
