@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from . import manifest
-from .mechanism import INSTALLED, INSTANCE, SCOPED, Patch, PatchSet, active_scoped, megatron_core_version, scoped
+from .mechanism import INSTALLED, SCOPED, Patch, PatchSet, active_scoped, megatron_core_version, scoped
 
 __all__ = ["install", "uninstall", "installed", "status", "scoped", "entry", "Patch", "PARTS"]
 
@@ -53,21 +53,17 @@ def status() -> List[Tuple[str, Patch, str]]:
     """(part, patch, state) for every entry of the manifest. Installed parts: as
     :meth:`PatchSet.state`; scoped ones: ``scoped, active now (n)`` or ``scoped``; per-object
     ones: ``per object``. A patch whose versions exclude the installed megatron-core says so."""
-    now = active_scoped()
-    version = megatron_core_version()
+    now, version = active_scoped(), megatron_core_version()
     rows = []
     for part, patches in PARTS.items():
         for p in patches:
-            if p.kind == INSTALLED:
-                state = (_SETS[part] if part in _SETS else PatchSet(part, patches)).state(p)
-                if state == "inactive" and version not in p.versions:
-                    state = f"not for megatron-core {version} (applies to {p.versions})"
+            if part in _SETS:
+                state = _SETS[part].state(p)
             elif version not in p.versions:
                 state = f"not for megatron-core {version} (applies to {p.versions})"
             elif p.kind == SCOPED:
                 state = f"scoped, active now ({now[p.target]})" if now.get(p.target) else "scoped"
             else:
-                assert p.kind == INSTANCE
-                state = "per object"
+                state = "inactive" if p.kind == INSTALLED else "per object"
             rows.append((part, p, state))
     return rows

@@ -19,7 +19,6 @@ _TRAINING = "megatron.training.training"
 _CKPT = "megatron.training.checkpointing"
 _PS = "megatron.core.parallel_state"
 _LM = "megatron_dualpipe.megatron_lm."
-_DIST_OPT = "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer"
 
 # --- installed: Megatron-LM ------------------------------------------------------------------
 

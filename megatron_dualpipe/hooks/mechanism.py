@@ -1,11 +1,6 @@
-"""What one change of a Megatron attribute is (:class:`Patch`: attribute, replacement, why,
-megatron-core versions), and how it is applied, undone and scoped.
-
-:func:`apply` records the exact object it replaced (or that there was none), so :func:`restore`
-puts that same object back. A patch is ``installed`` (a :class:`PatchSet`, applied and undone as
-a set), ``scoped`` (replaced only inside :func:`scoped`, back on exit, also on an exception) or
-``instance`` (one object's attribute, never the class's). Standard library only; a replacement
-given as ``"package.module:name"`` is imported when first applied.
+"""What one change of a Megatron attribute is (:class:`Patch`), and how it is applied, undone and
+scoped: :func:`apply` records the exact object it replaced (or that there was none), so :func:`restore`
+puts that same object back. Standard library only.
 """
 
 from __future__ import annotations
@@ -62,13 +57,9 @@ ALL_VERSIONS = Versions()
 
 @dataclass(frozen=True)
 class Patch:
-    """``module.attribute`` is replaced by ``make(original)``.
-
-    ``make`` receives the original object (:data:`MISSING` if there is none); it may be a
-    ``"package.module:name"`` string, imported on first use. Scoped and instance patches have
-    no ``make``: the caller gives the replacement (:meth:`to`, :meth:`made_by`). With
-    ``only_if_missing`` the patch is applied only when the attribute does not exist.
-    """
+    """``module.attribute`` is replaced by ``make(original)`` (:data:`MISSING` if there is none); a
+    ``"package.module:name"`` string is imported on first use. Scoped and instance patches have no
+    ``make``: the caller gives the replacement (:meth:`to`, :meth:`made_by`)."""
 
     module: str
     attribute: str
@@ -164,11 +155,10 @@ def restore(applied: Applied) -> bool:
     """Put the saved object back (delete the attribute if there was none); False when someone
     replaced our replacement in the meantime (it is restored anyway)."""
     ours = current(applied.owner, applied.name) is applied.replacement
-    if applied.saved is MISSING:
-        if current(applied.owner, applied.name) is not MISSING:
-            delattr(applied.owner, applied.name)
-    else:
+    if applied.saved is not MISSING:
         setattr(applied.owner, applied.name, applied.saved)
+    elif current(applied.owner, applied.name) is not MISSING:
+        delattr(applied.owner, applied.name)
     return ours
 
 
@@ -179,30 +169,26 @@ def megatron_core_version() -> Optional[str]:
     """The installed megatron-core's version (``package_info``), or None when none is importable.
 
     Read from the source file when megatron.core is not imported yet, so asking costs no import."""
-    if "version" in _VERSION:
-        return _VERSION["version"]
-    version = None
-    info = sys.modules.get("megatron.core.package_info")
-    if info is not None:
-        version = getattr(info, "__version__", None)
-    else:
+    if _VERSION.get("version") is None:
+        info = sys.modules.get("megatron.core.package_info")
+        _VERSION["version"] = _source_version() if info is None else getattr(info, "__version__", None)
+    return _VERSION["version"]
+
+
+def _source_version() -> Optional[str]:
+    try:
+        spec = importlib.util.find_spec("megatron.core")
+    except (ImportError, ValueError):
+        return None
+    for path in (spec.submodule_search_locations or []) if spec else []:
         try:
-            spec = importlib.util.find_spec("megatron.core")
-            paths = list(spec.submodule_search_locations or []) if spec else []
-        except (ImportError, ValueError):
-            paths = []
-        for path in paths:
-            try:
-                text = open(f"{path}/package_info.py", encoding="utf-8").read()
-            except OSError:
-                continue
-            parts = [re.search(rf"^{k}\s*=\s*(\d+)", text, re.M) for k in ("MAJOR", "MINOR", "PATCH")]
-            if all(parts):
-                version = ".".join(m.group(1) for m in parts)
-                break
-    if version is not None:
-        _VERSION["version"] = version
-    return version
+            text = open(f"{path}/package_info.py", encoding="utf-8").read()
+        except OSError:
+            continue
+        parts = [re.search(rf"^{k}\s*=\s*(\d+)", text, re.M) for k in ("MAJOR", "MINOR", "PATCH")]
+        if all(parts):
+            return ".".join(m.group(1) for m in parts)
+    return None
 
 
 _SCOPED_NOW: Dict[str, int] = {}  # target -> how many scoped() blocks hold it now
@@ -222,10 +208,7 @@ def scoped(*swaps: Swap, version: Optional[str] = None) -> Iterator[List[Applied
     applied: List[Applied] = []
     try:
         for swap in swaps:
-            if version not in swap.patch.versions:
-                continue
-            done = apply(swap)
-            if done is not None:
+            if version in swap.patch.versions and (done := apply(swap)) is not None:
                 applied.append(done)
                 _SCOPED_NOW[swap.patch.target] = _SCOPED_NOW.get(swap.patch.target, 0) + 1
         yield applied
@@ -259,9 +242,7 @@ class PatchSet:
             for patch in self.patches:
                 if version not in patch.versions:
                     other.append(patch)
-                    continue
-                done = apply(patch)
-                if done is None:
+                elif (done := apply(patch)) is None:
                     not_needed.append(patch)
                 else:
                     applied.append(done)
