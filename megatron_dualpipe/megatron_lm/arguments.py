@@ -1,11 +1,6 @@
 """``--pipeline-schedule`` and the DualPipe flags for Megatron-LM's argument parser (:func:`install`).
-
-``parse_args`` looks up the module global ``add_megatron_arguments`` at call time, so wrapping it adds
-the flags whatever ``extra_args_provider`` the script passes. The checks run right after Megatron's
-``validate_args`` (wrapped in ``arguments`` and as ``initialize``'s by-name import, and after
-``validate_yaml``): they need the values it derives (``data_parallel_size``, the virtual pipeline).
-Under ``1f1b`` ``args`` only carries the extra attributes; under ``dualpipe`` / ``dualpipev`` one value
-Megatron changes is given back (:func:`keep_aligned_param_gather`).
+The checks run right after Megatron's ``validate_args``: they need the values it derives
+(``data_parallel_size``, the virtual pipeline). Under ``1f1b`` ``args`` only gains the extra attributes.
 """
 
 import functools
@@ -65,12 +60,6 @@ def schedule_of(args) -> str:
     return getattr(args, "pipeline_schedule", None) or registry.DEFAULT
 
 
-def num_microbatches(args) -> int:
-    """Micro-batches per global batch and data-parallel rank, as Megatron computes it."""
-    dp = getattr(args, "data_parallel_size", None) or 1
-    return args.global_batch_size // (args.micro_batch_size * dp)
-
-
 def advise_problems(args) -> list:
     """--dualpipe-advise-warmup: not negative, and leaving measured iterations within --train-iters."""
     from megatron_dualpipe.mcore.live_advice import DEFAULT_WARMUP, MEASURED_ITERATIONS
@@ -92,10 +81,6 @@ def advise_problems(args) -> list:
 UNEVEN_SPLIT = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
                 "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split",
                 "pipeline_model_parallel_layout")
-
-
-def _uneven_split(args) -> bool:
-    return any(getattr(args, name, None) not in (None, False) for name in UNEVEN_SPLIT)
 
 
 def layout_problems(args) -> List[str]:
@@ -155,8 +140,7 @@ def dualpipe_problems(args):
     """One message per violated constraint (empty if fine or 1f1b); ``args`` after Megatron's ``validate_args``."""
     schedule = schedule_of(args)
     spec = registry.get(schedule)
-    ways = copies.flag_problems(args, schedule)
-    if ways:
+    if ways := copies.flag_problems(args, schedule):
         return ways
     if spec.runs_on != registry.EXECUTOR:
         if getattr(args, "dualpipe_advise", False):
@@ -197,9 +181,9 @@ def _two_chunk_problems(spec, args, bad) -> None:
             f"--pipeline-schedule {registry.DEFAULT}")
     elif spec.pp_problem(pp, flag="--pipeline-model-parallel-size"):
         bad(spec.pp_problem(pp, flag="--pipeline-model-parallel-size"))
-    num_layers = getattr(args, "num_layers", None)
-    if num_layers is not None and pp >= 1 and not _uneven_split(args) and num_layers % spec.model_stages(pp):
-        divisor = spec.model_stages(pp)
+    num_layers, divisor = getattr(args, "num_layers", None), spec.model_stages(pp)
+    uneven = any(getattr(args, name, None) not in (None, False) for name in UNEVEN_SPLIT)
+    if num_layers is not None and pp >= 1 and not uneven and num_layers % divisor:
         what = "pipeline size" if divisor == pp else f"{divisor // pp} * pipeline size"
         bad(f"--num-layers ({num_layers}) must be divisible by the {what} ({divisor}); "
             "change --num-layers or --pipeline-model-parallel-size")
@@ -211,7 +195,7 @@ def _two_chunk_problems(spec, args, bad) -> None:
 def _microbatch_problems(spec, args, pp: int):
     """The micro-batch counts the schedule needs, at the start of a batch-size ramp-up too."""
     dp = getattr(args, "data_parallel_size", None) or 1
-    m = num_microbatches(args)
+    m = args.global_batch_size // (args.micro_batch_size * dp)
     least = spec.min_real_microbatches(pp)
     if m < least:
         yield (f"needs at least {least} micro-batches per step with pipeline size {pp}, got {m} = "
@@ -229,8 +213,7 @@ def _microbatch_problems(spec, args, pp: int):
 
 def validate_dualpipe_args(args):
     """Raise :class:`DualPipeArgumentError` listing every problem; return ``args`` otherwise."""
-    problems = dualpipe_problems(args)
-    if problems:
+    if problems := dualpipe_problems(args):
         raise DualPipeArgumentError("invalid arguments for the DualPipe schedule:\n  - " + "\n  - ".join(problems))
     return args
 
@@ -247,8 +230,7 @@ def wrap_add_megatron_arguments(orig):
 
     @functools.wraps(orig)
     def add_megatron_arguments(parser):
-        parser = orig(parser)
-        return add_dualpipe_arguments(parser)
+        return add_dualpipe_arguments(orig(parser))
 
     return add_megatron_arguments
 
@@ -268,8 +250,7 @@ def wrap_validate(orig):
     @functools.wraps(orig)
     def validate(args, *a, **kw):
         aligned = getattr(args, "align_param_gather", None)
-        early = layout_problems(args)
-        if early:
+        if early := layout_problems(args):
             raise DualPipeArgumentError(f"invalid arguments for the DualPipe schedule: --pipeline-schedule "
                                         f"{schedule_of(args)}: {early[0]}")
         result = orig(args, *a, **kw)

@@ -14,7 +14,7 @@ import sysconfig
 logger = logging.getLogger(__name__)
 
 
-def make_command(datasets_dir: str, out: str = ""):
+def make_command(datasets_dir: str, out: str):
     try:
         import pybind11
     except ImportError as exc:  # pragma: no cover - environment dependent
@@ -22,8 +22,8 @@ def make_command(datasets_dir: str, out: str = ""):
                            f"{sys.executable} -m pip install pybind11") from exc
     includes = [sysconfig.get_paths()["include"], pybind11.get_include()]
     cppflags = " ".join(f"-I{p}" for p in dict.fromkeys(includes))
-    return (["make", "-C", datasets_dir, f"CPPFLAGS={cppflags}", f"LIBEXT={sysconfig.get_config_var('EXT_SUFFIX')}"]
-            + ([f"OUT={out}"] if out else []))
+    return ["make", "-C", datasets_dir, f"CPPFLAGS={cppflags}", f"LIBEXT={sysconfig.get_config_var('EXT_SUFFIX')}",
+            f"OUT={out}"]
 
 
 def library_path(datasets_dir: str) -> str:

@@ -1,12 +1,7 @@
-"""``install()``: activate megatron-dualpipe inside a Megatron-LM training process.
-
-Call it once the checkout is importable and before ``pretrain_gpt`` imports ``megatron.training``'s
-helpers by name (the launcher and the optional ``patches/`` hook do). Each step is idempotent: the
-CPU mode's stand-ins for missing GPU libraries (before anything imports megatron, which decides at
-import whether they exist), the triton placeholder, the Megatron-LM parts of the hooks manifest as
-one set (``megatron-dualpipe hooks`` lists them), then the CPU mode where there is no CUDA
-(``cpu=True`` requires it, ``cpu=False`` skips it).
-"""
+"""``install()``: activate megatron-dualpipe inside a Megatron-LM training process, before
+``pretrain_gpt`` imports ``megatron.training``'s helpers by name (the launcher and the optional
+``patches/`` hook call it). The CPU mode's stand-ins come first: megatron decides at import whether
+the GPU libraries exist."""
 
 _INSTALLED = {}
 

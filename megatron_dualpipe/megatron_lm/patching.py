@@ -8,8 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import tempfile
-from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 from .. import project_files, versions
 
@@ -27,15 +26,6 @@ MARKER = "megatron_dualpipe.megatron_lm.install"
 
 class PatchError(ValueError):
     """The checkout cannot be patched as asked; the message says why and what to do."""
-
-
-@dataclass
-class Checkout:
-    path: str
-    script: str
-    version: Optional[str]
-    git_tag: Optional[str]
-    state: str  # "clean", "applied"
 
 
 def tag_problem(path: str, version: Optional[str], tag: Optional[str] = None) -> Optional[str]:
@@ -57,13 +47,13 @@ def _git_tag(path: str) -> Optional[str]:
     return out.stdout.strip() or None if out.returncode == 0 else None
 
 
-def inspect(path: str, require_tag: bool = True) -> Checkout:
+def inspect(path: str, require_tag: bool = True) -> Tuple[str, bool]:
+    """(pretrain_gpt.py's path, whether the hook is in it); a checkout that cannot be patched is refused."""
     script = os.path.join(path, "pretrain_gpt.py")
     if not os.path.isfile(script):
         raise PatchError(f"no pretrain_gpt.py in {path}: give the root of a Megatron-LM checkout at tag "
                          f"{' or '.join(TAGS)}")
-    version, tag = versions.checkout_core_version(path), _git_tag(path)
-    if require_tag and (problem := tag_problem(path, version, tag)):
+    if require_tag and (problem := tag_problem(path, versions.checkout_core_version(path), _git_tag(path))):
         raise PatchError(problem + " and run this command again")
     lines = _read_lines(script)
     hooked = [i for i, line in enumerate(lines) if MARKER in line]
@@ -72,11 +62,11 @@ def inspect(path: str, require_tag: bool = True) -> Checkout:
         if i < 0 or tuple(_bare(line) for line in lines[i:i + 3]) != tuple(_bare(h) for h in HOOK):
             raise PatchError(f"{script} contains a modified megatron-dualpipe hook (line {hooked[0] + 1}): "
                              f"remove it by hand, then run this command again")
-        return Checkout(path, script, version, tag, "applied")
+        return script, True
     if _anchor_index(lines) is None:
         raise PatchError(f"{script} has no line {ANCHOR.strip()!r} to put the hook after: is it from "
                          f"{' or '.join(TAGS)}?")
-    return Checkout(path, script, version, tag, "clean")
+    return script, False
 
 
 def _read_lines(script: str):
@@ -91,15 +81,6 @@ def _bare(line: str) -> str:
 
 def _anchor_index(lines) -> Optional[int]:
     return next((i for i, line in enumerate(lines) if _bare(line) == _bare(ANCHOR)), None)
-
-
-def _writable_problem(script: str) -> Optional[str]:
-    """Why the hook cannot be written (the new text goes beside ``script``, then over it), or None."""
-    folder = os.path.dirname(os.path.abspath(script))
-    for what in (folder, script):
-        if not os.access(what, os.W_OK):
-            return _cannot_write(script, f"{what} is not writable")
-    return None
 
 
 def patch_file(tag: str) -> str:
@@ -136,22 +117,23 @@ def _write_atomically(path: str, text: str) -> None:
 def apply(path: str, *, revert: bool = False, check: bool = False) -> str:
     """Apply (or revert, at any version) the hook; with ``check`` change nothing but fail where the
     real run would. Returns what was (or would be) done."""
-    co = inspect(path, require_tag=not revert)
-    lines = _read_lines(co.script)
-    if co.state == ("clean" if revert else "applied"):
-        return f"not applied to {co.script}; nothing to revert" if revert else \
-            f"already applied to {co.script}; nothing to do"
-    if problem := _writable_problem(co.script):
-        raise PatchError(problem)
+    script, applied = inspect(path, require_tag=not revert)
+    lines = _read_lines(script)
+    if applied != revert:
+        return f"not applied to {script}; nothing to revert" if revert else \
+            f"already applied to {script}; nothing to do"
+    for what in (os.path.dirname(os.path.abspath(script)), script):  # the new text goes beside it, then over it
+        if not os.access(what, os.W_OK):
+            raise PatchError(_cannot_write(script, f"{what} is not writable"))
     if revert:
         if check:
-            return f"would remove the megatron-dualpipe hook from {co.script}"
+            return f"would remove the megatron-dualpipe hook from {script}"
         i = next(i for i, line in enumerate(lines) if MARKER in line) - 2
-        _write_atomically(co.script, "".join(lines[:i] + lines[i + len(HOOK):]))
-        return f"removed the megatron-dualpipe hook from {co.script}"
+        _write_atomically(script, "".join(lines[:i] + lines[i + len(HOOK):]))
+        return f"removed the megatron-dualpipe hook from {script}"
     if check:
-        return f"would add the megatron-dualpipe hook ({len(HOOK)} lines) to {co.script}"
+        return f"would add the megatron-dualpipe hook ({len(HOOK)} lines) to {script}"
     at = _anchor_index(lines) + 1
     eol = lines[at - 1][len(_bare(lines[at - 1])):] or "\n"  # the anchor line's own ending
-    _write_atomically(co.script, "".join(lines[:at] + [_bare(h) + eol for h in HOOK] + lines[at:]))
-    return f"added the megatron-dualpipe hook ({len(HOOK)} lines) to {co.script}"
+    _write_atomically(script, "".join(lines[:at] + [_bare(h) + eol for h in HOOK] + lines[at:]))
+    return f"added the megatron-dualpipe hook ({len(HOOK)} lines) to {script}"

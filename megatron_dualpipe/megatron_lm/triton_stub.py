@@ -50,27 +50,21 @@ def _decorator_factory(name):
 
 
 class _StubModule(types.ModuleType):
-    def __getattr__(self, item):
-        if item.startswith("__"):
-            raise AttributeError(item)
-        return _Placeholder(f"{self.__name__}.{item}")
+    __getattr__ = _Placeholder.__getattr__  # its attributes are placeholders too, named after it
 
 
 def _make_module(name):
     mod = _StubModule(name)
+    mod._name = name
     mod.__file__ = __file__
     mod.__path__ = []  # behave like a package so submodule imports resolve via sys.modules
     mod.__megatron_dualpipe_stub__ = True
     return mod
 
 
-def is_stub(module) -> bool:
-    return bool(getattr(module, "__megatron_dualpipe_stub__", False))
-
-
 def triton_available() -> bool:
     if "triton" in sys.modules:
-        return not is_stub(sys.modules["triton"])
+        return not getattr(sys.modules["triton"], "__megatron_dualpipe_stub__", False)
     return importlib.util.find_spec("triton") is not None
 
 
