@@ -1,15 +1,11 @@
 """DualPipe's bd gradient sum in the benchmark (``--grad-mb``): how much of it an iteration shows.
 
-DualPipe keeps two copies of every stage (chunk c on rank r, chunk 1-c on rank pp-1-r); their
-weight gradients are summed over the pair every iteration, the cost that made DualPipe slower
-than 1F1B on 32 GPUs in seed 002. Here every chunk of a bidirectional schedule holds
-``--grad-mb`` MiB of synthetic gradients, summed by the code path training uses: the issue
-points of the program (``Program.sum_points``, ``schedule.lowering.reductions``) and
-``executor.pair_sums.PairSums``, which issues each sum there and waits for none before the end of
-the schedule (on a GPU as on gloo). The iteration time includes waiting for the sums, and the
-benchmark reports, per rank, the *exposed* time (from the end of the rank's last action to its
-last sum's completion) beside the time the same two sums take *alone* when they are only
-started after the schedule (what an unoverlapped sum would add).
+The sum over the bd pair of every stage's two copies made DualPipe slower than 1F1B on 32 GPUs in
+seed 002. Every chunk of a bidirectional schedule holds ``--grad-mb`` MiB of synthetic gradients,
+summed by the code path training uses (``Program.sum_points``, ``executor.pair_sums.PairSums``:
+none waited for before the schedule ends). Per rank: the *exposed* time (from the end of its last
+action to its last sum's completion) beside the time the same sums take *alone*, started only after
+the schedule (what an unoverlapped sum would add).
 """
 from __future__ import annotations
 

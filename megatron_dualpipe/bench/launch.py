@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import datetime
 import os
+import sys
+import threading
 from typing import Any, Callable, List, Optional, Sequence
 
 from ..launch import spawn as spawner
@@ -41,18 +43,14 @@ def _destroy_within(seconds: float = DESTROY_S) -> None:
     """``destroy_process_group``, bounded: after a rank raised on purpose (the selftest's last
     stage) a peer's connection may be half closed, and tearing the group down must not keep a
     finished run from ending. Past ``seconds`` the rank says so and exits."""
-    import sys
-    import threading
-
     import torch.distributed as dist
 
     if not dist.is_initialized():
         return
 
     def give_up() -> None:
-        sys.stderr.write(f"megatron-dualpipe: rank {os.environ.get('RANK', '?')}: destroy_process_group did not "
-                         f"return within {seconds:g} s after the run ended; exiting without it\n")
-        sys.stderr.flush()
+        print(f"megatron-dualpipe: rank {os.environ.get('RANK', '?')}: destroy_process_group did not return "
+              f"within {seconds:g} s after the run ended; exiting without it", file=sys.stderr, flush=True)
         os._exit(0)
 
     timer = threading.Timer(seconds, give_up)
@@ -71,9 +69,9 @@ def run_here(fn: Callable[..., Any], args: Sequence[Any], timeout_s: float) -> O
     try:
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         mine = fn(rank, world, init(rank, world, timeout_s), *args)
-        gathered: List[Any] = [None] * world if rank == 0 else []
-        dist.gather_object(mine, gathered if rank == 0 else None, dst=0)
-        return gathered if rank == 0 else None
+        gathered: Optional[List[Any]] = [None] * world if rank == 0 else None
+        dist.gather_object(mine, gathered, dst=0)
+        return gathered
     finally:
         _destroy_within()
 

@@ -1,13 +1,8 @@
-"""The parameter all-gathers of ``--overlap-param-gather`` on synthetic stages (``bench
---param-gather-mb``; method and results: docs/benchmarks.md).
-
-Two replicas of the pipeline (2 x pp processes; pipeline rank r of both forms r's data-parallel
-group) run each iteration three ways in turn: ``none`` (no gathers: what the cost model times),
-``pre-hook`` (each chunk's gather started and waited at its first forward, as DDP's pre-hook does)
-and ``param_sync_func`` (started before the first action, waited at the first forward, as
-``mcore.param_gather`` does). Exposed = the slowest rank's iteration minus ``none``'s; ``alone`` =
-every gather started with all ranks in step. The gathers run on a thread of the rank, in issue
-order (as on one NCCL communicator), and the host waits for them: CPU (gloo) only.
+"""The parameter all-gathers of ``--overlap-param-gather`` on synthetic stages over two replicas of
+the pipeline, each iteration run three ways: ``none``, ``pre-hook`` (DDP's) and ``param_sync_func``
+(``mcore.param_gather``'s) (``bench --param-gather-mb``; method and results: docs/benchmarks.md).
+The gathers run on a thread of the rank, in issue order (as on one NCCL communicator), and the host
+waits for them: CPU (gloo) only.
 """
 from __future__ import annotations
 
@@ -166,10 +161,8 @@ def worker(rank: int, world: int, device, cfg) -> dict:
     pp = world // 2
     spender = Spender(cfg.mode, device, cfg.matmul_size)
     groups = _groups(pp)
-    runs = {}
-    for m in cfg.microbatches[pp]:
-        for name in cfg.schedules:
-            runs[(name, m)] = _one_schedule(cfg, name, m, pp, rank, device, spender, groups)
+    runs = {(name, m): _one_schedule(cfg, name, m, pp, rank, device, spender, groups)
+            for m in cfg.microbatches[pp] for name in cfg.schedules}
     return {"runs": runs, "device": str(device), "backend": dist.get_backend()}
 
 

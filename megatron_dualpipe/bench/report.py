@@ -13,10 +13,7 @@ Per schedule, pp and M:
   flight": the executor's receive buffers and unfinished sends.
 * bd sum (``--grad-mb``): per rank, the time the iteration waited for its bd gradient sums after its
   last action (exposed), and what they take started after the schedule (alone; :mod:`.bd_sum`).
-* predicted (``x pred``): from the bench's probes alone, before any schedule runs: the simulated
-  makespan with the measured latency and the executor's cost per unit (fitted to a probe run of
-  the 1F1B order at M=2pp), plus the exposed gradient communication (``costs.comm_cost``) with the
-  probed bd sum time.
+* predicted (``x pred``): from the bench's probes alone, before any schedule runs (docs/benchmarks.md: "pred").
 """
 from __future__ import annotations
 

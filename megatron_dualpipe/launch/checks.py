@@ -10,7 +10,7 @@ import itertools
 import json
 import os
 import sys
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Collection, Dict, List, Optional, Sequence, Tuple
 
 #: Bytes of each ``.bin`` scanned for its largest token id (the whole file when smaller).
 SCAN_BYTES = 1 << 30
@@ -20,18 +20,15 @@ IDX_DTYPES = {1: "uint8", 2: "int8", 3: "int16", 4: "int32", 5: "int64", 6: "flo
 
 #: tokenizer type -> (arguments it needs, what they are), from Megatron-LM's ``build_tokenizer``.
 TOKENIZER_NEEDS: Dict[str, Tuple[Tuple[str, ...], str]] = {
-    "BertWordPieceLowerCase": (("--vocab-file",), "a BERT vocab.txt"),
-    "BertWordPieceCase": (("--vocab-file",), "a BERT vocab.txt"),
+    **dict.fromkeys(("BertWordPieceLowerCase", "BertWordPieceCase"), (("--vocab-file",), "a BERT vocab.txt")),
     "GPT2BPETokenizer": (("--vocab-file", "--merge-file"), "GPT-2's vocab.json and merges.txt"),
-    "SentencePieceTokenizer": (("--tokenizer-model",), "a SentencePiece .model file"),
-    "GPTSentencePieceTokenizer": (("--tokenizer-model",), "a SentencePiece .model file"),
+    **dict.fromkeys(("SentencePieceTokenizer", "GPTSentencePieceTokenizer"),
+                    (("--tokenizer-model",), "a SentencePiece .model file")),
     "Llama2Tokenizer": (("--tokenizer-model",), "Llama 2's tokenizer.model"),
     "TikTokenizer": (("--tokenizer-model",), "a tiktoken JSON file"),
-    "HuggingFaceTokenizer": (("--tokenizer-model",), "a HuggingFace tokenizer directory or hub name"),
-    "MultimodalTokenizer": (("--tokenizer-model",), "a HuggingFace tokenizer directory or hub name"),
-    "SFTTokenizer": (("--tokenizer-model",), "a HuggingFace tokenizer directory or hub name"),
-    "NullTokenizer": (("--vocab-size",), "the vocabulary size"),
-    "NullMultimodalTokenizer": (("--vocab-size",), "the vocabulary size"),
+    **dict.fromkeys(("HuggingFaceTokenizer", "MultimodalTokenizer", "SFTTokenizer"),
+                    (("--tokenizer-model",), "a HuggingFace tokenizer directory or hub name")),
+    **dict.fromkeys(("NullTokenizer", "NullMultimodalTokenizer"), (("--vocab-size",), "the vocabulary size")),
 }
 #: Arguments that take one value / several values (to read argv without Megatron's parser).
 _ONE = ("--tokenizer-type", "--vocab-file", "--merge-file", "--tokenizer-model", "--vocab-size")
@@ -41,18 +38,21 @@ EXAMPLE = ("e.g. --tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR (me
            "writes one with the data), or GPT2BPETokenizer --vocab-file vocab.json --merge-file merges.txt")
 
 
+def flag_values(argv: Sequence[str], flags: Collection[str]) -> List[Tuple[str, str]]:
+    """(flag, value) of each of ``flags`` in ``argv``, in order: ``--flag=value`` or ``--flag value`` ('' last)."""
+    return [(flag, val if eq else (argv[i + 1] if i + 1 < len(argv) else ""))
+            for i, (flag, eq, val) in enumerate(a.partition("=") for a in argv) if flag in flags]
+
+
 def parse(argv: Sequence[str]) -> Dict[str, object]:
     """The values of the options this check reads (the last one wins, as with argparse)."""
-    found: Dict[str, object] = {}
     args = list(argv)
-    for i, a in enumerate(args):
-        flag, eq, val = a.partition("=")
-        if flag in _ONE:
-            found[flag] = val if eq else (args[i + 1] if i + 1 < len(args) else None)
-        elif flag in _MANY:
+    found: Dict[str, object] = dict(flag_values(args, _ONE))
+    for i, (flag, eq, val) in enumerate(a.partition("=") for a in args):
+        if flag in _MANY:
             found[flag] = [val] if eq else list(itertools.takewhile(lambda v: not v.startswith("--"), args[i + 1:]))
-        elif a == "--mock-data":
-            found[a] = True
+    if "--mock-data" in args:
+        found["--mock-data"] = True
     return found
 
 
@@ -112,9 +112,8 @@ def _hf_directory_problem(path: str) -> Optional[str]:
 
 def _vocab_of_hf(path: str) -> Tuple[Optional[int], Optional[str]]:
     """(vocabulary size, problem) of a HuggingFace tokenizer directory (its tokenizer.json)."""
-    if os.path.isdir(path):
-        if problem := _hf_directory_problem(path):
-            return None, problem
+    if os.path.isdir(path) and (problem := _hf_directory_problem(path)):
+        return None, problem
     f = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
     if not os.path.isfile(f):
         return None, None  # a slow tokenizer (vocab files only): transformers loads it, we cannot cheaply

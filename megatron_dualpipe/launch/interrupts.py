@@ -12,10 +12,6 @@ from typing import Callable, Optional, Sequence
 
 from . import processes
 
-#: Exit status after an interruption (128 + SIGINT, as a shell reports it).
-EXIT_INTERRUPTED = 130
-#: Exit status when the reader of stdout went away (128 + SIGPIPE).
-EXIT_BROKEN_PIPE = 141
 #: Signals that interrupt besides SIGINT (which raises KeyboardInterrupt by itself).
 _SIGNALS = ("SIGTERM", "SIGHUP")
 
@@ -54,13 +50,13 @@ def _end(last_line: str = "") -> None:
 def interrupted(prog: str) -> int:
     """Stop the processes we started, print ``PROG: interrupted``, silence our output, return 130."""
     _end(f"{prog}: interrupted")
-    return EXIT_INTERRUPTED
+    return 130  # 128 + SIGINT, as a shell reports it
 
 
 def reader_gone() -> int:
     """Our stdout's reader went away: stop the processes we started, silence our output, return 141."""
     _end()
-    return EXIT_BROKEN_PIPE
+    return 141  # 128 + SIGPIPE
 
 
 def guarded(main: Callable[[], Optional[int]], prog: str) -> int:

@@ -18,8 +18,6 @@ from . import checks, placement, validation
 
 USAGE = ("usage: python -m megatron_dualpipe.launch [--check] [--pair-placement] /path/to/Megatron-LM/pretrain_gpt.py "
          "[ARGS...]")
-PAIR_PLACEMENT = "--pair-placement"  # = placement.FLAG
-SKIP_VERSION = "MEGATRON_DUALPIPE_SKIP_VERSION_CHECK"  # = versions.SKIP_ENV
 #: How long a rank that does not say the refusal waits to exit (torchrun stops every rank at the first).
 REFUSAL_WAIT_S = 3.0
 #: The counter in torch.distributed's store that names the first rank to refuse.
@@ -37,28 +35,25 @@ def preflight(script):
     if not os.path.isfile(script):
         return f"no such script: {script}"
     root = os.path.dirname(os.path.abspath(script))
-    if os.environ.get(SKIP_VERSION) != "1":
-        if problem := patching.tag_problem(root, versions.checkout_core_version(root)):
-            return f"{problem}, or set {SKIP_VERSION}=1 to try anyway"
+    if not versions.skipped() and (problem := patching.tag_problem(root, versions.checkout_core_version(root))):
+        return f"{problem}, or set {versions.SKIP_ENV}=1 to try anyway"
     return requirements.problem()
 
 
 def argument_problems(script, argv, check: bool):
     """The problems :mod:`.checks` finds; under torchrun only rank 0 reads the data's token ids."""
-    found = []
-    if check:
-        found += [p for p in [checks.torch_problem()] if p]
-    if (check and argv) or os.path.basename(script) == "pretrain_gpt.py" and not check:
+    found = [checks.torch_problem()] if check else []
+    if argv if check else os.path.basename(script) == "pretrain_gpt.py":
         found += checks.argument_problems(argv, scan=check or os.environ.get("RANK", "0") == "0")
-    return found
+    return [p for p in found if p]
 
 
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     options = set()
-    while argv and argv[0] in ("--check", PAIR_PLACEMENT):
+    while argv and argv[0] in ("--check", placement.FLAG):
         options.add(argv.pop(0))
-    check, paired = "--check" in options, PAIR_PLACEMENT in options
+    check, paired = "--check" in options, placement.FLAG in options
     if argv in (["-h"], ["--help"]):  # asked for: the usage on stdout, and success
         print(f"{USAGE}\n\n{HELP}")
         return 0

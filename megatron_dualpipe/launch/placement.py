@@ -10,6 +10,7 @@ from typing import Dict, List, Mapping, MutableMapping, Optional, Sequence, Tupl
 
 from ..schedule import registry
 from ..schedule.placement import DEFAULT_ORDER, TP_PP_DP_ORDER, RankOrder, pair_placement, pair_problem
+from .checks import flag_values
 
 FLAG = "--pair-placement"
 #: torchrun's ``RANK`` (the slot) before the rewrite.
@@ -26,22 +27,18 @@ def script_sizes(argv: Sequence[str]) -> Tuple[Dict[str, object], Optional[str]]
     """The parallel sizes, rank order and schedule in a Megatron script's arguments, or a problem."""
     found: Dict[str, object] = {"tp": 1, "pp": 1, "cp": 1, "ep": 1, "etp": None, "order": DEFAULT_ORDER,
                                 "schedule": registry.ONE_F_ONE_B}
-    args = list(argv)
-    for i, a in enumerate(args):
-        flag, eq, val = a.partition("=")
+    for flag, text in flag_values(list(argv), {*_SIZES, "--yaml-cfg", "--pipeline-schedule"}):
         if flag == "--yaml-cfg":
             return found, (f"{FLAG} reads the parallel sizes from the command line, not from --yaml-cfg: pass "
                            f"them as flags")
-        if flag in _SIZES or flag == "--pipeline-schedule":
-            text = val if eq else (args[i + 1] if i + 1 < len(args) else "")
-            if flag == "--pipeline-schedule":
-                found["schedule"] = text
-                continue
-            if not text.isdigit() or int(text) < 1:
-                return found, f"{flag} {text!r}: expected a positive integer"
+        if flag == "--pipeline-schedule":
+            found["schedule"] = text
+        elif not text.isdigit() or int(text) < 1:
+            return found, f"{flag} {text!r}: expected a positive integer"
+        else:
             found[_SIZES[flag]] = int(text)
-        elif a == "--use-tp-pp-dp-mapping":
-            found["order"] = TP_PP_DP_ORDER
+    if "--use-tp-pp-dp-mapping" in argv:
+        found["order"] = TP_PP_DP_ORDER
     return found, None
 
 
@@ -92,8 +89,7 @@ def apply(argv: Sequence[str], env: MutableMapping[str, str]) -> Tuple[int, int]
     """Rewrite ``env["RANK"]`` to this slot's global rank: (slot, rank), or ``ValueError`` naming the fix."""
     if found := problem(argv, env):
         raise ValueError(found)
-    slot = _env_int(env, "RANK")
-    local, node = _env_int(env, "LOCAL_RANK"), _env_int(env, "GROUP_RANK")
+    slot, local, node = (_env_int(env, name) for name in ("RANK", "LOCAL_RANK", "GROUP_RANK"))
     per_node = int(env["LOCAL_WORLD_SIZE"])
     if slot is None or local is None:
         raise ValueError(f"{FLAG} needs torchrun's RANK and LOCAL_RANK: run the launcher under torchrun")
@@ -113,13 +109,10 @@ def describe(argv: Sequence[str], env: Mapping[str, str]) -> str:
     """One line per node: the pipeline ranks it hosts (printed by slot 0)."""
     perm = placement(argv, env)
     world, per_node, *grid = _grid(script_sizes(argv)[0], int(env["WORLD_SIZE"]), int(env["LOCAL_WORLD_SIZE"]))
-    order = RankOrder(*grid[:5])
-    lines = []
-    nodes = world // per_node
-    for n in range(min(nodes, MAX_NODES_SHOWN)):
-        stages = sorted({order.pp_rank(g) for g in perm[n * per_node:(n + 1) * per_node]})
-        lines.append(f"node {n}: pipeline ranks {', '.join(map(str, stages))} (global ranks "
-                     f"{', '.join(map(str, perm[n * per_node:(n + 1) * per_node]))})")
+    order, nodes = RankOrder(*grid[:5]), world // per_node
+    hosted = [perm[n * per_node:(n + 1) * per_node] for n in range(min(nodes, MAX_NODES_SHOWN))]
+    lines = [f"node {n}: pipeline ranks {', '.join(map(str, sorted({order.pp_rank(g) for g in ranks})))} (global "
+             f"ranks {', '.join(map(str, ranks))})" for n, ranks in enumerate(hosted)]
     if nodes > MAX_NODES_SHOWN:
         lines.append(f"... ({nodes - MAX_NODES_SHOWN} more nodes, the same pattern)")
     return "\n".join(lines)

@@ -126,32 +126,25 @@ def stop(proc: subprocess.Popen, grace: float = GRACE_SECONDS) -> None:
 
 # Running a command
 
-class _Relay(threading.Thread):
-    """Copies a child's output to ours until stopped; notes when our reader has gone."""
-
-    def __init__(self, source, sink, reader_gone: threading.Event):
-        super().__init__(daemon=True)
-        self.source, self.sink, self.reader_gone = source, sink, reader_gone
-        self.stopped = threading.Event()
-
-    def run(self) -> None:
-        fd = self.source.fileno()
-        while True:
-            try:
-                chunk = os.read(fd, 65536)
-            except OSError:
-                return
-            if not chunk:
-                return
-            if self.stopped.is_set():
-                continue  # drain, so that the child never blocks on a full pipe
-            try:
-                self.sink.write(chunk)
-                self.sink.flush()
-            except BrokenPipeError:
-                self.reader_gone.set()
-            except (OSError, ValueError):
-                pass
+def _relay(source, sink, reader_gone: threading.Event, stopped: threading.Event) -> None:
+    """Copies a child's output to ours until ``stopped``; notes when our reader has gone."""
+    fd = source.fileno()
+    while True:
+        try:
+            chunk = os.read(fd, 65536)
+        except OSError:
+            return
+        if not chunk:
+            return
+        if stopped.is_set():
+            continue  # drain, so that the child never blocks on a full pipe
+        try:
+            sink.write(chunk)
+            sink.flush()
+        except BrokenPipeError:
+            reader_gone.set()
+        except (OSError, ValueError):
+            pass
 
 
 def _reader_closed(stream) -> bool:
@@ -182,10 +175,11 @@ def run(cmd: Sequence[str], env: Optional[Mapping[str, str]] = None, cwd: Option
     child_env.setdefault("PYTHONUNBUFFERED", "1")  # through the relay, lines come as they are written
     out_sink = _binary(stdout if stdout is not None else sys.stdout)
     err_sink = _binary(stderr if stderr is not None else sys.stderr)
-    reader_gone = threading.Event()
+    reader_gone, stopped = threading.Event(), threading.Event()
     proc = subprocess.Popen(list(cmd), env=child_env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, start_new_session=True)
-    relays = [_Relay(proc.stdout, out_sink, reader_gone), _Relay(proc.stderr, err_sink, threading.Event())]
+    relays = [threading.Thread(target=_relay, args=(proc.stdout, out_sink, reader_gone, stopped), daemon=True),
+              threading.Thread(target=_relay, args=(proc.stderr, err_sink, threading.Event(), stopped), daemon=True)]
     for r in relays:
         r.start()
     end = None if timeout_s is None else time.monotonic() + timeout_s
@@ -198,8 +192,7 @@ def run(cmd: Sequence[str], env: Optional[Mapping[str, str]] = None, cwd: Option
             raise BrokenPipeError("the reader of stdout went away")
     except BaseException:
         ignore_interrupts()
-        for r in relays:
-            r.stopped.set()
+        stopped.set()
         stop(proc)
         raise
     timed_out = proc.poll() is None

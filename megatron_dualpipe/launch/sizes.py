@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..schedule import registry
+from .checks import flag_values
 from .validation import fewest_gpus
 
 #: pretrain_gpt.py flags read from the arguments (the last one wins, as with argparse).
@@ -56,15 +57,8 @@ class Launch:
 
 def model_values(argv: Sequence[str]) -> Dict[str, int]:
     """The integer values of :data:`_MODEL_FLAGS` in ``argv``, and 1 for :data:`_MODEL_SWITCHES` present."""
-    found: Dict[str, int] = {}
-    for i, a in enumerate(argv):
-        flag, eq, val = a.partition("=")
-        text = val if eq else (argv[i + 1] if i + 1 < len(argv) else "")
-        if flag in _MODEL_FLAGS and text.isdigit():
-            found[_MODEL_FLAGS[flag]] = int(text)
-        elif flag in _MODEL_SWITCHES:
-            found[_MODEL_SWITCHES[flag]] = 1
-    return found
+    found = {_MODEL_FLAGS[flag]: int(text) for flag, text in flag_values(argv, _MODEL_FLAGS) if text.isdigit()}
+    return {**found, **{_MODEL_SWITCHES[flag]: 1 for flag, _ in flag_values(argv, _MODEL_SWITCHES)}}
 
 
 # The batch
@@ -73,11 +67,6 @@ def valid_batches(global_batch: int, unit: int, least: int) -> List[int]:
     """The valid GLOBAL_BATCH values below and above ``global_batch``: multiples of ``unit``, >= ``least`` of it."""
     below, above = global_batch // unit * unit, -(-global_batch // unit) * unit
     return sorted({max(below, least * unit), max(above, least * unit)})
-
-
-def nearest_batch(global_batch: int, unit: int, least: int) -> int:
-    """The valid GLOBAL_BATCH nearest to ``global_batch`` (the lower one on a tie)."""
-    return min(valid_batches(global_batch, unit, least), key=lambda b: (abs(b - global_batch), b))
 
 
 def batch_rule(launch: Launch, world: int, pp: int, tp: int) -> Tuple[int, int]:
@@ -94,7 +83,8 @@ def batch_fix(launch: Launch, world: int, pp: int, tp: int) -> str:
     unit, least = batch_rule(launch, world, pp, tp)
     if _passes(launch.global_batch, unit, least):
         return ""
-    return f" with GLOBAL_BATCH={nearest_batch(launch.global_batch, unit, least)}"
+    nearest = min(valid_batches(launch.global_batch, unit, least), key=lambda b: (abs(b - launch.global_batch), b))
+    return f" with GLOBAL_BATCH={nearest}"  # the lower one on a tie
 
 
 def _counted(launch: Launch, batch: int, unit: int) -> str:

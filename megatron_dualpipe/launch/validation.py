@@ -11,7 +11,7 @@ import os
 import sys
 import tempfile
 import traceback
-from typing import List, NamedTuple, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 from ..schedule import registry
 
@@ -128,15 +128,6 @@ def layout(args) -> str:
             f"CP={args.context_parallel_size} DP={dp}, {m} micro-batches per iteration")
 
 
-class Checked(NamedTuple):
-    """What Megatron and the plugin refuse, one line each; the :func:`layout` of accepted arguments;
-    ``note``: why the validation could not run here, when it could not."""
-
-    problems: List[str]
-    layout: Optional[str] = None
-    note: Optional[str] = None
-
-
 def needs_a_gpu_here(error: BaseException) -> bool:
     """Whether ``error`` is Megatron asking a GPU this machine lacks: not a refusal of the arguments."""
     frames = traceback.extract_tb(error.__traceback__)
@@ -147,26 +138,28 @@ def needs_a_gpu_here(error: BaseException) -> bool:
     return not torch.cuda.is_available()
 
 
-def check(script: str, argv: Sequence[str]) -> Checked:
+def check(script: str, argv: Sequence[str]) -> Tuple[List[str], Optional[str], Optional[str]]:
+    """(what Megatron and the plugin refuse, one line each; the :func:`layout` of accepted arguments;
+    why the validation could not run here, when it could not)."""
     root = os.path.dirname(os.path.abspath(script))
     if not os.path.isfile(os.path.join(root, ARGUMENTS_FILE)):
-        return Checked([])
+        return [], None, None
     try:
         with _silenced():
             _install(root)
     except Exception as e:  # noqa: BLE001 - whatever the import raised, in one line
-        return Checked([f"cannot import Megatron-LM's argument parser from {root} ({type(e).__name__}: "
-                        f"{' '.join(str(e).split())[:300]}): run the check with the Python of the training "
-                        f"environment"])
+        return [f"cannot import Megatron-LM's argument parser from {root} ({type(e).__name__}: "
+                f"{' '.join(str(e).split())[:300]}): run the check with the Python of the training "
+                f"environment"], None, None
     with tempfile.TemporaryFile("w+") as said:
         try:
             with _silenced(), contextlib.redirect_stderr(said):
                 args = _parse_and_validate(script, argv)
         except (Exception, SystemExit) as e:  # noqa: BLE001 - each is a refusal a rank would raise
             if needs_a_gpu_here(e):
-                return Checked([], note=f"Megatron-LM's validate_args asks the GPU about these arguments "
-                                        f"({explain(e)[0].split(': ', 1)[-1]}) and this machine has none: "
-                                        f"they are checked by the ranks on the GPU nodes")
+                return [], None, (f"Megatron-LM's validate_args asks the GPU about these arguments "
+                                  f"({explain(e)[0].split(': ', 1)[-1]}) and this machine has none: "
+                                  f"they are checked by the ranks on the GPU nodes")
             said.seek(0)
-            return Checked(explain(e, said.read()))
-    return Checked([], layout(args))
+            return explain(e, said.read()), None, None
+    return [], layout(args), None
