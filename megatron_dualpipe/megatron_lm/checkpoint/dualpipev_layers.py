@@ -2,17 +2,9 @@
 
 Rank ``i`` holds V-stages ``i`` and ``2pp-1-i``; 1F1B's stage ``t`` is V-stages ``2t`` and ``2t+1``
 (an uneven split: the 1F1B layout ``stage_layout.paired`` gives). The weights map one to one by
-renaming the local layer index; the embedding goes with stage 0, the final norm, output layer and
-MTP with stage ``pp-1``. A 1F1B file of another split fails on the keys (strict), never silently.
-
-* save: Megatron's two-chunk file gets one more key, ``model``: 1F1B stage ``i``'s weights, gathered
-  from the ranks holding its V-stages. A 1F1B run reads ``model``; DualPipeV resumes from its own keys.
-* load of a file without ``model0``/``model1``: each rank cuts its ``model`` into two V-stages and
-  sends each to its holder. Optimizer state is per stage and not remapped: both directions need
-  ``--no-load-optim`` (or ``--finetune``), else the load is refused before anything is read.
-
-The transfers are walked in one fixed order on every rank (blocking object send/recv), so they
-cannot deadlock.
+renaming the local layer index; a 1F1B file of another split fails on the keys (strict), never
+silently. Optimizer state is per stage and not remapped (``strategies`` refuses it). The transfers
+are walked in one fixed order on every rank (blocking object send/recv), so they cannot deadlock.
 """
 from __future__ import annotations
 

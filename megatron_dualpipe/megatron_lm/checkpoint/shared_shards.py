@@ -3,17 +3,11 @@ optimizer of ``model[0]`` (``--ckpt-format torch``, and ``torch_dist`` with
 ``--dist-ckpt-optim-fully-reshardable``).
 
 Every chunk has its own distributed optimizers over the ``2 x dp`` ranks holding either copy of its
-stage, chained in ascending stage order (``mcore.copies.shared_shard``):
-
-* ``state_dict()``: the home copy's sub-optimizers, whose param groups are 1F1B's; at load the
-  mirror's take the same values (Megatron matches groups by their identifying keys);
-* ``distrib_optim.pt``: each sub-optimizer gathers its stage's shards to its group rank 0, the home
-  copy's data-parallel rank 0, and scatters them from there at load; called in stage order (the
-  gathers are collective), they write what 1F1B's data-parallel rank 0 writes, in unpadded elements;
-* ``torch_dist`` (fully reshardable): :meth:`SharedShardOptimizerView.sharded_state_dict` builds every
-  part in stage order and hands Megatron the home copy's; a load also reads the mirror's parts.
-
-After a load the mirrors get the home copies' parameters (``mirrors.sync_mirrors``, no optimizer state).
+stage, chained in ascending stage order (``mcore.copies.shared_shard``): the home copy's are 1F1B's,
+the mirror's load the same values. ``distrib_optim.pt``: each sub-optimizer gathers its stage's shards
+to its group rank 0, the home copy's data-parallel rank 0, in stage order (the gathers are collective),
+so they write what 1F1B's data-parallel rank 0 writes. After a load the mirrors get the home copies'
+parameters only (``mirrors.sync_mirrors``).
 """
 from typing import Dict, List
 
@@ -57,8 +51,12 @@ class SharedShardOptimizerView:
         return sds[0] if len(sds) == 1 else sds
 
     def load_state_dict(self, state_dict):
+        """1F1B's state into the home copy's sub-optimizers and, by the same keys, the mirror's; a
+        torch_dist load (what :meth:`sharded_state_dict` asked for) gives the mirror's its own shards."""
+        mirror = None
         if isinstance(state_dict, dict) and MIRROR_KEY in state_dict:
-            return self._load_sharded(state_dict)
+            state_dict = dict(state_dict)
+            mirror = state_dict.pop(MIRROR_KEY)
         sds = [state_dict] if len(self._home) == 1 else (
             [v for _, v in sorted(state_dict.items())] if isinstance(state_dict, dict) else list(state_dict))
         if len(sds) != len(self._home):
@@ -71,7 +69,11 @@ class SharedShardOptimizerView:
             if sd is None:
                 raise RuntimeError(f"the checkpoint holds no {self._kind[id(o)]} optimizer state for this rank's "
                                    "mirrored stage: it was saved for another model; resume with --no-load-optim")
-            o.load_state_dict(sd if o in self._home else _for_mirror(o, sd))
+            if o in self._home:
+                o.load_state_dict(sd)
+            else:
+                sd = _for_mirror(o, sd)
+                o.load_state_dict(sd if mirror is None else dict(sd, param_state=mirror[self._kind[id(o)]]))
 
     # torch_dist, fully reshardable (module docstring); a load also asks for the mirror's parts (MIRROR_KEY).
 
@@ -83,20 +85,6 @@ class SharedShardOptimizerView:
             out[MIRROR_KEY] = {self._kind[id(o)]: parts[id(o)].get("param_state")
                                for o in self._subs if o not in self._home}
         return out
-
-    def _load_sharded(self, state_dict):
-        """``load_state_dict`` of what :meth:`sharded_state_dict` asked for: the home copy's
-        sub-optimizers as 1F1B's, the mirror's with the same common state and their own shards."""
-        state_dict = dict(state_dict)
-        mirror = state_dict.pop(MIRROR_KEY)
-        sds = [state_dict] if len(self._home) == 1 else [v for _, v in sorted(state_dict.items())]
-        loaded = {self._kind[id(o)]: sd for o, sd in zip(self._home, sds)}
-        for o in self._subs:
-            kind = self._kind[id(o)]
-            if o in self._home:
-                o.load_state_dict(loaded[kind])
-            else:
-                o.load_state_dict(dict(_for_mirror(o, loaded[kind]), param_state=mirror[kind]))
 
     def save_parameter_state(self, filename):
         import torch

@@ -1,23 +1,8 @@
-"""How each (schedule, checkpoint format) saves and loads: one function per cell of the table.
-
-Every schedule's checkpoint holds 1F1B's layout, so that any schedule resumes any other's:
-
-==============  ===========================================  ============================================
-schedule        ``--ckpt-format torch``                      ``torch_dist``
-==============  ===========================================  ============================================
-dualpipe        save ``model[0]`` and its optimizer state    save without the mirror's entries and grad
-                as 1F1B's one chunk; load them into           buffers; load (every replica reads its
-                ``model[0]``, then mirrors from home copies  stage's shards), then mirrors from home copies
-dualpipev       Megatron's two-chunk file plus ``model``,     as Megatron does (global keys), the tied
-                1F1B stage ``i``; a one-chunk file is cut    output weight written once (as the
-                into the V-stages at load                    embedding); another layout's
-                                                             dp_reshardable optimizer state refused
-others          as Megatron does                              as Megatron does
-==============  ===========================================  ============================================
-
-Optimizer state across the DualPipeV and 1F1B layouts is refused before a torch-format load
-(:func:`refuse_optimizer_across_layouts`). Every torch_dist save and load of both writes the fully
-reshardable state at each parameter's own offsets (:func:`.optimizers.exact_offsets`).
+"""How each (schedule, checkpoint format) saves and loads: one function per cell of :data:`SAVE` /
+:data:`LOAD` (others: as Megatron does). Every schedule's checkpoint holds 1F1B's layout, so that any
+schedule resumes any other's; optimizer state across the DualPipeV and 1F1B layouts is refused before
+a torch-format load, and every torch_dist save and load writes the fully reshardable state at each
+parameter's own offsets (:func:`.optimizers.exact_offsets`).
 """
 
 import contextlib
@@ -129,7 +114,7 @@ SAVE: Dict[Tuple[str, str], Callable] = {
 
 
 # --- load: (orig, args, model, optimizer, file, *rest) -> what Megatron's load returns ----------
-# ``file`` is files.peek_torch_checkpoint's (keys, schedule that wrote it) for torch, else None.
+# ``file`` is hooks.peek_torch_checkpoint's (keys, schedule that wrote it) for torch, else None.
 
 
 def load_as_is(orig, args, model, optimizer, file, *a, **kw):
@@ -211,8 +196,7 @@ def refuse_unreadable_format(model, fmt: str) -> None:
 
 def one_chunk_file(file) -> bool:
     """A torch-format file in 1F1B's layout (``model``, no ``model0``/``model1``)."""
-    keys, _ = file
-    return not ("model0" in keys and "model1" in keys)
+    return not ("model0" in file[0] and "model1" in file[0])
 
 
 def refuse_optimizer_across_layouts(args, optimizer, schedule: str, file) -> None:

@@ -1,17 +1,10 @@
 """``--ckpt-format torch_dist`` under ``--pipeline-schedule dualpipe``: the mirror is never written.
 
-DualPipe's ``model[1]`` on rank ``i`` is a copy of stage ``pp-1-i``, keyed as that stage, so at load
-it reads the stage's shards like any replica. At save it must not take part:
-
-* its entries carry a :class:`MirrorReplicaId` (non-main, recognisable in the optimizer's state
-  too), and :func:`drop_mirror_entries` replaces them by non-persistent placeholders: Megatron's
-  fully parallel save re-assigns ``replica_id = 0`` to every local shard, and with tied embeddings
-  the last stage's mirror holds the embedding on the rank of its home copy ("Invalid access
-  pattern ... tensor([[2]])");
-* the distributed optimizer's ``dp_reshardable`` state is keyed by grad buffer, and DualPipe's are
-  model[0]'s then the mirror's: :func:`model0_distributed_optimizers` presents model[0]'s only, as
-  a 1F1B run writes them ("KeyError: ... gbuf_idx_1"). At load the mirror's buffers keep their
-  values until ``mirrors.sync_mirrors`` copies the home copy's state over the bd pair.
+DualPipe's ``model[1]`` on rank ``i`` is a copy of stage ``pp-1-i``, keyed as that stage: at load it
+reads the stage's shards like any replica; at save its entries (a :class:`MirrorReplicaId`) are
+dropped, because Megatron's fully parallel save re-assigns ``replica_id = 0`` to every local shard
+("Invalid access pattern ... tensor([[2]])"), and the distributed optimizer's ``dp_reshardable`` state
+holds model[0]'s grad buffers only, as a 1F1B run writes them ("KeyError: ... gbuf_idx_1").
 """
 
 import functools
@@ -29,9 +22,8 @@ class MirrorReplicaId(tuple):
 
 
 def mirror_replica_id(replica_id) -> MirrorReplicaId:
-    if isinstance(replica_id, tuple):
-        return MirrorReplicaId((1 + replica_id[0], *replica_id[1:])) if replica_id else MirrorReplicaId((1,))
-    return MirrorReplicaId((1 + replica_id,))
+    ids = replica_id if isinstance(replica_id, tuple) else (replica_id,)
+    return MirrorReplicaId((1 + ids[0], *ids[1:]) if ids else (1,))
 
 
 def is_mirror_entry(value) -> bool:
@@ -109,15 +101,6 @@ def mark_v_tied_output_weight(model) -> None:
 # --- the distributed optimizer's dp_reshardable state: model[0]'s grad buffers only ---
 
 
-def home_buffer_count(opt, keep_ids) -> int:
-    """How many of ``opt``'s grad buffers are model[0]'s (they must come first, as in a one-chunk run)."""
-    home = home_buffers(opt, keep_ids)
-    if home != list(range(len(home))):
-        raise RuntimeError(f"--pipeline-schedule dualpipe: model[0]'s grad buffers are {home} of "
-                           f"{len(opt.buffers)}, not the first ones; torch_dist cannot save them as a one-chunk run does")
-    return len(home)
-
-
 def model0_distributed_optimizers(model, optimizer):
     """Within the block, each distributed optimizer's ``sharded_state_dict`` (dp_reshardable)
     holds model[0]'s buffers only, and its ``load_parameter_state_from_dp_reshardable`` keeps the
@@ -125,7 +108,12 @@ def model0_distributed_optimizers(model, optimizer):
     ``hooks.scoped`` swaps: the class is not changed."""
     swaps, keep_ids = [], model0_ids(model)
     for opt in (o for o in inner_optimizers(optimizer) if is_distributed_optimizer(o)):
-        n_home = home_buffer_count(opt, keep_ids)
+        home = home_buffers(opt, keep_ids)  # model[0]'s must come first, as in a one-chunk run
+        if home != list(range(len(home))):
+            raise RuntimeError(f"--pipeline-schedule dualpipe: model[0]'s grad buffers are {home} of "
+                               f"{len(opt.buffers)}, not the first ones; torch_dist cannot save them as a one-chunk "
+                               "run does")
+        n_home = len(home)
         if n_home == len(opt.buffers):
             continue
         swaps += [_SHARDED_STATE_DICT.to(_home_sharded_state_dict(opt, n_home), on=opt),
