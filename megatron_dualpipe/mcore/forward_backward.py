@@ -150,14 +150,14 @@ class ExecutorSchedule:
         reduction = None if forward_only else GradReduction(model, config)
         # Through megatron-core's combined step when the model offers it (mcore.overlap).
         compute = (OverlappedStageCompute if offers_combined_step(config, forward_only) else MegatronStageCompute)(
-            program=it.program, model=model, rank=it.rank,
-            forward_step_func=forward_step_func, source=MicrobatchSource(data_iterator),
-            config=config, forward_only=forward_only, collect_non_loss_data=collect_non_loss_data,
-            first_val_step=first_val_step, global_ranks=it.global_ranks, wgrad_store=store, audit=self._wgrad.DeferralAudit() if store is not None and not self._audited else None)
+            program=it.program, model=model, rank=it.rank, forward_step_func=forward_step_func,
+            source=MicrobatchSource(data_iterator), config=config, forward_only=forward_only,
+            collect_non_loss_data=collect_non_loss_data, first_val_step=first_val_step, global_ranks=it.global_ranks,
+            wgrad_store=store, audit=self._wgrad.DeferralAudit() if store is not None and not self._audited else None)
         advice = self._advice if self._advice is not None and self._advice.wanted(forward_only) else None
-        ops = ProgramOps(it.program.ops[it.rank], it=it, model=model, config=config, compute=compute, reduction=reduction,
-                         forward_only=forward_only, force_all_reduce=force_all_reduce, timeout_s=self.p2p_timeout,
-                         describe=f"{self.spec.name} pipeline rank {it.rank}: ")
+        ops = ProgramOps(it.program.ops[it.rank], it=it, model=model, config=config, compute=compute,
+                         reduction=reduction, forward_only=forward_only, force_all_reduce=force_all_reduce,
+                         timeout_s=self.p2p_timeout, describe=f"{self.spec.name} pipeline rank {it.rank}: ")
         with _timer(config):
             with advice.measuring(model) if advice is not None else contextlib.nullcontext() as recorder:
                 losses = self._run(it, compute, ops, config, model, forward_only, recorder)
@@ -168,7 +168,11 @@ class ExecutorSchedule:
                               model=model, group=it.group, actions=it.program.actions[it.rank],
                               is_fake=it.program.padded.is_fake, device=it.tensor_spec.device,
                               message_bytes=math.prod(it.tensor_spec.shape) * it.tensor_spec.dtype.itemsize)
-            self._report_deferral(compute.audit, it.rank)
+            if compute.audit is not None:  # once per process: how much weight-gradient work W holds if B kept some
+                self._audited = True
+                message = compute.audit.report()
+                if message:
+                    log.warning("megatron-dualpipe: %s pipeline rank %d: %s", self.spec.name, it.rank, message)
         return losses
 
     # -- plan ------------------------------------------------------------------------------------
@@ -207,15 +211,6 @@ class ExecutorSchedule:
             log.warning("megatron-dualpipe: %s with pp=%d needs %d micro-batches, got %d: added %d fake "
                         "micro-batch(es) (no data, no compute, zero loss and gradient)%s", self.spec.name, pp,
                         padded, real, padded - real, " in evaluation" if forward_only else "")
-
-    def _report_deferral(self, audit, rank: int) -> None:
-        """Once per process: say how much weight-gradient work W holds if B kept some."""
-        if audit is None:
-            return
-        self._audited = True
-        message = audit.report()
-        if message:
-            log.warning("megatron-dualpipe: %s pipeline rank %d: %s", self.spec.name, rank, message)
 
     # -- run ---------------------------------------------------------------------------------------
     def _run(self, it: _Iteration, compute: MegatronStageCompute, ops: ProgramOps, config, model,

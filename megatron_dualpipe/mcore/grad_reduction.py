@@ -19,13 +19,13 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ..executor import pair_sums
+from ..executor import pair_sums, watchdog
+from ..executor.streams import waits_order_stream
 from ..schedule.lowering import OpKind
 from . import bd_pairs, copies
 from .finalize import (BD_SUM_TIMEOUT_S, is_wrapped, chunk_layout, tied_copies, allreduce_bd_grads,
                        check_buffer_layouts, fold_tied_embedding_grads, sum_tensors)
 from .model import BIDIRECTIONAL, embedding_copy, unwrap_chunk
-from .dp_watch import watch_dp_reduction
 
 __all__ = ["GradReduction", "clear_deferred_output_wgrads"]
 
@@ -191,3 +191,23 @@ def _finish_deferred_output_wgrads(config, chunk) -> None:
         m.embedding_activation_buffer.append(m.embedding_activation_buffer[0])
         m.grad_output_buffer.append(torch.zeros_like(m.grad_output_buffer[0]))
     schedules.finish_embedding_wgrad_compute(config, m, True, parallel_state.get_tensor_model_parallel_group())
+
+
+def watch_dp_reduction(chunk, what: str) -> None:
+    """Hand the works of ``chunk``'s started data-parallel reductions to the iteration's watchdog (accelerator
+    only: on the host the wait is gloo's). DDP's ``finish_grad_sync`` waits for them with no deadline of ours, so
+    a data-parallel peer that raised would hold it until NCCL's timeout; watched, they keep the iteration's
+    deadline and stop at the abort signal, naming ``what`` (this rank and the chunk) and the reduction's ranks."""
+    dog = watchdog.current()
+    if dog is None or not waits_order_stream(next(chunk.parameters())):
+        return
+    for bucket_group in list(getattr(chunk, "bucket_groups", [])) + list(
+            getattr(chunk, "expert_parallel_bucket_groups", [])):
+        handle = getattr(bucket_group, "grad_reduce_handle", None)
+        if handle is None:
+            continue
+        group = getattr(bucket_group, "intra_distributed_optimizer_instance_group", None) or \
+            getattr(bucket_group, "data_parallel_group", None)
+        ranks = dist.get_process_group_ranks(group) if group is not None else "?"
+        for work in getattr(handle, "works", [handle]):
+            dog.track(work, f"{what}: the data-parallel reduction over global ranks {ranks}")

@@ -46,18 +46,6 @@ def _require() -> _BDRegistry:
     return _REGISTRY
 
 
-def _all_pipeline_groups(pp_ranks: List[int]) -> List[List[int]]:
-    """Every pipeline group of the world, in the same order on every rank."""
-    world = dist.get_world_size()
-    gathered: List[Optional[List[int]]] = [None] * world
-    dist.all_gather_object(gathered, list(pp_ranks))
-    distinct = sorted({tuple(g) for g in gathered})
-    covered = sorted(r for g in distinct for r in g)
-    if covered != list(range(world)):
-        raise RuntimeError(f"pipeline groups do not partition the world (world size {world}): {distinct}")
-    return [list(g) for g in distinct]
-
-
 def build_bd_groups(*, timeout=None, backend=None) -> None:
     """Create the bd groups and the reversed pipeline groups (collective over all ranks), once, after
     ``parallel_state.initialize_model_parallel`` and before ``model.build_two_direction_model``.
@@ -83,8 +71,14 @@ def build_bd_groups(*, timeout=None, backend=None) -> None:
     pp = len(my_ranks)
     kwargs = dict(timeout=timeout, backend=backend)
 
+    world = dist.get_world_size()
+    gathered: List[Optional[List[int]]] = [None] * world
+    dist.all_gather_object(gathered, list(my_ranks))
+    distinct = sorted({tuple(g) for g in gathered})  # every pipeline group, in the same order on every rank
+    if sorted(r for g in distinct for r in g) != list(range(world)):
+        raise RuntimeError(f"pipeline groups do not partition the world (world size {world}): {distinct}")
     reg = _BDRegistry(pp_ranks=list(my_ranks))
-    for ranks in _all_pipeline_groups(my_ranks):
+    for ranks in map(list, distinct):
         if len(ranks) != pp:
             raise RuntimeError(f"pipeline groups of different sizes: {ranks} vs {my_ranks}")
         # Reversed pipeline group: group rank pp-1-i on pipeline rank i.

@@ -2,12 +2,10 @@
 
 With ``--dualpipe-advise`` (Megatron-LM) or ``advise=True`` (megatron-core), global rank 0 logs what
 :func:`megatron_dualpipe.costs.advice.advise` says for costs measured in :data:`MEASURED_ITERATIONS` training
-iterations after a warm-up (:data:`DEFAULT_WARMUP`): the first iterations carry one-time costs in *every* unit
-(a first iteration measured f=97.6 ms, b=28.5 ms, a fused F&B cheaper than F), which no median removes. Costs no
-real run can have are not advised from (:func:`cost_problem`). Nothing is guessed: per-op medians of the timed
-units, the largest over the pipeline ranks (the slowest stage sets the pace); the distinct storages autograd
-saved during a lone forward (parameters excluded); a stage's parameters with Megatron's plain optimizer state;
-the accelerator's memory; and the job's links timed right after by :mod:`.comm_probe`.
+iterations after a warm-up (:data:`DEFAULT_WARMUP`): the first iterations carry one-time costs in *every* unit,
+which no median removes, and costs no real run can have are not advised from (:func:`cost_problem`). Measured:
+per-op medians, the slowest pipeline rank's; the storages autograd saved in a lone forward; the parameters with
+Megatron's plain optimizer state; the accelerator's memory; the job's links (:mod:`.comm_probe`).
 """
 from __future__ import annotations
 
@@ -84,6 +82,7 @@ class LiveAdvice:
                device: torch.device, message_bytes: float = 0.0) -> None:
         """Called by every rank after each training call; after the last measured one the costs are all-reduced
         over the pipeline, the job's links timed, and rank 0 logs the advice."""
+        from ..costs.comm_cost import CommModel, Network, Placement
         from ..executor.trace import op_medians
         from ..schedule.layout import BIDIRECTIONAL
         from ..schedule.registry import get
@@ -112,7 +111,11 @@ class LiveAdvice:
         # bytes of a stage's gradients as reduced: Megatron's main_grad where there is one
         grad_bytes = float(sum(p.numel() * getattr(getattr(p, "main_grad", None), "element_size", lambda: 4)()
                                for p in model[0].parameters()))
-        comm = comm_model(links, pp, grad_bytes, message_bytes, **reduction_of(model))
+        # an unmeasured link (no bd pair, dp=1) is taken as the first measured one of bd, dp, P2P
+        known = links.bd or links.dp or links.p2p
+        comm = None if known is None else CommModel(
+            Placement(pp, links.dp_size), Network(known, known), grad_bytes, message_bytes, bd_link=links.bd,
+            dp_link=links.dp, p2p_link=links.p2p, **reduction_of(model))
         limit = float(torch.cuda.get_device_properties(device).total_memory) if device.type == "cuda" else None
         message = advice_text(spec_name, pp, microbatches, per_op, values[-1].item(),
                               stage_parameter_bytes(model[0]), limit, measured=measured, comm=comm)
@@ -154,18 +157,6 @@ def reduction_of(model) -> dict:
     mode = of(model).way
     return {"distributed_optimizer": bool(cfg is not None and cfg.use_distributed_optimizer),
             "overlap_grad_reduce": bool(cfg is None or cfg.overlap_grad_reduce), "bd_mode": mode}
-
-
-def comm_model(links, pp: int, grad_bytes: float, message_bytes: float, **reduction):
-    """The communication model of the measured links (None when none was measured); an unmeasured link (no bd
-    pair, dp=1) is taken as the first measured one of bd, dp, P2P."""
-    from ..costs.comm_cost import CommModel, Network, Placement
-
-    known = links.bd or links.dp or links.p2p
-    if known is None:
-        return None
-    return CommModel(Placement(pp, links.dp_size), Network(known, known), grad_bytes, message_bytes,
-                     bd_link=links.bd, dp_link=links.dp, p2p_link=links.p2p, **reduction)
 
 
 def advice_text(schedule: str, pp: int, microbatches: int, per_op: dict, activation_bytes: float,

@@ -381,7 +381,9 @@ REFUSED: Tuple[Refused, ...] = (
          "torch_dist keyed by parameter (--dist-ckpt-optim-fully-reshardable; Megatron's default keys it by grad "
          "buffer, whose layout is per shard group)",
          lambda a: (getattr(a, "save", None) is not None or getattr(a, "load", None) is not None)
-         and not _shared_layout_format(a),
+         and getattr(a, "ckpt_format", "torch_dist") != "torch" and not (
+             getattr(a, "ckpt_format", "torch_dist") == "torch_dist"
+             and getattr(a, "dist_ckpt_optim_fully_reshardable", False)),
          "use --ckpt-format torch, or torch_dist with --dist-ckpt-optim-fully-reshardable"),
         ("--num-experts with --save / --load", "the expert layers' optimizer state in checkpoints is not yet "
          "proven equal to 1F1B's with it",
@@ -426,12 +428,6 @@ REFUSED: Tuple[Refused, ...] = (
          "remove it, or remove --dualpipe-dp-first"),
     )
 )
-
-
-def _shared_layout_format(args) -> bool:
-    """Whether --dualpipe-shared-shard-group writes and reads ``args``' checkpoint format."""
-    fmt = getattr(args, "ckpt_format", "torch_dist")
-    return fmt == "torch" or (fmt == "torch_dist" and bool(getattr(args, "dist_ckpt_optim_fully_reshardable", False)))
 
 
 def flag_on(flag: str, source) -> bool:

@@ -153,8 +153,10 @@ class OverlappedStageCompute(MegatronStageCompute):
                 b_input, b_output = self.saved.pop((ba.dir, ba.mb, ba.stage))
                 queued = self._te_sizes(ba.dir)
                 te_deferred = self._defer_weight_grads(ba, stack) and queued is not None
-                if te_deferred:
-                    _no_inline_weight_grads(b_output.schedule_plan)
+                for layer in b_output.schedule_plan._transformer_layers if te_deferred else ():
+                    for node in compat.layer_plan_nodes(layer).values():  # skip their backward_dw(): W computes it
+                        if hasattr(node, "delay_wgrad_compute"):
+                            node.delay_wgrad_compute = False
             output, num_tokens, input_grad = combined_1f1b.combined_forward_backward_step(
                 self.forward_step_func, data, f_model, self.real, input_tensor, store, b_model, b_input, b_output,
                 output_grad, self.config, collect_non_loss_data=self.collect_non_loss_data,
@@ -164,14 +166,6 @@ class OverlappedStageCompute(MegatronStageCompute):
         if fa is not None:
             self._end_forward(fa, input_tensor, output, num_tokens)
         return output, input_grad
-
-
-def _no_inline_weight_grads(plan) -> None:
-    """The schedule plan's layer nodes skip their ``backward_dw()`` (a B action: W computes them)."""
-    for layer in plan._transformer_layers:
-        for node in compat.layer_plan_nodes(layer).values():
-            if hasattr(node, "delay_wgrad_compute"):
-                node.delay_wgrad_compute = False
 
 
 def _check_forward_step_func(func) -> None:

@@ -1,11 +1,10 @@
 """``config.param_sync_func`` on the executor: each chunk's parameter all-gathers started before its first
 forward (``--overlap-param-gather`` with the default ``--align-param-gather``).
 
-Without the call each bucket's pre-hook would start its own all-gather and wait at once (correct, nothing
-hidden). As Megatron's interleaved schedule does for its first two chunks, the program's ``gather C`` op starts
-a chunk's gathers before the first action, in the order of the chunks' first forwards (one NCCL communicator
-runs them in issue order; every data-parallel member runs the same program), and DDP's pre-hook waits in the
-``run`` after ``gathered C``. Only chunks with a real forward are gathered; evaluation gathers none.
+Without it each bucket's pre-hook would start its own all-gather and wait at once. As Megatron's interleaved
+schedule does, the program's ``gather C`` op starts a chunk's gathers before the first action, in the order of
+the chunks' first forwards (one NCCL communicator runs them in issue order), and DDP's pre-hook waits after
+``gathered C``. Only chunks with a real forward are gathered; evaluation gathers none.
 """
 from __future__ import annotations
 

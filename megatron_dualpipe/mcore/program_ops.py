@@ -1,12 +1,8 @@
 """The ops of a rank's program that the Megatron glue issues: the collectives around the schedule.
 
-The runner hands every op it does not run itself (``schedule.lowering.DELEGATED``) to its listeners;
-the ops after ``finish`` run after the schedule, outside Megatron's ``no_sync``, in list order.
-:class:`ProgramOps` issues each where the list has it and decides none of their places:
-``gather C`` / ``gathered C`` (``param_gather``; DDP's forward pre-hook waits), ``final`` / ``sum`` /
-``summed`` / ``settle`` / ``dp`` (`GradReduction`), ``loss D -> P`` / ``loss D <- P`` (``loss_gather``,
-then the MTP loss tracker when training with MTP), ``coll token-count over pp`` and ``finalize``
-(``finalize.all_reduce_token_count``, ``finalize.finalize_after_token_count`` for two chunks).
+The runner hands every op it does not run itself (``schedule.lowering.DELEGATED``) to its listeners; the ops
+after ``finish`` run after the schedule, outside Megatron's ``no_sync``, in list order. :class:`ProgramOps`
+issues each where the list has it (``ProgramOps._do`` names who issues each kind) and decides none of their places.
 """
 from __future__ import annotations
 

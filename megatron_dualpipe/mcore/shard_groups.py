@@ -1,15 +1,11 @@
 """The shared shard group's process groups, and the scope in which megatron-core sees them.
 
-With ``--dualpipe-shared-shard-group`` (docs/design-shared-shard-group.md) chunk ``c`` is reduce-
-scattered, stepped and all-gathered over the ranks holding either copy of its stage, so the optimizer
-keeps 1F1B's ``1/dp`` in all and the reduce-scatter sums the two copies. The groups come from megatron-
-core's *own* data-parallel groups (dense and expert): chunk 0's is this rank's group followed by its
-members' bd partners, chunk 1's the other way round; every rank creates every group in one order.
-
-:func:`partial_groups_of` answers ``parallel_state``'s *partial* data-parallel getters (what a gradient
-buffer and the distributed optimizer use) with a chunk's group while its DDP or optimizer is built, and
-nothing else: the full data-parallel group keeps size ``dp``, so DDP still scales by ``1/dp`` and the
-optimizer's instance id stays 0.
+With ``--dualpipe-shared-shard-group`` (docs/design-shared-shard-group.md) chunk ``c`` is reduce-scattered,
+stepped and all-gathered over the ranks holding either copy of its stage: the optimizer keeps 1F1B's ``1/dp``
+and the reduce-scatter sums the copies. Chunk 0's group is this rank's own data-parallel group (dense, expert)
+followed by its members' bd partners, chunk 1's the other way round. :func:`partial_groups_of` answers only
+the *partial* data-parallel getters with it: the full group keeps size ``dp``, so DDP still scales by ``1/dp``
+and the optimizer's instance id stays 0.
 """
 from __future__ import annotations
 

@@ -1,12 +1,10 @@
 """What a rank holds for its model, in bytes, against what Megatron's 1F1B would hold.
 
-DualPipe holds two stages per rank, twice 1F1B's parameters, gradients and optimizer state.
-:func:`rank_bytes` counts them on the built objects: each parameter and gradient storage once (DDP's
-buffers with their padding: it is memory); the optimizer's main parameters where they are copies (a
-view into a model parameter costs nothing) and its per-parameter state, from ``optimizer.state`` where
-it exists, else what the first step will allocate. Each figure goes to the chunk its parameter belongs
-to, so 1F1B's figure is ``model[0]``'s share (as the copy-sum way shards it). :func:`gather_table`
-collects every rank's figures; ``megatron_lm.training_hooks`` prints the table once.
+:func:`rank_bytes` counts on the built objects: each parameter and gradient storage once (DDP's buffers with
+their padding: it is memory); the optimizer's main parameters where they are copies (a view into a model
+parameter costs nothing) and its per-parameter state, from ``optimizer.state`` where it exists, else what the
+first step will allocate. Each figure goes to its parameter's chunk, so 1F1B's is ``model[0]``'s share (as the
+copy-sum way shards it); ``megatron_lm.training_hooks`` prints :func:`gather_table`'s table once.
 """
 from __future__ import annotations
 
@@ -194,8 +192,7 @@ def gather_table(model, optimizer, pp_rank: int, group=None) -> Tuple[List[Table
     import torch.distributed as dist
 
     mine = torch.tensor(_pack(pp_rank, rank_bytes(model, optimizer), copies.of(model)), dtype=torch.int64)
-    backend = dist.get_backend(group)
-    if "nccl" in str(backend):
+    if "nccl" in str(dist.get_backend(group)):
         mine = mine.to(torch.device("cuda", torch.cuda.current_device()))
     every = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(every, mine, group=group)

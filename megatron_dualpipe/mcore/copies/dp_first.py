@@ -6,15 +6,13 @@ data-parallel coordinates). Megatron's finalize calls ``finish_grad_sync`` chunk
 """
 from __future__ import annotations
 
-from typing import List, Sequence
-
-import torch
+from typing import Sequence
 
 from ...schedule.copy_sum import DP_FIRST
 from .. import bd_pairs
 from .way import CopySumWay
 
-__all__ = ["DP_FIRST_ATTR", "WAY", "summing_shards_over_pairs", "own_shards", "whole_buffers"]
+__all__ = ["DP_FIRST_ATTR", "WAY", "summing_shards_over_pairs"]
 
 #: Set on a DDP chunk whose copies are summed after its reduce-scatter, on its shards.
 DP_FIRST_ATTR = "dualpipe_dp_first"
@@ -24,25 +22,6 @@ def _buckets(ddp) -> list:
     """(bucket group, bucket) of every bucket, dense then expert-parallel."""
     groups = list(ddp.bucket_groups) + list(ddp.expert_parallel_bucket_groups)
     return [(group, bucket) for group in groups for bucket in group.buckets]
-
-
-def own_shards(ddp) -> List[torch.Tensor]:
-    """This rank's shard of every bucket, the views megatron-core's ``start_grad_sync`` reduce-scatters into."""
-    from megatron.core.distributed.param_and_grad_buffer import shard_buffer
-
-    return [shard_buffer(b.grad_data, g.intra_distributed_optimizer_instance_size)[
-                g.intra_distributed_optimizer_instance_rank] for g, b in _buckets(ddp)]
-
-
-def whole_buffers(ddp) -> List[torch.Tensor]:
-    """Every bucket's whole gradient, as an all-reduce over the replicas left it."""
-    return [b.grad_data for _, b in _buckets(ddp)]
-
-
-def shard_layout(ddp) -> list:
-    """What must match between the two copies for their shards to be summed element by element."""
-    return [(str(b.grad_data.dtype), b.grad_data.numel(), g.intra_distributed_optimizer_instance_size,
-             g.intra_distributed_optimizer_instance_rank) for g, b in _buckets(ddp)]
 
 
 def summing_shards_over_pairs(ddp_class):
@@ -67,12 +46,19 @@ def summing_shards_over_pairs(ddp_class):
             from ..model import chunk_info
 
             stage = (chunk_info(self) or {}).get("stage", "?")
-            if not self._dp_first_checked:
+            buckets = [(g.intra_distributed_optimizer_instance_size, g.intra_distributed_optimizer_instance_rank,
+                        b.grad_data) for g, b in _buckets(self)]
+            if not self._dp_first_checked:  # the shards are summed element by element
                 bd_pairs.check_same_structure(
-                    shard_layout(self), f"--dualpipe-dp-first: the gradient shards of stage {stage} (both copies "
-                    f"need the same buckets and the same data-parallel rank)", pos)
+                    [(str(grad.dtype), grad.numel(), size, rank) for size, rank, grad in buckets],
+                    f"--dualpipe-dp-first: the gradient shards of stage {stage} (both copies need the same buckets "
+                    f"and the same data-parallel rank)", pos)
                 self._dp_first_checked = True
-            summed = whole_buffers(self) if forced else own_shards(self)
+            from megatron.core.distributed.param_and_grad_buffer import shard_buffer
+
+            # the whole buckets as an all-reduce over the replicas left them, else this rank's shard of each (the
+            # views megatron-core's start_grad_sync reduce-scatters into)
+            summed = [grad if forced else shard_buffer(grad, size)[rank] for size, rank, grad in buckets]
             pair_sums.sum_now(summed, pos.group, in_place=True, timeout_s=bd_pairs.BD_SUM_TIMEOUT_S,
                               what=f"global rank {pos.me}: the bd sum of stage {stage}'s gradient shards with "
                                    f"global rank {pos.partner} (--dualpipe-dp-first)")
