@@ -36,10 +36,9 @@ def masked_loss_func(loss_mask, output_tensor):
 
 
 def forward_step(data_iterator, model, return_schedule_plan: bool = False):
-    """``pretrain_gpt.forward_step``'s contract: the first stage reads tokens, the last labels and
-    the loss mask (``parallel_state`` answers for the direction being computed; the other stages
-    read nothing), a stage with MTP layers tokens too and hands the model the loss mask (its MTP
-    loss's); with ``return_schedule_plan`` the model's plan for the combined step."""
+    """``pretrain_gpt.forward_step``'s contract: the first stage reads tokens, the last labels and the
+    loss mask (``parallel_state`` answers for the direction being computed), an MTP stage tokens and
+    the loss mask too; with ``return_schedule_plan`` the model's plan for the combined step."""
     from megatron.core import parallel_state as ps
 
     inner = model

@@ -62,10 +62,8 @@ class ModelSpec:
         return make_gpt_batches(n, vocab=self.vocab, seq=self.seq, mbs=self.mbs, seed=seed, short=short)
 
 
-def _swiglu_rmsnorm() -> Tuple[Tuple[str, Any], ...]:
-    import torch.nn.functional as F
-
-    return (("gated_linear_unit", True), ("activation_func", F.silu), ("normalization", "RMSNorm"))
+SWIGLU_RMSNORM = (("gated_linear_unit", True), ("activation_func", torch.nn.functional.silu),
+                  ("normalization", "RMSNorm"))
 
 
 def users_architecture(spec: ModelSpec) -> ModelSpec:
@@ -74,7 +72,7 @@ def users_architecture(spec: ModelSpec) -> ModelSpec:
     scaling), SwiGLU, RMSNorm, untied output weights."""
     model = (("position_embedding_type", "rope"), ("rotary_base", 500000), ("rotary_percent", 0.5),
              ("rope_scaling", True), ("rope_scaling_factor", 8.0))
-    return dataclasses.replace(spec, tied=False, config=spec.config + _swiglu_rmsnorm(), model=spec.model + model)
+    return dataclasses.replace(spec, tied=False, config=spec.config + SWIGLU_RMSNORM, model=spec.model + model)
 
 
 V3_LABEL = ("MLA + YaRN, SwiGLU, RMSNorm, untied; layer 1 dense; sigmoid routing with expert bias, top-2 "
@@ -93,12 +91,11 @@ def deepseek_v3(spec: ModelSpec) -> ModelSpec:
            ("moe_router_num_groups", 2), ("moe_router_group_topk", 1), ("moe_router_topk_scaling_factor", 2.5),
            ("moe_shared_expert_intermediate_size", spec.hidden), ("moe_layer_freq", [0] + [1] * (spec.layers - 1)))
     mla = multi_latent(spec)
-    return dataclasses.replace(mla, config=mla.config + _swiglu_rmsnorm() + moe)
+    return dataclasses.replace(mla, config=mla.config + SWIGLU_RMSNORM + moe)
 
 
 def multi_latent(spec: ModelSpec) -> ModelSpec:
-    """``spec`` with DeepSeek-V3's multi-latent attention (low-rank q and kv, decoupled RoPE heads,
-    YaRN), untied output weights."""
+    """``spec`` with DeepSeek-V3's multi-latent attention (low-rank q and kv, decoupled RoPE, YaRN), untied."""
     head = spec.hidden // spec.heads
     mla = (("multi_latent_attention", True), ("q_lora_rank", spec.hidden), ("kv_lora_rank", spec.hidden // 2),
            ("qk_head_dim", head), ("qk_pos_emb_head_dim", head // 2), ("v_head_dim", head), ("rope_type", "yarn"),
@@ -126,14 +123,13 @@ def config_of(spec: ModelSpec, *, full: bool = False, executor: bool = False):
     overrides.update(spec.config)
     config = tiny_gpt.tiny_gpt_config(num_layers=spec.layers, hidden_size=spec.hidden,
                                       num_attention_heads=spec.heads, **overrides)
-    if executor and spec.combined_step:
-        from ..mcore.overlap import enable_combined_step
+    if executor and (spec.combined_step or spec.te_deferral):
+        from ..mcore.overlap import enable_combined_step, enable_deferred_wgrads
 
-        enable_combined_step(config, delay_wgrad_compute=spec.te_deferral)
-    elif executor and spec.te_deferral:
-        from ..mcore.overlap import enable_deferred_wgrads
-
-        enable_deferred_wgrads(config)
+        if spec.combined_step:
+            enable_combined_step(config, delay_wgrad_compute=spec.te_deferral)
+        else:
+            enable_deferred_wgrads(config)
     return config
 
 
@@ -152,8 +148,7 @@ def full_model(spec: ModelSpec):
 
     tiny_gpt.seed_all(SEED)
     pgc = copy.copy(ProcessGroupCollection.use_mpu_process_groups())
-    pgc.pp = None  # a one-stage pipeline
-    pgc.embd = None
+    pgc.pp = pgc.embd = None  # a one-stage pipeline
     # megatron-core asks parallel_state whether this is the last stage, where MTP layers are built
     one_stage = (hooks.entry("scoped", name).to(lambda *a, **k: True)
                  for name in ("is_pipeline_first_stage", "is_pipeline_last_stage"))
@@ -211,9 +206,8 @@ def _interleaved(spec: ModelSpec) -> List[torch.nn.Module]:
 
 
 def build(spec: ModelSpec, schedule: str, full: Dict[str, torch.Tensor]) -> List[torch.nn.Module]:
-    """The chunks ``schedule`` runs on this rank, loaded from ``full``: 1F1B one stage; DualPipe
-    model[0] loaded and broadcast to its partner's mirror; DualPipeV and interleaved 1F1B both
-    chunks loaded. With ``te_deferral``, every schedule's chunks in megatron DDP (:func:`_in_ddp`)."""
+    """The chunks ``schedule`` runs on this rank, loaded from ``full`` (DualPipe's mirrors broadcast
+    from their partners); with ``te_deferral`` in megatron DDP (:func:`_in_ddp`)."""
     from ..mcore.model import broadcast_mirrors, build_two_direction_model
 
     kind = registry.get(schedule).layout_kind if schedule in registry.NAMES else None

@@ -53,9 +53,8 @@ def load_stage_from_full(stage_model, full_state_dict: Dict[str, torch.Tensor]) 
 
 
 def by_full_name(chunk, full_keys, value: Callable[[torch.nn.Parameter], Any]) -> Dict[str, Any]:
-    """``value(parameter)`` of every parameter of a stage (or its DDP wrapper) under the full
-    model's name, where not None. A tied embedding appears under one name on the first and the last
-    stage: the full model's gradient is their sum."""
+    """``value(parameter)`` of every parameter of a stage (or its DDP wrapper) under the full model's
+    name, where not None (a tied embedding under one name on the first and the last stage)."""
     inner = getattr(chunk, "module", chunk)
     offset = layer_offset(inner)
     out = {}

@@ -1,6 +1,5 @@
-"""The single-process reference: the whole (pp=1) model over every micro-batch in a plain loop.
-Each micro-batch's own gradient is kept, so one run serves every M and data-parallel split
-(:func:`mean_grad`).
+"""The single-process reference: the whole (pp=1) model over every micro-batch in a plain loop, each
+micro-batch's own gradient kept, so one run serves every M and data-parallel split (:func:`mean_grad`).
 """
 from __future__ import annotations
 

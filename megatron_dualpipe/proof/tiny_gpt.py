@@ -16,13 +16,9 @@ def seed_all(seed: int) -> None:
 
 def tiny_gpt_config(*, num_layers: int = 4, hidden_size: int = 32, num_attention_heads: int = 4,
                     num_moe_experts: Optional[int] = None, **overrides: Any):
-    """A small float32 `TransformerConfig`, dropout off, CPU initialization, no fusions.
-
-    With `num_moe_experts` it is an MoE config (SequentialMLP experts, top-2 router, allgather
-    dispatcher unless `moe_token_dispatcher_type` is overridden, no aux loss unless overridden,
-    no linear biases). With ``multi_latent_attention=True`` it is megatron-core's
-    `MLATransformerConfig` (the MLA fields, ``q_lora_rank`` ..., among the overrides).
-    """
+    """A small float32 `TransformerConfig`, dropout off, CPU initialization, no fusions; with
+    `num_moe_experts` an MoE config (SequentialMLP experts, top-2 allgather router, no aux loss);
+    with ``multi_latent_attention=True`` megatron-core's `MLATransformerConfig`."""
     from megatron.core import parallel_state as ps
     from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
@@ -49,14 +45,9 @@ def tiny_gpt_config(*, num_layers: int = 4, hidden_size: int = 32, num_attention
 def build_tiny_gpt(config, *, vocab_size: int = 64, max_sequence_length: int = 16, pre_process: Optional[bool] = None,
                    post_process: Optional[bool] = None, share_embeddings_and_output_weights: bool = False,
                    layer_spec: str = "local", **kwargs: Any):
-    """`GPTModel` with the local layer spec (``layer_spec="te"``: Transformer Engine's).
-
-    `pre_process` / `post_process` default to the stage predicates of `parallel_state`. A config
-    with multi-latent attention or a per-layer ``moe_layer_freq`` list (dense and MoE layers mixed,
-    as DeepSeek-V3) gets megatron-core's decoder block spec, as ``pretrain_gpt.py`` builds it, and
-    one with ``mtp_num_layers`` its multi-token prediction block (megatron-core builds it where the
-    stage is the pipeline's last).
-    """
+    """`GPTModel` with the local layer spec (``layer_spec="te"``: Transformer Engine's); a config with
+    multi-latent attention or dense and MoE layers mixed (DeepSeek-V3) gets megatron-core's decoder
+    block spec and one with ``mtp_num_layers`` its MTP block, as ``pretrain_gpt.py`` builds them."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_decoder_block_spec, get_gpt_layer_local_spec,

@@ -11,10 +11,8 @@ from ..schedule.registry import ONE_F_ONE_B
 def vs_1f1b(ctx, name: str, by_coord: dict, schedule: str, tol: float, failures: List[str], details: List[str],
             label: Optional[str] = None) -> dict:
     """``schedule``'s losses and gradients against Megatron 1F1B's, each tensor relative to its own scale:
-    its failures and its report line (``label``: the schedule's name there) added, its numbers returned.
-
-    ``by_coord``: every rank's ``{"losses": {schedule: ...}, "grads": {schedule: [per chunk]}}`` by
-    its (pp, tp, dp) coordinate (also the ``deepseek-v3`` stage's)."""
+    its failures and report line (``label``: the schedule's name there) added, its numbers returned.
+    ``by_coord``: every rank's ``{"losses": {schedule: ...}, "grads": {schedule: [per chunk]}}``."""
     pp = ctx.cfg.pp
     ref = {(tp, dp, key): g for (_, tp, dp), p in by_coord.items() for key, g in p["grads"][ONE_F_ONE_B][0].items()}
     losses, grads, missing, compared = Gap(), Gap(), [], set()

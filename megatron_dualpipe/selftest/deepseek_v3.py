@@ -1,8 +1,7 @@
-"""Stage ``deepseek-v3``: the tiny DeepSeek-V3-shaped model (:func:`..proof.models.deepseek_v3`)
-from the same weights under Megatron's 1F1B, DualPipe and DualPipeV (fused F&B units with
-``--ep``) and, with ``--ep``, Megatron's interleaved 1F1B with its all-to-all overlap: losses and
-gradients held to 1F1B's, then a few timed iterations each (tokens/s of the slowest rank, peak GPU
-memory), reported and never judged: the CPU ranks share cores, a tiny model measures latency.
+"""Stage ``deepseek-v3``: the tiny DeepSeek-V3-shaped model from the same weights under Megatron's
+1F1B, DualPipe and DualPipeV (fused F&B units and interleaved 1F1B with all-to-all overlap with
+``--ep``): losses and gradients held to 1F1B's, then a few timed iterations each, reported and never
+judged (the CPU ranks share cores, a tiny model measures latency).
 """
 from __future__ import annotations
 
@@ -36,8 +35,7 @@ def _label(schedule: str, spec) -> str:
 
 
 def _timed(ctx, spec, schedule: str, chunks) -> dict:
-    """Seconds of each timed iteration on this rank (all ranks start each together) and the
-    peak memory allocated meanwhile (GPU; None on the CPU)."""
+    """Seconds of each timed iteration on this rank (started together) and the peak GPU memory meanwhile."""
     cuda = ctx.device.type == "cuda"
     if cuda:
         torch.cuda.synchronize()
@@ -86,10 +84,8 @@ def run(ctx) -> dict:
 
 def _speed(ctx, spec, payloads: List[dict], schedule: str) -> dict:
     """Tokens per second of the slowest rank (median over the timed iterations) and the largest peak."""
-    per_iteration = [max(p["timing"][schedule]["seconds"][i] for p in payloads)
-                     for i in range(len(payloads[0]["timing"][schedule]["seconds"]))]
-    dp = ctx.cfg.world // (ctx.cfg.tp * ctx.cfg.pp)
-    tokens = 2 * ctx.cfg.pp * spec.mbs * spec.seq * dp
+    per_iteration = [max(ranks) for ranks in zip(*(p["timing"][schedule]["seconds"] for p in payloads))]
+    tokens = 2 * ctx.cfg.pp * spec.mbs * spec.seq * (ctx.cfg.world // (ctx.cfg.tp * ctx.cfg.pp))  # all dp replicas
     peaks = [p["timing"][schedule]["peak_bytes"] for p in payloads]
     peak: Optional[int] = None if None in peaks else max(peaks)
     median = statistics.median(per_iteration)
@@ -114,8 +110,8 @@ def judge(ctx, payloads: List[dict]) -> StageResult:
                                       f"loss/tensor; same full weights, same micro-batches, one iteration"]
     failures, numbers = [], {}
     for schedule in schedules(cfg)[1:]:
-        numbers[schedule] = against_1f1b.vs_1f1b(ctx, "V3", by_coord, schedule, tol, failures)
-        details.append(against_1f1b.vs_1f1b_line("V3", _label(schedule, spec), 2 * cfg.pp, numbers[schedule]))
+        numbers[schedule] = against_1f1b.vs_1f1b(ctx, "V3", by_coord, schedule, tol, failures, details,
+                                                 _label(schedule, spec))
     numbers["combined_step_forwards"] = {}
     for schedule in schedules(cfg)[1:]:
         plans = numbers["combined_step_forwards"][schedule] = sum(p["plans"][schedule] for p in payloads)
@@ -127,11 +123,10 @@ def judge(ctx, payloads: List[dict]) -> StageResult:
                            f"combined step")
     if cfg.ep == 1:
         details.append(f"not run: {INTERLEAVED_NEEDS}")
-    speed = {schedule: _speed(ctx, spec, payloads, schedule) for schedule in schedules(cfg)}
+    numbers["speed"] = speed = {schedule: _speed(ctx, spec, payloads, schedule) for schedule in schedules(cfg)}
     details += [_speed_line(_label(s, spec), v) for s, v in speed.items()]
     details.append("speed not judged: " + ("the ranks share this machine's CPU cores" if not cfg.gpu else
                                            "the tiny model measures latency, not the all-to-all overlap"))
-    numbers["speed"] = speed
     if failures:
         return StageResult(NAME, FAIL, failures[0] + (f" (+{len(failures) - 1} more)" if len(failures) > 1 else ""),
                            failures + details, numbers)

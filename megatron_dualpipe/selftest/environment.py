@@ -1,6 +1,5 @@
-"""Stage ``environment``: versions, devices and links, and the point-to-point latency and bandwidth
-of pipeline neighbours and bd pairs (i, pp-1-i), with the bd pairs' placement (DualPipe sums each
-stage's two copies over its bd pair every iteration: across nodes, over the slower link).
+"""Stage ``environment``: versions, devices, links, the point-to-point latency and bandwidth of pipeline
+neighbours and bd pairs, and where each bd pair sits (DualPipe sums over it every iteration).
 """
 from __future__ import annotations
 
@@ -14,6 +13,9 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+from megatron.core import parallel_state as ps
+
+from .. import __version__
 from ..bench.measure import half_round_trip_s
 from .result import FAIL, PASS, StageResult
 
@@ -34,8 +36,6 @@ def versions() -> Dict[str, Optional[str]]:
             nccl = ".".join(map(str, torch.cuda.nccl.version()))
         except (RuntimeError, AttributeError):
             nccl = "unavailable"
-    from .. import __version__
-
     return {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
             "nccl": nccl, "megatron-core": _version("megatron-core") or _version("megatron_core"),
             "transformer-engine": _version("transformer-engine") or _version("transformer_engine"),
@@ -43,9 +43,8 @@ def versions() -> Dict[str, Optional[str]]:
 
 
 def _device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"CPU ({platform.processor() or platform.machine()})"
+    cpu = f"CPU ({platform.processor() or platform.machine()})"
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else cpu
 
 
 def _links() -> Optional[str]:
@@ -68,8 +67,6 @@ def pipeline_pairs(pp_ranks: List[int]) -> List[tuple]:
 
 
 def run(ctx) -> dict:
-    from megatron.core import parallel_state as ps
-
     group_ranks = dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group())
     first_pipeline = [group_ranks if ctx.rank == 0 else None]
     dist.broadcast_object_list(first_pipeline, src=0)

@@ -106,11 +106,9 @@ def _copies(by_coord: dict, pp: int) -> Tuple[int, List[str]]:
     return compared, differing
 
 
-def _compare_model(ctx, name: str, payloads: List[dict], tol: float) -> Tuple[List[str], List[str], dict]:
-    """(details, failures, numbers) for one model: vs 1F1B first (its failures lead), then vs the
-    pp=1 reference, then the copies."""
-    pp = ctx.cfg.pp
-    details, failures, numbers = [], [], {}
+def _compare_model(ctx, name: str, payloads: List[dict], tol: float, details: List[str], failures: List[str]) -> dict:
+    """One model's numbers, its details and failures added: vs 1F1B (its failures lead), pp=1, the copies."""
+    pp, numbers = ctx.cfg.pp, {}
     by_coord = {tuple(p["coord"]): p["models"][name] for p in payloads}
     for schedule in (DUALPIPE, DUALPIPEV):
         numbers[schedule] = vs_1f1b(ctx, name, by_coord, schedule, tol, failures, details)
@@ -122,7 +120,7 @@ def _compare_model(ctx, name: str, payloads: List[dict], tol: float) -> Tuple[Li
     details.append(f"{name} dualpipe after {STEPS} SGD steps: {compared - len(differing)} of {compared} parameter "
                    f"tensors of the mirrors bit-identical to their partners'")
     numbers["copies_identical"] = not differing
-    return details, failures, numbers
+    return numbers
 
 
 def judge(ctx, payloads: List[dict]) -> StageResult:
@@ -133,19 +131,14 @@ def judge(ctx, payloads: List[dict]) -> StageResult:
     for name in payloads[0]["models"]:
         spec = ctx.cfg.spec(moe=name == "MoE")
         details.append(f"{name}: {spec.label()}")
-        d, f, n = _compare_model(ctx, name, payloads, tol)
-        details += d
-        failures += f
-        numbers[name] = n
+        numbers[name] = n = _compare_model(ctx, name, payloads, tol, details, failures)
         parts.append(f"{name}: loss {max(n[s]['max_rel_loss_diff'] for s in (DUALPIPE, DUALPIPEV)):.1e}, "
                      f"grad {max(n[s]['max_rel_grad_diff'] for s in (DUALPIPE, DUALPIPEV)):.1e}, "
                      f"pp=1 reference {max(v['rel_grad_diff'] for v in n['vs_reference'].values()):.1e}"
                      f"{', copies bit-identical' if n['copies_identical'] else ', COPIES DIFFER'}")
     lines = []
     if ctx.cfg.te:
-        lines, more, matrix_failures, numbers["te_matrix"] = te_matrix.judge(ctx, payloads)
-        details += more
-        failures += matrix_failures
+        lines, numbers["te_matrix"] = te_matrix.judge(ctx, payloads, details, failures)
         parts.append(f"TE matrix: {sum(line.startswith('[PASS]') for line in lines)} of {len(lines)} combinations "
                      f"equal, {sum(line.startswith('[SKIP]') for line in lines)} skipped")
     head = f"DualPipe and DualPipeV vs Megatron 1F1B (tolerance {tol:g}): " + "; ".join(parts)

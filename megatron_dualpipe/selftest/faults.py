@@ -1,6 +1,5 @@
-"""Test-only fault injection (``MEGATRON_DUALPIPE_SELFTEST_FAULT``), so that
-``tests/apps/test_selftest.py`` can show the selftest catching a broken executor: ``swap-microbatch``
-(equality stage), ``wrong-gradient`` (deepseek-v3 stage) and ``stall:STAGE`` (the watchdog).
+"""Test-only fault injection (``MEGATRON_DUALPIPE_SELFTEST_FAULT``) to show the selftest catching a broken
+executor: ``swap-microbatch`` (equality), ``wrong-gradient`` (deepseek-v3), ``stall:STAGE`` (the watchdog).
 """
 from __future__ import annotations
 
@@ -29,9 +28,7 @@ def wrong_gradient(schedule: str, chunks) -> None:
 
     from ..schedule.registry import DUALPIPEV
 
-    if os.environ.get(FAULT_ENV) != "wrong-gradient" or schedule != DUALPIPEV:
-        return
-    if ps.get_pipeline_model_parallel_rank():
+    if os.environ.get(FAULT_ENV) != "wrong-gradient" or schedule != DUALPIPEV or ps.get_pipeline_model_parallel_rank():
         return
     grads = [(n, p.grad) for c in chunks for n, p in c.named_parameters() if p.grad is not None]
     _, grad = next(((n, g) for n, g in grads if "router" in n), grads[0])

@@ -1,6 +1,5 @@
-"""Imported by the selftest's forkserver only (:data:`.worker.PRELOAD`): it leaves with ``os._exit``
-at exit, skipping the teardown of the preloaded megatron-core (1-2 s) during which it held the
-selftest's stdout open (its forked ranks leave with ``os._exit`` anyway).
+"""Imported by the selftest's forkserver only: it leaves with ``os._exit``, skipping the teardown of
+the preloaded megatron-core (1-2 s) during which it held the selftest's stdout open.
 """
 import atexit
 import os

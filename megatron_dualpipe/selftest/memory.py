@@ -1,10 +1,7 @@
-"""Stage ``memory``: each rank's peak activation memory under 1F1B, DualPipe and DualPipeV, against
-the simulator's prediction (its peak count of live activations x one forward of the rank's larger
-chunk) and ``advise``'s.
-
-Measured as the live bytes of the distinct storages autograd saved (every backend) and, on a GPU,
-the peak allocated memory above the start (reported only: it holds temporaries and buffers). Soft:
-a rank above :data:`OVER` times the prediction FAILs without stopping the selftest.
+"""Stage ``memory``: each rank's peak activation memory under 1F1B, DualPipe and DualPipeV (the live
+bytes of the distinct storages autograd saved, on every backend) against the simulator's prediction
+and ``advise``'s; on a GPU also the peak allocated memory, reported only (it holds temporaries).
+Soft: a rank above :data:`OVER` times the prediction FAILs without stopping the selftest.
 """
 from __future__ import annotations
 
@@ -14,9 +11,12 @@ from typing import Dict, Iterator, List
 
 import torch
 
+from ..costs.advice import advise
 from ..proof import models
 from .result import FAIL, PASS, StageResult
+from ..schedule import build_schedule
 from ..schedule.registry import ONE_F_ONE_B
+from ..schedule.simulate import Costs, simulate
 
 NAME = "memory"
 OVER = 1.10
@@ -24,8 +24,7 @@ _MIB = float(1 << 20)
 
 
 class SavedBytes:
-    """Live bytes of the distinct storages autograd saved while :meth:`counting` (parameters
-    excluded), and their peak."""
+    """Live bytes of the distinct storages autograd saved while :meth:`counting`, parameters excluded."""
 
     def __init__(self, exclude: set):
         self.exclude = exclude
@@ -69,28 +68,24 @@ def _params(chunks) -> set:
 def forward_saved_bytes(spec: models.ModelSpec, chunk, batch: dict) -> int:
     """What one forward of ``chunk`` saves for backward (its input made up when it has no embedding)."""
     counter = SavedBytes(_params([chunk]))
-    device = batch["tokens"].device
     if not chunk.pre_process:
-        chunk.set_input_tensor(torch.zeros(spec.seq, spec.mbs, spec.hidden, dtype=spec.torch_dtype, device=device,
-                                           requires_grad=True))
+        chunk.set_input_tensor(torch.zeros(spec.seq, spec.mbs, spec.hidden, dtype=spec.torch_dtype,
+                                           device=batch["tokens"].device, requires_grad=True))
     pre, post = chunk.pre_process, chunk.post_process
-    with counter.counting():
-        out = chunk(batch["tokens"] if pre else None, batch["position_ids"] if pre else None, None,
-                    labels=batch["labels"] if post else None)
-    peak = counter.peak
-    del out
-    return peak
+    with counter.counting():  # the peak stays when the output (and what it saved) is freed
+        chunk(batch["tokens"] if pre else None, batch["position_ids"] if pre else None, None,
+              labels=batch["labels"] if post else None)
+    return counter.peak
 
 
 def run(ctx) -> dict:
     spec = ctx.cfg.spec()
     full = models.full_state_dict(spec)
-    m = 2 * ctx.cfg.pp
     out = {"coord": ctx.coord, "rank": ctx.rank, "schedules": {}}
     cuda = ctx.device.type == "cuda"
     for schedule in models.SCHEDULES:
         chunks = models.build(spec, schedule, full)
-        micro = models.batches(spec, m, step=3)
+        micro = models.batches(spec, 2 * ctx.cfg.pp, step=3)
         per_forward = [forward_saved_bytes(spec, c, micro[0]) for c in chunks]
         models.zero_grads(chunks)
         counter = SavedBytes(_params(chunks))
@@ -109,20 +104,13 @@ def run(ctx) -> dict:
 
 
 def _advise_activations(pp: int, m: int, per_forward: float) -> Dict[str, float]:
-    """``advise``'s activation memory (MiB, its busiest rank) per schedule, given what one forward of
-    one 1F1B stage saves."""
-    from ..costs.advice import advise
-    from ..schedule.simulate import Costs
-
+    """``advise``'s activation memory (MiB, busiest rank) per schedule, from one 1F1B stage's forward."""
     advice = advise(pp, [m], Costs(f=1, b=2, w=1), activation_memory=per_forward / _MIB, parameter_memory=0.0,
                     names=list(models.SCHEDULES))
     return {o.row.name: o.activation_memory for o in advice.choices[0].options if not o.row.problem}
 
 
 def judge(ctx, payloads: List[dict]) -> StageResult:
-    from ..schedule import build_schedule
-    from ..schedule.simulate import simulate
-
     pp, m = ctx.cfg.pp, 2 * ctx.cfg.pp
     pipeline = sorted((p for p in payloads if tuple(p["coord"])[1:] == (0, 0)), key=lambda p: p["coord"][0])
     details = [f"M={m}; measured: peak live bytes autograd saved (distinct storages, parameters excluded); "

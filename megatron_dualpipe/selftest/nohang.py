@@ -1,7 +1,6 @@
-"""Stages ``no hang``, bounded by the deadline: :class:`OddMicrobatches` (DualPipe and DualPipeV
-with an odd M and with pp <= M < 2pp, finishing with 1F1B's losses) and :class:`RankRaises` (one
-rank raises in its second forward; its pipeline peers must stop with an error naming a rank within
-the deadline; it runs last, as afterwards the point-to-point traffic is in an unknown state).
+"""Stages ``no hang``, bounded by the deadline: :class:`OddMicrobatches` (odd M and pp <= M < 2pp
+finish with 1F1B's losses) and :class:`RankRaises` (one rank raises; its pipeline peers must stop naming
+a rank within the deadline; run last, as it leaves the point-to-point traffic in an unknown state).
 """
 from __future__ import annotations
 
@@ -56,12 +55,11 @@ class OddMicrobatches:
                         gap.add(a, b)
                     if len(r["losses"]) != r["m"]:
                         failures.append(f"{r['schedule']} M={r['m']}: {len(r['losses'])} losses returned")
-            worst = gap.worst
             name, m = runs[0]["schedule"], runs[0]["m"]
-            if worst > tol:
-                failures.append(f"{name} M={m}: losses differ from 1F1B's by {worst:.2e} (relative) > {tol:g}")
+            if gap.worst > tol:
+                failures.append(f"{name} M={m}: losses differ from 1F1B's by {gap.worst:.2e} (relative) > {tol:g}")
             details.append(f"{name} M={m} (pp={ctx.cfg.pp}{', odd' if m % 2 else ''}): finished in {slowest:.2f} s "
-                           f"(deadline {ctx.cfg.deadline_s:g} s), losses vs 1F1B {worst:.1e}")
+                           f"(deadline {ctx.cfg.deadline_s:g} s), losses vs 1F1B {gap.worst:.1e}")
             parts.append(f"{name} M={m} {slowest:.1f} s")
         if failures:
             return StageResult(OddMicrobatches.NAME, FAIL, failures[0], failures + details)

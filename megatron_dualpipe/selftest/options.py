@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
 from typing import Optional
 
@@ -59,8 +60,7 @@ class SelftestConfig:
         return TOLERANCE[self.dtype_key]
 
     def tolerance_of(self, spec: ModelSpec) -> float:
-        """The tolerance of one model, whose dtype may differ from the run's (the TE matrix's combinations;
-        FP8 quantises only on a GPU)."""
+        """One model's tolerance: the TE matrix's dtypes differ from the run's; FP8 quantises only on a GPU."""
         if spec.dtype == "fp32":
             return TOLERANCE["fp32"]
         return TOLERANCE["fp8" if spec.fp8 and self.gpu else "bf16"]
@@ -104,16 +104,12 @@ def check(world: int, tp: int, ep: int, te: bool, fp8: bool, gpu: bool, gpus_her
                     "transformer-engine installed here (it needs a GPU): leave out --te/--fp8")
     elif te:
         try:
-            import importlib.util
-
             if importlib.util.find_spec("transformer_engine") is None:
                 return "--te: transformer-engine is not installed: pip install transformer-engine[pytorch]"
         except (ImportError, ValueError):
             return "--te: transformer-engine cannot be imported"
-    if gpu:
-        problem = _gpu_count_problem(world, tp * ep, gpus_here, torchrun)
-        if problem:
-            return problem
+    if gpu and (problem := _gpu_count_problem(world, tp * ep, gpus_here, torchrun)):
+        return problem
     problem = versions.torch_problem()
     return f"the selftest runs DualPipe, which {problem}" if problem else None
 

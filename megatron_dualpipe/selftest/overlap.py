@@ -1,11 +1,8 @@
 """Stage ``overlap``: how much of the MoE all-to-all DualPipe's fused F&B units hide (with ``--ep``).
-
-Every schedule node of the fused units of one DualPipe iteration (after a warm-up) is timed on
-its own stream: :class:`NodeTimer` swaps megatron-core's ``stream_acquire_context`` (a function of
-``pipeline_parallel.utils`` in 0.16, a method of ``ScheduleNode`` from 0.19) to mark each node's
-start after its wait and its end before its record (CUDA events; the host clock on the CPU, where
-the nodes run one after another, so the stage SKIPs). Per rank: the ``moe_dispatch`` /
-``moe_combine`` time inside the unit's compute nodes' time.
+:class:`NodeTimer` times every schedule node of one DualPipe iteration's fused units by swapping
+megatron-core's ``stream_acquire_context`` (0.16: a module function, 0.19: a ``ScheduleNode`` method):
+CUDA events, the host clock on the CPU (where the nodes run one after another, so the stage SKIPs).
+Per rank: the ``moe_dispatch`` / ``moe_combine`` time inside the unit's compute nodes' time.
 """
 from __future__ import annotations
 
@@ -161,15 +158,11 @@ def run(ctx) -> Optional[dict]:
     with timer.installed():
         models.run_iteration(spec, DUALPIPE, chunks, models.batches(spec, m, step=12),
                              p2p_timeout=ctx.cfg.deadline_s)
-    per_unit = timer.intervals()
-    inside = total = 0.0
-    comm_nodes = compute_nodes = 0
-    for comm, compute in per_unit.values():
-        h, t = hidden_ms(comm, compute)
-        inside, total = inside + h, total + t
-        comm_nodes, compute_nodes = comm_nodes + len(comm), compute_nodes + len(compute)
-    return {"rank": ctx.rank, "coord": ctx.coord, "units": timer.units, "comm_nodes": comm_nodes,
-            "compute_nodes": compute_nodes, "hidden_ms": inside, "comm_ms": total}
+    per_unit = list(timer.intervals().values())
+    hidden = [hidden_ms(comm, compute) for comm, compute in per_unit]
+    return {"rank": ctx.rank, "coord": ctx.coord, "units": timer.units, "comm_nodes": sum(len(c) for c, _ in per_unit),
+            "compute_nodes": sum(len(c) for _, c in per_unit), "hidden_ms": sum((h for h, _ in hidden), 0.0),
+            "comm_ms": sum((t for _, t in hidden), 0.0)}
 
 
 def judge(ctx, payloads: List[Optional[dict]]) -> StageResult:

@@ -1,6 +1,5 @@
-"""One stage's verdict (PASS, FAIL or SKIP, a one-line summary, details, numbers) and the report
-built from all of them (``selftest.md``, ``selftest.json``). A *hard* FAIL (what follows cannot be
-trusted) stops the selftest; speed and memory FAILs are soft.
+"""One stage's verdict and the report built from all of them (``selftest.md``, ``selftest.json``).
+A *hard* FAIL (what follows cannot be trusted) stops the selftest; speed and memory FAILs are soft.
 """
 from __future__ import annotations
 
@@ -25,15 +24,8 @@ class StageResult:
     #: one result line per part the stage judges apart (printed under the stage's line, first in its report)
     lines: List[str] = dataclasses.field(default_factory=list)
 
-    @property
-    def stops(self) -> bool:
-        return self.status == FAIL and self.hard
-
     def line(self) -> str:
         return f"[{self.status}] {self.stage}: {self.summary} ({self.seconds:.1f} s)"
-
-    def to_json(self) -> dict:
-        return dataclasses.asdict(self)
 
 
 def failed_on(stage: str, errors: Dict[int, str]) -> StageResult:
@@ -65,6 +57,6 @@ def write(out_dir: str, command: str, results: List[StageResult], wall_s: float,
     with open(os.path.join(out_dir, "selftest.md"), "w", encoding="utf-8") as fh:
         fh.write(markdown(command, results, wall_s, files))
     payload = {"command": command, "wall_s": wall_s, "failed": any(r.status == FAIL for r in results),
-               "stages": [r.to_json() for r in results], "files": files}
+               "stages": [dataclasses.asdict(r) for r in results], "files": files}
     with open(os.path.join(out_dir, "selftest.json"), "w", encoding="utf-8") as fh:
         json.dump(payload, fh, indent=1, default=str)

@@ -1,13 +1,11 @@
-"""Stage ``speed``: ``megatron-dualpipe bench`` over all ranks (pp = world size), every schedule the
-executor runs against the simulated makespan of the same costs, with the bd gradient sums in.
-
-On a GPU the stages multiply fp32 matrices sized to the user's model (``--model-*``: the FLOPs of
-its layers at this GPU's measured rate) and a schedule slower than :data:`SLOWER` times its
-simulation FAILs softly; on the CPU they sleep their costs and nothing is judged (the ranks share
-a few cores).
+"""Stage ``speed``: ``megatron-dualpipe bench`` over all ranks, every schedule the executor runs
+against the simulated makespan of the same costs, bd gradient sums in. On a GPU the stages multiply
+matrices sized to the user's model (``--model-*``) and a schedule slower than :data:`SLOWER` times
+its simulation FAILs softly; on the CPU they sleep their costs, not judged (the ranks share cores).
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import io
 import os
@@ -16,7 +14,12 @@ from typing import List
 import torch
 import torch.distributed as dist
 
+from ..bench import report
+from ..bench.measure import BenchConfig, worker
+from ..bench.synthetic import Spender, StageCosts
+from ..pictures import timeline
 from .result import FAIL, PASS, StageResult
+from ..schedule import registry
 from ..schedule.registry import DUALPIPE, EXECUTOR_1F1B
 
 NAME = "speed"
@@ -32,8 +35,6 @@ def layer_flops(hidden: int, seq: int, mbs: int = 1) -> float:
 
 def stage_costs(cfg, device):
     """(compute mode, f, b, w in ms, matmul side, grad MiB)."""
-    from ..bench.synthetic import Spender
-
     if not cfg.gpu:
         scale = 0.25 if cfg.quick else 1.0  # sleeps: the quick run's wall time, not its CPU
         return "sleep", 20 * scale, 40 * scale, 20 * scale, 1024, 4.0
@@ -46,10 +47,6 @@ def stage_costs(cfg, device):
 
 
 def bench_config(ctx):
-    from ..bench.measure import BenchConfig
-    from ..bench.synthetic import StageCosts
-    from ..schedule import registry
-
     mode, f, b, w, size, grad_mb = stage_costs(ctx.cfg, ctx.device)
     return BenchConfig(schedules=registry.names(runs_on=registry.EXECUTOR), microbatches={ctx.world: (2 * ctx.world,)},
                        costs=StageCosts(f, b, w), mode=mode, matmul_size=size, shape=(8, 1024),
@@ -58,19 +55,12 @@ def bench_config(ctx):
 
 
 def run(ctx) -> dict:
-    from ..bench.measure import worker
-
     cfg = bench_config(ctx)
     return {"config": cfg, "result": worker(ctx.rank, ctx.world, ctx.device, cfg)}
 
 
 def timelines(ctx, trace_root: str, names) -> List[str]:
-    """PNG and Perfetto JSON of each schedule's recorded iteration (``megatron-dualpipe trace``);
-    the lines it printed."""
-    import argparse
-
-    from ..pictures import timeline
-
+    """PNG and Perfetto JSON of each schedule's recorded iteration; the lines ``trace`` printed."""
     lines = []
     for name in sorted(names):
         directory = os.path.join(trace_root, name)
@@ -90,15 +80,13 @@ def timelines(ctx, trace_root: str, names) -> List[str]:
 
 
 def judge(ctx, payloads: List[dict]) -> StageResult:
-    from ..bench import report
-
     cfg = payloads[0]["config"]
     ranks = [p["result"] for p in payloads]
     latency, rows = report.rows(cfg, ctx.world, ranks)
     env = {"backend": ranks[0]["backend"], "device": ranks[0]["device"], "cores": os.cpu_count(),
            "matmuls_per_ms": ranks[0]["matmuls_per_ms"] or None}
-    details = [f"pipeline: all {ctx.world} ranks (pp={ctx.world}), M={2 * ctx.world}", *report.table(cfg, {ctx.world: latency},
-                                                                                                    rows, env).splitlines()]
+    details = [f"pipeline: all {ctx.world} ranks (pp={ctx.world}), M={2 * ctx.world}",
+               *report.table(cfg, {ctx.world: latency}, rows, env).splitlines()]
     names = [f"{r.schedule}_pp{r.pp}_m{r.microbatches}" for r in rows]
     details += ["", "timelines (measured above simulated):", *timelines(ctx, cfg.trace_dir, names)]
     by = {r.schedule: r for r in rows}

@@ -1,7 +1,6 @@
-"""With ``--te``, the equality stage also runs the TE matrix's combinations
-(tests/megatron_lm/test_megatron_lm_te.py, proven on the CPU through the stand-ins) on its tiny
-model, so that a GPU user proves them with the real Transformer Engine, grouped GEMM and DeepEP:
-each one line, DualPipe and DualPipeV against Megatron's 1F1B, or SKIP with what it needs.
+"""With ``--te``, the equality stage also runs the TE matrix's combinations (proven on the CPU through
+the stand-ins) on its tiny model, so that a GPU user proves them with the real Transformer Engine,
+grouped GEMM and DeepEP: one line each against Megatron's 1F1B, or SKIP with what it needs.
 """
 from __future__ import annotations
 
@@ -71,10 +70,9 @@ def _fp8_problem(cfg) -> Optional[str]:
     return None if ok else f"this GPU cannot run FP8: {why}"
 
 
-def _deepep_problem() -> Optional[str]:
-    if importlib.util.find_spec("deep_ep") is None:  # on the CPU the stand-in answers
-        return "DeepEP is not installed here (the deep_ep package, built for this GPU's CUDA)"
-    return None
+def _deepep_problem() -> Optional[str]:  # on the CPU the stand-in answers
+    missing = importlib.util.find_spec("deep_ep") is None
+    return "DeepEP is not installed here (the deep_ep package, built for this GPU's CUDA)" if missing else None
 
 
 def run(ctx) -> dict:
@@ -100,11 +98,10 @@ def _described(spec: models.ModelSpec) -> str:
             f"{'fused F&B units' if spec.combined_step else 'no fused units'}")
 
 
-def judge(ctx, payloads: List[dict]) -> Tuple[List[str], List[str], List[str], dict]:
-    """(result lines, details, failures, numbers) of the combinations, compared as the equality
-    stage compares its models."""
+def judge(ctx, payloads: List[dict], details: List[str], failures: List[str]) -> Tuple[List[str], dict]:
+    """(result lines, numbers) of the combinations, compared as equality's models, details and failures added."""
     matrix = payloads[0]["te_matrix"]
-    lines, details, failures, numbers = [], [], [], {}
+    lines, numbers = [], {}
     for name, spec, why in combinations(ctx.cfg):
         if name in matrix["skipped"]:
             lines.append(f"[SKIP] {name}: {matrix['skipped'][name]}")
@@ -121,4 +118,4 @@ def judge(ctx, payloads: List[dict]) -> Tuple[List[str], List[str], List[str], d
         lines.append(f"[{'FAIL' if mine else 'PASS'}] {name}: largest relative difference against Megatron 1F1B "
                      f"(tolerance {tol:g}): {gaps}{note}")
         failures += mine
-    return lines, details, failures, numbers
+    return lines, numbers

@@ -1,9 +1,7 @@
 """Bound every phase of every selftest stage on every rank: a rank past the limit prints the phase
-and each thread's Python stack on stderr and exits with :data:`STUCK_EXIT`.
-
-Timeouts alone do not do it: besides the executor's point-to-point waits a stage runs collectives
-(barriers, bd sums, the gathering on rank 0), and one rank stuck there would hold every other rank
-silently for the process group's timeout. The parent (spawn or torchrun) then stops the others.
+and each thread's stack and exits with :data:`STUCK_EXIT`. Timeouts alone do not do it: one rank
+stuck in a collective (a barrier, a bd sum, the gathering) would hold the others silently for the
+process group's timeout. The parent (spawn or torchrun) then stops the others.
 """
 from __future__ import annotations
 

@@ -1,10 +1,7 @@
-"""What every rank of the selftest runs: the stages in order, each rank's findings gathered on
-rank 0, which judges them, prints the verdict, rewrites the report and tells every rank whether to
-go on.
-
-A stage is a module with ``NAME``, ``run(ctx) -> payload`` (every rank) and ``judge(ctx, payloads)
--> StageResult`` (rank 0). A stage that raises on a rank is a FAIL naming the rank, printed at
-once in case its peers never reach the gathering. Every phase is bounded (:mod:`.watchdog`).
+"""What every rank of the selftest runs: the stages in order, each rank's findings gathered on rank 0,
+which judges them, rewrites the report and tells every rank whether to go on. A stage is a module with
+``NAME``, ``run(ctx) -> payload`` (every rank) and ``judge(ctx, payloads) -> StageResult`` (rank 0);
+one that raises is a FAIL naming the rank, printed at once in case its peers never reach the gathering.
 """
 from __future__ import annotations
 
@@ -136,10 +133,10 @@ def worker(rank: int, world: int, device, cfg: SelftestConfig) -> Optional[List[
                 for line in res.details[:20]:
                     print(f"    {line}", flush=True)
             R.write(cfg.out, cfg.command, results, time.perf_counter() - started, ctx.files)
-            stop = [res.stops]
+            stop = [res.status == R.FAIL and res.hard]
         watchdog.enter(f"waiting for rank 0's verdict on stage {stage.NAME!r}")
         dist.broadcast_object_list(stop, src=0)
         if stop[0]:
             break
     watchdog.stop()
-    return [r.to_json() for r in results] if rank == 0 else None
+    return [dataclasses.asdict(r) for r in results] if rank == 0 else None
