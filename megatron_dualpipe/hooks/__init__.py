@@ -1,7 +1,5 @@
 """The one mechanism by which megatron-dualpipe changes Megatron (:mod:`.mechanism`), the list of
-every change (:mod:`.manifest`), and :func:`install` / :func:`uninstall` / :func:`status` of its
-parts (``megatron-dualpipe hooks`` prints them). Standard library only until a patch is applied.
-"""
+every change (:mod:`.manifest`), and install / uninstall / status of its parts (``megatron-dualpipe hooks``)."""
 
 from __future__ import annotations
 
@@ -50,9 +48,7 @@ def installed() -> Tuple[str, ...]:
 
 
 def status() -> List[Tuple[str, Patch, str]]:
-    """(part, patch, state) for every entry of the manifest. Installed parts: as
-    :meth:`PatchSet.state`; scoped ones: ``scoped, active now (n)`` or ``scoped``; per-object
-    ones: ``per object``. A patch whose versions exclude the installed megatron-core says so."""
+    """(part, patch, state) for every entry of the manifest (``megatron-dualpipe hooks`` prints them)."""
     now, version = active_scoped(), megatron_core_version()
     rows = []
     for part, patches in PARTS.items():

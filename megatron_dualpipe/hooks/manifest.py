@@ -1,10 +1,7 @@
 """Every Megatron attribute megatron-dualpipe changes, in one list (the CPU mode's are in ``cpu/``),
-grouped in :data:`PARTS` by who applies them: installed sets (:mod:`megatron_dualpipe.hooks`),
-``scoped`` ones (replaced inside one ``hooks.scoped(...)`` block by the module in ``where``) and
-``instance`` ones (an attribute of one object, never of the class).
-
+grouped in :data:`PARTS` by who applies them: installed sets, ``scoped`` ones (inside one
+``hooks.scoped(...)`` block of the module in ``where``) and ``instance`` ones (one object's attribute).
 A change that differs between Megatron versions is two entries with disjoint ``versions``.
-Standard library only: replacements are named ``"module:function"`` and imported when applied.
 """
 
 from __future__ import annotations

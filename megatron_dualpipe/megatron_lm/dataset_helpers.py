@@ -1,8 +1,6 @@
-"""Build Megatron's dataset C++ helper for the *running* interpreter: Megatron's Makefile asks the
-``python3-config`` first on ``PATH``, another interpreter under ``/venv/bin/torchrun``. :func:`build`
-locks the directory and renames the library into place: two jobs from one checkout once imported
-each other's half-written library (a CI failure).
-"""
+"""Build Megatron's dataset C++ helper for the *running* interpreter (Megatron's Makefile asks the
+``python3-config`` first on ``PATH``), locked and renamed into place: two jobs from one checkout once
+imported each other's half-written library (a CI failure)."""
 
 import fcntl
 import logging

@@ -1,8 +1,6 @@
 """DualPipe / DualPipeV chunks through Megatron-LM core_v0.19.0's model builder, which calls
-``dist_utils.unimodal_build_distributed_models`` instead of ``training.get_model`` (hooked at
-core_v0.16.1 by :func:`.training_hooks.wrap_get_model`): the same hook for that path, by swapping the
-pieces it calls for the call; everything else is Megatron's code.
-"""
+``dist_utils.unimodal_build_distributed_models`` instead of ``training.get_model``: the pieces it calls
+are swapped for the call; everything else is Megatron's code."""
 from __future__ import annotations
 
 import functools

@@ -1,8 +1,6 @@
 """``megatron-dualpipe patch PATH``: add (or remove) the 3-line hook in Megatron-LM's pretrain_gpt.py,
-so that ``torchrun pretrain_gpt.py`` installs the plugin without the launcher. The same change as
-``patches/megatron-lm-<tag>.patch`` (a test keeps them equal), applied in Python: no git needed, the
-checkout checked first, idempotent, the file replaced whole (never half-written).
-"""
+so that ``torchrun pretrain_gpt.py`` installs the plugin without the launcher: ``patches/megatron-lm-<tag>.patch``
+applied in Python (no git needed), idempotent, the file replaced whole (never half-written)."""
 from __future__ import annotations
 
 import os

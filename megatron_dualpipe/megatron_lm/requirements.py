@@ -1,7 +1,5 @@
 """What Megatron-LM's training code imports beyond torch and megatron-core, and a check for it.
-``setup.py`` reads :data:`PACKAGES` for the ``megatron-lm`` extra, so the extra and the launcher's
-preflight agree; standard library only, no relative imports (``setup.py`` runs this file on its own).
-"""
+``setup.py`` runs this file on its own for the ``megatron-lm`` extra (standard library only)."""
 import importlib.util
 import sys
 
@@ -18,14 +16,9 @@ def _importable(module):
         return False
 
 
-def missing():
-    """The pip packages of :data:`PACKAGES` whose module this interpreter cannot import."""
-    return [pip for module, pip in PACKAGES.items() if not _importable(module)]
-
-
 def problem():
     """One line naming what is missing and the command that installs it, or None."""
-    lacking = missing()
+    lacking = [pip for module, pip in PACKAGES.items() if not _importable(module)]
     if not lacking:
         return None
     return (f"Megatron-LM's training code needs {', '.join(lacking)}, missing from {sys.executable}: "

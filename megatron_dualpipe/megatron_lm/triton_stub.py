@@ -1,8 +1,6 @@
-"""A placeholder ``triton`` package for machines where triton is not installed: a module Megatron
-imports decorates kernels with ``@triton.jit`` at import time, so ``pretrain_gpt.py`` would not import.
-The stub is there only while those modules import; calling it raises ``RuntimeError`` naming the
-package (the kernels run only with ``--batch-invariant-mode``, which needs a GPU anyway).
-"""
+"""A placeholder ``triton`` package, only while the Megatron modules that decorate kernels with
+``@triton.jit`` at import time import; calling it raises ``RuntimeError`` naming the package (the
+kernels run only with ``--batch-invariant-mode``, which needs a GPU anyway)."""
 
 import contextlib
 import importlib

@@ -11,6 +11,12 @@ from __future__ import annotations
 import re
 from typing import Callable, Dict, List, Tuple
 
+import torch
+import torch.distributed as dist
+
+from ...mcore.model import chunk_info, unwrap_chunk
+from .megatron_io import generated_state_dict_edited, loaded_state_dict_edited
+
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 
 
@@ -46,8 +52,6 @@ def join_stage(pieces: Dict[int, Dict[str, object]], t: int, first: int) -> Dict
 
 
 def _cpu(sd):
-    import torch
-
     return {k: (v.detach().cpu() if torch.is_tensor(v) else v) for k, v in sd.items()}
 
 
@@ -55,7 +59,6 @@ def route(pieces: Dict[int, Dict[str, object]], src_of: Callable[[int], int], de
           pp: int) -> Dict[int, Dict[str, object]]:
     """Move every V-stage's state dict from pipeline rank ``src_of(v)`` to ``dest_of(v)``, in V-stage
     order (tensors on the CPU); return the pieces that arrive here. Collective over the pipeline group."""
-    import torch.distributed as dist
     from megatron.core import parallel_state
 
     group = parallel_state.get_pipeline_model_parallel_group()
@@ -78,10 +81,7 @@ def route(pieces: Dict[int, Dict[str, object]], src_of: Callable[[int], int], de
 def geometry(model) -> Tuple[int, int, Tuple[int, ...]]:
     """(pipeline rank, pp, layers of every V-stage) of a DualPipeV model, the sizes as built (an
     uneven split's too), gathered over the pipeline group (collective)."""
-    import torch.distributed as dist
     from megatron.core import parallel_state
-
-    from ...mcore.model import chunk_info, unwrap_chunk
 
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     mine = {chunk_info(c)["stage"]: len(unwrap_chunk(c).decoder.layers) for c in model}
@@ -94,9 +94,6 @@ def geometry(model) -> Tuple[int, int, Tuple[int, ...]]:
 def one_chunk_model_added(model):
     """Within the block, the state dict Megatron's save writes also holds ``model``: 1F1B stage
     ``i``'s weights (gathered from the V-stages now, collectively, on every rank)."""
-    from ...mcore.model import chunk_info
-    from .megatron_io import generated_state_dict_edited
-
     me, pp, sizes = geometry(model)
     pieces = {chunk_info(c)["stage"]: c.state_dict_for_save_checkpoint() for c in model}
     one_chunk = join_stage(route(pieces, lambda v: v_stage_owner(v, pp)[0], lambda v: v // 2, pp), me, sizes[2 * me])
@@ -106,8 +103,6 @@ def one_chunk_model_added(model):
 def cut_into_v_stages(model):
     """Within the block, the state dict Megatron's load reads from this rank's file gets
     ``model0``/``model1`` cut out of its 1F1B-layout ``model`` (collective)."""
-    from .megatron_io import loaded_state_dict_edited
-
     me, pp, sizes = geometry(model)
 
     def cut(sd):

@@ -1,9 +1,5 @@
-"""The two places of Megatron-LM's checkpointing that a strategy edits, each for one block.
-
-``generate_state_dict`` (what ``save_checkpoint`` writes) and ``_load_base_checkpoint`` (what
-``load_checkpoint`` read from the file) are looked up at call time in
-``megatron.training.checkpointing``; both swaps are ``hooks.scoped`` entries of the manifest.
-"""
+"""The two places of Megatron-LM's checkpointing that a strategy edits, each for one block: what
+``save_checkpoint`` writes and what ``load_checkpoint`` read (looked up at call time)."""
 
 import functools
 

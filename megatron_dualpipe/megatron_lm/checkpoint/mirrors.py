@@ -1,24 +1,21 @@
 """After a DualPipe load: every mirror made equal to its home copy, optimizer state included."""
 
+import torch
+
+from ...mcore import bd_pairs
+from ...mcore.model import broadcast_mirrors, unwrap_chunk
 from .optimizers import inner_optimizers, is_distributed_optimizer, main_to_model
 
 
 def _params(chunk):
     """The chunk's (unwrapped) parameters, in order."""
-    from ...mcore.model import unwrap_chunk
-
     return list(unwrap_chunk(chunk).parameters())
 
 
 def sync_mirrors(model, optimizer) -> None:
-    """Home copy -> mirror over each bd pair (`bd_pairs.broadcast_home_to_mirror`, structure checked):
-    the parameters, the persistent buffers (a MoE router's ``expert_bias`` is restored only in the
-    home copy), then every optimizer's state behind each parameter in order (the fp32 main parameter,
-    the state tensors; for the distributed optimizer this data-parallel rank's shard, the same
-    range on both partners)."""
-    from ...mcore import bd_pairs
-    from ...mcore.model import broadcast_mirrors
-
+    """Home copy -> mirror over each bd pair: the parameters, the persistent buffers (a MoE router's
+    ``expert_bias`` is restored only in the home copy), then every optimizer's state behind each
+    parameter in order (the distributed optimizer's: this data-parallel rank's shard)."""
     broadcast_mirrors(model)
     bd_pairs.broadcast_home_to_mirror(model, persistent_buffers, "persistent buffers")
     for opt in inner_optimizers(optimizer):
@@ -35,10 +32,6 @@ def sync_mirrors(model, optimizer) -> None:
 def _sync_distributed_optimizer_state(model, opt) -> None:
     """Per parameter with a shard on this data-parallel rank, the main parameter shard and its state,
     written back through Megatron's setter (its getter may return copies: the precision-aware optimizer)."""
-    import torch
-
-    from ...mcore import bd_pairs
-
     fetched = {}
 
     def tensors_of(chunk):
@@ -58,8 +51,6 @@ def _sync_distributed_optimizer_state(model, opt) -> None:
 
 def persistent_buffers(chunk):
     """The chunk's floating-point buffers that its state dict saves, in module order."""
-    from ...mcore.model import unwrap_chunk
-
     return [b for m in unwrap_chunk(chunk).modules() for name, b in m._buffers.items()
             if b is not None and name not in m._non_persistent_buffers_set and b.is_floating_point()]
 
@@ -67,8 +58,6 @@ def persistent_buffers(chunk):
 def _param_state_getter(opt):
     """``param -> [tensors]`` for Megatron's (non-distributed) optimizers: the fp32 main
     parameter when it is not the parameter itself, then the optimizer state tensors by key."""
-    import torch
-
     mains = {id(p): p for g in opt.optimizer.param_groups for p in g["params"]}
     model_to_main = {id(model_p): mains[main_id] for main_id, model_p in main_to_model(opt).items()}
 

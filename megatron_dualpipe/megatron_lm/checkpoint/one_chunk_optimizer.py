@@ -1,9 +1,8 @@
-"""``--ckpt-format torch`` under DualPipe: the optimizer seen as 1F1B's one-chunk optimizer.
+"""``--ckpt-format torch`` under DualPipe: the optimizer seen as 1F1B's one-chunk optimizer, model[0]'s
+state re-indexed as a one-chunk run indexes it; at load the mirror's entries are zero placeholders
+that ``mirrors.sync_mirrors`` overwrites from the home copy."""
 
-Save: only ``model[0]``'s parameters' state (and ``distrib_optim.pt`` of its grad buffers), re-indexed
-as a one-chunk run indexes them. Load: the inverse, the mirror's entries zero placeholders that
-``mirrors.sync_mirrors`` then overwrites from the home copy.
-"""
+import torch
 
 from ..refusal import Refusal
 from .optimizers import (home_buffers, inner_optimizers, is_distributed_optimizer, kind, main_to_model,
@@ -52,8 +51,6 @@ def filter_state_dict(opt, sd, keep_ids):
 def expand_state_dict(opt, sd, keep_ids):
     """Inverse of `filter_state_dict`: a one-chunk state dict -> this optimizer's layout. The
     parameters outside ``keep_ids`` (the mirror) get zero placeholders (`sync_mirrors` fills them)."""
-    import torch
-
     tsd = _torch_sd(opt, sd)
     saved_state = tsd["state"]
     template = next(iter(saved_state.values()), None)
@@ -141,15 +138,11 @@ class OneChunkOptimizerView:
     # written on data-parallel rank 0), as ChainedOptimizer.save/load_parameter_state lay it out.
 
     def save_parameter_state(self, filename):
-        import torch
-
         states = [filter_parameter_state(o, o.get_parameter_state_dp_zero(), self._keep_ids) for o in self._inner]
         if self._inner[0].data_parallel_group.rank() == 0:
             torch.save(states[0] if len(states) == 1 else states, filename)
 
     def load_parameter_state(self, filename, *, update_legacy_format=False):
-        import torch
-
         if update_legacy_format:
             raise Refusal("--pipeline-schedule dualpipe cannot convert a legacy distributed-optimizer "
                                       "checkpoint; convert it under --pipeline-schedule 1f1b first")
@@ -176,8 +169,6 @@ def filter_parameter_state(opt, state, keep_ids):
 def expand_parameter_state(opt, state, keep_ids):
     """Inverse of `filter_parameter_state`: a one-chunk parameter state -> this optimizer's
     buffers; the mirror's buffers get zero placeholders (`sync_mirrors` fills them)."""
-    import torch
-
     home = home_buffers(opt, keep_ids)
     saved = sorted(k for k in state if isinstance(k, int))
     if len(saved) != len(home):

@@ -1,6 +1,9 @@
 """Which Megatron optimizer a checkpoint deals with, which of its parameters and grad buffers are
 ``model[0]``'s (what a 1F1B checkpoint holds), and the offsets its fully reshardable state is written at."""
 
+from ... import hooks
+from ...mcore.model import unwrap_chunk
+
 
 def inner_optimizers(optimizer):
     """The megatron optimizers behind ``optimizer`` (the members of a ChainedOptimizer)."""
@@ -73,8 +76,6 @@ def home_buffers(opt, keep_ids):
 
 def model0_ids(model):
     """ids of the parameters of ``model[0]`` (unwrapped)."""
-    from ...mcore.model import unwrap_chunk
-
     return {id(p) for p in unwrap_chunk(model[0]).parameters()}
 
 
@@ -83,13 +84,9 @@ def model0_ids(model):
 
 def exact_offsets(optimizer):
     """Within the block, each distributed optimizer's grad buffers give ``param_index_map`` offsets without
-    the padding between buckets. megatron-core's ``sharded_param_state_fully_reshardable`` slices the state
-    of ``get_parameter_state_dp_zero``, which leaves that padding out, at the padded offsets: a parameter
-    after a padded bucket is written shifted (its load slices by the parameter's own range). The tied
-    embedding's own bucket pads 64 elements on DualPipeV's V-stage 0 of the tests' models, 0 on 1F1B's stage 0
-    (where 1F1B's own stage pads, its file has the same shift: megatron-core's bug)."""
-    from ... import hooks
-
+    the padding between buckets: megatron-core's ``sharded_param_state_fully_reshardable`` slices the
+    unpadded state at the padded offsets, so a parameter after a padded bucket (DualPipeV's V-stage 0:
+    the tied embedding's) is written shifted (where 1F1B's own stage pads, its file has the same shift)."""
     offsets = hooks.entry("per object", "_ParamAndGradBuffer.param_index_map")
     return hooks.scoped(*(offsets.to(_unpadded_offsets(buffer), on=buffer)
                           for opt in inner_optimizers(optimizer) if is_distributed_optimizer(opt)

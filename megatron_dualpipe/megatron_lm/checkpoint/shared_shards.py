@@ -11,6 +11,8 @@ parameters only (``mirrors.sync_mirrors``).
 """
 from typing import Dict, List
 
+import torch
+
 from ..refusal import Refusal
 from .optimizers import inner_optimizers, model0_ids, param_group_key
 
@@ -87,16 +89,12 @@ class SharedShardOptimizerView:
         return out
 
     def save_parameter_state(self, filename):
-        import torch
-
         states = {id(o): o.get_parameter_state_dp_zero() for o in self._subs}  # collective, stage order
         if any(o.data_parallel_group.rank() == 0 for o in self._home):  # as ChainedOptimizer saves
             mine = [states[id(o)] for o in self._home]
             torch.save(mine[0] if len(mine) == 1 else mine, filename)
 
     def load_parameter_state(self, filename, *, update_legacy_format=False):
-        import torch
-
         if update_legacy_format:
             raise Refusal("--dualpipe-shared-shard-group cannot convert a legacy distributed-optimizer "
                                       "checkpoint; convert it under --pipeline-schedule 1f1b first")

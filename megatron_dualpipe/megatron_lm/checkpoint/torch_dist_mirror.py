@@ -10,6 +10,8 @@ holds model[0]'s grad buffers only, as a 1F1B run writes them ("KeyError: ... gb
 import functools
 
 from ... import hooks
+from ...hooks.mechanism import apply
+from ...mcore.model import embedding_copy, unwrap_chunk
 from ..refusal import Refusal
 from .optimizers import home_buffers, inner_optimizers, is_distributed_optimizer, model0_ids
 
@@ -33,10 +35,6 @@ def is_mirror_entry(value) -> bool:
 def mark_mirror_replicas(chunk, only=None) -> None:
     """Make every sharded entry of ``chunk.sharded_state_dict(...)`` (or those under the top-level keys
     ``only``) a mirror replica, on the innermost module (Megatron unwraps first). Idempotent."""
-    from ...mcore.model import unwrap_chunk
-
-    from ...hooks.mechanism import apply
-
     chunk = unwrap_chunk(chunk)
     if getattr(chunk, "_megatron_dualpipe_mirror_replica", False):
         return
@@ -89,8 +87,6 @@ def mark_v_tied_output_weight(model) -> None:
     """DualPipeV, tied embeddings or MTP: rank 0 holds the embedding and V-stage 2pp-1's copy of it,
     saved under the embedding's key; the fully parallel save made both main replicas ("Invalid
     access pattern ... [[2]]"). The copy becomes a mirror replica: not written, loaded as its equal."""
-    from ...mcore.model import embedding_copy, unwrap_chunk
-
     m0, m1, found = unwrap_chunk(model[0]), unwrap_chunk(model[1]), embedding_copy(model[1])
     if found is None or found[0] != "output" or not m0.pre_process:
         return
