@@ -4,10 +4,6 @@ Two ways to spend a cost: ``sleep`` (default; the process sleeps, so pp processe
 cores do not compete for them and only the schedule and the communication decide the
 iteration time) and ``matmul`` (square matrix products on the tensors' device, calibrated once
 per process: what a GPU run needs, where sleeping would not load the device).
-
-:class:`SyntheticCompute` is the project executor's :class:`~..executor.runner.StageCompute`;
-:class:`SyntheticStage` and :func:`weight_runner` are the same costs as a ``torch.nn.Module``
-and a ``dw_builder`` for ``torch.distributed.pipelining``'s stages.
 """
 from __future__ import annotations
 

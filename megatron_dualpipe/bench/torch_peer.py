@@ -1,8 +1,6 @@
-"""The same synthetic stages under ``torch.distributed.pipelining``'s own schedules
-(:data:`TORCH_SCHEDULES`: each with the project schedule holding the same stages). V-shaped ones
-hold stages ``rank`` and ``2pp-1-rank``; ``torch-interleaved`` holds ``rank`` and ``rank+pp``
-(Megatron's placement with a virtual pipeline of 2: the incumbent, which the executor does not
-run, compared with the simulation of Megatron's interleaved order).
+"""The same synthetic stages under ``torch.distributed.pipelining``'s own schedules, each beside the
+project schedule holding the same stages; ``torch-interleaved`` (Megatron's placement with a virtual
+pipeline of 2: the incumbent, which the executor does not run) is compared with its simulation.
 """
 from __future__ import annotations
 

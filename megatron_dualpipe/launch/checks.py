@@ -75,21 +75,18 @@ def torch_problem() -> Optional[str]:
 
 # Tokenizer
 
-def _vocab_of_file(kind: str, path: str) -> Tuple[Optional[int], Optional[str]]:
-    """(vocabulary size, problem) of a tokenizer file; (None, None) where it cannot be told cheaply."""
+def _vocab_of_file(kind: str, path: str) -> Tuple[Optional[str], Optional[int]]:
+    """(problem, vocabulary size) of GPT-2's vocab.json or a BERT vocab.txt (one token a line)."""
     try:
-        if kind == "GPT2BPETokenizer":
-            with open(path, encoding="utf-8") as fh:
-                vocab = json.load(fh)
-            if not isinstance(vocab, dict):
-                return None, f"--vocab-file {path} is not GPT-2's vocab.json (a JSON object of token -> id)"
-            return max(vocab.values(), default=-1) + 1, None
-        if kind.startswith("BertWordPiece"):
-            with open(path, encoding="utf-8") as fh:
-                return sum(1 for line in fh if line.strip()), None
+        with open(path, encoding="utf-8") as fh:
+            if kind != "GPT2BPETokenizer":
+                return None, sum(1 for line in fh if line.strip())
+            vocab = json.load(fh)
+        if not isinstance(vocab, dict):
+            return f"--vocab-file {path} is not GPT-2's vocab.json (a JSON object of token -> id)", None
+        return None, max(vocab.values(), default=-1) + 1
     except (OSError, ValueError, UnicodeDecodeError, TypeError) as e:
-        return None, f"--vocab-file {path} cannot be read as {kind}'s vocabulary: {e}"
-    return None, None
+        return f"--vocab-file {path} cannot be read as {kind}'s vocabulary: {e}", None
 
 
 #: Files of which a HuggingFace tokenizer directory has at least one (fast, BPE, WordPiece, SentencePiece, tiktoken).
@@ -110,10 +107,10 @@ def _hf_directory_problem(path: str) -> Optional[str]:
             f"writes one beside the data, DIR/tokenizer)")
 
 
-def _vocab_of_hf(path: str) -> Tuple[Optional[int], Optional[str]]:
-    """(vocabulary size, problem) of a HuggingFace tokenizer directory (its tokenizer.json)."""
+def _vocab_of_hf(path: str) -> Tuple[Optional[str], Optional[int]]:
+    """(problem, vocabulary size) of a HuggingFace tokenizer directory (its tokenizer.json)."""
     if os.path.isdir(path) and (problem := _hf_directory_problem(path)):
-        return None, problem
+        return problem, None
     f = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
     if not os.path.isfile(f):
         return None, None  # a slow tokenizer (vocab files only): transformers loads it, we cannot cheaply
@@ -122,9 +119,9 @@ def _vocab_of_hf(path: str) -> Tuple[Optional[int], Optional[str]]:
     except ImportError:
         return None, None
     try:
-        return Tokenizer.from_file(f).get_vocab_size(), None
+        return None, Tokenizer.from_file(f).get_vocab_size()
     except Exception as e:  # noqa: BLE001 - tokenizers raises its own Exception type
-        return None, f"--tokenizer-model {path}: {f} does not load: {str(e).splitlines()[0][:200]}"
+        return f"--tokenizer-model {path}: {f} does not load: {str(e).splitlines()[0][:200]}", None
 
 
 def tokenizer_problem(opts: Dict[str, object]) -> Tuple[Optional[str], Optional[int]]:
@@ -151,12 +148,11 @@ def tokenizer_problem(opts: Dict[str, object]) -> Tuple[Optional[str], Optional[
         # A HuggingFace hub name ("org/name") is not a path; a relative or absolute path must exist.
         if not os.path.exists(path) and not (hub and not path.startswith(("/", ".", "~"))):
             return f"{flag} {path}: no such file or directory: give the path to {what}", None
-    size, problem = None, None
     if kind == "GPT2BPETokenizer" or kind.startswith("BertWordPiece"):
-        size, problem = _vocab_of_file(kind, str(opts["--vocab-file"]))
-    elif kind == "HuggingFaceTokenizer" and os.path.exists(str(opts["--tokenizer-model"])):
-        size, problem = _vocab_of_hf(str(opts["--tokenizer-model"]))
-    return problem, size
+        return _vocab_of_file(kind, str(opts["--vocab-file"]))
+    if kind == "HuggingFaceTokenizer" and os.path.exists(str(opts["--tokenizer-model"])):
+        return _vocab_of_hf(str(opts["--tokenizer-model"]))
+    return None, None
 
 
 # Data

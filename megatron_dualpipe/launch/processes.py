@@ -161,20 +161,15 @@ def _reader_closed(stream) -> bool:
         return False
 
 
-def _binary(stream):
-    return getattr(stream, "buffer", stream)
-
-
 def run(cmd: Sequence[str], env: Optional[Mapping[str, str]] = None, cwd: Optional[str] = None,
         stdout=None, stderr=None, timeout_s: Optional[float] = None) -> int:
     """Run ``cmd`` in its own session, its output relayed to ``stdout``/``stderr`` (binary; default
     ours); its exit status. On an interruption or a closed stdout every process it started is stopped
     (:func:`stop`) before :class:`KeyboardInterrupt` / :class:`BrokenPipeError` is raised; past
     ``timeout_s``, :class:`subprocess.TimeoutExpired` (``subprocess.run`` would leave torchrun's ranks)."""
-    child_env = dict(os.environ if env is None else env)
-    child_env.setdefault("PYTHONUNBUFFERED", "1")  # through the relay, lines come as they are written
-    out_sink = _binary(stdout if stdout is not None else sys.stdout)
-    err_sink = _binary(stderr if stderr is not None else sys.stderr)
+    child_env = {"PYTHONUNBUFFERED": "1", **(os.environ if env is None else env)}  # lines come as they are written
+    out_sink, err_sink = (getattr(s, "buffer", s) for s in (sys.stdout if stdout is None else stdout,
+                                                            sys.stderr if stderr is None else stderr))
     reader_gone, stopped = threading.Event(), threading.Event()
     proc = subprocess.Popen(list(cmd), env=child_env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, start_new_session=True)

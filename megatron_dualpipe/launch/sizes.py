@@ -116,8 +116,7 @@ def batch_problem(launch: Launch) -> Optional[str]:
 # PP, TP and EP for the GPUs given
 
 def _divisors(n: int) -> List[int]:
-    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
-    return sorted(set(small + [n // d for d in small]))
+    return sorted({d for k in range(1, math.isqrt(n) + 1) if n % k == 0 for d in (k, n // k)})
 
 
 def pp_fits(launch: Launch, pp: int) -> bool:

@@ -99,12 +99,8 @@ class Ranks:
 
     def poll(self) -> List[int]:
         """The ranks still running (not those never started); notes the ends seen since the last call."""
-        running = []
-        for rank, proc in enumerate(self.procs):
-            if proc.exitcode is None and proc.pid is not None:
-                running.append(rank)
-            elif proc.exitcode is not None and rank not in self.ended:
-                self.ended.append(rank)
+        running = [r for r, proc in enumerate(self.procs) if proc.exitcode is None and proc.pid is not None]
+        self.ended += [r for r, proc in enumerate(self.procs) if proc.exitcode is not None and r not in self.ended]
         return running
 
     def failed(self) -> List[int]:
