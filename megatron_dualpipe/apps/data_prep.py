@@ -39,8 +39,6 @@ class DataError(ValueError):
     """A user error in the data set-up; its message is one line that names the fix."""
 
 
-# --- Reading text -----------------------------------------------------------------------------
-
 @dataclass(frozen=True)
 class Corpus:
     """The documents, in order, and where they came from (for messages and the manifest)."""
@@ -120,9 +118,8 @@ def split_weights(split: str) -> List[float]:
     if len(values) > len(SPLIT_NAMES) or any(v < 0 or not math.isfinite(v) for v in values) or sum(values) <= 0:
         raise DataError(f"--split {split!r}: give up to three non-negative weights for train, validation "
                         f"and test, not all zero, like 90,10,0")
-    values += [0.0] * (len(SPLIT_NAMES) - len(values))
     total = sum(values)
-    return [v / total for v in values]
+    return [v / total for v in values + [0.0] * (len(SPLIT_NAMES) - len(values))]
 
 
 def documents_per_split(split: str, documents: int) -> List[Optional[int]]:
@@ -134,8 +131,7 @@ def documents_per_split(split: str, documents: int) -> List[Optional[int]]:
 
 
 def suggest_split(split: str, documents: int) -> Optional[str]:
-    """A split in document counts that keeps the weights' proportions and gives every split of
-    positive weight at least one document; None when there are too few documents."""
+    """A split in document counts in the weights' proportions, >= 1 for each of positive weight (or None)."""
     weights = split_weights(split)
     counts = [max(1, int(w * documents)) if w > 0 else 0 for w in weights]
     biggest = max(range(len(counts)), key=lambda i: weights[i])
@@ -160,15 +156,13 @@ def check_split(split: str, documents: int) -> List[Optional[int]]:
         return counts
     better = suggest_split(split, documents)
     fix = (f"use --split {better} (document counts work as weights)" if better else
-           f"add documents (each split of positive weight needs at least one)")
+           "add documents (each split of positive weight needs at least one)")
     zero = ",".join("0" if name in empty else p for name, p in
                     zip(SPLIT_NAMES, (split.split(",") + ["0"] * 3)[:3]))
     raise DataError(f"--split {split} on {documents} documents leaves the {' and '.join(empty)} split "
                     f"empty ({split_counts(counts)}) and Megatron's GPTDataset then loops forever in _get_num_epochs: "
                     f"{fix}, or give the {' and '.join(empty)} split weight 0 (--split {zero})")
 
-
-# --- Tokenizer --------------------------------------------------------------------------------
 
 def train_tokenizer(documents: Sequence[str], vocab_size: int):
     """A byte-level BPE tokenizer (GPT-2 style) with :data:`EOD_TOKEN` as its only special token."""
@@ -194,9 +188,8 @@ def tokenizer_file(path: str) -> Path:
 
 
 def load_tokenizer(path: str, eod_token: Optional[str]):
-    """(tokenizers.Tokenizer, end-of-document token) of a given tokenizer directory or file; the
-    token is ``eod_token``, else the ``eos_token`` of a ``tokenizer_config.json`` beside the file,
-    else the first of :data:`KNOWN_EOD_TOKENS` in the vocabulary."""
+    """(tokenizer, end-of-document token) of a tokenizer directory or file: ``eod_token``, else the
+    ``eos_token`` of its ``tokenizer_config.json``, else the first of :data:`KNOWN_EOD_TOKENS` it has."""
     from tokenizers import Tokenizer
 
     f = tokenizer_file(path)
@@ -223,17 +216,14 @@ def _configured_eos(config: Path) -> Optional[str]:
 
 
 def save_tokenizer(tok, eod_token: str, directory: Path) -> None:
-    """Write ``tokenizer.json`` and the ``tokenizer_config.json`` that makes the directory load
-    with ``transformers.AutoTokenizer.from_pretrained(directory)`` (Megatron-LM's
-    ``HuggingFaceTokenizer``), offline."""
+    """``tokenizer.json`` and the ``tokenizer_config.json`` with which Megatron-LM's
+    ``HuggingFaceTokenizer`` (``AutoTokenizer.from_pretrained``) loads the directory offline."""
     directory.mkdir(parents=True, exist_ok=True)
     tok.save(str(directory / "tokenizer.json"))
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eod_token, "bos_token": eod_token,
               "model_max_length": 1_000_000_000, "clean_up_tokenization_spaces": False}
     (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
 
-
-# --- The prepared data and its cache ----------------------------------------------------------
 
 @dataclass(frozen=True)
 class PreparedData:
@@ -267,8 +257,7 @@ class PreparedData:
 
 
 def describe_indexed(prefix: str, tokenizer: Optional[str], eod_token: Optional[str]) -> PreparedData:
-    """A user's own indexed dataset (``prefix.bin/.idx``) with its tokenizer, or the data
-    :func:`prepare` wrote when the prefix is one of its entries."""
+    """A user's indexed dataset (``prefix.bin/.idx``) with its tokenizer, or an entry :func:`prepare` wrote."""
     directory = os.path.dirname(os.path.abspath(prefix))
     if os.path.basename(prefix) == PREFIX_NAME and os.path.isfile(os.path.join(directory, MANIFEST)) \
             and tokenizer is None:
@@ -294,15 +283,13 @@ def describe_indexed(prefix: str, tokenizer: Optional[str], eod_token: Optional[
 
 
 def default_cache_dir() -> str:
-    """``$MEGATRON_DUALPIPE_CACHE``, else ``$XDG_CACHE_HOME/megatron-dualpipe``, else
-    ``~/.cache/megatron-dualpipe``."""
+    """``$MEGATRON_DUALPIPE_CACHE``, else ``megatron-dualpipe`` in the user's cache directory."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.environ.get("MEGATRON_DUALPIPE_CACHE") or os.path.join(base, "megatron-dualpipe")
 
 
 def cache_key(corpus: Corpus, tokenizer_json: Optional[bytes], vocab_size: int, eod_token: Optional[str]) -> str:
-    """Hash of everything the output depends on: the documents, the tokenizer (given file, or
-    the training settings) and this module's output format."""
+    """Hash of what the output depends on: documents, tokenizer (file or settings), output format."""
     h = hashlib.sha256()
     settings = {"format": FORMAT_VERSION, "eod_token": eod_token,
                 "tokenizer": hashlib.sha256(tokenizer_json).hexdigest() if tokenizer_json is not None
@@ -387,8 +374,7 @@ def tokenize(tok, documents: Sequence[str], eod: int, progress: Progress) -> Lis
 
 
 def write_indexed_dataset(prefix: str, documents: Sequence[Sequence[int]], vocab_size: int) -> None:
-    """``prefix.bin`` / ``prefix.idx`` written by megatron-core's ``IndexedDatasetBuilder``,
-    one document (one sequence) per entry, in the smallest dtype that holds the vocabulary."""
+    """``prefix.bin``/``.idx``: one document per entry, in the smallest dtype that holds the vocabulary."""
     import numpy
 
     from .quiet import silence_known_warnings
@@ -403,11 +389,8 @@ def write_indexed_dataset(prefix: str, documents: Sequence[Sequence[int]], vocab
     builder.finalize(prefix + ".idx")
 
 
-# --- Command line -----------------------------------------------------------------------------
-
 def add_data_arguments(p: argparse.ArgumentParser, text_flag: Optional[str] = None) -> None:
-    """The data options shared by ``prepare-data`` and the main job (TEXT positional unless a
-    flag name is given)."""
+    """The data options of ``prepare-data`` and the main job (TEXT positional unless ``text_flag``)."""
     help_text = ("directories, .txt files (one document each) or .jsonl files (one per line); "
                  "default: Python's own help texts")
     if text_flag:

@@ -73,7 +73,6 @@ def build_datasets(data: PreparedData, seq_length: int, split: str, train_sample
 
 
 def micro_batch(dataset: GPTDataset, first_sample: int, micro_batch_size: int) -> Dict[str, torch.Tensor]:
-    """``micro_batch_size`` consecutive samples from ``first_sample``: tokens, labels, loss_mask,
-    position_ids, each ``[micro_batch_size, seq_length]``."""
+    """``micro_batch_size`` consecutive samples from ``first_sample``, each field stacked."""
     rows = [dataset[first_sample + r] for r in range(micro_batch_size)]
     return {k: torch.stack([row[k] for row in rows]) for k in BATCH_KEYS}

@@ -33,8 +33,6 @@ HEADS = 4
 RECORDED_ITERATIONS = 5
 
 
-# --- Arguments --------------------------------------------------------------------------------
-
 def _int_at_least(least: int, what: str):
     """An argparse type: an integer >= ``least``, named ``what`` in the error."""
     def parse(text: str) -> int:
@@ -84,8 +82,7 @@ def check_args(args) -> Optional[str]:
     n, spec = args.nproc, registry.get(args.schedule)
     if n < 2:
         return f"--nproc {n}: a pipeline needs at least 2 processes"
-    problem = spec.pp_problem(n, flag="--nproc")
-    if problem:
+    if problem := spec.pp_problem(n, flag="--nproc"):
         return problem
     stages = spec.model_stages(n)
     if args.num_layers % stages:
@@ -118,8 +115,7 @@ LAUNCHER_ONLY = ("help", "nproc", "master_port")
 
 
 def to_argv(parser: argparse.ArgumentParser, args) -> List[str]:
-    """Command-line arguments that parse back to ``args``, launcher-only options left out (how
-    the launcher briefs the workers)."""
+    """Arguments that parse back to ``args``, launcher-only options left out (the workers' brief)."""
     out: List[str] = []
     for action in parser._actions:
         if not action.option_strings or action.dest in LAUNCHER_ONLY:
@@ -156,8 +152,7 @@ def resolve_data(args) -> PreparedData:
 
 
 def draw_schedule(args) -> None:
-    """The simulated timeline of the schedule the workers run (unit costs), and the same schedule
-    above megatron-core's 1F1B at the same scale (:func:`report.write_schedule_comparison`)."""
+    """The simulated timeline of the workers' schedule, and it above 1F1B's at the same scale."""
     from ..pictures.figure import to_png
     from .report import write_schedule_comparison
     from ..schedule.simulate import Costs, simulate
@@ -196,9 +191,8 @@ def launch(parser: argparse.ArgumentParser, args) -> int:
     rendezvous = ["--master-port", str(args.master_port)] if args.master_port else ["--standalone"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc), *rendezvous,
            "-m", "megatron_dualpipe.apps.main_job", *to_argv(parser, worker)]
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")             # torchrun warns when it has to set it
-    env.setdefault("TOKENIZERS_PARALLELISM", "false")  # tokenizers warns about forking after use
+    # unless set: torchrun warns when it has to set the threads, tokenizers about forking after use
+    env = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **os.environ}
     print(f"starting {args.nproc} processes: torchrun {shlex.join(cmd[3:])}", flush=True)
     # torchrun and its ranks in a session of their own, all stopped (and silenced) on Ctrl-C,
     # SIGTERM or a closed stdout before KeyboardInterrupt / BrokenPipeError reaches main().
@@ -221,8 +215,7 @@ def _size(n: int) -> str:
 # --- Workers ----------------------------------------------------------------------------------
 
 def model_spec(args, vocab_size: int):
-    """The proofs' tiny GPT (fp32, dropout and fusions off, untied) at the job's size, its weights
-    made on the CPU on every device (the same initial weights as without a GPU)."""
+    """The proofs' tiny GPT at the job's size, made on the CPU everywhere (the same weights with a GPU)."""
     from ..proof.models import ModelSpec
 
     return ModelSpec(layers=args.num_layers, hidden=args.hidden_size, heads=HEADS, seq=args.seq_length,
@@ -237,12 +230,8 @@ def gather_full_state(model):
 
     from ..proof.names import layer_offset, stage_layer_key
 
-    mine = {}
-    for chunk in model:
-        offset = layer_offset(chunk)
-        for k, v in chunk.state_dict().items():
-            if isinstance(v, torch.Tensor):
-                mine[stage_layer_key(k, offset)] = v.detach().cpu().clone()
+    mine = {stage_layer_key(k, layer_offset(chunk)): v.detach().cpu().clone()
+            for chunk in model for k, v in chunk.state_dict().items() if isinstance(v, torch.Tensor)}
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     return {k: v for part in everyone for k, v in part.items()}
@@ -309,11 +298,9 @@ class Trainer:
 
         if not self.args.eval_iters or self.valid_ds is None:
             return None
-        losses = []
         with torch.no_grad():
-            for k in range(self.args.eval_iters):
-                out = self._run(fb_func, model, self.valid_ds, k, forward_only=True)
-                losses += [d["lm loss"] for d in out or []]
+            losses = [d["lm loss"] for k in range(self.args.eval_iters)
+                      for d in self._run(fb_func, model, self.valid_ds, k, forward_only=True) or []]
         if not losses:
             return None
         loss = torch.stack(losses).mean().item()

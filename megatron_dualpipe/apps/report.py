@@ -61,8 +61,6 @@ def head_and_tail(n: int, k: int = SUMMARY_ROWS) -> List[int]:
     return list(range(n)) if n <= 2 * k else list(range(k)) + list(range(n - k, n))
 
 
-# --- loss.png ---------------------------------------------------------------------------------
-
 def loss_figure(a: RunResult, b: RunResult, title: str):
     """Both training curves (validation losses as markers) above their difference."""
     from matplotlib.lines import Line2D
@@ -90,10 +88,9 @@ def loss_figure(a: RunResult, b: RunResult, title: str):
     bottom.axhline(0.0, color="#888888", linewidth=0.8)
     bottom.plot(its, diff, color="#8e5aa8", marker=".", linewidth=1.0)
     bound = max(max((abs(d) for d in diff), default=0.0) * 1.3, 1e-7)
-    bottom.set_ylim(-bound, bound)
+    bottom.set(ylim=(-bound, bound), xlabel="iteration")
     bottom.ticklabel_format(axis="y", style="sci", scilimits=(0, 0))
     bottom.set_ylabel(f"{a.name} - {b.name}", fontsize=8)
-    bottom.set_xlabel("iteration")
     bottom.xaxis.set_major_locator(MaxNLocator(integer=True))
     bottom.grid(color="#e4e4e4", linewidth=0.6)
     legend_below(fig, handles, fontsize=8, max_columns=4)
@@ -162,8 +159,7 @@ def simulated_text(makespans, note: str = "") -> str:
 
 
 def write_schedule_comparison(out_dir: str, name: str, pp: int, real: int) -> str:
-    """``<name>_vs_1f1b_pp<P>_m<M>.png`` in ``out_dir``: the two simulated timelines one above
-    the other on one time axis, makespans in their titles; its path."""
+    """``<name>_vs_1f1b_pp<P>_m<M>.png`` in ``out_dir``: both simulated timelines on one time axis."""
     from ..pictures.figure import panels_figure
     from ..pictures.plotting import save_png
 
@@ -173,18 +169,15 @@ def write_schedule_comparison(out_dir: str, name: str, pp: int, real: int) -> st
     return path
 
 
-# --- summary.md -------------------------------------------------------------------------------
-
 def summary_markdown(a: RunResult, b: RunResult, settings: Sequence[str], data: Sequence[str],
                      pictures: Sequence[str], simulated: Sequence[Tuple[str, float]] = ()) -> str:
-    """A short Markdown report: settings, data, results (with the simulated makespans of both
-    schedules and why wall time does not show them), the loss table's head and tail."""
+    """``summary.md``: settings, data, results, simulated makespans, the loss table's head and tail."""
     n = len(a.losses)
     out = ["# megatron-dualpipe main job", "", "## Set-up", ""]
     out += [f"- {line}" for line in settings]
     out += ["", "## Data", ""] + [f"- {line}" for line in data]
     out += ["", "## Results", "",
-            f"| schedule | first loss | last loss | validation loss | training time (s) | tokens/s |",
+            "| schedule | first loss | last loss | validation loss | training time (s) | tokens/s |",
             "|---|---|---|---|---|---|"]
     for r in (a, b):
         valid = "-" if r.valid_loss is None else f"{r.valid_loss:.6f}"
