@@ -74,8 +74,7 @@ def guarded(main: Callable[[], Optional[int]], prog: str) -> int:
 
 def _main(argv: Sequence[str]) -> int:
     usage = "usage: python -m megatron_dualpipe.launch.interrupts [--prog NAME] -- CMD [ARGS...]"
-    argv = list(argv)
-    prog = "interrupted command"
+    argv, prog = list(argv), "interrupted command"
     if argv[:1] == ["--prog"] and len(argv) > 1:
         prog, argv = argv[1], argv[2:]
     if argv[:1] == ["--"]:

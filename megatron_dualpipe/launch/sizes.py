@@ -69,19 +69,17 @@ def valid_batches(global_batch: int, unit: int, least: int) -> List[int]:
     return sorted({max(below, least * unit), max(above, least * unit)})
 
 
-def batch_rule(launch: Launch, world: int, pp: int, tp: int) -> Tuple[int, int]:
-    """(MICRO_BATCH*DP, the fewest micro-batches the schedule runs): GLOBAL_BATCH's two rules."""
-    return launch.micro * (world // (tp * pp * launch.cp)), registry.get(launch.schedule).min_real_microbatches(pp)
-
-
-def _passes(global_batch: int, unit: int, least: int) -> bool:
-    return global_batch % unit == 0 and global_batch // unit >= least
+def batch_rule(launch: Launch, world: int, pp: int, tp: int) -> Tuple[int, int, bool]:
+    """(MICRO_BATCH*DP, the fewest micro-batches the schedule runs): GLOBAL_BATCH's two rules; whether it passes."""
+    unit = launch.micro * (world // (tp * pp * launch.cp))
+    least = registry.get(launch.schedule).min_real_microbatches(pp)
+    return unit, least, launch.global_batch % unit == 0 and launch.global_batch // unit >= least
 
 
 def batch_fix(launch: Launch, world: int, pp: int, tp: int) -> str:
     """'' where GLOBAL_BATCH passes on ``world`` GPUs with these sizes, else the GLOBAL_BATCH to use."""
-    unit, least = batch_rule(launch, world, pp, tp)
-    if _passes(launch.global_batch, unit, least):
+    unit, least, passes = batch_rule(launch, world, pp, tp)
+    if passes:
         return ""
     nearest = min(valid_batches(launch.global_batch, unit, least), key=lambda b: (abs(b - launch.global_batch), b))
     return f" with GLOBAL_BATCH={nearest}"  # the lower one on a tie
@@ -96,9 +94,9 @@ def _counted(launch: Launch, batch: int, unit: int) -> str:
 
 def batch_problem(launch: Launch) -> Optional[str]:
     """Why Megatron or the schedule would refuse GLOBAL_BATCH, naming the nearest valid ones, or None."""
-    unit, least = batch_rule(launch, launch.world, launch.pp, launch.tp)
+    unit, least, passes = batch_rule(launch, launch.world, launch.pp, launch.tp)
     gb, dp, m = launch.global_batch, unit // launch.micro, launch.global_batch // unit
-    if _passes(gb, unit, least):
+    if passes:
         return None
     batches = valid_batches(gb, unit, least)
     use = " or ".join(_counted(launch, b, unit) for b in batches)

@@ -25,8 +25,7 @@ def _silenced():
     """stdout and stderr (the file descriptors: Megatron prints, warns and logs) to /dev/null."""
     sys.stdout.flush()
     sys.stderr.flush()
-    saved = [os.dup(1), os.dup(2)]
-    null = os.open(os.devnull, os.O_WRONLY)
+    saved, null = [os.dup(1), os.dup(2)], os.open(os.devnull, os.O_WRONLY)
     try:
         for fd in (1, 2):
             os.dup2(null, fd)
@@ -37,8 +36,8 @@ def _silenced():
         sys.stderr.flush()
         for fd, copy in zip((1, 2), saved):
             os.dup2(copy, fd)
-        for fd in saved + [null]:
-            os.close(fd)
+            os.close(copy)
+        os.close(null)
 
 
 def _install(root: str) -> None:
