@@ -36,8 +36,7 @@ def pair_groups(world: int) -> Dict[int, object]:
 
 
 class BdSums:
-    """One rank's synthetic bd sums for one (schedule, M); :meth:`after_action` is told of every
-    gradient action, :meth:`finish` waits for the sums at the end of the iteration."""
+    """One rank's synthetic bd sums for one (schedule, M), told of every gradient action."""
 
     def __init__(self, program, rank: int, world: int, megabytes: float, device):
         actions, points = program.actions[rank], program.sum_points[rank]
@@ -83,9 +82,8 @@ class BdSums:
 
 
 def probe_ms(world: int, rank: int, megabytes: float, device, rounds: int = 7) -> Optional[float]:
-    """One bd sum of ``megabytes`` with every pair summing at once, as at the end of a DualPipe
-    iteration: the median over ``rounds`` (after two untimed), in ms; the caller takes the
-    slowest rank's. None when there are no pairs or no gradients."""
+    """One bd sum of ``megabytes`` with every pair summing at once, as at the end of a DualPipe iteration,
+    in ms (median; the caller takes the slowest rank's); None without pairs or gradients."""
     if megabytes <= 0 or world % 2 or world < 2:
         return None
     group = pair_groups(world)[rank]

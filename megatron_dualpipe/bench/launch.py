@@ -78,9 +78,8 @@ def run_here(fn: Callable[..., Any], args: Sequence[Any], timeout_s: float) -> O
 
 def _in_group(rank: int, world: int, port: int, fn: Callable[..., Any], args: Sequence[Any],
               collective_timeout_s: float) -> Any:
-    """One rank of :func:`spawn` (``launch.spawn`` has set its rendezvous variables): joins the group,
-    runs ``fn(rank, world, device, *args)``; returns once every rank has (none tears the group down
-    while a peer still uses it)."""
+    """One rank of :func:`spawn` (``launch.spawn`` set its rendezvous variables): ``fn(rank, world, device,
+    *args)``, returned once every rank has (none tears the group down while a peer still uses it)."""
     import torch.distributed as dist
 
     mine = fn(rank, world, init(rank, world, collective_timeout_s), *args)
@@ -90,9 +89,8 @@ def _in_group(rank: int, world: int, port: int, fn: Callable[..., Any], args: Se
 
 def spawn(fn: Callable[..., Any], world: int, args: Sequence[Any] = (), timeout_s: float = 1800.0,
           collective_timeout_s: Optional[float] = None) -> List[Any]:
-    """Run ``fn(rank, world, device, *args)`` in ``world`` new processes in one process group
-    (:func:`..launch.spawn.run`: it raises naming the failing rank, and leaves nothing running);
-    the per-rank results. ``collective_timeout_s`` (default ``timeout_s``): the group's timeout."""
+    """The per-rank results of ``fn(rank, world, device, *args)`` in ``world`` new processes in one process
+    group (:func:`..launch.spawn.run`: it raises naming the failing rank, and leaves nothing running)."""
     collective = timeout_s if collective_timeout_s is None else collective_timeout_s
     return spawner.run(_in_group, world, (fn, tuple(args), collective), timeout_s=timeout_s, preload=TORCH,
                        finish=_destroy_within)

@@ -86,9 +86,8 @@ class ParamGathers:
 
 
 class GatheringCompute(SyntheticCompute):
-    """Synthetic stages whose first forward of each chunk waits for the chunk's gathers (DDP's
-    pre-hook) in ``mode`` pre-hook (which also starts them there) and param_sync_func; none:
-    no gathers."""
+    """Synthetic stages whose first forward of a chunk waits for its gathers (DDP's pre-hook), which
+    ``mode`` pre-hook also starts there; ``none``: no gathers."""
 
     def __init__(self, *args, gathers: ParamGathers, mode: str, **kwargs):
         super().__init__(*args, **kwargs)
@@ -167,9 +166,7 @@ def worker(rank: int, world: int, device, cfg) -> dict:
 
 
 def summary(ranks: Sequence[dict], pp: int) -> List[dict]:
-    """Per (schedule, M): the median iteration ms of each mode (slowest rank per iteration), the
-    exposed gather ms of each mode (its iteration minus ``none``'s, median), the largest median
-    host wait of a rank, and the slowest rank's ``alone`` ms."""
+    """Per (schedule, M): each mode's median, exposed (minus ``none``'s) and host-wait ms; the slowest ``alone``."""
     rows = []
     for (name, m) in ranks[0]["runs"]:
         runs = [r["runs"][(name, m)] for r in ranks]
@@ -185,8 +182,7 @@ def summary(ranks: Sequence[dict], pp: int) -> List[dict]:
 
 
 def table(rows: Sequence[dict], megabytes: float, env: Optional[dict] = None) -> str:
-    """The rows as text: per schedule and M, what the cost model assumes exposed (0 ms) against
-    what each way shows."""
+    """The rows as text, against what the cost model assumes exposed (0 ms)."""
     head = (f"parameter all-gathers, {megabytes:g} MiB per chunk over 2 replicas (2 x pp processes"
             + (f", {env['backend']} on {env['device']}" if env else "") + "): exposed ms = iteration minus the "
             "iteration without gathers (median); cost model (advise): 0 exposed (no term for them)")

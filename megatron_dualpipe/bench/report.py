@@ -70,9 +70,8 @@ def _sim(name: str, pp: int, m: int, costs, p2p: float, scale: float = 1.0):
 
 
 def unit_overhead_ms(pp: int, latency: float, probe_iterations: Sequence[Sequence[float]], c) -> float:
-    """The cost per unit that makes the simulated probe run (1F1B, pp, M=2pp, the bench's stage
-    costs ``c``, ``latency`` per hop) take the probe's time: the slowest rank per iteration, the
-    median over iterations."""
+    """The cost per unit that makes the simulated probe run (1F1B, pp, M=2pp, the bench's stage costs
+    ``c``, ``latency`` per hop) take the probe's time (the slowest rank's, median over iterations)."""
     from ..schedule.registry import EXECUTOR_1F1B
 
     if not probe_iterations or not probe_iterations[0]:
@@ -98,8 +97,7 @@ def predicted_ms(name: str, pp: int, m: int, costs, latency: float, grad_mb: flo
         return sim.makespan
     link = Link(nbytes / (probe / 1e3) / 1e9)  # a 2-rank ring all-reduce moves the bytes once
     comm = CommModel(Placement(pp, 1, 1, gpus_per_node=pp), Network(link, link), stage_grad_bytes=nbytes)
-    spec = schedule_spec(name)
-    return grad_comm(s, sim, comm, 1.0, spec.defers_weight_grads).iteration
+    return grad_comm(s, sim, comm, 1.0, schedule_spec(name).defers_weight_grads).iteration
 
 
 def rows(cfg: BenchConfig, pp: int, ranks: Sequence[dict]) -> Tuple[Optional[float], List[Row]]:

@@ -21,8 +21,7 @@ SPEND_MODES = ("sleep", "matmul")
 
 @dataclass(frozen=True)
 class StageCosts:
-    """Milliseconds per action of one stage: forward, full backward (input and weight
-    gradients), the weight-gradient part of it, and optionally a fused F&B unit."""
+    """Milliseconds per action of one stage (``w``: the weight-gradient part of ``b``; ``fb``: a fused F&B unit)."""
 
     f: float
     b: float
