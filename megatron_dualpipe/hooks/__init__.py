@@ -21,14 +21,13 @@ def install(parts: Sequence[str], version: Optional[str] = None) -> List[str]:
     Returns the parts installed now."""
     done = []
     for part in parts:
-        if part in _SETS:
-            continue
         if part not in manifest.INSTALLED_PARTS:
             raise ValueError(f"{part!r} is not an installed part of the manifest: one of {manifest.INSTALLED_PARTS}")
-        patches = PatchSet(part, PARTS[part])
-        patches.install(version)
-        _SETS[part] = patches
-        done.append(part)
+        if part not in _SETS:
+            patches = PatchSet(part, PARTS[part])
+            patches.install(version)
+            _SETS[part] = patches
+            done.append(part)
     return done
 
 

@@ -201,9 +201,8 @@ def active_scoped() -> Dict[str, int]:
 
 @contextlib.contextmanager
 def scoped(*swaps: Swap, version: Optional[str] = None) -> Iterator[List[Applied]]:
-    """Within the block each swap's attribute holds its replacement; on exit (also on an
-    exception) every one gets back the very object it had, in reverse order. A swap whose
-    patch does not apply to the installed megatron-core (``version``: override) is skipped."""
+    """Within the block each swap's attribute holds its replacement; on exit (also on an exception) the
+    very object it had, in reverse order. Swaps for another megatron-core than ``version`` are skipped."""
     version = megatron_core_version() if version is None else version
     applied: List[Applied] = []
     try:

@@ -237,8 +237,7 @@ def wrap_add_megatron_arguments(orig):
 
 def keep_aligned_param_gather(args, aligned) -> None:
     """``validate_args`` turns ``--align-param-gather`` off without a virtual pipeline, but the executor
-    calls ``config.param_sync_func`` for both chunks before the first action (``mcore.param_gather``), as
-    the interleaved schedule does: the user's value (``aligned``, default on) stands."""
+    gathers both chunks' parameters before the first action, as the interleaved schedule does: it stands."""
     if aligned and registry.get(schedule_of(args)).chunks_per_rank == 2:
         args.align_param_gather = True
 

@@ -77,9 +77,8 @@ def _two_chunk_stages(build_model_func, spec, transformer_config, built, dist_ut
 
 
 def _wrapped_with_chunk_config(wrap_with_mp_wrapper):
-    """``_wrap_with_mp_wrapper`` that hands each chunk's wrapper the chunk's own config: with the
-    builder's (no V-stages) ``Float16Module`` would take DualPipeV's V-stage ``pp-1`` for the model's
-    end (an fp32 upcast) and fail ``is_vp_first_stage`` for V-stage ``pp``."""
+    """``_wrap_with_mp_wrapper`` with each chunk's own config: with the builder's (no V-stages)
+    ``Float16Module`` would take DualPipeV's V-stage ``pp-1`` for the model's end (an fp32 upcast)."""
     from megatron.core.utils import get_model_config
 
     @functools.wraps(wrap_with_mp_wrapper)

@@ -1,14 +1,11 @@
-"""Wrappers of ``megatron.training`` globals that its functions look up at call time (the hooks
-manifest's ``megatron-lm training`` part says what each is for). Under ``1f1b`` each calls the
-original unchanged; under the two-chunk schedules Megatron's own ``get_model`` gets a provider that
-returns both chunks (a list it accepts), so Float16Module, DDP per chunk and the rest stay Megatron's.
-Data needs no hook: ``pretrain()`` builds one iterator per rank and the executor splits it.
-"""
+"""Wrappers of ``megatron.training`` globals its functions look up at call time (the manifest's
+``megatron-lm training`` part says why each); under ``1f1b`` each calls the original unchanged."""
 
+import builtins
 import functools
 
 from .. import hooks
-from ..mcore import copies
+from ..mcore import copies, groups
 from ..schedule import registry
 from ..schedule.layout import V_SHAPE
 from .arguments import schedule_of
@@ -28,18 +25,16 @@ def forward_backward_options(args) -> dict:
             "drift_check_every": int(getattr(args, "dualpipe_drift_check_interval", 0) or 0)}
     if getattr(args, "dualpipe_advise_warmup", None) is not None:
         opts["advise_warmup"] = int(args.dualpipe_advise_warmup)
-    timeout = getattr(args, "dualpipe_p2p_timeout", None)
-    if timeout is None:
-        minutes = getattr(args, "distributed_timeout_minutes", None)
-        timeout = float(minutes) * 60.0 if minutes else None
+    timeout, minutes = getattr(args, "dualpipe_p2p_timeout", None), getattr(args, "distributed_timeout_minutes", None)
+    if timeout is None and minutes:
+        timeout = float(minutes) * 60.0
     if timeout is not None:
         opts["p2p_timeout"] = float(timeout)
     return opts
 
 
 class _Chunks(list):
-    """The two chunks, as the one "model" stock ``get_model`` receives from the provider (a list
-    subclass so that ``model.model_type = ...`` works; stock code then treats it as its list)."""
+    """The two chunks as the one "model" stock ``get_model`` receives (a list that takes ``model_type``)."""
 
 
 def _two_chunk_provider(model_provider_func, schedule, model_type, built):
@@ -99,22 +94,15 @@ def parameter_count_line(line: str, chunks) -> str:
 def build_pair_groups(args) -> None:
     """The bd groups, and the shard groups if the way the copies are summed needs them (collective;
     once, before the chunks are built)."""
-    from ..mcore import groups
-
     if not groups.bd_groups_initialized():
         groups.build_bd_groups()
     copies.chosen(args).build_groups()
 
 
 def _unbucketed_ddp(module, wrap):
-    """Within the block, ``module.DDP`` builds every chunk with ``disable_bucketing=True``: stock
-    ``get_model`` buckets only pipeline rank 0's first chunk, but the in-place bd sum needs both copies
-    of a stage laid out alike (and a chunk's gradients are final all at once, after its last W)."""
-
-    def unbucketed(orig):
-        return unbucketed_ddp_class(wrap(orig))
-
-    return hooks.entry("scoped", "DDP").made_by(unbucketed, on=module)
+    """Within the block, ``module.DDP`` builds every chunk unbucketed: the in-place bd sum needs both
+    copies of a stage laid out alike (stock ``get_model`` buckets only pipeline rank 0's first chunk)."""
+    return hooks.entry("scoped", "DDP").made_by(lambda orig: unbucketed_ddp_class(wrap(orig)), on=module)
 
 
 def unbucketed_ddp_class(ddp_class):
@@ -132,7 +120,6 @@ def unbucketed_ddp_class(ddp_class):
 def count_printer(built):
     """``print`` that rewrites Megatron's parameter-count line (`parameter_count_line`) once the
     chunks are in ``built``, and passes every other call to the builtin unchanged."""
-    import builtins
 
     def print_(*args, **kwargs):
         if len(args) == 1 and isinstance(args[0], str) and "chunks" in built:

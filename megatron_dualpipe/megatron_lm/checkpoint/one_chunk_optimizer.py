@@ -72,23 +72,18 @@ def expand_state_dict(opt, sd, keep_ids):
                 f"checkpoint optimizer parameter group {_group_key(cur)} has {len(saved_group['params'])} "
                 f"parameters, this rank's model[0] has {n_keep}: it was saved for a different model or "
                 "pipeline split; resume with --no-load-optim")
-        if si is not None:
-            used.add(si)
+        used.add(si)
         saved_ids = iter(saved_group["params"] if saved_group is not None else ())
-        params = []
-        for p, keep in zip(live["params"], mask):
+        params = list(range(idx, idx + len(mask)))
+        idx += len(mask)
+        for i, p, keep in zip(params, live["params"], mask):
             if keep:
                 sid = next(saved_ids)
                 if sid in saved_state:
-                    state[idx] = saved_state[sid]
+                    state[i] = saved_state[sid]
             elif template is not None:
-                state[idx] = {
-                    k: (torch.zeros_like(p.data, dtype=v.dtype) if torch.is_tensor(v) and v.dim() > 0
-                        else (v.clone() if torch.is_tensor(v) else v))
-                    for k, v in template.items()
-                }
-            params.append(idx)
-            idx += 1
+                state[i] = {k: (torch.zeros_like(p.data, dtype=v.dtype) if torch.is_tensor(v) and v.dim() > 0
+                                else v.clone() if torch.is_tensor(v) else v) for k, v in template.items()}
         groups.append(dict(saved_group if saved_group is not None else cur, params=params))
         if fp16:
             saved_mains = iter(sd["fp32_from_fp16_params"][si] if si is not None else ())

@@ -110,9 +110,8 @@ class SharedShardOptimizerView:
 
 
 def _for_mirror(opt, sd):
-    """The home copy's ``state_dict()`` for the mirror's sub-optimizer: the same param groups by
-    their identifying keys (Megatron's load matches them so), plus any group of the mirror's stage
-    the home stage lacks, with its own hyper-parameters and the loaded step."""
+    """The home copy's ``state_dict()`` for the mirror's sub-optimizer: the same param groups by their
+    identifying keys, plus the mirror's own groups the home stage lacks (with the loaded step)."""
     groups = list(sd["optimizer"]["param_groups"])
     have = {param_group_key(g) for g in groups}
     step = next((g["step"] for g in groups if "step" in g), None)

@@ -97,10 +97,8 @@ def save_with_one_chunk_model(orig, args, iteration, model, optimizer, *a, **kw)
 
 
 def save_tied_output_once(orig, args, iteration, model, optimizer, *a, **kw):
-    """dualpipev, torch_dist: Megatron's save, the output layer's copy of a tied embedding left
-    out on rank 0 (``torch_dist_mirror.mark_v_tied_output_weight``). ``exact_offsets``: V-stage 0 pads
-    the bucket before the tied embedding's where 1F1B's stage 0 may not, and megatron-core's save
-    would write the embedding's state shifted by that padding."""
+    """dualpipev, torch_dist: Megatron's save without rank 0's output copy of a tied embedding, the
+    embedding's state at its own offsets (V-stage 0 pads the bucket before it where 1F1B's stage 0 may not)."""
     with generated_state_dict_edited(torch_dist_mirror.drop_mirror_entries), exact_offsets(optimizer):
         return orig(iteration, model, optimizer, *a, **kw)
 
@@ -153,9 +151,8 @@ _OTHER_BUFFERS = ("Global shape mismatch", "optimizer.distributed.")
 
 
 def load_reshardable_state(orig, args, model, optimizer, file, *a, **kw):
-    """dualpipev, torch_dist: as Megatron loads, at the save's offsets. The distributed optimizer's
-    dp_reshardable state of another layout (its grad buffers hold other parameters) is refused in
-    one line naming the fix (a :class:`Refusal`), instead of DCP's shape-mismatch traceback."""
+    """dualpipev, torch_dist: as Megatron loads, at the save's offsets; another layout's dp_reshardable
+    optimizer state is refused in one line naming the fix, instead of DCP's shape-mismatch traceback."""
     try:
         with exact_offsets(optimizer):
             return orig(model, optimizer, *a, **kw)

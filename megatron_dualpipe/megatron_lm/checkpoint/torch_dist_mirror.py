@@ -1,10 +1,7 @@
-"""``--ckpt-format torch_dist`` under ``--pipeline-schedule dualpipe``: the mirror is never written.
-
-DualPipe's ``model[1]`` on rank ``i`` is a copy of stage ``pp-1-i``, keyed as that stage: at load it
-reads the stage's shards like any replica; at save its entries (a :class:`MirrorReplicaId`) are
-dropped, because Megatron's fully parallel save re-assigns ``replica_id = 0`` to every local shard
-("Invalid access pattern ... tensor([[2]])"), and the distributed optimizer's ``dp_reshardable`` state
-holds model[0]'s grad buffers only, as a 1F1B run writes them ("KeyError: ... gbuf_idx_1").
+"""``--ckpt-format torch_dist`` under ``--pipeline-schedule dualpipe``: the mirror (``model[1]``, keyed as
+stage ``pp-1-i``) reads its stage's shards at load like any replica, and is never written: Megatron's
+fully parallel save re-assigns ``replica_id = 0`` to every local shard ("Invalid access pattern"), and
+the ``dp_reshardable`` optimizer state holds model[0]'s grad buffers only, as 1F1B's ("gbuf_idx_1").
 """
 
 import functools
@@ -84,9 +81,8 @@ def drop_mirror_entries(state_dict) -> int:
 
 
 def mark_v_tied_output_weight(model) -> None:
-    """DualPipeV, tied embeddings or MTP: rank 0 holds the embedding and V-stage 2pp-1's copy of it,
-    saved under the embedding's key; the fully parallel save made both main replicas ("Invalid
-    access pattern ... [[2]]"). The copy becomes a mirror replica: not written, loaded as its equal."""
+    """DualPipeV, tied embeddings or MTP: V-stage 2pp-1's copy of rank 0's embedding (saved under its key)
+    becomes a mirror replica: not written, loaded as its equal ("Invalid access pattern ... [[2]]")."""
     m0, m1, found = unwrap_chunk(model[0]), unwrap_chunk(model[1]), embedding_copy(model[1])
     if found is None or found[0] != "output" or not m0.pre_process:
         return
@@ -98,10 +94,8 @@ def mark_v_tied_output_weight(model) -> None:
 
 
 def model0_distributed_optimizers(model, optimizer):
-    """Within the block, each distributed optimizer's ``sharded_state_dict`` (dp_reshardable)
-    holds model[0]'s buffers only, and its ``load_parameter_state_from_dp_reshardable`` keeps the
-    mirror's buffers as they are (``sync_mirrors`` fills them after the load). Per-object
-    ``hooks.scoped`` swaps: the class is not changed."""
+    """Within the block, each distributed optimizer's dp_reshardable state holds model[0]'s buffers only;
+    at load the mirror's keep their values (``sync_mirrors`` fills them). Per object: the class is not changed."""
     swaps, keep_ids = [], model0_ids(model)
     for opt in (o for o in inner_optimizers(optimizer) if is_distributed_optimizer(o)):
         home = home_buffers(opt, keep_ids)  # model[0]'s must come first, as in a one-chunk run
