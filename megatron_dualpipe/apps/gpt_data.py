@@ -20,8 +20,7 @@ BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
 
 
 class TextTokenizer(MegatronTokenizerBase):
-    """A HuggingFace ``tokenizers`` tokenizer in the interface megatron-core's datasets read
-    (``vocab_size``, ``eod``, ``unique_identifiers`` for the index cache). Needs no
+    """A HuggingFace ``tokenizers`` tokenizer in the interface megatron-core's datasets read; needs no
     ``transformers``: the data is already tokenized, only the ids are looked up."""
 
     def __init__(self, data: PreparedData):

@@ -80,11 +80,9 @@ V3_LABEL = ("MLA + YaRN, SwiGLU, RMSNorm, untied; layer 1 dense; sigmoid routing
 
 
 def deepseek_v3(spec: ModelSpec) -> ModelSpec:
-    """``spec`` (an MoE spec with an even number of experts) shaped as DeepSeek-V3 at tiny sizes
-    (configs/moe_deepseek_v3_cpu.sh's recipe without its auxiliary loss): multi-latent attention
-    with YaRN RoPE, SwiGLU, RMSNorm, untied output weights, the first layer dense, sigmoid scores
-    with expert bias, group-limited routing, the routed output scaled by 2.5, a shared expert.
-    The expert bias moves only in Megatron's finalize step, not inside one iteration."""
+    """``spec`` (MoE, an even number of experts) shaped as DeepSeek-V3 at tiny sizes (:data:`V3_LABEL`:
+    configs/moe_deepseek_v3_cpu.sh's recipe without its auxiliary loss). The expert bias moves only in
+    Megatron's finalize step, not inside one iteration."""
     if not spec.experts or spec.experts % 2:
         raise ValueError(f"the V3 model routes in 2 groups: it needs an even number of experts, got {spec.experts}")
     moe = (("moe_router_score_function", "sigmoid"), ("moe_router_enable_expert_bias", True),
@@ -105,9 +103,8 @@ def multi_latent(spec: ModelSpec) -> ModelSpec:
 
 
 def config_of(spec: ModelSpec, *, full: bool = False, executor: bool = False):
-    """The ``TransformerConfig`` (``full``: of the pp=1 model; ``executor``: of the executor's chunks,
-    with the combined step and TE's weight-gradient deferral on where the spec asks: Megatron's
-    1F1B runs neither)."""
+    """The ``TransformerConfig`` (``full``: the pp=1 model's; ``executor``: with the combined step and TE's
+    weight-gradient deferral on where the spec asks, as Megatron's 1F1B runs neither)."""
     # On a GPU the parameters are made on the device (as Megatron does): the chunks' constructors
     # and the mirror broadcast then run on NCCL with CUDA tensors.
     overrides = dict(params_dtype=spec.torch_dtype, pipeline_dtype=spec.torch_dtype,

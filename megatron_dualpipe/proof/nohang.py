@@ -55,9 +55,8 @@ def raising_forward_step(forward_step, fails: bool, nth: int = 2):
 
 
 def peers_stopped(stops: Dict[int, Stop], failing: int, limit_s: float, failed_at: Optional[float] = None) -> List[str]:
-    """What is wrong with how the peers of rank ``failing`` stopped (empty: nothing): each must stop
-    with an error naming a rank within ``limit_s``: of ``failed_at`` (the failure's wall-clock
-    time) where given, else of its own start."""
+    """What is wrong with how the peers of rank ``failing`` stopped (empty: nothing): each must stop with an
+    error naming a rank within ``limit_s`` of ``failed_at`` (wall-clock) where given, else of its start."""
     failures = []
     for rank, stop in sorted(stops.items()):
         if rank == failing:

@@ -74,8 +74,7 @@ class SelftestConfig:
                          combined_step=moe and self.ep > 1, fp8=self.fp8)
 
     def spec_v3(self) -> ModelSpec:
-        """The tiny DeepSeek-V3-shaped model (:func:`..proof.models.deepseek_v3`): 2 experts per
-        expert-parallel rank, at least 4 (2 groups of 2); fused F&B units with --ep."""
+        """The tiny DeepSeek-V3-shaped model: 2 experts per expert-parallel rank, at least 4 (2 groups of 2)."""
         return deepseek_v3(dataclasses.replace(self.spec(moe=True), experts=2 * max(self.ep, 2)))
 
 
