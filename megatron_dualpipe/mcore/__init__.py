@@ -1,8 +1,5 @@
-"""Megatron-core glue for DualPipe / DualPipeV: bd groups and reversed pipeline groups
-(`groups`), the two-chunk model (`model`), and the gradient finalize (`grads`).
-
-Importing it checks that the importable megatron-core lies in the supported range
-(:mod:`megatron_dualpipe.versions`): outside it, one line naming the supported versions.
+"""Megatron-core glue for DualPipe / DualPipeV. Importing it checks that the importable megatron-core lies in
+the supported range (:mod:`megatron_dualpipe.versions`): outside it, one line naming the supported versions.
 """
 
 

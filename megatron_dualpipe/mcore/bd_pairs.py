@@ -1,11 +1,10 @@
 """The walk over a bd pair: the one place that knows which chunk holds which stage copy.
 
-Pipeline rank ``i`` and its partner ``pp-1-i`` hold the same two stages, each as ``model[0]`` (its home copy)
-on one and ``model[1]`` (its mirror) on the other. Everything that keeps the copies equal walks the two stages
-in stage order on both ranks, so that the collectives pair up: `broadcast_home_to_mirror` (after construction
-and checkpoint loads) and `sum_copies` (gradients, router statistics). Each takes ``tensors_of(chunk)``, listing
-one copy's tensors in an order both share, flattened per dtype into one buffer per collective. On the middle
-rank of an odd pipeline the copy / sum is local.
+Pipeline rank ``i`` and its partner ``pp-1-i`` hold the same two stages, each as ``model[0]`` (home copy) on one
+and ``model[1]`` (mirror) on the other. Whatever keeps the copies equal (`broadcast_home_to_mirror`,
+`sum_copies`) walks the two stages in stage order on both ranks so that the collectives pair up, over
+``tensors_of(chunk)`` (one copy's tensors, in an order both share) flattened per dtype; on the middle rank of an
+odd pipeline locally.
 """
 from __future__ import annotations
 

@@ -1,10 +1,9 @@
 """The links of a running job, timed for ``--dualpipe-advise``: the bd pair, data parallel, P2P.
 
-The sums ``GradReduction`` issues during the schedule overlap compute (and on an accelerator finish on a
-stream the host does not watch), so the same collectives are timed here once, right after the measured
-iteration, on the same groups with scratch buffers: each at two sizes, the small one giving the latency and
-the difference the bandwidth (ring all-reduce: 2(n-1)/n x bytes / bandwidth + 2(n-1) latencies). Collective:
-every rank calls :func:`measure` at the same point.
+The sums ``GradReduction`` issues overlap compute (and on an accelerator finish on a stream the host does not
+watch), so the same collectives are timed once right after the measured iteration, on the same groups with
+scratch buffers, at two sizes: the small one gives the latency, the difference the bandwidth (ring all-reduce:
+2(n-1)/n x bytes / bandwidth + 2(n-1) latencies). Collective: every rank calls :func:`measure` at one point.
 """
 from __future__ import annotations
 
@@ -22,20 +21,16 @@ SMALL, LARGE = 64 << 10, 16 << 20
 ROUNDS = 5
 
 
-def _sync(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _timed(fn, device, group) -> float:
     """Median ms of ``fn`` over ROUNDS after one untimed call, each after a barrier on ``group``."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else lambda device: None
     times = []
     for k in range(ROUNDS + 1):
         dist.barrier(group=group)
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         fn()
-        _sync(device)
+        sync(device)
         if k:
             times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)

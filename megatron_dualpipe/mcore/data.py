@@ -1,9 +1,8 @@
 """Direction-aware data: which micro-batch of the global batch each direction reads.
 
-Megatron hands the schedule one data iterator per rank (``None`` where the rank reads no data); we keep it
-and split inside. Which global micro-batch a (direction, micro-batch) pair is, and which are padding, is the
-schedule's fact (``ScheduleSpec.global_index`` / ``is_fake``). :class:`MicrobatchSource` reads lazily and in
-order, so a rank reads exactly what its ``forward_step_func`` asks for, each at most once.
+Megatron hands the schedule one data iterator per rank (``None`` where it reads no data), split here by the
+schedule's ``global_index`` / ``is_fake``. :class:`MicrobatchSource` reads lazily and in order, so a rank reads
+exactly what its ``forward_step_func`` asks for, each at most once.
 """
 from __future__ import annotations
 

@@ -1,11 +1,10 @@
 """Make megatron-core's pipeline-position questions answer for the direction being computed.
 
-Megatron code such as ``pretrain_gpt.get_batch`` asks ``parallel_state.is_pipeline_first_stage()`` /
-``is_pipeline_last_stage()`` to decide whether to read tokens and labels, and a rank holds two stages. Inside
-:func:`direction_of` those, the next / previous rank and the pipeline rank answer for the direction's stage.
-They are swapped as attributes of ``parallel_state`` (``hooks.scoped``), so callers going through the module
-(``mpu.is_pipeline_first_stage()``, as Megatron-LM does) see it; code that imported them by name keeps the
-original, and megatron-core's model code reads ``pg_collection`` and ``pre_process``/``post_process`` instead.
+A rank holds two stages, and Megatron code such as ``pretrain_gpt.get_batch`` asks ``is_pipeline_first_stage()``
+/ ``is_pipeline_last_stage()`` whether to read tokens and labels. Inside :func:`direction_of` those, the next /
+previous rank and the pipeline rank are swapped on ``parallel_state`` (``hooks.scoped``) for the direction's
+stage: callers going through the module (``mpu.``, as Megatron-LM's) see it; megatron-core's model code reads
+``pg_collection`` and ``pre_process``/``post_process`` instead.
 """
 from __future__ import annotations
 

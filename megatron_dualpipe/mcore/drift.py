@@ -1,10 +1,9 @@
 """Opt-in drift check: both copies of every DualPipe stage must stay bit-identical.
 
-The bd sum gives both copies of a stage the same gradient, so the same optimizer step keeps them equal bit
-for bit; anything that treats them differently (a per-copy statistic, an FP8 amax history, a missed
-reduction) makes them drift apart silently. Every N iterations (``drift_check_every=N``,
-``--dualpipe-drift-check-interval N``) the pair exchanges two integers per parameter and
-:class:`CopiesDriftedError` names the first that differs. A no-op for DualPipeV (no copies).
+The bd sum gives both copies the same gradient, so the same step keeps them equal bit for bit; anything that
+treats them differently (a per-copy statistic, an FP8 amax history, a missed reduction) makes them drift apart
+silently. Every N iterations (``--dualpipe-drift-check-interval N``) the pair exchanges two integers per
+parameter; :class:`CopiesDriftedError` names the first that differs. A no-op for DualPipeV (no copies).
 """
 from __future__ import annotations
 

@@ -187,8 +187,12 @@ class ExecutorSchedule:
                                  param_gather=config.param_sync_func is not None,
                                  bd_sums=copies.of(model).way.sums_in_schedule, step=step)
         program = _checked_iteration(self.spec.name, len(global_ranks), padded, real, forward_only, options).program
-        if padded != real:
-            self._report_padding(len(global_ranks), real, padded, forward_only)
+        if padded != real and (len(global_ranks), real, forward_only) not in self._padding_reported:
+            self._padding_reported.add((len(global_ranks), real, forward_only))  # said once per process
+            if dist.get_rank() == 0:
+                log.warning("megatron-dualpipe: %s with pp=%d needs %d micro-batches, got %d: added %d fake "
+                            "micro-batch(es) (no data, no compute, zero loss and gradient)%s", self.spec.name,
+                            len(global_ranks), padded, real, padded - real, " in evaluation" if forward_only else "")
         seq_length, micro_batch_size, decoder_seq_length = shape_args
         shape = schedules.get_tensor_shapes(
             seq_length=seq_length, micro_batch_size=micro_batch_size, decoder_seq_length=decoder_seq_length,
@@ -201,16 +205,6 @@ class ExecutorSchedule:
             _READY_GROUPS.add(group)
         tensor_spec = TensorSpec(tuple(shape), config.pipeline_dtype, device)
         return _Iteration(program, rank, global_ranks, group, p2p, tensor_spec)
-
-    def _report_padding(self, pp: int, real: int, padded: int, forward_only: bool) -> None:
-        key = (pp, real, forward_only)
-        if key in self._padding_reported:
-            return
-        self._padding_reported.add(key)
-        if dist.get_rank() == 0:
-            log.warning("megatron-dualpipe: %s with pp=%d needs %d micro-batches, got %d: added %d fake "
-                        "micro-batch(es) (no data, no compute, zero loss and gradient)%s", self.spec.name, pp,
-                        padded, real, padded - real, " in evaluation" if forward_only else "")
 
     # -- run ---------------------------------------------------------------------------------------
     def _run(self, it: _Iteration, compute: MegatronStageCompute, ops: ProgramOps, config, model,

@@ -147,9 +147,7 @@ def _dp_start_functions(config, model) -> list:
     (reduced in finalize). None too where a chunk has ``force_all_reduce`` (``--save-wgrads-interval``):
     ``start_grad_sync`` does not take it and would reduce-scatter."""
     funcs = config.grad_sync_func
-    if funcs is None:
-        return [None] * len(model)
-    funcs = funcs if isinstance(funcs, list) else [funcs]
+    funcs = funcs if isinstance(funcs, list) else [funcs]  # None: [None] for every chunk
     funcs = funcs * len(model) if len(funcs) == 1 else list(funcs)
     return [None if getattr(chunk, "force_all_reduce", False) else f for f, chunk in zip(funcs, model)]
 

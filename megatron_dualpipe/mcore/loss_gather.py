@@ -1,11 +1,10 @@
-"""Bring every direction's loss entries to the last pipeline rank, where Megatron reads them.
+"""Bring every direction's loss entries to the last pipeline rank, where Megatron's training loop reads them.
 
-Megatron's training loop reads the loss dicts from the last pipeline rank only; DualPipe's direction 1 and
-all of DualPipeV end on rank 0. Each transfer is an op of the rank's program (``loss D -> P`` / ``loss D <- P``):
-a header of keys, shapes and dtypes (its length, then its pickled bytes), then the tensors in one batched P2P,
-on the device they were computed on. Every wait has a deadline and checks the abort signal, naming this rank,
-the peer and what was awaited; on an accelerator the receiver polls ``is_completed()`` before reading the
-header on the host, so the deadline holds there too.
+DualPipe's direction 1 and all of DualPipeV end on rank 0. Each transfer is an op of the rank's program (``loss
+D -> P`` / ``loss D <- P``): a header of keys, shapes and dtypes (its length, then its pickled bytes), then the
+tensors in one batched P2P, on their device. Every wait has a deadline and checks the abort signal, naming both
+ranks and what was awaited; on an accelerator the receiver polls ``is_completed()`` before the host reads the
+header, so the deadline holds there too.
 """
 from __future__ import annotations
 

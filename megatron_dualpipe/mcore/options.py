@@ -59,15 +59,12 @@ class Refused:
     def value(self, source, side: str):
         if self.read is not None:
             return self.read(source, side)
-        name = self.arg if side == ARGS else self.config
-        return getattr(source, name, None)
+        return getattr(source, self.arg if side == ARGS else self.config, None)
 
     def applies(self, side: str) -> bool:
-        if side == DDP:  # only the rules that say they read it
-            return self.read is not None and self.sides is not None and DDP in self.sides
-        if self.read is not None:
-            return self.sides is None or side in self.sides
-        return (self.arg if side == ARGS else self.config) is not None
+        if self.read is None:
+            return side != DDP and (self.arg if side == ARGS else self.config) is not None
+        return side in (self.sides or (ARGS, CONFIG))  # DDP only for the rules that say they read it
 
     def message(self) -> str:
         if self.needs:
@@ -438,16 +435,9 @@ def flag_on(flag: str, source) -> bool:
 def problems(source, schedule: str, side: str) -> List[str]:
     """Messages (without the schedule's name) for every rule of :data:`REFUSED` that ``source`` breaks under
     ``schedule``; a ``needs`` rule only while its flag is on, prefixed with the flag."""
-    out = []
-    for rule in REFUSED:
-        if schedule not in rule.schedules or not rule.applies(side):
-            continue
-        if rule.needs:
-            if flag_on(rule.needs, source) and rule.value(source, side):
-                out.append(f"{rule.needs}: {rule.message()}")
-        elif rule.is_set(rule.value(source, side)):
-            out.append(rule.message())
-    return out
+    return [f"{rule.needs}: {rule.message()}" if rule.needs else rule.message() for rule in REFUSED
+            if schedule in rule.schedules and rule.applies(side) and (not rule.needs or flag_on(rule.needs, source))
+            and rule.is_set(rule.value(source, side))]
 
 
 def combined_step_problems(source, side: str = CONFIG) -> List[str]:

@@ -98,10 +98,8 @@ class ProgramOps(RunListener):
 
     def _finalize(self, op: Op) -> None:
         finalize = self.config.finalize_model_grads_func
-        if finalize is None:
-            return
-        if len(self.model) == 2:
+        if finalize is not None and len(self.model) == 2:
             finalize_after_token_count(self.model, self._token_count(), finalize_func=finalize,
                                        force_all_reduce=self.force_all_reduce)
-        else:
+        elif finalize is not None:
             finalize(self.model, self._token_count(), force_all_reduce=self.force_all_reduce)

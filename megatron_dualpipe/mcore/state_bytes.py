@@ -8,7 +8,7 @@ copy-sum way shards it); ``megatron_lm.training_hooks`` prints :func:`gather_tab
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field, fields
 from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -19,7 +19,6 @@ from .copies import CopySumWay
 #: Per-parameter state tensors the first step allocates, by optimizer class name (a torch or
 #: Transformer Engine optimizer); None: not known, the state is counted only once it exists.
 _MOMENTS = {"Adam": 2, "AdamW": 2, "FusedAdam": 2, "SGD": 1, "FusedSGD": 1}
-_FIELDS = ("params", "grads", "main_params", "optimizer_state")
 
 
 @dataclass
@@ -40,7 +39,7 @@ class ChunkBytes:
         return self.params + self.grads + self.optimizer
 
     def values(self) -> List[int]:
-        return [getattr(self, f) for f in _FIELDS]
+        return list(astuple(self))
 
     def __add__(self, other: "ChunkBytes") -> "ChunkBytes":
         return ChunkBytes(*(a + b for a, b in zip(self.values(), other.values())))
@@ -177,7 +176,7 @@ def rows_from(packed: Iterable[Sequence[int]]) -> Tuple[List[TableRow], bool]:
     every rank counted its optimizer state from allocated tensors."""
     best: Dict[int, List[int]] = {}
     allocated = True
-    n = len(_FIELDS)
+    n = len(fields(ChunkBytes))
     for v in packed:
         v = [int(x) for x in v]
         allocated &= bool(v[1])

@@ -1,9 +1,8 @@
 """Everything the executor's ``forward_backward_func`` can check before it communicates.
 
-Every check raises :class:`DualPipeConfigError` naming the fix, on the rank that called, with no
-collective started: a bad configuration never leaves a peer waiting. The schedule's own rules
-(pipeline size, micro-batch counts, chunks per rank) come from the registry; the options it
-refuses from the one options table (:mod:`.options`), read from the model's ``TransformerConfig``.
+Every check raises :class:`DualPipeConfigError` naming the fix, on the rank that called, with no collective
+started (a bad configuration never leaves a peer waiting): the registry's rules, and the options table
+(:mod:`.options`) read from the model's ``TransformerConfig``.
 """
 from __future__ import annotations
 

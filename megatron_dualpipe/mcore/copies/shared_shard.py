@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import types
 from typing import List
 
 import torch
@@ -56,17 +57,6 @@ def megatron_marks(chunk: torch.nn.Module):
     finally:
         for _, p in params:
             p.shared = True
-
-
-class _MainParamShards:
-    """The mirror as Megatron-LM's ``calc_params_l2_norm`` reads it (``parameters()`` only): its
-    parameters whose fp32 main copy is a distributed-optimizer shard (``main_param_sharded``)."""
-
-    def __init__(self, chunk: torch.nn.Module):
-        self.chunk = chunk
-
-    def parameters(self):
-        return (p for p in self.chunk.parameters() if getattr(p, "main_param_sharded", False))
 
 
 def per_stage_optimizer(get_megatron_optimizer):
@@ -131,8 +121,12 @@ class SharedShard(CopySumWay):
         if not (reads_main_params and len(model) == 2):
             yield list(model[:1])
             return
+        # the mirror as calc_params_l2_norm reads it (parameters() only): its parameters whose fp32 main copy is
+        # a distributed-optimizer shard
+        shards = types.SimpleNamespace(
+            parameters=lambda: (p for p in model[1].parameters() if getattr(p, "main_param_sharded", False)))
         with megatron_marks(model[1]):
-            yield [model[0], _MainParamShards(model[1])]
+            yield [model[0], shards]
 
 
 WAY = SharedShard()
