@@ -29,7 +29,7 @@ def install() -> None:
 def _end(last_line: str = "") -> None:
     """Stop the processes we started, print ``last_line``, then point stdout and stderr at /dev/null:
     nothing more gets out (not a background thread, not the interpreter's final flush)."""
-    processes.ignore_interrupts()
+    processes.handle(processes.INTERRUPTING, signal.SIG_IGN)  # a second Ctrl-C must not start a traceback
     processes.stop_descendants()
     with contextlib.suppress(OSError, ValueError):
         sys.stdout.flush()

@@ -31,11 +31,6 @@ def handle(names: Sequence[str], handler) -> None:
             signal.signal(sig, handler)
 
 
-def ignore_interrupts() -> None:
-    """While stopping and reporting, a second Ctrl-C must not start a traceback."""
-    handle(INTERRUPTING, signal.SIG_IGN)
-
-
 # Finding and stopping processes
 
 def _stat(pid) -> Optional[List[bytes]]:
@@ -186,7 +181,7 @@ def run(cmd: Sequence[str], env: Optional[Mapping[str, str]] = None, cwd: Option
         if reader_gone.is_set():
             raise BrokenPipeError("the reader of stdout went away")
     except BaseException:
-        ignore_interrupts()
+        handle(INTERRUPTING, signal.SIG_IGN)  # while stopping, a second Ctrl-C must not start a traceback
         stopped.set()
         stop(proc)
         raise

@@ -174,7 +174,7 @@ def valid_counts(launch: Launch) -> str:
     """The GPU counts to use instead: the nearest on whole nodes, and NNODES nodes with fewer GPUs each
     where that works; each with a GLOBAL_BATCH that passes there."""
     world, nodes, per_node, unit = launch.world, launch.nodes, launch.per_node, launch.unit()
-    step = unit * per_node // math.gcd(unit, per_node)  # a multiple of the unit on whole nodes
+    step = math.lcm(unit, per_node)  # a multiple of the unit on whole nodes
     below = world // step * step
     nearest = below if below > 0 and world - below <= below + step - world else below + step
     text = (f"use {nearest} GPUs (NNODES={nearest // per_node} x GPUS_PER_NODE={per_node}: the nearest valid count "

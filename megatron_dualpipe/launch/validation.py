@@ -55,11 +55,9 @@ def _install(root: str) -> None:
 
 def fewest_gpus(args) -> int:
     """The smallest world size Megatron accepts for ``args``' parallel sizes."""
-    pp, cp = args.pipeline_model_parallel_size, args.context_parallel_size
-    dense = args.tensor_model_parallel_size * pp * cp
-    etp = args.expert_tensor_parallel_size or args.tensor_model_parallel_size
-    expert = etp * args.expert_model_parallel_size * pp
-    return dense * expert // math.gcd(dense, expert)
+    pp, tp = args.pipeline_model_parallel_size, args.tensor_model_parallel_size
+    etp = args.expert_tensor_parallel_size or tp
+    return math.lcm(tp * pp * args.context_parallel_size, etp * args.expert_model_parallel_size * pp)
 
 
 def _parse_and_validate(script: str, argv: Sequence[str]):
