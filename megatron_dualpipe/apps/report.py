@@ -75,12 +75,10 @@ def loss_figure(a: RunResult, b: RunResult, title: str):
     handles = top.plot(its, a.losses, color="#3c78b5", linewidth=2.4, label=f"{a.name}, training")
     handles += top.plot(its, b.losses, color="#f28e2b", linewidth=1.2, linestyle="--", label=f"{b.name}, training")
     if a.valid_loss is not None and b.valid_loss is not None:
-        top.plot([its[-1]], [a.valid_loss], marker="o", markersize=9, color="#3c78b5", linestyle="none")
-        top.plot([its[-1]], [b.valid_loss], marker="x", markersize=9, markeredgewidth=2, color="#f28e2b",
-                 linestyle="none")
-        handles += [Line2D([], [], marker="o", color="#3c78b5", linestyle="none", label=f"{a.name}, validation"),
-                    Line2D([], [], marker="x", markeredgewidth=2, color="#f28e2b", linestyle="none",
-                           label=f"{b.name}, validation")]
+        for r, marker, color, edge in ((a, "o", "#3c78b5", {}), (b, "x", "#f28e2b", {"markeredgewidth": 2})):
+            top.plot([its[-1]], [r.valid_loss], marker=marker, markersize=9, color=color, linestyle="none", **edge)
+            handles.append(Line2D([], [], marker=marker, color=color, linestyle="none", label=f"{r.name}, validation",
+                                  **edge))
     top.set_ylabel("lm loss")
     top.set_title(title, fontsize=10, loc="left")
     top.grid(color="#e4e4e4", linewidth=0.6)

@@ -171,10 +171,8 @@ def judge(ctx, payloads: List[Optional[dict]]) -> StageResult:
                                        "parallelism (--ep 2 or more)")
     details = [f"DualPipe, {ctx.cfg.spec(moe=True).label()}, M={2 * ctx.cfg.pp}, one iteration after a warm-up; "
                f"per rank: fused units, all-to-all nodes timed, all-to-all time inside the unit's compute"]
-    fractions = []
-    for p in payloads:
-        frac = p["hidden_ms"] / p["comm_ms"] if p["comm_ms"] > 0 else None
-        fractions.append(frac)
+    fractions = [p["hidden_ms"] / p["comm_ms"] if p["comm_ms"] > 0 else None for p in payloads]
+    for p, frac in zip(payloads, fractions):
         details.append(f"rank {p['rank']} (pp, tp, dp) = {tuple(p['coord'])}: {p['units']} fused units, "
                        f"{p['comm_nodes']} all-to-all and {p['compute_nodes']} compute nodes; all-to-all "
                        f"{p['comm_ms']:.3f} ms, of which {p['hidden_ms']:.3f} ms hidden"
