@@ -166,9 +166,7 @@ _VERSION: Dict[str, Optional[str]] = {}
 
 
 def megatron_core_version() -> Optional[str]:
-    """The installed megatron-core's version (``package_info``), or None when none is importable.
-
-    Read from the source file when megatron.core is not imported yet, so asking costs no import."""
+    """The installed megatron-core's version, or None; read from its source while it is not imported."""
     if _VERSION.get("version") is None:
         info = sys.modules.get("megatron.core.package_info")
         _VERSION["version"] = _source_version() if info is None else getattr(info, "__version__", None)

@@ -6,9 +6,9 @@ The checks run right after Megatron's ``validate_args``: they need the values it
 import functools
 from typing import List
 
-from .. import versions
+from .. import hooks, versions
 from ..mcore import copies, options
-from ..schedule import registry
+from ..schedule import registry, stage_layout
 
 
 class DualPipeArgumentError(ValueError):
@@ -84,11 +84,8 @@ UNEVEN_SPLIT = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_
 
 
 def layout_problems(args) -> List[str]:
-    """A ``--pipeline-model-parallel-layout`` of another stage count than the two-chunk schedule runs
-    (DualPipe ``pp``, DualPipeV ``2*pp``), naming one of the right count. Checked before ``validate_args``,
-    which asserts on a count ``pp`` does not divide and makes ``2*pp`` a virtual pipeline."""
-    from ..schedule import stage_layout
-
+    """A ``--pipeline-model-parallel-layout`` of another stage count than the two-chunk schedule runs,
+    naming one of the right count; before ``validate_args``, which asserts on a count ``pp`` does not divide."""
     schedule, text = schedule_of(args), getattr(args, "pipeline_model_parallel_layout", None)
     spec = registry.get(schedule)
     if text is None or spec.chunks_per_rank != 2:
@@ -104,10 +101,7 @@ def layout_problems(args) -> List[str]:
 
 def v_split_problems(args) -> List[str]:
     """DualPipeV's uneven V-stages beyond a layout, in Megatron's interleaved meaning: the embedding and
-    loss counted as layers of V-stages 0 and ``2pp-1`` must divide by ``2*pp``;
-    ``--decoder-first/last-pipeline-num-layers`` (V-stages 0 and ``pp``) refused, naming a layout."""
-    from ..schedule import stage_layout
-
+    loss counted as layers must divide by ``2*pp``; ``--decoder-first/last-pipeline-num-layers`` refused."""
     pp, layers = args.pipeline_model_parallel_size, args.num_layers
     first, last = (getattr(args, f"decoder_{end}_pipeline_num_layers", None) for end in ("first", "last"))
     if first is not None or last is not None:
@@ -171,8 +165,7 @@ def _two_chunk_problems(spec, args, bad) -> None:
     """DualPipe's and DualPipeV's own needs: torch, the layout, the pipeline size, the layer and
     micro-batch counts."""
     pp = args.pipeline_model_parallel_size
-    torch_problem = versions.torch_problem()
-    if torch_problem:
+    if torch_problem := versions.torch_problem():
         bad(f"{torch_problem}, or use --pipeline-schedule {registry.DEFAULT}")
     for problem in layout_problems(args) + (v_split_problems(args) if spec.name == registry.DUALPIPEV else []):
         bad(problem)
@@ -264,13 +257,9 @@ def wrap_validate(orig):
 def install():
     """Patch ``megatron.training`` so its parser knows the flags and its validation checks them (the
     ``megatron-lm arguments`` part of the hooks manifest). Idempotent; before ``pretrain()``."""
-    from .. import hooks
-
     hooks.install([_PART])
 
 
 def uninstall():
     """Undo :func:`install` (for tests)."""
-    from .. import hooks
-
     hooks.uninstall([_PART])

@@ -10,6 +10,7 @@ from .. import hooks
 from ..hooks.manifest import MODEL_BUILDER_SCOPED
 from ..hooks.manifest import V_CONFIG as _V_CONFIG
 from ..mcore import copies
+from ..mcore.model import build_two_direction_model, dualpipev_config
 from ..schedule import registry
 from ..schedule.layout import V_SHAPE
 from .arguments import schedule_of
@@ -52,7 +53,6 @@ def wrap_unimodal_build_distributed_models(orig):
 
 def _two_chunk_stages(build_model_func, spec, transformer_config, built, dist_utils):
     """``build_virtual_pipeline_stages`` for a two-chunk schedule: [model_dir0, model_dir1]."""
-    from ..mcore.model import build_two_direction_model, dualpipev_config
 
     def stages(build_func, pg_collection, vp_size, model_type=None):
         def one_chunk(pg_collection, pre_process, post_process, vp_stage):

@@ -6,9 +6,11 @@ import functools
 
 from .. import hooks
 from ..mcore import copies, groups
+from ..mcore.model import build_two_direction_model, chunk_info, describe_chunks, dualpipev_config
 from ..schedule import registry
 from ..schedule.layout import V_SHAPE
 from .arguments import schedule_of
+from .checkpoint.torch_dist_mirror import mark_mirror_replicas, mark_v_tied_output_weight
 
 
 def _megatron_args():
@@ -38,12 +40,9 @@ class _Chunks(list):
 
 
 def _two_chunk_provider(model_provider_func, schedule, model_type, built):
-    """A provider with stock ``get_model``'s calling convention that builds both chunks (and
-    puts them in the dict ``built`` under "chunks", for the parameter-count line)."""
+    """A provider with stock ``get_model``'s calling convention that builds both chunks (into ``built``)."""
     import megatron.training.training as mtraining
     from megatron.core.utils import get_model_config
-
-    from ..mcore.model import build_two_direction_model, dualpipev_config
 
     args = _megatron_args()
     layout = registry.get(schedule).layout_kind
@@ -77,8 +76,6 @@ PARAMETER_COUNT_PREFIX = " > number of parameters on (tensor, "
 
 def parameter_count_line(line: str, chunks) -> str:
     """Megatron's parameter-count line for a two-chunk rank: logical and physical counts."""
-    from ..mcore.model import chunk_info
-
     if not line.startswith(PARAMETER_COUNT_PREFIX) or len(chunks) != 2:
         return line
     head = line.rsplit(":", 1)[0]
@@ -92,8 +89,7 @@ def parameter_count_line(line: str, chunks) -> str:
 
 
 def build_pair_groups(args) -> None:
-    """The bd groups, and the shard groups if the way the copies are summed needs them (collective;
-    once, before the chunks are built)."""
+    """The bd groups, and the shard groups the way the copies are summed needs (collective, before the build)."""
     if not groups.bd_groups_initialized():
         groups.build_bd_groups()
     copies.chosen(args).build_groups()
@@ -118,8 +114,7 @@ def unbucketed_ddp_class(ddp_class):
 
 
 def count_printer(built):
-    """``print`` that rewrites Megatron's parameter-count line (`parameter_count_line`) once the
-    chunks are in ``built``, and passes every other call to the builtin unchanged."""
+    """``print`` with Megatron's parameter-count line rewritten (`parameter_count_line`) once ``built`` has them."""
 
     def print_(*args, **kwargs):
         if len(args) == 1 and isinstance(args[0], str) and "chunks" in built:
@@ -171,15 +166,11 @@ def two_chunk_model_built(model, schedule: str):
     per pipeline rank saying which stages it holds (get_model's path and 0.19's model builder)."""
     if len(model) != 2:
         raise RuntimeError(f"--pipeline-schedule {schedule}: expected 2 model chunks, got {len(model)}")
-    from .checkpoint.torch_dist_mirror import mark_mirror_replicas, mark_v_tied_output_weight
-
     if registry.get(schedule).mirrored:
         mark_mirror_replicas(model[1])  # torch_dist: the mirror is a non-main replica
     else:
         mark_v_tied_output_weight(model)  # torch_dist: written once, as the embedding
     from megatron.core import parallel_state
-
-    from ..mcore.model import describe_chunks
 
     if parallel_state.get_data_parallel_rank() == 0 and parallel_state.get_tensor_model_parallel_rank() == 0:
         print(f"[megatron-dualpipe] {schedule} pipeline rank {parallel_state.get_pipeline_model_parallel_rank()}: "

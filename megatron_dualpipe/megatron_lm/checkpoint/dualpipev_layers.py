@@ -1,10 +1,7 @@
-"""DualPipeV ``--ckpt-format torch`` checkpoints that 1F1B reads, and 1F1B checkpoints that DualPipeV reads.
-
-Rank ``i`` holds V-stages ``i`` and ``2pp-1-i``; 1F1B's stage ``t`` is V-stages ``2t`` and ``2t+1``
-(an uneven split: the 1F1B layout ``stage_layout.paired`` gives). The weights map one to one by
-renaming the local layer index; a 1F1B file of another split fails on the keys (strict), never
-silently. Optimizer state is per stage and not remapped (``strategies`` refuses it). The transfers
-are walked in one fixed order on every rank (blocking object send/recv), so they cannot deadlock.
+"""DualPipeV ``--ckpt-format torch`` checkpoints that 1F1B reads, and 1F1B checkpoints that DualPipeV reads:
+1F1B's stage ``t`` is V-stages ``2t`` and ``2t+1`` (the weights renamed by local layer index; another
+split fails on the keys, never silently). The transfers are walked in one fixed order on every rank
+(blocking object send/recv), so they cannot deadlock.
 """
 from __future__ import annotations
 
@@ -51,10 +48,6 @@ def join_stage(pieces: Dict[int, Dict[str, object]], t: int, first: int) -> Dict
     return sd
 
 
-def _cpu(sd):
-    return {k: (v.detach().cpu() if torch.is_tensor(v) else v) for k, v in sd.items()}
-
-
 def route(pieces: Dict[int, Dict[str, object]], src_of: Callable[[int], int], dest_of: Callable[[int], int],
           pp: int) -> Dict[int, Dict[str, object]]:
     """Move every V-stage's state dict from pipeline rank ``src_of(v)`` to ``dest_of(v)``, in V-stage
@@ -70,7 +63,8 @@ def route(pieces: Dict[int, Dict[str, object]], src_of: Callable[[int], int], de
         if src == dst == me:
             received[v] = pieces[v]
         elif src == me:
-            dist.send_object_list([_cpu(pieces[v])], dst=ranks[dst], group=group)
+            on_cpu = {k: (t.detach().cpu() if torch.is_tensor(t) else t) for k, t in pieces[v].items()}
+            dist.send_object_list([on_cpu], dst=ranks[dst], group=group)
         elif dst == me:
             box = [None]
             dist.recv_object_list(box, src=ranks[src], group=group)
@@ -79,8 +73,7 @@ def route(pieces: Dict[int, Dict[str, object]], src_of: Callable[[int], int], de
 
 
 def geometry(model) -> Tuple[int, int, Tuple[int, ...]]:
-    """(pipeline rank, pp, layers of every V-stage) of a DualPipeV model, the sizes as built (an
-    uneven split's too), gathered over the pipeline group (collective)."""
+    """(pipeline rank, pp, layers of every V-stage as built) of a DualPipeV model (collective)."""
     from megatron.core import parallel_state
 
     pp = parallel_state.get_pipeline_model_parallel_world_size()
@@ -92,8 +85,7 @@ def geometry(model) -> Tuple[int, int, Tuple[int, ...]]:
 
 
 def one_chunk_model_added(model):
-    """Within the block, the state dict Megatron's save writes also holds ``model``: 1F1B stage
-    ``i``'s weights (gathered from the V-stages now, collectively, on every rank)."""
+    """Within the block, Megatron's save also writes ``model``: 1F1B stage ``i``'s weights (collective)."""
     me, pp, sizes = geometry(model)
     pieces = {chunk_info(c)["stage"]: c.state_dict_for_save_checkpoint() for c in model}
     one_chunk = join_stage(route(pieces, lambda v: v_stage_owner(v, pp)[0], lambda v: v // 2, pp), me, sizes[2 * me])
@@ -101,8 +93,7 @@ def one_chunk_model_added(model):
 
 
 def cut_into_v_stages(model):
-    """Within the block, the state dict Megatron's load reads from this rank's file gets
-    ``model0``/``model1`` cut out of its 1F1B-layout ``model`` (collective)."""
+    """Within the block, Megatron's load cuts ``model0``/``model1`` out of a 1F1B file's ``model`` (collective)."""
     me, pp, sizes = geometry(model)
 
     def cut(sd):

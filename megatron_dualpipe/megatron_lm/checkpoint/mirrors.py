@@ -30,8 +30,7 @@ def sync_mirrors(model, optimizer) -> None:
 
 
 def _sync_distributed_optimizer_state(model, opt) -> None:
-    """Per parameter with a shard on this data-parallel rank, the main parameter shard and its state,
-    written back through Megatron's setter (its getter may return copies: the precision-aware optimizer)."""
+    """Written back through Megatron's setter: its getter may return copies (the precision-aware optimizer)."""
     fetched = {}
 
     def tensors_of(chunk):
@@ -56,8 +55,7 @@ def persistent_buffers(chunk):
 
 
 def _param_state_getter(opt):
-    """``param -> [tensors]`` for Megatron's (non-distributed) optimizers: the fp32 main
-    parameter when it is not the parameter itself, then the optimizer state tensors by key."""
+    """``param -> [tensors]``: its fp32 main parameter (when another tensor), then its optimizer state by key."""
     mains = {id(p): p for g in opt.optimizer.param_groups for p in g["params"]}
     model_to_main = {id(model_p): mains[main_id] for main_id, model_p in main_to_model(opt).items()}
 

@@ -151,8 +151,7 @@ class OneChunkOptimizerView:
 
 
 def filter_parameter_state(opt, state, keep_ids):
-    """``get_parameter_state_dp_zero()`` restricted to model[0]'s buffers, renumbered from 0 as a
-    one-chunk optimizer numbers them (None off data-parallel rank 0)."""
+    """``get_parameter_state_dp_zero()`` of model[0]'s buffers, numbered as a one-chunk optimizer numbers them."""
     if state is None:
         return None
     out = {k: v for k, v in state.items() if not isinstance(k, int)}
@@ -162,8 +161,7 @@ def filter_parameter_state(opt, state, keep_ids):
 
 
 def expand_parameter_state(opt, state, keep_ids):
-    """Inverse of `filter_parameter_state`: a one-chunk parameter state -> this optimizer's
-    buffers; the mirror's buffers get zero placeholders (`sync_mirrors` fills them)."""
+    """Inverse of `filter_parameter_state`; the mirror's buffers get zero placeholders (`sync_mirrors` fills them)."""
     home = home_buffers(opt, keep_ids)
     saved = sorted(k for k in state if isinstance(k, int))
     if len(saved) != len(home):

@@ -62,8 +62,7 @@ def main_to_model(opt):
 
 
 def home_buffers(opt, keep_ids):
-    """Indices of the distributed optimizer's grad buffers that belong to model[0] (a buffer
-    holds the parameters of one chunk: DDP builds them per chunk)."""
+    """Indices of the distributed optimizer's grad buffers that are model[0]'s (DDP builds them per chunk)."""
     home = []
     for k, buf in enumerate(opt.buffers):
         ids = {id(p) for p in buf.params}

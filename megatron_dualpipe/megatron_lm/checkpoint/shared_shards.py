@@ -1,13 +1,7 @@
-"""Checkpoints with ``--dualpipe-shared-shard-group``: the optimizer written and read as 1F1B's
-optimizer of ``model[0]`` (``--ckpt-format torch``, and ``torch_dist`` with
-``--dist-ckpt-optim-fully-reshardable``).
-
-Every chunk has its own distributed optimizers over the ``2 x dp`` ranks holding either copy of its
-stage, chained in ascending stage order (``mcore.copies.shared_shard``): the home copy's are 1F1B's,
-the mirror's load the same values. ``distrib_optim.pt``: each sub-optimizer gathers its stage's shards
-to its group rank 0, the home copy's data-parallel rank 0, in stage order (the gathers are collective),
-so they write what 1F1B's data-parallel rank 0 writes. After a load the mirrors get the home copies'
-parameters only (``mirrors.sync_mirrors``).
+"""Checkpoints with ``--dualpipe-shared-shard-group`` (``torch``, and fully reshardable ``torch_dist``):
+the home copy's sub-optimizers (one per stage, chained in ascending stage order) are written and read
+as 1F1B's optimizer of ``model[0]``, the mirror's load the same values. ``distrib_optim.pt``: each
+gathers its stage's shards to the home copy's data-parallel rank 0, in stage order (collective).
 """
 from typing import Dict, List
 

@@ -30,8 +30,7 @@ def save_as_is(orig, args, iteration, model, optimizer, *a, **kw):
 
 
 class HomeCopyState:
-    """One optimizer over both chunks (the bd sum, dp-first): 1F1B's state is its ``model[0]`` part,
-    and the mirror's is copied from the home copy after a load."""
+    """One optimizer over both chunks (the bd sum, dp-first): 1F1B's state is its ``model[0]`` part."""
 
     formats = None  # the checkpoint formats it is written and read in (None: every one)
 
@@ -55,8 +54,7 @@ class HomeCopyState:
 
 
 class PerStageState(HomeCopyState):
-    """The shared shard group's optimizers, one per stage: 1F1B's state is the home copy's
-    sub-optimizers' (:mod:`.shared_shards`); after a load the mirrors get only the parameters."""
+    """The shared shard group's optimizers, one per stage (:mod:`.shared_shards`): mirrors sync parameters only."""
 
     formats = ("torch", "torch_dist")  # torch_dist keyed by parameter: the argument check refuses the rest
 
@@ -197,8 +195,7 @@ def one_chunk_file(file) -> bool:
 
 
 def refuse_optimizer_across_layouts(args, optimizer, schedule: str, file) -> None:
-    """Optimizer state is per stage: a load that remaps DualPipeV <-> 1F1B layers cannot take it
-    (refused before anything is read, naming --no-load-optim)."""
+    """A load that remaps DualPipeV <-> 1F1B layers cannot take the per-stage optimizer state (refused first)."""
     if file is None or optimizer is None or args.no_load_optim or args.finetune:
         return
     _, saved = file
