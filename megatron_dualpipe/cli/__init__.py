@@ -1,9 +1,8 @@
-"""``megatron-dualpipe`` command line (also ``python -m megatron_dualpipe``): one module per command,
-each exporting its ``args.Command`` as ``COMMAND``, listed once in :data:`COMMANDS`.
+"""``megatron-dualpipe`` command line (also ``python -m megatron_dualpipe``): one module per command, each exporting
+its ``args.Command`` as ``COMMAND``, listed once in :data:`COMMANDS`.
 
-A user's mistake ends in one line, ``megatron-dualpipe: error: ...``, never a traceback: raise
-:class:`CliError` (or ``ValueError``) from ``run`` (``tests/cli/test_no_traceback.py`` tries them all).
-"""
+A user's mistake ends in one line, ``megatron-dualpipe: error: ...``, never a traceback: raise :class:`CliError` (or
+``ValueError``) from ``run`` (``tests/cli/test_no_traceback.py`` tries them all)."""
 from __future__ import annotations
 
 import argparse
@@ -38,8 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for cmd in COMMANDS.values():
-        p = sub.add_parser(cmd.name, help=cmd.help, description=cmd.help)
-        cmd.configure(p)
+        cmd.configure(sub.add_parser(cmd.name, help=cmd.help, description=cmd.help))
     return parser
 
 

@@ -11,8 +11,8 @@ from ..apps.progress import Progress
 from ..costs.advice import advise
 from ..costs.compare import fmt
 from ..costs.model_cost import GB
-from ..schedule.registry import (INTERLEAVED_1F1B, INTERLEAVED_1F1B_A2A, MEGATRON, MODELLED_SPECS, ONE_F_ONE_B,
-                                 distinct_orders, interleaved_name)
+from ..schedule.registry import (DUALPIPE, DUALPIPEV, INTERLEAVED_1F1B, INTERLEAVED_1F1B_A2A, MEGATRON, MODELLED_SPECS,
+                                 ONE_F_ONE_B, distinct_orders, interleaved_name)
 from ..schedule.registry import spec as get
 from . import advise_model
 from .args import CliError, Command, add_comm_args, add_cost_args, comm_from_args, costs_from_args
@@ -50,7 +50,7 @@ def configure(p) -> None:
     p.add_argument("--microbatches", "-m", metavar="RANGE",
                    help="micro-batches per iteration: 16, 8,12,16, 8:64 (doubling) or 8:64:8 (measured costs)")
     add_cost_args(p, "measured costs of one pipeline stage per micro-batch, as 1F1B runs it (any time unit)",
-                  defaults=False, required=False)
+                  defaults=False)
     g = p.add_argument_group("memory per rank (any unit, the same for all; measured costs)")
     g.add_argument("--activation-memory", type=float, metavar="X", help="activations of one micro-batch on one stage")
     g.add_argument("--parameter-memory", type=float, metavar="X",
@@ -105,10 +105,8 @@ def _run_model(args) -> int:
     s, advice, dropped, extra = model_advice(args)
     if args.launch_check:
         return launch_check(s, advice)
-    if args.json:
-        print(json.dumps(dict(advice.to_json(), model=s.lines, not_compared=dropped, overlap=extra)))
-        return 0
-    print("\n".join(s.lines + ([f"not compared: {'; '.join(dropped)}"] if dropped else []) + extra
+    print(json.dumps(dict(advice.to_json(), model=s.lines, not_compared=dropped, overlap=extra)) if args.json else
+          "\n".join(s.lines + ([f"not compared: {'; '.join(dropped)}"] if dropped else []) + extra
                     + ["", "times in ms per iteration or micro-batch, memory in GB per GPU", advice.format()]))
     return 0
 
@@ -144,10 +142,21 @@ def _a2a(name: str) -> bool:
 
 
 def _model_schedules(args, m):
-    """The schedules advise compares for model ``m``, and those it cannot (with why)."""
-    v = advise_model.interleaved_virtual(m, args.virtual_pipeline)
+    """The schedules advise compares for model ``m``, and those it cannot (with why): those whose stages do not
+    split the layers (evenly, or as the model's --decoder-first/last-pipeline-num-layers or layout say: 1f1b's
+    and dualpipe's pp stages, and dualpipev's V-stages, which a layout of pp stages cut in two gives)."""
+    # interleaved 1F1B: the model's own virtual pipeline (--num-layers-per-virtual-pipeline-stage), else ours
+    per = m.layers_per_virtual_stage
+    v = (m.num_layers // (m.pp * per) or None) if per else args.virtual_pipeline
     names = [interleaved_name(n, v) if n in MODELLED_SPECS else n for n in _names(args) if n not in MODELLED_SPECS or v]
-    dropped = advise_model.unsplittable(m, names)
+    uneven = m.first_stage_layers is not None or m.last_stage_layers is not None or m.layout is not None
+    dropped = []
+    for n in names:
+        stages = get(n).model_stages(m.pp)
+        if uneven and n not in (ONE_F_ONE_B, DUALPIPE, DUALPIPEV):
+            dropped.append(f"{n} (uneven stages are taken by 1f1b, dualpipe and dualpipev only)")
+        elif not uneven and m.num_layers % stages:
+            dropped.append(f"{n} ({m.num_layers} layers do not split into {stages} stages)")
     if not (m.num_experts and m.ep > 1):  # Megatron refuses --overlap-moe-expert-parallel-comm without EP
         dropped += [f"{n} (its overlap is MoE expert parallel's all-to-all: the model has none)" for n in names
                     if _a2a(n)]
@@ -195,20 +204,15 @@ def _run_measured(args) -> int:
 DOES_NOT_FIT = 3
 
 
-def _modelled_name(m, names) -> str:
-    """The advise row of the run's schedule: Megatron's 1f1b with a virtual pipeline is interleaved."""
-    if m.schedule == ONE_F_ONE_B and m.layers_per_virtual_stage:
-        kind = INTERLEAVED_1F1B_A2A if m.a2a_overlap else INTERLEAVED_1F1B
-        return next((n for n in names if n.startswith(kind)), kind)
-    return m.schedule
-
-
 def launch_check(s, advice) -> int:
     """``--launch-check``: the launch script's memory gate before torchrun, one line: a schedule that does not
     fit the GPU's memory is refused (exit 3) naming the fastest that fits. ``s``: ``advise_model.Setup``."""
     ch = advice.choices[0]
-    rows = {o.row.name: o for o in ch.options if not o.row.problem}
-    name = _modelled_name(s.model, list(rows))
+    rows, m = {o.row.name: o for o in ch.options if not o.row.problem}, s.model
+    name = m.schedule  # the run's row: Megatron's 1f1b with a virtual pipeline is interleaved
+    if m.schedule == ONE_F_ONE_B and m.layers_per_virtual_stage:
+        kind = INTERLEAVED_1F1B_A2A if m.a2a_overlap else INTERLEAVED_1F1B
+        name = next((n for n in rows if n.startswith(kind)), kind)
     mine = rows.get(name)
     best = rows.get(ch.best) if ch.best else None
     limit = fmt(advice.memory_limit)

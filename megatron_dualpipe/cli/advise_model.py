@@ -7,14 +7,14 @@ import math
 import os
 import subprocess
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import List
 
 from .. import project_files
 from ..costs import model_cost as mc
 from ..costs import stage_pairs
 from ..costs.comm_cost import CommModel, Link, Network, Placement
 from ..costs.compare import fmt
-from ..costs.model_args import ModelArgsError, parse
+from ..costs.model_args import parse
 from ..schedule import registry, stage_layout
 from ..schedule.copy_sum import WAYS, CopySum
 from ..schedule.simulate import Costs
@@ -66,11 +66,8 @@ def config_argv(name: str, nodes: int = 1, gpus_per_node: int = 8) -> List[str]:
         raise CliError(f"--config {name}: {path} does not define MODEL_ARGS ({proc.stderr.strip()[:200]})")
     lines = proc.stdout.splitlines()
     cut = lines.index("@@")
-    argv = lines[:cut]
-    for (var, flag), value in zip(CONFIG_VARIABLES, lines[cut + 1:]):
-        if value:
-            argv += [flag, value]
-    return argv
+    given = [(flag, value) for (_, flag), value in zip(CONFIG_VARIABLES, lines[cut + 1:]) if value]
+    return lines[:cut] + [x for pair in given for x in pair]
 
 
 @dataclass(frozen=True)
@@ -79,8 +76,6 @@ class Setup:
 
     model: object
     gpu: object
-    mfu: float
-    world: int
     dp: int
     microbatches: int
     costs: object
@@ -90,8 +85,7 @@ class Setup:
 
 def _layout(m, world: int):
     """(dp, micro-batches per iteration) of ``m`` on ``world`` GPUs, or the refusal with the fix."""
-    problem = mc.stages_problem(m)
-    if problem:
+    if problem := mc.stages_problem(m):
         raise CliError(problem)
     unit = m.model_size * (m.etp * m.ep * m.pp) // math.gcd(m.model_size, m.etp * m.ep * m.pp)
     if world % unit:
@@ -118,10 +112,7 @@ def setup(args) -> Setup:
         raise CliError(f"--mfu must be in (0, 1], got {mfu}: the share of the peak rate, e.g. 0.4")
     argv = ((config_argv(args.config, nodes, args.gpus_per_node) if args.config else [])
             + [a for a in args.model_args if a != "--"])
-    try:
-        m = parse(argv)
-    except ModelArgsError as e:
-        raise CliError(str(e)) from None
+    m = parse(argv)  # a ModelArgsError is a ValueError: main prints it as one line
     gpu, world = mc.GPUS[args.gpu], nodes * args.gpus_per_node
     dp, micro = _layout(m, world)
     a2a_bw = args.inter_bw if m.etp * m.ep > args.gpus_per_node else args.intra_bw
@@ -132,23 +123,17 @@ def setup(args) -> Setup:
     every = [mc.stage_costs(m, gpu, mfu, args.gpus_per_node, i, a2a_bw) for i in range(m.pp)]
     if len({round(c.f + c.b, 9) for c in every}) > 1:  # uneven stages: the simulator takes the slowest's
         lines.insert(4, "  every stage's f/b/w (ms): " + ", ".join(f"{c.f:.3g}/{c.b:.3g}/{c.w:.3g}" for c in every))
-        lines += stage_pairs_lines(m, gpu, mfu, args.gpus_per_node, a2a_bw)
-    return Setup(m, gpu, mfu, world, dp, micro, costs, mem, lines)
-
-
-def stage_pairs_lines(m, gpu, mfu: float, gpus_per_node: int, a2a_bw) -> List[str]:
-    """Uneven stages: which stages each rank holds under 1F1B, DualPipe and DualPipeV, and their
-    summed forward time (``costs.stage_pairs``)."""
-    forward = [mc.partition_f(m, gpu, mfu, gpus_per_node, sizes, a2a_bw)
-               for sizes in (mc.stage_sizes(m), mc.v_stage_sizes(m))]
-    lines = stage_pairs.report(*forward, (registry.ONE_F_ONE_B, registry.DUALPIPE, registry.DUALPIPEV),
-                               unit=" (forward ms per micro-batch)")
-    ends = m.first_stage_layers is not None or m.last_stage_layers is not None
-    if ends or (m.layout is not None and len(stage_layout.parse(m.layout)) == m.pp):  # dualpipev: 2pp V-stages
-        v = stage_layout.to_text(stage_layout.halved(stage_layout.from_sizes(mc.stage_sizes(m))))
-        lines.append(f"  dualpipev runs these V-stages as --pipeline-model-parallel-layout '{v}' (it refuses "
-                     f"--decoder-first/last-pipeline-num-layers and a layout of {m.pp} stages)")
-    return lines
+        # which stages each rank holds under 1F1B, DualPipe and DualPipeV, and their summed forward time
+        forward = [mc.partition_f(m, gpu, mfu, args.gpus_per_node, sizes, a2a_bw)
+                   for sizes in (mc.stage_sizes(m), mc.v_stage_sizes(m))]
+        lines += stage_pairs.report(*forward, (registry.ONE_F_ONE_B, registry.DUALPIPE, registry.DUALPIPEV),
+                                    unit=" (forward ms per micro-batch)")
+        ends = m.first_stage_layers is not None or m.last_stage_layers is not None
+        if ends or (m.layout is not None and len(stage_layout.parse(m.layout)) == m.pp):  # dualpipev: 2pp V-stages
+            v = stage_layout.to_text(stage_layout.halved(stage_layout.from_sizes(mc.stage_sizes(m))))
+            lines.append(f"  dualpipev runs these V-stages as --pipeline-model-parallel-layout '{v}' (it refuses "
+                         f"--decoder-first/last-pipeline-num-layers and a layout of {m.pp} stages)")
+    return Setup(m, gpu, dp, micro, costs, mem, lines)
 
 
 def _summary(m, gpu, mfu, nodes, per_node, dp, micro, sc, mem) -> List[str]:
@@ -170,29 +155,6 @@ def _summary(m, gpu, mfu, nodes, per_node, dp, micro, sc, mem) -> List[str]:
         f"{mc.activation_bytes(m) / mc.GB:.3g} per micro-batch on the first stage"
         + ("" if m.recompute else " (no recomputation)"),
     ]
-
-
-def interleaved_virtual(m, default: int) -> Optional[int]:
-    """The virtual pipeline size interleaved 1F1B gets for ``m``: the model's own
-    (--num-layers-per-virtual-pipeline-stage), else ``default``."""
-    if m.layers_per_virtual_stage:
-        return m.num_layers // (m.pp * m.layers_per_virtual_stage) or None
-    return default
-
-
-def unsplittable(m, names: Sequence[str]) -> List[str]:
-    """The schedules of ``names`` whose stages do not split ``m``'s layers (evenly, or as the model's
-    --decoder-first/last-pipeline-num-layers or layout say: 1f1b's and dualpipe's pp stages, and
-    dualpipev's V-stages, which a layout of pp stages cut in two gives), with why."""
-    uneven = m.first_stage_layers is not None or m.last_stage_layers is not None or m.layout is not None
-    out = []
-    for n in names:
-        stages = registry.spec(n).model_stages(m.pp)
-        if uneven and n not in (registry.ONE_F_ONE_B, registry.DUALPIPE, registry.DUALPIPEV):
-            out.append(f"{n} (uneven stages are taken by 1f1b, dualpipe and dualpipev only)")
-        elif not uneven and m.num_layers % stages:
-            out.append(f"{n} ({m.num_layers} layers do not split into {stages} stages)")
-    return out
 
 
 def comm(args, s: Setup):
@@ -238,11 +200,8 @@ def no_fit_hint(m, limit: float) -> str:
 def overlap_line(m, now, with_overlap) -> str:
     """What ``--overlap-moe-expert-parallel-comm`` (off in this run) would buy: DualPipe's fused F&B
     units and Megatron's interleaved 1F1B both hide the expert all-to-all with it."""
-    def best(advice):
-        ch = advice.choices[0]
-        return next((o for o in ch.options if o.row.name == ch.best), None)
-
-    a, b = best(now), best(with_overlap)
+    a, b = (next((o for o in advice.choices[0].options if o.row.name == advice.choices[0].best), None)
+            for advice in (now, with_overlap))
     head = "the all-to-all overlap (--overlap-moe-expert-parallel-comm, off in this run, so not assumed): "
     if m.recompute == "full" or "moe" in m.recompute_modules:
         return head + ("not with --recompute-granularity full" if m.recompute == "full" else

@@ -1,6 +1,5 @@
-"""What the commands share: a command, the one-line user error, the cost and communication arguments,
-output files, the patch tables. Imported from here, never from the package's ``__init__`` (which
-imports every command)."""
+"""What the commands share: a command, the one-line user error, the cost and communication arguments, output files,
+the patch tables. Imported from here, never from the package's ``__init__`` (which imports every command)."""
 from __future__ import annotations
 
 import argparse
@@ -27,13 +26,13 @@ class Command:
     run: Callable[[argparse.Namespace], int]
 
 
-def add_cost_args(p: argparse.ArgumentParser, title: str, defaults: bool = True, required: bool = True) -> None:
-    """--f --b --w --fb --p2p: the simulator's ``Costs``; without ``defaults`` ``required`` or None."""
+def add_cost_args(p: argparse.ArgumentParser, title: str, defaults: bool = True) -> None:
+    """--f --b --w --fb --p2p: the simulator's ``Costs``; without ``defaults`` None where not given."""
     g = p.add_argument_group(title)
     for flag, default, text in (("--f", 1.0, "forward"), ("--b", 2.0, "full backward, input + weight grads"),
                                 ("--w", 1.0, "weight-grad part of the backward")):
-        g.add_argument(flag, type=float, default=default if defaults else None, required=required and not defaults,
-                       help=f"{text}" + (f" (default {default:g})" if defaults else ""))
+        g.add_argument(flag, type=float, default=default if defaults else None,
+                       help=text + (f" (default {default:g})" if defaults else ""))
     g.add_argument("--fb", type=float, default=None, help="fused F&B unit (default f+b)")
     g.add_argument("--p2p", type=float, default=0.0, help="latency of a send between ranks (default 0)")
 
@@ -41,14 +40,12 @@ def add_cost_args(p: argparse.ArgumentParser, title: str, defaults: bool = True,
 def fused_cost_problem(f: float, b: float, w: float, fb) -> Optional[str]:
     """Why ``fb`` cannot be a fused F&B unit's cost, or None: it runs a forward and an input backward
     (``b - w``) together, so it costs at least the larger of the two."""
-    if fb is None:
-        return None
     least = max(f, b - w)
-    if fb < least:
-        part = f"--f {f:g}" if f >= b - w else f"the input backward --b - --w = {b - w:g}"
-        return (f"--fb {fb:g} is cheaper than {part} alone: a fused F&B unit runs a forward and a backward "
-                f"together, so --fb must be at least {least:g} (--f + --b = {f + b:g} is the cost without overlap)")
-    return None
+    if fb is None or not fb < least:
+        return None
+    part = f"--f {f:g}" if f >= b - w else f"the input backward --b - --w = {b - w:g}"
+    return (f"--fb {fb:g} is cheaper than {part} alone: a fused F&B unit runs a forward and a backward "
+            f"together, so --fb must be at least {least:g} (--f + --b = {f + b:g} is the cost without overlap)")
 
 
 def costs_from_args(args):
@@ -132,14 +129,6 @@ def png_path(text: str) -> str:
         stem = os.path.splitext(text)[0] if ext else text
         raise argparse.ArgumentTypeError(f"{text!r}: the picture is written as PNG: name it {stem or 'timeline'}.png")
     return text
-
-
-def write_output(path: str, data, binary: bool = False) -> None:
-    try:
-        with open(path, "wb" if binary else "w", **({} if binary else {"encoding": "utf-8"})) as fh:
-            fh.write(data)
-    except OSError as e:
-        raise CliError(f"cannot write {path}: {e.strerror or e}") from None
 
 
 def check_writable(path: str) -> None:

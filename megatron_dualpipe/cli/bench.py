@@ -1,10 +1,8 @@
 """``megatron-dualpipe bench``: the executor on synthetic stages against the simulator (and
-``torch.distributed.pipelining`` with ``--peer torch``), with its own processes or under torchrun.
-
-Stages sleep their F, B and W times by default, so that pp processes on a few cores measure the
-schedule and the communication, not the cores. Only the arguments here (no torch import): the work
-is :mod:`megatron_dualpipe.bench.measure`.
-"""
+``torch.distributed.pipelining`` with ``--peer torch``), with its own processes or under torchrun. Stages sleep
+their F, B and W times by default, so that pp processes on a few cores measure the schedule and the
+communication, not the cores. Only the arguments here (no torch import): the work is
+:mod:`megatron_dualpipe.bench.measure`."""
 from __future__ import annotations
 
 import argparse
@@ -26,14 +24,11 @@ def _microbatches(text: str):
     """``8`` or ``2pp`` (a multiple of the pipeline size)."""
     t = text.strip().lower()
     try:
-        if t.endswith("pp"):
-            k = int(t[:-2] or "1")
-            return lambda pp: k * pp
-        n = int(t)
-        return lambda pp: n
+        k = int(t[:-2] or "1") if t.endswith("pp") else int(t)
     except ValueError:
         raise argparse.ArgumentTypeError(f"micro-batches must be a number or a multiple of pp like 2pp, "
                                          f"got {text!r}") from None
+    return (lambda pp: k * pp) if t.endswith("pp") else (lambda pp: k)
 
 
 def configure(p: argparse.ArgumentParser) -> None:

@@ -68,7 +68,5 @@ def per_direction(s) -> str:
 
 
 def padding_note(padded) -> str:
-    if not padded.fake_count:
-        return ""
     return (f"{padded.real} micro-batches run as {padded.schedule.microbatches}: {padded.fake_count} fake "
-            f"(padding, as in training: no data, no compute; --no-pad refuses instead)")
+            f"(padding, as in training: no data, no compute; --no-pad refuses instead)") if padded.fake_count else ""

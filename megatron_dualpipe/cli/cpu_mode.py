@@ -28,15 +28,20 @@ def run(args) -> int:
 
     if args.megatron_lm and not args.enable:
         raise ValueError("--megatron-lm needs --enable")
-    cuda = torch.cuda.is_available()
-    snapshot = None
+    cuda, restored, path = torch.cuda.is_available(), None, args.megatron_lm
     if args.enable and not cuda and not cpu.active():  # never switch off a CPU mode we did not start
-        snapshot = _enable(args.megatron_lm)
-    rows = cpu.status()
-    restored = None
-    if snapshot is not None:
+        if path:
+            sys.path.insert(0, path)
+            from ..megatron_lm import triton_stub
+
+            triton_stub.preimport_triton_users()
+        saved = snapshot([r for p in cpu.PARTS if path or p == "megatron-core" for r in cpu.redirections(p)])
+        cpu.enable(megatron_lm=bool(path))
+        rows = cpu.status()
         cpu.disable()
-        restored = not_restored(snapshot)
+        restored = not_restored(saved)
+    else:
+        rows = cpu.status()
     if args.json:
         print(json.dumps({"cuda_available": cuda, "restore_mismatches": restored, "redirections": [
             {"part": part, "target": r.target, "state": state, "why": r.why} for part, r, state in rows]},
@@ -47,19 +52,6 @@ def run(args) -> int:
               "(tests, demo, pretrain_gpt.py through the launcher or the patch).")
         print_by_part(rows, "redirections", lambda r, state: (f"  {state:10s} {r.target}", r.why), restored, "disable")
     return 1 if restored else 0
-
-
-def _enable(megatron_lm_path):
-    from .. import cpu
-
-    if megatron_lm_path:
-        sys.path.insert(0, megatron_lm_path)
-        from ..megatron_lm import triton_stub
-
-        triton_stub.preimport_triton_users()
-    saved = snapshot([r for p in cpu.PARTS if megatron_lm_path or p == "megatron-core" for r in cpu.redirections(p)])
-    cpu.enable(megatron_lm=bool(megatron_lm_path))
-    return saved
 
 
 COMMAND = Command("cpu-mode", HELP, configure, run)

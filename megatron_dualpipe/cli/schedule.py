@@ -20,10 +20,7 @@ def run(args) -> int:
         padded = build(args, prog)
         s = padded.schedule
         if args.json:
-            doc = s.to_json()
-            if padded.fake_count:
-                doc["real_microbatches"] = padded.real
-            print(json.dumps(doc))
+            print(json.dumps(dict(s.to_json(), **({"real_microbatches": padded.real} if padded.fake_count else {}))))
             return 0
         prog.phase("formatting")
         text = format_grid(s.ranks)

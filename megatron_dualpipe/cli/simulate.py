@@ -15,9 +15,8 @@ from ..costs.compare import compare, fmt, in_other_placement, orders_with, stage
 from ..schedule import registry
 from ..schedule.registry import ScheduleError
 from ..schedule.simulate import DeadlockError, simulate
-from ..schedule.stage_layout import LayoutError
 from .args import (CliError, Command, add_comm_args, add_cost_args, check_writable, comm_from_args, costs_from_args,
-                   png_path, write_output)
+                   png_path)
 from .build import MAX_FORWARDS, add_schedule_args, build, padding_note, per_direction
 
 
@@ -45,14 +44,11 @@ def stage_cost_views(args, pp: int):
         raise CliError("--stage-costs and --layout both price the stages: give one")
     if args.layer_costs and args.layout is None:
         raise CliError("--layer-costs prices the letters of a --layout: give --layout too")
-    try:
-        if args.stage_costs is not None:
-            return stage_pairs.views(stage_pairs.parse_costs(args.stage_costs), pp)
-        if args.layout is not None:
-            layer_costs = stage_pairs.parse_layer_costs(args.layer_costs) if args.layer_costs else {}
-            return stage_pairs.layout_costs(args.layout, layer_costs, pp)
-    except (ValueError, LayoutError) as e:
-        raise CliError(str(e)) from None
+    if args.stage_costs is not None:  # their ValueErrors (LayoutError too) are one-line errors of main's
+        return stage_pairs.views(stage_pairs.parse_costs(args.stage_costs), pp)
+    if args.layout is not None:
+        layer_costs = stage_pairs.parse_layer_costs(args.layer_costs) if args.layer_costs else {}
+        return stage_pairs.layout_costs(args.layout, layer_costs, pp)
     return None
 
 
@@ -68,7 +64,12 @@ def _draw(args, padded, result, prog) -> list:
         from ..pictures.draw import to_svg
 
         prog.phase(f"drawing {args.svg}")
-        write_output(args.svg, to_svg(s, result, fake=fake))
+        svg = to_svg(s, result, fake=fake)
+        try:
+            with open(args.svg, "w", encoding="utf-8") as fh:
+                fh.write(svg)
+        except OSError as e:
+            raise CliError(f"cannot write {args.svg}: {e.strerror or e}") from None
         drawn.append(args.svg)
     if args.png:
         try:
@@ -126,17 +127,16 @@ def run(args) -> int:
         note = frame(s, result).note
         print(f"wrote {' and '.join(drawn)}" + (f" ({note})" if note else ""), file=sys.stderr)
     if args.json:
-        doc = dict(result.to_json(), schedule=s.name, pp=s.pp, microbatches=s.microbatches,
-                   real_microbatches=padded.real,
-                   gradient_communication=None if grad is None else {
-                       "iteration": grad.iteration, "exposed_per_rank": grad.exposed,
-                       "bd_sum_per_rank": grad.bd_total, "dp_reduce_per_rank": grad.dp_total},
-                   other_placement=None if other is None else {
-                       "placement": other[0], "iteration": None if other[1] is None else other[1].iteration,
-                       "problem": other[2]},
-                   same_model=None if rows is None else [r.to_json() for r in rows],
-                   stage_costs=None if views is None else {"stages": views[0], "v_stages": views[1]})
-        print(json.dumps(doc))
+        print(json.dumps(dict(result.to_json(), schedule=s.name, pp=s.pp, microbatches=s.microbatches,
+                              real_microbatches=padded.real,
+                              gradient_communication=None if grad is None else {
+                                  "iteration": grad.iteration, "exposed_per_rank": grad.exposed,
+                                  "bd_sum_per_rank": grad.bd_total, "dp_reduce_per_rank": grad.dp_total},
+                              other_placement=None if other is None else {
+                                  "placement": other[0], "iteration": None if other[1] is None else other[1].iteration,
+                                  "problem": other[2]},
+                              same_model=None if rows is None else [r.to_json() for r in rows],
+                              stage_costs=None if views is None else {"stages": views[0], "v_stages": views[1]})))
         return 0
     pairs = [] if views is None else [""] + stage_pairs.report(*views, (registry.ONE_F_ONE_B, registry.DUALPIPE,
                                                                         registry.DUALPIPEV))
@@ -154,19 +154,8 @@ def _forwards(spec, pp: int, real: int) -> int:
         return 0
 
 
-def _other_placement_line(name: str, grad, other) -> str:
-    """What the other rank placement does to a schedule with bd pairs (``compare.in_other_placement``)."""
-    placement, row, problem = other
-    if row is None:
-        return f"placement: {name} cannot have its bd pairs on one node here: {problem}"
-    how = ("--placement paired (the launcher's --pair-placement: bd pairs on one node)" if placement == "paired"
-           else "--placement megatron (without --pair-placement)")
-    return f"placement: with {how}: iteration {fmt(round(row.iteration, 3))} instead of {fmt(round(grad.iteration, 3))}"
-
-
 def _report(padded, costs, result, rows, stage, work, grad=None, other=None) -> str:
-    s = padded.schedule
-    spec = s.spec
+    s, spec = padded.schedule, padded.schedule.spec
     share = spec.model_stages(s.pp) // s.pp  # chunks per stage's worth of model
     per = ("per chunk (half a stage)" if share == 2 else f"per chunk (1/{share} of a stage)") \
         if spec.costs_per_chunk else "per stage"
@@ -180,8 +169,13 @@ def _report(padded, costs, result, rows, stage, work, grad=None, other=None) -> 
     if grad is not None:
         lines.append(f"iteration {fmt(round(grad.iteration, 3))} = makespan + exposed gradient communication "
                      f"{fmt(round(grad.iteration - result.makespan, 3))} (largest over the ranks; ms)")
-    if other is not None:
-        lines.append(_other_placement_line(s.name, grad, other))
+    if other is not None:  # what the other rank placement does to a schedule with bd pairs
+        placement, row, problem = other
+        how = ("--placement paired (the launcher's --pair-placement: bd pairs on one node)" if placement == "paired"
+               else "--placement megatron (without --pair-placement)")
+        lines.append(f"placement: {s.name} cannot have its bd pairs on one node here: {problem}" if row is None else
+                     f"placement: with {how}: iteration {fmt(round(row.iteration, 3))} instead of "
+                     f"{fmt(round(grad.iteration, 3))}")
     lines.append("")
     head = f"peak activations ({unit})" if spec.costs_per_chunk else "peak activations"
     extra = f"  {'bd sum':>8}  {'dp reduce':>9}  {'exposed':>8}" if grad is not None else ""

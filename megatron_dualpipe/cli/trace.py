@@ -9,7 +9,6 @@ from .args import Command, png_path
 
 def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("directory", help="the MEGATRON_DUALPIPE_TRACE directory")
-
     p.add_argument("--png", metavar="FILE.png", type=png_path,
                    help="measured and simulated timelines, one above the other")
     p.add_argument("--json", metavar="FILE", help="Chrome / Perfetto trace of both")

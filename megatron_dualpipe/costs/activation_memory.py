@@ -1,8 +1,7 @@
 """What one micro-batch's activations take on one rank of a pipeline stage, tensor by tensor: Megatron's
-``report_theoretical_memory`` has one formula for MHA with a GELU MLP, no term for MLA, SwiGLU, MoE,
-recomputed modules, FP8 or MTP. ``tests/mcore/test_activation_memory_measured.py`` checks the list
-against what autograd saves. Standard library only.
-"""
+``report_theoretical_memory`` has one formula for MHA with a GELU MLP, no term for MLA, SwiGLU, MoE, recomputed
+modules, FP8 or MTP. ``tests/mcore/test_activation_memory_measured.py`` checks the list against what autograd saves.
+Standard library only."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -112,11 +111,6 @@ def layer_bytes(m: ModelArgs, moe: bool) -> float:
     return total
 
 
-def _output_bytes(m: ModelArgs) -> float:
-    """The output layer's input and fp32 logits per token on one rank (``4h(1 + V/h)``), per head and MTP depth."""
-    return (4 * m.hidden + 4 * m.padded_vocab) / m.tp * (1 + m.mtp_layers)
-
-
 def stage_terms(m: ModelArgs, moe_flags: Sequence[int], first: bool, last: bool) -> Dict[str, float]:
     """One micro-batch's activations on one rank of a stage with these layers, in bytes, by term."""
     tokens = m.seq_length / m.cp * m.micro_batch
@@ -127,5 +121,6 @@ def stage_terms(m: ModelArgs, moe_flags: Sequence[int], first: bool, last: bool)
         if m.mtp_layers:
             terms["MTP layers"] = tokens * m.mtp_layers * (layer_bytes(m, bool(m.moe_pattern[-1]))
                                                            + 4 * BF16 * m.hidden / m.tp)
-        terms[OUTPUT] = tokens * _output_bytes(m)
+        # the output layer's input and fp32 logits per token (``4h(1 + V/h)``), per head and MTP depth
+        terms[OUTPUT] = tokens * ((4 * m.hidden + 4 * m.padded_vocab) / m.tp * (1 + m.mtp_layers))
     return terms

@@ -1,11 +1,6 @@
-"""Which schedule to use for a model: ``megatron-dualpipe advise`` and :func:`advise`.
-
-Given one stage's 1F1B costs per micro-batch and its memory, :func:`advise` simulates every schedule
-(``costs.compare``) for each micro-batch count and picks the fastest that fits the memory limit (never
-one the model says is slower); on a tie the one with less memory, then the table's order (Megatron's
-1F1B first). The reason names the numbers against the best other schedule that fits and against 1F1B.
-Standard library only (the simulator's layer), so it imports in milliseconds.
-"""
+"""Which schedule to use for a model: ``megatron-dualpipe advise`` and :func:`advise`, which simulates every
+schedule (``costs.compare``) for each micro-batch count and picks the fastest that fits the memory limit
+(:func:`_choose`). Standard library only (the simulator's layer), so it imports in milliseconds."""
 from __future__ import annotations
 
 import math
@@ -82,26 +77,20 @@ class BreakEven:
                 self.bandwidth_now, "microbatch_scale": self.scale, "tokens_per_microbatch": self.tokens}
 
     def text(self, tokens: Optional[float]) -> str:
-        parts = []
-        if self.bandwidth_now is not None:
-            parts.append(f"at {fmt(round(self.bandwidth, 3))} GB/s between nodes (now {fmt(self.bandwidth_now)})"
-                         if self.bandwidth is not None else
-                         f"at no inter-node bandwidth within 1000x of {fmt(self.bandwidth_now)} GB/s")
-        if self.scale is not None:
-            size = (f"{fmt(round(self.tokens))} tokens per micro-batch (now {fmt(tokens)})" if self.tokens is not None
-                    else f"micro-batches {fmt(round(self.scale, 3))} times as large as now")
-            parts.append(f"at {size}")
-        else:
-            parts.append("at no micro-batch size within 1000x of this one")
+        parts = [] if self.bandwidth_now is None else [
+            f"at no inter-node bandwidth within 1000x of {fmt(self.bandwidth_now)} GB/s" if self.bandwidth is None else
+            f"at {fmt(round(self.bandwidth, 3))} GB/s between nodes (now {fmt(self.bandwidth_now)})"]
+        parts.append("at no micro-batch size within 1000x of this one" if self.scale is None else
+                     f"at micro-batches {fmt(round(self.scale, 3))} times as large as now" if self.tokens is None else
+                     f"at {fmt(round(self.tokens))} tokens per micro-batch (now {fmt(tokens)})")
         return f"break-even with {self.rival}: " + "; ".join(parts)
 
 
 @dataclass(frozen=True)
 class PlacementEffect:
-    """What the other rank placement does to a schedule with bd pairs: with the launcher's
-    ``--pair-placement`` (``paired``) its bd sums stay inside a node; ``problem``: why the pairs
-    cannot be placed so here (then ``iteration`` is None). ``fastest``: it would then be the
-    fastest schedule that fits (the others keep Megatron's placement)."""
+    """What the other rank placement does to a schedule with bd pairs: with the launcher's ``--pair-placement``
+    (``paired``) its bd sums stay inside a node; ``problem``: why the pairs cannot be placed so here (then
+    ``iteration`` is None). ``fastest``: it would then be the fastest that fits (the others in Megatron's placement)."""
 
     schedule: str
     placement: str
@@ -117,8 +106,7 @@ class PlacementEffect:
 
     def text(self) -> str:
         how = ("with pipeline ranks i and pp-1-i on one node (launcher --pair-placement, PAIR_PLACEMENT=1)"
-               if self.placement == PAIRED
-               else "in Megatron's own rank placement (advise --placement megatron)")
+               if self.placement == PAIRED else "in Megatron's own rank placement (advise --placement megatron)")
         if self.problem:  # the launcher's refusal names --pair-placement, which advise's user did not give
             problem = re.sub(r",? or drop --pair-placement", "", self.problem)
             return f"{self.schedule} cannot have pipeline ranks i and pp-1-i on one node here: {problem}"
@@ -128,10 +116,9 @@ class PlacementEffect:
 
 @dataclass(frozen=True)
 class ReductionEffect:
-    """A schedule with bd pairs under another way of combining its copies (with the distributed
-    optimizer: ``schedule.copy_sum``), as training runs it: the shared shard group reduces after
-    the schedule, dp-first sums the pair after it. ``fastest``: it would then be the fastest
-    schedule that fits (the others as modelled)."""
+    """A schedule with bd pairs under another way of combining its copies (with the distributed optimizer:
+    ``schedule.copy_sum``), as training runs it: the shared shard group reduces after the schedule, dp-first sums the
+    pair after it. ``fastest``: it would then be the fastest schedule that fits (the others as modelled)."""
 
     schedule: str
     mode: str
@@ -213,15 +200,51 @@ class Advice:
                             for ch in self.choices]}
 
     def format(self) -> str:
-        return "\n".join(_format(self))
+        c = self.costs
+        out = [f"pp={self.pp}, one stage per micro-batch: f={fmt(c.f)} b={fmt(c.b)} w={fmt(c.w)} fb={fmt(c.fused)} "
+               f"p2p={fmt(c.p2p)} (DualPipeV runs chunks of half a stage at half these costs)",
+               f"memory: activations {fmt(self.activation_memory)} per micro-batch per stage, parameters "
+               f"{fmt(self.parameter_memory)} per stage copy (with gradients and optimizer state)"
+               + (f", pending W {fmt(self.weight_grad_memory)} each" if self.weight_grad_memory else
+                  " (pending weight gradients not counted: --weight-grad-memory)")
+               + ("; no memory limit" if self.memory_limit is None else f"; limit {fmt(self.memory_limit)} per rank")]
+        m, comm = self.comm, self.comm is not None
+        if comm:
+            p = m.placement
+            out.append(f"communication (ms): dp={p.dp} tp={p.tp}, {p.gpus_per_node} GPUs per node, "
+                       f"{'paired (ranks i and pp-1-i on one node)' if p.paired else 'Megatron'} placement; gradients "
+                       f"{fmt(m.stage_grad_bytes / 1e6)} MB per stage, P2P messages {fmt(m.message_bytes / 1e6)} MB; "
+                       f"links: {_links_text(m)}; data-parallel "
+                       f"{'reduce-scatter' if m.distributed_optimizer else 'all-reduce'}"
+                       + ("" if m.overlap_grad_reduce else " after the schedule"))
+        head = ("schedule", "M", "makespan", "bubble", "bubble %") + (("exposed", "iteration") if comm else ()) + (
+            "peak act.", "act. mem", "params", "param mem", "memory", "fits")
+        for ch in self.choices:
+            out += ["", f"M={ch.microbatches}: " + (f"use {ch.reason}" if ch.best else ch.reason)]
+            if ch.best:
+                out.append(f"  run it: {run_flags(ch.best, self.pp, self.num_layers)}")
+            out.extend(f"  placement: {p.text()}" for p in ch.placement)
+            out.extend(f"  summing the two copies: {r.text()}" for r in ch.reduction)
+            table = [head]
+            for o in ch.options:
+                r = o.row
+                if r.problem:
+                    table.append((r.name, "cannot run: " + r.problem))
+                    continue
+                table.append((r.name, str(r.microbatches), fmt(r.makespan), fmt(r.bubble),
+                              f"{100 * r.bubble / r.makespan:.1f}" if r.makespan else "0")
+                             + ((fmt(round(r.exposed, 3)), fmt(round(r.iteration, 3))) if comm else ())
+                             + (fmt(r.peak_activations),
+                              fmt(o.activation_memory), fmt(r.parameter_copies), fmt(o.parameter_memory), fmt(o.memory),
+                              "yes" if o.fits else "no") + (("<- best",) if r.name == ch.best else ()))
+            out.extend("  " + line for line in align(table, left=(0, len(head) - 1)))
+        return "\n".join(out + ["", GLOSSARY])
 
 
 @dataclass(frozen=True)
 class DenseModel:
-    """A dense transformer's stage costs from its size, for what-if advice (the crossover table,
-    the seed's sign flip): forward 2 x parameters x tokens FLOPs, full backward twice that, of
-    which the weight gradient half; gradients of one stage in ``grad_dtype``; a P2P message is
-    one micro-batch's hidden states in bf16. ``tflops``: what one GPU sustains (peak x MFU)."""
+    """A dense transformer's stage costs from its size (2 x parameters x tokens FLOPs forward), for what-if
+    advice (the crossover table, the seed's sign flip). ``tflops``: what one GPU sustains (peak x MFU)."""
 
     params: float
     hidden: int
@@ -257,17 +280,15 @@ def advise(pp: int, microbatches: Sequence[int], costs: Costs, activation_memory
            shared_optimizer: bool = False, no_fit_hint: str = NO_FIT_HINT, details: bool = True) -> Advice:
     """Simulate every schedule (or ``names``) on the model and choose one per micro-batch count.
 
-    ``costs``: one stage's 1F1B costs per micro-batch; ``activation_memory``: one micro-batch's
-    activations on one stage; ``parameter_memory``: one stage's parameters, gradients and optimizer
-    state (``optimizer_memory`` of it the optimizer state, which ``shared_optimizer``, DualPipe's
-    shared shard group, keeps once); ``weight_grad_memory``: one deferred weight gradient until its W
-    (0: not counted); ``once_memory``: activations a rank keeps once whatever the schedule (the output
-    logits); ``memory_limit``: per rank, in the memories' unit (None: none). With ``comm``
-    (``costs.comm_cost``, costs in ms) schedules are ranked by makespan plus exposed gradient
-    communication and the pick gets its break-even bandwidth and micro-batch size (``tokens`` per
-    micro-batch). ``num_layers``: for the interleaved schedule's flags in the advice. ``details=False``: only
-    the pick (the launch's memory gate), without the break-even and the placement and reduction effects,
-    which simulate each schedule again a hundred times."""
+    ``costs``: one stage's 1F1B costs per micro-batch; ``activation_memory``: one micro-batch's activations on one
+    stage; ``parameter_memory``: one stage's parameters, gradients and optimizer state (``optimizer_memory`` of it the
+    optimizer state, which ``shared_optimizer``, DualPipe's shared shard group, keeps once); ``weight_grad_memory``:
+    one deferred weight gradient until its W (0: not counted); ``once_memory``: activations a rank keeps once whatever
+    the schedule (the output logits); ``memory_limit``: per rank, in the memories' unit (None: none). With ``comm``
+    (``costs.comm_cost``, costs in ms) schedules are ranked by makespan plus exposed gradient communication and the
+    pick gets its break-even bandwidth and micro-batch size (``tokens`` per micro-batch). ``num_layers``: for the
+    interleaved schedule's flags in the advice. ``details=False``: only the pick (the launch's memory gate), without
+    the break-even and the placement and reduction effects, which simulate each schedule again a hundred times."""
     for name, v in (("activation memory", activation_memory), ("parameter memory", parameter_memory),
                     ("weight-gradient memory", weight_grad_memory), ("memory limit", memory_limit)):
         if v is not None and (not math.isfinite(v) or v < 0):
@@ -337,7 +358,7 @@ def _break_even(pp, m, costs, comm, options, best, tokens) -> Optional[BreakEven
     now = comm.network.inter.bandwidth
     uses_inter = comm.placement.world > comm.placement.gpus_per_node
     bw = _crossing(lambda x: lead(comm.with_inter_bandwidth(x)), now) if uses_inter else None
-    scale = _crossing(lambda k: lead(comm.scaled_messages(k), k), 1.0)
+    scale = _crossing(lambda k: lead(replace(comm, message_bytes=comm.message_bytes * k), k), 1.0)
     return BreakEven(rival, bw, now if uses_inter else None, scale,
                      None if scale is None or tokens is None else scale * tokens)
 
@@ -395,10 +416,10 @@ def _choose(options: List[Option], limit: Optional[float], hint: str = NO_FIT_HI
     best = min(fitting, key=lambda o: (o.row.iteration, o.memory, order.get(o.row.name, len(order))))
     r = best.row
     comm = r.grad is not None
-    what = "iteration" if comm else "makespan"
     rival = min((o for o in fitting if o is not best), key=lambda o: o.row.iteration, default=None)
-    parts = [f"{what} {fmt(r.iteration)}" + (f" = makespan {fmt(r.makespan)} + exposed gradient communication "
-                                                 f"{fmt(r.exposed)}" if comm else "") + f", bubble {fmt(r.bubble)}"]
+    parts = [f"{'iteration' if comm else 'makespan'} {fmt(r.iteration)}"
+             + (f" = makespan {fmt(r.makespan)} + exposed gradient communication {fmt(r.exposed)}" if comm else "")
+             + f", bubble {fmt(r.bubble)}"]
     base = next((o for o in runnable if o.row.name == ONE_F_ONE_B), None)
     if rival is not None and best is base and rival.row.iteration <= r.iteration * (1 + TIE):
         parts.append(f"nothing that fits is faster ({rival.row.name}: {fmt(rival.row.iteration)}), and "
@@ -464,48 +485,3 @@ GLOSSARY = (
     "micro-batches whose activations one rank holds at once, counted in whole stages; params: stage copies a rank "
     "holds (DualPipe: 2); memory: activations + parameters with their gradients and optimizer state; "
     "break-even: where the pick stops being faster than the runner-up")
-
-
-def _format(a: Advice) -> List[str]:
-    c = a.costs
-    out = [f"pp={a.pp}, one stage per micro-batch: f={fmt(c.f)} b={fmt(c.b)} w={fmt(c.w)} fb={fmt(c.fused)} "
-           f"p2p={fmt(c.p2p)} (DualPipeV runs chunks of half a stage at half these costs)",
-           f"memory: activations {fmt(a.activation_memory)} per micro-batch per stage, parameters "
-           f"{fmt(a.parameter_memory)} per stage copy (with gradients and optimizer state)"
-           + (f", pending W {fmt(a.weight_grad_memory)} each" if a.weight_grad_memory else
-              " (pending weight gradients not counted: --weight-grad-memory)")
-           + (f"; limit {fmt(a.memory_limit)} per rank" if a.memory_limit is not None else "; no memory limit")]
-    comm = a.comm is not None
-    if comm:
-        p = a.comm.placement
-        out.append(f"communication (ms): dp={p.dp} tp={p.tp}, {p.gpus_per_node} GPUs per node, "
-                   f"{'paired (ranks i and pp-1-i on one node)' if p.paired else 'Megatron'} placement; gradients "
-                   f"{fmt(a.comm.stage_grad_bytes / 1e6)} "
-                   f"MB per stage, P2P messages {fmt(a.comm.message_bytes / 1e6)} MB; links: " + _links_text(a.comm)
-                   + "; data-parallel "
-                   f"{'reduce-scatter' if a.comm.distributed_optimizer else 'all-reduce'}"
-                   + ("" if a.comm.overlap_grad_reduce else " after the schedule"))
-    head = ("schedule", "M", "makespan", "bubble", "bubble %") + (("exposed", "iteration") if comm else ()) + (
-        "peak act.", "act. mem", "params", "param mem", "memory", "fits")
-    for ch in a.choices:
-        out.append("")
-        out.append(f"M={ch.microbatches}: " + (f"use {ch.reason}" if ch.best else ch.reason))
-        if ch.best:
-            out.append(f"  run it: {run_flags(ch.best, a.pp, a.num_layers)}")
-        out.extend(f"  placement: {p.text()}" for p in ch.placement)
-        out.extend(f"  summing the two copies: {r.text()}" for r in ch.reduction)
-        table = [head]
-        for o in ch.options:
-            r = o.row
-            if r.problem:
-                table.append((r.name, "cannot run: " + r.problem))
-                continue
-            table.append((r.name, str(r.microbatches), fmt(r.makespan), fmt(r.bubble),
-                          f"{100 * r.bubble / r.makespan:.1f}" if r.makespan else "0")
-                         + ((fmt(round(r.exposed, 3)), fmt(round(r.iteration, 3))) if comm else ())
-                         + (fmt(r.peak_activations),
-                          fmt(o.activation_memory), fmt(r.parameter_copies), fmt(o.parameter_memory), fmt(o.memory),
-                          "yes" if o.fits else "no") + (("<- best",) if r.name == ch.best else ()))
-        out.extend("  " + line for line in align(table, left=(0, len(head) - 1)))
-    return out + ["", GLOSSARY]
-

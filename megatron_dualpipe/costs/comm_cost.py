@@ -1,26 +1,21 @@
 """What the gradient communication and the P2P messages of a schedule cost, and how much of it shows.
 
-After (and while) the schedule runs, every rank reduces its chunks' gradients; DualPipe reduces
-two stages' bytes over data parallel and first sums each stage's two copies over the bd pair
-(ranks i and pp-1-i). This module times them where ``mcore.grad_reduction.GradReduction`` starts
-them, from the simulation:
+After (and while) the schedule runs, every rank reduces its chunks' gradients; DualPipe reduces two stages' bytes
+over data parallel and first sums each stage's two copies over the bd pair (ranks i and pp-1-i). This module times
+them where ``mcore.grad_reduction.GradReduction`` starts them, from the simulation:
 
 * a chunk's gradients are final at the end of its last gradient action (``lowering.reductions``);
-* the pair's sums run one after the other in the order both partners issue them
-  (``bd_sum_order``), each once both copies are final and the previous sum is done;
-* each chunk's data-parallel reduction (a reduce-scatter with the distributed optimizer) starts
-  at the plan's point (``dp_start_points``) after the previous one; the bd and dp communicators
-  are separate queues, so they overlap;
-* Megatron's own schedules with ``--overlap-grad-reduce`` start a chunk's reduction when its
-  last backward ends (pessimistic by at most one backward).
+* the pair's sums run one after the other in the order both partners issue them (``bd_sum_order``), each once both
+  copies are final and the previous sum is done;
+* each chunk's data-parallel reduction (a reduce-scatter with the distributed optimizer) starts at the plan's point
+  (``dp_start_points``) after the previous one; the bd and dp communicators are separate queues, so they overlap;
+* Megatron's own schedules with ``--overlap-grad-reduce`` start a chunk's reduction when its last backward ends
+  (pessimistic by at most one backward).
 
-A rank's exposed communication is how far its last reduction ends past the makespan; the
-iteration is the makespan plus the largest exposure (the optimizer step waits for every rank).
-Links come from the placement: Megatron's order (``global = (pp_rank * dp + dp_rank) * tp +
-tp_rank``, nodes of ``gpus_per_node`` consecutive slots) or ``paired``, the launcher's
-``--pair-placement`` (:func:`.placement.pair_placement`, refusing with its message). Ring costs:
-all-reduce 2(n-1)/n x bytes / bandwidth + 2(n-1) latencies, reduce-scatter half; a P2P message
-latency + bytes / bandwidth. Milliseconds, GB/s (1e9 bytes per second). Standard library only.
+A rank's exposed communication is how far its last reduction ends past the makespan; the iteration is the makespan
+plus the largest exposure (the optimizer step waits for every rank). Links come from the placement
+(:class:`Placement`: Megatron's order, or the launcher's ``--pair-placement``); collectives are rings.
+Milliseconds, GB/s (1e9 bytes per second). Standard library only.
 """
 from __future__ import annotations
 
@@ -57,10 +52,8 @@ class Link:
 
 
 def all_reduce_ms(nbytes: float, n: int, link: Link) -> float:
-    """A ring all-reduce of ``nbytes`` over ``n`` ranks."""
-    if n <= 1 or nbytes <= 0:
-        return 0.0
-    return 2 * (n - 1) / n * link.transfer(nbytes) + 2 * (n - 1) * link.latency
+    """A ring all-reduce of ``nbytes`` over ``n`` ranks: twice a reduce-scatter."""
+    return 2 * reduce_scatter_ms(nbytes, n, link)
 
 
 def reduce_scatter_ms(nbytes: float, n: int, link: Link) -> float:
@@ -136,10 +129,9 @@ class Network:
 
 @dataclass(frozen=True)
 class CommModel:
-    """Everything the communication costs need. ``stage_grad_bytes``: one whole stage's gradient
-    bytes on one rank (after tensor parallel; a chunk has its fraction); ``message_bytes``: one P2P
-    message; ``distributed_optimizer``: the reduction is a reduce-scatter; ``overlap_grad_reduce``
-    False: every chunk reduces after the schedule (Megatron without ``--overlap-grad-reduce``)."""
+    """Everything the communication costs need. ``stage_grad_bytes``: one whole stage's gradient bytes on one rank
+    (after tensor parallel; a chunk has its fraction); ``message_bytes``: one P2P message; ``distributed_optimizer``:
+    the reduction is a reduce-scatter; ``overlap_grad_reduce`` False: every chunk reduces after the schedule."""
 
     placement: Placement
     network: Network
@@ -173,9 +165,6 @@ class CommModel:
         """What a schedule gets: the launcher pairs ranks only for schedules with bd pairs
         (``--pair-placement`` refuses the others), so they run in Megatron's placement."""
         return self if has_bd_pairs or not self.placement.paired else self.with_placement(False)
-
-    def scaled_messages(self, k: float) -> "CommModel":
-        return replace(self, message_bytes=self.message_bytes * k)
 
     def p2p(self, src: int, dst: int) -> float:
         """One message from pipeline rank ``src`` to ``dst``."""

@@ -1,9 +1,6 @@
-"""One model under every schedule: what each would cost, from the simulator.
-
-Costs are per *stage* of a pp-stage pipeline; DualPipeV's chunks are half a stage, so it runs at
-half those costs, its activations counted in stages. A short batch runs padded, fakes costing
-nothing. Standard library only.
-"""
+"""One model under every schedule: what each would cost, from the simulator. Costs are per *stage* of a
+pp-stage pipeline; DualPipeV's chunks are half a stage, so it runs at half those costs, its activations
+counted in stages. A short batch runs padded, fakes costing nothing. Standard library only."""
 from __future__ import annotations
 
 import math
@@ -157,11 +154,6 @@ def align(rows: Sequence[Sequence[str]], left: Sequence[int] = (0,)) -> List[str
     """Text columns, right-aligned but for ``left``; a row of two cells is printed as it is."""
     full = [r for r in rows if len(r) > 2]
     widths = [max(len(r[i]) for r in full if i < len(r)) for i in range(max(len(r) for r in full))]
-    out = []
-    for r in rows:
-        if len(r) == 2:
-            out.append(f"{r[0]:<{widths[0]}}  {r[1]}")
-        else:
-            out.append("  ".join(c.ljust(widths[i]) if i in left else c.rjust(widths[i])
-                                 for i, c in enumerate(r)).rstrip())
-    return out
+    return [f"{r[0]:<{widths[0]}}  {r[1]}" if len(r) == 2 else
+            "  ".join(c.ljust(widths[i]) if i in left else c.rjust(widths[i]) for i, c in enumerate(r)).rstrip()
+            for r in rows]

@@ -4,7 +4,7 @@ winning as with argparse, every argument that changes neither FLOPs nor memory i
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import make_dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..schedule import registry
@@ -58,14 +58,14 @@ _FLAGS: Dict[str, Tuple[str, Optional[type], object]] = {
     "--overlap-grad-reduce": ("overlap_grad_reduce", None, False),
     "--decoder-first-pipeline-num-layers": ("first_stage_layers", int, None),
     "--decoder-last-pipeline-num-layers": ("last_stage_layers", int, None),
-    "--pipeline-model-parallel-layout": ("layout", str, None),
-    "--recompute-modules": ("recompute_modules", list, None),
-    "--overlap-moe-expert-parallel-comm": ("a2a_overlap", None, False),
-    "--fp8-format": ("fp8", str, None),
+    "--pipeline-model-parallel-layout": ("layout", str, None),  # pp stages, or DualPipeV's 2*pp V-stages
+    "--recompute-modules": ("recompute_modules", list, None),  # selective's (Megatron's default: core_attn)
+    "--overlap-moe-expert-parallel-comm": ("a2a_overlap", None, False),  # fused F&B units hide the all-to-all
+    "--fp8-format": ("fp8", str, None),  # GEMM inputs kept for the backward in FP8 (one byte)
     "--dualpipe-shared-shard-group": ("shared_shard", None, False),
     "--dualpipe-dp-first": ("dp_first", None, False),
     "--position-embedding-type": ("position_embedding", str, "learned_absolute"),
-    "--fine-grained-activation-offloading": ("offload", None, False),
+    "--fine-grained-activation-offloading": ("offload", None, False),  # megatron-core 0.19's
     "--offload-modules": ("offload_modules", list, ()),
 }
 #: ``--recompute-modules``' values at both supported tags (gdn_norm_out: 0.19's GatedDeltaNet, not GPT's).
@@ -73,63 +73,9 @@ RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", 
 _NEEDED = ("--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length")
 
 
-@dataclass(frozen=True)
-class ModelArgs:
-    """What the cost model needs of a run: the model's shape and its parallel sizes."""
-
-    num_layers: int
-    hidden: int
-    ffn_hidden: int
-    heads: int
-    query_groups: int
-    kv_channels: int
-    seq_length: int
-    micro_batch: int
-    global_batch: Optional[int]
-    vocab_size: int
-    vocab_divisible_by: int
-    swiglu: bool
-    untie: bool
-    normalization: str
-    num_experts: Optional[int]
-    moe_ffn_hidden: int
-    topk: int
-    shared_expert: int
-    moe_pattern: Tuple[int, ...]
-    mla: bool
-    q_lora_rank: Optional[int]
-    kv_lora_rank: int
-    qk_head_dim: int
-    qk_pos_emb_head_dim: int
-    v_head_dim: int
-    mtp_layers: int
-    tp: int
-    pp: int
-    ep: int
-    etp: int
-    cp: int
-    layers_per_virtual_stage: Optional[int]
-    recompute: Optional[str]
-    schedule: str
-    sequence_parallel: bool
-    distributed_optimizer: bool
-    overlap_grad_reduce: bool
-    first_stage_layers: Optional[int] = None
-    last_stage_layers: Optional[int] = None
-    #: ``--pipeline-model-parallel-layout``: pp stages, or DualPipeV's 2*pp V-stages
-    layout: Optional[str] = None
-    #: what selective recomputation recomputes (Megatron's default: core_attn)
-    recompute_modules: Tuple[str, ...] = ()
-    #: ``--overlap-moe-expert-parallel-comm``: the fused F&B units hide the all-to-all
-    a2a_overlap: bool = False
-    #: ``--fp8-format``: GEMM inputs kept for the backward in FP8 (one byte)
-    fp8: Optional[str] = None
-    shared_shard: bool = False
-    dp_first: bool = False
-    position_embedding: str = "learned_absolute"
-    #: megatron-core 0.19's ``--fine-grained-activation-offloading`` and its ``--offload-modules``
-    offload: bool = False
-    offload_modules: Tuple[str, ...] = ()
+class _Shape:
+    """What the cost model needs of a run: the model's shape and its parallel sizes, one attribute per
+    :data:`_FLAGS` entry (``gqa`` and ``moe_layer_freq`` become ``query_groups`` and ``moe_pattern``)."""
 
     def flag_set(self, flag: str) -> bool:
         """Whether Megatron-LM's switch ``flag`` (one this module reads) is on."""
@@ -145,6 +91,12 @@ class ModelArgs:
     def model_size(self) -> int:
         """GPUs one model replica spans for dense layers (TP x PP x CP)."""
         return self.tp * self.pp * self.cp
+
+
+#: :class:`_Shape` as the frozen dataclass :func:`parse` fills: the flags' attributes are its fields.
+ModelArgs = make_dataclass("ModelArgs", [n for n, _, _ in _FLAGS.values() if n not in ("gqa", "moe_layer_freq")]
+                           + ["moe_pattern"], bases=(_Shape,), frozen=True,
+                           namespace={"__module__": __name__, "__doc__": _Shape.__doc__})
 
 
 def moe_pattern(freq: str, num_layers: int) -> Tuple[int, ...]:
@@ -242,19 +194,15 @@ def parse(argv: Sequence[str]) -> ModelArgs:
         if v["first_stage_layers"] is not None or v["last_stage_layers"] is not None:
             raise ModelArgsError("--pipeline-model-parallel-layout places every layer itself: drop "
                                  "--decoder-first/last-pipeline-num-layers (Megatron refuses both together)")
-        _check_layout(v["layout"], v["num_layers"], v["pp"])
+        try:  # pp stages (1F1B, DualPipe) or 2*pp V-stages (DualPipeV) holding every layer
+            stages = parse_layout(v["layout"])
+        except LayoutError as e:
+            raise ModelArgsError(str(e)) from None
+        if len(stages) not in (v["pp"], 2 * v["pp"]) or sum(decoder_counts(stages)) != v["num_layers"]:
+            raise ModelArgsError(f"--pipeline-model-parallel-layout {v['layout']!r}: {len(stages)} stages of "
+                                 f"{sum(decoder_counts(stages))} layers; give {v['pp']} (or DualPipeV's {2 * v['pp']}) "
+                                 f"stages of --num-layers {v['num_layers']}")
     if v["num_experts"] and v["topk"] > v["num_experts"]:
         raise ModelArgsError(f"--moe-router-topk {v['topk']} is more than --num-experts {v['num_experts']}")
     return ModelArgs(**v)
 
-
-def _check_layout(text: str, num_layers: int, pp: int) -> None:
-    """A layout of pp stages (1F1B, DualPipe) or 2*pp V-stages (DualPipeV) holding every layer."""
-    try:
-        stages = parse_layout(text)
-    except LayoutError as e:
-        raise ModelArgsError(str(e)) from None
-    if len(stages) not in (pp, 2 * pp) or sum(decoder_counts(stages)) != num_layers:
-        raise ModelArgsError(f"--pipeline-model-parallel-layout {text!r}: {len(stages)} stages of "
-                             f"{sum(decoder_counts(stages))} layers; give {pp} (or DualPipeV's {2 * pp}) stages of "
-                             f"--num-layers {num_layers}")

@@ -1,8 +1,7 @@
-"""A pipeline stage's costs and memory from the model's shape, for advice before any run: FLOPs as
-Megatron-LM's ``num_floating_point_operations`` counts them at ``mfu`` of the GPU's peak, MoE's
-all-to-all at link bandwidth (tensor parallel's not modelled), memory as ``report_theoretical_memory``
-accounts it. Standard library only, like ``schedule``.
-"""
+"""A pipeline stage's costs and memory from the model's shape, for advice before any run: FLOPs as Megatron-LM's
+``num_floating_point_operations`` counts them at ``mfu`` of the GPU's peak, MoE's all-to-all at link bandwidth (tensor
+parallel's not modelled), memory as ``report_theoretical_memory`` accounts it. Standard library only, like
+``schedule``."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace

@@ -1,10 +1,9 @@
-"""Which stages each rank holds under a schedule, and what they cost together: how DualPipe's
-pairing of stage ``i`` with ``pp-1-i`` evens out a heavy first or last stage that 1F1B leaves alone.
+"""Which stages each rank holds under a schedule, and what they cost together: how DualPipe's pairing of stage ``i``
+with ``pp-1-i`` evens out a heavy first or last stage that 1F1B leaves alone.
 
-A rank's load is its work per micro-batch: 1F1B ``c[i]``, DualPipe ``(c[i] + c[pp-1-i]) / 2`` (each
-copy runs one direction's half), DualPipeV ``v[i] + v[2pp-1-i]``; the slowest rank's share of the
-mean is what uneven stages cost. Standard library only, like ``schedule``.
-"""
+A rank's load is its work per micro-batch: 1F1B ``c[i]``, DualPipe ``(c[i] + c[pp-1-i]) / 2`` (each copy runs one
+direction's half), DualPipeV ``v[i] + v[2pp-1-i]``; the slowest rank's share of the mean is what uneven stages cost.
+Standard library only, like ``schedule``."""
 from __future__ import annotations
 
 from typing import Dict, List, Sequence, Tuple
@@ -104,18 +103,15 @@ def report(stage_costs: Sequence[float], v_costs: Sequence[float], schedules: Se
              f"/2; DualPipeV's V-stages are {2 * pp}):",
              "  rank  " + "  ".join(f"{n:<{width[n]}}" for n in names)]
     lines += [f"  {r:>4}  " + "  ".join(f"{cells[n][r]:<{width[n]}}" for n in names) for r in range(pp)]
+    slowest = {n: (max(load[n]) / mean, load[n].index(max(load[n]))) for n in names} if mean else {}
     lines.append("  slowest rank's load / mean " + _fmt(mean) + ": " + ", ".join(
-        f"{n} x{max(load[n]) / mean:.3f} (rank {load[n].index(max(load[n]))})" for n in names) if mean else
+        f"{n} x{ratio:.3f} (rank {rank})" for n, (ratio, rank) in slowest.items()) if mean else
         "  (every stage costs 0)")
     heavy = max(range(pp), key=lambda s: (round(abs(stage_costs[s] - mean), 12), stage_costs[s]))  # heavy on a tie
-    if mean and heavy in (0, pp - 1) and abs(stage_costs[heavy] - mean) > 1e-9 * mean:
-        slowest = {n: (max(load[n]) / mean, load[n].index(max(load[n]))) for n in names}
-        lines.append(_ends_sentence(heavy, stage_costs[heavy], mean, pp, slowest))
-    return lines
-
-
-def _ends_sentence(heavy: int, cost: float, mean: float, pp: int, slowest: Dict[str, Tuple[float, int]]) -> str:
-    """What each schedule does with an end stage off the mean; ``slowest``: schedule -> (load / mean, rank)."""
+    cost = stage_costs[heavy]
+    if not (mean and heavy in (0, pp - 1) and abs(cost - mean) > 1e-9 * mean):
+        return lines
+    # what each schedule does with an end stage off the mean
     said = [f"  stage {heavy} is {'heavy' if cost > mean else 'light'} ({_fmt(cost)}, the mean {_fmt(mean)})"]
     if registry.ONE_F_ONE_B in slowest:
         said.append(f"1F1B leaves it alone on rank {heavy} (slowest rank x{slowest[registry.ONE_F_ONE_B][0]:.3f})")
@@ -128,4 +124,4 @@ def _ends_sentence(heavy: int, cost: float, mean: float, pp: int, slowest: Dict[
         said.append(f"DualPipeV holds both ends, V-stages 0 and {2 * pp - 1} (embedding and output layer), on rank 0 "
                     f"(x{ratio:.3f}" + ("; a layout giving those two V-stages fewer layers evens it)"
                                         if rank == 0 and ratio > 1 + 1e-9 else ")"))
-    return "; ".join(said)
+    return lines + ["; ".join(said)]
