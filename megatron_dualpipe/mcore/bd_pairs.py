@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import pickle
 import time
+from collections import namedtuple
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -43,13 +44,9 @@ class BDPosition:
         return self.partner == self.me
 
 
-@dataclass(frozen=True)
-class StageCopy:
-    """One of the pair's two stages, as seen from this rank."""
-
-    stage: int
-    chunk: int  # 0: the home copy is here (model[0]); 1: the mirror is here (model[1])
-    src: int  # global rank of the home copy
+#: One of the pair's two stages, as seen from this rank: ``chunk`` 0 where its home copy is here (model[0]), 1
+#: where its mirror is (model[1]); ``src`` the home copy's global rank.
+StageCopy = namedtuple("StageCopy", "stage chunk src")
 
 
 def position() -> BDPosition:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass
+from collections import namedtuple
 from typing import Optional
 
 import torch
@@ -74,12 +74,8 @@ def p2p_link(group, device) -> Optional[Link]:
     return _fit(t[SMALL], t[LARGE], 1.0)
 
 
-@dataclass(frozen=True)
-class Links:
-    p2p: Optional[Link]
-    bd: Optional[Link]
-    dp: Optional[Link]
-    dp_size: int
+#: The job's measured links (None where not measured) and its data-parallel size.
+Links = namedtuple("Links", "p2p bd dp dp_size")
 
 
 def measure(pipeline_group, device, bidirectional: bool) -> Links:

@@ -1,10 +1,8 @@
-"""What differs between the supported megatron-core versions on the path the executor calls.
-
-Each difference is detected from Megatron's own code (a signature, an attribute), not from a version number,
-and names the versions where it was read. Read at core_v0.16.1 and core_v0.19.0 and needing no entry:
-``forward_step`` / ``forward_step_calc_loss`` (0.19 takes the MoE / MTP loss scales from the config, so the
-executor scales as 1F1B does), ``combined_forward_backward_step``'s signature, and the duties 0.19's schedules
-gained at their ends (activation offloading, CUDA graphs, paged stash), whose options the executor refuses.
+"""What differs between the supported megatron-core versions on the path the executor calls, detected from
+Megatron's own code (a signature, an attribute), not from a version number. Read at core_v0.16.1 and
+core_v0.19.0 and needing no entry: ``forward_step`` / ``forward_step_calc_loss`` (0.19 takes the MoE / MTP loss
+scales from the config, so the executor scales as 1F1B does), ``combined_forward_backward_step``'s signature,
+and the duties 0.19's schedules gained at their ends, whose options the executor refuses.
 """
 from __future__ import annotations
 
@@ -34,12 +32,11 @@ def transformer_layer_node_class():
     ``models.gpt.fine_grained_callables`` at 0.16.x, in ``models.common.utils`` at 0.19."""
     from megatron.core.models.gpt import fine_grained_callables
 
-    found = getattr(fine_grained_callables, "TransformerLayerNode", None)
-    if found is None:
-        from megatron.core.models.common import utils
+    if hasattr(fine_grained_callables, "TransformerLayerNode"):
+        return fine_grained_callables.TransformerLayerNode
+    from megatron.core.models.common import utils
 
-        found = utils.TransformerLayerNode
-    return found
+    return utils.TransformerLayerNode
 
 
 #: The nodes of one layer's schedule plan (``TransformerLayerSchedulePlan``), under the names

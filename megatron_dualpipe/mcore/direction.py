@@ -29,10 +29,8 @@ def direction_of(layout: Layout, rank: int, d: int, global_ranks) -> Iterator[No
     """Within the block, parallel_state answers for the stage of direction ``d`` on ``rank``. Direction 0 is
     the physical pipeline, but DualPipeV's stage pp-1 is not the model's last (the loss is on rank 0)."""
     if d == 0:
-        if layout.kind == V_SHAPE and rank == layout.pp - 1:
-            with hooks.scoped(_PATCHES[1].to(_answer(False))):
-                yield
-        else:
+        v_last = layout.kind == V_SHAPE and rank == layout.pp - 1
+        with hooks.scoped(_PATCHES[1].to(_answer(False))) if v_last else contextlib.nullcontext():
             yield
         return
     stage = layout.stage_on(rank, d)

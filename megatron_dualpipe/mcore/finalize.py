@@ -1,8 +1,6 @@
-"""Gradient finalize for the two model chunks of DualPipe / DualPipeV.
-
-The logical gradient of a DualPipe stage is the sum of its two copies' (`allreduce_bd_grads`, or
-``GradReduction`` during the schedule). Tied embeddings are folded locally: Megatron's embedding-group
-all-reduce picks ``model[-1]`` on the last rank, which with two chunks is a mirror.
+"""Gradient finalize for the two model chunks of DualPipe / DualPipeV: a DualPipe stage's gradient is the sum of
+its two copies' (`allreduce_bd_grads`, or ``GradReduction`` during the schedule); tied embeddings are folded
+locally, since Megatron's embedding-group all-reduce picks ``model[-1]`` on the last rank, a mirror here.
 """
 from __future__ import annotations
 
@@ -91,14 +89,10 @@ def check_buffer_layouts(model) -> None:
     buffer layout, or the in-place bd sums would add unrelated gradients."""
     if model[0] in _CHECKED_LAYOUTS:
         return
-
-    def layout(chunk):
-        return [(str(b.grad_dtype), b.grad_data.numel(), [bk.grad_data.numel() for bk in b.buckets])
-                for b in _grad_buffers(chunk)]
-
     for copy_ in bd_pairs.stage_copies():
         bd_pairs.check_same_structure(
-            layout(model[copy_.chunk]),
+            [(str(b.grad_dtype), b.grad_data.numel(), [bk.grad_data.numel() for bk in b.buckets])
+             for b in _grad_buffers(model[copy_.chunk])],
             f"DDP gradient buffers of stage {copy_.stage} (the copies must be bucketed alike: wrap both chunks "
             f"with the same DistributedDataParallelConfig and disable_bucketing=True, as Megatron-LM's get_model "
             f"does under --pipeline-schedule dualpipe)")
@@ -156,12 +150,9 @@ def fold_tied_embedding_grads(model: Sequence[torch.nn.Module]) -> None:
 def finalize_dualpipe_grads(model: Sequence[torch.nn.Module], num_tokens: Optional[torch.Tensor], *,
                             finalize_func: Optional[Callable] = None, pg_collection=None,
                             force_all_reduce: Optional[bool] = False) -> Optional[torch.Tensor]:
-    """Finalize gradients of ``[model_dir0, model_dir1]`` (DualPipe's ``finalize_model_grads_func``):
-    the copy sum as the way asks (``mcore.copies``), the tied fold, `all_reduce_token_count`, then
-    `finalize_after_token_count`. ``finalize_func=None``: megatron-core's for DDP-wrapped chunks;
-    plain chunks skip it (only without data, context or tensor parallelism, else ValueError).
-    Returns the summed ``num_tokens`` (or None).
-    """
+    """DualPipe's ``finalize_model_grads_func`` for ``[model_dir0, model_dir1]``; returns the summed ``num_tokens``.
+    ``finalize_func=None``: megatron-core's for DDP-wrapped chunks; plain chunks skip it (only without data,
+    context or tensor parallelism, else ValueError)."""
     copies.of(model).sum_in_finalize(model, allreduce_bd_grads)
     fold_tied_embedding_grads(model)
 

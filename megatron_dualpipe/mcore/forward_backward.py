@@ -12,14 +12,14 @@ directions, come back in global order on the last pipeline rank (``[]`` elsewher
 """
 from __future__ import annotations
 
+import collections
 import contextlib
-import dataclasses
 import functools
 import gc
 import logging
 import math
 import weakref
-from typing import Any, Callable, List, Optional
+from typing import Callable, Optional
 
 import torch.distributed as dist
 from megatron.core import parallel_state
@@ -31,7 +31,7 @@ from ..executor.runner import TensorSpec, run_rank
 from ..executor import abort, watchdog
 from ..schedule import B, iteration_plan, registry
 from ..schedule.lowering import after_finish
-from ..schedule.lowering.program import Program, ProgramOptions, build_program
+from ..schedule.lowering.program import ProgramOptions, build_program
 from . import copies
 from .data import MicrobatchSource
 from .grad_reduction import GradReduction, clear_deferred_output_wgrads
@@ -83,16 +83,9 @@ def forward_backward_dualpipe(*, schedule: str = registry.DUALPIPE, zero_bubble:
     return func(**kwargs)
 
 
-@dataclasses.dataclass
-class _Iteration:
-    """What one call runs: the checked program for this rank and the means to communicate."""
-
-    program: Program
-    rank: int
-    global_ranks: List[int]
-    group: Any
-    p2p: P2P
-    tensor_spec: TensorSpec
+#: What one call runs: the checked ``Program``, this pipeline rank, its group's global ranks, the group, the
+#: ``P2P`` and the ``TensorSpec`` of the messages.
+_Iteration = collections.namedtuple("_Iteration", "program rank global_ranks group p2p tensor_spec")
 
 
 class ExecutorSchedule:
@@ -245,13 +238,9 @@ def _timer(config):
 def _no_sync(config, model, forward_only: bool):
     """Keep data-parallel gradient reduction off until every micro-batch is done (each chunk's
     gradients are complete only after its last W), as Megatron's schedules do."""
-    funcs = config.no_sync_func
-    if funcs is None or forward_only:
-        yield
-        return
-    funcs = funcs if isinstance(funcs, list) else [funcs] * len(model)
+    funcs = [] if config.no_sync_func is None or forward_only else config.no_sync_func
     with contextlib.ExitStack() as stack:
-        for f in funcs:
+        for f in funcs if isinstance(funcs, list) else [funcs] * len(model):
             stack.enter_context(f())
         yield
 

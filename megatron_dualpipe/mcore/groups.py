@@ -10,7 +10,7 @@ every rank enumerates every pipeline group in one order; the groups live in one 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import types
 from typing import List, Optional
 
 import torch.distributed as dist
@@ -19,26 +19,21 @@ __all__ = ["build_bd_groups", "bd_groups_initialized", "destroy_bd_groups", "get
            "get_bd_ranks", "get_reversed_pp_group", "get_pp_global_ranks"]
 
 
-@dataclass
-class _BDRegistry:
-    """This rank's view of the groups built by `build_bd_groups`."""
-
-    initialized: bool = False
-    pp_ranks: List[int] = field(default_factory=list)  # this rank's pipeline group, in order
-    bd_group: Optional[object] = None  # None on the middle rank of an odd pipeline
-    bd_ranks: List[int] = field(default_factory=list)  # [r_i, r_{pp-1-i}] sorted by pp rank
-    mirror_rank: Optional[int] = None
-    reversed_pp_group: Optional[object] = None
+def _registry(**built) -> types.SimpleNamespace:
+    """This rank's view of the groups `build_bd_groups` built: its pipeline group in order, its bd group (None on
+    the middle rank of an odd pipeline) and ranks (sorted by pipeline rank), partner, reversed pipeline group."""
+    return types.SimpleNamespace(**{**dict(initialized=False, pp_ranks=[], bd_group=None, bd_ranks=[],
+                                           mirror_rank=None, reversed_pp_group=None), **built})
 
 
-_REGISTRY = _BDRegistry()
+_REGISTRY = _registry()
 
 
 class BDGroupsNotInitializedError(RuntimeError):
     """Raised by the accessors when `build_bd_groups` has not run (or was destroyed)."""
 
 
-def _require() -> _BDRegistry:
+def _require() -> types.SimpleNamespace:
     if not _REGISTRY.initialized:
         raise BDGroupsNotInitializedError("DualPipe bd groups are not initialized: call "
                                           "megatron_dualpipe.mcore.groups.build_bd_groups() after "
@@ -77,7 +72,7 @@ def build_bd_groups(*, timeout=None, backend=None) -> None:
     distinct = sorted({tuple(g) for g in gathered})  # every pipeline group, in the same order on every rank
     if sorted(r for g in distinct for r in g) != list(range(world)):
         raise RuntimeError(f"pipeline groups do not partition the world (world size {world}): {distinct}")
-    reg = _BDRegistry(pp_ranks=list(my_ranks))
+    reg = _registry(pp_ranks=list(my_ranks))
     for ranks in map(list, distinct):
         if len(ranks) != pp:
             raise RuntimeError(f"pipeline groups of different sizes: {ranks} vs {my_ranks}")
@@ -114,7 +109,7 @@ def bd_groups_initialized() -> bool:
 def destroy_bd_groups() -> None:
     """Forget the groups of `build_bd_groups` (local; like ``destroy_model_parallel``, only the references)."""
     global _REGISTRY
-    _REGISTRY = _BDRegistry()
+    _REGISTRY = _registry()
 
 
 def get_bd_group():

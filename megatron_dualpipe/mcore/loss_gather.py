@@ -16,7 +16,6 @@ import torch
 import torch.distributed as dist
 
 from ..executor import abort
-from ..executor.p2p import DEFAULT_TIMEOUT_S
 from ..executor.streams import waits_order_stream
 from ..schedule.layout import Layout
 
@@ -25,13 +24,12 @@ class LossGatherTimeoutError(RuntimeError):
     """The loss gather did not complete within its deadline."""
 
 
-def send_losses(entries, rank: int, peer: int, global_ranks, group, device,
-                timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+def send_losses(entries, rank: int, peer: int, global_ranks, group, device, timeout_s: float) -> None:
     """A direction's loss entries to pipeline rank ``peer`` (the program's ``loss D -> P`` op)."""
     _send_entries(entries, _Peer(rank, peer, global_ranks[peer], group, timeout_s), device)
 
 
-def receive_losses(rank: int, peer: int, global_ranks, group, device, timeout_s: float = DEFAULT_TIMEOUT_S) -> list:
+def receive_losses(rank: int, peer: int, global_ranks, group, device, timeout_s: float) -> list:
     """A direction's loss entries from pipeline rank ``peer`` (the program's ``loss D <- P`` op)."""
     return _recv_entries(_Peer(rank, peer, global_ranks[peer], group, timeout_s), device)
 
@@ -51,7 +49,7 @@ def losses_on_last_rank(loss_store, layout: Layout, rank: int, received: dict) -
 MTP_TRACKER_KEYS = ("values", "loss_values", "correct_values", "total_values")
 
 
-def send_mtp_tracker(rank: int, peer: int, global_ranks, group, device, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+def send_mtp_tracker(rank: int, peer: int, global_ranks, group, device, timeout_s: float) -> None:
     """Add what the MTP loss tracker summed here to rank ``peer``'s (pp-1) and zero it here (counted once
     whatever the log interval). Megatron-LM prints ``mtp_1 loss`` from the last pipeline rank's
     ``MTPLossLoggingHelper.tracker``, and DualPipe (direction 1) and DualPipeV compute MTP on rank 0."""
@@ -64,8 +62,7 @@ def send_mtp_tracker(rank: int, peer: int, global_ranks, group, device, timeout_
         v.zero_()
 
 
-def receive_mtp_tracker(rank: int, peer: int, global_ranks, group, device,
-                        timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+def receive_mtp_tracker(rank: int, peer: int, global_ranks, group, device, timeout_s: float) -> None:
     """The other end of :func:`send_mtp_tracker`; the tracker gets the data-parallel group to average over
     (DualPipeV's rank pp-1 computes no MTP, so nothing set it)."""
     from megatron.core import parallel_state

@@ -10,6 +10,7 @@ skips it: DualPipe's mirrors are filled by `broadcast_mirrors`, DualPipeV's outp
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import Callable, List, Optional, Sequence
 
@@ -17,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ..schedule.layout import BIDIRECTIONAL, V_SHAPE  # re-exported: the layouts' one definition
+from .. import hooks
 from . import bd_pairs, groups
 
 __all__ = ["build_two_direction_model", "broadcast_mirrors", "mark_mirror_shared", "dualpipev_config",
@@ -79,8 +81,6 @@ def _mirror_parallel_state(rev_rank: int, rev_ranks: Sequence[int], rev_group):
     """parallel_state's pipeline rank, ranks and group are the reversed group's inside the block: a module
     megatron-core builds without the chunk's ``pg_collection`` asks it (at 0.16.1 the MTP layer's transformer
     layer, numbered 3 instead of 1F1B's 9 from the physical rank)."""
-    from .. import hooks
-
     return hooks.scoped(hooks.entry("scoped", "_MPU_PIPELINE_MODEL_PARALLEL_RANK").to(rev_rank),
                         hooks.entry("scoped", "_PIPELINE_GLOBAL_RANKS").to(list(rev_ranks)),
                         hooks.entry("scoped", "_PIPELINE_MODEL_PARALLEL_GROUP").to(rev_group))
@@ -89,10 +89,6 @@ def _mirror_parallel_state(rev_rank: int, rev_ranks: Sequence[int], rev_group):
 def _v_stages_in_parallel_state(layout_kind: str):
     """DualPipeV: parallel_state says two virtual stages while the chunks are built, so that megatron-core's
     ``PipelineParallelLayerLayout`` (which otherwise takes ``vp_stage`` as 0) gives V-stage ``2pp-1-i`` its layers."""
-    import contextlib
-
-    from .. import hooks
-
     if layout_kind != V_SHAPE:
         return contextlib.nullcontext()
     return hooks.scoped(hooks.entry("scoped", "_VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE").to(2))

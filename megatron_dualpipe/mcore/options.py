@@ -1,13 +1,13 @@
-"""The one table of Megatron options: for each, the schedules it is refused for and why, or the proof
-that it is handled.
-
-Both checks read the same rules: Megatron-LM's, from ``args`` after ``validate_args`` (``side=ARGS``), and
-megatron-core's call-time check (``mcore.validation``), from the model's ``TransformerConfig`` (``side=CONFIG``).
-A rule names the attribute it reads on each side (None: not checked there). ``docs/megatron-options.md`` is
-generated from :data:`REFUSED` and :data:`HANDLED` (``tools/gen_docs.py``). Standard library only.
+"""The one table of Megatron options: for each, the schedules it is refused for and why, or the proof that it is
+handled. Both checks read the same rules: Megatron-LM's, from ``args`` after ``validate_args`` (``side=ARGS``),
+and megatron-core's call-time check (``mcore.validation``), from the model's ``TransformerConfig``
+(``side=CONFIG``); a rule names the attribute it reads on each side (None: not checked there).
+``docs/megatron-options.md`` is generated from :data:`REFUSED` and :data:`HANDLED` (``tools/gen_docs.py``).
+Standard library only.
 """
 from __future__ import annotations
 
+from collections import namedtuple
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Tuple
 
@@ -72,13 +72,8 @@ class Refused:
         return f"does not support {self.flag} ({self.why}); {self.fix or 'remove ' + self.flag}"
 
 
-@dataclass(frozen=True)
-class Handled:
-    """An option that runs under the executor's schedules, with its status and the test that proves it."""
-
-    option: str
-    status: str
-    test: str
+#: An option that runs under the executor's schedules, with its status and the test that proves it.
+Handled = namedtuple("Handled", "option status test")
 
 
 def _v_last_rank_without_moe_before_019(args, side=ARGS) -> bool:
@@ -126,13 +121,6 @@ def _virtual_pipeline(source, side):
 
 def _either(*names):
     return lambda source, side: any(getattr(source, n, None) not in (None, False) for n in names)
-
-
-def _moe_layer_recomputed(source, side):
-    """``moe`` among the selective recompute modules (``--moe-layer-recompute`` adds it in megatron-core)."""
-    modules = getattr(source, "recompute_modules", None) or ()
-    return getattr(source, "recompute_granularity", None) == "selective" and (
-        "moe" in modules or bool(getattr(source, "moe_layer_recompute", False)))
 
 
 _VP_FLAGS = "--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank"
@@ -341,7 +329,9 @@ REFUSED: Tuple[Refused, ...] = (
     Refused("--recompute-modules moe", "it cannot recompute whole MoE layers (--recompute-modules moe): its fused "
             "F&B units run a layer's parts one by one (router, dispatch, experts, combine), never the checkpointed "
             "layer, so nothing would be recomputed (megatron-core 0.19 refuses the pair in its own check)",
-            read=_moe_layer_recomputed,
+            read=lambda source, side: getattr(source, "recompute_granularity", None) == "selective" and (
+                "moe" in (getattr(source, "recompute_modules", None) or ())
+                or bool(getattr(source, "moe_layer_recompute", False))),  # megatron-core's way to add moe
             fix="remove moe from --recompute-modules (and --moe-layer-recompute)", needs=COMBINED_STEP,
             test="A `dualpipe_overlap_moe_recompute_moe`"),
     Refused("--mtp-num-layers", "it runs at most one MTP layer (megatron-core's own limit)",

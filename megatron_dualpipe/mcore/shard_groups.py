@@ -10,7 +10,7 @@ and the optimizer's instance id stays 0.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+import types
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -20,17 +20,8 @@ from .. import hooks
 
 __all__ = ["build_shard_groups", "shard_groups_initialized", "partial_groups_of", "chunk_of"]
 
-
-@dataclass
-class _Groups:
-    """This rank's shard groups per chunk: ranks, NCCL (default backend) group, gloo twin."""
-
-    ranks: Dict[Tuple[str, int], Tuple[int, ...]] = field(default_factory=dict)
-    groups: Dict[Tuple[str, int], object] = field(default_factory=dict)
-    gloo: Dict[Tuple[str, int], object] = field(default_factory=dict)
-
-
-_REGISTRY: Optional[_Groups] = None
+#: This rank's shard groups per (kind, chunk): ``ranks``, ``groups`` (default backend), ``gloo`` (twins).
+_REGISTRY: Optional[types.SimpleNamespace] = None
 DENSE, EXPERT = "dense", "expert"
 
 
@@ -82,7 +73,7 @@ def build_shard_groups(*, timeout=None) -> None:
             every.setdefault(tuple(home + mirror), None)  # chunk 1's groups are other ranks' chunk 0's
             if rank == me:
                 mine[(kind, 0)], mine[(kind, 1)] = tuple(home + mirror), tuple(mirror + home)
-    registry = _Groups(ranks=mine)
+    registry = types.SimpleNamespace(ranks=mine, groups={}, gloo={})
     from megatron.core import parallel_state as ps
 
     try:
@@ -109,7 +100,7 @@ def shard_groups_initialized() -> bool:
     return _REGISTRY is not None
 
 
-def _require() -> _Groups:
+def _require() -> types.SimpleNamespace:
     if _REGISTRY is None:
         raise RuntimeError("the shared shard groups are not built: call mcore.shard_groups.build_shard_groups() "
                            "after build_bd_groups()")

@@ -1,6 +1,5 @@
-"""What F, B, BW and W mean for this rank's megatron-core model chunks: megatron-core's own
-``schedules.forward_step`` / ``backward_step``, so loss scaling, MoE aux-loss scaling and
-``calculate_per_token_loss`` behave exactly as in Megatron.
+"""What F, B, BW and W mean for this rank's megatron-core model chunks: megatron-core's own ``forward_step`` /
+``backward_step``, so loss scaling, MoE aux-loss scaling and ``calculate_per_token_loss`` are Megatron's.
 """
 from __future__ import annotations
 
@@ -25,12 +24,9 @@ from .model import unwrap_chunk
 
 class MegatronStageCompute(StageComputeBase):
     """Chunk ``d`` of ``model`` serves direction ``d``; saved activations and deferred weight gradients are
-    keyed by (direction, micro-batch, stage), never by order.
-
-    Under a B action (``wgrad_store`` set) the local linears defer through ``WeightGradStore.deferring``, and
-    what Transformer Engine (``delay_wgrad_compute``) queued is recorded under the same key, so W runs both.
-    Every backward of a TE chunk queues, so a BW pops its entries at once. ``audit`` watches each chunk's first B.
-    """
+    keyed by (direction, micro-batch, stage), never by order. Under a B action the local linears defer through
+    ``WeightGradStore.deferring`` and what Transformer Engine queued is recorded under the same key, so W runs
+    both; every backward of a TE chunk queues, so a BW pops its entries at once."""
 
     def __init__(self, *, program: Program, model: Sequence[torch.nn.Module], rank: int,
                  forward_step_func: Callable, source: MicrobatchSource, config, forward_only: bool,

@@ -8,6 +8,7 @@ copy-sum way shards it); ``megatron_lm.training_hooks`` prints :func:`gather_tab
 """
 from __future__ import annotations
 
+from collections import namedtuple
 from dataclasses import astuple, dataclass, field, fields
 from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
@@ -152,17 +153,10 @@ def rank_bytes(model: Sequence[torch.nn.Module], optimizer) -> RankBytes:
     return out
 
 
-# ---------------------------------------------------------------------------------------------
-# The table rank 0 prints
-# ---------------------------------------------------------------------------------------------
+# -- the table rank 0 prints ------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class TableRow:
-    """One pipeline rank: the largest figures over its tensor/context/data-parallel ranks."""
-
-    pp_rank: int
-    mine: ChunkBytes
-    one_f_one_b: ChunkBytes
+#: One pipeline rank: the largest figures (``ChunkBytes``) over its tensor/context/data-parallel ranks.
+TableRow = namedtuple("TableRow", "pp_rank mine one_f_one_b")
 
 
 def _pack(pp_rank: int, rb: RankBytes, way: CopySumWay) -> List[int]:

@@ -1,9 +1,9 @@
 """The options of a running job that decide its collectives after the schedule.
 
-:class:`~..schedule.step_collectives.StepOptions` becomes each rank's ``coll`` ops, checked with the
-schedule's communication before anything runs, so they are read from what every rank of the job has alike
-(configs, parallel sizes, Megatron-LM's arguments). Where it cannot tell (megatron-core alone), a collective
-counts as issued: one every member leaves out only removes waits, so the proof covers the run without it.
+:class:`~..schedule.step_collectives.StepOptions` becomes each rank's ``coll`` ops, checked with the schedule's
+communication, so they are read from what every rank has alike (configs, parallel sizes, Megatron-LM's
+arguments). Where it cannot tell (megatron-core alone) a collective counts as issued: one every member leaves
+out only removes waits, so the proof covers the run without it.
 """
 from __future__ import annotations
 

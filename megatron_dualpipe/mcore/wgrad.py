@@ -284,8 +284,7 @@ def check_ddp_compatible(model: torch.nn.Module) -> None:
 
 def offers_te_backward_dw(model_chunk: torch.nn.Module) -> bool:
     """True if the unwrapped ``model_chunk`` was built with ``config.delay_wgrad_compute`` (TE modules defer)."""
-    config = getattr(model_chunk, "config", None)
-    return bool(getattr(config, "delay_wgrad_compute", False))
+    return bool(getattr(getattr(model_chunk, "config", None), "delay_wgrad_compute", False))
 
 
 class TEQueues:

@@ -30,11 +30,10 @@ def flag_problems(args, schedule: str) -> List[str]:
     """Why the ways' flags cannot run as given: a way needs a schedule whose stages have two copies,
     and one way at a time."""
     on = [way for way in WAYS if way.chosen_by(args)]
-    mirrored = registry.names(mirrored=True)
     if on and not registry.spec(schedule).mirrored:
         flag = on[0].way.flag
         return [f"{flag} {on[0].purpose}; --pipeline-schedule {schedule} has none: use --pipeline-schedule "
-                f"{' or '.join(mirrored)} or remove {flag}"]
+                f"{' or '.join(registry.names(mirrored=True))} or remove {flag}"]
     if len(on) > 1:
         return [f"{' and '.join(sorted(way.way.flag for way in on))} are two ways to sum the copies: keep one "
                 "(the shared shard group also halves the optimizer state)"]
