@@ -167,6 +167,9 @@ def comm(args, s: Setup):
     inter = args.inter_bw if args.inter_bw is not None else s.gpu.network_gbps
     try:
         network = Network(Link(intra, args.intra_latency), Link(inter, args.inter_latency))
+    except ValueError as e:
+        raise CliError(f"--intra-bw/--inter-bw/--intra-latency/--inter-latency: {e}") from None
+    try:
         placement = Placement(m.pp, s.dp, m.tp, args.gpus_per_node, args.placement == "paired")
     except ValueError as e:
         raise CliError(f"--placement {args.placement}: {e}") from None

@@ -88,6 +88,8 @@ BAD = [
     (["advise", "--gpu", "V100"], "invalid choice: 'V100'"),
     (["advise", "--config", "gpt_8b", "--gpu", "H100", "--distributed-optimizer", "--", "--vocab-size", "8"],
      "drop --distributed-optimizer"),
+    (["advise", "--config", "gpt_8b", "--gpu", "H100", "--nodes", "2", "--intra-bw", "-1", "--", "--vocab-size", "8"],
+     "--intra-bw/--inter-bw/--intra-latency/--inter-latency: a link's bandwidth must be"),
 ]
 
 
