@@ -45,8 +45,8 @@ def _git_tag(path: str) -> Optional[str]:
     return out.stdout.strip() or None if out.returncode == 0 else None
 
 
-def inspect(path: str, require_tag: bool = True) -> Tuple[str, bool]:
-    """(pretrain_gpt.py's path, whether the hook is in it); a checkout that cannot be patched is refused."""
+def inspect(path: str, require_tag: bool = True) -> Tuple[str, list, bool]:
+    """(pretrain_gpt.py's path, its lines, whether the hook is in them); refuses a checkout it cannot patch."""
     script = os.path.join(path, "pretrain_gpt.py")
     if not os.path.isfile(script):
         raise PatchError(f"no pretrain_gpt.py in {path}: give the root of a Megatron-LM checkout at tag "
@@ -60,11 +60,11 @@ def inspect(path: str, require_tag: bool = True) -> Tuple[str, bool]:
         if i < 0 or tuple(_bare(line) for line in lines[i:i + 3]) != tuple(_bare(h) for h in HOOK):
             raise PatchError(f"{script} contains a modified megatron-dualpipe hook (line {hooked[0] + 1}): "
                              f"remove it by hand, then run this command again")
-        return script, True
+        return script, lines, True
     if _anchor_index(lines) is None:
         raise PatchError(f"{script} has no line {ANCHOR.strip()!r} to put the hook after: is it from "
                          f"{' or '.join(TAGS)}?")
-    return script, False
+    return script, lines, False
 
 
 def _read_lines(script: str):
@@ -115,8 +115,7 @@ def _write_atomically(path: str, text: str) -> None:
 def apply(path: str, *, revert: bool = False, check: bool = False) -> str:
     """Apply (or revert, at any version) the hook; with ``check`` change nothing but fail where the
     real run would. Returns what was (or would be) done."""
-    script, applied = inspect(path, require_tag=not revert)
-    lines = _read_lines(script)
+    script, lines, applied = inspect(path, require_tag=not revert)
     if applied != revert:
         return f"not applied to {script}; nothing to revert" if revert else \
             f"already applied to {script}; nothing to do"

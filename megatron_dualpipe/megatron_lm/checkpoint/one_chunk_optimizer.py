@@ -104,9 +104,7 @@ class OneChunkOptimizerView:
     """Presents a DualPipe optimizer to Megatron's checkpoint code as a 1F1B (one-chunk) one."""
 
     def __init__(self, optimizer, keep_ids):
-        self._optimizer = optimizer
-        self._keep_ids = keep_ids
-        self._inner = inner_optimizers(optimizer)
+        self._optimizer, self._keep_ids, self._inner = optimizer, keep_ids, inner_optimizers(optimizer)
 
     def __getattr__(self, name):
         return getattr(self._optimizer, name)
