@@ -11,6 +11,7 @@ what is drawn; :func:`to_svg` writes it as SVG and :mod:`.figure` paints it with
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 from xml.sax.saxutils import escape
 
@@ -96,12 +97,13 @@ def cells(schedule, result: SimResult) -> Iterator[Cell]:
             second = first
 
 
-def legend_entries(schedule) -> List[Tuple[str, str]]:
-    """(label, colour) for the op/direction pairs the schedule uses, in a fixed order."""
-    keys = legend_keys(schedule)
+def legend_entries(schedule) -> List[Tuple[str, Tuple[str, int]]]:
+    """(label, (op, dir)) for the op/direction pairs the schedule uses, in the legend's order."""
+    used = {(a.op, a.dir) for acts in schedule.ranks for a in acts}
+    keys = [(op, d) for op in (F, BW, B, W) for d in (0, 1) if (op, d) in used]
     multi = len({d for _, d in keys}) > 1
     word = schedule.layout.dir_word
-    return [(f"{op} {OP_NAMES[op]}" + (f", {word} {d}" if multi else ""), COLORS[(op, d)]) for op, d in keys]
+    return [(f"{op} {OP_NAMES[op]}" + (f", {word} {d}" if multi else ""), (op, d)) for op, d in keys]
 
 
 def legend_marks(schedules, fake: bool) -> List[Tuple[str, str]]:
@@ -109,12 +111,6 @@ def legend_marks(schedules, fake: bool) -> List[Tuple[str, str]]:
     fused = any(a.overlap for s in schedules for acts in s.ranks for a in acts)
     return [(lab, kind) for lab, kind, drawn in (("fused F&B unit", "fused", fused),
                                                  ("fake micro-batch (padding, no compute)", "fake", fake)) if drawn]
-
-
-def legend_keys(schedule) -> List[Tuple[str, int]]:
-    """The (op, dir) pairs the schedule uses, in the legend's order."""
-    used = {(a.op, a.dir) for acts in schedule.ranks for a in acts}
-    return [(op, d) for op in (F, BW, B, W) for d in (0, 1) if (op, d) in used]
 
 
 def label(a: Action) -> str:
@@ -153,11 +149,7 @@ class Frame:
 
     def offsets(self) -> List[float]:
         """Drawn position of each segment's start."""
-        out, at = [], 0.0
-        for s, e in self.segments:
-            out.append(at)
-            at += e - s + self.gap
-        return out
+        return list(accumulate((e - s + self.gap for s, e in self.segments[:-1]), initial=0.0))
 
     def clip(self, t0: float, t1: float) -> List[Tuple[float, float]]:
         """The drawn spans of [t0, t1]: one per segment it overlaps (zero-width spans kept)."""
@@ -271,14 +263,10 @@ def outlines(schedule, result: SimResult, fr: Frame) -> Iterator[Tuple[int, floa
 
 def _svg_patterns() -> List[str]:
     """One hatch pattern per op for the hatched direction: the light tint crossed by the strong hue."""
-    out = ["<defs>"]
-    for op in (F, BW, B, W):
-        for d in HATCHED:
-            out.append(f'<pattern id="hatch-{op}-{d}" patternUnits="userSpaceOnUse" width="6" height="6" '
-                       f'patternTransform="rotate(45)"><rect width="6" height="6" fill="{COLORS[(op, d)]}"/>'
-                       f'<line x1="0" y1="0" x2="0" y2="6" stroke="{COLORS[(op, 0)]}" stroke-width="2"/></pattern>')
-    out.append("</defs>")
-    return out
+    return ["<defs>", *(f'<pattern id="hatch-{op}-{d}" patternUnits="userSpaceOnUse" width="6" height="6" '
+                        f'patternTransform="rotate(45)"><rect width="6" height="6" fill="{COLORS[(op, d)]}"/>'
+                        f'<line x1="0" y1="0" x2="0" y2="6" stroke="{COLORS[(op, 0)]}" stroke-width="2"/></pattern>'
+                        for op in (F, BW, B, W) for d in HATCHED), "</defs>"]
 
 
 def _svg_fill(op: str, d: int) -> str:
@@ -314,17 +302,15 @@ def _svg_cells(schedule, result: SimResult, fr, px: float, fake: Fake, font: str
 def _svg_legend(legend, extra, per_line: int, column: float, legend_top: float, font: str) -> List[str]:
     """The legend under the timeline: the actions' colours, then the fused-unit and fake marks."""
     out: List[str] = []
-    items = [(lab, col, None) for lab, col in legend] + [(lab, "", kind) for lab, kind in extra]
-    fill_of = {COLORS[(op, d)]: _svg_fill(op, d) for op in (F, BW, B, W) for d in (0, 1)}
-    for k, (label, colour, kind) in enumerate(items):
+    items = [(lab, _svg_fill(op, d), None) for lab, (op, d) in legend] + [(lab, FAKE, kind) for lab, kind in extra]
+    for k, (label, fill, kind) in enumerate(items):
         lx = _LEFT + (k % per_line) * column
         ly = legend_top + (k // per_line) * 20
         if kind == "fused":
             out.append(f'<path class="legend" d="M{lx + 1:.1f},{ly + 1:.1f} h14 v10 h-14 Z" fill="none" '
                        f'stroke="#111111" stroke-width="2.2"/>')
         else:
-            out.append(f'<rect class="legend" x="{lx:.1f}" y="{ly:.1f}" width="16" height="12" '
-                       f'fill="{FAKE if kind == "fake" else fill_of[colour]}"/>')
+            out.append(f'<rect class="legend" x="{lx:.1f}" y="{ly:.1f}" width="16" height="12" fill="{fill}"/>')
         out.append(f'<text class="legend" x="{lx + 22:.1f}" y="{ly + 10:.1f}" font-size="11" {font}>'
                    f'{escape(label)}</text>')
     return out
@@ -342,7 +328,9 @@ def to_svg(schedule, result: SimResult, fake: Fake = None) -> str:
     extra = legend_marks([schedule], fake is not None)
     n_entries = len(legend) + len(extra)
     per_line = min(4, n_entries)
-    column = _legend_column_width([lab for lab, _ in legend] + [lab for lab, _ in extra])
+    # one column: the swatch, and the longest label at 11 px (at most _CHAR_PX per character, a bound for
+    # DejaVu Sans and Helvetica)
+    column = 22 + _CHAR_PX * max(len(lab) for lab, _ in legend + extra) + 16
     legend_h = ((n_entries + per_line - 1) // per_line) * 20 + 24
     height = legend_top + legend_h
     width = max(_LEFT + fr.width * px + 20, column * per_line + _LEFT)
@@ -379,9 +367,3 @@ def to_svg(schedule, result: SimResult, fake: Fake = None) -> str:
     out += _svg_legend(legend, extra, per_line, column, legend_top, font)
     out.append("</svg>")
     return "\n".join(out) + "\n"
-
-
-def _legend_column_width(labels) -> float:
-    """Pixels for one SVG legend column: the swatch, and the longest label at 11 px (at most
-    :data:`_CHAR_PX` per character, a bound for DejaVu Sans and Helvetica)."""
-    return 22 + _CHAR_PX * max(len(label) for label in labels) + 16

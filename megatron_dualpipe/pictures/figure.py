@@ -8,7 +8,7 @@ from typing import Dict, List, Sequence, Tuple
 
 from ..schedule.simulate import SimResult
 from .draw import (COLORS, FAKE, HATCHED, TEXT, UNIT_PX, Fake, Frame, boxes, frame, key, label, label_size,
-                   legend_entries, legend_keys, legend_marks, num, outlines, ticks, ticks_that_fit, title, whole)
+                   legend_entries, legend_marks, num, outlines, ticks, ticks_that_fit, title, whole)
 from .plotting import agg_pyplot, legend_below, save_png
 
 #: Label sizes (points) tried per cell, largest first; a cell too narrow for 5 pt gets none.
@@ -86,10 +86,10 @@ def _legend_handles(schedules: Sequence, fake: bool) -> list:
 
     handles, seen = [], set()
     for schedule in schedules:
-        for (lab, col), (op, d) in zip(legend_entries(schedule), legend_keys(schedule)):
+        for lab, (op, d) in legend_entries(schedule):
             if (op, d) not in seen:
                 seen.add((op, d))
-                handles.append(Patch(facecolor=col, edgecolor="white", label=lab, **_hatch_kwargs(d, op)))
+                handles.append(Patch(facecolor=COLORS[(op, d)], edgecolor="white", label=lab, **_hatch_kwargs(d, op)))
     for lab, kind in legend_marks(schedules, fake):
         handles.append(Patch(facecolor="white", edgecolor="#111111", linewidth=1.8, label=lab) if kind == "fused"
                        else Patch(facecolor=FAKE, edgecolor="none", label=lab))
@@ -121,15 +121,6 @@ def to_png(schedule, result: SimResult, path, fake: Fake = None) -> None:
     save_png(png_figure(schedule, result, fake), path)
 
 
-def scale_note(makespans: Sequence[float]) -> str:
-    """The note a figure with one time axis per panel carries when their lengths differ."""
-    longest, shortest = max(makespans), min(makespans)
-    if shortest <= 0 or longest / shortest < 1.2:
-        return ""
-    return (f"each panel has its own time axis, fitted to it: the longest is {longest / shortest:.1f}x "
-            f"the shortest")
-
-
 def panels_figure(panels: Sequence[Tuple[str, object, SimResult]], shared_axis: bool, time_label: str = "ms"):
     """Timelines one above the other, each labelled with its heading; on one shared time axis
     (``shared_axis``: lengths compare) or each on its own (details readable). Micro-batch labels
@@ -139,7 +130,9 @@ def panels_figure(panels: Sequence[Tuple[str, object, SimResult]], shared_axis: 
     fig, axes = agg_pyplot().subplots(len(panels), 1, figsize=(STACKED_WIDTH, sum(heights)), dpi=DPI,
                                       sharex=shared_axis, squeeze=False, gridspec_kw={"height_ratios": heights})
     axes_points = (STACKED_WIDTH - 1.4) * 72  # drawing width left of the rank labels, in points
-    note = "" if shared_axis else scale_note(spans)
+    ratio = max(spans) / min(spans)  # panels on their own time axes whose lengths differ carry a note
+    note = "" if shared_axis or ratio < 1.2 else \
+        f"each panel has its own time axis, fitted to it: the longest is {ratio:.1f}x the shortest"
     for i, (ax, (heading, schedule, result)) in enumerate(zip(axes[:, 0], panels)):
         span = max(spans) if shared_axis else spans[i]
         _paint(ax, schedule, result, whole(schedule, result), points_per_time=axes_points / span)

@@ -44,7 +44,6 @@ def legend_below(fig, handles: Sequence, fontsize: float = 8, max_columns: int =
         box = legend.get_window_extent(renderer)
         if box.width / fig.dpi <= width - 2 * PAD_IN:
             break
-    box = legend.get_window_extent(renderer)
     width = max(width, box.width / fig.dpi + 2 * PAD_IN)
     legend_in = box.height / fig.dpi + PAD_IN
     fig.set_size_inches(width, height + legend_in)
