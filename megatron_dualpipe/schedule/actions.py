@@ -43,10 +43,8 @@ class Action:
         return self.op in (B, BW)
 
     def to_json(self) -> dict:
-        d = {"op": self.op, "dir": self.dir, "mb": self.mb, "stage": self.stage}
-        if self.overlap:
-            d["overlap"] = True
-        return d
+        return {"op": self.op, "dir": self.dir, "mb": self.mb, "stage": self.stage,
+                **({"overlap": True} if self.overlap else {})}
 
     @staticmethod
     def from_json(d: dict) -> "Action":
@@ -80,11 +78,5 @@ def units(acts: Sequence[Action]) -> List[Tuple[int, ...]]:
 
 def format_grid(ranks: Sequence[Iterable[Action]], mark: Tuple[int, int] | None = None) -> str:
     """Rank-by-step text grid; ``mark=(rank, index)`` brackets one action (used in errors)."""
-    lines: List[str] = []
-    for r, acts in enumerate(ranks):
-        cells = []
-        for i, a in enumerate(acts):
-            s = str(a)
-            cells.append(f"[{s}]" if mark == (r, i) else s)
-        lines.append(f"rank {r:>2}: " + " ".join(cells))
-    return "\n".join(lines)
+    return "\n".join(f"rank {r:>2}: " + " ".join(f"[{a}]" if mark == (r, i) else str(a) for i, a in enumerate(acts))
+                     for r, acts in enumerate(ranks))

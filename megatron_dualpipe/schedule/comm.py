@@ -73,10 +73,8 @@ def hand_overs(layout: Layout, ranks: Sequence[Sequence[Action]]) -> Tuple[List[
                                                                           List[List[Tuple[Hand, ...]]]]:
     """Per rank and action: the tensors it takes and hands on, one per dependency on another
     stage's event (``deps.waits_for``)."""
-    where: Dict[Event, Tuple[int, int]] = {}
-    for r, acts in enumerate(ranks):
-        for i, a in enumerate(acts):
-            where[event_of(a)] = (r, i)
+    where: Dict[Event, Tuple[int, int]] = {event_of(a): (r, i) for r, acts in enumerate(ranks)
+                                           for i, a in enumerate(acts)}
     inputs: List[List[List[Hand]]] = [[[] for _ in acts] for acts in ranks]
     outputs: List[List[List[Hand]]] = [[[] for _ in acts] for acts in ranks]
     for r, acts in enumerate(ranks):

@@ -1,14 +1,6 @@
-"""The one dependency rule: what an action waits for.
-
-The simulator, the validator and the communication planner (whose plan is all the executor
-reads) use it, so they never disagree about when an action is ready.
-
-* F(d, mb, s) waits for the F of the previous stage on the micro-batch's route.
-* B or BW(d, mb, s) waits for its own F and for the backward (B or BW) of the next stage.
-* W(d, mb, s) waits for its own B.
-
-A dependency on another stage hands a tensor over (:func:`hands_over`: an activation to an F, an
-output gradient to a backward); one on the action's own stage is state kept inside the stage.
+"""The one dependency rule, what an action waits for: the simulator, the validator and the communication
+planner (whose plan is all the executor reads) use it, so they never disagree about when an action is ready.
+A dependency on another stage hands a tensor over (:func:`hands_over`); one on its own stage is state it keeps.
 """
 from __future__ import annotations
 
@@ -28,7 +20,8 @@ def event_of(a: Action) -> Event:
 
 
 def waits_for(layout: Layout, a: Action) -> List[Event]:
-    """Events this action needs before it can start."""
+    """Events ``a`` needs before it can start: an F the previous stage's F on the micro-batch's route; a
+    backward its own F and the next stage's backward; a W its own B."""
     if a.op == F:
         prev = layout.prev_hop(a.dir, a.stage)
         return [] if prev is None else [(F, prev[0], a.mb, prev[1])]

@@ -46,45 +46,22 @@ def one_f_one_b_rank(layout: Layout, m: int, rank: int, zero_bubble: bool = Fals
     return acts
 
 
-def zb_h1_rank(layout: Layout, m: int, rank: int) -> List[Action]:
-    return one_f_one_b_rank(layout, m, rank, zero_bubble=True)
-
-
 # -- Megatron's interleaved 1F1B (virtual pipeline) -------------------------------------------
-
-def interleaved_order(m: int, chunks: int, group: int) -> List[tuple]:
-    """Megatron's schedule table: the (micro-batch, model chunk) of each virtual micro-batch.
-
-    Micro-batches go in groups of ``group`` (Megatron's ``microbatch_group_size_per_vp_stage``,
-    by default pp): every chunk runs the whole group before the next chunk starts it; the last
-    group takes whatever micro-batches are left.
-    """
-    table = []
-    for first in range(0, m, group):
-        last = m if first + group >= m else first + group
-        table.extend((mb, c) for c in range(chunks) for mb in range(first, last))
-    return table
-
-
-def interleaved_warmup(pp: int, rank: int, m: int, chunks: int, group: int, overlap: bool = False) -> int:
-    """Megatron's warm-up forwards of ``rank``: 2(pp-1-rank) + (chunks-1) x group, one more with the
-    EP all-to-all overlap (so that every fused step's forward and backward are independent)."""
-    warmup = (pp - rank - 1) * 2 + (chunks - 1) * group + (1 if overlap else 0)
-    return min(warmup, m * chunks)
-
 
 def interleaved_1f1b_rank(layout: Layout, m: int, rank: int, overlap: bool = False) -> List[Action]:
     """Megatron's interleaved 1F1B (``forward_backward_pipelining_with_interleaving``) on ``rank``.
 
-    The k-th forward runs the table's k-th (micro-batch, chunk), the k-th backward that micro-batch
-    in chunk chunks-1-c: warm-up forwards, steady F/B steps, the remaining backwards. With
-    ``overlap`` (``--overlap-moe-expert-parallel-comm``) every steady step is one fused F&B unit,
-    after one more warm-up forward.
+    Its schedule table: micro-batches in groups of pp (``microbatch_group_size_per_vp_stage``), every
+    chunk running the whole group before the next chunk starts it. The k-th forward runs the table's
+    k-th (micro-batch, chunk), the k-th backward that micro-batch in chunk chunks-1-c: 2(pp-1-rank) +
+    (chunks-1) x pp warm-up forwards, steady F/B steps, the remaining backwards. With ``overlap``
+    (``--overlap-moe-expert-parallel-comm``) every steady step is one fused F&B unit, after one more
+    warm-up forward (so that every fused step's forward and backward are independent).
     """
     pp, v = layout.pp, layout.chunks
-    table = interleaved_order(m, v, pp)
+    table = [(mb, c) for first in range(0, m, pp) for c in range(v) for mb in range(first, min(first + pp, m))]
     total = len(table)
-    warmup = interleaved_warmup(pp, rank, m, v, pp, overlap)
+    warmup = min((pp - rank - 1) * 2 + (v - 1) * pp + int(overlap), total)
 
     def forward(k: int, fused: bool = False) -> Action:
         mb, c = table[k]
@@ -103,10 +80,6 @@ def interleaved_1f1b_rank(layout: Layout, m: int, rank: int, overlap: bool = Fal
     return acts
 
 
-def interleaved_1f1b_overlap_rank(layout: Layout, m: int, rank: int) -> List[Action]:
-    return interleaved_1f1b_rank(layout, m, rank, overlap=True)
-
-
 # -- DualPipe and DualPipeV -------------------------------------------------------------------
 
 class _Recorder:
@@ -116,26 +89,20 @@ class _Recorder:
     reference's WeightGradStore)."""
 
     def __init__(self, layout: Layout, rank: int, flip: bool):
-        self.layout, self.rank, self.flip = layout, rank, flip
+        self.layout, self.rank, self.flip = layout, rank, int(flip)
         self.acts: List[Action] = []
         self.next_f = [0, 0]
         self.next_b = [0, 0]
         self.deferred: deque = deque()
 
-    def _dir(self, phase: int) -> int:
-        return phase ^ int(self.flip)
-
-    def _stage(self, d: int) -> int:
-        return self.layout.stage_on(self.rank, d)
-
     def forward(self, phase: int, overlap: bool = False) -> None:
-        d = self._dir(phase)
-        self.acts.append(Action(F, d, self.next_f[d], self._stage(d), overlap))
+        d = phase ^ self.flip
+        self.acts.append(Action(F, d, self.next_f[d], self.layout.stage_on(self.rank, d), overlap))
         self.next_f[d] += 1
 
     def backward(self, phase: int, zero_bubble: bool = False) -> None:
-        d = self._dir(phase)
-        a = Action(B if zero_bubble else BW, d, self.next_b[d], self._stage(d))
+        d = phase ^ self.flip
+        a = Action(B if zero_bubble else BW, d, self.next_b[d], self.layout.stage_on(self.rank, d))
         self.next_b[d] += 1
         self.acts.append(a)
         if zero_bubble:
@@ -204,13 +171,9 @@ def _dualpipe_steps(rec: _Recorder, n: int, r: int, per_direction: int, middle: 
 
 
 def dualpipe_rank(layout: Layout, m: int, rank: int) -> List[Action]:
-    pp = layout.pp
-    if layout.mirrored:
-        n, r, per_direction = pp // 2, min(rank, layout.partner(rank)), m // 2
-        rec = _Recorder(layout, rank, flip=rank >= pp // 2)
-    else:
-        n, r, per_direction = pp, rank, m
-        rec = _Recorder(layout, rank, flip=False)
-    _dualpipe_steps(rec, n, r, per_direction, middle=(r == n - 1))
+    half = layout.mirrored and layout.pp // 2
+    n, r = (half, min(rank, layout.partner(rank))) if half else (layout.pp, rank)
+    rec = _Recorder(layout, rank, flip=bool(half) and rank >= half)
+    _dualpipe_steps(rec, n, r, m // 2 if half else m, middle=(r == n - 1))
     return rec.acts
 

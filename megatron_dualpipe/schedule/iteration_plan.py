@@ -12,14 +12,12 @@ through the streams:
 * a P2P batch completes when every operation in it met its peer's started batch; a collective
   when all its ranks started it.
 
-:func:`build` turns a ``Program`` into every rank's stream items, op by op (the list the runner
-and the Megatron glue execute); :func:`check` runs them or raises :class:`IterationPlanError`
-naming the cycle (``one_queue``: ``CUDA_DEVICE_MAX_CONNECTIONS=1``, one queue per rank).
 Data-parallel start points are data of the program, alike on every replica, so the model keeps
-one replica; :func:`replicated` joins replicas that differ (a test's misorder). Standard library only.
+one replica (:func:`replicated` joins replicas that differ: a test's misorder). Standard library only.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, replace
 from typing import Callable, Dict, Hashable, List, Mapping, Optional, Sequence, Tuple
 
@@ -84,18 +82,12 @@ class _Text:
         self.fmt, self.args = fmt, args
 
     def __str__(self) -> str:
-        return self.fmt.format(*(describe(x) if isinstance(x, tuple) else x for x in self.args))
+        return self.fmt.format(*(describe(x) if isinstance(x, tuple) else x() if callable(x) else x for x in self.args))
 
 
-class _BatchText:
-    def __init__(self, r: int, where, batch):
-        self.r, self.where, self.batch = r, where, batch
-
-    def __str__(self) -> str:
-        bt = self.batch
-        text = "; ".join([f"send {describe(t.label)} to rank {t.peer}" for t in bt.sends]
-                         + [f"receive {describe(t.label)} from rank {t.peer}" for t in bt.recvs])
-        return f"rank {self.r}'s P2P batch posted {self.where} [{text}]"
+def _batch_text(bt) -> str:
+    return "; ".join([f"send {describe(t.label)} to rank {t.peer}" for t in bt.sends]
+                     + [f"receive {describe(t.label)} from rank {t.peer}" for t in bt.recvs])
 
 
 class _Builder:
@@ -104,9 +96,6 @@ class _Builder:
         self.works: List[Work] = []
         self.items: List[List[Item]] = [[] for _ in range(pp)]
         self.seq: Dict[tuple, int] = {}  # per P2P channel end and per (communicator, group, rank)
-
-    def compute(self, r: int, text: str) -> None:
-        self.items[r].append(Item("compute", text=text))
 
     def post(self, w: Work) -> int:
         self.works.append(w)
@@ -118,12 +107,8 @@ class _Builder:
         self.items[r].append(Item("wait", k, why))
 
     def p2p(self, r: int, comm: str, what: str, sends, recvs) -> int:
-        w = Work(r, comm, what)
-        for dst in sends:
-            w.sends.append((r, dst, self._next((r, dst, "s"))))
-        for src in recvs:
-            w.recvs.append((src, r, self._next((src, r, "r"))))
-        return self.post(w)
+        return self.post(Work(r, comm, what, [(r, dst, self._next((r, dst, "s"))) for dst in sends],
+                              [(src, r, self._next((src, r, "r"))) for src in recvs]))
 
     def collective(self, r: int, comm: str, group: Tuple[int, ...], key: tuple, what, after=None) -> int:
         return self.post(Work(r, comm, what, group=group, key=key, seq=self._next((comm, group, r)), after=after))
@@ -179,8 +164,8 @@ class _RankItems:
         b, r, kind = self.b, self.r, op.kind
         if kind is _POST:
             bt = self.rp.batches[op.index]
-            k = b.p2p(r, "pp", _BatchText(r, self.where(bt.unit), bt), [t.peer for t in bt.sends],
-                      [t.peer for t in bt.recvs])
+            what = _Text("rank {}'s P2P batch posted {} [{}]", r, self.where(bt.unit), lambda: _batch_text(bt))
+            k = b.p2p(r, "pp", what, [t.peer for t in bt.sends], [t.peer for t in bt.recvs])
             self.send_batch.update({t.label: k for t in bt.sends})
             self.recv_batch.update({t.label: k for t in bt.recvs})
         elif kind is _RECV:
@@ -189,7 +174,7 @@ class _RankItems:
             b.wait(r, self.send_batch[op.label],
                    _Text("{}: the send of its forward's output, released first", self.where(op.index)))
         elif kind is _RUN:
-            b.compute(r, "")
+            b.items[r].append(Item("compute"))
             self.ran = op.index
         elif kind is _BEGIN:
             self.begun = op.index
@@ -203,7 +188,9 @@ class _RankItems:
     def collective(self, op: Op) -> None:
         """The stream items of a collective op (``mcore.program_ops`` issues them)."""
         b, r, kind, c = self.b, self.r, op.kind, op.index
-        if kind in (OpKind.FINAL, OpKind.SETTLE):  # compute on the rank's stream (the drain's TP gathers: its tp group)
+        # final, settle: compute on the rank's stream (the drain's TP gathers: its tp group); dp without
+        # reduces (no --overlap-grad-reduce or dp 1): GradReduction marks it started, Megatron's finalize reduces
+        if kind in (OpKind.FINAL, OpKind.SETTLE) or (kind == OpKind.DP and not self.reduces):
             return
         if kind == OpKind.GATHER:
             self.gathers[c] = b.collective(r, "dp", (r,), ("param all-gather", c),
@@ -212,11 +199,17 @@ class _RankItems:
             b.wait(r, self.gathers.pop(c), _Text("{}: DDP's pre-hook of its chunk's first forward",
                                                  self.where(self.begun)))
         elif kind == OpKind.SUM:
-            self.issue_sum(c)
+            stage = self.layout.stage_on(r, c)
+            self.sum_works[c] = b.collective(r, "bd", tuple(sorted((r, self.layout.partner(r)))), ("bd sum", stage),
+                                             _Text("rank {}'s bd sum of stage {} (issued {})", r, stage, self.at()))
         elif kind == OpKind.SUMMED:
-            self.wait_sum(c)
-        elif kind == OpKind.DP:
-            self.start_dp(c)
+            why = "after the schedule (its summed op)" if self.ended else \
+                f"right after issuing the bd sum of stage {self.layout.stage_on(r, c)}"
+            b.wait(r, self.sum_works[c], why)
+        elif kind == OpKind.DP:  # one replica: it completes once started, after its chunk's bd sum
+            summed = ("bd sum", self.layout.stage_on(r, c)) if c in self.summed_chunks else None
+            self.dp_works.append(b.collective(r, "dp", (r,), ("dp reduction", c), _Text(
+                "rank {}'s data-parallel reduction of chunk {} (started {})", r, c, self.at()), after=summed))
         elif kind in (OpKind.LOSS_SEND, OpKind.LOSS_RECV):
             sending = kind == OpKind.LOSS_SEND
             k = b.p2p(r, "pp", f"rank {r}'s loss-gather {'send to' if sending else 'receive from'} rank {op.peer}",
@@ -238,26 +231,6 @@ class _RankItems:
             return "at the end of the schedule"
         i = self.rp.units[self.ran][-1]
         return _Text("after action {} ({})", i, self.acts[i])
-
-    def issue_sum(self, c: int) -> None:
-        r, stage = self.r, self.layout.stage_on(self.r, c)
-        self.sum_works[c] = self.b.collective(r, "bd", tuple(sorted((r, self.layout.partner(r)))), ("bd sum", stage),
-                                              _Text("rank {}'s bd sum of stage {} (issued {})", r, stage, self.at()))
-
-    def wait_sum(self, c: int) -> None:
-        stage = self.layout.stage_on(self.r, c)
-        why = "after the schedule (its summed op)" if self.ended else f"right after issuing the bd sum of stage {stage}"
-        self.b.wait(self.r, self.sum_works[c], why)
-
-    def start_dp(self, c: int) -> None:
-        """Chunk ``c``'s data-parallel reduction (one replica: it completes once started), after its bd sum."""
-        r = self.r
-        if not self.reduces:  # GradReduction marks it started: Megatron's finalize reduces
-            return
-        summed = ("bd sum", self.layout.stage_on(r, c)) if c in self.summed_chunks else None
-        self.dp_works.append(self.b.collective(
-            r, "dp", (r,), ("dp reduction", c), _Text("rank {}'s data-parallel reduction of chunk {} (started {})",
-                                                      r, c, self.at()), after=summed))
 
 
 @dataclass(frozen=True)
@@ -308,9 +281,9 @@ def check(ip: IterationPlan, one_queue: bool = False) -> None:
         if len(keys) > 1 or set(by_rank) != set(group):
             missing = [f"rank {r} issues no collective {seq} there" for r in group if r not in by_rank] + \
                 [f"rank {r} is not one of its ranks" for r in by_rank if r not in group]
-            raise IterationPlanError(f"collective {seq} on the {comm} communicator of ranks {list(group)} is not "
-                                     f"the same on every rank: " + "; ".join([str(works[k].what) for k in by_rank.values()]
-                                                                              + missing))
+            raise IterationPlanError(f"collective {seq} on the {comm} communicator of ranks {list(group)} is not the "
+                                     f"same on every rank: " + "; ".join([str(works[k].what) for k in by_rank.values()]
+                                                                         + missing))
     _check_waited_first(ip)
     _check_paired(works, send_of, recv_of)
     head = {q: 0 for q in queues}
@@ -452,8 +425,6 @@ def plan_for(program: Program, one_queue: Optional[bool] = None) -> IterationPla
 def one_hardware_queue() -> bool:
     """Whether every stream of this process shares one hardware queue: ``CUDA_DEVICE_MAX_CONNECTIONS=1``
     with a GPU (without one, nothing queues kernels)."""
-    import os
-
     if os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") != "1":
         return False
     try:

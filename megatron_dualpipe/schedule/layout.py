@@ -1,4 +1,5 @@
-"""Where each model stage lives, and the route a micro-batch takes through the stages.
+"""Where each model stage lives, and the route a micro-batch takes through the stages: every other
+module asks this one where a stage is, what comes before or after it, whether it has a mirrored copy.
 
 * ``unidirectional`` (1F1B, ZB-H1): stage s on rank s.
 * ``bidirectional`` (DualPipe): direction 0 has stage s on rank s, direction 1 on rank pp-1-s, so
@@ -7,9 +8,6 @@
   s >= pp on rank 2*pp-1-s; the turn at rank pp-1 stays on one rank.
 * ``interleaved`` (Megatron's virtual pipeline of ``chunks``): stage s on rank s % pp, in model
   chunk (``dir``) s // pp.
-
-Every other module asks this one where a stage is, what comes before or after it, and whether
-stages have mirrored copies.
 """
 from __future__ import annotations
 

@@ -35,9 +35,7 @@ class Padded:
 
     def global_index(self, a: Action) -> Optional[int]:
         """The index in the global batch of ``a``'s micro-batch; None for a fake."""
-        if self.is_fake(a):
-            return None
-        return self.schedule.spec.global_index(self.real, a.dir, a.mb)
+        return None if self.is_fake(a) else self.schedule.spec.global_index(self.real, a.dir, a.mb)
 
     def padding(self, actions: Tuple[Action, ...]) -> Tuple[bool, ...]:
         """:meth:`is_fake` of each of ``actions`` (a rank's list)."""

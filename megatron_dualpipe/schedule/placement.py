@@ -17,6 +17,7 @@ stay on one node, or the placement is refused (:func:`pair_problem`). Standard l
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
@@ -64,15 +65,12 @@ class RankOrder:
 
     @property
     def world(self) -> int:
-        return self.tp * self.cp * self.ep * self.dp * self.pp
+        return math.prod(self.sizes.values())
 
     @property
     def below_pp(self) -> int:
         """``F``: how many consecutive global ranks share a pipeline rank (the stride of ``pp``)."""
-        f = 1
-        for a in self.axes[:self.axes.index("pp")]:
-            f *= self.sizes[a]
-        return f
+        return math.prod(self.sizes[a] for a in self.axes[:self.axes.index("pp")])
 
     def coords(self, rank: int) -> Dict[str, int]:
         """Tensor, context, data and pipeline rank of Megatron global ``rank`` (its mixed radix)."""
@@ -169,7 +167,4 @@ def megatron_placement(world_size: int) -> List[int]:
 
 def invert(perm: List[int]) -> List[int]:
     """``slot_of[global rank]`` for ``perm[slot] = global rank``."""
-    slot_of = [0] * len(perm)
-    for slot, g in enumerate(perm):
-        slot_of[g] = slot
-    return slot_of
+    return sorted(range(len(perm)), key=perm.__getitem__)

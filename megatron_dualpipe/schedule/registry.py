@@ -1,26 +1,23 @@
 """The schedule registry: every fact about a schedule, in one place.
 
-A schedule is one :class:`ScheduleSpec` (layout, chunks per rank, rules on pp and M, padding,
-closed-form bubble, generator, and who runs it); the command line, the data split, the Megatron
-checks, the dispatcher and the docs' tables all read it, so adding a schedule is one entry plus
-its generator. ``1f1b`` is Megatron's own schedule (``runs_on == MEGATRON``); ``executor-1f1b``
-is its order run by this project's executor, for comparisons on equal terms; ``zb-h1``,
-``dualpipe`` and ``dualpipev`` run on the executor. ``interleaved-1f1b`` (``-a2a``: with the EP
-all-to-all overlap; ``-vN``: virtual pipeline size N, plain 2) is only simulated
-(``runs_on == MODELLED``): :data:`NAMES`, :data:`SPECS` and :func:`get` hold the schedules
-that run, :func:`spec` finds every one. ``M`` counts the whole iteration's micro-batches, both
-directions together. Standard library only.
+A schedule is one :class:`ScheduleSpec`; the command line, the data split, the Megatron checks, the
+dispatcher and the docs' tables all read it, so adding a schedule is one entry plus its generator.
+``executor-1f1b`` is Megatron's ``1f1b`` order run by this project's executor, for comparisons on equal
+terms; ``interleaved-1f1b`` (``-a2a``: with the EP all-to-all overlap; ``-vN``: virtual pipeline size N,
+plain 2) is only simulated: :data:`NAMES`, :data:`SPECS` and :func:`get` hold the schedules that run,
+:func:`spec` finds every one. ``M`` counts the whole iteration's micro-batches, both directions together.
+Standard library only.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
 
 from .actions import Action, RankActions
-from .generators import dualpipe_rank, interleaved_1f1b_overlap_rank, interleaved_1f1b_rank, one_f_one_b_rank, \
-    zb_h1_rank
+from .generators import dualpipe_rank, interleaved_1f1b_rank, one_f_one_b_rank
 from .layout import BIDIRECTIONAL, INTERLEAVED, UNIDIRECTIONAL, V_SHAPE, Layout
 
 #: The names, for code that means one schedule in particular.
@@ -178,24 +175,8 @@ class ScheduleSpec:
         return mb >= self.split(real)[d if self.data_directions > 1 else 0]
 
 
-def _bubble_1f1b(pp, f, b, w, fb):
-    return (pp - 1) * (f + b)
-
-
-def _bubble_zb_h1(pp, f, b, w, fb):
-    return (pp - 1) * (f + b - 2 * w)
-
-
-def _bubble_dualpipe(pp, f, b, w, fb):
-    return (pp / 2 - 1) * (fb + b - 3 * w)
-
-
-def _bubble_dualpipev(pp, f, b, w, fb):
-    return (2 * pp / 2 - 1) * (fb + b - 3 * w)
-
-
 _ONE_F_ONE_B = dict(layout_kind=UNIDIRECTIONAL, generator=one_f_one_b_rank, bubble_formula="(pp-1)(f+b)",
-                    bubble=_bubble_1f1b, defers_weight_grads=False)
+                    bubble=lambda pp, f, b, w, fb: (pp - 1) * (f + b), defers_weight_grads=False)
 
 SPECS: Dict[str, ScheduleSpec] = {s.name: s for s in (
     ScheduleSpec(ONE_F_ONE_B, "Megatron's own schedule (1F1B; interleaved 1F1B with a virtual pipeline)",
@@ -203,12 +184,15 @@ SPECS: Dict[str, ScheduleSpec] = {s.name: s for s in (
     ScheduleSpec(EXECUTOR_1F1B, "the 1F1B order run by megatron_dualpipe's executor (for comparisons)",
                  runs_on=EXECUTOR, **_ONE_F_ONE_B),
     ScheduleSpec(ZB_H1, "ZB-H1: 1F1B with deferred weight gradients filling the cool-down",
-                 UNIDIRECTIONAL, zb_h1_rank, EXECUTOR, "(pp-1)(f+b-2w)", _bubble_zb_h1),
+                 UNIDIRECTIONAL, functools.partial(one_f_one_b_rank, zero_bubble=True), EXECUTOR, "(pp-1)(f+b-2w)",
+                 lambda pp, f, b, w, fb: (pp - 1) * (f + b - 2 * w)),
     ScheduleSpec(DUALPIPE, "DeepSeek's DualPipe: bidirectional, a mirrored copy of stage pp-1-i on rank i",
-                 BIDIRECTIONAL, dualpipe_rank, EXECUTOR, "(pp/2-1)(fb+b-3w)", _bubble_dualpipe,
+                 BIDIRECTIONAL, dualpipe_rank, EXECUTOR, "(pp/2-1)(fb+b-3w)",
+                 lambda pp, f, b, w, fb: (pp / 2 - 1) * (fb + b - 3 * w),
                  pp_multiple=2, min_microbatches_per_rank=2, microbatch_multiple=2, min_real_microbatches_per_rank=1),
     ScheduleSpec(DUALPIPEV, "DualPipeV: DualPipe cut in half, two V-shaped chunks of half a stage per rank",
-                 V_SHAPE, dualpipe_rank, EXECUTOR, "(S/2-1)(fb+b-3w), S=2pp chunk stages", _bubble_dualpipev,
+                 V_SHAPE, dualpipe_rank, EXECUTOR, "(S/2-1)(fb+b-3w), S=2pp chunk stages",
+                 lambda pp, f, b, w, fb: (2 * pp / 2 - 1) * (fb + b - 3 * w),
                  min_microbatches_per_rank=2, min_real_microbatches_per_rank=1, costs_per_chunk=True),
 )}
 
@@ -219,11 +203,12 @@ _INTERLEAVED = dict(layout_kind=INTERLEAVED, runs_on=MODELLED, defers_weight_gra
 MODELLED_SPECS: Dict[str, ScheduleSpec] = {s.name: s for s in (
     ScheduleSpec(INTERLEAVED_1F1B, "Megatron's interleaved 1F1B (virtual pipeline, v chunks of 1/v stage per rank; "
                  "simulated only: run it as 1f1b with --virtual-pipeline-model-parallel-size)",
-                 generator=interleaved_1f1b_rank, bubble_formula="(pp-1)(f+b), f, b per chunk", bubble=_bubble_1f1b,
-                 **_INTERLEAVED),
+                 generator=interleaved_1f1b_rank, bubble_formula="(pp-1)(f+b), f, b per chunk",
+                 bubble=_ONE_F_ONE_B["bubble"], **_INTERLEAVED),
     ScheduleSpec(INTERLEAVED_1F1B_A2A, "Megatron's interleaved 1F1B with --overlap-moe-expert-parallel-comm: each "
                  "steady step's F and B one fused unit (fb), like DualPipe's F&B (simulated only)",
-                 generator=interleaved_1f1b_overlap_rank, bubble_formula="none", bubble=None, **_INTERLEAVED),
+                 generator=functools.partial(interleaved_1f1b_rank, overlap=True), bubble_formula="none", bubble=None,
+                 **_INTERLEAVED),
 )}
 
 _VIRTUAL = re.compile(r"^(?P<base>.+)-v(?P<v>[0-9]+)$")
@@ -272,12 +257,10 @@ def names(runs_on: Optional[str] = None, chunks_per_rank: Optional[int] = None,
 def distinct_orders() -> Tuple[str, ...]:
     """One name per distinct action order (``executor-1f1b`` runs ``1f1b``'s), the modelled
     incumbents included: for comparisons and tables."""
-    seen, out = set(), []
+    first: Dict[tuple, str] = {}
     for n, s in {**SPECS, **MODELLED_SPECS}.items():
-        if (s.generator, s.layout_kind) not in seen:
-            seen.add((s.generator, s.layout_kind))
-            out.append(n)
-    return tuple(out)
+        first.setdefault((s.generator, s.layout_kind), n)
+    return tuple(first.values())
 
 
 def get(name: str) -> ScheduleSpec:
@@ -313,11 +296,8 @@ class Schedule:
         }
 
     def microbatches_per_direction(self) -> Dict[int, int]:
-        counts: Dict[int, int] = {}
-        for acts in self.ranks:
-            for a in acts:
-                counts[a.dir] = max(counts.get(a.dir, 0), a.mb + 1)
-        return counts
+        acts = [a for rank in self.ranks for a in rank]
+        return {d: 1 + max(a.mb for a in acts if a.dir == d) for d in sorted({a.dir for a in acts})}
 
 
 def validate(name: str, pp: int, microbatches: int) -> ScheduleSpec:

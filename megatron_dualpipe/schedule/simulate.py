@@ -145,15 +145,11 @@ def misordered(layout: Layout, ranks: Tuple[Tuple[Action, ...], ...]) -> Tuple[i
         us = units(acts)
         out.append(len(us))
         for k, unit in enumerate(us):
-            if any(_late(where.get(e), r, i) for i in unit for e in waits_for(layout, acts[i])):
+            if any((at := where.get(e)) is None or (at[0] == r and at[1] > i)
+                   for i in unit for e in waits_for(layout, acts[i])):
                 out[-1] = k
                 break
     return tuple(out)
-
-
-def _late(at: Optional[Tuple[int, int]], r: int, i: int) -> bool:
-    """Whether an event action ``i`` of rank ``r`` waits for, run ``at`` (rank, index), never comes first."""
-    return at is None or (at[0] == r and at[1] > i)
 
 
 def simulate(layout: Layout, ranks: Sequence[Sequence[Action]], costs: Costs = Costs(),
@@ -191,7 +187,7 @@ def _walk_ops(layout: Layout, ranks: Sequence[Sequence[Action]], plans: Sequence
     todo = list(range(len(ranks)))
     while todo:
         todo.extend(walk.advance(todo.pop()))
-    stuck = {r: walk.stuck_unit(r) for r in range(len(ranks)) if walk.pc[r] < len(ops[r])}
+    stuck = {r: plans[r].units[ops[r][walk.pc[r]].index] for r in range(len(ranks)) if walk.pc[r] < len(ops[r])}
     if stuck:
         done = {event_of(ranks[r][i]) for r, p in enumerate(plans) for u in p.units[:walk.ran[r]] for i in u}
         raise DeadlockError(_deadlock_message(layout, ranks, stuck, done))
@@ -271,19 +267,11 @@ class _Walk:
         if self.progress is not None and (self.total - sum(self.ran)) % 4096 == 0:
             self.progress(sum(self.ran), self.total)
 
-    def stuck_unit(self, r: int) -> Tuple[int, ...]:
-        """The unit rank ``r`` is stuck before (the unit of the op it waits at)."""
-        op = self.ops[r][self.pc[r]]
-        return self.plans[r].units[op.index]
-
 
 def _ready(layout: Layout, acts: Sequence[Action], unit: Tuple[int, ...], done: Set[Event]) -> bool:
     """Whether every event ``unit``'s actions wait for has happened (or happens earlier in the unit)."""
-    for n, i in enumerate(unit):
-        for e in waits_for(layout, acts[i]):
-            if e not in done and not any(event_of(acts[j]) == e for j in unit[:n]):
-                return False
-    return True
+    return all(e in done or any(event_of(acts[j]) == e for j in unit[:n])
+               for n, i in enumerate(unit) for e in waits_for(layout, acts[i]))
 
 
 def _unplannable(layout: Layout, ranks: Sequence[Sequence[Action]], err: CommPlanError) -> str:

@@ -120,12 +120,15 @@ def members(layout: Layout, r: int, group: str) -> Tuple[int, ...]:
 def programs(layout: Layout, opts: StepOptions, *, dp: int, overlap_grad_reduce: bool,
              forward_only: bool = False) -> List[Tuple[Op, ...]]:
     """Every rank's ops after the schedule's (module docstring)."""
+    lm = opts.megatron_lm  # Megatron-LM's train step, its rerun state machine (``_reduce_any``) and logging
     if forward_only:
-        return [tuple(_evaluation(layout, r, opts)) for r in range(layout.pp)]
-    return [tuple(_finalize(layout, r, opts, dp, overlap_grad_reduce) + _advise(layout, r, opts, dp) + _rerun(opts)
-                  + _timer_barrier(opts, "optimizer", opts.megatron_lm) + _optimizer(layout, r, opts, dp)
-                  + _train_step(layout, r, opts) + _params_norm(opts) + _logged(opts) + _timers_logged(opts)
-                  + _exit(opts) + _drift(layout, r, opts) + _timer_barrier(opts, "forward-backward", True))
+        return [tuple(_evaluation(layout, r, opts) if lm else ()) for r in range(layout.pp)]
+    return [tuple(_finalize(layout, r, opts, dp, overlap_grad_reduce) + _advise(layout, r, opts, dp)
+                  + ([coll("rerun", "default")] if lm and opts.rerun else [])
+                  + _timer_barrier(opts, "optimizer", lm) + _optimizer(layout, r, opts, dp)
+                  + (_train_step(layout, r, opts) + _params_norm(opts) + _logged(opts) + _timers_logged(opts)
+                     + _exit(opts) if lm else [])
+                  + _drift(layout, r, opts) + _timer_barrier(opts, "forward-backward", True))
             for r in range(layout.pp)]
 
 
@@ -182,22 +185,15 @@ def _optimizer(layout: Layout, r: int, opts: StepOptions, dp: int) -> List[Op]:
 
 
 def _train_step(layout: Layout, r: int, opts: StepOptions) -> List[Op]:
-    if not opts.megatron_lm:
-        return []
     out = [coll("qk-logits", "dp-cp")] if opts.qk_logits else []
     out += [coll("update-ok", "mp"), coll("grad-norm-max", "mp")]
     out += [coll("zeros-max", "mp")] if opts.log_zeros else []
     return out + ([coll("loss", "dp-cp")] if r == layout.pp - 1 else [])
 
 
-def _rerun(opts: StepOptions) -> List[Op]:
-    """The rerun state machine's any-rank all-reduce (``_reduce_any``), once per iteration without a rerun."""
-    return [coll("rerun", "default")] if opts.megatron_lm and opts.rerun else []
-
-
 def _params_norm(opts: StepOptions) -> List[Op]:
     """``calc_params_l2_norm``'s all-reduces (module docstring, 6)."""
-    if not (opts.megatron_lm and opts.params_norm):
+    if not opts.params_norm:
         return []
     out = [coll(f"params-norm-sharded:{k}", "dp-cp") for k in range(2)]
     out += [coll(f"params-norm-expert-sharded:{k}", "expt-dp") for k in range(2)]
@@ -207,8 +203,6 @@ def _params_norm(opts: StepOptions) -> List[Op]:
 
 def _logged(opts: StepOptions) -> List[Op]:
     """``training_log``'s MoE and MTP trackers (module docstring, 7)."""
-    if not opts.megatron_lm:
-        return []
     out: List[Op] = []
     for name in opts.moe_logged:
         overall = name == "global_load_balancing_loss"
@@ -225,8 +219,6 @@ def _timer_barrier(opts: StepOptions, timer: str, issued: bool) -> List[Op]:
 
 def _timers_logged(opts: StepOptions) -> List[Op]:
     """``training_log`` at a logging iteration: the interval timer's barrier, then the timers' all-gathers."""
-    if not opts.megatron_lm:
-        return []
     out = [coll("interval-barrier", "default")]
     if opts.timing_level >= 1:
         out += [coll(f"timers-write:{k}", "default") for k in range(2 if opts.timers_written else 0)]
@@ -236,8 +228,6 @@ def _timers_logged(opts: StepOptions) -> List[Op]:
 
 def _evaluation(layout: Layout, r: int, opts: StepOptions) -> List[Op]:
     """``evaluate``'s collectives after a forward-only call (module docstring)."""
-    if not opts.megatron_lm:
-        return []
     out = [coll("eval-loss", "dp-cp")] if r == layout.pp - 1 else []
     return out + ([coll("exit-duration", "default")] if opts.exit_duration else [])
 
@@ -245,13 +235,12 @@ def _evaluation(layout: Layout, r: int, opts: StepOptions) -> List[Op]:
 def _exit(opts: StepOptions) -> List[Op]:
     """``maybe_finalize_async_save``'s and ``checkpoint_and_decide_exit``'s collectives (module docstring, 8)."""
     wanted = (("async-save", opts.async_save), ("exit-signal", opts.exit_signal), ("exit-duration", opts.exit_duration))
-    return [coll(kind, "default") for kind, on in wanted if on and opts.megatron_lm]
+    return [coll(kind, "default") for kind, on in wanted if on]
 
 
 def _drift(layout: Layout, r: int, opts: StepOptions) -> List[Op]:
-    if not (opts.drift_check and paired(layout, r)):
-        return []
-    return [coll(f"drift:{layout.stage_on(r, c)}", "bd") for c in stage_order(layout, r)]
+    return [coll(f"drift:{layout.stage_on(r, c)}", "bd") for c in stage_order(layout, r)] \
+        if opts.drift_check and paired(layout, r) else []
 
 
 def kinds(ops: Sequence[Op]) -> List[str]:

@@ -1,13 +1,7 @@
-"""The gathers, loss and finalize pass: the collectives a rank issues around its schedule.
-
-Why: the code around the runner issues them; as ops at fixed places they are what the check proves.
-
-* ``gather C`` before the first op for every chunk with a real forward, in the order of their first
-  real forwards (one communicator runs them in issue order; a gather no forward waits for would
-  still be in flight next iteration); ``gathered C`` before the ``run`` of that first forward's
-  unit (DDP's pre-hook waits there);
-* after the schedule, the loss gather to rank pp-1, then, training, the finalize's token-count
-  all-reduce over the pipeline (two chunks) and Megatron's ``finalize``. Standard library only.
+"""The gathers, loss and finalize pass: the collectives the code around the runner issues, as ops at
+fixed places, so that they are what the check proves. A chunk's parameter gathers start in the order of
+the first real forwards (one communicator runs them in issue order; a gather no forward waits for would
+still be in flight next iteration). Standard library only.
 """
 from __future__ import annotations
 
@@ -34,7 +28,8 @@ def chunks_with_real_forward(acts: Sequence[Action], is_fake: Callable) -> List[
 
 def place_gathers(ops: Sequence[Op], actions: Sequence[Action], units: Sequence[Tuple[int, ...]],
                   is_fake: Callable) -> Tuple[Op, ...]:
-    """``ops`` with the parameter gathers first and each chunk's wait before its first real forward's unit."""
+    """``ops`` with the parameter gathers first and each chunk's wait before its first real forward's unit
+    (DDP's pre-hook waits there)."""
     gathers = chunks_with_real_forward(actions, is_fake)
     unit_of = {i: u for u, unit in enumerate(units) for i in unit}
     waits: Dict[int, List[Op]] = {}

@@ -67,8 +67,8 @@ class OpKind(str, enum.Enum):
 INDEXED = frozenset((OpKind.POST, OpKind.BEGIN, OpKind.RUN, OpKind.FINAL, OpKind.SUM, OpKind.DP, OpKind.GATHER,
                      OpKind.GATHERED, OpKind.SUMMED))
 #: The ops the runner hands to its listeners (``RunListener.on_op``): collectives of the code around it.
-DELEGATED = frozenset((OpKind.FINAL, OpKind.SUM, OpKind.DP, OpKind.SETTLE, OpKind.GATHER, OpKind.GATHERED, OpKind.SUMMED, OpKind.LOSS_SEND,
-                       OpKind.LOSS_RECV, OpKind.COLL, OpKind.FINALIZE))
+DELEGATED = frozenset((OpKind.FINAL, OpKind.SUM, OpKind.DP, OpKind.SETTLE, OpKind.GATHER, OpKind.GATHERED,
+                       OpKind.SUMMED, OpKind.LOSS_SEND, OpKind.LOSS_RECV, OpKind.COLL, OpKind.FINALIZE))
 _WAITS = {OpKind.RECV: "<-", OpKind.RELEASE: "->"}
 
 

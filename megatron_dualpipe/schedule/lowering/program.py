@@ -1,12 +1,7 @@
 """One iteration's program: per rank the actions, the communication plan, the padding and the op
-list that the runner executes, the simulator times and the iteration plan checks.
-
-Why: one function builds it, once per (schedule, pp, micro-batches, real, forward_only, options),
-by passes in order:
-
-    generate -> forward-only -> pad -> p2p -> lower -> reductions -> gathers, loss and finalize
-    -> step collectives
-
+list that the runner executes, the simulator times and the iteration plan checks. One function builds
+it, once per (schedule, pp, micro-batches, real, forward_only, options), by passes in order: generate ->
+forward-only -> pad -> p2p -> lower -> reductions -> gathers, loss and finalize -> step collectives.
 Standard library only.
 """
 from __future__ import annotations
@@ -82,12 +77,16 @@ def build_program(name: str, pp: int, microbatches: int, real: Optional[int] = N
     base = _lowered(name, pp, microbatches, microbatches if real is None else real, forward_only)
     program = dataclasses.replace(base, options=options)
     sums, dps, finals = reduction_points(program)
-    ops = tuple(collectives(program, r, place_reductions(base.ops[r], base.actions[r], base.plans[r].units,
-                                                         sums[r], dps[r], finals[r])) for r in range(pp))
+    ops = []
+    for r in range(pp):  # the reductions, then the gathers, loss and finalize pass
+        rank_ops = place_reductions(base.ops[r], base.actions[r], base.plans[r].units, sums[r], dps[r], finals[r])
+        if options.param_gather and not forward_only:
+            rank_ops = place_gathers(rank_ops, base.actions[r], base.plans[r].units, base.padded.is_fake)
+        ops.append(rank_ops + tuple(loss_gather(base.layout, r) + ([] if forward_only else finalize(base.layout))))
     step = step_collectives.programs(program.layout, options.step, dp=options.dp, forward_only=forward_only,
                                      overlap_grad_reduce=options.overlap_grad_reduce) \
         if options.step is not None else [()] * pp
-    return dataclasses.replace(program, ops=ops, step_ops=tuple(tuple(x) for x in step), sum_points=sums,
+    return dataclasses.replace(program, ops=tuple(ops), step_ops=tuple(tuple(x) for x in step), sum_points=sums,
                                dp_points=dps)
 
 
@@ -95,18 +94,13 @@ def build_program(name: str, pp: int, microbatches: int, real: Optional[int] = N
 def _lowered(name: str, pp: int, microbatches: int, real: int, forward_only: bool) -> Program:
     """The passes that do not depend on the options: generate, forward-only, pad, p2p, lower."""
     sched = build_schedule(name, pp, microbatches)
-    acts = forward_only_actions(sched, forward_only)
+    # forward only: just the forwards, in the same order, none fused with a backward
+    acts = tuple(tuple(dataclasses.replace(a, overlap=False) for a in r if a.op == F) for r in sched.ranks) \
+        if forward_only else sched.ranks
     padded = Padded(sched, real)
     padding = tuple(padded.padding(r) for r in acts)
     plans, ops = lower_ranks(sched.layout, acts, padding)
     return Program(sched, forward_only, ProgramOptions(), acts, plans, padded, padding, ops)
-
-
-def forward_only_actions(sched: Schedule, forward_only: bool) -> Tuple[Tuple[Action, ...], ...]:
-    """The forward-only pass: just the forwards, in the same order, none fused with a backward."""
-    if not forward_only:
-        return sched.ranks
-    return tuple(tuple(dataclasses.replace(a, overlap=False) for a in r if a.op == F) for r in sched.ranks)
 
 
 def reduction_points(program: Program) -> Tuple[tuple, tuple, tuple]:
@@ -124,10 +118,3 @@ def reduction_points(program: Program) -> Tuple[tuple, tuple, tuple]:
                 for r in range(layout.pp))
     return sums, dps, tuple(final_points(acts[r], is_fake, ops, len(layout.directions)) for r in range(layout.pp))
 
-
-def collectives(program: Program, r: int, ops: Tuple[Op, ...]) -> Tuple[Op, ...]:
-    """The gathers, loss and finalize pass of rank ``r`` (``collectives``)."""
-    if program.options.param_gather and not program.forward_only:
-        ops = place_gathers(ops, program.actions[r], program.plans[r].units, program.padded.is_fake)
-    tail = loss_gather(program.layout, r) + ([] if program.forward_only else finalize(program.layout))
-    return ops + tuple(tail)

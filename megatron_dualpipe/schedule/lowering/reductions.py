@@ -7,22 +7,20 @@ sum's completion. The iteration plan checks them; ``costs.comm_cost`` reads the 
 """
 from __future__ import annotations
 
+from itertools import accumulate
 from typing import Callable, Dict, List, Sequence, Tuple
 
 from ..actions import Action
 from ..layout import Layout
 from .ops import Op, OpKind
 
-#: The ops that finish a chunk's weight gradients: with deferred weight gradients (zero
-#: bubble) a B leaves them to its W.
-DEFERRED_GRAD_OPS = ("BW", "W")
-FULL_GRAD_OPS = ("B", "BW")
 #: A point: (action index, chunk); index ``len(actions)``: at the end of the schedule.
 Point = Tuple[int, int]
 
 
 def grad_ops(deferring: bool) -> Tuple[str, str]:
-    return DEFERRED_GRAD_OPS if deferring else FULL_GRAD_OPS
+    """The ops that finish a chunk's weight gradients: deferring (zero bubble), a B leaves them to its W."""
+    return ("BW", "W") if deferring else ("B", "BW")
 
 
 def last_grad_action_index(actions: Sequence[Action], is_fake: Callable, ops: Sequence[str]) -> Dict[int, int]:
@@ -56,11 +54,8 @@ def bd_sum_points(actions, partner_actions, is_fake: Callable, ops, lower_rank: 
     gradient action and the previous sum's point; ``len(actions)``: at the end of the schedule
     (no real gradient action, or ``at_end``: ``iteration_plan.plan_for``)."""
     last = {} if at_end else last_grad_action_index(actions, is_fake, ops)
-    points, at = [], -1
-    for c in bd_sum_order(actions, partner_actions, is_fake, ops, lower_rank):
-        at = max(at, last.get(c, len(actions)))
-        points.append((at, c))
-    return points
+    order = bd_sum_order(actions, partner_actions, is_fake, ops, lower_rank)
+    return list(zip(accumulate((last.get(c, len(actions)) for c in order), max), order))
 
 
 def dp_start_points(layout: Layout, r: int, actions, is_fake: Callable, ops, *,
