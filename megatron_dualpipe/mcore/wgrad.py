@@ -364,17 +364,13 @@ class DeferralAudit:
 
     def report(self, limit: int = 8) -> Optional[str]:
         """None if every watched weight tensor was deferred; else one line saying how much W holds."""
-        total = held = total_el = held_el = 0
-        missing: List[Tuple[str, int]] = []
-        for label, sizes, in_b in self._seen.values():
-            for name, n in sizes.items():
-                total, total_el = total + 1, total_el + n
-                if name in in_b:
-                    missing.append((f"{label}: {name}", n))
-                else:
-                    held, held_el = held + 1, held_el + n
+        watched = [(f"{label}: {name}", n, name in in_b) for label, sizes, in_b in self._seen.values()
+                   for name, n in sizes.items()]
+        missing = [(name, n) for name, n, in_b in watched if in_b]
         if not missing:
             return None
+        total, held = len(watched), len(watched) - len(missing)
+        total_el, held_el = sum(n for _, n, _ in watched), sum(n for _, n, in_b in watched if not in_b)
         shown = ", ".join(f"{name} ({n} elements)" for name, n in missing[:limit])
         more = f" and {len(missing) - limit} more" if len(missing) > limit else ""
         return (f"zero bubble partly inactive: W holds the weight gradients of {held} of {total} weight "
