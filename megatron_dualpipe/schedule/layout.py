@@ -104,10 +104,8 @@ class Layout:
         if self.kind == INTERLEAVED:
             nxt = stage + 1
             return (nxt // self.pp, nxt) if nxt < self.chunks * self.pp else None
-        if self.kind == V_SHAPE:
-            if d == 0:
-                return (0, stage + 1) if stage + 1 < self.pp else (1, self.pp)
-            return (1, stage + 1) if stage + 1 < 2 * self.pp else None
+        if self.kind == V_SHAPE:  # chunk 1 from stage pp on
+            return (int(stage + 1 >= self.pp), stage + 1) if stage + 1 < 2 * self.pp else None
         return (d, stage + 1) if stage + 1 < self.pp else None
 
     def prev_hop(self, d: int, stage: int) -> Optional[Hop]:
@@ -115,9 +113,7 @@ class Layout:
         if self.kind == INTERLEAVED:
             return ((stage - 1) // self.pp, stage - 1) if stage > 0 else None
         if self.kind == V_SHAPE:
-            if d == 1:
-                return (1, stage - 1) if stage > self.pp else (0, self.pp - 1)
-            return (0, stage - 1) if stage > 0 else None
+            return (int(stage - 1 >= self.pp), stage - 1) if stage > 0 else None
         return (d, stage - 1) if stage > 0 else None
 
     def is_first(self, d: int, stage: int) -> bool:
